@@ -1,0 +1,1 @@
+"""gpu-training-stack: Pulumi components, stack spec, GPU catalog and cost model."""

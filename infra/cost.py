@@ -1,0 +1,161 @@
+"""Cost model: hourly and monthly cost per node group, per cloud and in total, in USD.
+
+A node group's node count over a week follows its schedule (cron actions, UTC); the cost is
+the integral of that count times the node price for its market. On-demand is always computed
+alongside as the comparison. Reserved (prepaid) nodes are paid for around the clock at the
+group's peak count, whatever the schedule does. CNY prices are converted at the stack's rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from croniter import croniter
+
+from infra import catalog as cat
+from infra.spec import NodeGroup, StackSpec
+
+WEEK = timedelta(days=7)
+# A fixed Monday 00:00 UTC so that the figures are reproducible.
+EPOCH = datetime(2026, 1, 5, tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Node-hours per week of a schedule, split at the on-demand base."""
+
+    node_hours: float  # all nodes
+    base_hours: float  # nodes within the on-demand base
+    peak: int
+
+    @property
+    def average(self) -> float:
+        return self.node_hours / (WEEK.total_seconds() / 3600)
+
+
+def occupancy(group: NodeGroup) -> Occupancy:
+    """Integrate the desired node count over one steady-state week of the schedule."""
+    base = group.market.on_demand_base if group.market.type == "spot" else 0
+    start, end = EPOCH, EPOCH + WEEK
+    # Fire every action from a week before, so the count at `start` is the steady state.
+    events: list[tuple[datetime, int]] = []
+    for action in group.schedule:
+        it = croniter(action.cron, start - WEEK)
+        while (when := it.get_next(datetime)) < end:
+            events.append((when, action.desired))
+    events.sort(key=lambda e: e[0])
+    count = group.scaling.baseline
+    t = start - WEEK
+    node_h = base_h = 0.0
+    peak = 0
+    for when, desired in events + [(end, -1)]:
+        lo, hi = max(t, start), when
+        if hi > lo:
+            hours = (hi - lo).total_seconds() / 3600
+            node_h += count * hours
+            base_h += min(count, base) * hours
+            peak = max(peak, count)
+        if desired >= 0:
+            count, t = desired, when
+    return Occupancy(node_h, base_h, peak)
+
+
+@dataclass(frozen=True)
+class GroupCost:
+    name: str
+    cloud: str
+    instance_type: str
+    market: str
+    average_nodes: float
+    peak_nodes: int
+    node_hourly_usd: float  # on-demand price of one node
+    hourly_usd: float  # average over the month, market prices, incl. scratch disks
+    monthly_usd: float
+    peak_hourly_usd: float  # all peak nodes running at market prices
+    on_demand_monthly_usd: float  # the same occupancy bought on-demand
+    disk_monthly_usd: float
+    price_estimate: bool
+
+
+def group_cost(spec: StackSpec, group: NodeGroup) -> GroupCost:
+    rate = spec.pricing.cny_per_usd
+    itype = spec.instance_types(group)[0]
+    item = spec.catalog().get(group.cloud, itype)
+    assert item is not None, f"{group.name}: {itype} passed validation but is not in the catalog"
+    on_demand = cat.to_usd(item.price_ondemand, item.currency, rate)
+    spot = on_demand * (1 - item.spot_discount)
+    if group.market.spot_max_price_usd is not None:
+        spot = min(spot, group.market.spot_max_price_usd)
+    reserved = on_demand * (1 - item.reserved_discount)
+    scratch = spec.scratch_of(group)
+    disk_gb = cat.scratch_disk_gb(item, scratch.size_gb, scratch.source) or 0
+    disk_hourly = cat.data_disk_hourly_usd(group.cloud, disk_gb, rate)
+
+    occ = occupancy(group)
+    week_h = WEEK.total_seconds() / 3600
+    if group.market.type == "reserved":
+        node_avg = occ.peak * reserved  # prepaid: paid every hour at the peak count
+        nodes_avg = float(occ.peak)
+        peak_hourly = occ.peak * reserved
+    elif group.market.type == "on-demand":
+        node_avg = occ.average * on_demand
+        nodes_avg = occ.average
+        peak_hourly = occ.peak * on_demand
+    else:
+        base_avg = occ.base_hours / week_h
+        node_avg = base_avg * on_demand + (occ.average - base_avg) * spot
+        nodes_avg = occ.average
+        base_peak = min(occ.peak, group.market.on_demand_base)
+        peak_hourly = base_peak * on_demand + (occ.peak - base_peak) * spot
+    disk_avg = nodes_avg * disk_hourly
+    hourly = node_avg + disk_avg
+    return GroupCost(
+        name=group.name, cloud=group.cloud, instance_type=itype, market=group.market.type,
+        average_nodes=round(nodes_avg, 4), peak_nodes=occ.peak,
+        node_hourly_usd=round(on_demand, 4),
+        hourly_usd=round(hourly, 4), monthly_usd=round(hourly * cat.HOURS_PER_MONTH, 2),
+        peak_hourly_usd=round(peak_hourly + occ.peak * disk_hourly, 4),
+        on_demand_monthly_usd=round((occ.average * (on_demand + disk_hourly)) * cat.HOURS_PER_MONTH, 2),
+        disk_monthly_usd=round(disk_avg * cat.HOURS_PER_MONTH, 2),
+        price_estimate=item.price_estimate,
+    )
+
+
+def storage_monthly_usd(spec: StackSpec, cloud: str) -> float:
+    prices = cat.load_storage_prices()[cloud]
+    monthly = spec.storage.expected_gb * float(prices["objectStorage"])
+    return round(cat.to_usd(monthly, str(prices["currency"]), spec.pricing.cny_per_usd), 2)
+
+
+def stack_cost(spec: StackSpec) -> dict[str, Any]:
+    """The cost summary the plan prints and the policy pack checks."""
+    groups = [group_cost(spec, g) for g in spec.node_groups]
+    by_cloud: dict[str, dict[str, float]] = {}
+    for cloud in spec.clouds:
+        mine = [g for g in groups if g.cloud == cloud]
+        storage = storage_monthly_usd(spec, cloud)
+        monthly = sum(g.monthly_usd for g in mine) + storage
+        by_cloud[cloud] = {
+            "hourly_usd": round(monthly / cat.HOURS_PER_MONTH, 4),
+            "monthly_usd": round(monthly, 2),
+            "peak_hourly_usd": round(sum(g.peak_hourly_usd for g in mine) + storage / cat.HOURS_PER_MONTH, 4),
+            "on_demand_monthly_usd": round(sum(g.on_demand_monthly_usd for g in mine) + storage, 2),
+            "storage_monthly_usd": storage,
+        }
+    monthly = sum(c["monthly_usd"] for c in by_cloud.values())
+    on_demand = sum(c["on_demand_monthly_usd"] for c in by_cloud.values())
+    return {
+        "currency": "USD",
+        "cny_per_usd": spec.pricing.cny_per_usd,
+        "hourly_usd": round(monthly / cat.HOURS_PER_MONTH, 4),
+        "monthly_usd": round(monthly, 2),
+        "peak_hourly_usd": round(sum(c["peak_hourly_usd"] for c in by_cloud.values()), 4),
+        "on_demand_monthly_usd": round(on_demand, 2),
+        "savings_vs_on_demand_pct": round(100 * (1 - monthly / on_demand), 1) if on_demand else 0.0,
+        "budget_monthly_usd": spec.budget.monthly_limit_usd,
+        "includes_estimates": any(g.price_estimate for g in groups),
+        "by_cloud": by_cloud,
+        "node_groups": [asdict(g) for g in groups],
+    }

@@ -1,0 +1,92 @@
+"""`python -m infra.plan --stack dev [--format json]`: the stack, offline.
+
+Reads Pulumi.<stack>.yaml as the Pulumi CLI would, runs __main__.py in the mock engine, and
+prints every resource with its key inputs, the cost summary and the policy verdicts. With
+--format json, stdout holds exactly one JSON document. Exit codes: 0 ok, 1 mandatory policy
+violation, 2 invalid stack config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+import pulumi
+from rich.console import Console
+
+from infra.cost import stack_cost
+from infra.errors import CatalogError, SpecError
+from infra.plan import report
+from infra.plan.engine import (ROOT, StackFileError, available_stacks, project_name,
+                               read_stack_file, run_program)
+from infra.plan.invokes import INVOKES
+from infra.spec import StackSpec, parse
+
+
+def spec_from_config(values: dict[str, str], project: str, source: str) -> StackSpec:
+    """The spec exactly as the program reads it (same keys, same JSON decoding)."""
+    from infra.program import SCALAR_KEYS
+    prefix = f"{project}:"
+    raw: dict[str, Any] = {}
+    for key, text in values.items():
+        if not key.startswith(prefix):
+            continue
+        short = key[len(prefix):]
+        try:
+            raw[short] = text if short in SCALAR_KEYS else json.loads(text)
+        except json.JSONDecodeError:
+            raw[short] = text
+    return parse(raw, source)
+
+
+def build_plan(stack: str) -> dict[str, Any]:
+    project = project_name()
+    path = ROOT / f"Pulumi.{stack}.yaml"
+    if not path.exists():
+        raise StackFileError(f"no stack file {path.name}; stacks here: {', '.join(available_stacks())} "
+                             f"(create Pulumi.{stack}.yaml or pass STACK=<one of them>)")
+    config = read_stack_file(path, project)
+    spec = spec_from_config(config.values, project, path.name)  # fails before any resource
+    resources = run_program(config, INVOKES)
+    cost = stack_cost(spec)
+    return {
+        "stack": stack,
+        "project": project,
+        "resources": [{"type": r.type, "name": r.name, "urn": r.urn, "parent": r.parent,
+                       "inputs": r.masked()} for r in resources],
+        "cost": cost,
+        # The policy pack's verdicts; none are produced until policies/ exists.
+        "violations": [],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stack", default="dev", help="stack name: reads Pulumi.<stack>.yaml")
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+    args = parser.parse_args(argv)
+    err = Console(stderr=True)
+    try:
+        plan = build_plan(args.stack)
+    except (SpecError, StackFileError, CatalogError) as exc:
+        err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        return 2
+    except pulumi.RunError as exc:
+        err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        return 2
+    if args.format == "json":
+        sys.stdout.write(json.dumps(plan, indent=2, sort_keys=False) + "\n")
+    else:
+        report.print_plan(plan, Console(width=None if sys.stdout.isatty() else 180))
+    mandatory = [v for v in plan["violations"] if v["enforcement"] == "mandatory"]
+    return 1 if mandatory else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # Close the loop the mock engine ran on, or its finaliser complains at interpreter exit.
+    asyncio.get_event_loop().close()
+    sys.exit(code)

@@ -1,0 +1,81 @@
+"""The plan as tables for people (rich)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+# Inputs worth a glance, in the order shown; the first ones found are printed.
+KEY_INPUTS = (
+    "region", "cidrBlock", "cidrBlock", "vpcCidr", "cidr", "availabilityZone", "zoneId", "zone",
+    "availabilityZone", "instanceType", "instanceTypes", "instanceChargeType", "spotStrategy",
+    "capacityType", "amiType", "minSize", "maxSize", "desiredCapacity", "desiredSize",
+    "bucket", "limitAmount", "size", "volumeSize", "peerRegion",
+)
+
+
+def cloud_of(type_token: str) -> str:
+    """aws for aws:ec2/vpc:Vpc, pulumi:providers:aws and gpu-training-stack:aws:Platform."""
+    parts = type_token.split(":")
+    if parts[0] == "pulumi":
+        return parts[-1]
+    return parts[1] if parts[0] == "gpu-training-stack" else parts[0]
+
+
+def key_inputs(inputs: dict[str, Any], limit: int = 4) -> str:
+    parts: list[str] = []
+    for key in dict.fromkeys(KEY_INPUTS):
+        if key in inputs and inputs[key] not in (None, "", [], {}):
+            value = inputs[key]
+            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            parts.append(f"{key}={text}")
+        if len(parts) == limit:
+            break
+    return " ".join(parts)
+
+
+def print_plan(plan: dict[str, Any], console: Console) -> None:
+    table = Table(title=f"stack {plan['stack']}: {len(plan['resources'])} resources", show_lines=False)
+    for column in ("cloud", "type", "name", "key inputs"):
+        table.add_column(column, overflow="fold")
+    for res in plan["resources"]:
+        table.add_row(cloud_of(res["type"]), res["type"], res["name"], key_inputs(res["inputs"]))
+    console.print(table)
+
+    cost = plan["cost"]
+    groups = Table(title="cost by node group (USD)")
+    for column in ("node group", "cloud", "type", "market", "avg nodes", "$/h", "$/month", "on-demand $/month"):
+        groups.add_column(column, justify="right" if column[0] in "a$o" else "left")
+    for g in cost["node_groups"]:
+        flag = "*" if g["price_estimate"] else ""
+        groups.add_row(g["name"], g["cloud"], g["instance_type"] + flag, g["market"],
+                       f"{g['average_nodes']:.2f}", f"{g['hourly_usd']:,.2f}", f"{g['monthly_usd']:,.0f}",
+                       f"{g['on_demand_monthly_usd']:,.0f}")
+    console.print(groups)
+
+    clouds = Table(title="cost by cloud (USD, incl. object storage)")
+    for column in ("cloud", "$/h", "$/month", "peak $/h", "on-demand $/month"):
+        clouds.add_column(column, justify="right" if column != "cloud" else "left")
+    for name, c in cost["by_cloud"].items():
+        clouds.add_row(name, f"{c['hourly_usd']:,.2f}", f"{c['monthly_usd']:,.0f}",
+                       f"{c['peak_hourly_usd']:,.2f}", f"{c['on_demand_monthly_usd']:,.0f}")
+    clouds.add_row("[bold]total[/]", f"{cost['hourly_usd']:,.2f}", f"{cost['monthly_usd']:,.0f}",
+                   f"{cost['peak_hourly_usd']:,.2f}", f"{cost['on_demand_monthly_usd']:,.0f}")
+    console.print(clouds)
+    console.print(f"saving vs on-demand: {cost['savings_vs_on_demand_pct']}%   "
+                  f"budget: ${cost['budget_monthly_usd']:,.0f}/month"
+                  + ("   (* price is an estimate; override in pricing.overrides)" if cost["includes_estimates"] else ""))
+
+    violations = plan["violations"]
+    if not violations:
+        console.print("[green]policies: no violations[/]")
+        return
+    vt = Table(title="policy violations")
+    for column in ("level", "policy", "resource", "message"):
+        vt.add_column(column, overflow="fold")
+    for v in violations:
+        style = "red" if v["enforcement"] == "mandatory" else "yellow"
+        vt.add_row(f"[{style}]{v['enforcement']}[/]", v["policy"], v.get("resource", ""), v["message"])
+    console.print(vt)

@@ -1,0 +1,54 @@
+"""The stack program: read the spec once, build one platform component per cloud, export.
+
+`__main__.py` calls `main()`; `make plan` runs the same function in Pulumi's mock engine.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pulumi
+
+from infra import spec as spec_mod
+from infra.clouds import platform_class
+from infra.errors import SpecError
+
+SCALAR_KEYS = ("env",)
+
+
+def raw_config(config: pulumi.Config) -> dict[str, Any]:
+    """The stack's config values under this project's namespace, objects decoded."""
+    raw: dict[str, Any] = {}
+    for key in spec_mod.CONFIG_KEYS:
+        text = config.get(key)
+        if text is None:
+            continue
+        if key in SCALAR_KEYS:
+            raw[key] = text
+            continue
+        try:
+            raw[key] = json.loads(text)
+        except json.JSONDecodeError:
+            raw[key] = text  # pydantic then says which type it expected
+    return raw
+
+
+def read_spec() -> spec_mod.StackSpec:
+    """Parse and check the spec; a bad spec stops the program before any resource exists."""
+    source = f"Pulumi.{pulumi.get_stack()}.yaml"
+    return spec_mod.parse(raw_config(pulumi.Config()), source)
+
+
+def main() -> None:
+    try:
+        spec = read_spec()
+    except SpecError as exc:
+        # RunError is printed by the engine without a Python traceback.
+        raise pulumi.RunError(str(exc)) from None
+    exports: dict[str, Any] = {}
+    for cloud in spec.clouds:
+        platform = platform_class(cloud)(f"{spec.env}-{cloud}", spec)
+        exports[cloud] = platform.exports
+    for name, values in exports.items():
+        pulumi.export(name, values)

@@ -1,0 +1,61 @@
+"""The shared mocks harness: run the stack program on a stack file (or a variant of one) in
+Pulumi's mock engine and capture every registered resource (type, name, URN, parent, inputs)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from infra.plan.engine import ROOT, Registered, StackConfig, project_name, read_stack_file, run_program
+from infra.plan.invokes import INVOKES
+
+PROJECT = "gpu-training-stack"
+
+
+def stack_values(stack: str) -> dict[str, Any]:
+    """The `config:` mapping of a shipped stack file, as YAML data (deep copy, safe to edit)."""
+    data = yaml.safe_load((ROOT / f"Pulumi.{stack}.yaml").read_text())
+    return copy.deepcopy(data["config"])
+
+
+def key(name: str) -> str:
+    return f"{PROJECT}:{name}"
+
+
+def write_stack(tmp: Path, name: str, config: dict[str, Any]) -> Path:
+    path = tmp / f"Pulumi.{name}.yaml"
+    path.write_text(yaml.safe_dump({"config": config}, sort_keys=False))
+    return path
+
+
+def run_stack(stack: str = "dev", edit: Callable[[dict[str, Any]], None] | None = None,
+              tmp: Path | None = None) -> list[Registered]:
+    """Run __main__.py under mocks on a shipped stack, optionally edited first."""
+    if edit is None:
+        config = read_stack_file(ROOT / f"Pulumi.{stack}.yaml", project_name())
+    else:
+        assert tmp is not None, "an edited stack needs a tmp dir"
+        values = stack_values(stack)
+        edit(values)
+        config = read_stack_file(write_stack(tmp, stack, values), project_name())
+    return run_program(config, INVOKES)
+
+
+def by_type(resources: list[Registered], type_token: str) -> list[Registered]:
+    return [r for r in resources if r.type == type_token]
+
+
+def spec_raw(config: dict[str, Any]) -> dict[str, Any]:
+    """Config values as the program decodes them (project keys only, JSON round-trip)."""
+    cfg = StackConfig(PROJECT, "t", {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()})
+    out: dict[str, Any] = {}
+    for k, v in cfg.values.items():
+        if k.startswith(PROJECT + ":"):
+            short = k.split(":", 1)[1]
+            out[short] = v if short == "env" else json.loads(v)
+    return out

@@ -1,0 +1,88 @@
+"""The GPU catalog loader and the selector."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infra import catalog as cat
+from infra.errors import CatalogError
+
+
+def test_catalog_loads_all_required_families() -> None:
+    c = cat.load_catalog()
+    families = {(t.cloud, t.family) for t in c.types.values()}
+    for fam in ("p3", "p3dn", "p4d", "p4de", "p5", "g4dn", "g5", "g6", "g6e"):
+        assert ("aws", fam) in families, fam
+    for fam in ("gn6v", "gn6i", "gn7", "gn7e", "gn7i", "gn8is"):
+        assert ("alicloud", fam) in families, fam
+    for fam in ("GN10Xp", "GN10X", "GT4", "PNV4", "GN7"):
+        assert ("tencentcloud", fam) in families, fam
+
+
+def test_verified_specs_from_cloud_facts() -> None:
+    c = cat.load_catalog()
+    p4d = c.get("aws", "p4d.24xlarge")
+    assert p4d and (p4d.gpu_count, p4d.gpu_vram_gb, p4d.ram_gib, p4d.nvme_gb, p4d.price_ondemand) == (8, 40, 1152, 8000, 21.96)
+    gn = c.get("tencentcloud", "GN10Xp.5XLARGE80")
+    assert gn and (gn.gpu_count, gn.gpu_vram_gb) == (2, 32)  # 32 GB V100s, not 16
+    assert c.get("alicloud", "p4v.2xlarge") is None  # the guide's made-up type
+    # Every non-USD price is flagged as an estimate: nobody could verify them.
+    assert all(t.price_estimate for t in c.types.values() if t.currency == "CNY")
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cat.csv"
+    path.write_text(text)
+    return path
+
+
+def test_loader_rejects_wrong_schema_and_columns(tmp_path: Path) -> None:
+    good = cat.CATALOG_PATH.read_text()
+    with pytest.raises(CatalogError, match="schema_version"):
+        cat.load_catalog_file(_write(tmp_path, good.replace("schema_version=1", "schema_version=9")))
+    with pytest.raises(CatalogError, match="columns"):
+        cat.load_catalog_file(_write(tmp_path, good.replace("gpu_vram_gb", "vram")))
+    with pytest.raises(CatalogError, match="duplicate"):
+        row = next(line for line in good.splitlines() if line.startswith("aws,p3.2xlarge"))
+        cat.load_catalog_file(_write(tmp_path, good + row + "\n"))
+    with pytest.raises(CatalogError, match="cat.csv:"):
+        cat.load_catalog_file(_write(tmp_path, good.replace(",3.06,USD", ",cheap,USD")))
+
+
+def test_selector_cheapest_first_across_clouds() -> None:
+    c = cat.load_catalog()
+    req = cat.Requirement(gpu_count=8, gpu_model="A100")
+    picks = cat.select(c, cat.CLOUDS, req, cny_per_usd=7.2)
+    assert picks, "8 x A100 exists on every cloud"
+    prices = [p.hourly_usd for p in picks]
+    assert prices == sorted(prices)
+    assert {p.type.cloud for p in picks} == {"aws", "alicloud", "tencentcloud"}
+    # Tencent GT4.41XLARGE948 at 253.84 CNY / 7.2 = 35.26 USD; p4d at 21.96 USD is cheapest.
+    assert picks[0].type.instance_type == "p4d.24xlarge"
+
+
+def test_selector_applies_ram_and_scratch_rules() -> None:
+    c = cat.load_catalog()
+    # 1 x T4: g4dn.xlarge has 16 GiB for 16 GB of VRAM (< 24): excluded.
+    picks = cat.select(c, ["aws"], cat.Requirement(gpu_model="T4"), 7.2)
+    assert all(p.type.ram_ok for p in picks)
+    assert "g4dn.xlarge" not in [p.type.instance_type for p in picks]
+    # instance-store scratch needs local NVMe; p3.2xlarge has none.
+    nvme = cat.select(c, ["aws"], cat.Requirement(gpu_model="V100", scratch_gb=100, scratch_source="instance-store"), 7.2)
+    assert nvme == []
+    disk = cat.select(c, ["aws"], cat.Requirement(gpu_model="V100", scratch_gb=1000), 7.2)
+    assert disk[0].type.instance_type == "p3.2xlarge" and disk[0].data_disk_gb == 1000
+    # The disk is priced in: 1000 GB of gp3 at 0.08 USD/GB-month over 730 h.
+    assert disk[0].hourly_usd == pytest.approx(3.06 + 1000 * 0.08 / 730, rel=1e-6)
+    # A type whose NVMe holds the scratch needs no disk.
+    p4d = cat.select(c, ["aws"], cat.Requirement(gpu_count=8, gpu_model="A100", scratch_gb=1000), 7.2)
+    assert p4d[0].type.instance_type == "p4d.24xlarge" and p4d[0].data_disk_gb == 0
+
+
+def test_price_overrides_replace_catalog_prices() -> None:
+    c = cat.load_catalog().with_prices({("aws", "p4d.24xlarge"): 10.0})
+    item = c.get("aws", "p4d.24xlarge")
+    assert item and item.price_ondemand == 10.0 and item.price_source == "stack override"
+    assert cat.load_catalog().get("aws", "p4d.24xlarge").price_ondemand == 21.96  # type: ignore[union-attr]

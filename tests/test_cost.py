@@ -1,0 +1,94 @@
+"""Cost arithmetic, checked against hand computation from the catalog."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from infra import cost
+from infra.spec import StackSpec, parse
+from tests.harness import key, spec_raw, stack_values
+
+HOURS = 730.0
+
+
+def _spec(stack: str = "dev", **edits: Any) -> StackSpec:
+    values = stack_values(stack)
+    for name, value in edits.items():
+        values[key(name)] = value
+    return parse(spec_raw(values))
+
+
+def _one_group(group: dict[str, Any], scratch_gb: int = 0) -> StackSpec:
+    values = stack_values("dev")
+    values[key("nodeGroups")] = [group]
+    values[key("storage")]["scratch"] = {"sizeGb": scratch_gb}
+    return parse(spec_raw(values))
+
+
+BASE = {"name": "grp", "cloud": "aws", "network": "aws-train", "instanceType": "p4d.24xlarge"}
+
+
+def test_on_demand_always_on() -> None:
+    spec = _one_group({**BASE, "scaling": {"min": 2, "max": 2}, "market": {"type": "on-demand"}})
+    g = cost.group_cost(spec, spec.node_groups[0])
+    assert g.hourly_usd == pytest.approx(2 * 21.96)
+    assert g.monthly_usd == pytest.approx(2 * 21.96 * HOURS, abs=0.01)
+    assert g.on_demand_monthly_usd == pytest.approx(g.monthly_usd, abs=0.01)
+
+
+def test_spot_with_on_demand_base() -> None:
+    spec = _one_group({**BASE, "scaling": {"min": 3, "max": 3}, "market": {"type": "spot", "onDemandBase": 1}})
+    g = cost.group_cost(spec, spec.node_groups[0])
+    spot = 21.96 * (1 - 0.60)
+    assert g.hourly_usd == pytest.approx(21.96 + 2 * spot)
+    assert g.on_demand_monthly_usd == pytest.approx(3 * 21.96 * HOURS, abs=0.01)
+
+
+def test_spot_max_price_caps_the_spot_price() -> None:
+    spec = _one_group({**BASE, "scaling": {"min": 1, "max": 1}, "market": {"type": "spot", "spotMaxPriceUsd": 5.0}})
+    assert cost.group_cost(spec, spec.node_groups[0]).hourly_usd == pytest.approx(5.0)
+
+
+def test_schedule_duty_cycle() -> None:
+    # 2 nodes on weekdays 08:00-20:00 UTC, 0 otherwise: 5 x 12 h of 168 h.
+    spec = _one_group({**BASE, "scaling": {"min": 0, "max": 2, "desired": 0}, "market": {"type": "on-demand"},
+                       "schedule": [{"name": "up", "cron": "0 8 * * 1-5", "desired": 2},
+                                    {"name": "down", "cron": "0 20 * * 1-5", "desired": 0}]})
+    g = cost.group_cost(spec, spec.node_groups[0])
+    assert g.average_nodes == pytest.approx(2 * 60 / 168, abs=1e-4)
+    assert g.peak_nodes == 2
+    assert g.hourly_usd == pytest.approx(2 * 60 / 168 * 21.96, rel=1e-4)
+    assert g.peak_hourly_usd == pytest.approx(2 * 21.96)
+
+
+def test_reserved_pays_peak_around_the_clock() -> None:
+    spec = _one_group({**BASE, "scaling": {"min": 0, "max": 2, "desired": 0}, "market": {"type": "reserved"},
+                       "schedule": [{"name": "up", "cron": "0 8 * * 1-5", "desired": 2},
+                                    {"name": "down", "cron": "0 20 * * 1-5", "desired": 0}]})
+    g = cost.group_cost(spec, spec.node_groups[0])
+    assert g.hourly_usd == pytest.approx(2 * 21.96 * (1 - 0.40))
+
+
+def test_cny_converted_and_data_disk_added() -> None:
+    group = {"name": "grp", "cloud": "tencentcloud", "network": "tc-train", "instanceType": "GN7.2XLARGE32",
+             "workload": "inference", "scaling": {"min": 1, "max": 1}, "market": {"type": "on-demand"}}
+    spec = _one_group(group, scratch_gb=100)
+    g = cost.group_cost(spec, spec.node_groups[0])
+    node = 8.68 / 7.2
+    disk = 100 * 1.0 / 7.2 / HOURS
+    assert g.hourly_usd == pytest.approx(node + disk, rel=1e-4)
+    assert g.disk_monthly_usd == pytest.approx(100 / 7.2, abs=0.01)
+
+
+def test_stack_totals_add_up() -> None:
+    spec = _spec("prod")
+    total = cost.stack_cost(spec)
+    groups = total["node_groups"]
+    for cloud, c in total["by_cloud"].items():
+        mine = sum(g["monthly_usd"] for g in groups if g["cloud"] == cloud)
+        assert c["monthly_usd"] == pytest.approx(mine + c["storage_monthly_usd"], abs=0.05)
+    assert total["monthly_usd"] == pytest.approx(sum(c["monthly_usd"] for c in total["by_cloud"].values()), abs=0.05)
+    assert total["hourly_usd"] == pytest.approx(total["monthly_usd"] / HOURS, abs=0.01)
+    assert total["monthly_usd"] < total["on_demand_monthly_usd"]
