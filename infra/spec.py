@@ -491,7 +491,7 @@ def _check_type(catalog: cat.Catalog, cloud: str, name: str, path: str) -> list[
         return [Problem(path, f"{name!r} is a GPU type of {cat.CLOUD_NAMES[other]}, but the group is on "
                               f"{cat.CLOUD_NAMES[cloud]}; pick a {cloud} type from infra/data/gpu_catalog.csv")]
     known = [t.instance_type for t in catalog.of_cloud(cloud)]
-    return [Problem(path, f"{name!r} is not a {cat.CLOUD_NAMES[cloud]} GPU type in the catalog"
+    return [Problem(path, f"{name!r} is not a GPU type of {cat.CLOUD_NAMES[cloud]} in the catalog"
                           f"{suggest(name, known)} (catalog: infra/data/gpu_catalog.csv)")]
 
 

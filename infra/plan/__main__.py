@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stack", default="dev", help="stack name: reads Pulumi.<stack>.yaml")
     parser.add_argument("--format", choices=("table", "json"), default="table")
     args = parser.parse_args(argv)
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     try:
         plan = build_plan(args.stack)
     except (SpecError, StackFileError, CatalogError) as exc:
