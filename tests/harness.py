@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from infra.plan.engine import ROOT, Registered, StackConfig, project_name, read_stack_file, run_program
-from infra.plan.invokes import INVOKES
+from infra.plan.invokes import COMPUTED, INVOKES
 
 PROJECT = "gpu-training-stack"
 
@@ -43,7 +43,7 @@ def run_stack(stack: str = "dev", edit: Callable[[dict[str, Any]], None] | None 
         values = stack_values(stack)
         edit(values)
         config = read_stack_file(write_stack(tmp, stack, values), project_name())
-    return run_program(config, INVOKES)
+    return run_program(config, INVOKES, COMPUTED)
 
 
 def by_type(resources: list[Registered], type_token: str) -> list[Registered]:

@@ -22,7 +22,7 @@ from infra.errors import CatalogError, SpecError
 from infra.plan import report
 from infra.plan.engine import (ROOT, StackFileError, available_stacks, project_name,
                                read_stack_file, run_program)
-from infra.plan.invokes import INVOKES
+from infra.plan.invokes import COMPUTED, INVOKES
 from infra.spec import StackSpec, parse
 
 
@@ -50,7 +50,7 @@ def build_plan(stack: str) -> dict[str, Any]:
                              f"(create Pulumi.{stack}.yaml or pass STACK=<one of them>)")
     config = read_stack_file(path, project)
     spec = spec_from_config(config.values, project, path.name)  # fails before any resource
-    resources = run_program(config, INVOKES)
+    resources = run_program(config, INVOKES, COMPUTED)
     cost = stack_cost(spec)
     return {
         "stack": stack,

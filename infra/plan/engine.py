@@ -101,17 +101,23 @@ class CapturingMonitor(pulumi_mocks.MockMonitor):
 
 
 InvokeHandler = Callable[[dict[str, Any]], dict[str, Any]]
+ComputedOutputs = Callable[[str, dict[str, Any]], dict[str, Any]]
 
 
 class StackMocks(pulumi_mocks.Mocks):
     """Resource outputs echo the inputs plus an id; invokes need an explicit handler."""
 
-    def __init__(self, invokes: Mapping[str, InvokeHandler]):
+    def __init__(self, invokes: Mapping[str, InvokeHandler],
+                 computed: Mapping[str, ComputedOutputs] | None = None):
         self.invokes = dict(invokes)
+        self.computed = dict(computed or {})
 
     def new_resource(self, args: pulumi_mocks.MockResourceArgs) -> tuple[str, dict[str, Any]]:
         state = dict(args.inputs)
-        rid = f"{args.name}-id"
+        extra = self.computed.get(args.typ)
+        if extra is not None:
+            state.update(extra(args.name, state))
+        rid = str(state.get("id") or f"{args.name}-id")
         state.setdefault("id", rid)
         state.setdefault("arn", f"arn:mock:{args.typ}:{args.name}")
         return rid, state
@@ -120,7 +126,7 @@ class StackMocks(pulumi_mocks.Mocks):
         handler = self.invokes.get(args.token)
         if handler is None:
             raise NotImplementedError(f"no mock for invoke {args.token}; add one in infra/plan/invokes.py")
-        return handler(dict(args.args)), None
+        return handler(dict(args.args)), []
 
 
 # ---------------------------------------------------------------------------------------
@@ -169,13 +175,14 @@ def read_stack_file(path: Path, project: str) -> StackConfig:
 
 
 def run_program(config: StackConfig, invokes: Mapping[str, InvokeHandler],
+                computed: Mapping[str, ComputedOutputs] | None = None,
                 program: Callable[[], Any] | None = None) -> list[Registered]:
     """Run the stack program (default: `__main__.py`) under mocks; return what it registered.
 
     Exceptions from the program (a pulumi.RunError for a bad spec) propagate unchanged.
     """
     pulumi.runtime.set_all_config(config.values, config.secret_keys)
-    monitor = CapturingMonitor(StackMocks(invokes))
+    monitor = CapturingMonitor(StackMocks(invokes, computed))
     pulumi.runtime.set_mocks(monitor.mocks, project=config.project, stack=config.stack,
                              preview=False, monitor=monitor)
     def main() -> None:

@@ -6,6 +6,7 @@ through with a made-up answer. Values mirror the shape of the real responses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from infra.plan.engine import InvokeHandler
@@ -32,4 +33,32 @@ INVOKES: dict[str, InvokeHandler] = {
     "aws:ssm/getParameter:getParameter": _aws_ssm_parameter,
     "aws:index/getCallerIdentity:getCallerIdentity": _aws_caller_identity,
     "aws:index/getPartition:getPartition": _aws_partition,
+}
+
+
+# Outputs the real provider computes that the program reads back (mock resources otherwise
+# echo their inputs). Keyed by type token.
+def _eks_cluster(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"endpoint": f"https://{name}.gr7.mock.eks.amazonaws.com",
+            "certificateAuthority": {"data": "TU9DSy1DQQ=="}, "name": inputs.get("name", name)}
+
+
+def _eks_node_group(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"resources": [{"autoscalingGroups": [{"name": f"eks-{name}-asg"}]}]}
+
+
+def _launch_template(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"latestVersion": 1}
+
+
+def _s3_bucket(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    bucket = inputs.get("bucket", name)
+    return {"id": bucket, "bucket": bucket, "arn": f"arn:aws:s3:::{bucket}"}
+
+
+COMPUTED: dict[str, Callable[[str, dict[str, Any]], dict[str, Any]]] = {
+    "aws:eks/cluster:Cluster": _eks_cluster,
+    "aws:eks/nodeGroup:NodeGroup": _eks_node_group,
+    "aws:ec2/launchTemplate:LaunchTemplate": _launch_template,
+    "aws:s3/bucket:Bucket": _s3_bucket,
 }

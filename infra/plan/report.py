@@ -29,6 +29,8 @@ def key_inputs(inputs: dict[str, Any], limit: int = 4) -> str:
     for key in dict.fromkeys(KEY_INPUTS):
         if key in inputs and inputs[key] not in (None, "", [], {}):
             value = inputs[key]
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
             text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
             parts.append(f"{key}={text}")
         if len(parts) == limit:
@@ -40,7 +42,7 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
     table = Table(title=f"stack {plan['stack']}: {len(plan['resources'])} resources", show_lines=False)
     for column in ("cloud", "type", "name", "key inputs"):
         table.add_column(column, overflow="fold")
-    for res in plan["resources"]:
+    for res in sorted(plan["resources"], key=lambda r: (cloud_of(r["type"]), r["type"], r["name"])):
         table.add_row(cloud_of(res["type"]), res["type"], res["name"], key_inputs(res["inputs"]))
     console.print(table)
 

@@ -1,10 +1,18 @@
-"""The AWS side of a stack."""
+"""The AWS side of a stack: networks, peerings, storage, access, GPU fleets, EKS, budget."""
 
 from __future__ import annotations
 
 import pulumi
 import pulumi_aws as aws
 
+from infra import userdata
+from infra.clouds.aws.access import AwsAccess, AwsAccessArgs
+from infra.clouds.aws.budget import AwsBudget, AwsBudgetArgs
+from infra.clouds.aws.eks import AwsEks, AwsEksArgs
+from infra.clouds.aws.fleet import AwsGpuFleet, AwsGpuFleetArgs
+from infra.clouds.aws.network import AwsNetwork, AwsNetworkArgs
+from infra.clouds.aws.peering import AwsPeering, AwsPeeringArgs
+from infra.clouds.aws.storage import CHECKPOINT_PREFIX, DATASET_PREFIX, AwsStorage, AwsStorageArgs
 from infra.clouds.base import CloudPlatform
 
 
@@ -17,3 +25,76 @@ class AwsPlatform(CloudPlatform):
         return aws.Provider(f"{self.name}-{region}", region=region,
                             default_tags=aws.ProviderDefaultTagsArgs(tags=self.tags),
                             opts=pulumi.ResourceOptions(parent=self))
+
+    def build(self) -> None:
+        spec, tags, region = self.spec, self.tags, self.account.region
+        peer_cidrs: dict[str, list[str]] = {n.name: [] for n in self.networks()}
+        for p in spec.peerings:
+            if p.requester in peer_cidrs and p.accepter in peer_cidrs:
+                peer_cidrs[p.requester].append(str(spec.network(p.accepter).cidr))
+                peer_cidrs[p.accepter].append(str(spec.network(p.requester).cidr))
+
+        nets: dict[str, AwsNetwork] = {}
+        for net in self.networks():
+            net_region = spec.region_of(net)
+            nets[net.name] = AwsNetwork(net.name, AwsNetworkArgs(net, net_region, tags, peer_cidrs[net.name]),
+                                        opts=self.provider_opts(net_region))
+        for p in spec.peerings:
+            if p.requester not in nets:
+                continue
+            req, acc = spec.network(p.requester), spec.network(p.accepter)
+            AwsPeering(p.name, AwsPeeringArgs(
+                requester=req, accepter=acc, requester_net=nets[req.name], accepter_net=nets[acc.name],
+                requester_region=spec.region_of(req), accepter_region=spec.region_of(acc),
+                requester_provider=self.providers[spec.region_of(req)],
+                accepter_provider=self.providers[spec.region_of(acc)], tags=tags),
+                opts=pulumi.ResourceOptions(parent=self))
+
+        storage = AwsStorage(f"{self.name}-storage", AwsStorageArgs(spec.storage, region, tags),
+                             opts=self.provider_opts(region))
+        checkpoint_url = f"s3://{storage.name}/{CHECKPOINT_PREFIX}"
+        groups = self.node_groups()
+        access = AwsAccess(f"{self.name}-access", AwsAccessArgs(
+            bucket_arn=storage.bucket.arn, key_arn=storage.key.arn, prefixes=[CHECKPOINT_PREFIX, DATASET_PREFIX],
+            tags=tags, kubernetes=any(g.kind == "kubernetes" for g in groups)), opts=self.provider_opts(region))
+
+        fleets: dict[str, pulumi.Output[str]] = {}
+        for g in (g for g in groups if g.kind == "vm"):
+            net = spec.network(g.network)
+            ctx = userdata.node_context(spec, g, f"{checkpoint_url}{g.name}/")
+            fleet = AwsGpuFleet(g.name, AwsGpuFleetArgs(
+                spec=spec, group=g, subnet_ids=[s.id for s in nets[net.name].private_subnets],
+                zones=[s.zone for s in net.subnets], security_group_id=nets[net.name].security_group.id,
+                instance_profile_arn=access.instance_profile.arn, user_data=userdata.render_base64(ctx),
+                provider=self.providers[spec.region_of(net)], tags=tags), opts=pulumi.ResourceOptions(parent=self))
+            fleets[g.name] = fleet.group.name
+
+        clusters: dict[str, pulumi.Output[str]] = {}
+        kubeconfigs: dict[str, pulumi.Output[str]] = {}
+        for net in self.networks():
+            kube_groups = [g for g in groups if g.kind == "kubernetes" and g.network == net.name]
+            if not kube_groups:
+                continue
+            assert access.eks_cluster_role is not None and access.eks_node_role is not None
+            net_region = spec.region_of(net)
+            eks = AwsEks(f"{spec.env}-{net.name}", AwsEksArgs(
+                spec=spec, groups=kube_groups, region=net_region,
+                subnet_ids=[s.id for s in nets[net.name].private_subnets],
+                security_group_id=nets[net.name].security_group.id,
+                cluster_role_arn=access.eks_cluster_role.arn, node_role_arn=access.eks_node_role.arn,
+                kms_key_arn=storage.key.arn, checkpoint_url=checkpoint_url,
+                provider=self.providers[net_region], tags=tags), opts=pulumi.ResourceOptions(parent=self))
+            clusters[net.name] = eks.cluster.name
+            kubeconfigs[net.name] = eks.kubeconfig
+
+        # Budgets are global; they live with the default region's provider.
+        AwsBudget(f"{self.name}-budget", AwsBudgetArgs(spec.budget, spec.env, tags), opts=self.provider_opts(region))
+
+        self.exports = {
+            "vpcIds": {name: n.vpc.id for name, n in nets.items()},
+            "bucket": storage.bucket.bucket,
+            "checkpointUrl": checkpoint_url,
+            "fleets": fleets,
+            "clusters": clusters,
+            "kubeconfigs": pulumi.Output.secret(kubeconfigs),
+        }

@@ -1,0 +1,163 @@
+"""AWS managed Kubernetes: an EKS cluster per network that has Kubernetes GPU groups, managed
+GPU node groups (NVIDIA AL2023 AMI, capacity type from the market, GPU taint, labels), and the
+cloud-neutral device plugin and training Job on the created cluster."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+import pulumi_kubernetes as k8s
+
+from infra import catalog as cat
+from infra.k8s import GPU_LABEL, NvidiaDevicePlugin, TrainingJob, TrainingJobArgs
+from infra.spec import NodeGroup, StackSpec
+
+EKS_VERSION = "1.33"
+GPU_AMI = "AL2023_x86_64_NVIDIA"
+
+
+def kubeconfig(name: str, region: str, endpoint: str, ca_data: str) -> str:
+    """A kubeconfig that authenticates with `aws eks get-token` (no static credentials)."""
+    return json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": name,
+        "clusters": [{"name": name, "cluster": {"server": endpoint, "certificate-authority-data": ca_data}}],
+        "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
+        "users": [{"name": name, "user": {"exec": {
+            "apiVersion": "client.authentication.k8s.io/v1beta1", "command": "aws",
+            "args": ["eks", "get-token", "--cluster-name", name, "--region", region]}}}],
+    })
+
+
+@dataclass
+class AwsEksArgs:
+    spec: StackSpec
+    groups: list[NodeGroup]
+    region: str
+    subnet_ids: list[pulumi.Output[str]]
+    security_group_id: pulumi.Output[str]
+    cluster_role_arn: pulumi.Output[str]
+    node_role_arn: pulumi.Output[str]
+    kms_key_arn: pulumi.Output[str]
+    checkpoint_url: str
+    provider: pulumi.ProviderResource
+    tags: dict[str, str]
+
+
+class AwsEks(pulumi.ComponentResource):
+    cluster: aws.eks.Cluster
+    kubeconfig: pulumi.Output[str]
+
+    def __init__(self, name: str, args: AwsEksArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpu-training-stack:aws:EksGpuCluster", name, None, opts)
+        spec, tags = args.spec, args.tags
+        child = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        prod = spec.env == "prod"
+        self.cluster = aws.eks.Cluster(
+            f"{name}-eks", name=name, version=EKS_VERSION, role_arn=args.cluster_role_arn,
+            vpc_config=aws.eks.ClusterVpcConfigArgs(
+                subnet_ids=args.subnet_ids, security_group_ids=[args.security_group_id],
+                endpoint_private_access=True, endpoint_public_access=not prod),
+            access_config=aws.eks.ClusterAccessConfigArgs(authentication_mode="API",
+                                                          bootstrap_cluster_creator_admin_permissions=True),
+            enabled_cluster_log_types=["api", "audit", "authenticator", "controllerManager", "scheduler"],
+            encryption_config=aws.eks.ClusterEncryptionConfigArgs(
+                resources=["secrets"], provider=aws.eks.ClusterEncryptionConfigProviderArgs(key_arn=args.kms_key_arn)),
+            tags=tags, opts=child)
+
+        self.node_groups: list[aws.eks.NodeGroup] = []
+        for g in args.groups:
+            self.node_groups += self._node_groups(name, g, args, child)
+
+        self.kubeconfig = pulumi.Output.secret(pulumi.Output.all(
+            self.cluster.endpoint, self.cluster.certificate_authority.data).apply(
+                lambda ec: kubeconfig(name, args.region, ec[0], ec[1])))
+        k8s_provider = k8s.Provider(f"{name}-k8s", kubeconfig=self.kubeconfig,
+                                    opts=pulumi.ResourceOptions(parent=self, depends_on=self.node_groups))
+        k8s_opts = pulumi.ResourceOptions(parent=self, provider=k8s_provider)
+        NvidiaDevicePlugin(f"{name}-nvidia", opts=k8s_opts)
+        training = [g for g in args.groups if g.workload == "training"]
+        for g in training:
+            item = spec.catalog().get(g.cloud, spec.instance_types(g)[0])
+            assert item is not None
+            TrainingJob(g.name, TrainingJobArgs(
+                image=spec.training.image, launcher=spec.training.launcher, node_group=g.name,
+                nodes=max(1, g.scaling.baseline), gpus_per_node=item.gpu_count,
+                env={"CHECKPOINT_URL": f"{args.checkpoint_url}{g.name}/", "DATASET_URL": spec.training.dataset_url,
+                     "CHECKPOINT_EVERY": str(spec.training.checkpoint_every), "WORKLOAD": spec.training.workload},
+                labels={"env": spec.env}), opts=k8s_opts)
+        self.register_outputs({"clusterName": self.cluster.name})
+
+    def _node_groups(self, name: str, g: NodeGroup, args: AwsEksArgs,
+                     child: pulumi.ResourceOptions) -> list[aws.eks.NodeGroup]:
+        spec, tags = args.spec, args.tags
+        types = spec.instance_types(g)
+        item = spec.catalog().get(g.cloud, types[0])
+        assert item is not None
+        scratch = spec.scratch_of(g)
+        disk_gb = cat.scratch_disk_gb(item, scratch.size_gb, scratch.source) or 0
+        # A launch template gives managed nodes IMDSv2 and encrypted volumes; EKS picks the AMI.
+        lt = aws.ec2.LaunchTemplate(
+            f"{g.name}-lt", update_default_version=True,
+            metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
+                http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=2),
+            block_device_mappings=[aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
+                device_name="/dev/xvda",
+                ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
+                    volume_size=max(200, disk_gb), volume_type="gp3", encrypted="true", delete_on_termination="true"))],
+            tag_specifications=[aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=kind, tags=tags)
+                                for kind in ("instance", "volume")],
+            tags=tags, opts=child)
+        labels = {GPU_LABEL: g.name, "gpu-training-stack/gpu-model": item.gpu_model,
+                  "gpu-training-stack/workload": g.workload, "nvidia.com/gpu.present": "true"}
+        # A managed node group has one capacity type: an on-demand base is its own group.
+        parts: list[tuple[str, str, int, int, int]] = []
+        if g.market.type == "spot":
+            base = g.market.on_demand_base
+            if base:
+                parts.append(("od", "ON_DEMAND", base, base, base))
+            parts.append(("spot", "SPOT", max(0, g.scaling.min - base), max(1, g.scaling.max - base),
+                          max(0, g.scaling.baseline - base)))
+        else:
+            parts.append(("od", "ON_DEMAND", g.scaling.min, g.scaling.max, g.scaling.baseline))
+        groups = []
+        for suffix, capacity, lo, hi, desired in parts:
+            ng = aws.eks.NodeGroup(
+                f"{g.name}-{suffix}", cluster_name=self.cluster.name, node_role_arn=args.node_role_arn,
+                subnet_ids=args.subnet_ids, ami_type=GPU_AMI, capacity_type=capacity, instance_types=types,
+                scaling_config=aws.eks.NodeGroupScalingConfigArgs(min_size=lo, max_size=hi, desired_size=desired),
+                launch_template=aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str)),
+                taints=[aws.eks.NodeGroupTaintArgs(key="nvidia.com/gpu", value="true", effect="NO_SCHEDULE")],
+                labels={**labels, "gpu-training-stack/capacity": capacity.lower()},
+                update_config=aws.eks.NodeGroupUpdateConfigArgs(max_unavailable=1),
+                tags=tags,
+                opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
+                    ignore_changes=["scalingConfig.desiredSize"])))
+            groups.append(ng)
+            if capacity == "SPOT" or g.market.type != "spot":
+                self._schedule(g, ng, f"{g.name}-{suffix}", child,
+                               offset=g.market.on_demand_base if capacity == "SPOT" else 0)
+        return groups
+
+    def _schedule(self, g: NodeGroup, ng: aws.eks.NodeGroup, ng_name: str, child: pulumi.ResourceOptions,
+                  offset: int) -> None:
+        """Scheduled actions on the node group's own Auto Scaling group; `offset` nodes are the
+        separate on-demand base group."""
+        asg_name = ng.resources.apply(_asg_name)
+        for action in g.schedule:
+            aws.autoscaling.Schedule(
+                f"{ng_name}-{action.name}", scheduled_action_name=action.name, autoscaling_group_name=asg_name,
+                recurrence=action.cron, time_zone="Etc/UTC", desired_capacity=max(0, action.desired - offset),
+                min_size=max(0, (action.min if action.min is not None else g.scaling.min) - offset),
+                max_size=max(1, (action.max if action.max is not None else g.scaling.max) - offset), opts=child)
+
+
+def _asg_name(resources: Sequence[aws.eks.outputs.NodeGroupResource]) -> str:
+    """The Auto Scaling group EKS made for a managed node group."""
+    groups = resources[0].autoscaling_groups if resources else None
+    if not groups or not groups[0].name:
+        raise ValueError("EKS reported no Auto Scaling group for the node group")
+    return groups[0].name

@@ -1,0 +1,131 @@
+"""AWS GPU VM fleet: a launch template and an Auto Scaling group with a mixed instances policy
+(several types, price-capacity-optimized spot, an on-demand base), capacity rebalancing, a
+cluster placement group for multi-node training, and scheduled scaling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+
+from infra import catalog as cat
+from infra.spec import NodeGroup, StackSpec
+
+# Deep Learning Base AMI with the NVIDIA driver, CUDA, Docker and the container toolkit.
+DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+ROOT_DEVICE = "/dev/sda1"  # Ubuntu AMIs
+SCRATCH_DEVICE = "/dev/sdf"
+ROOT_GB = 200
+
+
+@dataclass
+class AwsGpuFleetArgs:
+    spec: StackSpec
+    group: NodeGroup
+    subnet_ids: list[pulumi.Output[str]]
+    zones: list[str]
+    security_group_id: pulumi.Output[str]
+    instance_profile_arn: pulumi.Output[str]
+    user_data: str  # base64
+    provider: pulumi.ProviderResource
+    tags: dict[str, str]
+
+
+def block_devices(scratch_disk_gb: int) -> list[aws.ec2.LaunchTemplateBlockDeviceMappingArgs]:
+    """Encrypted gp3 root; an encrypted gp3 scratch volume when local NVMe cannot hold the scratch."""
+    devices = [aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
+        device_name=ROOT_DEVICE,
+        ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(volume_size=ROOT_GB, volume_type="gp3", encrypted="true",
+                                                            delete_on_termination="true"))]
+    if scratch_disk_gb:
+        devices.append(aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
+            device_name=SCRATCH_DEVICE,
+            ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(volume_size=scratch_disk_gb, volume_type="gp3",
+                                                                encrypted="true", delete_on_termination="true",
+                                                                throughput=500, iops=6000)))
+    return devices
+
+
+class AwsGpuFleet(pulumi.ComponentResource):
+    launch_template: aws.ec2.LaunchTemplate
+    group: aws.autoscaling.Group
+
+    def __init__(self, name: str, args: AwsGpuFleetArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpu-training-stack:aws:GpuFleet", name, None, opts)
+        spec, g, tags = args.spec, args.group, args.tags
+        child = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        types = spec.instance_types(g)
+        primary = spec.catalog().get(g.cloud, types[0])
+        assert primary is not None
+        scratch = spec.scratch_of(g)
+        disk_gb = cat.scratch_disk_gb(primary, scratch.size_gb, scratch.source) or 0
+
+        ami = aws.ssm.get_parameter_output(name=DLAMI_PARAMETER,
+                                           opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
+        reserved = g.market.type == "reserved"
+        self.launch_template = aws.ec2.LaunchTemplate(
+            f"{name}-lt", image_id=ami.value, update_default_version=True,
+            iam_instance_profile=aws.ec2.LaunchTemplateIamInstanceProfileArgs(arn=args.instance_profile_arn),
+            vpc_security_group_ids=[args.security_group_id],
+            # IMDSv2 only; hop limit 2 lets the training container read the spot notice.
+            metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
+                http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=2,
+                instance_metadata_tags="enabled"),
+            block_device_mappings=block_devices(disk_gb),
+            user_data=args.user_data,
+            capacity_reservation_specification=(
+                aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs(capacity_reservation_preference="open")
+                if reserved else None),
+            tag_specifications=[aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=kind, tags=tags)
+                                for kind in ("instance", "volume", "network-interface")],
+            tags=tags, opts=child)
+
+        # Multi-node training wants the nodes close together: a cluster placement group, which
+        # AWS confines to one zone.
+        multi_node = g.workload == "training" and g.scaling.max > 1
+        placement = None
+        subnets = args.subnet_ids
+        if multi_node:
+            placement = aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", tags=tags, opts=child)
+            subnets = subnets[:1]
+        if reserved:
+            # Reserved capacity: an On-Demand Capacity Reservation at the group's maximum, which
+            # the launch template targets ("open"). Savings Plans / RIs are bought outside IaC.
+            aws.ec2.CapacityReservation(f"{name}-odcr", instance_type=types[0], instance_platform="Linux/UNIX",
+                                        availability_zone=args.zones[0], instance_count=g.scaling.max,
+                                        tags=tags, opts=child)
+
+        on_demand_base = g.scaling.max if g.market.type != "spot" else g.market.on_demand_base
+        distribution = aws.autoscaling.GroupMixedInstancesPolicyInstancesDistributionArgs(
+            on_demand_base_capacity=on_demand_base,
+            on_demand_percentage_above_base_capacity=0 if g.market.type == "spot" else 100,
+            on_demand_allocation_strategy="prioritized",
+            spot_allocation_strategy="price-capacity-optimized",
+            spot_max_price=(f"{g.market.spot_max_price_usd:.4f}" if g.market.spot_max_price_usd else None))
+        self.group = aws.autoscaling.Group(
+            f"{name}-asg", min_size=g.scaling.min, max_size=g.scaling.max,
+            desired_capacity=g.scaling.baseline, vpc_zone_identifiers=subnets,
+            capacity_rebalance=g.market.type == "spot",
+            placement_group=placement.id if placement else None,
+            mixed_instances_policy=aws.autoscaling.GroupMixedInstancesPolicyArgs(
+                instances_distribution=distribution,
+                launch_template=aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateArgs(
+                    launch_template_specification=aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateLaunchTemplateSpecificationArgs(
+                        launch_template_id=self.launch_template.id, version="$Latest"),
+                    overrides=[aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateOverrideArgs(instance_type=t)
+                               for t in types])),
+            # Nodes checkpoint on the spot notice; a scale-in gets the same two minutes.
+            default_instance_warmup=300,
+            tags=[aws.autoscaling.GroupTagArgs(key=k, value=v, propagate_at_launch=True) for k, v in tags.items()],
+            opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["desiredCapacity"])))
+
+        for action in g.schedule:
+            aws.autoscaling.Schedule(f"{name}-{action.name}", scheduled_action_name=action.name,
+                                     autoscaling_group_name=self.group.name, recurrence=action.cron,
+                                     time_zone="Etc/UTC", desired_capacity=action.desired,
+                                     min_size=action.min if action.min is not None else g.scaling.min,
+                                     max_size=action.max if action.max is not None else g.scaling.max,
+                                     opts=child)
+        self.register_outputs({"autoscalingGroupName": self.group.name,
+                               "launchTemplateId": self.launch_template.id})

@@ -1,0 +1,114 @@
+"""AWS network: VPC, private subnets, NAT egress, S3 gateway endpoint, training security group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pulumi
+import pulumi_aws as aws
+
+from infra.spec import Network
+
+
+def public_cidr(net: Network, index: int) -> str:
+    """A /24 for a NAT's public subnet: the highest free /24s of the VPC, clear of the private ones."""
+    taken = [s.cidr for s in net.subnets]
+    free = [c for c in reversed(list(net.cidr.subnets(new_prefix=24)))
+            if not any(c.overlaps(t) for t in taken)]
+    return str(free[index])
+
+
+@dataclass
+class AwsNetworkArgs:
+    network: Network
+    region: str
+    tags: dict[str, str]
+    peer_cidrs: list[str] = field(default_factory=list)  # peered VPCs, allowed into the group
+
+
+class AwsNetwork(pulumi.ComponentResource):
+    vpc: aws.ec2.Vpc
+    private_subnets: list[aws.ec2.Subnet]
+    private_route_tables: list[aws.ec2.RouteTable]
+    security_group: aws.ec2.SecurityGroup
+
+    def __init__(self, name: str, args: AwsNetworkArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpu-training-stack:aws:Network", name, None, opts)
+        net, tags = args.network, args.tags
+        child = pulumi.ResourceOptions(parent=self)
+
+        self.vpc = aws.ec2.Vpc(f"{name}-vpc", cidr_block=str(net.cidr), enable_dns_hostnames=True,
+                               enable_dns_support=True, tags={**tags, "Name": f"{name}-vpc"}, opts=child)
+
+        self.private_subnets = []
+        self.private_route_tables = []
+        for i, sub in enumerate(net.subnets):
+            subnet = aws.ec2.Subnet(f"{name}-private-{sub.zone}", vpc_id=self.vpc.id, cidr_block=str(sub.cidr),
+                                    availability_zone=sub.zone, map_public_ip_on_launch=False,
+                                    tags={**tags, "Name": f"{name}-private-{sub.zone}", "tier": "private"},
+                                    opts=child)
+            table = aws.ec2.RouteTable(f"{name}-private-{sub.zone}-rt", vpc_id=self.vpc.id,
+                                       tags={**tags, "Name": f"{name}-private-{sub.zone}"}, opts=child)
+            aws.ec2.RouteTableAssociation(f"{name}-private-{sub.zone}-rta", subnet_id=subnet.id,
+                                          route_table_id=table.id, opts=child)
+            self.private_subnets.append(subnet)
+            self.private_route_tables.append(table)
+
+        if net.nat:
+            self._nat(name, net, tags, child)
+
+        # Dataset and checkpoint traffic to S3 stays on the gateway endpoint: free, and no NAT
+        # data-processing charge per GB.
+        aws.ec2.VpcEndpoint(f"{name}-s3", vpc_id=self.vpc.id, service_name=f"com.amazonaws.{args.region}.s3",
+                            vpc_endpoint_type="Gateway",
+                            route_table_ids=[t.id for t in self.private_route_tables],
+                            tags={**tags, "Name": f"{name}-s3"}, opts=child)
+
+        self.security_group = aws.ec2.SecurityGroup(
+            f"{name}-training-sg", vpc_id=self.vpc.id,
+            description="GPU training nodes: all traffic among members (NCCL), SSH only from listed CIDRs",
+            tags={**tags, "Name": f"{name}-training-sg"}, opts=child)
+        sg_child = pulumi.ResourceOptions(parent=self.security_group)
+        aws.vpc.SecurityGroupIngressRule(f"{name}-training-self", security_group_id=self.security_group.id,
+                                         referenced_security_group_id=self.security_group.id, ip_protocol="-1",
+                                         description="NCCL / rendezvous among training nodes", tags=tags,
+                                         opts=sg_child)
+        for i, cidr in enumerate(net.ssh_cidrs):
+            aws.vpc.SecurityGroupIngressRule(f"{name}-ssh-{i}", security_group_id=self.security_group.id,
+                                             cidr_ipv4=str(cidr), ip_protocol="tcp", from_port=22, to_port=22,
+                                             description="SSH from an allowed CIDR", tags=tags, opts=sg_child)
+        for i, peer_cidr in enumerate(args.peer_cidrs):
+            aws.vpc.SecurityGroupIngressRule(f"{name}-peer-{i}", security_group_id=self.security_group.id,
+                                             cidr_ipv4=peer_cidr, ip_protocol="-1",
+                                             description="traffic from a peered VPC", tags=tags, opts=sg_child)
+        aws.vpc.SecurityGroupEgressRule(f"{name}-egress", security_group_id=self.security_group.id,
+                                        cidr_ipv4="0.0.0.0/0", ip_protocol="-1",
+                                        description="egress (registries, buckets, peers)", tags=tags, opts=sg_child)
+
+        self.register_outputs({"vpcId": self.vpc.id, "securityGroupId": self.security_group.id,
+                               "privateSubnetIds": [s.id for s in self.private_subnets]})
+
+    def _nat(self, name: str, net: Network, tags: dict[str, str], child: pulumi.ResourceOptions) -> None:
+        """One NAT gateway in the first zone: GPU nodes only pull images and packages through it,
+        so one per zone would cost more than the outage risk is worth."""
+        zone = net.subnets[0].zone
+        igw = aws.ec2.InternetGateway(f"{name}-igw", vpc_id=self.vpc.id, tags={**tags, "Name": f"{name}-igw"},
+                                      opts=child)
+        public = aws.ec2.Subnet(f"{name}-public-{zone}", vpc_id=self.vpc.id, cidr_block=public_cidr(net, 0),
+                                availability_zone=zone, map_public_ip_on_launch=False,
+                                tags={**tags, "Name": f"{name}-public-{zone}", "tier": "public"}, opts=child)
+        public_rt = aws.ec2.RouteTable(f"{name}-public-rt", vpc_id=self.vpc.id,
+                                       tags={**tags, "Name": f"{name}-public"}, opts=child)
+        aws.ec2.Route(f"{name}-public-default", route_table_id=public_rt.id, destination_cidr_block="0.0.0.0/0",
+                      gateway_id=igw.id, opts=child)
+        aws.ec2.RouteTableAssociation(f"{name}-public-rta", subnet_id=public.id, route_table_id=public_rt.id,
+                                      opts=child)
+        eip = aws.ec2.Eip(f"{name}-nat-eip", domain="vpc", tags={**tags, "Name": f"{name}-nat"}, opts=child)
+        nat = aws.ec2.NatGateway(f"{name}-nat", allocation_id=eip.id, subnet_id=public.id,
+                                 tags={**tags, "Name": f"{name}-nat"},
+                                 opts=pulumi.ResourceOptions(parent=self, depends_on=[igw]))
+        for sub, table in zip(net.subnets, self.private_route_tables):
+            aws.ec2.Route(f"{name}-private-{sub.zone}-default", route_table_id=table.id,
+                          destination_cidr_block="0.0.0.0/0", nat_gateway_id=nat.id, opts=child)
+
+
