@@ -26,7 +26,7 @@ plan: $(STAMP)
 test: typecheck unit
 
 typecheck: $(STAMP)
-	$(PY) -m mypy infra __main__.py tests
+	$(PY) -m mypy infra __main__.py tests policies
 
 unit: $(STAMP)
 	$(PY) -m pytest -q

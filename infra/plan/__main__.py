@@ -20,8 +20,8 @@ from rich.console import Console
 from infra.cost import stack_cost
 from infra.errors import CatalogError, SpecError
 from infra.plan import report
-from infra.plan.engine import (ROOT, StackFileError, available_stacks, project_name,
-                               read_stack_file, run_program)
+from infra.plan.engine import (ROOT, Registered, StackFileError, available_stacks, project_name,
+                               read_stack_file, run_program, unwrap_secrets)
 from infra.plan.invokes import COMPUTED, INVOKES
 from infra.spec import StackSpec, parse
 
@@ -42,6 +42,20 @@ def spec_from_config(values: dict[str, str], project: str, source: str) -> Stack
     return parse(raw, source)
 
 
+def policy_verdicts(spec: StackSpec, stack: str, resources: list[Registered]) -> list[dict[str, str]]:
+    """The policy pack's rules on what the program registered, with the stack's (or its env's)
+    policy config file, exactly as `--policy-pack-config policies/<env>.json` would apply."""
+    from policies.resources import Res
+    from policies.rules import evaluate
+    folder = ROOT / "policies"
+    path = next((p for p in (folder / f"{stack}.json", folder / f"{spec.env}.json") if p.exists()), None)
+    config = json.loads(path.read_text()) if path else {}
+    config = {k: ({**v, "cnyPerUsd": spec.pricing.cny_per_usd} if isinstance(v, dict) else v)
+              for k, v in config.items()}
+    views = [Res(r.type, r.name, unwrap_secrets(r.inputs)) for r in resources]
+    return evaluate(views, config)
+
+
 def build_plan(stack: str) -> dict[str, Any]:
     project = project_name()
     path = ROOT / f"Pulumi.{stack}.yaml"
@@ -58,8 +72,7 @@ def build_plan(stack: str) -> dict[str, Any]:
         "resources": [{"type": r.type, "name": r.name, "urn": r.urn, "parent": r.parent,
                        "inputs": r.masked()} for r in resources],
         "cost": cost,
-        # The policy pack's verdicts; none are produced until policies/ exists.
-        "violations": [],
+        "violations": policy_verdicts(spec, stack, resources),
     }
 
 

@@ -53,7 +53,8 @@ class AwsGpuFleet(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: AwsGpuFleetArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:aws:GpuFleet", name, None, opts)
-        spec, g, tags = args.spec, args.group, args.tags
+        spec, g = args.spec, args.group
+        tags = {**args.tags, "gpu-training-stack/node-group": g.name, "gpu-training-stack/workload": g.workload}
         child = pulumi.ResourceOptions(parent=self, provider=args.provider)
         types = spec.instance_types(g)
         primary = spec.catalog().get(g.cloud, types[0])

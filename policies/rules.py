@@ -1,0 +1,370 @@
+"""The rules: cost, spot, hardware, security and tagging. Each is a function over all of the
+stack's resources (a cloud-neutral `Res` view) and its config, returning violations that name
+the resource, the rule and the fix. Specs and prices come from the stack's own GPU catalog."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from infra import catalog as cat
+from policies.resources import Capacity, Res, capacity, index_by_id, tags_of, taggable
+
+RAM_PER_VRAM = cat.RAM_PER_VRAM
+
+
+@dataclass(frozen=True)
+class Violation:
+    policy: str
+    resource: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    description: str
+    enforcement: str  # mandatory | advisory | disabled (default; per-env files override)
+    check: Callable[[list[Res], Mapping[str, Any]], list[tuple[str, str]]]
+    schema: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _item(itype: str) -> cat.InstanceType | None:
+    catalog = cat.load_catalog()
+    return next((catalog.get(c, itype) for c in cat.CLOUDS if catalog.get(c, itype)), None)
+
+
+def _capacities(resources: list[Res]) -> list[tuple[Res, Capacity]]:
+    by_id = index_by_id(resources)
+    out = []
+    for r in resources:
+        cap = capacity(r, by_id)
+        if cap is not None and cap.instance_types:
+            out.append((r, cap))
+    return out
+
+
+def _peak_hourly_usd(cap: Capacity, cny_per_usd: float) -> float:
+    """All nodes up, at on-demand price of the dearest listed type (the worst case)."""
+    prices = [cat.to_usd(i.price_ondemand, i.currency, cny_per_usd)
+              for i in (_item(t) for t in cap.instance_types) if i]
+    return cap.max_nodes * max(prices, default=0.0)
+
+
+# ------------------------------------------------------------------------ cost and spot
+
+def stack_cost_cap(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    rate = float(cfg.get("cnyPerUsd", 7.2))
+    total = sum(_peak_hourly_usd(c, rate) for _, c in _capacities(resources))
+    out = []
+    if "maxHourlyUsd" in cfg and total > float(cfg["maxHourlyUsd"]):
+        out.append(("stack", f"GPU capacity at its maximum costs ${total:,.2f}/h on-demand, over the cap of "
+                             f"${float(cfg['maxHourlyUsd']):,.2f}/h; lower node-group max sizes or raise maxHourlyUsd"))
+    monthly = total * cat.HOURS_PER_MONTH
+    if "maxMonthlyUsd" in cfg and monthly > float(cfg["maxMonthlyUsd"]):
+        out.append(("stack", f"GPU capacity at its maximum costs ${monthly:,.0f}/month on-demand, over the cap of "
+                             f"${float(cfg['maxMonthlyUsd']):,.0f}; lower max sizes or raise maxMonthlyUsd"))
+    return out
+
+
+def group_cost_cap(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    rate = float(cfg.get("cnyPerUsd", 7.2))
+    cap_usd = float(cfg.get("maxHourlyUsdPerGroup", float("inf")))
+    return [(r.name, f"node group {c.group} can reach ${_peak_hourly_usd(c, rate):,.2f}/h on-demand, over "
+                     f"${cap_usd:,.2f}/h; lower its max size or pick cheaper types")
+            for r, c in _capacities(resources) if _peak_hourly_usd(c, rate) > cap_usd]
+
+
+def spot_only(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [(r.name, f"node group {c.group} buys on-demand capacity ({r.type}); in this environment all GPU "
+                     "capacity must be spot — set market.type: spot with onDemandBase: 0")
+            for r, c in _capacities(resources) if not c.spot]
+
+
+def allowed_families(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    allowed = set(cfg.get("families") or [])
+    if not allowed:
+        return []
+    out = []
+    for r, c in _capacities(resources):
+        for t in c.instance_types:
+            item = _item(t)
+            if item is None or item.family not in allowed:
+                out.append((r.name, f"node group {c.group} uses {t} (family {item.family if item else 'unknown'}); "
+                                    f"allowed here: {', '.join(sorted(allowed))}"))
+    return out
+
+
+def max_nodes(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    limit = int(cfg.get("maxNodesPerGroup", 1 << 30))
+    return [(r.name, f"node group {c.group} may grow to {c.max_nodes} nodes, over the cap of {limit}; "
+                     "lower scaling.max")
+            for r, c in _capacities(resources) if c.max_nodes > limit]
+
+
+def reserve_always_on(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [(r.name, f"node group {c.group} keeps {min(c.on_demand_nodes, c.min_nodes)} on-demand node(s) running "
+                     "around the clock; reserved capacity or a savings plan would cost 30-40% less")
+            for r, c in _capacities(resources) if min(c.on_demand_nodes, c.min_nodes) >= 1]
+
+
+# ------------------------------------------------------------------------------ hardware
+
+def host_ram(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    for r, c in _capacities(resources):
+        if c.workload == "inference":
+            continue
+        for t in c.instance_types:
+            item = _item(t)
+            if item and not item.ram_ok:
+                out.append((r.name, f"{t} has {item.ram_gib} GiB RAM for {item.total_vram_gb} GB of GPU memory; "
+                                    f"training hosts need >= {RAM_PER_VRAM} x GPU memory "
+                                    f"({item.total_vram_gb * RAM_PER_VRAM:g} GiB): pick a larger type"))
+    return out
+
+
+def dataset_disk(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    need = int(cfg.get("minGb", 1000))
+    out = []
+    for r, c in _capacities(resources):
+        if c.workload == "inference":
+            continue
+        nvme = min((i.nvme_gb for i in (_item(t) for t in c.instance_types) if i), default=0)
+        if max(nvme, c.disk_gb) < need:
+            out.append((r.name, f"node group {c.group} has {max(nvme, c.disk_gb)} GB of NVMe / data disk per node; "
+                                f"training nodes need >= {need} GB for datasets — set scratch.sizeGb"))
+    return out
+
+
+def gpu_memory(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    need = int(cfg.get("minGpuMemoryGb", 0))
+    out = []
+    for r, c in _capacities(resources):
+        if c.workload == "inference":
+            continue
+        for t in c.instance_types:
+            item = _item(t)
+            if item and item.gpu_vram_gb < need:
+                out.append((r.name, f"{t} has {item.gpu_vram_gb} GB per GPU; the workload needs >= {need} GB"))
+    return out
+
+
+INFERENCE_GPUS = ("T4", "A10", "A10G", "L4")
+
+
+def inference_class(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    for r, c in _capacities(resources):
+        if c.workload != "inference":
+            continue
+        for t in c.instance_types:
+            item = _item(t)
+            if item and item.gpu_model not in INFERENCE_GPUS:
+                out.append((r.name, f"inference group {c.group} runs on {item.gpu_model} ({t}); "
+                                    f"{'/'.join(INFERENCE_GPUS)} serve for less"))
+    return out
+
+
+# ------------------------------------------------------------------------------ security
+
+def _open(cidr: Any) -> bool:
+    return cidr in ("0.0.0.0/0", "::/0")
+
+
+def no_public_ingress(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    fix = "allow only your office / VPN CIDRs (networks[].sshCidrs) or use Session Manager / cloud shell"
+    for r in resources:
+        bad = False
+        if r.type == "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule":
+            bad = _open(r.get("cidrIpv4")) or _open(r.get("cidrIpv6"))
+        elif r.type == "aws:ec2/securityGroupRule:SecurityGroupRule":
+            bad = r.get("type") == "ingress" and any(_open(c) for c in (r.get("cidrBlocks") or []))
+        elif r.type == "aws:ec2/securityGroup:SecurityGroup":
+            bad = any(any(_open(c) for c in (i.get("cidrBlocks") or [])) for i in (r.get("ingress") or []))
+        elif r.type == "alicloud:ecs/securityGroupRule:SecurityGroupRule":
+            bad = r.get("type") == "ingress" and _open(r.get("cidrIp"))
+        elif r.type == "tencentcloud:Security/groupRuleSet:GroupRuleSet":
+            bad = any(_open(i.get("cidrBlock")) and str(i.get("action", "ACCEPT")).upper() == "ACCEPT"
+                      for i in (r.get("ingresses") or []))
+        elif r.type == "tencentcloud:Security/groupRule:GroupRule":
+            bad = r.get("type") == "ingress" and _open(r.get("cidrIp")) and r.get("policy", "ACCEPT") == "ACCEPT"
+        if bad:
+            out.append((r.name, f"{r.type} admits traffic from the whole internet; {fix}"))
+    return out
+
+
+def metadata_hardened(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    for r in resources:
+        if r.type in ("aws:ec2/launchTemplate:LaunchTemplate", "aws:ec2/instance:Instance"):
+            if r.get("metadataOptions", "httpTokens") != "required":
+                out.append((r.name, "instance metadata must require IMDSv2 tokens: metadataOptions.httpTokens = required"))
+        elif r.type in ("alicloud:ecs/instance:Instance", "alicloud:ecs/ecsLaunchTemplate:EcsLaunchTemplate"):
+            if r.get("httpTokens") != "required":
+                out.append((r.name, "ECS metadata must be in hardened (token) mode: http_tokens = required"))
+    return out
+
+
+PASSWORD_KEYS = ("password", "kmsEncryptedPassword")
+
+
+def no_passwords(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    for r in resources:
+        found = [k for k in PASSWORD_KEYS if r.get(k)] + [f"autoScalingConfig.{k}" for k in PASSWORD_KEYS
+                                                         if r.get("autoScalingConfig", k)]
+        if r.cloud in ("alicloud", "tencentcloud") and found:
+            out.append((r.name, f"sets an instance password ({', '.join(found)}); use key pairs or session "
+                                "access, and Pulumi secrets for anything sensitive"))
+    return out
+
+
+def _aws_bucket_ids(resources: list[Res]) -> dict[str, Res]:
+    return {str(r.get("bucket")): r for r in resources if r.type == "aws:s3/bucket:Bucket"} | {
+        f"{r.name}-id": r for r in resources if r.type == "aws:s3/bucket:Bucket"}
+
+
+def buckets_safe(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    aws_buckets = _aws_bucket_ids(resources)
+    seen: dict[str, set[str]] = {b.name: set() for b in aws_buckets.values()}
+    for r in resources:
+        target = aws_buckets.get(str(r.get("bucket")))
+        if target is None:
+            continue
+        if r.type == "aws:s3/bucketVersioning:BucketVersioning" and r.get("versioningConfiguration", "status") == "Enabled":
+            seen[target.name].add("versioned")
+        if r.type.startswith("aws:s3/bucketServerSideEncryptionConfiguration") and r.get("rules"):
+            seen[target.name].add("encrypted")
+        if r.type == "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock" and all(
+                r.get(k) is True for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")):
+            seen[target.name].add("private")
+    for name, props in seen.items():
+        missing = {"versioned", "encrypted", "private"} - props
+        if missing:
+            out.append((name, f"S3 bucket is not {', '.join(sorted(missing))}: add BucketVersioning (Enabled), "
+                              "server-side encryption and a full public access block"))
+    for r in resources:
+        lacks: list[str] = []
+        if r.type == "alicloud:oss/bucket:Bucket":
+            if r.get("versioning", "status") != "Enabled":
+                lacks.append("versioned")
+            if not r.get("serverSideEncryptionRule", "sseAlgorithm"):
+                lacks.append("encrypted")
+            if r.get("acl", default="private") != "private":
+                lacks.append("private")
+        elif r.type == "tencentcloud:Cos/bucket:Bucket":
+            if r.get("versioningEnable") is not True:
+                lacks.append("versioned")
+            if not r.get("encryptionAlgorithm"):
+                lacks.append("encrypted")
+            if r.get("acl", default="private") != "private":
+                lacks.append("private")
+        if lacks:
+            out.append((r.name, f"bucket is not {', '.join(lacks)}; enable versioning, server-side encryption "
+                                "and a private ACL"))
+    return out
+
+
+def disks_encrypted(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    for r in resources:
+        bad = False
+        if r.type == "aws:ec2/launchTemplate:LaunchTemplate":
+            bad = any(str((m.get("ebs") or {}).get("encrypted")).lower() != "true"
+                      for m in (r.get("blockDeviceMappings") or []) if m.get("ebs"))
+        elif r.type == "aws:ebs/volume:Volume":
+            bad = r.get("encrypted") is not True
+        elif r.cloud == "alicloud" and r.get("dataDisks") is not None:
+            bad = any(d.get("encrypted") not in (True, "true") for d in r.get("dataDisks") or [])
+        elif r.cloud == "tencentcloud":
+            disks = r.get("dataDisks") or r.get("autoScalingConfig", "dataDisks") or []
+            bad = any(d.get("encrypt") is not True for d in disks)
+        if bad:
+            out.append((r.name, "a disk is not encrypted; set encrypted / encrypt on every data and root disk"))
+    return out
+
+
+def private_kubernetes_api(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    for r in resources:
+        public = None
+        if r.type == "aws:eks/cluster:Cluster":
+            public = r.get("vpcConfig", "endpointPublicAccess", default=True)
+        elif r.type == "alicloud:cs/managedKubernetes:ManagedKubernetes":
+            public = r.get("slbInternetEnabled", default=True)
+        elif r.type == "tencentcloud:Kubernetes/cluster:Cluster":
+            public = r.get("clusterInternet", default=False)
+        if public is True:
+            out.append((r.name, "the Kubernetes API endpoint is public; make it private (VPN / bastion access)"))
+    return out
+
+
+# ------------------------------------------------------------------------------- tagging
+
+REQUIRED_TAGS = ("owner", "cost-center", "env")
+
+
+def required_tags(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    need = list(cfg.get("tags") or REQUIRED_TAGS)
+    out = []
+    for r in resources:
+        if not taggable(r.type):
+            continue
+        missing = [t for t in need if not tags_of(r).get(t)]
+        if missing:
+            out.append((r.name, f"{r.type} lacks tag(s) {', '.join(missing)}; the stack's tags must reach it"))
+    return out
+
+
+RULES: list[Rule] = [
+    Rule("stack-cost-cap", "The stack's GPU capacity at its maximum stays under an hourly and monthly cap.",
+         "mandatory", stack_cost_cap, {"maxHourlyUsd": {"type": "number"}, "maxMonthlyUsd": {"type": "number"},
+                                        "cnyPerUsd": {"type": "number"}}),
+    Rule("node-group-cost-cap", "Each node group at its maximum stays under an hourly cap.", "mandatory",
+         group_cost_cap, {"maxHourlyUsdPerGroup": {"type": "number"}, "cnyPerUsd": {"type": "number"}}),
+    Rule("gpu-spot-only", "All GPU capacity is spot (dev).", "disabled", spot_only),
+    Rule("gpu-families-allowed", "GPU instance families are on the environment's list.", "mandatory",
+         allowed_families, {"families": {"type": "array", "items": {"type": "string"}}}),
+    Rule("gpu-max-nodes", "Node groups cannot grow past a cap.", "mandatory", max_nodes,
+         {"maxNodesPerGroup": {"type": "integer"}}),
+    Rule("reserve-always-on", "Always-on on-demand capacity should be reserved or under a savings plan.",
+         "advisory", reserve_always_on),
+    Rule("host-ram-ratio", "Training hosts have RAM >= 1.5 x total GPU memory.", "mandatory", host_ram),
+    Rule("training-dataset-disk", "Training nodes have >= 1 TB of NVMe or data disk for datasets.", "mandatory",
+         dataset_disk, {"minGb": {"type": "integer"}}),
+    Rule("gpu-memory-minimum", "GPUs have at least the workload's minimum memory.", "mandatory", gpu_memory,
+         {"minGpuMemoryGb": {"type": "integer"}}),
+    Rule("inference-gpu-class", "Inference runs on inference-class GPUs (T4 / A10 / L4).", "advisory",
+         inference_class),
+    Rule("no-public-ingress", "No ingress from 0.0.0.0/0, for SSH, RDP or anything else.", "mandatory",
+         no_public_ingress),
+    Rule("metadata-hardened", "Instance metadata requires tokens (IMDSv2 / hardened mode).", "mandatory",
+         metadata_hardened),
+    Rule("no-instance-passwords", "No instance passwords.", "mandatory", no_passwords),
+    Rule("buckets-private-encrypted-versioned", "Buckets are private, encrypted and versioned.", "mandatory",
+         buckets_safe),
+    Rule("disks-encrypted", "Every disk is encrypted.", "mandatory", disks_encrypted),
+    Rule("kubernetes-api-private", "Kubernetes API endpoints are not public (prod).", "disabled",
+         private_kubernetes_api),
+    Rule("required-tags", "owner, cost-center and env on every taggable resource.", "mandatory", required_tags,
+         {"tags": {"type": "array", "items": {"type": "string"}}}),
+]
+
+
+def evaluate(resources: list[Res], config: Mapping[str, Any]) -> list[dict[str, str]]:
+    """Run every enabled rule. `config` is a policy-pack config file's content:
+    {rule: "mandatory" | "advisory" | "disabled" | {"enforcementLevel": ..., <settings>}}."""
+    found = []
+    for rule in RULES:
+        entry = config.get(rule.name, {})
+        settings = entry if isinstance(entry, Mapping) else {"enforcementLevel": entry}
+        level = str(settings.get("enforcementLevel", rule.enforcement))
+        if level == "disabled":
+            continue
+        for resource, message in rule.check(resources, settings):
+            found.append({"policy": rule.name, "enforcement": level, "resource": resource, "message": message})
+    return found
