@@ -63,7 +63,7 @@ class Capacity:
 
 def _tags(res: Res) -> dict[str, str]:
     tags = res.props.get("tags")
-    if _is_list(tags):  # aws:autoscaling/group:Group
+    if isinstance(tags, Sequence) and not isinstance(tags, str):  # aws:autoscaling/group:Group
         return {str(t.get("key")): str(t.get("value")) for t in tags if isinstance(t, Mapping)}
     if isinstance(tags, Mapping):
         return {str(k): str(v) for k, v in tags.items()}
