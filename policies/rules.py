@@ -111,18 +111,25 @@ def reserve_always_on(resources: list[Res], cfg: Mapping[str, Any]) -> list[tupl
 
 # ------------------------------------------------------------------------------ hardware
 
-def host_ram(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+def _types_of(resources: list[Res], workload: str) -> list[tuple[Res, Capacity, str, cat.InstanceType]]:
+    """(resource, capacity, type, catalog row) for each listed type of the given workload
+    ("training" also covers capacity whose workload is not tagged)."""
     out = []
     for r, c in _capacities(resources):
-        if c.workload == "inference":
+        if (c.workload == "inference") != (workload == "inference"):
             continue
         for t in c.instance_types:
             item = _item(t)
-            if item and not item.ram_ok:
-                out.append((r.name, f"{t} has {item.ram_gib} GiB RAM for {item.total_vram_gb} GB of GPU memory; "
-                                    f"training hosts need >= {RAM_PER_VRAM} x GPU memory "
-                                    f"({item.total_vram_gb * RAM_PER_VRAM:g} GiB): pick a larger type"))
+            if item is not None:
+                out.append((r, c, t, item))
     return out
+
+
+def host_ram(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [(r.name, f"{t} has {item.ram_gib} GiB RAM for {item.total_vram_gb} GB of GPU memory; "
+                     f"training hosts need >= {RAM_PER_VRAM} x GPU memory "
+                     f"({item.total_vram_gb * RAM_PER_VRAM:g} GiB): pick a larger type")
+            for r, _, t, item in _types_of(resources, "training") if not item.ram_ok]
 
 
 def dataset_disk(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -140,31 +147,17 @@ def dataset_disk(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str
 
 def gpu_memory(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     need = int(cfg.get("minGpuMemoryGb", 0))
-    out = []
-    for r, c in _capacities(resources):
-        if c.workload == "inference":
-            continue
-        for t in c.instance_types:
-            item = _item(t)
-            if item and item.gpu_vram_gb < need:
-                out.append((r.name, f"{t} has {item.gpu_vram_gb} GB per GPU; the workload needs >= {need} GB"))
-    return out
+    return [(r.name, f"{t} has {item.gpu_vram_gb} GB per GPU; the workload needs >= {need} GB")
+            for r, _, t, item in _types_of(resources, "training") if item.gpu_vram_gb < need]
 
 
 INFERENCE_GPUS = ("T4", "A10", "A10G", "L4")
 
 
 def inference_class(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    out = []
-    for r, c in _capacities(resources):
-        if c.workload != "inference":
-            continue
-        for t in c.instance_types:
-            item = _item(t)
-            if item and item.gpu_model not in INFERENCE_GPUS:
-                out.append((r.name, f"inference group {c.group} runs on {item.gpu_model} ({t}); "
-                                    f"{'/'.join(INFERENCE_GPUS)} serve for less"))
-    return out
+    return [(r.name, f"inference group {c.group} runs on {item.gpu_model} ({t}); "
+                     f"{'/'.join(INFERENCE_GPUS)} serve for less")
+            for r, c, t, item in _types_of(resources, "inference") if item.gpu_model not in INFERENCE_GPUS]
 
 
 # ------------------------------------------------------------------------------ security
