@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_kubernetes as k8s
 
+from infra.spec import NodeGroup, StackSpec
+
 DEVICE_PLUGIN_IMAGE = "nvcr.io/nvidia/k8s-device-plugin:v0.17.2"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
 GPU_TOLERATION = k8s.core.v1.TolerationArgs(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
@@ -125,3 +127,22 @@ class TrainingJob(pulumi.ComponentResource):
                                 medium="Memory", size_limit=f"{args.shm_gb}Gi"))]))),
             opts=child)
         self.register_outputs({"jobName": self.job.metadata.name})
+
+
+def deploy_training_jobs(spec: StackSpec, groups: list[NodeGroup], checkpoint_url: str,
+                         opts: pulumi.ResourceOptions) -> list[TrainingJob]:
+    """One training Job per Kubernetes training group, sized from the catalog, on the cluster
+    whose provider `opts` carries."""
+    jobs = []
+    for g in groups:
+        if g.workload != "training":
+            continue
+        item = spec.catalog().get(g.cloud, spec.instance_types(g)[0])
+        assert item is not None
+        jobs.append(TrainingJob(g.name, TrainingJobArgs(
+            image=spec.training.image, launcher=spec.training.launcher, node_group=g.name,
+            nodes=max(1, g.scaling.baseline), gpus_per_node=item.gpu_count,
+            env={"CHECKPOINT_URL": f"{checkpoint_url}{g.name}/", "DATASET_URL": spec.training.dataset_url,
+                 "CHECKPOINT_EVERY": str(spec.training.checkpoint_every), "WORKLOAD": spec.training.workload},
+            labels={"env": spec.env}), opts=opts))
+    return jobs

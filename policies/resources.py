@@ -133,6 +133,16 @@ def capacity(res: Res, by_id: Mapping[str, Res]) -> Capacity | None:
         return Capacity(types, mx, int(grp.get("minSize") or 0) if grp else 0, spot and base == 0 and above == 0,
                         base if spot else mx, _workload(grp or res), _max_disk(p.get("dataDisks"), "size"),
                         _tags(grp).get(GROUP_TAG, group) if grp else group)
+    if t == "alicloud:ess/scalingGroup:ScalingGroup" and p.get("launchTemplateId"):
+        lt = by_id.get(str(p.get("launchTemplateId")))
+        types = [str(o.get("instanceType")) for o in p.get("launchTemplateOverrides") or [] if o.get("instanceType")]
+        spot = lt is not None and lt.get("spotStrategy") in ("SpotAsPriceGo", "SpotWithPriceLimit")
+        base = int(p.get("onDemandBaseCapacity") or 0)
+        above = int(p.get("onDemandPercentageAboveBaseCapacity", 0 if spot else 100))
+        mx = int(p.get("maxSize") or 0)
+        return Capacity(types, mx, int(p.get("minSize") or 0), spot and base == 0 and above == 0,
+                        base if spot and above == 0 else mx, _workload(res),
+                        _max_disk(lt.get("dataDisks") if lt else None, "size"), group)
     if t == "alicloud:cs/nodePool:NodePool":
         scaling = p.get("scalingConfig") or {}
         spot = p.get("spotStrategy") in ("SpotAsPriceGo", "SpotWithPriceLimit")

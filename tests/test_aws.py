@@ -137,7 +137,7 @@ def test_every_taggable_resource_is_tagged(stack: str) -> None:
 
 def test_training_job_and_device_plugin_on_eks() -> None:
     res = list(_stack("prod"))
-    (job,) = by_type(res, "kubernetes:batch/v1:Job")
+    (job,) = [j for j in by_type(res, "kubernetes:batch/v1:Job") if j.name == "aws-eks-train-job"]
     spec = job.inputs["spec"]
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "OnFailure" and spec["backoffLimit"] == 6

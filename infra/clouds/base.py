@@ -7,7 +7,7 @@ from typing import Any
 
 import pulumi
 
-from infra.spec import Network, NodeGroup, StackSpec
+from infra.spec import Network, NodeGroup, Peering, StackSpec
 from infra.tags import stack_tags
 
 
@@ -54,6 +54,19 @@ class CloudPlatform(pulumi.ComponentResource):
     def regions(self) -> list[str]:
         found = [self.account.region] + [self.spec.region_of(n) for n in self.networks()]
         return list(dict.fromkeys(found))
+
+    def peer_cidrs(self) -> dict[str, list[str]]:
+        """For each of this cloud's networks, the CIDRs of the networks peered with it."""
+        found: dict[str, list[str]] = {n.name: [] for n in self.networks()}
+        for p in self.spec.peerings:
+            if p.requester in found and p.accepter in found:
+                found[p.requester].append(str(self.spec.network(p.accepter).cidr))
+                found[p.accepter].append(str(self.spec.network(p.requester).cidr))
+        return found
+
+    def peerings(self) -> list[Peering]:
+        names = {n.name for n in self.networks()}
+        return [p for p in self.spec.peerings if p.requester in names]
 
     def child_opts(self, region: str | None = None, **kwargs: Any) -> pulumi.ResourceOptions:
         """Options for a direct child: parented here, on the region's provider."""

@@ -62,3 +62,39 @@ COMPUTED: dict[str, Callable[[str, dict[str, Any]], dict[str, Any]]] = {
     "aws:ec2/launchTemplate:LaunchTemplate": _launch_template,
     "aws:s3/bucket:Bucket": _s3_bucket,
 }
+
+
+def _alicloud_images(args: dict[str, Any]) -> dict[str, Any]:
+    image = {"id": "ubuntu_22_04_x64_20G_alibase_20260101.vhd", "name": "ubuntu_22_04_x64_20G_alibase_20260101.vhd",
+             "osType": "linux", "architecture": "x86_64", "imageOwnerAlias": "system"}
+    return {"id": "images", "ids": [image["id"]], "images": [image], "nameRegex": args.get("nameRegex"),
+            "owners": args.get("owners"), "mostRecent": True}
+
+
+def _alicloud_credential(args: dict[str, Any]) -> dict[str, Any]:
+    cid = str(args.get("clusterId"))
+    return {"id": cid, "clusterId": cid, "clusterName": cid, "kubeConfig": f"apiVersion: v1\nkind: Config\n# {cid}\n",
+            "certificateAuthority": {}}
+
+
+def _alicloud_vpc(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"routeTableId": f"vtb-{name}", "routerId": f"vrt-{name}"}
+
+
+def _alicloud_nat(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"snatTableIds": f"stb-{name}", "forwardTableIds": f"ftb-{name}"}
+
+
+def _alicloud_eip(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"ipAddress": "198.51.100.10"}
+
+
+INVOKES.update({
+    "alicloud:ecs/getImages:getImages": _alicloud_images,
+    "alicloud:cs/getClusterCredential:getClusterCredential": _alicloud_credential,
+})
+COMPUTED.update({
+    "alicloud:vpc/network:Network": _alicloud_vpc,
+    "alicloud:vpc/natGateway:NatGateway": _alicloud_nat,
+    "alicloud:ecs/eipAddress:EipAddress": _alicloud_eip,
+})

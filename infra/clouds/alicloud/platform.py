@@ -1,10 +1,18 @@
-"""The Alibaba Cloud side of a stack."""
+"""The Alibaba Cloud side of a stack: networks, peerings, OSS, RAM, ESS/ECS fleets, ACK, alerts."""
 
 from __future__ import annotations
 
 import pulumi
 import pulumi_alicloud as alicloud
 
+from infra import userdata
+from infra.clouds.alicloud.access import AlicloudAccess, AlicloudAccessArgs
+from infra.clouds.alicloud.budget import AlicloudBudget, AlicloudBudgetArgs
+from infra.clouds.alicloud.fleet import AlicloudGpuFleet, AlicloudGpuFleetArgs
+from infra.clouds.alicloud.kubernetes import AlicloudAck, AlicloudAckArgs
+from infra.clouds.alicloud.network import AlicloudNetwork, AlicloudNetworkArgs
+from infra.clouds.alicloud.peering import AlicloudPeering, AlicloudPeeringArgs
+from infra.clouds.alicloud.storage import CHECKPOINT_PREFIX, DATASET_PREFIX, AlicloudStorage, AlicloudStorageArgs
 from infra.clouds.base import CloudPlatform
 
 
@@ -14,3 +22,60 @@ class AlicloudPlatform(CloudPlatform):
     def make_provider(self, region: str) -> pulumi.ProviderResource:
         return alicloud.Provider(f"{self.name}-{region}", region=region,
                                  opts=pulumi.ResourceOptions(parent=self))
+
+    def build(self) -> None:
+        spec, tags, region = self.spec, self.tags, self.account.region
+        peer_cidrs = self.peer_cidrs()
+        nets = {net.name: AlicloudNetwork(net.name, AlicloudNetworkArgs(net, tags, peer_cidrs[net.name]),
+                                          opts=self.provider_opts(spec.region_of(net)))
+                for net in self.networks()}
+        for p in self.peerings():
+            req, acc = spec.network(p.requester), spec.network(p.accepter)
+            AlicloudPeering(p.name, AlicloudPeeringArgs(
+                peering=p, requester=req, accepter=acc, requester_net=nets[req.name], accepter_net=nets[acc.name],
+                requester_region=spec.region_of(req), accepter_region=spec.region_of(acc),
+                requester_provider=self.providers[spec.region_of(req)],
+                accepter_provider=self.providers[spec.region_of(acc)], tags=tags),
+                opts=pulumi.ResourceOptions(parent=self))
+
+        storage = AlicloudStorage(f"{self.name}-storage", AlicloudStorageArgs(spec.storage, region, tags),
+                                  opts=self.provider_opts(region))
+        checkpoint_url = f"oss://{storage.name}/{CHECKPOINT_PREFIX}"
+        access = AlicloudAccess(f"{self.name}-access", AlicloudAccessArgs(
+            storage.name, [CHECKPOINT_PREFIX, DATASET_PREFIX], tags), opts=self.provider_opts(region))
+
+        groups = self.node_groups()
+        fleets: dict[str, pulumi.Output[str]] = {}
+        for g in (g for g in groups if g.kind == "vm"):
+            net = spec.network(g.network)
+            ctx = userdata.node_context(spec, g, f"{checkpoint_url}{g.name}/")
+            fleet = AlicloudGpuFleet(g.name, AlicloudGpuFleetArgs(
+                spec=spec, group=g, vpc_id=nets[net.name].vpc.id, switch_ids=[s.id for s in nets[net.name].switches],
+                zones=[s.zone for s in net.subnets], security_group_id=nets[net.name].security_group.id,
+                role_name=access.role.role_name, user_data=userdata.render_base64(ctx),
+                provider=self.providers[spec.region_of(net)], tags=tags), opts=pulumi.ResourceOptions(parent=self))
+            fleets[g.name] = fleet.urn
+
+        clusters: dict[str, pulumi.Output[str]] = {}
+        kubeconfigs: dict[str, pulumi.Output[str]] = {}
+        for net in self.networks():
+            kube_groups = [g for g in groups if g.kind == "kubernetes" and g.network == net.name]
+            if not kube_groups:
+                continue
+            ack = AlicloudAck(f"{spec.env}-{net.name}", AlicloudAckArgs(
+                spec=spec, groups=kube_groups, switch_ids=[s.id for s in nets[net.name].switches],
+                security_group_id=nets[net.name].security_group.id, role_name=access.role.role_name,
+                checkpoint_url=checkpoint_url, provider=self.providers[spec.region_of(net)], tags=tags),
+                opts=pulumi.ResourceOptions(parent=self))
+            clusters[net.name] = ack.cluster.id
+            kubeconfigs[net.name] = ack.kubeconfig
+
+        AlicloudBudget(f"{self.name}-budget", AlicloudBudgetArgs(spec.budget, spec.env), opts=self.provider_opts(region))
+        self.exports = {
+            "vpcIds": {name: n.vpc.id for name, n in nets.items()},
+            "bucket": storage.bucket.bucket,
+            "checkpointUrl": checkpoint_url,
+            "fleets": fleets,
+            "clusters": clusters,
+            "kubeconfigs": pulumi.Output.secret(kubeconfigs),
+        }

@@ -8,7 +8,7 @@ import pulumi_aws as aws
 from infra import userdata
 from infra.clouds.aws.access import AwsAccess, AwsAccessArgs
 from infra.clouds.aws.budget import AwsBudget, AwsBudgetArgs
-from infra.clouds.aws.eks import AwsEks, AwsEksArgs
+from infra.clouds.aws.kubernetes import AwsEks, AwsEksArgs
 from infra.clouds.aws.fleet import AwsGpuFleet, AwsGpuFleetArgs
 from infra.clouds.aws.network import AwsNetwork, AwsNetworkArgs
 from infra.clouds.aws.peering import AwsPeering, AwsPeeringArgs
@@ -28,20 +28,14 @@ class AwsPlatform(CloudPlatform):
 
     def build(self) -> None:
         spec, tags, region = self.spec, self.tags, self.account.region
-        peer_cidrs: dict[str, list[str]] = {n.name: [] for n in self.networks()}
-        for p in spec.peerings:
-            if p.requester in peer_cidrs and p.accepter in peer_cidrs:
-                peer_cidrs[p.requester].append(str(spec.network(p.accepter).cidr))
-                peer_cidrs[p.accepter].append(str(spec.network(p.requester).cidr))
+        peer_cidrs = self.peer_cidrs()
 
         nets: dict[str, AwsNetwork] = {}
         for net in self.networks():
             net_region = spec.region_of(net)
             nets[net.name] = AwsNetwork(net.name, AwsNetworkArgs(net, net_region, tags, peer_cidrs[net.name]),
                                         opts=self.provider_opts(net_region))
-        for p in spec.peerings:
-            if p.requester not in nets:
-                continue
+        for p in self.peerings():
             req, acc = spec.network(p.requester), spec.network(p.accepter)
             AwsPeering(p.name, AwsPeeringArgs(
                 requester=req, accepter=acc, requester_net=nets[req.name], accepter_net=nets[acc.name],

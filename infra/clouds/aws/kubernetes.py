@@ -13,7 +13,7 @@ import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
 from infra import catalog as cat
-from infra.k8s import GPU_LABEL, NvidiaDevicePlugin, TrainingJob, TrainingJobArgs
+from infra.k8s import GPU_LABEL, NvidiaDevicePlugin, deploy_training_jobs
 from infra.spec import NodeGroup, StackSpec
 
 EKS_VERSION = "1.33"
@@ -79,16 +79,7 @@ class AwsEks(pulumi.ComponentResource):
                                     opts=pulumi.ResourceOptions(parent=self, depends_on=self.node_groups))
         k8s_opts = pulumi.ResourceOptions(parent=self, provider=k8s_provider)
         NvidiaDevicePlugin(f"{name}-nvidia", opts=k8s_opts)
-        training = [g for g in args.groups if g.workload == "training"]
-        for g in training:
-            item = spec.catalog().get(g.cloud, spec.instance_types(g)[0])
-            assert item is not None
-            TrainingJob(g.name, TrainingJobArgs(
-                image=spec.training.image, launcher=spec.training.launcher, node_group=g.name,
-                nodes=max(1, g.scaling.baseline), gpus_per_node=item.gpu_count,
-                env={"CHECKPOINT_URL": f"{args.checkpoint_url}{g.name}/", "DATASET_URL": spec.training.dataset_url,
-                     "CHECKPOINT_EVERY": str(spec.training.checkpoint_every), "WORKLOAD": spec.training.workload},
-                labels={"env": spec.env}), opts=k8s_opts)
+        deploy_training_jobs(spec, args.groups, args.checkpoint_url, k8s_opts)
         self.register_outputs({"clusterName": self.cluster.name})
 
     def _node_groups(self, name: str, g: NodeGroup, args: AwsEksArgs,

@@ -1,0 +1,128 @@
+"""Alibaba Cloud GPU VM fleet: an ECS launch template (hardened metadata, encrypted ESSD system
+and scratch disks, RAM role, user data) and an ESS scaling group over several instance types
+with spot strategy and an on-demand base; scheduled tasks for the node group's schedule.
+Reserved groups are PrePaid ECS instances instead (ESS does not buy prepaid capacity)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+import pulumi
+import pulumi_alicloud as alicloud
+
+from infra import catalog as cat
+from infra.spec import NodeGroup, StackSpec
+
+IMAGE_REGEX = "^ubuntu_22_04_x64"
+SYSTEM_DISK_GB = 200
+ESSD = "cloud_essd"
+
+
+def spot_strategy(group: NodeGroup) -> str:
+    if group.market.type != "spot":
+        return "NoSpot"
+    return "SpotWithPriceLimit" if group.market.spot_max_price_usd else "SpotAsPriceGo"
+
+
+def price_limit(spec: StackSpec, group: NodeGroup, item: cat.InstanceType) -> float | None:
+    """The spot price cap in the account's currency (CNY for catalog rows priced in CNY)."""
+    cap = group.market.spot_max_price_usd
+    if cap is None:
+        return None
+    return round(cap if item.currency == "USD" else cap * spec.pricing.cny_per_usd, 4)
+
+
+def schedule_window(now: datetime | None = None) -> tuple[str, str]:
+    """ESS scheduled tasks need a launch time within the next days and an end of recurrence
+    within a year of it; the program takes them from the first run (later runs ignore them)."""
+    start = (now or datetime.now(timezone.utc)).replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    end = start + timedelta(days=364)
+    return start.strftime("%Y-%m-%dT%H:%MZ"), end.strftime("%Y-%m-%dT%H:%MZ")
+
+
+@dataclass
+class AlicloudGpuFleetArgs:
+    spec: StackSpec
+    group: NodeGroup
+    vpc_id: pulumi.Output[str]
+    switch_ids: list[pulumi.Output[str]]
+    zones: list[str]
+    security_group_id: pulumi.Output[str]
+    role_name: pulumi.Output[str]
+    user_data: str  # base64
+    provider: pulumi.ProviderResource
+    tags: dict[str, str]
+
+
+class AlicloudGpuFleet(pulumi.ComponentResource):
+    def __init__(self, name: str, args: AlicloudGpuFleetArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpu-training-stack:alicloud:GpuFleet", name, None, opts)
+        spec, g = args.spec, args.group
+        tags = {**args.tags, "gpu-training-stack/node-group": g.name, "gpu-training-stack/workload": g.workload}
+        child = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        types = spec.instance_types(g)
+        primary = spec.catalog().get(g.cloud, types[0])
+        assert primary is not None
+        scratch = spec.scratch_of(g)
+        disk_gb = cat.scratch_disk_gb(primary, scratch.size_gb, scratch.source) or 0
+        image = alicloud.ecs.get_images_output(name_regex=IMAGE_REGEX, owners="system", most_recent=True,
+                                               instance_type=types[0],
+                                               opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
+        image_id = image.images.apply(lambda imgs: imgs[0].id)
+        price_cap = price_limit(spec, g, primary)
+
+        if g.market.type == "reserved":
+            self.instances = [alicloud.ecs.Instance(
+                f"{name}-{i}", instance_name=f"{name}-{i}", instance_type=types[0], image_id=image_id,
+                instance_charge_type="PrePaid", period=1, period_unit="Month", renewal_status="AutoRenewal",
+                vswitch_id=args.switch_ids[i % len(args.switch_ids)], security_groups=[args.security_group_id],
+                http_tokens="required", http_endpoint="enabled", role_name=args.role_name,
+                system_disk_category=ESSD, system_disk_size=SYSTEM_DISK_GB, system_disk_encrypted=True,
+                data_disks=[alicloud.ecs.InstanceDataDiskArgs(category=ESSD, size=disk_gb, encrypted=True)] if disk_gb else None,
+                user_data=args.user_data, tags=tags, opts=child) for i in range(g.scaling.max)]
+            self.register_outputs({"instanceIds": [i.id for i in self.instances]})
+            return
+
+        self.launch_template = alicloud.ecs.EcsLaunchTemplate(
+            f"{name}-lt", launch_template_name=f"{name}-lt", image_id=image_id, instance_type=types[0],
+            instance_charge_type="PostPaid", spot_strategy=spot_strategy(g),
+            spot_price_limit=price_cap,
+            security_group_ids=[args.security_group_id], vpc_id=args.vpc_id, vswitch_id=args.switch_ids[0],
+            # Hardened mode: metadata only with a token (the spot notice reader asks for one).
+            http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=2,
+            ram_role_name=args.role_name,
+            system_disk=alicloud.ecs.EcsLaunchTemplateSystemDiskArgs(category=ESSD, size=SYSTEM_DISK_GB,
+                                                                     encrypted=True, delete_with_instance=True),
+            data_disks=[alicloud.ecs.EcsLaunchTemplateDataDiskArgs(category=ESSD, size=disk_gb, encrypted=True,
+                                                                   delete_with_instance=True)] if disk_gb else None,
+            user_data=args.user_data, template_tags=tags, tags=tags, opts=child)
+
+        spot = g.market.type == "spot"
+        self.group = alicloud.ess.ScalingGroup(
+            f"{name}-ess", scaling_group_name=name, min_size=g.scaling.min, max_size=g.scaling.max,
+            desired_capacity=g.scaling.baseline, vswitch_ids=args.switch_ids,
+            launch_template_id=self.launch_template.id, launch_template_version="Latest",
+            launch_template_overrides=[alicloud.ess.ScalingGroupLaunchTemplateOverrideArgs(
+                instance_type=t, spot_price_limit=price_cap) for t in types],
+            multi_az_policy="COST_OPTIMIZED" if spot else "BALANCE",
+            on_demand_base_capacity=g.market.on_demand_base if spot else g.scaling.max,
+            on_demand_percentage_above_base_capacity=0 if spot else 100,
+            spot_instance_pools=min(len(types), 10) if spot else None,
+            # Replace a spot node that gets its reclaim notice before it goes.
+            spot_instance_remedy=spot, compensate_with_on_demand=spot,
+            removal_policies=["NewestInstance", "OldestScalingConfiguration"],
+            tags=tags, opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
+                ignore_changes=["desiredCapacity"])))
+
+        start, end = schedule_window()
+        for action in g.schedule:
+            alicloud.ess.ScheduledTask(
+                f"{name}-{action.name}", scheduled_task_name=f"{name}-{action.name}",
+                scaling_group_id=self.group.id, launch_time=start, recurrence_type="Cron",
+                recurrence_value=action.cron, recurrence_end_time=end, desired_capacity=action.desired,
+                min_value=action.min if action.min is not None else g.scaling.min,
+                max_value=action.max if action.max is not None else g.scaling.max, task_enabled=True,
+                opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
+                    ignore_changes=["launchTime", "recurrenceEndTime"])))
+        self.register_outputs({"scalingGroupId": self.group.id})

@@ -1,0 +1,91 @@
+"""Alibaba Cloud managed Kubernetes: an ACK Pro cluster per network with Kubernetes GPU groups
+(private API in prod), GPU node pools (spot strategy, instance type fallbacks, taints, labels,
+scaling, hardened metadata, encrypted disks), and the cloud-neutral training Job. ACK installs
+the NVIDIA device plugin on GPU nodes itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_alicloud as alicloud
+import pulumi_kubernetes as k8s
+
+from infra import catalog as cat
+from infra.clouds.alicloud.fleet import ESSD, price_limit, spot_strategy
+from infra.k8s import GPU_LABEL, deploy_training_jobs
+from infra.spec import NodeGroup, StackSpec
+
+ACK_SPEC = "ack.pro.small"
+POD_CIDR = "172.20.0.0/16"  # outside every stack VPC (10.0.0.0/8)
+SERVICE_CIDR = "172.21.0.0/20"
+
+
+@dataclass
+class AlicloudAckArgs:
+    spec: StackSpec
+    groups: list[NodeGroup]
+    switch_ids: list[pulumi.Output[str]]
+    security_group_id: pulumi.Output[str]
+    role_name: pulumi.Output[str]
+    checkpoint_url: str
+    provider: pulumi.ProviderResource
+    tags: dict[str, str]
+
+
+class AlicloudAck(pulumi.ComponentResource):
+    cluster: alicloud.cs.ManagedKubernetes
+
+    def __init__(self, name: str, args: AlicloudAckArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpu-training-stack:alicloud:AckGpuCluster", name, None, opts)
+        spec, tags = args.spec, args.tags
+        child = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        self.cluster = alicloud.cs.ManagedKubernetes(
+            f"{name}-ack", name=name, cluster_spec=ACK_SPEC, vswitch_ids=args.switch_ids,
+            pod_cidr=POD_CIDR, service_cidr=SERVICE_CIDR, new_nat_gateway=False,
+            # The API server's SLB gets a public address only outside prod.
+            slb_internet_enabled=spec.env != "prod", security_group_id=args.security_group_id,
+            control_plane_log_components=["apiserver", "kcm", "scheduler", "ccm"],
+            deletion_protection=spec.env == "prod", tags=tags, opts=child)
+        self.pools = [self._pool(g, args, child) for g in args.groups]
+        credential = alicloud.cs.get_cluster_credential_output(
+            cluster_id=self.cluster.id, opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
+        self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(credential.kube_config.apply(str))
+        k8s_provider = k8s.Provider(f"{name}-k8s", kubeconfig=self.kubeconfig,
+                                    opts=pulumi.ResourceOptions(parent=self, depends_on=self.pools))
+        deploy_training_jobs(spec, args.groups, args.checkpoint_url,
+                             pulumi.ResourceOptions(parent=self, provider=k8s_provider))
+        self.register_outputs({"clusterId": self.cluster.id})
+
+    def _pool(self, g: NodeGroup, args: AlicloudAckArgs, child: pulumi.ResourceOptions) -> alicloud.cs.NodePool:
+        spec = args.spec
+        types = spec.instance_types(g)
+        item = spec.catalog().get(g.cloud, types[0])
+        assert item is not None
+        scratch = spec.scratch_of(g)
+        disk_gb = cat.scratch_disk_gb(item, scratch.size_gb, scratch.source) or 0
+        spot = g.market.type == "spot"
+        cap = price_limit(spec, g, item)
+        labels = {GPU_LABEL: g.name, "gpu-training-stack/gpu-model": item.gpu_model,
+                  "gpu-training-stack/workload": g.workload}
+        return alicloud.cs.NodePool(
+            f"{g.name}-pool", node_pool_name=g.name, cluster_id=self.cluster.id, vswitch_ids=args.switch_ids,
+            instance_types=types, security_group_ids=[args.security_group_id],
+            instance_charge_type="PrePaid" if g.market.type == "reserved" else "PostPaid",
+            period=1 if g.market.type == "reserved" else None, period_unit="Month" if g.market.type == "reserved" else None,
+            spot_strategy=spot_strategy(g),
+            spot_price_limits=[alicloud.cs.NodePoolSpotPriceLimitArgs(instance_type=t, price_limit=str(cap))
+                               for t in types] if cap else None,
+            on_demand_base_capacity=str(g.market.on_demand_base) if spot else None,
+            on_demand_percentage_above_base_capacity="0" if spot else None,
+            spot_instance_pools=min(len(types), 10) if spot else None, spot_instance_remedy=spot,
+            multi_az_policy="COST_OPTIMIZED" if spot else "BALANCE",
+            scaling_config=alicloud.cs.NodePoolScalingConfigArgs(enable=True, min_size=g.scaling.min,
+                                                                 max_size=g.scaling.max),
+            system_disk_category=ESSD, system_disk_size=200, system_disk_encrypted=True,
+            data_disks=[alicloud.cs.NodePoolDataDiskArgs(category=ESSD, size=disk_gb, encrypted="true")] if disk_gb else None,
+            instance_metadata_options=alicloud.cs.NodePoolInstanceMetadataOptionsArgs(http_tokens="required"),
+            ram_role_name=args.role_name,
+            labels=[alicloud.cs.NodePoolLabelArgs(key=k, value=v) for k, v in labels.items()],
+            taints=[alicloud.cs.NodePoolTaintArgs(key="nvidia.com/gpu", value="true", effect="NoSchedule")],
+            tags={**args.tags, **labels}, opts=child)

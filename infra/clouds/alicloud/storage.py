@@ -1,0 +1,63 @@
+"""Alibaba Cloud OSS: one bucket for datasets and checkpoints, versioned, KMS-encrypted,
+lifecycle to Archive / ColdArchive, private ACL and a public access block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_alicloud as alicloud
+
+from infra.spec import Storage
+
+CHECKPOINT_PREFIX = "checkpoints/"
+DATASET_PREFIX = "datasets/"
+COLD_ARCHIVE_AFTER_DAYS = 180  # beyond checkpointArchiveDays
+
+
+def bucket_name(storage: Storage, region: str) -> str:
+    return f"{storage.bucket_prefix}-{region}"
+
+
+@dataclass
+class AlicloudStorageArgs:
+    storage: Storage
+    region: str
+    tags: dict[str, str]
+
+
+class AlicloudStorage(pulumi.ComponentResource):
+    bucket: alicloud.oss.Bucket
+
+    def __init__(self, name: str, args: AlicloudStorageArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpu-training-stack:alicloud:Storage", name, None, opts)
+        s = args.storage
+        self.name = bucket_name(s, args.region)
+        rules = alicloud.oss
+        self.bucket = alicloud.oss.Bucket(
+            f"{name}-bucket", bucket=self.name, storage_class="Standard", redundancy_type="ZRS",
+            versioning=rules.BucketVersioningArgs(status="Enabled"),
+            server_side_encryption_rule=rules.BucketServerSideEncryptionRuleArgs(sse_algorithm="KMS"),
+            lifecycle_rules=[
+                rules.BucketLifecycleRuleArgs(
+                    id="checkpoints-to-archive", enabled=True, prefix=CHECKPOINT_PREFIX,
+                    transitions=[rules.BucketLifecycleRuleTransitionArgs(days=s.checkpoint_archive_days,
+                                                                         storage_class="Archive"),
+                                 rules.BucketLifecycleRuleTransitionArgs(
+                                     days=max(COLD_ARCHIVE_AFTER_DAYS, s.checkpoint_archive_days + 60),
+                                     storage_class="ColdArchive")]),
+                rules.BucketLifecycleRuleArgs(
+                    id="expire-noncurrent", enabled=True, prefix="",
+                    noncurrent_version_expirations=[rules.BucketLifecycleRuleNoncurrentVersionExpirationArgs(
+                        days=s.noncurrent_expire_days)]),
+                rules.BucketLifecycleRuleArgs(
+                    id="abort-multipart", enabled=True, prefix="",
+                    abort_multipart_uploads=[rules.BucketLifecycleRuleAbortMultipartUploadArgs(
+                        days=s.abort_multipart_days)]),
+            ],
+            tags=args.tags, opts=pulumi.ResourceOptions(parent=self))
+        on_bucket = pulumi.ResourceOptions(parent=self.bucket)
+        alicloud.oss.BucketAcl(f"{name}-acl", bucket=self.bucket.bucket, acl="private", opts=on_bucket)
+        alicloud.oss.BucketPublicAccessBlock(f"{name}-public-access", bucket=self.bucket.bucket,
+                                             block_public_access=True, opts=on_bucket)
+        self.register_outputs({"bucket": self.bucket.bucket})
