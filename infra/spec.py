@@ -19,6 +19,7 @@ from pydantic.alias_generators import to_camel
 
 from infra import catalog as cat
 from infra.errors import Problem, SpecError, suggest
+from infra.schedule import cron_in_beijing
 
 Cloud = Literal["aws", "alicloud", "tencentcloud"]
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
@@ -459,6 +460,11 @@ def _check_scaling(group: NodeGroup, path: str) -> list[Problem]:
         if not croniter.is_valid(act.cron) or len(act.cron.split()) != 5:
             out.append(Problem(f"{apath}.cron", f"{act.cron!r} is not a five-field cron expression "
                                                 "(minute hour day-of-month month day-of-week, UTC)"))
+        if group.cloud == "tencentcloud" and croniter.is_valid(act.cron):
+            try:
+                cron_in_beijing(act.cron)
+            except ValueError as exc:
+                out.append(Problem(f"{apath}.cron", f"{exc}; Tencent AS runs schedules in Beijing time"))
         lo = s.min if act.min is None else act.min
         hi = s.max if act.max is None else act.max
         if not lo <= act.desired <= hi:

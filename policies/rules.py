@@ -30,6 +30,12 @@ class Rule:
     schema: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+def sdk_gap(type_token: str, feature: str) -> str | None:
+    """Why an SDK cannot set `feature` on `type_token` (infra/data/capabilities.yaml), or None."""
+    gaps = cat.load_capabilities().get("sdkGaps", {}).get(type_token, {})
+    return str(gaps[feature]) if feature in gaps else None
+
+
 def _item(itype: str) -> cat.InstanceType | None:
     catalog = cat.load_catalog()
     return next((catalog.get(c, itype) for c in cat.CLOUDS if catalog.get(c, itype)), None)
@@ -273,11 +279,21 @@ def disks_encrypted(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[
             bad = r.get("encrypted") is not True
         elif r.cloud == "alicloud" and r.get("dataDisks") is not None:
             bad = any(d.get("encrypted") not in (True, "true") for d in r.get("dataDisks") or [])
-        elif r.cloud == "tencentcloud":
+        elif r.cloud == "tencentcloud" and not sdk_gap(r.type, "dataDiskEncryption"):
             disks = r.get("dataDisks") or r.get("autoScalingConfig", "dataDisks") or []
             bad = any(d.get("encrypt") is not True for d in disks)
         if bad:
             out.append((r.name, "a disk is not encrypted; set encrypted / encrypt on every data and root disk"))
+    return out
+
+
+def known_sdk_gaps(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Security settings the pinned SDKs cannot express, on the resources that need them."""
+    out = []
+    for r in resources:
+        reason = sdk_gap(r.type, "dataDiskEncryption")
+        if reason and r.get("dataDisks"):
+            out.append((r.name, f"data disks are not encrypted: {reason}"))
     return out
 
 
@@ -341,6 +357,8 @@ RULES: list[Rule] = [
     Rule("buckets-private-encrypted-versioned", "Buckets are private, encrypted and versioned.", "mandatory",
          buckets_safe),
     Rule("disks-encrypted", "Every disk is encrypted.", "mandatory", disks_encrypted),
+    Rule("known-sdk-gaps", "Security settings the provider SDKs cannot express yet (with the workaround).",
+         "advisory", known_sdk_gaps),
     Rule("kubernetes-api-private", "Kubernetes API endpoints are not public (prod).", "disabled",
          private_kubernetes_api),
     Rule("required-tags", "owner, cost-center and env on every taggable resource.", "mandatory", required_tags,

@@ -80,6 +80,8 @@ CASES: list[tuple[str, str, Edit, list[str]]] = [
      ["nodeGroups[0].network", "did you mean 'aws-train'"]),
     ("bad name", "dev", lambda v: _group(v).__setitem__("name", "Aws_Train"),
      ["nodeGroups[0].name", "lowercase letters, digits and hyphens"]),
+    ("tencent schedule hour step", "dev", lambda v: _group(v, 2)["schedule"][0].__setitem__("cron", "0 */2 * * *"),
+     ["nodeGroups[2].schedule[0].cron", "single hour value", "Beijing time"]),
     ("unknown top-level key", "dev", lambda v: v.__setitem__(key("budgte"), {}),
      ["budgte", "did you mean 'budget'"]),
 ]

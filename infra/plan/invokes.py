@@ -98,3 +98,30 @@ COMPUTED.update({
     "alicloud:vpc/natGateway:NatGateway": _alicloud_nat,
     "alicloud:ecs/eipAddress:EipAddress": _alicloud_eip,
 })
+
+
+def _tencent_image(args: dict[str, Any]) -> dict[str, Any]:
+    return {"id": "img", "imageId": "img-487zeit5", "imageName": "Ubuntu Server 22.04 LTS 64bit",
+            "imageTypes": args.get("imageTypes"), "imageNameRegex": args.get("imageNameRegex")}
+
+
+def _tencent_user(args: dict[str, Any]) -> dict[str, Any]:
+    return {"id": "100000000001", "appId": "1250000000", "ownerUin": "100000000001", "uin": "100000000001"}
+
+
+def _tencent_cluster(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"kubeConfigIntranet": f"apiVersion: v1\nkind: Config\n# {name}\n", "kubeConfig": ""}
+
+
+def _tencent_eip(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"publicIp": "203.0.113.20"}
+
+
+INVOKES.update({
+    "tencentcloud:Images/getInstance:getInstance": _tencent_image,
+    "tencentcloud:User/getInfo:getInfo": _tencent_user,
+})
+COMPUTED.update({
+    "tencentcloud:Kubernetes/cluster:Cluster": _tencent_cluster,
+    "tencentcloud:Eip/instance:Instance": _tencent_eip,
+})

@@ -1,0 +1,118 @@
+"""Tencent Cloud GPU VM fleet. Elastic capacity is Auto Scaling (a launch configuration and a
+scaling group; SPOTPAID one-time spot with a price cap, or POSTPAID_BY_HOUR), with scheduled
+actions for the node group's schedule. Fixed capacity — the on-demand base of a spot group,
+and reserved (PREPAID) groups — is CVM instances with encrypted data disks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+import pulumi
+import tencentcloud_iac_pulumi as tencentcloud
+
+from infra import catalog as cat
+from infra.schedule import cron_in_beijing
+from infra.spec import NodeGroup, StackSpec
+
+IMAGE_REGEX = "Ubuntu Server 22.04"
+DISK = "CLOUD_HSSD"
+SYSTEM_DISK_GB = 200
+CHINA = timezone(timedelta(hours=8))  # Tencent Cloud APIs take Beijing time
+
+
+def spot_max_price(spec: StackSpec, group: NodeGroup, item: cat.InstanceType) -> str | None:
+    """The spot cap as Tencent wants it: a string, in the account's currency (CNY)."""
+    cap = group.market.spot_max_price_usd
+    if cap is None:
+        return None
+    return f"{cap if item.currency == 'USD' else cap * spec.pricing.cny_per_usd:.4f}"
+
+
+def schedule_window(now: datetime | None = None) -> tuple[str, str]:
+    """First run and end of recurrence for AS schedules (taken once; later runs ignore them)."""
+    start = (now or datetime.now(CHINA)).astimezone(CHINA).replace(minute=0, second=0, microsecond=0)
+    start += timedelta(hours=1)
+    return start.isoformat(), (start + timedelta(days=364)).isoformat()
+
+
+@dataclass
+class TencentGpuFleetArgs:
+    spec: StackSpec
+    group: NodeGroup
+    vpc_id: pulumi.Output[str]
+    subnet_ids: list[pulumi.Output[str]]
+    zones: list[str]
+    security_group_id: pulumi.Output[str]
+    role_name: pulumi.Output[str]
+    user_data: str  # base64, at most 16 KB
+    provider: pulumi.ProviderResource
+    tags: dict[str, str]
+
+
+class TencentGpuFleet(pulumi.ComponentResource):
+    def __init__(self, name: str, args: TencentGpuFleetArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpu-training-stack:tencentcloud:GpuFleet", name, None, opts)
+        spec, g = args.spec, args.group
+        tags = {**args.tags, "gpu-training-stack/node-group": g.name, "gpu-training-stack/workload": g.workload}
+        child = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        types = spec.instance_types(g)
+        item = spec.catalog().get(g.cloud, types[0])
+        assert item is not None
+        scratch = spec.scratch_of(g)
+        disk_gb = cat.scratch_disk_gb(item, scratch.size_gb, scratch.source) or 0
+        image_id = tencentcloud.images.get_instance_output(
+            image_types=["PUBLIC_IMAGE"], image_name_regex=IMAGE_REGEX, instance_type=types[0],
+            opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self)).image_id
+
+        fixed = g.scaling.max if g.market.type == "reserved" else (
+            g.market.on_demand_base if g.market.type == "spot" else 0)
+        self.instances = [tencentcloud.instance.Instance(
+            f"{name}-{i}", instance_name=f"{name}-{i}", instance_type=types[0], image_id=image_id,
+            availability_zone=args.zones[i % len(args.zones)], vpc_id=args.vpc_id,
+            subnet_id=args.subnet_ids[i % len(args.subnet_ids)], orderly_security_groups=[args.security_group_id],
+            instance_charge_type="PREPAID" if g.market.type == "reserved" else "POSTPAID_BY_HOUR",
+            instance_charge_type_prepaid_period=1 if g.market.type == "reserved" else None,
+            instance_charge_type_prepaid_renew_flag="NOTIFY_AND_AUTO_RENEW" if g.market.type == "reserved" else None,
+            system_disk_type=DISK, system_disk_size=SYSTEM_DISK_GB,
+            data_disks=[tencentcloud.instance.InstanceDataDiskArgs(data_disk_type=DISK, data_disk_size=disk_gb,
+                                                                   encrypt=True, delete_with_instance=True)]
+            if disk_gb else None,
+            cam_role_name=args.role_name, allocate_public_ip=False, user_data=args.user_data, tags=tags, opts=child)
+            for i in range(fixed)]
+        elastic_max = g.scaling.max - fixed
+        if elastic_max <= 0:
+            self.register_outputs({"instanceIds": [i.id for i in self.instances]})
+            return
+
+        spot = g.market.type == "spot"
+        # tencentcloud-iac-pulumi 0.2.3 cannot set Encrypt on a launch configuration's data
+        # disks (the AS API can): see infra/data/capabilities.yaml.
+        config = tencentcloud.as_.ScalingConfig(
+            f"{name}-config", configuration_name=f"{name}-config", image_id=image_id, instance_types=types,
+            instance_charge_type="SPOTPAID" if spot else "POSTPAID_BY_HOUR",
+            spot_instance_type="one-time" if spot else None,
+            spot_max_price=spot_max_price(spec, g, item) if spot else None,
+            security_group_ids=[args.security_group_id], cam_role_name=args.role_name,
+            system_disk_type=DISK, system_disk_size=SYSTEM_DISK_GB,
+            data_disks=[tencentcloud.as_.ScalingConfigDataDiskArgs(disk_type=DISK, disk_size=disk_gb,
+                                                                   delete_with_instance=True)] if disk_gb else None,
+            public_ip_assigned=False, internet_max_bandwidth_out=0, user_data=args.user_data,
+            instance_tags=tags, tags=tags, opts=child)
+        self.group = tencentcloud.as_.ScalingGroup(
+            f"{name}-asg", scaling_group_name=name, configuration_id=config.id, vpc_id=args.vpc_id,
+            subnet_ids=args.subnet_ids, min_size=max(0, g.scaling.min - fixed), max_size=elastic_max,
+            desired_capacity=max(0, g.scaling.baseline - fixed), multi_zone_subnet_policy="EQUALITY",
+            retry_policy="INCREMENTAL_INTERVALS", termination_policies="NEWEST_INSTANCE",
+            tags=tags, opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
+                ignore_changes=["desiredCapacity"])))
+        start, end = schedule_window()
+        for action in g.schedule:
+            tencentcloud.as_.Schedule(
+                f"{name}-{action.name}", schedule_action_name=action.name, scaling_group_id=self.group.id,
+                recurrence=cron_in_beijing(action.cron), start_time=start, end_time=end,
+                desired_capacity=max(0, action.desired - fixed),
+                min_size=max(0, (action.min if action.min is not None else g.scaling.min) - fixed),
+                max_size=max(0, (action.max if action.max is not None else g.scaling.max) - fixed),
+                opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["startTime", "endTime"])))
+        self.register_outputs({"scalingGroupId": self.group.id})

@@ -1,0 +1,110 @@
+"""Tencent Cloud managed Kubernetes: a TKE cluster per network with Kubernetes GPU groups
+(intranet API only), GPU node pools (SPOTPAID or on-demand, an on-demand base as its own pool,
+GPU driver and CUDA versions, taints, labels, min/max, encrypted disks) and the cloud-neutral
+training Job. TKE installs the NVIDIA device plugin on GPU nodes itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_kubernetes as k8s
+import tencentcloud_iac_pulumi as tencentcloud
+
+from infra import catalog as cat
+from infra.clouds.tencentcloud.fleet import DISK, spot_max_price
+from infra.k8s import GPU_LABEL, deploy_training_jobs
+from infra.spec import NodeGroup, StackSpec
+
+TKE_VERSION = "1.30.0"
+CLUSTER_CIDR = "172.20.0.0/16"  # outside every stack VPC (10.0.0.0/8)
+SERVICE_CIDR = "172.21.0.0/20"
+# TKE installs these on GPU nodes; pin them with the stack so a node pool's GPUs match its image.
+GPU_DRIVER = {"name": "NVIDIA-Linux-x86_64-535.161.08.run", "version": "535.161.08"}
+GPU_CUDA = {"name": "cuda_12.2.2_535.104.05_linux.run", "version": "12.2.2"}
+
+
+@dataclass
+class TencentTkeArgs:
+    spec: StackSpec
+    groups: list[NodeGroup]
+    vpc_id: pulumi.Output[str]
+    subnet_ids: list[pulumi.Output[str]]
+    security_group_id: pulumi.Output[str]
+    role_name: pulumi.Output[str]
+    checkpoint_url: str
+    provider: pulumi.ProviderResource
+    tags: dict[str, str]
+
+
+class TencentTke(pulumi.ComponentResource):
+    cluster: tencentcloud.kubernetes.Cluster
+
+    def __init__(self, name: str, args: TencentTkeArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpu-training-stack:tencentcloud:TkeGpuCluster", name, None, opts)
+        spec, tags = args.spec, args.tags
+        child = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        # The API server is reachable from the VPC only (peered networks and VPN included).
+        self.cluster = tencentcloud.kubernetes.Cluster(
+            f"{name}-tke", cluster_name=name, cluster_version=TKE_VERSION, vpc_id=args.vpc_id,
+            cluster_cidr=CLUSTER_CIDR, service_cidr=SERVICE_CIDR, cluster_deploy_type="MANAGED_CLUSTER",
+            cluster_level="L20", container_runtime="containerd", network_type="GR",
+            cluster_internet=False, cluster_intranet=True, cluster_intranet_subnet_id=args.subnet_ids[0],
+            deletion_protection=spec.env == "prod", tags=tags, opts=child)
+        self.pools: list[tencentcloud.kubernetes.NodePool] = []
+        for g in args.groups:
+            self.pools += self._pools(g, args, child)
+        self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(self.cluster.kube_config_intranet)
+        k8s_provider = k8s.Provider(f"{name}-k8s", kubeconfig=self.kubeconfig,
+                                    opts=pulumi.ResourceOptions(parent=self, depends_on=self.pools))
+        deploy_training_jobs(spec, args.groups, args.checkpoint_url,
+                             pulumi.ResourceOptions(parent=self, provider=k8s_provider))
+        self.register_outputs({"clusterId": self.cluster.id})
+
+    def _pools(self, g: NodeGroup, args: TencentTkeArgs,
+               child: pulumi.ResourceOptions) -> list[tencentcloud.kubernetes.NodePool]:
+        spec = args.spec
+        types = spec.instance_types(g)
+        item = spec.catalog().get(g.cloud, types[0])
+        assert item is not None
+        scratch = spec.scratch_of(g)
+        disk_gb = cat.scratch_disk_gb(item, scratch.size_gb, scratch.source) or 0
+        labels = {GPU_LABEL: g.name, "gpu-training-stack/gpu-model": item.gpu_model,
+                  "gpu-training-stack/workload": g.workload}
+        # A node pool has one charge type: the on-demand base of a spot group is its own pool.
+        parts: list[tuple[str, str, int, int, int]] = []
+        if g.market.type == "spot":
+            base = g.market.on_demand_base
+            if base:
+                parts.append(("od", "POSTPAID_BY_HOUR", base, base, base))
+            parts.append(("spot", "SPOTPAID", max(0, g.scaling.min - base), max(1, g.scaling.max - base),
+                          max(0, g.scaling.baseline - base)))
+        else:
+            charge = "PREPAID" if g.market.type == "reserved" else "POSTPAID_BY_HOUR"
+            parts.append(("od", charge, g.scaling.min, g.scaling.max, g.scaling.baseline))
+        pools = []
+        for suffix, charge, lo, hi, desired in parts:
+            spot = charge == "SPOTPAID"
+            pools.append(tencentcloud.kubernetes.NodePool(
+                f"{g.name}-{suffix}", name=f"{g.name}-{suffix}", cluster_id=self.cluster.id, vpc_id=args.vpc_id,
+                subnet_ids=args.subnet_ids, min_size=lo, max_size=hi, desired_capacity=desired,
+                enable_auto_scale=True, multi_zone_subnet_policy="EQUALITY", retry_policy="INCREMENTAL_INTERVALS",
+                auto_scaling_config=tencentcloud.kubernetes.NodePoolAutoScalingConfigArgs(
+                    instance_type=types[0], backup_instance_types=types[1:] or None, instance_charge_type=charge,
+                    instance_charge_type_prepaid_period=1 if charge == "PREPAID" else None,
+                    spot_instance_type="one-time" if spot else None,
+                    spot_max_price=spot_max_price(spec, g, item) if spot else None,
+                    system_disk_type=DISK, system_disk_size=200,
+                    data_disks=[tencentcloud.kubernetes.NodePoolAutoScalingConfigDataDiskArgs(
+                        disk_type=DISK, disk_size=disk_gb, encrypt=True, delete_with_instance=True)] if disk_gb else None,
+                    orderly_security_group_ids=[args.security_group_id], cam_role_name=args.role_name,
+                    public_ip_assigned=False, internet_max_bandwidth_out=0),
+                node_config=tencentcloud.kubernetes.NodePoolNodeConfigArgs(
+                    gpu_args=tencentcloud.kubernetes.NodePoolNodeConfigGpuArgsArgs(
+                        driver=GPU_DRIVER, cuda=GPU_CUDA, mig_enable=False)),
+                labels={**labels, "gpu-training-stack/capacity": "spot" if spot else "on-demand"},
+                taints=[tencentcloud.kubernetes.NodePoolTaintArgs(key="nvidia.com/gpu", value="true",
+                                                                  effect="NoSchedule")],
+                tags={**args.tags, **labels},
+                opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["desiredCapacity"]))))
+        return pools

@@ -1,0 +1,23 @@
+"""Cron helpers for scheduled scaling: stack schedules are UTC; some clouds want local time."""
+
+from __future__ import annotations
+
+
+def cron_in_beijing(cron: str) -> str:
+    """A UTC cron expression as Beijing time (UTC+8), which Tencent AS schedules run in.
+
+    Handles the shapes schedules use: one hour value, any minute, day-of-week as *, a value,
+    a list or a range (shifted a day when the hour wraps past midnight)."""
+    minute, hour, dom, month, dow = cron.split()
+    if not hour.isdigit():
+        raise ValueError(f"cron {cron!r}: Tencent schedules need a single hour value to convert from UTC")
+    shifted = int(hour) + 8
+    if shifted < 24 or dow == "*":
+        if shifted >= 24 and dom != "*":
+            raise ValueError(f"cron {cron!r}: day-of-month cannot be shifted to Beijing time")
+        return " ".join((minute, str(shifted % 24), dom, month, dow))
+    days: list[int] = []
+    for part in dow.split(","):
+        lo, _, hi = part.partition("-")
+        days += list(range(int(lo), int(hi or lo) + 1))
+    return " ".join((minute, str(shifted - 24), dom, month, ",".join(str((d + 1) % 7) for d in sorted(days))))
