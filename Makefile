@@ -8,7 +8,9 @@ STACK  ?= dev
 FORMAT ?= table
 STAMP  := $(VENV)/.installed
 
-.PHONY: plan test typecheck unit venv clean
+OUT    ?= out/userdata
+
+.PHONY: plan userdata test typecheck unit tools venv clean
 
 $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	@echo "installing pinned dependencies into $(VENV) ..." >&2
@@ -22,14 +24,26 @@ venv: $(STAMP)
 plan: $(STAMP)
 	@$(PY) -m infra.plan --stack $(STACK) --format $(FORMAT)
 
+## userdata: each node group's rendered cloud-config as $(OUT)/<cloud>-<group>.yaml (STACK=…)
+userdata: $(STAMP)
+	@$(PY) -m infra.userdata --stack $(STACK) --out $(OUT)
+
 ## test: type checks and the whole test suite
 test: typecheck unit
 
 typecheck: $(STAMP)
 	$(PY) -m mypy infra __main__.py tests policies
 
-unit: $(STAMP)
+unit: $(STAMP) tools
 	$(PY) -m pytest -q
+
+# Debian's cloud-init, for the real `cloud-init schema` checks of the rendered user data.
+tools:
+	@command -v cloud-init >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing cloud-init (Debian package) ..." >&2; \
+	    apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cloud-init >&2; \
+	  else echo "WARNING: cloud-init is missing and cannot be installed here: its schema tests will be skipped" >&2; fi; }
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import pulumi
@@ -17,13 +18,11 @@ from infra.errors import SpecError
 SCALAR_KEYS = ("env",)
 
 
-def raw_config(config: pulumi.Config) -> dict[str, Any]:
-    """The stack's config values under this project's namespace, objects decoded."""
+def decode(values: Mapping[str, str]) -> dict[str, Any]:
+    """Config strings (as the engine hands them to the program) to spec values: structured
+    keys are JSON, scalar keys stay strings; unknown keys pass through for the spec to name."""
     raw: dict[str, Any] = {}
-    for key in spec_mod.CONFIG_KEYS:
-        text = config.get(key)
-        if text is None:
-            continue
+    for key, text in values.items():
         if key in SCALAR_KEYS:
             raw[key] = text
             continue
@@ -32,6 +31,17 @@ def raw_config(config: pulumi.Config) -> dict[str, Any]:
         except json.JSONDecodeError:
             raw[key] = text  # pydantic then says which type it expected
     return raw
+
+
+def raw_config(config: pulumi.Config) -> dict[str, Any]:
+    """The stack's config values under this project's namespace, objects decoded."""
+    return decode({k: v for k in spec_mod.CONFIG_KEYS if (v := config.get(k)) is not None})
+
+
+def spec_from_values(values: Mapping[str, str], project: str, source: str) -> spec_mod.StackSpec:
+    """The spec from a full config map (`<project>:<key>` -> string), as `make plan` reads it."""
+    prefix = f"{project}:"
+    return spec_mod.parse(decode({k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}), source)
 
 
 def read_spec() -> spec_mod.StackSpec:

@@ -23,23 +23,8 @@ from infra.plan import report
 from infra.plan.engine import (ROOT, Registered, StackFileError, available_stacks, project_name,
                                read_stack_file, run_program, unwrap_secrets)
 from infra.plan.invokes import COMPUTED, INVOKES
-from infra.spec import StackSpec, parse
-
-
-def spec_from_config(values: dict[str, str], project: str, source: str) -> StackSpec:
-    """The spec exactly as the program reads it (same keys, same JSON decoding)."""
-    from infra.program import SCALAR_KEYS
-    prefix = f"{project}:"
-    raw: dict[str, Any] = {}
-    for key, text in values.items():
-        if not key.startswith(prefix):
-            continue
-        short = key[len(prefix):]
-        try:
-            raw[short] = text if short in SCALAR_KEYS else json.loads(text)
-        except json.JSONDecodeError:
-            raw[short] = text
-    return parse(raw, source)
+from infra.program import spec_from_values
+from infra.spec import StackSpec
 
 
 def policy_verdicts(spec: StackSpec, stack: str, resources: list[Registered]) -> list[dict[str, str]]:
@@ -63,7 +48,7 @@ def build_plan(stack: str) -> dict[str, Any]:
         raise StackFileError(f"no stack file {path.name}; stacks here: {', '.join(available_stacks())} "
                              f"(create Pulumi.{stack}.yaml or pass STACK=<one of them>)")
     config = read_stack_file(path, project)
-    spec = spec_from_config(config.values, project, path.name)  # fails before any resource
+    spec = spec_from_values(config.values, project, path.name)  # fails before any resource
     resources = run_program(config, INVOKES, COMPUTED)
     cost = stack_cost(spec)
     return {

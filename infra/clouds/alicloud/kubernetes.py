@@ -12,6 +12,7 @@ import pulumi_alicloud as alicloud
 import pulumi_kubernetes as k8s
 
 from infra import catalog as cat
+from infra import userdata
 from infra.clouds.alicloud.fleet import ESSD, price_limit, spot_strategy
 from infra.k8s import GPU_LABEL, deploy_training_jobs
 from infra.spec import NodeGroup, StackSpec
@@ -86,6 +87,7 @@ class AlicloudAck(pulumi.ComponentResource):
             data_disks=[alicloud.cs.NodePoolDataDiskArgs(category=ESSD, size=disk_gb, encrypted="true")] if disk_gb else None,
             instance_metadata_options=alicloud.cs.NodePoolInstanceMetadataOptionsArgs(http_tokens="required"),
             ram_role_name=args.role_name,
+            user_data=userdata.for_node_pool_script(userdata.node_context(spec, g, f"{args.checkpoint_url}{g.name}/")),
             labels=[alicloud.cs.NodePoolLabelArgs(key=k, value=v) for k, v in labels.items()],
             taints=[alicloud.cs.NodePoolTaintArgs(key="nvidia.com/gpu", value="true", effect="NoSchedule")],
             tags={**args.tags, **labels}, opts=child)

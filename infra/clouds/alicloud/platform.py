@@ -52,7 +52,7 @@ class AlicloudPlatform(CloudPlatform):
             fleet = AlicloudGpuFleet(g.name, AlicloudGpuFleetArgs(
                 spec=spec, group=g, vpc_id=nets[net.name].vpc.id, switch_ids=[s.id for s in nets[net.name].switches],
                 zones=[s.zone for s in net.subnets], security_group_id=nets[net.name].security_group.id,
-                role_name=access.role.role_name, user_data=userdata.render_base64(ctx),
+                role_name=access.role.role_name, user_data=userdata.for_vm(ctx),
                 provider=self.providers[spec.region_of(net)], tags=tags), opts=pulumi.ResourceOptions(parent=self))
             fleets[g.name] = fleet.urn
 

@@ -13,6 +13,7 @@ import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
 from infra import catalog as cat
+from infra import userdata
 from infra.k8s import GPU_LABEL, NvidiaDevicePlugin, deploy_training_jobs
 from infra.spec import NodeGroup, StackSpec
 
@@ -91,8 +92,9 @@ class AwsEks(pulumi.ComponentResource):
         scratch = spec.scratch_of(g)
         disk_gb = cat.scratch_disk_gb(item, scratch.size_gb, scratch.source) or 0
         # A launch template gives managed nodes IMDSv2 and encrypted volumes; EKS picks the AMI.
+        ctx = userdata.node_context(spec, g, f"{args.checkpoint_url}{g.name}/")
         lt = aws.ec2.LaunchTemplate(
-            f"{g.name}-lt", update_default_version=True,
+            f"{g.name}-lt", update_default_version=True, user_data=userdata.for_eks(ctx),
             metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
                 http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=2),
             block_device_mappings=[aws.ec2.LaunchTemplateBlockDeviceMappingArgs(

@@ -59,7 +59,7 @@ class AwsPlatform(CloudPlatform):
             fleet = AwsGpuFleet(g.name, AwsGpuFleetArgs(
                 spec=spec, group=g, subnet_ids=[s.id for s in nets[net.name].private_subnets],
                 zones=[s.zone for s in net.subnets], security_group_id=nets[net.name].security_group.id,
-                instance_profile_arn=access.instance_profile.arn, user_data=userdata.render_base64(ctx),
+                instance_profile_arn=access.instance_profile.arn, user_data=userdata.for_vm(ctx),
                 provider=self.providers[spec.region_of(net)], tags=tags), opts=pulumi.ResourceOptions(parent=self))
             fleets[g.name] = fleet.group.name
 

@@ -12,6 +12,7 @@ import pulumi_kubernetes as k8s
 import tencentcloud_iac_pulumi as tencentcloud
 
 from infra import catalog as cat
+from infra import userdata
 from infra.clouds.tencentcloud.fleet import DISK, spot_max_price
 from infra.k8s import GPU_LABEL, deploy_training_jobs
 from infra.spec import NodeGroup, StackSpec
@@ -100,6 +101,8 @@ class TencentTke(pulumi.ComponentResource):
                     orderly_security_group_ids=[args.security_group_id], cam_role_name=args.role_name,
                     public_ip_assigned=False, internet_max_bandwidth_out=0),
                 node_config=tencentcloud.kubernetes.NodePoolNodeConfigArgs(
+                    user_data=userdata.for_node_pool_script(
+                        userdata.node_context(spec, g, f"{args.checkpoint_url}{g.name}/")),
                     gpu_args=tencentcloud.kubernetes.NodePoolNodeConfigGpuArgsArgs(
                         driver=GPU_DRIVER, cuda=GPU_CUDA, mig_enable=False)),
                 labels={**labels, "gpu-training-stack/capacity": "spot" if spot else "on-demand"},
