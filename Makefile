@@ -9,8 +9,12 @@ FORMAT ?= table
 STAMP  := $(VENV)/.installed
 
 OUT    ?= out/userdata
+STEPS      ?= 200
+CKPT_EVERY ?= 50
+CKPT_DIR   ?= out/checkpoints
+THROTTLE_MS ?= 50
 
-.PHONY: plan userdata test typecheck unit tools venv clean
+.PHONY: plan userdata train-local bench test typecheck unit tools venv clean
 
 $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	@echo "installing pinned dependencies into $(VENV) ..." >&2
@@ -28,11 +32,21 @@ plan: $(STAMP)
 userdata: $(STAMP)
 	@$(PY) -m infra.userdata --stack $(STACK) --out $(OUT)
 
+## train-local: the trainer on CPU, 2 processes (gloo), tiny workload (STEPS= CKPT_EVERY= CKPT_DIR=<path or URL>)
+train-local: $(STAMP)
+	@$(VENV)/bin/torchrun --standalone --nproc-per-node 2 -m training.train --workload tiny \
+	  --steps $(STEPS) --checkpoint-every $(CKPT_EVERY) --checkpoint-dir $(CKPT_DIR) \
+	  --throttle-ms $(THROTTLE_MS) --log-every 10
+
+## bench: checkpoint and resume figures (~100 MB and ~1 GB states, S3 endpoint on 127.0.0.1)
+bench: $(STAMP)
+	@$(PY) -m training.bench
+
 ## test: type checks and the whole test suite
 test: typecheck unit
 
 typecheck: $(STAMP)
-	$(PY) -m mypy infra __main__.py tests policies
+	$(PY) -m mypy infra __main__.py tests policies training
 
 unit: $(STAMP) tools
 	$(PY) -m pytest -q

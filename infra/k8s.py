@@ -118,7 +118,7 @@ class TrainingJob(pulumi.ComponentResource):
                             command=launch_command(args.launcher, args.nodes, args.gpus_per_node, job, args.namespace),
                             env=env,
                             ports=[k8s.core.v1.ContainerPortArgs(name="rdzv", container_port=29400),
-                                   k8s.core.v1.ContainerPortArgs(name="metrics", container_port=9400)],
+                                   k8s.core.v1.ContainerPortArgs(name="metrics", container_port=9401)],
                             resources=k8s.core.v1.ResourceRequirementsArgs(
                                 limits={"nvidia.com/gpu": gpus}, requests={"nvidia.com/gpu": gpus}),
                             volume_mounts=[k8s.core.v1.VolumeMountArgs(name="dshm", mount_path="/dev/shm")])],
@@ -143,6 +143,7 @@ def deploy_training_jobs(spec: StackSpec, groups: list[NodeGroup], checkpoint_ur
             image=spec.training.image, launcher=spec.training.launcher, node_group=g.name,
             nodes=max(1, g.scaling.baseline), gpus_per_node=item.gpu_count,
             env={"CHECKPOINT_URL": f"{checkpoint_url}{g.name}/", "DATASET_URL": spec.training.dataset_url,
-                 "CHECKPOINT_EVERY": str(spec.training.checkpoint_every), "WORKLOAD": spec.training.workload},
+                 "CHECKPOINT_EVERY": str(spec.training.checkpoint_every), "WORKLOAD": spec.training.workload,
+                 "CHECKPOINT_DIR": "/scratch/checkpoints", "METRICS_PORT": "9401"},
             labels={"env": spec.env}), opts=opts))
     return jobs

@@ -1,0 +1,126 @@
+"""The trainer as real processes (torchrun / accelerate, gloo on CPU) against a real S3
+endpoint on 127.0.0.1 (moto server): checkpoints, exact resume after SIGTERM, a SIGKILL in the
+middle of a checkpoint, resume from the bucket, a storage outage, two accelerate processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.training_helpers import MotoServer, Proxy, launch, retry_until, storage_env
+
+ARGS = ["--workload", "tiny", "--steps", "60", "--checkpoint-every", "20", "--log-every", "5"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """Run A: 60 uninterrupted steps, checkpoints every 20. (params_sha256, its checkpoint dir)"""
+    cwd = tmp_path_factory.mktemp("run-a")
+    run = launch([*ARGS, "--checkpoint-dir", str(cwd / "ck")], cwd)
+    assert run.finish() == 0, run.output[-3000:]
+    step, _, digest = run.final()
+    assert step == 60
+    return digest, cwd / "ck"
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoServer]:
+    server = MotoServer()
+    yield server
+    server.stop()
+
+
+def test_two_rank_run_completes_and_checkpoints(reference: tuple[str, Path]) -> None:
+    _, ck = reference
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000020", "step-00000040", "step-00000060"]
+    manifest = json.loads((ck / "step-00000060" / "manifest-node000.json").read_text())
+    assert manifest["world_size"] == 2 and set(manifest["files"]) == {"model.pt", "rng-rank00000.pt", "rng-rank00001.pt"}
+    for name, meta in manifest["files"].items():
+        assert (ck / "step-00000060" / name).stat().st_size == meta["size"]
+
+
+def test_sigterm_then_restart_is_bit_identical(reference: tuple[str, Path], tmp_path: Path) -> None:
+    digest, _ = reference
+    args = [*ARGS, "--checkpoint-dir", str(tmp_path / "ck")]
+    run = launch([*args, "--throttle-ms", "100"], tmp_path)
+    run.wait_for(r"step 35 loss")
+    os.kill(run.proc.pid, signal.SIGTERM)  # to torchrun, which forwards it to the workers
+    run.finish()  # torchrun exits 1 after a SIGTERM even though the workers exited 0
+    line = run.wait_for(r"stopped by SIGTERM at step \d+ after an emergency checkpoint")
+    stopped = int(line.split("at step ")[1].split()[0])
+    assert 35 <= stopped < 60 and (tmp_path / "ck" / f"step-{stopped:08d}").is_dir()
+    again = launch(args, tmp_path)
+    assert again.finish() == 0, again.output[-3000:]
+    again.wait_for(rf"resumed from step {stopped} ")
+    assert again.final()[2] == digest
+
+
+def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous_one(
+        reference: tuple[str, Path], tmp_path: Path) -> None:
+    digest, _ = reference
+    args = [*ARGS, "--checkpoint-dir", str(tmp_path / "ck")]
+    run = launch(args, tmp_path, env={"GTS_FAULT_SLOW_COMMIT_S": "60", "GTS_FAULT_SLOW_COMMIT_STEP": "40"})
+    run.wait_for(r"fault injection: pausing .* before committing step-00000040")
+    os.killpg(run.proc.pid, signal.SIGKILL)
+    run.finish()
+    assert (tmp_path / "ck" / "step-00000040.tmp").is_dir(), "the kill landed mid-checkpoint"
+    again = launch(args, tmp_path)
+    assert again.finish() == 0, again.output[-3000:]
+    again.wait_for(r"resumed from step 20 ")
+    assert not (tmp_path / "ck" / "step-00000040.tmp").exists()
+    assert again.final()[2] == digest
+
+
+def test_checkpoints_reach_the_bucket_and_resume_from_it(reference: tuple[str, Path], moto: MotoServer,
+                                                         tmp_path: Path) -> None:
+    digest, _ = reference
+    env = storage_env(moto.url)
+    args = [*ARGS, "--checkpoint-dir", f"s3://{moto.bucket}/run-d"]
+    run = launch(args, tmp_path, env)
+    assert run.finish() == 0, run.output[-3000:]
+    keys = moto.keys("run-d/")
+    for step in (20, 40, 60):
+        assert f"run-d/step-{step:08d}/manifest-node000.json" in keys
+        assert f"run-d/step-{step:08d}/model.pt" in keys
+    shutil.rmtree(tmp_path / "out")  # the node's local disk is gone (new spot instance)
+    again = launch(args, tmp_path, env)
+    assert again.finish() == 0, again.output[-3000:]
+    again.wait_for(r"fetched step-00000060 from s3://")
+    assert again.final()[2] == digest
+
+
+def test_storage_outage_does_not_stop_training(moto: MotoServer, tmp_path: Path) -> None:
+    proxy = Proxy(moto.port)
+    env = storage_env(f"http://127.0.0.1:{proxy.port}")
+    args = ["--workload", "tiny", "--steps", "60", "--checkpoint-every", "10", "--log-every", "5",
+            "--checkpoint-dir", f"s3://{moto.bucket}/run-e", "--upload-deadline-s", "4", "--throttle-ms", "50"]
+    run = launch(args, tmp_path, env)
+    run.wait_for(r"uploaded step-00000010")
+    proxy.down()
+    assert run.finish() == 0, run.output[-3000:]
+    assert run.final()[0] == 60, "training finished through the outage"
+    run.wait_for(r"checkpoint\(s\) could not be uploaded .* kept in")
+    assert "run-e/step-00000060/manifest-node000.json" not in moto.keys("run-e/")
+    proxy.up()  # the store is back: the next start uploads what is missing
+    again = launch(args, tmp_path, env)
+    assert again.finish() == 0, again.output[-3000:]
+    assert retry_until(lambda: "run-e/step-00000060/manifest-node000.json" in moto.keys("run-e/"), 30)
+    again.wait_for(r"uploading \d+ checkpoint\(s\) missing from the bucket")
+    proxy.down()
+
+
+def test_accelerate_launch_trains_two_processes_together(reference: tuple[str, Path], tmp_path: Path) -> None:
+    digest, _ = reference
+    run = launch([*ARGS, "--checkpoint-dir", str(tmp_path / "ck")], tmp_path, accelerate=True)
+    assert run.finish() == 0, run.output[-3000:]
+    assert "rank 1 of 2 (node 0 of 1) via accelerate" in run.output, "a second process trained with the first"
+    manifest = json.loads((tmp_path / "ck" / "step-00000060" / "manifest-node000.json").read_text())
+    assert manifest["world_size"] == 2
+    # Same seed, same data shards, same gradient averaging as the torchrun run.
+    assert run.final()[2] == digest

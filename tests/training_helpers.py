@@ -1,0 +1,210 @@
+"""Real processes for the trainer tests: torchrun / accelerate launches with timeouts, a moto
+S3 server on 127.0.0.1, and a TCP proxy in front of it to simulate a storage outage."""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+FINAL = re.compile(r"^final step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64})$", re.M)
+LAUNCH_TIMEOUT = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
+@dataclass
+class Run:
+    proc: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+    _reader: threading.Thread | None = None
+
+    def start_reader(self) -> None:
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip("\n"))
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 60) -> str:
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if regex.search(line):
+                    return line
+            if self.proc.poll() is not None and self._reader is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r}; output:\n{self.output[-4000:]}")
+
+    def finish(self, timeout: float = LAUNCH_TIMEOUT) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+        return code
+
+    def final(self) -> tuple[int, str, str]:
+        match = FINAL.search(self.output)
+        assert match, f"no final line:\n{self.output[-4000:]}"
+        return int(match.group(1)), match.group(2), match.group(3)
+
+
+def launch(args: list[str], cwd: Path, env: dict[str, str] | None = None, accelerate: bool = False) -> Run:
+    base = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    base.update(env or {})
+    if accelerate:
+        base["ACCELERATE_USE_CPU"] = "1"
+        cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+               "--main_process_port", str(free_port()), "-m", "training.train", "--launcher", "accelerate", *args]
+    else:
+        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "training.train", *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    run = Run(proc)
+    run.start_reader()
+    return run
+
+
+class MotoServer:
+    """`moto_server` on 127.0.0.1 with one bucket."""
+
+    def __init__(self, bucket: str = "gts-test"):
+        self.port = free_port()
+        self.bucket = bucket
+        self.proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port)
+        self.client().create_bucket(Bucket=bucket)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, port: int | None = None):  # type: ignore[no-untyped-def]
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port or self.port}", region_name="us-east-1",
+                            aws_access_key_id="testing", aws_secret_access_key="testing",
+                            config=Config(s3={"addressing_style": "path"}))
+
+    def keys(self, prefix: str = "") -> list[str]:
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def storage_env(endpoint: str) -> dict[str, str]:
+    return {"STORAGE_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_ADDRESSING_STYLE": "path"}
+
+
+class Proxy:
+    """A TCP forwarder 127.0.0.1:port -> target that can go down and come back on the same port."""
+
+    def __init__(self, target_port: int):
+        self.target = target_port
+        self.port = free_port()
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self.up()
+
+    def up(self) -> None:
+        self._stop = threading.Event()
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", self.port))
+        server.listen(64)
+        server.settimeout(0.2)
+        self._thread = threading.Thread(target=self._serve, args=(server, self._stop), daemon=True)
+        self._thread.start()
+
+    def down(self) -> None:
+        assert self._stop is not None and self._thread is not None
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _serve(self, server: socket.socket, stop: threading.Event) -> None:
+        conns: list[socket.socket] = []
+        with server:
+            while not stop.is_set():
+                try:
+                    client, _ = server.accept()
+                except TimeoutError:
+                    continue
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+                conns += [client, upstream]
+                threading.Thread(target=self._pipe, args=(client, upstream, stop), daemon=True).start()
+        for c in conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket, stop: threading.Event) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(a, selectors.EVENT_READ, b)
+        sel.register(b, selectors.EVENT_READ, a)
+        try:
+            while not stop.is_set():
+                for key, _ in sel.select(timeout=0.2):
+                    data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+                    if not data:
+                        return
+                    key.data.sendall(data)
+        except OSError:
+            return
+        finally:
+            for s in (a, b):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+
+def retry_until(check: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return False

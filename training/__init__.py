@@ -1,0 +1,1 @@
+"""The training bootstrap that runs inside the container on every GPU node."""

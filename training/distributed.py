@@ -1,0 +1,106 @@
+"""Process groups for the three launchers behind one small interface.
+
+torchrun and `accelerate launch` both export RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR, so
+they share the torch.distributed path (gloo on CPU, NCCL on GPUs). Horovod wraps the optimizer
+(`hvd.DistributedOptimizer`) and broadcasts parameters and optimizer state; it is an optional
+extra for images that ship it (horovod 0.28.1 does not build against current torch).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def detect_launcher(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    if "HOROVOD_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
+        return "horovod"
+    if "ACCELERATE_MIXED_PRECISION" in os.environ or "ACCELERATE_USE_CPU" in os.environ:
+        return "accelerate"
+    return "torchrun"
+
+
+class Comm:
+    """rank / world / collectives, for a single process too (no launcher)."""
+
+    def __init__(self, launcher: str):
+        self.launcher = detect_launcher(launcher)
+        self.hvd: Any = None
+        if self.launcher == "horovod":
+            import horovod.torch as hvd  # optional extra
+
+            hvd.init()
+            self.hvd = hvd
+            self.rank, self.world = int(hvd.rank()), int(hvd.size())
+            self.local_rank, self.local_world = int(hvd.local_rank()), int(hvd.local_size())
+        else:
+            self.rank = int(os.environ.get("RANK", 0))
+            self.world = int(os.environ.get("WORLD_SIZE", 1))
+            self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+            if self.world > 1 and not dist.is_initialized():
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+                dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+        self.node = self.rank // max(1, self.local_world)
+        self.nnodes = max(1, self.world // max(1, self.local_world))
+        self.device = torch.device(f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def barrier(self) -> None:
+        if self.hvd is not None:
+            self.hvd.allreduce(torch.zeros(1), name="barrier")
+        elif self.distributed:
+            dist.barrier()
+
+    def any_true(self, flag: bool) -> bool:
+        """True on every rank if any rank says so (all ranks stop at the same step)."""
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device if self.hvd is None else "cpu")
+        if self.hvd is not None:
+            return float(self.hvd.allreduce(t, op=self.hvd.Max, name="stop").item()) > 0
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def mean(self, value: torch.Tensor) -> float:
+        t = value.detach().float().reshape(1).to(self.device if self.hvd is None else "cpu")
+        if self.hvd is not None:
+            return float(self.hvd.allreduce(t, op=self.hvd.Average, name="mean").item())
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            t /= self.world
+        return float(t.item())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.hvd is not None:
+            return list(self.hvd.allgather_object(obj))
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if self.hvd is not None:
+            self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+            return model, self.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        if self.distributed:
+            ids = [self.local_rank] if self.device.type == "cuda" else None
+            return nn.parallel.DistributedDataParallel(model, device_ids=ids), optimizer
+        return model, optimizer
+
+    def close(self) -> None:
+        if self.hvd is None and dist.is_initialized():
+            dist.destroy_process_group()
