@@ -163,6 +163,7 @@ class Storage(Model):
     noncurrent_expire_days: int = Field(30, ge=1, description="Days before old object versions are deleted.")
     abort_multipart_days: int = Field(7, ge=1, description="Days before incomplete multipart uploads are aborted.")
     expected_gb: int = Field(500, ge=0, description="Bucket size used for the cost summary.")
+    dataset_tmpfs_gb: int = Field(0, ge=0, description="Also cache the dataset in RAM (tmpfs) of this size; 0 = off.")
 
 
 class Training(Model):
@@ -173,6 +174,9 @@ class Training(Model):
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept locally and in the bucket.")
     dataset_url: str = Field(description="Dataset location (s3://, oss://, cosn://, file://).")
     mlflow_tracking_uri: str | None = Field(None, description="MLflow server, if any.")
+    rendezvous_endpoint: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9.-]+:\d+$",
+        description="host:port of the c10d rendezvous for multi-node VM fleets (e.g. a fixed private IP or DNS name).")
 
 
 class Budget(Model):

@@ -8,12 +8,13 @@ import json
 import os
 import shutil
 import signal
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.training_helpers import MotoServer, Proxy, launch, retry_until, storage_env
+from tests.training_helpers import MotoServer, Proxy, free_port, launch, retry_until, storage_env
 
 ARGS = ["--workload", "tiny", "--steps", "60", "--checkpoint-every", "20", "--log-every", "5"]
 
@@ -100,8 +101,11 @@ def test_storage_outage_does_not_stop_training(moto: MotoServer, tmp_path: Path)
     env = storage_env(f"http://127.0.0.1:{proxy.port}")
     args = ["--workload", "tiny", "--steps", "60", "--checkpoint-every", "10", "--log-every", "5",
             "--checkpoint-dir", f"s3://{moto.bucket}/run-e", "--upload-deadline-s", "4", "--throttle-ms", "50"]
-    run = launch(args, tmp_path, env)
+    port = free_port()
+    run = launch([*args, "--metrics-port", str(port)], tmp_path, env)
     run.wait_for(r"uploaded step-00000010")
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'gts_train_step{node="0",workload="tiny"}' in metrics and "gts_checkpoint_uploads_pending" in metrics
     proxy.down()
     assert run.finish() == 0, run.output[-3000:]
     assert run.final()[0] == 60, "training finished through the outage"
@@ -124,3 +128,21 @@ def test_accelerate_launch_trains_two_processes_together(reference: tuple[str, P
     assert manifest["world_size"] == 2
     # Same seed, same data shards, same gradient averaging as the torchrun run.
     assert run.final()[2] == digest
+
+
+def test_dataset_cache_is_resumable_and_verified(moto: MotoServer, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from training.datasync import sync
+
+    for key, value in storage_env(moto.url).items():
+        monkeypatch.setenv(key, value)
+    client = moto.client()
+    for name, body in (("a/1.jpg", b"x" * 10), ("a/2.jpg", b"y" * 20), ("b/3.jpg", b"z" * 30)):
+        client.put_object(Bucket=moto.bucket, Key=f"data/{name}", Body=body)
+    dest = tmp_path / "cache"
+    assert sync(f"s3://{moto.bucket}/data", str(dest)) == (3, 3)
+    assert (dest / "b" / "3.jpg").read_bytes() == b"z" * 30
+    assert sync(f"s3://{moto.bucket}/data", str(dest)) == (0, 3), "complete files are skipped"
+    (dest / "a" / "2.jpg").write_bytes(b"partial")  # an interrupted copy
+    assert sync(f"s3://{moto.bucket}/data", str(dest)) == (1, 3)
+    assert (dest / "a" / "2.jpg").read_bytes() == b"y" * 20
