@@ -15,7 +15,7 @@ from typing import Any
 from croniter import croniter
 
 from infra import catalog as cat
-from infra.spec import NodeGroup, StackSpec
+from infra.spec import NodeGroup, StackSpec, hardware
 
 WEEK = timedelta(days=7)
 # A fixed Monday 00:00 UTC so that the figures are reproducible.
@@ -81,16 +81,13 @@ class GroupCost:
 
 def group_cost(spec: StackSpec, group: NodeGroup) -> GroupCost:
     rate = spec.pricing.cny_per_usd
-    itype = spec.instance_types(group)[0]
-    item = spec.catalog().get(group.cloud, itype)
-    assert item is not None, f"{group.name}: {itype} passed validation but is not in the catalog"
+    hw = hardware(spec, group)
+    itype, item, disk_gb = hw.types[0], hw.primary, hw.scratch_disk_gb
     on_demand = cat.to_usd(item.price_ondemand, item.currency, rate)
     spot = on_demand * (1 - item.spot_discount)
     if group.market.spot_max_price_usd is not None:
         spot = min(spot, group.market.spot_max_price_usd)
     reserved = on_demand * (1 - item.reserved_discount)
-    scratch = spec.scratch_of(group)
-    disk_gb = cat.scratch_disk_gb(item, scratch.size_gb, scratch.source) or 0
     disk_hourly = cat.data_disk_hourly_usd(group.cloud, disk_gb, rate)
 
     occ = occupancy(group)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.spec import NodeGroup, StackSpec
+from infra.spec import NodeGroup, StackSpec, hardware
 
 DEVICE_PLUGIN_IMAGE = "nvcr.io/nvidia/k8s-device-plugin:v0.17.2"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
@@ -137,8 +137,7 @@ def deploy_training_jobs(spec: StackSpec, groups: list[NodeGroup], checkpoint_ur
     for g in groups:
         if g.workload != "training":
             continue
-        item = spec.catalog().get(g.cloud, spec.instance_types(g)[0])
-        assert item is not None
+        item = hardware(spec, g).primary
         jobs.append(TrainingJob(g.name, TrainingJobArgs(
             image=spec.training.image, launcher=spec.training.launcher, node_group=g.name,
             nodes=max(1, g.scaling.baseline), gpus_per_node=item.gpu_count,

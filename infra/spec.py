@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from ipaddress import IPv4Network
 from typing import Annotated, Any, Literal
 
@@ -243,6 +244,25 @@ class StackSpec(Model):
                                self.pricing.cny_per_usd)
             types = [c.type.instance_type for c in picks[:4]] + group.fallback_types
         return list(dict.fromkeys(types))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a node group runs on: its instance types (preferred first), the catalog row of the
+    first, and the data disk each node needs for scratch (0 when local NVMe holds it)."""
+
+    types: list[str]
+    primary: cat.InstanceType
+    scratch_disk_gb: int
+
+
+def hardware(spec: StackSpec, group: NodeGroup) -> Hardware:
+    types = spec.instance_types(group)
+    primary = spec.catalog().get(group.cloud, types[0])
+    if primary is None:  # parse() has checked every type against the catalog
+        raise LookupError(f"{group.name}: {types[0]} is not in the catalog")
+    scratch = spec.scratch_of(group)
+    return Hardware(types, primary, cat.scratch_disk_gb(primary, scratch.size_gb, scratch.source) or 0)
 
 
 # --------------------------------------------------------------------------------------

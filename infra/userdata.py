@@ -19,7 +19,7 @@ from pathlib import Path
 import jinja2
 
 from infra import catalog as cat
-from infra.spec import NodeGroup, StackSpec
+from infra.spec import NodeGroup, StackSpec, hardware
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "cloudinit"
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
@@ -82,8 +82,7 @@ class NodeContext:
 
 
 def node_context(spec: StackSpec, group: NodeGroup, checkpoint_url: str) -> NodeContext:
-    item = spec.catalog().get(group.cloud, spec.instance_types(group)[0])
-    assert item is not None, f"{group.name}: validated instance type missing from the catalog"
+    item = hardware(spec, group).primary
     mirrors = spec.clouds[group.cloud].mirrors
     registry = mirrors.registry or ""
     kube = group.kind == "kubernetes"

@@ -51,6 +51,17 @@ class CloudPlatform(pulumi.ComponentResource):
     def node_groups(self) -> list[NodeGroup]:
         return [g for g in self.spec.node_groups if g.cloud == self.CLOUD]
 
+    def vm_groups(self) -> list[NodeGroup]:
+        return [g for g in self.node_groups() if g.kind == "vm"]
+
+    def kubernetes_groups(self) -> dict[str, list[NodeGroup]]:
+        """Kubernetes node groups by network: each such network gets one cluster."""
+        found: dict[str, list[NodeGroup]] = {}
+        for g in self.node_groups():
+            if g.kind == "kubernetes":
+                found.setdefault(g.network, []).append(g)
+        return found
+
     def regions(self) -> list[str]:
         found = [self.account.region] + [self.spec.region_of(n) for n in self.networks()]
         return list(dict.fromkeys(found))

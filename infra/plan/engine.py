@@ -38,6 +38,10 @@ ROOT = find_project_root()
 SECRET_MASK = "[secret]"
 
 
+class UnmockedInvoke(LookupError):
+    """The program called a provider function the offline plan has no answer for."""
+
+
 class StackFileError(Exception):
     """The stack file cannot be read as Pulumi would read it."""
 
@@ -125,7 +129,7 @@ class StackMocks(pulumi_mocks.Mocks):
     def call(self, args: pulumi_mocks.MockCallArgs) -> tuple[dict[str, Any], list[tuple[str, str]] | None]:
         handler = self.invokes.get(args.token)
         if handler is None:
-            raise NotImplementedError(f"no mock for invoke {args.token}; add one in infra/plan/invokes.py")
+            raise UnmockedInvoke(f"no mock for invoke {args.token}; add one in infra/plan/invokes.py")
         return handler(dict(args.args)), []
 
 

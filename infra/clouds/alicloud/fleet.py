@@ -12,7 +12,7 @@ import pulumi
 import pulumi_alicloud as alicloud
 
 from infra import catalog as cat
-from infra.spec import NodeGroup, StackSpec
+from infra.spec import NodeGroup, StackSpec, hardware
 
 IMAGE_REGEX = "^ubuntu_22_04_x64"
 SYSTEM_DISK_GB = 200
@@ -61,11 +61,8 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
         spec, g = args.spec, args.group
         tags = {**args.tags, "gpu-training-stack/node-group": g.name, "gpu-training-stack/workload": g.workload}
         child = pulumi.ResourceOptions(parent=self, provider=args.provider)
-        types = spec.instance_types(g)
-        primary = spec.catalog().get(g.cloud, types[0])
-        assert primary is not None
-        scratch = spec.scratch_of(g)
-        disk_gb = cat.scratch_disk_gb(primary, scratch.size_gb, scratch.source) or 0
+        hw = hardware(spec, g)
+        types, primary, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
         image = alicloud.ecs.get_images_output(name_regex=IMAGE_REGEX, owners="system", most_recent=True,
                                                instance_type=types[0],
                                                opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))

@@ -11,11 +11,10 @@ import pulumi
 import pulumi_alicloud as alicloud
 import pulumi_kubernetes as k8s
 
-from infra import catalog as cat
 from infra import userdata
 from infra.clouds.alicloud.fleet import ESSD, price_limit, spot_strategy
 from infra.k8s import GPU_LABEL, deploy_training_jobs
-from infra.spec import NodeGroup, StackSpec
+from infra.spec import NodeGroup, StackSpec, hardware
 
 ACK_SPEC = "ack.pro.small"
 POD_CIDR = "172.20.0.0/16"  # outside every stack VPC (10.0.0.0/8)
@@ -60,11 +59,8 @@ class AlicloudAck(pulumi.ComponentResource):
 
     def _pool(self, g: NodeGroup, args: AlicloudAckArgs, child: pulumi.ResourceOptions) -> alicloud.cs.NodePool:
         spec = args.spec
-        types = spec.instance_types(g)
-        item = spec.catalog().get(g.cloud, types[0])
-        assert item is not None
-        scratch = spec.scratch_of(g)
-        disk_gb = cat.scratch_disk_gb(item, scratch.size_gb, scratch.source) or 0
+        hw = hardware(spec, g)
+        types, item, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
         spot = g.market.type == "spot"
         cap = price_limit(spec, g, item)
         labels = {GPU_LABEL: g.name, "gpu-training-stack/gpu-model": item.gpu_model,

@@ -44,9 +44,8 @@ class AlicloudPlatform(CloudPlatform):
         access = AlicloudAccess(f"{self.name}-access", AlicloudAccessArgs(
             storage.name, [CHECKPOINT_PREFIX, DATASET_PREFIX], tags), opts=self.provider_opts(region))
 
-        groups = self.node_groups()
         fleets: dict[str, pulumi.Output[str]] = {}
-        for g in (g for g in groups if g.kind == "vm"):
+        for g in self.vm_groups():
             net = spec.network(g.network)
             ctx = userdata.node_context(spec, g, f"{checkpoint_url}{g.name}/")
             fleet = AlicloudGpuFleet(g.name, AlicloudGpuFleetArgs(
@@ -58,10 +57,8 @@ class AlicloudPlatform(CloudPlatform):
 
         clusters: dict[str, pulumi.Output[str]] = {}
         kubeconfigs: dict[str, pulumi.Output[str]] = {}
-        for net in self.networks():
-            kube_groups = [g for g in groups if g.kind == "kubernetes" and g.network == net.name]
-            if not kube_groups:
-                continue
+        for net_name, kube_groups in self.kubernetes_groups().items():
+            net = spec.network(net_name)
             ack = AlicloudAck(f"{spec.env}-{net.name}", AlicloudAckArgs(
                 spec=spec, groups=kube_groups, switch_ids=[s.id for s in nets[net.name].switches],
                 security_group_id=nets[net.name].security_group.id, role_name=access.role.role_name,

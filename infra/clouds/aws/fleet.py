@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from infra import catalog as cat
-from infra.spec import NodeGroup, StackSpec
+from infra.spec import NodeGroup, StackSpec, hardware
 
 # Deep Learning Base AMI with the NVIDIA driver, CUDA, Docker and the container toolkit.
 DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
@@ -56,11 +55,8 @@ class AwsGpuFleet(pulumi.ComponentResource):
         spec, g = args.spec, args.group
         tags = {**args.tags, "gpu-training-stack/node-group": g.name, "gpu-training-stack/workload": g.workload}
         child = pulumi.ResourceOptions(parent=self, provider=args.provider)
-        types = spec.instance_types(g)
-        primary = spec.catalog().get(g.cloud, types[0])
-        assert primary is not None
-        scratch = spec.scratch_of(g)
-        disk_gb = cat.scratch_disk_gb(primary, scratch.size_gb, scratch.source) or 0
+        hw = hardware(spec, g)
+        types, primary, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
 
         ami = aws.ssm.get_parameter_output(name=DLAMI_PARAMETER,
                                            opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))

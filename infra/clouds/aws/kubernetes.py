@@ -12,10 +12,9 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
-from infra import catalog as cat
 from infra import userdata
 from infra.k8s import GPU_LABEL, NvidiaDevicePlugin, deploy_training_jobs
-from infra.spec import NodeGroup, StackSpec
+from infra.spec import NodeGroup, StackSpec, hardware
 
 EKS_VERSION = "1.33"
 GPU_AMI = "AL2023_x86_64_NVIDIA"
@@ -86,11 +85,8 @@ class AwsEks(pulumi.ComponentResource):
     def _node_groups(self, name: str, g: NodeGroup, args: AwsEksArgs,
                      child: pulumi.ResourceOptions) -> list[aws.eks.NodeGroup]:
         spec, tags = args.spec, args.tags
-        types = spec.instance_types(g)
-        item = spec.catalog().get(g.cloud, types[0])
-        assert item is not None
-        scratch = spec.scratch_of(g)
-        disk_gb = cat.scratch_disk_gb(item, scratch.size_gb, scratch.source) or 0
+        hw = hardware(spec, g)
+        types, item, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
         # A launch template gives managed nodes IMDSv2 and encrypted volumes; EKS picks the AMI.
         ctx = userdata.node_context(spec, g, f"{args.checkpoint_url}{g.name}/")
         lt = aws.ec2.LaunchTemplate(

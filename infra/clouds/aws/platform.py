@@ -47,13 +47,12 @@ class AwsPlatform(CloudPlatform):
         storage = AwsStorage(f"{self.name}-storage", AwsStorageArgs(spec.storage, region, tags),
                              opts=self.provider_opts(region))
         checkpoint_url = f"s3://{storage.name}/{CHECKPOINT_PREFIX}"
-        groups = self.node_groups()
         access = AwsAccess(f"{self.name}-access", AwsAccessArgs(
             bucket_arn=storage.bucket.arn, key_arn=storage.key.arn, prefixes=[CHECKPOINT_PREFIX, DATASET_PREFIX],
-            tags=tags, kubernetes=any(g.kind == "kubernetes" for g in groups)), opts=self.provider_opts(region))
+            tags=tags, kubernetes=bool(self.kubernetes_groups())), opts=self.provider_opts(region))
 
         fleets: dict[str, pulumi.Output[str]] = {}
-        for g in (g for g in groups if g.kind == "vm"):
+        for g in self.vm_groups():
             net = spec.network(g.network)
             ctx = userdata.node_context(spec, g, f"{checkpoint_url}{g.name}/")
             fleet = AwsGpuFleet(g.name, AwsGpuFleetArgs(
@@ -65,10 +64,8 @@ class AwsPlatform(CloudPlatform):
 
         clusters: dict[str, pulumi.Output[str]] = {}
         kubeconfigs: dict[str, pulumi.Output[str]] = {}
-        for net in self.networks():
-            kube_groups = [g for g in groups if g.kind == "kubernetes" and g.network == net.name]
-            if not kube_groups:
-                continue
+        for net_name, kube_groups in self.kubernetes_groups().items():
+            net = spec.network(net_name)
             assert access.eks_cluster_role is not None and access.eks_node_role is not None
             net_region = spec.region_of(net)
             eks = AwsEks(f"{spec.env}-{net.name}", AwsEksArgs(

@@ -13,7 +13,7 @@ import tencentcloud_iac_pulumi as tencentcloud
 
 from infra import catalog as cat
 from infra.schedule import cron_in_beijing
-from infra.spec import NodeGroup, StackSpec
+from infra.spec import NodeGroup, StackSpec, hardware
 
 IMAGE_REGEX = "Ubuntu Server 22.04"
 DISK = "CLOUD_HSSD"
@@ -56,11 +56,8 @@ class TencentGpuFleet(pulumi.ComponentResource):
         spec, g = args.spec, args.group
         tags = {**args.tags, "gpu-training-stack/node-group": g.name, "gpu-training-stack/workload": g.workload}
         child = pulumi.ResourceOptions(parent=self, provider=args.provider)
-        types = spec.instance_types(g)
-        item = spec.catalog().get(g.cloud, types[0])
-        assert item is not None
-        scratch = spec.scratch_of(g)
-        disk_gb = cat.scratch_disk_gb(item, scratch.size_gb, scratch.source) or 0
+        hw = hardware(spec, g)
+        types, item, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
         image_id = tencentcloud.images.get_instance_output(
             image_types=["PUBLIC_IMAGE"], image_name_regex=IMAGE_REGEX, instance_type=types[0],
             opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self)).image_id

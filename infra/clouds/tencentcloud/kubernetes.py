@@ -11,11 +11,10 @@ import pulumi
 import pulumi_kubernetes as k8s
 import tencentcloud_iac_pulumi as tencentcloud
 
-from infra import catalog as cat
 from infra import userdata
 from infra.clouds.tencentcloud.fleet import DISK, spot_max_price
 from infra.k8s import GPU_LABEL, deploy_training_jobs
-from infra.spec import NodeGroup, StackSpec
+from infra.spec import NodeGroup, StackSpec, hardware
 
 TKE_VERSION = "1.30.0"
 CLUSTER_CIDR = "172.20.0.0/16"  # outside every stack VPC (10.0.0.0/8)
@@ -65,11 +64,8 @@ class TencentTke(pulumi.ComponentResource):
     def _pools(self, g: NodeGroup, args: TencentTkeArgs,
                child: pulumi.ResourceOptions) -> list[tencentcloud.kubernetes.NodePool]:
         spec = args.spec
-        types = spec.instance_types(g)
-        item = spec.catalog().get(g.cloud, types[0])
-        assert item is not None
-        scratch = spec.scratch_of(g)
-        disk_gb = cat.scratch_disk_gb(item, scratch.size_gb, scratch.source) or 0
+        hw = hardware(spec, g)
+        types, item, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
         labels = {GPU_LABEL: g.name, "gpu-training-stack/gpu-model": item.gpu_model,
                   "gpu-training-stack/workload": g.workload}
         # A node pool has one charge type: the on-demand base of a spot group is its own pool.

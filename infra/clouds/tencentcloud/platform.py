@@ -55,9 +55,8 @@ class TencentcloudPlatform(CloudPlatform):
         access = TencentAccess(f"{self.name}-access", TencentAccessArgs(
             storage.name, region, app_id, [CHECKPOINT_PREFIX, DATASET_PREFIX], tags), opts=self.provider_opts(region))
 
-        groups = self.node_groups()
         fleets: dict[str, pulumi.Output[str]] = {}
-        for g in (g for g in groups if g.kind == "vm"):
+        for g in self.vm_groups():
             net = spec.network(g.network)
             ctx = userdata.node_context(spec, g, f"{checkpoint_url}{g.name}/")
             fleet = TencentGpuFleet(g.name, TencentGpuFleetArgs(
@@ -69,10 +68,8 @@ class TencentcloudPlatform(CloudPlatform):
 
         clusters: dict[str, pulumi.Output[str]] = {}
         kubeconfigs: dict[str, pulumi.Output[str]] = {}
-        for net in self.networks():
-            kube_groups = [g for g in groups if g.kind == "kubernetes" and g.network == net.name]
-            if not kube_groups:
-                continue
+        for net_name, kube_groups in self.kubernetes_groups().items():
+            net = spec.network(net_name)
             tke = TencentTke(f"{spec.env}-{net.name}", TencentTkeArgs(
                 spec=spec, groups=kube_groups, vpc_id=nets[net.name].vpc.id,
                 subnet_ids=[s.id for s in nets[net.name].subnets], security_group_id=nets[net.name].security_group.id,
