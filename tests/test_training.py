@@ -146,3 +146,23 @@ def test_dataset_cache_is_resumable_and_verified(moto: MotoServer, tmp_path: Pat
     (dest / "a" / "2.jpg").write_bytes(b"partial")  # an interrupted copy
     assert sync(f"s3://{moto.bucket}/data", str(dest)) == (1, 3)
     assert (dest / "a" / "2.jpg").read_bytes() == b"y" * 20
+
+
+def test_resnet50_on_an_image_folder_with_bf16_and_grad_checkpointing(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    for label, colour in (("cat", (200, 30, 30)), ("dog", (30, 30, 200))):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (80 + 8 * i, 72), colour).save(tmp_path / "images" / label / f"{i}.jpg")
+    cmd = [sys.executable, "-m", "training.train", "--workload", "resnet50", "--data-dir", str(tmp_path / "images"),
+           "--image-size", "64", "--batch-size", "2", "--steps", "3", "--checkpoint-every", "2",
+           "--precision", "bf16", "--grad-checkpointing", "--checkpoint-dir", str(tmp_path / "ck"), "--log-every", "1"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "final step=3 " in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000002", "step-00000003"]

@@ -19,6 +19,7 @@ class TrainConfig:
     # what to train
     workload: str = "tiny"  # tiny (synthetic, CPU-friendly) | resnet50 (image folder)
     data_dir: str = ""  # image-folder root for resnet50 (class sub-folders of images)
+    image_size: int = 224  # resnet50 input resolution
     steps: int = 200  # optimizer steps in total (across restarts)
     batch_size: int = 32  # per rank
     lr: float = 0.01  # peak learning rate

@@ -79,7 +79,7 @@ def build(cfg: config_mod.TrainConfig) -> tuple[SyntheticClassification | ImageF
     if cfg.workload == "tiny":
         return (SyntheticClassification(cfg.tiny_samples, cfg.tiny_dim, 10, cfg.seed),
                 TinyNet(cfg.tiny_dim, cfg.tiny_width))
-    data = ImageFolder(cfg.data_dir, 224, cfg.seed)
+    data = ImageFolder(cfg.data_dir, cfg.image_size, cfg.seed)
     model = ResNet50(len(data.classes), cfg.grad_checkpointing)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
