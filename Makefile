@@ -6,7 +6,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STACK  ?= dev
 FORMAT ?= table
-STAMP  := $(VENV)/.installed
+STAMP  := $(VENV)/.installed-dev
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 
 OUT    ?= out/userdata
 STEPS      ?= 200
@@ -16,20 +17,27 @@ THROTTLE_MS ?= 50
 
 .PHONY: plan userdata train-local bench test typecheck unit tools venv clean
 
-$(STAMP): requirements.txt requirements-dev.txt constraints.txt
+# The stack program and plan need requirements.txt; tests, the trainer and the benchmark
+# need requirements-dev.txt too (torch installs a CPU build).
+$(RUNTIME_STAMP): requirements.txt constraints.txt
 	@echo "installing pinned dependencies into $(VENV) ..." >&2
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) >&2
+	@$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt -c constraints.txt >&2
+	@touch $@
+
+$(STAMP): $(RUNTIME_STAMP) requirements-dev.txt training/requirements.txt
+	@echo "installing test and trainer dependencies into $(VENV) ..." >&2
 	@$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt -c constraints.txt >&2
 	@touch $@
 
 venv: $(STAMP)
 
 ## plan: the stack offline — resources, cost, policy verdicts (STACK=dev|prod|<name>, FORMAT=table|json)
-plan: $(STAMP)
+plan: $(RUNTIME_STAMP)
 	@$(PY) -m infra.plan --stack $(STACK) --format $(FORMAT)
 
 ## userdata: each node group's rendered cloud-config as $(OUT)/<cloud>-<group>.yaml (STACK=…)
-userdata: $(STAMP)
+userdata: $(RUNTIME_STAMP)
 	@$(PY) -m infra.userdata --stack $(STACK) --out $(OUT)
 
 ## train-local: the trainer on CPU, 2 processes (gloo), tiny workload (STEPS= CKPT_EVERY= CKPT_DIR=<path or URL>)

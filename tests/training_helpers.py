@@ -182,16 +182,16 @@ class Proxy:
     @staticmethod
     def _pipe(a: socket.socket, b: socket.socket, stop: threading.Event) -> None:
         sel = selectors.DefaultSelector()
-        sel.register(a, selectors.EVENT_READ, b)
-        sel.register(b, selectors.EVENT_READ, a)
         try:
+            sel.register(a, selectors.EVENT_READ, b)  # the proxy may already be down
+            sel.register(b, selectors.EVENT_READ, a)
             while not stop.is_set():
                 for key, _ in sel.select(timeout=0.2):
                     data = key.fileobj.recv(65536)  # type: ignore[union-attr]
                     if not data:
                         return
                     key.data.sendall(data)
-        except OSError:
+        except (OSError, ValueError):
             return
         finally:
             for s in (a, b):
