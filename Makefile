@@ -59,13 +59,15 @@ typecheck: $(STAMP)
 unit: $(STAMP) tools
 	$(PY) -m pytest -q
 
-# Debian's cloud-init, for the real `cloud-init schema` checks of the rendered user data.
+# Debian's cloud-init (the real `cloud-init schema` checks of the rendered user data) and
+# prometheus (a real scrape of the trainer's metrics).
 tools:
-	@command -v cloud-init >/dev/null 2>&1 || { \
+	@missing=""; for tool in cloud-init prometheus; do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing cloud-init (Debian package) ..." >&2; \
-	    apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cloud-init >&2; \
-	  else echo "WARNING: cloud-init is missing and cannot be installed here: its schema tests will be skipped" >&2; fi; }
+	    echo "installing$$missing (Debian packages) ..." >&2; \
+	    apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >&2; \
+	  else echo "WARNING:$$missing missing and not installable here: their tests will be skipped" >&2; fi; fi
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache

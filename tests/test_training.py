@@ -166,3 +166,51 @@ def test_resnet50_on_an_image_folder_with_bf16_and_grad_checkpointing(tmp_path: 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "final step=3 " in proc.stdout
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000002", "step-00000003"]
+
+
+def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
+    import json as _json
+    import shutil as _shutil
+    import subprocess
+    import sys
+    import time
+
+    binary = _shutil.which("prometheus")
+    if binary is None:
+        reason = "Debian's prometheus is not installed (`make test` installs it as root with apt-get)"
+        if os.environ.get("CI"):
+            pytest.fail(reason + " — CI must not skip this")
+        pytest.skip(reason)
+    metrics_port, web_port = free_port(), free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: trainer, static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]}}]\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    trainer = subprocess.Popen([sys.executable, "-m", "training.train", "--steps", "400", "--throttle-ms", "50",
+                                "--checkpoint-every", "100", "--checkpoint-dir", str(tmp_path / "ck"),
+                                "--metrics-port", str(metrics_port), "--node-hourly-usd", "3.06"],
+                               cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prom = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web_port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def scraped() -> bool:
+            try:
+                url = f"http://127.0.0.1:{web_port}/api/v1/query?query=gts_train_step"
+                result = _json.loads(urllib.request.urlopen(url, timeout=2).read())["data"]["result"]
+                return bool(result) and float(result[0]["value"][1]) > 0
+            except OSError:
+                return False
+        assert retry_until(scraped, 60), "Prometheus never saw gts_train_step"
+        url = f"http://127.0.0.1:{web_port}/api/v1/query?query=gts_node_cost_usd"
+        deadline = time.monotonic() + 30
+        cost = 0.0
+        while time.monotonic() < deadline and cost <= 0:
+            result = _json.loads(urllib.request.urlopen(url, timeout=2).read())["data"]["result"]
+            cost = float(result[0]["value"][1]) if result else 0.0
+            time.sleep(0.5)
+        assert cost > 0, "the cost-so-far metric grows from the node's hourly price"
+    finally:
+        for proc in (trainer, prom):
+            proc.terminate()
+            proc.wait(timeout=30)
