@@ -9,6 +9,7 @@ data disk of that size priced in).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -134,9 +135,8 @@ class Catalog:
         """A copy with on-demand prices replaced (a stack's pricing.overrides)."""
         types = dict(self.types)
         for key, price in overrides.items():
-            base = types[key]
-            types[key] = InstanceType(**{**base.__dict__, "price_ondemand": price,
-                                         "price_source": "stack override", "price_estimate": False})
+            types[key] = dataclasses.replace(types[key], price_ondemand=price, price_source="stack override",
+                                             price_estimate=False)
         return Catalog(types)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pulumi
 from rich.console import Console
+from rich.markup import escape
 
 from infra.cost import stack_cost
 from infra.errors import CatalogError, SpecError
@@ -69,11 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True, soft_wrap=True)
     try:
         plan = build_plan(args.stack)
-    except (SpecError, StackFileError, CatalogError) as exc:
-        err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
-        return 2
-    except pulumi.RunError as exc:
-        err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+    except (SpecError, StackFileError, CatalogError, pulumi.RunError) as exc:
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
         return 2
     if args.format == "json":
         sys.stdout.write(json.dumps(plan, indent=2, sort_keys=False) + "\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 # Inputs worth a glance, in the order shown; the first ones found are printed.
@@ -43,7 +44,7 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
     for column in ("cloud", "type", "name", "key inputs"):
         table.add_column(column, overflow="fold")
     for res in sorted(plan["resources"], key=lambda r: (cloud_of(r["type"]), r["type"], r["name"])):
-        table.add_row(cloud_of(res["type"]), res["type"], res["name"], key_inputs(res["inputs"]))
+        table.add_row(cloud_of(res["type"]), res["type"], escape(res["name"]), escape(key_inputs(res["inputs"])))
     console.print(table)
 
     cost = plan["cost"]
@@ -79,5 +80,5 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         vt.add_column(column, overflow="fold")
     for v in violations:
         style = "red" if v["enforcement"] == "mandatory" else "yellow"
-        vt.add_row(f"[{style}]{v['enforcement']}[/]", v["policy"], v.get("resource", ""), v["message"])
+        vt.add_row(f"[{style}]{v['enforcement']}[/]", v["policy"], escape(v.get("resource", "")), escape(v["message"]))
     console.print(vt)
