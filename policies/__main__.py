@@ -35,7 +35,7 @@ def _policy(rule: Rule) -> StackValidationPolicy:
     return StackValidationPolicy(
         name=rule.name, description=rule.description, validate=validate,
         enforcement_level=LEVELS[rule.enforcement],
-        config_schema=PolicyConfigSchema(properties=rule.schema) if rule.schema else None)
+        config_schema=PolicyConfigSchema(properties=rule.schema))
 
 
 PolicyPack(name="gpu-training-stack", policies=[_policy(r) for r in RULES])
