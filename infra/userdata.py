@@ -19,6 +19,7 @@ from pathlib import Path
 import jinja2
 
 from infra import catalog as cat
+from infra.clouds import checkpoint_url
 from infra.spec import NodeGroup, StackSpec, hardware
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "cloudinit"
@@ -171,21 +172,6 @@ def write_all(stack: str, out: Path) -> list[Path]:
         target.write_text(render(ctx), encoding="utf-8")
         written.append(target)
     return written
-
-
-def checkpoint_url(spec: StackSpec, group: NodeGroup) -> str:
-    """Where a group's checkpoints go: the bucket each cloud's storage component names."""
-    from infra.clouds.alicloud.storage import bucket_name as oss_name
-    from infra.clouds.aws.storage import bucket_name as s3_name
-    from infra.clouds.tencentcloud.storage import bucket_name as cos_name
-
-    region = spec.clouds[group.cloud].region
-    if group.cloud == "aws":
-        return f"s3://{s3_name(spec.storage, region)}/checkpoints/{group.name}/"
-    if group.cloud == "alicloud":
-        return f"oss://{oss_name(spec.storage, region)}/checkpoints/{group.name}/"
-    app_id = spec.clouds[group.cloud].app_id or ""
-    return f"cosn://{cos_name(spec.storage, region, app_id)}/checkpoints/{group.name}/"
 
 
 def main(argv: list[str] | None = None) -> int:

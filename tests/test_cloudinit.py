@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from infra import userdata
+from infra.clouds import checkpoint_url
 from infra.plan.engine import ROOT, Registered, project_name, read_stack_file
 from infra.program import spec_from_values
 from infra.spec import StackSpec
@@ -41,7 +42,7 @@ def _spec(stack: str) -> StackSpec:
 
 def _rendered(stack: str) -> dict[str, str]:
     spec = _spec(stack)
-    return {f"{g.cloud}-{g.name}": userdata.render(userdata.node_context(spec, g, userdata.checkpoint_url(spec, g)))
+    return {f"{g.cloud}-{g.name}": userdata.render(userdata.node_context(spec, g, checkpoint_url(spec, g)))
             for g in spec.node_groups}
 
 
@@ -128,7 +129,7 @@ def test_user_data_fits_every_cloud_limit() -> None:
     for stack in ("dev", "prod"):
         spec = _spec(stack)
         for g in spec.node_groups:
-            ctx = userdata.node_context(spec, g, userdata.checkpoint_url(spec, g))
+            ctx = userdata.node_context(spec, g, checkpoint_url(spec, g))
             encoded = userdata.for_vm(ctx)
             assert len(encoded) <= userdata.LIMITS[g.cloud]
             assert gzip.decompress(base64.b64decode(encoded)).decode() == userdata.render(ctx)

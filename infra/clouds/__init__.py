@@ -11,7 +11,7 @@ from typing import Protocol
 
 import pulumi
 
-from infra.spec import StackSpec
+from infra.spec import NodeGroup, StackSpec
 
 
 class Platform(Protocol):
@@ -26,6 +26,12 @@ _PLATFORMS = {
     "alicloud": "infra.clouds.alicloud.platform:AlicloudPlatform",
     "tencentcloud": "infra.clouds.tencentcloud.platform:TencentcloudPlatform",
 }
+
+
+def checkpoint_url(spec: StackSpec, group: NodeGroup) -> str:
+    """A node group's checkpoint URL, from its cloud's storage module (the one naming the bucket)."""
+    storage = importlib.import_module(f"infra.clouds.{group.cloud}.storage")
+    return f"{storage.checkpoint_root(spec)}{group.name}/"
 
 
 def platform_class(cloud: str) -> type[Platform]:

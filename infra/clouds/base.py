@@ -10,6 +10,11 @@ import pulumi
 from infra.spec import Network, NodeGroup, Peering, StackSpec
 from infra.tags import stack_tags
 
+# Every cloud's bucket holds checkpoints and datasets under the same prefixes; node roles are
+# limited to them and lifecycle rules archive the first.
+CHECKPOINT_PREFIX = "checkpoints/"
+DATASET_PREFIX = "datasets/"
+
 
 class CloudPlatform(pulumi.ComponentResource):
     """Base of `gpu-training-stack:<cloud>:Platform`.

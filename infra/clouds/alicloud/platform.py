@@ -12,8 +12,9 @@ from infra.clouds.alicloud.fleet import AlicloudGpuFleet, AlicloudGpuFleetArgs
 from infra.clouds.alicloud.kubernetes import AlicloudAck, AlicloudAckArgs
 from infra.clouds.alicloud.network import AlicloudNetwork, AlicloudNetworkArgs
 from infra.clouds.alicloud.peering import AlicloudPeering, AlicloudPeeringArgs
-from infra.clouds.alicloud.storage import CHECKPOINT_PREFIX, DATASET_PREFIX, AlicloudStorage, AlicloudStorageArgs
-from infra.clouds.base import CloudPlatform
+from infra.clouds.alicloud.storage import AlicloudStorage, AlicloudStorageArgs, checkpoint_root
+from infra.clouds import checkpoint_url as group_checkpoint_url
+from infra.clouds.base import CHECKPOINT_PREFIX, DATASET_PREFIX, CloudPlatform
 
 
 class AlicloudPlatform(CloudPlatform):
@@ -40,14 +41,14 @@ class AlicloudPlatform(CloudPlatform):
 
         storage = AlicloudStorage(f"{self.name}-storage", AlicloudStorageArgs(spec.storage, region, tags),
                                   opts=self.provider_opts(region))
-        checkpoint_url = f"oss://{storage.name}/{CHECKPOINT_PREFIX}"
+        checkpoint_url = checkpoint_root(spec)
         access = AlicloudAccess(f"{self.name}-access", AlicloudAccessArgs(
             storage.name, [CHECKPOINT_PREFIX, DATASET_PREFIX], tags), opts=self.provider_opts(region))
 
         fleets: dict[str, pulumi.Output[str]] = {}
         for g in self.vm_groups():
             net = spec.network(g.network)
-            ctx = userdata.node_context(spec, g, f"{checkpoint_url}{g.name}/")
+            ctx = userdata.node_context(spec, g, group_checkpoint_url(spec, g))
             fleet = AlicloudGpuFleet(g.name, AlicloudGpuFleetArgs(
                 spec=spec, group=g, vpc_id=nets[net.name].vpc.id, switch_ids=[s.id for s in nets[net.name].switches],
                 zones=[s.zone for s in net.subnets], security_group_id=nets[net.name].security_group.id,

@@ -8,15 +8,19 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_alicloud as alicloud
 
-from infra.spec import Storage
+from infra.clouds.base import CHECKPOINT_PREFIX
+from infra.spec import StackSpec, Storage
 
-CHECKPOINT_PREFIX = "checkpoints/"
-DATASET_PREFIX = "datasets/"
 COLD_ARCHIVE_AFTER_DAYS = 180  # beyond checkpointArchiveDays
 
 
 def bucket_name(storage: Storage, region: str) -> str:
     return f"{storage.bucket_prefix}-{region}"
+
+
+def checkpoint_root(spec: StackSpec) -> str:
+    """Where this cloud's node groups keep checkpoints: oss://<bucket>/{CHECKPOINT_PREFIX}."""
+    return f"oss://{bucket_name(spec.storage, spec.clouds['alicloud'].region)}/{CHECKPOINT_PREFIX}"
 
 
 @dataclass

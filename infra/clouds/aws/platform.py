@@ -12,8 +12,9 @@ from infra.clouds.aws.kubernetes import AwsEks, AwsEksArgs
 from infra.clouds.aws.fleet import AwsGpuFleet, AwsGpuFleetArgs
 from infra.clouds.aws.network import AwsNetwork, AwsNetworkArgs
 from infra.clouds.aws.peering import AwsPeering, AwsPeeringArgs
-from infra.clouds.aws.storage import CHECKPOINT_PREFIX, DATASET_PREFIX, AwsStorage, AwsStorageArgs
-from infra.clouds.base import CloudPlatform
+from infra.clouds.aws.storage import AwsStorage, AwsStorageArgs, checkpoint_root
+from infra.clouds import checkpoint_url as group_checkpoint_url
+from infra.clouds.base import CHECKPOINT_PREFIX, DATASET_PREFIX, CloudPlatform
 
 
 class AwsPlatform(CloudPlatform):
@@ -46,7 +47,7 @@ class AwsPlatform(CloudPlatform):
 
         storage = AwsStorage(f"{self.name}-storage", AwsStorageArgs(spec.storage, region, tags),
                              opts=self.provider_opts(region))
-        checkpoint_url = f"s3://{storage.name}/{CHECKPOINT_PREFIX}"
+        checkpoint_url = checkpoint_root(spec)
         access = AwsAccess(f"{self.name}-access", AwsAccessArgs(
             bucket_arn=storage.bucket.arn, key_arn=storage.key.arn, prefixes=[CHECKPOINT_PREFIX, DATASET_PREFIX],
             tags=tags, kubernetes=bool(self.kubernetes_groups())), opts=self.provider_opts(region))
@@ -54,7 +55,7 @@ class AwsPlatform(CloudPlatform):
         fleets: dict[str, pulumi.Output[str]] = {}
         for g in self.vm_groups():
             net = spec.network(g.network)
-            ctx = userdata.node_context(spec, g, f"{checkpoint_url}{g.name}/")
+            ctx = userdata.node_context(spec, g, group_checkpoint_url(spec, g))
             fleet = AwsGpuFleet(g.name, AwsGpuFleetArgs(
                 spec=spec, group=g, subnet_ids=[s.id for s in nets[net.name].private_subnets],
                 zones=[s.zone for s in net.subnets], security_group_id=nets[net.name].security_group.id,

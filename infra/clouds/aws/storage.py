@@ -9,14 +9,18 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from infra.spec import Storage
+from infra.clouds.base import CHECKPOINT_PREFIX
+from infra.spec import StackSpec, Storage
 
-CHECKPOINT_PREFIX = "checkpoints/"
-DATASET_PREFIX = "datasets/"
 
 
 def bucket_name(storage: Storage, region: str) -> str:
     return f"{storage.bucket_prefix}-{region}"
+
+
+def checkpoint_root(spec: StackSpec) -> str:
+    """Where this cloud's node groups keep checkpoints: s3://<bucket>/{CHECKPOINT_PREFIX}."""
+    return f"s3://{bucket_name(spec.storage, spec.clouds['aws'].region)}/{CHECKPOINT_PREFIX}"
 
 
 @dataclass

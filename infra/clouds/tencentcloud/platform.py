@@ -6,14 +6,15 @@ import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
 from infra import userdata
-from infra.clouds.base import CloudPlatform
+from infra.clouds import checkpoint_url as group_checkpoint_url
+from infra.clouds.base import CHECKPOINT_PREFIX, DATASET_PREFIX, CloudPlatform
 from infra.clouds.tencentcloud.access import TencentAccess, TencentAccessArgs
 from infra.clouds.tencentcloud.budget import TencentBudget, TencentBudgetArgs
 from infra.clouds.tencentcloud.fleet import TencentGpuFleet, TencentGpuFleetArgs
 from infra.clouds.tencentcloud.kubernetes import TencentTke, TencentTkeArgs
 from infra.clouds.tencentcloud.network import TencentNetwork, TencentNetworkArgs
 from infra.clouds.tencentcloud.peering import TencentPeering, TencentPeeringArgs, TencentTransit, TencentTransitArgs
-from infra.clouds.tencentcloud.storage import CHECKPOINT_PREFIX, DATASET_PREFIX, TencentStorage, TencentStorageArgs
+from infra.clouds.tencentcloud.storage import TencentStorage, TencentStorageArgs, checkpoint_root
 
 
 class TencentcloudPlatform(CloudPlatform):
@@ -51,14 +52,14 @@ class TencentcloudPlatform(CloudPlatform):
 
         storage = TencentStorage(f"{self.name}-storage", TencentStorageArgs(spec.storage, region, app_id, tags),
                                  opts=self.provider_opts(region))
-        checkpoint_url = f"cosn://{storage.name}/{CHECKPOINT_PREFIX}"
+        checkpoint_url = checkpoint_root(spec)
         access = TencentAccess(f"{self.name}-access", TencentAccessArgs(
             storage.name, region, app_id, [CHECKPOINT_PREFIX, DATASET_PREFIX], tags), opts=self.provider_opts(region))
 
         fleets: dict[str, pulumi.Output[str]] = {}
         for g in self.vm_groups():
             net = spec.network(g.network)
-            ctx = userdata.node_context(spec, g, f"{checkpoint_url}{g.name}/")
+            ctx = userdata.node_context(spec, g, group_checkpoint_url(spec, g))
             fleet = TencentGpuFleet(g.name, TencentGpuFleetArgs(
                 spec=spec, group=g, vpc_id=nets[net.name].vpc.id, subnet_ids=[s.id for s in nets[net.name].subnets],
                 zones=[s.zone for s in net.subnets], security_group_id=nets[net.name].security_group.id,

@@ -8,15 +8,20 @@ from dataclasses import dataclass
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
-from infra.spec import Storage
+from infra.clouds.base import CHECKPOINT_PREFIX
+from infra.spec import StackSpec, Storage
 
-CHECKPOINT_PREFIX = "checkpoints/"
-DATASET_PREFIX = "datasets/"
 DEEP_ARCHIVE_AFTER_DAYS = 180
 
 
 def bucket_name(storage: Storage, region: str, app_id: str) -> str:
     return f"{storage.bucket_prefix}-{region}-{app_id}"
+
+
+def checkpoint_root(spec: StackSpec) -> str:
+    """Where this cloud's node groups keep checkpoints: cosn://<bucket>/{CHECKPOINT_PREFIX}."""
+    account = spec.clouds["tencentcloud"]
+    return f"cosn://{bucket_name(spec.storage, account.region, account.app_id or '')}/{CHECKPOINT_PREFIX}"
 
 
 @dataclass
