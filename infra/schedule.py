@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone, tzinfo
+
+
+def recurrence_window(zone: tzinfo = timezone.utc, now: datetime | None = None) -> tuple[datetime, datetime]:
+    """First run and end of recurrence for a cloud's scheduled actions: the next full hour, and
+    364 days later (Alibaba ESS and Tencent AS want the end within a year). Stacks take them
+    from their first run and ignore later changes, so they do not churn on every `pulumi up`."""
+    start = (now or datetime.now(zone)).astimezone(zone).replace(minute=0, second=0, microsecond=0)
+    start += timedelta(hours=1)
+    return start, start + timedelta(days=364)
+
 
 def cron_in_beijing(cron: str) -> str:
     """A UTC cron expression as Beijing time (UTC+8), which Tencent AS schedules run in.

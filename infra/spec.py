@@ -265,6 +265,15 @@ def hardware(spec: StackSpec, group: NodeGroup) -> Hardware:
     return Hardware(types, primary, cat.scratch_disk_gb(primary, scratch.size_gb, scratch.source) or 0)
 
 
+def spot_price_cap(spec: StackSpec, group: NodeGroup, item: cat.InstanceType) -> float | None:
+    """The group's spot price cap (spotMaxPriceUsd) in the currency its clouds bill in: the
+    catalog row's currency, so CNY for Alibaba and Tencent types."""
+    cap = group.market.spot_max_price_usd
+    if cap is None:
+        return None
+    return round(cap if item.currency == "USD" else cap * spec.pricing.cny_per_usd, 4)
+
+
 # --------------------------------------------------------------------------------------
 # Loading and error reporting
 # --------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Any
 import pulumi
 import pytest
 
-from infra.schedule import cron_in_beijing
+from infra.schedule import cron_in_beijing, recurrence_window
 from infra.plan.engine import Registered
 from policies.resources import taggable
 from tests.harness import by_type, key, run_stack
@@ -141,6 +141,15 @@ def test_cron_to_beijing_time() -> None:
     assert cron_in_beijing("0 20 * * *") == "0 4 * * *"
     with pytest.raises(ValueError, match="single hour"):
         cron_in_beijing("0 */2 * * *")
+
+
+def test_recurrence_window_starts_next_full_hour_in_the_clouds_zone() -> None:
+    from datetime import datetime, timedelta, timezone
+
+    now = datetime(2026, 11, 29, 15, 42, 7, tzinfo=timezone.utc)
+    start, end = recurrence_window(timezone(timedelta(hours=8)), now)
+    assert start.isoformat() == "2026-11-30T00:00:00+08:00" and (end - start).days == 364
+    assert recurrence_window(now=now)[0].isoformat() == "2026-11-29T16:00:00+00:00"
 
 
 def test_done_when_counts() -> None:

@@ -6,13 +6,13 @@ Reserved groups are PrePaid ECS instances instead (ESS does not buy prepaid capa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
 
 import pulumi
 import pulumi_alicloud as alicloud
 
 from infra import catalog as cat
-from infra.spec import NodeGroup, StackSpec, hardware
+from infra.schedule import recurrence_window
+from infra.spec import NodeGroup, StackSpec, hardware, spot_price_cap
 
 IMAGE_REGEX = "^ubuntu_22_04_x64"
 SYSTEM_DISK_GB = 200
@@ -23,22 +23,6 @@ def spot_strategy(group: NodeGroup) -> str:
     if group.market.type != "spot":
         return "NoSpot"
     return "SpotWithPriceLimit" if group.market.spot_max_price_usd else "SpotAsPriceGo"
-
-
-def price_limit(spec: StackSpec, group: NodeGroup, item: cat.InstanceType) -> float | None:
-    """The spot price cap in the account's currency (CNY for catalog rows priced in CNY)."""
-    cap = group.market.spot_max_price_usd
-    if cap is None:
-        return None
-    return round(cap if item.currency == "USD" else cap * spec.pricing.cny_per_usd, 4)
-
-
-def schedule_window(now: datetime | None = None) -> tuple[str, str]:
-    """ESS scheduled tasks need a launch time within the next days and an end of recurrence
-    within a year of it; the program takes them from the first run (later runs ignore them)."""
-    start = (now or datetime.now(timezone.utc)).replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
-    end = start + timedelta(days=364)
-    return start.strftime("%Y-%m-%dT%H:%MZ"), end.strftime("%Y-%m-%dT%H:%MZ")
 
 
 @dataclass
@@ -67,7 +51,7 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
                                                instance_type=types[0],
                                                opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         image_id = image.images.apply(lambda imgs: imgs[0].id)
-        price_cap = price_limit(spec, g, primary)
+        price_cap = spot_price_cap(spec, g, primary)
 
         if g.market.type == "reserved":
             self.instances = [alicloud.ecs.Instance(
@@ -112,7 +96,7 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
             tags=tags, opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
                 ignore_changes=["desiredCapacity"])))
 
-        start, end = schedule_window()
+        start, end = (t.strftime("%Y-%m-%dT%H:%MZ") for t in recurrence_window())
         for action in g.schedule:
             alicloud.ess.ScheduledTask(
                 f"{name}-{action.name}", scheduled_task_name=f"{name}-{action.name}",

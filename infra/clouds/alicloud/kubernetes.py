@@ -12,9 +12,9 @@ import pulumi_alicloud as alicloud
 import pulumi_kubernetes as k8s
 
 from infra import userdata
-from infra.clouds.alicloud.fleet import ESSD, price_limit, spot_strategy
+from infra.clouds.alicloud.fleet import ESSD, spot_strategy
 from infra.k8s import GPU_LABEL, deploy_training_jobs
-from infra.spec import NodeGroup, StackSpec, hardware
+from infra.spec import NodeGroup, StackSpec, hardware, spot_price_cap
 
 ACK_SPEC = "ack.pro.small"
 POD_CIDR = "172.20.0.0/16"  # outside every stack VPC (10.0.0.0/8)
@@ -62,7 +62,7 @@ class AlicloudAck(pulumi.ComponentResource):
         hw = hardware(spec, g)
         types, item, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
         spot = g.market.type == "spot"
-        cap = price_limit(spec, g, item)
+        cap = spot_price_cap(spec, g, item)
         labels = {GPU_LABEL: g.name, "gpu-training-stack/gpu-model": item.gpu_model,
                   "gpu-training-stack/workload": g.workload}
         return alicloud.cs.NodePool(

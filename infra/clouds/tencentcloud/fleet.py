@@ -6,14 +6,14 @@ and reserved (PREPAID) groups — is CVM instances with encrypted data disks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta, timezone
 
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
 from infra import catalog as cat
-from infra.schedule import cron_in_beijing
-from infra.spec import NodeGroup, StackSpec, hardware
+from infra.schedule import cron_in_beijing, recurrence_window
+from infra.spec import NodeGroup, StackSpec, hardware, spot_price_cap
 
 IMAGE_REGEX = "Ubuntu Server 22.04"
 DISK = "CLOUD_HSSD"
@@ -22,18 +22,9 @@ CHINA = timezone(timedelta(hours=8))  # Tencent Cloud APIs take Beijing time
 
 
 def spot_max_price(spec: StackSpec, group: NodeGroup, item: cat.InstanceType) -> str | None:
-    """The spot cap as Tencent wants it: a string, in the account's currency (CNY)."""
-    cap = group.market.spot_max_price_usd
-    if cap is None:
-        return None
-    return f"{cap if item.currency == 'USD' else cap * spec.pricing.cny_per_usd:.4f}"
-
-
-def schedule_window(now: datetime | None = None) -> tuple[str, str]:
-    """First run and end of recurrence for AS schedules (taken once; later runs ignore them)."""
-    start = (now or datetime.now(CHINA)).astimezone(CHINA).replace(minute=0, second=0, microsecond=0)
-    start += timedelta(hours=1)
-    return start.isoformat(), (start + timedelta(days=364)).isoformat()
+    """The spot cap as Tencent wants it: a string, in the account's currency."""
+    cap = spot_price_cap(spec, group, item)
+    return None if cap is None else f"{cap:.4f}"
 
 
 @dataclass
@@ -103,7 +94,7 @@ class TencentGpuFleet(pulumi.ComponentResource):
             retry_policy="INCREMENTAL_INTERVALS", termination_policies="NEWEST_INSTANCE",
             tags=tags, opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
                 ignore_changes=["desiredCapacity"])))
-        start, end = schedule_window()
+        start, end = (t.isoformat() for t in recurrence_window(CHINA))
         for action in g.schedule:
             tencentcloud.as_.Schedule(
                 f"{name}-{action.name}", schedule_action_name=action.name, scaling_group_id=self.group.id,
