@@ -3,6 +3,7 @@ as a Kubernetes Job. EKS, ACK and TKE all call this with their cluster's provide
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pulumi
@@ -146,3 +147,38 @@ def deploy_training_jobs(spec: StackSpec, groups: list[NodeGroup], checkpoint_ur
                  "CHECKPOINT_DIR": "/scratch/checkpoints", "METRICS_PORT": "9401"},
             labels={"env": spec.env}), opts=opts))
     return jobs
+
+
+@dataclass(frozen=True)
+class PoolPart:
+    """One managed node pool of a node group: EKS node groups and TKE node pools buy a single
+    way, so a spot group's on-demand base becomes a pool of its own (ACK pools take an
+    on-demand base natively and use one part)."""
+
+    suffix: str  # od | spot
+    spot: bool
+    min: int
+    max: int
+    desired: int
+
+
+def pool_parts(group: NodeGroup) -> list[PoolPart]:
+    s = group.scaling
+    if group.market.type != "spot":
+        return [PoolPart("od", False, s.min, s.max, s.baseline)]
+    base = group.market.on_demand_base
+    parts = [PoolPart("od", False, base, base, base)] if base else []
+    return parts + [PoolPart("spot", True, max(0, s.min - base), max(1, s.max - base), max(0, s.baseline - base))]
+
+
+def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[pulumi.Resource], spec: StackSpec,
+                      groups: list[NodeGroup], checkpoint_url: str, parent: pulumi.Resource,
+                      device_plugin: bool) -> None:
+    """A Kubernetes provider on the new cluster (after its GPU pools exist), the NVIDIA device
+    plugin where the cloud does not install it, and the training Jobs."""
+    provider = k8s.Provider(f"{name}-k8s", kubeconfig=kubeconfig,
+                            opts=pulumi.ResourceOptions(parent=parent, depends_on=list(pools)))
+    opts = pulumi.ResourceOptions(parent=parent, provider=provider)
+    if device_plugin:
+        NvidiaDevicePlugin(f"{name}-nvidia", opts=opts)
+    deploy_training_jobs(spec, groups, checkpoint_url, opts)

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 
 import pulumi
 import pulumi_alicloud as alicloud
-import pulumi_kubernetes as k8s
 
 from infra import userdata
 from infra.clouds.alicloud.fleet import ESSD, spot_strategy
-from infra.k8s import GPU_LABEL, deploy_training_jobs
+from infra.k8s import GPU_LABEL, cluster_workloads
 from infra.spec import NodeGroup, StackSpec, hardware, spot_price_cap
 
 ACK_SPEC = "ack.pro.small"
@@ -51,10 +50,8 @@ class AlicloudAck(pulumi.ComponentResource):
         credential = alicloud.cs.get_cluster_credential_output(
             cluster_id=self.cluster.id, opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(credential.kube_config.apply(str))
-        k8s_provider = k8s.Provider(f"{name}-k8s", kubeconfig=self.kubeconfig,
-                                    opts=pulumi.ResourceOptions(parent=self, depends_on=self.pools))
-        deploy_training_jobs(spec, args.groups, args.checkpoint_url,
-                             pulumi.ResourceOptions(parent=self, provider=k8s_provider))
+        cluster_workloads(name, self.kubeconfig, self.pools, spec, args.groups, args.checkpoint_url,
+                          parent=self, device_plugin=False)
         self.register_outputs({"clusterId": self.cluster.id})
 
     def _pool(self, g: NodeGroup, args: AlicloudAckArgs, child: pulumi.ResourceOptions) -> alicloud.cs.NodePool:

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import pulumi
 import pulumi_aws as aws
-import pulumi_kubernetes as k8s
 
 from infra import userdata
-from infra.k8s import GPU_LABEL, NvidiaDevicePlugin, deploy_training_jobs
+from infra.k8s import GPU_LABEL, cluster_workloads, pool_parts
 from infra.spec import NodeGroup, StackSpec, hardware
 
 EKS_VERSION = "1.33"
@@ -75,11 +74,9 @@ class AwsEks(pulumi.ComponentResource):
         self.kubeconfig = pulumi.Output.secret(pulumi.Output.all(
             self.cluster.endpoint, self.cluster.certificate_authority.data).apply(
                 lambda ec: kubeconfig(name, args.region, ec[0], ec[1])))
-        k8s_provider = k8s.Provider(f"{name}-k8s", kubeconfig=self.kubeconfig,
-                                    opts=pulumi.ResourceOptions(parent=self, depends_on=self.node_groups))
-        k8s_opts = pulumi.ResourceOptions(parent=self, provider=k8s_provider)
-        NvidiaDevicePlugin(f"{name}-nvidia", opts=k8s_opts)
-        deploy_training_jobs(spec, args.groups, args.checkpoint_url, k8s_opts)
+        # The EKS NVIDIA AMI has the driver but not the device plugin.
+        cluster_workloads(name, self.kubeconfig, self.node_groups, spec, args.groups, args.checkpoint_url,
+                          parent=self, device_plugin=True)
         self.register_outputs({"clusterName": self.cluster.name})
 
     def _node_groups(self, name: str, g: NodeGroup, args: AwsEksArgs,
@@ -102,18 +99,10 @@ class AwsEks(pulumi.ComponentResource):
             tags=tags, opts=child)
         labels = {GPU_LABEL: g.name, "gpu-training-stack/gpu-model": item.gpu_model,
                   "gpu-training-stack/workload": g.workload, "nvidia.com/gpu.present": "true"}
-        # A managed node group has one capacity type: an on-demand base is its own group.
-        parts: list[tuple[str, str, int, int, int]] = []
-        if g.market.type == "spot":
-            base = g.market.on_demand_base
-            if base:
-                parts.append(("od", "ON_DEMAND", base, base, base))
-            parts.append(("spot", "SPOT", max(0, g.scaling.min - base), max(1, g.scaling.max - base),
-                          max(0, g.scaling.baseline - base)))
-        else:
-            parts.append(("od", "ON_DEMAND", g.scaling.min, g.scaling.max, g.scaling.baseline))
         groups = []
-        for suffix, capacity, lo, hi, desired in parts:
+        for part in pool_parts(g):
+            suffix, lo, hi, desired = part.suffix, part.min, part.max, part.desired
+            capacity = "SPOT" if part.spot else "ON_DEMAND"
             ng = aws.eks.NodeGroup(
                 f"{g.name}-{suffix}", cluster_name=self.cluster.name, node_role_arn=args.node_role_arn,
                 subnet_ids=args.subnet_ids, ami_type=GPU_AMI, capacity_type=capacity, instance_types=types,

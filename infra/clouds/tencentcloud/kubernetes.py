@@ -8,12 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pulumi
-import pulumi_kubernetes as k8s
 import tencentcloud_iac_pulumi as tencentcloud
 
 from infra import userdata
 from infra.clouds.tencentcloud.fleet import DISK, spot_max_price
-from infra.k8s import GPU_LABEL, deploy_training_jobs
+from infra.k8s import GPU_LABEL, cluster_workloads, pool_parts
 from infra.spec import NodeGroup, StackSpec, hardware
 
 TKE_VERSION = "1.30.0"
@@ -55,10 +54,8 @@ class TencentTke(pulumi.ComponentResource):
         for g in args.groups:
             self.pools += self._pools(g, args, child)
         self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(self.cluster.kube_config_intranet)
-        k8s_provider = k8s.Provider(f"{name}-k8s", kubeconfig=self.kubeconfig,
-                                    opts=pulumi.ResourceOptions(parent=self, depends_on=self.pools))
-        deploy_training_jobs(spec, args.groups, args.checkpoint_url,
-                             pulumi.ResourceOptions(parent=self, provider=k8s_provider))
+        cluster_workloads(name, self.kubeconfig, self.pools, spec, args.groups, args.checkpoint_url,
+                          parent=self, device_plugin=False)
         self.register_outputs({"clusterId": self.cluster.id})
 
     def _pools(self, g: NodeGroup, args: TencentTkeArgs,
@@ -68,20 +65,11 @@ class TencentTke(pulumi.ComponentResource):
         types, item, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
         labels = {GPU_LABEL: g.name, "gpu-training-stack/gpu-model": item.gpu_model,
                   "gpu-training-stack/workload": g.workload}
-        # A node pool has one charge type: the on-demand base of a spot group is its own pool.
-        parts: list[tuple[str, str, int, int, int]] = []
-        if g.market.type == "spot":
-            base = g.market.on_demand_base
-            if base:
-                parts.append(("od", "POSTPAID_BY_HOUR", base, base, base))
-            parts.append(("spot", "SPOTPAID", max(0, g.scaling.min - base), max(1, g.scaling.max - base),
-                          max(0, g.scaling.baseline - base)))
-        else:
-            charge = "PREPAID" if g.market.type == "reserved" else "POSTPAID_BY_HOUR"
-            parts.append(("od", charge, g.scaling.min, g.scaling.max, g.scaling.baseline))
         pools = []
-        for suffix, charge, lo, hi, desired in parts:
-            spot = charge == "SPOTPAID"
+        fixed_charge = "PREPAID" if g.market.type == "reserved" else "POSTPAID_BY_HOUR"
+        for part in pool_parts(g):
+            suffix, lo, hi, desired, spot = part.suffix, part.min, part.max, part.desired, part.spot
+            charge = "SPOTPAID" if spot else fixed_charge
             pools.append(tencentcloud.kubernetes.NodePool(
                 f"{g.name}-{suffix}", name=f"{g.name}-{suffix}", cluster_id=self.cluster.id, vpc_id=args.vpc_id,
                 subnet_ids=args.subnet_ids, min_size=lo, max_size=hi, desired_capacity=desired,
