@@ -38,6 +38,25 @@ def test_prod_has_a_provider_per_region() -> None:
     assert regions == ["us-east-1", "us-west-2"]
 
 
+def test_every_platform_exports_the_same_outputs() -> None:
+    from infra.plan.engine import unwrap_secrets
+
+    for cloud in ("aws", "alicloud", "tencentcloud"):
+        (platform,) = by_type(run_stack("prod"), f"gpu-training-stack:{cloud}:Platform")
+        out = platform.outputs
+        assert set(out) == {"vpcIds", "bucket", "checkpointUrl", "fleets", "clusters", "kubeconfigs"}, cloud
+        assert len(out["vpcIds"]) == 3 and out["checkpointUrl"].endswith("/checkpoints/")
+        fleets = unwrap_secrets(out["fleets"])
+        assert fleets and all(isinstance(v, list) and v and all(isinstance(x, str) for x in v) for v in fleets.values())
+        assert rpc_secret(out["kubeconfigs"]), "kubeconfigs are exported as a secret"
+
+
+def rpc_secret(value: object) -> bool:
+    from pulumi.runtime import rpc
+
+    return bool(rpc.is_rpc_secret(value))
+
+
 def test_bad_spec_registers_nothing(tmp_path: Path) -> None:
     def edit(v: dict[str, Any]) -> None:
         v[key("budget")]["monthlyLimitUsd"] = 0

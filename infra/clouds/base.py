@@ -45,6 +45,13 @@ class CloudPlatform(pulumi.ComponentResource):
     def build(self) -> None:
         """Create this cloud's resources. The foundation creates only the providers."""
 
+    def export(self, vpc_ids: dict[str, pulumi.Output[str]], bucket: pulumi.Output[str], checkpoint_url: str,
+               fleets: dict[str, pulumi.Output[list[str]]], clusters: dict[str, pulumi.Output[str]],
+               kubeconfigs: dict[str, pulumi.Output[str]]) -> None:
+        """The same stack outputs on every cloud; kubeconfigs stay secret."""
+        self.exports = {"vpcIds": vpc_ids, "bucket": bucket, "checkpointUrl": checkpoint_url,
+                        "fleets": fleets, "clusters": clusters, "kubeconfigs": pulumi.Output.secret(kubeconfigs)}
+
     # -- helpers ----------------------------------------------------------------------
     @property
     def account(self):  # type: ignore[no-untyped-def]

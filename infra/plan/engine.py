@@ -57,6 +57,7 @@ class Registered:
     custom: bool
     provider: str
     inputs: dict[str, Any]  # secrets still wrapped; see masked()
+    outputs: dict[str, Any] = field(default_factory=dict)  # what a component registered as outputs
 
     @property
     def cloud(self) -> str:
@@ -93,6 +94,7 @@ class CapturingMonitor(pulumi_mocks.MockMonitor):
     def __init__(self, mocks: pulumi_mocks.Mocks):
         super().__init__(mocks)
         self.registered: list[Registered] = []
+        self.outputs: dict[str, dict[str, Any]] = {}  # component URN -> register_outputs()
 
     def RegisterResource(self, request: Any) -> Any:  # noqa: N802 (gRPC method name)
         response = super().RegisterResource(request)  # type: ignore[no-untyped-call]
@@ -102,6 +104,10 @@ class CapturingMonitor(pulumi_mocks.MockMonitor):
                 type=request.type, name=request.name, urn=response.urn, parent=request.parent,
                 custom=bool(request.custom), provider=request.provider, inputs=dict(inputs)))
         return response
+
+    def RegisterResourceOutputs(self, request: Any) -> Any:  # noqa: N802 (gRPC method name)
+        self.outputs[request.urn] = dict(rpc.deserialize_properties(request.outputs, keep_unknowns=True))
+        return super().RegisterResourceOutputs(request)  # type: ignore[no-untyped-call]
 
 
 InvokeHandler = Callable[[dict[str, Any]], dict[str, Any]]
@@ -196,4 +202,6 @@ def run_program(config: StackConfig, invokes: Mapping[str, InvokeHandler],
             runpy.run_path(str(ROOT / "__main__.py"), run_name="__main__")
 
     _sync_await(run_pulumi_func(main))
+    for res in monitor.registered:
+        res.outputs = monitor.outputs.get(res.urn, {})
     return monitor.registered

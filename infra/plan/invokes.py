@@ -56,7 +56,12 @@ def _s3_bucket(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
     return {"id": bucket, "bucket": bucket, "arn": f"arn:aws:s3:::{bucket}"}
 
 
+def _asg(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"name": inputs.get("name") or f"{name}-20261129000000000000000001"}  # AWS names it when unset
+
+
 COMPUTED: dict[str, Callable[[str, dict[str, Any]], dict[str, Any]]] = {
+    "aws:autoscaling/group:Group": _asg,
     "aws:eks/cluster:Cluster": _eks_cluster,
     "aws:eks/nodeGroup:NodeGroup": _eks_node_group,
     "aws:ec2/launchTemplate:LaunchTemplate": _launch_template,

@@ -62,7 +62,8 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
                 system_disk_category=ESSD, system_disk_size=SYSTEM_DISK_GB, system_disk_encrypted=True,
                 data_disks=[alicloud.ecs.InstanceDataDiskArgs(category=ESSD, size=disk_gb, encrypted=True)] if disk_gb else None,
                 user_data=args.user_data, tags=tags, opts=child) for i in range(g.scaling.max)]
-            self.register_outputs({"instanceIds": [i.id for i in self.instances]})
+            self.capacity: pulumi.Output[list[str]] = pulumi.Output.all(*[i.id for i in self.instances])
+            self.register_outputs({"instanceIds": self.capacity})
             return
 
         self.launch_template = alicloud.ecs.EcsLaunchTemplate(
@@ -106,4 +107,5 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
                 max_value=action.max if action.max is not None else g.scaling.max, task_enabled=True,
                 opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
                     ignore_changes=["launchTime", "recurrenceEndTime"])))
+        self.capacity = self.group.id.apply(lambda i: [i])
         self.register_outputs({"scalingGroupId": self.group.id})

@@ -124,5 +124,6 @@ class AwsGpuFleet(pulumi.ComponentResource):
                                      min_size=action.min if action.min is not None else g.scaling.min,
                                      max_size=action.max if action.max is not None else g.scaling.max,
                                      opts=child)
+        self.capacity: pulumi.Output[list[str]] = self.group.name.apply(lambda n: [n])
         self.register_outputs({"autoscalingGroupName": self.group.name,
                                "launchTemplateId": self.launch_template.id})

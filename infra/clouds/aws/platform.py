@@ -52,7 +52,7 @@ class AwsPlatform(CloudPlatform):
             bucket_arn=storage.bucket.arn, key_arn=storage.key.arn, prefixes=[CHECKPOINT_PREFIX, DATASET_PREFIX],
             tags=tags, kubernetes=bool(self.kubernetes_groups())), opts=self.provider_opts(region))
 
-        fleets: dict[str, pulumi.Output[str]] = {}
+        fleets: dict[str, pulumi.Output[list[str]]] = {}
         for g in self.vm_groups():
             net = spec.network(g.network)
             ctx = userdata.node_context(spec, g, group_checkpoint_url(spec, g))
@@ -61,7 +61,7 @@ class AwsPlatform(CloudPlatform):
                 zones=[s.zone for s in net.subnets], security_group_id=nets[net.name].security_group.id,
                 instance_profile_arn=access.instance_profile.arn, user_data=userdata.for_vm(ctx),
                 provider=self.providers[spec.region_of(net)], tags=tags), opts=pulumi.ResourceOptions(parent=self))
-            fleets[g.name] = fleet.group.name
+            fleets[g.name] = fleet.capacity
 
         clusters: dict[str, pulumi.Output[str]] = {}
         kubeconfigs: dict[str, pulumi.Output[str]] = {}
@@ -82,11 +82,5 @@ class AwsPlatform(CloudPlatform):
         # Budgets are global; they live with the default region's provider.
         AwsBudget(f"{self.name}-budget", AwsBudgetArgs(spec.budget, spec.env, tags), opts=self.provider_opts(region))
 
-        self.exports = {
-            "vpcIds": {name: n.vpc.id for name, n in nets.items()},
-            "bucket": storage.bucket.bucket,
-            "checkpointUrl": checkpoint_url,
-            "fleets": fleets,
-            "clusters": clusters,
-            "kubeconfigs": pulumi.Output.secret(kubeconfigs),
-        }
+        self.export({name: n.vpc.id for name, n in nets.items()}, storage.bucket.bucket, checkpoint_url,
+                    fleets, clusters, kubeconfigs)

@@ -70,7 +70,8 @@ class TencentGpuFleet(pulumi.ComponentResource):
             for i in range(fixed)]
         elastic_max = g.scaling.max - fixed
         if elastic_max <= 0:
-            self.register_outputs({"instanceIds": [i.id for i in self.instances]})
+            self.capacity: pulumi.Output[list[str]] = pulumi.Output.all(*[i.id for i in self.instances])
+            self.register_outputs({"instanceIds": self.capacity})
             return
 
         spot = g.market.type == "spot"
@@ -103,4 +104,6 @@ class TencentGpuFleet(pulumi.ComponentResource):
                 min_size=max(0, (action.min if action.min is not None else g.scaling.min) - fixed),
                 max_size=max(0, (action.max if action.max is not None else g.scaling.max) - fixed),
                 opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["startTime", "endTime"])))
+        # The on-demand base instances and the scaling group that adds the rest.
+        self.capacity = pulumi.Output.all(*[i.id for i in self.instances], self.group.id)
         self.register_outputs({"scalingGroupId": self.group.id})

@@ -56,7 +56,7 @@ class TencentcloudPlatform(CloudPlatform):
         access = TencentAccess(f"{self.name}-access", TencentAccessArgs(
             storage.name, region, app_id, [CHECKPOINT_PREFIX, DATASET_PREFIX], tags), opts=self.provider_opts(region))
 
-        fleets: dict[str, pulumi.Output[str]] = {}
+        fleets: dict[str, pulumi.Output[list[str]]] = {}
         for g in self.vm_groups():
             net = spec.network(g.network)
             ctx = userdata.node_context(spec, g, group_checkpoint_url(spec, g))
@@ -65,7 +65,7 @@ class TencentcloudPlatform(CloudPlatform):
                 zones=[s.zone for s in net.subnets], security_group_id=nets[net.name].security_group.id,
                 role_name=access.role.name, user_data=userdata.for_vm(ctx),
                 provider=self.providers[spec.region_of(net)], tags=tags), opts=pulumi.ResourceOptions(parent=self))
-            fleets[g.name] = fleet.urn
+            fleets[g.name] = fleet.capacity
 
         clusters: dict[str, pulumi.Output[str]] = {}
         kubeconfigs: dict[str, pulumi.Output[str]] = {}
@@ -81,11 +81,5 @@ class TencentcloudPlatform(CloudPlatform):
 
         TencentBudget(f"{self.name}-budget", TencentBudgetArgs(spec.budget, spec.env, spec.pricing.cny_per_usd),
                       opts=self.provider_opts(region))
-        self.exports = {
-            "vpcIds": {name: n.vpc.id for name, n in nets.items()},
-            "bucket": storage.bucket.bucket,
-            "checkpointUrl": checkpoint_url,
-            "fleets": fleets,
-            "clusters": clusters,
-            "kubeconfigs": pulumi.Output.secret(kubeconfigs),
-        }
+        self.export({name: n.vpc.id for name, n in nets.items()}, storage.bucket.bucket, checkpoint_url,
+                    fleets, clusters, kubeconfigs)
