@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from infra.plan.engine import ROOT, Registered, StackConfig, project_name, read_stack_file, run_program
+from infra.plan.engine import ROOT, Registered, project_name, read_stack_file, run_program
+from infra.program import decode
 from infra.plan.invokes import COMPUTED, INVOKES
 
 PROJECT = "gpu-training-stack"
@@ -51,11 +52,8 @@ def by_type(resources: list[Registered], type_token: str) -> list[Registered]:
 
 
 def spec_raw(config: dict[str, Any]) -> dict[str, Any]:
-    """Config values as the program decodes them (project keys only, JSON round-trip)."""
-    cfg = StackConfig(PROJECT, "t", {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()})
-    out: dict[str, Any] = {}
-    for k, v in cfg.values.items():
-        if k.startswith(PROJECT + ":"):
-            short = k.split(":", 1)[1]
-            out[short] = v if short == "env" else json.loads(v)
-    return out
+    """Config values as the program decodes them: project keys only, through the CLI's JSON
+    encoding and the program's own decoding."""
+    prefix = PROJECT + ":"
+    return decode({k[len(prefix):]: v if isinstance(v, str) else json.dumps(v)
+                   for k, v in config.items() if k.startswith(prefix)})

@@ -7,7 +7,7 @@ from typing import Any
 
 import pulumi
 
-from infra.spec import Network, NodeGroup, Peering, StackSpec
+from infra.spec import CloudAccount, Network, NodeGroup, Peering, StackSpec
 from infra.tags import stack_tags
 
 # Every cloud's bucket holds checkpoints and datasets under the same prefixes; node roles are
@@ -54,8 +54,8 @@ class CloudPlatform(pulumi.ComponentResource):
 
     # -- helpers ----------------------------------------------------------------------
     @property
-    def account(self):  # type: ignore[no-untyped-def]
-        return self.spec.clouds[self.CLOUD]  # type: ignore[index]
+    def account(self) -> CloudAccount:
+        return self.spec.clouds[self.CLOUD]  # type: ignore[index]  # CLOUD is one of the Cloud literals
 
     def networks(self) -> list[Network]:
         return [n for n in self.spec.networks if n.cloud == self.CLOUD]
