@@ -506,13 +506,17 @@ def _check_scaling(group: NodeGroup, path: str) -> list[Problem]:
     return out
 
 
+def _article(word: str) -> str:
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
 def _check_market(spec: StackSpec, group: NodeGroup, path: str) -> list[Problem]:
     out: list[Problem] = []
     m = group.market
     site = spec.clouds[group.cloud].site
     reason = cat.market_unavailable(group.cloud, site, m.type)
     if reason:
-        out.append(Problem(f"{path}.market.type", f"{m.type!r} cannot be bought on a {site}-site "
+        out.append(Problem(f"{path}.market.type", f"{m.type!r} cannot be bought on {_article(site)} {site}-site "
                                                   f"{cat.CLOUD_NAMES[group.cloud]} account: {reason}"))
     if m.type != "spot" and (m.on_demand_base or m.spot_max_price_usd is not None):
         out.append(Problem(f"{path}.market", "onDemandBase and spotMaxPriceUsd apply only to type: spot"))

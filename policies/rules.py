@@ -83,8 +83,9 @@ def group_cost_cap(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[s
 
 
 def spot_only(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    return [(r.name, f"node group {c.group} buys on-demand capacity ({r.type}); in this environment all GPU "
-                     "capacity must be spot — set market.type: spot with onDemandBase: 0")
+    return [(r.name, f"node group {c.group} buys capacity that is not spot ({r.type}: on-demand or "
+                     "prepaid); in this environment all GPU capacity must be spot — set market.type: spot "
+                     "with onDemandBase: 0")
             for r, c in _capacities(resources) if not c.spot]
 
 
