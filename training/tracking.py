@@ -31,6 +31,7 @@ class Tracker:
         if self.mlflow is not None:
             self.mlflow.log_metrics(values, step=step)
 
-    def close(self) -> None:
+    def close(self, interrupted: bool = False) -> None:
+        """End the MLflow run: KILLED when a signal stopped training (a restart reopens it)."""
         if self.mlflow is not None:
-            self.mlflow.end_run()
+            self.mlflow.end_run(status="KILLED" if interrupted else "FINISHED")

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if last_saved != step:
         save(step)
     status = ckpt.close(timeout=cfg.upload_deadline_s)
-    tracker.close()
+    tracker.close(interrupted=interrupted is not None)
     if interrupted:
         if comm.rank == 0:
             log.warning("stopped by %s at step %d after an emergency checkpoint%s", interrupted, step,
