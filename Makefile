@@ -10,12 +10,13 @@ STAMP  := $(VENV)/.installed-dev
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 
 OUT    ?= out/userdata
+ALERTS ?= out/alerts-$(STACK).yml
 STEPS      ?= 200
 CKPT_EVERY ?= 50
 CKPT_DIR   ?= out/checkpoints
 THROTTLE_MS ?= 50
 
-.PHONY: plan userdata train-local bench test typecheck unit tools venv clean
+.PHONY: plan userdata alerts train-local bench test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -39,6 +40,10 @@ plan: $(RUNTIME_STAMP)
 ## userdata: each node group's rendered cloud-config as $(OUT)/<cloud>-<group>.yaml (STACK=…)
 userdata: $(RUNTIME_STAMP)
 	@$(PY) -m infra.userdata --stack $(STACK) --out $(OUT)
+
+## alerts: the stack's Prometheus alerting rules (budget pace, idle GPUs, work at risk) as $(ALERTS)
+alerts: $(RUNTIME_STAMP)
+	@$(PY) -m infra.alerts --stack $(STACK) --out $(ALERTS)
 
 ## train-local: the trainer on CPU, 2 processes (gloo), tiny workload (STEPS= CKPT_EVERY= CKPT_DIR=<path or URL>)
 train-local: $(STAMP)

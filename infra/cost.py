@@ -79,16 +79,43 @@ class GroupCost:
     price_estimate: bool
 
 
-def group_cost(spec: StackSpec, group: NodeGroup) -> GroupCost:
+@dataclass(frozen=True)
+class NodePrices:
+    """USD per node-hour of a group's primary type in each market, and of its scratch data disk."""
+
+    on_demand: float
+    spot: float
+    reserved: float
+    disk: float
+
+
+def node_prices(spec: StackSpec, group: NodeGroup) -> NodePrices:
     rate = spec.pricing.cny_per_usd
     hw = hardware(spec, group)
-    itype, item, disk_gb = hw.types[0], hw.primary, hw.scratch_disk_gb
-    on_demand = cat.to_usd(item.price_ondemand, item.currency, rate)
-    spot = on_demand * (1 - item.spot_discount)
+    on_demand = cat.to_usd(hw.primary.price_ondemand, hw.primary.currency, rate)
+    spot = on_demand * (1 - hw.primary.spot_discount)
     if group.market.spot_max_price_usd is not None:
         spot = min(spot, group.market.spot_max_price_usd)
-    reserved = on_demand * (1 - item.reserved_discount)
-    disk_hourly = cat.data_disk_hourly_usd(group.cloud, disk_gb, rate)
+    return NodePrices(on_demand, spot, on_demand * (1 - hw.primary.reserved_discount),
+                      cat.data_disk_hourly_usd(group.cloud, hw.scratch_disk_gb, rate))
+
+
+def node_hourly_usd(spec: StackSpec, group: NodeGroup) -> float:
+    """What one running node of the group costs per hour, disk included, as the node reports it
+    (the budget-pace alert sums it). A node of a spot group with an on-demand base cannot tell
+    which it is, so it reports the on-demand price: the alert errs towards warning early."""
+    p = node_prices(spec, group)
+    node = {"reserved": p.reserved, "on-demand": p.on_demand}.get(group.market.type)
+    if node is None:
+        node = p.spot if group.market.on_demand_base == 0 else p.on_demand
+    return node + p.disk
+
+
+def group_cost(spec: StackSpec, group: NodeGroup) -> GroupCost:
+    hw = hardware(spec, group)
+    itype, item = hw.types[0], hw.primary
+    prices = node_prices(spec, group)
+    on_demand, spot, reserved, disk_hourly = prices.on_demand, prices.spot, prices.reserved, prices.disk
 
     occ = occupancy(group)
     week_h = WEEK.total_seconds() / 3600

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_kubernetes as k8s
 
+from infra.cost import node_hourly_usd
 from infra.spec import NodeGroup, StackSpec, hardware
 
 DEVICE_PLUGIN_IMAGE = "nvcr.io/nvidia/k8s-device-plugin:v0.17.2"
@@ -144,7 +145,9 @@ def deploy_training_jobs(spec: StackSpec, groups: list[NodeGroup], checkpoint_ur
             nodes=max(1, g.scaling.baseline), gpus_per_node=item.gpu_count,
             env={"CHECKPOINT_URL": f"{checkpoint_url}{g.name}/", "DATASET_URL": spec.training.dataset_url,
                  "CHECKPOINT_EVERY": str(spec.training.checkpoint_every), "WORKLOAD": spec.training.workload,
-                 "CHECKPOINT_DIR": "/scratch/checkpoints", "METRICS_PORT": "9401"},
+                 "CHECKPOINT_DIR": "/scratch/checkpoints", "METRICS_PORT": "9401",
+                 "NODE_HOURLY_USD": f"{node_hourly_usd(spec, g):.4f}", "GTS_CLOUD": g.cloud,
+                 "GTS_NODE_GROUP": g.name},
             labels={"env": spec.env}), opts=opts))
     return jobs
 

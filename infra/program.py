@@ -11,6 +11,7 @@ from typing import Any
 
 import pulumi
 
+from infra import alerts
 from infra import spec as spec_mod
 from infra.clouds import platform_class
 from infra.errors import SpecError
@@ -44,6 +45,14 @@ def spec_from_values(values: Mapping[str, str], project: str, source: str) -> sp
     return spec_mod.parse(decode({k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}), source)
 
 
+def load_stack_spec(stack: str) -> spec_mod.StackSpec:
+    """The spec of `Pulumi.<stack>.yaml`, read as pulumi would (for make userdata / alerts)."""
+    from infra.plan.engine import project_name, read_stack_file, stack_path
+
+    path = stack_path(stack)
+    return spec_from_values(read_stack_file(path, project_name()).values, project_name(), path.name)
+
+
 def read_spec() -> spec_mod.StackSpec:
     """Parse and check the spec; a bad spec stops the program before any resource exists."""
     source = f"Pulumi.{pulumi.get_stack()}.yaml"
@@ -62,3 +71,5 @@ def main() -> None:
         exports[cloud] = platform.exports
     for name, values in exports.items():
         pulumi.export(name, values)
+    # `pulumi stack output alertRules > rules.yml` for the team's Prometheus (same as make alerts).
+    pulumi.export("alertRules", alerts.render(spec))

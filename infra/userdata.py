@@ -18,8 +18,8 @@ from pathlib import Path
 
 import jinja2
 
-from infra import catalog as cat
 from infra.clouds import checkpoint_url
+from infra.cost import node_hourly_usd
 from infra.spec import NodeGroup, StackSpec, hardware
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "cloudinit"
@@ -87,7 +87,7 @@ def node_context(spec: StackSpec, group: NodeGroup, checkpoint_url: str) -> Node
     mirrors = spec.clouds[group.cloud].mirrors
     registry = mirrors.registry or ""
     kube = group.kind == "kubernetes"
-    price = cat.to_usd(item.price_ondemand, item.currency, spec.pricing.cny_per_usd)
+    price = node_hourly_usd(spec, group)
     return NodeContext(
         env=spec.env, cloud=group.cloud, group=group.name, mode="kubernetes" if kube else "vm",
         image=spec.training.image, launcher=spec.training.launcher, workload_name=spec.training.workload,
@@ -159,11 +159,9 @@ def for_node_pool_script(ctx: NodeContext) -> str:
 
 def write_all(stack: str, out: Path) -> list[Path]:
     """`make userdata`: every node group's cloud-config as <out>/<cloud>-<group>.yaml."""
-    from infra.plan.engine import ROOT, project_name, read_stack_file
-    from infra.program import spec_from_values
+    from infra.program import load_stack_spec
 
-    path = ROOT / f"Pulumi.{stack}.yaml"
-    spec = spec_from_values(read_stack_file(path, project_name()).values, project_name(), path.name)
+    spec = load_stack_spec(stack)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for group in spec.node_groups:
@@ -179,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from infra.errors import SpecError
+    from infra.plan.engine import StackFileError
     parser = argparse.ArgumentParser(prog="make userdata", description="write each node group's cloud-config")
     parser.add_argument("--stack", default="dev")
     parser.add_argument("--out", required=True, type=Path)
@@ -186,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for path in write_all(args.stack, args.out):
             print(path)
-    except (SpecError, FileNotFoundError, ValueError) as exc:
+    except (SpecError, StackFileError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -8,9 +8,11 @@ import json
 import os
 import shutil
 import signal
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -151,7 +153,8 @@ def test_storage_outage_does_not_stop_training(moto: MotoServer, tmp_path: Path)
     run = launch([*args, "--metrics-port", str(port)], tmp_path, env)
     run.wait_for(r"uploaded step-00000010")
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    assert 'gts_train_step{node="0",workload="tiny"}' in metrics and "gts_checkpoint_uploads_pending" in metrics
+    assert 'gts_train_step{cloud="",group="",node="0",workload="tiny"}' in metrics
+    assert "gts_checkpoint_uploads_pending" in metrics and 'gts_node_hourly_usd{' in metrics
     proxy.down()
     assert run.finish() == 0, run.output[-3000:]
     assert run.final()[0] == 60, "training finished through the outage"
@@ -228,8 +231,12 @@ def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
             pytest.fail(reason + " — CI must not skip this")
         pytest.skip(reason)
     metrics_port, web_port = free_port(), free_port()
+    from infra import alerts
+    from infra.program import load_stack_spec
+
+    (tmp_path / "rules.yml").write_text(alerts.render(load_stack_spec("dev")))  # the stack's alerting rules
     (tmp_path / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s}\n"
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\nrule_files: [rules.yml]\n"
         f"scrape_configs: [{{job_name: trainer, static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]}}]\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     trainer = subprocess.Popen([sys.executable, "-m", "training.train", "--steps", "400", "--throttle-ms", "50",
@@ -256,6 +263,20 @@ def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
             cost = float(result[0]["value"][1]) if result else 0.0
             time.sleep(0.5)
         assert cost > 0, "the cost-so-far metric grows from the node's hourly price"
+
+        def query(expr: str) -> list[dict[str, Any]]:
+            url = f"http://127.0.0.1:{web_port}/api/v1/query?query={urllib.parse.quote(expr)}"
+            return list(_json.loads(urllib.request.urlopen(url, timeout=2).read())["data"]["result"])
+        # The budget-pace alert's expression over the live series: one node at 3.06 USD/h.
+        assert float(query("sum(gts_node_hourly_usd) * 730")[0]["value"][1]) == pytest.approx(3.06 * 730)
+
+        def rules_evaluated() -> bool:
+            url = f"http://127.0.0.1:{web_port}/api/v1/rules"
+            groups = _json.loads(urllib.request.urlopen(url, timeout=2).read())["data"]["groups"]
+            rules = [r for g in groups for r in g["rules"]]
+            return len(rules) >= 7 and all(r["health"] == "ok" and r.get("lastEvaluation", "").startswith("2")
+                                           for r in rules)
+        assert retry_until(rules_evaluated, 30), "Prometheus did not load and evaluate the stack's rules"
     finally:
         for proc in (trainer, prom):
             proc.terminate()

@@ -30,6 +30,8 @@ class Metrics:
         self.upload_pending = gauge("gts_checkpoint_uploads_pending", "Committed checkpoints not yet in the bucket.")
         self.upload_time = gauge("gts_checkpoint_last_upload_timestamp_seconds", "When the last upload finished.")
         self.cost = gauge("gts_node_cost_usd", "This node's cost since the process started, at its hourly price.")
+        self.hourly_price = gauge("gts_node_hourly_usd", "This node's price per hour (USD), for budget alerts.")
+        self.hourly_price.set(node_hourly_usd)
         self.gpu_util = Gauge("gts_gpu_utilization_percent", "GPU utilisation.", names + ["gpu"], registry=self.registry)
         self.gpu_mem = Gauge("gts_gpu_memory_used_bytes", "GPU memory in use.", names + ["gpu"], registry=self.registry)
         self.started = time.time()

@@ -16,6 +16,7 @@ ends with `final step=<N> loss=<repr> params_sha256=<hex>`.
 from __future__ import annotations
 
 import hashlib
+import os
 import logging
 import random
 import signal
@@ -119,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     local_dir, remote = cfg.local_and_remote()
     topo = Topology(comm.rank, comm.local_rank, comm.world, comm.node, comm.nnodes, comm.local_world)
     metrics = Metrics(cfg.metrics_port if comm.local_rank == 0 else 0, cfg.node_hourly_usd,
-                      {"node": str(comm.node), "workload": cfg.workload})
+                      {"node": str(comm.node), "workload": cfg.workload,
+                       # set by the node's cloud-init (/etc/gpu-training/node.env); empty elsewhere
+                       "cloud": os.environ.get("GTS_CLOUD", ""), "group": os.environ.get("GTS_NODE_GROUP", "")})
 
     def on_status(status: UploadStatus) -> None:
         metrics.upload_pending.set(len(status.pending))

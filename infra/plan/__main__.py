@@ -21,8 +21,8 @@ from rich.markup import escape
 from infra.cost import stack_cost
 from infra.errors import CatalogError, SpecError
 from infra.plan import report
-from infra.plan.engine import (ROOT, Registered, StackFileError, available_stacks, project_name,
-                               read_stack_file, run_program, unwrap_secrets)
+from infra.plan.engine import (ROOT, Registered, StackFileError, project_name, read_stack_file, run_program,
+                               stack_path, unwrap_secrets)
 from infra.plan.invokes import COMPUTED, INVOKES
 from infra.program import spec_from_values
 from infra.spec import StackSpec
@@ -44,10 +44,7 @@ def policy_verdicts(spec: StackSpec, stack: str, resources: list[Registered]) ->
 
 def build_plan(stack: str) -> dict[str, Any]:
     project = project_name()
-    path = ROOT / f"Pulumi.{stack}.yaml"
-    if not path.exists():
-        raise StackFileError(f"no stack file {path.name}; stacks here: {', '.join(available_stacks())} "
-                             f"(create Pulumi.{stack}.yaml or pass STACK=<one of them>)")
+    path = stack_path(stack)
     config = read_stack_file(path, project)
     spec = spec_from_values(config.values, project, path.name)  # fails before any resource
     resources = run_program(config, INVOKES, COMPUTED)

@@ -160,6 +160,15 @@ def available_stacks(root: Path = ROOT) -> list[str]:
     return sorted(p.name[len("Pulumi."):-len(".yaml")] for p in root.glob("Pulumi.*.yaml"))
 
 
+def stack_path(stack: str, root: Path = ROOT) -> Path:
+    """`Pulumi.<stack>.yaml`, or a StackFileError naming the stacks that exist."""
+    path = root / f"Pulumi.{stack}.yaml"
+    if not path.exists():
+        raise StackFileError(f"no stack file {path.name}; stacks here: {', '.join(available_stacks(root))} "
+                             f"(create Pulumi.{stack}.yaml or pass STACK=<one of them>)")
+    return path
+
+
 def read_stack_file(path: Path, project: str) -> StackConfig:
     """Turn `Pulumi.<stack>.yaml` into the config map the Pulumi CLI hands the program."""
     stack = path.name[len("Pulumi."):-len(".yaml")]
