@@ -10,13 +10,13 @@ STAMP  := $(VENV)/.installed-dev
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 
 OUT    ?= out/userdata
-ALERTS ?= out/alerts-$(STACK).yml
+MONITORING ?= out/monitoring
 STEPS      ?= 200
 CKPT_EVERY ?= 50
 CKPT_DIR   ?= out/checkpoints
 THROTTLE_MS ?= 50
 
-.PHONY: plan userdata alerts train-local bench test typecheck unit tools venv clean
+.PHONY: plan userdata monitoring train-local bench test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -41,9 +41,9 @@ plan: $(RUNTIME_STAMP)
 userdata: $(RUNTIME_STAMP)
 	@$(PY) -m infra.userdata --stack $(STACK) --out $(OUT)
 
-## alerts: the stack's Prometheus alerting rules (budget pace, idle GPUs, work at risk) as $(ALERTS)
-alerts: $(RUNTIME_STAMP)
-	@$(PY) -m infra.alerts --stack $(STACK) --out $(ALERTS)
+## monitoring: Prometheus alerting rules and a Grafana dashboard for the stack, into OUT (default out/monitoring)
+monitoring: $(RUNTIME_STAMP)
+	@$(PY) -m infra.monitoring --stack $(STACK) --out $(if $(filter command line,$(origin OUT)),$(OUT),$(MONITORING))
 
 ## train-local: the trainer on CPU, 2 processes (gloo), tiny workload (STEPS= CKPT_EVERY= CKPT_DIR=<path or URL>)
 train-local: $(STAMP)

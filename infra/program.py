@@ -11,7 +11,7 @@ from typing import Any
 
 import pulumi
 
-from infra import alerts
+from infra import monitoring
 from infra import spec as spec_mod
 from infra.clouds import platform_class
 from infra.errors import SpecError
@@ -46,7 +46,7 @@ def spec_from_values(values: Mapping[str, str], project: str, source: str) -> sp
 
 
 def load_stack_spec(stack: str) -> spec_mod.StackSpec:
-    """The spec of `Pulumi.<stack>.yaml`, read as pulumi would (for make userdata / alerts)."""
+    """The spec of `Pulumi.<stack>.yaml`, read as pulumi would (for make userdata / monitoring)."""
     from infra.plan.engine import project_name, read_stack_file, stack_path
 
     path = stack_path(stack)
@@ -71,5 +71,7 @@ def main() -> None:
         exports[cloud] = platform.exports
     for name, values in exports.items():
         pulumi.export(name, values)
-    # `pulumi stack output alertRules > rules.yml` for the team's Prometheus (same as make alerts).
-    pulumi.export("alertRules", alerts.render(spec))
+    # For the team's Prometheus and Grafana, as `make monitoring` writes them:
+    # `pulumi stack output alertRules > rules.yml`, `pulumi stack output grafanaDashboard > dashboard.json`.
+    pulumi.export("alertRules", monitoring.render(spec))
+    pulumi.export("grafanaDashboard", monitoring.render_dashboard(spec))

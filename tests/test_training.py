@@ -231,10 +231,11 @@ def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
             pytest.fail(reason + " — CI must not skip this")
         pytest.skip(reason)
     metrics_port, web_port = free_port(), free_port()
-    from infra import alerts
+    from infra import monitoring
     from infra.program import load_stack_spec
 
-    (tmp_path / "rules.yml").write_text(alerts.render(load_stack_spec("dev")))  # the stack's alerting rules
+    spec = load_stack_spec("dev")
+    (tmp_path / "rules.yml").write_text(monitoring.render(spec))  # the stack's alerting rules
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\nrule_files: [rules.yml]\n"
         f"scrape_configs: [{{job_name: trainer, static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]}}]\n")
@@ -277,6 +278,12 @@ def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
             return len(rules) >= 7 and all(r["health"] == "ok" and r.get("lastEvaluation", "").startswith("2")
                                            for r in rules)
         assert retry_until(rules_evaluated, 30), "Prometheus did not load and evaluate the stack's rules"
+        # Every dashboard query runs; those over the trainer's metrics return its series.
+        for panel in monitoring.dashboard(spec)["panels"]:
+            for target in panel["targets"]:
+                series = query(target["expr"])
+                if "gts_" in target["expr"] and "spot" not in target["expr"]:
+                    assert series, f"dashboard panel {panel['title']!r}: {target['expr']} returned nothing"
     finally:
         for proc in (trainer, prom):
             proc.terminate()

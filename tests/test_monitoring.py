@@ -1,9 +1,11 @@
-"""The stack's Prometheus alerting rules, checked and evaluated by Debian's promtool: the rules
-file is valid for every shipped stack, and synthetic series make exactly the expected alerts fire
-(`promtool test rules`)."""
+"""The stack's monitoring: Prometheus alerting rules checked and evaluated by Debian's promtool
+(valid for every shipped stack; synthetic series make exactly the expected alerts fire) and the
+Grafana dashboard's structure. tests/test_training.py runs both against a real Prometheus that
+scrapes a real trainer."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infra import alerts
+from infra import monitoring
 from infra.cost import node_hourly_usd
 from infra.plan.engine import ROOT
 from infra.program import load_stack_spec
@@ -33,11 +35,11 @@ def promtool() -> str:
 @pytest.mark.parametrize("stack", ["dev", "prod"])
 def test_rules_of_every_shipped_stack_pass_promtool(stack: str, tmp_path: Path) -> None:
     path = tmp_path / "rules.yml"
-    path.write_text(alerts.render(load_stack_spec(stack)), encoding="utf-8")
+    path.write_text(monitoring.render(load_stack_spec(stack)), encoding="utf-8")
     result = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     budget = load_stack_spec(stack).budget
-    pace = [r for g in alerts.rules(load_stack_spec(stack))["groups"] for r in g["rules"]
+    pace = [r for g in monitoring.rules(load_stack_spec(stack))["groups"] for r in g["rules"]
             if r["alert"] == "GtsBudgetPace"]
     assert [r["labels"]["threshold_percent"] for r in pace] == [str(p) for p in sorted(budget.thresholds_percent)]
 
@@ -50,7 +52,7 @@ def _alert(labels: dict[str, str], summary: str) -> dict[str, Any]:
 def test_synthetic_series_fire_exactly_the_expected_alerts(tmp_path: Path) -> None:
     spec = load_stack_spec("dev")  # budget 3000 USD, thresholds 50/80/100 %, checkpointEvery 200
     assert spec.budget.monthly_limit_usd == 3000 and spec.training.checkpoint_every == 200
-    (tmp_path / "rules.yml").write_text(alerts.render(spec), encoding="utf-8")
+    (tmp_path / "rules.yml").write_text(monitoring.render(spec), encoding="utf-8")
     node = 'node="0",workload="tiny",cloud="aws",group="aws-train"'
     two_nodes = [
         # 2 nodes x 3.06 USD/h x 730 h = 4467.6 USD a month: over 50, 80 and 100 % of 3000.
@@ -131,8 +133,31 @@ def test_nodes_report_the_price_their_market_pays() -> None:
     assert node_hourly_usd(prod, based) == pytest.approx(p.on_demand + p.disk)  # cannot tell: errs high
 
 
-def test_make_alerts_names_a_missing_stack(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "infra.alerts", "--stack", "nope", "--out", str(tmp_path / "r.yml")],
+def test_dashboard_shows_every_metric_against_the_budget() -> None:
+    spec = load_stack_spec("prod")
+    board = monitoring.dashboard(spec)
+    panels = board["panels"]
+    assert [p["id"] for p in panels] == list(range(1, len(panels) + 1))
+    cells = {(p["gridPos"]["x"], p["gridPos"]["y"]) for p in panels}
+    assert len(cells) == len(panels), "panels overlap"
+    budget_line = panels[0]["fieldConfig"]["defaults"]["thresholds"]["steps"][-1]
+    assert budget_line == {"color": "red", "value": spec.budget.monthly_limit_usd}
+    exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
+    trainer_metrics = ["gts_node_hourly_usd", "gts_node_cost_usd", "gts_train_samples_per_second", "gts_train_loss",
+                       "gts_train_step_seconds", "gts_checkpoint_last_commit_timestamp_seconds",
+                       "gts_checkpoint_seconds", "gts_checkpoint_uploads_pending"]
+    for metric in [*trainer_metrics, "DCGM_FI_DEV_GPU_UTIL", "gts_spot_interruption_notice"]:
+        assert metric in exprs, f"no panel shows {metric}"
+    assert all(t["datasource"]["uid"] == "${datasource}" for p in panels for t in p["targets"])
+    assert json.loads(monitoring.render_dashboard(spec)) == board
+
+
+def test_make_monitoring_writes_both_files_and_names_a_missing_stack(tmp_path: Path) -> None:
+    ok = subprocess.run([sys.executable, "-m", "infra.monitoring", "--stack", "dev", "--out", str(tmp_path / "m")],
+                        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["alerts-dev.yml", "dashboard-dev.json"]
+    result = subprocess.run([sys.executable, "-m", "infra.monitoring", "--stack", "nope", "--out", str(tmp_path / "x")],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "no stack file Pulumi.nope.yaml; stacks here: dev, prod" in result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "r.yml").exists()
+    assert "Traceback" not in result.stderr and not (tmp_path / "x").exists()

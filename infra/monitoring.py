@@ -1,0 +1,175 @@
+"""Monitoring for a stack: Prometheus alerting rules and a Grafana dashboard, generated from
+the stack spec.
+
+Both read what the nodes export — the trainer (`gts_*`, training/metrics.py), the spot watcher
+(`gts_spot_interruption_notice`, through the node exporter) and the DCGM exporter — so they work
+the same on every cloud. The rules cover spending pace against the budget, idle GPUs, and work
+at risk (stale checkpoints, uploads stuck, spot reclaims); on Alibaba Cloud, whose provider has
+no budget resource, the budget-pace alert is the stack's running budget check. The dashboard
+shows spend against the budget, throughput, loss, checkpoint health and the GPUs.
+`make monitoring STACK=<name> OUT=<dir>` writes `alerts-<stack>.yml` (load with `rule_files:`)
+and `dashboard-<stack>.json` (import into Grafana, pick the Prometheus data source).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from infra import catalog as cat
+from infra.spec import StackSpec
+
+GPU_IDLE_PERCENT = 5  # below this average utilisation for GPU_IDLE_FOR, a GPU is paid for nothing
+GPU_IDLE_FOR = "30m"
+CHECKPOINT_STALE_FACTOR = 3  # intervals of `training.checkpointEvery` steps without a commit
+CHECKPOINT_STALE_MIN_S = 600  # never alert on a stale checkpoint younger than this
+UPLOADS_PENDING_FOR = "15m"
+
+
+def _rule(alert: str, expr: str, for_: str, severity: str, env: str, summary: str,
+          extra: dict[str, str] | None = None) -> dict[str, Any]:
+    rule: dict[str, Any] = {"alert": alert, "expr": expr}
+    if for_ != "0s":
+        rule["for"] = for_
+    rule["labels"] = {"severity": severity, "env": env, **(extra or {})}
+    rule["annotations"] = {"summary": summary}
+    return rule
+
+
+def rules(spec: StackSpec) -> dict[str, Any]:
+    """The rules file (Prometheus `groups:` format) for this stack."""
+    env, budget = spec.env, spec.budget
+    monthly = f"sum(gts_node_hourly_usd) * {cat.HOURS_PER_MONTH:g}"
+    cost = [
+        _rule("GtsBudgetPace", f"{monthly} > {budget.monthly_limit_usd * pct / 100:g}", "30m",
+              "critical" if pct >= 100 else "warning", env,
+              f"GPU nodes running now cost {{{{ $value | humanize }}}} USD a month at this pace: over {pct}% "
+              f"of the {env} budget ({budget.monthly_limit_usd:g} USD); scale node groups down or raise "
+              "budget.monthlyLimitUsd", {"threshold_percent": str(pct)})
+        for pct in sorted(budget.thresholds_percent)
+    ]
+    cost.append(_rule(
+        "GtsGpuIdle", f"avg by (instance) (DCGM_FI_DEV_GPU_UTIL) < {GPU_IDLE_PERCENT}", GPU_IDLE_FOR, "warning", env,
+        f"GPUs on {{{{ $labels.instance }}}} averaged under {GPU_IDLE_PERCENT}% for {GPU_IDLE_FOR}: a paid node "
+        "doing no work; check the trainer or scale the group down"))
+    stale_after = (f"clamp_min({CHECKPOINT_STALE_FACTOR} * {spec.training.checkpoint_every} * gts_train_step_seconds, "
+                   f"{CHECKPOINT_STALE_MIN_S})")
+    work = [
+        _rule("GtsCheckpointStale", f"time() - gts_checkpoint_last_commit_timestamp_seconds > {stale_after}", "5m",
+              "warning", env,
+              f"no checkpoint committed on node {{{{ $labels.node }}}} for {CHECKPOINT_STALE_FACTOR} intervals of "
+              f"{spec.training.checkpoint_every} steps: a reclaim now loses that work"),
+        _rule("GtsCheckpointUploadsPending", "gts_checkpoint_uploads_pending > 0", UPLOADS_PENDING_FOR, "warning",
+              env, "{{ $value }} committed checkpoint(s) on node {{ $labels.node }} are not in the bucket yet: "
+                   "the object store is unreachable or refusing writes; they stay on local disk and are retried"),
+        _rule("GtsSpotInterruption", "gts_spot_interruption_notice == 1", "0s", "info", env,
+              "the cloud is reclaiming spot node {{ $labels.instance }}: the trainer was sent SIGTERM and saves "
+              "an emergency checkpoint"),
+    ]
+    return {"groups": [{"name": f"gts-{env}-cost", "rules": cost},
+                       {"name": f"gts-{env}-work-at-risk", "rules": work}]}
+
+
+def render(spec: StackSpec) -> str:
+    header = (f"# Prometheus alerting rules for the {spec.env} stack, written by `make monitoring` "
+              "(infra/monitoring.py). Load with rule_files.\n")
+    return header + yaml.safe_dump(rules(spec), sort_keys=False, width=120)
+
+
+# Dashboard panels: (title, unit, [(PromQL, legend)]). Grafana's own unit ids.
+PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("Spending pace of running GPU nodes (USD a month)", "currencyUSD",
+     [(f"sum(gts_node_hourly_usd) * {cat.HOURS_PER_MONTH:g}", "all nodes"),
+      (f"sum by (cloud) (gts_node_hourly_usd) * {cat.HOURS_PER_MONTH:g}", "{{cloud}}")]),
+    ("Running nodes by group", "short", [("count by (cloud, group) (gts_node_hourly_usd)", "{{cloud}}/{{group}}")]),
+    ("Cost since start by group (USD)", "currencyUSD",
+     [("sum by (cloud, group) (gts_node_cost_usd)", "{{cloud}}/{{group}}")]),
+    ("Throughput (samples/s)", "short",
+     [("sum by (group) (gts_train_samples_per_second)", "{{group}}")]),
+    ("Loss", "short", [("avg by (group) (gts_train_loss)", "{{group}}")]),
+    ("Step time", "s", [("max by (group) (gts_train_step_seconds)", "{{group}}")]),
+    ("Checkpoint age", "s",
+     [("max by (group, node) (time() - gts_checkpoint_last_commit_timestamp_seconds)", "{{group}} node {{node}}")]),
+    ("Loop blocked by the last checkpoint", "s",
+     [("max by (group) (gts_checkpoint_seconds)", "{{group}}")]),
+    ("Checkpoints waiting for the bucket", "short",
+     [("sum by (group) (gts_checkpoint_uploads_pending)", "{{group}}")]),
+    ("GPU utilisation", "percent", [("avg by (instance) (DCGM_FI_DEV_GPU_UTIL)", "{{instance}}")]),
+    ("GPU memory used", "decmbytes", [("sum by (instance) (DCGM_FI_DEV_FB_USED)", "{{instance}}")]),
+    ("Spot reclaim notices", "short", [("sum by (cloud) (gts_spot_interruption_notice)", "{{cloud}}")]),
+]
+
+
+def dashboard(spec: StackSpec) -> dict[str, Any]:
+    """A Grafana dashboard (JSON model) over the Prometheus that scrapes the stack's nodes."""
+    datasource = {"type": "prometheus", "uid": "${datasource}"}
+    panels = []
+    for i, (title, unit, targets) in enumerate(PANELS):
+        defaults: dict[str, Any] = {"unit": unit}
+        if i == 0:  # the budget as a red line on the spending pace
+            defaults["thresholds"] = {"mode": "absolute", "steps": [
+                {"color": "green", "value": None},
+                {"color": "red", "value": spec.budget.monthly_limit_usd}]}
+            defaults["custom"] = {"thresholdsStyle": {"mode": "line"}}
+        panels.append({
+            "id": i + 1, "type": "timeseries", "title": title, "datasource": datasource,
+            "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+            "fieldConfig": {"defaults": defaults, "overrides": []},
+            "targets": [{"refId": chr(ord("A") + k), "datasource": datasource, "expr": expr, "legendFormat": legend}
+                        for k, (expr, legend) in enumerate(targets)],
+        })
+    return {
+        "title": f"GPU training — {spec.env}",
+        "uid": f"gts-{spec.env}"[:40],
+        "tags": ["gpu-training-stack", spec.env],
+        "timezone": "utc",
+        "schemaVersion": 39,
+        "refresh": "1m",
+        "time": {"from": "now-24h", "to": "now"},
+        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
+                                 "label": "Prometheus"}]},
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def render_dashboard(spec: StackSpec) -> str:
+    return json.dumps(dashboard(spec), indent=2, ensure_ascii=False) + "\n"
+
+
+def write_all(spec: StackSpec, stack: str, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    files = {out / f"alerts-{stack}.yml": render(spec), out / f"dashboard-{stack}.json": render_dashboard(spec)}
+    for path, text in files.items():
+        path.write_text(text, encoding="utf-8")
+    return list(files)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    from infra.errors import SpecError
+    from infra.plan.engine import StackFileError
+    from infra.program import load_stack_spec
+
+    parser = argparse.ArgumentParser(prog="make monitoring",
+                                     description="write the stack's Prometheus alerting rules and Grafana dashboard")
+    parser.add_argument("--stack", default="dev")
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args(argv)
+    try:
+        spec = load_stack_spec(args.stack)
+    except (SpecError, StackFileError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for path in write_all(spec, args.stack, args.out):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
