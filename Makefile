@@ -60,6 +60,7 @@ test: typecheck unit
 
 typecheck: $(STAMP)
 	$(PY) -m mypy infra __main__.py tests policies training
+	$(PY) -m pyflakes infra __main__.py tests policies training
 
 unit: $(STAMP) tools
 	$(PY) -m pytest -q

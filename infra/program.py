@@ -13,6 +13,7 @@ import pulumi
 
 from infra import monitoring
 from infra import spec as spec_mod
+from infra import validation
 from infra.clouds import platform_class
 from infra.errors import SpecError
 
@@ -42,7 +43,7 @@ def raw_config(config: pulumi.Config) -> dict[str, Any]:
 def spec_from_values(values: Mapping[str, str], project: str, source: str) -> spec_mod.StackSpec:
     """The spec from a full config map (`<project>:<key>` -> string), as `make plan` reads it."""
     prefix = f"{project}:"
-    return spec_mod.parse(decode({k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}), source)
+    return validation.parse(decode({k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}), source)
 
 
 def load_stack_spec(stack: str) -> spec_mod.StackSpec:
@@ -56,7 +57,7 @@ def load_stack_spec(stack: str) -> spec_mod.StackSpec:
 def read_spec() -> spec_mod.StackSpec:
     """Parse and check the spec; a bad spec stops the program before any resource exists."""
     source = f"Pulumi.{pulumi.get_stack()}.yaml"
-    return spec_mod.parse(raw_config(pulumi.Config()), source)
+    return validation.parse(raw_config(pulumi.Config()), source)
 
 
 def main() -> None:

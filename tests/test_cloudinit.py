@@ -24,7 +24,7 @@ import yaml
 
 from infra import userdata
 from infra.clouds import checkpoint_url
-from infra.plan.engine import ROOT, Registered, project_name, read_stack_file
+from infra.plan.engine import ROOT, project_name, read_stack_file
 from infra.program import spec_from_values
 from infra.spec import StackSpec
 from tests.harness import by_type, run_stack

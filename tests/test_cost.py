@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from infra import cost
-from infra.spec import StackSpec, parse
+from infra.spec import StackSpec
+from infra.validation import parse
 from tests.harness import key, spec_raw, stack_values
 
 HOURS = 730.0

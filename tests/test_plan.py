@@ -13,7 +13,7 @@ import pytest
 
 from infra.cost import stack_cost
 from infra.plan.engine import ROOT
-from infra.spec import parse
+from infra.validation import parse
 from tests.harness import by_type, key, run_stack, spec_raw, stack_values, write_stack
 
 

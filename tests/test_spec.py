@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from infra.errors import SpecError
-from infra.spec import parse
+from infra.validation import parse
 from tests.harness import key, spec_raw, stack_values
 
 Edit = Callable[[dict[str, Any]], None]

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_alicloud as alicloud
 
-from infra import catalog as cat
 from infra.schedule import recurrence_window
 from infra.spec import NodeGroup, StackSpec, hardware, spot_price_cap
 

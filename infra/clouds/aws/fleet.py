@@ -56,7 +56,7 @@ class AwsGpuFleet(pulumi.ComponentResource):
         tags = {**args.tags, "gpu-training-stack/node-group": g.name, "gpu-training-stack/workload": g.workload}
         child = pulumi.ResourceOptions(parent=self, provider=args.provider)
         hw = hardware(spec, g)
-        types, primary, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
+        types, disk_gb = hw.types, hw.scratch_disk_gb
 
         ami = aws.ssm.get_parameter_output(name=DLAMI_PARAMETER,
                                            opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))

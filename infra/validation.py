@@ -1,0 +1,322 @@
+"""Reading a stack spec from config values: pydantic's shape and range errors and the
+cross-field rules (catalog, regions, CIDRs, account-site markets, schedules), all reported at
+once as key paths in the stack file's own spelling with the bad value, what is allowed and a
+close match. Nothing is registered until `parse()` returns."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from ipaddress import IPv4Network
+from typing import Any
+
+from croniter import croniter
+from pydantic import BaseModel, ValidationError
+
+from infra import catalog as cat
+from infra.errors import Problem, SpecError, suggest
+from infra.schedule import cron_in_beijing
+from infra.spec import (CONFIG_KEYS, PATTERN_HELP, REQUIRED_TAGS, Network, NodeGroup, StackSpec)
+
+
+# --------------------------------------------------------------------------------------
+# Loading and error reporting
+# --------------------------------------------------------------------------------------
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.startswith("function-after") or part in ("str", "int", "[key]"):
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
+    """Aliases of the model fields allowed where an unknown key was found."""
+    model: Any = StackSpec
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue
+        field = next((f for f in model.model_fields.values() if f.alias == part), None)
+        if field is None:
+            return []
+        model = _model_of(field.annotation)
+    return [f.alias or n for n, f in model.model_fields.items()] if model else []
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found:
+            return found
+    return None
+
+
+def _problem(err: Any) -> Problem:
+    loc = tuple(err["loc"])
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        allowed = _fields_at(loc)
+        return Problem(_path(loc), f"unknown key{suggest(loc[-1], allowed)} "
+                                   f"Allowed here: {', '.join(allowed)}.")
+    if kind == "missing":
+        return Problem(_path(loc), "is required but missing; add it to the stack config")
+    if kind in ("literal_error", "enum"):
+        expected = re.findall(r"'([^']+)'", str(err.get("ctx", {}).get("expected", "")))
+        return Problem(_path(loc), f"{value!r} is not allowed; use one of {', '.join(expected)}"
+                                   f"{suggest(value, expected)}")
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if kind == "string_pattern_mismatch":
+        pattern = str(err.get("ctx", {}).get("pattern", ""))
+        msg = f"is not a valid value; {PATTERN_HELP.get(pattern, msg)}"
+    shown = "" if isinstance(value, (dict, list)) or value is None else f"{value!r}: "
+    return Problem(_path(loc), f"{shown}{msg}")
+
+
+def parse(raw: Mapping[str, Any], source: str = "stack config") -> StackSpec:
+    """Build and fully check a StackSpec from config values; raise SpecError listing every problem."""
+    unknown = [k for k in raw if k not in CONFIG_KEYS]
+    problems = [Problem(k, f"unknown config key{suggest(k, CONFIG_KEYS)} Known keys: {', '.join(CONFIG_KEYS)}.")
+                for k in unknown]
+    try:
+        spec = StackSpec.model_validate({k: v for k, v in raw.items() if k in CONFIG_KEYS})
+    except ValidationError as exc:
+        problems += [_problem(e) for e in exc.errors()]
+        raise SpecError(problems, source) from None
+    problems += check(spec)
+    if problems:
+        raise SpecError(problems, source)
+    return spec
+
+
+# --------------------------------------------------------------------------------------
+# Cross-field checks
+# --------------------------------------------------------------------------------------
+
+def check(spec: StackSpec) -> list[Problem]:
+    """Rules that span fields or need the catalog and region data."""
+    problems: list[Problem] = []
+    problems += _check_tags(spec)
+    problems += _check_clouds(spec)
+    nets = _check_networks(spec, problems)
+    problems += _check_peerings(spec, nets)
+    problems += _check_node_groups(spec, nets)
+    return problems
+
+
+def _check_tags(spec: StackSpec) -> list[Problem]:
+    out = [Problem(f"tags.{t}", f"required tag is missing; add tags: {{{t}: ...}}")
+           for t in REQUIRED_TAGS if not spec.tags.get(t)]
+    if spec.tags.get("env") and spec.tags["env"] != spec.env:
+        out.append(Problem("tags.env", f"{spec.tags['env']!r} differs from env {spec.env!r}; make them equal"))
+    return out
+
+
+def _check_region(cloud: str, region: str, path: str) -> list[Problem]:
+    regions = cat.load_regions()[cloud]
+    if region in regions:
+        return []
+    return [Problem(path, f"{region!r} is not a region of {cat.CLOUD_NAMES[cloud]} known here"
+                          f"{suggest(region, regions)} Known: {', '.join(regions)} "
+                          f"(add others to infra/data/regions.yaml).")]
+
+
+def _check_clouds(spec: StackSpec) -> list[Problem]:
+    out: list[Problem] = []
+    for cloud, acct in spec.clouds.items():
+        out += _check_region(cloud, acct.region, f"clouds.{cloud}.region")
+        if cloud == "tencentcloud" and acct.app_id is None:
+            out.append(Problem("clouds.tencentcloud.appId", "is required: COS bucket names end in -<APPID>; "
+                                                            "find it under Account Info in the Tencent Cloud console"))
+    return out
+
+
+def _check_networks(spec: StackSpec, problems: list[Problem]) -> dict[str, Network]:
+    nets: dict[str, Network] = {}
+    for i, net in enumerate(spec.networks):
+        path = f"networks[{i}]"
+        if net.name in nets:
+            problems.append(Problem(f"{path}.name", f"{net.name!r} is used by another network; names must be unique"))
+        nets[net.name] = net
+        if net.cloud not in spec.clouds:
+            problems.append(Problem(f"{path}.cloud", f"{net.cloud!r} is not configured under clouds; "
+                                                     f"add clouds.{net.cloud} or change the network's cloud"))
+            continue
+        region = spec.region_of(net)
+        known = cat.load_regions()[net.cloud]
+        if net.region is not None:  # an inherited region is reported at clouds.<cloud>.region
+            problems += _check_region(net.cloud, region, f"{path}.region")
+        zones = known.get(region, [])
+        seen: list[IPv4Network] = []
+        for j, sub in enumerate(net.subnets):
+            spath = f"{path}.subnets[{j}]"
+            if zones and sub.zone not in zones:
+                problems.append(Problem(f"{spath}.zone", f"{sub.zone!r} is not a zone of {region}"
+                                                         f"{suggest(sub.zone, zones)} Zones: {', '.join(zones)}."))
+            if not sub.cidr.subnet_of(net.cidr):
+                problems.append(Problem(f"{spath}.cidr", f"{sub.cidr} is outside the network's CIDR {net.cidr}; "
+                                                         f"pick a subnet of {net.cidr}"))
+            clash = next((s for s in seen if s.overlaps(sub.cidr)), None)
+            if clash:
+                problems.append(Problem(f"{spath}.cidr", f"{sub.cidr} overlaps {clash} in the same network"))
+            seen.append(sub.cidr)
+        for k, cidr in enumerate(net.ssh_cidrs):
+            if cidr.prefixlen == 0:
+                problems.append(Problem(f"{path}.sshCidrs[{k}]", "0.0.0.0/0 opens SSH to the internet; "
+                                                                 "list your office or VPN CIDRs, or leave it empty"))
+    return nets
+
+
+def _check_peerings(spec: StackSpec, nets: Mapping[str, Network]) -> list[Problem]:
+    out: list[Problem] = []
+    seen: set[str] = set()
+    for i, peer in enumerate(spec.peerings):
+        path = f"peerings[{i}]"
+        if peer.name in seen:
+            out.append(Problem(f"{path}.name", f"{peer.name!r} is used by another peering"))
+        seen.add(peer.name)
+        ends = []
+        for side in ("requester", "accepter"):
+            ref = getattr(peer, side)
+            if ref not in nets:
+                out.append(Problem(f"{path}.{side}", f"no network named {ref!r}{suggest(ref, nets)}"))
+            else:
+                ends.append(nets[ref])
+        if len(ends) != 2:
+            continue
+        a, b = ends
+        if a.name == b.name:
+            out.append(Problem(path, "requester and accepter are the same network"))
+        elif a.cloud != b.cloud:
+            out.append(Problem(path, f"links {a.cloud} and {b.cloud} networks; peering works within one cloud "
+                                     "(use a VPN between clouds)"))
+        elif a.cidr.overlaps(b.cidr):
+            out.append(Problem(path, f"peered networks {a.name} ({a.cidr}) and {b.name} ({b.cidr}) have "
+                                     "overlapping CIDRs; routes between them would be ambiguous — renumber one"))
+    return out
+
+
+def _check_node_groups(spec: StackSpec, nets: Mapping[str, Network]) -> list[Problem]:
+    out: list[Problem] = []
+    catalog = spec.catalog()
+    seen: set[str] = set()
+    for i, group in enumerate(spec.node_groups):
+        path = f"nodeGroups[{i}]"
+        if group.name in seen:
+            out.append(Problem(f"{path}.name", f"{group.name!r} is used by another node group"))
+        seen.add(group.name)
+        if group.cloud not in spec.clouds:
+            out.append(Problem(f"{path}.cloud", f"{group.cloud!r} is not configured under clouds"))
+            continue
+        net = nets.get(group.network)
+        if net is None:
+            out.append(Problem(f"{path}.network", f"no network named {group.network!r}{suggest(group.network, nets)}"))
+        elif net.cloud != group.cloud:
+            out.append(Problem(f"{path}.network", f"{group.network!r} is a {net.cloud} network; the group is on {group.cloud}"))
+        out += _check_scaling(group, path)
+        out += _check_market(spec, group, path)
+        out += _check_hardware(spec, catalog, group, path)
+    return out
+
+
+def _check_scaling(group: NodeGroup, path: str) -> list[Problem]:
+    out: list[Problem] = []
+    s = group.scaling
+    if s.min > s.max:
+        out.append(Problem(f"{path}.scaling", f"min ({s.min}) is greater than max ({s.max}); make min <= max"))
+    elif s.desired is not None and not s.min <= s.desired <= s.max:
+        out.append(Problem(f"{path}.scaling.desired", f"{s.desired} is outside min..max ({s.min}..{s.max})"))
+    for j, act in enumerate(group.schedule):
+        apath = f"{path}.schedule[{j}]"
+        if not croniter.is_valid(act.cron) or len(act.cron.split()) != 5:
+            out.append(Problem(f"{apath}.cron", f"{act.cron!r} is not a five-field cron expression "
+                                                "(minute hour day-of-month month day-of-week, UTC)"))
+        if group.cloud == "tencentcloud" and croniter.is_valid(act.cron):
+            try:
+                cron_in_beijing(act.cron)
+            except ValueError as exc:
+                out.append(Problem(f"{apath}.cron", f"{exc}; Tencent AS runs schedules in Beijing time"))
+        lo = s.min if act.min is None else act.min
+        hi = s.max if act.max is None else act.max
+        if not lo <= act.desired <= hi:
+            out.append(Problem(f"{apath}.desired", f"{act.desired} is outside min..max ({lo}..{hi}); "
+                                                   "set min/max on the action too"))
+    return out
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
+def _check_market(spec: StackSpec, group: NodeGroup, path: str) -> list[Problem]:
+    out: list[Problem] = []
+    m = group.market
+    site = spec.clouds[group.cloud].site
+    reason = cat.market_unavailable(group.cloud, site, m.type)
+    if reason:
+        out.append(Problem(f"{path}.market.type", f"{m.type!r} cannot be bought on {_article(site)} {site}-site "
+                                                  f"{cat.CLOUD_NAMES[group.cloud]} account: {reason}"))
+    if m.type != "spot" and (m.on_demand_base or m.spot_max_price_usd is not None):
+        out.append(Problem(f"{path}.market", "onDemandBase and spotMaxPriceUsd apply only to type: spot"))
+    if m.on_demand_base > group.scaling.max:
+        out.append(Problem(f"{path}.market.onDemandBase",
+                           f"{m.on_demand_base} exceeds scaling.max ({group.scaling.max})"))
+    return out
+
+
+def _check_type(catalog: cat.Catalog, cloud: str, name: str, path: str) -> list[Problem]:
+    if catalog.get(cloud, name) is not None:
+        return []
+    other = next((c for c in cat.CLOUDS if catalog.get(c, name) is not None), None)
+    if other is not None:
+        return [Problem(path, f"{name!r} is a GPU type of {cat.CLOUD_NAMES[other]}, but the group is on "
+                              f"{cat.CLOUD_NAMES[cloud]}; pick a {cloud} type from infra/data/gpu_catalog.csv")]
+    known = [t.instance_type for t in catalog.of_cloud(cloud)]
+    return [Problem(path, f"{name!r} is not a GPU type of {cat.CLOUD_NAMES[cloud]} in the catalog"
+                          f"{suggest(name, known)} (catalog: infra/data/gpu_catalog.csv)")]
+
+
+def _check_hardware(spec: StackSpec, catalog: cat.Catalog, group: NodeGroup, path: str) -> list[Problem]:
+    out: list[Problem] = []
+    if group.instance_type is not None:
+        out += _check_type(catalog, group.cloud, group.instance_type, f"{path}.instanceType")
+    for k, name in enumerate(group.fallback_types):
+        out += _check_type(catalog, group.cloud, name, f"{path}.fallbackTypes[{k}]")
+    if out:
+        return out
+    req = spec.requirement(group)
+    if group.gpu is not None:
+        models = catalog.gpu_models(group.cloud)
+        if group.gpu.model is not None and group.gpu.model.lower() not in [m.lower() for m in models]:
+            return [Problem(f"{path}.gpu.model", f"{group.gpu.model!r} is not offered on "
+                                                 f"{cat.CLOUD_NAMES[group.cloud]}{suggest(group.gpu.model, models)} "
+                                                 f"Offered: {', '.join(models)}.")]
+        if not cat.select(catalog, [group.cloud], req, spec.pricing.cny_per_usd):
+            return [Problem(f"{path}.gpu", f"no {cat.CLOUD_NAMES[group.cloud]} type in the catalog has "
+                                           f"{req.gpu_count} x {req.gpu_model or 'any'} GPU(s) with >= {req.min_vram_gb} GB each, "
+                                           f"RAM >= {cat.RAM_PER_VRAM} x GPU memory and {req.scratch_gb} GB scratch "
+                                           f"({req.scratch_source}); relax the requirement")]
+        return []
+    for k, name in enumerate([group.instance_type or ""] + group.fallback_types):
+        item = catalog.get(group.cloud, name)
+        assert item is not None
+        where = f"{path}.instanceType" if k == 0 else f"{path}.fallbackTypes[{k - 1}]"
+        if group.workload == "training" and not item.ram_ok:
+            out.append(Problem(where, f"{name} has {item.ram_gib} GiB RAM for {item.total_vram_gb} GB of GPU memory; "
+                                      f"training nodes need >= {cat.RAM_PER_VRAM} x ({item.total_vram_gb * cat.RAM_PER_VRAM:g} GiB); "
+                                      "pick a larger type or give a gpu requirement"))
+        if item.gpu_vram_gb < req.min_vram_gb:
+            out.append(Problem(where, f"{name} has {item.gpu_vram_gb} GB per GPU; the workload needs "
+                                      f">= {req.min_vram_gb} GB (minGpuMemoryGb)"))
+        if req.scratch_source == "instance-store" and item.nvme_gb < req.scratch_gb:
+            out.append(Problem(where, f"{name} has {item.nvme_gb} GB of local NVMe; scratch asks for "
+                                      f"{req.scratch_gb} GB from instance-store — use source: auto or data-disk"))
+    return out
+
