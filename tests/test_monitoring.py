@@ -6,8 +6,6 @@ scrapes a real trainer."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +18,11 @@ from infra import monitoring
 from infra.cost import node_hourly_usd
 from infra.plan.engine import ROOT
 from infra.program import load_stack_spec
+from tests.system_tools import debian_tool
 
 
 def promtool() -> str:
-    binary = shutil.which("promtool")
-    if binary is None:
-        reason = "Debian's prometheus (promtool) is not installed (`make test` installs it as root with apt-get)"
-        if os.environ.get("CI"):
-            pytest.fail(reason + " — CI must not skip this")
-        pytest.skip(reason)
-    return binary
+    return debian_tool("promtool", "prometheus")
 
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.system_tools import debian_tool
 from tests.training_helpers import MotoServer, Proxy, free_port, launch, retry_until, storage_env
 
 ARGS = ["--workload", "tiny", "--steps", "60", "--checkpoint-every", "20", "--log-every", "5"]
@@ -219,17 +220,11 @@ def test_resnet50_on_an_image_folder_with_bf16_and_grad_checkpointing(tmp_path: 
 
 def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
     import json as _json
-    import shutil as _shutil
     import subprocess
     import sys
     import time
 
-    binary = _shutil.which("prometheus")
-    if binary is None:
-        reason = "Debian's prometheus is not installed (`make test` installs it as root with apt-get)"
-        if os.environ.get("CI"):
-            pytest.fail(reason + " — CI must not skip this")
-        pytest.skip(reason)
+    binary = debian_tool("prometheus", "prometheus")
     metrics_port, web_port = free_port(), free_port()
     from infra import monitoring
     from infra.program import load_stack_spec
