@@ -27,6 +27,8 @@ GPU_IDLE_FOR = "30m"
 CHECKPOINT_STALE_FACTOR = 3  # intervals of `training.checkpointEvery` steps without a commit
 CHECKPOINT_STALE_MIN_S = 600  # never alert on a stale checkpoint younger than this
 UPLOADS_PENDING_FOR = "15m"
+# USD a month at the current pace: what the running nodes report (gts_node_hourly_usd) x hours.
+SPEND_PACE = f"sum(gts_node_hourly_usd) * {cat.HOURS_PER_MONTH:g}"
 
 
 def _rule(alert: str, expr: str, for_: str, severity: str, env: str, summary: str,
@@ -42,9 +44,8 @@ def _rule(alert: str, expr: str, for_: str, severity: str, env: str, summary: st
 def rules(spec: StackSpec) -> dict[str, Any]:
     """The rules file (Prometheus `groups:` format) for this stack."""
     env, budget = spec.env, spec.budget
-    monthly = f"sum(gts_node_hourly_usd) * {cat.HOURS_PER_MONTH:g}"
     cost = [
-        _rule("GtsBudgetPace", f"{monthly} > {budget.monthly_limit_usd * pct / 100:g}", "30m",
+        _rule("GtsBudgetPace", f"{SPEND_PACE} > {budget.monthly_limit_usd * pct / 100:g}", "30m",
               "critical" if pct >= 100 else "warning", env,
               f"GPU nodes running now cost {{{{ $value | humanize }}}} USD a month at this pace: over {pct}% "
               f"of the {env} budget ({budget.monthly_limit_usd:g} USD); scale node groups down or raise "
@@ -82,7 +83,7 @@ def render(spec: StackSpec) -> str:
 # Dashboard panels: (title, unit, [(PromQL, legend)]). Grafana's own unit ids.
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Spending pace of running GPU nodes (USD a month)", "currencyUSD",
-     [(f"sum(gts_node_hourly_usd) * {cat.HOURS_PER_MONTH:g}", "all nodes"),
+     [(SPEND_PACE, "all nodes"),
       (f"sum by (cloud) (gts_node_hourly_usd) * {cat.HOURS_PER_MONTH:g}", "{{cloud}}")]),
     ("Running nodes by group", "short", [("count by (cloud, group) (gts_node_hourly_usd)", "{{cloud}}/{{group}}")]),
     ("Cost since start by group (USD)", "currencyUSD",

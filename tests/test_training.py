@@ -264,7 +264,7 @@ def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
             url = f"http://127.0.0.1:{web_port}/api/v1/query?query={urllib.parse.quote(expr)}"
             return list(_json.loads(urllib.request.urlopen(url, timeout=2).read())["data"]["result"])
         # The budget-pace alert's expression over the live series: one node at 3.06 USD/h.
-        assert float(query("sum(gts_node_hourly_usd) * 730")[0]["value"][1]) == pytest.approx(3.06 * 730)
+        assert float(query(monitoring.SPEND_PACE)[0]["value"][1]) == pytest.approx(3.06 * 730)
 
         def rules_evaluated() -> bool:
             url = f"http://127.0.0.1:{web_port}/api/v1/rules"
