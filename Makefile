@@ -39,11 +39,11 @@ plan: $(RUNTIME_STAMP)
 
 ## userdata: each node group's rendered cloud-config as $(OUT)/<cloud>-<group>.yaml (STACK=…)
 userdata: $(RUNTIME_STAMP)
-	@$(PY) -m infra.userdata --stack $(STACK) --out $(or $(OUT),out/userdata)
+	@$(PY) -m infra.cli.userdata --stack $(STACK) --out $(or $(OUT),out/userdata)
 
 ## monitoring: Prometheus alerting rules and a Grafana dashboard for the stack, into OUT (default out/monitoring)
 monitoring: $(RUNTIME_STAMP)
-	@$(PY) -m infra.monitoring --stack $(STACK) --out $(or $(OUT),out/monitoring)
+	@$(PY) -m infra.cli.monitoring --stack $(STACK) --out $(or $(OUT),out/monitoring)
 
 ## train-local: the trainer on CPU, 2 processes (gloo), tiny workload (STEPS= CKPT_EVERY= CKPT_DIR=<path or URL>)
 train-local: $(STAMP)

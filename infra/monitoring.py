@@ -147,30 +147,3 @@ def write_all(spec: StackSpec, stack: str, out: Path) -> list[Path]:
     for path, text in files.items():
         path.write_text(text, encoding="utf-8")
     return list(files)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    from infra.errors import SpecError
-    from infra.plan.engine import StackFileError
-    from infra.program import load_stack_spec
-
-    parser = argparse.ArgumentParser(prog="make monitoring",
-                                     description="write the stack's Prometheus alerting rules and Grafana dashboard")
-    parser.add_argument("--stack", default="dev")
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args(argv)
-    try:
-        spec = load_stack_spec(args.stack)
-    except (SpecError, StackFileError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    for path in write_all(spec, args.stack, args.out):
-        print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from typing import Any
 
 import pulumi
@@ -16,42 +14,11 @@ from infra import spec as spec_mod
 from infra import validation
 from infra.clouds import platform_class
 from infra.errors import SpecError
-
-SCALAR_KEYS = ("env",)
-
-
-def decode(values: Mapping[str, str]) -> dict[str, Any]:
-    """Config strings (as the engine hands them to the program) to spec values: structured
-    keys are JSON, scalar keys stay strings; unknown keys pass through for the spec to name."""
-    raw: dict[str, Any] = {}
-    for key, text in values.items():
-        if key in SCALAR_KEYS:
-            raw[key] = text
-            continue
-        try:
-            raw[key] = json.loads(text)
-        except json.JSONDecodeError:
-            raw[key] = text  # pydantic then says which type it expected
-    return raw
-
+from infra.stackfile import decode
 
 def raw_config(config: pulumi.Config) -> dict[str, Any]:
     """The stack's config values under this project's namespace, objects decoded."""
     return decode({k: v for k in spec_mod.CONFIG_KEYS if (v := config.get(k)) is not None})
-
-
-def spec_from_values(values: Mapping[str, str], project: str, source: str) -> spec_mod.StackSpec:
-    """The spec from a full config map (`<project>:<key>` -> string), as `make plan` reads it."""
-    prefix = f"{project}:"
-    return validation.parse(decode({k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}), source)
-
-
-def load_stack_spec(stack: str) -> spec_mod.StackSpec:
-    """The spec of `Pulumi.<stack>.yaml`, read as pulumi would (for make userdata / monitoring)."""
-    from infra.plan.engine import project_name, read_stack_file, stack_path
-
-    path = stack_path(stack)
-    return spec_from_values(read_stack_file(path, project_name()).values, project_name(), path.name)
 
 
 def read_spec() -> spec_mod.StackSpec:

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import jinja2
 
-from infra.clouds import checkpoint_url
 from infra.cost import node_hourly_usd
 from infra.spec import NodeGroup, StackSpec, hardware
 
@@ -155,41 +154,3 @@ def for_eks(ctx: NodeContext) -> str:
 def for_node_pool_script(ctx: NodeContext) -> str:
     """Base64 shell-script user data for ACK and TKE node pools."""
     return base64.b64encode(_fit(render_script(ctx), LIMITS[ctx.cloud], f"{ctx.cloud}/{ctx.group}")).decode()
-
-
-def write_all(stack: str, out: Path) -> list[Path]:
-    """`make userdata`: every node group's cloud-config as <out>/<cloud>-<group>.yaml."""
-    from infra.program import load_stack_spec
-
-    spec = load_stack_spec(stack)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for group in spec.node_groups:
-        ctx = node_context(spec, group, checkpoint_url(spec, group))
-        target = out / f"{group.cloud}-{group.name}.yaml"
-        target.write_text(render(ctx), encoding="utf-8")
-        written.append(target)
-    return written
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    from infra.errors import SpecError
-    from infra.plan.engine import StackFileError
-    parser = argparse.ArgumentParser(prog="make userdata", description="write each node group's cloud-config")
-    parser.add_argument("--stack", default="dev")
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args(argv)
-    try:
-        for path in write_all(args.stack, args.out):
-            print(path)
-    except (SpecError, StackFileError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

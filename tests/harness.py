@@ -11,9 +11,11 @@ from typing import Any
 
 import yaml
 
-from infra.plan.engine import ROOT, Registered, project_name, read_stack_file, run_program
-from infra.program import decode
+from infra.plan.engine import Registered, run_program
 from infra.plan.invokes import COMPUTED, INVOKES
+from infra.stackfile import decode, project_name, read_stack_file
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROJECT = "gpu-training-stack"
 

@@ -149,7 +149,7 @@ def test_training_job_and_device_plugin_on_eks() -> None:
     assert env["CHECKPOINT_URL"] == "s3://gts-prod-us-east-1/checkpoints/aws-eks-train/"
     # What the pod reports for the budget-pace alert: its group's node price, disk included.
     from infra.cost import node_hourly_usd
-    from infra.program import load_stack_spec
+    from infra.stackfile import load_stack_spec
 
     prod = load_stack_spec("prod")
     group = next(g for g in prod.node_groups if g.name == "aws-eks-train")

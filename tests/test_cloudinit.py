@@ -24,8 +24,8 @@ import yaml
 
 from infra import userdata
 from infra.clouds import checkpoint_url
-from infra.plan.engine import ROOT
-from infra.program import load_stack_spec
+from tests.harness import ROOT
+from infra.stackfile import load_stack_spec
 from tests.harness import by_type, run_stack
 from tests.system_tools import debian_tool
 

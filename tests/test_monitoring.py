@@ -16,8 +16,8 @@ import yaml
 
 from infra import monitoring
 from infra.cost import node_hourly_usd
-from infra.plan.engine import ROOT
-from infra.program import load_stack_spec
+from tests.harness import ROOT
+from infra.stackfile import load_stack_spec
 from tests.system_tools import debian_tool
 
 
@@ -146,11 +146,11 @@ def test_dashboard_shows_every_metric_against_the_budget() -> None:
 
 
 def test_make_monitoring_writes_both_files_and_names_a_missing_stack(tmp_path: Path) -> None:
-    ok = subprocess.run([sys.executable, "-m", "infra.monitoring", "--stack", "dev", "--out", str(tmp_path / "m")],
+    ok = subprocess.run([sys.executable, "-m", "infra.cli.monitoring", "--stack", "dev", "--out", str(tmp_path / "m")],
                         cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["alerts-dev.yml", "dashboard-dev.json"]
-    result = subprocess.run([sys.executable, "-m", "infra.monitoring", "--stack", "nope", "--out", str(tmp_path / "x")],
+    result = subprocess.run([sys.executable, "-m", "infra.cli.monitoring", "--stack", "nope", "--out", str(tmp_path / "x")],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "no stack file Pulumi.nope.yaml; stacks here: dev, prod" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "x").exists()

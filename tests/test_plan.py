@@ -12,7 +12,7 @@ import pulumi
 import pytest
 
 from infra.cost import stack_cost
-from infra.plan.engine import ROOT
+from tests.harness import ROOT
 from infra.validation import parse
 from tests.harness import by_type, key, run_stack, spec_raw, stack_values, write_stack
 

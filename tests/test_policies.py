@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from infra.plan.engine import ROOT
+from tests.harness import ROOT
 from policies import rules
 from policies.resources import Res
 from tests.harness import key, stack_values, write_stack

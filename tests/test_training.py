@@ -227,7 +227,7 @@ def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
     binary = debian_tool("prometheus", "prometheus")
     metrics_port, web_port = free_port(), free_port()
     from infra import monitoring
-    from infra.program import load_stack_spec
+    from infra.stackfile import load_stack_spec
 
     spec = load_stack_spec("dev")
     (tmp_path / "rules.yml").write_text(monitoring.render(spec))  # the stack's alerting rules

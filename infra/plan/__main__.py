@@ -21,10 +21,9 @@ from rich.markup import escape
 from infra.cost import stack_cost
 from infra.errors import CatalogError, SpecError
 from infra.plan import report
-from infra.plan.engine import (ROOT, Registered, StackFileError, project_name, read_stack_file, run_program,
-                               stack_path, unwrap_secrets)
+from infra.plan.engine import Registered, run_program, unwrap_secrets
 from infra.plan.invokes import COMPUTED, INVOKES
-from infra.program import spec_from_values
+from infra.stackfile import StackFileError, project_name, project_root, read_stack_file, spec_from_values, stack_path
 from infra.spec import StackSpec
 
 
@@ -33,7 +32,7 @@ def policy_verdicts(spec: StackSpec, stack: str, resources: list[Registered]) ->
     policy config file, exactly as `--policy-pack-config policies/<env>.json` would apply."""
     from policies.resources import Res
     from policies.rules import evaluate
-    folder = ROOT / "policies"
+    folder = project_root() / "policies"
     path = next((p for p in (folder / f"{stack}.json", folder / f"{spec.env}.json") if p.exists()), None)
     config = json.loads(path.read_text()) if path else {}
     config = {k: ({**v, "cnyPerUsd": spec.pricing.cny_per_usd} if isinstance(v, dict) else v)

@@ -1,14 +1,12 @@
 """Run the stack program in Pulumi's mock engine and capture every registered resource.
 
-This is the one harness the plan and the tests share. It reads a stack file the way the
-Pulumi CLI does (project-namespaced keys, structured values passed to the program as JSON,
-`secure:` values kept secret), runs `__main__.py`, and records each registration's type,
-logical name, URN, parent and inputs exactly as the engine receives them (camelCase).
+This is the one harness the plan and the tests share. Given a stack's config as the Pulumi
+CLI hands it over (`infra.stackfile`), it runs `__main__.py` and records each registration's
+type, logical name, URN, parent and inputs exactly as the engine receives them (camelCase).
 """
 
 from __future__ import annotations
 
-import json
 import runpy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -16,34 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pulumi
-import yaml
 from pulumi.runtime import mocks as pulumi_mocks
 from pulumi.runtime import rpc
 from pulumi.runtime.stack import run_pulumi_func
 from pulumi.runtime.sync_await import _sync_await
 
-
-
-def find_project_root(start: Path | None = None) -> Path:
-    """The nearest folder at or above `start` (default: cwd) holding Pulumi.yaml, as the CLI
-    finds it; this checkout when there is none."""
-    here = (start or Path.cwd()).absolute()
-    for folder in (here, *here.parents):
-        if (folder / "Pulumi.yaml").exists():
-            return folder
-    return Path(__file__).resolve().parents[2]
-
-
-ROOT = find_project_root()
-SECRET_MASK = "[secret]"
+from infra.stackfile import SECRET_MASK, StackConfig, project_root
 
 
 class UnmockedInvoke(LookupError):
     """The program called a provider function the offline plan has no answer for."""
-
-
-class StackFileError(Exception):
-    """The stack file cannot be read as Pulumi would read it."""
 
 
 @dataclass
@@ -139,63 +119,9 @@ class StackMocks(pulumi_mocks.Mocks):
         return handler(dict(args.args)), []
 
 
-# ---------------------------------------------------------------------------------------
-# Reading stack files as the CLI does
-# ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class StackConfig:
-    project: str
-    stack: str
-    values: dict[str, str]  # full key -> string as the program receives it
-    secret_keys: list[str] = field(default_factory=list)
-
-
-def project_name(root: Path = ROOT) -> str:
-    data = yaml.safe_load((root / "Pulumi.yaml").read_text(encoding="utf-8"))
-    return str(data["name"])
-
-
-def available_stacks(root: Path = ROOT) -> list[str]:
-    return sorted(p.name[len("Pulumi."):-len(".yaml")] for p in root.glob("Pulumi.*.yaml"))
-
-
-def stack_path(stack: str, root: Path = ROOT) -> Path:
-    """`Pulumi.<stack>.yaml`, or a StackFileError naming the stacks that exist."""
-    path = root / f"Pulumi.{stack}.yaml"
-    if not path.exists():
-        raise StackFileError(f"no stack file {path.name}; stacks here: {', '.join(available_stacks(root))} "
-                             f"(create Pulumi.{stack}.yaml or pass STACK=<one of them>)")
-    return path
-
-
-def read_stack_file(path: Path, project: str) -> StackConfig:
-    """Turn `Pulumi.<stack>.yaml` into the config map the Pulumi CLI hands the program."""
-    stack = path.name[len("Pulumi."):-len(".yaml")]
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        raise StackFileError(f"{path.name} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("config", {}), dict):
-        raise StackFileError(f"{path.name}: expected a mapping with a 'config:' mapping")
-    values: dict[str, str] = {}
-    secrets: list[str] = []
-    for key, value in (data.get("config") or {}).items():
-        full = key if ":" in key else f"{project}:{key}"
-        if isinstance(value, dict) and set(value) == {"secure"}:
-            # Encrypted with the stack's key; the offline plan cannot and need not decrypt it.
-            values[full] = SECRET_MASK
-            secrets.append(full)
-        elif isinstance(value, str):
-            values[full] = value
-        else:
-            values[full] = json.dumps(value)
-    return StackConfig(project, stack, values, secrets)
-
-
 def run_program(config: StackConfig, invokes: Mapping[str, InvokeHandler],
                 computed: Mapping[str, ComputedOutputs] | None = None,
-                program: Callable[[], Any] | None = None) -> list[Registered]:
+                program: Callable[[], Any] | None = None, root: Path | None = None) -> list[Registered]:
     """Run the stack program (default: `__main__.py`) under mocks; return what it registered.
 
     Exceptions from the program (a pulumi.RunError for a bad spec) propagate unchanged.
@@ -208,9 +134,10 @@ def run_program(config: StackConfig, invokes: Mapping[str, InvokeHandler],
         if program is not None:
             program()
         else:
-            runpy.run_path(str(ROOT / "__main__.py"), run_name="__main__")
+            runpy.run_path(str((root or project_root()) / "__main__.py"), run_name="__main__")
 
     _sync_await(run_pulumi_func(main))
     for res in monitor.registered:
         res.outputs = monitor.outputs.get(res.urn, {})
-    return monitor.registered
+    # Registration order follows the event loop's scheduling; URN order is the same every run.
+    return sorted(monitor.registered, key=lambda r: r.urn)

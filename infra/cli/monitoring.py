@@ -1,0 +1,31 @@
+"""`make monitoring STACK=<name> OUT=<dir>`: the stack's Prometheus alerting rules and Grafana dashboard."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from infra import monitoring
+from infra.errors import SpecError
+from infra.stackfile import StackFileError, load_stack_spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make monitoring",
+                                     description="write the stack's Prometheus alerting rules and Grafana dashboard")
+    parser.add_argument("--stack", default="dev")
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args(argv)
+    try:
+        spec = load_stack_spec(args.stack)
+    except (SpecError, StackFileError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for path in monitoring.write_all(spec, args.stack, args.out):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""Reading `Pulumi.<stack>.yaml` the way the Pulumi CLI hands it to the program.
+
+The program (`pulumi up`), the offline plan and the `make userdata` / `make monitoring`
+commands all read a stack through here: project-namespaced keys, structured values passed to
+the program as JSON strings, `secure:` values kept secret. Nothing here runs at import time;
+the project root is found when a function asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from infra import spec as spec_mod
+from infra import validation
+
+SECRET_MASK = "[secret]"
+# Keys whose values the program receives as plain strings; the others are JSON.
+SCALAR_KEYS = ("env",)
+
+
+class StackFileError(Exception):
+    """The stack file cannot be read as Pulumi would read it."""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    project: str
+    stack: str
+    values: dict[str, str]  # full key -> string as the program receives it
+    secret_keys: list[str] = field(default_factory=list)
+
+
+def project_root(start: Path | None = None) -> Path:
+    """The nearest folder at or above `start` (default: cwd) holding Pulumi.yaml, as the CLI
+    finds it; this checkout when there is none."""
+    here = (start or Path.cwd()).absolute()
+    for folder in (here, *here.parents):
+        if (folder / "Pulumi.yaml").exists():
+            return folder
+    return Path(__file__).resolve().parents[1]
+
+
+def project_name(root: Path | None = None) -> str:
+    data = yaml.safe_load(((root or project_root()) / "Pulumi.yaml").read_text(encoding="utf-8"))
+    return str(data["name"])
+
+
+def available_stacks(root: Path | None = None) -> list[str]:
+    return sorted(p.name[len("Pulumi."):-len(".yaml")] for p in (root or project_root()).glob("Pulumi.*.yaml"))
+
+
+def stack_path(stack: str, root: Path | None = None) -> Path:
+    """`Pulumi.<stack>.yaml`, or a StackFileError naming the stacks that exist."""
+    root = root or project_root()
+    path = root / f"Pulumi.{stack}.yaml"
+    if not path.exists():
+        raise StackFileError(f"no stack file {path.name}; stacks here: {', '.join(available_stacks(root))} "
+                             f"(create Pulumi.{stack}.yaml or pass STACK=<one of them>)")
+    return path
+
+
+def _has_secret(value: Any) -> bool:
+    if isinstance(value, dict):
+        return set(value) == {"secure"} or any(_has_secret(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_secret(v) for v in value)
+    return False
+
+
+def _mask(value: Any) -> Any:
+    """Nested `secure:` values (`pulumi config set --secret --path a.b`) as the mask: the
+    offline plan cannot decrypt them and needs no plaintext."""
+    if isinstance(value, dict):
+        if set(value) == {"secure"}:
+            return SECRET_MASK
+        return {k: _mask(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mask(v) for v in value]
+    return value
+
+
+def read_stack_file(path: Path, project: str) -> StackConfig:
+    """Turn `Pulumi.<stack>.yaml` into the config map the Pulumi CLI hands the program."""
+    stack = path.name[len("Pulumi."):-len(".yaml")]
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise StackFileError(f"{path.name} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("config", {}), dict):
+        raise StackFileError(f"{path.name}: expected a mapping with a 'config:' mapping")
+    values: dict[str, str] = {}
+    secrets: list[str] = []
+    for key, value in (data.get("config") or {}).items():
+        full = key if ":" in key else f"{project}:{key}"
+        if _has_secret(value):
+            # Encrypted with the stack's key; the CLI marks the whole key secret.
+            secrets.append(full)
+        masked = _mask(value)
+        values[full] = masked if isinstance(masked, str) else json.dumps(masked)
+    return StackConfig(project, stack, values, secrets)
+
+
+def decode(values: Mapping[str, str]) -> dict[str, Any]:
+    """Config strings (as the engine hands them to the program) to spec values: structured
+    keys are JSON, scalar keys stay strings; unknown keys pass through for the spec to name."""
+    raw: dict[str, Any] = {}
+    for key, text in values.items():
+        if key in SCALAR_KEYS:
+            raw[key] = text
+            continue
+        try:
+            raw[key] = json.loads(text)
+        except json.JSONDecodeError:
+            raw[key] = text  # pydantic then says which type it expected
+    return raw
+
+
+def spec_from_values(values: Mapping[str, str], project: str, source: str) -> spec_mod.StackSpec:
+    """The spec from a full config map (`<project>:<key>` -> string), as `make plan` reads it."""
+    prefix = f"{project}:"
+    return validation.parse(decode({k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}), source)
+
+
+def load_stack_spec(stack: str, root: Path | None = None) -> spec_mod.StackSpec:
+    """The spec of `Pulumi.<stack>.yaml`, read as pulumi would (make userdata / monitoring / plan)."""
+    root = root or project_root()
+    path = stack_path(stack, root)
+    project = project_name(root)
+    return spec_from_values(read_stack_file(path, project).values, project, path.name)
