@@ -15,7 +15,8 @@ from typing import Any
 from croniter import croniter
 
 from infra import catalog as cat
-from infra.spec import NodeGroup, StackSpec, hardware
+from infra.groups import ResolvedGroup, Stack
+from infra.spec import NodeGroup, StackSpec
 
 WEEK = timedelta(days=7)
 # A fixed Monday 00:00 UTC so that the figures are reproducible.
@@ -79,62 +80,29 @@ class GroupCost:
     price_estimate: bool
 
 
-@dataclass(frozen=True)
-class NodePrices:
-    """USD per node-hour of a group's primary type in each market, and of its scratch data disk."""
-
-    on_demand: float
-    spot: float
-    reserved: float
-    disk: float
-
-
-def node_prices(spec: StackSpec, group: NodeGroup) -> NodePrices:
-    rate = spec.pricing.cny_per_usd
-    hw = hardware(spec, group)
-    on_demand = cat.to_usd(hw.primary.price_ondemand, hw.primary.currency, rate)
-    spot = on_demand * (1 - hw.primary.spot_discount)
-    if group.market.spot_max_price_usd is not None:
-        spot = min(spot, group.market.spot_max_price_usd)
-    return NodePrices(on_demand, spot, on_demand * (1 - hw.primary.reserved_discount),
-                      cat.data_disk_hourly_usd(group.cloud, hw.scratch_disk_gb, rate))
-
-
-def node_hourly_usd(spec: StackSpec, group: NodeGroup) -> float:
-    """What one running node of the group costs per hour, disk included, as the node reports it
-    (the budget-pace alert sums it). A node of a spot group with an on-demand base cannot tell
-    which it is, so it reports the on-demand price: the alert errs towards warning early."""
-    p = node_prices(spec, group)
-    node = {"reserved": p.reserved, "on-demand": p.on_demand}.get(group.market.type)
-    if node is None:
-        node = p.spot if group.market.on_demand_base == 0 else p.on_demand
-    return node + p.disk
-
-
-def group_cost(spec: StackSpec, group: NodeGroup) -> GroupCost:
-    hw = hardware(spec, group)
-    itype, item = hw.types[0], hw.primary
-    prices = node_prices(spec, group)
+def group_cost(rg: ResolvedGroup) -> GroupCost:
+    group, itype, item = rg.group, rg.types[0], rg.primary
+    prices = rg.prices
     on_demand, spot, reserved, disk_hourly = prices.on_demand, prices.spot, prices.reserved, prices.disk
 
     occ = occupancy(group)
     week_h = WEEK.total_seconds() / 3600
     if group.market.type == "reserved":
-        node_avg = occ.peak * reserved  # prepaid: paid every hour at the peak count
+        spend_avg = occ.peak * reserved  # prepaid: paid every hour at the peak count
         nodes_avg = float(occ.peak)
         peak_hourly = occ.peak * reserved
     elif group.market.type == "on-demand":
-        node_avg = occ.average * on_demand
+        spend_avg = occ.average * on_demand
         nodes_avg = occ.average
         peak_hourly = occ.peak * on_demand
     else:
         base_avg = occ.base_hours / week_h
-        node_avg = base_avg * on_demand + (occ.average - base_avg) * spot
+        spend_avg = base_avg * on_demand + (occ.average - base_avg) * spot
         nodes_avg = occ.average
         base_peak = min(occ.peak, group.market.on_demand_base)
         peak_hourly = base_peak * on_demand + (occ.peak - base_peak) * spot
     disk_avg = nodes_avg * disk_hourly
-    hourly = node_avg + disk_avg
+    hourly = spend_avg + disk_avg
     return GroupCost(
         name=group.name, cloud=group.cloud, instance_type=itype, market=group.market.type,
         average_nodes=round(nodes_avg, 4), peak_nodes=occ.peak,
@@ -153,9 +121,10 @@ def storage_monthly_usd(spec: StackSpec, cloud: str) -> float:
     return round(cat.to_usd(monthly, str(prices["currency"]), spec.pricing.cny_per_usd), 2)
 
 
-def stack_cost(spec: StackSpec) -> dict[str, Any]:
+def stack_cost(stack: Stack) -> dict[str, Any]:
     """The cost summary the plan prints and the policy pack checks."""
-    groups = [group_cost(spec, g) for g in spec.node_groups]
+    spec = stack.spec
+    groups = [group_cost(g) for g in stack.groups]
     by_cloud: dict[str, dict[str, float]] = {}
     for cloud in spec.clouds:
         mine = [g for g in groups if g.cloud == cloud]

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.cost import node_hourly_usd
-from infra.spec import NodeGroup, StackSpec, hardware
+from infra.groups import TAG_NODE_GROUP, ResolvedGroup
+from infra.spec import NodeGroup, StackSpec
 
 DEVICE_PLUGIN_IMAGE = "nvcr.io/nvidia/k8s-device-plugin:v0.17.2"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
 GPU_TOLERATION = k8s.core.v1.TolerationArgs(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
-GPU_LABEL = "gpu-training-stack/node-group"
+GPU_LABEL = TAG_NODE_GROUP
 
 
 @dataclass
@@ -131,7 +131,7 @@ class TrainingJob(pulumi.ComponentResource):
         self.register_outputs({"jobName": self.job.metadata.name})
 
 
-def deploy_training_jobs(spec: StackSpec, groups: list[NodeGroup], checkpoint_url: str,
+def deploy_training_jobs(spec: StackSpec, groups: list[ResolvedGroup],
                          opts: pulumi.ResourceOptions) -> list[TrainingJob]:
     """One training Job per Kubernetes training group, sized from the catalog, on the cluster
     whose provider `opts` carries."""
@@ -139,14 +139,13 @@ def deploy_training_jobs(spec: StackSpec, groups: list[NodeGroup], checkpoint_ur
     for g in groups:
         if g.workload != "training":
             continue
-        item = hardware(spec, g).primary
         jobs.append(TrainingJob(g.name, TrainingJobArgs(
             image=spec.training.image, launcher=spec.training.launcher, node_group=g.name,
-            nodes=max(1, g.scaling.baseline), gpus_per_node=item.gpu_count,
-            env={"CHECKPOINT_URL": f"{checkpoint_url}{g.name}/", "DATASET_URL": spec.training.dataset_url,
+            nodes=g.nnodes, gpus_per_node=g.gpus,
+            env={"CHECKPOINT_URL": g.checkpoint_url, "DATASET_URL": spec.training.dataset_url,
                  "CHECKPOINT_EVERY": str(spec.training.checkpoint_every), "WORKLOAD": spec.training.workload,
                  "CHECKPOINT_DIR": "/scratch/checkpoints", "METRICS_PORT": "9401",
-                 "NODE_HOURLY_USD": f"{node_hourly_usd(spec, g):.4f}", "GTS_CLOUD": g.cloud,
+                 "NODE_HOURLY_USD": f"{g.node_hourly_usd:.4f}", "GTS_CLOUD": g.cloud,
                  "GTS_NODE_GROUP": g.name},
             labels={"env": spec.env}), opts=opts))
     return jobs
@@ -175,8 +174,7 @@ def pool_parts(group: NodeGroup) -> list[PoolPart]:
 
 
 def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[pulumi.Resource], spec: StackSpec,
-                      groups: list[NodeGroup], checkpoint_url: str, parent: pulumi.Resource,
-                      device_plugin: bool) -> None:
+                      groups: list[ResolvedGroup], parent: pulumi.Resource, device_plugin: bool) -> None:
     """A Kubernetes provider on the new cluster (after its GPU pools exist), the NVIDIA device
     plugin where the cloud does not install it, and the training Jobs."""
     provider = k8s.Provider(f"{name}-k8s", kubeconfig=kubeconfig,
@@ -184,4 +182,4 @@ def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[
     opts = pulumi.ResourceOptions(parent=parent, provider=provider)
     if device_plugin:
         NvidiaDevicePlugin(f"{name}-nvidia", opts=opts)
-    deploy_training_jobs(spec, groups, checkpoint_url, opts)
+    deploy_training_jobs(spec, groups, opts)

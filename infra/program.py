@@ -14,6 +14,7 @@ from infra import spec as spec_mod
 from infra import validation
 from infra.clouds import platform_class
 from infra.errors import SpecError
+from infra.groups import resolve
 from infra.stackfile import decode
 
 def raw_config(config: pulumi.Config) -> dict[str, Any]:
@@ -33,9 +34,10 @@ def main() -> None:
     except SpecError as exc:
         # RunError is printed by the engine without a Python traceback.
         raise pulumi.RunError(str(exc)) from None
+    stack = resolve(spec)
     exports: dict[str, Any] = {}
     for cloud in spec.clouds:
-        platform = platform_class(cloud)(f"{spec.env}-{cloud}", spec)
+        platform = platform_class(cloud)(f"{spec.env}-{cloud}", stack)
         exports[cloud] = platform.exports
     for name, values in exports.items():
         pulumi.export(name, values)

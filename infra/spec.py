@@ -8,7 +8,6 @@ regions, CIDRs, account-site markets), and reports key paths in the stack file's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from ipaddress import IPv4Network
 from typing import Annotated, Literal
 
@@ -222,48 +221,3 @@ class StackSpec(Model):
         overrides: dict[tuple[str, str], float] = {
             (o.cloud, o.instance_type): o.on_demand_hourly for o in self.pricing.overrides}
         return cat.load_catalog().with_prices(overrides)
-
-    def requirement(self, group: NodeGroup) -> cat.Requirement:
-        scratch = self.scratch_of(group)
-        gpu = group.gpu or GpuRequirement()
-        return cat.Requirement(gpu_count=gpu.count, gpu_model=gpu.model,
-                               min_vram_gb=max(gpu.min_vram_gb, group.min_gpu_memory_gb),
-                               scratch_gb=scratch.size_gb, scratch_source=scratch.source)
-
-    def instance_types(self, group: NodeGroup) -> list[str]:
-        """The group's instance types, preferred first: the named type or the selector's picks."""
-        if group.instance_type is not None:
-            types = [group.instance_type] + group.fallback_types
-        else:
-            picks = cat.select(self.catalog(), [group.cloud], self.requirement(group),
-                               self.pricing.cny_per_usd)
-            types = [c.type.instance_type for c in picks[:4]] + group.fallback_types
-        return list(dict.fromkeys(types))
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What a node group runs on: its instance types (preferred first), the catalog row of the
-    first, and the data disk each node needs for scratch (0 when local NVMe holds it)."""
-
-    types: list[str]
-    primary: cat.InstanceType
-    scratch_disk_gb: int
-
-
-def hardware(spec: StackSpec, group: NodeGroup) -> Hardware:
-    types = spec.instance_types(group)
-    primary = spec.catalog().get(group.cloud, types[0])
-    if primary is None:  # parse() has checked every type against the catalog
-        raise LookupError(f"{group.name}: {types[0]} is not in the catalog")
-    scratch = spec.scratch_of(group)
-    return Hardware(types, primary, cat.scratch_disk_gb(primary, scratch.size_gb, scratch.source) or 0)
-
-
-def spot_price_cap(spec: StackSpec, group: NodeGroup, item: cat.InstanceType) -> float | None:
-    """The group's spot price cap (spotMaxPriceUsd) in the currency its clouds bill in: the
-    catalog row's currency, so CNY for Alibaba and Tencent types."""
-    cap = group.market.spot_max_price_usd
-    if cap is None:
-        return None
-    return round(cap if item.currency == "USD" else cap * spec.pricing.cny_per_usd, 4)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import jinja2
 
-from infra.cost import node_hourly_usd
-from infra.spec import NodeGroup, StackSpec, hardware
+from infra.groups import ResolvedGroup
+from infra.spec import StackSpec
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "cloudinit"
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
@@ -81,25 +81,23 @@ class NodeContext:
     node_exporter_image: str
 
 
-def node_context(spec: StackSpec, group: NodeGroup, checkpoint_url: str) -> NodeContext:
-    item = hardware(spec, group).primary
-    mirrors = spec.clouds[group.cloud].mirrors
+def node_context(spec: StackSpec, rg: ResolvedGroup) -> NodeContext:
+    mirrors = spec.clouds[rg.group.cloud].mirrors
     registry = mirrors.registry or ""
-    kube = group.kind == "kubernetes"
-    price = node_hourly_usd(spec, group)
+    kube = rg.kind == "kubernetes"
     return NodeContext(
-        env=spec.env, cloud=group.cloud, group=group.name, mode="kubernetes" if kube else "vm",
+        env=spec.env, cloud=rg.cloud, group=rg.name, mode="kubernetes" if kube else "vm",
         image=spec.training.image, launcher=spec.training.launcher, workload_name=spec.training.workload,
-        checkpoint_url=checkpoint_url, checkpoint_every=spec.training.checkpoint_every,
+        checkpoint_url=rg.checkpoint_url, checkpoint_every=spec.training.checkpoint_every,
         dataset_url=spec.training.dataset_url, data_dir="/scratch/datasets/current",
-        scratch_gb=spec.scratch_of(group).size_gb, tmpfs_gb=spec.storage.dataset_tmpfs_gb, gpus=item.gpu_count,
-        nnodes=max(1, group.scaling.baseline) if group.workload == "training" else 1,
-        nvswitch=item.nvswitch, driver_branch=DRIVER_BRANCH, rdzv_endpoint=spec.training.rendezvous_endpoint or "",
-        mlflow_tracking_uri=spec.training.mlflow_tracking_uri or "", node_hourly_usd=f"{price:.4f}",
+        scratch_gb=rg.scratch_gb, tmpfs_gb=spec.storage.dataset_tmpfs_gb, gpus=rg.gpus,
+        nnodes=rg.nnodes, nvswitch=rg.primary.nvswitch, driver_branch=DRIVER_BRANCH,
+        rdzv_endpoint=spec.training.rendezvous_endpoint or "",
+        mlflow_tracking_uri=spec.training.mlflow_tracking_uri or "", node_hourly_usd=f"{rg.node_hourly_usd:.4f}",
         registry_mirror=registry, apt_mirror=mirrors.apt or "", yum_mirror=mirrors.yum or "",
         pip_mirror=mirrors.pip or "",
         spot_action="crictl:trainer" if kube else "docker:gts-trainer",
-        metadata_url=METADATA_URLS[group.cloud],
+        metadata_url=METADATA_URLS[rg.cloud],
         dcgm_exporter_image=f"{registry or 'nvcr.io'}/{DCGM_EXPORTER}",
         node_exporter_image=f"{registry + '/' if registry else ''}{NODE_EXPORTER}",
     )

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from infra import catalog as cat
 from infra.errors import Problem, SpecError, suggest
+from infra.groups import requirement, schedule_bounds
 from infra.schedule import cron_in_beijing
 from infra.spec import (CONFIG_KEYS, PATTERN_HELP, REQUIRED_TAGS, Network, NodeGroup, StackSpec)
 
@@ -243,8 +244,7 @@ def _check_scaling(group: NodeGroup, path: str) -> list[Problem]:
                 cron_in_beijing(act.cron)
             except ValueError as exc:
                 out.append(Problem(f"{apath}.cron", f"{exc}; Tencent AS runs schedules in Beijing time"))
-        lo = s.min if act.min is None else act.min
-        hi = s.max if act.max is None else act.max
+        lo, hi = schedule_bounds(group, act)
         if not lo <= act.desired <= hi:
             out.append(Problem(f"{apath}.desired", f"{act.desired} is outside min..max ({lo}..{hi}); "
                                                    "set min/max on the action too"))
@@ -291,7 +291,7 @@ def _check_hardware(spec: StackSpec, catalog: cat.Catalog, group: NodeGroup, pat
         out += _check_type(catalog, group.cloud, name, f"{path}.fallbackTypes[{k}]")
     if out:
         return out
-    req = spec.requirement(group)
+    req = requirement(spec, group)
     if group.gpu is not None:
         models = catalog.gpu_models(group.cloud)
         if group.gpu.model is not None and group.gpu.model.lower() not in [m.lower() for m in models]:

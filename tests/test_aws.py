@@ -148,12 +148,11 @@ def test_training_job_and_device_plugin_on_eks() -> None:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["CHECKPOINT_URL"] == "s3://gts-prod-us-east-1/checkpoints/aws-eks-train/"
     # What the pod reports for the budget-pace alert: its group's node price, disk included.
-    from infra.cost import node_hourly_usd
+    from infra.groups import resolve
     from infra.stackfile import load_stack_spec
 
-    prod = load_stack_spec("prod")
-    group = next(g for g in prod.node_groups if g.name == "aws-eks-train")
-    assert env["NODE_HOURLY_USD"] == f"{node_hourly_usd(prod, group):.4f}" and float(env["NODE_HOURLY_USD"]) > 0
+    group = resolve(load_stack_spec("prod")).group("aws-eks-train")
+    assert env["NODE_HOURLY_USD"] == f"{group.node_hourly_usd:.4f}" and float(env["NODE_HOURLY_USD"]) > 0
     assert env["GTS_CLOUD"] == "aws" and env["GTS_NODE_GROUP"] == "aws-eks-train"
     assert by_type(res, "kubernetes:apps/v1:DaemonSet")
     (cluster,) = by_type(res, "aws:eks/cluster:Cluster")

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from infra import userdata
-from infra.clouds import checkpoint_url
+from infra.groups import resolve
 from tests.harness import ROOT
 from infra.stackfile import load_stack_spec
 from tests.harness import by_type, run_stack
@@ -36,9 +36,8 @@ SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "sh
 
 
 def _rendered(stack: str) -> dict[str, str]:
-    spec = load_stack_spec(stack)
-    return {f"{g.cloud}-{g.name}": userdata.render(userdata.node_context(spec, g, checkpoint_url(spec, g)))
-            for g in spec.node_groups}
+    stack_ = resolve(load_stack_spec(stack))
+    return {f"{g.cloud}-{g.name}": userdata.render(userdata.node_context(stack_.spec, g)) for g in stack_.groups}
 
 
 def _cloud_init() -> str:
@@ -94,10 +93,9 @@ def test_embedded_scripts_pass_shellcheck_and_compile(tmp_path: Path) -> None:
     for path in (p for p in files if p.endswith(".py")):
         compile(files[path], path, "exec")
     # The script shape for ACK / TKE node pools is shellchecked whole.
-    spec = load_stack_spec("prod")
-    group = next(g for g in spec.node_groups if g.name == "ali-ack-train")
+    prod = resolve(load_stack_spec("prod"))
     script = tmp_path / "node.sh"
-    script.write_text(userdata.render_script(userdata.node_context(spec, group, "oss://b/checkpoints/")))
+    script.write_text(userdata.render_script(userdata.node_context(prod.spec, prod.group("ali-ack-train"))))
     _shellcheck(script)
 
 
@@ -115,9 +113,9 @@ def test_golden_snapshots_one_group_per_cloud() -> None:
 
 def test_user_data_fits_every_cloud_limit() -> None:
     for stack in ("dev", "prod"):
-        spec = load_stack_spec(stack)
-        for g in spec.node_groups:
-            ctx = userdata.node_context(spec, g, checkpoint_url(spec, g))
+        stack_ = resolve(load_stack_spec(stack))
+        for g in stack_.groups:
+            ctx = userdata.node_context(stack_.spec, g)
             encoded = userdata.for_vm(ctx)
             assert len(encoded) <= userdata.LIMITS[g.cloud]
             assert gzip.decompress(base64.b64decode(encoded)).decode() == userdata.render(ctx)

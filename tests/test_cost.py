@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from infra import cost
+from infra.groups import resolve
 from infra.spec import StackSpec
 from infra.validation import parse
 from tests.harness import key, spec_raw, stack_values
@@ -33,7 +34,7 @@ BASE = {"name": "grp", "cloud": "aws", "network": "aws-train", "instanceType": "
 
 def test_on_demand_always_on() -> None:
     spec = _one_group({**BASE, "scaling": {"min": 2, "max": 2}, "market": {"type": "on-demand"}})
-    g = cost.group_cost(spec, spec.node_groups[0])
+    g = cost.group_cost(resolve(spec).groups[0])
     assert g.hourly_usd == pytest.approx(2 * 21.96)
     assert g.monthly_usd == pytest.approx(2 * 21.96 * HOURS, abs=0.01)
     assert g.on_demand_monthly_usd == pytest.approx(g.monthly_usd, abs=0.01)
@@ -41,7 +42,7 @@ def test_on_demand_always_on() -> None:
 
 def test_spot_with_on_demand_base() -> None:
     spec = _one_group({**BASE, "scaling": {"min": 3, "max": 3}, "market": {"type": "spot", "onDemandBase": 1}})
-    g = cost.group_cost(spec, spec.node_groups[0])
+    g = cost.group_cost(resolve(spec).groups[0])
     spot = 21.96 * (1 - 0.60)
     assert g.hourly_usd == pytest.approx(21.96 + 2 * spot)
     assert g.on_demand_monthly_usd == pytest.approx(3 * 21.96 * HOURS, abs=0.01)
@@ -49,7 +50,7 @@ def test_spot_with_on_demand_base() -> None:
 
 def test_spot_max_price_caps_the_spot_price() -> None:
     spec = _one_group({**BASE, "scaling": {"min": 1, "max": 1}, "market": {"type": "spot", "spotMaxPriceUsd": 5.0}})
-    assert cost.group_cost(spec, spec.node_groups[0]).hourly_usd == pytest.approx(5.0)
+    assert cost.group_cost(resolve(spec).groups[0]).hourly_usd == pytest.approx(5.0)
 
 
 def test_schedule_duty_cycle() -> None:
@@ -57,7 +58,7 @@ def test_schedule_duty_cycle() -> None:
     spec = _one_group({**BASE, "scaling": {"min": 0, "max": 2, "desired": 0}, "market": {"type": "on-demand"},
                        "schedule": [{"name": "up", "cron": "0 8 * * 1-5", "desired": 2},
                                     {"name": "down", "cron": "0 20 * * 1-5", "desired": 0}]})
-    g = cost.group_cost(spec, spec.node_groups[0])
+    g = cost.group_cost(resolve(spec).groups[0])
     assert g.average_nodes == pytest.approx(2 * 60 / 168, abs=1e-4)
     assert g.peak_nodes == 2
     assert g.hourly_usd == pytest.approx(2 * 60 / 168 * 21.96, rel=1e-4)
@@ -68,7 +69,7 @@ def test_reserved_pays_peak_around_the_clock() -> None:
     spec = _one_group({**BASE, "scaling": {"min": 0, "max": 2, "desired": 0}, "market": {"type": "reserved"},
                        "schedule": [{"name": "up", "cron": "0 8 * * 1-5", "desired": 2},
                                     {"name": "down", "cron": "0 20 * * 1-5", "desired": 0}]})
-    g = cost.group_cost(spec, spec.node_groups[0])
+    g = cost.group_cost(resolve(spec).groups[0])
     assert g.hourly_usd == pytest.approx(2 * 21.96 * (1 - 0.40))
 
 
@@ -76,7 +77,7 @@ def test_cny_converted_and_data_disk_added() -> None:
     group = {"name": "grp", "cloud": "tencentcloud", "network": "tc-train", "instanceType": "GN7.2XLARGE32",
              "workload": "inference", "scaling": {"min": 1, "max": 1}, "market": {"type": "on-demand"}}
     spec = _one_group(group, scratch_gb=100)
-    g = cost.group_cost(spec, spec.node_groups[0])
+    g = cost.group_cost(resolve(spec).groups[0])
     node = 8.68 / 7.2
     disk = 100 * 1.0 / 7.2 / HOURS
     assert g.hourly_usd == pytest.approx(node + disk, rel=1e-4)
@@ -85,7 +86,7 @@ def test_cny_converted_and_data_disk_added() -> None:
 
 def test_stack_totals_add_up() -> None:
     spec = _spec("prod")
-    total = cost.stack_cost(spec)
+    total = cost.stack_cost(resolve(spec))
     groups = total["node_groups"]
     for cloud, c in total["by_cloud"].items():
         mine = sum(g["monthly_usd"] for g in groups if g["cloud"] == cloud)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from infra import monitoring
-from infra.cost import node_hourly_usd
+from infra.groups import resolve
 from tests.harness import ROOT
 from infra.stackfile import load_stack_spec
 from tests.system_tools import debian_tool
@@ -113,17 +113,14 @@ def test_synthetic_series_fire_exactly_the_expected_alerts(tmp_path: Path) -> No
 
 def test_nodes_report_the_price_their_market_pays() -> None:
     """The budget-pace alert sums what nodes report: spot groups report the spot price."""
-    spec = load_stack_spec("dev")
-    aws = next(g for g in spec.node_groups if g.name == "aws-train")
-    from infra.cost import node_prices
-
-    prices = node_prices(spec, aws)
+    aws = resolve(load_stack_spec("dev")).group("aws-train")
+    prices = aws.prices
     assert prices.spot < prices.on_demand
-    assert node_hourly_usd(spec, aws) == pytest.approx(prices.spot + prices.disk)
-    prod = load_stack_spec("prod")
-    based = next(g for g in prod.node_groups if g.market.type == "spot" and g.market.on_demand_base > 0)
-    p = node_prices(prod, based)
-    assert node_hourly_usd(prod, based) == pytest.approx(p.on_demand + p.disk)  # cannot tell: errs high
+    assert aws.node_hourly_usd == pytest.approx(prices.spot + prices.disk)
+    prod = resolve(load_stack_spec("prod"))
+    based = next(g for g in prod.groups if g.market.type == "spot" and g.market.on_demand_base > 0)
+    p = based.prices
+    assert based.node_hourly_usd == pytest.approx(p.on_demand + p.disk)  # cannot tell: errs high
 
 
 def test_dashboard_shows_every_metric_against_the_budget() -> None:

@@ -12,6 +12,7 @@ import pulumi
 import pytest
 
 from infra.cost import stack_cost
+from infra.groups import resolve
 from tests.harness import ROOT
 from infra.validation import parse
 from tests.harness import by_type, key, run_stack, spec_raw, stack_values, write_stack
@@ -73,7 +74,7 @@ def test_plan_json_is_one_document_with_the_contract() -> None:
     assert all(set(r) >= {"type", "name", "inputs"} for r in plan["resources"])
     assert {"hourly_usd", "monthly_usd", "by_cloud"} <= set(plan["cost"])
     # The cost printed is the catalog arithmetic for the same stack file.
-    expected = stack_cost(parse(spec_raw(stack_values("prod"))))
+    expected = stack_cost(resolve(parse(spec_raw(stack_values("prod")))))
     assert plan["cost"]["monthly_usd"] == expected["monthly_usd"]
     assert plan["cost"]["by_cloud"] == expected["by_cloud"]
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from infra.errors import SpecError
+from infra.groups import resolve
 from infra.validation import parse
 from tests.harness import key, spec_raw, stack_values
 
@@ -105,10 +106,9 @@ def test_all_problems_reported_at_once() -> None:
 
 
 def test_requirement_selects_cheapest_fitting_type() -> None:
-    spec = parse(spec_raw(stack_values("dev")))
-    aws_group = spec.node_groups[0]
-    types = spec.instance_types(aws_group)
+    stack = resolve(parse(spec_raw(stack_values("dev"))))
+    types = stack.groups[0].types
     assert types[0] == "p3.2xlarge"  # the only 1 x V100 AWS type
-    ali = spec.instance_types(spec.node_groups[1])
+    ali = stack.groups[1].types
     # gn7i-c8g1.2xlarge (30 GiB for a 24 GB A10) breaks the 1.5x RAM rule; the 16-vCPU one fits.
     assert ali[0] == "ecs.gn7i-c16g1.4xlarge" and "ecs.gn7i-c8g1.2xlarge" not in ali

@@ -7,17 +7,17 @@ import sys
 from pathlib import Path
 
 from infra import userdata
-from infra.clouds import checkpoint_url
 from infra.errors import SpecError
+from infra.groups import resolve
 from infra.stackfile import StackFileError, load_stack_spec
 
 
 def write_all(stack: str, out: Path) -> list[Path]:
-    spec = load_stack_spec(stack)
+    stack_ = resolve(load_stack_spec(stack))
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for group in spec.node_groups:
-        ctx = userdata.node_context(spec, group, checkpoint_url(spec, group))
+    for group in stack_.groups:
+        ctx = userdata.node_context(stack_.spec, group)
         target = out / f"{group.cloud}-{group.name}.yaml"
         target.write_text(userdata.render(ctx), encoding="utf-8")
         written.append(target)

@@ -1,36 +1,48 @@
-"""What every cloud's platform component shares: one explicit provider per region, tags,
-and the export/registration protocol. Cloud modules subclass it and add their concerns."""
+"""What every cloud's platform component shares: one explicit provider per region, tags, the
+order in which a cloud's part of the stack is built, and the same stack outputs on every cloud.
+Cloud modules subclass it and supply each concern."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import pulumi
 
-from infra.spec import CloudAccount, Network, NodeGroup, Peering, StackSpec
+from infra.buckets import bucket
+from infra.groups import ResolvedGroup, Stack
+from infra.spec import CloudAccount, Network, Peering
 from infra.tags import stack_tags
 
-# Every cloud's bucket holds checkpoints and datasets under the same prefixes; node roles are
-# limited to them and lifecycle rules archive the first.
-CHECKPOINT_PREFIX = "checkpoints/"
-DATASET_PREFIX = "datasets/"
+NetT = TypeVar("NetT")
+StoreT = TypeVar("StoreT")
+AccessT = TypeVar("AccessT")
 
 
-class CloudPlatform(pulumi.ComponentResource):
+@dataclass(frozen=True)
+class Cluster:
+    """A managed Kubernetes cluster as the stack outputs name it."""
+
+    id: pulumi.Output[str]
+    kubeconfig: pulumi.Output[str]
+
+
+class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
     """Base of `gpu-training-stack:<cloud>:Platform`.
 
-    Subclasses set CLOUD, implement `make_provider(region)` and `build()`; `build()` fills
-    `self.exports`. Providers are created here, one per region the spec uses, and passed to
-    children explicitly (the stack files disable default providers).
+    Subclasses set CLOUD and supply `make_provider` and the `make_*` steps; `build()` calls them
+    in the same order on every cloud. Providers are created here, one per region the spec
+    uses, and passed to children explicitly (the stack files disable default providers).
     """
 
     CLOUD = ""
 
-    def __init__(self, name: str, spec: StackSpec, opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, stack: Stack, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"gpu-training-stack:{self.CLOUD}:Platform", name, None, opts)
         self.name = name
-        self.spec = spec
-        self.tags = stack_tags(spec)
+        self.stack = stack
+        self.spec = stack.spec
+        self.tags = stack_tags(self.spec)
         self.exports: dict[str, Any] = {}
         self.providers: dict[str, pulumi.ProviderResource] = {}
         for region in self.regions():
@@ -38,37 +50,76 @@ class CloudPlatform(pulumi.ComponentResource):
         self.build()
         self.register_outputs(self.exports)
 
+    def build(self) -> None:
+        """Networks, the links between them, the bucket, node access, VM fleets, one cluster per
+        network with Kubernetes groups, the budget; then the outputs."""
+        nets = {net.name: self.make_network(net) for net in self.networks()}
+        self.make_links(nets)
+        storage = self.make_storage()
+        access = self.make_access(storage)
+        fleets = {g.name: self.make_fleet(g, nets[g.network], access) for g in self.vm_groups()}
+        clusters: dict[str, Cluster] = {}
+        for net_name, groups in self.kubernetes_groups().items():
+            clusters[net_name] = self.make_cluster(self.spec.network(net_name), groups, nets[net_name], access,
+                                                   storage)
+        self.make_budget()
+        self.exports = {"vpcIds": {name: self.vpc_id(n) for name, n in nets.items()},
+                        "bucket": self.bucket_name(storage), "checkpointUrl": self.checkpoint_root(),
+                        "fleets": fleets, "clusters": {k: c.id for k, c in clusters.items()},
+                        "kubeconfigs": pulumi.Output.secret({k: c.kubeconfig for k, c in clusters.items()})}
+
     # -- what subclasses provide -------------------------------------------------------
     def make_provider(self, region: str) -> pulumi.ProviderResource:
         raise TypeError(f"{type(self).__name__} must define make_provider")
 
-    def build(self) -> None:
-        """Create this cloud's resources. The foundation creates only the providers."""
+    def make_network(self, net: Network) -> NetT:
+        raise TypeError(f"{type(self).__name__} must define make_network")
 
-    def export(self, vpc_ids: dict[str, pulumi.Output[str]], bucket: pulumi.Output[str], checkpoint_url: str,
-               fleets: dict[str, pulumi.Output[list[str]]], clusters: dict[str, pulumi.Output[str]],
-               kubeconfigs: dict[str, pulumi.Output[str]]) -> None:
-        """The same stack outputs on every cloud; kubeconfigs stay secret."""
-        self.exports = {"vpcIds": vpc_ids, "bucket": bucket, "checkpointUrl": checkpoint_url,
-                        "fleets": fleets, "clusters": clusters, "kubeconfigs": pulumi.Output.secret(kubeconfigs)}
+    def vpc_id(self, net: NetT) -> pulumi.Output[str]:
+        raise TypeError(f"{type(self).__name__} must define vpc_id")
+
+    def make_links(self, nets: dict[str, NetT]) -> None:
+        """Peerings (and transit networks) between this cloud's networks."""
+
+    def make_storage(self) -> StoreT:
+        raise TypeError(f"{type(self).__name__} must define make_storage")
+
+    def bucket_name(self, storage: StoreT) -> pulumi.Output[str]:
+        raise TypeError(f"{type(self).__name__} must define bucket_name")
+
+    def make_access(self, storage: StoreT) -> AccessT:
+        raise TypeError(f"{type(self).__name__} must define make_access")
+
+    def make_fleet(self, group: ResolvedGroup, net: NetT, access: AccessT) -> pulumi.Output[list[str]]:
+        raise TypeError(f"{type(self).__name__} must define make_fleet")
+
+    def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: NetT, access: AccessT,
+                     storage: StoreT) -> Cluster:
+        raise TypeError(f"{type(self).__name__} must define make_cluster")
+
+    def make_budget(self) -> None:
+        raise TypeError(f"{type(self).__name__} must define make_budget")
 
     # -- helpers ----------------------------------------------------------------------
     @property
     def account(self) -> CloudAccount:
         return self.spec.clouds[self.CLOUD]  # type: ignore[index]  # CLOUD is one of the Cloud literals
 
+    def checkpoint_root(self) -> str:
+        return bucket(self.spec, self.CLOUD).checkpoint_root
+
     def networks(self) -> list[Network]:
         return [n for n in self.spec.networks if n.cloud == self.CLOUD]
 
-    def node_groups(self) -> list[NodeGroup]:
-        return [g for g in self.spec.node_groups if g.cloud == self.CLOUD]
+    def node_groups(self) -> list[ResolvedGroup]:
+        return self.stack.of_cloud(self.CLOUD)
 
-    def vm_groups(self) -> list[NodeGroup]:
+    def vm_groups(self) -> list[ResolvedGroup]:
         return [g for g in self.node_groups() if g.kind == "vm"]
 
-    def kubernetes_groups(self) -> dict[str, list[NodeGroup]]:
+    def kubernetes_groups(self) -> dict[str, list[ResolvedGroup]]:
         """Kubernetes node groups by network: each such network gets one cluster."""
-        found: dict[str, list[NodeGroup]] = {}
+        found: dict[str, list[ResolvedGroup]] = {}
         for g in self.node_groups():
             if g.kind == "kubernetes":
                 found.setdefault(g.network, []).append(g)
@@ -91,12 +142,16 @@ class CloudPlatform(pulumi.ComponentResource):
         names = {n.name for n in self.networks()}
         return [p for p in self.spec.peerings if p.requester in names]
 
+    def region_of(self, net: Network | str) -> str:
+        return self.spec.region_of(self.spec.network(net) if isinstance(net, str) else net)
+
+    def provider(self, region: str | None = None) -> pulumi.ProviderResource:
+        return self.providers[region or self.account.region]
+
     def child_opts(self, region: str | None = None, **kwargs: Any) -> pulumi.ResourceOptions:
         """Options for a direct child: parented here, on the region's provider."""
-        provider = self.providers[region or self.account.region]
-        return pulumi.ResourceOptions(parent=self, provider=provider, **kwargs)
+        return pulumi.ResourceOptions(parent=self, provider=self.provider(region), **kwargs)
 
     def provider_opts(self, region: str | None = None) -> pulumi.ResourceOptions:
         """Options for a child component: the region's provider, inherited by its children."""
-        provider = self.providers[region or self.account.region]
-        return pulumi.ResourceOptions(parent=self, providers=[provider])
+        return pulumi.ResourceOptions(parent=self, providers=[self.provider(region)])

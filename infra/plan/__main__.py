@@ -20,6 +20,7 @@ from rich.markup import escape
 
 from infra.cost import stack_cost
 from infra.errors import CatalogError, SpecError
+from infra.groups import resolve
 from infra.plan import report
 from infra.plan.engine import Registered, run_program, unwrap_secrets
 from infra.plan.invokes import COMPUTED, INVOKES
@@ -47,7 +48,7 @@ def build_plan(stack: str) -> dict[str, Any]:
     config = read_stack_file(path, project)
     spec = spec_from_values(config.values, project, path.name)  # fails before any resource
     resources = run_program(config, INVOKES, COMPUTED)
-    cost = stack_cost(spec)
+    cost = stack_cost(resolve(spec))
     return {
         "stack": stack,
         "project": project,

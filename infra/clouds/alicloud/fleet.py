@@ -11,23 +11,21 @@ import pulumi
 import pulumi_alicloud as alicloud
 
 from infra.schedule import recurrence_window
-from infra.spec import NodeGroup, StackSpec, hardware, spot_price_cap
+from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 
 IMAGE_REGEX = "^ubuntu_22_04_x64"
-SYSTEM_DISK_GB = 200
 ESSD = "cloud_essd"
 
 
-def spot_strategy(group: NodeGroup) -> str:
-    if group.market.type != "spot":
+def spot_strategy(group: ResolvedGroup) -> str:
+    if not group.spot:
         return "NoSpot"
-    return "SpotWithPriceLimit" if group.market.spot_max_price_usd else "SpotAsPriceGo"
+    return "SpotWithPriceLimit" if group.price_cap else "SpotAsPriceGo"
 
 
 @dataclass
 class AlicloudGpuFleetArgs:
-    spec: StackSpec
-    group: NodeGroup
+    group: ResolvedGroup
     vpc_id: pulumi.Output[str]
     switch_ids: list[pulumi.Output[str]]
     zones: list[str]
@@ -41,16 +39,15 @@ class AlicloudGpuFleetArgs:
 class AlicloudGpuFleet(pulumi.ComponentResource):
     def __init__(self, name: str, args: AlicloudGpuFleetArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:alicloud:GpuFleet", name, None, opts)
-        spec, g = args.spec, args.group
-        tags = {**args.tags, "gpu-training-stack/node-group": g.name, "gpu-training-stack/workload": g.workload}
+        g = args.group
+        tags = g.tags(args.tags)
         child = pulumi.ResourceOptions(parent=self, provider=args.provider)
-        hw = hardware(spec, g)
-        types, primary, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
+        types, disk_gb = list(g.types), g.scratch_disk_gb
         image = alicloud.ecs.get_images_output(name_regex=IMAGE_REGEX, owners="system", most_recent=True,
                                                instance_type=types[0],
                                                opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         image_id = image.images.apply(lambda imgs: imgs[0].id)
-        price_cap = spot_price_cap(spec, g, primary)
+        price_cap = g.price_cap
 
         if g.market.type == "reserved":
             self.instances = [alicloud.ecs.Instance(
@@ -79,7 +76,7 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
                                                                    delete_with_instance=True)] if disk_gb else None,
             user_data=args.user_data, template_tags=tags, tags=tags, opts=child)
 
-        spot = g.market.type == "spot"
+        spot = g.spot
         self.group = alicloud.ess.ScalingGroup(
             f"{name}-ess", scaling_group_name=name, min_size=g.scaling.min, max_size=g.scaling.max,
             desired_capacity=g.scaling.baseline, vswitch_ids=args.switch_ids,
@@ -98,12 +95,12 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
 
         start, end = (t.strftime("%Y-%m-%dT%H:%MZ") for t in recurrence_window())
         for action in g.schedule:
+            lo, hi = schedule_bounds(g.group, action)
             alicloud.ess.ScheduledTask(
                 f"{name}-{action.name}", scheduled_task_name=f"{name}-{action.name}",
                 scaling_group_id=self.group.id, launch_time=start, recurrence_type="Cron",
                 recurrence_value=action.cron, recurrence_end_time=end, desired_capacity=action.desired,
-                min_value=action.min if action.min is not None else g.scaling.min,
-                max_value=action.max if action.max is not None else g.scaling.max, task_enabled=True,
+                min_value=lo, max_value=hi, task_enabled=True,
                 opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
                     ignore_changes=["launchTime", "recurrenceEndTime"])))
         self.capacity = self.group.id.apply(lambda i: [i])

@@ -12,8 +12,9 @@ import pulumi_alicloud as alicloud
 
 from infra import userdata
 from infra.clouds.alicloud.fleet import ESSD, spot_strategy
-from infra.k8s import GPU_LABEL, cluster_workloads
-from infra.spec import NodeGroup, StackSpec, hardware, spot_price_cap
+from infra.groups import SYSTEM_DISK_GB, ResolvedGroup
+from infra.k8s import cluster_workloads
+from infra.spec import StackSpec
 
 ACK_SPEC = "ack.pro.small"
 POD_CIDR = "172.20.0.0/16"  # outside every stack VPC (10.0.0.0/8)
@@ -23,11 +24,10 @@ SERVICE_CIDR = "172.21.0.0/20"
 @dataclass
 class AlicloudAckArgs:
     spec: StackSpec
-    groups: list[NodeGroup]
+    groups: list[ResolvedGroup]
     switch_ids: list[pulumi.Output[str]]
     security_group_id: pulumi.Output[str]
     role_name: pulumi.Output[str]
-    checkpoint_url: str
     provider: pulumi.ProviderResource
     tags: dict[str, str]
 
@@ -50,18 +50,15 @@ class AlicloudAck(pulumi.ComponentResource):
         credential = alicloud.cs.get_cluster_credential_output(
             cluster_id=self.cluster.id, opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(credential.kube_config.apply(str))
-        cluster_workloads(name, self.kubeconfig, self.pools, spec, args.groups, args.checkpoint_url,
-                          parent=self, device_plugin=False)
+        cluster_workloads(name, self.kubeconfig, self.pools, spec, args.groups, parent=self, device_plugin=False)
         self.register_outputs({"clusterId": self.cluster.id})
 
-    def _pool(self, g: NodeGroup, args: AlicloudAckArgs, child: pulumi.ResourceOptions) -> alicloud.cs.NodePool:
+    def _pool(self, g: ResolvedGroup, args: AlicloudAckArgs, child: pulumi.ResourceOptions) -> alicloud.cs.NodePool:
         spec = args.spec
-        hw = hardware(spec, g)
-        types, item, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
-        spot = g.market.type == "spot"
-        cap = spot_price_cap(spec, g, item)
-        labels = {GPU_LABEL: g.name, "gpu-training-stack/gpu-model": item.gpu_model,
-                  "gpu-training-stack/workload": g.workload}
+        types, disk_gb = list(g.types), g.scratch_disk_gb
+        spot = g.spot
+        cap = g.price_cap
+        labels = g.labels()
         return alicloud.cs.NodePool(
             f"{g.name}-pool", node_pool_name=g.name, cluster_id=self.cluster.id, vswitch_ids=args.switch_ids,
             instance_types=types, security_group_ids=[args.security_group_id],
@@ -76,11 +73,11 @@ class AlicloudAck(pulumi.ComponentResource):
             multi_az_policy="COST_OPTIMIZED" if spot else "BALANCE",
             scaling_config=alicloud.cs.NodePoolScalingConfigArgs(enable=True, min_size=g.scaling.min,
                                                                  max_size=g.scaling.max),
-            system_disk_category=ESSD, system_disk_size=200, system_disk_encrypted=True,
+            system_disk_category=ESSD, system_disk_size=SYSTEM_DISK_GB, system_disk_encrypted=True,
             data_disks=[alicloud.cs.NodePoolDataDiskArgs(category=ESSD, size=disk_gb, encrypted="true")] if disk_gb else None,
             instance_metadata_options=alicloud.cs.NodePoolInstanceMetadataOptionsArgs(http_tokens="required"),
             ram_role_name=args.role_name,
-            user_data=userdata.for_node_pool_script(userdata.node_context(spec, g, f"{args.checkpoint_url}{g.name}/")),
+            user_data=userdata.for_node_pool_script(userdata.node_context(spec, g)),
             labels=[alicloud.cs.NodePoolLabelArgs(key=k, value=v) for k, v in labels.items()],
             taints=[alicloud.cs.NodePoolTaintArgs(key="nvidia.com/gpu", value="true", effect="NoSchedule")],
             tags={**args.tags, **labels}, opts=child)

@@ -8,25 +8,16 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_alicloud as alicloud
 
-from infra.clouds.base import CHECKPOINT_PREFIX
-from infra.spec import StackSpec, Storage
+from infra.buckets import CHECKPOINT_PREFIX, Bucket
+from infra.spec import Storage
 
 COLD_ARCHIVE_AFTER_DAYS = 180  # beyond checkpointArchiveDays
-
-
-def bucket_name(storage: Storage, region: str) -> str:
-    return f"{storage.bucket_prefix}-{region}"
-
-
-def checkpoint_root(spec: StackSpec) -> str:
-    """Where this cloud's node groups keep checkpoints: oss://<bucket>/{CHECKPOINT_PREFIX}."""
-    return f"oss://{bucket_name(spec.storage, spec.clouds['alicloud'].region)}/{CHECKPOINT_PREFIX}"
 
 
 @dataclass
 class AlicloudStorageArgs:
     storage: Storage
-    region: str
+    bucket: Bucket
     tags: dict[str, str]
 
 
@@ -36,7 +27,7 @@ class AlicloudStorage(pulumi.ComponentResource):
     def __init__(self, name: str, args: AlicloudStorageArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:alicloud:Storage", name, None, opts)
         s = args.storage
-        self.name = bucket_name(s, args.region)
+        self.name = args.bucket.name
         rules = alicloud.oss
         self.bucket = alicloud.oss.Bucket(
             f"{name}-bucket", bucket=self.name, storage_class="Standard", redundancy_type="ZRS",

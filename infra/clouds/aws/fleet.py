@@ -9,19 +9,17 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from infra.spec import NodeGroup, StackSpec, hardware
+from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 
 # Deep Learning Base AMI with the NVIDIA driver, CUDA, Docker and the container toolkit.
 DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 ROOT_DEVICE = "/dev/sda1"  # Ubuntu AMIs
 SCRATCH_DEVICE = "/dev/sdf"
-ROOT_GB = 200
 
 
 @dataclass
 class AwsGpuFleetArgs:
-    spec: StackSpec
-    group: NodeGroup
+    group: ResolvedGroup
     subnet_ids: list[pulumi.Output[str]]
     zones: list[str]
     security_group_id: pulumi.Output[str]
@@ -35,7 +33,7 @@ def block_devices(scratch_disk_gb: int) -> list[aws.ec2.LaunchTemplateBlockDevic
     """Encrypted gp3 root; an encrypted gp3 scratch volume when local NVMe cannot hold the scratch."""
     devices = [aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
         device_name=ROOT_DEVICE,
-        ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(volume_size=ROOT_GB, volume_type="gp3", encrypted="true",
+        ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(volume_size=SYSTEM_DISK_GB, volume_type="gp3", encrypted="true",
                                                             delete_on_termination="true"))]
     if scratch_disk_gb:
         devices.append(aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
@@ -52,11 +50,10 @@ class AwsGpuFleet(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: AwsGpuFleetArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:aws:GpuFleet", name, None, opts)
-        spec, g = args.spec, args.group
-        tags = {**args.tags, "gpu-training-stack/node-group": g.name, "gpu-training-stack/workload": g.workload}
+        g = args.group
+        tags = g.tags(args.tags)
         child = pulumi.ResourceOptions(parent=self, provider=args.provider)
-        hw = hardware(spec, g)
-        types, disk_gb = hw.types, hw.scratch_disk_gb
+        types, disk_gb = list(g.types), g.scratch_disk_gb
 
         ami = aws.ssm.get_parameter_output(name=DLAMI_PARAMETER,
                                            opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
@@ -118,12 +115,11 @@ class AwsGpuFleet(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["desiredCapacity"])))
 
         for action in g.schedule:
+            lo, hi = schedule_bounds(g.group, action)
             aws.autoscaling.Schedule(f"{name}-{action.name}", scheduled_action_name=action.name,
                                      autoscaling_group_name=self.group.name, recurrence=action.cron,
                                      time_zone="Etc/UTC", desired_capacity=action.desired,
-                                     min_size=action.min if action.min is not None else g.scaling.min,
-                                     max_size=action.max if action.max is not None else g.scaling.max,
-                                     opts=child)
+                                     min_size=lo, max_size=hi, opts=child)
         self.capacity: pulumi.Output[list[str]] = self.group.name.apply(lambda n: [n])
         self.register_outputs({"autoscalingGroupName": self.group.name,
                                "launchTemplateId": self.launch_template.id})

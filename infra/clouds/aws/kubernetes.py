@@ -12,8 +12,9 @@ import pulumi
 import pulumi_aws as aws
 
 from infra import userdata
-from infra.k8s import GPU_LABEL, cluster_workloads, pool_parts
-from infra.spec import NodeGroup, StackSpec, hardware
+from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
+from infra.k8s import cluster_workloads, pool_parts
+from infra.spec import StackSpec
 
 EKS_VERSION = "1.33"
 GPU_AMI = "AL2023_x86_64_NVIDIA"
@@ -34,14 +35,13 @@ def kubeconfig(name: str, region: str, endpoint: str, ca_data: str) -> str:
 @dataclass
 class AwsEksArgs:
     spec: StackSpec
-    groups: list[NodeGroup]
+    groups: list[ResolvedGroup]
     region: str
     subnet_ids: list[pulumi.Output[str]]
     security_group_id: pulumi.Output[str]
     cluster_role_arn: pulumi.Output[str]
     node_role_arn: pulumi.Output[str]
     kms_key_arn: pulumi.Output[str]
-    checkpoint_url: str
     provider: pulumi.ProviderResource
     tags: dict[str, str]
 
@@ -75,17 +75,16 @@ class AwsEks(pulumi.ComponentResource):
             self.cluster.endpoint, self.cluster.certificate_authority.data).apply(
                 lambda ec: kubeconfig(name, args.region, ec[0], ec[1])))
         # The EKS NVIDIA AMI has the driver but not the device plugin.
-        cluster_workloads(name, self.kubeconfig, self.node_groups, spec, args.groups, args.checkpoint_url,
-                          parent=self, device_plugin=True)
+        cluster_workloads(name, self.kubeconfig, self.node_groups, spec, args.groups, parent=self,
+                          device_plugin=True)
         self.register_outputs({"clusterName": self.cluster.name})
 
-    def _node_groups(self, name: str, g: NodeGroup, args: AwsEksArgs,
+    def _node_groups(self, name: str, g: ResolvedGroup, args: AwsEksArgs,
                      child: pulumi.ResourceOptions) -> list[aws.eks.NodeGroup]:
         spec, tags = args.spec, args.tags
-        hw = hardware(spec, g)
-        types, item, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
+        types, disk_gb = list(g.types), g.scratch_disk_gb
         # A launch template gives managed nodes IMDSv2 and encrypted volumes; EKS picks the AMI.
-        ctx = userdata.node_context(spec, g, f"{args.checkpoint_url}{g.name}/")
+        ctx = userdata.node_context(spec, g)
         lt = aws.ec2.LaunchTemplate(
             f"{g.name}-lt", update_default_version=True, user_data=userdata.for_eks(ctx),
             metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
@@ -93,14 +92,13 @@ class AwsEks(pulumi.ComponentResource):
             block_device_mappings=[aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
                 device_name="/dev/xvda",
                 ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
-                    volume_size=max(200, disk_gb), volume_type="gp3", encrypted="true", delete_on_termination="true"))],
+                    volume_size=max(SYSTEM_DISK_GB, disk_gb), volume_type="gp3", encrypted="true", delete_on_termination="true"))],
             tag_specifications=[aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=kind, tags=tags)
                                 for kind in ("instance", "volume")],
             tags=tags, opts=child)
-        labels = {GPU_LABEL: g.name, "gpu-training-stack/gpu-model": item.gpu_model,
-                  "gpu-training-stack/workload": g.workload, "nvidia.com/gpu.present": "true"}
+        labels = {**g.labels(), "nvidia.com/gpu.present": "true"}
         groups = []
-        for part in pool_parts(g):
+        for part in pool_parts(g.group):
             suffix, lo, hi, desired = part.suffix, part.min, part.max, part.desired
             capacity = "SPOT" if part.spot else "ON_DEMAND"
             ng = aws.eks.NodeGroup(
@@ -115,22 +113,22 @@ class AwsEks(pulumi.ComponentResource):
                 opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
                     ignore_changes=["scalingConfig.desiredSize"])))
             groups.append(ng)
-            if capacity == "SPOT" or g.market.type != "spot":
+            if capacity == "SPOT" or not g.spot:
                 self._schedule(g, ng, f"{g.name}-{suffix}", child,
                                offset=g.market.on_demand_base if capacity == "SPOT" else 0)
         return groups
 
-    def _schedule(self, g: NodeGroup, ng: aws.eks.NodeGroup, ng_name: str, child: pulumi.ResourceOptions,
+    def _schedule(self, g: ResolvedGroup, ng: aws.eks.NodeGroup, ng_name: str, child: pulumi.ResourceOptions,
                   offset: int) -> None:
         """Scheduled actions on the node group's own Auto Scaling group; `offset` nodes are the
         separate on-demand base group."""
         asg_name = ng.resources.apply(_asg_name)
         for action in g.schedule:
+            lo, hi = schedule_bounds(g.group, action)
             aws.autoscaling.Schedule(
                 f"{ng_name}-{action.name}", scheduled_action_name=action.name, autoscaling_group_name=asg_name,
                 recurrence=action.cron, time_zone="Etc/UTC", desired_capacity=max(0, action.desired - offset),
-                min_size=max(0, (action.min if action.min is not None else g.scaling.min) - offset),
-                max_size=max(1, (action.max if action.max is not None else g.scaling.max) - offset), opts=child)
+                min_size=max(0, lo - offset), max_size=max(1, hi - offset), opts=child)
 
 
 def _asg_name(resources: Sequence[aws.eks.outputs.NodeGroupResource]) -> str:

@@ -6,18 +6,20 @@ import pulumi
 import pulumi_aws as aws
 
 from infra import userdata
+from infra.buckets import CHECKPOINT_PREFIX, DATASET_PREFIX, bucket
 from infra.clouds.aws.access import AwsAccess, AwsAccessArgs
 from infra.clouds.aws.budget import AwsBudget, AwsBudgetArgs
-from infra.clouds.aws.kubernetes import AwsEks, AwsEksArgs
 from infra.clouds.aws.fleet import AwsGpuFleet, AwsGpuFleetArgs
+from infra.clouds.aws.kubernetes import AwsEks, AwsEksArgs
 from infra.clouds.aws.network import AwsNetwork, AwsNetworkArgs
 from infra.clouds.aws.peering import AwsPeering, AwsPeeringArgs
-from infra.clouds.aws.storage import AwsStorage, AwsStorageArgs, checkpoint_root
-from infra.clouds import checkpoint_url as group_checkpoint_url
-from infra.clouds.base import CHECKPOINT_PREFIX, DATASET_PREFIX, CloudPlatform
+from infra.clouds.aws.storage import AwsStorage, AwsStorageArgs
+from infra.clouds.base import CloudPlatform, Cluster
+from infra.groups import ResolvedGroup
+from infra.spec import Network
 
 
-class AwsPlatform(CloudPlatform):
+class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
     CLOUD = "aws"
 
     def make_provider(self, region: str) -> pulumi.ProviderResource:
@@ -27,60 +29,57 @@ class AwsPlatform(CloudPlatform):
                             default_tags=aws.ProviderDefaultTagsArgs(tags=self.tags),
                             opts=pulumi.ResourceOptions(parent=self))
 
-    def build(self) -> None:
-        spec, tags, region = self.spec, self.tags, self.account.region
-        peer_cidrs = self.peer_cidrs()
+    def make_network(self, net: Network) -> AwsNetwork:
+        region = self.region_of(net)
+        return AwsNetwork(net.name, AwsNetworkArgs(net, region, self.tags, self.peer_cidrs()[net.name]),
+                          opts=self.provider_opts(region))
 
-        nets: dict[str, AwsNetwork] = {}
-        for net in self.networks():
-            net_region = spec.region_of(net)
-            nets[net.name] = AwsNetwork(net.name, AwsNetworkArgs(net, net_region, tags, peer_cidrs[net.name]),
-                                        opts=self.provider_opts(net_region))
+    def vpc_id(self, net: AwsNetwork) -> pulumi.Output[str]:
+        return net.vpc.id
+
+    def make_links(self, nets: dict[str, AwsNetwork]) -> None:
         for p in self.peerings():
-            req, acc = spec.network(p.requester), spec.network(p.accepter)
+            req, acc = self.spec.network(p.requester), self.spec.network(p.accepter)
             AwsPeering(p.name, AwsPeeringArgs(
                 requester=req, accepter=acc, requester_net=nets[req.name], accepter_net=nets[acc.name],
-                requester_region=spec.region_of(req), accepter_region=spec.region_of(acc),
-                requester_provider=self.providers[spec.region_of(req)],
-                accepter_provider=self.providers[spec.region_of(acc)], tags=tags),
+                requester_region=self.region_of(req), accepter_region=self.region_of(acc),
+                requester_provider=self.provider(self.region_of(req)),
+                accepter_provider=self.provider(self.region_of(acc)), tags=self.tags),
                 opts=pulumi.ResourceOptions(parent=self))
 
-        storage = AwsStorage(f"{self.name}-storage", AwsStorageArgs(spec.storage, region, tags),
-                             opts=self.provider_opts(region))
-        checkpoint_url = checkpoint_root(spec)
-        access = AwsAccess(f"{self.name}-access", AwsAccessArgs(
+    def make_storage(self) -> AwsStorage:
+        return AwsStorage(f"{self.name}-storage", AwsStorageArgs(self.spec.storage, bucket(self.spec, self.CLOUD), self.tags),
+                          opts=self.provider_opts())
+
+    def bucket_name(self, storage: AwsStorage) -> pulumi.Output[str]:
+        return storage.bucket.bucket
+
+    def make_access(self, storage: AwsStorage) -> AwsAccess:
+        return AwsAccess(f"{self.name}-access", AwsAccessArgs(
             bucket_arn=storage.bucket.arn, key_arn=storage.key.arn, prefixes=[CHECKPOINT_PREFIX, DATASET_PREFIX],
-            tags=tags, kubernetes=bool(self.kubernetes_groups())), opts=self.provider_opts(region))
+            tags=self.tags, kubernetes=bool(self.kubernetes_groups())), opts=self.provider_opts())
 
-        fleets: dict[str, pulumi.Output[list[str]]] = {}
-        for g in self.vm_groups():
-            net = spec.network(g.network)
-            ctx = userdata.node_context(spec, g, group_checkpoint_url(spec, g))
-            fleet = AwsGpuFleet(g.name, AwsGpuFleetArgs(
-                spec=spec, group=g, subnet_ids=[s.id for s in nets[net.name].private_subnets],
-                zones=[s.zone for s in net.subnets], security_group_id=nets[net.name].security_group.id,
-                instance_profile_arn=access.instance_profile.arn, user_data=userdata.for_vm(ctx),
-                provider=self.providers[spec.region_of(net)], tags=tags), opts=pulumi.ResourceOptions(parent=self))
-            fleets[g.name] = fleet.capacity
+    def make_fleet(self, group: ResolvedGroup, net: AwsNetwork, access: AwsAccess) -> pulumi.Output[list[str]]:
+        spec_net = self.spec.network(group.network)
+        fleet = AwsGpuFleet(group.name, AwsGpuFleetArgs(
+            group=group, subnet_ids=[s.id for s in net.private_subnets], zones=[s.zone for s in spec_net.subnets],
+            security_group_id=net.security_group.id, instance_profile_arn=access.instance_profile.arn,
+            user_data=userdata.for_vm(userdata.node_context(self.spec, group)),
+            provider=self.provider(group.region), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
+        return fleet.capacity
 
-        clusters: dict[str, pulumi.Output[str]] = {}
-        kubeconfigs: dict[str, pulumi.Output[str]] = {}
-        for net_name, kube_groups in self.kubernetes_groups().items():
-            net = spec.network(net_name)
-            assert access.eks_cluster_role is not None and access.eks_node_role is not None
-            net_region = spec.region_of(net)
-            eks = AwsEks(f"{spec.env}-{net.name}", AwsEksArgs(
-                spec=spec, groups=kube_groups, region=net_region,
-                subnet_ids=[s.id for s in nets[net.name].private_subnets],
-                security_group_id=nets[net.name].security_group.id,
-                cluster_role_arn=access.eks_cluster_role.arn, node_role_arn=access.eks_node_role.arn,
-                kms_key_arn=storage.key.arn, checkpoint_url=checkpoint_url,
-                provider=self.providers[net_region], tags=tags), opts=pulumi.ResourceOptions(parent=self))
-            clusters[net.name] = eks.cluster.name
-            kubeconfigs[net.name] = eks.kubeconfig
+    def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: AwsNetwork, access: AwsAccess,
+                     storage: AwsStorage) -> Cluster:
+        assert access.eks_cluster_role is not None and access.eks_node_role is not None
+        region = self.region_of(net)
+        eks = AwsEks(f"{self.spec.env}-{net.name}", AwsEksArgs(
+            spec=self.spec, groups=groups, region=region, subnet_ids=[s.id for s in built.private_subnets],
+            security_group_id=built.security_group.id, cluster_role_arn=access.eks_cluster_role.arn,
+            node_role_arn=access.eks_node_role.arn, kms_key_arn=storage.key.arn,
+            provider=self.provider(region), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
+        return Cluster(eks.cluster.name, eks.kubeconfig)
 
+    def make_budget(self) -> None:
         # Budgets are global; they live with the default region's provider.
-        AwsBudget(f"{self.name}-budget", AwsBudgetArgs(spec.budget, spec.env, tags), opts=self.provider_opts(region))
-
-        self.export({name: n.vpc.id for name, n in nets.items()}, storage.bucket.bucket, checkpoint_url,
-                    fleets, clusters, kubeconfigs)
+        AwsBudget(f"{self.name}-budget", AwsBudgetArgs(self.spec.budget, self.spec.env, self.tags),
+                  opts=self.provider_opts())

@@ -9,24 +9,15 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from infra.clouds.base import CHECKPOINT_PREFIX
-from infra.spec import StackSpec, Storage
+from infra.buckets import CHECKPOINT_PREFIX, Bucket
+from infra.spec import Storage
 
-
-
-def bucket_name(storage: Storage, region: str) -> str:
-    return f"{storage.bucket_prefix}-{region}"
-
-
-def checkpoint_root(spec: StackSpec) -> str:
-    """Where this cloud's node groups keep checkpoints: s3://<bucket>/{CHECKPOINT_PREFIX}."""
-    return f"s3://{bucket_name(spec.storage, spec.clouds['aws'].region)}/{CHECKPOINT_PREFIX}"
 
 
 @dataclass
 class AwsStorageArgs:
     storage: Storage
-    region: str
+    bucket: Bucket
     tags: dict[str, str]
 
 
@@ -38,7 +29,7 @@ class AwsStorage(pulumi.ComponentResource):
         super().__init__("gpu-training-stack:aws:Storage", name, None, opts)
         s, tags = args.storage, args.tags
         child = pulumi.ResourceOptions(parent=self)
-        self.name = bucket_name(s, args.region)
+        self.name = args.bucket.name
 
         self.key = aws.kms.Key(f"{name}-kms", description=f"{self.name}: checkpoints and datasets",
                                enable_key_rotation=True, deletion_window_in_days=30, tags=tags, opts=child)

@@ -11,26 +11,22 @@ from datetime import timedelta, timezone
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
-from infra import catalog as cat
+from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 from infra.schedule import cron_in_beijing, recurrence_window
-from infra.spec import NodeGroup, StackSpec, hardware, spot_price_cap
 
 IMAGE_REGEX = "Ubuntu Server 22.04"
 DISK = "CLOUD_HSSD"
-SYSTEM_DISK_GB = 200
 CHINA = timezone(timedelta(hours=8))  # Tencent Cloud APIs take Beijing time
 
 
-def spot_max_price(spec: StackSpec, group: NodeGroup, item: cat.InstanceType) -> str | None:
+def spot_max_price(group: ResolvedGroup) -> str | None:
     """The spot cap as Tencent wants it: a string, in the account's currency."""
-    cap = spot_price_cap(spec, group, item)
-    return None if cap is None else f"{cap:.4f}"
+    return None if group.price_cap is None else f"{group.price_cap:.4f}"
 
 
 @dataclass
 class TencentGpuFleetArgs:
-    spec: StackSpec
-    group: NodeGroup
+    group: ResolvedGroup
     vpc_id: pulumi.Output[str]
     subnet_ids: list[pulumi.Output[str]]
     zones: list[str]
@@ -44,11 +40,10 @@ class TencentGpuFleetArgs:
 class TencentGpuFleet(pulumi.ComponentResource):
     def __init__(self, name: str, args: TencentGpuFleetArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:tencentcloud:GpuFleet", name, None, opts)
-        spec, g = args.spec, args.group
-        tags = {**args.tags, "gpu-training-stack/node-group": g.name, "gpu-training-stack/workload": g.workload}
+        g = args.group
+        tags = g.tags(args.tags)
         child = pulumi.ResourceOptions(parent=self, provider=args.provider)
-        hw = hardware(spec, g)
-        types, item, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
+        types, disk_gb = list(g.types), g.scratch_disk_gb
         image_id = tencentcloud.images.get_instance_output(
             image_types=["PUBLIC_IMAGE"], image_name_regex=IMAGE_REGEX, instance_type=types[0],
             opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self)).image_id
@@ -74,14 +69,14 @@ class TencentGpuFleet(pulumi.ComponentResource):
             self.register_outputs({"instanceIds": self.capacity})
             return
 
-        spot = g.market.type == "spot"
+        spot = g.spot
         # tencentcloud-iac-pulumi 0.2.3 cannot set Encrypt on a launch configuration's data
         # disks (the AS API can): see infra/data/capabilities.yaml.
         config = tencentcloud.as_.ScalingConfig(
             f"{name}-config", configuration_name=f"{name}-config", image_id=image_id, instance_types=types,
             instance_charge_type="SPOTPAID" if spot else "POSTPAID_BY_HOUR",
             spot_instance_type="one-time" if spot else None,
-            spot_max_price=spot_max_price(spec, g, item) if spot else None,
+            spot_max_price=spot_max_price(g) if spot else None,
             security_group_ids=[args.security_group_id], cam_role_name=args.role_name,
             system_disk_type=DISK, system_disk_size=SYSTEM_DISK_GB,
             data_disks=[tencentcloud.as_.ScalingConfigDataDiskArgs(disk_type=DISK, disk_size=disk_gb,
@@ -97,12 +92,12 @@ class TencentGpuFleet(pulumi.ComponentResource):
                 ignore_changes=["desiredCapacity"])))
         start, end = (t.isoformat() for t in recurrence_window(CHINA))
         for action in g.schedule:
+            lo, hi = schedule_bounds(g.group, action)
             tencentcloud.as_.Schedule(
                 f"{name}-{action.name}", schedule_action_name=action.name, scaling_group_id=self.group.id,
                 recurrence=cron_in_beijing(action.cron), start_time=start, end_time=end,
                 desired_capacity=max(0, action.desired - fixed),
-                min_size=max(0, (action.min if action.min is not None else g.scaling.min) - fixed),
-                max_size=max(0, (action.max if action.max is not None else g.scaling.max) - fixed),
+                min_size=max(0, lo - fixed), max_size=max(0, hi - fixed),
                 opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["startTime", "endTime"])))
         # The on-demand base instances and the scaling group that adds the rest.
         self.capacity = pulumi.Output.all(*[i.id for i in self.instances], self.group.id)

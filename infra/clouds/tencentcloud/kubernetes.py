@@ -12,8 +12,9 @@ import tencentcloud_iac_pulumi as tencentcloud
 
 from infra import userdata
 from infra.clouds.tencentcloud.fleet import DISK, spot_max_price
-from infra.k8s import GPU_LABEL, cluster_workloads, pool_parts
-from infra.spec import NodeGroup, StackSpec, hardware
+from infra.groups import SYSTEM_DISK_GB, ResolvedGroup
+from infra.k8s import cluster_workloads, pool_parts
+from infra.spec import StackSpec
 
 TKE_VERSION = "1.30.0"
 CLUSTER_CIDR = "172.20.0.0/16"  # outside every stack VPC (10.0.0.0/8)
@@ -26,12 +27,11 @@ GPU_CUDA = {"name": "cuda_12.2.2_535.104.05_linux.run", "version": "12.2.2"}
 @dataclass
 class TencentTkeArgs:
     spec: StackSpec
-    groups: list[NodeGroup]
+    groups: list[ResolvedGroup]
     vpc_id: pulumi.Output[str]
     subnet_ids: list[pulumi.Output[str]]
     security_group_id: pulumi.Output[str]
     role_name: pulumi.Output[str]
-    checkpoint_url: str
     provider: pulumi.ProviderResource
     tags: dict[str, str]
 
@@ -54,20 +54,17 @@ class TencentTke(pulumi.ComponentResource):
         for g in args.groups:
             self.pools += self._pools(g, args, child)
         self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(self.cluster.kube_config_intranet)
-        cluster_workloads(name, self.kubeconfig, self.pools, spec, args.groups, args.checkpoint_url,
-                          parent=self, device_plugin=False)
+        cluster_workloads(name, self.kubeconfig, self.pools, spec, args.groups, parent=self, device_plugin=False)
         self.register_outputs({"clusterId": self.cluster.id})
 
-    def _pools(self, g: NodeGroup, args: TencentTkeArgs,
+    def _pools(self, g: ResolvedGroup, args: TencentTkeArgs,
                child: pulumi.ResourceOptions) -> list[tencentcloud.kubernetes.NodePool]:
         spec = args.spec
-        hw = hardware(spec, g)
-        types, item, disk_gb = hw.types, hw.primary, hw.scratch_disk_gb
-        labels = {GPU_LABEL: g.name, "gpu-training-stack/gpu-model": item.gpu_model,
-                  "gpu-training-stack/workload": g.workload}
+        types, disk_gb = list(g.types), g.scratch_disk_gb
+        labels = g.labels()
         pools = []
         fixed_charge = "PREPAID" if g.market.type == "reserved" else "POSTPAID_BY_HOUR"
-        for part in pool_parts(g):
+        for part in pool_parts(g.group):
             suffix, lo, hi, desired, spot = part.suffix, part.min, part.max, part.desired, part.spot
             charge = "SPOTPAID" if spot else fixed_charge
             pools.append(tencentcloud.kubernetes.NodePool(
@@ -78,15 +75,14 @@ class TencentTke(pulumi.ComponentResource):
                     instance_type=types[0], backup_instance_types=types[1:] or None, instance_charge_type=charge,
                     instance_charge_type_prepaid_period=1 if charge == "PREPAID" else None,
                     spot_instance_type="one-time" if spot else None,
-                    spot_max_price=spot_max_price(spec, g, item) if spot else None,
-                    system_disk_type=DISK, system_disk_size=200,
+                    spot_max_price=spot_max_price(g) if spot else None,
+                    system_disk_type=DISK, system_disk_size=SYSTEM_DISK_GB,
                     data_disks=[tencentcloud.kubernetes.NodePoolAutoScalingConfigDataDiskArgs(
                         disk_type=DISK, disk_size=disk_gb, encrypt=True, delete_with_instance=True)] if disk_gb else None,
                     orderly_security_group_ids=[args.security_group_id], cam_role_name=args.role_name,
                     public_ip_assigned=False, internet_max_bandwidth_out=0),
                 node_config=tencentcloud.kubernetes.NodePoolNodeConfigArgs(
-                    user_data=userdata.for_node_pool_script(
-                        userdata.node_context(spec, g, f"{args.checkpoint_url}{g.name}/")),
+                    user_data=userdata.for_node_pool_script(userdata.node_context(spec, g)),
                     gpu_args=tencentcloud.kubernetes.NodePoolNodeConfigGpuArgsArgs(
                         driver=GPU_DRIVER, cuda=GPU_CUDA, mig_enable=False)),
                 labels={**labels, "gpu-training-stack/capacity": "spot" if spot else "on-demand"},

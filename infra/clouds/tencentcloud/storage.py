@@ -8,27 +8,16 @@ from dataclasses import dataclass
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
-from infra.clouds.base import CHECKPOINT_PREFIX
-from infra.spec import StackSpec, Storage
+from infra.buckets import CHECKPOINT_PREFIX, Bucket
+from infra.spec import Storage
 
 DEEP_ARCHIVE_AFTER_DAYS = 180
-
-
-def bucket_name(storage: Storage, region: str, app_id: str) -> str:
-    return f"{storage.bucket_prefix}-{region}-{app_id}"
-
-
-def checkpoint_root(spec: StackSpec) -> str:
-    """Where this cloud's node groups keep checkpoints: cosn://<bucket>/{CHECKPOINT_PREFIX}."""
-    account = spec.clouds["tencentcloud"]
-    return f"cosn://{bucket_name(spec.storage, account.region, account.app_id or '')}/{CHECKPOINT_PREFIX}"
 
 
 @dataclass
 class TencentStorageArgs:
     storage: Storage
-    region: str
-    app_id: str
+    bucket: Bucket
     tags: dict[str, str]
 
 
@@ -38,7 +27,7 @@ class TencentStorage(pulumi.ComponentResource):
     def __init__(self, name: str, args: TencentStorageArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:tencentcloud:Storage", name, None, opts)
         s = args.storage
-        self.name = bucket_name(s, args.region, args.app_id)
+        self.name = args.bucket.name
         cos = tencentcloud.cos
         self.bucket = cos.Bucket(
             f"{name}-bucket", bucket=self.name, acl="private", versioning_enable=True,
