@@ -43,3 +43,23 @@ def bucket(spec: StackSpec, cloud: str) -> Bucket:
     if cloud == "tencentcloud":
         name += f"-{account.app_id or ''}"
     return Bucket(cloud, name, account.region)
+
+
+NODES_PREFIX = "nodes/"  # the node bundle (scripts and units the user data fetches)
+
+
+def endpoint(cloud: str, bucket_region: str, node_region: str) -> str:
+    """The S3-compatible endpoint a node in `node_region` reads the bucket through.
+
+    AWS: the regional endpoint (a VPC's S3 gateway endpoint serves it in-region). Alibaba: the
+    internal endpoint in the bucket's region, else the public one ("Internal (VPC):
+    https://s3.oss-{region}-internal.aliyuncs.com", OSS "use Amazon S3 SDKs to access OSS").
+    Tencent: one name, resolved to an internal address from the same region (COS "CVM accesses
+    COS": same-region access is routed internally).
+    """
+    if cloud == "aws":
+        return f"https://s3.{bucket_region}.amazonaws.com"
+    if cloud == "alicloud":
+        internal = "-internal" if node_region == bucket_region else ""
+        return f"https://s3.oss-{bucket_region}{internal}.aliyuncs.com"
+    return f"https://cos.{bucket_region}.myqcloud.com"

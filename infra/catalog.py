@@ -190,6 +190,31 @@ def market_unavailable(cloud: str, site: str, market: str) -> str | None:
     return str(reason) if reason else None
 
 
+def feature_unavailable(cloud: str, feature: str) -> str | None:
+    """Why this stack does not build `feature` on `cloud`, or None when it does."""
+    reason = load_capabilities().get("features", {}).get(cloud, {}).get(feature)
+    return str(reason) if reason else None
+
+
+@functools.cache
+def load_constraints() -> dict[str, Any]:
+    """Provider limits the spec checks, each with its source (data/constraints.yaml)."""
+    return _load_yaml("constraints.yaml")
+
+
+@functools.cache
+def load_provider_checks() -> dict[str, dict[str, Any]]:
+    """Per resource type: what was read against the provider's docs and source, and where."""
+    return dict(_load_yaml("provider_checks.yaml")["types"])
+
+
+@functools.cache
+def load_system_pools() -> dict[str, dict[str, Any]]:
+    """The untainted system pool (and control-plane fee) of each cloud's clusters."""
+    data = _load_yaml("system_pools.yaml")
+    return {cloud: dict(data[cloud]) for cloud in CLOUDS}
+
+
 @functools.cache
 def load_storage_prices() -> dict[str, dict[str, Any]]:
     data = _load_yaml("storage_prices.yaml")

@@ -78,6 +78,9 @@ class GroupCost:
     on_demand_monthly_usd: float  # the same occupancy bought on-demand
     disk_monthly_usd: float
     price_estimate: bool
+    spot_max_price: float | None  # per node-hour in `currency`, what the cloud is sent
+    currency: str  # the group's cloud bills in this (the catalog row's) currency
+    spot_max_price_basis: str  # "spotMaxPriceUsd" | "on-demand price (no cap given)" | ""
 
 
 def group_cost(rg: ResolvedGroup) -> GroupCost:
@@ -112,6 +115,9 @@ def group_cost(rg: ResolvedGroup) -> GroupCost:
         on_demand_monthly_usd=round((occ.average * (on_demand + disk_hourly)) * cat.HOURS_PER_MONTH, 2),
         disk_monthly_usd=round(disk_avg * cat.HOURS_PER_MONTH, 2),
         price_estimate=item.price_estimate,
+        spot_max_price=round(rg.bid_cap, 4) if rg.spot else None, currency=item.currency,
+        spot_max_price_basis=("" if not rg.spot else "spotMaxPriceUsd" if rg.price_cap is not None
+                              else "on-demand price (no cap given)"),
     )
 
 
@@ -119,6 +125,15 @@ def storage_monthly_usd(spec: StackSpec, cloud: str) -> float:
     prices = cat.load_storage_prices()[cloud]
     monthly = spec.storage.expected_gb * float(prices["objectStorage"])
     return round(cat.to_usd(monthly, str(prices["currency"]), spec.pricing.cny_per_usd), 2)
+
+
+def clusters_hourly_usd(stack: Stack, cloud: str) -> float:
+    """What the cloud's managed clusters cost around the clock besides their GPU pools: the
+    control plane and the untainted system pool of each (data/system_pools.yaml)."""
+    clusters = len({g.network for g in stack.of_cloud(cloud) if g.kind == "kubernetes"})
+    pool = cat.load_system_pools()[cloud]
+    each = float(pool["controlPlaneHourly"]) + int(pool["nodes"]) * float(pool["nodeHourly"])
+    return clusters * cat.to_usd(each, str(pool["currency"]), stack.spec.pricing.cny_per_usd)
 
 
 def stack_cost(stack: Stack) -> dict[str, Any]:
@@ -129,13 +144,16 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
     for cloud in spec.clouds:
         mine = [g for g in groups if g.cloud == cloud]
         storage = storage_monthly_usd(spec, cloud)
-        monthly = sum(g.monthly_usd for g in mine) + storage
+        clusters = round(clusters_hourly_usd(stack, cloud) * cat.HOURS_PER_MONTH, 2)
+        fixed = storage + clusters
+        monthly = sum(g.monthly_usd for g in mine) + fixed
         by_cloud[cloud] = {
             "hourly_usd": round(monthly / cat.HOURS_PER_MONTH, 4),
             "monthly_usd": round(monthly, 2),
-            "peak_hourly_usd": round(sum(g.peak_hourly_usd for g in mine) + storage / cat.HOURS_PER_MONTH, 4),
-            "on_demand_monthly_usd": round(sum(g.on_demand_monthly_usd for g in mine) + storage, 2),
+            "peak_hourly_usd": round(sum(g.peak_hourly_usd for g in mine) + fixed / cat.HOURS_PER_MONTH, 4),
+            "on_demand_monthly_usd": round(sum(g.on_demand_monthly_usd for g in mine) + fixed, 2),
             "storage_monthly_usd": storage,
+            "clusters_monthly_usd": clusters,
         }
     monthly = sum(c["monthly_usd"] for c in by_cloud.values())
     on_demand = sum(c["on_demand_monthly_usd"] for c in by_cloud.values())

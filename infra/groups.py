@@ -12,8 +12,15 @@ from infra.buckets import Bucket, bucket
 from infra.spec import GpuRequirement, Market, NodeGroup, ScheduleAction, Scaling, StackSpec
 
 SYSTEM_DISK_GB = 200  # root / system disk of every GPU node, all clouds
-TAG_NODE_GROUP = "gpu-training-stack/node-group"
-TAG_WORKLOAD = "gpu-training-stack/workload"
+# Instance tags: no `/` (AWS refuses it in tags exposed to the instance metadata service).
+TAG_NODE_GROUP = "gpu-training-stack:node-group"
+TAG_WORKLOAD = "gpu-training-stack:workload"
+# Kubernetes node labels (`:` is not allowed there): Jobs select their pool by the first.
+LABEL_NODE_GROUP = "gpu-training-stack/node-group"
+LABEL_GPU_MODEL = "gpu-training-stack/gpu-model"
+LABEL_WORKLOAD = "gpu-training-stack/workload"
+LABEL_POOL = "gpu-training-stack/pool"  # "system" on each cluster's untainted add-on pool
+GROUP_LABELS = (LABEL_NODE_GROUP, LABEL_GPU_MODEL, LABEL_WORKLOAD)
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,12 @@ class ResolvedGroup:
         return max(1, self.group.scaling.baseline) if self.workload == "training" else 1
 
     @property
+    def bid_cap(self) -> float:
+        """The most a spot node may cost, in the catalog row's currency: spotMaxPriceUsd, or the
+        on-demand price where the spec gives no cap (clouds that need a cap get this one)."""
+        return self.price_cap if self.price_cap is not None else self.primary.price_ondemand
+
+    @property
     def checkpoint_url(self) -> str:
         return self.bucket.checkpoint_url(self.name)
 
@@ -113,8 +126,7 @@ class ResolvedGroup:
 
     def labels(self) -> dict[str, str]:
         """Kubernetes node labels of the group's pools; Jobs select on the first."""
-        return {TAG_NODE_GROUP: self.name, "gpu-training-stack/gpu-model": self.primary.gpu_model,
-                TAG_WORKLOAD: self.workload}
+        return dict(zip(GROUP_LABELS, (self.name, self.primary.gpu_model, self.workload)))
 
 
 def schedule_bounds(group: NodeGroup, action: ScheduleAction) -> tuple[int, int]:

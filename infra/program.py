@@ -9,12 +9,12 @@ from typing import Any
 
 import pulumi
 
-from infra import monitoring
+from infra import monitoring, userdata
 from infra import spec as spec_mod
 from infra import validation
 from infra.clouds import platform_class
 from infra.errors import SpecError
-from infra.groups import resolve
+from infra.groups import Stack, resolve
 from infra.stackfile import decode
 
 def raw_config(config: pulumi.Config) -> dict[str, Any]:
@@ -28,13 +28,24 @@ def read_spec() -> spec_mod.StackSpec:
     return validation.parse(raw_config(pulumi.Config()), source)
 
 
+def load() -> Stack:
+    """The stack's spec, checked and resolved, and its nodes' user data sized: every user error
+    surfaces here, before any resource is registered."""
+    spec = read_spec()
+    stack = resolve(spec)
+    problems = userdata.check_sizes(stack)
+    if problems:
+        raise SpecError(problems, f"Pulumi.{pulumi.get_stack()}.yaml")
+    return stack
+
+
 def main() -> None:
     try:
-        spec = read_spec()
+        stack = load()
     except SpecError as exc:
         # RunError is printed by the engine without a Python traceback.
         raise pulumi.RunError(str(exc)) from None
-    stack = resolve(spec)
+    spec = stack.spec
     exports: dict[str, Any] = {}
     for cloud in spec.clouds:
         platform = platform_class(cloud)(f"{spec.env}-{cloud}", stack)

@@ -6,12 +6,25 @@ from datetime import datetime, timedelta, timezone, tzinfo
 
 
 def recurrence_window(zone: tzinfo = timezone.utc, now: datetime | None = None) -> tuple[datetime, datetime]:
-    """First run and end of recurrence for a cloud's scheduled actions: the next full hour, and
-    364 days later (Alibaba ESS and Tencent AS want the end within a year). Stacks take them
-    from their first run and ignore later changes, so they do not churn on every `pulumi up`."""
-    start = (now or datetime.now(zone)).astimezone(zone).replace(minute=0, second=0, microsecond=0)
-    start += timedelta(hours=1)
-    return start, start + timedelta(days=364)
+    """First run and end of recurrence for a cloud's scheduled actions.
+
+    Neither cloud has a recurrence without an end: Alibaba ESS needs RecurrenceEndTime with the
+    recurrence, at most 365 days after the task is created (pulumi_alicloud ess/scheduled_task.py),
+    Tencent AS needs end_time with it (terraform-provider-tencentcloud as/resource_tc_as_schedule.go:
+    "end_time and recurrence must be specified at the same time"). So the end is the first day of
+    the month eleven months on: the same all month (no churn), at most 334 days after creation,
+    and it moves on with the first `pulumi up` of each new month, which replaces the task (see
+    `RENEW`). The first run is the next full hour; the clouds take it only at creation."""
+    moment = (now or datetime.now(zone)).astimezone(zone)
+    start = moment.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    months = moment.year * 12 + moment.month - 1 + 11
+    end = moment.replace(year=months // 12, month=months % 12 + 1, day=1, hour=0, minute=0, second=0, microsecond=0)
+    return start, end
+
+
+# Resource options of a renewed scheduled action: a new end replaces the task (a modified task
+# may not reach beyond 365 days of its creation), old one first (names are unique per group).
+RENEW_REPLACE = ["recurrenceEndTime", "endTime"]
 
 
 def cron_in_beijing(cron: str) -> str:

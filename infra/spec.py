@@ -21,21 +21,23 @@ NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 PATTERN_HELP = {
     NAME_PATTERN: "use 2-32 lowercase letters, digits and hyphens, starting with a letter",
-    r"^\d{6,12}$": "use the numeric APPID from the Tencent Cloud console",
+    r"^\d{10}$": "use the 10-digit APPID from the Tencent Cloud console, quoted (appId: \"1250000000\")",
 }
 
 # The top-level Pulumi config keys (namespace gpu-training-stack), in the order documented.
-CONFIG_KEYS = ("env", "tags", "clouds", "networks", "peerings", "nodeGroups", "storage",
+CONFIG_KEYS = ("env", "tags", "clouds", "networks", "peerings", "nodeGroups", "kubernetes", "storage",
                "training", "budget", "pricing")
 REQUIRED_TAGS = ("owner", "cost-center", "env")
 
 
-class Model(BaseModel):
+class SpecModel(BaseModel):
+    """Base of every spec model: unknown keys are errors, values are frozen, keys are camelCase."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel,
                               populate_by_name=True)
 
 
-class Mirrors(Model):
+class Mirrors(SpecModel):
     """Package and image mirrors for nodes that cannot reach Docker Hub, nvcr.io or PyPI."""
 
     registry: str | None = Field(None, description="Container registry mirror host, e.g. registry.cn-hangzhou.aliyuncs.com.")
@@ -44,23 +46,27 @@ class Mirrors(Model):
     pip: str | None = Field(None, description="PyPI index URL.")
 
 
-class CloudAccount(Model):
+class CloudAccount(SpecModel):
     """One cloud account the stack deploys into."""
 
     region: str = Field(description="Default region; networks without a region use it.")
     site: Literal["china", "international"] = Field(
         "international", description="Account site; decides which markets it can buy.")
-    app_id: str | None = Field(None, pattern=r"^\d{6,12}$",
+    app_id: str | None = Field(None, pattern=r"^\d{10}$",
                                description="Tencent Cloud APPID, suffix of COS bucket names.")
     mirrors: Mirrors = Field(default_factory=Mirrors, description="Mirrors the nodes use.")
+    account_settings: bool = Field(
+        False, description="Create the account-wide settings the stack relies on (AWS and Tencent: the env cost "
+                           "allocation tag the budget filters on; Alibaba: ACK's AliyunCSManagedAutoScalerRole). "
+                           "Exactly one stack per account sets it.")
 
 
-class Subnet(Model):
+class Subnet(SpecModel):
     zone: str = Field(description="Availability zone, e.g. us-east-1a, cn-hangzhou-h, ap-guangzhou-3.")
     cidr: IPv4Network = Field(description="Subnet CIDR, inside the network's CIDR.")
 
 
-class Network(Model):
+class Network(SpecModel):
     """A VPC with subnets (vSwitches) in one region."""
 
     name: Name = Field(description="Unique name; node groups and peerings refer to it.")
@@ -74,7 +80,7 @@ class Network(Model):
                                          description="CIDRs allowed to SSH in; empty = no SSH (use SSM / cloud shell).")
 
 
-class Peering(Model):
+class Peering(SpecModel):
     """A private link between two networks of one cloud."""
 
     name: Name = Field(description="Unique name of the link.")
@@ -85,7 +91,7 @@ class Peering(Model):
     bandwidth_mbps: int | None = Field(None, gt=0, description="Cross-region bandwidth cap (Alibaba, Tencent).")
 
 
-class GpuRequirement(Model):
+class GpuRequirement(SpecModel):
     """A GPU requirement the selector turns into instance types."""
 
     model: str | None = Field(None, description="GPU model, e.g. A100, H100, V100, A10, T4, L4.")
@@ -93,7 +99,7 @@ class GpuRequirement(Model):
     count: int = Field(1, ge=1, description="GPUs per node.")
 
 
-class Scaling(Model):
+class Scaling(SpecModel):
     min: int = Field(ge=0, description="Fewest nodes.")
     max: int = Field(ge=1, description="Most nodes.")
     desired: int | None = Field(None, ge=0, description="Nodes at rest; defaults to min.")
@@ -103,7 +109,7 @@ class Scaling(Model):
         return self.min if self.desired is None else self.desired
 
 
-class Market(Model):
+class Market(SpecModel):
     """How the nodes are bought."""
 
     type: Literal["spot", "on-demand", "reserved"] = Field(description="Purchase market.")
@@ -111,7 +117,7 @@ class Market(Model):
     spot_max_price_usd: float | None = Field(None, gt=0, description="With spot: price cap per node-hour; none = up to on-demand.")
 
 
-class ScheduleAction(Model):
+class ScheduleAction(SpecModel):
     """A recurring scaling action (UTC cron), e.g. training pools down at night."""
 
     name: Name = Field(description="Action name.")
@@ -121,13 +127,13 @@ class ScheduleAction(Model):
     max: int | None = Field(None, ge=0, description="New maximum, if it changes.")
 
 
-class Scratch(Model):
+class Scratch(SpecModel):
     size_gb: int = Field(0, ge=0, description="Scratch space per node for datasets, GB.")
     source: Literal["auto", "instance-store", "data-disk"] = Field(
         "auto", description="instance-store: local NVMe only; data-disk: encrypted cloud disk; auto: NVMe when big enough.")
 
 
-class NodeGroup(Model):
+class NodeGroup(SpecModel):
     """GPU nodes: a VM fleet or a managed-Kubernetes node pool."""
 
     name: Name = Field(description="Unique name.")
@@ -151,7 +157,15 @@ class NodeGroup(Model):
         return self
 
 
-class Storage(Model):
+class KubernetesAccess(SpecModel):
+    """How the managed clusters' API servers are reached by whoever runs `pulumi up`."""
+
+    api_access_cidrs: list[IPv4Network] = Field(
+        default_factory=list,
+        description="Public API endpoint open only to these CIDRs (operators, CI runners); empty = private only.")
+
+
+class Storage(SpecModel):
     bucket_prefix: Name = Field(description="Bucket name prefix; each cloud adds its suffix.")
     scratch: Scratch = Field(default_factory=Scratch, description="Default scratch for node groups.")
     checkpoint_archive_days: int = Field(30, ge=1, description="Days before checkpoints move to archive storage.")
@@ -161,7 +175,7 @@ class Storage(Model):
     dataset_tmpfs_gb: int = Field(0, ge=0, description="Also cache the dataset in RAM (tmpfs) of this size; 0 = off.")
 
 
-class Training(Model):
+class Training(SpecModel):
     image: str = Field(description="Training container image (pinned tag or digest).")
     launcher: Literal["torchrun", "accelerate", "horovod"] = Field("torchrun", description="Distributed launcher.")
     workload: Literal["resnet50", "tiny"] = Field("resnet50", description="Workload the bootstrap trains.")
@@ -174,7 +188,7 @@ class Training(Model):
         description="host:port of the c10d rendezvous for multi-node VM fleets (e.g. a fixed private IP or DNS name).")
 
 
-class Budget(Model):
+class Budget(SpecModel):
     monthly_limit_usd: float = Field(gt=0, description="Monthly spending limit, USD.")
     alert_emails: list[Annotated[str, Field(pattern=r"^[^@\s]+@[^@\s]+\.[^@\s]+$")]] = Field(
         min_length=1, description="Who gets budget alerts.")
@@ -182,18 +196,18 @@ class Budget(Model):
         default_factory=lambda: [50, 80, 100], description="Alert at these percentages of the limit.")
 
 
-class PriceOverride(Model):
+class PriceOverride(SpecModel):
     cloud: Cloud
     instance_type: str
     on_demand_hourly: float = Field(gt=0, description="Price per node-hour in the catalog row's currency.")
 
 
-class Pricing(Model):
+class Pricing(SpecModel):
     cny_per_usd: float = Field(7.2, gt=0, description="Exchange rate for CNY catalog prices.")
     overrides: list[PriceOverride] = Field(default_factory=list, description="Negotiated or current prices.")
 
 
-class StackSpec(Model):
+class StackSpec(SpecModel):
     """Everything a stack is: clouds, networks, GPU node groups, storage, training, budget, tags."""
 
     env: Name = Field(description="Environment name: dev, prod, or a team's own.")
@@ -202,6 +216,8 @@ class StackSpec(Model):
     networks: list[Network] = Field(min_length=1, description="VPCs.")
     peerings: list[Peering] = Field(default_factory=list, description="Links between VPCs.")
     node_groups: list[NodeGroup] = Field(min_length=1, description="GPU node groups.")
+    kubernetes: KubernetesAccess = Field(default_factory=KubernetesAccess,
+                                         description="API server access of the managed clusters.")
     storage: Storage = Field(description="Bucket and scratch settings.")
     training: Training = Field(description="The training job.")
     budget: Budget = Field(description="Monthly budget and alerts.")

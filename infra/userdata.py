@@ -3,12 +3,17 @@
 Templates are jinja2 with StrictUndefined (a missing value is an error, never an empty
 string); long logic lives in real script files embedded through write_files. Two shapes of the
 same content: a cloud-config (VM fleets, EKS nodes; `make userdata` writes this for every
-group) and a shell script (ACK and TKE node pools run their user data as a script). Encoding
-follows each cloud's field and size limit, gzip-compressing when the plain text is too big.
+group) and a shell script (ACK and TKE node pools run their user data as a script).
+
+The node settings (node.env) stay readable; every script and unit is embedded gzip+base64
+(cloud-init's `encoding: gz+b64`, `base64 -d | gunzip` in the script shape), which keeps each
+document under its field's limit without compressing the document itself: EKS refuses
+user data that is not MIME multipart, and TKE runs the decoded bytes as a script.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import gzip
 from dataclasses import asdict, dataclass
@@ -18,35 +23,44 @@ from pathlib import Path
 
 import jinja2
 
-from infra.groups import ResolvedGroup
+from infra import bundle
+from infra.buckets import endpoint
+from infra.errors import Problem
+from infra.groups import ResolvedGroup, Stack
+from infra.images import node_agents
 from infra.spec import StackSpec
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "cloudinit"
-_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE_DIR = ROOT / "cloudinit"
+_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT)),
                           undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
 
-# (path on the node, mode, source under cloudinit/; .j2 sources are rendered)
+# What the user data itself carries: the node's settings, the fetcher and the unit that runs
+# it. Everything else comes in the node bundle (infra/bundle.py).
+# (path on the node, mode, source under the repository; .j2 sources are rendered)
 FILES = (
-    ("/etc/gpu-training/node.env", "0644", "node.env.j2"),
-    ("/usr/local/sbin/gts-bootstrap.sh", "0755", "scripts/gts-bootstrap.sh"),
-    ("/usr/local/sbin/gts-driver.sh", "0755", "scripts/gts-driver.sh"),
-    ("/usr/local/sbin/gts-runtime.sh", "0755", "scripts/gts-runtime.sh"),
-    ("/usr/local/sbin/gts-nvme.sh", "0755", "scripts/gts-nvme.sh"),
-    ("/usr/local/sbin/gts-disks.py", "0755", "scripts/gts-disks.py"),
-    ("/usr/local/sbin/gts-dataset.sh", "0755", "scripts/gts-dataset.sh"),
-    ("/usr/local/sbin/gts-spot-watch.py", "0755", "scripts/gts-spot-watch.py"),
-    ("/etc/systemd/system/gts-bootstrap.service", "0644", "units/gts-bootstrap.service"),
-    ("/etc/systemd/system/gts-trainer.service", "0644", "units/gts-trainer.service"),
-    ("/etc/systemd/system/gts-spot-watch.service", "0644", "units/gts-spot-watch.service"),
-    ("/etc/systemd/system/gts-exporters.service", "0644", "units/gts-exporters.service"),
+    ("/etc/gpu-training/node.env", "0644", "cloudinit/node.env.j2"),
+    ("/usr/local/lib/gts/cloudmeta.py", "0755", "training/cloudmeta.py"),
+    ("/etc/systemd/system/gts-fetch.service", "0644", "cloudinit/units/gts-fetch.service"),
 )
-# Limits on the user data field, in bytes of what the field holds.
-LIMITS = {"aws": 16 * 1024, "alicloud": 32 * 1024, "tencentcloud": 16 * 1024}
+# Limits on the user data field: (bytes, counted on "raw" text or on its "base64" form).
+LIMITS = {
+    # EC2: "User data is limited to 16 KB, in raw form, before it is base64-encoded" (EC2 user guide,
+    # instancedata-add-user-data).
+    "aws": (16 * 1024, "raw"),
+    # EKS merges its own NodeConfig part (cluster endpoint, CA bundle, kubelet flags) into the same
+    # 16 KB (EKS user guide, launch-templates): keep 4 KB for it.
+    "eks": (12 * 1024, "raw"),
+    # ECS / ESS / ACK: user data "base64 ... up to 32 KB" (pulumi_alicloud ecs/instance.py user_data).
+    "alicloud": (32 * 1024, "base64"),
+    # CVM / AS / TKE: "Base64-encoded User Data text, the length limit is 16KB"
+    # (tencentcloud_iac_pulumi kubernetes/node_pool.py).
+    "tencentcloud": (16 * 1024, "base64"),
+}
+PLAIN_FILES = ("cloudinit/node.env.j2", "cloudinit/units/gts-fetch.service")  # readable in the user data
 DRIVER_BRANCH = "535"
 METADATA_URLS = {"aws": "http://169.254.169.254", "alicloud": "http://100.100.100.200",
                  "tencentcloud": "http://metadata.tencentyun.com"}
-DCGM_EXPORTER = "nvidia/k8s/dcgm-exporter:3.3.9-3.6.1-ubuntu22.04"
-NODE_EXPORTER = "prom/node-exporter:v1.8.2"
 
 
 @dataclass(frozen=True)
@@ -79,11 +93,17 @@ class NodeContext:
     metadata_url: str  # the cloud's instance metadata service, polled for spot notices
     dcgm_exporter_image: str
     node_exporter_image: str
+    bundle_url: str  # the node bundle in the stack's bucket, and its pinned sha256
+    bundle_sha256: str
+    storage_endpoint: str  # the S3-compatible endpoint of the stack's bucket, from this node
+    storage_region: str
 
 
 def node_context(spec: StackSpec, rg: ResolvedGroup) -> NodeContext:
+    pinned = bundle.build()
     mirrors = spec.clouds[rg.group.cloud].mirrors
     registry = mirrors.registry or ""
+    agents = node_agents(mirrors)
     kube = rg.kind == "kubernetes"
     return NodeContext(
         env=spec.env, cloud=rg.cloud, group=rg.name, mode="kubernetes" if kube else "vm",
@@ -98,9 +118,28 @@ def node_context(spec: StackSpec, rg: ResolvedGroup) -> NodeContext:
         pip_mirror=mirrors.pip or "",
         spot_action="crictl:trainer" if kube else "docker:gts-trainer",
         metadata_url=METADATA_URLS[rg.cloud],
-        dcgm_exporter_image=f"{registry or 'nvcr.io'}/{DCGM_EXPORTER}",
-        node_exporter_image=f"{registry + '/' if registry else ''}{NODE_EXPORTER}",
+        dcgm_exporter_image=agents.dcgm_exporter, node_exporter_image=agents.node_exporter,
+        bundle_url=f"s3://{rg.bucket.name}/{pinned.key}", bundle_sha256=pinned.sha256,
+        storage_endpoint=endpoint(rg.cloud, rg.bucket.region, rg.region), storage_region=rg.bucket.region,
     )
+
+
+def compact_python(source: str) -> str:
+    """The same program without docstrings and comments (the user data carries it; the readable
+    source is in the repository)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return "#!/usr/bin/env python3\n" + ast.unparse(tree) + "\n"
+
+
+def pack(text: str) -> str:
+    """gzip + base64, wrapped at 76 columns (reproducible: no gzip timestamp)."""
+    return base64.encodebytes(gzip.compress(text.encode(), mtime=0)).decode().rstrip("\n")
 
 
 def _files(ctx: NodeContext) -> list[dict[str, str]]:
@@ -109,36 +148,41 @@ def _files(ctx: NodeContext) -> list[dict[str, str]]:
         if source.endswith(".j2"):
             content = _ENV.get_template(source).render(**asdict(ctx))
         else:
-            content = (TEMPLATE_DIR / source).read_text(encoding="utf-8")
-        out.append({"path": path, "permissions": mode, "content": content.rstrip("\n")})
+            content = (ROOT / source).read_text(encoding="utf-8")
+        if source.endswith(".py"):
+            content = compact_python(content)
+        if source in PLAIN_FILES:
+            out.append({"path": path, "permissions": mode, "content": content.rstrip("\n"), "encoding": ""})
+        else:
+            out.append({"path": path, "permissions": mode, "content": pack(content), "encoding": "gz+b64"})
     return out
 
 
 def render(ctx: NodeContext) -> str:
     """The node's cloud-config."""
-    return _ENV.get_template("node.yaml.j2").render(**asdict(ctx), files=_files(ctx))
+    return _ENV.get_template("cloudinit/node.yaml.j2").render(**asdict(ctx), files=_files(ctx))
 
 
 def render_script(ctx: NodeContext) -> str:
     """The same content as a shell script, for node pools that run their user data as one."""
-    return _ENV.get_template("node.sh.j2").render(**asdict(ctx), files=_files(ctx))
+    return _ENV.get_template("cloudinit/node.sh.j2").render(**asdict(ctx), files=_files(ctx))
 
 
-def _fit(text: str, limit: int, what: str) -> bytes:
-    """The bytes for a base64 field of `limit` bytes: plain when it fits, else gzip (cloud-init
-    and the node pools' agents unpack it)."""
-    raw = text.encode()
-    if len(base64.b64encode(raw)) <= limit:
-        return raw
-    packed = gzip.compress(raw, mtime=0)
-    if len(base64.b64encode(packed)) > limit:
-        raise ValueError(f"{what}: user data is {len(packed)} bytes even gzipped, over the {limit}-byte limit")
-    return packed
+class UserDataTooLarge(ValueError):
+    """A node group's user data does not fit its cloud's field."""
+
+
+def _check(data: bytes, limit: str, what: str) -> bytes:
+    size, counted = LIMITS[limit]
+    measured = len(data) if counted == "raw" else len(base64.b64encode(data))
+    if measured > size:
+        raise UserDataTooLarge(f"{what}: user data is {measured} bytes ({counted}), over the {size}-byte limit")
+    return data
 
 
 def for_vm(ctx: NodeContext) -> str:
     """Base64 user data for a VM fleet's launch template / scaling config / instance."""
-    return base64.b64encode(_fit(render(ctx), LIMITS[ctx.cloud], f"{ctx.cloud}/{ctx.group}")).decode()
+    return base64.b64encode(_check(render(ctx).encode(), ctx.cloud, f"{ctx.cloud}/{ctx.group}")).decode()
 
 
 def for_eks(ctx: NodeContext) -> str:
@@ -146,9 +190,28 @@ def for_eks(ctx: NodeContext) -> str:
     (AL2023 nodeadm takes the cloud-config part; EKS adds its own NodeConfig)."""
     message = MIMEMultipart(boundary="==GTS==")
     message.attach(MIMEText(render(ctx), "cloud-config"))
-    return base64.b64encode(_fit(message.as_string(), LIMITS["aws"], f"aws/{ctx.group}")).decode()
+    return base64.b64encode(_check(message.as_string().encode(), "eks", f"aws/{ctx.group}")).decode()
 
 
 def for_node_pool_script(ctx: NodeContext) -> str:
     """Base64 shell-script user data for ACK and TKE node pools."""
-    return base64.b64encode(_fit(render_script(ctx), LIMITS[ctx.cloud], f"{ctx.cloud}/{ctx.group}")).decode()
+    return base64.b64encode(_check(render_script(ctx).encode(), ctx.cloud, f"{ctx.cloud}/{ctx.group}")).decode()
+
+
+def for_group(spec: StackSpec, rg: ResolvedGroup) -> str:
+    """The user data field value of a group's nodes, in the shape its kind of node takes."""
+    ctx = node_context(spec, rg)
+    if rg.kind == "vm":
+        return for_vm(ctx)
+    return for_eks(ctx) if rg.cloud == "aws" else for_node_pool_script(ctx)
+
+
+def check_sizes(stack: Stack) -> list[Problem]:
+    """Every group's user data against its field's limit, before anything is registered."""
+    problems = []
+    for rg in stack.groups:
+        try:
+            for_group(stack.spec, rg)
+        except UserDataTooLarge as exc:
+            problems.append(Problem(rg.path, f"{exc}; shorten the mirrors or settings it carries"))
+    return problems

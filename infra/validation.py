@@ -14,6 +14,7 @@ from croniter import croniter
 from pydantic import BaseModel, ValidationError
 
 from infra import catalog as cat
+from infra import cloud_rules
 from infra.errors import Problem, SpecError, suggest
 from infra.groups import requirement, schedule_bounds
 from infra.schedule import cron_in_beijing
@@ -109,6 +110,8 @@ def check(spec: StackSpec) -> list[Problem]:
     nets = _check_networks(spec, problems)
     problems += _check_peerings(spec, nets)
     problems += _check_node_groups(spec, nets)
+    if not problems:  # the provider limits assume a spec that is whole
+        problems += cloud_rules.check(spec)
     return problems
 
 
@@ -178,11 +181,17 @@ def _check_networks(spec: StackSpec, problems: list[Problem]) -> dict[str, Netwo
 def _check_peerings(spec: StackSpec, nets: Mapping[str, Network]) -> list[Problem]:
     out: list[Problem] = []
     seen: set[str] = set()
+    pairs: dict[frozenset[str], int] = {}
     for i, peer in enumerate(spec.peerings):
         path = f"peerings[{i}]"
         if peer.name in seen:
             out.append(Problem(f"{path}.name", f"{peer.name!r} is used by another peering"))
         seen.add(peer.name)
+        pair = frozenset((peer.requester, peer.accepter))
+        if pair in pairs and len(pair) == 2:
+            out.append(Problem(path, f"{peer.requester} and {peer.accepter} are already linked by "
+                                     f"peerings[{pairs[pair]}]; the clouds allow one peering per pair of VPCs"))
+        pairs.setdefault(pair, i)
         ends = []
         for side in ("requester", "accepter"):
             ref = getattr(peer, side)

@@ -14,8 +14,13 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-WORKLOAD_TAG = "gpu-training-stack/workload"
-GROUP_TAG = "gpu-training-stack/node-group"
+# The stack marks GPU capacity with these instance tags (`:`) and Kubernetes node labels (`/`).
+WORKLOAD_KEYS = ("gpu-training-stack:workload", "gpu-training-stack/workload")
+GROUP_KEYS = ("gpu-training-stack:node-group", "gpu-training-stack/node-group")
+
+
+def _first(values: Mapping[str, Any], keys: Sequence[str]) -> str | None:
+    return next((str(values[k]) for k in keys if values.get(k)), None)
 
 
 def _is_list(value: Any) -> bool:
@@ -78,8 +83,8 @@ def tags_of(res: Res) -> dict[str, str]:
 def _workload(res: Res) -> str:
     tags = _tags(res)
     labels = res.get("labels") or {}
-    return str(tags.get(WORKLOAD_TAG) or (labels.get(WORKLOAD_TAG) if isinstance(labels, Mapping) else None)
-               or "unknown")
+    return _first(tags, WORKLOAD_KEYS) or (_first(labels, WORKLOAD_KEYS) if isinstance(labels, Mapping) else None) \
+        or "unknown"
 
 
 def _max_disk(disks: Any, size_key: str) -> int:
@@ -94,7 +99,7 @@ def capacity(res: Res, by_id: Mapping[str, Res]) -> Capacity | None:
     configuration to its group or an ASG to its launch template.
     """
     t, p = res.type, res.props
-    group = _tags(res).get(GROUP_TAG, res.name)
+    group = _first(_tags(res), GROUP_KEYS) or res.name
     if t == "aws:autoscaling/group:Group":
         policy = res.get("mixedInstancesPolicy") or {}
         dist = policy.get("instancesDistribution") or {}
@@ -132,7 +137,7 @@ def capacity(res: Res, by_id: Mapping[str, Res]) -> Capacity | None:
         mx = int(grp.get("maxSize") or 0) if grp else 0
         return Capacity(types, mx, int(grp.get("minSize") or 0) if grp else 0, spot and base == 0 and above == 0,
                         base if spot else mx, _workload(grp or res), _max_disk(p.get("dataDisks"), "size"),
-                        _tags(grp).get(GROUP_TAG, group) if grp else group)
+                        (_first(_tags(grp), GROUP_KEYS) or group) if grp else group)
     if t == "alicloud:ess/scalingGroup:ScalingGroup" and p.get("launchTemplateId"):
         lt = by_id.get(str(p.get("launchTemplateId")))
         types = [str(o.get("instanceType")) for o in p.get("launchTemplateOverrides") or [] if o.get("instanceType")]
@@ -161,7 +166,7 @@ def capacity(res: Res, by_id: Mapping[str, Res]) -> Capacity | None:
         mx = int(grp.get("maxSize") or 0) if grp else 0
         return Capacity(list(p.get("instanceTypes") or []), mx, int(grp.get("minSize") or 0) if grp else 0, spot,
                         0 if spot else mx, _workload(grp or res), _max_disk(p.get("dataDisks"), "diskSize"),
-                        _tags(grp).get(GROUP_TAG, group) if grp else group)
+                        (_first(_tags(grp), GROUP_KEYS) or group) if grp else group)
     if t == "tencentcloud:Kubernetes/nodePool:NodePool":
         asc = p.get("autoScalingConfig") or {}
         spot = asc.get("instanceChargeType") == "SPOTPAID"

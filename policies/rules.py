@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infra import catalog as cat
+from infra.addresses import opens_internet
 from policies.resources import Capacity, Res, capacity, index_by_id, tags_of, taggable
 
 RAM_PER_VRAM = cat.RAM_PER_VRAM
@@ -46,7 +47,8 @@ def _capacities(resources: list[Res]) -> list[tuple[Res, Capacity]]:
     out = []
     for r in resources:
         cap = capacity(r, by_id)
-        if cap is not None and cap.instance_types:
+        # GPU capacity only: a cluster's system pool (CPU types, not in the catalog) is not a node group.
+        if cap is not None and any(_item(t) for t in cap.instance_types):
             out.append((r, cap))
     return out
 
@@ -299,17 +301,24 @@ def known_sdk_gaps(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[s
 
 
 def private_kubernetes_api(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """An API endpoint may be public only when restricted to known sources: EKS by
+    publicAccessCidrs that do not add up to the internet, TKE by a security group of its own.
+    ACK has no such control the provider can set, so its endpoint must stay private."""
     out = []
     for r in resources:
-        public = None
-        if r.type == "aws:eks/cluster:Cluster":
-            public = r.get("vpcConfig", "endpointPublicAccess", default=True)
-        elif r.type == "alicloud:cs/managedKubernetes:ManagedKubernetes":
-            public = r.get("slbInternetEnabled", default=True)
-        elif r.type == "tencentcloud:Kubernetes/cluster:Cluster":
-            public = r.get("clusterInternet", default=False)
-        if public is True:
-            out.append((r.name, "the Kubernetes API endpoint is public; make it private (VPN / bastion access)"))
+        open_to = ""
+        if r.type == "aws:eks/cluster:Cluster" and r.get("vpcConfig", "endpointPublicAccess", default=True):
+            cidrs = r.get("vpcConfig", "publicAccessCidrs") or ["0.0.0.0/0"]
+            open_to = "the internet" if opens_internet(cidrs) else ""
+        elif r.type == "alicloud:cs/managedKubernetes:ManagedKubernetes" and r.get("slbInternetEnabled", default=True):
+            open_to = "any source (ACK's API access list cannot be set by the provider)"
+        elif r.type == "tencentcloud:Kubernetes/clusterEndpoint:ClusterEndpoint" and r.get("clusterInternet"):
+            open_to = "" if r.get("clusterInternetSecurityGroup") else "any source (no security group)"
+        elif r.type == "tencentcloud:Kubernetes/cluster:Cluster" and r.get("clusterInternet"):
+            open_to = "any source (use a ClusterEndpoint with a security group)"
+        if open_to:
+            out.append((r.name, f"the Kubernetes API endpoint is open to {open_to}; keep it private or list the "
+                                "operators' CIDRs in kubernetes.apiAccessCidrs"))
     return out
 
 

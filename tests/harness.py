@@ -4,6 +4,7 @@ Pulumi's mock engine and capture every registered resource (type, name, URN, par
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,12 @@ def run_stack(stack: str = "dev", edit: Callable[[dict[str, Any]], None] | None 
         edit(values)
         config = read_stack_file(write_stack(tmp, stack, values), project_name())
     return run_program(config, INVOKES, COMPUTED)
+
+
+@functools.cache
+def shipped(stack: str) -> tuple[Registered, ...]:
+    """A shipped stack's registrations, run once per test session and shared by every test file."""
+    return tuple(run_stack(stack))
 
 
 def by_type(resources: list[Registered], type_token: str) -> list[Registered]:

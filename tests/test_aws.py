@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 from pathlib import Path
@@ -11,14 +10,13 @@ from typing import Any
 import pytest
 
 from infra.plan.engine import Registered
-from tests.harness import by_type, key, run_stack
+from tests.harness import by_type, key, run_stack, shipped
 
 REQUIRED_TAGS = {"owner", "cost-center", "env"}
 
 
-@functools.cache
 def _stack(stack: str) -> tuple[Registered, ...]:
-    return tuple(run_stack(stack))
+    return shipped(stack)
 
 
 def aws(stack: str) -> list[Registered]:
@@ -74,7 +72,7 @@ def test_no_ingress_from_anywhere() -> None:
 
 def test_imdsv2_required_on_every_launch_template() -> None:
     lts = by_type(aws("prod"), "aws:ec2/launchTemplate:LaunchTemplate")
-    assert len(lts) == 3  # the VM fleet and both EKS GPU groups
+    assert len(lts) == 4  # the VM fleet, both EKS GPU groups and the EKS system group
     for lt in lts:
         assert lt.inputs["metadataOptions"]["httpTokens"] == "required", lt.name
         for bdm in lt.inputs["blockDeviceMappings"]:
@@ -156,9 +154,13 @@ def test_training_job_and_device_plugin_on_eks() -> None:
     assert env["GTS_CLOUD"] == "aws" and env["GTS_NODE_GROUP"] == "aws-eks-train"
     assert by_type(res, "kubernetes:apps/v1:DaemonSet")
     (cluster,) = by_type(res, "aws:eks/cluster:Cluster")
-    assert cluster.inputs["vpcConfig"]["endpointPublicAccess"] is False  # private in prod
+    # Public only to the operators' CIDRs (kubernetes.apiAccessCidrs), private endpoint on.
+    assert cluster.inputs["vpcConfig"]["publicAccessCidrs"] == ["203.0.113.0/24"]
+    assert cluster.inputs["vpcConfig"]["endpointPrivateAccess"] is True
     assert cluster.inputs["encryptionConfig"]["resources"] == ["secrets"]
-    for ng in by_type(res, "aws:eks/nodeGroup:NodeGroup"):
+    gpu_groups = [ng for ng in by_type(res, "aws:eks/nodeGroup:NodeGroup") if not ng.name.endswith("-system")]
+    assert len(gpu_groups) == 3
+    for ng in gpu_groups:
         assert ng.inputs["amiType"] == "AL2023_x86_64_NVIDIA"
         assert {"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"} in ng.inputs["taints"]
 

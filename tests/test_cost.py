@@ -90,7 +90,18 @@ def test_stack_totals_add_up() -> None:
     groups = total["node_groups"]
     for cloud, c in total["by_cloud"].items():
         mine = sum(g["monthly_usd"] for g in groups if g["cloud"] == cloud)
-        assert c["monthly_usd"] == pytest.approx(mine + c["storage_monthly_usd"], abs=0.05)
+        assert c["monthly_usd"] == pytest.approx(mine + c["storage_monthly_usd"] + c["clusters_monthly_usd"], abs=0.05)
     assert total["monthly_usd"] == pytest.approx(sum(c["monthly_usd"] for c in total["by_cloud"].values()), abs=0.05)
     assert total["hourly_usd"] == pytest.approx(total["monthly_usd"] / HOURS, abs=0.01)
     assert total["monthly_usd"] < total["on_demand_monthly_usd"]
+
+
+def test_clusters_add_their_control_plane_and_system_pool() -> None:
+    """prod has one cluster per cloud. EKS: $0.10/h control plane + 2 x m6i.large at $0.096/h
+    (AWS price list, us-east-1); ACK and TKE: estimates in CNY at 7.2 per USD."""
+    total = cost.stack_cost(resolve(_spec("prod")))["by_cloud"]
+    assert total["aws"]["clusters_monthly_usd"] == pytest.approx((0.10 + 2 * 0.096) * HOURS, abs=0.01)
+    assert total["alicloud"]["clusters_monthly_usd"] == pytest.approx((0.64 + 2 * 0.55) / 7.2 * HOURS, abs=0.01)
+    assert total["tencentcloud"]["clusters_monthly_usd"] == pytest.approx((0.50 + 2 * 0.90) / 7.2 * HOURS, abs=0.01)
+    dev = cost.stack_cost(resolve(_spec("dev")))["by_cloud"]  # no Kubernetes groups: no cluster cost
+    assert all(c["clusters_monthly_usd"] == 0 for c in dev.values())

@@ -15,7 +15,7 @@ from infra.cost import stack_cost
 from infra.groups import resolve
 from tests.harness import ROOT
 from infra.validation import parse
-from tests.harness import by_type, key, run_stack, spec_raw, stack_values, write_stack
+from tests.harness import by_type, key, run_stack, shipped, spec_raw, stack_values, write_stack
 
 
 def _plan(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
@@ -24,7 +24,7 @@ def _plan(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
 
 
 def test_dev_registers_one_platform_and_provider_per_cloud() -> None:
-    resources = run_stack("dev")
+    resources = list(shipped("dev"))
     for cloud in ("aws", "alicloud", "tencentcloud"):
         platforms = by_type(resources, f"gpu-training-stack:{cloud}:Platform")
         assert [p.name for p in platforms] == [f"dev-{cloud}"]
@@ -34,7 +34,7 @@ def test_dev_registers_one_platform_and_provider_per_cloud() -> None:
 
 
 def test_prod_has_a_provider_per_region() -> None:
-    resources = run_stack("prod")
+    resources = list(shipped("prod"))
     regions = sorted(r.inputs["region"] for r in by_type(resources, "pulumi:providers:aws"))
     assert regions == ["us-east-1", "us-west-2"]
 
@@ -43,7 +43,7 @@ def test_every_platform_exports_the_same_outputs() -> None:
     from infra.plan.engine import unwrap_secrets
 
     for cloud in ("aws", "alicloud", "tencentcloud"):
-        (platform,) = by_type(run_stack("prod"), f"gpu-training-stack:{cloud}:Platform")
+        (platform,) = by_type(list(shipped("prod")), f"gpu-training-stack:{cloud}:Platform")
         out = platform.outputs
         assert set(out) == {"vpcIds", "bucket", "checkpointUrl", "fleets", "clusters", "kubeconfigs"}, cloud
         assert len(out["vpcIds"]) == 3 and out["checkpointUrl"].endswith("/checkpoints/")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -12,14 +11,13 @@ import pytest
 from infra.schedule import cron_in_beijing, recurrence_window
 from infra.plan.engine import Registered
 from policies.resources import taggable
-from tests.harness import by_type, key, run_stack
+from tests.harness import by_type, key, run_stack, shipped
 
 REQUIRED_TAGS = {"owner", "cost-center", "env"}
 
 
-@functools.cache
 def _stack(stack: str) -> tuple[Registered, ...]:
-    return tuple(run_stack(stack))
+    return shipped(stack)
 
 
 def tc(stack: str) -> list[Registered]:
@@ -54,14 +52,15 @@ def test_prod_on_demand_base_with_spot_burst() -> None:
 
 
 def test_tke_pools_are_gpu_pools() -> None:
-    pools = by_type(tc("prod"), "tencentcloud:Kubernetes/nodePool:NodePool")
+    pools = [p for p in by_type(tc("prod"), "tencentcloud:Kubernetes/nodePool:NodePool") if p.name.startswith("tc-tke")]
+    assert len(pools) == 2
     for pool in pools:
         assert pool.inputs["autoScalingConfig"]["instanceType"] == "GN10X.18XLARGE320"
         assert pool.inputs["nodeConfig"]["gpuArgs"]["driver"]["version"]
         assert {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"} in pool.inputs["taints"]
         assert all(d["encrypt"] is True for d in pool.inputs["autoScalingConfig"]["dataDisks"])
     (cluster,) = by_type(tc("prod"), "tencentcloud:Kubernetes/cluster:Cluster")
-    assert cluster.inputs["clusterInternet"] is False
+    assert "clusterInternet" not in cluster.inputs and "clusterIntranet" not in cluster.inputs
 
 
 def test_no_ingress_from_anywhere() -> None:
@@ -148,8 +147,16 @@ def test_recurrence_window_starts_next_full_hour_in_the_clouds_zone() -> None:
 
     now = datetime(2026, 11, 29, 15, 42, 7, tzinfo=timezone.utc)
     start, end = recurrence_window(timezone(timedelta(hours=8)), now)
-    assert start.isoformat() == "2026-11-30T00:00:00+08:00" and (end - start).days == 364
+    assert start.isoformat() == "2026-11-30T00:00:00+08:00"
+    # The end: first of the month eleven months on, the same all month, within the 365 days
+    # Alibaba allows from creation.
+    assert end.isoformat() == "2027-10-01T00:00:00+08:00"
     assert recurrence_window(now=now)[0].isoformat() == "2026-11-29T16:00:00+00:00"
+    for day in (1, 15, 30):
+        created = datetime(2026, 11, day, 0, 30, tzinfo=timezone.utc)
+        assert recurrence_window(now=created)[1] == datetime(2027, 10, 1, tzinfo=timezone.utc)
+        assert (recurrence_window(now=created)[1] - created).days < 365
+    assert recurrence_window(now=datetime(2026, 12, 1, tzinfo=timezone.utc))[1] == datetime(2027, 11, 1, tzinfo=timezone.utc)
 
 
 def test_done_when_counts() -> None:

@@ -22,7 +22,7 @@ from infra.cost import stack_cost
 from infra.errors import CatalogError, SpecError
 from infra.groups import resolve
 from infra.plan import report
-from infra.plan.engine import Registered, run_program, unwrap_secrets
+from infra.plan.engine import DuplicateUrn, Registered, run_program, unwrap_secrets
 from infra.plan.invokes import COMPUTED, INVOKES
 from infra.stackfile import StackFileError, project_name, project_root, read_stack_file, spec_from_values, stack_path
 from infra.spec import StackSpec
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True, soft_wrap=True)
     try:
         plan = build_plan(args.stack)
-    except (SpecError, StackFileError, CatalogError, pulumi.RunError) as exc:
+    except (SpecError, StackFileError, CatalogError, DuplicateUrn, pulumi.RunError) as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
         return 2
     if args.format == "json":

@@ -26,6 +26,10 @@ class UnmockedInvoke(LookupError):
     """The program called a provider function the offline plan has no answer for."""
 
 
+class DuplicateUrn(ValueError):
+    """Two registrations share one URN: the engine refuses that at preview, so the plan does too."""
+
+
 @dataclass
 class Registered:
     """One resource registration as the engine saw it."""
@@ -38,6 +42,7 @@ class Registered:
     provider: str
     inputs: dict[str, Any]  # secrets still wrapped; see masked()
     outputs: dict[str, Any] = field(default_factory=dict)  # what a component registered as outputs
+    options: dict[str, Any] = field(default_factory=dict)  # resource options as the engine received them
 
     @property
     def cloud(self) -> str:
@@ -74,20 +79,38 @@ class CapturingMonitor(pulumi_mocks.MockMonitor):
     def __init__(self, mocks: pulumi_mocks.Mocks):
         super().__init__(mocks)
         self.registered: list[Registered] = []
+        self.urns: dict[str, Registered] = {}
+        self.duplicates: list[str] = []
         self.outputs: dict[str, dict[str, Any]] = {}  # component URN -> register_outputs()
 
     def RegisterResource(self, request: Any) -> Any:  # noqa: N802 (gRPC method name)
         response = super().RegisterResource(request)  # type: ignore[no-untyped-call]
+        if response.urn in self.urns:
+            first = self.urns[response.urn]
+            self.duplicates.append(f"{request.type} '{request.name}' (under {request.parent or 'the stack'}) and "
+                                   f"{first.type} '{first.name}' (under {first.parent or 'the stack'}) would both be "
+                                   f"{response.urn}")
         if request.type != "pulumi:pulumi:Stack":
             inputs = rpc.deserialize_properties(request.object, keep_unknowns=True)
             self.registered.append(Registered(
                 type=request.type, name=request.name, urn=response.urn, parent=request.parent,
-                custom=bool(request.custom), provider=request.provider, inputs=dict(inputs)))
+                custom=bool(request.custom), provider=request.provider, inputs=dict(inputs),
+                options=_options(request)))
+            self.urns[response.urn] = self.registered[-1]
         return response
 
     def RegisterResourceOutputs(self, request: Any) -> Any:  # noqa: N802 (gRPC method name)
         self.outputs[request.urn] = dict(rpc.deserialize_properties(request.outputs, keep_unknowns=True))
         return super().RegisterResourceOutputs(request)  # type: ignore[no-untyped-call]
+
+
+def _options(request: Any) -> dict[str, Any]:
+    """The resource options of a registration request that decide what `pulumi up` replaces,
+    keeps or waits for."""
+    return {"protect": bool(request.protect), "retainOnDelete": bool(request.retainOnDelete),
+            "deleteBeforeReplace": bool(request.deleteBeforeReplace),
+            "ignoreChanges": list(request.ignoreChanges), "replaceOnChanges": list(request.replaceOnChanges),
+            "dependencies": sorted(request.dependencies), "aliases": sorted(request.aliasURNs)}
 
 
 InvokeHandler = Callable[[dict[str, Any]], dict[str, Any]]
@@ -137,6 +160,9 @@ def run_program(config: StackConfig, invokes: Mapping[str, InvokeHandler],
             runpy.run_path(str((root or project_root()) / "__main__.py"), run_name="__main__")
 
     _sync_await(run_pulumi_func(main))
+    if monitor.duplicates:
+        raise DuplicateUrn("two resources would have one name (Pulumi refuses this at preview): "
+                           + "; ".join(monitor.duplicates) + ". Rename one of the spec entries behind them")
     for res in monitor.registered:
         res.outputs = monitor.outputs.get(res.urn, {})
     # Registration order follows the event loop's scheduling; URN order is the same every run.

@@ -49,22 +49,26 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
 
     cost = plan["cost"]
     groups = Table(title="cost by node group (USD)")
-    for column in ("node group", "cloud", "type", "market", "avg nodes", "$/h", "$/month", "on-demand $/month"):
-        groups.add_column(column, justify="right" if column[0] in "a$o" else "left")
+    for column in ("node group", "cloud", "type", "market", "spot cap /node-h", "avg nodes", "$/h", "$/month",
+                   "on-demand $/month"):
+        groups.add_column(column, justify="right" if column[0] in "a$os" else "left")
     for g in cost["node_groups"]:
         flag = "*" if g["price_estimate"] else ""
-        groups.add_row(g["name"], g["cloud"], g["instance_type"] + flag, g["market"],
+        cap = "" if g["spot_max_price"] is None else (
+            f"{g['spot_max_price']:,.2f} {g['currency']}"
+            + (" (on-demand)" if g["spot_max_price_basis"].startswith("on-demand") else ""))
+        groups.add_row(g["name"], g["cloud"], g["instance_type"] + flag, g["market"], cap,
                        f"{g['average_nodes']:.2f}", f"{g['hourly_usd']:,.2f}", f"{g['monthly_usd']:,.0f}",
                        f"{g['on_demand_monthly_usd']:,.0f}")
     console.print(groups)
 
-    clouds = Table(title="cost by cloud (USD, incl. object storage)")
-    for column in ("cloud", "$/h", "$/month", "peak $/h", "on-demand $/month"):
+    clouds = Table(title="cost by cloud (USD, incl. object storage and cluster control planes / system pools)")
+    for column in ("cloud", "$/h", "$/month", "of which clusters", "peak $/h", "on-demand $/month"):
         clouds.add_column(column, justify="right" if column != "cloud" else "left")
     for name, c in cost["by_cloud"].items():
-        clouds.add_row(name, f"{c['hourly_usd']:,.2f}", f"{c['monthly_usd']:,.0f}",
+        clouds.add_row(name, f"{c['hourly_usd']:,.2f}", f"{c['monthly_usd']:,.0f}", f"{c['clusters_monthly_usd']:,.0f}",
                        f"{c['peak_hourly_usd']:,.2f}", f"{c['on_demand_monthly_usd']:,.0f}")
-    clouds.add_row("[bold]total[/]", f"{cost['hourly_usd']:,.2f}", f"{cost['monthly_usd']:,.0f}",
+    clouds.add_row("[bold]total[/]", f"{cost['hourly_usd']:,.2f}", f"{cost['monthly_usd']:,.0f}", "",
                    f"{cost['peak_hourly_usd']:,.2f}", f"{cost['on_demand_monthly_usd']:,.0f}")
     console.print(clouds)
     console.print(f"saving vs on-demand: {cost['savings_vs_on_demand_pct']}%   "

@@ -19,11 +19,15 @@ def bucket_policy(bucket: str, prefixes: list[str]) -> str:
     ]})
 
 
+AUTOSCALER_ROLE = "AliyunCSManagedAutoScalerRole"  # the name ACK looks for
+
+
 @dataclass
 class AlicloudAccessArgs:
     bucket: str
     prefixes: list[str]
     tags: dict[str, str]
+    autoscaler_role: bool  # create ACK's account-wide autoscaler role (one stack per account)
 
 
 class AlicloudAccess(pulumi.ComponentResource):
@@ -42,4 +46,16 @@ class AlicloudAccess(pulumi.ComponentResource):
                                      description="read datasets, read/write checkpoints", tags=args.tags, opts=child)
         alicloud.ram.RolePolicyAttachment(f"{name}-node-bucket", policy_name=policy.policy_name, policy_type="Custom",
                                           role_name=self.role.role_name, opts=child)
+        if args.autoscaler_role:
+            # ACK's autoscaler acts through this service role ("ACK adds a new RamRole
+            # (AliyunCSManagedAutoScalerRole) for the permission control of the node pool with
+            # auto-scaling enabled", pulumi_alicloud cs/node_pool.py; Alibaba's Terraform example
+            # "use-case-enable-ack-and-assign-role").
+            role = alicloud.ram.Role(
+                f"{name}-ack-autoscaler", role_name=AUTOSCALER_ROLE, description="ACK cluster autoscaler", tags=args.tags,
+                assume_role_policy_document=json.dumps({"Version": "1", "Statement": [{
+                    "Action": "sts:AssumeRole", "Effect": "Allow", "Principal": {"Service": ["cs.aliyuncs.com"]}}]}),
+                opts=child)
+            alicloud.ram.RolePolicyAttachment(f"{name}-ack-autoscaler", role_name=role.role_name, policy_type="System",
+                                              policy_name="AliyunCSManagedAutoScalerRolePolicy", opts=child)
         self.register_outputs({"roleName": self.role.role_name})

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_alicloud as alicloud
 
-from infra.schedule import recurrence_window
+from infra.names import fit
+from infra.schedule import RENEW_REPLACE, recurrence_window
 from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 
 IMAGE_REGEX = "^ubuntu_22_04_x64"
@@ -34,6 +35,7 @@ class AlicloudGpuFleetArgs:
     user_data: str  # base64
     provider: pulumi.ProviderResource
     tags: dict[str, str]
+    env: str
 
 
 class AlicloudGpuFleet(pulumi.ComponentResource):
@@ -67,8 +69,9 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
             instance_charge_type="PostPaid", spot_strategy=spot_strategy(g),
             spot_price_limit=price_cap,
             security_group_ids=[args.security_group_id], vpc_id=args.vpc_id, vswitch_id=args.switch_ids[0],
-            # Hardened mode: metadata only with a token (the spot notice reader asks for one).
-            http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=2,
+            # Hardened mode: metadata only with a token (the spot watcher and the trainer ask for one);
+            # hop limit 1, both run in the host's network namespace.
+            http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=1,
             ram_role_name=args.role_name,
             system_disk=alicloud.ecs.EcsLaunchTemplateSystemDiskArgs(category=ESSD, size=SYSTEM_DISK_GB,
                                                                      encrypted=True, delete_with_instance=True),
@@ -97,11 +100,12 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
         for action in g.schedule:
             lo, hi = schedule_bounds(g.group, action)
             alicloud.ess.ScheduledTask(
-                f"{name}-{action.name}", scheduled_task_name=f"{name}-{action.name}",
+                # Task names are unique per account and region, so the stack's env is part of it.
+                f"{name}-{action.name}", scheduled_task_name=fit(f"{args.env}-{name}-{action.name}", "essScheduledTask"),
                 scaling_group_id=self.group.id, launch_time=start, recurrence_type="Cron",
                 recurrence_value=action.cron, recurrence_end_time=end, desired_capacity=action.desired,
                 min_value=lo, max_value=hi, task_enabled=True,
                 opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
-                    ignore_changes=["launchTime", "recurrenceEndTime"])))
+                    ignore_changes=["launchTime"], replace_on_changes=RENEW_REPLACE, delete_before_replace=True)))
         self.capacity = self.group.id.apply(lambda i: [i])
         self.register_outputs({"scalingGroupId": self.group.id})

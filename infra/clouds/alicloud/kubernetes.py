@@ -12,13 +12,15 @@ import pulumi_alicloud as alicloud
 
 from infra import userdata
 from infra.clouds.alicloud.fleet import ESSD, spot_strategy
-from infra.groups import SYSTEM_DISK_GB, ResolvedGroup
-from infra.k8s import cluster_workloads
+from infra import catalog as cat
+from infra.cloud_rules import POD_CIDR, SERVICE_CIDR
+from infra.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
+from infra.k8s.cluster import cluster_workloads
 from infra.spec import StackSpec
 
 ACK_SPEC = "ack.pro.small"
-POD_CIDR = "172.20.0.0/16"  # outside every stack VPC (10.0.0.0/8)
-SERVICE_CIDR = "172.21.0.0/20"
+# Ubuntu: the node scripts need Python >= 3.7 (Alibaba Cloud Linux 3 ships 3.6).
+NODE_IMAGE = "Ubuntu"
 
 
 @dataclass
@@ -28,6 +30,7 @@ class AlicloudAckArgs:
     switch_ids: list[pulumi.Output[str]]
     security_group_id: pulumi.Output[str]
     role_name: pulumi.Output[str]
+    network_cidr: str
     provider: pulumi.ProviderResource
     tags: dict[str, str]
 
@@ -41,17 +44,45 @@ class AlicloudAck(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self, provider=args.provider)
         self.cluster = alicloud.cs.ManagedKubernetes(
             f"{name}-ack", name=name, cluster_spec=ACK_SPEC, vswitch_ids=args.switch_ids,
-            pod_cidr=POD_CIDR, service_cidr=SERVICE_CIDR, new_nat_gateway=False,
-            # The API server's SLB gets a public address only outside prod.
-            slb_internet_enabled=spec.env != "prod", security_group_id=args.security_group_id,
+            pod_cidr=str(POD_CIDR), service_cidr=str(SERVICE_CIDR), new_nat_gateway=False,
+            # Private API server: ACK's access list lives on a listener of ACK's own load balancer,
+            # which the provider cannot attach (data/capabilities.yaml, kubernetesApiAccess).
+            slb_internet_enabled=False, security_group_id=args.security_group_id,
             control_plane_log_components=["apiserver", "kcm", "scheduler", "ccm"],
             deletion_protection=spec.env == "prod", tags=tags, opts=child)
+        # With a security group of our own, ACK adds no rules: Flannel needs the pod range and
+        # ICMP admitted on the nodes (ACK "Configure security group rules", inbound table).
+        # ICMP from the VPC and the pods only (the doc's 0.0.0.0/0 is not needed: no node has a public address).
+        for rule, protocol, cidr in (("pods", "all", str(POD_CIDR)), ("icmp-vpc", "icmp", args.network_cidr),
+                                     ("icmp-pods", "icmp", str(POD_CIDR))):
+            alicloud.ecs.SecurityGroupRule(f"{name}-{rule}", type="ingress", ip_protocol=protocol, port_range="-1/-1",
+                                           security_group_id=args.security_group_id, cidr_ip=cidr, policy="accept",
+                                           description=f"ACK Flannel: {rule}", opts=child)
+        # Node pools with scaling enabled grow only once the cluster's autoscaler is on ("The node
+        # pool auto scaling mode only takes effect after auto scaling is enabled for the cluster").
+        alicloud.cs.AutoscalingConfig(f"{name}-autoscaling", cluster_id=self.cluster.id, scaler_type="cluster-autoscaler",
+                                      expander="least-waste", scale_up_from_zero=True, scale_down_enabled=True,
+                                      skip_nodes_with_local_storage=False, opts=child)
+        self.system = self._system_pool(name, args, child)
         self.pools = [self._pool(g, args, child) for g in args.groups]
         credential = alicloud.cs.get_cluster_credential_output(
             cluster_id=self.cluster.id, opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(credential.kube_config.apply(str))
-        cluster_workloads(name, self.kubeconfig, self.pools, spec, args.groups, parent=self, device_plugin=False)
+        cluster_workloads(name, self.kubeconfig, [self.system, *self.pools], spec, args.groups, parent=self,
+                          device_plugin=False)
         self.register_outputs({"clusterId": self.cluster.id})
+
+    def _system_pool(self, name: str, args: AlicloudAckArgs, child: pulumi.ResourceOptions) -> alicloud.cs.NodePool:
+        """A fixed pool for CoreDNS and the add-ons: autoscaled nodes carry `k8s.aliyun.com=true`
+        and system pods avoid them (pulumi_alicloud cs/node_pool.py)."""
+        pool = cat.load_system_pools()["alicloud"]
+        return alicloud.cs.NodePool(
+            f"{name}-system", node_pool_name="system", cluster_id=self.cluster.id, vswitch_ids=args.switch_ids,
+            instance_types=[str(pool["instanceType"])], security_group_ids=[args.security_group_id],
+            instance_charge_type="PostPaid", desired_size=str(pool["nodes"]), image_type=NODE_IMAGE,
+            system_disk_category=ESSD, system_disk_size=80, system_disk_encrypted=True,
+            instance_metadata_options=alicloud.cs.NodePoolInstanceMetadataOptionsArgs(http_tokens="required"),
+            labels=[alicloud.cs.NodePoolLabelArgs(key=LABEL_POOL, value="system")], tags=args.tags, opts=child)
 
     def _pool(self, g: ResolvedGroup, args: AlicloudAckArgs, child: pulumi.ResourceOptions) -> alicloud.cs.NodePool:
         spec = args.spec
@@ -73,11 +104,13 @@ class AlicloudAck(pulumi.ComponentResource):
             multi_az_policy="COST_OPTIMIZED" if spot else "BALANCE",
             scaling_config=alicloud.cs.NodePoolScalingConfigArgs(enable=True, min_size=g.scaling.min,
                                                                  max_size=g.scaling.max),
-            system_disk_category=ESSD, system_disk_size=SYSTEM_DISK_GB, system_disk_encrypted=True,
+            system_disk_category=ESSD, system_disk_size=SYSTEM_DISK_GB, system_disk_encrypted=True, image_type=NODE_IMAGE,
             data_disks=[alicloud.cs.NodePoolDataDiskArgs(category=ESSD, size=disk_gb, encrypted="true")] if disk_gb else None,
             instance_metadata_options=alicloud.cs.NodePoolInstanceMetadataOptionsArgs(http_tokens="required"),
             ram_role_name=args.role_name,
-            user_data=userdata.for_node_pool_script(userdata.node_context(spec, g)),
+            user_data=userdata.for_group(spec, g),
             labels=[alicloud.cs.NodePoolLabelArgs(key=k, value=v) for k, v in labels.items()],
             taints=[alicloud.cs.NodePoolTaintArgs(key="nvidia.com/gpu", value="true", effect="NoSchedule")],
-            tags={**args.tags, **labels}, opts=child)
+            # ACK: ECS tags + taints + labels of an autoscaling pool must stay under 12 (ACK "Enable node
+            # auto scaling"); the spec counts them, and the labels are not repeated as tags.
+            tags=g.tags(args.tags), opts=child)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pulumi
 import pulumi_alicloud as alicloud
 
-from infra import userdata
-from infra.buckets import CHECKPOINT_PREFIX, DATASET_PREFIX, bucket
+from infra import bundle, userdata
+from infra.buckets import CHECKPOINT_PREFIX, DATASET_PREFIX, NODES_PREFIX, bucket
 from infra.clouds.alicloud.access import AlicloudAccess, AlicloudAccessArgs
 from infra.clouds.alicloud.budget import AlicloudBudget, AlicloudBudgetArgs
 from infra.clouds.alicloud.fleet import AlicloudGpuFleet, AlicloudGpuFleetArgs
@@ -45,7 +45,7 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
 
     def make_storage(self) -> AlicloudStorage:
         return AlicloudStorage(f"{self.name}-storage",
-                               AlicloudStorageArgs(self.spec.storage, bucket(self.spec, self.CLOUD), self.tags),
+                               AlicloudStorageArgs(self.spec.storage, bucket(self.spec, self.CLOUD), bundle.build(), self.tags),
                                opts=self.provider_opts())
 
     def bucket_name(self, storage: AlicloudStorage) -> pulumi.Output[str]:
@@ -53,7 +53,8 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
 
     def make_access(self, storage: AlicloudStorage) -> AlicloudAccess:
         return AlicloudAccess(f"{self.name}-access", AlicloudAccessArgs(
-            storage.name, [CHECKPOINT_PREFIX, DATASET_PREFIX], self.tags), opts=self.provider_opts())
+            storage.name, [CHECKPOINT_PREFIX, DATASET_PREFIX, NODES_PREFIX], self.tags,
+            autoscaler_role=self.account.account_settings and bool(self.kubernetes_groups())), opts=self.provider_opts())
 
     def make_fleet(self, group: ResolvedGroup, net: AlicloudNetwork,
                    access: AlicloudAccess) -> pulumi.Output[list[str]]:
@@ -61,15 +62,16 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
         fleet = AlicloudGpuFleet(group.name, AlicloudGpuFleetArgs(
             group=group, vpc_id=net.vpc.id, switch_ids=[s.id for s in net.switches],
             zones=[s.zone for s in spec_net.subnets], security_group_id=net.security_group.id,
-            role_name=access.role.role_name, user_data=userdata.for_vm(userdata.node_context(self.spec, group)),
-            provider=self.provider(group.region), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
+            role_name=access.role.role_name, user_data=userdata.for_group(self.spec, group),
+            provider=self.provider(group.region), tags=self.tags, env=self.spec.env),
+            opts=pulumi.ResourceOptions(parent=self))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: AlicloudNetwork,
                      access: AlicloudAccess, storage: AlicloudStorage) -> Cluster:
         ack = AlicloudAck(f"{self.spec.env}-{net.name}", AlicloudAckArgs(
             spec=self.spec, groups=groups, switch_ids=[s.id for s in built.switches],
-            security_group_id=built.security_group.id, role_name=access.role.role_name,
+            security_group_id=built.security_group.id, role_name=access.role.role_name, network_cidr=str(net.cidr),
             provider=self.provider(self.region_of(net)), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
         return Cluster(ack.cluster.id, ack.kubeconfig)
 

@@ -1,5 +1,5 @@
 """Alibaba Cloud OSS: one bucket for datasets and checkpoints, versioned, KMS-encrypted,
-lifecycle to Archive / ColdArchive, private ACL and a public access block."""
+zone-redundant, lifecycle to Archive, private ACL and a public access block."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import pulumi
 import pulumi_alicloud as alicloud
 
 from infra.buckets import CHECKPOINT_PREFIX, Bucket
+from infra.bundle import Bundle
 from infra.spec import Storage
 
-COLD_ARCHIVE_AFTER_DAYS = 180  # beyond checkpointArchiveDays
 
 
 @dataclass
 class AlicloudStorageArgs:
     storage: Storage
     bucket: Bucket
+    bundle: Bundle  # the node scripts, fetched by each node's user data
     tags: dict[str, str]
 
 
@@ -36,11 +37,12 @@ class AlicloudStorage(pulumi.ComponentResource):
             lifecycle_rules=[
                 rules.BucketLifecycleRuleArgs(
                     id="checkpoints-to-archive", enabled=True, prefix=CHECKPOINT_PREFIX,
+                    # Archive, not ColdArchive: the bucket is zone-redundant (a zone outage loses no
+                    # checkpoint), and ZRS covers Standard, IA and Archive only — ColdArchive objects
+                    # would silently become single-zone (OSS "Storage redundancy"; "Cold Archive and
+                    # Deep Cold Archive objects are still stored as LRS objects").
                     transitions=[rules.BucketLifecycleRuleTransitionArgs(days=s.checkpoint_archive_days,
-                                                                         storage_class="Archive"),
-                                 rules.BucketLifecycleRuleTransitionArgs(
-                                     days=max(COLD_ARCHIVE_AFTER_DAYS, s.checkpoint_archive_days + 60),
-                                     storage_class="ColdArchive")]),
+                                                                         storage_class="Archive")]),
                 rules.BucketLifecycleRuleArgs(
                     id="expire-noncurrent", enabled=True, prefix="",
                     noncurrent_version_expirations=[rules.BucketLifecycleRuleNoncurrentVersionExpirationArgs(
@@ -55,4 +57,10 @@ class AlicloudStorage(pulumi.ComponentResource):
         alicloud.oss.BucketAcl(f"{name}-acl", bucket=self.bucket.bucket, acl="private", opts=on_bucket)
         alicloud.oss.BucketPublicAccessBlock(f"{name}-public-access", bucket=self.bucket.bucket,
                                              block_public_access=True, opts=on_bucket)
+        # Content-addressed: a changed bundle is a new key, so nodes of an older launch template
+        # keep fetching the version their user data pins.
+        self.bundle_object = alicloud.oss.BucketObject(f"{name}-node-bundle", bucket=self.bucket.bucket,
+                                                       key=args.bundle.key, content=args.bundle.content,
+                                                       content_type="text/plain",
+                                                       opts=pulumi.ResourceOptions(parent=self.bucket))
         self.register_outputs({"bucket": self.bucket.bucket})

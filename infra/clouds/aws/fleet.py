@@ -62,9 +62,11 @@ class AwsGpuFleet(pulumi.ComponentResource):
             f"{name}-lt", image_id=ami.value, update_default_version=True,
             iam_instance_profile=aws.ec2.LaunchTemplateIamInstanceProfileArgs(arn=args.instance_profile_arn),
             vpc_security_group_ids=[args.security_group_id],
-            # IMDSv2 only; hop limit 2 lets the training container read the spot notice.
+            # IMDSv2 only, hop limit 1: the spot watcher and the trainer run in the host's network
+            # namespace (`docker run --network host`) and reach it; a bridged container does not.
+            # Instance tags in IMDS restrict tag keys (no `/`): the spec checks the stack's tags.
             metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
-                http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=2,
+                http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=1,
                 instance_metadata_tags="enabled"),
             block_device_mappings=block_devices(disk_gb),
             user_data=args.user_data,

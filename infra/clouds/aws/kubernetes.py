@@ -1,6 +1,7 @@
-"""AWS managed Kubernetes: an EKS cluster per network that has Kubernetes GPU groups, managed
-GPU node groups (NVIDIA AL2023 AMI, capacity type from the market, GPU taint, labels), and the
-cloud-neutral device plugin and training Job on the created cluster."""
+"""AWS managed Kubernetes: an EKS cluster per network that has Kubernetes GPU groups, an untainted
+system node group for the add-ons, managed GPU node groups (NVIDIA AL2023 AMI, capacity type
+from the market, GPU taint, labels), EKS Pod Identity, the Cluster Autoscaler, and the
+cloud-neutral node agents and training Job on the created cluster."""
 
 from __future__ import annotations
 
@@ -11,13 +12,27 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
+from infra import catalog as cat
 from infra import userdata
-from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
-from infra.k8s import cluster_workloads, pool_parts
+from infra.clouds.aws.autoscaler import EksAutoscalerArgs, EksClusterAutoscaler
+from infra.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
+from infra.images import CLUSTER_AUTOSCALER, pulled
+from infra.k8s.cluster import cluster_workloads
+from infra.k8s.pools import pool_parts
+from infra.names import fit
 from infra.spec import StackSpec
 
-EKS_VERSION = "1.33"
+# 1.33 left standard support on 2026-07-29 (extended support costs more per cluster-hour);
+# 1.35 is in standard support until 2027-03-27 (EKS Kubernetes version calendar). The Cluster
+# Autoscaler image follows the same minor version (infra/images.py).
+EKS_VERSION = "1.35"
 GPU_AMI = "AL2023_x86_64_NVIDIA"
+SYSTEM_AMI = "AL2023_x86_64_STANDARD"
+GPU_TAINT_KEY = "nvidia.com/gpu"
+# Cluster Autoscaler reads a node group's labels and taints from EKS only while the group has
+# never had nodes; these ASG tags keep scale-from-zero working after that (kubernetes/autoscaler
+# cluster-autoscaler/cloudprovider/aws/README.md, "Auto-Discovery Setup").
+NODE_TEMPLATE = "k8s.io/cluster-autoscaler/node-template"
 
 
 def kubeconfig(name: str, region: str, endpoint: str, ca_data: str) -> str:
@@ -30,6 +45,14 @@ def kubeconfig(name: str, region: str, endpoint: str, ca_data: str) -> str:
             "apiVersion": "client.authentication.k8s.io/v1beta1", "command": "aws",
             "args": ["eks", "get-token", "--cluster-name", name, "--region", region]}}}],
     })
+
+
+def node_metadata() -> aws.ec2.LaunchTemplateMetadataOptionsArgs:
+    """IMDSv2 with hop limit 1: the node's own processes reach the metadata service, pods do not
+    (so no pod can take the node role; EKS user guide, al2023: "the default hop count for managed
+    node groups is set to 1"). No instance tags in IMDS: EKS puts `/` in node tag keys."""
+    return aws.ec2.LaunchTemplateMetadataOptionsArgs(http_endpoint="enabled", http_tokens="required",
+                                                     http_put_response_hop_limit=1)
 
 
 @dataclass
@@ -54,69 +77,117 @@ class AwsEks(pulumi.ComponentResource):
         super().__init__("gpu-training-stack:aws:EksGpuCluster", name, None, opts)
         spec, tags = args.spec, args.tags
         child = pulumi.ResourceOptions(parent=self, provider=args.provider)
-        prod = spec.env == "prod"
+        cidrs = [str(c) for c in spec.kubernetes.api_access_cidrs]
         self.cluster = aws.eks.Cluster(
             f"{name}-eks", name=name, version=EKS_VERSION, role_arn=args.cluster_role_arn,
+            # The private endpoint serves the VPC; the public one only the listed operators and CI
+            # runners (EKS takes at most 40 CIDRs; the spec checks it), and none when empty.
             vpc_config=aws.eks.ClusterVpcConfigArgs(
                 subnet_ids=args.subnet_ids, security_group_ids=[args.security_group_id],
-                endpoint_private_access=True, endpoint_public_access=not prod),
+                endpoint_private_access=True, endpoint_public_access=bool(cidrs),
+                public_access_cidrs=cidrs or None),
             access_config=aws.eks.ClusterAccessConfigArgs(authentication_mode="API",
                                                           bootstrap_cluster_creator_admin_permissions=True),
             enabled_cluster_log_types=["api", "audit", "authenticator", "controllerManager", "scheduler"],
             encryption_config=aws.eks.ClusterEncryptionConfigArgs(
                 resources=["secrets"], provider=aws.eks.ClusterEncryptionConfigProviderArgs(key_arn=args.kms_key_arn)),
             tags=tags, opts=child)
+        # Pods get AWS permissions per service account through this agent (hostNetwork, so it
+        # works with the nodes' IMDS hop limit of 1).
+        self.pod_identity = aws.eks.Addon(f"{name}-pod-identity", cluster_name=self.cluster.name,
+                                          addon_name="eks-pod-identity-agent", resolve_conflicts_on_create="OVERWRITE",
+                                          resolve_conflicts_on_update="OVERWRITE", tags=tags, opts=child)
 
+        self.system = self._system_group(name, args, child)
         self.node_groups: list[aws.eks.NodeGroup] = []
         for g in args.groups:
-            self.node_groups += self._node_groups(name, g, args, child)
+            self.node_groups += self._node_groups(g, args, child)
 
         self.kubeconfig = pulumi.Output.secret(pulumi.Output.all(
             self.cluster.endpoint, self.cluster.certificate_authority.data).apply(
                 lambda ec: kubeconfig(name, args.region, ec[0], ec[1])))
         # The EKS NVIDIA AMI has the driver but not the device plugin.
-        cluster_workloads(name, self.kubeconfig, self.node_groups, spec, args.groups, parent=self,
-                          device_plugin=True)
+        k8s_provider = cluster_workloads(name, self.kubeconfig, [self.system, *self.node_groups], spec, args.groups,
+                                         parent=self, device_plugin=True)
+        EksClusterAutoscaler(f"{name}-ca", EksAutoscalerArgs(
+            cluster_name=self.cluster.name, region=args.region,
+            image=pulled(CLUSTER_AUTOSCALER, spec.clouds["aws"].mirrors), system_selector={LABEL_POOL: "system"},
+            pod_identity_agent=self.pod_identity, aws_provider=args.provider, k8s_provider=k8s_provider, tags=tags),
+            opts=pulumi.ResourceOptions(parent=self))
         self.register_outputs({"clusterName": self.cluster.name})
 
-    def _node_groups(self, name: str, g: ResolvedGroup, args: AwsEksArgs,
+    def _system_group(self, name: str, args: AwsEksArgs, child: pulumi.ResourceOptions) -> aws.eks.NodeGroup:
+        """Untainted on-demand nodes for CoreDNS, the autoscaler and the other add-ons."""
+        pool = cat.load_system_pools()["aws"]
+        lt = aws.ec2.LaunchTemplate(
+            f"{name}-system-lt", update_default_version=True, metadata_options=node_metadata(),
+            block_device_mappings=[aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
+                device_name="/dev/xvda", ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
+                    volume_size=50, volume_type="gp3", encrypted="true", delete_on_termination="true"))],
+            tag_specifications=[aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=kind, tags=args.tags)
+                                for kind in ("instance", "volume")],
+            tags=args.tags, opts=child)
+        nodes = int(pool["nodes"])
+        return aws.eks.NodeGroup(
+            f"{name}-system", node_group_name=fit(f"{name}-system", "eksNodeGroup"), cluster_name=self.cluster.name,
+            node_role_arn=args.node_role_arn,
+            subnet_ids=args.subnet_ids, ami_type=SYSTEM_AMI, capacity_type="ON_DEMAND",
+            instance_types=[str(pool["instanceType"])],
+            scaling_config=aws.eks.NodeGroupScalingConfigArgs(min_size=nodes, max_size=nodes, desired_size=nodes),
+            launch_template=aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str)),
+            labels={LABEL_POOL: "system"}, tags=args.tags, opts=child)
+
+    def _node_groups(self, g: ResolvedGroup, args: AwsEksArgs,
                      child: pulumi.ResourceOptions) -> list[aws.eks.NodeGroup]:
         spec, tags = args.spec, args.tags
         types, disk_gb = list(g.types), g.scratch_disk_gb
-        # A launch template gives managed nodes IMDSv2 and encrypted volumes; EKS picks the AMI.
-        ctx = userdata.node_context(spec, g)
+        # A launch template gives managed nodes IMDSv2 and encrypted volumes; EKS picks the AMI
+        # and merges its own NodeConfig into this MIME user data.
         lt = aws.ec2.LaunchTemplate(
-            f"{g.name}-lt", update_default_version=True, user_data=userdata.for_eks(ctx),
-            metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
-                http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=2),
+            f"{g.name}-lt", update_default_version=True, user_data=userdata.for_group(spec, g),
+            metadata_options=node_metadata(),
             block_device_mappings=[aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
                 device_name="/dev/xvda",
                 ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
-                    volume_size=max(SYSTEM_DISK_GB, disk_gb), volume_type="gp3", encrypted="true", delete_on_termination="true"))],
+                    volume_size=max(SYSTEM_DISK_GB, disk_gb), volume_type="gp3", encrypted="true",
+                    delete_on_termination="true"))],
             tag_specifications=[aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=kind, tags=tags)
                                 for kind in ("instance", "volume")],
             tags=tags, opts=child)
         labels = {**g.labels(), "nvidia.com/gpu.present": "true"}
         groups = []
         for part in pool_parts(g.group):
-            suffix, lo, hi, desired = part.suffix, part.min, part.max, part.desired
             capacity = "SPOT" if part.spot else "ON_DEMAND"
+            pool_labels = {**labels, "gpu-training-stack/capacity": capacity.lower()}
             ng = aws.eks.NodeGroup(
-                f"{g.name}-{suffix}", cluster_name=self.cluster.name, node_role_arn=args.node_role_arn,
+                f"{g.name}-{part.suffix}", cluster_name=self.cluster.name, node_role_arn=args.node_role_arn,
                 subnet_ids=args.subnet_ids, ami_type=GPU_AMI, capacity_type=capacity, instance_types=types,
-                scaling_config=aws.eks.NodeGroupScalingConfigArgs(min_size=lo, max_size=hi, desired_size=desired),
+                scaling_config=aws.eks.NodeGroupScalingConfigArgs(min_size=part.min, max_size=part.max,
+                                                                  desired_size=part.desired),
                 launch_template=aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str)),
-                taints=[aws.eks.NodeGroupTaintArgs(key="nvidia.com/gpu", value="true", effect="NO_SCHEDULE")],
-                labels={**labels, "gpu-training-stack/capacity": capacity.lower()},
-                update_config=aws.eks.NodeGroupUpdateConfigArgs(max_unavailable=1),
-                tags=tags,
+                taints=[aws.eks.NodeGroupTaintArgs(key=GPU_TAINT_KEY, value="true", effect="NO_SCHEDULE")],
+                labels=pool_labels, update_config=aws.eks.NodeGroupUpdateConfigArgs(max_unavailable=1), tags=tags,
+                # The autoscaler owns the desired size once the group exists.
                 opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
                     ignore_changes=["scalingConfig.desiredSize"])))
             groups.append(ng)
-            if capacity == "SPOT" or not g.spot:
-                self._schedule(g, ng, f"{g.name}-{suffix}", child,
-                               offset=g.market.on_demand_base if capacity == "SPOT" else 0)
+            self._node_template_tags(f"{g.name}-{part.suffix}", ng, pool_labels, child)
+            if part.spot or not g.spot:
+                self._schedule(g, ng, f"{g.name}-{part.suffix}", child, offset=g.market.on_demand_base if part.spot else 0)
         return groups
+
+    def _node_template_tags(self, ng_name: str, ng: aws.eks.NodeGroup, labels: dict[str, str],
+                            child: pulumi.ResourceOptions) -> None:
+        """Labels and taint of the group's future nodes, on its ASG, for scale-from-zero. Not
+        propagated: `/` in an instance tag key would fail launches (AWS EC2 user guide,
+        work-with-tags-in-IMDS)."""
+        asg_name = ng.resources.apply(_asg_name)
+        template = {f"{NODE_TEMPLATE}/label/{k}": v for k, v in labels.items()}
+        template[f"{NODE_TEMPLATE}/taint/{GPU_TAINT_KEY}"] = "true:NoSchedule"
+        for i, (key, value) in enumerate(sorted(template.items())):
+            aws.autoscaling.Tag(f"{ng_name}-template-{i}", autoscaling_group_name=asg_name,
+                                tag=aws.autoscaling.TagTagArgs(key=key, value=value, propagate_at_launch=False),
+                                opts=child)
 
     def _schedule(self, g: ResolvedGroup, ng: aws.eks.NodeGroup, ng_name: str, child: pulumi.ResourceOptions,
                   offset: int) -> None:

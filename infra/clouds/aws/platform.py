@@ -5,8 +5,8 @@ from __future__ import annotations
 import pulumi
 import pulumi_aws as aws
 
-from infra import userdata
-from infra.buckets import CHECKPOINT_PREFIX, DATASET_PREFIX, bucket
+from infra import bundle, userdata
+from infra.buckets import CHECKPOINT_PREFIX, DATASET_PREFIX, NODES_PREFIX, bucket
 from infra.clouds.aws.access import AwsAccess, AwsAccessArgs
 from infra.clouds.aws.budget import AwsBudget, AwsBudgetArgs
 from infra.clouds.aws.fleet import AwsGpuFleet, AwsGpuFleetArgs
@@ -48,7 +48,7 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
                 opts=pulumi.ResourceOptions(parent=self))
 
     def make_storage(self) -> AwsStorage:
-        return AwsStorage(f"{self.name}-storage", AwsStorageArgs(self.spec.storage, bucket(self.spec, self.CLOUD), self.tags),
+        return AwsStorage(f"{self.name}-storage", AwsStorageArgs(self.spec.storage, bucket(self.spec, self.CLOUD), bundle.build(), self.tags),
                           opts=self.provider_opts())
 
     def bucket_name(self, storage: AwsStorage) -> pulumi.Output[str]:
@@ -56,7 +56,7 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
 
     def make_access(self, storage: AwsStorage) -> AwsAccess:
         return AwsAccess(f"{self.name}-access", AwsAccessArgs(
-            bucket_arn=storage.bucket.arn, key_arn=storage.key.arn, prefixes=[CHECKPOINT_PREFIX, DATASET_PREFIX],
+            bucket_arn=storage.bucket.arn, key_arn=storage.key.arn, prefixes=[CHECKPOINT_PREFIX, DATASET_PREFIX, NODES_PREFIX],
             tags=self.tags, kubernetes=bool(self.kubernetes_groups())), opts=self.provider_opts())
 
     def make_fleet(self, group: ResolvedGroup, net: AwsNetwork, access: AwsAccess) -> pulumi.Output[list[str]]:
@@ -64,7 +64,7 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
         fleet = AwsGpuFleet(group.name, AwsGpuFleetArgs(
             group=group, subnet_ids=[s.id for s in net.private_subnets], zones=[s.zone for s in spec_net.subnets],
             security_group_id=net.security_group.id, instance_profile_arn=access.instance_profile.arn,
-            user_data=userdata.for_vm(userdata.node_context(self.spec, group)),
+            user_data=userdata.for_group(self.spec, group),
             provider=self.provider(group.region), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
         return fleet.capacity
 
@@ -81,5 +81,5 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
 
     def make_budget(self) -> None:
         # Budgets are global; they live with the default region's provider.
-        AwsBudget(f"{self.name}-budget", AwsBudgetArgs(self.spec.budget, self.spec.env, self.tags),
+        AwsBudget(f"{self.name}-budget", AwsBudgetArgs(self.spec.budget, self.spec.env, self.tags, self.account.account_settings),
                   opts=self.provider_opts())

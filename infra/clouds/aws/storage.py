@@ -10,6 +10,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.buckets import CHECKPOINT_PREFIX, Bucket
+from infra.bundle import Bundle
 from infra.spec import Storage
 
 
@@ -18,6 +19,7 @@ from infra.spec import Storage
 class AwsStorageArgs:
     storage: Storage
     bucket: Bucket
+    bundle: Bundle  # the node scripts, fetched by each node's user data
     tags: dict[str, str]
 
 
@@ -71,6 +73,11 @@ class AwsStorage(pulumi.ComponentResource):
             ], opts=on_bucket)
         aws.s3.BucketPolicy(f"{name}-tls-only", bucket=self.bucket.id,
                             policy=self.bucket.arn.apply(_tls_only_policy), opts=on_bucket)
+        # Content-addressed: a changed bundle is a new key, so nodes of an older launch template
+        # keep fetching the version their user data pins.
+        self.bundle_object = aws.s3.BucketObject(f"{name}-node-bundle", bucket=self.bucket.id, key=args.bundle.key,
+                                                 content=args.bundle.content, content_type="text/plain", tags=tags,
+                                                 opts=pulumi.ResourceOptions(parent=self.bucket))
         self.register_outputs({"bucket": self.bucket.bucket, "kmsKeyArn": self.key.arn})
 
 

@@ -12,16 +12,19 @@ import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
 from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
-from infra.schedule import cron_in_beijing, recurrence_window
+from infra.schedule import RENEW_REPLACE, cron_in_beijing, recurrence_window
 
 IMAGE_REGEX = "Ubuntu Server 22.04"
 DISK = "CLOUD_HSSD"
 CHINA = timezone(timedelta(hours=8))  # Tencent Cloud APIs take Beijing time
 
 
-def spot_max_price(group: ResolvedGroup) -> str | None:
-    """The spot cap as Tencent wants it: a string, in the account's currency."""
-    return None if group.price_cap is None else f"{group.price_cap:.4f}"
+def spot_max_price(group: ResolvedGroup) -> str:
+    """The spot cap as Tencent wants it: a decimal string in the account's currency. SPOTPAID needs
+    one (`spot_max_price` and `spot_instance_type` "at the same time", as_scaling_config and
+    kubernetes_node_pool docs; without it the provider sends MaxPrice ""): the spec's cap, or the
+    on-demand price when the spec gives none (the plan says which)."""
+    return f"{group.bid_cap:.4f}"
 
 
 @dataclass
@@ -98,7 +101,8 @@ class TencentGpuFleet(pulumi.ComponentResource):
                 recurrence=cron_in_beijing(action.cron), start_time=start, end_time=end,
                 desired_capacity=max(0, action.desired - fixed),
                 min_size=max(0, lo - fixed), max_size=max(0, hi - fixed),
-                opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["startTime", "endTime"])))
+                opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
+                    ignore_changes=["startTime"], replace_on_changes=RENEW_REPLACE, delete_before_replace=True)))
         # The on-demand base instances and the scaling group that adds the rest.
         self.capacity = pulumi.Output.all(*[i.id for i in self.instances], self.group.id)
         self.register_outputs({"scalingGroupId": self.group.id})

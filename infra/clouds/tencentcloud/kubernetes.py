@@ -1,7 +1,8 @@
-"""Tencent Cloud managed Kubernetes: a TKE cluster per network with Kubernetes GPU groups
-(intranet API only), GPU node pools (SPOTPAID or on-demand, an on-demand base as its own pool,
-GPU driver and CUDA versions, taints, labels, min/max, encrypted disks) and the cloud-neutral
-training Job. TKE installs the NVIDIA device plugin on GPU nodes itself."""
+"""Tencent Cloud managed Kubernetes: a TKE cluster per network with Kubernetes GPU groups, an
+untainted system pool for the add-ons, GPU node pools (SPOTPAID or on-demand, an on-demand base
+as its own pool, GPU driver and CUDA versions, taints, labels, min/max, encrypted disks, Ubuntu
+nodes), the API endpoint opened after the pools, and the cloud-neutral node agents and training
+Job. TKE installs the NVIDIA device plugin on GPU nodes itself."""
 
 from __future__ import annotations
 
@@ -12,13 +13,23 @@ import tencentcloud_iac_pulumi as tencentcloud
 
 from infra import userdata
 from infra.clouds.tencentcloud.fleet import DISK, spot_max_price
-from infra.groups import SYSTEM_DISK_GB, ResolvedGroup
-from infra.k8s import cluster_workloads, pool_parts
+from infra import catalog as cat
+from infra.cloud_rules import POD_CIDR, SERVICE_CIDR
+from infra.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
+from infra.k8s.cluster import cluster_workloads
+from infra.k8s.pools import pool_parts
+from infra.names import fit
 from infra.spec import StackSpec
 
 TKE_VERSION = "1.30.0"
-CLUSTER_CIDR = "172.20.0.0/16"  # outside every stack VPC (10.0.0.0/8)
-SERVICE_CIDR = "172.21.0.0/20"
+# The node scripts need Python >= 3.7; TKE's default node OS, tlinux2.4 (CentOS 7 based), has
+# none. The OS name, not its display name (tencentcloud_iac_pulumi kubernetes/node_pool.py node_os).
+NODE_OS = "ubuntu22.04x86_64"
+# Endpoint fields the ClusterEndpoint resource owns; the cluster reads their live state back and
+# must not undo them (terraform-provider-tencentcloud: "do not use this resource and
+# Kubernetes.Cluster to operate cluster public network/intranet access at the same time").
+ENDPOINT_FIELDS = ["clusterInternet", "clusterIntranet", "clusterIntranetSubnetId", "clusterInternetSecurityGroup",
+                   "clusterIntranetDomain", "clusterInternetDomain"]
 # TKE installs these on GPU nodes; pin them with the stack so a node pool's GPUs match its image.
 GPU_DRIVER = {"name": "NVIDIA-Linux-x86_64-535.161.08.run", "version": "535.161.08"}
 GPU_CUDA = {"name": "cuda_12.2.2_535.104.05_linux.run", "version": "12.2.2"}
@@ -43,19 +54,63 @@ class TencentTke(pulumi.ComponentResource):
         super().__init__("gpu-training-stack:tencentcloud:TkeGpuCluster", name, None, opts)
         spec, tags = args.spec, args.tags
         child = pulumi.ResourceOptions(parent=self, provider=args.provider)
-        # The API server is reachable from the VPC only (peered networks and VPN included).
+        # Created without API endpoints: with one, the provider waits for a running worker that
+        # the pools (which need this cluster's id) cannot have started yet, and times out
+        # (resource_tc_kubernetes_cluster_extension.go, CheckOneOfClusterNodeReady).
         self.cluster = tencentcloud.kubernetes.Cluster(
             f"{name}-tke", cluster_name=name, cluster_version=TKE_VERSION, vpc_id=args.vpc_id,
-            cluster_cidr=CLUSTER_CIDR, service_cidr=SERVICE_CIDR, cluster_deploy_type="MANAGED_CLUSTER",
+            cluster_cidr=str(POD_CIDR), service_cidr=str(SERVICE_CIDR), cluster_deploy_type="MANAGED_CLUSTER",
             cluster_level="L20", container_runtime="containerd", network_type="GR",
-            cluster_internet=False, cluster_intranet=True, cluster_intranet_subnet_id=args.subnet_ids[0],
-            deletion_protection=spec.env == "prod", tags=tags, opts=child)
+            deletion_protection=spec.env == "prod", tags=tags,
+            opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=ENDPOINT_FIELDS)))
+        self.system = self._system_pool(name, args, child)
         self.pools: list[tencentcloud.kubernetes.NodePool] = []
         for g in args.groups:
             self.pools += self._pools(g, args, child)
-        self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(self.cluster.kube_config_intranet)
-        cluster_workloads(name, self.kubeconfig, self.pools, spec, args.groups, parent=self, device_plugin=False)
+        self.endpoint = self._endpoint(name, args, child)
+        public = bool(spec.kubernetes.api_access_cidrs)
+        self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(
+            self.endpoint.kube_config if public else self.endpoint.kube_config_intranet)
+        cluster_workloads(name, self.kubeconfig, [self.endpoint], spec, args.groups, parent=self, device_plugin=False)
         self.register_outputs({"clusterId": self.cluster.id})
+
+    def _endpoint(self, name: str, args: TencentTkeArgs,
+                  child: pulumi.ResourceOptions) -> tencentcloud.kubernetes.ClusterEndpoint:
+        """The API endpoints, after the pools: the intranet one for the VPCs, and a public one open
+        to `kubernetes.apiAccessCidrs` only, through a security group of its own. The provider
+        waits for one running worker (the system pool's), as its docs ask: "Recommend using
+        depends_on to make sure endpoint create after node pools or workers does"."""
+        cidrs = [str(c) for c in args.spec.kubernetes.api_access_cidrs]
+        group = None
+        if cidrs:
+            group = tencentcloud.security.Group(f"{name}-api-sg", name=f"{name}-api",
+                                                description="TKE public API endpoint: operators and CI runners only",
+                                                tags=args.tags, opts=child)
+            tencentcloud.security.GroupRuleSet(
+                f"{name}-api-rules", security_group_id=group.id,
+                ingresses=[tencentcloud.security.GroupRuleSetIngressArgs(
+                    action="ACCEPT", cidr_block=c, protocol="TCP", port="443", description="Kubernetes API")
+                    for c in cidrs], opts=pulumi.ResourceOptions(parent=group))
+        return tencentcloud.kubernetes.ClusterEndpoint(
+            f"{name}-endpoint", cluster_id=self.cluster.id, cluster_intranet=True,
+            cluster_intranet_subnet_id=args.subnet_ids[0], cluster_internet=bool(cidrs),
+            cluster_internet_security_group=group.id if group else None,
+            opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(depends_on=[self.system, *self.pools])))
+
+    def _system_pool(self, name: str, args: TencentTkeArgs,
+                     child: pulumi.ResourceOptions) -> tencentcloud.kubernetes.NodePool:
+        """Untainted nodes for CoreDNS and the add-ons; also the running worker the endpoint waits for."""
+        pool = cat.load_system_pools()["tencentcloud"]
+        nodes = int(pool["nodes"])
+        return tencentcloud.kubernetes.NodePool(
+            f"{name}-system", name="system", cluster_id=self.cluster.id, vpc_id=args.vpc_id,
+            subnet_ids=args.subnet_ids, min_size=nodes, max_size=nodes, desired_capacity=nodes, enable_auto_scale=False,
+            node_os=NODE_OS, multi_zone_subnet_policy="EQUALITY",
+            auto_scaling_config=tencentcloud.kubernetes.NodePoolAutoScalingConfigArgs(
+                instance_type=str(pool["instanceType"]), instance_charge_type="POSTPAID_BY_HOUR",
+                system_disk_type=DISK, system_disk_size=50, orderly_security_group_ids=[args.security_group_id],
+                public_ip_assigned=False, internet_max_bandwidth_out=0),
+            labels={LABEL_POOL: "system"}, tags=args.tags, opts=child)
 
     def _pools(self, g: ResolvedGroup, args: TencentTkeArgs,
                child: pulumi.ResourceOptions) -> list[tencentcloud.kubernetes.NodePool]:
@@ -68,13 +123,16 @@ class TencentTke(pulumi.ComponentResource):
             suffix, lo, hi, desired, spot = part.suffix, part.min, part.max, part.desired, part.spot
             charge = "SPOTPAID" if spot else fixed_charge
             pools.append(tencentcloud.kubernetes.NodePool(
-                f"{g.name}-{suffix}", name=f"{g.name}-{suffix}", cluster_id=self.cluster.id, vpc_id=args.vpc_id,
-                subnet_ids=args.subnet_ids, min_size=lo, max_size=hi, desired_capacity=desired,
+                f"{g.name}-{suffix}", name=fit(f"{g.name}-{suffix}", "tkeNodePool"), cluster_id=self.cluster.id,
+                vpc_id=args.vpc_id, subnet_ids=args.subnet_ids, min_size=lo, max_size=hi, desired_capacity=desired,
                 enable_auto_scale=True, multi_zone_subnet_policy="EQUALITY", retry_policy="INCREMENTAL_INTERVALS",
+                node_os=NODE_OS,
                 auto_scaling_config=tencentcloud.kubernetes.NodePoolAutoScalingConfigArgs(
                     instance_type=types[0], backup_instance_types=types[1:] or None, instance_charge_type=charge,
                     instance_charge_type_prepaid_period=1 if charge == "PREPAID" else None,
                     spot_instance_type="one-time" if spot else None,
+                    # SPOTPAID "must set spot_instance_type and spot_max_price at the same time"
+                    # (resource_tc_kubernetes_node_pool.go); without a cap, the on-demand price.
                     spot_max_price=spot_max_price(g) if spot else None,
                     system_disk_type=DISK, system_disk_size=SYSTEM_DISK_GB,
                     data_disks=[tencentcloud.kubernetes.NodePoolAutoScalingConfigDataDiskArgs(
@@ -82,12 +140,12 @@ class TencentTke(pulumi.ComponentResource):
                     orderly_security_group_ids=[args.security_group_id], cam_role_name=args.role_name,
                     public_ip_assigned=False, internet_max_bandwidth_out=0),
                 node_config=tencentcloud.kubernetes.NodePoolNodeConfigArgs(
-                    user_data=userdata.for_node_pool_script(userdata.node_context(spec, g)),
+                    user_data=userdata.for_group(spec, g),
                     gpu_args=tencentcloud.kubernetes.NodePoolNodeConfigGpuArgsArgs(
                         driver=GPU_DRIVER, cuda=GPU_CUDA, mig_enable=False)),
                 labels={**labels, "gpu-training-stack/capacity": "spot" if spot else "on-demand"},
                 taints=[tencentcloud.kubernetes.NodePoolTaintArgs(key="nvidia.com/gpu", value="true",
                                                                   effect="NoSchedule")],
-                tags={**args.tags, **labels},
+                tags=g.tags(args.tags),
                 opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["desiredCapacity"]))))
         return pools

@@ -16,6 +16,7 @@ class TencentNetworkArgs:
     network: Network
     tags: dict[str, str]
     peer_cidrs: list[str] = field(default_factory=list)
+    pod_cidrs: list[str] = field(default_factory=list)  # TKE clusters' pod ranges in this VPC
 
 
 class TencentNetwork(pulumi.ComponentResource):
@@ -60,6 +61,12 @@ class TencentNetwork(pulumi.ComponentResource):
                            description="SSH from an allowed CIDR") for c in net.ssh_cidrs]
         ingresses += [rule(action="ACCEPT", cidr_block=c, protocol="ALL", description="traffic from a peered VPC")
                       for c in args.peer_cidrs]
+        # TKE global-router pods talk across nodes from the pod range; the self-reference above
+        # matches node addresses only (TKE "Security group settings": "the container pod network
+        # and the cluster node network ... must be open"). The rule set owns every rule of the
+        # group, so the cluster's range is added here rather than by the cluster.
+        ingresses += [rule(action="ACCEPT", cidr_block=c, protocol="ALL", description="TKE pod network")
+                      for c in args.pod_cidrs]
         tencentcloud.security.GroupRuleSet(
             f"{name}-training-rules", security_group_id=self.security_group.id, ingresses=ingresses,
             egresses=[tencentcloud.security.GroupRuleSetEgressArgs(action="ACCEPT", cidr_block="0.0.0.0/0",

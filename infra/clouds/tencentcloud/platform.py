@@ -5,8 +5,9 @@ from __future__ import annotations
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
-from infra import userdata
-from infra.buckets import CHECKPOINT_PREFIX, DATASET_PREFIX, bucket
+from infra import bundle, userdata
+from infra.buckets import CHECKPOINT_PREFIX, DATASET_PREFIX, NODES_PREFIX, bucket
+from infra.cloud_rules import POD_CIDR
 from infra.clouds.base import CloudPlatform, Cluster
 from infra.clouds.tencentcloud.access import TencentAccess, TencentAccessArgs
 from infra.clouds.tencentcloud.budget import TencentBudget, TencentBudgetArgs
@@ -31,7 +32,8 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
                                      opts=pulumi.ResourceOptions(parent=self))
 
     def make_network(self, net: Network) -> TencentNetwork:
-        return TencentNetwork(net.name, TencentNetworkArgs(net, self.tags, self.peer_cidrs()[net.name]),
+        pods = [str(POD_CIDR)] if net.name in self.kubernetes_groups() else []
+        return TencentNetwork(net.name, TencentNetworkArgs(net, self.tags, self.peer_cidrs()[net.name], pods),
                               opts=self.provider_opts(self.region_of(net)))
 
     def vpc_id(self, net: TencentNetwork) -> pulumi.Output[str]:
@@ -58,7 +60,7 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
 
     def make_storage(self) -> TencentStorage:
         return TencentStorage(f"{self.name}-storage",
-                              TencentStorageArgs(self.spec.storage, bucket(self.spec, self.CLOUD), self.tags),
+                              TencentStorageArgs(self.spec.storage, bucket(self.spec, self.CLOUD), bundle.build(), self.tags),
                               opts=self.provider_opts())
 
     def bucket_name(self, storage: TencentStorage) -> pulumi.Output[str]:
@@ -66,7 +68,7 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
 
     def make_access(self, storage: TencentStorage) -> TencentAccess:
         return TencentAccess(f"{self.name}-access", TencentAccessArgs(
-            storage.name, self.account.region, self.app_id, [CHECKPOINT_PREFIX, DATASET_PREFIX], self.tags),
+            storage.name, self.account.region, self.app_id, [CHECKPOINT_PREFIX, DATASET_PREFIX, NODES_PREFIX], self.tags),
             opts=self.provider_opts())
 
     def make_fleet(self, group: ResolvedGroup, net: TencentNetwork,
@@ -75,7 +77,7 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
         fleet = TencentGpuFleet(group.name, TencentGpuFleetArgs(
             group=group, vpc_id=net.vpc.id, subnet_ids=[s.id for s in net.subnets],
             zones=[s.zone for s in spec_net.subnets], security_group_id=net.security_group.id,
-            role_name=access.role.name, user_data=userdata.for_vm(userdata.node_context(self.spec, group)),
+            role_name=access.role.name, user_data=userdata.for_group(self.spec, group),
             provider=self.provider(group.region), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
         return fleet.capacity
 
@@ -89,5 +91,6 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
 
     def make_budget(self) -> None:
         TencentBudget(f"{self.name}-budget",
-                      TencentBudgetArgs(self.spec.budget, self.spec.env, self.spec.pricing.cny_per_usd),
+                      TencentBudgetArgs(self.spec.budget, self.spec.env, self.spec.pricing.cny_per_usd,
+                                        self.account.account_settings),
                       opts=self.provider_opts())

@@ -9,6 +9,7 @@ import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
 from infra.buckets import CHECKPOINT_PREFIX, Bucket
+from infra.bundle import Bundle
 from infra.spec import Storage
 
 DEEP_ARCHIVE_AFTER_DAYS = 180
@@ -18,6 +19,7 @@ DEEP_ARCHIVE_AFTER_DAYS = 180
 class TencentStorageArgs:
     storage: Storage
     bucket: Bucket
+    bundle: Bundle  # the node scripts, fetched by each node's user data
     tags: dict[str, str]
 
 
@@ -50,4 +52,10 @@ class TencentStorage(pulumi.ComponentResource):
                         days_after_initiation=s.abort_multipart_days)),
             ],
             tags=args.tags, opts=pulumi.ResourceOptions(parent=self))
+        # Content-addressed: a changed bundle is a new key, so nodes of an older launch configuration
+        # keep fetching the version their user data pins.
+        self.bundle_object = tencentcloud.cos.BucketObject(f"{name}-node-bundle", bucket=self.bucket.bucket,
+                                                           key=args.bundle.key, content=args.bundle.content,
+                                                           content_type="text/plain", tags=args.tags,
+                                                           opts=pulumi.ResourceOptions(parent=self.bucket))
         self.register_outputs({"bucket": self.bucket.bucket})

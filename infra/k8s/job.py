@@ -1,21 +1,18 @@
-"""Cloud-neutral Kubernetes wiring for GPU pools: the NVIDIA device plugin and the training run
-as a Kubernetes Job. EKS, ACK and TKE all call this with their cluster's provider."""
+"""The training run as a Kubernetes Job, on any cluster's provider."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.groups import TAG_NODE_GROUP, ResolvedGroup
-from infra.spec import NodeGroup, StackSpec
+from infra.groups import LABEL_NODE_GROUP, ResolvedGroup
+from infra.k8s.daemons import GPU_TOLERATION
+from infra.spec import StackSpec
 
-DEVICE_PLUGIN_IMAGE = "nvcr.io/nvidia/k8s-device-plugin:v0.17.2"
-GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
-GPU_TOLERATION = k8s.core.v1.TolerationArgs(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
-GPU_LABEL = TAG_NODE_GROUP
+
+SKIP_AWAIT = "pulumi.com/skipAwait"
 
 
 @dataclass
@@ -46,38 +43,6 @@ def launch_command(launcher: str, nodes: int, gpus: int, job: str, namespace: st
     return ["horovodrun", "-np", str(nodes * gpus), "python", "-m", "training.train"]
 
 
-class NvidiaDevicePlugin(pulumi.ComponentResource):
-    """Advertises nvidia.com/gpu on the GPU nodes (the EKS/ACK/TKE GPU images do not ship it)."""
-
-    def __init__(self, name: str, opts: pulumi.ResourceOptions | None = None):
-        super().__init__("gpu-training-stack:k8s:NvidiaDevicePlugin", name, None, opts)
-        labels = {"app.kubernetes.io/name": "nvidia-device-plugin"}
-        self.daemonset = k8s.apps.v1.DaemonSet(
-            f"{name}-ds",
-            metadata=k8s.meta.v1.ObjectMetaArgs(name="nvidia-device-plugin", namespace="kube-system", labels=labels),
-            spec=k8s.apps.v1.DaemonSetSpecArgs(
-                selector=k8s.meta.v1.LabelSelectorArgs(match_labels=labels),
-                update_strategy=k8s.apps.v1.DaemonSetUpdateStrategyArgs(type="RollingUpdate"),
-                template=k8s.core.v1.PodTemplateSpecArgs(
-                    metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
-                    spec=k8s.core.v1.PodSpecArgs(
-                        priority_class_name="system-node-critical",
-                        tolerations=[GPU_TOLERATION],
-                        node_selector={"nvidia.com/gpu.present": "true"},
-                        containers=[k8s.core.v1.ContainerArgs(
-                            name="nvidia-device-plugin", image=DEVICE_PLUGIN_IMAGE,
-                            env=[k8s.core.v1.EnvVarArgs(name="FAIL_ON_INIT_ERROR", value="false")],
-                            security_context=k8s.core.v1.SecurityContextArgs(
-                                allow_privilege_escalation=False,
-                                capabilities=k8s.core.v1.CapabilitiesArgs(drop=["ALL"])),
-                            volume_mounts=[k8s.core.v1.VolumeMountArgs(name="device-plugin",
-                                                                       mount_path="/var/lib/kubelet/device-plugins")])],
-                        volumes=[k8s.core.v1.VolumeArgs(
-                            name="device-plugin",
-                            host_path=k8s.core.v1.HostPathVolumeSourceArgs(path="/var/lib/kubelet/device-plugins"))]))),
-            opts=pulumi.ResourceOptions(parent=self))
-        self.register_outputs({"name": self.daemonset.metadata.name})
-
 
 class TrainingJob(pulumi.ComponentResource):
     """The training run: an Indexed Job (one pod per node), restartPolicy OnFailure, a headless
@@ -103,7 +68,11 @@ class TrainingJob(pulumi.ComponentResource):
         gpus = str(args.gpus_per_node)
         self.job = k8s.batch.v1.Job(
             f"{name}-job",
-            metadata=k8s.meta.v1.ObjectMetaArgs(name=job, namespace=namespace, labels=labels),
+            # The stack submits the run and does not wait for it: pulumi-kubernetes otherwise awaits
+            # a Job until Complete, at most 10 minutes (batch/v1/Job.py), failing every real run's
+            # `pulumi up`. The run is watched through its metrics and `kubectl`, not the deploy.
+            metadata=k8s.meta.v1.ObjectMetaArgs(name=job, namespace=namespace, labels=labels,
+                                                annotations={SKIP_AWAIT: "true"}),
             spec=k8s.batch.v1.JobSpecArgs(
                 completion_mode="Indexed", completions=args.nodes, parallelism=args.nodes,
                 backoff_limit=args.backoff_limit,
@@ -113,7 +82,7 @@ class TrainingJob(pulumi.ComponentResource):
                         restart_policy="OnFailure", subdomain=job,
                         # The trainer checkpoints on SIGTERM; give it time before SIGKILL.
                         termination_grace_period_seconds=120,
-                        node_selector={GPU_LABEL: args.node_group},
+                        node_selector={LABEL_NODE_GROUP: args.node_group},
                         tolerations=[GPU_TOLERATION],
                         containers=[k8s.core.v1.ContainerArgs(
                             name="trainer", image=args.image,
@@ -151,35 +120,3 @@ def deploy_training_jobs(spec: StackSpec, groups: list[ResolvedGroup],
     return jobs
 
 
-@dataclass(frozen=True)
-class PoolPart:
-    """One managed node pool of a node group: EKS node groups and TKE node pools buy a single
-    way, so a spot group's on-demand base becomes a pool of its own (ACK pools take an
-    on-demand base natively and use one part)."""
-
-    suffix: str  # od | spot
-    spot: bool
-    min: int
-    max: int
-    desired: int
-
-
-def pool_parts(group: NodeGroup) -> list[PoolPart]:
-    s = group.scaling
-    if group.market.type != "spot":
-        return [PoolPart("od", False, s.min, s.max, s.baseline)]
-    base = group.market.on_demand_base
-    parts = [PoolPart("od", False, base, base, base)] if base else []
-    return parts + [PoolPart("spot", True, max(0, s.min - base), max(1, s.max - base), max(0, s.baseline - base))]
-
-
-def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[pulumi.Resource], spec: StackSpec,
-                      groups: list[ResolvedGroup], parent: pulumi.Resource, device_plugin: bool) -> None:
-    """A Kubernetes provider on the new cluster (after its GPU pools exist), the NVIDIA device
-    plugin where the cloud does not install it, and the training Jobs."""
-    provider = k8s.Provider(f"{name}-k8s", kubeconfig=kubeconfig,
-                            opts=pulumi.ResourceOptions(parent=parent, depends_on=list(pools)))
-    opts = pulumi.ResourceOptions(parent=parent, provider=provider)
-    if device_plugin:
-        NvidiaDevicePlugin(f"{name}-nvidia", opts=opts)
-    deploy_training_jobs(spec, groups, opts)

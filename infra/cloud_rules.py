@@ -1,0 +1,185 @@
+"""What the clouds refuse at `pulumi up` although the mock engine accepts it, checked while the
+spec is read: CIDR sizes, reserved tag keys, bucket names, API access CIDRs, cluster address
+ranges, names that would collide, and features a cloud does not build. The limits and their
+sources are data (data/constraints.yaml, data/capabilities.yaml)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from ipaddress import IPv4Network
+
+from infra import catalog as cat
+from infra.addresses import opens_internet
+from infra.buckets import bucket
+from infra.errors import Problem
+from infra.spec import StackSpec
+from infra.groups import GROUP_LABELS, TAG_NODE_GROUP, TAG_WORKLOAD
+from infra.tags import stack_tags
+
+# Pod and service ranges of the managed clusters (ACK, TKE); they must not overlap any VPC.
+POD_CIDR = IPv4Network("172.20.0.0/16")
+SERVICE_CIDR = IPv4Network("172.21.0.0/20")
+PRIVATE_192 = IPv4Network("192.168.0.0/16")
+# Ranges a caller on the internet never comes from: RFC 1918, shared (CGNAT), loopback, link-local.
+NOT_INTERNET = tuple(IPv4Network(c) for c in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
+                                               "127.0.0.0/8", "169.254.0.0/16"))
+
+
+def check(spec: StackSpec) -> list[Problem]:
+    return [*_cidr_sizes(spec), *_tags(spec), *_buckets(spec), *_api_access(spec), *_cluster_ranges(spec),
+            *_features(spec), *_joined_names(spec), *_subnet_zones(spec), *_ack_pool_marks(spec)]
+
+
+def _limits(section: str) -> dict[str, object]:
+    return dict(cat.load_constraints()[section])
+
+
+def _cidr_sizes(spec: StackSpec) -> Iterator[Problem]:
+    for i, net in enumerate(spec.networks):
+        rule = _limits("cidrPrefix").get(net.cloud)
+        if not isinstance(rule, dict):
+            continue
+        lo, hi = rule["vpc"]
+        if net.cloud == "tencentcloud" and net.cidr.subnet_of(PRIVATE_192):
+            lo = 16
+        if not lo <= net.cidr.prefixlen <= hi:
+            yield Problem(f"networks[{i}].cidr", f"{net.cidr} is a /{net.cidr.prefixlen}; a {cat.CLOUD_NAMES[net.cloud]} "
+                                                 f"VPC must be /{lo} to /{hi} ({rule['source']})")
+        slo, shi = rule["subnet"]
+        for j, sub in enumerate(net.subnets):
+            if not max(slo, net.cidr.prefixlen) <= sub.cidr.prefixlen <= shi:
+                yield Problem(f"networks[{i}].subnets[{j}].cidr",
+                              f"{sub.cidr} is a /{sub.cidr.prefixlen}; a {cat.CLOUD_NAMES[net.cloud]} subnet must be "
+                              f"/{max(slo, net.cidr.prefixlen)} to /{shi} ({rule['source']})")
+
+
+def _tags(spec: StackSpec) -> Iterator[Problem]:
+    tags = stack_tags(spec)
+    rules = _limits("tags")
+    for cloud in spec.clouds:
+        rule = rules[cloud]
+        assert isinstance(rule, dict)
+        name = cat.CLOUD_NAMES[cloud]
+        for k, v in tags.items():
+            where = f"tags.{k}"
+            checked = [("key", k)] + ([("value", v)] if rule.get("valuesToo") else [])
+            for what, text in checked:
+                bad = next((p for p in rule["reservedPrefixes"] if text.lower().startswith(p)), None)
+                if bad:
+                    yield Problem(where, f"{what} {text!r} starts with {bad!r}, which {name} reserves; rename it "
+                                         f"({rule['source']})")
+                bad = next((s for s in rule.get("forbiddenSubstrings", []) if s in text), None)
+                if bad:
+                    yield Problem(where, f"{what} {text!r} contains {bad!r}, which {name} refuses ({rule['source']})")
+            if len(k) > rule["keyMax"] or len(v) > rule["valueMax"]:
+                yield Problem(where, f"{name} takes tag keys up to {rule['keyMax']} and values up to "
+                                     f"{rule['valueMax']} characters; shorten it")
+    if any(g.cloud == "aws" and g.kind == "vm" for g in spec.node_groups):
+        imds = _limits("imdsTagKey")
+        for k in spec.tags:
+            if not re.match(str(imds["pattern"]), k) or k in imds["reserved"]:  # type: ignore[operator]
+                yield Problem(f"tags.{k}", f"{k!r} cannot be an EC2 instance tag key while instance tags are in "
+                                           "the metadata service (AWS GPU fleets expose them): use letters, digits and "
+                                           f"+ - = . , _ : @ only, no spaces or / ({imds['source']})")
+
+
+def _buckets(spec: StackSpec) -> Iterator[Problem]:
+    rules = _limits("buckets")
+    for cloud in spec.clouds:
+        rule = rules[cloud]
+        assert isinstance(rule, dict)
+        name = bucket(spec, cloud).name
+        problem = ""
+        if not re.match(rule["pattern"], name) or len(name) > rule.get("maxLength", 63):
+            problem = f"does not match {rule['pattern']}"
+        for prefix in rule.get("reservedPrefixes", []):
+            if name.startswith(prefix):
+                problem = f"starts with {prefix!r}, which is reserved"
+        for suffix in rule.get("reservedSuffixes", []):
+            if name.endswith(suffix):
+                problem = f"ends with {suffix!r}, which is reserved"
+        if problem:
+            yield Problem("storage.bucketPrefix", f"the {cat.CLOUD_NAMES[cloud]} bucket would be {name!r}, which "
+                                                  f"{problem}; change the prefix ({rule['source']})")
+
+
+def _api_access(spec: StackSpec) -> Iterator[Problem]:
+    cidrs = spec.kubernetes.api_access_cidrs
+    if not cidrs:
+        return
+    if opens_internet(cidrs):
+        yield Problem("kubernetes.apiAccessCidrs", "together these CIDRs open the API servers to the internet; "
+                                                   "list your operators' and CI runners' egress ranges")
+    for k, cidr in enumerate(cidrs):
+        if any(cidr.overlaps(n) for n in NOT_INTERNET):
+            yield Problem(f"kubernetes.apiAccessCidrs[{k}]",
+                          f"{cidr} is not a public range: the public endpoint sees the caller's public address "
+                          "(the private endpoint already serves the VPCs)")
+    limit = int(_limits("apiAccessCidrsMax")["aws"])  # type: ignore[call-overload]
+    if any(g.cloud == "aws" and g.kind == "kubernetes" for g in spec.node_groups) and len(cidrs) > limit:
+        yield Problem("kubernetes.apiAccessCidrs", f"{len(cidrs)} CIDRs; EKS takes at most {limit} "
+                                                   f"({_limits('apiAccessCidrsMax')['source']})")
+
+
+def _cluster_ranges(spec: StackSpec) -> Iterator[Problem]:
+    kube_clouds = {g.cloud for g in spec.node_groups if g.kind == "kubernetes"} - {"aws"}  # EKS uses VPC addresses
+    for i, net in enumerate(spec.networks):
+        if net.cloud not in kube_clouds:
+            continue
+        for label, cidr in (("pod", POD_CIDR), ("service", SERVICE_CIDR)):
+            if net.cidr.overlaps(cidr):
+                yield Problem(f"networks[{i}].cidr", f"{net.cidr} overlaps the {cat.CLOUD_NAMES[net.cloud]} clusters' "
+                                                     f"{label} range {cidr}; renumber the network")
+
+
+def _features(spec: StackSpec) -> Iterator[Problem]:
+    nets = {n.name: n for n in spec.networks}
+    for i, peer in enumerate(spec.peerings):
+        net = nets.get(peer.requester)
+        if net is not None and peer.via == "transit":
+            reason = cat.feature_unavailable(net.cloud, "transit")
+            if reason:
+                yield Problem(f"peerings[{i}].via", f"'transit' on {cat.CLOUD_NAMES[net.cloud]}: {reason}")
+    for i, g in enumerate(spec.node_groups):
+        if g.kind == "kubernetes" and g.schedule:
+            reason = cat.feature_unavailable(g.cloud, "kubernetesSchedule")
+            if reason:
+                yield Problem(f"nodeGroups[{i}].schedule", f"scheduled scaling of a {cat.CLOUD_NAMES[g.cloud]} "
+                                                           f"Kubernetes group: {reason}")
+
+
+def _joined_names(spec: StackSpec) -> Iterator[Problem]:
+    """Scheduled actions are named `<group>-<action>`: two such names in one cloud would be one
+    resource name, which the engine refuses at preview."""
+    seen: dict[tuple[str, str], str] = {}
+    for i, g in enumerate(spec.node_groups):
+        for j, action in enumerate(g.schedule):
+            joined, where = f"{g.name}-{action.name}", f"nodeGroups[{i}].schedule[{j}].name"
+            other = seen.get((g.cloud, joined))
+            if other:
+                yield Problem(where, f"makes the resource name {joined!r}, as {other} does; rename one action")
+            seen[(g.cloud, joined)] = where
+
+
+def _subnet_zones(spec: StackSpec) -> Iterator[Problem]:
+    """Subnets are named after their zone: one subnet per zone and network."""
+    for i, net in enumerate(spec.networks):
+        zones: dict[str, int] = {}
+        for j, sub in enumerate(net.subnets):
+            if sub.zone in zones:
+                yield Problem(f"networks[{i}].subnets[{j}].zone",
+                              f"{sub.zone!r} already has subnets[{zones[sub.zone]}]; give each zone one subnet "
+                              "(make that subnet larger instead)")
+            zones.setdefault(sub.zone, j)
+
+
+def _ack_pool_marks(spec: StackSpec) -> Iterator[Problem]:
+    """An autoscaled ACK pool carries the stack's tags, two group tags, the group's labels and the
+    GPU taint; ACK refuses to autoscale it with 12 or more of them."""
+    rule = _limits("ackAutoscalingPoolMarks")
+    most = int(rule["max"])  # type: ignore[call-overload]
+    marks = len(stack_tags(spec)) + len((TAG_NODE_GROUP, TAG_WORKLOAD)) + len(GROUP_LABELS) + 1
+    if marks > most and any(g.cloud == "alicloud" and g.kind == "kubernetes" for g in spec.node_groups):
+        yield Problem("tags", f"ACK GPU pools would carry {marks} tags, labels and taints together; ACK autoscales "
+                              f"a pool only with at most {most} ({rule['source']}): drop {marks - most} tag(s)")

@@ -1,0 +1,125 @@
+"""What every GPU node of a cluster runs beside the training pods: the NVIDIA device plugin
+(where the cloud does not install it), and the DCGM and node exporters, so that the GPU-idle
+and spot-notice alerts see Kubernetes nodes as they see VM nodes."""
+
+from __future__ import annotations
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra.groups import LABEL_NODE_GROUP
+from infra.images import NodeAgents
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
+GPU_TOLERATION = k8s.core.v1.TolerationArgs(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
+# Every GPU pool of the stack carries the node-group label; the agents run on those nodes only.
+ON_GPU_NODES = k8s.core.v1.AffinityArgs(node_affinity=k8s.core.v1.NodeAffinityArgs(
+    required_during_scheduling_ignored_during_execution=k8s.core.v1.NodeSelectorArgs(node_selector_terms=[
+        k8s.core.v1.NodeSelectorTermArgs(match_expressions=[
+            k8s.core.v1.NodeSelectorRequirementArgs(key=LABEL_NODE_GROUP, operator="Exists")])])))
+TEXTFILE_DIR = "/var/lib/node_exporter/textfile"  # the spot watcher writes its notice metric here
+
+
+class NvidiaDevicePlugin(pulumi.ComponentResource):
+    """Advertises nvidia.com/gpu on the GPU nodes (the EKS/ACK/TKE GPU images do not ship it)."""
+
+    def __init__(self, name: str, image: str, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpu-training-stack:k8s:NvidiaDevicePlugin", name, None, opts)
+        labels = {"app.kubernetes.io/name": "nvidia-device-plugin"}
+        self.daemonset = k8s.apps.v1.DaemonSet(
+            f"{name}-ds",
+            metadata=k8s.meta.v1.ObjectMetaArgs(name="nvidia-device-plugin", namespace="kube-system", labels=labels),
+            spec=k8s.apps.v1.DaemonSetSpecArgs(
+                selector=k8s.meta.v1.LabelSelectorArgs(match_labels=labels),
+                update_strategy=k8s.apps.v1.DaemonSetUpdateStrategyArgs(type="RollingUpdate"),
+                template=k8s.core.v1.PodTemplateSpecArgs(
+                    metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
+                    spec=k8s.core.v1.PodSpecArgs(
+                        priority_class_name="system-node-critical",
+                        tolerations=[GPU_TOLERATION],
+                        affinity=ON_GPU_NODES,
+                        containers=[k8s.core.v1.ContainerArgs(
+                            name="nvidia-device-plugin", image=image,
+                            env=[k8s.core.v1.EnvVarArgs(name="FAIL_ON_INIT_ERROR", value="false")],
+                            security_context=k8s.core.v1.SecurityContextArgs(
+                                allow_privilege_escalation=False,
+                                capabilities=k8s.core.v1.CapabilitiesArgs(drop=["ALL"])),
+                            volume_mounts=[k8s.core.v1.VolumeMountArgs(name="device-plugin",
+                                                                       mount_path="/var/lib/kubelet/device-plugins")])],
+                        volumes=[k8s.core.v1.VolumeArgs(
+                            name="device-plugin",
+                            host_path=k8s.core.v1.HostPathVolumeSourceArgs(path="/var/lib/kubelet/device-plugins"))]))),
+            opts=pulumi.ResourceOptions(parent=self))
+        self.register_outputs({"name": self.daemonset.metadata.name})
+
+
+
+
+class GpuNodeExporters(pulumi.ComponentResource):
+    """DCGM exporter (:9400, GPU utilisation and memory) and node exporter (:9100, with the
+    spot watcher's textfile metrics) on every GPU node, in a namespace of their own (they need
+    host access that the training namespace's restricted Pod Security level forbids)."""
+
+    NAMESPACE = "gts-node-agents"
+
+    def __init__(self, name: str, images: NodeAgents, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpu-training-stack:k8s:GpuNodeExporters", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        ns = k8s.core.v1.Namespace(f"{name}-ns", metadata=k8s.meta.v1.ObjectMetaArgs(
+            name=self.NAMESPACE, labels={"pod-security.kubernetes.io/enforce": "privileged"}), opts=child)
+        namespace = ns.metadata.name
+        dcgm = {"app.kubernetes.io/name": "dcgm-exporter"}
+        k8s.apps.v1.DaemonSet(
+            f"{name}-dcgm", metadata=k8s.meta.v1.ObjectMetaArgs(name="dcgm-exporter", namespace=namespace, labels=dcgm),
+            spec=k8s.apps.v1.DaemonSetSpecArgs(
+                selector=k8s.meta.v1.LabelSelectorArgs(match_labels=dcgm),
+                template=k8s.core.v1.PodTemplateSpecArgs(
+                    metadata=k8s.meta.v1.ObjectMetaArgs(labels=dcgm, annotations={
+                        "prometheus.io/scrape": "true", "prometheus.io/port": "9400"}),
+                    spec=k8s.core.v1.PodSpecArgs(
+                        affinity=ON_GPU_NODES, tolerations=[GPU_TOLERATION], priority_class_name="system-node-critical",
+                        containers=[k8s.core.v1.ContainerArgs(
+                            name="dcgm-exporter", image=images.dcgm_exporter,
+                            # All GPUs of the node, through the NVIDIA runtime, without requesting any.
+                            env=[k8s.core.v1.EnvVarArgs(name="NVIDIA_VISIBLE_DEVICES", value="all"),
+                                 k8s.core.v1.EnvVarArgs(name="DCGM_EXPORTER_KUBERNETES", value="true")],
+                            ports=[k8s.core.v1.ContainerPortArgs(name="metrics", container_port=9400)],
+                            security_context=k8s.core.v1.SecurityContextArgs(
+                                capabilities=k8s.core.v1.CapabilitiesArgs(add=["SYS_ADMIN"])),
+                            resources=k8s.core.v1.ResourceRequirementsArgs(
+                                requests={"cpu": "100m", "memory": "256Mi"}, limits={"memory": "512Mi"}),
+                            volume_mounts=[k8s.core.v1.VolumeMountArgs(
+                                name="pod-resources", mount_path="/var/lib/kubelet/pod-resources", read_only=True)])],
+                        volumes=[k8s.core.v1.VolumeArgs(name="pod-resources", host_path=k8s.core.v1.HostPathVolumeSourceArgs(
+                            path="/var/lib/kubelet/pod-resources"))]))),
+            opts=child)
+        node = {"app.kubernetes.io/name": "node-exporter"}
+        k8s.apps.v1.DaemonSet(
+            f"{name}-node", metadata=k8s.meta.v1.ObjectMetaArgs(name="node-exporter", namespace=namespace, labels=node),
+            spec=k8s.apps.v1.DaemonSetSpecArgs(
+                selector=k8s.meta.v1.LabelSelectorArgs(match_labels=node),
+                template=k8s.core.v1.PodTemplateSpecArgs(
+                    metadata=k8s.meta.v1.ObjectMetaArgs(labels=node, annotations={
+                        "prometheus.io/scrape": "true", "prometheus.io/port": "9100"}),
+                    spec=k8s.core.v1.PodSpecArgs(
+                        affinity=ON_GPU_NODES, tolerations=[GPU_TOLERATION], priority_class_name="system-node-critical",
+                        host_network=True, host_pid=True,
+                        containers=[k8s.core.v1.ContainerArgs(
+                            name="node-exporter", image=images.node_exporter,
+                            args=["--path.rootfs=/host", "--collector.textfile.directory=/textfile"],
+                            ports=[k8s.core.v1.ContainerPortArgs(name="metrics", container_port=9100)],
+                            security_context=k8s.core.v1.SecurityContextArgs(
+                                read_only_root_filesystem=True, allow_privilege_escalation=False,
+                                run_as_non_root=True, run_as_user=65534),
+                            resources=k8s.core.v1.ResourceRequirementsArgs(
+                                requests={"cpu": "50m", "memory": "64Mi"}, limits={"memory": "128Mi"}),
+                            volume_mounts=[
+                                k8s.core.v1.VolumeMountArgs(name="root", mount_path="/host", read_only=True,
+                                                            mount_propagation="HostToContainer"),
+                                k8s.core.v1.VolumeMountArgs(name="textfile", mount_path="/textfile", read_only=True)])],
+                        volumes=[
+                            k8s.core.v1.VolumeArgs(name="root", host_path=k8s.core.v1.HostPathVolumeSourceArgs(path="/")),
+                            k8s.core.v1.VolumeArgs(name="textfile", host_path=k8s.core.v1.HostPathVolumeSourceArgs(
+                                path=TEXTFILE_DIR, type="DirectoryOrCreate"))]))),
+            opts=child)
+        self.register_outputs({"namespace": namespace})

@@ -1,0 +1,120 @@
+"""A local stand-in for each cloud's instance metadata service: the token handshake (AWS IMDSv2,
+Alibaba hardened mode), the role listing and the role's temporary credentials in the cloud's
+documented format, and the spot notice. Credentials rotate on demand and can expire, and the
+server can be told to answer 404 or garbage, so callers' error paths are exercised too."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+ROLE = "gts-node-role"
+SPOT_PATHS = {"aws": "/latest/meta-data/spot/instance-action",
+              "alicloud": "/latest/meta-data/instance/spot/termination-time",
+              "tencentcloud": "/latest/meta-data/spot/termination-time"}
+CREDENTIAL_PATHS = {"aws": "/latest/meta-data/iam/security-credentials/",
+                    "alicloud": "/latest/meta-data/ram/security-credentials/",
+                    "tencentcloud": "/latest/meta-data/cam/security-credentials/"}
+TOKEN_HEADERS = {"aws": ("X-aws-ec2-metadata-token-ttl-seconds", "X-aws-ec2-metadata-token"),
+                 "alicloud": ("X-aliyun-ecs-metadata-token-ttl-seconds", "X-aliyun-ecs-metadata-token")}
+
+
+def _stamp(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class FakeMetadata:
+    """Serves one cloud's metadata on 127.0.0.1 (start() / stop(), or as a context manager)."""
+
+    def __init__(self, cloud: str, lifetime: float = 3600.0):
+        self.cloud = cloud
+        self.lifetime = lifetime
+        self.generation = 0  # bumped by rotate(): the access key carries it
+        self.mode = "ok"  # ok | 404 | garbage
+        self.spot_notice: str | None = None
+        self.credential_requests = 0
+        self.token = "tok-123"
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_PUT(self) -> None:  # noqa: N802 (http.server's method name)
+                headers = TOKEN_HEADERS.get(owner.cloud)
+                if self.path != "/latest/api/token" or headers is None or not self.headers.get(headers[0]):
+                    self.send_error(400)
+                    return
+                self._reply(200, owner.token)
+
+            def do_GET(self) -> None:  # noqa: N802
+                headers = TOKEN_HEADERS.get(owner.cloud)
+                if headers and self.headers.get(headers[1]) != owner.token:
+                    self.send_error(401)
+                    return
+                base = CREDENTIAL_PATHS[owner.cloud]
+                if self.path == base:
+                    self._reply(200, ROLE)
+                elif self.path == base + ROLE:
+                    owner.credential_requests += 1
+                    if owner.mode == "404":
+                        self.send_error(404)
+                    else:
+                        self._reply(200, "<html>oops</html>" if owner.mode == "garbage" else owner.document())
+                elif self.path == SPOT_PATHS[owner.cloud] and owner.spot_notice:
+                    self._reply(200, owner.spot_notice)
+                else:
+                    self.send_error(404)
+
+            def _reply(self, code: int, body: str) -> None:
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_port}"
+
+    def access_key(self) -> str:
+        return f"STS.{self.cloud}.{self.generation}"
+
+    def rotate(self) -> None:
+        self.generation += 1
+
+    def document(self) -> str:
+        """The role credentials as the cloud documents them."""
+        expires = time.time() + self.lifetime
+        key, secret, token = self.access_key(), f"secret-{self.generation}", f"token-{self.generation}"
+        if self.cloud == "aws":
+            doc: dict[str, Any] = {"Code": "Success", "LastUpdated": _stamp(time.time()), "Type": "AWS-HMAC",
+                                   "AccessKeyId": key, "SecretAccessKey": secret, "Token": token,
+                                   "Expiration": _stamp(expires)}
+        elif self.cloud == "alicloud":
+            doc = {"AccessKeyId": key, "AccessKeySecret": secret, "Expiration": _stamp(expires),
+                   "SecurityToken": token, "LastUpdated": _stamp(time.time()), "Code": "Success"}
+        else:
+            doc = {"TmpSecretId": key, "TmpSecretKey": secret, "ExpiredTime": int(expires),
+                   "Expiration": _stamp(expires), "Token": token, "Code": "Success"}
+        return json.dumps(doc)
+
+    def start(self) -> FakeMetadata:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> FakeMetadata:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
