@@ -30,6 +30,8 @@ FILES = (
     ("/usr/local/sbin/gts-dataset.sh", 0o755, "cloudinit/scripts/gts-dataset.sh"),
     ("/usr/local/sbin/gts-spot-watch.py", 0o755, "cloudinit/scripts/gts-spot-watch.py"),
     ("/etc/systemd/system/gts-bootstrap.service", 0o644, "cloudinit/units/gts-bootstrap.service"),
+    ("/etc/systemd/system/gts-scratch.service", 0o644, "cloudinit/units/gts-scratch.service"),
+    ("/etc/systemd/system/gts-dataset.service", 0o644, "cloudinit/units/gts-dataset.service"),
     ("/etc/systemd/system/gts-trainer.service", 0o644, "cloudinit/units/gts-trainer.service"),
     ("/etc/systemd/system/gts-spot-watch.service", 0o644, "cloudinit/units/gts-spot-watch.service"),
     ("/etc/systemd/system/gts-exporters.service", 0o644, "cloudinit/units/gts-exporters.service"),

@@ -190,6 +190,12 @@ def market_unavailable(cloud: str, site: str, market: str) -> str | None:
     return str(reason) if reason else None
 
 
+def vm_gpu_unsupported(cloud: str, gpu_model: str) -> str | None:
+    """Why a VM group on `cloud` cannot run `gpu_model` GPUs (its image's driver), or None."""
+    reason = load_capabilities().get("vmGpuModels", {}).get(cloud, {}).get(gpu_model)
+    return str(reason) if reason else None
+
+
 def feature_unavailable(cloud: str, feature: str) -> str | None:
     """Why this stack does not build `feature` on `cloud`, or None when it does."""
     reason = load_capabilities().get("features", {}).get(cloud, {}).get(feature)
@@ -206,6 +212,13 @@ def load_constraints() -> dict[str, Any]:
 def load_provider_checks() -> dict[str, dict[str, Any]]:
     """Per resource type: what was read against the provider's docs and source, and where."""
     return dict(_load_yaml("provider_checks.yaml")["types"])
+
+
+@functools.cache
+def load_network_prices() -> dict[str, dict[str, Any]]:
+    """What one network's NAT egress costs per hour on each cloud."""
+    data = _load_yaml("network_prices.yaml")
+    return {cloud: dict(data[cloud]) for cloud in CLOUDS}
 
 
 @functools.cache

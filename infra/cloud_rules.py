@@ -28,7 +28,7 @@ NOT_INTERNET = tuple(IPv4Network(c) for c in ("10.0.0.0/8", "172.16.0.0/12", "19
 
 def check(spec: StackSpec) -> list[Problem]:
     return [*_cidr_sizes(spec), *_tags(spec), *_buckets(spec), *_api_access(spec), *_cluster_ranges(spec),
-            *_features(spec), *_joined_names(spec), *_subnet_zones(spec), *_ack_pool_marks(spec)]
+            *_features(spec), *_joined_names(spec), *_subnet_zones(spec), *_ack_pool_marks(spec), *_egress(spec)]
 
 
 def _limits(section: str) -> dict[str, object]:
@@ -141,7 +141,17 @@ def _features(spec: StackSpec) -> Iterator[Problem]:
             reason = cat.feature_unavailable(net.cloud, "transit")
             if reason:
                 yield Problem(f"peerings[{i}].via", f"'transit' on {cat.CLOUD_NAMES[net.cloud]}: {reason}")
+    catalog = spec.catalog()
     for i, g in enumerate(spec.node_groups):
+        named = ([("instanceType", g.instance_type)] if g.instance_type else []) + \
+            [(f"fallbackTypes[{k}]", t) for k, t in enumerate(g.fallback_types)]
+        models = [(where, item.gpu_model) for where, t in named if (item := catalog.get(g.cloud, t))]
+        if g.gpu and g.gpu.model:
+            models.append(("gpu.model", g.gpu.model))
+        for where, model in models:
+            reason = cat.vm_gpu_unsupported(g.cloud, model) if g.kind == "vm" else None
+            if reason:
+                yield Problem(f"nodeGroups[{i}].{where}", f"{model} on {cat.CLOUD_NAMES[g.cloud]} VMs: {reason}")
         if g.kind == "kubernetes" and g.schedule:
             reason = cat.feature_unavailable(g.cloud, "kubernetesSchedule")
             if reason:
@@ -183,3 +193,13 @@ def _ack_pool_marks(spec: StackSpec) -> Iterator[Problem]:
     if marks > most and any(g.cloud == "alicloud" and g.kind == "kubernetes" for g in spec.node_groups):
         yield Problem("tags", f"ACK GPU pools would carry {marks} tags, labels and taints together; ACK autoscales "
                               f"a pool only with at most {most} ({rule['source']}): drop {marks - most} tag(s)")
+
+
+def _egress(spec: StackSpec) -> Iterator[Problem]:
+    """Nodes have no public address: without NAT a node pulls no image, package or driver."""
+    hosting = {g.network for g in spec.node_groups}
+    for i, net in enumerate(spec.networks):
+        if net.name in hosting and not net.nat:
+            groups = ", ".join(g.name for g in spec.node_groups if g.network == net.name)
+            yield Problem(f"networks[{i}].nat", f"the nodes of {groups} need egress to pull their images, drivers and "
+                                                "packages (they have no public address); set nat: true")

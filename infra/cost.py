@@ -136,6 +136,14 @@ def clusters_hourly_usd(stack: Stack, cloud: str) -> float:
     return clusters * cat.to_usd(each, str(pool["currency"]), stack.spec.pricing.cny_per_usd)
 
 
+def nat_hourly_usd(spec: StackSpec, cloud: str) -> float:
+    """The cloud's NAT gateways and their public addresses (data processed not counted)."""
+    prices = cat.load_network_prices()[cloud]
+    each = float(prices["natHourly"]) + float(prices["publicIpHourly"])
+    gateways = sum(1 for n in spec.networks if n.cloud == cloud and n.nat)
+    return gateways * cat.to_usd(each, str(prices["currency"]), spec.pricing.cny_per_usd)
+
+
 def stack_cost(stack: Stack) -> dict[str, Any]:
     """The cost summary the plan prints and the policy pack checks."""
     spec = stack.spec
@@ -145,7 +153,8 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
         mine = [g for g in groups if g.cloud == cloud]
         storage = storage_monthly_usd(spec, cloud)
         clusters = round(clusters_hourly_usd(stack, cloud) * cat.HOURS_PER_MONTH, 2)
-        fixed = storage + clusters
+        nat = round(nat_hourly_usd(spec, cloud) * cat.HOURS_PER_MONTH, 2)
+        fixed = storage + clusters + nat
         monthly = sum(g.monthly_usd for g in mine) + fixed
         by_cloud[cloud] = {
             "hourly_usd": round(monthly / cat.HOURS_PER_MONTH, 4),
@@ -154,6 +163,7 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
             "on_demand_monthly_usd": round(sum(g.on_demand_monthly_usd for g in mine) + fixed, 2),
             "storage_monthly_usd": storage,
             "clusters_monthly_usd": clusters,
+            "nat_monthly_usd": nat,
         }
     monthly = sum(c["monthly_usd"] for c in by_cloud.values())
     on_demand = sum(c["on_demand_monthly_usd"] for c in by_cloud.values())

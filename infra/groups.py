@@ -149,7 +149,8 @@ def instance_types(spec: StackSpec, group: NodeGroup, catalog: cat.Catalog) -> t
     if group.instance_type is not None:
         types = [group.instance_type] + group.fallback_types
     else:
-        picks = cat.select(catalog, [group.cloud], requirement(spec, group), spec.pricing.cny_per_usd)
+        picks = [c for c in cat.select(catalog, [group.cloud], requirement(spec, group), spec.pricing.cny_per_usd)
+                 if group.kind != "vm" or not cat.vm_gpu_unsupported(group.cloud, c.type.gpu_model)]
         types = [c.type.instance_type for c in picks[:4]] + group.fallback_types
     return tuple(dict.fromkeys(types))
 

@@ -38,11 +38,16 @@ class SpecModel(BaseModel):
 
 
 class Mirrors(SpecModel):
-    """Package and image mirrors for nodes that cannot reach Docker Hub, nvcr.io or PyPI."""
+    """Where nodes that cannot reach Docker Hub, nvcr.io, PyPI or the Ubuntu archive (mainland
+    China) get their images and packages from, inside their own cloud."""
 
-    registry: str | None = Field(None, description="Container registry mirror host, e.g. registry.cn-hangzhou.aliyuncs.com.")
+    registry: str | None = Field(None, description="Container registry of this cloud holding copies of the node "
+                                                   "agents' images (pulled by full name), e.g. an ACR / TCR host.")
+    docker_hub: str | None = Field(None, description="Docker Hub pull-through mirror URL for the Docker daemon "
+                                                     "(registry-mirrors mirrors Docker Hub only).")
     apt: str | None = Field(None, description="APT mirror base URL for Ubuntu images.")
-    yum: str | None = Field(None, description="YUM mirror base URL for Alibaba Cloud Linux / TencentOS.")
+    nvidia: str | None = Field(None, description="Mirror of https://nvidia.github.io/libnvidia-container "
+                                                 "(the NVIDIA container toolkit's apt repository).")
     pip: str | None = Field(None, description="PyPI index URL.")
 
 

@@ -85,10 +85,9 @@ class NodeContext:
     rdzv_endpoint: str
     mlflow_tracking_uri: str
     node_hourly_usd: str
-    registry_mirror: str
+    dockerhub_mirror: str
     apt_mirror: str
-    yum_mirror: str
-    pip_mirror: str
+    nvidia_mirror: str
     spot_action: str
     metadata_url: str  # the cloud's instance metadata service, polled for spot notices
     dcgm_exporter_image: str
@@ -102,7 +101,6 @@ class NodeContext:
 def node_context(spec: StackSpec, rg: ResolvedGroup) -> NodeContext:
     pinned = bundle.build()
     mirrors = spec.clouds[rg.group.cloud].mirrors
-    registry = mirrors.registry or ""
     agents = node_agents(mirrors)
     kube = rg.kind == "kubernetes"
     return NodeContext(
@@ -114,8 +112,7 @@ def node_context(spec: StackSpec, rg: ResolvedGroup) -> NodeContext:
         nnodes=rg.nnodes, nvswitch=rg.primary.nvswitch, driver_branch=DRIVER_BRANCH,
         rdzv_endpoint=spec.training.rendezvous_endpoint or "",
         mlflow_tracking_uri=spec.training.mlflow_tracking_uri or "", node_hourly_usd=f"{rg.node_hourly_usd:.4f}",
-        registry_mirror=registry, apt_mirror=mirrors.apt or "", yum_mirror=mirrors.yum or "",
-        pip_mirror=mirrors.pip or "",
+        dockerhub_mirror=mirrors.docker_hub or "", apt_mirror=mirrors.apt or "", nvidia_mirror=mirrors.nvidia or "",
         spot_action="crictl:trainer" if kube else "docker:gts-trainer",
         metadata_url=METADATA_URLS[rg.cloud],
         dcgm_exporter_image=agents.dcgm_exporter, node_exporter_image=agents.node_exporter,

@@ -36,6 +36,7 @@ class FakeMetadata:
         self.generation = 0  # bumped by rotate(): the access key carries it
         self.mode = "ok"  # ok | 404 | garbage
         self.spot_notice: str | None = None
+        self.extra: dict[str, str] = {}  # other paths, e.g. AWS's rebalance recommendation
         self.credential_requests = 0
         self.token = "tok-123"
         owner = self
@@ -67,6 +68,8 @@ class FakeMetadata:
                         self._reply(200, "<html>oops</html>" if owner.mode == "garbage" else owner.document())
                 elif self.path == SPOT_PATHS[owner.cloud] and owner.spot_notice:
                     self._reply(200, owner.spot_notice)
+                elif self.path in owner.extra:
+                    self._reply(200, owner.extra[self.path])
                 else:
                     self.send_error(404)
 

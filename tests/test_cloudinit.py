@@ -16,7 +16,6 @@ import threading
 import time
 from datetime import datetime, timezone
 from email import message_from_bytes
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from infra.groups import resolve
 from tests.harness import ROOT
 from infra.stackfile import load_stack_spec
 from tests.harness import by_type, shipped
+from tests.metadata_server import FakeMetadata
 from tests.system_tools import debian_tool
 
 SCRIPTS = ROOT / "cloudinit" / "scripts"
@@ -182,73 +182,54 @@ def test_nvme_selection_never_takes_the_root_disk(shape: str, expected: list[str
 
 # -------------------------------------------------------------- spot notice handler
 
-class Metadata(BaseHTTPRequestHandler):
-    """Speaks one cloud's metadata format: token PUT (AWS, Alibaba), 404 until armed, then a notice."""
-
-    cloud = "aws"
-    armed_at: float | None = None
-    token = "tok-123"
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def do_PUT(self) -> None:  # noqa: N802
-        header = {"aws": "X-aws-ec2-metadata-token-ttl-seconds",
-                  "alicloud": "X-aliyun-ecs-metadata-token-ttl-seconds"}.get(self.cloud)
-        if self.path != "/latest/api/token" or header is None or not self.headers.get(header):
-            self.send_error(400)
-            return
-        self._reply(200, self.token)
-
-    def do_GET(self) -> None:  # noqa: N802
-        paths = {"aws": "/latest/meta-data/spot/instance-action",
-                 "alicloud": "/latest/meta-data/instance/spot/termination-time",
-                 "tencentcloud": "/latest/meta-data/spot/termination-time"}
-        token_header = {"aws": "X-aws-ec2-metadata-token", "alicloud": "X-aliyun-ecs-metadata-token"}.get(self.cloud)
-        if token_header and self.headers.get(token_header) != self.token:
-            self.send_error(401)
-            return
-        if self.path != paths[self.cloud] or type(self).armed_at is None:
-            self.send_error(404)
-            return
-        body = {"aws": json.dumps({"action": "terminate", "time": "2026-11-29T12:02:00Z"}),
-                "alicloud": "2026-11-29T12:05:00Z", "tencentcloud": "2026-11-29 20:02:00"}[self.cloud]
-        self._reply(200, body)
-
-    def _reply(self, code: int, body: str) -> None:
-        data = body.encode()
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+WORKER = """
+import signal, sys, time
+def stop(*_):
+    time.sleep(2)  # the emergency checkpoint
+    open(sys.argv[1], "w").write("saved")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+time.sleep(120)
+"""
+LAUNCHER = """
+import signal, subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a launcher signalled: the failure case
+sys.exit(worker.wait())
+"""
 
 
-def _watch(cloud: str, tmp: Path) -> tuple[float, str]:
-    handler: type[Metadata] = type(f"{cloud}Metadata", (Metadata,), {"cloud": cloud, "armed_at": None})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    textfiles = tmp / cloud
-    watcher = subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "gts-spot-watch.py"), "--cloud", cloud, "--action", f"pid:{child.pid}",
-         "--metadata-url", f"http://127.0.0.1:{server.server_port}", "--textfile-dir", str(textfiles), "--once"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        time.sleep(6)  # a poll or two with no notice: the child must still be running
-        assert child.poll() is None, f"{cloud}: SIGTERM before any notice"
-        handler.armed_at = time.monotonic()
-        child.wait(timeout=15)
-        elapsed = time.monotonic() - handler.armed_at
-        watcher.wait(timeout=15)
-        return elapsed, (textfiles / "gts_spot.prom").read_text()
-    finally:
-        for proc in (child, watcher):
-            if proc.poll() is None:
-                proc.kill()
-        server.shutdown()
+def _watch(cloud: str, tmp: Path) -> tuple[float, str, str, int]:
+    notice = {"aws": json.dumps({"action": "terminate", "time": "2099-11-29T12:02:00Z"}),
+              "alicloud": "2099-11-29T12:05:00Z", "tencentcloud": "2099-11-29 20:02:00"}[cloud]
+    with FakeMetadata(cloud) as meta:
+        saved = tmp / f"{cloud}-saved"
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER, str(saved)])
+        textfiles, run_dir = tmp / cloud, tmp / f"{cloud}-run"
+        watcher = subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "gts-spot-watch.py"), "--cloud", cloud, "--action", f"pid:{launcher.pid}",
+             "--metadata-url", meta.url, "--textfile-dir", str(textfiles), "--run-dir", str(run_dir), "--once",
+             "--interval", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "GTS_LIB": str(ROOT / "training")})
+        try:
+            time.sleep(3)  # polls with no notice: nothing is signalled
+            assert launcher.poll() is None and not saved.exists(), f"{cloud}: signalled before any notice"
+            armed = time.monotonic()
+            meta.spot_notice = notice
+            code = launcher.wait(timeout=20)
+            elapsed = time.monotonic() - armed
+            out, _ = watcher.communicate(timeout=20)
+            assert (run_dir / "spot-notice").exists()
+            return elapsed, (textfiles / "gts_spot.prom").read_text(), out, code
+        finally:
+            for proc in (launcher, watcher):
+                if proc.poll() is None:
+                    proc.kill()
 
 
-def test_spot_notice_sigterms_a_child_within_10s_on_every_cloud(tmp_path: Path) -> None:
+def test_spot_notice_reaches_the_workers_on_every_cloud(tmp_path: Path) -> None:
+    """The watcher signals the launcher's children (the workers), not the launcher: they save and
+    exit 0, and the launcher exits 0 with them."""
     results: dict[str, Any] = {}
 
     def run(cloud: str) -> None:
@@ -264,9 +245,51 @@ def test_spot_notice_sigterms_a_child_within_10s_on_every_cloud(tmp_path: Path) 
         t.join()
     for cloud, outcome in results.items():
         assert not isinstance(outcome, BaseException), f"{cloud}: {outcome!r}"
-        elapsed, metric = outcome
-        assert elapsed < 10, f"{cloud}: SIGTERM {elapsed:.1f} s after the notice"
+        elapsed, metric, log, code = outcome
+        assert code == 0, f"{cloud}: the launcher was signalled itself ({log})"
+        assert (tmp_path / f"{cloud}-saved").read_text() == "saved"
+        assert elapsed < 10, f"{cloud}: the workers were done {elapsed:.1f} s after the notice"
         assert f'gts_spot_interruption_notice{{cloud="{cloud}"}} 1' in metric
+        assert "emergency checkpoint: the trainer exited" in log
     # Tencent's notice is Beijing time: 20:02 there is 12:02 UTC.
-    utc = datetime(2026, 11, 29, 12, 2, tzinfo=timezone.utc).timestamp()
+    utc = datetime(2099, 11, 29, 12, 2, tzinfo=timezone.utc).timestamp()
     assert f'gts_spot_interruption_time_seconds{{cloud="tencentcloud"}} {utc:.0f}' in results["tencentcloud"][1]
+
+
+REBALANCE_WORKER = """
+import signal, sys, time
+signal.signal(signal.SIGUSR1, lambda *_: open(sys.argv[1], "a").write("checkpoint now\\n"))
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("path,body,expected", [
+    ("/latest/meta-data/events/recommendations/rebalance", '{"noticeTime": "2026-11-29T12:00:00Z"}', "checkpoint now"),
+    ("/latest/meta-data/autoscaling/target-lifecycle-state", "Terminated", "stopped"),
+])
+def test_aws_rebalance_and_scale_in_are_watched_too(path: str, body: str, expected: str, tmp_path: Path) -> None:
+    """A rebalance recommendation asks for a checkpoint and training goes on; a scale-in (held by
+    the group's lifecycle hook) is handled as a reclaim."""
+    marker = tmp_path / "worker"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, REBALANCE_WORKER, str(marker)])
+    with FakeMetadata("aws") as meta:
+        meta.extra[path] = body
+        watcher = subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "gts-spot-watch.py"), "--cloud", "aws", "--action", f"pid:{launcher.pid}",
+             "--metadata-url", meta.url, "--textfile-dir", str(tmp_path / "tf"), "--run-dir", str(tmp_path / "run"),
+             "--interval", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "GTS_LIB": str(ROOT / "training")})
+        try:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and not marker.exists() and launcher.poll() is None:
+                time.sleep(0.2)
+            if expected == "checkpoint now":
+                assert marker.read_text() == "checkpoint now\n" and launcher.poll() is None  # goes on
+                assert not (tmp_path / "run" / "spot-notice").exists()
+            else:
+                assert launcher.wait(timeout=10) != 0 and not marker.exists()  # the worker was told to stop
+                assert (tmp_path / "run" / "spot-notice").exists()
+        finally:
+            for proc in (launcher, watcher):
+                if proc.poll() is None:
+                    proc.kill()

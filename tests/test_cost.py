@@ -90,7 +90,8 @@ def test_stack_totals_add_up() -> None:
     groups = total["node_groups"]
     for cloud, c in total["by_cloud"].items():
         mine = sum(g["monthly_usd"] for g in groups if g["cloud"] == cloud)
-        assert c["monthly_usd"] == pytest.approx(mine + c["storage_monthly_usd"] + c["clusters_monthly_usd"], abs=0.05)
+        fixed = c["storage_monthly_usd"] + c["clusters_monthly_usd"] + c["nat_monthly_usd"]
+        assert c["monthly_usd"] == pytest.approx(mine + fixed, abs=0.05)
     assert total["monthly_usd"] == pytest.approx(sum(c["monthly_usd"] for c in total["by_cloud"].values()), abs=0.05)
     assert total["hourly_usd"] == pytest.approx(total["monthly_usd"] / HOURS, abs=0.01)
     assert total["monthly_usd"] < total["on_demand_monthly_usd"]
@@ -105,3 +106,10 @@ def test_clusters_add_their_control_plane_and_system_pool() -> None:
     assert total["tencentcloud"]["clusters_monthly_usd"] == pytest.approx((0.50 + 2 * 0.90) / 7.2 * HOURS, abs=0.01)
     dev = cost.stack_cost(resolve(_spec("dev")))["by_cloud"]  # no Kubernetes groups: no cluster cost
     assert all(c["clusters_monthly_usd"] == 0 for c in dev.values())
+
+
+def test_nat_gateways_are_counted() -> None:
+    """prod: two AWS networks with NAT at $0.045/h plus $0.005/h for the public IPv4 address."""
+    total = cost.stack_cost(resolve(_spec("prod")))["by_cloud"]
+    assert total["aws"]["nat_monthly_usd"] == pytest.approx(2 * (0.045 + 0.005) * HOURS, abs=0.01)
+    assert total["tencentcloud"]["nat_monthly_usd"] == pytest.approx(2 * (0.50 + 0.02) / 7.2 * HOURS, abs=0.01)

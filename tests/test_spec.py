@@ -71,8 +71,12 @@ CASES: list[tuple[str, str, Edit, list[str]]] = [
      ["nodeGroups[0].market.type", "did you mean 'spot'"]),
     ("zone of another region", "dev", lambda v: v[key("networks")][0]["subnets"][0].__setitem__("zone", "us-west-2a"),
      ["networks[0].subnets[0].zone", "not a zone of us-east-1"]),
-    ("unsatisfiable requirement", "dev", lambda v: _group(v).__setitem__("gpu", {"model": "T4", "count": 1}),
+    ("unsatisfiable requirement", "dev", lambda v: _group(v).__setitem__("gpu", {"model": "T4", "count": 2}),
      ["nodeGroups[0].gpu", "RAM >= 1.5 x GPU memory"]),
+    ("Volta on AWS VMs", "dev", lambda v: _group(v).__setitem__("gpu", {"model": "V100", "count": 1}),
+     ["nodeGroups[0].gpu.model", "V100 on AWS VMs", "R580"]),
+    ("network without egress", "dev", lambda v: v[key("networks")][0].__setitem__("nat", False),
+     ["networks[0].nat", "aws-train need egress", "set nat: true"]),
     ("ssh open to the world", "dev", lambda v: v[key("networks")][0].__setitem__("sshCidrs", ["0.0.0.0/0"]),
      ["networks[0].sshCidrs[0]", "0.0.0.0/0"]),
     ("training type short of RAM", "dev", lambda v: _group(v).update(gpu=None, instanceType="g5.xlarge"),
@@ -108,7 +112,8 @@ def test_all_problems_reported_at_once() -> None:
 def test_requirement_selects_cheapest_fitting_type() -> None:
     stack = resolve(parse(spec_raw(stack_values("dev"))))
     types = stack.groups[0].types
-    assert types[0] == "p3.2xlarge"  # the only 1 x V100 AWS type
+    # 1 x T4: g4dn.xlarge has 16 GiB for 16 GB of GPU memory, under the 1.5x rule; g4dn.2xlarge fits.
+    assert types[0] == "g4dn.2xlarge" and "g4dn.xlarge" not in types
     ali = stack.groups[1].types
     # gn7i-c8g1.2xlarge (30 GiB for a 24 GB A10) breaks the 1.5x RAM rule; the 16-vCPU one fits.
     assert ali[0] == "ecs.gn7i-c16g1.4xlarge" and "ecs.gn7i-c8g1.2xlarge" not in ali

@@ -82,7 +82,7 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous_one(
         reference: tuple[str, Path], tmp_path: Path) -> None:
     digest, _ = reference
     args = [*ARGS, "--checkpoint-dir", str(tmp_path / "ck")]
-    run = launch(args, tmp_path, env={"GTS_FAULT_SLOW_COMMIT_S": "60", "GTS_FAULT_SLOW_COMMIT_STEP": "40"})
+    run = launch(args, tmp_path, env={"GTS_TEST_SLOW_COMMIT_S": "60", "GTS_TEST_SLOW_COMMIT_STEP": "40"})
     run.wait_for(r"fault injection: pausing .* before committing step-00000040")
     os.killpg(run.proc.pid, signal.SIGKILL)
     run.finish()
@@ -182,6 +182,9 @@ def test_accelerate_launch_trains_two_processes_together(reference: tuple[str, P
 
 def test_dataset_cache_is_resumable_and_verified(moto: MotoServer, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import tarfile
+
     from training.datasync import sync
 
     for key, value in storage_env(moto.url).items():
@@ -190,12 +193,30 @@ def test_dataset_cache_is_resumable_and_verified(moto: MotoServer, tmp_path: Pat
     for name, body in (("a/1.jpg", b"x" * 10), ("a/2.jpg", b"y" * 20), ("b/3.jpg", b"z" * 30)):
         client.put_object(Bucket=moto.bucket, Key=f"data/{name}", Body=body)
     dest = tmp_path / "cache"
-    assert sync(f"s3://{moto.bucket}/data", str(dest)) == (3, 3)
+    first = sync(f"s3://{moto.bucket}/data", str(dest), workers=4)
+    assert (first.copied, first.total, first.sharded) == (3, 3, False)
     assert (dest / "b" / "3.jpg").read_bytes() == b"z" * 30
-    assert sync(f"s3://{moto.bucket}/data", str(dest)) == (0, 3), "complete files are skipped"
+    assert sync(f"s3://{moto.bucket}/data", str(dest)).copied == 0, "complete files are skipped"
     (dest / "a" / "2.jpg").write_bytes(b"partial")  # an interrupted copy
-    assert sync(f"s3://{moto.bucket}/data", str(dest)) == (1, 3)
+    assert sync(f"s3://{moto.bucket}/data", str(dest)).copied == 1
     assert (dest / "a" / "2.jpg").read_bytes() == b"y" * 20
+    # The same command copies a local dataset into a bucket (one cloud's copy), resumably.
+    assert sync(str(dest), f"s3://{moto.bucket}/datasets/copy", workers=4).copied == 3
+    assert sync(str(dest), f"s3://{moto.bucket}/datasets/copy").copied == 0
+    assert moto.keys("datasets/copy") == ["datasets/copy/a/1.jpg", "datasets/copy/a/2.jpg", "datasets/copy/b/3.jpg"]
+    # A sharded dataset: the node fetches the tar shards and unpacks them, once.
+    for shard in range(2):
+        raw = io.BytesIO()
+        with tarfile.open(fileobj=raw, mode="w") as tar:
+            data = f"shard {shard}".encode()
+            info = tarfile.TarInfo(f"class{shard}/img.jpg")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        client.put_object(Bucket=moto.bucket, Key=f"sharded/shards/{shard:05d}.tar", Body=raw.getvalue())
+    shards = sync(f"s3://{moto.bucket}/sharded", str(tmp_path / "sharded"))
+    assert (shards.copied, shards.total, shards.sharded) == (2, 2, True)
+    assert (tmp_path / "sharded" / "class1" / "img.jpg").read_bytes() == b"shard 1"
+    assert sync(f"s3://{moto.bucket}/sharded", str(tmp_path / "sharded")).copied == 0
 
 
 def test_resnet50_on_an_image_folder_with_bf16_and_grad_checkpointing(tmp_path: Path) -> None:

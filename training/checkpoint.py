@@ -147,12 +147,6 @@ class CheckpointManager:
             _save(model_state, tmp / MODEL_FILE)
         barrier()
         if self.topo.local_rank == 0:
-            # Fault injection for tests: pause between the data files and the commit.
-            fault = float(os.environ.get("GTS_FAULT_SLOW_COMMIT_S", "0"))
-            fault_step = int(os.environ.get("GTS_FAULT_SLOW_COMMIT_STEP", "-1"))
-            if fault and fault_step in (-1, step):
-                log.warning("fault injection: pausing %.1f s before committing %s", fault, final.name)
-                time.sleep(fault)
             if final.exists():  # committed before (the caller normally skips this)
                 shutil.rmtree(tmp, ignore_errors=True)
             else:

@@ -64,14 +64,15 @@ class Comm:
         elif self.distributed:
             dist.barrier()
 
-    def any_true(self, flag: bool) -> bool:
-        """True on every rank if any rank says so (all ranks stop at the same step)."""
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device if self.hvd is None else "cpu")
+    def any_true(self, *flags: bool) -> list[bool]:
+        """For each flag: True on every rank if any rank says so (all ranks act at the same
+        step). One collective, whatever the number of flags."""
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.device if self.hvd is None else "cpu")
         if self.hvd is not None:
-            return float(self.hvd.allreduce(t, op=self.hvd.Max, name="stop").item()) > 0
-        if self.distributed:
+            t = self.hvd.allreduce(t, op=self.hvd.Max, name="flags")
+        elif self.distributed:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
+        return [bool(v > 0) for v in t.tolist()]
 
     def mean(self, value: torch.Tensor) -> float:
         t = value.detach().float().reshape(1).to(self.device if self.hvd is None else "cpu")

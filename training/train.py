@@ -41,15 +41,26 @@ log = logging.getLogger("gts.train")
 
 
 class StopFlag:
-    """Signal handlers only set a flag; the loop combines it across ranks after each step."""
+    """Signal handlers only set flags; the loop combines them across ranks after each step.
+    SIGTERM / SIGINT: checkpoint and stop. SIGUSR1 (a rebalance recommendation, or a person):
+    checkpoint now and go on."""
 
     def __init__(self) -> None:
         self.raised: str | None = None
+        self.checkpoint_requested = False
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+        signal.signal(signal.SIGUSR1, self._checkpoint)
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.raised = signal.Signals(signum).name
+
+    def _checkpoint(self, signum: int, frame: Any) -> None:
+        self.checkpoint_requested = True
+
+    def take_checkpoint_request(self) -> bool:
+        asked, self.checkpoint_requested = self.checkpoint_requested, False
+        return asked
 
 
 def rng_state() -> dict[str, Any]:
@@ -207,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                     log.info("step %d loss %.5f (%.1f ms/step)", step, last_loss, elapsed * 1000)
             if cfg.throttle_ms:
                 time.sleep(cfg.throttle_ms / 1000)
-            stopping = comm.any_true(stop.raised is not None)
-            if step % cfg.checkpoint_every == 0 or stopping or step >= cfg.steps:
+            stopping, asked = comm.any_true(stop.raised is not None, stop.take_checkpoint_request())
+            if step % cfg.checkpoint_every == 0 or stopping or asked or step >= cfg.steps:
                 save(step)
             if stopping:
                 interrupted = stop.raised or "a signal on another rank"

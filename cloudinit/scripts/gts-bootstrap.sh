@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# GPU node bootstrap, run by gts-bootstrap.service on every boot until it completes.
-# Each step is idempotent and leaves a stamp, so a reboot (after a driver install) resumes
-# where it stopped. Settings come from /etc/gpu-training/node.env.
+# GPU node bootstrap, run by gts-bootstrap.service on every boot until the node is ready.
+# Each step is idempotent and stamped only once it has succeeded, so a failed step is retried
+# (the unit restarts) and a driver install's reboot resumes where it stopped. The bootstrap then
+# starts the node's services without waiting for them (--no-block): they are ordered after this
+# unit, and a blocking start from here would wait for this unit to finish — forever.
 set -euo pipefail
 
 ENV_FILE=${GTS_ENV_FILE:-/etc/gpu-training/node.env}
 STATE=${GTS_STATE_DIR:-/var/lib/gpu-training}
+SBIN=${GTS_SBIN:-/usr/local/sbin}
 # shellcheck source=/dev/null
 . "$ENV_FILE"
 mkdir -p "$STATE"
@@ -18,42 +21,38 @@ step() {
     log "$name: already done"
     return 0
   fi
+  local started=$SECONDS
   log "$name: starting"
-  "$@"
+  "$@"  # a failure ends the bootstrap here, unstamped; the unit retries it
   touch "$STATE/$name.done"
-  log "$name: done"
+  log "$name: done in $((SECONDS - started)) s"
 }
 
-driver() {
-  local rc=0
-  /usr/local/sbin/gts-driver.sh || rc=$?
-  if [ "$rc" -eq 100 ]; then
-    # The driver needs a reboot; this service runs again on the next boot.
-    touch "$STATE/driver.done"
-    log "driver installed; rebooting"
-    systemctl reboot
-    exit 0
-  fi
-  return "$rc"
+start_services() {
+  systemctl daemon-reload
+  systemctl enable "$@"
+  systemctl start --no-block "$@"
 }
 
 if [ "${GTS_MODE:-vm}" = "kubernetes" ]; then
   # EKS / ACK / TKE GPU images bring the driver and containerd; the cluster runs the trainer
   # (a Job) and the exporters (DaemonSets). The node adds scratch and the spot watcher.
-  step scratch /usr/local/sbin/gts-nvme.sh
-  systemctl daemon-reload
-  systemctl enable --now gts-spot-watch.service
+  touch "$STATE/ready"
+  start_services gts-scratch.service gts-spot-watch.service
   log "node ready (kubernetes)"
   exit 0
 fi
 
-step driver driver
-step runtime /usr/local/sbin/gts-runtime.sh
-step scratch /usr/local/sbin/gts-nvme.sh
-if [ -n "${GTS_DATASET_URL:-}" ]; then
-  # Not stamped: the sync is resumable and cheap when the cache is complete.
-  /usr/local/sbin/gts-dataset.sh
+step driver "$SBIN/gts-driver.sh"
+if [ -e "$STATE/reboot-required" ]; then
+  # The new kernel module loads after a reboot; this unit runs again then, driver stamped.
+  rm -f "$STATE/reboot-required"
+  log "driver installed; rebooting"
+  systemctl reboot
+  exit 0
 fi
-systemctl daemon-reload
-systemctl enable --now gts-exporters.service gts-spot-watch.service gts-trainer.service
-log "node ready"
+step runtime "$SBIN/gts-runtime.sh"
+touch "$STATE/ready"
+start_services gts-scratch.service gts-dataset.service gts-exporters.service gts-spot-watch.service \
+  gts-trainer.service
+log "node ready: scratch, dataset cache, exporters, spot watcher and trainer started"

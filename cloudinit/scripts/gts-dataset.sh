@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# Cache the dataset on scratch, then optionally in RAM (tmpfs) for the data loader.
-# The copy runs in the training image (fsspec for s3://, oss://, cosn://), is resumable
-# (finished files are skipped) and verified (sizes against the bucket listing).
+# Cache the dataset on scratch (then optionally in RAM) before the trainer starts. The copy runs
+# in the training image (fsspec for s3://, oss://, cosn://, with the node's role credentials):
+# many files in parallel, or the dataset's tar shards where it has them; resumable (finished
+# files are skipped) and verified (sizes against the bucket listing). Its unit has no start
+# timeout, so a dataset of a million files does not kill the bootstrap.
 set -euo pipefail
+ENV_FILE=${GTS_ENV_FILE:-/etc/gpu-training/node.env}
 # shellcheck source=/dev/null
-. "${GTS_ENV_FILE:-/etc/gpu-training/node.env}"
+. "$ENV_FILE"
 
+if [ -z "${GTS_DATASET_URL:-}" ]; then
+  echo "gts-dataset: no dataset configured"
+  exit 0
+fi
 SCRATCH=${GTS_SCRATCH_DIR:-/scratch}
 DEST="$SCRATCH/datasets/current"
 mkdir -p "$DEST"
-docker run --rm --network host -v "$SCRATCH:$SCRATCH" --env-file "${GTS_ENV_FILE:-/etc/gpu-training/node.env}" \
-  "$GTS_IMAGE" python -m training.datasync "$GTS_DATASET_URL" "$DEST"
+started=$SECONDS
+docker run --rm --network host -v "$SCRATCH:$SCRATCH" --env-file "$ENV_FILE" \
+  "$GTS_IMAGE" python -m training.datasync "$GTS_DATASET_URL" "$DEST" --workers "${GTS_DATASET_WORKERS:-32}"
+echo "gts-dataset: $GTS_DATASET_URL cached in $DEST in $((SECONDS - started)) s"
 
 if [ "${GTS_TMPFS_GB:-0}" -gt 0 ]; then
   need=$(du -sb "$DEST" | cut -f1)
@@ -24,5 +33,6 @@ if [ "${GTS_TMPFS_GB:-0}" -gt 0 ]; then
     mount -t tmpfs -o "size=${GTS_TMPFS_GB}G,mode=1777" tmpfs "$RAM"
   fi
   cp -a --no-clobber "$DEST/." "$RAM/"
-  sed -i "s#^DATA_DIR=.*#DATA_DIR=$RAM#" "${GTS_ENV_FILE:-/etc/gpu-training/node.env}"
+  # The trainer unit mounts DATA_DIR into the container, so it reads the RAM copy.
+  sed -i "s#^DATA_DIR=.*#DATA_DIR=$RAM#" "$ENV_FILE"
 fi

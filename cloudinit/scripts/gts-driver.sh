@@ -1,42 +1,53 @@
 #!/usr/bin/env bash
-# Install the pinned NVIDIA driver with the image's own package manager, unless one works.
-# Exit 0: a driver works. Exit 100: installed, reboot needed. Anything else: failure.
+# The pinned NVIDIA driver with the image's own package manager, unless one works already.
+# Exit 0: a driver works, or one was installed and $STATE/reboot-required asks for the reboot.
+# Anything else is a failure (apt-get's own exit 100 included: it means "an error occurred",
+# apt-get(8), never "installed"), and the bootstrap retries the step.
 set -euo pipefail
 # shellcheck source=/dev/null
 . "${GTS_ENV_FILE:-/etc/gpu-training/node.env}"
-
+STATE=${GTS_STATE_DIR:-/var/lib/gpu-training}
+OS_RELEASE=${GTS_OS_RELEASE:-/etc/os-release}
 BRANCH=${GTS_DRIVER_BRANCH:-535}
+
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
   echo "gts-driver: nvidia-smi works; keeping the image's driver"
   exit 0
 fi
 
+# Wait for the dpkg lock (unattended-upgrades holds it on a first boot) instead of failing.
+apt_get() { apt-get -o DPkg::Lock::Timeout=600 -o Dpkg::Options::=--force-confold "$@"; }
+apt_update() {
+  # DPkg::Lock::Timeout does not cover the lists lock `update` takes: retry it.
+  local try
+  for try in 1 2 3 4 5 6; do
+    if apt_get update -q; then return 0; fi
+    echo "gts-driver: apt-get update failed (try $try); retrying" >&2
+    sleep $((try * 10))
+  done
+  return 1
+}
+
 # shellcheck source=/dev/null
-. /etc/os-release
+. "$OS_RELEASE"
 case "${ID:-unknown}" in
   ubuntu|debian)
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q
-    apt-get install -y -q "linux-headers-$(uname -r)" "nvidia-driver-${BRANCH}-server" "nvidia-utils-${BRANCH}-server"
+    apt_update
+    apt_get install -y -q "linux-headers-$(uname -r)" "nvidia-driver-${BRANCH}-server" "nvidia-utils-${BRANCH}-server"
     if [ "${GTS_NVSWITCH:-false}" = "true" ]; then
-      apt-get install -y -q "nvidia-fabricmanager-${BRANCH}"
-      systemctl enable nvidia-fabricmanager
-    fi
-    ;;
-  alinux|tencentos|centos|rhel|rocky|almalinux|opencloudos)
-    major=${VERSION_ID%%.*}
-    repo=${GTS_NVIDIA_REPO:-https://developer.download.nvidia.com/compute/cuda/repos}
-    dnf install -y -q dnf-plugins-core "kernel-devel-$(uname -r)" "kernel-headers-$(uname -r)"
-    dnf config-manager --add-repo "${repo}/rhel${major}/x86_64/cuda-rhel${major}.repo"
-    dnf module install -y -q "nvidia-driver:${BRANCH}-dkms"
-    if [ "${GTS_NVSWITCH:-false}" = "true" ]; then
-      dnf install -y -q "nvidia-fabric-manager-${BRANCH}*"
+      # Fabric Manager must be exactly the driver's version (NVIDIA Fabric Manager user guide),
+      # or CUDA fails on NVSwitch systems: pin it to what was just installed.
+      version=$(dpkg-query -W -f='${Version}' "nvidia-utils-${BRANCH}-server")
+      apt_get install -y -q "nvidia-fabricmanager-${BRANCH}=${version}"
       systemctl enable nvidia-fabricmanager
     fi
     ;;
   *)
-    echo "gts-driver: no driver recipe for image ID '${ID:-unknown}'; use a GPU image" >&2
+    echo "gts-driver: no driver recipe for image ID '${ID:-unknown}'; the stack boots Ubuntu 22.04 VMs" >&2
     exit 1
     ;;
 esac
-exit 100
+mkdir -p "$STATE"
+touch "$STATE/reboot-required"
+echo "gts-driver: driver ${BRANCH} installed; a reboot loads it"

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Scratch space at one fixed path: RAID0 over the local NVMe (or data) disks when there are
-# several, XFS, mounted with nofail. Nothing destructive on a re-run or reboot: an existing
-# array or filesystem labelled gts-scratch is reused as it is.
+# Scratch space at one fixed path, on every boot (idempotent): an instance store the image has
+# already assembled (the AWS Deep Learning AMI mounts it at /opt/dlami/nvme) is bind-mounted;
+# otherwise RAID0 over the local NVMe (or data) disks when there are several, XFS, nofail. Nothing
+# destructive on a re-run: an array or filesystem labelled gts-scratch is reused as it is, and
+# one lost with the instance store (stop / start) is rebuilt.
 set -euo pipefail
 # shellcheck source=/dev/null
 . "${GTS_ENV_FILE:-/etc/gpu-training/node.env}"
 
 MOUNT=${GTS_SCRATCH_DIR:-/scratch}
+DLAMI_NVME=${GTS_DLAMI_NVME:-/opt/dlami/nvme}
 LABEL=gts-scratch
 MD=/dev/md/gts-scratch
+PICKER=${GTS_DISK_PICKER:-/usr/local/sbin/gts-disks.py}
+FSTAB=${GTS_FSTAB:-/etc/fstab}
 mkdir -p "$MOUNT"
 
 if mountpoint -q "$MOUNT"; then
@@ -16,9 +21,19 @@ if mountpoint -q "$MOUNT"; then
   exit 0
 fi
 
+if mountpoint -q "$DLAMI_NVME"; then
+  mount --bind "$DLAMI_NVME" "$MOUNT"
+  chmod 1777 "$MOUNT"
+  echo "gts-nvme: $DLAMI_NVME (the AMI's instance store) bind-mounted at $MOUNT"
+  exit 0
+fi
+
 existing=$(blkid -L "$LABEL" 2>/dev/null || true)
 if [ -z "$existing" ]; then
-  mapfile -t disks < <(/usr/local/sbin/gts-disks.py)
+  # A failing picker (no lsblk --json, no python3) stops the step instead of reading as "no disks".
+  picked=$("$PICKER")
+  disks=()
+  if [ -n "$picked" ]; then mapfile -t disks <<< "$picked"; fi
   if [ "${#disks[@]}" -eq 0 ]; then
     echo "gts-nvme: no free NVMe or data disk; scratch stays on the root disk at $MOUNT"
     exit 0
@@ -29,7 +44,6 @@ if [ -z "$existing" ]; then
     fi
     if [ ! -e "$MD" ]; then
       mdadm --create "$MD" --run --level=0 --raid-devices="${#disks[@]}" --name=gts-scratch "${disks[@]}"
-      mdadm --detail --scan > /etc/mdadm.conf.gts
     fi
     target=$MD
   else
@@ -42,8 +56,8 @@ if [ -z "$existing" ]; then
 fi
 
 uuid=$(blkid -s UUID -o value "$existing")
-if ! grep -q "$uuid" /etc/fstab; then
-  echo "UUID=$uuid $MOUNT xfs defaults,noatime,nofail,x-systemd.device-timeout=30 0 2" >> /etc/fstab
+if ! grep -q "$uuid" "$FSTAB"; then
+  echo "UUID=$uuid $MOUNT xfs defaults,noatime,nofail,x-systemd.device-timeout=30 0 2" >> "$FSTAB"
 fi
 mount "$MOUNT"
 chmod 1777 "$MOUNT"

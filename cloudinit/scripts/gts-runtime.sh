@@ -1,56 +1,57 @@
 #!/usr/bin/env bash
-# Docker with the NVIDIA container toolkit, and package / registry mirrors when configured.
+# Docker with the NVIDIA container toolkit (the AWS Deep Learning AMI ships both), and the
+# package / Docker Hub mirrors the stack names for nodes that cannot reach the public ones.
 set -euo pipefail
 # shellcheck source=/dev/null
 . "${GTS_ENV_FILE:-/etc/gpu-training/node.env}"
+OS_RELEASE=${GTS_OS_RELEASE:-/etc/os-release}
+ETC=${GTS_ETC:-/etc}
 # shellcheck source=/dev/null
-. /etc/os-release
+. "$OS_RELEASE"
 
-if [ -n "${GTS_PIP_MIRROR:-}" ]; then
-  printf '[global]\nindex-url = %s\n' "$GTS_PIP_MIRROR" > /etc/pip.conf
-fi
+apt_get() { apt-get -o DPkg::Lock::Timeout=600 -o Dpkg::Options::=--force-confold "$@"; }
+apt_update() {
+  local try
+  for try in 1 2 3 4 5 6; do
+    if apt_get update -q; then return 0; fi
+    echo "gts-runtime: apt-get update failed (try $try); retrying" >&2
+    sleep $((try * 10))
+  done
+  return 1
+}
 
 case "${ID:-unknown}" in
-  ubuntu|debian)
-    export DEBIAN_FRONTEND=noninteractive
-    if [ -n "${GTS_APT_MIRROR:-}" ]; then
-      sed -i -E "s#https?://[^ ]*(archive|security)\.ubuntu\.com/ubuntu#${GTS_APT_MIRROR}#g" \
-        /etc/apt/sources.list /etc/apt/sources.list.d/*.sources 2>/dev/null || true
-    fi
-    if ! command -v docker >/dev/null 2>&1; then
-      apt-get update -q
-      apt-get install -y -q docker.io
-    fi
-    if ! command -v nvidia-ctk >/dev/null 2>&1; then
-      curl -fsSL https://nvidia.github.io/libnvidia-container/gpgkey \
-        | gpg --dearmor -o /usr/share/keyrings/nvidia-container-toolkit.gpg
-      curl -fsSL https://nvidia.github.io/libnvidia-container/stable/deb/nvidia-container-toolkit.list \
-        | sed 's#deb https://#deb [signed-by=/usr/share/keyrings/nvidia-container-toolkit.gpg] https://#' \
-        > /etc/apt/sources.list.d/nvidia-container-toolkit.list
-      apt-get update -q
-      apt-get install -y -q nvidia-container-toolkit
-    fi
-    ;;
-  *)
-    if [ -n "${GTS_YUM_MIRROR:-}" ]; then
-      echo "gts-runtime: yum mirror ${GTS_YUM_MIRROR} is set in the image's repo files by the image owner"
-    fi
-    if ! command -v docker >/dev/null 2>&1; then
-      dnf install -y -q docker || dnf install -y -q moby-engine
-    fi
-    if ! command -v nvidia-ctk >/dev/null 2>&1; then
-      curl -fsSL https://nvidia.github.io/libnvidia-container/stable/rpm/nvidia-container-toolkit.repo \
-        > /etc/yum.repos.d/nvidia-container-toolkit.repo
-      dnf install -y -q nvidia-container-toolkit
-    fi
-    ;;
+  ubuntu|debian) ;;
+  *) echo "gts-runtime: the stack boots Ubuntu 22.04 VMs, not '${ID:-unknown}'" >&2; exit 1 ;;
 esac
+export DEBIAN_FRONTEND=noninteractive
+if [ -n "${GTS_APT_MIRROR:-}" ]; then
+  sed -i -E "s#https?://[^ ]*(archive|security)\.ubuntu\.com/ubuntu#${GTS_APT_MIRROR}#g" \
+    "$ETC/apt/sources.list" 2>/dev/null || true
+fi
+if ! command -v docker >/dev/null 2>&1; then
+  apt_update
+  apt_get install -y -q docker.io
+fi
+if ! command -v nvidia-ctk >/dev/null 2>&1; then
+  # The toolkit's apt repository, or the stack's mirror of it (China-region nodes).
+  repo=${GTS_NVIDIA_MIRROR:-https://nvidia.github.io/libnvidia-container}
+  keyring=$ETC/apt/keyrings/nvidia-container-toolkit.gpg
+  mkdir -p "$(dirname "$keyring")"
+  # --batch --yes: a retried step overwrites the key instead of failing without a tty.
+  curl -fsSL "$repo/gpgkey" | gpg --batch --yes --dearmor -o "$keyring"
+  echo "deb [signed-by=$keyring] $repo/stable/deb/\$(ARCH) /" > "$ETC/apt/sources.list.d/nvidia-container-toolkit.list"
+  apt_update
+  apt_get install -y -q nvidia-container-toolkit
+fi
 
-mkdir -p /etc/docker
-if [ -n "${GTS_REGISTRY_MIRROR:-}" ]; then
-  printf '{"registry-mirrors": ["https://%s"], "log-driver": "journald"}\n' "$GTS_REGISTRY_MIRROR" > /etc/docker/daemon.json
+mkdir -p "$ETC/docker"
+# registry-mirrors mirrors Docker Hub only (Docker docs, "Registry as a pull through cache"):
+# the stack's own images are pulled by their full name from the node's cloud registry.
+if [ -n "${GTS_DOCKERHUB_MIRROR:-}" ]; then
+  printf '{"registry-mirrors": ["%s"], "log-driver": "journald"}\n' "$GTS_DOCKERHUB_MIRROR" > "$ETC/docker/daemon.json"
 else
-  printf '{"log-driver": "journald"}\n' > /etc/docker/daemon.json
+  printf '{"log-driver": "journald"}\n' > "$ETC/docker/daemon.json"
 fi
 nvidia-ctk runtime configure --runtime=docker
 systemctl enable docker

@@ -1,13 +1,24 @@
 #!/usr/bin/env python3
-"""Turn a spot interruption notice into a checkpoint.
+"""Turn a reclaim notice into a checkpoint, with the whole notice for it.
 
-Polls the cloud's metadata service (every 5 s by default). When a notice appears it logs it,
-exposes it as a node-exporter textfile metric, and sends SIGTERM to the training container
-(or process) once, so the trainer finishes its step, writes its emergency checkpoint and
-uploads it inside the notice's lead time.
+Polls the cloud's metadata service (every 5 s by default) for a spot reclaim notice (and on AWS
+an Auto Scaling scale-in, seen as the instance's target lifecycle state, and a rebalance
+recommendation). On a notice it:
+
+1. marks the node (`/run/gpu-training/spot-notice`: the trainer unit is never started again);
+2. sends SIGTERM to the training *workers*, not to their launcher: torchrun would forward it and
+   SIGKILL the workers 30 s later, exit 1, and be restarted (torch.distributed.elastic
+   `PContext.close`); the workers instead finish their step, commit the emergency checkpoint,
+   upload it and exit 0, and torchrun exits 0 with them;
+3. waits for the trainer to exit, up to the reclaim time less a margin (then `docker stop`),
+   logs how long the checkpoint took from the notice, and stops the trainer unit without a
+   restart.
+
+A rebalance recommendation (AWS: an elevated risk of interruption) asks the workers for a
+checkpoint now (SIGUSR1) and lets them go on.
 
     gts-spot-watch.py --cloud aws --action docker:gts-trainer
-    gts-spot-watch.py --cloud tencentcloud --action crictl:trainer   # Kubernetes nodes
+    gts-spot-watch.py --cloud tencentcloud --action crictl:trainer       # Kubernetes nodes
     gts-spot-watch.py --cloud alicloud --action pid:1234 --metadata-url http://127.0.0.1:8080 --once
 """
 
@@ -20,54 +31,15 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
-ENDPOINTS = {
-    "aws": ("http://169.254.169.254", "/latest/meta-data/spot/instance-action"),
-    "alicloud": ("http://100.100.100.200", "/latest/meta-data/instance/spot/termination-time"),
-    "tencentcloud": ("http://metadata.tencentyun.com", "/latest/meta-data/spot/termination-time"),
-}
-TOKEN_HEADERS = {  # cloud: (ttl header for PUT /latest/api/token, header carrying the token)
-    "aws": ("X-aws-ec2-metadata-token-ttl-seconds", "X-aws-ec2-metadata-token"),
-    "alicloud": ("X-aliyun-ecs-metadata-token-ttl-seconds", "X-aliyun-ecs-metadata-token"),
-}
-BEIJING = dt.timezone(dt.timedelta(hours=8))
+sys.path.insert(0, os.environ.get("GTS_LIB", "/usr/local/lib/gts"))
+import cloudmeta  # noqa: E402  (the node's copy of training/cloudmeta.py)
+
+AWS_LIFECYCLE = "/latest/meta-data/autoscaling/target-lifecycle-state"
+AWS_REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
+MARGIN_S = 10.0  # stop waiting this long before the node goes
+DEFAULT_NOTICE_S = 120.0  # when a notice carries no readable time
 log = logging.getLogger("gts-spot-watch")
-
-
-class Metadata:
-    def __init__(self, cloud, base_url, timeout=2.0):
-        self.cloud = cloud
-        self.base = (base_url or ENDPOINTS[cloud][0]).rstrip("/")
-        self.path = ENDPOINTS[cloud][1]
-        self.timeout = timeout
-        self.token = None
-
-    def _token(self):
-        ttl_header, _ = TOKEN_HEADERS[self.cloud]
-        req = urllib.request.Request(self.base + "/latest/api/token", method="PUT", headers={ttl_header: "21600"})
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            return resp.read().decode().strip()
-
-    def notice(self):
-        """The notice body, or None while there is none (404)."""
-        headers = {}
-        if self.cloud in TOKEN_HEADERS:
-            if self.token is None:
-                self.token = self._token()
-            headers[TOKEN_HEADERS[self.cloud][1]] = self.token
-        req = urllib.request.Request(self.base + self.path, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return resp.read().decode().strip() or None
-        except urllib.error.HTTPError as err:
-            if err.code == 404:
-                return None
-            if err.code == 401:
-                self.token = None  # expired: fetch a new one next time
-                return None
-            raise
 
 
 def deadline(cloud, body):
@@ -78,7 +50,8 @@ def deadline(cloud, body):
             return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
         if cloud == "alicloud":
             return dt.datetime.strptime(body, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
-        return dt.datetime.strptime(body, "%Y-%m-%d %H:%M:%S").replace(tzinfo=BEIJING).astimezone(dt.timezone.utc)
+        return dt.datetime.strptime(body, "%Y-%m-%d %H:%M:%S").replace(
+            tzinfo=cloudmeta.BEIJING).astimezone(dt.timezone.utc)
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -99,48 +72,144 @@ def write_metric(directory, cloud, when):
     os.replace(tmp, os.path.join(directory, "gts_spot.prom"))
 
 
-def act(action):
-    kind, _, target = action.partition(":")
-    if kind == "pid":
-        os.kill(int(target), signal.SIGTERM)
-    elif kind == "docker":
-        subprocess.run(["docker", "kill", "--signal", "TERM", target], check=True)
-    elif kind == "crictl":
-        ids = subprocess.run(["crictl", "ps", "-q", "--label", f"io.kubernetes.container.name={target}"],
-                             check=True, capture_output=True, text=True).stdout.split()
-        for cid in ids:  # crictl stop sends SIGTERM, then waits for the grace period
-            subprocess.Popen(["crictl", "stop", "--timeout", "110", cid])
-    else:
-        raise ValueError(f"unknown action {action!r}: use pid:N, docker:NAME or crictl:NAME")
+def children(pid):
+    """Direct children of `pid`, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            found.append(int(entry))
+    return found
+
+
+class Trainer:
+    """The training run an action names: its workers to signal, and whether it still runs."""
+
+    def __init__(self, action):
+        self.kind, _, self.target = action.partition(":")
+        if self.kind not in ("pid", "docker", "crictl"):
+            raise ValueError(f"unknown action {action!r}: use pid:N, docker:NAME or crictl:NAME")
+
+    def _crictl_ids(self):
+        out = subprocess.run(["crictl", "ps", "-q", "--label", f"io.kubernetes.container.name={self.target}"],
+                             check=True, stdout=subprocess.PIPE, universal_newlines=True).stdout
+        return out.split()
+
+    def signal_workers(self, sig):
+        """`sig` to the launcher's children (the training processes), not to the launcher."""
+        name = signal.Signals(sig).name.replace("SIG", "")
+        if self.kind == "pid":
+            for child in children(int(self.target)):
+                os.kill(child, sig)
+        elif self.kind == "docker":
+            subprocess.run(["docker", "exec", self.target, "pkill", f"-{name}", "-P", "1"], check=False)
+        else:
+            for cid in self._crictl_ids():
+                subprocess.run(["crictl", "exec", cid, "pkill", f"-{name}", "-P", "1"], check=False)
+
+    def running(self):
+        if self.kind == "pid":
+            try:
+                os.kill(int(self.target), 0)
+            except ProcessLookupError:
+                return False
+            with open(f"/proc/{self.target}/stat", encoding="utf-8") as fh:
+                return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+        if self.kind == "docker":
+            out = subprocess.run(["docker", "inspect", "-f", "{{.State.Running}}", self.target],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, universal_newlines=True)
+            return out.stdout.strip() == "true"
+        return bool(self._crictl_ids())
+
+    def stop(self):
+        """The last resort, and what keeps a stopped unit from restarting."""
+        if self.kind == "docker":
+            subprocess.run(["systemctl", "stop", "--no-block", "gts-trainer.service"], check=False)
+        elif self.kind == "pid" and self.running():
+            os.kill(int(self.target), signal.SIGTERM)
+
+
+def emergency_checkpoint(trainer, goes_at, now=time.time):
+    """Signal the workers and wait for the trainer to exit; seconds it took (None: it did not)."""
+    started = now()
+    limit = (goes_at.timestamp() if goes_at else started + DEFAULT_NOTICE_S) - MARGIN_S
+    trainer.signal_workers(signal.SIGTERM)
+    while now() < limit:
+        if not trainer.running():
+            took = now() - started
+            log.warning("emergency checkpoint: the trainer exited %.1f s after the notice (%.0f s before "
+                        "the node goes)", took, max(0.0, limit + MARGIN_S - now()))
+            trainer.stop()
+            return took
+        time.sleep(0.5)
+    log.error("the trainer still runs %.0f s before the node goes; stopping it", MARGIN_S)
+    trainer.stop()
+    return None
+
+
+def mark(run_dir):
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "spot-notice"), "w", encoding="utf-8") as fh:
+        fh.write(f"{time.time():.0f}\n")
+
+
+def poll(meta, cloud):
+    """(kind, body) of the first notice the metadata service gives, or (None, None)."""
+    body = meta.get(meta.meta.spot_path, missing_ok=True)
+    if body:
+        return "reclaim", body
+    if cloud == "aws":
+        state = meta.get(AWS_LIFECYCLE, missing_ok=True)
+        if state and state.strip() == "Terminated":  # scale-in, held by the group's lifecycle hook
+            goes = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=DEFAULT_NOTICE_S)).strftime("%Y-%m-%dT%H:%M:%SZ")
+            return "scale-in", json.dumps({"action": "terminate", "time": goes})
+        rebalance = meta.get(AWS_REBALANCE, missing_ok=True)
+        if rebalance:
+            return "rebalance", rebalance
+    return None, None
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cloud", choices=sorted(ENDPOINTS), required=True)
+    parser = argparse.ArgumentParser(description="reclaim notice -> emergency checkpoint")
+    parser.add_argument("--cloud", choices=sorted(cloudmeta.CLOUDS), required=True)
     parser.add_argument("--action", required=True, help="pid:N | docker:CONTAINER | crictl:CONTAINER_NAME")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between polls")
-    parser.add_argument("--metadata-url", default=os.environ.get("GTS_METADATA_URL"), help="override, for tests")
+    parser.add_argument("--metadata-url", default=os.environ.get("GTS_METADATA_URL") or None, help="override, for tests")
     parser.add_argument("--textfile-dir", default="/var/lib/node_exporter/textfile")
+    parser.add_argument("--run-dir", default=os.environ.get("GTS_RUN_DIR", "/run/gpu-training"))
     parser.add_argument("--once", action="store_true", help="exit after acting on a notice")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    meta = Metadata(args.cloud, args.metadata_url)
-    acted = False
-    log.info("watching %s%s every %.0f s", meta.base, meta.path, args.interval)
+    meta = cloudmeta.Metadata(args.cloud, args.metadata_url)
+    trainer = Trainer(args.action)
+    rebalanced = False
+    log.info("watching %s%s every %.0f s", meta.base, meta.meta.spot_path, args.interval)
     while True:
         try:
-            body = meta.notice()
-        except (urllib.error.URLError, OSError) as exc:
+            kind, body = poll(meta, args.cloud)
+        except (OSError, cloudmeta.MetadataError) as exc:
             log.warning("metadata service unreachable: %s", exc)
-            body = None
-        if body and not acted:
-            when = deadline(args.cloud, body)
-            log.warning("spot interruption notice: %s (node goes at %s); stopping the trainer", body, when)
+            kind, body = None, None
+        if kind == "rebalance" and not rebalanced:
+            log.warning("rebalance recommendation (%s): asking the trainer for a checkpoint now", body)
+            trainer.signal_workers(signal.SIGUSR1)
+            rebalanced = True
+        elif kind in ("reclaim", "scale-in"):
+            when = deadline("aws" if kind == "scale-in" else args.cloud, body)
+            log.warning("%s notice: %s (node goes at %s); checkpointing", kind, body, when)
+            mark(args.run_dir)
             write_metric(args.textfile_dir, args.cloud, when)
-            act(args.action)
-            acted = True
+            emergency_checkpoint(trainer, when)
             if args.once:
                 return 0
+            while True:  # nothing more to do on this node
+                time.sleep(3600)
         time.sleep(args.interval)
 
 

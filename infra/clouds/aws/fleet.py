@@ -116,6 +116,13 @@ class AwsGpuFleet(pulumi.ComponentResource):
             tags=[aws.autoscaling.GroupTagArgs(key=k, value=v, propagate_at_launch=True) for k, v in tags.items()],
             opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["desiredCapacity"])))
 
+        # A scale-in gives no spot-style notice: this hook holds a leaving instance for five minutes,
+        # and the spot watcher sees it as the target lifecycle state "Terminated" in instance
+        # metadata (EC2 Auto Scaling user guide, "Retrieve the target lifecycle state through
+        # instance metadata") and checkpoints as on a reclaim.
+        aws.autoscaling.LifecycleHook(f"{name}-drain", autoscaling_group_name=self.group.name,
+                                      lifecycle_transition="autoscaling:EC2_INSTANCE_TERMINATING",
+                                      heartbeat_timeout=300, default_result="CONTINUE", opts=child)
         for action in g.schedule:
             lo, hi = schedule_bounds(g.group, action)
             aws.autoscaling.Schedule(f"{name}-{action.name}", scheduled_action_name=action.name,
