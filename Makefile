@@ -16,7 +16,7 @@ CKPT_EVERY ?= 50
 CKPT_DIR   ?= out/checkpoints
 THROTTLE_MS ?= 50
 
-.PHONY: plan userdata monitoring train-local bench test typecheck unit tools venv clean
+.PHONY: plan userdata monitoring dataset train-local bench test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -44,6 +44,10 @@ userdata: $(RUNTIME_STAMP)
 ## monitoring: Prometheus alerting rules and a Grafana dashboard for the stack, into OUT (default out/monitoring)
 monitoring: $(RUNTIME_STAMP)
 	@$(PY) -m infra.cli.monitoring --stack $(STACK) --out $(or $(OUT),out/monitoring)
+
+## dataset: copy training.datasetSource into every cloud's bucket at datasets/<training.dataset>/ (STACK=…; resumable, verified)
+dataset: $(STAMP)
+	@$(PY) -m infra.cli.dataset --stack $(STACK)
 
 ## train-local: the trainer on CPU, 2 processes (gloo), tiny workload (STEPS= CKPT_EVERY= CKPT_DIR=<path or URL>)
 train-local: $(STAMP)

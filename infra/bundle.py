@@ -29,6 +29,7 @@ FILES = (
     ("/usr/local/sbin/gts-disks.py", 0o755, "cloudinit/scripts/gts-disks.py"),
     ("/usr/local/sbin/gts-dataset.sh", 0o755, "cloudinit/scripts/gts-dataset.sh"),
     ("/usr/local/sbin/gts-spot-watch.py", 0o755, "cloudinit/scripts/gts-spot-watch.py"),
+    ("/usr/local/sbin/gts-registry-login.py", 0o755, "cloudinit/scripts/gts-registry-login.py"),
     ("/etc/systemd/system/gts-bootstrap.service", 0o644, "cloudinit/units/gts-bootstrap.service"),
     ("/etc/systemd/system/gts-scratch.service", 0o644, "cloudinit/units/gts-scratch.service"),
     ("/etc/systemd/system/gts-dataset.service", 0o644, "cloudinit/units/gts-dataset.service"),

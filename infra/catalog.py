@@ -229,6 +229,13 @@ def load_system_pools() -> dict[str, dict[str, Any]]:
 
 
 @functools.cache
+def load_registry_prices() -> dict[str, dict[str, Any]]:
+    """What the trainer image's registry costs per month on each cloud."""
+    data = _load_yaml("registry_prices.yaml")
+    return {cloud: dict(data[cloud]) for cloud in CLOUDS}
+
+
+@functools.cache
 def load_storage_prices() -> dict[str, dict[str, Any]]:
     data = _load_yaml("storage_prices.yaml")
     return {cloud: dict(data[cloud]) for cloud in CLOUDS}

@@ -28,7 +28,8 @@ NOT_INTERNET = tuple(IPv4Network(c) for c in ("10.0.0.0/8", "172.16.0.0/12", "19
 
 def check(spec: StackSpec) -> list[Problem]:
     return [*_cidr_sizes(spec), *_tags(spec), *_buckets(spec), *_api_access(spec), *_cluster_ranges(spec),
-            *_features(spec), *_joined_names(spec), *_subnet_zones(spec), *_ack_pool_marks(spec), *_egress(spec)]
+            *_features(spec), *_joined_names(spec), *_subnet_zones(spec), *_ack_pool_marks(spec), *_egress(spec),
+            *_images(spec)]
 
 
 def _limits(section: str) -> dict[str, object]:
@@ -203,3 +204,33 @@ def _egress(spec: StackSpec) -> Iterator[Problem]:
             groups = ", ".join(g.name for g in spec.node_groups if g.network == net.name)
             yield Problem(f"networks[{i}].nat", f"the nodes of {groups} need egress to pull their images, drivers and "
                                                 "packages (they have no public address); set nat: true")
+
+
+DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+
+
+def _images(spec: StackSpec) -> Iterator[Problem]:
+    """Images by digest only (a tag can be moved to other bytes), and a way to push them."""
+    t = spec.training
+    if not DIGEST.search(t.image):
+        yield Problem("training.image", f"{t.image!r} is not pinned by digest; append @sha256:<digest> "
+                                        "(`docker buildx imagetools inspect <image>` prints it)")
+    for cloud, ref in t.prebuilt_images.items():
+        if not DIGEST.search(ref):
+            yield Problem(f"training.prebuiltImages.{cloud}", f"{ref!r} is not pinned by digest; append @sha256:<digest>")
+    clouds_with_nodes = {g.cloud for g in spec.node_groups}
+    for i, g in enumerate(spec.node_groups):
+        net = spec.network(g.network)
+        home = spec.clouds[g.cloud].region
+        if g.cloud in ("alicloud", "tencentcloud") and g.cloud not in t.prebuilt_images and spec.region_of(net) != home:
+            yield Problem(f"nodeGroups[{i}].network",
+                          f"{g.name} runs in {spec.region_of(net)}, but the stack's {cat.CLOUD_NAMES[g.cloud]} registry "
+                          f"serves VPCs in {home} only (ACR EE VPC endpoints and TCR VPC attachments are regional); "
+                          f"put the group in a {home} network or set training.prebuiltImages.{g.cloud} to an image "
+                          "its nodes can pull")
+    for cloud in sorted(clouds_with_nodes & {"alicloud", "tencentcloud"}):
+        if cloud not in t.prebuilt_images and not spec.kubernetes.api_access_cidrs:
+            yield Problem("kubernetes.apiAccessCidrs", f"the {cat.CLOUD_NAMES[cloud]} registry takes the trainer image "
+                                                       "only from these CIDRs (it is closed to the internet otherwise); "
+                                                       "list where `pulumi up` runs, or set "
+                                                       f"training.prebuiltImages.{cloud}")

@@ -144,6 +144,16 @@ def nat_hourly_usd(spec: StackSpec, cloud: str) -> float:
     return gateways * cat.to_usd(each, str(prices["currency"]), spec.pricing.cny_per_usd)
 
 
+def registry_monthly_usd(spec: StackSpec, cloud: str) -> float:
+    """The registry the stack builds the trainer image into (infra/image.py): none where the
+    cloud has no nodes or the spec names a prebuilt image for it."""
+    if cloud in spec.training.prebuilt_images or not any(g.cloud == cloud for g in spec.node_groups):
+        return 0.0
+    prices = cat.load_registry_prices()[cloud]
+    monthly = float(prices["monthly"]) + float(prices["storageGbMonth"]) * float(prices["imageGb"])
+    return round(cat.to_usd(monthly, str(prices["currency"]), spec.pricing.cny_per_usd), 2)
+
+
 def stack_cost(stack: Stack) -> dict[str, Any]:
     """The cost summary the plan prints and the policy pack checks."""
     spec = stack.spec
@@ -154,7 +164,8 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
         storage = storage_monthly_usd(spec, cloud)
         clusters = round(clusters_hourly_usd(stack, cloud) * cat.HOURS_PER_MONTH, 2)
         nat = round(nat_hourly_usd(spec, cloud) * cat.HOURS_PER_MONTH, 2)
-        fixed = storage + clusters + nat
+        registry = registry_monthly_usd(spec, cloud)
+        fixed = storage + clusters + nat + registry
         monthly = sum(g.monthly_usd for g in mine) + fixed
         by_cloud[cloud] = {
             "hourly_usd": round(monthly / cat.HOURS_PER_MONTH, 4),
@@ -164,6 +175,7 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
             "storage_monthly_usd": storage,
             "clusters_monthly_usd": clusters,
             "nat_monthly_usd": nat,
+            "registry_monthly_usd": registry,
         }
     monthly = sum(c["monthly_usd"] for c in by_cloud.values())
     on_demand = sum(c["on_demand_monthly_usd"] for c in by_cloud.values())

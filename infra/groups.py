@@ -5,10 +5,11 @@ whole spec."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from infra import catalog as cat
 from infra.buckets import Bucket, bucket
+from infra.contract import trainer_env
 from infra.spec import GpuRequirement, Market, NodeGroup, ScheduleAction, Scaling, StackSpec
 
 SYSTEM_DISK_GB = 200  # root / system disk of every GPU node, all clouds
@@ -47,6 +48,7 @@ class ResolvedGroup:
     price_cap: float | None  # spot cap in the catalog row's currency (CNY for Alibaba / Tencent)
     prices: NodePrices
     bucket: Bucket  # the stack's bucket on the group's cloud
+    trainer: dict[str, str] = field(default_factory=dict)  # the trainer contract's values (infra/contract.py)
 
     # -- the spec entry, by name ------------------------------------------------------
     @property
@@ -203,4 +205,5 @@ class Stack:
 
 def resolve(spec: StackSpec) -> Stack:
     catalog = spec.catalog()
-    return Stack(spec, tuple(resolve_group(spec, g, i, catalog) for i, g in enumerate(spec.node_groups)))
+    groups = (resolve_group(spec, g, i, catalog) for i, g in enumerate(spec.node_groups))
+    return Stack(spec, tuple(replace(rg, trainer=trainer_env(spec, rg)) for rg in groups))

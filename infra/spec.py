@@ -181,12 +181,21 @@ class Storage(SpecModel):
 
 
 class Training(SpecModel):
-    image: str = Field(description="Training container image (pinned tag or digest).")
+    image: str = Field(description="Base image the stack builds the trainer image from (training/Dockerfile), "
+                                   "pinned by digest.")
+    prebuilt_images: dict[Cloud, str] = Field(
+        default_factory=dict, description="Per cloud, a trainer image built elsewhere (pinned by digest) to use "
+                                          "instead of building one.")
     launcher: Literal["torchrun", "accelerate", "horovod"] = Field("torchrun", description="Distributed launcher.")
     workload: Literal["resnet50", "tiny"] = Field("resnet50", description="Workload the bootstrap trains.")
+    steps: int = Field(100_000, gt=0, description="Optimizer steps of the whole run (across restarts).")
     checkpoint_every: int = Field(500, gt=0, description="Checkpoint every N steps (and on SIGTERM).")
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept locally and in the bucket.")
-    dataset_url: str = Field(description="Dataset location (s3://, oss://, cosn://, file://).")
+    dataset: Name | None = Field(None, description="Dataset name: each cloud's nodes read <bucket>/datasets/<name>/ "
+                                                   "in their own cloud.")
+    dataset_source: str | None = Field(None, description="Where the dataset's original lives (s3://, oss://, cosn://, "
+                                                         "file:// or a path); `make dataset` copies it into each "
+                                                         "cloud's bucket.")
     mlflow_tracking_uri: str | None = Field(None, description="MLflow server, if any.")
     rendezvous_endpoint: str | None = Field(
         None, pattern=r"^[A-Za-z0-9.-]+:\d+$",

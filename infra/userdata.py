@@ -24,7 +24,6 @@ from pathlib import Path
 import jinja2
 
 from infra import bundle
-from infra.buckets import endpoint
 from infra.errors import Problem
 from infra.groups import ResolvedGroup, Stack
 from infra.images import node_agents
@@ -69,22 +68,11 @@ class NodeContext:
     cloud: str
     group: str
     mode: str  # vm | kubernetes
-    image: str
-    launcher: str
-    workload_name: str
-    checkpoint_url: str
-    checkpoint_every: int
-    dataset_url: str
-    data_dir: str
+    image: str  # the trainer image, by digest
     scratch_gb: int
     tmpfs_gb: int
-    gpus: int
-    nnodes: int
     nvswitch: bool
     driver_branch: str
-    rdzv_endpoint: str
-    mlflow_tracking_uri: str
-    node_hourly_usd: str
     dockerhub_mirror: str
     apt_mirror: str
     nvidia_mirror: str
@@ -94,30 +82,22 @@ class NodeContext:
     node_exporter_image: str
     bundle_url: str  # the node bundle in the stack's bucket, and its pinned sha256
     bundle_sha256: str
-    storage_endpoint: str  # the S3-compatible endpoint of the stack's bucket, from this node
-    storage_region: str
+    trainer: dict[str, str]  # the trainer contract (infra/contract.py)
 
 
-def node_context(spec: StackSpec, rg: ResolvedGroup) -> NodeContext:
+def node_context(spec: StackSpec, rg: ResolvedGroup, image: str) -> NodeContext:
     pinned = bundle.build()
     mirrors = spec.clouds[rg.group.cloud].mirrors
     agents = node_agents(mirrors)
     kube = rg.kind == "kubernetes"
     return NodeContext(
-        env=spec.env, cloud=rg.cloud, group=rg.name, mode="kubernetes" if kube else "vm",
-        image=spec.training.image, launcher=spec.training.launcher, workload_name=spec.training.workload,
-        checkpoint_url=rg.checkpoint_url, checkpoint_every=spec.training.checkpoint_every,
-        dataset_url=spec.training.dataset_url, data_dir="/scratch/datasets/current",
-        scratch_gb=rg.scratch_gb, tmpfs_gb=spec.storage.dataset_tmpfs_gb, gpus=rg.gpus,
-        nnodes=rg.nnodes, nvswitch=rg.primary.nvswitch, driver_branch=DRIVER_BRANCH,
-        rdzv_endpoint=spec.training.rendezvous_endpoint or "",
-        mlflow_tracking_uri=spec.training.mlflow_tracking_uri or "", node_hourly_usd=f"{rg.node_hourly_usd:.4f}",
-        dockerhub_mirror=mirrors.docker_hub or "", apt_mirror=mirrors.apt or "", nvidia_mirror=mirrors.nvidia or "",
-        spot_action="crictl:trainer" if kube else "docker:gts-trainer",
-        metadata_url=METADATA_URLS[rg.cloud],
-        dcgm_exporter_image=agents.dcgm_exporter, node_exporter_image=agents.node_exporter,
-        bundle_url=f"s3://{rg.bucket.name}/{pinned.key}", bundle_sha256=pinned.sha256,
-        storage_endpoint=endpoint(rg.cloud, rg.bucket.region, rg.region), storage_region=rg.bucket.region,
+        env=spec.env, cloud=rg.cloud, group=rg.name, mode="kubernetes" if kube else "vm", image=image,
+        scratch_gb=rg.scratch_gb, tmpfs_gb=spec.storage.dataset_tmpfs_gb, nvswitch=rg.primary.nvswitch,
+        driver_branch=DRIVER_BRANCH, dockerhub_mirror=mirrors.docker_hub or "", apt_mirror=mirrors.apt or "",
+        nvidia_mirror=mirrors.nvidia or "", spot_action="crictl:trainer" if kube else "docker:gts-trainer",
+        metadata_url=METADATA_URLS[rg.cloud], dcgm_exporter_image=agents.dcgm_exporter,
+        node_exporter_image=agents.node_exporter, bundle_url=f"s3://{rg.bucket.name}/{pinned.key}",
+        bundle_sha256=pinned.sha256, trainer=rg.trainer,
     )
 
 
@@ -135,8 +115,9 @@ def compact_python(source: str) -> str:
 
 
 def pack(text: str) -> str:
-    """gzip + base64, wrapped at 76 columns (reproducible: no gzip timestamp)."""
-    return base64.encodebytes(gzip.compress(text.encode(), mtime=0)).decode().rstrip("\n")
+    """gzip + base64 on one line (wrapping would add a newline and the YAML indent every 76
+    columns to a document with a size limit); reproducible: no gzip timestamp."""
+    return base64.b64encode(gzip.compress(text.encode(), mtime=0)).decode()
 
 
 def _files(ctx: NodeContext) -> list[dict[str, str]]:
@@ -153,6 +134,11 @@ def _files(ctx: NodeContext) -> list[dict[str, str]]:
         else:
             out.append({"path": path, "permissions": mode, "content": pack(content), "encoding": "gz+b64"})
     return out
+
+
+def render_env(ctx: NodeContext) -> str:
+    """The node's /etc/gpu-training/node.env alone."""
+    return _ENV.get_template("cloudinit/node.env.j2").render(**asdict(ctx))
 
 
 def render(ctx: NodeContext) -> str:
@@ -195,9 +181,13 @@ def for_node_pool_script(ctx: NodeContext) -> str:
     return base64.b64encode(_check(render_script(ctx).encode(), ctx.cloud, f"{ctx.cloud}/{ctx.group}")).decode()
 
 
-def for_group(spec: StackSpec, rg: ResolvedGroup) -> str:
+# As long as any digest reference: the user data is sized with it before the image exists.
+IMAGE_PLACEHOLDER = "registry.example/gpu-training-stack/trainer@sha256:" + "0" * 64
+
+
+def for_group(spec: StackSpec, rg: ResolvedGroup, image: str = IMAGE_PLACEHOLDER) -> str:
     """The user data field value of a group's nodes, in the shape its kind of node takes."""
-    ctx = node_context(spec, rg)
+    ctx = node_context(spec, rg, image)
     if rg.kind == "vm":
         return for_vm(ctx)
     return for_eks(ctx) if rg.cloud == "aws" else for_node_pool_script(ctx)

@@ -56,6 +56,22 @@ def shipped(stack: str) -> tuple[Registered, ...]:
     return tuple(run_stack(stack))
 
 
+# What a checkout of the project holds that the stack program reads: the program, the stack
+# files' project, its packages, the node bootstrap and the trainer (bundled onto nodes).
+PROGRAM_FOLDERS = ("infra", "policies", "cloudinit", "training")
+
+
+def project_copy(tmp: Path) -> Path:
+    """A copy of the project without its stack files (folders linked), to run commands in."""
+    proj = tmp / "proj"
+    proj.mkdir()
+    for name in ("Pulumi.yaml", "__main__.py"):
+        (proj / name).write_text((ROOT / name).read_text())
+    for folder in PROGRAM_FOLDERS:
+        (proj / folder).symlink_to(ROOT / folder)
+    return proj
+
+
 def by_type(resources: list[Registered], type_token: str) -> list[Registered]:
     return [r for r in resources if r.type == type_token]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.parse
 import time
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,6 +20,7 @@ SPOT_PATHS = {"aws": "/latest/meta-data/spot/instance-action",
 CREDENTIAL_PATHS = {"aws": "/latest/meta-data/iam/security-credentials/",
                     "alicloud": "/latest/meta-data/ram/security-credentials/",
                     "tencentcloud": "/latest/meta-data/cam/security-credentials/"}
+POD_IDENTITY_PATH = "/v1/credentials"  # the EKS Pod Identity agent's (AWS_CONTAINER_CREDENTIALS_FULL_URI)
 TOKEN_HEADERS = {"aws": ("X-aws-ec2-metadata-token-ttl-seconds", "X-aws-ec2-metadata-token"),
                  "alicloud": ("X-aliyun-ecs-metadata-token-ttl-seconds", "X-aliyun-ecs-metadata-token")}
 
@@ -39,6 +41,9 @@ class FakeMetadata:
         self.extra: dict[str, str] = {}  # other paths, e.g. AWS's rebalance recommendation
         self.credential_requests = 0
         self.token = "tok-123"
+        # Alibaba STS AssumeRoleWithOIDC (ACK RRSA) and the EKS Pod Identity agent, on the same port
+        self.oidc_tokens: list[str] = []
+        self.pod_identity_token = "pod-identity-token"
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -52,7 +57,23 @@ class FakeMetadata:
                     return
                 self._reply(200, owner.token)
 
+            def do_POST(self) -> None:  # noqa: N802
+                query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query))
+                if query.get("Action") != "AssumeRoleWithOIDC" or not query.get("OIDCToken"):
+                    self.send_error(400)
+                    return
+                owner.oidc_tokens.append(query["OIDCToken"])
+                doc = json.loads(owner.document())  # alicloud's credential fields
+                self._reply(200, json.dumps({"RequestId": "r-1", "Credentials": doc}))
+
             def do_GET(self) -> None:  # noqa: N802
+                if self.path == POD_IDENTITY_PATH:
+                    if self.headers.get("Authorization") != owner.pod_identity_token:
+                        self.send_error(401)
+                        return
+                    owner.credential_requests += 1
+                    self._reply(200, owner.document())
+                    return
                 headers = TOKEN_HEADERS.get(owner.cloud)
                 if headers and self.headers.get(headers[1]) != owner.token:
                     self.send_error(401)

@@ -33,8 +33,7 @@ def _unpacked(root: Path) -> Path:
 
 def _node_env(group: str = "aws-train", stack: str = "prod", **changes: str) -> str:
     s = resolve(load_stack_spec(stack))
-    text = userdata._ENV.get_template("cloudinit/node.env.j2").render(
-        **userdata.asdict(userdata.node_context(s.spec, s.group(group))))
+    text = userdata.render_env(userdata.node_context(s.spec, s.group(group), userdata.IMAGE_PLACEHOLDER))
     for k, v in changes.items():
         text = re.sub(rf"^{k}=.*$", f"{k}={v}", text, flags=re.M)
     return text
@@ -75,9 +74,9 @@ def test_units_verify_with_systemd_and_form_no_ordering_cycle(tmp_path: Path) ->
     # Enable every unit as `systemctl enable` would (its WantedBy=), and cloud-final as Ubuntu does.
     wants = {"multi-user.target": ["cloud-init.target"], "cloud-init.target": ["cloud-final.service"]}
     for unit in units.glob("gts-*.service"):
-        target = re.search(r"^WantedBy=(\S+)", unit.read_text(), re.M)
-        assert target, f"{unit.name} is not installable"
-        wants.setdefault(target.group(1), []).append(unit.name)
+        wanted_by = re.search(r"^WantedBy=(\S+)", unit.read_text(), re.M)
+        assert wanted_by, f"{unit.name} is not installable"
+        wants.setdefault(wanted_by.group(1), []).append(unit.name)
     for target, names in wants.items():
         (units / f"{target}.wants").mkdir(exist_ok=True)
         for name in names:
@@ -252,7 +251,7 @@ def test_scratch_never_hides_a_failing_disk_picker(sandbox: dict[str, str], tmp_
     picker = tmp_path / "picker"
     Path(sandbox["GTS_ENV_FILE"]).write_text(_node_env(GTS_SCRATCH_DIR=str(tmp_path / "scratch")))
     env = {**sandbox, "GTS_DISK_PICKER": str(picker), "GTS_DLAMI_NVME": str(tmp_path / "no-dlami"),
-           "GTS_FSTAB": str(tmp_path / "fstab")}
+           "GTS_FSTAB": str(tmp_path / "fstab"), "GTS_TRAINER_UID": str(os.getuid())}
     for name, body in (("mountpoint", "exit 1"), ("blkid", "exit 2")):
         path = Path(sandbox["GTS_SANDBOX"]) / "bin" / name
         path.write_text(STUB.format(name=name, body=body))
@@ -264,6 +263,10 @@ def test_scratch_never_hides_a_failing_disk_picker(sandbox: dict[str, str], tmp_
     picker.write_text("#!/bin/sh\nexit 0\n")
     empty = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
     assert empty.returncode == 0 and "no free NVMe or data disk" in empty.stdout
+    # The non-root training container writes its checkpoints and dataset cache there.
+    for folder in ("checkpoints", "datasets"):
+        assert (tmp_path / "scratch" / folder).stat().st_uid == os.getuid()
+    assert (tmp_path / "scratch").stat().st_mode & 0o7777 == 0o1777
     # The DLAMI assembled the instance store already: bind-mount it, never build on the root disk.
     mountpoint = Path(sandbox["GTS_SANDBOX"]) / "bin" / "mountpoint"
     mountpoint.write_text(STUB.format(name="mountpoint", body=f'[ "$2" = "{tmp_path}/no-dlami" ]'))

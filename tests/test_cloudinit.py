@@ -38,7 +38,8 @@ SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "sh
 
 def _rendered(stack: str) -> dict[str, str]:
     stack_ = resolve(load_stack_spec(stack))
-    return {f"{g.cloud}-{g.name}": userdata.render(userdata.node_context(stack_.spec, g)) for g in stack_.groups}
+    return {f"{g.cloud}-{g.name}": userdata.render(userdata.node_context(stack_.spec, g, userdata.IMAGE_PLACEHOLDER))
+            for g in stack_.groups}
 
 
 def _cloud_init() -> str:
@@ -95,7 +96,7 @@ def test_node_scripts_pass_shellcheck_and_compile(tmp_path: Path) -> None:
     compile(userdata.compact_python((ROOT / "training" / "cloudmeta.py").read_text()), "cloudmeta.py", "exec")
     prod = resolve(load_stack_spec("prod"))
     script = tmp_path / "node.sh"
-    script.write_text(userdata.render_script(userdata.node_context(prod.spec, prod.group("ali-ack-train"))))
+    script.write_text(userdata.render_script(userdata.node_context(prod.spec, prod.group("ali-ack-train"), userdata.IMAGE_PLACEHOLDER)))
     _shellcheck(script)
 
 

@@ -90,7 +90,7 @@ def test_stack_totals_add_up() -> None:
     groups = total["node_groups"]
     for cloud, c in total["by_cloud"].items():
         mine = sum(g["monthly_usd"] for g in groups if g["cloud"] == cloud)
-        fixed = c["storage_monthly_usd"] + c["clusters_monthly_usd"] + c["nat_monthly_usd"]
+        fixed = c["storage_monthly_usd"] + c["clusters_monthly_usd"] + c["nat_monthly_usd"] + c["registry_monthly_usd"]
         assert c["monthly_usd"] == pytest.approx(mine + fixed, abs=0.05)
     assert total["monthly_usd"] == pytest.approx(sum(c["monthly_usd"] for c in total["by_cloud"].values()), abs=0.05)
     assert total["hourly_usd"] == pytest.approx(total["monthly_usd"] / HOURS, abs=0.01)
@@ -113,3 +113,17 @@ def test_nat_gateways_are_counted() -> None:
     total = cost.stack_cost(resolve(_spec("prod")))["by_cloud"]
     assert total["aws"]["nat_monthly_usd"] == pytest.approx(2 * (0.045 + 0.005) * HOURS, abs=0.01)
     assert total["tencentcloud"]["nat_monthly_usd"] == pytest.approx(2 * (0.50 + 0.02) / 7.2 * HOURS, abs=0.01)
+
+
+def test_the_trainer_image_registry_is_counted_where_the_stack_builds_the_image() -> None:
+    """ECR: storage only ($0.10/GB-month x 12 GB); ACR EE Basic and TCR Basic: their edition's
+    monthly fee (estimates, CNY at 7.2). None where a prebuilt image is named for the cloud."""
+    total = cost.stack_cost(resolve(_spec("prod")))["by_cloud"]
+    assert total["aws"]["registry_monthly_usd"] == pytest.approx(0.10 * 12, abs=0.01)
+    assert total["alicloud"]["registry_monthly_usd"] == pytest.approx(780 / 7.2, abs=0.01)
+    values = stack_values("prod")
+    values[key("training")]["prebuiltImages"] = {
+        "alicloud": "registry.example.com/team/trainer@sha256:" + "a" * 64}
+    prebuilt = cost.stack_cost(resolve(parse(spec_raw(values))))["by_cloud"]
+    assert prebuilt["alicloud"]["registry_monthly_usd"] == 0
+    assert prebuilt["alicloud"]["monthly_usd"] == pytest.approx(total["alicloud"]["monthly_usd"] - 780 / 7.2, abs=0.05)

@@ -77,8 +77,9 @@ def test_eks_autoscaler_has_its_own_role_by_pod_identity() -> None:
     """kubernetes/autoscaler cluster-autoscaler/cloudprovider/aws: auto-discovery tags, IAM policy,
     RBAC; EKS user guide pod-id-role: trust pods.eks.amazonaws.com with AssumeRole + TagSession."""
     res = prod()
-    (association,) = by_type(res, "aws:eks/podIdentityAssociation:PodIdentityAssociation")
-    assert (association.inputs["namespace"], association.inputs["serviceAccount"]) == ("kube-system", "cluster-autoscaler")
+    associations = by_type(res, "aws:eks/podIdentityAssociation:PodIdentityAssociation")
+    (association,) = [a for a in associations if a.inputs["namespace"] == "kube-system"]
+    assert association.inputs["serviceAccount"] == "cluster-autoscaler"
     assert association.options["dependencies"], "created after the agent add-on"
     role = next(r for r in by_type(res, "aws:iam/role:Role") if r.name.endswith("-ca-role"))
     trust = json.loads(role.inputs["assumeRolePolicy"])["Statement"][0]
@@ -277,6 +278,9 @@ def test_long_names_still_fit_the_clouds_limits(tmp_path: Path) -> None:
     ("pod range inside a VPC", "prod", lambda v: v[key("networks")][3].update(
         cidr="172.20.0.0/16", subnets=[{"zone": "cn-hangzhou-h", "cidr": "172.20.0.0/20"}]),
      ["networks[3].cidr", "overlaps the Alibaba Cloud clusters' pod range"]),
+    ("nodes out of the registry's region", "prod", lambda v: next(
+        g for g in v[key("nodeGroups")] if g["name"] == "ali-train").__setitem__("network", "ali-train-sh"),
+     ["nodeGroups[3].network", "serves VPCs in cn-hangzhou only", "training.prebuiltImages.alicloud"]),
     ("APPID unquoted or short", "dev", lambda v: v[key("clouds")]["tencentcloud"].__setitem__("appId", "12345"),
      ["clouds.tencentcloud.appId", "10-digit APPID"]),
 ])

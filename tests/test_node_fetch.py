@@ -13,18 +13,15 @@ import json
 import subprocess
 import sys
 import urllib.parse
-from email import message_from_bytes
 from pathlib import Path
-from typing import Any
 from unittest import mock
 
 import pytest
 
 from infra import bundle, userdata
-from infra.plan.engine import Registered
-from tests.harness import by_type, shipped
+from tests.harness import shipped
 from tests.metadata_server import FakeMetadata
-from tests.system_tools import debian_tool
+from tests.nodes import lay_down, node_env, user_data
 from tests.training_helpers import MotoServer
 from training import cloudmeta
 
@@ -40,62 +37,12 @@ NODES = [
     ("tencentcloud:Kubernetes/nodePool:NodePool", "tc-tke-train-spot", ("nodeConfig", "userData")),
 ]
 
-CLOUD_INIT_WRITE = """
-import os, sys
-from cloudinit import util
-from cloudinit.config.cc_write_files import canonicalize_extraction, decode_perms, extract_contents
-doc = util.load_yaml(sys.stdin.read())
-root = sys.argv[1]
-for f in doc["write_files"]:
-    data = extract_contents(f.get("content", ""), canonicalize_extraction(f.get("encoding")))
-    path = root + f["path"]
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as out:
-        out.write(data if isinstance(data, bytes) else data.encode())
-    os.chmod(path, decode_perms(f.get("permissions"), 0o644))
-"""
-
-
-def _registered(type_token: str, name: str) -> Registered:
-    (found,) = [r for r in by_type(list(shipped("prod")), type_token) if r.name == name]
-    return found
-
-
-def _user_data(type_token: str, name: str, path: tuple[str, ...]) -> bytes:
-    value: Any = _registered(type_token, name).inputs
-    for key in path:
-        value = value[key]
-    return base64.b64decode(value)
-
-
-def _lay_down(raw: bytes, root: Path) -> None:
-    """Put the user data's files under `root` as the node would."""
-    if raw.startswith(b"#!"):  # ACK / TKE: the node pool runs it as a script
-        subprocess.run(["bash", "-c", raw.decode()], env={"GTS_ROOT": str(root), "PATH": "/usr/bin:/bin"},
-                       check=True, timeout=60)
-        return
-    if raw.startswith(b"Content-Type: multipart"):  # EKS: the cloud-config part of the MIME document
-        parts = [p for p in message_from_bytes(raw).walk() if not p.is_multipart()]
-        assert [p.get_content_type() for p in parts] == ["text/cloud-config"]
-        payload = parts[0].get_payload(decode=True)
-        assert isinstance(payload, bytes)
-        raw = payload
-    assert raw.startswith(b"#cloud-config\n")
-    tool = debian_tool("cloud-init", "cloud-init")
-    python = Path(tool).read_text().splitlines()[0].removeprefix("#!").strip() or "/usr/bin/python3"
-    subprocess.run([python, "-c", CLOUD_INIT_WRITE, str(root)], input=raw.decode(), text=True, check=True, timeout=60)
-
-
-def _env(root: Path) -> dict[str, str]:
-    return cloudmeta.read_env(str(root / "etc/gpu-training/node.env"))
-
-
 @pytest.mark.parametrize("type_token,name,path", NODES, ids=[n for _, n, _ in NODES])
 def test_node_unpacks_the_user_data_and_fetches_the_pinned_bundle(type_token: str, name: str,
                                                                     path: tuple[str, ...], tmp_path: Path) -> None:
     root = tmp_path / "node"
-    _lay_down(_user_data(type_token, name, path), root)
-    env = _env(root)
+    lay_down(user_data(type_token, name, path), root)
+    env = node_env(root)
     cloud = env["GTS_CLOUD"]
     assert (root / "etc/systemd/system/gts-fetch.service").exists()
     fetcher = root / "usr/local/lib/gts/cloudmeta.py"
@@ -131,8 +78,8 @@ def test_node_unpacks_the_user_data_and_fetches_the_pinned_bundle(type_token: st
 
 def test_a_tampered_bundle_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "node"
-    _lay_down(_user_data("aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt", ("userData",)), root)
-    env = _env(root)
+    lay_down(user_data("aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt", ("userData",)), root)
+    env = node_env(root)
     url = urllib.parse.urlsplit(env["GTS_BUNDLE_URL"])
     server = MotoServer(bucket=url.netloc)
     try:

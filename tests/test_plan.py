@@ -15,7 +15,7 @@ from infra.cost import stack_cost
 from infra.groups import resolve
 from tests.harness import ROOT
 from infra.validation import parse
-from tests.harness import by_type, key, run_stack, shipped, spec_raw, stack_values, write_stack
+from tests.harness import by_type, key, project_copy, run_stack, shipped, spec_raw, stack_values, write_stack
 
 
 def _plan(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
@@ -45,7 +45,8 @@ def test_every_platform_exports_the_same_outputs() -> None:
     for cloud in ("aws", "alicloud", "tencentcloud"):
         (platform,) = by_type(list(shipped("prod")), f"gpu-training-stack:{cloud}:Platform")
         out = platform.outputs
-        assert set(out) == {"vpcIds", "bucket", "checkpointUrl", "fleets", "clusters", "kubeconfigs"}, cloud
+        assert set(out) == {"vpcIds", "bucket", "checkpointUrl", "fleets", "clusters", "kubeconfigs", "trainerImage"}, cloud
+        assert "@sha256:" in out["trainerImage"], "nodes run the image by digest, never by a tag that can move"
         assert len(out["vpcIds"]) == 3 and out["checkpointUrl"].endswith("/checkpoints/")
         fleets = unwrap_secrets(out["fleets"])
         assert fleets and all(isinstance(v, list) and v and all(isinstance(x, str) for x in v) for v in fleets.values())
@@ -88,11 +89,7 @@ def test_plan_table_lists_resources_and_cost() -> None:
 
 def test_plan_reads_any_stack_file_and_rejects_bad_ones(tmp_path: Path) -> None:
     # The plan reads Pulumi.<name>.yaml next to Pulumi.yaml: run it from a copy of the project.
-    proj = tmp_path / "proj"
-    proj.mkdir()
-    for name in ("Pulumi.yaml", "__main__.py"):
-        (proj / name).write_text((ROOT / name).read_text())
-    (proj / "infra").symlink_to(ROOT / "infra")
+    proj = project_copy(tmp_path)
     values = stack_values("dev")
     values[key("nodeGroups")][0]["instanceType"] = "p5.48xlarg"
     del values[key("nodeGroups")][0]["gpu"]

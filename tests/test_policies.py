@@ -15,7 +15,7 @@ import pytest
 from tests.harness import ROOT
 from policies import rules
 from policies.resources import Res
-from tests.harness import key, stack_values, write_stack
+from tests.harness import key, project_copy, stack_values, write_stack
 
 TAGS = {"owner": "o", "cost-center": "c", "env": "dev"}
 Check = Callable[[list[Res], Any], list[tuple[str, str]]]
@@ -205,18 +205,8 @@ def test_shipped_stacks_have_no_mandatory_violation(stack: str) -> None:
     assert [v for v in plan["violations"] if v["enforcement"] == "mandatory"] == []
 
 
-def _project_copy(tmp_path: Path) -> Path:
-    proj = tmp_path / "proj"
-    proj.mkdir()
-    for name in ("Pulumi.yaml", "__main__.py"):
-        (proj / name).write_text((ROOT / name).read_text())
-    for folder in ("infra", "policies", "cloudinit"):
-        (proj / folder).symlink_to(ROOT / folder)
-    return proj
-
-
 def test_dev_stack_turned_on_demand_fails_the_spot_rule(tmp_path: Path) -> None:
-    proj = _project_copy(tmp_path)
+    proj = project_copy(tmp_path)
     values = stack_values("dev")
     values[key("nodeGroups")][0]["market"] = {"type": "on-demand"}
     write_stack(proj, "dev", values)

@@ -304,3 +304,43 @@ def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
         for proc in (trainer, prom):
             proc.terminate()
             proc.wait(timeout=30)
+
+
+class _RunsCode:
+    """A pickle that runs a command when unpickled (what a tampered checkpoint could carry)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_tampered_checkpoint_cannot_run_code_when_loaded(tmp_path: Path) -> None:
+    import pickle
+
+    import torch
+
+    from training.checkpoint import MODEL_FILE, CheckpointManager, Topology, manifest_name, rng_name, step_dir
+    from training.train import rng_state, set_rng_state
+
+    topo = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), None, topo)
+    saved_rng = rng_state()
+    mgr.save(10, {"step": 10, "weights": torch.ones(3)}, saved_rng, lambda: None)
+    model, rng = mgr.load(10)  # the trainer's own states load with weights_only=True
+    assert model["step"] == 10 and torch.equal(model["weights"], torch.ones(3))
+    set_rng_state(rng)
+    assert torch.equal(rng_state()["numpy"]["keys"], saved_rng["numpy"]["keys"])
+
+    folder = tmp_path / "ckpt" / step_dir(10)
+    marker = tmp_path / "ran"
+    evil = folder / MODEL_FILE
+    evil.write_bytes(pickle.dumps({"step": _RunsCode(marker)}))
+    manifest = json.loads((folder / manifest_name(0)).read_text())
+    manifest["files"][MODEL_FILE]["size"] = evil.stat().st_size
+    (folder / manifest_name(0)).write_text(json.dumps(manifest))
+    with pytest.raises(pickle.UnpicklingError):
+        mgr.load(10)
+    assert not marker.exists()
+    assert (folder / rng_name(0)).exists()

@@ -127,7 +127,10 @@ class MotoServer:
                             config=Config(s3={"addressing_style": "path"}))
 
     def keys(self, prefix: str = "") -> list[str]:
-        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        return self.keys_in(self.bucket, prefix)
+
+    def keys_in(self, bucket: str, prefix: str = "") -> list[str]:
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
 
     def stop(self) -> None:
@@ -140,11 +143,18 @@ def storage_env(endpoint: str) -> dict[str, str]:
             "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_ADDRESSING_STYLE": "path"}
 
 
+# The access key in an Authorization header: SigV4 (Credential=<key>/...) or V2 (AWS <key>:<sig>).
+SIGNED_BY = re.compile(rb"(?i)authorization: (?:AWS4-HMAC-SHA256 Credential=([^/\s]+)/|AWS ([^:\s]+):)")
+
+
 class Proxy:
-    """A TCP forwarder 127.0.0.1:port -> target that can go down and come back on the same port."""
+    """A TCP forwarder 127.0.0.1:port -> target that can go down and come back on the same port.
+    It notes the access key of every SigV4-signed request it forwards (`signed_by`): which
+    credentials a client really used."""
 
     def __init__(self, target_port: int):
         self.target = target_port
+        self.signed_by: set[str] = set()
         self.port = free_port()
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
@@ -175,7 +185,7 @@ class Proxy:
                     continue
                 upstream = socket.create_connection(("127.0.0.1", self.target))
                 conns += [client, upstream]
-                threading.Thread(target=self._pipe, args=(client, upstream, stop), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(client, upstream, stop, self.signed_by), daemon=True).start()
         for c in conns:
             try:
                 c.close()
@@ -183,7 +193,7 @@ class Proxy:
                 pass
 
     @staticmethod
-    def _pipe(a: socket.socket, b: socket.socket, stop: threading.Event) -> None:
+    def _pipe(a: socket.socket, b: socket.socket, stop: threading.Event, signed_by: set[str]) -> None:
         sel = selectors.DefaultSelector()
         try:
             sel.register(a, selectors.EVENT_READ, b)  # the proxy may already be down
@@ -193,6 +203,8 @@ class Proxy:
                     data = key.fileobj.recv(65536)  # type: ignore[union-attr]
                     if not data:
                         return
+                    if key.fileobj is a:
+                        signed_by.update((v4 or v2).decode() for v4, v2 in SIGNED_BY.findall(data))
                     key.data.sendall(data)
         except (OSError, ValueError):
             return

@@ -224,8 +224,9 @@ class CheckpointManager:
         folder = self.local / step_dir(step)
         if not self._valid_local(step):
             self._download(step, folder)
-        model = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=False)
-        rng = torch.load(folder / rng_name(self.topo.rank), map_location="cpu", weights_only=False)
+        # weights_only: a checkpoint in a shared bucket must not be able to run code when loaded.
+        model = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=True)
+        rng = torch.load(folder / rng_name(self.topo.rank), map_location="cpu", weights_only=True)
         return model, rng
 
     def _download(self, step: int, folder: Path) -> None:

@@ -1,10 +1,11 @@
 """Each cloud's instance metadata service, the instance role's credentials, and signed reads
 from the cloud's object store — with the Python standard library only.
 
-One module serves three places: the node bootstrap (GPU hosts have python3 but no cloud SDK:
-`python3 cloudmeta.py fetch-bundle` downloads the node scripts from the stack's bucket), the
-spot watcher (the reclaim notice paths) and the trainer (`training/storage.py` turns the role
-credentials into refreshing botocore credentials for s3://, oss:// and cosn://).
+The user data carries this module (nothing else of the node's code): GPU hosts have python3 but
+no cloud SDK, and `python3 cloudmeta.py fetch-bundle` downloads the node scripts from the
+stack's bucket. The spot watcher (the reclaim notice paths), the registry login (an ECR token)
+and the trainer (training/credentials.py, training/storage.py: refreshing botocore credentials
+for s3://, oss:// and cosn://) use it too. Keep it small: every byte is in every node's user data.
 
     python3 cloudmeta.py credentials --cloud tencentcloud        # print the role's credentials' expiry
     python3 cloudmeta.py fetch-bundle --env /etc/gpu-training/node.env --dest /
@@ -133,7 +134,7 @@ class Metadata:
                                 % (self.cloud, self.base, path, exc)) from None
 
 
-def _utc(stamp: str) -> float:
+def utc_seconds(stamp: str) -> float:
     return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
 
 
@@ -143,18 +144,20 @@ def parse_credentials(cloud: str, doc: Dict[str, object]) -> Credentials:
         if doc.get("Code", "Success") != "Success":
             raise ValueError("Code is %r" % doc.get("Code"))
         return Credentials(str(doc["AccessKeyId"]), str(doc["SecretAccessKey"]), str(doc["Token"]),
-                           _utc(str(doc["Expiration"])))
+                           utc_seconds(str(doc["Expiration"])))
     if cloud == "alicloud":  # {"Code", "AccessKeyId", "AccessKeySecret", "SecurityToken", "Expiration": "...Z"}
         if doc.get("Code") != "Success":
             raise ValueError("Code is %r" % doc.get("Code"))
         return Credentials(str(doc["AccessKeyId"]), str(doc["AccessKeySecret"]), str(doc["SecurityToken"]),
-                           _utc(str(doc["Expiration"])))
+                           utc_seconds(str(doc["Expiration"])))
     # tencentcloud: {"Code", "TmpSecretId", "TmpSecretKey", "Token", "ExpiredTime": unix seconds}
     if doc.get("Code") != "Success":
         raise ValueError("Code is %r" % doc.get("Code"))
     return Credentials(str(doc["TmpSecretId"]), str(doc["TmpSecretKey"]), str(doc["Token"]),
                        float(doc["ExpiredTime"]))  # type: ignore[arg-type]
 
+
+# ---------------------------------------------------------------------------- pod identities
 
 # ---------------------------------------------------------------------------- object store
 
@@ -171,25 +174,25 @@ def _hmac(key: bytes, text: str) -> bytes:
     return hmac.new(key, text.encode(), hashlib.sha256).digest()
 
 
-EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
-
-
-def sign_v4(method: str, url: str, region: str, creds: Credentials, now: dt.datetime) -> Dict[str, str]:
-    """AWS Signature Version 4 headers for a request without a body (S3, and the S3 APIs of COS
-    and OSS)."""
+def sign_v4(method: str, url: str, region: str, creds: Credentials, now: dt.datetime, service: str = "s3",
+            body: bytes = b"", extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """AWS Signature Version 4 headers (S3 and the S3 APIs of COS and OSS; ECR's JSON API)."""
     parts = urllib.parse.urlsplit(url)
     stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
-    headers = {"host": parts.netloc, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": stamp}
+    payload = hashlib.sha256(body).hexdigest()
+    headers = {"host": parts.netloc, "x-amz-date": stamp, **{k.lower(): v for k, v in (extra or {}).items()}}
+    if service == "s3":
+        headers["x-amz-content-sha256"] = payload
     if creds.token:
         headers["x-amz-security-token"] = creds.token
     names = sorted(headers)
     query = "&".join(sorted(urllib.parse.quote(k, safe="-_.~") + "=" + urllib.parse.quote(v, safe="-_.~")
                             for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)))
     canonical = "\n".join([method, parts.path or "/", query, "".join("%s:%s\n" % (n, headers[n]) for n in names),
-                           ";".join(names), EMPTY_SHA256])
-    scope = "%s/%s/s3/aws4_request" % (day, region)
+                           ";".join(names), payload])
+    scope = "%s/%s/%s/aws4_request" % (day, region, service)
     to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
-    key = _hmac(_hmac(_hmac(_hmac(("AWS4" + creds.secret_key).encode(), day), region), "s3"), "aws4_request")
+    key = _hmac(_hmac(_hmac(_hmac(("AWS4" + creds.secret_key).encode(), day), region), service), "aws4_request")
     signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
     headers["Authorization"] = ("AWS4-HMAC-SHA256 Credential=%s/%s, SignedHeaders=%s, Signature=%s"
                                 % (creds.access_key, scope, ";".join(names), signature))

@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from training import contract
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -56,11 +58,7 @@ class TrainConfig:
         return local, self.checkpoint_url
 
 
-ENV = {  # environment variable -> field (set by cloud-init's node.env and the Kubernetes Job)
-    "WORKLOAD": "workload", "DATA_DIR": "data_dir", "CHECKPOINT_URL": "checkpoint_url",
-    "CHECKPOINT_EVERY": "checkpoint_every", "CHECKPOINT_DIR": "checkpoint_dir", "LAUNCHER": "launcher",
-    "METRICS_PORT": "metrics_port", "NODE_HOURLY_USD": "node_hourly_usd", "TRAIN_STEPS": "steps",
-}
+ENV = contract.CONFIG_FIELDS  # environment variable -> field (training/contract.py: the node env and the Job)
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -72,6 +70,11 @@ def _coerce(name: str, value: Any) -> Any:
     if kind in ("float", float):
         return float(value)
     return str(value)
+
+
+def _refuse(parser: argparse.ArgumentParser, message: str) -> None:
+    """A bad value: one line naming it (the usage text would bury it in every rank's log)."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
 def parse(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> TrainConfig:
@@ -94,14 +97,23 @@ def parse(argv: list[str] | None = None, environ: dict[str, str] | None = None) 
             parser.error(f"{config_file}: unknown settings {sorted(unknown)}")
         values.update(loaded or {})
     env = os.environ if environ is None else environ
+    origin = {name: f"{config_file}: {name}" for name in values}
     for var, name in ENV.items():
         if env.get(var):
-            values[name] = env[var]
-    values.update({k: v for k, v in args.items() if v is not None})
-    try:
-        cfg = TrainConfig(**{k: _coerce(k, v) for k, v in values.items()})
-    except ValueError as exc:
-        parser.error(str(exc))
+            values[name], origin[name] = env[var], f"the environment variable {var}"
+    for name, value in args.items():
+        if value is not None:
+            values[name], origin[name] = value, "--" + name.replace("_", "-")
+    coerced = {}
+    for name, value in values.items():
+        try:
+            coerced[name] = _coerce(name, value)
+        except ValueError:
+            kind = {f.name: f.type for f in fields(TrainConfig)}[name]
+            _refuse(parser, f"{origin[name]}={value!r}: expected {'a whole number' if kind in ('int', int) else 'a number'}")
+    for problem in contract.problems(dict(env)):
+        _refuse(parser, problem)
+    cfg = TrainConfig(**coerced)
     if cfg.workload not in ("tiny", "resnet50"):
         parser.error(f"--workload {cfg.workload!r}: use tiny or resnet50")
     if cfg.precision not in ("fp32", "bf16", "fp16"):

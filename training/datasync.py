@@ -88,10 +88,13 @@ def _unpack_shard(src: Location, dest: Path, rel: str, size: int) -> bool:
     return True
 
 
-def sync(source: str, destination: str, workers: int = 16) -> Result:
-    """Copy what the destination lacks; raise if any file ends up with the wrong size."""
+def sync(source: str | Location, destination: str | Location, workers: int = 16) -> Result:
+    """Copy what the destination lacks; raise if any file ends up with the wrong size. Either
+    side may be a Location already (another cloud's endpoint and credentials than this
+    process's environment names)."""
     started = time.monotonic()
-    src, dst = location(source), location(destination)
+    src = location(source) if isinstance(source, str) else source
+    dst = location(destination) if isinstance(destination, str) else destination
     listing = _listing(src)
     shards = {rel: size for rel, size in listing.items() if rel.startswith(SHARDS + "/") and rel.endswith(".tar")}
     sharded = bool(shards) and not dst.remote

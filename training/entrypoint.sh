@@ -2,6 +2,8 @@
 # Container entrypoint: start the trainer with the launcher the stack chose (LAUNCHER), on
 # this node's GPUs, joining the other nodes through RDZV_ENDPOINT when there are several.
 set -euo pipefail
+# The contract's values first (training/contract.py): a bad one stops here, named, on one line.
+python -m training.contract check
 LAUNCHER=${LAUNCHER:-torchrun}
 NNODES=${NNODES:-1}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}
@@ -12,7 +14,7 @@ if [ "${NPROC_PER_NODE}" -lt 1 ]; then NPROC_PER_NODE=1; fi
 
 case "$LAUNCHER" in
   torchrun)
-    if [ "$NNODES" -gt 1 ] && [ -n "${RDZV_ENDPOINT:-}" ]; then
+    if [ "$NNODES" -gt 1 ]; then  # RDZV_ENDPOINT is set: the contract check requires it
       exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --rdzv-backend c10d \
         --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${GTS_NODE_GROUP:-gts}" -m "$TRAIN_MODULE" "$@"
     fi

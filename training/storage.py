@@ -8,12 +8,17 @@ STORAGE_ENDPOINT_URL to point any scheme at another endpoint (a test server, a V
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlparse
 
 import fsspec
+
+from training import cloudmeta, contract, credentials
 
 ENDPOINTS = {  # scheme -> S3-compatible endpoint template ({region} from STORAGE_REGION)
     "oss": "https://s3.oss-{region}.aliyuncs.com",
@@ -37,15 +42,15 @@ class Location:
         return "/".join([self.root.rstrip("/"), *[p.strip("/") for p in parts]])
 
 
-def _s3_options(scheme: str) -> dict[str, Any]:
-    endpoint = os.environ.get("STORAGE_ENDPOINT_URL")
-    region = os.environ.get("STORAGE_REGION", "")
+def _s3_options(scheme: str, env: Mapping[str, str]) -> dict[str, Any]:
+    endpoint = env.get("STORAGE_ENDPOINT_URL")
+    region = env.get("STORAGE_REGION", "")
     if endpoint is None and scheme in ENDPOINTS:
         if not region:
             raise ValueError(f"{scheme}:// needs STORAGE_REGION (e.g. cn-hangzhou / ap-guangzhou) "
                              "or STORAGE_ENDPOINT_URL")
         endpoint = ENDPOINTS[scheme].format(region=region)
-    style = os.environ.get("STORAGE_ADDRESSING_STYLE", "path" if endpoint and "127.0.0.1" in endpoint else "virtual")
+    style = env.get("STORAGE_ADDRESSING_STYLE", "path" if endpoint and "127.0.0.1" in endpoint else "virtual")
     config: dict[str, Any] = {"s3": {"addressing_style": style},
                               "request_checksum_calculation": "when_required",
                               "response_checksum_validation": "when_required",
@@ -61,13 +66,59 @@ def _s3_options(scheme: str) -> dict[str, Any]:
     return options
 
 
-def location(url: str) -> Location:
-    """The filesystem and root for a checkpoint or dataset URL."""
+class RoleCredentials:
+    """An aiobotocore credential provider over training/cloudmeta.py: the ECS RAM / CVM CAM role
+    from the metadata service, or ACK's RRSA role. botocore refreshes them before they expire
+    (15 minutes ahead, then 10: RefreshableCredentials' advisory and mandatory windows)."""
+
+    METHOD = "gts-role"
+    CANONICAL_NAME = "GtsRole"
+
+    def __init__(self, fetch: Callable[[], cloudmeta.Credentials]):
+        self.fetch = fetch
+
+    async def _metadata(self) -> dict[str, str]:
+        creds = await asyncio.to_thread(self.fetch)
+        expiry = datetime.fromtimestamp(creds.expires, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {"access_key": creds.access_key, "secret_key": creds.secret_key, "token": creds.token,
+                "expiry_time": expiry}
+
+    async def load(self) -> Any:
+        from aiobotocore.credentials import AioRefreshableCredentials
+
+        return AioRefreshableCredentials.create_from_metadata(await self._metadata(), refresh_using=self._metadata,
+                                                              method=self.METHOD)
+
+
+def _session(env: Mapping[str, str]) -> Any:
+    """An aiobotocore session that signs with the role STORAGE_CREDENTIALS names, or None for the
+    SDK's own chain (AWS: instance role, EKS Pod Identity, environment)."""
+    source = env.get(contract.STORAGE_CREDENTIALS.name, "default") or "default"
+    if source == "default":
+        return None
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    resolver = session.get_component("credential_provider")
+    resolver.insert_before("env", RoleCredentials(credentials.credential_source(source, env)))
+    return session
+
+
+def location(url: str, env: Mapping[str, str] | None = None, keys: tuple[str, str] | None = None) -> Location:
+    """The filesystem and root for a checkpoint or dataset URL. `env` holds the STORAGE_*
+    settings (default: this process's environment); `keys` an access key pair to sign with
+    instead of a role (an operator's own, e.g. `make dataset`)."""
+    env = os.environ if env is None else env
     parsed = urlparse(url)
     scheme = parsed.scheme or "file"
     if scheme == "file":
         return Location(fsspec.filesystem("file"), os.path.abspath(parsed.path if parsed.scheme else url), url)
     if scheme not in ("s3", "oss", "cosn"):
         raise ValueError(f"unsupported storage URL {url!r}: use s3://, oss://, cosn://, file:// or a path")
-    fs = fsspec.filesystem("s3", skip_instance_cache=True, **_s3_options(scheme))
+    options = _s3_options(scheme, env)
+    if keys is not None:
+        options.update(key=keys[0], secret=keys[1])
+    elif (session := _session(env)) is not None:
+        options["session"] = session
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
     return Location(fs, f"{parsed.netloc}{parsed.path}".rstrip("/"), url)

@@ -9,17 +9,19 @@ ENV_FILE=${GTS_ENV_FILE:-/etc/gpu-training/node.env}
 # shellcheck source=/dev/null
 . "$ENV_FILE"
 
-if [ -z "${GTS_DATASET_URL:-}" ]; then
+if [ -z "${DATASET_URL:-}" ]; then
   echo "gts-dataset: no dataset configured"
   exit 0
 fi
 SCRATCH=${GTS_SCRATCH_DIR:-/scratch}
 DEST="$SCRATCH/datasets/current"
-mkdir -p "$DEST"
+# The copy runs as the training image's uid (training/Dockerfile USER).
+install -d -o "${GTS_TRAINER_UID:-1000}" -g "${GTS_TRAINER_UID:-1000}" -m 0755 "$DEST"
 started=$SECONDS
+python3 "${GTS_SBIN:-/usr/local/sbin}/gts-registry-login.py" --env "$ENV_FILE"
 docker run --rm --network host -v "$SCRATCH:$SCRATCH" --env-file "$ENV_FILE" \
-  "$GTS_IMAGE" python -m training.datasync "$GTS_DATASET_URL" "$DEST" --workers "${GTS_DATASET_WORKERS:-32}"
-echo "gts-dataset: $GTS_DATASET_URL cached in $DEST in $((SECONDS - started)) s"
+  "$GTS_IMAGE" python -m training.datasync "$DATASET_URL" "$DEST" --workers "${GTS_DATASET_WORKERS:-32}"
+echo "gts-dataset: $DATASET_URL cached in $DEST in $((SECONDS - started)) s"
 
 if [ "${GTS_TMPFS_GB:-0}" -gt 0 ]; then
   need=$(du -sb "$DEST" | cut -f1)

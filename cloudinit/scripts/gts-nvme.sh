@@ -14,18 +14,25 @@ LABEL=gts-scratch
 MD=/dev/md/gts-scratch
 PICKER=${GTS_DISK_PICKER:-/usr/local/sbin/gts-disks.py}
 FSTAB=${GTS_FSTAB:-/etc/fstab}
+# The training image runs as this uid (training/Dockerfile USER): its checkpoint and dataset
+# folders on scratch are its own, whichever way scratch was made.
+TRAINER_UID=${GTS_TRAINER_UID:-1000}
 mkdir -p "$MOUNT"
 
-if mountpoint -q "$MOUNT"; then
-  echo "gts-nvme: $MOUNT already mounted"
+ready() {
+  chmod 1777 "$MOUNT"
+  install -d -o "$TRAINER_UID" -g "$TRAINER_UID" -m 0755 "$MOUNT/checkpoints" "$MOUNT/datasets"
+  echo "gts-nvme: $1"
   exit 0
+}
+
+if mountpoint -q "$MOUNT"; then
+  ready "$MOUNT already mounted"
 fi
 
 if mountpoint -q "$DLAMI_NVME"; then
   mount --bind "$DLAMI_NVME" "$MOUNT"
-  chmod 1777 "$MOUNT"
-  echo "gts-nvme: $DLAMI_NVME (the AMI's instance store) bind-mounted at $MOUNT"
-  exit 0
+  ready "$DLAMI_NVME (the AMI's instance store) bind-mounted at $MOUNT"
 fi
 
 existing=$(blkid -L "$LABEL" 2>/dev/null || true)
@@ -35,8 +42,7 @@ if [ -z "$existing" ]; then
   disks=()
   if [ -n "$picked" ]; then mapfile -t disks <<< "$picked"; fi
   if [ "${#disks[@]}" -eq 0 ]; then
-    echo "gts-nvme: no free NVMe or data disk; scratch stays on the root disk at $MOUNT"
-    exit 0
+    ready "no free NVMe or data disk; scratch stays on the root disk at $MOUNT"
   fi
   if [ "${#disks[@]}" -gt 1 ]; then
     if [ ! -e "$MD" ]; then
@@ -60,5 +66,4 @@ if ! grep -q "$uuid" "$FSTAB"; then
   echo "UUID=$uuid $MOUNT xfs defaults,noatime,nofail,x-systemd.device-timeout=30 0 2" >> "$FSTAB"
 fi
 mount "$MOUNT"
-chmod 1777 "$MOUNT"
-echo "gts-nvme: $existing mounted at $MOUNT"
+ready "$existing mounted at $MOUNT"

@@ -17,7 +17,8 @@ def write_all(stack: str, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for group in stack_.groups:
-        ctx = userdata.node_context(stack_.spec, group)
+        # The trainer image is known by digest only once `pulumi up` has pushed it.
+        ctx = userdata.node_context(stack_.spec, group, userdata.IMAGE_PLACEHOLDER)
         target = out / f"{group.cloud}-{group.name}.yaml"
         target.write_text(userdata.render(ctx), encoding="utf-8")
         written.append(target)

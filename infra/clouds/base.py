@@ -9,7 +9,9 @@ from typing import Any, Generic, TypeVar
 
 import pulumi
 
+from infra import userdata
 from infra.buckets import bucket
+from infra.image import Registry, TrainerImage, TrainerImageArgs
 from infra.groups import ResolvedGroup, Stack
 from infra.spec import CloudAccount, Network, Peering
 from infra.tags import stack_tags
@@ -57,16 +59,30 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         self.make_links(nets)
         storage = self.make_storage()
         access = self.make_access(storage)
-        fleets = {g.name: self.make_fleet(g, nets[g.network], access) for g in self.vm_groups()}
+        image = self.trainer_image(nets)
+        fleets = {g.name: self.make_fleet(g, nets[g.network], access, image) for g in self.vm_groups()}
         clusters: dict[str, Cluster] = {}
         for net_name, groups in self.kubernetes_groups().items():
             clusters[net_name] = self.make_cluster(self.spec.network(net_name), groups, nets[net_name], access,
-                                                   storage)
+                                                   storage, image)
         self.make_budget()
         self.exports = {"vpcIds": {name: self.vpc_id(n) for name, n in nets.items()},
                         "bucket": self.bucket_name(storage), "checkpointUrl": self.checkpoint_root(),
                         "fleets": fleets, "clusters": {k: c.id for k, c in clusters.items()},
-                        "kubeconfigs": pulumi.Output.secret({k: c.kubeconfig for k, c in clusters.items()})}
+                        "kubeconfigs": pulumi.Output.secret({k: c.kubeconfig for k, c in clusters.items()}),
+                        "trainerImage": image}
+
+    def trainer_image(self, nets: dict[str, NetT]) -> pulumi.Output[str]:
+        """The trainer image by digest in this cloud's registry (built and pushed by the stack),
+        or the prebuilt one the spec names for this cloud."""
+        prebuilt = self.spec.training.prebuilt_images.get(self.CLOUD)  # type: ignore[call-overload]
+        if prebuilt:
+            return pulumi.Output.from_input(str(prebuilt))
+        if not self.node_groups():
+            return pulumi.Output.from_input("")
+        registry = self.make_registry(nets)
+        return TrainerImage(f"{self.name}-trainer", TrainerImageArgs(self.spec.training.image, registry),
+                            opts=pulumi.ResourceOptions(parent=self)).ref
 
     # -- what subclasses provide -------------------------------------------------------
     def make_provider(self, region: str) -> pulumi.ProviderResource:
@@ -90,11 +106,15 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
     def make_access(self, storage: StoreT) -> AccessT:
         raise TypeError(f"{type(self).__name__} must define make_access")
 
-    def make_fleet(self, group: ResolvedGroup, net: NetT, access: AccessT) -> pulumi.Output[list[str]]:
+    def make_registry(self, nets: dict[str, NetT]) -> Registry:
+        raise TypeError(f"{type(self).__name__} must define make_registry")
+
+    def make_fleet(self, group: ResolvedGroup, net: NetT, access: AccessT,
+                   image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
         raise TypeError(f"{type(self).__name__} must define make_fleet")
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: NetT, access: AccessT,
-                     storage: StoreT) -> Cluster:
+                     storage: StoreT, image: pulumi.Output[str]) -> Cluster:
         raise TypeError(f"{type(self).__name__} must define make_cluster")
 
     def make_budget(self) -> None:
@@ -124,6 +144,15 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
             if g.kind == "kubernetes":
                 found.setdefault(g.network, []).append(g)
         return found
+
+    def node_networks(self) -> list[Network]:
+        """This cloud's networks that hold node groups."""
+        used = {g.network for g in self.node_groups()}
+        return [n for n in self.networks() if n.name in used]
+
+    def user_data(self, group: ResolvedGroup, image: pulumi.Output[str]) -> pulumi.Output[str]:
+        """The group's user data, once the image's digest is known."""
+        return image.apply(lambda ref: userdata.for_group(self.spec, group, ref))
 
     def regions(self) -> list[str]:
         found = [self.account.region] + [self.spec.region_of(n) for n in self.networks()]

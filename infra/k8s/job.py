@@ -1,122 +1,170 @@
-"""The training run as a Kubernetes Job, on any cluster's provider."""
+"""The training run as a Kubernetes Job, on any cluster's provider.
+
+The pod runs the trainer image's own entrypoint with the trainer contract in its environment
+(infra/contract.py, the same values a VM node's env file holds); an init container caches the
+dataset on node-local scratch first. The pod is restricted (non-root, no privilege escalation,
+no capabilities, RuntimeDefault seccomp, no service-account token unless its workload identity
+needs one), and requests what it limits, sized from the node type, so it is never BestEffort.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pulumi
 import pulumi_kubernetes as k8s
 
+from infra import contract
 from infra.groups import LABEL_NODE_GROUP, ResolvedGroup
 from infra.k8s.daemons import GPU_TOLERATION
-from infra.spec import StackSpec
-
+from training import contract as c
 
 SKIP_AWAIT = "pulumi.com/skipAwait"
+NAMESPACE = "training"
+TRAINER_UID = 1000  # the image's USER (training/Dockerfile)
+# What the node keeps for itself and its daemons (kubelet, runtime, exporters, device plugin).
+CPU_SHARE, MEMORY_SHARE, SHM_SHARE = 0.85, 0.80, 0.25
+
+
+@dataclass
+class Identity:
+    """How the pod gets its bucket credentials (infra/contract.py, credentials_source)."""
+
+    service_account: str
+    env: dict[str, pulumi.Input[str]] = field(default_factory=dict)  # e.g. ACK RRSA's role and provider
+    token_audience: str = ""  # a projected service-account token for this audience, when needed
+    token_path: str = ""
 
 
 @dataclass
 class TrainingJobArgs:
-    image: str
-    launcher: str  # torchrun | accelerate | horovod
-    node_group: str  # label value of the GPU nodes to run on
-    nodes: int
-    gpus_per_node: int
-    env: dict[str, str] = field(default_factory=dict)
-    namespace: str = "training"
-    backoff_limit: int = 6
-    shm_gb: int = 64
+    group: ResolvedGroup
+    image: pulumi.Input[str]
+    env: dict[str, str]  # the trainer contract
+    identity: Identity
+    namespace: pulumi.Input[str]
+    scratch_gb: int
     labels: dict[str, str] = field(default_factory=dict)
+    backoff_limit: int = 6
 
 
-def launch_command(launcher: str, nodes: int, gpus: int, job: str, namespace: str) -> list[str]:
-    """The container command: every pod starts the same launcher; torchrun meets at pod 0."""
-    rdzv = f"{job}-0.{job}.{namespace}.svc.cluster.local:29400"
-    if launcher == "torchrun":
-        return ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={rdzv}", f"--rdzv-id={job}", "-m", "training.train"]
-    if launcher == "accelerate":
-        return ["accelerate", "launch", "--multi_gpu", f"--num_machines={nodes}",
-                f"--num_processes={nodes * gpus}", "--machine_rank=$(JOB_COMPLETION_INDEX)",
-                f"--main_process_ip={job}-0.{job}.{namespace}.svc.cluster.local", "--main_process_port=29400",
-                "-m", "training.train"]
-    return ["horovodrun", "-np", str(nodes * gpus), "python", "-m", "training.train"]
+def pod_resources(rg: ResolvedGroup) -> tuple[dict[str, str], int]:
+    """(requests = limits, /dev/shm GiB) for a group's trainer pod, from its node type."""
+    cpu = max(1, math.floor(rg.primary.vcpu * CPU_SHARE))
+    memory = max(1, math.floor(rg.primary.ram_gib * MEMORY_SHARE))
+    shm = max(1, math.floor(memory * SHM_SHARE))  # memory-backed: it counts against the limit
+    return {"cpu": str(cpu), "memory": f"{memory}Gi", "nvidia.com/gpu": str(rg.gpus)}, shm
 
+
+def restricted() -> k8s.core.v1.SecurityContextArgs:
+    """The Pod Security "restricted" level for a container."""
+    return k8s.core.v1.SecurityContextArgs(
+        run_as_non_root=True, run_as_user=TRAINER_UID, allow_privilege_escalation=False,
+        capabilities=k8s.core.v1.CapabilitiesArgs(drop=["ALL"]),
+        seccomp_profile=k8s.core.v1.SeccompProfileArgs(type="RuntimeDefault"))
+
+
+def job_env(rg: ResolvedGroup, job: str) -> dict[str, str]:
+    """The contract's values on Kubernetes: the node group's own (scratch is the pod's node-local
+    volume at the same path), except that the nodes meet at pod 0 of the Indexed Job."""
+    return {**rg.trainer, c.RDZV_ENDPOINT.name: f"{job}-0.{job}.{NAMESPACE}.svc.cluster.local:{contract.RDZV_PORT}"}
+
+
+def deploy_training_jobs(groups: list[ResolvedGroup], image: pulumi.Input[str], identities: dict[str, Identity],
+                         namespace: pulumi.Input[str], labels: dict[str, str],
+                         opts: pulumi.ResourceOptions) -> list[TrainingJob]:
+    """One training Job per Kubernetes training group, on the cluster whose provider `opts` carries."""
+    return [TrainingJob(g.name, TrainingJobArgs(group=g, image=image, env=job_env(g, g.name), identity=identities[g.name],
+                                                namespace=namespace, scratch_gb=max(g.scratch_gb, 50), labels=labels),
+                        opts=opts)
+            for g in groups if g.workload == "training"]
 
 
 class TrainingJob(pulumi.ComponentResource):
-    """The training run: an Indexed Job (one pod per node), restartPolicy OnFailure, a headless
-    Service for rendezvous, GPU limits, the GPU toleration and a memory-backed /dev/shm."""
+    """An Indexed Job (one pod per node), restartPolicy OnFailure, a headless Service for the
+    rendezvous, submitted and not awaited."""
 
     def __init__(self, name: str, args: TrainingJobArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:k8s:TrainingJob", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        job = name
+        rg, job = args.group, name
         labels = {"app.kubernetes.io/name": job, **args.labels}
-        ns = k8s.core.v1.Namespace(f"{name}-ns", metadata=k8s.meta.v1.ObjectMetaArgs(name=args.namespace, labels=args.labels),
-                                   opts=child)
-        namespace = ns.metadata.name
-        # Pods find rank 0 at <job>-0.<job>; a Job's pods get that hostname/subdomain.
-        k8s.core.v1.Service(f"{name}-rdzv", metadata=k8s.meta.v1.ObjectMetaArgs(name=job, namespace=namespace, labels=labels),
-                            spec=k8s.core.v1.ServiceSpecArgs(cluster_ip="None", selector={"job-name": job},
-                                                             ports=[k8s.core.v1.ServicePortArgs(name="rdzv", port=29400)]),
-                            opts=child)
+        # Pods find rank 0 at <job>-0.<job>; a Job's pods get that hostname and subdomain.
+        k8s.core.v1.Service(f"{name}-rdzv", metadata=k8s.meta.v1.ObjectMetaArgs(
+            name=job, namespace=args.namespace, labels=labels),
+            spec=k8s.core.v1.ServiceSpecArgs(cluster_ip="None", selector={"job-name": job},
+                                             ports=[k8s.core.v1.ServicePortArgs(name="rdzv", port=contract.RDZV_PORT)]),
+            opts=child)
+        account = k8s.core.v1.ServiceAccount(f"{name}-sa", metadata=k8s.meta.v1.ObjectMetaArgs(
+            name=args.identity.service_account, namespace=args.namespace, labels=labels),
+            automount_service_account_token=False, opts=child)
+        resources, shm_gb = pod_resources(rg)
         env = [k8s.core.v1.EnvVarArgs(name=k, value=v) for k, v in sorted(args.env.items())]
-        env.append(k8s.core.v1.EnvVarArgs(name="NODE_RANK", value_from=k8s.core.v1.EnvVarSourceArgs(
+        env += [k8s.core.v1.EnvVarArgs(name=k, value=v) for k, v in sorted(args.identity.env.items())]
+        env.append(k8s.core.v1.EnvVarArgs(name=c.NODE_RANK.name, value_from=k8s.core.v1.EnvVarSourceArgs(
             field_ref=k8s.core.v1.ObjectFieldSelectorArgs(
                 field_path="metadata.annotations['batch.kubernetes.io/job-completion-index']"))))
-        gpus = str(args.gpus_per_node)
+        mounts = [k8s.core.v1.VolumeMountArgs(name="scratch", mount_path=contract.POD_SCRATCH),
+                  k8s.core.v1.VolumeMountArgs(name="dshm", mount_path="/dev/shm")]
+        volumes = [
+            # Node-local scratch for the dataset cache and the checkpoints (not the container layer).
+            k8s.core.v1.VolumeArgs(name="scratch", empty_dir=k8s.core.v1.EmptyDirVolumeSourceArgs(
+                size_limit=f"{args.scratch_gb}Gi")),
+            k8s.core.v1.VolumeArgs(name="dshm", empty_dir=k8s.core.v1.EmptyDirVolumeSourceArgs(
+                medium="Memory", size_limit=f"{shm_gb}Gi"))]
+        if args.identity.token_audience:
+            mounts.append(k8s.core.v1.VolumeMountArgs(name="identity-token", read_only=True,
+                                                      mount_path=args.identity.token_path.rsplit("/", 1)[0]))
+            volumes.append(k8s.core.v1.VolumeArgs(name="identity-token", projected=k8s.core.v1.ProjectedVolumeSourceArgs(
+                sources=[k8s.core.v1.VolumeProjectionArgs(service_account_token=k8s.core.v1.ServiceAccountTokenProjectionArgs(
+                    audience=args.identity.token_audience, expiration_seconds=3600,
+                    path=args.identity.token_path.rsplit("/", 1)[1]))])))
+        init = []
+        dataset = args.env.get(c.DATASET_URL.name)
+        if dataset:
+            # The dataset on node-local scratch before the trainer starts (resumable, verified).
+            init.append(k8s.core.v1.ContainerArgs(
+                name="dataset", image=args.image, env=env, volume_mounts=mounts, security_context=restricted(),
+                command=["python", "-m", "training.datasync", dataset, args.env[c.DATA_DIR.name]],
+                resources=k8s.core.v1.ResourceRequirementsArgs(
+                    requests={"cpu": "2", "memory": "4Gi"}, limits={"cpu": "2", "memory": "4Gi"})))
         self.job = k8s.batch.v1.Job(
             f"{name}-job",
             # The stack submits the run and does not wait for it: pulumi-kubernetes otherwise awaits
             # a Job until Complete, at most 10 minutes (batch/v1/Job.py), failing every real run's
             # `pulumi up`. The run is watched through its metrics and `kubectl`, not the deploy.
-            metadata=k8s.meta.v1.ObjectMetaArgs(name=job, namespace=namespace, labels=labels,
+            metadata=k8s.meta.v1.ObjectMetaArgs(name=job, namespace=args.namespace, labels=labels,
                                                 annotations={SKIP_AWAIT: "true"}),
             spec=k8s.batch.v1.JobSpecArgs(
-                completion_mode="Indexed", completions=args.nodes, parallelism=args.nodes,
+                completion_mode="Indexed", completions=rg.nnodes, parallelism=rg.nnodes,
                 backoff_limit=args.backoff_limit,
                 template=k8s.core.v1.PodTemplateSpecArgs(
                     metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
                     spec=k8s.core.v1.PodSpecArgs(
-                        restart_policy="OnFailure", subdomain=job,
+                        restart_policy="OnFailure", subdomain=job, service_account_name=account.metadata.name,
+                        automount_service_account_token=False,
                         # The trainer checkpoints on SIGTERM; give it time before SIGKILL.
                         termination_grace_period_seconds=120,
-                        node_selector={LABEL_NODE_GROUP: args.node_group},
+                        node_selector={LABEL_NODE_GROUP: rg.name},
                         tolerations=[GPU_TOLERATION],
+                        security_context=k8s.core.v1.PodSecurityContextArgs(
+                            run_as_non_root=True, run_as_user=TRAINER_UID, fs_group=TRAINER_UID,
+                            seccomp_profile=k8s.core.v1.SeccompProfileArgs(type="RuntimeDefault")),
+                        init_containers=init or None,
                         containers=[k8s.core.v1.ContainerArgs(
-                            name="trainer", image=args.image,
-                            command=launch_command(args.launcher, args.nodes, args.gpus_per_node, job, args.namespace),
-                            env=env,
-                            ports=[k8s.core.v1.ContainerPortArgs(name="rdzv", container_port=29400),
-                                   k8s.core.v1.ContainerPortArgs(name="metrics", container_port=9401)],
-                            resources=k8s.core.v1.ResourceRequirementsArgs(
-                                limits={"nvidia.com/gpu": gpus}, requests={"nvidia.com/gpu": gpus}),
-                            volume_mounts=[k8s.core.v1.VolumeMountArgs(name="dshm", mount_path="/dev/shm")])],
-                        volumes=[k8s.core.v1.VolumeArgs(
-                            name="dshm", empty_dir=k8s.core.v1.EmptyDirVolumeSourceArgs(
-                                medium="Memory", size_limit=f"{args.shm_gb}Gi"))]))),
+                            name="trainer", image=args.image, env=env, security_context=restricted(),
+                            ports=[k8s.core.v1.ContainerPortArgs(name="rdzv", container_port=contract.RDZV_PORT),
+                                   k8s.core.v1.ContainerPortArgs(name="metrics", container_port=contract.METRICS_PORT)],
+                            resources=k8s.core.v1.ResourceRequirementsArgs(limits=resources, requests=resources),
+                            volume_mounts=mounts)],
+                        volumes=volumes))),
             opts=child)
         self.register_outputs({"jobName": self.job.metadata.name})
 
 
-def deploy_training_jobs(spec: StackSpec, groups: list[ResolvedGroup],
-                         opts: pulumi.ResourceOptions) -> list[TrainingJob]:
-    """One training Job per Kubernetes training group, sized from the catalog, on the cluster
-    whose provider `opts` carries."""
-    jobs = []
-    for g in groups:
-        if g.workload != "training":
-            continue
-        jobs.append(TrainingJob(g.name, TrainingJobArgs(
-            image=spec.training.image, launcher=spec.training.launcher, node_group=g.name,
-            nodes=g.nnodes, gpus_per_node=g.gpus,
-            env={"CHECKPOINT_URL": g.checkpoint_url, "DATASET_URL": spec.training.dataset_url,
-                 "CHECKPOINT_EVERY": str(spec.training.checkpoint_every), "WORKLOAD": spec.training.workload,
-                 "CHECKPOINT_DIR": "/scratch/checkpoints", "METRICS_PORT": "9401",
-                 "NODE_HOURLY_USD": f"{g.node_hourly_usd:.4f}", "GTS_CLOUD": g.cloud,
-                 "GTS_NODE_GROUP": g.name},
-            labels={"env": spec.env}), opts=opts))
-    return jobs
-
-
+def training_namespace(name: str, opts: pulumi.ResourceOptions) -> k8s.core.v1.Namespace:
+    """Where the cluster's training Jobs run, at the restricted Pod Security level."""
+    restricted_level = {f"pod-security.kubernetes.io/{mode}": "restricted" for mode in ("enforce", "audit", "warn")}
+    return k8s.core.v1.Namespace(f"{name}-training-ns", metadata=k8s.meta.v1.ObjectMetaArgs(
+        name=NAMESPACE, labels=restricted_level), opts=opts)

@@ -130,3 +130,75 @@ COMPUTED.update({
     "tencentcloud:Kubernetes/cluster:Cluster": _tencent_cluster,
     "tencentcloud:Eip/instance:Instance": _tencent_eip,
 })
+
+
+# --- the trainer image and its registries -------------------------------------------------------
+
+def _docker_image(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The digest a push would report: derived from the tags and build inputs, stable per run."""
+    import hashlib
+    import json
+
+    digest = "sha256:" + hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+    tags = inputs.get("tags") or [name]
+    return {"digest": digest, "ref": f"{str(tags[0]).rsplit(':', 1)[0]}@{digest}"}
+
+
+def _ecr_repository(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"registryId": "123456789012",
+            "repositoryUrl": f"123456789012.dkr.ecr.us-east-1.amazonaws.com/{inputs.get('name', name)}"}
+
+
+def _ecr_token(args: dict[str, Any]) -> dict[str, Any]:
+    return {"id": "ecr", "authorizationToken": "QVdTOm1vY2s=", "expiresAt": "2099-01-01T00:00:00Z",
+            "proxyEndpoint": "https://123456789012.dkr.ecr.us-east-1.amazonaws.com", "userName": "AWS",
+            "password": "mock", "registryId": args.get("registryId")}
+
+
+def _acr_instances(args: dict[str, Any]) -> dict[str, Any]:
+    ids = args.get("ids") or ["acr"]
+    name = str(ids[0]).removesuffix("-id")
+    return {"id": "acr", "ids": ids, "enableDetails": True, "names": [name], "instances": [{
+        "id": ids[0], "name": name, "region": "cn-hangzhou", "specification": "Basic", "namespaceQuota": "3",
+        "namespaceUsage": "1", "repoQuota": "1000", "repoUsage": "1", "vpcEndpoints": [f"{name}-registry-vpc.cn-hangzhou.cr.aliyuncs.com"],
+        "publicEndpoints": [f"{name}-registry.cn-hangzhou.cr.aliyuncs.com"], "authorizationToken": "mock",
+        "tempUsername": "cr_temp_user"}]}
+
+
+def _tcr_instance(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"publicDomain": f"{inputs.get('name', name)}.tencentcloudcr.com",
+            "internalEndPoint": "10.70.0.100"}
+
+
+def _tcr_token(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"userName": "100000000001", "token": "mock", "tokenId": f"{name}-tok"}
+
+
+def _ack_cluster(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"rrsaMetadata": {"enabled": True, "ramOidcProviderArn": f"acs:ram::100000000001:oidc-provider/ack-rrsa-{name}",
+                             "ramOidcProviderName": f"ack-rrsa-{name}",
+                             "rrsaOidcIssuerUrl": f"https://oidc-ack-cn-hangzhou.oss-cn-hangzhou.aliyuncs.com/{name}"}}
+
+
+def _ram_role(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"arn": f"acs:ram::100000000001:role/{inputs.get('roleName', name)}"}
+
+
+def _tke_endpoint(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"kubeConfig": f"apiVersion: v1\nkind: Config\n# {name} public\n",
+            "kubeConfigIntranet": f"apiVersion: v1\nkind: Config\n# {name} intranet\n"}
+
+
+INVOKES.update({
+    "aws:ecr/getAuthorizationToken:getAuthorizationToken": _ecr_token,
+    "alicloud:cs/getRegistryEnterpriseInstances:getRegistryEnterpriseInstances": _acr_instances,
+})
+COMPUTED.update({
+    "docker-build:index:Image": _docker_image,
+    "aws:ecr/repository:Repository": _ecr_repository,
+    "tencentcloud:Tcr/instance:Instance": _tcr_instance,
+    "tencentcloud:Tcr/token:Token": _tcr_token,
+    "alicloud:cs/managedKubernetes:ManagedKubernetes": _ack_cluster,
+    "alicloud:ram/role:Role": _ram_role,
+    "tencentcloud:Kubernetes/clusterEndpoint:ClusterEndpoint": _tke_endpoint,
+})

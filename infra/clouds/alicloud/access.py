@@ -1,61 +1,85 @@
-"""Alibaba Cloud RAM: the node role, allowed only its bucket's prefixes."""
+"""Alibaba Cloud RAM: one role per VM node group limited to that group's grants in the bucket
+(infra/access.py), a role for the ACK nodes that reads only the node bundle (pods carry their
+group's own role through RRSA, infra/clouds/alicloud/kubernetes.py), and ACK's account-wide
+autoscaler role where this stack manages the account's settings."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulumi
 import pulumi_alicloud as alicloud
 
-
-def bucket_policy(bucket: str, prefixes: list[str]) -> str:
-    return json.dumps({"Version": "1", "Statement": [
-        {"Effect": "Allow", "Action": ["oss:ListObjects"], "Resource": [f"acs:oss:*:*:{bucket}"],
-         "Condition": {"StringLike": {"oss:Prefix": [f"{p}*" for p in prefixes]}}},
-        {"Effect": "Allow", "Action": ["oss:GetObject", "oss:PutObject", "oss:DeleteObject",
-                                       "oss:AbortMultipartUpload", "oss:ListParts"],
-         "Resource": [f"acs:oss:*:*:{bucket}/{p}*" for p in prefixes]},
-    ]})
-
+from infra.access import CLUSTER_NODE, Grants
+from infra.names import fit
 
 AUTOSCALER_ROLE = "AliyunCSManagedAutoScalerRole"  # the name ACK looks for
+
+
+def bucket_policy(bucket: str, grants: Grants) -> str:
+    statements: list[dict[str, object]] = [
+        {"Effect": "Allow", "Action": ["oss:ListObjects"], "Resource": [f"acs:oss:*:*:{bucket}"],
+         "Condition": {"StringLike": {"oss:Prefix": [f"{p}*" for p in grants.prefixes]}}},
+        {"Effect": "Allow", "Action": ["oss:GetObject"], "Resource": [f"acs:oss:*:*:{bucket}/{p}*" for p in grants.prefixes]}]
+    if grants.writes:
+        statements.append({"Effect": "Allow", "Action": ["oss:PutObject", "oss:DeleteObject", "oss:AbortMultipartUpload",
+                                                         "oss:ListParts"],
+                           "Resource": [f"acs:oss:*:*:{bucket}/{p}*" for p in grants.writes]})
+    return json.dumps({"Version": "1", "Statement": statements})
+
+
+def service_trust(service: str) -> str:
+    return json.dumps({"Version": "1", "Statement": [{
+        "Action": "sts:AssumeRole", "Effect": "Allow", "Principal": {"Service": [service]}}]})
 
 
 @dataclass
 class AlicloudAccessArgs:
     bucket: str
-    prefixes: list[str]
+    env: str
     tags: dict[str, str]
-    autoscaler_role: bool  # create ACK's account-wide autoscaler role (one stack per account)
+    groups: dict[str, Grants] = field(default_factory=dict)  # VM node groups
+    kubernetes: bool = False
+    autoscaler_role: bool = False  # create ACK's account-wide autoscaler role (one stack per account)
 
 
 class AlicloudAccess(pulumi.ComponentResource):
-    role: alicloud.ram.Role
+    roles: dict[str, alicloud.ram.Role]
+    ack_node_role: alicloud.ram.Role | None
 
     def __init__(self, name: str, args: AlicloudAccessArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:alicloud:Access", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
-        self.role = alicloud.ram.Role(
-            f"{name}-node", role_name=f"{name}-node",
-            assume_role_policy_document=json.dumps({"Version": "1", "Statement": [{
-                "Action": "sts:AssumeRole", "Effect": "Allow", "Principal": {"Service": ["ecs.aliyuncs.com"]}}]}),
-            description="GPU training nodes: own bucket prefixes", tags=args.tags, opts=child)
-        policy = alicloud.ram.Policy(f"{name}-node-bucket", policy_name=f"{name}-node-bucket",
-                                     policy_document=bucket_policy(args.bucket, args.prefixes),
-                                     description="read datasets, read/write checkpoints", tags=args.tags, opts=child)
-        alicloud.ram.RolePolicyAttachment(f"{name}-node-bucket", policy_name=policy.policy_name, policy_type="Custom",
-                                          role_name=self.role.role_name, opts=child)
+        self.child = pulumi.ResourceOptions(parent=self)
+        self.args = args
+        self.roles = {group: self.role(f"{name}-{group}", f"{args.env}-{group}-node", service_trust("ecs.aliyuncs.com"),
+                                       grants, f"GPU nodes of {group}: its dataset, its own checkpoints")
+                      for group, grants in args.groups.items()}
+        self.ack_node_role = None
+        if args.kubernetes:
+            self.ack_node_role = self.role(f"{name}-ack-node", f"{args.env}-ack-node", service_trust("ecs.aliyuncs.com"),
+                                           CLUSTER_NODE, "ACK nodes: the node bundle only")
         if args.autoscaler_role:
             # ACK's autoscaler acts through this service role ("ACK adds a new RamRole
             # (AliyunCSManagedAutoScalerRole) for the permission control of the node pool with
             # auto-scaling enabled", pulumi_alicloud cs/node_pool.py; Alibaba's Terraform example
             # "use-case-enable-ack-and-assign-role").
-            role = alicloud.ram.Role(
-                f"{name}-ack-autoscaler", role_name=AUTOSCALER_ROLE, description="ACK cluster autoscaler", tags=args.tags,
-                assume_role_policy_document=json.dumps({"Version": "1", "Statement": [{
-                    "Action": "sts:AssumeRole", "Effect": "Allow", "Principal": {"Service": ["cs.aliyuncs.com"]}}]}),
-                opts=child)
+            role = alicloud.ram.Role(f"{name}-ack-autoscaler", role_name=AUTOSCALER_ROLE, description="ACK cluster autoscaler",
+                                     assume_role_policy_document=service_trust("cs.aliyuncs.com"), tags=args.tags,
+                                     opts=self.child)
             alicloud.ram.RolePolicyAttachment(f"{name}-ack-autoscaler", role_name=role.role_name, policy_type="System",
-                                              policy_name="AliyunCSManagedAutoScalerRolePolicy", opts=child)
-        self.register_outputs({"roleName": self.role.role_name})
+                                              policy_name="AliyunCSManagedAutoScalerRolePolicy", opts=self.child)
+        self.register_outputs({"groups": sorted(self.roles)})
+
+    def role(self, name: str, role_name: str, trust: pulumi.Input[str], grants: Grants,
+             description: str) -> alicloud.ram.Role:
+        """A RAM role with a policy of the grants in the stack's bucket."""
+        args = self.args
+        role = alicloud.ram.Role(name, role_name=fit(role_name, "iamRole"), assume_role_policy_document=trust,
+                                 description=description, tags=args.tags, opts=self.child)
+        policy = alicloud.ram.Policy(f"{name}-bucket", policy_name=fit(f"{role_name}-bucket", "iamRole"),
+                                     policy_document=bucket_policy(args.bucket, grants), description=description,
+                                     tags=args.tags, opts=self.child)
+        alicloud.ram.RolePolicyAttachment(f"{name}-bucket", policy_name=policy.policy_name, policy_type="Custom",
+                                          role_name=role.role_name, opts=self.child)
+        return role

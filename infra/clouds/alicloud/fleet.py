@@ -32,7 +32,7 @@ class AlicloudGpuFleetArgs:
     zones: list[str]
     security_group_id: pulumi.Output[str]
     role_name: pulumi.Output[str]
-    user_data: str  # base64
+    user_data: pulumi.Input[str]  # base64
     provider: pulumi.ProviderResource
     tags: dict[str, str]
     env: str

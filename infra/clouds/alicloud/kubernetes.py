@@ -5,22 +5,45 @@ the NVIDIA device plugin on GPU nodes itself."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pulumi
 import pulumi_alicloud as alicloud
 
+from infra import catalog as cat
 from infra import userdata
 from infra.clouds.alicloud.fleet import ESSD, spot_strategy
-from infra import catalog as cat
+from infra.access import trainer_grants
+from infra.clouds.alicloud.access import AlicloudAccess
 from infra.cloud_rules import POD_CIDR, SERVICE_CIDR
 from infra.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
 from infra.k8s.cluster import cluster_workloads
+from infra.k8s.job import NAMESPACE, Identity
 from infra.spec import StackSpec
 
 ACK_SPEC = "ack.pro.small"
 # Ubuntu: the node scripts need Python >= 3.7 (Alibaba Cloud Linux 3 ships 3.6).
 NODE_IMAGE = "Ubuntu"
+RRSA_AUDIENCE = "sts.aliyuncs.com"
+RRSA_TOKEN = "/var/run/secrets/ack.alibabacloud.com/rrsa-tokens/token"
+
+
+def _provider_arn(meta: alicloud.cs.outputs.ManagedKubernetesRrsaMetadata | None) -> str:
+    return str(meta.ram_oidc_provider_arn or "") if meta else ""
+
+
+def _issuer(meta: alicloud.cs.outputs.ManagedKubernetesRrsaMetadata | None) -> str:
+    return str(meta.rrsa_oidc_issuer_url or "") if meta else ""
+
+
+def rrsa_trust(parts: str) -> str:
+    """The trust policy of a group's pod role; `parts` is "<provider arn>\n<issuer>\n<account>"."""
+    provider_arn, issuer, account = parts.split("\n")
+    return json.dumps({"Version": "1", "Statement": [{
+        "Action": "sts:AssumeRole", "Effect": "Allow", "Principal": {"Federated": [provider_arn]},
+        "Condition": {"StringEquals": {"oidc:aud": RRSA_AUDIENCE, "oidc:iss": issuer,
+                                       "oidc:sub": f"system:serviceaccount:{NAMESPACE}:{account}"}}}]})
 
 
 @dataclass
@@ -31,6 +54,8 @@ class AlicloudAckArgs:
     security_group_id: pulumi.Output[str]
     role_name: pulumi.Output[str]
     network_cidr: str
+    access: AlicloudAccess  # makes the pods' roles
+    image: pulumi.Output[str]
     provider: pulumi.ProviderResource
     tags: dict[str, str]
 
@@ -49,7 +74,8 @@ class AlicloudAck(pulumi.ComponentResource):
             # which the provider cannot attach (data/capabilities.yaml, kubernetesApiAccess).
             slb_internet_enabled=False, security_group_id=args.security_group_id,
             control_plane_log_components=["apiserver", "kcm", "scheduler", "ccm"],
-            deletion_protection=spec.env == "prod", tags=tags, opts=child)
+            # RRSA: pods assume their own RAM role with a service-account token (irreversible once on).
+            enable_rrsa=True, deletion_protection=spec.env == "prod", tags=tags, opts=child)
         # With a security group of our own, ACK adds no rules: Flannel needs the pod range and
         # ICMP admitted on the nodes (ACK "Configure security group rules", inbound table).
         # ICMP from the VPC and the pods only (the doc's 0.0.0.0/0 is not needed: no node has a public address).
@@ -69,8 +95,28 @@ class AlicloudAck(pulumi.ComponentResource):
             cluster_id=self.cluster.id, opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(credential.kube_config.apply(str))
         cluster_workloads(name, self.kubeconfig, [self.system, *self.pools], spec, args.groups, parent=self,
-                          device_plugin=False)
+                          device_plugin=False, image=args.image, identities=self._rrsa(name, args))
         self.register_outputs({"clusterId": self.cluster.id})
+
+    def _rrsa(self, name: str, args: AlicloudAckArgs) -> dict[str, Identity]:
+        """Each training group's pods assume a RAM role of their own with their service account's
+        token (RRSA; ACK user guide "Use RRSA to authorize pods"): trust the cluster's OIDC provider
+        for `system:serviceaccount:training:<group>-trainer` only, audience sts.aliyuncs.com. The
+        pod gets the role, the provider and a projected token itself — no webhook needed."""
+        meta = self.cluster.rrsa_metadata
+        provider_arn = meta.apply(_provider_arn)
+        issuer = meta.apply(_issuer)
+        identities = {}
+        for g in args.groups:
+            account = f"{g.name}-trainer"
+            trust = pulumi.Output.format("{0}\n{1}\n{2}", provider_arn, issuer, account).apply(rrsa_trust)
+            role = args.access.role(f"{name}-{g.name}-pods", f"{args.spec.env}-{g.name}-pods", trust,
+                                    trainer_grants(args.spec, g), f"pods of {g.name}: its dataset, its own checkpoints")
+            identities[g.name] = Identity(
+                service_account=account, token_audience=RRSA_AUDIENCE, token_path=RRSA_TOKEN,
+                env={"ALIBABA_CLOUD_ROLE_ARN": role.arn, "ALIBABA_CLOUD_OIDC_PROVIDER_ARN": provider_arn,
+                     "ALIBABA_CLOUD_OIDC_TOKEN_FILE": RRSA_TOKEN})
+        return identities
 
     def _system_pool(self, name: str, args: AlicloudAckArgs, child: pulumi.ResourceOptions) -> alicloud.cs.NodePool:
         """A fixed pool for CoreDNS and the add-ons: autoscaled nodes carry `k8s.aliyun.com=true`

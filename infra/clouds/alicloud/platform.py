@@ -5,17 +5,20 @@ from __future__ import annotations
 import pulumi
 import pulumi_alicloud as alicloud
 
-from infra import bundle, userdata
-from infra.buckets import CHECKPOINT_PREFIX, DATASET_PREFIX, NODES_PREFIX, bucket
+from infra import bundle
+from infra.buckets import bucket
 from infra.clouds.alicloud.access import AlicloudAccess, AlicloudAccessArgs
 from infra.clouds.alicloud.budget import AlicloudBudget, AlicloudBudgetArgs
 from infra.clouds.alicloud.fleet import AlicloudGpuFleet, AlicloudGpuFleetArgs
 from infra.clouds.alicloud.kubernetes import AlicloudAck, AlicloudAckArgs
 from infra.clouds.alicloud.network import AlicloudNetwork, AlicloudNetworkArgs
 from infra.clouds.alicloud.peering import AlicloudPeering, AlicloudPeeringArgs
+from infra.clouds.alicloud.registry import AlicloudRegistry, AlicloudRegistryArgs
 from infra.clouds.alicloud.storage import AlicloudStorage, AlicloudStorageArgs
 from infra.clouds.base import CloudPlatform, Cluster
+from infra.access import node_grants
 from infra.groups import ResolvedGroup
+from infra.image import Registry
 from infra.spec import Network
 
 
@@ -53,26 +56,35 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
 
     def make_access(self, storage: AlicloudStorage) -> AlicloudAccess:
         return AlicloudAccess(f"{self.name}-access", AlicloudAccessArgs(
-            storage.name, [CHECKPOINT_PREFIX, DATASET_PREFIX, NODES_PREFIX], self.tags,
+            storage.name, self.spec.env, self.tags, groups={g.name: node_grants(self.spec, g) for g in self.vm_groups()},
+            kubernetes=bool(self.kubernetes_groups()),
             autoscaler_role=self.account.account_settings and bool(self.kubernetes_groups())), opts=self.provider_opts())
 
-    def make_fleet(self, group: ResolvedGroup, net: AlicloudNetwork,
-                   access: AlicloudAccess) -> pulumi.Output[list[str]]:
+    def make_registry(self, nets: dict[str, AlicloudNetwork]) -> Registry:
+        return AlicloudRegistry(f"{self.name}-registry", AlicloudRegistryArgs(
+            self.spec.env, [str(c) for c in self.spec.kubernetes.api_access_cidrs],
+            [(n.name, nets[n.name].vpc.id, nets[n.name].switches[0].id) for n in self.node_networks()], self.tags),
+            opts=self.provider_opts()).registry
+
+    def make_fleet(self, group: ResolvedGroup, net: AlicloudNetwork, access: AlicloudAccess,
+                   image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
         spec_net = self.spec.network(group.network)
         fleet = AlicloudGpuFleet(group.name, AlicloudGpuFleetArgs(
             group=group, vpc_id=net.vpc.id, switch_ids=[s.id for s in net.switches],
             zones=[s.zone for s in spec_net.subnets], security_group_id=net.security_group.id,
-            role_name=access.role.role_name, user_data=userdata.for_group(self.spec, group),
+            role_name=access.roles[group.name].role_name, user_data=self.user_data(group, image),
             provider=self.provider(group.region), tags=self.tags, env=self.spec.env),
             opts=pulumi.ResourceOptions(parent=self))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: AlicloudNetwork,
-                     access: AlicloudAccess, storage: AlicloudStorage) -> Cluster:
+                     access: AlicloudAccess, storage: AlicloudStorage, image: pulumi.Output[str]) -> Cluster:
+        assert access.ack_node_role is not None
         ack = AlicloudAck(f"{self.spec.env}-{net.name}", AlicloudAckArgs(
             spec=self.spec, groups=groups, switch_ids=[s.id for s in built.switches],
-            security_group_id=built.security_group.id, role_name=access.role.role_name, network_cidr=str(net.cidr),
-            provider=self.provider(self.region_of(net)), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
+            security_group_id=built.security_group.id, role_name=access.ack_node_role.role_name,
+            network_cidr=str(net.cidr), access=access, image=image, provider=self.provider(self.region_of(net)),
+            tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
         return Cluster(ack.cluster.id, ack.kubeconfig)
 
     def make_budget(self) -> None:

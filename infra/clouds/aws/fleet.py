@@ -24,7 +24,7 @@ class AwsGpuFleetArgs:
     zones: list[str]
     security_group_id: pulumi.Output[str]
     instance_profile_arn: pulumi.Output[str]
-    user_data: str  # base64
+    user_data: pulumi.Input[str]  # base64
     provider: pulumi.ProviderResource
     tags: dict[str, str]
 

@@ -14,10 +14,13 @@ import pulumi_aws as aws
 
 from infra import catalog as cat
 from infra import userdata
+from infra.access import trainer_grants
+from infra.clouds.aws.access import AwsAccess
 from infra.clouds.aws.autoscaler import EksAutoscalerArgs, EksClusterAutoscaler
 from infra.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 from infra.images import CLUSTER_AUTOSCALER, pulled
 from infra.k8s.cluster import cluster_workloads
+from infra.k8s.job import NAMESPACE, Identity
 from infra.k8s.pools import pool_parts
 from infra.names import fit
 from infra.spec import StackSpec
@@ -65,6 +68,8 @@ class AwsEksArgs:
     cluster_role_arn: pulumi.Output[str]
     node_role_arn: pulumi.Output[str]
     kms_key_arn: pulumi.Output[str]
+    access: AwsAccess  # makes the pods' roles
+    image: pulumi.Output[str]
     provider: pulumi.ProviderResource
     tags: dict[str, str]
 
@@ -108,13 +113,29 @@ class AwsEks(pulumi.ComponentResource):
                 lambda ec: kubeconfig(name, args.region, ec[0], ec[1])))
         # The EKS NVIDIA AMI has the driver but not the device plugin.
         k8s_provider = cluster_workloads(name, self.kubeconfig, [self.system, *self.node_groups], spec, args.groups,
-                                         parent=self, device_plugin=True)
+                                         parent=self, device_plugin=True, image=args.image,
+                                         identities=self._pod_identities(name, args, child))
         EksClusterAutoscaler(f"{name}-ca", EksAutoscalerArgs(
             cluster_name=self.cluster.name, region=args.region,
             image=pulled(CLUSTER_AUTOSCALER, spec.clouds["aws"].mirrors), system_selector={LABEL_POOL: "system"},
             pod_identity_agent=self.pod_identity, aws_provider=args.provider, k8s_provider=k8s_provider, tags=tags),
             opts=pulumi.ResourceOptions(parent=self))
         self.register_outputs({"clusterName": self.cluster.name})
+
+    def _pod_identities(self, name: str, args: AwsEksArgs, child: pulumi.ResourceOptions) -> dict[str, Identity]:
+        """Each training group's pods get their group's grants through EKS Pod Identity: a role per
+        group, associated with the group's service account (the SDKs in the pod pick it up)."""
+        identities = {}
+        for g in args.groups:
+            account = f"{g.name}-trainer"
+            role = args.access.pod_role(f"{name}-{g.name}-pods", f"{args.spec.env}-{g.name}-pods",
+                                        trainer_grants(args.spec, g))
+            aws.eks.PodIdentityAssociation(
+                f"{name}-{g.name}-identity", cluster_name=self.cluster.name, namespace=NAMESPACE,
+                service_account=account, role_arn=role.arn, tags=args.tags,
+                opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(depends_on=[self.pod_identity])))
+            identities[g.name] = Identity(service_account=account)
+        return identities
 
     def _system_group(self, name: str, args: AwsEksArgs, child: pulumi.ResourceOptions) -> aws.eks.NodeGroup:
         """Untainted on-demand nodes for CoreDNS, the autoscaler and the other add-ons."""

@@ -1,21 +1,25 @@
-"""The AWS side of a stack: networks, peerings, storage, access, GPU fleets, EKS, budget."""
+"""The AWS side of a stack: networks, peerings, storage, access, the trainer image, GPU fleets,
+EKS, budget."""
 
 from __future__ import annotations
 
 import pulumi
 import pulumi_aws as aws
 
-from infra import bundle, userdata
-from infra.buckets import CHECKPOINT_PREFIX, DATASET_PREFIX, NODES_PREFIX, bucket
+from infra.access import node_grants
+from infra.buckets import bucket
+from infra.bundle import build as bundle
 from infra.clouds.aws.access import AwsAccess, AwsAccessArgs
 from infra.clouds.aws.budget import AwsBudget, AwsBudgetArgs
 from infra.clouds.aws.fleet import AwsGpuFleet, AwsGpuFleetArgs
 from infra.clouds.aws.kubernetes import AwsEks, AwsEksArgs
 from infra.clouds.aws.network import AwsNetwork, AwsNetworkArgs
 from infra.clouds.aws.peering import AwsPeering, AwsPeeringArgs
+from infra.clouds.aws.registry import AwsRegistry, AwsRegistryArgs
 from infra.clouds.aws.storage import AwsStorage, AwsStorageArgs
 from infra.clouds.base import CloudPlatform, Cluster
 from infra.groups import ResolvedGroup
+from infra.image import Registry
 from infra.spec import Network
 
 
@@ -48,7 +52,8 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
                 opts=pulumi.ResourceOptions(parent=self))
 
     def make_storage(self) -> AwsStorage:
-        return AwsStorage(f"{self.name}-storage", AwsStorageArgs(self.spec.storage, bucket(self.spec, self.CLOUD), bundle.build(), self.tags),
+        return AwsStorage(f"{self.name}-storage",
+                          AwsStorageArgs(self.spec.storage, bucket(self.spec, self.CLOUD), bundle(), self.tags),
                           opts=self.provider_opts())
 
     def bucket_name(self, storage: AwsStorage) -> pulumi.Output[str]:
@@ -56,30 +61,36 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
 
     def make_access(self, storage: AwsStorage) -> AwsAccess:
         return AwsAccess(f"{self.name}-access", AwsAccessArgs(
-            bucket_arn=storage.bucket.arn, key_arn=storage.key.arn, prefixes=[CHECKPOINT_PREFIX, DATASET_PREFIX, NODES_PREFIX],
-            tags=self.tags, kubernetes=bool(self.kubernetes_groups())), opts=self.provider_opts())
+            bucket_arn=storage.bucket.arn, key_arn=storage.key.arn, env=self.spec.env, tags=self.tags,
+            groups={g.name: node_grants(self.spec, g) for g in self.vm_groups()},
+            kubernetes=bool(self.kubernetes_groups())), opts=self.provider_opts())
 
-    def make_fleet(self, group: ResolvedGroup, net: AwsNetwork, access: AwsAccess) -> pulumi.Output[list[str]]:
+    def make_registry(self, nets: dict[str, AwsNetwork]) -> Registry:
+        return AwsRegistry(f"{self.name}-registry", AwsRegistryArgs(self.spec.env, self.tags),
+                           opts=self.provider_opts()).registry
+
+    def make_fleet(self, group: ResolvedGroup, net: AwsNetwork, access: AwsAccess,
+                   image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
         spec_net = self.spec.network(group.network)
         fleet = AwsGpuFleet(group.name, AwsGpuFleetArgs(
             group=group, subnet_ids=[s.id for s in net.private_subnets], zones=[s.zone for s in spec_net.subnets],
-            security_group_id=net.security_group.id, instance_profile_arn=access.instance_profile.arn,
-            user_data=userdata.for_group(self.spec, group),
-            provider=self.provider(group.region), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
+            security_group_id=net.security_group.id, instance_profile_arn=access.profiles[group.name].arn,
+            user_data=self.user_data(group, image), provider=self.provider(group.region), tags=self.tags),
+            opts=pulumi.ResourceOptions(parent=self))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: AwsNetwork, access: AwsAccess,
-                     storage: AwsStorage) -> Cluster:
+                     storage: AwsStorage, image: pulumi.Output[str]) -> Cluster:
         assert access.eks_cluster_role is not None and access.eks_node_role is not None
         region = self.region_of(net)
         eks = AwsEks(f"{self.spec.env}-{net.name}", AwsEksArgs(
             spec=self.spec, groups=groups, region=region, subnet_ids=[s.id for s in built.private_subnets],
             security_group_id=built.security_group.id, cluster_role_arn=access.eks_cluster_role.arn,
-            node_role_arn=access.eks_node_role.arn, kms_key_arn=storage.key.arn,
+            node_role_arn=access.eks_node_role.arn, kms_key_arn=storage.key.arn, access=access, image=image,
             provider=self.provider(region), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
         return Cluster(eks.cluster.name, eks.kubeconfig)
 
     def make_budget(self) -> None:
         # Budgets are global; they live with the default region's provider.
-        AwsBudget(f"{self.name}-budget", AwsBudgetArgs(self.spec.budget, self.spec.env, self.tags, self.account.account_settings),
-                  opts=self.provider_opts())
+        AwsBudget(f"{self.name}-budget", AwsBudgetArgs(self.spec.budget, self.spec.env, self.tags,
+                                                       self.account.account_settings), opts=self.provider_opts())

@@ -1,24 +1,33 @@
-"""Tencent Cloud CAM: the node role, allowed only its bucket's prefixes."""
+"""Tencent Cloud CAM: one role per node group (VM fleets and TKE pools alike), limited to that
+group's grants in the bucket (infra/access.py). TKE pods use their node's role: TKE's workload
+identity (the pod-identity webhook) exists, but the form of its CAM trust policy could not be
+verified here; a pool holds one group's pods only, so the node role is still that group's grants."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
+from infra.access import Grants
+from infra.names import fit
 
-def bucket_policy(bucket: str, region: str, app_id: str, prefixes: list[str]) -> str:
+COS_READ = ["name/cos:GetObject", "name/cos:HeadObject"]
+COS_WRITE = ["name/cos:PutObject", "name/cos:DeleteObject", "name/cos:InitiateMultipartUpload", "name/cos:UploadPart",
+             "name/cos:CompleteMultipartUpload", "name/cos:AbortMultipartUpload", "name/cos:ListParts"]
+
+
+def bucket_policy(bucket: str, region: str, app_id: str, grants: Grants) -> str:
     resource = f"qcs::cos:{region}:uid/{app_id}:{bucket}"
-    return json.dumps({"version": "2.0", "statement": [
-        {"effect": "allow", "action": ["name/cos:GetBucket"], "resource": [f"{resource}/"]},
-        {"effect": "allow", "action": ["name/cos:GetObject", "name/cos:PutObject", "name/cos:DeleteObject",
-                                       "name/cos:HeadObject", "name/cos:InitiateMultipartUpload",
-                                       "name/cos:UploadPart", "name/cos:CompleteMultipartUpload",
-                                       "name/cos:AbortMultipartUpload", "name/cos:ListParts"],
-         "resource": [f"{resource}/{p}*" for p in prefixes]},
-    ]})
+    statements: list[dict[str, object]] = [
+        {"effect": "allow", "action": ["name/cos:GetBucket"], "resource": [f"{resource}/"],
+         "condition": {"string_like": {"cos:prefix": [f"{p}*" for p in grants.prefixes]}}},
+        {"effect": "allow", "action": COS_READ, "resource": [f"{resource}/{p}*" for p in grants.prefixes]}]
+    if grants.writes:
+        statements.append({"effect": "allow", "action": COS_WRITE, "resource": [f"{resource}/{p}*" for p in grants.writes]})
+    return json.dumps({"version": "2.0", "statement": statements})
 
 
 @dataclass
@@ -26,25 +35,29 @@ class TencentAccessArgs:
     bucket: str
     region: str
     app_id: str
-    prefixes: list[str]
+    env: str
     tags: dict[str, str]
+    groups: dict[str, Grants] = field(default_factory=dict)  # every node group of this cloud
 
 
 class TencentAccess(pulumi.ComponentResource):
-    role: tencentcloud.cam.Role
+    roles: dict[str, tencentcloud.cam.Role]
 
     def __init__(self, name: str, args: TencentAccessArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:tencentcloud:Access", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        self.role = tencentcloud.cam.Role(
-            f"{name}-node", name=f"{name}-node", console_login=False,
-            document=json.dumps({"version": "2.0", "statement": [{
-                "action": ["name/sts:AssumeRole"], "effect": "allow",
-                "principal": {"service": ["cvm.qcloud.com"]}}]}),
-            description="GPU training nodes: own bucket prefixes", tags=args.tags, opts=child)
-        policy = tencentcloud.cam.Policy(f"{name}-node-bucket", name=f"{name}-node-bucket",
-                                         document=bucket_policy(args.bucket, args.region, args.app_id, args.prefixes),
-                                         description="read datasets, read/write checkpoints", opts=child)
-        tencentcloud.cam.RolePolicyAttachment(f"{name}-node-bucket", role_id=self.role.id, policy_id=policy.id,
-                                              opts=child)
-        self.register_outputs({"roleName": self.role.name})
+        self.roles = {}
+        for group, grants in args.groups.items():
+            role_name = fit(f"{args.env}-{group}-node", "iamRole")
+            role = tencentcloud.cam.Role(
+                f"{name}-{group}", name=role_name, console_login=False,
+                document=json.dumps({"version": "2.0", "statement": [{
+                    "action": ["name/sts:AssumeRole"], "effect": "allow", "principal": {"service": ["cvm.qcloud.com"]}}]}),
+                description=f"GPU nodes of {group}: its dataset, its own checkpoints", tags=args.tags, opts=child)
+            policy = tencentcloud.cam.Policy(f"{name}-{group}-bucket", name=f"{role_name}-bucket",
+                                             document=bucket_policy(args.bucket, args.region, args.app_id, grants),
+                                             description=f"{group}: its dataset, its own checkpoints", opts=child)
+            tencentcloud.cam.RolePolicyAttachment(f"{name}-{group}-bucket", role_id=role.id, policy_id=policy.id,
+                                                  opts=child)
+            self.roles[group] = role
+        self.register_outputs({"groups": sorted(self.roles)})

@@ -35,7 +35,7 @@ class TencentGpuFleetArgs:
     zones: list[str]
     security_group_id: pulumi.Output[str]
     role_name: pulumi.Output[str]
-    user_data: str  # base64, at most 16 KB
+    user_data: pulumi.Input[str]  # base64
     provider: pulumi.ProviderResource
     tags: dict[str, str]
 

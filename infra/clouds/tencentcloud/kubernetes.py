@@ -17,6 +17,7 @@ from infra import catalog as cat
 from infra.cloud_rules import POD_CIDR, SERVICE_CIDR
 from infra.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
 from infra.k8s.cluster import cluster_workloads
+from infra.k8s.job import Identity
 from infra.k8s.pools import pool_parts
 from infra.names import fit
 from infra.spec import StackSpec
@@ -42,7 +43,8 @@ class TencentTkeArgs:
     vpc_id: pulumi.Output[str]
     subnet_ids: list[pulumi.Output[str]]
     security_group_id: pulumi.Output[str]
-    role_name: pulumi.Output[str]
+    role_names: dict[str, pulumi.Output[str]]  # each group's CAM role (its pods use it)
+    image: pulumi.Output[str]
     provider: pulumi.ProviderResource
     tags: dict[str, str]
 
@@ -71,7 +73,10 @@ class TencentTke(pulumi.ComponentResource):
         public = bool(spec.kubernetes.api_access_cidrs)
         self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(
             self.endpoint.kube_config if public else self.endpoint.kube_config_intranet)
-        cluster_workloads(name, self.kubeconfig, [self.endpoint], spec, args.groups, parent=self, device_plugin=False)
+        # TKE pods use their node's role (one group per pool: that group's grants).
+        identities = {g.name: Identity(service_account=f"{g.name}-trainer") for g in args.groups}
+        cluster_workloads(name, self.kubeconfig, [self.endpoint], spec, args.groups, parent=self, device_plugin=False,
+                          image=args.image, identities=identities)
         self.register_outputs({"clusterId": self.cluster.id})
 
     def _endpoint(self, name: str, args: TencentTkeArgs,
@@ -137,7 +142,7 @@ class TencentTke(pulumi.ComponentResource):
                     system_disk_type=DISK, system_disk_size=SYSTEM_DISK_GB,
                     data_disks=[tencentcloud.kubernetes.NodePoolAutoScalingConfigDataDiskArgs(
                         disk_type=DISK, disk_size=disk_gb, encrypt=True, delete_with_instance=True)] if disk_gb else None,
-                    orderly_security_group_ids=[args.security_group_id], cam_role_name=args.role_name,
+                    orderly_security_group_ids=[args.security_group_id], cam_role_name=args.role_names[g.name],
                     public_ip_assigned=False, internet_max_bandwidth_out=0),
                 node_config=tencentcloud.kubernetes.NodePoolNodeConfigArgs(
                     user_data=userdata.for_group(spec, g),

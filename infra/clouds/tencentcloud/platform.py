@@ -5,8 +5,8 @@ from __future__ import annotations
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
-from infra import bundle, userdata
-from infra.buckets import CHECKPOINT_PREFIX, DATASET_PREFIX, NODES_PREFIX, bucket
+from infra import bundle
+from infra.buckets import bucket
 from infra.cloud_rules import POD_CIDR
 from infra.clouds.base import CloudPlatform, Cluster
 from infra.clouds.tencentcloud.access import TencentAccess, TencentAccessArgs
@@ -15,8 +15,11 @@ from infra.clouds.tencentcloud.fleet import TencentGpuFleet, TencentGpuFleetArgs
 from infra.clouds.tencentcloud.kubernetes import TencentTke, TencentTkeArgs
 from infra.clouds.tencentcloud.network import TencentNetwork, TencentNetworkArgs
 from infra.clouds.tencentcloud.peering import TencentPeering, TencentPeeringArgs, TencentTransit, TencentTransitArgs
+from infra.clouds.tencentcloud.registry import TencentRegistry, TencentRegistryArgs
 from infra.clouds.tencentcloud.storage import TencentStorage, TencentStorageArgs
+from infra.access import node_grants
 from infra.groups import ResolvedGroup
+from infra.image import Registry
 from infra.spec import Network
 
 
@@ -68,25 +71,32 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
 
     def make_access(self, storage: TencentStorage) -> TencentAccess:
         return TencentAccess(f"{self.name}-access", TencentAccessArgs(
-            storage.name, self.account.region, self.app_id, [CHECKPOINT_PREFIX, DATASET_PREFIX, NODES_PREFIX], self.tags),
-            opts=self.provider_opts())
+            storage.name, self.account.region, self.app_id, self.spec.env, self.tags,
+            groups={g.name: node_grants(self.spec, g) for g in self.node_groups()}), opts=self.provider_opts())
 
-    def make_fleet(self, group: ResolvedGroup, net: TencentNetwork,
-                   access: TencentAccess) -> pulumi.Output[list[str]]:
+    def make_registry(self, nets: dict[str, TencentNetwork]) -> Registry:
+        return TencentRegistry(f"{self.name}-registry", TencentRegistryArgs(
+            self.spec.env, [str(c) for c in self.spec.kubernetes.api_access_cidrs],
+            [(n.name, nets[n.name].vpc.id, nets[n.name].subnets[0].id) for n in self.node_networks()], self.tags),
+            opts=self.provider_opts()).registry
+
+    def make_fleet(self, group: ResolvedGroup, net: TencentNetwork, access: TencentAccess,
+                   image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
         spec_net = self.spec.network(group.network)
         fleet = TencentGpuFleet(group.name, TencentGpuFleetArgs(
             group=group, vpc_id=net.vpc.id, subnet_ids=[s.id for s in net.subnets],
             zones=[s.zone for s in spec_net.subnets], security_group_id=net.security_group.id,
-            role_name=access.role.name, user_data=userdata.for_group(self.spec, group),
+            role_name=access.roles[group.name].name, user_data=self.user_data(group, image),
             provider=self.provider(group.region), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: TencentNetwork,
-                     access: TencentAccess, storage: TencentStorage) -> Cluster:
+                     access: TencentAccess, storage: TencentStorage, image: pulumi.Output[str]) -> Cluster:
         tke = TencentTke(f"{self.spec.env}-{net.name}", TencentTkeArgs(
             spec=self.spec, groups=groups, vpc_id=built.vpc.id, subnet_ids=[s.id for s in built.subnets],
-            security_group_id=built.security_group.id, role_name=access.role.name,
-            provider=self.provider(self.region_of(net)), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
+            security_group_id=built.security_group.id, role_names={g.name: access.roles[g.name].name for g in groups},
+            image=image, provider=self.provider(self.region_of(net)), tags=self.tags),
+            opts=pulumi.ResourceOptions(parent=self))
         return Cluster(tke.cluster.id, tke.kubeconfig)
 
     def make_budget(self) -> None:

@@ -1,0 +1,58 @@
+"""What the stack hands each training container: the one place that decides the trainer's
+environment. The VM node's env file (cloudinit/node.env.j2) and the Kubernetes Job
+(infra/k8s/job.py) are both rendered from `trainer_env`; the variables are the ones
+training/contract.py names, which the trainer reads."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from infra.buckets import DATASET_PREFIX, endpoint
+from infra.spec import StackSpec
+from training import contract as c
+
+if TYPE_CHECKING:
+    from infra.groups import ResolvedGroup
+
+METRICS_PORT = 9401
+RDZV_PORT = 29400
+SCRATCH = "/scratch"
+VM_DATA_DIR = f"{SCRATCH}/datasets/current"  # where gts-dataset.service caches it
+POD_SCRATCH = "/scratch"  # the Job's node-local scratch volume, mounted at the same path
+TRAIN_MODULE = "training.train"
+
+
+def credentials_source(rg: ResolvedGroup) -> str:
+    """How the trainer gets its bucket credentials on this group's nodes: the AWS SDK chain finds
+    the instance role and EKS Pod Identity itself; ECS RAM and CVM CAM roles come from the
+    metadata service; ACK pods use their own RAM role (RRSA)."""
+    if rg.cloud == "aws":
+        return "default"
+    if rg.cloud == "alicloud" and rg.kind == "kubernetes":
+        return "ack-rrsa"
+    return "instance-role"
+
+
+def dataset_url(spec: StackSpec, rg: ResolvedGroup) -> str:
+    """The dataset in the group's own cloud's bucket (nodes never read another cloud's)."""
+    name = spec.training.dataset
+    return f"{rg.bucket.url}{DATASET_PREFIX}{name}/" if name else ""
+
+
+def trainer_env(spec: StackSpec, rg: ResolvedGroup) -> dict[str, str]:
+    """The trainer contract's values for one node group (training/contract.py names them)."""
+    t = spec.training
+    env = {
+        c.WORKLOAD: t.workload, c.TRAIN_STEPS: str(t.steps), c.TRAIN_MODULE: TRAIN_MODULE,
+        c.DATA_DIR: VM_DATA_DIR, c.DATASET_URL: dataset_url(spec, rg),
+        c.CHECKPOINT_URL: rg.checkpoint_url, c.CHECKPOINT_DIR: f"{SCRATCH}/checkpoints",
+        c.CHECKPOINT_EVERY: str(t.checkpoint_every), c.KEEP_CHECKPOINTS: str(t.keep_checkpoints),
+        c.LAUNCHER: t.launcher, c.NNODES: str(rg.nnodes), c.NPROC_PER_NODE: str(rg.gpus),
+        c.RDZV_ENDPOINT: t.rendezvous_endpoint or "", c.METRICS_PORT: str(METRICS_PORT),
+        c.NODE_HOURLY_USD: f"{rg.node_hourly_usd:.4f}", c.MLFLOW_TRACKING_URI: t.mlflow_tracking_uri or "",
+        c.STORAGE_ENDPOINT_URL: endpoint(rg.cloud, rg.bucket.region, rg.region),
+        c.STORAGE_REGION: rg.bucket.region, c.STORAGE_ADDRESSING_STYLE: "virtual",
+        c.STORAGE_CREDENTIALS: credentials_source(rg), c.AWS_REGION: rg.region if rg.cloud == "aws" else "",
+        c.GTS_CLOUD: rg.cloud, c.GTS_NODE_GROUP: rg.name,
+    }
+    return {var.name: value for var, value in env.items()}

@@ -1,0 +1,126 @@
+"""The trainer contract: every environment variable the stack hands a training container, on a
+VM (the node's /etc/gpu-training/node.env, passed with --env-file) and on Kubernetes (the Job's
+env) alike. This table is the only place that names them: the stack fills them
+(infra/contract.py), the trainer's config reads them (training/config.py), the entrypoint and
+storage layer use them, and the README's table is checked against it.
+
+Standard library only: the stack imports it without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    meaning: str
+    set_by: str  # who fills it
+    field: str = ""  # the TrainConfig field it sets, if any
+
+
+STACK = "the stack (training.* and the node group)"
+NODE = "the node bootstrap (VM) / the Job's init container (Kubernetes)"
+K8S = "Kubernetes (the Job's pod)"
+
+WORKLOAD = Var("WORKLOAD", "built-in workload: tiny | resnet50", STACK, "workload")
+TRAIN_STEPS = Var("TRAIN_STEPS", "optimizer steps of the whole run (across restarts)", STACK, "steps")
+DATA_DIR = Var("DATA_DIR", "local copy of the dataset the trainer reads", NODE, "data_dir")
+DATASET_URL = Var("DATASET_URL", "the dataset in this cloud's bucket (datasets/<name>/), cached into DATA_DIR", STACK)
+CHECKPOINT_URL = Var("CHECKPOINT_URL", "the node group's checkpoint prefix in its cloud's bucket", STACK,
+                     "checkpoint_url")
+CHECKPOINT_DIR = Var("CHECKPOINT_DIR", "local checkpoint cache on node-local scratch", STACK, "checkpoint_dir")
+CHECKPOINT_EVERY = Var("CHECKPOINT_EVERY", "steps between checkpoints (and one on every SIGTERM)", STACK,
+                       "checkpoint_every")
+KEEP_CHECKPOINTS = Var("KEEP_CHECKPOINTS", "newest checkpoints kept locally and in the bucket", STACK, "keep")
+LAUNCHER = Var("LAUNCHER", "torchrun | accelerate | horovod", STACK, "launcher")
+TRAIN_MODULE = Var("TRAIN_MODULE", "the Python module every training process runs", STACK)
+NNODES = Var("NNODES", "nodes of one training run", STACK)
+NPROC_PER_NODE = Var("NPROC_PER_NODE", "training processes per node (its GPUs)", STACK)
+NODE_RANK = Var("NODE_RANK", "this node's index (Kubernetes: the Job completion index)", K8S)
+RDZV_ENDPOINT = Var("RDZV_ENDPOINT", "host:port of the rendezvous store of a multi-node run", STACK)
+METRICS_PORT = Var("METRICS_PORT", "Prometheus endpoint of the trainer", STACK, "metrics_port")
+NODE_HOURLY_USD = Var("NODE_HOURLY_USD", "what this node costs per hour (cost-so-far metric, budget pace)", STACK,
+                      "node_hourly_usd")
+MLFLOW_TRACKING_URI = Var("MLFLOW_TRACKING_URI", "MLflow server (empty: no tracking)", STACK)
+STORAGE_ENDPOINT_URL = Var("STORAGE_ENDPOINT_URL", "S3-compatible endpoint of the bucket, as this node reaches it",
+                           STACK)
+STORAGE_REGION = Var("STORAGE_REGION", "the bucket's region (request signing)", STACK)
+STORAGE_ADDRESSING_STYLE = Var("STORAGE_ADDRESSING_STYLE", "virtual (OSS requires it) | path", STACK)
+STORAGE_CREDENTIALS = Var(
+    "STORAGE_CREDENTIALS",
+    "where the bucket credentials come from: default (AWS chain: instance role, EKS Pod Identity) | "
+    "instance-role (the ECS RAM / CVM CAM role from the metadata service) | ack-rrsa (the pod's RAM role)", STACK)
+AWS_REGION = Var("AWS_REGION", "region for AWS SDKs in pods (IMDS is out of their reach)", STACK)
+GTS_CLOUD = Var("GTS_CLOUD", "aws | alicloud | tencentcloud", STACK)
+GTS_NODE_GROUP = Var("GTS_NODE_GROUP", "the node group (metrics labels)", STACK)
+
+VARS = (WORKLOAD, TRAIN_STEPS, DATA_DIR, DATASET_URL, CHECKPOINT_URL, CHECKPOINT_DIR, CHECKPOINT_EVERY,
+        KEEP_CHECKPOINTS, LAUNCHER, TRAIN_MODULE, NNODES, NPROC_PER_NODE, NODE_RANK, RDZV_ENDPOINT, METRICS_PORT,
+        NODE_HOURLY_USD, MLFLOW_TRACKING_URI, STORAGE_ENDPOINT_URL, STORAGE_REGION, STORAGE_ADDRESSING_STYLE,
+        STORAGE_CREDENTIALS, AWS_REGION, GTS_CLOUD, GTS_NODE_GROUP)
+NAMES = frozenset(v.name for v in VARS)
+# environment variable -> TrainConfig field, for the trainer's config parser
+CONFIG_FIELDS = {v.name: v.field for v in VARS if v.field}
+CREDENTIAL_SOURCES = ("default", "instance-role", "ack-rrsa")
+
+
+LAUNCHERS = ("torchrun", "accelerate", "horovod")
+
+
+def problems(env: dict[str, str] | None = None) -> list[str]:
+    """What is wrong with the contract's values in `env` (the trainer refuses to start on any):
+    each names the variable and what it takes. The TrainConfig fields are checked by the config
+    parser; these are the ones the launcher and the storage layer read."""
+    import os
+
+    env = dict(os.environ) if env is None else env
+    found = []
+    source = env.get(STORAGE_CREDENTIALS.name) or "default"
+    if source not in CREDENTIAL_SOURCES:
+        found.append(f"{STORAGE_CREDENTIALS.name}={source!r}: use one of {', '.join(CREDENTIAL_SOURCES)}")
+    for var in (NNODES, NPROC_PER_NODE, NODE_RANK):
+        value = env.get(var.name, "")
+        if value and not (value.isdigit() and (var is NODE_RANK or int(value) >= 1)):
+            found.append(f"{var.name}={value!r}: a whole number{'' if var is NODE_RANK else ' of at least 1'}")
+    nnodes = env.get(NNODES.name, "1")
+    if nnodes.isdigit() and int(nnodes) > 1 and not env.get(RDZV_ENDPOINT.name):
+        found.append(f"{NNODES.name}={nnodes} needs {RDZV_ENDPOINT.name} (host:port of the rendezvous store): "
+                     "without it every node would train alone")
+    rank = env.get(NODE_RANK.name, "0")
+    if rank.isdigit() and nnodes.isdigit() and int(rank) >= max(int(nnodes), 1):
+        found.append(f"{NODE_RANK.name}={rank} is not below {NNODES.name}={nnodes}")
+    launcher = env.get(LAUNCHER.name) or "torchrun"
+    if launcher not in LAUNCHERS:
+        found.append(f"{LAUNCHER.name}={launcher!r}: use one of {', '.join(LAUNCHERS)}")
+    return found
+
+
+def table() -> str:
+    """The contract as the README's Markdown table."""
+    rows = ["| variable | meaning | set by |", "|---|---|---|"]
+    rows += [f"| `{v.name}` | {v.meaning} | {v.set_by} |" for v in VARS]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m training.contract check`: the entrypoint's first step (one line per problem,
+    exit 2, before any launcher starts); `table`: the README's table."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["table"]:
+        print(table())
+        return 0
+    if args != ["check"]:
+        print("usage: python -m training.contract check|table", file=sys.stderr)
+        return 2
+    found = problems()
+    for problem in found:
+        print(f"trainer contract: {problem}", file=sys.stderr)
+    return 2 if found else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

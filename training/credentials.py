@@ -1,0 +1,62 @@
+"""Where the trainer's bucket credentials come from (STORAGE_CREDENTIALS in the contract):
+`instance-role` (the ECS RAM / CVM CAM role from the metadata service), `ack-rrsa` (an ACK
+pod's own RAM role, by its projected service-account token) or `default` (the AWS SDK chain
+finds the EC2 instance role and EKS Pod Identity itself). training/storage.py turns the
+function chosen here into refreshing botocore credentials."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping
+
+from training.cloudmeta import CLOUDS, Credentials, Metadata, MetadataError, utc_seconds
+from training.contract import CREDENTIAL_SOURCES
+
+ACK_STS = "https://sts.aliyuncs.com"
+
+
+def assume_role_with_oidc(env: Mapping[str, str], timeout: float = 10.0) -> Credentials:
+    """ACK RRSA: exchange the pod's projected service-account token for the role's credentials
+    (Alibaba STS AssumeRoleWithOIDC: no signature, the token is the proof). The token file is
+    read on every call: Kubernetes rotates it."""
+    role = env.get("ALIBABA_CLOUD_ROLE_ARN", "")
+    provider = env.get("ALIBABA_CLOUD_OIDC_PROVIDER_ARN", "")
+    token_file = env.get("ALIBABA_CLOUD_OIDC_TOKEN_FILE", "")
+    if not (role and provider and token_file):
+        raise MetadataError("ack-rrsa credentials need ALIBABA_CLOUD_ROLE_ARN, ALIBABA_CLOUD_OIDC_PROVIDER_ARN and "
+                            "ALIBABA_CLOUD_OIDC_TOKEN_FILE (the Job sets them)")
+    with open(token_file, encoding="utf-8") as fh:
+        token = fh.read().strip()
+    query = urllib.parse.urlencode({
+        "Action": "AssumeRoleWithOIDC", "Format": "JSON", "Version": "2015-04-01", "RoleArn": role,
+        "OIDCProviderArn": provider, "OIDCToken": token, "RoleSessionName": "gpu-training-stack",
+        "DurationSeconds": "3600", "Timestamp": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")})
+    endpoint = env.get("ALIBABA_CLOUD_STS_ENDPOINT") or ACK_STS
+    url = (endpoint if "://" in endpoint else "https://" + endpoint).rstrip("/") + "/?" + query
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=timeout) as resp:
+            doc = json.loads(resp.read().decode())
+        found = doc["Credentials"]
+        return Credentials(str(found["AccessKeyId"]), str(found["AccessKeySecret"]), str(found["SecurityToken"]),
+                           utc_seconds(str(found["Expiration"])))
+    except urllib.error.HTTPError as err:
+        raise MetadataError(f"alicloud STS {endpoint} AssumeRoleWithOIDC answered HTTP {err.code}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MetadataError(f"alicloud STS {endpoint} AssumeRoleWithOIDC did not return credentials: {exc}") from None
+
+
+def credential_source(source: str, env: Mapping[str, str]) -> Callable[[], Credentials]:
+    """The function that gives fresh credentials for STORAGE_CREDENTIALS=`source` (not `default`:
+    botocore's own chain serves that)."""
+    if source == "instance-role":
+        cloud = env.get("GTS_CLOUD", "")
+        if cloud not in CLOUDS:
+            raise MetadataError(f"instance-role credentials need GTS_CLOUD (aws, alicloud or tencentcloud), not {cloud!r}")
+        return Metadata(cloud, env.get("GTS_METADATA_URL") or None).credentials
+    if source == "ack-rrsa":
+        return lambda: assume_role_with_oidc(env)
+    raise ValueError(f"STORAGE_CREDENTIALS={source!r}: use one of {', '.join(CREDENTIAL_SOURCES)}")
