@@ -49,9 +49,10 @@ monitoring: $(RUNTIME_STAMP)
 dataset: $(STAMP)
 	@$(PY) -m infra.cli.dataset --stack $(STACK)
 
-## train-local: the trainer on CPU, 2 processes (gloo), tiny workload (STEPS= CKPT_EVERY= CKPT_DIR=<path or URL>)
+## train-local: the trainer on CPU, 2 processes (gloo), tiny workload, through the image's entrypoint (STEPS= CKPT_EVERY= CKPT_DIR=<path or URL>)
 train-local: $(STAMP)
-	@$(VENV)/bin/torchrun --standalone --nproc-per-node 2 -m training.train --workload tiny \
+	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" LAUNCHER=torchrun NNODES=1 NPROC_PER_NODE=2 OMP_NUM_THREADS=1 \
+	  bash training/entrypoint.sh --workload tiny \
 	  --steps $(STEPS) --checkpoint-every $(CKPT_EVERY) --checkpoint-dir $(CKPT_DIR) \
 	  --throttle-ms $(THROTTLE_MS) --log-every 10
 

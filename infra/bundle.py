@@ -36,6 +36,7 @@ FILES = (
     ("/etc/systemd/system/gts-trainer.service", 0o644, "cloudinit/units/gts-trainer.service"),
     ("/etc/systemd/system/gts-spot-watch.service", 0o644, "cloudinit/units/gts-spot-watch.service"),
     ("/etc/systemd/system/gts-exporters.service", 0o644, "cloudinit/units/gts-exporters.service"),
+    ("/etc/systemd/system/gts-rdzv.service", 0o644, "cloudinit/units/gts-rdzv.service"),
 )
 
 

@@ -229,6 +229,13 @@ def load_system_pools() -> dict[str, dict[str, Any]]:
 
 
 @functools.cache
+def load_rendezvous() -> dict[str, dict[str, Any]]:
+    """The rendezvous store instance of each cloud (type and price)."""
+    data = _load_yaml("rendezvous.yaml")
+    return {cloud: dict(data[cloud]) for cloud in CLOUDS}
+
+
+@functools.cache
 def load_registry_prices() -> dict[str, dict[str, Any]]:
     """What the trainer image's registry costs per month on each cloud."""
     data = _load_yaml("registry_prices.yaml")

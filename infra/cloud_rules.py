@@ -29,7 +29,20 @@ NOT_INTERNET = tuple(IPv4Network(c) for c in ("10.0.0.0/8", "172.16.0.0/12", "19
 def check(spec: StackSpec) -> list[Problem]:
     return [*_cidr_sizes(spec), *_tags(spec), *_buckets(spec), *_api_access(spec), *_cluster_ranges(spec),
             *_features(spec), *_joined_names(spec), *_subnet_zones(spec), *_ack_pool_marks(spec), *_egress(spec),
-            *_images(spec)]
+            *_images(spec), *_multi_node(spec)]
+
+
+def _multi_node(spec: StackSpec) -> Iterator[Problem]:
+    """Multi-node runs are elastic torchrun jobs meeting at a rendezvous store (infra/rendezvous.py):
+    accelerate and Horovod need a fixed machine rank per node, which a fleet of spot VMs or a
+    Job's replaced pods do not have."""
+    launcher = spec.training.launcher
+    for i, g in enumerate(spec.node_groups):
+        nodes = g.scaling.max if g.kind == "vm" else max(1, g.scaling.baseline)
+        if g.workload == "training" and nodes > 1 and launcher != "torchrun":
+            yield Problem("training.launcher", f"{g.name} trains on up to {nodes} nodes, and multi-node runs are "
+                                               f"elastic torchrun jobs; {launcher} cannot join them. Use launcher: "
+                                               f"torchrun, or nodeGroups[{i}].scaling.max: 1 for one node per run")
 
 
 def _limits(section: str) -> dict[str, object]:

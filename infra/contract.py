@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from infra import rendezvous
 from infra.buckets import DATASET_PREFIX, endpoint
 from infra.spec import StackSpec
 from training import contract as c
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from infra.groups import ResolvedGroup
 
 METRICS_PORT = 9401
-RDZV_PORT = 29400
+RDZV_PORT = rendezvous.PORT
 SCRATCH = "/scratch"
 VM_DATA_DIR = f"{SCRATCH}/datasets/current"  # where gts-dataset.service caches it
 POD_SCRATCH = "/scratch"  # the Job's node-local scratch volume, mounted at the same path
@@ -47,8 +48,9 @@ def trainer_env(spec: StackSpec, rg: ResolvedGroup) -> dict[str, str]:
         c.DATA_DIR: VM_DATA_DIR, c.DATASET_URL: dataset_url(spec, rg),
         c.CHECKPOINT_URL: rg.checkpoint_url, c.CHECKPOINT_DIR: f"{SCRATCH}/checkpoints",
         c.CHECKPOINT_EVERY: str(t.checkpoint_every), c.KEEP_CHECKPOINTS: str(t.keep_checkpoints),
-        c.LAUNCHER: t.launcher, c.NNODES: str(rg.nnodes), c.NPROC_PER_NODE: str(rg.gpus),
-        c.RDZV_ENDPOINT: t.rendezvous_endpoint or "", c.METRICS_PORT: str(METRICS_PORT),
+        c.LAUNCHER: t.launcher, c.NNODES: str(rg.max_nodes), c.MIN_NNODES: str(rg.min_nodes),
+        c.NPROC_PER_NODE: str(rg.gpus), c.RDZV_ENDPOINT: rendezvous.endpoint_for(spec, rg),
+        c.METRICS_PORT: str(METRICS_PORT),
         c.NODE_HOURLY_USD: f"{rg.node_hourly_usd:.4f}", c.MLFLOW_TRACKING_URI: t.mlflow_tracking_uri or "",
         c.STORAGE_ENDPOINT_URL: endpoint(rg.cloud, rg.bucket.region, rg.region),
         c.STORAGE_REGION: rg.bucket.region, c.STORAGE_ADDRESSING_STYLE: "virtual",

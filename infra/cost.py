@@ -15,6 +15,7 @@ from typing import Any
 from croniter import croniter
 
 from infra import catalog as cat
+from infra import rendezvous
 from infra.groups import ResolvedGroup, Stack
 from infra.spec import NodeGroup, StackSpec
 
@@ -154,6 +155,16 @@ def registry_monthly_usd(spec: StackSpec, cloud: str) -> float:
     return round(cat.to_usd(monthly, str(prices["currency"]), spec.pricing.cny_per_usd), 2)
 
 
+def rendezvous_monthly_usd(stack: Stack, cloud: str) -> float:
+    """The rendezvous store instances of the cloud's multi-node VM runs (infra/rendezvous.py)."""
+    stores = [s for s in rendezvous.sites(stack.spec, stack.groups) if s.cloud == cloud]
+    if not stores:
+        return 0.0
+    prices = cat.load_rendezvous()[cloud]
+    hourly = cat.to_usd(float(prices["hourly"]), str(prices["currency"]), stack.spec.pricing.cny_per_usd)
+    return round(len(stores) * hourly * cat.HOURS_PER_MONTH, 2)
+
+
 def stack_cost(stack: Stack) -> dict[str, Any]:
     """The cost summary the plan prints and the policy pack checks."""
     spec = stack.spec
@@ -165,7 +176,8 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
         clusters = round(clusters_hourly_usd(stack, cloud) * cat.HOURS_PER_MONTH, 2)
         nat = round(nat_hourly_usd(spec, cloud) * cat.HOURS_PER_MONTH, 2)
         registry = registry_monthly_usd(spec, cloud)
-        fixed = storage + clusters + nat + registry
+        stores = rendezvous_monthly_usd(stack, cloud)
+        fixed = storage + clusters + nat + registry + stores
         monthly = sum(g.monthly_usd for g in mine) + fixed
         by_cloud[cloud] = {
             "hourly_usd": round(monthly / cat.HOURS_PER_MONTH, 4),
@@ -176,6 +188,7 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
             "clusters_monthly_usd": clusters,
             "nat_monthly_usd": nat,
             "registry_monthly_usd": registry,
+            "rendezvous_monthly_usd": stores,
         }
     monthly = sum(c["monthly_usd"] for c in by_cloud.values())
     on_demand = sum(c["on_demand_monthly_usd"] for c in by_cloud.values())

@@ -102,6 +102,18 @@ class ResolvedGroup:
         return max(1, self.group.scaling.baseline) if self.workload == "training" else 1
 
     @property
+    def max_nodes(self) -> int:
+        """The most nodes one elastic run takes: every node a VM group may have; a Job's pods."""
+        if self.workload != "training":
+            return 1
+        return max(1, self.group.scaling.max) if self.kind == "vm" else self.nnodes
+
+    @property
+    def min_nodes(self) -> int:
+        """The fewest nodes an elastic run goes on with (a reclaim takes it down to them)."""
+        return min(self.max_nodes, max(1, self.group.scaling.min))
+
+    @property
     def bid_cap(self) -> float:
         """The most a spot node may cost, in the catalog row's currency: spotMaxPriceUsd, or the
         on-demand price where the spec gives no cap (clouds that need a cap get this one)."""

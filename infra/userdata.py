@@ -26,8 +26,11 @@ import jinja2
 from infra import bundle
 from infra.errors import Problem
 from infra.groups import ResolvedGroup, Stack
+from infra.buckets import bucket, endpoint
 from infra.images import node_agents
+from infra.rendezvous import Site
 from infra.spec import StackSpec
+from training import contract as c
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = ROOT / "cloudinit"
@@ -62,12 +65,16 @@ METADATA_URLS = {"aws": "http://169.254.169.254", "alicloud": "http://100.100.10
                  "tencentcloud": "http://metadata.tencentyun.com"}
 
 
+# As long as any digest reference: the user data is sized with it before the image exists.
+IMAGE_PLACEHOLDER = "registry.example/gpu-training-stack/trainer@sha256:" + "0" * 64
+
+
 @dataclass(frozen=True)
 class NodeContext:
     env: str
     cloud: str
     group: str
-    mode: str  # vm | kubernetes
+    mode: str  # vm | kubernetes | rendezvous
     image: str  # the trainer image, by digest
     scratch_gb: int
     tmpfs_gb: int
@@ -83,6 +90,31 @@ class NodeContext:
     bundle_url: str  # the node bundle in the stack's bucket, and its pinned sha256
     bundle_sha256: str
     trainer: dict[str, str]  # the trainer contract (infra/contract.py)
+
+
+def store_context(spec: StackSpec, site: Site, image: str) -> NodeContext:
+    """The rendezvous store instance's settings (infra/rendezvous.py): what the fetcher, the
+    registry login and the store unit read; no GPU, scratch or trainer settings."""
+    pinned = bundle.build()
+    mirrors = spec.clouds[site.cloud].mirrors  # type: ignore[index]  # site.cloud is one of the clouds
+    agents = node_agents(mirrors)
+    b = bucket(spec, site.cloud)
+    region = spec.region_of(spec.network(site.network))
+    env = {c.GTS_CLOUD.name: site.cloud, c.GTS_NODE_GROUP.name: site.name,
+           c.STORAGE_ENDPOINT_URL.name: endpoint(site.cloud, b.region, region), c.STORAGE_REGION.name: b.region,
+           c.STORAGE_ADDRESSING_STYLE.name: "virtual",
+           c.STORAGE_CREDENTIALS.name: "default" if site.cloud == "aws" else "instance-role"}
+    return NodeContext(
+        env=spec.env, cloud=site.cloud, group=site.name, mode="rendezvous", image=image, scratch_gb=0, tmpfs_gb=0,
+        nvswitch=False, driver_branch=DRIVER_BRANCH, dockerhub_mirror=mirrors.docker_hub or "",
+        apt_mirror=mirrors.apt or "", nvidia_mirror="", spot_action="", metadata_url=METADATA_URLS[site.cloud],
+        dcgm_exporter_image=agents.dcgm_exporter, node_exporter_image=agents.node_exporter,
+        bundle_url=f"s3://{b.name}/{pinned.key}", bundle_sha256=pinned.sha256, trainer=env)
+
+
+def for_store(spec: StackSpec, site: Site, image: str = IMAGE_PLACEHOLDER) -> str:
+    """Base64 cloud-config user data of a rendezvous store instance."""
+    return for_vm(store_context(spec, site, image))
 
 
 def node_context(spec: StackSpec, rg: ResolvedGroup, image: str) -> NodeContext:
@@ -179,10 +211,6 @@ def for_eks(ctx: NodeContext) -> str:
 def for_node_pool_script(ctx: NodeContext) -> str:
     """Base64 shell-script user data for ACK and TKE node pools."""
     return base64.b64encode(_check(render_script(ctx).encode(), ctx.cloud, f"{ctx.cloud}/{ctx.group}")).decode()
-
-
-# As long as any digest reference: the user data is sized with it before the image exists.
-IMAGE_PLACEHOLDER = "registry.example/gpu-training-stack/trainer@sha256:" + "0" * 64
 
 
 def for_group(spec: StackSpec, rg: ResolvedGroup, image: str = IMAGE_PLACEHOLDER) -> str:

@@ -1,6 +1,41 @@
+from __future__ import annotations
+
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from collections.abc import Iterator  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+import pytest  # noqa: E402
+
+if TYPE_CHECKING:
+    from tests.training_helpers import MotoServer
+
+# The trainer's arguments the checkpoint tests share: 60 steps, a checkpoint every 20.
+TRAIN_ARGS = ["--workload", "tiny", "--steps", "60", "--checkpoint-every", "20", "--log-every", "5"]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """Run A: 60 uninterrupted steps, checkpoints every 20. (params_sha256, its checkpoint dir)"""
+    from tests.training_helpers import launch
+
+    cwd = tmp_path_factory.mktemp("run-a")
+    run = launch([*TRAIN_ARGS, "--checkpoint-dir", str(cwd / "ck")], cwd)
+    assert run.finish() == 0, run.output[-3000:]
+    step, _, digest = run.final()
+    assert step == 60
+    return digest, cwd / "ck"
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoServer]:
+    from tests.training_helpers import MotoServer
+
+    server = MotoServer()
+    yield server
+    server.stop()

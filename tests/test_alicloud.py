@@ -25,9 +25,12 @@ def ali(stack: str) -> list[Registered]:
 
 
 def non_spot_gpu(resources: list[Registered]) -> list[str]:
+    from infra.rendezvous import instance
+
+    store_type = instance("alicloud")["instanceType"]  # the rendezvous store: no GPU, on demand by design
     bad = [r.name for r in resources if r.type in ("alicloud:ecs/ecsLaunchTemplate:EcsLaunchTemplate",
                                                     "alicloud:cs/nodePool:NodePool", "alicloud:ecs/instance:Instance")
-           and r.inputs.get("spotStrategy") not in SPOT]
+           and r.inputs.get("spotStrategy") not in SPOT and r.inputs.get("instanceType") != store_type]
     bad += [r.name for r in by_type(resources, "alicloud:ess/scalingGroup:ScalingGroup")
             if r.inputs.get("onDemandBaseCapacity", 0) or r.inputs.get("onDemandPercentageAboveBaseCapacity", 100)]
     return bad
@@ -47,8 +50,8 @@ def test_spot_check_fails_for_on_demand_and_reserved(tmp_path: Path) -> None:
     def reserved(v: dict[str, Any]) -> None:
         v[key("nodeGroups")][1].update(market={"type": "reserved"}, schedule=[])
     res = [r for r in run_stack("dev", reserved, tmp_path) if r.cloud == "alicloud"]
-    instances = by_type(res, "alicloud:ecs/instance:Instance")
-    assert len(instances) == 2  # scaling.max PrePaid instances
+    instances = [i for i in by_type(res, "alicloud:ecs/instance:Instance") if "-rdzv-" not in i.name]
+    assert len(instances) == 2  # scaling.max PrePaid instances (besides the on-demand rendezvous store)
     assert all(i.inputs["instanceChargeType"] == "PrePaid" and i.inputs["httpTokens"] == "required" for i in instances)
     assert not by_type(res, "alicloud:ess/scalingGroup:ScalingGroup")
 

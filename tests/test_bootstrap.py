@@ -323,3 +323,21 @@ def test_a_reclaim_notice_ends_in_a_committed_checkpoint_even_when_it_takes_over
     assert len(committed) == 1 and (committed[0] / "manifest-node000.json").exists(), output[-2000:]
     assert "stopped by SIGTERM" in output and "emergency checkpoint" in output
     assert (tmp_path / "run" / "spot-notice").exists()
+
+
+def test_the_rendezvous_store_boots_docker_and_the_store_only(sandbox: dict[str, str], tmp_path: Path) -> None:
+    """The store instance's own user data (prod, AWS) laid down as its node would, then the
+    bootstrap: Docker without the NVIDIA toolkit, no driver, and the store unit alone started."""
+    from tests.nodes import lay_down, user_data
+
+    root = tmp_path / "store-root"
+    lay_down(user_data("aws:ec2/instance:Instance", "prod-rdzv-aws-train", ("userDataBase64",)), root)
+    Path(sandbox["GTS_ENV_FILE"]).write_text((root / "etc/gpu-training/node.env").read_text())
+    done = _bootstrap(sandbox)
+    assert done.returncode == 0, done.stderr
+    state = Path(sandbox["GTS_STATE_DIR"])
+    assert (state / "runtime.done").exists() and not (state / "driver.done").exists()
+    calls = _calls(sandbox)
+    assert not [c for c in calls if "nvidia-container-toolkit" in c or c.startswith("nvidia-ctk")], calls
+    starts = [c for c in calls if c.startswith("systemctl start")]
+    assert starts == ["systemctl start --no-block gts-rdzv.service"], starts

@@ -28,6 +28,7 @@ from tests.harness import ROOT
 from infra.stackfile import load_stack_spec
 from tests.harness import by_type, shipped
 from tests.metadata_server import FakeMetadata
+from tests.training_helpers import kill_tree
 from tests.system_tools import debian_tool
 
 SCRIPTS = ROOT / "cloudinit" / "scripts"
@@ -144,7 +145,8 @@ def test_plan_gpu_resources_carry_the_user_data() -> None:
         if r.inputs.get("userData"):
             carried[r.name] = base64.b64decode(r.inputs["userData"]).decode()
     for r in by_type(res, "tencentcloud:As/scalingConfig:ScalingConfig") + by_type(res, "tencentcloud:Instance/instance:Instance"):
-        carried[r.name] = base64.b64decode(r.inputs["userData"]).decode()
+        if "-rdzv-" not in r.name:  # the rendezvous store (tests/test_contract.py)
+            carried[r.name] = base64.b64decode(r.inputs["userData"]).decode()
     for r in by_type(res, "tencentcloud:Kubernetes/nodePool:NodePool"):
         if (r.inputs.get("nodeConfig") or {}).get("userData"):
             carried[r.name] = base64.b64decode(r.inputs["nodeConfig"]["userData"]).decode()
@@ -183,21 +185,12 @@ def test_nvme_selection_never_takes_the_root_disk(shape: str, expected: list[str
 
 # -------------------------------------------------------------- spot notice handler
 
-WORKER = """
-import signal, sys, time
-def stop(*_):
-    time.sleep(2)  # the emergency checkpoint
-    open(sys.argv[1], "w").write("saved")
-    sys.exit(0)
-signal.signal(signal.SIGTERM, stop)
-time.sleep(120)
-"""
-LAUNCHER = """
-import signal, subprocess, sys
-worker = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a launcher signalled: the failure case
-sys.exit(worker.wait())
-"""
+def _trainer(marker: Path) -> subprocess.Popen[bytes]:
+    """The image's real entrypoint (torchrun, one worker) running a stand-in worker."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+           "TRAIN_MODULE": "tests.stand_in_worker", "NPROC_PER_NODE": "1", "GTS_TEST_MARKER": str(marker)}
+    return subprocess.Popen(["bash", str(ROOT / "training/entrypoint.sh")], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _watch(cloud: str, tmp: Path) -> tuple[float, str, str, int]:
@@ -205,7 +198,7 @@ def _watch(cloud: str, tmp: Path) -> tuple[float, str, str, int]:
               "alicloud": "2099-11-29T12:05:00Z", "tencentcloud": "2099-11-29 20:02:00"}[cloud]
     with FakeMetadata(cloud) as meta:
         saved = tmp / f"{cloud}-saved"
-        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER, str(saved)])
+        launcher = _trainer(saved)
         textfiles, run_dir = tmp / cloud, tmp / f"{cloud}-run"
         watcher = subprocess.Popen(
             [sys.executable, str(SCRIPTS / "gts-spot-watch.py"), "--cloud", cloud, "--action", f"pid:{launcher.pid}",
@@ -213,7 +206,7 @@ def _watch(cloud: str, tmp: Path) -> tuple[float, str, str, int]:
              "--interval", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "GTS_LIB": str(ROOT / "training")})
         try:
-            time.sleep(3)  # polls with no notice: nothing is signalled
+            time.sleep(6)  # torchrun and its worker up; polls with no notice: nothing is signalled
             assert launcher.poll() is None and not saved.exists(), f"{cloud}: signalled before any notice"
             armed = time.monotonic()
             meta.spot_notice = notice
@@ -225,12 +218,12 @@ def _watch(cloud: str, tmp: Path) -> tuple[float, str, str, int]:
         finally:
             for proc in (launcher, watcher):
                 if proc.poll() is None:
-                    proc.kill()
+                    kill_tree(proc.pid)  # torchrun runs in a session of its own
 
 
 def test_spot_notice_reaches_the_workers_on_every_cloud(tmp_path: Path) -> None:
-    """The watcher signals the launcher's children (the workers), not the launcher: they save and
-    exit 0, and the launcher exits 0 with them."""
+    """The watcher signals the container's entrypoint, which passes it to the workers, not to
+    torchrun: they save and exit 0, and the entrypoint exits 0 with them."""
     results: dict[str, Any] = {}
 
     def run(cloud: str) -> None:
@@ -247,7 +240,7 @@ def test_spot_notice_reaches_the_workers_on_every_cloud(tmp_path: Path) -> None:
     for cloud, outcome in results.items():
         assert not isinstance(outcome, BaseException), f"{cloud}: {outcome!r}"
         elapsed, metric, log, code = outcome
-        assert code == 0, f"{cloud}: the launcher was signalled itself ({log})"
+        assert code == 0, f"{cloud}: the stop was not clean ({log})"
         assert (tmp_path / f"{cloud}-saved").read_text() == "saved"
         assert elapsed < 10, f"{cloud}: the workers were done {elapsed:.1f} s after the notice"
         assert f'gts_spot_interruption_notice{{cloud="{cloud}"}} 1' in metric
@@ -255,13 +248,6 @@ def test_spot_notice_reaches_the_workers_on_every_cloud(tmp_path: Path) -> None:
     # Tencent's notice is Beijing time: 20:02 there is 12:02 UTC.
     utc = datetime(2099, 11, 29, 12, 2, tzinfo=timezone.utc).timestamp()
     assert f'gts_spot_interruption_time_seconds{{cloud="tencentcloud"}} {utc:.0f}' in results["tencentcloud"][1]
-
-
-REBALANCE_WORKER = """
-import signal, sys, time
-signal.signal(signal.SIGUSR1, lambda *_: open(sys.argv[1], "a").write("checkpoint now\\n"))
-time.sleep(30)
-"""
 
 
 @pytest.mark.parametrize("path,body,expected", [
@@ -272,7 +258,8 @@ def test_aws_rebalance_and_scale_in_are_watched_too(path: str, body: str, expect
     """A rebalance recommendation asks for a checkpoint and training goes on; a scale-in (held by
     the group's lifecycle hook) is handled as a reclaim."""
     marker = tmp_path / "worker"
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, REBALANCE_WORKER, str(marker)])
+    launcher = _trainer(marker)
+    time.sleep(6)  # torchrun and its worker up
     with FakeMetadata("aws") as meta:
         meta.extra[path] = body
         watcher = subprocess.Popen(
@@ -287,10 +274,10 @@ def test_aws_rebalance_and_scale_in_are_watched_too(path: str, body: str, expect
             if expected == "checkpoint now":
                 assert marker.read_text() == "checkpoint now\n" and launcher.poll() is None  # goes on
                 assert not (tmp_path / "run" / "spot-notice").exists()
-            else:
-                assert launcher.wait(timeout=10) != 0 and not marker.exists()  # the worker was told to stop
+            else:  # handled as a reclaim: the worker saved and the trainer stopped cleanly
+                assert launcher.wait(timeout=20) == 0 and marker.read_text() == "saved"
                 assert (tmp_path / "run" / "spot-notice").exists()
         finally:
             for proc in (launcher, watcher):
                 if proc.poll() is None:
-                    proc.kill()
+                    kill_tree(proc.pid)  # torchrun runs in a session of its own

@@ -39,9 +39,8 @@ VM_NODES = {  # dev's VM groups: (launch resource type, name)
 JOBS = {"aws": "aws-eks-train-job", "alicloud": "ali-ack-train-job", "tencentcloud": "tc-tke-train-job"}
 STEPS = 3
 
-# prod's VM groups run two nodes each: one job across them needs the rendezvous store the stack
-# does not create yet (issue 13); the contract check refuses NNODES=2 without RDZV_ENDPOINT.
-MULTI_NODE_VM = pytest.mark.xfail(strict=True, reason="multi-node VM groups need a rendezvous store (issue 13)")
+STORE_TYPES = {"aws": "aws:ec2/instance:Instance", "alicloud": "alicloud:ecs/instance:Instance",
+               "tencentcloud": "tencentcloud:Instance/instance:Instance"}
 
 
 def _spec(stack: str) -> StackSpec:
@@ -119,7 +118,7 @@ def _checkpoint_keys(server: MotoServer, url: str) -> list[str]:
 
 # ------------------------------------------------------------------------------ the contract
 
-@pytest.mark.parametrize("stack", ["dev", pytest.param("prod", marks=MULTI_NODE_VM)])
+@pytest.mark.parametrize("stack", ["dev", "prod"])
 def test_every_group_hands_its_trainer_the_whole_contract(stack: str, tmp_path: Path) -> None:
     """Every variable of training/contract.py reaches every trainer, and the trainer's own config
     parser reads the stack's values from them."""
@@ -166,14 +165,15 @@ def train_and_resume(env: dict[str, str], proxy: Proxy, meta: FakeMetadata, tmp:
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert FINAL.search(first.stdout) and f"final step={STEPS} " in first.stdout
     shutil.rmtree(env["CHECKPOINT_DIR"])
-    second = run(entrypoint, {**env, "TRAIN_STEPS": str(STEPS + 2)}, tmp)
+    # A longer run than the checkpoint's changes its LR schedule: said explicitly, as a user would.
+    second = run([*entrypoint, "--allow-config-change"], {**env, "TRAIN_STEPS": str(STEPS + 2)}, tmp)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert f"resumed from step {STEPS} " in second.stdout + second.stderr and f"final step={STEPS + 2} " in second.stdout
     assert proxy.signed_by == {meta.access_key()}, "every request signed with the group's own role"
 
 
 @pytest.mark.parametrize("stack,cloud", [("dev", c) for c in sorted(VM_NODES)]
-                         + [pytest.param("prod", c, marks=MULTI_NODE_VM) for c in sorted(VM_NODES)])
+                         + [("prod", c) for c in sorted(VM_NODES)])
 def test_a_vm_node_trains_and_resumes_with_the_env_its_user_data_gives_it(stack: str, cloud: str,
                                                                           tmp_path: Path) -> None:
     """Each VM group: the env file decoded from its launch template / scaling configuration, the
@@ -183,17 +183,40 @@ def test_a_vm_node_trains_and_resumes_with_the_env_its_user_data_gives_it(stack:
     bucket = urllib.parse.urlsplit(env["CHECKPOINT_URL"]).netloc
     server = MotoServer(bucket=bucket)
     proxy = Proxy(server.port)
+    store = None
     try:
         with FakeMetadata(cloud) as meta:
             container = {**node_only(env, proxy, tmp_path), **credentials_of(cloud, env, meta, tmp_path),
                          "WORKLOAD": "tiny"}
+            if int(env["NNODES"]) > 1:
+                # A multi-node group: its nodes meet at the network's store instance (the plan's
+                # address there); here the same store program on 127.0.0.1, this node alone.
+                assert env["RDZV_ENDPOINT"] in _store_endpoints(stack), env["RDZV_ENDPOINT"]
+                port = free_port()
+                store = subprocess.Popen([str(BIN / "python"), "-m", "training.rdzv_store", "--port", str(port)],
+                                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                container.update(RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_LAST_CALL_S="1")
             train_and_resume(container, proxy, meta, tmp_path)
             assert meta.credential_requests >= 1
         keys = _checkpoint_keys(server, env["CHECKPOINT_URL"])
         assert f"step-{STEPS + 2:08d}/manifest-node000.json" in keys, keys
     finally:
+        if store is not None:
+            store.terminate()
+            store.wait(timeout=10)
         proxy.down()
         server.stop()
+
+
+def _store_endpoints(stack: str) -> set[str]:
+    """host:port of every rendezvous store instance the plan creates (their fixed addresses)."""
+    from infra.rendezvous import PORT
+
+    found = set()
+    for r in shipped(stack):
+        if r.type in STORE_TYPES.values() and "-rdzv-" in r.name:
+            found.add(f"{r.inputs.get('privateIp')}:{PORT}")
+    return found
 
 
 def _image_folder() -> dict[str, bytes]:
@@ -419,3 +442,24 @@ def test_make_dataset_copies_the_dataset_into_every_clouds_bucket(tmp_path: Path
         assert again.returncode == 0 and again.stdout.count("0 of 8 files copied") == 3, again.stdout
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("cloud", sorted(STORE_TYPES))
+def test_the_rendezvous_store_instance_boots_into_the_store_its_nodes_name(cloud: str, tmp_path: Path) -> None:
+    """Each prod network with a multi-node VM group gets one store instance at its fixed
+    address, created before the group's nodes (which may not take the address), booting with
+    GTS_MODE=rendezvous and the same trainer image; its user data decodes like a node's."""
+    res = list(shipped("prod"))
+    (store,) = [r for r in by_type(res, STORE_TYPES[cloud]) if "-rdzv-" in r.name]
+    env = vm_env("prod", cloud, tmp_path / "node")
+    assert env["RDZV_ENDPOINT"] == f"{store.inputs['privateIp']}:29400"
+    root = tmp_path / "store"
+    field = "userDataBase64" if cloud == "aws" else "userData"
+    lay_down(user_data(STORE_TYPES[cloud], store.name, (field,)), root)
+    store_env = node_env(root)
+    assert store_env["GTS_MODE"] == "rendezvous" and store_env["GTS_IMAGE"] == env["GTS_IMAGE"]
+    assert store_env["GTS_BUNDLE_SHA256"] == env["GTS_BUNDLE_SHA256"]
+    assert store.options["deleteBeforeReplace"], "one fixed address: the old store goes first"
+    fleet_children = [r for r in res if r.parent and f"GpuFleet::{env['GTS_NODE_GROUP']}" in r.parent]
+    assert fleet_children and all(store.urn in r.options["dependencies"] for r in fleet_children), \
+        "the group's nodes start only after the store holds its address"

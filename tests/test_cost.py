@@ -90,7 +90,8 @@ def test_stack_totals_add_up() -> None:
     groups = total["node_groups"]
     for cloud, c in total["by_cloud"].items():
         mine = sum(g["monthly_usd"] for g in groups if g["cloud"] == cloud)
-        fixed = c["storage_monthly_usd"] + c["clusters_monthly_usd"] + c["nat_monthly_usd"] + c["registry_monthly_usd"]
+        fixed = (c["storage_monthly_usd"] + c["clusters_monthly_usd"] + c["nat_monthly_usd"] + c["registry_monthly_usd"]
+                 + c["rendezvous_monthly_usd"])
         assert c["monthly_usd"] == pytest.approx(mine + fixed, abs=0.05)
     assert total["monthly_usd"] == pytest.approx(sum(c["monthly_usd"] for c in total["by_cloud"].values()), abs=0.05)
     assert total["hourly_usd"] == pytest.approx(total["monthly_usd"] / HOURS, abs=0.01)
@@ -127,3 +128,16 @@ def test_the_trainer_image_registry_is_counted_where_the_stack_builds_the_image(
     prebuilt = cost.stack_cost(resolve(parse(spec_raw(values))))["by_cloud"]
     assert prebuilt["alicloud"]["registry_monthly_usd"] == 0
     assert prebuilt["alicloud"]["monthly_usd"] == pytest.approx(total["alicloud"]["monthly_usd"] - 780 / 7.2, abs=0.05)
+
+
+def test_rendezvous_stores_are_counted_per_network_with_a_multi_node_vm_group() -> None:
+    """prod: one store per cloud (its VM group spans up to 4 nodes); AWS t3.medium $0.0416/h."""
+    total = cost.stack_cost(resolve(_spec("prod")))["by_cloud"]
+    assert total["aws"]["rendezvous_monthly_usd"] == pytest.approx(0.0416 * HOURS, abs=0.01)
+    assert total["alicloud"]["rendezvous_monthly_usd"] == pytest.approx(0.55 / 7.2 * HOURS, abs=0.01)
+    single = _spec("dev")
+    values = stack_values("dev")
+    for g in values[key("nodeGroups")]:
+        g["scaling"]["max"] = 1
+    single = parse(spec_raw(values))
+    assert all(c["rendezvous_monthly_usd"] == 0 for c in cost.stack_cost(resolve(single))["by_cloud"].values())

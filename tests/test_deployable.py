@@ -281,6 +281,8 @@ def test_long_names_still_fit_the_clouds_limits(tmp_path: Path) -> None:
     ("nodes out of the registry's region", "prod", lambda v: next(
         g for g in v[key("nodeGroups")] if g["name"] == "ali-train").__setitem__("network", "ali-train-sh"),
      ["nodeGroups[3].network", "serves VPCs in cn-hangzhou only", "training.prebuiltImages.alicloud"]),
+    ("multi-node with a launcher that cannot be elastic", "dev", lambda v: v[key("training")].__setitem__(
+        "launcher", "accelerate"), ["training.launcher", "aws-train trains on up to 2 nodes", "elastic torchrun"]),
     ("APPID unquoted or short", "dev", lambda v: v[key("clouds")]["tencentcloud"].__setitem__("appId", "12345"),
      ["clouds.tencentcloud.appId", "10-digit APPID"]),
 ])

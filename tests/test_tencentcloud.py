@@ -26,7 +26,8 @@ def tc(stack: str) -> list[Registered]:
 
 def charge_types(resources: list[Registered]) -> dict[str, str]:
     out = {r.name: r.inputs["instanceChargeType"] for r in resources
-           if r.type in ("tencentcloud:Instance/instance:Instance", "tencentcloud:As/scalingConfig:ScalingConfig")}
+           if r.type in ("tencentcloud:Instance/instance:Instance", "tencentcloud:As/scalingConfig:ScalingConfig")
+           and "-rdzv-" not in r.name}  # the rendezvous store: no GPU, on demand by design
     out |= {r.name: r.inputs["autoScalingConfig"]["instanceChargeType"]
             for r in by_type(resources, "tencentcloud:Kubernetes/nodePool:NodePool")}
     return out
@@ -46,7 +47,7 @@ def test_prod_on_demand_base_with_spot_burst() -> None:
     assert charges["tc-tke-train-od"] == "POSTPAID_BY_HOUR" and charges["tc-tke-train-spot"] == "SPOTPAID"
     (group,) = by_type(tc("prod"), "tencentcloud:As/scalingGroup:ScalingGroup")
     assert (group.inputs["minSize"], group.inputs["maxSize"]) == (0, 3)  # 1..4 minus the base node
-    (instance,) = by_type(tc("prod"), "tencentcloud:Instance/instance:Instance")
+    (instance,) = [i for i in by_type(tc("prod"), "tencentcloud:Instance/instance:Instance") if "-rdzv-" not in i.name]
     assert instance.inputs["dataDisks"][0]["encrypt"] is True and instance.inputs["dataDisks"][0]["dataDiskType"] == "CLOUD_HSSD"
     assert instance.inputs["userData"]
 

@@ -6,43 +6,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.system_tools import debian_tool
-from tests.training_helpers import MotoServer, Proxy, free_port, launch, retry_until, storage_env
+from tests.training_helpers import MotoServer, Proxy, free_port, kill_tree, launch, retry_until, storage_env
 
-ARGS = ["--workload", "tiny", "--steps", "60", "--checkpoint-every", "20", "--log-every", "5"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    """Run A: 60 uninterrupted steps, checkpoints every 20. (params_sha256, its checkpoint dir)"""
-    cwd = tmp_path_factory.mktemp("run-a")
-    run = launch([*ARGS, "--checkpoint-dir", str(cwd / "ck")], cwd)
-    assert run.finish() == 0, run.output[-3000:]
-    step, _, digest = run.final()
-    assert step == 60
-    return digest, cwd / "ck"
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    server = MotoServer()
-    yield server
-    server.stop()
+from tests.conftest import TRAIN_ARGS as ARGS
 
 
 def test_two_rank_run_completes_and_checkpoints(reference: tuple[str, Path]) -> None:
     _, ck = reference
-    assert sorted(p.name for p in ck.iterdir()) == ["step-00000020", "step-00000040", "step-00000060"]
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000020", "step-00000040", "step-00000060"]
     manifest = json.loads((ck / "step-00000060" / "manifest-node000.json").read_text())
     assert manifest["world_size"] == 2 and set(manifest["files"]) == {"model.pt", "rng-rank00000.pt", "rng-rank00001.pt"}
     for name, meta in manifest["files"].items():
@@ -84,7 +66,7 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous_one(
     args = [*ARGS, "--checkpoint-dir", str(tmp_path / "ck")]
     run = launch(args, tmp_path, env={"GTS_TEST_SLOW_COMMIT_S": "60", "GTS_TEST_SLOW_COMMIT_STEP": "40"})
     run.wait_for(r"fault injection: pausing .* before committing step-00000040")
-    os.killpg(run.proc.pid, signal.SIGKILL)
+    kill_tree(run.proc.pid)  # torchrun and its workers (each in a session of its own)
     run.finish()
     assert (tmp_path / "ck" / "step-00000040.tmp").is_dir(), "the kill landed mid-checkpoint"
     again = launch(args, tmp_path)
@@ -132,16 +114,19 @@ def test_checkpoints_reach_the_bucket_and_resume_from_it(reference: tuple[str, P
     digest, _ = reference
     env = storage_env(moto.url)
     args = [*ARGS, "--checkpoint-dir", f"s3://{moto.bucket}/run-d"]
-    run = launch(args, tmp_path, env)
-    assert run.finish() == 0, run.output[-3000:]
+    run = launch([*args, "--throttle-ms", "100"], tmp_path, env)
+    run.wait_for(r"uploaded step-00000040 ")
+    os.kill(run.proc.pid, signal.SIGTERM)  # a reclaim: the emergency checkpoint goes up too
+    run.finish()
+    stopped = int(run.wait_for(r"stopped by SIGTERM at step \d+").split("at step ")[1].split()[0])
     keys = moto.keys("run-d/")
-    for step in (20, 40, 60):
+    for step in (20, 40, stopped):
         assert f"run-d/step-{step:08d}/manifest-node000.json" in keys
         assert f"run-d/step-{step:08d}/model.pt" in keys
     shutil.rmtree(tmp_path / "out")  # the node's local disk is gone (new spot instance)
     again = launch(args, tmp_path, env)
     assert again.finish() == 0, again.output[-3000:]
-    again.wait_for(r"fetched step-00000060 from s3://")
+    again.wait_for(rf"fetched step-{stopped:08d} from s3://")
     assert again.final()[2] == digest
 
 
@@ -236,7 +221,7 @@ def test_resnet50_on_an_image_folder_with_bf16_and_grad_checkpointing(tmp_path: 
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "final step=3 " in proc.stdout
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000002", "step-00000003"]
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step-*")) == ["step-00000002", "step-00000003"]
 
 
 def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
@@ -321,7 +306,8 @@ def test_a_tampered_checkpoint_cannot_run_code_when_loaded(tmp_path: Path) -> No
 
     import torch
 
-    from training.checkpoint import MODEL_FILE, CheckpointManager, Topology, manifest_name, rng_name, step_dir
+    from training.checkpoint import (MODEL_FILE, CheckpointError, CheckpointManager, Topology, manifest_name,
+                                     rng_name, sha256_of, step_dir)
     from training.train import rng_state, set_rng_state
 
     topo = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
@@ -330,6 +316,7 @@ def test_a_tampered_checkpoint_cannot_run_code_when_loaded(tmp_path: Path) -> No
     mgr.save(10, {"step": 10, "weights": torch.ones(3)}, saved_rng, lambda: None)
     model, rng = mgr.load(10)  # the trainer's own states load with weights_only=True
     assert model["step"] == 10 and torch.equal(model["weights"], torch.ones(3))
+    assert rng is not None
     set_rng_state(rng)
     assert torch.equal(rng_state()["numpy"]["keys"], saved_rng["numpy"]["keys"])
 
@@ -338,9 +325,43 @@ def test_a_tampered_checkpoint_cannot_run_code_when_loaded(tmp_path: Path) -> No
     evil = folder / MODEL_FILE
     evil.write_bytes(pickle.dumps({"step": _RunsCode(marker)}))
     manifest = json.loads((folder / manifest_name(0)).read_text())
-    manifest["files"][MODEL_FILE]["size"] = evil.stat().st_size
+    # a matching manifest too: only the unpickler stands between the file and the process
+    manifest["files"][MODEL_FILE].update(size=evil.stat().st_size, sha256=sha256_of(evil))
     (folder / manifest_name(0)).write_text(json.dumps(manifest))
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(CheckpointError, match="model.pt cannot be read as tensors and plain values"):
         mgr.load(10)
     assert not marker.exists()
     assert (folder / rng_name(0)).exists()
+
+
+def test_a_stopped_run_exits_zero_through_the_entrypoint_and_resumes(reference: tuple[str, Path], tmp_path: Path) -> None:
+    """SIGTERM to the image's entrypoint (what docker stop, a pod's termination, the spot watcher
+    and `kill` of `make train-local` send): the workers checkpoint, the entrypoint exits 0 with one
+    line saying where the run stopped and no traceback; SIGUSR1 checkpoints and goes on."""
+    import subprocess
+
+    from tests.training_helpers import BIN, LAUNCH_TIMEOUT, ROOT
+
+    digest, _ = reference
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2", "LAUNCHER": "torchrun"}
+    args = [*ARGS, "--checkpoint-dir", str(tmp_path / "ck")]
+    proc = subprocess.Popen(["bash", str(ROOT / "training/entrypoint.sh"), *args, "--throttle-ms", "100"], env=env,
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    from tests.training_helpers import Run
+
+    run = Run(proc)
+    run.start_reader()
+    run.wait_for(r"step 10 loss")
+    proc.send_signal(signal.SIGUSR1)
+    run.wait_for(r"checkpoint step 1\d: loop blocked")
+    run.wait_for(r"step 30 loss")
+    proc.send_signal(signal.SIGTERM)
+    assert run.finish(LAUNCH_TIMEOUT) == 0, run.output[-3000:]
+    stops = [line for line in run.lines if "stopped by" in line]
+    assert len(stops) == 1 and re.search(r"rank0 .* stopped by SIGTERM at step \d+ after an emergency checkpoint",
+                                         stops[0]), run.output[-2000:]
+    assert "Traceback" not in run.output and "SignalException" not in run.output
+    again = subprocess.run(["bash", str(ROOT / "training/entrypoint.sh"), *args], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert again.returncode == 0 and f"params_sha256={digest}" in again.stdout, again.stderr[-2000:]

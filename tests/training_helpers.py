@@ -38,6 +38,36 @@ def wait_port(port: int, timeout: float = 20) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts each worker in a session of its own, so a
+    process-group kill does not reach them)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in open(f"/proc/{parent}/task/{task}/children").read().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """`sig` to `pid` and everything below it, at once: what a node's loss does to its processes."""
+    for target in [pid, *descendants(pid)]:
+        try:
+            os.kill(target, sig)
+        except ProcessLookupError:
+            pass
+
+
 @dataclass
 class Run:
     proc: subprocess.Popen[str]
@@ -72,7 +102,7 @@ class Run:
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_tree(self.proc.pid)
             raise
         if self._reader is not None:
             self._reader.join(timeout=10)

@@ -16,19 +16,31 @@ manifest last. A step is resumable from the bucket when the manifests of all its
 The newest K steps are kept locally and in the bucket; a step not yet uploaded is never deleted
 locally. Uploads that fail are retried with backoff and again on every later checkpoint and at
 start-up, so an outage of the store never stops training and nothing committed is lost.
+
+Before a step is loaded, every file it needs is checked against its manifest (size and sha256)
+and unpickled with weights_only; a step that fails is skipped with a log line naming why, its
+bad local copy is fetched again from the bucket, and otherwise the previous step is used.
+
+With a bucket, the local folder is `<checkpoint dir>/<run key>/`, the run key derived from the
+checkpoint URL: two runs never share a cache. A lock file in it stops a second trainer on the
+same run (the message names the holder).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import pickle
 import queue
 import re
 import shutil
+import socket
 import threading
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +66,20 @@ def manifest_name(node: int) -> str:
 
 def rng_name(rank: int) -> str:
     return f"rng-rank{rank:05d}.pt"
+
+
+def run_key(url: str) -> str:
+    """The local cache folder of a run: readable, and unique per checkpoint URL."""
+    readable = re.sub(r"[^A-Za-z0-9.-]+", "_", url.split("://", 1)[-1]).strip("_")[-60:]
+    return f"{readable}-{hashlib.sha256(url.encode()).hexdigest()[:10]}"
+
+
+class CheckpointError(Exception):
+    """A step that cannot be used (the message says which file and why)."""
+
+
+class RunLocked(Exception):
+    """Another trainer holds this run's checkpoint folder."""
 
 
 def sha256_of(path: Path) -> str:
@@ -103,13 +129,33 @@ class UploadStatus:
     uploaded: list[int] = field(default_factory=list)
 
 
+def _lock(folder: Path) -> Any:
+    """Hold `folder/.lock` for this process's life (flock: released by the kernel when it dies)."""
+    handle = (folder / ".lock").open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise RunLocked(f"{folder} is in use by {holder}: another trainer is on this run. Stop it, or give this "
+                        "one another --checkpoint-dir / checkpoint URL") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}\n")
+    handle.flush()
+    return handle
+
+
 class CheckpointManager:
     """save / load / close. One per process; collectives stay in the caller."""
 
     def __init__(self, local_dir: str, remote_url: str | None, topo: Topology, keep: int = 3,
                  upload_attempts: int = 4, on_status: Callable[[UploadStatus], None] | None = None):
-        self.local = Path(local_dir)
+        self.local = Path(local_dir) / run_key(remote_url) if remote_url else Path(local_dir)
         self.remote: Location | None = location(remote_url) if remote_url else None
+        self.remote_error = ""  # why the bucket could not be listed at start, if it could not
         self.topo = topo
         self.keep = keep
         self.attempts = upload_attempts
@@ -120,6 +166,7 @@ class CheckpointManager:
         self._idle = threading.Event()
         self._idle.set()
         self.local.mkdir(parents=True, exist_ok=True)
+        self._held = _lock(self.local) if topo.local_rank == 0 else None
         if topo.local_rank == 0:
             for stale in self.local.glob("step-*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)  # a crash mid-write: never committed
@@ -178,28 +225,32 @@ class CheckpointManager:
         log.info("committed checkpoint %s locally (%d files)", final.name, len(files))
 
     # ------------------------------------------------------------------ find / load
-    def _valid_local(self, step: int) -> bool:
+    def _local_manifests(self, step: int) -> list[dict[str, Any]]:
         folder = self.local / step_dir(step)
-        path = folder / manifest_name(self.topo.node)
-        try:
-            manifest = json.loads(path.read_text())
-            for name, meta in manifest["files"].items():
-                if (folder / name).stat().st_size != meta["size"]:
-                    return False
-            return True
-        except (OSError, ValueError, KeyError):
-            return False
+        found = []
+        for path in sorted(folder.glob("manifest-node*.json")):
+            try:
+                found.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        return found
 
     def local_steps(self) -> list[int]:
+        """Committed steps on this node's disk (a manifest is in: checked file by file on load)."""
         steps = [int(m.group(1)) for p in self.local.iterdir() if (m := STEP_RE.match(p.name))]
-        return sorted(s for s in steps if self._valid_local(s))
+        return sorted(s for s in steps if self._local_manifests(s))
 
     def remote_steps(self) -> list[int]:
+        """Steps whose every node's manifest is in the bucket. An unreachable bucket gives none
+        (and `remote_error` says why): the run goes on from its local steps."""
         if self.remote is None:
             return []
         try:
             names = [p.rsplit("/", 1)[-1] for p in self.remote.fs.ls(self.remote.root, detail=False)]
         except FileNotFoundError:
+            return []
+        except Exception as exc:  # noqa: BLE001 (botocore / aiohttp errors are not all OSError)
+            self.remote_error = f"{type(exc).__name__}: {exc}"
             return []
         found = []
         for name in names:
@@ -209,44 +260,111 @@ class CheckpointManager:
             try:
                 listing = {p.rsplit("/", 1)[-1] for p in self.remote.fs.ls(self.remote.join(name), detail=False)}
                 first = json.loads(self.remote.fs.cat(self.remote.join(name, manifest_name(0))))
-            except (FileNotFoundError, ValueError):
+            except Exception:  # noqa: BLE001 (a missing or damaged manifest: not a complete step)
                 continue
             if all(manifest_name(n) in listing for n in range(int(first["nnodes"]))):
                 found.append(int(m.group(1)))
         return sorted(found)
 
     def loadable_steps(self) -> set[int]:
-        """Steps this node can restore, from its disk or the bucket."""
+        """Steps this node may restore, from its disk or the bucket (checked when loaded)."""
         return set(self.local_steps()) | set(self.remote_steps())
 
-    def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(model state, this rank's RNG state) for `step`, fetching from the bucket if needed."""
+    def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """(model state, this rank's RNG state or None when the step was saved with another
+        world size) for `step`: every file checked against its manifest first; a bad local copy
+        is fetched again from the bucket. Raises CheckpointError naming the file and the fault."""
         folder = self.local / step_dir(step)
-        if not self._valid_local(step):
-            self._download(step, folder)
-        # weights_only: a checkpoint in a shared bucket must not be able to run code when loaded.
-        model = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=True)
-        rng = torch.load(folder / rng_name(self.topo.rank), map_location="cpu", weights_only=True)
+        manifests = self._local_manifests(step)
+        try:
+            files, world = self._needed(manifests)
+            self._verify(folder, files)
+        except CheckpointError as local_fault:
+            if self.remote is None:
+                raise
+            if manifests:
+                log.warning("rank %d: local %s is damaged (%s); fetching it from %s", self.topo.rank,
+                            step_dir(step), local_fault, self.remote.url)
+            manifests = self._remote_manifests(step)
+            files, world = self._needed(manifests)
+            self._download(step, folder, files)
+            self._verify(folder, files)
+        model = self._unpickle(folder / MODEL_FILE)
+        rng = self._unpickle(folder / rng_name(self.topo.rank)) if rng_name(self.topo.rank) in files else None
         return model, rng
 
-    def _download(self, step: int, folder: Path) -> None:
+    def _needed(self, manifests: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], int]:
+        """The files this rank loads, with their manifest entries, and the step's world size."""
+        if not manifests:
+            raise CheckpointError("no manifest")
+        world = int(manifests[0].get("world_size", self.topo.world_size))
+        listed = {name: meta for m in manifests for name, meta in m.get("files", {}).items()}
+        wanted = [MODEL_FILE] + ([rng_name(self.topo.rank)] if world == self.topo.world_size else [])
+        missing = [name for name in wanted if name not in listed]
+        if missing:
+            raise CheckpointError(f"the manifest lists no {', '.join(missing)}")
+        return {name: listed[name] for name in wanted}, world
+
+    @staticmethod
+    def _verify(folder: Path, files: dict[str, dict[str, Any]]) -> None:
+        for name, meta in files.items():
+            path = folder / name
+            try:
+                size = path.stat().st_size
+            except OSError:
+                raise CheckpointError(f"{name} is missing") from None
+            if size != meta["size"]:
+                raise CheckpointError(f"{name} has {size} bytes, the manifest says {meta['size']}")
+            if sha256_of(path) != meta["sha256"]:
+                raise CheckpointError(f"{name} does not match its sha256 in the manifest")
+
+    @staticmethod
+    def _unpickle(path: Path) -> dict[str, Any]:
+        # weights_only: a checkpoint in a shared bucket must not be able to run code when loaded;
+        # a damaged file and one carrying code both fail here, and neither is ever used.
+        try:
+            return dict(torch.load(path, map_location="cpu", weights_only=True))
+        except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, TypeError) as exc:
+            text = str(exc)
+            detail = text.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0] if text.strip() else ""
+            raise CheckpointError(f"{path.name} cannot be read as tensors and plain values: {detail[:160]}") from None
+
+    def _remote_manifests(self, step: int) -> list[dict[str, Any]]:
         assert self.remote is not None
-        # Every rank of the node may get here; files land under a per-rank temp name first.
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        folder.mkdir(exist_ok=True)
-        wanted = [MODEL_FILE, rng_name(self.topo.rank)]
-        manifests = [json.loads(self.remote.fs.cat(self.remote.join(step_dir(step), manifest_name(n))))
-                     for n in range(self.topo.nnodes)]
-        sizes = {k: v for m in manifests for k, v in m["files"].items()}
-        for name in wanted:
-            target = folder / name
-            if target.exists() and target.stat().st_size == sizes[name]["size"]:
-                continue
-            part = folder / f"{name}.{self.topo.rank}.download"
-            self.remote.fs.get(self.remote.join(step_dir(step), name), str(part))
-            if sha256_of(part) != sizes[name]["sha256"]:
-                raise OSError(f"{step_dir(step)}/{name}: sha256 mismatch after download")
-            os.replace(part, target)
+        try:
+            first = json.loads(self.remote.fs.cat(self.remote.join(step_dir(step), manifest_name(0))))
+            return [first] + [json.loads(self.remote.fs.cat(self.remote.join(step_dir(step), manifest_name(n))))
+                              for n in range(1, int(first["nnodes"]))]
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"its manifests cannot be read from {self.remote.url}: {exc}") from None
+
+    def _download(self, step: int, folder: Path, files: dict[str, dict[str, Any]]) -> None:
+        """Fetch the files that are missing or bad here; one rank of the node at a time (a lock
+        file), each file replaced atomically, so ranks reading it meanwhile keep a whole file."""
+        assert self.remote is not None
+        folder.mkdir(parents=True, exist_ok=True)
+        with (folder.parent / f".{step_dir(step)}.fetch").open("a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            for name, meta in files.items():
+                target = folder / name
+                try:
+                    self._verify(folder, {name: meta})
+                    continue  # another rank fetched it already
+                except CheckpointError:
+                    pass
+                part = folder / f"{name}.{self.topo.rank}.download"
+                try:
+                    self.remote.fs.get(self.remote.join(step_dir(step), name), str(part))
+                except Exception as exc:  # noqa: BLE001
+                    raise CheckpointError(f"{name} cannot be fetched from {self.remote.url}: {exc}") from None
+                if sha256_of(part) != meta["sha256"]:
+                    part.unlink(missing_ok=True)
+                    raise CheckpointError(f"{name} in {self.remote.url} does not match its sha256 either")
+                os.replace(part, target)
+            for n, manifest in enumerate(self._remote_manifests(step)):
+                path = folder / manifest_name(n)
+                if not path.exists():
+                    path.write_text(json.dumps(manifest, indent=1))
         log.info("rank %d fetched %s from %s", self.topo.rank, step_dir(step), self.remote.url)
 
     # ------------------------------------------------------------------ upload
@@ -286,26 +404,28 @@ class CheckpointManager:
             self._report()
 
     def _upload(self, step: int) -> None:
+        """This node's files of `step`, then its manifest (the commit). A folder fetched from the
+        bucket on an earlier start may hold other nodes' manifests: their files are there already."""
         assert self.remote is not None
         folder = self.local / step_dir(step)
-        manifest = json.loads((folder / manifest_name(self.topo.node)).read_text())
-        names = sorted(manifest["files"])
-        if self.topo.rank != 0:
-            names = [n for n in names if n != MODEL_FILE]  # global rank 0 uploads the shared file
-        for name in names:
-            self.remote.fs.put(str(folder / name), self.remote.join(step_dir(step), name))
-        self.remote.fs.put(str(folder / manifest_name(self.topo.node)),
-                           self.remote.join(step_dir(step), manifest_name(self.topo.node)))
+        for path in sorted(folder.glob("manifest-node*.json")):
+            manifest = json.loads(path.read_text())
+            names = sorted(manifest["files"])
+            if self.topo.rank != 0:
+                names = [n for n in names if n != MODEL_FILE]  # global rank 0 uploads the shared file
+            for name in names:
+                if (folder / name).exists():
+                    self.remote.fs.put(str(folder / name), self.remote.join(step_dir(step), name))
+            self.remote.fs.put(str(path), self.remote.join(step_dir(step), path.name))
 
     def resync(self) -> None:
         """Queue committed local steps the bucket lacks (an outage during an earlier run)."""
         if self.remote is None or self.topo.local_rank != 0:
             return
-        try:
-            have = set(self.remote_steps())
-        except OSError as exc:
-            log.warning("cannot list %s (%s); will retry uploads later", self.remote.url, exc)
-            have = set()
+        have = set(self.remote_steps())
+        if self.remote_error:
+            log.warning("cannot list %s (%s); training goes on from local state and uploads are retried "
+                        "in the background", self.remote.url, self.remote_error)
         missing = [s for s in self.local_steps()[-self.keep:] if s not in have]
         if missing:
             log.info("uploading %d checkpoint(s) missing from the bucket: %s", len(missing), missing)

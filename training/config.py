@@ -43,6 +43,7 @@ class TrainConfig:
     checkpoint_url: str = ""  # object storage for checkpoints (s3://, oss://, cosn://, file://)
     keep: int = 3  # newest checkpoints kept locally and in the bucket
     upload_deadline_s: float = 90.0  # on exit, how long to wait for pending uploads
+    allow_config_change: bool = False  # resume a checkpoint trained with other result-shaping settings
     # operations
     launcher: str = "auto"  # auto | torchrun | accelerate | horovod
     log_every: int = 10  # steps between log lines / metric pushes

@@ -36,10 +36,12 @@ CHECKPOINT_EVERY = Var("CHECKPOINT_EVERY", "steps between checkpoints (and one o
 KEEP_CHECKPOINTS = Var("KEEP_CHECKPOINTS", "newest checkpoints kept locally and in the bucket", STACK, "keep")
 LAUNCHER = Var("LAUNCHER", "torchrun | accelerate | horovod", STACK, "launcher")
 TRAIN_MODULE = Var("TRAIN_MODULE", "the Python module every training process runs", STACK)
-NNODES = Var("NNODES", "nodes of one training run", STACK)
+NNODES = Var("NNODES", "most nodes of one training run (elastic: torchrun --nnodes MIN_NNODES:NNODES)", STACK)
+MIN_NNODES = Var("MIN_NNODES", "fewest nodes the run goes on with after losing some", STACK)
 NPROC_PER_NODE = Var("NPROC_PER_NODE", "training processes per node (its GPUs)", STACK)
 NODE_RANK = Var("NODE_RANK", "this node's index (Kubernetes: the Job completion index)", K8S)
-RDZV_ENDPOINT = Var("RDZV_ENDPOINT", "host:port of the rendezvous store of a multi-node run", STACK)
+RDZV_ENDPOINT = Var("RDZV_ENDPOINT", "host:port of the rendezvous store of a multi-node run (VMs: the stack's "
+                    "store instance; Kubernetes: the Job's store Service)", STACK)
 METRICS_PORT = Var("METRICS_PORT", "Prometheus endpoint of the trainer", STACK, "metrics_port")
 NODE_HOURLY_USD = Var("NODE_HOURLY_USD", "what this node costs per hour (cost-so-far metric, budget pace)", STACK,
                       "node_hourly_usd")
@@ -57,7 +59,7 @@ GTS_CLOUD = Var("GTS_CLOUD", "aws | alicloud | tencentcloud", STACK)
 GTS_NODE_GROUP = Var("GTS_NODE_GROUP", "the node group (metrics labels)", STACK)
 
 VARS = (WORKLOAD, TRAIN_STEPS, DATA_DIR, DATASET_URL, CHECKPOINT_URL, CHECKPOINT_DIR, CHECKPOINT_EVERY,
-        KEEP_CHECKPOINTS, LAUNCHER, TRAIN_MODULE, NNODES, NPROC_PER_NODE, NODE_RANK, RDZV_ENDPOINT, METRICS_PORT,
+        KEEP_CHECKPOINTS, LAUNCHER, TRAIN_MODULE, NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK, RDZV_ENDPOINT, METRICS_PORT,
         NODE_HOURLY_USD, MLFLOW_TRACKING_URI, STORAGE_ENDPOINT_URL, STORAGE_REGION, STORAGE_ADDRESSING_STYLE,
         STORAGE_CREDENTIALS, AWS_REGION, GTS_CLOUD, GTS_NODE_GROUP)
 NAMES = frozenset(v.name for v in VARS)
@@ -80,7 +82,7 @@ def problems(env: dict[str, str] | None = None) -> list[str]:
     source = env.get(STORAGE_CREDENTIALS.name) or "default"
     if source not in CREDENTIAL_SOURCES:
         found.append(f"{STORAGE_CREDENTIALS.name}={source!r}: use one of {', '.join(CREDENTIAL_SOURCES)}")
-    for var in (NNODES, NPROC_PER_NODE, NODE_RANK):
+    for var in (NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK):
         value = env.get(var.name, "")
         if value and not (value.isdigit() and (var is NODE_RANK or int(value) >= 1)):
             found.append(f"{var.name}={value!r}: a whole number{'' if var is NODE_RANK else ' of at least 1'}")
@@ -88,6 +90,9 @@ def problems(env: dict[str, str] | None = None) -> list[str]:
     if nnodes.isdigit() and int(nnodes) > 1 and not env.get(RDZV_ENDPOINT.name):
         found.append(f"{NNODES.name}={nnodes} needs {RDZV_ENDPOINT.name} (host:port of the rendezvous store): "
                      "without it every node would train alone")
+    least = env.get(MIN_NNODES.name, "")
+    if least.isdigit() and nnodes.isdigit() and int(least) > int(nnodes):
+        found.append(f"{MIN_NNODES.name}={least} is more than {NNODES.name}={nnodes}")
     rank = env.get(NODE_RANK.name, "0")
     if rank.isdigit() and nnodes.isdigit() and int(rank) >= max(int(nnodes), 1):
         found.append(f"{NODE_RANK.name}={rank} is not below {NNODES.name}={nnodes}")

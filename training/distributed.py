@@ -103,5 +103,11 @@ class Comm:
         return model, optimizer
 
     def close(self) -> None:
+        """Leave together: a rank that tears its connections down while a peer still receives
+        the end of the last collective makes that peer abort (gloo: "terminate called")."""
         if self.hvd is None and dist.is_initialized():
+            try:
+                dist.barrier()
+            except RuntimeError:
+                pass  # a peer is gone already (a lost node): nothing to wait for
             dist.destroy_process_group()

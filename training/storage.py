@@ -112,7 +112,9 @@ def location(url: str, env: Mapping[str, str] | None = None, keys: tuple[str, st
     parsed = urlparse(url)
     scheme = parsed.scheme or "file"
     if scheme == "file":
-        return Location(fsspec.filesystem("file"), os.path.abspath(parsed.path if parsed.scheme else url), url)
+        # auto_mkdir: a put into a folder that does not exist yet creates it, as a bucket would.
+        return Location(fsspec.filesystem("file", auto_mkdir=True), os.path.abspath(parsed.path if parsed.scheme else url),
+                        url)
     if scheme not in ("s3", "oss", "cosn"):
         raise ValueError(f"unsupported storage URL {url!r}: use s3://, oss://, cosn://, file:// or a path")
     options = _s3_options(scheme, env)

@@ -16,12 +16,13 @@ ends with `final step=<N> loss=<repr> params_sha256=<hex>`.
 from __future__ import annotations
 
 import hashlib
-import os
 import logging
+import os
 import random
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from training import config as config_mod
-from training.checkpoint import CheckpointManager, Topology, UploadStatus
+from training.checkpoint import CheckpointError, CheckpointManager, RunLocked, Topology, UploadStatus
 from training.data import ImageFolder, ResumableSampler, SyntheticClassification, derived_seed
 from training.distributed import Comm
 from training.metrics import Metrics
@@ -38,6 +39,15 @@ from training.models import ResNet50, TinyNet
 from training.tracking import Tracker
 
 log = logging.getLogger("gts.train")
+
+# The settings that shape the result: resuming a checkpoint under other values is refused
+# (--allow-config-change resumes anyway). The world size may change (elastic runs).
+SHAPING = ("workload", "steps", "batch_size", "lr", "weight_decay", "warmup_steps", "seed", "image_size",
+           "tiny_dim", "tiny_width", "tiny_samples", "precision")
+EXIT_USAGE = 2
+# A rank that stopped because another node was told to (its spot notice): non-zero, so torchrun's
+# agent restarts the workers and re-rendezvouses with the nodes that remain (EX_TEMPFAIL).
+EXIT_PEER_STOPPED = 75
 
 
 class StopFlag:
@@ -117,138 +127,242 @@ def lr_lambda(cfg: config_mod.TrainConfig) -> Any:
     return factor
 
 
+@dataclass
+class Resumed:
+    step: int
+    state: dict[str, Any]
+    rng: dict[str, Any] | None
+
+
+def choose_checkpoint(ckpt: CheckpointManager, comm: Comm) -> Resumed | None:
+    """The newest step every rank can load, each file checked; a step that fails on any rank is
+    skipped with a log line naming the rank, file and fault, and the one before it is tried."""
+    common = set.intersection(*map(set, comm.all_gather_object(sorted(ckpt.loadable_steps()))))
+    if ckpt.remote_error and comm.local_rank == 0:
+        log.warning("the bucket %s cannot be listed (%s): starting from this node's own checkpoints; uploads "
+                    "are retried in the background", ckpt.remote.url if ckpt.remote else "", ckpt.remote_error)
+    for step in sorted(common, reverse=True):
+        state: dict[str, Any] = {}
+        rng = None
+        try:
+            state, rng = ckpt.load(step)
+            fault = ""
+        except CheckpointError as exc:
+            fault = str(exc)
+        faults = [(rank, f) for rank, f in enumerate(comm.all_gather_object(fault)) if f]
+        if not faults:
+            return Resumed(step, state, rng)
+        if comm.rank == 0:
+            rank, first = faults[0]
+            log.warning("skipping checkpoint step %d: rank %d: %s%s", step, rank, first,
+                        f" (and {len(faults) - 1} more rank(s))" if len(faults) > 1 else "")
+    if common and comm.rank == 0:
+        log.warning("no usable checkpoint among steps %s: starting from scratch", sorted(common))
+    return None
+
+
+def config_drift(saved: dict[str, Any], cfg: config_mod.TrainConfig) -> list[str]:
+    now = config_mod.as_dict(cfg)
+    return [f"{k}={saved[k]!r} -> {now[k]!r}" for k in SHAPING if k in saved and saved[k] != now[k]]
+
+
+class Run:
+    """One training process: model, optimizer, checkpoints and metrics, resumed and run."""
+
+    def __init__(self, cfg: config_mod.TrainConfig, comm: Comm):
+        self.cfg, self.comm = cfg, comm
+        self.stop = StopFlag()
+        self.dataset, self.model = build(cfg)
+        self.model.to(comm.device)
+        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
+                                                                  weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.use_scaler = cfg.precision == "fp16" and comm.device.type == "cuda"
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_scaler)
+        # Per-rank streams (dropout and the like) differ by rank; data order does not depend on them.
+        random.seed(derived_seed(cfg.seed, comm.rank))
+        np.random.seed(derived_seed(cfg.seed, comm.rank) % (1 << 32))
+        torch.manual_seed(derived_seed(cfg.seed, comm.rank, 1))
+        self.metrics = Metrics(cfg.metrics_port if comm.local_rank == 0 else 0, cfg.node_hourly_usd,
+                               {"node": str(comm.node), "workload": cfg.workload,
+                                # set by the node's env file or the Job; empty elsewhere
+                                "cloud": os.environ.get("GTS_CLOUD", ""), "group": os.environ.get("GTS_NODE_GROUP", "")})
+        self.step, self.epoch, self.offset, self.run_id = 0, 0, 0, None
+        self.last_saved, self.last_loss = 0, float("nan")
+
+    def open_checkpoints(self) -> CheckpointManager | None:
+        """The run's checkpoint manager, or None on every rank when another trainer holds the run."""
+        local_dir, remote = self.cfg.local_and_remote()
+        topo = Topology(self.comm.rank, self.comm.local_rank, self.comm.world, self.comm.node, self.comm.nnodes,
+                        self.comm.local_world)
+        try:
+            ckpt: CheckpointManager | None = CheckpointManager(local_dir, remote or None, topo, keep=self.cfg.keep,
+                                                               on_status=self._on_status)
+            locked = False
+        except RunLocked as exc:
+            log.error("%s", exc)
+            ckpt, locked = None, True
+        (anyone_locked,) = self.comm.any_true(locked)
+        return None if anyone_locked else ckpt
+
+    def _on_status(self, status: UploadStatus) -> None:
+        self.metrics.upload_pending.set(len(status.pending))
+        if status.last_success:
+            self.metrics.upload_time.set(status.last_success)
+
+    def resume(self, ckpt: CheckpointManager) -> str | None:
+        """Restore the newest usable checkpoint. Returns why the run must not go on (already
+        complete, or its result-shaping config changed), or None to train."""
+        found = choose_checkpoint(ckpt, self.comm)
+        if found is None:
+            return None
+        state = found.state
+        if self.cfg.steps <= found.step:
+            return f"complete: checkpoint step {found.step} is at or past --steps {self.cfg.steps}; nothing to run"
+        drift = config_drift(state.get("config", {}), self.cfg)
+        if drift and not self.cfg.allow_config_change:
+            return (f"refused: checkpoint step {found.step} was trained with other settings ({', '.join(drift)}); "
+                    "resuming would change the result. Restore them, point at a new checkpoint URL, or pass "
+                    "--allow-config-change")
+        if drift and self.comm.rank == 0:
+            log.warning("resuming step %d with changed settings (--allow-config-change): %s", found.step, ", ".join(drift))
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.use_scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        saved_world = int(state.get("world_size", self.comm.world))
+        self.step, self.epoch, self.run_id = state["step"], state["epoch"], state.get("mlflow_run_id")
+        # The epoch's position in samples, re-cut for this world size (elastic runs change it).
+        self.offset = state["offset"] * saved_world // self.comm.world
+        if found.rng is not None:
+            set_rng_state(found.rng)
+        elif self.comm.rank == 0:
+            log.warning("world size %d -> %d since step %d: data position kept, per-rank RNG streams re-seeded",
+                        saved_world, self.comm.world, found.step)
+        self.last_saved = self.step
+        log.info("resumed from step %d (epoch %d, batch %d of the epoch)", self.step, self.epoch, self.offset)
+        return None
+
+    def save(self, ckpt: CheckpointManager, tracker: Tracker) -> None:
+        state = None
+        if self.comm.local_rank == 0:
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "scheduler": self.scheduler.state_dict(),
+                     "scaler": self.scaler.state_dict() if self.use_scaler else None,
+                     "step": self.step, "epoch": self.epoch, "offset": self.offset, "mlflow_run_id": tracker.run_id,
+                     "config": config_mod.as_dict(self.cfg), "world_size": self.comm.world}
+        blocked = ckpt.save(self.step, state, rng_state(), self.comm.barrier)
+        self.last_saved = self.step
+        self.metrics.checkpoint_seconds.set(blocked)
+        self.metrics.checkpoint_time.set(time.time())
+        if self.comm.rank == 0:
+            log.info("checkpoint step %d: loop blocked %.3f s", self.step, blocked)
+
+    def train_step(self, ddp_model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        cfg, comm = self.cfg, self.comm
+        started = time.perf_counter()
+        inputs, labels = inputs.to(comm.device), labels.to(comm.device)
+        if cfg.workload == "resnet50" and cfg.channels_last:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
+        autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(comm.device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            loss: torch.Tensor = nn.functional.cross_entropy(ddp_model(inputs), labels)
+        scaled: torch.Tensor = self.scaler.scale(loss)
+        torch.autograd.backward(scaled)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.step, self.offset = self.step + 1, self.offset + 1
+        self.last_loss = comm.mean(loss)
+        elapsed = time.perf_counter() - started
+        self.metrics.step.set(self.step)
+        self.metrics.loss.set(self.last_loss)
+        self.metrics.step_seconds.set(elapsed)
+        self.metrics.samples_per_second.set(cfg.batch_size * comm.world / max(elapsed, 1e-9))
+        if cfg.throttle_ms:
+            time.sleep(cfg.throttle_ms / 1000)
+
+    def loop(self, ckpt: CheckpointManager, tracker: Tracker) -> str | None:
+        """Train to --steps; returns what interrupted it (a signal here or on another rank) or None."""
+        cfg, comm = self.cfg, self.comm
+        ddp_model, self.optimizer = comm.wrap(self.model, self.optimizer)
+        sampler = ResumableSampler(len(self.dataset), comm.world, comm.rank, cfg.seed)
+        batches_per_epoch = len(self.dataset) // comm.world // cfg.batch_size
+        while self.step < cfg.steps:
+            if self.offset >= batches_per_epoch:
+                self.epoch, self.offset = self.epoch + 1, 0
+            sampler.set_epoch(self.epoch, start=self.offset * cfg.batch_size)
+            if hasattr(self.dataset, "epoch"):
+                self.dataset.epoch = self.epoch
+            loader = DataLoader(self.dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+                                num_workers=cfg.num_workers, persistent_workers=False,
+                                generator=torch.Generator().manual_seed(derived_seed(cfg.seed, self.epoch)))
+            for inputs, labels in loader:
+                self.train_step(ddp_model, inputs, labels)
+                if self.step % cfg.log_every == 0:
+                    self.metrics.refresh()
+                    tracker.log(self.step, {"loss": self.last_loss, "lr": float(self.scheduler.get_last_lr()[0])})
+                    if comm.rank == 0:
+                        log.info("step %d loss %.5f", self.step, self.last_loss)
+                stopping, asked = comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request())
+                if self.step % cfg.checkpoint_every == 0 or stopping or asked or self.step >= cfg.steps:
+                    self.save(ckpt, tracker)
+                if stopping:
+                    return self.stop.raised or "a signal on another rank"
+                if self.step >= cfg.steps:
+                    break
+        return None
+
+    def execute(self) -> int:
+        ckpt = self.open_checkpoints()
+        if ckpt is None:
+            return EXIT_USAGE
+        verdict = self.resume(ckpt)
+        ckpt.resync()  # committed steps the bucket lacks (an outage before this start) go up now
+        if verdict is not None:
+            ckpt.close(timeout=self.cfg.upload_deadline_s)
+            if self.comm.rank == 0:
+                (log.info if verdict.startswith("complete") else log.error)("run %s", verdict)
+            return 0 if verdict.startswith("complete") else EXIT_USAGE
+        tracker = Tracker(self.comm.rank == 0, self.run_id, config_mod.as_dict(self.cfg))
+        interrupted = self.loop(ckpt, tracker)
+        if self.last_saved != self.step:
+            self.save(ckpt, tracker)
+        status = ckpt.close(timeout=self.cfg.upload_deadline_s)
+        tracker.close(interrupted=interrupted is not None)
+        if interrupted is None:
+            if self.comm.rank == 0:
+                print(f"final step={self.step} loss={self.last_loss!r} params_sha256={params_sha256(self.model)}",
+                      flush=True)
+            return 0
+        return self.stopped(interrupted, status)
+
+    def stopped(self, interrupted: str, status: UploadStatus) -> int:
+        """After the emergency checkpoint: 0 where a node was told to stop; 75 on the other nodes
+        of a multi-node run, whose agents then go on without it."""
+        if self.comm.rank == 0:
+            log.warning("stopped by %s at step %d after an emergency checkpoint%s", interrupted, self.step,
+                        "" if not status.pending else f" ({len(status.pending)} upload(s) still pending)")
+        if self.comm.nnodes > 1:
+            signalled = {node for node, raised in self.comm.all_gather_object((self.comm.node, self.stop.raised))
+                         if raised}
+            if self.comm.node not in signalled:
+                return EXIT_PEER_STOPPED
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = config_mod.parse(argv)
     comm = Comm(cfg.launcher)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{comm.rank} %(name)s %(message)s")
     log.info("rank %d of %d (node %d of %d) via %s on %s", comm.rank, comm.world, comm.node, comm.nnodes,
              comm.launcher, comm.device)
-    stop = StopFlag()
-    dataset, model = build(cfg)
-    model.to(comm.device)
-    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    use_scaler = cfg.precision == "fp16" and comm.device.type == "cuda"
-    scaler = torch.amp.GradScaler("cuda", enabled=use_scaler)
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-    # Per-rank streams (dropout and the like) differ by rank; data order does not depend on them.
-    random.seed(derived_seed(cfg.seed, comm.rank))
-    np.random.seed(derived_seed(cfg.seed, comm.rank) % (1 << 32))
-    torch.manual_seed(derived_seed(cfg.seed, comm.rank, 1))
-
-    local_dir, remote = cfg.local_and_remote()
-    topo = Topology(comm.rank, comm.local_rank, comm.world, comm.node, comm.nnodes, comm.local_world)
-    metrics = Metrics(cfg.metrics_port if comm.local_rank == 0 else 0, cfg.node_hourly_usd,
-                      {"node": str(comm.node), "workload": cfg.workload,
-                       # set by the node's cloud-init (/etc/gpu-training/node.env); empty elsewhere
-                       "cloud": os.environ.get("GTS_CLOUD", ""), "group": os.environ.get("GTS_NODE_GROUP", "")})
-
-    def on_status(status: UploadStatus) -> None:
-        metrics.upload_pending.set(len(status.pending))
-        if status.last_success:
-            metrics.upload_time.set(status.last_success)
-
-    ckpt = CheckpointManager(local_dir, remote or None, topo, keep=cfg.keep, on_status=on_status)
-
-    step, epoch, offset, run_id = 0, 0, 0, None
-    # Resume from the newest step every rank can load (its node's disk or the bucket).
-    common = set.intersection(*map(set, comm.all_gather_object(sorted(ckpt.loadable_steps()))))
-    if common:
-        resume = max(common)
-        state, rng = ckpt.load(resume)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if use_scaler and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        step, epoch, offset, run_id = state["step"], state["epoch"], state["offset"], state.get("mlflow_run_id")
-        set_rng_state(rng)
-        log.info("resumed from step %d (epoch %d, batch %d of the epoch)", step, epoch, offset)
-    ckpt.resync()
-    ddp_model, optimizer = comm.wrap(model, optimizer)
-    tracker = Tracker(comm.rank == 0, run_id, config_mod.as_dict(cfg))
-
-    sampler = ResumableSampler(len(dataset), comm.world, comm.rank, cfg.seed)
-    batches_per_epoch = len(dataset) // comm.world // cfg.batch_size
-    loss_fn = nn.CrossEntropyLoss()
-    last_saved = step
-    last_loss = float("nan")
-
-    def save(at: int) -> None:
-        nonlocal last_saved
-        state = None
-        if comm.local_rank == 0:
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if use_scaler else None,
-                     "step": at, "epoch": epoch, "offset": offset, "mlflow_run_id": tracker.run_id,
-                     "config": config_mod.as_dict(cfg), "world_size": comm.world}
-        blocked = ckpt.save(at, state, rng_state(), comm.barrier)
-        last_saved = at
-        metrics.checkpoint_seconds.set(blocked)
-        metrics.checkpoint_time.set(time.time())
-        if comm.rank == 0:
-            log.info("checkpoint step %d: loop blocked %.3f s", at, blocked)
-
-    interrupted = None
-    while step < cfg.steps and interrupted is None:
-        if offset >= batches_per_epoch:
-            epoch, offset = epoch + 1, 0
-        sampler.set_epoch(epoch, start=offset * cfg.batch_size)
-        if hasattr(dataset, "epoch"):
-            dataset.epoch = epoch
-        loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                            num_workers=cfg.num_workers, persistent_workers=False,
-                            generator=torch.Generator().manual_seed(derived_seed(cfg.seed, epoch)))
-        for inputs, labels in loader:
-            started = time.perf_counter()
-            inputs, labels = inputs.to(comm.device), labels.to(comm.device)
-            if cfg.workload == "resnet50" and cfg.channels_last:
-                inputs = inputs.contiguous(memory_format=torch.channels_last)
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(comm.device.type, dtype=autocast_dtype or torch.float32,
-                                enabled=autocast_dtype is not None):
-                loss = loss_fn(ddp_model(inputs), labels)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            scheduler.step()
-            step, offset = step + 1, offset + 1
-            last_loss = comm.mean(loss)
-            elapsed = time.perf_counter() - started
-            metrics.step.set(step)
-            metrics.loss.set(last_loss)
-            metrics.step_seconds.set(elapsed)
-            metrics.samples_per_second.set(cfg.batch_size * comm.world / max(elapsed, 1e-9))
-            if step % cfg.log_every == 0:
-                metrics.refresh()
-                tracker.log(step, {"loss": last_loss, "lr": float(scheduler.get_last_lr()[0])})
-                if comm.rank == 0:
-                    log.info("step %d loss %.5f (%.1f ms/step)", step, last_loss, elapsed * 1000)
-            if cfg.throttle_ms:
-                time.sleep(cfg.throttle_ms / 1000)
-            stopping, asked = comm.any_true(stop.raised is not None, stop.take_checkpoint_request())
-            if step % cfg.checkpoint_every == 0 or stopping or asked or step >= cfg.steps:
-                save(step)
-            if stopping:
-                interrupted = stop.raised or "a signal on another rank"
-                break
-            if step >= cfg.steps:
-                break
-
-    if last_saved != step:
-        save(step)
-    status = ckpt.close(timeout=cfg.upload_deadline_s)
-    tracker.close(interrupted=interrupted is not None)
-    if interrupted:
-        if comm.rank == 0:
-            log.warning("stopped by %s at step %d after an emergency checkpoint%s", interrupted, step,
-                        "" if not status.pending else f" ({len(status.pending)} upload(s) still pending)")
+    try:
+        return Run(cfg, comm).execute()
+    finally:
         comm.close()
-        return 0
-    if comm.rank == 0:
-        print(f"final step={step} loss={last_loss!r} params_sha256={params_sha256(model)}", flush=True)
-    comm.close()
-    return 0
 
 
 if __name__ == "__main__":

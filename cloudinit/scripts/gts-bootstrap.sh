@@ -43,6 +43,15 @@ if [ "${GTS_MODE:-vm}" = "kubernetes" ]; then
   exit 0
 fi
 
+if [ "${GTS_MODE:-vm}" = "rendezvous" ]; then
+  # The rendezvous store of the network's multi-node runs: Docker and the store, no GPU.
+  step runtime "$SBIN/gts-runtime.sh"
+  touch "$STATE/ready"
+  start_services gts-rdzv.service
+  log "rendezvous store started"
+  exit 0
+fi
+
 step driver "$SBIN/gts-driver.sh"
 if [ -e "$STATE/reboot-required" ]; then
   # The new kernel module loads after a reboot; this unit runs again then, driver stamped.

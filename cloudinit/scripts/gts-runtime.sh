@@ -33,7 +33,10 @@ if ! command -v docker >/dev/null 2>&1; then
   apt_update
   apt_get install -y -q docker.io
 fi
-if ! command -v nvidia-ctk >/dev/null 2>&1; then
+# The rendezvous store (GTS_MODE=rendezvous) runs on a small instance without GPUs.
+GPU_NODE=true
+if [ "${GTS_MODE:-vm}" = rendezvous ]; then GPU_NODE=false; fi
+if $GPU_NODE && ! command -v nvidia-ctk >/dev/null 2>&1; then
   # The toolkit's apt repository, or the stack's mirror of it (China-region nodes).
   repo=${GTS_NVIDIA_MIRROR:-https://nvidia.github.io/libnvidia-container}
   keyring=$ETC/apt/keyrings/nvidia-container-toolkit.gpg
@@ -53,6 +56,6 @@ if [ -n "${GTS_DOCKERHUB_MIRROR:-}" ]; then
 else
   printf '{"log-driver": "journald"}\n' > "$ETC/docker/daemon.json"
 fi
-nvidia-ctk runtime configure --runtime=docker
+if $GPU_NODE; then nvidia-ctk runtime configure --runtime=docker; fi
 systemctl enable docker
 systemctl restart docker

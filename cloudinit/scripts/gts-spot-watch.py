@@ -6,10 +6,11 @@ an Auto Scaling scale-in, seen as the instance's target lifecycle state, and a r
 recommendation). On a notice it:
 
 1. marks the node (`/run/gpu-training/spot-notice`: the trainer unit is never started again);
-2. sends SIGTERM to the training *workers*, not to their launcher: torchrun would forward it and
-   SIGKILL the workers 30 s later, exit 1, and be restarted (torch.distributed.elastic
-   `PContext.close`); the workers instead finish their step, commit the emergency checkpoint,
-   upload it and exit 0, and torchrun exits 0 with them;
+2. sends SIGTERM to the container's entrypoint (training/entrypoint.sh, PID 1), which passes it to
+   the training *workers*, not to their launcher: torchrun would forward it and SIGKILL the
+   workers 30 s later and exit 1 (torch.distributed.elastic `PContext.close`); the workers instead
+   finish their step, commit the emergency checkpoint, upload it and exit 0, and the entrypoint
+   exits 0 with them;
 3. waits for the trainer to exit, up to the reclaim time less a margin (then `docker stop`),
    logs how long the checkpoint took from the notice, and stops the trainer unit without a
    restart.
@@ -72,22 +73,6 @@ def write_metric(directory, cloud, when):
     os.replace(tmp, os.path.join(directory, "gts_spot.prom"))
 
 
-def children(pid):
-    """Direct children of `pid`, from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid:
-            found.append(int(entry))
-    return found
-
-
 class Trainer:
     """The training run an action names: its workers to signal, and whether it still runs."""
 
@@ -102,16 +87,15 @@ class Trainer:
         return out.split()
 
     def signal_workers(self, sig):
-        """`sig` to the launcher's children (the training processes), not to the launcher."""
+        """`sig` to the trainer's entrypoint, which hands it to the training processes."""
         name = signal.Signals(sig).name.replace("SIG", "")
         if self.kind == "pid":
-            for child in children(int(self.target)):
-                os.kill(child, sig)
+            os.kill(int(self.target), sig)
         elif self.kind == "docker":
-            subprocess.run(["docker", "exec", self.target, "pkill", f"-{name}", "-P", "1"], check=False)
+            subprocess.run(["docker", "kill", "--signal", name, self.target], check=False)
         else:
             for cid in self._crictl_ids():
-                subprocess.run(["crictl", "exec", cid, "pkill", f"-{name}", "-P", "1"], check=False)
+                subprocess.run(["crictl", "exec", cid, "sh", "-c", f"kill -{name} 1"], check=False)
 
     def running(self):
         if self.kind == "pid":

@@ -9,10 +9,12 @@ from typing import Any, Generic, TypeVar
 
 import pulumi
 
-from infra import userdata
+from infra import rendezvous, userdata
+from infra.access import CLUSTER_NODE, Grants, node_grants
 from infra.buckets import bucket
 from infra.image import Registry, TrainerImage, TrainerImageArgs
 from infra.groups import ResolvedGroup, Stack
+from infra.rendezvous import Site
 from infra.spec import CloudAccount, Network, Peering
 from infra.tags import stack_tags
 
@@ -46,6 +48,7 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         self.spec = stack.spec
         self.tags = stack_tags(self.spec)
         self.exports: dict[str, Any] = {}
+        self.stores: dict[str, pulumi.Resource] = {}
         self.providers: dict[str, pulumi.ProviderResource] = {}
         for region in self.regions():
             self.providers[region] = self.make_provider(region)
@@ -60,6 +63,10 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         storage = self.make_storage()
         access = self.make_access(storage)
         image = self.trainer_image(nets)
+        # Multi-node VM runs meet at their network's store; its fixed address is taken before any
+        # fleet starts nodes in that subnet.
+        self.stores = {site.network: self.make_rendezvous(site, nets[site.network], access, image)
+                       for site in self.rendezvous_sites()}
         fleets = {g.name: self.make_fleet(g, nets[g.network], access, image) for g in self.vm_groups()}
         clusters: dict[str, Cluster] = {}
         for net_name, groups in self.kubernetes_groups().items():
@@ -109,6 +116,9 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
     def make_registry(self, nets: dict[str, NetT]) -> Registry:
         raise TypeError(f"{type(self).__name__} must define make_registry")
 
+    def make_rendezvous(self, site: Site, net: NetT, access: AccessT, image: pulumi.Output[str]) -> pulumi.Resource:
+        raise TypeError(f"{type(self).__name__} must define make_rendezvous")
+
     def make_fleet(self, group: ResolvedGroup, net: NetT, access: AccessT,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
         raise TypeError(f"{type(self).__name__} must define make_fleet")
@@ -149,6 +159,25 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         """This cloud's networks that hold node groups."""
         used = {g.network for g in self.node_groups()}
         return [n for n in self.networks() if n.name in used]
+
+    def rendezvous_sites(self) -> list[Site]:
+        return [s for s in rendezvous.sites(self.spec, self.stack.groups) if s.cloud == self.CLOUD]
+
+    def access_grants(self) -> dict[str, Grants]:
+        """Instance identities: each VM group's nodes, and each rendezvous store (the bundle only)."""
+        grants = {g.name: node_grants(self.spec, g) for g in self.vm_groups()}
+        return {**grants, **{site.name: CLUSTER_NODE for site in self.rendezvous_sites()}}
+
+    def after_store(self, group: ResolvedGroup) -> list[pulumi.Resource]:
+        """What a group's fleet waits for: its network's rendezvous store, if it has one."""
+        store = self.stores.get(group.network)
+        return [store] if store is not None and rendezvous.multi_node_vm(group) else []
+
+    def store_user_data(self, site: Site, image: pulumi.Output[str]) -> pulumi.Output[str]:
+        return image.apply(lambda ref: userdata.for_store(self.spec, site, ref))
+
+    def store_instance_type(self) -> str:
+        return str(rendezvous.instance(self.CLOUD)["instanceType"])
 
     def user_data(self, group: ResolvedGroup, image: pulumi.Output[str]) -> pulumi.Output[str]:
         """The group's user data, once the image's digest is known."""

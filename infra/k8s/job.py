@@ -65,10 +65,47 @@ def restricted() -> k8s.core.v1.SecurityContextArgs:
         seccomp_profile=k8s.core.v1.SeccompProfileArgs(type="RuntimeDefault"))
 
 
+def store_name(job: str) -> str:
+    return f"{job}-rdzv"
+
+
 def job_env(rg: ResolvedGroup, job: str) -> dict[str, str]:
     """The contract's values on Kubernetes: the node group's own (scratch is the pod's node-local
-    volume at the same path), except that the nodes meet at pod 0 of the Indexed Job."""
-    return {**rg.trainer, c.RDZV_ENDPOINT.name: f"{job}-0.{job}.{NAMESPACE}.svc.cluster.local:{contract.RDZV_PORT}"}
+    volume at the same path); a multi-node Job's pods meet at its rendezvous store's Service."""
+    endpoint = f"{store_name(job)}.{NAMESPACE}.svc.cluster.local:{contract.RDZV_PORT}" if rg.max_nodes > 1 else ""
+    return {**rg.trainer, c.RDZV_ENDPOINT.name: endpoint}
+
+
+def rendezvous_store(name: str, image: pulumi.Input[str], namespace: pulumi.Input[str], labels: dict[str, str],
+                     opts: pulumi.ResourceOptions) -> None:
+    """A multi-node Job's rendezvous store (training/rdzv_store.py) as a Deployment on the
+    untainted system pool behind a Service: losing any training pod leaves it, and the run,
+    alive; the Indexed Job recreates the lost pod, which joins again."""
+    selector = {"app.kubernetes.io/name": name}
+    k8s.core.v1.Service(f"{name}-svc", metadata=k8s.meta.v1.ObjectMetaArgs(name=name, namespace=namespace,
+                                                                          labels={**labels, **selector}),
+                        spec=k8s.core.v1.ServiceSpecArgs(selector=selector, ports=[k8s.core.v1.ServicePortArgs(
+                            name="rdzv", port=contract.RDZV_PORT, target_port=contract.RDZV_PORT)]),
+                        opts=opts)
+    small = {"cpu": "250m", "memory": "512Mi"}
+    k8s.apps.v1.Deployment(f"{name}-deploy", metadata=k8s.meta.v1.ObjectMetaArgs(
+        name=name, namespace=namespace, labels={**labels, **selector}),
+        spec=k8s.apps.v1.DeploymentSpecArgs(
+            replicas=1, selector=k8s.meta.v1.LabelSelectorArgs(match_labels=selector),
+            template=k8s.core.v1.PodTemplateSpecArgs(
+                metadata=k8s.meta.v1.ObjectMetaArgs(labels={**labels, **selector}),
+                spec=k8s.core.v1.PodSpecArgs(
+                    automount_service_account_token=False,
+                    security_context=k8s.core.v1.PodSecurityContextArgs(
+                        run_as_non_root=True, run_as_user=TRAINER_UID,
+                        seccomp_profile=k8s.core.v1.SeccompProfileArgs(type="RuntimeDefault")),
+                    containers=[k8s.core.v1.ContainerArgs(
+                        name="store", image=image, command=["python", "-m", "training.rdzv_store",
+                                                            "--port", str(contract.RDZV_PORT)],
+                        security_context=restricted(),
+                        ports=[k8s.core.v1.ContainerPortArgs(name="rdzv", container_port=contract.RDZV_PORT)],
+                        resources=k8s.core.v1.ResourceRequirementsArgs(requests=small, limits=small))]))),
+        opts=opts)
 
 
 def deploy_training_jobs(groups: list[ResolvedGroup], image: pulumi.Input[str], identities: dict[str, Identity],
@@ -82,20 +119,16 @@ def deploy_training_jobs(groups: list[ResolvedGroup], image: pulumi.Input[str], 
 
 
 class TrainingJob(pulumi.ComponentResource):
-    """An Indexed Job (one pod per node), restartPolicy OnFailure, a headless Service for the
-    rendezvous, submitted and not awaited."""
+    """An Indexed Job (one pod per node), restartPolicy OnFailure, with its rendezvous store when
+    it spans nodes; submitted and not awaited."""
 
     def __init__(self, name: str, args: TrainingJobArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:k8s:TrainingJob", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         rg, job = args.group, name
         labels = {"app.kubernetes.io/name": job, **args.labels}
-        # Pods find rank 0 at <job>-0.<job>; a Job's pods get that hostname and subdomain.
-        k8s.core.v1.Service(f"{name}-rdzv", metadata=k8s.meta.v1.ObjectMetaArgs(
-            name=job, namespace=args.namespace, labels=labels),
-            spec=k8s.core.v1.ServiceSpecArgs(cluster_ip="None", selector={"job-name": job},
-                                             ports=[k8s.core.v1.ServicePortArgs(name="rdzv", port=contract.RDZV_PORT)]),
-            opts=child)
+        if rg.max_nodes > 1:
+            rendezvous_store(store_name(job), args.image, args.namespace, args.labels, child)
         account = k8s.core.v1.ServiceAccount(f"{name}-sa", metadata=k8s.meta.v1.ObjectMetaArgs(
             name=args.identity.service_account, namespace=args.namespace, labels=labels),
             automount_service_account_token=False, opts=child)
@@ -142,7 +175,7 @@ class TrainingJob(pulumi.ComponentResource):
                 template=k8s.core.v1.PodTemplateSpecArgs(
                     metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
                     spec=k8s.core.v1.PodSpecArgs(
-                        restart_policy="OnFailure", subdomain=job, service_account_name=account.metadata.name,
+                        restart_policy="OnFailure", service_account_name=account.metadata.name,
                         automount_service_account_token=False,
                         # The trainer checkpoints on SIGTERM; give it time before SIGKILL.
                         termination_grace_period_seconds=120,

@@ -5,7 +5,7 @@ Reserved groups are PrePaid ECS instances instead (ESS does not buy prepaid capa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulumi
 import pulumi_alicloud as alicloud
@@ -36,6 +36,7 @@ class AlicloudGpuFleetArgs:
     provider: pulumi.ProviderResource
     tags: dict[str, str]
     env: str
+    after: list[pulumi.Resource] = field(default_factory=list)  # its rendezvous store, created first
 
 
 class AlicloudGpuFleet(pulumi.ComponentResource):
@@ -43,7 +44,7 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
         super().__init__("gpu-training-stack:alicloud:GpuFleet", name, None, opts)
         g = args.group
         tags = g.tags(args.tags)
-        child = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        child = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.after)
         types, disk_gb = list(g.types), g.scratch_disk_gb
         image = alicloud.ecs.get_images_output(name_regex=IMAGE_REGEX, owners="system", most_recent=True,
                                                instance_type=types[0],

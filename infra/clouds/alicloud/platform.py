@@ -14,9 +14,10 @@ from infra.clouds.alicloud.kubernetes import AlicloudAck, AlicloudAckArgs
 from infra.clouds.alicloud.network import AlicloudNetwork, AlicloudNetworkArgs
 from infra.clouds.alicloud.peering import AlicloudPeering, AlicloudPeeringArgs
 from infra.clouds.alicloud.registry import AlicloudRegistry, AlicloudRegistryArgs
+from infra.clouds.alicloud.rendezvous import AlicloudRendezvous, AlicloudRendezvousArgs
+from infra.rendezvous import Site
 from infra.clouds.alicloud.storage import AlicloudStorage, AlicloudStorageArgs
 from infra.clouds.base import CloudPlatform, Cluster
-from infra.access import node_grants
 from infra.groups import ResolvedGroup
 from infra.image import Registry
 from infra.spec import Network
@@ -56,7 +57,7 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
 
     def make_access(self, storage: AlicloudStorage) -> AlicloudAccess:
         return AlicloudAccess(f"{self.name}-access", AlicloudAccessArgs(
-            storage.name, self.spec.env, self.tags, groups={g.name: node_grants(self.spec, g) for g in self.vm_groups()},
+            storage.name, self.spec.env, self.tags, groups=self.access_grants(),
             kubernetes=bool(self.kubernetes_groups()),
             autoscaler_role=self.account.account_settings and bool(self.kubernetes_groups())), opts=self.provider_opts())
 
@@ -66,6 +67,14 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
             [(n.name, nets[n.name].vpc.id, nets[n.name].switches[0].id) for n in self.node_networks()], self.tags),
             opts=self.provider_opts()).registry
 
+    def make_rendezvous(self, site: Site, net: AlicloudNetwork, access: AlicloudAccess,
+                        image: pulumi.Output[str]) -> pulumi.Resource:
+        return AlicloudRendezvous(f"{self.spec.env}-{site.name}", AlicloudRendezvousArgs(
+            site=site, instance_type=self.store_instance_type(), vswitch_id=net.switches[0].id,
+            security_group_id=net.security_group.id, role_name=access.roles[site.name].role_name,
+            user_data=self.store_user_data(site, image), provider=self.provider(self.region_of(site.network)),
+            tags=self.tags), opts=pulumi.ResourceOptions(parent=self)).instance
+
     def make_fleet(self, group: ResolvedGroup, net: AlicloudNetwork, access: AlicloudAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
         spec_net = self.spec.network(group.network)
@@ -73,7 +82,7 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
             group=group, vpc_id=net.vpc.id, switch_ids=[s.id for s in net.switches],
             zones=[s.zone for s in spec_net.subnets], security_group_id=net.security_group.id,
             role_name=access.roles[group.name].role_name, user_data=self.user_data(group, image),
-            provider=self.provider(group.region), tags=self.tags, env=self.spec.env),
+            provider=self.provider(group.region), tags=self.tags, env=self.spec.env, after=self.after_store(group)),
             opts=pulumi.ResourceOptions(parent=self))
         return fleet.capacity
 

@@ -4,7 +4,7 @@ cluster placement group for multi-node training, and scheduled scaling."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulumi
 import pulumi_aws as aws
@@ -27,6 +27,7 @@ class AwsGpuFleetArgs:
     user_data: pulumi.Input[str]  # base64
     provider: pulumi.ProviderResource
     tags: dict[str, str]
+    after: list[pulumi.Resource] = field(default_factory=list)  # its rendezvous store, created first
 
 
 def block_devices(scratch_disk_gb: int) -> list[aws.ec2.LaunchTemplateBlockDeviceMappingArgs]:
@@ -52,7 +53,7 @@ class AwsGpuFleet(pulumi.ComponentResource):
         super().__init__("gpu-training-stack:aws:GpuFleet", name, None, opts)
         g = args.group
         tags = g.tags(args.tags)
-        child = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        child = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.after)
         types, disk_gb = list(g.types), g.scratch_disk_gb
 
         ami = aws.ssm.get_parameter_output(name=DLAMI_PARAMETER,

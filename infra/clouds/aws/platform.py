@@ -6,7 +6,6 @@ from __future__ import annotations
 import pulumi
 import pulumi_aws as aws
 
-from infra.access import node_grants
 from infra.buckets import bucket
 from infra.bundle import build as bundle
 from infra.clouds.aws.access import AwsAccess, AwsAccessArgs
@@ -16,6 +15,8 @@ from infra.clouds.aws.kubernetes import AwsEks, AwsEksArgs
 from infra.clouds.aws.network import AwsNetwork, AwsNetworkArgs
 from infra.clouds.aws.peering import AwsPeering, AwsPeeringArgs
 from infra.clouds.aws.registry import AwsRegistry, AwsRegistryArgs
+from infra.clouds.aws.rendezvous import AwsRendezvous, AwsRendezvousArgs
+from infra.rendezvous import Site
 from infra.clouds.aws.storage import AwsStorage, AwsStorageArgs
 from infra.clouds.base import CloudPlatform, Cluster
 from infra.groups import ResolvedGroup
@@ -62,12 +63,19 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
     def make_access(self, storage: AwsStorage) -> AwsAccess:
         return AwsAccess(f"{self.name}-access", AwsAccessArgs(
             bucket_arn=storage.bucket.arn, key_arn=storage.key.arn, env=self.spec.env, tags=self.tags,
-            groups={g.name: node_grants(self.spec, g) for g in self.vm_groups()},
-            kubernetes=bool(self.kubernetes_groups())), opts=self.provider_opts())
+            groups=self.access_grants(), kubernetes=bool(self.kubernetes_groups())), opts=self.provider_opts())
 
     def make_registry(self, nets: dict[str, AwsNetwork]) -> Registry:
         return AwsRegistry(f"{self.name}-registry", AwsRegistryArgs(self.spec.env, self.tags),
                            opts=self.provider_opts()).registry
+
+    def make_rendezvous(self, site: Site, net: AwsNetwork, access: AwsAccess,
+                        image: pulumi.Output[str]) -> pulumi.Resource:
+        return AwsRendezvous(f"{self.spec.env}-{site.name}", AwsRendezvousArgs(
+            site=site, instance_type=self.store_instance_type(), subnet_id=net.private_subnets[0].id,
+            security_group_id=net.security_group.id, instance_profile=access.profiles[site.name].name,
+            user_data=self.store_user_data(site, image), provider=self.provider(self.region_of(site.network)),
+            tags=self.tags), opts=pulumi.ResourceOptions(parent=self)).instance
 
     def make_fleet(self, group: ResolvedGroup, net: AwsNetwork, access: AwsAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
@@ -75,8 +83,8 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
         fleet = AwsGpuFleet(group.name, AwsGpuFleetArgs(
             group=group, subnet_ids=[s.id for s in net.private_subnets], zones=[s.zone for s in spec_net.subnets],
             security_group_id=net.security_group.id, instance_profile_arn=access.profiles[group.name].arn,
-            user_data=self.user_data(group, image), provider=self.provider(group.region), tags=self.tags),
-            opts=pulumi.ResourceOptions(parent=self))
+            user_data=self.user_data(group, image), provider=self.provider(group.region), tags=self.tags,
+            after=self.after_store(group)), opts=pulumi.ResourceOptions(parent=self))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: AwsNetwork, access: AwsAccess,

@@ -5,7 +5,7 @@ and reserved (PREPAID) groups — is CVM instances with encrypted data disks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta, timezone
 
 import pulumi
@@ -38,6 +38,7 @@ class TencentGpuFleetArgs:
     user_data: pulumi.Input[str]  # base64
     provider: pulumi.ProviderResource
     tags: dict[str, str]
+    after: list[pulumi.Resource] = field(default_factory=list)  # its rendezvous store, created first
 
 
 class TencentGpuFleet(pulumi.ComponentResource):
@@ -45,7 +46,7 @@ class TencentGpuFleet(pulumi.ComponentResource):
         super().__init__("gpu-training-stack:tencentcloud:GpuFleet", name, None, opts)
         g = args.group
         tags = g.tags(args.tags)
-        child = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        child = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.after)
         types, disk_gb = list(g.types), g.scratch_disk_gb
         image_id = tencentcloud.images.get_instance_output(
             image_types=["PUBLIC_IMAGE"], image_name_regex=IMAGE_REGEX, instance_type=types[0],

@@ -16,8 +16,10 @@ from infra.clouds.tencentcloud.kubernetes import TencentTke, TencentTkeArgs
 from infra.clouds.tencentcloud.network import TencentNetwork, TencentNetworkArgs
 from infra.clouds.tencentcloud.peering import TencentPeering, TencentPeeringArgs, TencentTransit, TencentTransitArgs
 from infra.clouds.tencentcloud.registry import TencentRegistry, TencentRegistryArgs
+from infra.clouds.tencentcloud.rendezvous import TencentRendezvous, TencentRendezvousArgs
+from infra.rendezvous import Site
 from infra.clouds.tencentcloud.storage import TencentStorage, TencentStorageArgs
-from infra.access import node_grants
+from infra.access import CLUSTER_NODE, node_grants
 from infra.groups import ResolvedGroup
 from infra.image import Registry
 from infra.spec import Network
@@ -72,13 +74,22 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
     def make_access(self, storage: TencentStorage) -> TencentAccess:
         return TencentAccess(f"{self.name}-access", TencentAccessArgs(
             storage.name, self.account.region, self.app_id, self.spec.env, self.tags,
-            groups={g.name: node_grants(self.spec, g) for g in self.node_groups()}), opts=self.provider_opts())
+            groups={**{g.name: node_grants(self.spec, g) for g in self.node_groups()},
+                    **{site.name: CLUSTER_NODE for site in self.rendezvous_sites()}}), opts=self.provider_opts())
 
     def make_registry(self, nets: dict[str, TencentNetwork]) -> Registry:
         return TencentRegistry(f"{self.name}-registry", TencentRegistryArgs(
             self.spec.env, [str(c) for c in self.spec.kubernetes.api_access_cidrs],
             [(n.name, nets[n.name].vpc.id, nets[n.name].subnets[0].id) for n in self.node_networks()], self.tags),
             opts=self.provider_opts()).registry
+
+    def make_rendezvous(self, site: Site, net: TencentNetwork, access: TencentAccess,
+                        image: pulumi.Output[str]) -> pulumi.Resource:
+        return TencentRendezvous(f"{self.spec.env}-{site.name}", TencentRendezvousArgs(
+            site=site, instance_type=self.store_instance_type(), vpc_id=net.vpc.id, subnet_id=net.subnets[0].id,
+            security_group_id=net.security_group.id, role_name=access.roles[site.name].name,
+            user_data=self.store_user_data(site, image), provider=self.provider(self.region_of(site.network)),
+            tags=self.tags), opts=pulumi.ResourceOptions(parent=self)).instance
 
     def make_fleet(self, group: ResolvedGroup, net: TencentNetwork, access: TencentAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
@@ -87,7 +98,8 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
             group=group, vpc_id=net.vpc.id, subnet_ids=[s.id for s in net.subnets],
             zones=[s.zone for s in spec_net.subnets], security_group_id=net.security_group.id,
             role_name=access.roles[group.name].name, user_data=self.user_data(group, image),
-            provider=self.provider(group.region), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
+            provider=self.provider(group.region), tags=self.tags, after=self.after_store(group)),
+            opts=pulumi.ResourceOptions(parent=self))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: TencentNetwork,
