@@ -33,9 +33,9 @@ $(STAMP): $(RUNTIME_STAMP) requirements-dev.txt training/requirements.txt
 
 venv: $(STAMP)
 
-## plan: the stack offline — resources, cost, policy verdicts (STACK=dev|prod|<name>, FORMAT=table|json)
+## plan: the stack offline — resources, cost, policy verdicts (STACK=dev|prod|<name>, FORMAT=table|json, AGAINST=<earlier plan json>)
 plan: $(RUNTIME_STAMP)
-	@$(PY) -m infra.plan --stack $(STACK) --format $(FORMAT)
+	@$(PY) -m infra.plan --stack $(STACK) --format $(FORMAT) $(if $(AGAINST),--against $(AGAINST))
 
 ## userdata: each node group's rendered cloud-config as $(OUT)/<cloud>-<group>.yaml (STACK=…)
 userdata: $(RUNTIME_STAMP)

@@ -164,7 +164,7 @@ def load_catalog() -> Catalog:
     return load_catalog_file(CATALOG_PATH)
 
 
-def _load_yaml(name: str) -> dict[str, Any]:
+def load_yaml(name: str) -> dict[str, Any]:
     data = yaml.safe_load((DATA_DIR / name).read_text(encoding="utf-8"))
     if not isinstance(data, dict) or data.get("schemaVersion") != SCHEMA_VERSION:
         raise CatalogError(f"{name}: expected a mapping with schemaVersion: {SCHEMA_VERSION}")
@@ -174,13 +174,13 @@ def _load_yaml(name: str) -> dict[str, Any]:
 @functools.cache
 def load_regions() -> dict[str, dict[str, list[str]]]:
     """cloud -> region -> zones."""
-    data = _load_yaml("regions.yaml")
+    data = load_yaml("regions.yaml")
     return {cloud: dict(data[cloud]) for cloud in CLOUDS}
 
 
 @functools.cache
 def load_capabilities() -> dict[str, Any]:
-    return _load_yaml("capabilities.yaml")
+    return load_yaml("capabilities.yaml")
 
 
 def market_unavailable(cloud: str, site: str, market: str) -> str | None:
@@ -205,46 +205,46 @@ def feature_unavailable(cloud: str, feature: str) -> str | None:
 @functools.cache
 def load_constraints() -> dict[str, Any]:
     """Provider limits the spec checks, each with its source (data/constraints.yaml)."""
-    return _load_yaml("constraints.yaml")
+    return load_yaml("constraints.yaml")
 
 
 @functools.cache
 def load_provider_checks() -> dict[str, dict[str, Any]]:
     """Per resource type: what was read against the provider's docs and source, and where."""
-    return dict(_load_yaml("provider_checks.yaml")["types"])
+    return dict(load_yaml("provider_checks.yaml")["types"])
 
 
 @functools.cache
 def load_network_prices() -> dict[str, dict[str, Any]]:
     """What one network's NAT egress costs per hour on each cloud."""
-    data = _load_yaml("network_prices.yaml")
+    data = load_yaml("network_prices.yaml")
     return {cloud: dict(data[cloud]) for cloud in CLOUDS}
 
 
 @functools.cache
 def load_system_pools() -> dict[str, dict[str, Any]]:
     """The untainted system pool (and control-plane fee) of each cloud's clusters."""
-    data = _load_yaml("system_pools.yaml")
+    data = load_yaml("system_pools.yaml")
     return {cloud: dict(data[cloud]) for cloud in CLOUDS}
 
 
 @functools.cache
 def load_rendezvous() -> dict[str, dict[str, Any]]:
     """The rendezvous store instance of each cloud (type and price)."""
-    data = _load_yaml("rendezvous.yaml")
+    data = load_yaml("rendezvous.yaml")
     return {cloud: dict(data[cloud]) for cloud in CLOUDS}
 
 
 @functools.cache
 def load_registry_prices() -> dict[str, dict[str, Any]]:
     """What the trainer image's registry costs per month on each cloud."""
-    data = _load_yaml("registry_prices.yaml")
+    data = load_yaml("registry_prices.yaml")
     return {cloud: dict(data[cloud]) for cloud in CLOUDS}
 
 
 @functools.cache
 def load_storage_prices() -> dict[str, dict[str, Any]]:
-    data = _load_yaml("storage_prices.yaml")
+    data = load_yaml("storage_prices.yaml")
     return {cloud: dict(data[cloud]) for cloud in CLOUDS}
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pulumi
 
-from infra import monitoring, userdata
+from infra import monitoring, protection, userdata
 from infra import spec as spec_mod
 from infra import validation
 from infra.clouds import platform_class
@@ -46,6 +46,7 @@ def main() -> None:
         # RunError is printed by the engine without a Python traceback.
         raise pulumi.RunError(str(exc)) from None
     spec = stack.spec
+    protection.register(spec)  # before any resource: the stateful ones are protected (prod)
     exports: dict[str, Any] = {}
     for cloud in spec.clouds:
         platform = platform_class(cloud)(f"{spec.env}-{cloud}", stack)

@@ -25,7 +25,7 @@ PATTERN_HELP = {
 }
 
 # The top-level Pulumi config keys (namespace gpu-training-stack), in the order documented.
-CONFIG_KEYS = ("env", "tags", "clouds", "networks", "peerings", "nodeGroups", "kubernetes", "storage",
+CONFIG_KEYS = ("env", "protectStateful", "tags", "clouds", "networks", "peerings", "nodeGroups", "kubernetes", "storage",
                "training", "budget", "pricing")
 REQUIRED_TAGS = ("owner", "cost-center", "env")
 
@@ -225,6 +225,9 @@ class StackSpec(SpecModel):
     """Everything a stack is: clouds, networks, GPU node groups, storage, training, budget, tags."""
 
     env: Name = Field(description="Environment name: dev, prod, or a team's own.")
+    protect_stateful: bool | None = Field(
+        None, description="Register buckets, keys, clusters and registries with `protect` (and buckets and keys "
+                          "with retainOnDelete): `pulumi destroy` and replacements stop at them. Default: on in prod.")
     tags: dict[str, str] = Field(description="Tags on every taggable resource; owner, cost-center, env required.")
     clouds: dict[Cloud, CloudAccount] = Field(min_length=1, description="Cloud accounts to deploy into.")
     networks: list[Network] = Field(min_length=1, description="VPCs.")

@@ -27,7 +27,7 @@ LEVELS = {"mandatory": EnforcementLevel.MANDATORY, "advisory": EnforcementLevel.
 
 def _policy(rule: Rule) -> StackValidationPolicy:
     def validate(args: StackValidationArgs, report_violation: ReportViolation) -> None:
-        resources = [Res(r.resource_type, r.name, r.props) for r in args.resources]
+        resources = [Res(r.resource_type, r.name, r.props, bool(r.opts.protect)) for r in args.resources]
         urns = {r.name: r.urn for r in args.resources}
         for name, message in rule.check(resources, args.get_config()):
             report_violation(f"[{rule.name}] {name}: {message}", urns.get(name))

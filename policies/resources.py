@@ -33,6 +33,7 @@ class Res:
     type: str
     name: str
     props: Mapping[str, Any]
+    protect: bool = False  # the resource option (Pulumi hands it to policies as opts.protect)
 
     @property
     def cloud(self) -> str:

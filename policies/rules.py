@@ -339,6 +339,23 @@ def required_tags(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[st
     return out
 
 
+def _stateful() -> dict[str, str]:
+    """type -> why it is protected (policies/data/stateful.yaml, a copy of infra/data/'s)."""
+    import yaml
+    from pathlib import Path
+
+    data = yaml.safe_load((Path(__file__).parent / "data" / "stateful.yaml").read_text(encoding="utf-8"))
+    return {t: str(v["why"]) for t, v in data["types"].items()}
+
+
+def stateful_protected(resources: list[Res], config: Mapping[str, Any]) -> list[tuple[str, str]]:
+    stateful = _stateful()
+    return [(r.name, f"{r.type} is not protected, and it holds {stateful[r.type]}: a destroy or a replacement "
+                     "would take it. Register it with protect=True (infra/protection.py does for every type in "
+                     "infra/data/stateful.yaml), or set protectStateful: true")
+            for r in resources if r.type in stateful and not r.protect]
+
+
 RULES: list[Rule] = [
     Rule("stack-cost-cap", "The stack's GPU capacity at its maximum stays under an hourly and monthly cap.",
          "mandatory", stack_cost_cap, {"maxHourlyUsd": {"type": "number"}, "maxMonthlyUsd": {"type": "number"},
@@ -359,6 +376,8 @@ RULES: list[Rule] = [
          {"minGpuMemoryGb": {"type": "integer"}}),
     Rule("inference-gpu-class", "Inference runs on inference-class GPUs (T4 / A10 / L4).", "advisory",
          inference_class),
+    Rule("stateful-protected", "Buckets, keys, clusters and registries are protected from destroy and replacement "
+         "(prod).", "disabled", stateful_protected),
     Rule("no-public-ingress", "No ingress from 0.0.0.0/0, for SSH, RDP or anything else.", "mandatory",
          no_public_ingress),
     Rule("metadata-hardened", "Instance metadata requires tokens (IMDSv2 / hardened mode).", "mandatory",

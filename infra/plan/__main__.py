@@ -12,18 +12,21 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import pulumi
 from rich.console import Console
 from rich.markup import escape
 
+from infra import protection
 from infra.cost import stack_cost
 from infra.errors import CatalogError, SpecError
 from infra.groups import resolve
 from infra.plan import report
 from infra.plan.engine import DuplicateUrn, Registered, run_program, unwrap_secrets
 from infra.plan.invokes import COMPUTED, INVOKES
+from infra.plan.replacements import replacements
 from infra.stackfile import StackFileError, project_name, project_root, read_stack_file, spec_from_values, stack_path
 from infra.spec import StackSpec
 
@@ -38,35 +41,40 @@ def policy_verdicts(spec: StackSpec, stack: str, resources: list[Registered]) ->
     config = json.loads(path.read_text()) if path else {}
     config = {k: ({**v, "cnyPerUsd": spec.pricing.cny_per_usd} if isinstance(v, dict) else v)
               for k, v in config.items()}
-    views = [Res(r.type, r.name, unwrap_secrets(r.inputs)) for r in resources]
+    views = [Res(r.type, r.name, unwrap_secrets(r.inputs), bool(r.options.get("protect"))) for r in resources]
     return evaluate(views, config)
 
 
-def build_plan(stack: str) -> dict[str, Any]:
+def build_plan(stack: str, against: Path | None = None) -> dict[str, Any]:
     project = project_name()
     path = stack_path(stack)
     config = read_stack_file(path, project)
     spec = spec_from_values(config.values, project, path.name)  # fails before any resource
     resources = run_program(config, INVOKES, COMPUTED)
     cost = stack_cost(resolve(spec))
-    return {
-        "stack": stack,
-        "project": project,
-        "resources": [{"type": r.type, "name": r.name, "urn": r.urn, "parent": r.parent,
-                       "inputs": r.masked()} for r in resources],
-        "cost": cost,
-        "violations": policy_verdicts(spec, stack, resources),
-    }
+    rendered = [{"type": r.type, "name": r.name, "urn": r.urn, "parent": r.parent, "provider": r.provider,
+                 "protect": bool(r.options.get("protect")), "retainOnDelete": bool(r.options.get("retainOnDelete")),
+                 "aliases": list(r.options.get("aliases", [])), "inputs": r.masked()} for r in resources]
+    plan = {"stack": stack, "project": project, "resources": rendered, "cost": cost,
+            "violations": policy_verdicts(spec, stack, resources)}
+    if against is not None:
+        base = json.loads(against.read_text(encoding="utf-8"))
+        kinds = protection.stateful_types()
+        plan["replacements"] = replacements(base["resources"], rendered, {t: k.why for t, k in kinds.items()},
+                                            {t: k.replace_on for t, k in kinds.items()})
+    return plan
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--stack", default="dev", help="stack name: reads Pulumi.<stack>.yaml")
     parser.add_argument("--format", choices=("table", "json"), default="table")
+    parser.add_argument("--against", type=Path, metavar="PLAN_JSON",
+                        help="an earlier `--format json` plan: mark stateful resources this one would replace")
     args = parser.parse_args(argv)
     err = Console(stderr=True, soft_wrap=True)
     try:
-        plan = build_plan(args.stack)
+        plan = build_plan(args.stack, args.against)
     except (SpecError, StackFileError, CatalogError, DuplicateUrn, pulumi.RunError) as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
         return 2

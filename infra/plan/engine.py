@@ -92,16 +92,45 @@ class CapturingMonitor(pulumi_mocks.MockMonitor):
                                    f"{response.urn}")
         if request.type != "pulumi:pulumi:Stack":
             inputs = rpc.deserialize_properties(request.object, keep_unknowns=True)
+            options = _options(request)
+            options["aliases"] = self._alias_urns(request, response.urn)
             self.registered.append(Registered(
                 type=request.type, name=request.name, urn=response.urn, parent=request.parent,
-                custom=bool(request.custom), provider=request.provider, inputs=dict(inputs),
-                options=_options(request)))
+                custom=bool(request.custom), provider=request.provider, inputs=dict(inputs), options=options))
             self.urns[response.urn] = self.registered[-1]
         return response
+
+    def _alias_urns(self, request: Any, urn: str) -> list[str]:
+        """The URNs a resource was known by, as the engine derives them from the alias specs the
+        SDK sends (and from its parent's aliases: children of a renamed component keep theirs)."""
+        stack, project = urn.split("::")[0].rsplit(":", 1)[-1], urn.split("::")[1]
+        found = list(request.aliasURNs)
+        for alias in request.aliases:
+            if alias.urn:
+                found.append(alias.urn)
+                continue
+            spec = alias.spec
+            parent = "" if spec.noParent else (spec.parentUrn or request.parent)
+            found.append(_urn(spec.stack or stack, spec.project or project, parent, spec.type or request.type,
+                              spec.name or request.name))
+        parent_record = self.urns.get(request.parent)
+        for parent_alias in parent_record.options["aliases"] if parent_record else []:
+            name = request.name
+            old_parent_name = parent_alias.rsplit("::", 1)[1]
+            if parent_record and name.startswith(parent_record.name):  # the SDK's child-name rule
+                name = old_parent_name + name[len(parent_record.name):]
+            found.append(_urn(stack, project, parent_alias, request.type, name))
+        return sorted(set(found) - {urn})
 
     def RegisterResourceOutputs(self, request: Any) -> Any:  # noqa: N802 (gRPC method name)
         self.outputs[request.urn] = dict(rpc.deserialize_properties(request.outputs, keep_unknowns=True))
         return super().RegisterResourceOutputs(request)  # type: ignore[no-untyped-call]
+
+
+def _urn(stack: str, project: str, parent: str, type_: str, name: str) -> str:
+    """urn:pulumi:<stack>::<project>::<parent's type>$<type>::<name>, as the engine builds it."""
+    qualified = f"{parent.split('::')[2].split('$')[-1]}${type_}" if parent else type_
+    return f"urn:pulumi:{stack}::{project}::{qualified}::{name}"
 
 
 def _options(request: Any) -> dict[str, Any]:
@@ -149,6 +178,9 @@ def run_program(config: StackConfig, invokes: Mapping[str, InvokeHandler],
 
     Exceptions from the program (a pulumi.RunError for a bad spec) propagate unchanged.
     """
+    # A fresh root stack resource per run: it carries the program's stack transformations
+    # (infra/protection.py), which must not leak into the next run in this process.
+    pulumi.runtime.settings.reset_options(project=config.project, stack=config.stack)
     pulumi.runtime.set_all_config(config.values, config.secret_keys)
     monitor = CapturingMonitor(StackMocks(invokes, computed))
     pulumi.runtime.set_mocks(monitor.mocks, project=config.project, stack=config.stack,

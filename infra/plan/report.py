@@ -41,11 +41,23 @@ def key_inputs(inputs: dict[str, Any], limit: int = 4) -> str:
 
 def print_plan(plan: dict[str, Any], console: Console) -> None:
     table = Table(title=f"stack {plan['stack']}: {len(plan['resources'])} resources", show_lines=False)
-    for column in ("cloud", "type", "name", "key inputs"):
+    for column in ("cloud", "type", "name", "protected", "key inputs"):
         table.add_column(column, overflow="fold")
     for res in sorted(plan["resources"], key=lambda r: (cloud_of(r["type"]), r["type"], r["name"])):
-        table.add_row(cloud_of(res["type"]), res["type"], escape(res["name"]), escape(key_inputs(res["inputs"])))
+        guard = ("protect+retain" if res.get("retainOnDelete") else "protect") if res.get("protect") else ""
+        table.add_row(cloud_of(res["type"]), res["type"], escape(res["name"]), guard,
+                      escape(key_inputs(res["inputs"])))
     console.print(table)
+    if "replacements" in plan:
+        if plan["replacements"]:
+            rt = Table(title="[bold red]stateful resources this change would replace or delete[/]")
+            for column in ("resource", "why"):
+                rt.add_column(column, overflow="fold")
+            for r in plan["replacements"]:
+                rt.add_row(escape(f"{r['type']} {r['name']}"), escape(r["why"]))
+            console.print(rt)
+        else:
+            console.print("[green]no stateful resource is replaced or deleted by this change[/]")
 
     cost = plan["cost"]
     groups = Table(title="cost by node group (USD)")

@@ -31,7 +31,7 @@ class AlicloudStorage(pulumi.ComponentResource):
         self.name = args.bucket.name
         rules = alicloud.oss
         self.bucket = alicloud.oss.Bucket(
-            f"{name}-bucket", bucket=self.name, storage_class="Standard", redundancy_type="ZRS",
+            f"{name}-bucket", bucket=self.name, storage_class="Standard", redundancy_type="ZRS", force_destroy=False,
             versioning=rules.BucketVersioningArgs(status="Enabled"),
             server_side_encryption_rule=rules.BucketServerSideEncryptionRuleArgs(sse_algorithm="KMS"),
             lifecycle_rules=[
