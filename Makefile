@@ -16,7 +16,7 @@ CKPT_EVERY ?= 50
 CKPT_DIR   ?= out/checkpoints
 THROTTLE_MS ?= 50
 
-.PHONY: plan userdata monitoring dataset train-local bench test typecheck unit tools venv clean
+.PHONY: plan policy-config policy-data userdata monitoring dataset train-local bench test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -36,6 +36,14 @@ venv: $(STAMP)
 ## plan: the stack offline — resources, cost, policy verdicts (STACK=dev|prod|<name>, FORMAT=table|json, AGAINST=<earlier plan json>)
 plan: $(RUNTIME_STAMP)
 	@$(PY) -m infra.plan --stack $(STACK) --format $(FORMAT) $(if $(AGAINST),--against $(AGAINST))
+
+## policy-config: the policy pack's config for a real preview of STACK (prints its path: --policy-pack-config $$(make -s policy-config STACK=prod))
+policy-config: $(RUNTIME_STAMP)
+	@$(PY) -m infra.cli.policy_config --stack $(STACK) --out $(or $(OUT),out)
+
+## policy-data: copy the data the policy pack ships (policies/data/) from infra/data/ (a test keeps them equal)
+policy-data:
+	@cp infra/data/gpu_catalog.csv infra/data/capabilities.yaml infra/data/stateful.yaml policies/data/
 
 ## userdata: each node group's rendered cloud-config as $(OUT)/<cloud>-<group>.yaml (STACK=…)
 userdata: $(RUNTIME_STAMP)
@@ -65,6 +73,7 @@ test: typecheck unit
 
 typecheck: $(STAMP)
 	$(PY) -m mypy infra __main__.py tests policies training
+	cd policies && ../$(PY) -m mypy --config-file ../mypy.ini __main__.py
 	$(PY) -m pyflakes infra __main__.py tests policies training
 
 unit: $(STAMP) tools

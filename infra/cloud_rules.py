@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from ipaddress import IPv4Network
 
 from infra import catalog as cat
-from infra.addresses import opens_internet
+from policies.gts_policy.addresses import opens_internet
 from infra.buckets import bucket
 from infra.errors import Problem
 from infra.spec import StackSpec

@@ -36,5 +36,7 @@ class SpecError(Exception):
         super().__init__("\n".join(lines))
 
 
-class CatalogError(Exception):
-    """A data file shipped with the project (catalog, regions, prices) is malformed."""
+# Raised by the catalog reader, which the policy pack owns (policies/gts_policy/catalog.py).
+from policies.gts_policy import catalog as _pack  # noqa: E402
+
+CatalogError = _pack.CatalogError

@@ -207,7 +207,6 @@ class Stack:
 
     spec: StackSpec
     groups: tuple[ResolvedGroup, ...]
-
     def group(self, name: str) -> ResolvedGroup:
         return next(g for g in self.groups if g.name == name)
 

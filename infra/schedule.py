@@ -33,6 +33,9 @@ def cron_in_beijing(cron: str) -> str:
     Handles the shapes schedules use: one hour value, any minute, day-of-week as *, a value,
     a list or a range (shifted a day when the hour wraps past midnight)."""
     minute, hour, dom, month, dow = cron.split()
+    if any(c.isalpha() for c in dow + month):
+        raise ValueError(f"cron {cron!r}: write days and months as numbers (MON-FRI is 1-5, SUN is 0): the stack "
+                         "shifts them a day where UTC and Beijing time fall on different dates")
     if not hour.isdigit():
         raise ValueError(f"cron {cron!r}: Tencent schedules need a single hour value to convert from UTC")
     shifted = int(hour) + 8

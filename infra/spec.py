@@ -207,7 +207,8 @@ class Budget(SpecModel):
     alert_emails: list[Annotated[str, Field(pattern=r"^[^@\s]+@[^@\s]+\.[^@\s]+$")]] = Field(
         min_length=1, description="Who gets budget alerts.")
     thresholds_percent: list[Annotated[int, Field(gt=0, le=200)]] = Field(
-        default_factory=lambda: [50, 80, 100], description="Alert at these percentages of the limit.")
+        default_factory=lambda: [50, 80, 100], min_length=1,
+        description="Alert at these percentages of the limit (at least one: an empty list would alert nobody).")
 
 
 class PriceOverride(SpecModel):

@@ -18,6 +18,7 @@ import yaml
 
 from infra import spec as spec_mod
 from infra import validation
+from infra.errors import Problem, SpecError
 
 SECRET_MASK = "[secret]"
 # Keys whose values the program receives as plain strings; the others are JSON.
@@ -121,8 +122,32 @@ def decode(values: Mapping[str, str]) -> dict[str, Any]:
     return raw
 
 
+# Config namespaces that are not the project's and are expected in a stack file.
+PROVIDER_NAMESPACES = ("aws", "alicloud", "tencentcloud", "kubernetes", "pulumi", "docker-build")
+
+
+def stray_keys(values: Mapping[str, str], project: str) -> list[Problem]:
+    """Keys under a namespace that is neither the project's nor a provider's: a misspelled
+    project name hides the value from the program (Pulumi passes it to nobody)."""
+    import difflib
+
+    problems = []
+    for key in values:
+        namespace, _, name = key.partition(":")
+        if namespace in (project, *PROVIDER_NAMESPACES):
+            continue
+        close = difflib.get_close_matches(namespace, [project], n=1, cutoff=0.6)
+        hint = f"; did you mean '{project}:{name}'?" if close else f"; this project's keys are '{project}:<key>'"
+        problems.append(Problem(key, f"is under '{namespace}', not this project's '{project}', so the program never "
+                                     f"sees it{hint}"))
+    return problems
+
+
 def spec_from_values(values: Mapping[str, str], project: str, source: str) -> spec_mod.StackSpec:
     """The spec from a full config map (`<project>:<key>` -> string), as `make plan` reads it."""
+    stray = stray_keys(values, project)
+    if stray:
+        raise SpecError(stray, source)
     prefix = f"{project}:"
     return validation.parse(decode({k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}), source)
 

@@ -65,6 +65,10 @@ METADATA_URLS = {"aws": "http://169.254.169.254", "alicloud": "http://100.100.10
                  "tencentcloud": "http://metadata.tencentyun.com"}
 
 
+# What a cluster node's env holds of the trainer contract: the fetcher's and the registry login's.
+NODE_VARS = frozenset(v.name for v in (c.GTS_CLOUD, c.GTS_NODE_GROUP, c.STORAGE_ENDPOINT_URL, c.STORAGE_REGION,
+                                       c.STORAGE_ADDRESSING_STYLE, c.STORAGE_CREDENTIALS))
+
 # As long as any digest reference: the user data is sized with it before the image exists.
 IMAGE_PLACEHOLDER = "registry.example/gpu-training-stack/trainer@sha256:" + "0" * 64
 
@@ -129,7 +133,9 @@ def node_context(spec: StackSpec, rg: ResolvedGroup, image: str) -> NodeContext:
         nvidia_mirror=mirrors.nvidia or "", spot_action="crictl:trainer" if kube else "docker:gts-trainer",
         metadata_url=METADATA_URLS[rg.cloud], dcgm_exporter_image=agents.dcgm_exporter,
         node_exporter_image=agents.node_exporter, bundle_url=f"s3://{rg.bucket.name}/{pinned.key}",
-        bundle_sha256=pinned.sha256, trainer=rg.trainer,
+        # Cluster nodes run no trainer (the Job carries its env): they get what the fetcher needs.
+        bundle_sha256=pinned.sha256, trainer={k: v for k, v in rg.trainer.items() if k in NODE_VARS} if kube
+        else rg.trainer,
     )
 
 

@@ -19,6 +19,7 @@ from infra.errors import Problem, SpecError, suggest
 from infra.groups import requirement, schedule_bounds
 from infra.schedule import cron_in_beijing
 from infra.spec import (CONFIG_KEYS, PATTERN_HELP, REQUIRED_TAGS, Network, NodeGroup, StackSpec)
+from policies.gts_policy.addresses import opens_internet
 
 
 # --------------------------------------------------------------------------------------
@@ -75,6 +76,16 @@ def _problem(err: Any) -> Problem:
         return Problem(_path(loc), f"{value!r} is not allowed; use one of {', '.join(expected)}"
                                    f"{suggest(value, expected)}")
     msg = str(err["msg"]).removeprefix("Value error, ")
+    if kind == "string_type" and isinstance(value, int) and loc[-1] == "appId":
+        return Problem(_path(loc), f"{value} is a number to YAML; write the APPID quoted: appId: \"{value}\"")
+    if kind == "ip_v4_network" and isinstance(value, str) and "/" in value:
+        import ipaddress
+
+        try:
+            network = ipaddress.ip_network(value, strict=False)
+            return Problem(_path(loc), f"{value!r} has host bits set; the network is {network} (write that)")
+        except ValueError:
+            pass
     if kind == "string_pattern_mismatch":
         pattern = str(err.get("ctx", {}).get("pattern", ""))
         msg = f"is not a valid value; {PATTERN_HELP.get(pattern, msg)}"
@@ -105,6 +116,9 @@ def parse(raw: Mapping[str, Any], source: str = "stack config") -> StackSpec:
 def check(spec: StackSpec) -> list[Problem]:
     """Rules that span fields or need the catalog and region data."""
     problems: list[Problem] = []
+    problems += _check_pricing(spec)
+    if problems:  # the catalog with the overrides applied is what the other checks read
+        return problems
     problems += _check_tags(spec)
     problems += _check_clouds(spec)
     nets = _check_networks(spec, problems)
@@ -171,10 +185,14 @@ def _check_networks(spec: StackSpec, problems: list[Problem]) -> dict[str, Netwo
             if clash:
                 problems.append(Problem(f"{spath}.cidr", f"{sub.cidr} overlaps {clash} in the same network"))
             seen.append(sub.cidr)
-        for k, cidr in enumerate(net.ssh_cidrs):
-            if cidr.prefixlen == 0:
-                problems.append(Problem(f"{path}.sshCidrs[{k}]", "0.0.0.0/0 opens SSH to the internet; "
-                                                                 "list your office or VPN CIDRs, or leave it empty"))
+        # Judged by the address space the list opens, not by its spelling (0.0.0.0/1 + 128.0.0.0/1).
+        alone = [k for k, cidr in enumerate(net.ssh_cidrs) if opens_internet([cidr])]
+        for k in alone:
+            problems.append(Problem(f"{path}.sshCidrs[{k}]", f"{net.ssh_cidrs[k]} opens SSH to the internet; list "
+                                                             "your office or VPN CIDRs, or leave it empty"))
+        if not alone and net.ssh_cidrs and opens_internet(net.ssh_cidrs):
+            problems.append(Problem(f"{path}.sshCidrs", f"{', '.join(map(str, net.ssh_cidrs))} together open SSH to "
+                                                        "the internet; list your office or VPN CIDRs, or leave it empty"))
     return nets
 
 
@@ -236,6 +254,31 @@ def _check_node_groups(spec: StackSpec, nets: Mapping[str, Network]) -> list[Pro
     return out
 
 
+def _check_pricing(spec: StackSpec) -> list[Problem]:
+    catalog = cat.load_catalog()
+    out = []
+    for i, o in enumerate(spec.pricing.overrides):
+        if catalog.get(o.cloud, o.instance_type) is None:
+            known = [t.instance_type for t in catalog.of_cloud(o.cloud)]
+            name = cat.CLOUD_NAMES[o.cloud]
+            out.append(Problem(f"pricing.overrides[{i}].instanceType",
+                               f"{o.instance_type!r} is not {_article(name)} {name} type in the catalog"
+                               f"{suggest(o.instance_type, known)} (catalog: infra/data/gpu_catalog.csv)"))
+    return out
+
+
+def _never_fires(cron: str) -> bool:
+    from datetime import datetime, timezone
+
+    from croniter import CroniterBadDateError
+
+    try:
+        croniter(cron, datetime(2026, 1, 1, tzinfo=timezone.utc)).get_next(datetime)
+    except CroniterBadDateError:
+        return True
+    return False
+
+
 def _check_scaling(group: NodeGroup, path: str) -> list[Problem]:
     out: list[Problem] = []
     s = group.scaling
@@ -248,6 +291,9 @@ def _check_scaling(group: NodeGroup, path: str) -> list[Problem]:
         if not croniter.is_valid(act.cron) or len(act.cron.split()) != 5:
             out.append(Problem(f"{apath}.cron", f"{act.cron!r} is not a five-field cron expression "
                                                 "(minute hour day-of-month month day-of-week, UTC)"))
+        elif _never_fires(act.cron):
+            out.append(Problem(f"{apath}.cron", f"{act.cron!r} never fires (no such date in any year); check the "
+                                                "day of month against the month"))
         if group.cloud == "tencentcloud" and croniter.is_valid(act.cron):
             try:
                 cron_in_beijing(act.cron)

@@ -13,16 +13,17 @@ from typing import Any
 import pytest
 
 from tests.harness import ROOT
-from policies import rules
-from policies.resources import Res
+from policies.gts_policy import rules
+from policies.gts_policy.resources import Res
 from tests.harness import key, project_copy, stack_values, write_stack
 
 TAGS = {"owner": "o", "cost-center": "c", "env": "dev"}
-Check = Callable[[list[Res], Any], list[tuple[str, str]]]
 
 
-def _names(check: Check, resources: list[Res], cfg: dict[str, Any] | None = None) -> list[str]:
-    return [name for name, _ in check(resources, cfg or {})]
+def _names(check: Any, resources: list[Res], cfg: dict[str, Any] | None = None) -> list[str]:
+    """Names a rule reports, for a stack rule's function or a resource rule's."""
+    rule = next(r for r in rules.RULES if check in (r.check, r.per_resource))
+    return [name for name, _ in rule.run(resources, cfg or {})]
 
 
 # GPU capacity on each cloud, spot or not: (spot resource list, on-demand resource list)

@@ -1,10 +1,14 @@
-"""The policy pack as the Pulumi engine runs it: `policies/__main__.py` starts the analyzer
-gRPC server; this test speaks the engine's protocol to it (GetAnalyzerInfo, Configure with
-policies/dev.json, AnalyzeStack) instead of importing the module."""
+"""The policy pack as the Pulumi CLI runs it: a copy of `policies/` alone in a folder of its
+own (what `pulumi policy publish` ships), its requirements satisfied from its own
+requirements.txt, started with `python -m pulumi.policy <engine> <folder>` from that folder and
+nothing of the project on the path; this test speaks the engine's gRPC protocol to it
+(GetAnalyzerInfo, Configure, Analyze, Remediate, AnalyzeStack)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,16 +19,29 @@ import pytest
 from google.protobuf import empty_pb2, struct_pb2
 from pulumi.runtime.proto import analyzer_pb2, analyzer_pb2_grpc
 
-from policies.rules import RULES
+from policies.gts_policy.rules import RULES
 
 ROOT = Path(__file__).resolve().parents[1]
-LEVELS = {"advisory": analyzer_pb2.ADVISORY, "mandatory": analyzer_pb2.MANDATORY, "disabled": analyzer_pb2.DISABLED}
+LEVELS = {"advisory": analyzer_pb2.ADVISORY, "mandatory": analyzer_pb2.MANDATORY, "disabled": analyzer_pb2.DISABLED,
+          "remediate": analyzer_pb2.REMEDIATE}
+
+
+def _copy_of_the_pack(tmp: Path) -> Path:
+    pack = tmp / "gpu-training-stack-pack"
+    shutil.copytree(ROOT / "policies", pack, ignore=shutil.ignore_patterns("__pycache__", "venv"))
+    # Its requirements, from its own file, into the project's virtualenv (all present already:
+    # --no-index proves nothing else is needed).
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "-r", str(pack / "requirements.txt")],
+                   check=True, timeout=300, capture_output=True)
+    return pack
 
 
 @pytest.fixture(scope="module")
-def analyzer() -> Iterator[analyzer_pb2_grpc.AnalyzerStub]:
-    proc = subprocess.Popen([sys.executable, str(ROOT / "policies" / "__main__.py")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+def analyzer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[analyzer_pb2_grpc.AnalyzerStub]:
+    pack = _copy_of_the_pack(tmp_path_factory.mktemp("published"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen([sys.executable, "-m", "pulumi.policy", "127.0.0.1:1", str(pack)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=pack, env=env)
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline().strip())  # the engine reads the port from the first line
@@ -81,3 +98,43 @@ def test_dev_config_makes_on_demand_gpu_capacity_a_mandatory_violation(
     (diag,) = [d for d in od.diagnostics if d.policyName == "gpu-spot-only"]
     assert diag.enforcementLevel == LEVELS["mandatory"]
     assert "aws-train-asg" in diag.message and diag.urn.endswith("::aws-train-asg")
+
+
+def _resource(type_: str, name: str, props: dict[str, object], protect: bool = False) -> analyzer_pb2.AnalyzeRequest:
+    return analyzer_pb2.AnalyzeRequest(type=type_, name=name, urn=f"urn:pulumi:prod::gpu-training-stack::{type_}::{name}",
+                                       properties=_struct(props),
+                                       options=analyzer_pb2.AnalyzerResourceOptions(protect=protect))
+
+
+def test_resource_rules_judge_one_resource_before_it_is_created_and_remediate(
+        analyzer: analyzer_pb2_grpc.AnalyzerStub, tmp_path: Path) -> None:
+    info = analyzer.GetAnalyzerInfo(empty_pb2.Empty())
+    kinds = {p.name: p.policy_type for p in info.policies}
+    resource_rules = {r.name for r in RULES if r.per_resource is not None}
+    assert {"metadata-hardened", "disks-encrypted", "required-tags", "stateful-protected"} <= resource_rules
+    assert all(kinds[n] == analyzer_pb2.POLICY_TYPE_RESOURCE for n in resource_rules)
+    assert all(kinds[r.name] == analyzer_pb2.POLICY_TYPE_STACK for r in RULES if r.per_resource is None)
+    _configure(analyzer, ROOT / "policies" / "prod.json")
+    tags = {"owner": "o", "cost-center": "c", "env": "prod"}
+    lt = _resource("aws:ec2/launchTemplate:LaunchTemplate", "lt", {
+        "metadataOptions": {"httpTokens": "optional"}, "tags": tags,
+        "blockDeviceMappings": [{"deviceName": "/dev/sda1", "ebs": {"volumeSize": 200, "encrypted": "false"}}]})
+    found = {d.policyName: d for d in analyzer.Analyze(lt).diagnostics}
+    assert {"metadata-hardened", "disks-encrypted"} <= set(found)
+    assert found["metadata-hardened"].urn.endswith("::lt") and "IMDSv2" in found["metadata-hardened"].message
+    # At the remediate level the engine asks the pack for the fixed resource instead.
+    remediating = tmp_path / "remediate.json"
+    remediating.write_text(json.dumps({**json.loads((ROOT / "policies" / "prod.json").read_text()),
+                                       "metadata-hardened": "remediate", "disks-encrypted": "remediate"}))
+    _configure(analyzer, remediating)
+    fixed = {r.policyName: r.properties for r in analyzer.Remediate(lt).remediations}
+    assert fixed["metadata-hardened"]["metadataOptions"]["httpTokens"] == "required"
+    assert fixed["disks-encrypted"]["blockDeviceMappings"][0]["ebs"]["encrypted"] == "true"
+    _configure(analyzer, ROOT / "policies" / "prod.json")
+    bucket = _resource("aws:s3/bucket:Bucket", "checkpoints", {"bucket": "b", "tags": tags})
+    (unprotected,) = [d for d in analyzer.Analyze(bucket).diagnostics if d.policyName == "stateful-protected"]
+    assert unprotected.enforcementLevel == LEVELS["mandatory"]
+    protected = _resource("aws:s3/bucket:Bucket", "checkpoints", {"bucket": "b", "tags": tags}, protect=True)
+    assert not [d for d in analyzer.Analyze(protected).diagnostics if d.policyName == "stateful-protected"]
+    untagged = _resource("aws:s3/bucket:Bucket", "raw", {"bucket": "c"}, protect=True)
+    assert [d for d in analyzer.Analyze(untagged).diagnostics if d.policyName == "required-tags"]

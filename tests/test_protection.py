@@ -19,8 +19,8 @@ from infra.plan.engine import Registered, run_program
 from infra.plan.invokes import COMPUTED, INVOKES
 from infra.plan.replacements import replacements
 from infra.stackfile import StackConfig
-from policies import rules
-from policies.resources import Res
+from policies.gts_policy import rules
+from policies.gts_policy.resources import Res
 from tests.harness import ROOT, key, project_copy, shipped, stack_values, write_stack
 
 STATEFUL = protection.stateful_types()

@@ -10,7 +10,7 @@ import pytest
 
 from infra.schedule import cron_in_beijing, recurrence_window
 from infra.plan.engine import Registered
-from policies.resources import taggable
+from policies.gts_policy.resources import taggable
 from tests.harness import by_type, key, run_stack, shipped
 
 REQUIRED_TAGS = {"owner", "cost-center", "env"}

@@ -180,8 +180,11 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         return str(rendezvous.instance(self.CLOUD)["instanceType"])
 
     def user_data(self, group: ResolvedGroup, image: pulumi.Output[str]) -> pulumi.Output[str]:
-        """The group's user data, once the image's digest is known."""
-        return image.apply(lambda ref: userdata.for_group(self.spec, group, ref))
+        """The group's user data, once the image's digest is known; a secret when it carries an
+        MLflow URI (they often hold a token: `pulumi config set --secret --path
+        training.mlflowTrackingUri`), so that it never shows in previews or the state in clear."""
+        rendered = image.apply(lambda ref: userdata.for_group(self.spec, group, ref))
+        return pulumi.Output.secret(rendered) if self.spec.training.mlflow_tracking_uri else rendered
 
     def regions(self) -> list[str]:
         found = [self.account.region] + [self.spec.region_of(n) for n in self.networks()]

@@ -21,6 +21,7 @@ from infra.k8s.daemons import GPU_TOLERATION
 from training import contract as c
 
 SKIP_AWAIT = "pulumi.com/skipAwait"
+SECRET_VARS = frozenset({c.MLFLOW_TRACKING_URI.name})
 NAMESPACE = "training"
 TRAINER_UID = 1000  # the image's USER (training/Dockerfile)
 # What the node keeps for itself and its daemons (kubelet, runtime, exporters, device plugin).
@@ -133,7 +134,18 @@ class TrainingJob(pulumi.ComponentResource):
             name=args.identity.service_account, namespace=args.namespace, labels=labels),
             automount_service_account_token=False, opts=child)
         resources, shm_gb = pod_resources(rg)
-        env = [k8s.core.v1.EnvVarArgs(name=k, value=v) for k, v in sorted(args.env.items())]
+        env = [k8s.core.v1.EnvVarArgs(name=k, value=v) for k, v in sorted(args.env.items())
+               if not (k in SECRET_VARS and v)]
+        secrets = {k: v for k, v in args.env.items() if k in SECRET_VARS and v}
+        if secrets:
+            # An MLflow URI may hold a token: a Kubernetes Secret, created from a Pulumi secret, and
+            # the env refers to it (the Job's spec stays readable in previews).
+            held = k8s.core.v1.Secret(f"{name}-secrets", metadata=k8s.meta.v1.ObjectMetaArgs(
+                name=f"{job}-secrets", namespace=args.namespace, labels=labels),
+                string_data={k.lower(): pulumi.Output.secret(v) for k, v in secrets.items()}, opts=child)
+            env += [k8s.core.v1.EnvVarArgs(name=k, value_from=k8s.core.v1.EnvVarSourceArgs(
+                secret_key_ref=k8s.core.v1.SecretKeySelectorArgs(name=held.metadata.name, key=k.lower())))
+                for k in sorted(secrets)]
         env += [k8s.core.v1.EnvVarArgs(name=k, value=v) for k, v in sorted(args.identity.env.items())]
         env.append(k8s.core.v1.EnvVarArgs(name=c.NODE_RANK.name, value_from=k8s.core.v1.EnvVarSourceArgs(
             field_ref=k8s.core.v1.ObjectFieldSelectorArgs(

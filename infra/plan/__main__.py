@@ -2,8 +2,9 @@
 
 Reads Pulumi.<stack>.yaml as the Pulumi CLI would, runs __main__.py in the mock engine, and
 prints every resource with its key inputs, the cost summary and the policy verdicts. With
---format json, stdout holds exactly one JSON document. Exit codes: 0 ok, 1 mandatory policy
-violation, 2 invalid stack config.
+--format json, stdout holds exactly one JSON document. Exit codes: 0 ok, 1 a mandatory policy
+violation, 2 an invalid stack (the message names the key), 3 an internal error (one line; the
+traceback with --debug).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import asyncio
 import json
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -19,28 +21,23 @@ import pulumi
 from rich.console import Console
 from rich.markup import escape
 
-from infra import protection
+from infra import policy_config, protection
 from infra.cost import stack_cost
 from infra.errors import CatalogError, SpecError
-from infra.groups import resolve
+from infra.groups import Stack, resolve
 from infra.plan import report
 from infra.plan.engine import DuplicateUrn, Registered, run_program, unwrap_secrets
 from infra.plan.invokes import COMPUTED, INVOKES
 from infra.plan.replacements import replacements
-from infra.stackfile import StackFileError, project_name, project_root, read_stack_file, spec_from_values, stack_path
-from infra.spec import StackSpec
+from infra.stackfile import StackFileError, project_name, read_stack_file, spec_from_values, stack_path
 
 
-def policy_verdicts(spec: StackSpec, stack: str, resources: list[Registered]) -> list[dict[str, str]]:
-    """The policy pack's rules on what the program registered, with the stack's (or its env's)
-    policy config file, exactly as `--policy-pack-config policies/<env>.json` would apply."""
-    from policies.resources import Res
-    from policies.rules import evaluate
-    folder = project_root() / "policies"
-    path = next((p for p in (folder / f"{stack}.json", folder / f"{spec.env}.json") if p.exists()), None)
-    config = json.loads(path.read_text()) if path else {}
-    config = {k: ({**v, "cnyPerUsd": spec.pricing.cny_per_usd} if isinstance(v, dict) else v)
-              for k, v in config.items()}
+def policy_verdicts(stack: str, resolved: Stack, resources: list[Registered]) -> list[dict[str, str]]:
+    """The policy pack's rules on what the program registered, with the config a real preview
+    gets (`make policy-config`: the env's file plus the stack's rate, budget and planned cost)."""
+    from policies.gts_policy.resources import Res
+    from policies.gts_policy.rules import evaluate
+    config = policy_config.for_stack(stack, resolved)
     views = [Res(r.type, r.name, unwrap_secrets(r.inputs), bool(r.options.get("protect"))) for r in resources]
     return evaluate(views, config)
 
@@ -51,12 +48,13 @@ def build_plan(stack: str, against: Path | None = None) -> dict[str, Any]:
     config = read_stack_file(path, project)
     spec = spec_from_values(config.values, project, path.name)  # fails before any resource
     resources = run_program(config, INVOKES, COMPUTED)
-    cost = stack_cost(resolve(spec))
+    resolved = resolve(spec)
+    cost = stack_cost(resolved)
     rendered = [{"type": r.type, "name": r.name, "urn": r.urn, "parent": r.parent, "provider": r.provider,
                  "protect": bool(r.options.get("protect")), "retainOnDelete": bool(r.options.get("retainOnDelete")),
                  "aliases": list(r.options.get("aliases", [])), "inputs": r.masked()} for r in resources]
     plan = {"stack": stack, "project": project, "resources": rendered, "cost": cost,
-            "violations": policy_verdicts(spec, stack, resources)}
+            "violations": policy_verdicts(stack, resolved, resources)}
     if against is not None:
         base = json.loads(against.read_text(encoding="utf-8"))
         kinds = protection.stateful_types()
@@ -65,12 +63,27 @@ def build_plan(stack: str, against: Path | None = None) -> dict[str, Any]:
     return plan
 
 
+REPORT = "report it with the command and the stack file (README: \"What is not proven here\" lists known gaps)"
+
+
+def internal_error(exc: BaseException, debug: bool, err: Console) -> int:
+    """A fault of this tool, not of the stack file: one line (the traceback with --debug), exit 3."""
+    if debug:
+        err.print_exception()
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    at = f" at {Path(where.filename).name}:{where.lineno}" if where else ""
+    err.print(f"[bold red]internal error:[/] {escape(type(exc).__name__)}: {escape(str(exc))}{at}; {REPORT}; "
+              "rerun with --debug for the traceback", markup=True, highlight=False)
+    return 3
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--stack", default="dev", help="stack name: reads Pulumi.<stack>.yaml")
     parser.add_argument("--format", choices=("table", "json"), default="table")
     parser.add_argument("--against", type=Path, metavar="PLAN_JSON",
                         help="an earlier `--format json` plan: mark stateful resources this one would replace")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an internal error")
     args = parser.parse_args(argv)
     err = Console(stderr=True, soft_wrap=True)
     try:
@@ -78,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, StackFileError, CatalogError, DuplicateUrn, pulumi.RunError) as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
         return 2
+    except OSError as exc:
+        if args.against is not None and exc.filename == str(args.against):
+            err.print(f"[bold red]error:[/] --against {escape(str(args.against))}: {escape(exc.strerror or str(exc))}",
+                      markup=True, highlight=False)
+            return 2
+        return internal_error(exc, args.debug, err)
+    except Exception as exc:  # noqa: BLE001 (a bug here, not the user's: exit 3, one line)
+        return internal_error(exc, args.debug, err)
     if args.format == "json":
         sys.stdout.write(json.dumps(plan, indent=2, sort_keys=False) + "\n")
     else:

@@ -189,6 +189,10 @@ def index_by_id(resources: list[Res]) -> dict[str, Res]:
     return out
 
 
+class PackSetupError(RuntimeError):
+    """The pack's environment lacks something it needs (its requirements.txt)."""
+
+
 @cache
 def taggable(type_token: str) -> bool:
     """Whether the provider SDK's resource class takes `tags` (AWS, Alibaba, Tencent alike)."""
@@ -199,8 +203,14 @@ def taggable(type_token: str) -> bool:
     module = parts[1].split("/")[0]
     module = {"As": "as_", "index": ""}.get(module, module.lower())
     try:
+        importlib.import_module(package[parts[0]])
+    except ImportError:
+        # Never a silent pass: without the SDK every resource of that cloud would look untaggable.
+        raise PackSetupError(f"the policy pack needs {package[parts[0]]} to know which {parts[0]} resources take "
+                             "tags: install the pack's requirements.txt") from None
+    try:
         mod = importlib.import_module(f"{package[parts[0]]}.{module}" if module else package[parts[0]])
         cls = getattr(mod, parts[2])
         return "tags" in inspect.signature(cls._internal_init).parameters
     except (ImportError, AttributeError):
-        return False
+        return False  # a type the SDK does not have: nothing to tag

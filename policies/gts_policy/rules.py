@@ -1,0 +1,534 @@
+"""The rules: cost, spot, hardware, security and tagging. Each is a function over all of the
+stack's resources (a cloud-neutral `Res` view) and its config, returning violations that name
+the resource, the rule and the fix. Specs and prices come from the stack's own GPU catalog."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import catalog as cat
+from .addresses import opens_internet
+from .resources import Capacity, Res, capacity, index_by_id, tags_of, taggable
+
+RAM_PER_VRAM = cat.RAM_PER_VRAM
+
+
+@dataclass(frozen=True)
+class Violation:
+    policy: str
+    resource: str
+    message: str
+
+
+ResourceCheck = Callable[[Res, Mapping[str, Any]], list[str]]
+Remediation = Callable[[Res], dict[str, Any] | None]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A stack rule (`check` over every resource: cost, spot share, cross-resource settings) or a
+    resource rule (`per_resource` over one resource, served to the engine as a resource
+    validation policy that runs before that resource is created, with `remediate` where the fix
+    is safe and unambiguous)."""
+
+    name: str
+    description: str
+    enforcement: str  # mandatory | advisory | remediate | disabled (default; per-env files override)
+    check: Callable[[list[Res], Mapping[str, Any]], list[tuple[str, str]]] | None = None
+    schema: dict[str, dict[str, Any]] = field(default_factory=dict)
+    per_resource: ResourceCheck | None = None
+    remediate: Remediation | None = None
+
+    def run(self, resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+        if self.per_resource is not None:
+            return [(r.name, m) for r in resources for m in self.per_resource(r, cfg)]
+        assert self.check is not None
+        return self.check(resources, cfg)
+
+
+def sdk_gap(type_token: str, feature: str) -> str | None:
+    """Why an SDK cannot set `feature` on `type_token` (infra/data/capabilities.yaml), or None."""
+    gaps = cat.pack_capabilities().get("sdkGaps", {}).get(type_token, {})
+    return str(gaps[feature]) if feature in gaps else None
+
+
+def _item(itype: str) -> cat.InstanceType | None:
+    catalog = cat.pack_catalog()
+    return next((catalog.get(c, itype) for c in cat.CLOUDS if catalog.get(c, itype)), None)
+
+
+SCHEDULES = {  # type -> (the group it targets, the sizes it sets)
+    "aws:autoscaling/schedule:Schedule": ("autoscalingGroupName", ("maxSize", "desiredCapacity")),
+    "alicloud:ess/scheduledTask:ScheduledTask": ("scalingGroupId", ("maxValue", "desiredCapacity")),
+    "tencentcloud:As/schedule:Schedule": ("scalingGroupId", ("maxSize", "desiredCapacity")),
+}
+
+
+def _scheduled_max(r: Res, cap: Capacity, resources: list[Res]) -> int:
+    """The largest size any scheduled action can give this capacity: caps hold against what a
+    schedule can do, not only the group's own max. Linked by target (name or id) and, where the
+    target is not known before creation, by the stack's naming (`<group>-<action>`), erring on
+    the side of counting."""
+    ids = {r.name, f"{r.name}-id", str(r.props.get("id", "")), str(r.props.get("name", ""))} - {""}
+    best = cap.max_nodes
+    for s in resources:
+        if s.type not in SCHEDULES:
+            continue
+        target_key, sizes = SCHEDULES[s.type]
+        target = str(s.get(target_key) or "")
+        linked = (target in ids or any(target.startswith(i + "-") for i in ids if i == r.name)
+                  or s.name.startswith(r.name + "-") or s.name.startswith(cap.group + "-"))
+        if linked:
+            best = max(best, *(int(s.get(k) or 0) for k in sizes))
+    return best
+
+
+def _capacities(resources: list[Res]) -> list[tuple[Res, Capacity]]:
+    by_id = index_by_id(resources)
+    out = []
+    for r in resources:
+        cap = capacity(r, by_id)
+        # GPU capacity only: a cluster's system pool (CPU types, not in the catalog) is not a node group.
+        if cap is not None and any(_item(t) for t in cap.instance_types):
+            scheduled = _scheduled_max(r, cap, resources)
+            if scheduled > cap.max_nodes:
+                cap = dataclasses.replace(cap, max_nodes=scheduled)
+            out.append((r, cap))
+    return out
+
+
+def _peak_hourly_usd(cap: Capacity, cny_per_usd: float) -> float:
+    """All nodes up, at on-demand price of the dearest listed type (the worst case)."""
+    prices = [cat.to_usd(i.price_ondemand, i.currency, cny_per_usd)
+              for i in (_item(t) for t in cap.instance_types) if i]
+    return cap.max_nodes * max(prices, default=0.0)
+
+
+# ------------------------------------------------------------------------ cost and spot
+
+def stack_cost_cap(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    rate = float(cfg.get("cnyPerUsd", 7.2))
+    total = sum(_peak_hourly_usd(c, rate) for _, c in _capacities(resources))
+    out = []
+    if "maxHourlyUsd" in cfg and total > float(cfg["maxHourlyUsd"]):
+        out.append(("stack", f"GPU capacity at its maximum costs ${total:,.2f}/h on-demand, over the cap of "
+                             f"${float(cfg['maxHourlyUsd']):,.2f}/h; lower node-group max sizes or raise maxHourlyUsd"))
+    monthly = total * cat.HOURS_PER_MONTH
+    if "maxMonthlyUsd" in cfg and monthly > float(cfg["maxMonthlyUsd"]):
+        out.append(("stack", f"GPU capacity at its maximum costs ${monthly:,.0f}/month on-demand, over the cap of "
+                             f"${float(cfg['maxMonthlyUsd']):,.0f}; lower max sizes or raise maxMonthlyUsd"))
+    return out
+
+
+def group_cost_cap(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    rate = float(cfg.get("cnyPerUsd", 7.2))
+    cap_usd = float(cfg.get("maxHourlyUsdPerGroup", float("inf")))
+    return [(r.name, f"node group {c.group} can reach ${_peak_hourly_usd(c, rate):,.2f}/h on-demand, over "
+                     f"${cap_usd:,.2f}/h; lower its max size or pick cheaper types")
+            for r, c in _capacities(resources) if _peak_hourly_usd(c, rate) > cap_usd]
+
+
+BUDGET_SCHEMA: dict[str, dict[str, Any]] = {"budgetMonthlyUsd": {"type": "number"}, "plannedMonthlyUsd": {"type": "number"},
+                 "thresholdsPercent": {"type": "array", "items": {"type": "number"}}}
+
+
+def budget_covers_plan(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The stack's own plan against its own budget (both from the stack: infra/policy_config.py)."""
+    if "budgetMonthlyUsd" not in cfg or "plannedMonthlyUsd" not in cfg:
+        return []
+    budget, planned = float(cfg["budgetMonthlyUsd"]), float(cfg["plannedMonthlyUsd"])
+    if planned <= budget:
+        return []
+    return [("stack", f"the plan costs ${planned:,.0f}/month, over the monthly budget of ${budget:,.0f}: raise "
+                      "budget.monthlyLimitUsd or shrink the node groups")]
+
+
+def budget_headroom(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    if "budgetMonthlyUsd" not in cfg or "plannedMonthlyUsd" not in cfg:
+        return []
+    budget, planned = float(cfg["budgetMonthlyUsd"]), float(cfg["plannedMonthlyUsd"])
+    first = min(float(t) for t in (cfg.get("thresholdsPercent") or [100]))
+    if planned <= budget and planned > budget * first / 100:
+        return [("stack", f"the plan costs ${planned:,.0f}/month, {100 * planned / budget:.0f}% of the budget: the "
+                          f"{first:g}% alert will fire every month")]
+    return []
+
+
+def spot_only(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [(r.name, f"node group {c.group} buys capacity that is not spot ({r.type}: on-demand or "
+                     "prepaid); in this environment all GPU capacity must be spot — set market.type: spot "
+                     "with onDemandBase: 0")
+            for r, c in _capacities(resources) if not c.spot]
+
+
+def allowed_families(r: Res, cfg: Mapping[str, Any]) -> list[str]:
+    allowed = set(cfg.get("families") or [])
+    cap = capacity(r, {})
+    if not allowed or cap is None or not any(_item(t) for t in cap.instance_types):
+        return []
+    out = []
+    for t in cap.instance_types:
+        item = _item(t)
+        if item is None or item.family not in allowed:
+            out.append(f"node group {cap.group} uses {t} (family {item.family if item else 'unknown'}); "
+                       f"allowed here: {', '.join(sorted(allowed))}")
+    return out
+
+
+def max_nodes(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    limit = int(cfg.get("maxNodesPerGroup", 1 << 30))
+    return [(r.name, f"node group {c.group} may grow to {c.max_nodes} nodes, over the cap of {limit}; "
+                     "lower scaling.max")
+            for r, c in _capacities(resources) if c.max_nodes > limit]
+
+
+def reserve_always_on(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [(r.name, f"node group {c.group} keeps {min(c.on_demand_nodes, c.min_nodes)} on-demand node(s) running "
+                     "around the clock; reserved capacity or a savings plan would cost 30-40% less")
+            for r, c in _capacities(resources) if min(c.on_demand_nodes, c.min_nodes) >= 1]
+
+
+# ------------------------------------------------------------------------------ hardware
+
+def _types_of(resources: list[Res], workload: str) -> list[tuple[Res, Capacity, str, cat.InstanceType]]:
+    """(resource, capacity, type, catalog row) for each listed type of the given workload
+    ("training" also covers capacity whose workload is not tagged)."""
+    out = []
+    for r, c in _capacities(resources):
+        if (c.workload == "inference") != (workload == "inference"):
+            continue
+        for t in c.instance_types:
+            item = _item(t)
+            if item is not None:
+                out.append((r, c, t, item))
+    return out
+
+
+def host_ram(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [(r.name, f"{t} has {item.ram_gib} GiB RAM for {item.total_vram_gb} GB of GPU memory; "
+                     f"training hosts need >= {RAM_PER_VRAM} x GPU memory "
+                     f"({item.total_vram_gb * RAM_PER_VRAM:g} GiB): pick a larger type")
+            for r, _, t, item in _types_of(resources, "training") if not item.ram_ok]
+
+
+def dataset_disk(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    need = int(cfg.get("minGb", 1000))
+    out = []
+    for r, c in _capacities(resources):
+        if c.workload == "inference":
+            continue
+        nvme = min((i.nvme_gb for i in (_item(t) for t in c.instance_types) if i), default=0)
+        if max(nvme, c.disk_gb) < need:
+            out.append((r.name, f"node group {c.group} has {max(nvme, c.disk_gb)} GB of NVMe / data disk per node; "
+                                f"training nodes need >= {need} GB for datasets — set scratch.sizeGb"))
+    return out
+
+
+def gpu_memory(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    need = int(cfg.get("minGpuMemoryGb", 0))
+    return [(r.name, f"{t} has {item.gpu_vram_gb} GB per GPU; the workload needs >= {need} GB")
+            for r, _, t, item in _types_of(resources, "training") if item.gpu_vram_gb < need]
+
+
+INFERENCE_GPUS = ("T4", "A10", "A10G", "L4")
+
+
+def inference_class(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [(r.name, f"inference group {c.group} runs on {item.gpu_model} ({t}); "
+                     f"{'/'.join(INFERENCE_GPUS)} serve for less")
+            for r, c, t, item in _types_of(resources, "inference") if item.gpu_model not in INFERENCE_GPUS]
+
+
+# ------------------------------------------------------------------------------ security
+
+def _ingress_sources(r: Res) -> tuple[str, list[str]] | None:
+    """(the security group it opens, the source CIDRs it admits) of an ingress rule, on any cloud."""
+    def cidrs(*values: Any) -> list[str]:
+        out: list[str] = []
+        for v in values:
+            out += [str(c) for c in v] if isinstance(v, (list, tuple)) else ([str(v)] if v else [])
+        return out
+
+    t = r.type
+    if t == "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule":
+        return str(r.get("securityGroupId")), cidrs(r.get("cidrIpv4"), r.get("cidrIpv6"))
+    if t == "aws:ec2/securityGroupRule:SecurityGroupRule" and r.get("type") == "ingress":
+        return str(r.get("securityGroupId")), cidrs(r.get("cidrBlocks"), r.get("ipv6CidrBlocks"))
+    if t == "aws:ec2/securityGroup:SecurityGroup":
+        return r.name, cidrs(*[c for i in (r.get("ingress") or []) for c in (i.get("cidrBlocks"), i.get("ipv6CidrBlocks"))])
+    if t == "alicloud:ecs/securityGroupRule:SecurityGroupRule" and r.get("type") == "ingress" \
+            and str(r.get("policy", default="accept")).lower() == "accept":
+        return str(r.get("securityGroupId")), cidrs(r.get("cidrIp"), r.get("ipv6CidrIp"))
+    if t == "tencentcloud:Security/groupRuleSet:GroupRuleSet":
+        return str(r.get("securityGroupId")), cidrs(*[c for i in (r.get("ingresses") or [])
+                                                      if str(i.get("action", "ACCEPT")).upper() == "ACCEPT"
+                                                      for c in (i.get("cidrBlock"), i.get("ipv6CidrBlock"))])
+    if t == "tencentcloud:Security/groupRule:GroupRule" and r.get("type") == "ingress" \
+            and str(r.get("policy", default="ACCEPT")).upper() == "ACCEPT":
+        return str(r.get("securityGroupId")), cidrs(r.get("cidrIp"))
+    return None
+
+
+def no_public_ingress(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Judged by the address space a security group admits, all its ingress rules together:
+    0.0.0.0/1 plus 128.0.0.0/1 is the internet as surely as 0.0.0.0/0 (IPv6 alike)."""
+    fix = "allow only your office / VPN CIDRs (networks[].sshCidrs) or use Session Manager / cloud shell"
+    groups: dict[str, list[tuple[Res, list[str]]]] = {}
+    for r in resources:
+        found = _ingress_sources(r)
+        if found and found[1]:
+            groups.setdefault(found[0], []).append((r, found[1]))
+    out = []
+    for members in groups.values():
+        everything = [c for _, cs in members for c in cs]
+        if not opens_internet(everything):
+            continue
+        for r, cs in members:
+            if opens_internet(cs):
+                out.append((r.name, f"{r.type} admits traffic from the whole internet ({', '.join(cs)}); {fix}"))
+            elif any(not _private(c) for c in cs):
+                out.append((r.name, f"{r.type} and the other rules of its security group together admit the whole "
+                                    f"internet ({', '.join(sorted(set(everything)))}); {fix}"))
+    return out
+
+
+def _private(cidr: str) -> bool:
+    import ipaddress
+
+    return ipaddress.ip_network(cidr, strict=False).is_private
+
+
+AWS_METADATA = ("aws:ec2/launchTemplate:LaunchTemplate", "aws:ec2/instance:Instance")
+ALI_METADATA = ("alicloud:ecs/instance:Instance", "alicloud:ecs/ecsLaunchTemplate:EcsLaunchTemplate")
+
+
+def metadata_hardened(r: Res, cfg: Mapping[str, Any]) -> list[str]:
+    if r.type in AWS_METADATA and r.get("metadataOptions", "httpTokens") != "required":
+        return ["instance metadata must require IMDSv2 tokens: metadataOptions.httpTokens = required"]
+    if r.type in ALI_METADATA and r.get("httpTokens") != "required":
+        return ["ECS metadata must be in hardened (token) mode: http_tokens = required"]
+    return []
+
+
+def harden_metadata(r: Res) -> dict[str, Any] | None:
+    """The remediation: tokens required (nothing on the node reads metadata without one)."""
+    props = dict(r.props)
+    if r.type in AWS_METADATA:
+        props["metadataOptions"] = {**dict(r.get("metadataOptions") or {}), "httpTokens": "required"}
+        return props
+    if r.type in ALI_METADATA:
+        return {**props, "httpTokens": "required"}
+    return None
+
+
+PASSWORD_KEYS = ("password", "kmsEncryptedPassword")
+
+
+def no_passwords(r: Res, cfg: Mapping[str, Any]) -> list[str]:
+    found = [k for k in PASSWORD_KEYS if r.get(k)] + [f"autoScalingConfig.{k}" for k in PASSWORD_KEYS
+                                                     if r.get("autoScalingConfig", k)]
+    if r.cloud in ("alicloud", "tencentcloud") and found:
+        return [f"sets an instance password ({', '.join(found)}); use key pairs or session access, and Pulumi "
+                "secrets for anything sensitive"]
+    return []
+
+
+def _aws_bucket_ids(resources: list[Res]) -> dict[str, Res]:
+    return {str(r.get("bucket")): r for r in resources if r.type == "aws:s3/bucket:Bucket"} | {
+        f"{r.name}-id": r for r in resources if r.type == "aws:s3/bucket:Bucket"}
+
+
+def buckets_safe(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    aws_buckets = _aws_bucket_ids(resources)
+    seen: dict[str, set[str]] = {b.name: set() for b in aws_buckets.values()}
+    for r in resources:
+        target = aws_buckets.get(str(r.get("bucket")))
+        if target is None:
+            continue
+        if r.type == "aws:s3/bucketVersioning:BucketVersioning" and r.get("versioningConfiguration", "status") == "Enabled":
+            seen[target.name].add("versioned")
+        if r.type.startswith("aws:s3/bucketServerSideEncryptionConfiguration") and r.get("rules"):
+            seen[target.name].add("encrypted")
+        if r.type == "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock" and all(
+                r.get(k) is True for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")):
+            seen[target.name].add("private")
+    for name, props in seen.items():
+        missing = {"versioned", "encrypted", "private"} - props
+        if missing:
+            out.append((name, f"S3 bucket is not {', '.join(sorted(missing))}: add BucketVersioning (Enabled), "
+                              "server-side encryption and a full public access block"))
+    for r in resources:
+        lacks: list[str] = []
+        if r.type == "alicloud:oss/bucket:Bucket":
+            if r.get("versioning", "status") != "Enabled":
+                lacks.append("versioned")
+            if not r.get("serverSideEncryptionRule", "sseAlgorithm"):
+                lacks.append("encrypted")
+            if r.get("acl", default="private") != "private":
+                lacks.append("private")
+        elif r.type == "tencentcloud:Cos/bucket:Bucket":
+            if r.get("versioningEnable") is not True:
+                lacks.append("versioned")
+            if not r.get("encryptionAlgorithm"):
+                lacks.append("encrypted")
+            if r.get("acl", default="private") != "private":
+                lacks.append("private")
+        if lacks:
+            out.append((r.name, f"bucket is not {', '.join(lacks)}; enable versioning, server-side encryption "
+                                "and a private ACL"))
+    return out
+
+
+def disks_encrypted(r: Res, cfg: Mapping[str, Any]) -> list[str]:
+    bad = False
+    if r.type == "aws:ec2/launchTemplate:LaunchTemplate":
+        bad = any(str((m.get("ebs") or {}).get("encrypted")).lower() != "true"
+                  for m in (r.get("blockDeviceMappings") or []) if m.get("ebs"))
+    elif r.type == "aws:ebs/volume:Volume":
+        bad = r.get("encrypted") is not True
+    elif r.cloud == "alicloud" and r.get("dataDisks") is not None:
+        bad = any(d.get("encrypted") not in (True, "true") for d in r.get("dataDisks") or [])
+    elif r.cloud == "tencentcloud" and not sdk_gap(r.type, "dataDiskEncryption"):
+        disks = r.get("dataDisks") or r.get("autoScalingConfig", "dataDisks") or []
+        bad = any(d.get("encrypt") is not True for d in disks)
+    return ["a disk is not encrypted; set encrypted / encrypt on every data and root disk"] if bad else []
+
+
+def encrypt_disks(r: Res) -> dict[str, Any] | None:
+    """The remediation: every disk of the resource encrypted (with the cloud's default key)."""
+    props = dict(r.props)
+    if r.type == "aws:ec2/launchTemplate:LaunchTemplate":
+        props["blockDeviceMappings"] = [{**m, "ebs": {**m["ebs"], "encrypted": "true"}} if m.get("ebs") else m
+                                        for m in (r.get("blockDeviceMappings") or [])]
+    elif r.type == "aws:ebs/volume:Volume":
+        props["encrypted"] = True
+    elif r.cloud == "alicloud" and r.get("dataDisks") is not None:
+        props["dataDisks"] = [{**d, "encrypted": True} for d in r.get("dataDisks") or []]
+    elif r.cloud == "tencentcloud" and r.get("dataDisks") and not sdk_gap(r.type, "dataDiskEncryption"):
+        props["dataDisks"] = [{**d, "encrypt": True} for d in r.get("dataDisks") or []]
+    else:
+        return None
+    return props
+
+
+def known_sdk_gaps(r: Res, cfg: Mapping[str, Any]) -> list[str]:
+    """Security settings the pinned SDKs cannot express, on the resources that need them."""
+    reason = sdk_gap(r.type, "dataDiskEncryption")
+    return [f"data disks are not encrypted: {reason}"] if reason and r.get("dataDisks") else []
+
+
+def private_kubernetes_api(r: Res, cfg: Mapping[str, Any]) -> list[str]:
+    """An API endpoint may be public only when restricted to known sources: EKS by
+    publicAccessCidrs that do not add up to the internet, TKE by a security group of its own.
+    ACK has no such control the provider can set, so its endpoint must stay private."""
+    open_to = ""
+    if r.type == "aws:eks/cluster:Cluster" and r.get("vpcConfig", "endpointPublicAccess", default=True):
+        cidrs = r.get("vpcConfig", "publicAccessCidrs") or ["0.0.0.0/0"]
+        open_to = "the internet" if opens_internet(cidrs) else ""
+    elif r.type == "alicloud:cs/managedKubernetes:ManagedKubernetes" and r.get("slbInternetEnabled", default=True):
+        open_to = "any source (ACK's API access list cannot be set by the provider)"
+    elif r.type == "tencentcloud:Kubernetes/clusterEndpoint:ClusterEndpoint" and r.get("clusterInternet"):
+        open_to = "" if r.get("clusterInternetSecurityGroup") else "any source (no security group)"
+    elif r.type == "tencentcloud:Kubernetes/cluster:Cluster" and r.get("clusterInternet"):
+        open_to = "any source (use a ClusterEndpoint with a security group)"
+    if not open_to:
+        return []
+    return [f"the Kubernetes API endpoint is open to {open_to}; keep it private or list the operators' CIDRs in "
+            "kubernetes.apiAccessCidrs"]
+
+
+# ------------------------------------------------------------------------------- tagging
+
+REQUIRED_TAGS = ("owner", "cost-center", "env")
+
+
+def required_tags(r: Res, cfg: Mapping[str, Any]) -> list[str]:
+    need = list(cfg.get("tags") or REQUIRED_TAGS)
+    if not taggable(r.type):
+        return []
+    missing = [t for t in need if not tags_of(r).get(t)]
+    return [f"{r.type} lacks tag(s) {', '.join(missing)}; the stack's tags must reach it"] if missing else []
+
+
+def _stateful() -> dict[str, str]:
+    """type -> why it is protected (policies/data/stateful.yaml, a copy of infra/data/'s)."""
+    import yaml
+
+    data = yaml.safe_load((cat.DATA_DIR / "stateful.yaml").read_text(encoding="utf-8"))
+    return {t: str(v["why"]) for t, v in data["types"].items()}
+
+
+def stateful_protected(r: Res, config: Mapping[str, Any]) -> list[str]:
+    stateful = _stateful()
+    if r.type not in stateful or r.protect:
+        return []
+    return [f"{r.type} is not protected, and it holds {stateful[r.type]}: a destroy or a replacement would take "
+            "it. Register it with protect=True (infra/protection.py does for every type in "
+            "infra/data/stateful.yaml), or set protectStateful: true"]
+
+
+RULES: list[Rule] = [
+    Rule("stack-cost-cap", "The stack's GPU capacity at its maximum stays under an hourly and monthly cap.",
+         "mandatory", stack_cost_cap, {"maxHourlyUsd": {"type": "number"}, "maxMonthlyUsd": {"type": "number"},
+                                        "cnyPerUsd": {"type": "number"}}),
+    Rule("node-group-cost-cap", "Each node group at its maximum stays under an hourly cap.", "mandatory",
+         group_cost_cap, {"maxHourlyUsdPerGroup": {"type": "number"}, "cnyPerUsd": {"type": "number"}}),
+    Rule("budget-covers-plan", "The planned monthly cost stays within the stack's budget.", "mandatory",
+         budget_covers_plan, BUDGET_SCHEMA),
+    Rule("budget-headroom", "The planned monthly cost stays under the budget's first alert threshold.", "advisory",
+         budget_headroom, BUDGET_SCHEMA),
+    Rule("gpu-spot-only", "All GPU capacity is spot (dev).", "disabled", spot_only),
+    Rule("gpu-families-allowed", "GPU instance families are on the environment's list.", "mandatory",
+         schema={"families": {"type": "array", "items": {"type": "string"}}}, per_resource=allowed_families),
+    Rule("gpu-max-nodes", "Node groups cannot grow past a cap.", "mandatory", max_nodes,
+         {"maxNodesPerGroup": {"type": "integer"}}),
+    Rule("reserve-always-on", "Always-on on-demand capacity should be reserved or under a savings plan.",
+         "advisory", reserve_always_on),
+    Rule("host-ram-ratio", "Training hosts have RAM >= 1.5 x total GPU memory.", "mandatory", host_ram),
+    Rule("training-dataset-disk", "Training nodes have >= 1 TB of NVMe or data disk for datasets.", "mandatory",
+         dataset_disk, {"minGb": {"type": "integer"}}),
+    Rule("gpu-memory-minimum", "GPUs have at least the workload's minimum memory.", "mandatory", gpu_memory,
+         {"minGpuMemoryGb": {"type": "integer"}}),
+    Rule("inference-gpu-class", "Inference runs on inference-class GPUs (T4 / A10 / L4).", "advisory",
+         inference_class),
+    Rule("stateful-protected", "Buckets, keys, clusters and registries are protected from destroy and replacement "
+         "(prod).", "disabled", per_resource=stateful_protected),
+    Rule("no-public-ingress", "No ingress from 0.0.0.0/0, for SSH, RDP or anything else.", "mandatory",
+         no_public_ingress),
+    Rule("metadata-hardened", "Instance metadata requires tokens (IMDSv2 / hardened mode).", "mandatory",
+         per_resource=metadata_hardened, remediate=harden_metadata),
+    Rule("no-instance-passwords", "No instance passwords.", "mandatory", per_resource=no_passwords),
+    Rule("buckets-private-encrypted-versioned", "Buckets are private, encrypted and versioned.", "mandatory",
+         buckets_safe),
+    Rule("disks-encrypted", "Every disk is encrypted.", "mandatory", per_resource=disks_encrypted,
+         remediate=encrypt_disks),
+    Rule("known-sdk-gaps", "Security settings the provider SDKs cannot express yet (with the workaround).",
+         "advisory", per_resource=known_sdk_gaps),
+    Rule("kubernetes-api-private", "Kubernetes API endpoints are not public (prod).", "disabled",
+         per_resource=private_kubernetes_api),
+    Rule("required-tags", "owner, cost-center and env on every taggable resource.", "mandatory",
+         schema={"tags": {"type": "array", "items": {"type": "string"}}}, per_resource=required_tags),
+]
+
+
+def evaluate(resources: list[Res], config: Mapping[str, Any]) -> list[dict[str, str]]:
+    """Run every enabled rule. `config` is a policy-pack config file's content:
+    {rule: "mandatory" | "advisory" | "disabled" | {"enforcementLevel": ..., <settings>}}."""
+    found = []
+    for rule in RULES:
+        entry = config.get(rule.name, {})
+        settings = entry if isinstance(entry, Mapping) else {"enforcementLevel": entry}
+        level = str(settings.get("enforcementLevel", rule.enforcement))
+        if level == "disabled":
+            continue
+        if level == "remediate" and rule.remediate is None:
+            level = "mandatory"  # as the engine treats a policy without a remediation
+        for resource, message in rule.run(resources, settings):
+            if level == "remediate":
+                message += " (remediated: the engine applies the fix before the resource is created)"
+            found.append({"policy": rule.name, "enforcement": level, "resource": resource, "message": message})
+    return found
