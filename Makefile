@@ -76,8 +76,9 @@ typecheck: $(STAMP)
 	cd policies && ../$(PY) -m mypy --config-file ../mypy.ini __main__.py
 	$(PY) -m pyflakes infra __main__.py tests policies training
 
+# Two workers: the suite is mostly real processes waiting on each other (pytest-xdist).
 unit: $(STAMP) tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 # Debian's cloud-init (the real `cloud-init schema` checks of the rendered user data) and
 # prometheus (a real scrape of the trainer's metrics).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +82,14 @@ def spec_raw(config: dict[str, Any]) -> dict[str, Any]:
     prefix = PROJECT + ":"
     return decode({k[len(prefix):]: v if isinstance(v, str) else json.dumps(v)
                    for k, v in config.items() if k.startswith(prefix)})
+
+
+def policy_hits(resources: Iterable[Registered], rule: str, settings: dict[str, Any] | None = None) -> list[str]:
+    """Resources the policy pack's own rule reports on these registrations (the rule enabled as
+    mandatory with `settings`): tests check the project's rule, never a copy of it."""
+    from policies.gts_policy.resources import Res
+    from policies.gts_policy.rules import evaluate
+
+    views = [Res(r.type, r.name, r.inputs, bool(r.options.get("protect"))) for r in resources]
+    config = {rule: {"enforcementLevel": "mandatory", **(settings or {})}}
+    return sorted(v["resource"] for v in evaluate(views, config) if v["policy"] == rule)

@@ -10,7 +10,7 @@ import pytest
 from infra import catalog as cat
 from infra.plan.engine import Registered
 from policies.gts_policy.resources import taggable
-from tests.harness import by_type, key, run_stack, shipped
+from tests.harness import by_type, key, policy_hits, run_stack, shipped
 
 REQUIRED_TAGS = {"owner", "cost-center", "env"}
 SPOT = {"SpotAsPriceGo", "SpotWithPriceLimit"}
@@ -24,28 +24,16 @@ def ali(stack: str) -> list[Registered]:
     return [r for r in _stack(stack) if r.type.startswith("alicloud:")]
 
 
-def non_spot_gpu(resources: list[Registered]) -> list[str]:
-    from infra.rendezvous import instance
-
-    store_type = instance("alicloud")["instanceType"]  # the rendezvous store: no GPU, on demand by design
-    bad = [r.name for r in resources if r.type in ("alicloud:ecs/ecsLaunchTemplate:EcsLaunchTemplate",
-                                                    "alicloud:cs/nodePool:NodePool", "alicloud:ecs/instance:Instance")
-           and r.inputs.get("spotStrategy") not in SPOT and r.inputs.get("instanceType") != store_type]
-    bad += [r.name for r in by_type(resources, "alicloud:ess/scalingGroup:ScalingGroup")
-            if r.inputs.get("onDemandBaseCapacity", 0) or r.inputs.get("onDemandPercentageAboveBaseCapacity", 100)]
-    return bad
-
-
 def test_dev_every_alibaba_gpu_resource_is_spot() -> None:
     assert by_type(ali("dev"), "alicloud:ess/scalingGroup:ScalingGroup")
-    assert non_spot_gpu(ali("dev")) == []
+    assert policy_hits(ali("dev"), "gpu-spot-only") == []
 
 
 def test_spot_check_fails_for_on_demand_and_reserved(tmp_path: Path) -> None:
     def on_demand(v: dict[str, Any]) -> None:
         v[key("nodeGroups")][1]["market"] = {"type": "on-demand"}
     res = [r for r in run_stack("dev", on_demand, tmp_path) if r.cloud == "alicloud"]
-    assert sorted(non_spot_gpu(res)) == ["ali-train-ess", "ali-train-lt"]
+    assert policy_hits(res, "gpu-spot-only") == ["ali-train-ess"]
 
     def reserved(v: dict[str, Any]) -> None:
         v[key("nodeGroups")][1].update(market={"type": "reserved"}, schedule=[])
@@ -69,17 +57,25 @@ def test_prod_on_demand_base_and_instance_type_pools() -> None:
     assert pool.inputs["instanceMetadataOptions"]["httpTokens"] == "required"
 
 
-def test_dev_requirement_fallback_types_for_spot_pools() -> None:
-    (group,) = by_type(ali("dev"), "alicloud:ess/scalingGroup:ScalingGroup")
+def test_a_requirement_with_several_types_gives_the_spot_pool_all_of_them(tmp_path: Path) -> None:
+    """One A100 on Alibaba: the catalog has two types that pass the RAM rule (A100 40 GB and
+    80 GB); the scaling group overrides list both, cheapest first, so spot has two pools."""
+    def edit(v: dict[str, Any]) -> None:
+        v[key("nodeGroups")][1]["gpu"] = {"model": "A100", "count": 1}
+    res = [r for r in run_stack("dev", edit, tmp_path) if r.cloud == "alicloud"]
+    (group,) = by_type(res, "alicloud:ess/scalingGroup:ScalingGroup")
     types = [o["instanceType"] for o in group.inputs["launchTemplateOverrides"]]
-    assert types[0] == "ecs.gn7i-c16g1.4xlarge" and len(types) >= 1
+    catalog = cat.load_catalog()
+    expected = sorted((t for t in catalog.of_cloud("alicloud") if t.gpu_model == "A100" and t.gpu_count == 1
+                       and t.ram_ok), key=lambda t: t.price_ondemand)
+    assert len(expected) == 2 and types == [t.instance_type for t in expected]
 
 
 def test_no_ingress_from_anywhere_and_hardened_metadata() -> None:
     for stack in ("dev", "prod"):
         rules = by_type(ali(stack), "alicloud:ecs/securityGroupRule:SecurityGroupRule")
-        ingress = [r for r in rules if r.inputs["type"] == "ingress"]
-        assert ingress and all(r.inputs.get("cidrIp") != "0.0.0.0/0" for r in ingress)
+        assert [r for r in rules if r.inputs["type"] == "ingress"]
+        assert policy_hits(ali(stack), "no-public-ingress") == []
         for lt in by_type(ali(stack), "alicloud:ecs/ecsLaunchTemplate:EcsLaunchTemplate"):
             assert lt.inputs["httpTokens"] == "required"
             assert lt.inputs["systemDisk"]["encrypted"] is True

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from infra.plan.engine import Registered
-from tests.harness import by_type, key, run_stack, shipped
+from tests.harness import by_type, key, policy_hits, run_stack, shipped
 
 REQUIRED_TAGS = {"owner", "cost-center", "env"}
 
@@ -23,28 +23,15 @@ def aws(stack: str) -> list[Registered]:
     return [r for r in _stack(stack) if r.type.startswith("aws:")]
 
 
-def gpu_capacity_is_spot(resources: list[Registered] | tuple[Registered, ...]) -> list[str]:
-    """Names of AWS GPU capacity that is not spot (empty when all of it is)."""
-    bad = []
-    for asg in by_type(list(resources), "aws:autoscaling/group:Group"):
-        dist = asg.inputs["mixedInstancesPolicy"]["instancesDistribution"]
-        if dist.get("onDemandBaseCapacity", 0) != 0 or dist.get("onDemandPercentageAboveBaseCapacity", 100) != 0:
-            bad.append(asg.name)
-    for ng in by_type(list(resources), "aws:eks/nodeGroup:NodeGroup"):
-        if ng.inputs.get("capacityType") != "SPOT":
-            bad.append(ng.name)
-    return bad
-
-
 def test_dev_aws_gpu_capacity_is_all_spot() -> None:
     assert by_type(aws("dev"), "aws:autoscaling/group:Group"), "dev has an AWS fleet"
-    assert gpu_capacity_is_spot(aws("dev")) == []
+    assert policy_hits(aws("dev"), "gpu-spot-only") == []
 
 
 def test_spot_check_fails_when_a_dev_group_goes_on_demand(tmp_path: Path) -> None:
     def edit(v: dict[str, Any]) -> None:
         v[key("nodeGroups")][0]["market"] = {"type": "on-demand"}
-    assert gpu_capacity_is_spot(run_stack("dev", edit, tmp_path)) == ["aws-train-asg"]
+    assert policy_hits(run_stack("dev", edit, tmp_path), "gpu-spot-only") == ["aws-train-asg"]
 
 
 def test_prod_has_on_demand_base_and_spot_burst() -> None:
@@ -63,9 +50,8 @@ def test_prod_has_on_demand_base_and_spot_burst() -> None:
 
 def test_no_ingress_from_anywhere() -> None:
     for stack in ("dev", "prod"):
-        rules = by_type(aws(stack), "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule")
-        assert rules
-        assert all(r.inputs.get("cidrIpv4") != "0.0.0.0/0" for r in rules)
+        assert by_type(aws(stack), "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule")
+        assert policy_hits(aws(stack), "no-public-ingress") == []
         for sg in by_type(aws(stack), "aws:ec2/securityGroup:SecurityGroup"):
             assert not sg.inputs.get("ingress"), "rules are separate resources"
 
@@ -183,5 +169,5 @@ def test_done_when_counts() -> None:
     assert by_type(res, "aws:ec2/natGateway:NatGateway")
     # dev nodes need egress too (no public addresses): every network with nodes has a NAT.
     assert len(by_type(aws("dev"), "aws:ec2/natGateway:NatGateway")) == 1
-    assert all("userData" in lt.inputs for lt in by_type(res, "aws:ec2/launchTemplate:LaunchTemplate")
-               if lt.name == "aws-train-lt")
+    (lt,) = [t for t in by_type(res, "aws:ec2/launchTemplate:LaunchTemplate") if t.name == "aws-train-lt"]
+    assert lt.inputs["userData"]

@@ -19,7 +19,7 @@ import pytest
 from google.protobuf import empty_pb2, struct_pb2
 from pulumi.runtime.proto import analyzer_pb2, analyzer_pb2_grpc
 
-from policies.gts_policy.rules import RULES
+from policies.gts_policy.rules import RULES, configured
 
 ROOT = Path(__file__).resolve().parents[1]
 LEVELS = {"advisory": analyzer_pb2.ADVISORY, "mandatory": analyzer_pb2.MANDATORY, "disabled": analyzer_pb2.DISABLED,
@@ -62,12 +62,9 @@ def _struct(value: dict[str, object]) -> struct_pb2.Struct:
 
 def _configure(stub: analyzer_pb2_grpc.AnalyzerStub, path: Path) -> None:
     config: dict[str, analyzer_pb2.PolicyConfig] = {}
-    for rule in RULES:
-        entry = json.loads(path.read_text()).get(rule.name, {})
-        settings = entry if isinstance(entry, dict) else {"enforcementLevel": entry}
-        level = settings.get("enforcementLevel", rule.enforcement)
-        props = {k: v for k, v in settings.items() if k != "enforcementLevel"}
-        config[rule.name] = analyzer_pb2.PolicyConfig(enforcementLevel=LEVELS[level], properties=_struct(props))
+    for rule in RULES:  # the engine's Configure, from the file as the pack's own reader sees it
+        level, settings = configured(rule, json.loads(path.read_text()))
+        config[rule.name] = analyzer_pb2.PolicyConfig(enforcementLevel=LEVELS[level], properties=_struct(settings))
     stub.Configure(analyzer_pb2.ConfigureAnalyzerRequest(policyConfig=config))
 
 

@@ -9,17 +9,23 @@ import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import yaml
 
 from training import contract
 
 
+Workload = Literal["tiny", "resnet50"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Launcher = Literal["auto", "torchrun", "accelerate", "horovod"]
+CHOICES = {"workload": get_args(Workload), "precision": get_args(Precision), "launcher": get_args(Launcher)}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     # what to train
-    workload: str = "tiny"  # tiny (synthetic, CPU-friendly) | resnet50 (image folder)
+    workload: Workload = "tiny"  # synthetic and CPU-friendly, or ResNet-50 on an image folder
     data_dir: str = ""  # image-folder root for resnet50 (class sub-folders of images)
     image_size: int = 224  # resnet50 input resolution
     steps: int = 200  # optimizer steps in total (across restarts)
@@ -33,7 +39,7 @@ class TrainConfig:
     tiny_width: int = 64
     tiny_samples: int = 4096
     # numerics and memory
-    precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + GradScaler, CUDA only)
+    precision: Precision = "fp32"  # bf16: autocast; fp16: autocast + GradScaler (CUDA only)
     grad_checkpointing: bool = False  # recompute activations in the backward pass (resnet50)
     channels_last: bool = True  # NHWC memory format for convolutions (resnet50)
     num_workers: int = 0  # DataLoader worker processes
@@ -45,7 +51,7 @@ class TrainConfig:
     upload_deadline_s: float = 90.0  # on exit, how long to wait for pending uploads
     allow_config_change: bool = False  # resume a checkpoint trained with other result-shaping settings
     # operations
-    launcher: str = "auto"  # auto | torchrun | accelerate | horovod
+    launcher: Launcher = "auto"  # auto: detected from the environment the launcher sets
     log_every: int = 10  # steps between log lines / metric pushes
     metrics_port: int = 0  # Prometheus endpoint on local rank 0; 0 = off
     node_hourly_usd: float = 0.0  # the node's price, for the cost-so-far metric
@@ -115,10 +121,9 @@ def parse(argv: list[str] | None = None, environ: dict[str, str] | None = None) 
     for problem in contract.problems(dict(env)):
         _refuse(parser, problem)
     cfg = TrainConfig(**coerced)
-    if cfg.workload not in ("tiny", "resnet50"):
-        parser.error(f"--workload {cfg.workload!r}: use tiny or resnet50")
-    if cfg.precision not in ("fp32", "bf16", "fp16"):
-        parser.error(f"--precision {cfg.precision!r}: use fp32, bf16 or fp16")
+    for name, allowed in CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            _refuse(parser, f"{origin[name]}={getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
     if cfg.checkpoint_every <= 0 or cfg.steps <= 0:
         parser.error("--checkpoint-every and --steps must be positive")
     if cfg.workload == "resnet50" and not cfg.data_dir:

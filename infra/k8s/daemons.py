@@ -68,6 +68,12 @@ class GpuNodeExporters(pulumi.ComponentResource):
         ns = k8s.core.v1.Namespace(f"{name}-ns", metadata=k8s.meta.v1.ObjectMetaArgs(
             name=self.NAMESPACE, labels={"pod-security.kubernetes.io/enforce": "privileged"}), opts=child)
         namespace = ns.metadata.name
+        self._dcgm(name, namespace, images.dcgm_exporter, child)
+        self._node(name, namespace, images.node_exporter, child)
+        self.register_outputs({"namespace": namespace})
+
+    @staticmethod
+    def _dcgm(name: str, namespace: pulumi.Input[str], image: str, child: pulumi.ResourceOptions) -> None:
         dcgm = {"app.kubernetes.io/name": "dcgm-exporter"}
         k8s.apps.v1.DaemonSet(
             f"{name}-dcgm", metadata=k8s.meta.v1.ObjectMetaArgs(name="dcgm-exporter", namespace=namespace, labels=dcgm),
@@ -79,7 +85,7 @@ class GpuNodeExporters(pulumi.ComponentResource):
                     spec=k8s.core.v1.PodSpecArgs(
                         affinity=ON_GPU_NODES, tolerations=[GPU_TOLERATION], priority_class_name="system-node-critical",
                         containers=[k8s.core.v1.ContainerArgs(
-                            name="dcgm-exporter", image=images.dcgm_exporter,
+                            name="dcgm-exporter", image=image,
                             # All GPUs of the node, through the NVIDIA runtime, without requesting any.
                             env=[k8s.core.v1.EnvVarArgs(name="NVIDIA_VISIBLE_DEVICES", value="all"),
                                  k8s.core.v1.EnvVarArgs(name="DCGM_EXPORTER_KUBERNETES", value="true")],
@@ -93,6 +99,9 @@ class GpuNodeExporters(pulumi.ComponentResource):
                         volumes=[k8s.core.v1.VolumeArgs(name="pod-resources", host_path=k8s.core.v1.HostPathVolumeSourceArgs(
                             path="/var/lib/kubelet/pod-resources"))]))),
             opts=child)
+
+    @staticmethod
+    def _node(name: str, namespace: pulumi.Input[str], image: str, child: pulumi.ResourceOptions) -> None:
         node = {"app.kubernetes.io/name": "node-exporter"}
         k8s.apps.v1.DaemonSet(
             f"{name}-node", metadata=k8s.meta.v1.ObjectMetaArgs(name="node-exporter", namespace=namespace, labels=node),
@@ -105,7 +114,7 @@ class GpuNodeExporters(pulumi.ComponentResource):
                         affinity=ON_GPU_NODES, tolerations=[GPU_TOLERATION], priority_class_name="system-node-critical",
                         host_network=True, host_pid=True,
                         containers=[k8s.core.v1.ContainerArgs(
-                            name="node-exporter", image=images.node_exporter,
+                            name="node-exporter", image=image,
                             args=["--path.rootfs=/host", "--collector.textfile.directory=/textfile"],
                             ports=[k8s.core.v1.ContainerPortArgs(name="metrics", container_port=9100)],
                             security_context=k8s.core.v1.SecurityContextArgs(
@@ -122,4 +131,3 @@ class GpuNodeExporters(pulumi.ComponentResource):
                             k8s.core.v1.VolumeArgs(name="textfile", host_path=k8s.core.v1.HostPathVolumeSourceArgs(
                                 path=TEXTFILE_DIR, type="DirectoryOrCreate"))]))),
             opts=child)
-        self.register_outputs({"namespace": namespace})

@@ -134,46 +134,26 @@ class TrainingJob(pulumi.ComponentResource):
             name=args.identity.service_account, namespace=args.namespace, labels=labels),
             automount_service_account_token=False, opts=child)
         resources, shm_gb = pod_resources(rg)
-        env = [k8s.core.v1.EnvVarArgs(name=k, value=v) for k, v in sorted(args.env.items())
-               if not (k in SECRET_VARS and v)]
-        secrets = {k: v for k, v in args.env.items() if k in SECRET_VARS and v}
-        if secrets:
-            # An MLflow URI may hold a token: a Kubernetes Secret, created from a Pulumi secret, and
-            # the env refers to it (the Job's spec stays readable in previews).
-            held = k8s.core.v1.Secret(f"{name}-secrets", metadata=k8s.meta.v1.ObjectMetaArgs(
-                name=f"{job}-secrets", namespace=args.namespace, labels=labels),
-                string_data={k.lower(): pulumi.Output.secret(v) for k, v in secrets.items()}, opts=child)
-            env += [k8s.core.v1.EnvVarArgs(name=k, value_from=k8s.core.v1.EnvVarSourceArgs(
-                secret_key_ref=k8s.core.v1.SecretKeySelectorArgs(name=held.metadata.name, key=k.lower())))
-                for k in sorted(secrets)]
-        env += [k8s.core.v1.EnvVarArgs(name=k, value=v) for k, v in sorted(args.identity.env.items())]
-        env.append(k8s.core.v1.EnvVarArgs(name=c.NODE_RANK.name, value_from=k8s.core.v1.EnvVarSourceArgs(
-            field_ref=k8s.core.v1.ObjectFieldSelectorArgs(
-                field_path="metadata.annotations['batch.kubernetes.io/job-completion-index']"))))
-        mounts = [k8s.core.v1.VolumeMountArgs(name="scratch", mount_path=contract.POD_SCRATCH),
-                  k8s.core.v1.VolumeMountArgs(name="dshm", mount_path="/dev/shm")]
-        volumes = [
-            # Node-local scratch for the dataset cache and the checkpoints (not the container layer).
-            k8s.core.v1.VolumeArgs(name="scratch", empty_dir=k8s.core.v1.EmptyDirVolumeSourceArgs(
-                size_limit=f"{args.scratch_gb}Gi")),
-            k8s.core.v1.VolumeArgs(name="dshm", empty_dir=k8s.core.v1.EmptyDirVolumeSourceArgs(
-                medium="Memory", size_limit=f"{shm_gb}Gi"))]
-        if args.identity.token_audience:
-            mounts.append(k8s.core.v1.VolumeMountArgs(name="identity-token", read_only=True,
-                                                      mount_path=args.identity.token_path.rsplit("/", 1)[0]))
-            volumes.append(k8s.core.v1.VolumeArgs(name="identity-token", projected=k8s.core.v1.ProjectedVolumeSourceArgs(
-                sources=[k8s.core.v1.VolumeProjectionArgs(service_account_token=k8s.core.v1.ServiceAccountTokenProjectionArgs(
-                    audience=args.identity.token_audience, expiration_seconds=3600,
-                    path=args.identity.token_path.rsplit("/", 1)[1]))])))
-        init = []
-        dataset = args.env.get(c.DATASET_URL.name)
-        if dataset:
-            # The dataset on node-local scratch before the trainer starts (resumable, verified).
-            init.append(k8s.core.v1.ContainerArgs(
-                name="dataset", image=args.image, env=env, volume_mounts=mounts, security_context=restricted(),
-                command=["python", "-m", "training.datasync", dataset, args.env[c.DATA_DIR.name]],
-                resources=k8s.core.v1.ResourceRequirementsArgs(
-                    requests={"cpu": "2", "memory": "4Gi"}, limits={"cpu": "2", "memory": "4Gi"})))
+        env = self._env(name, args, labels, child)
+        mounts, volumes = _volumes(args, shm_gb)
+        pod = k8s.core.v1.PodSpecArgs(
+            restart_policy="OnFailure", service_account_name=account.metadata.name,
+            automount_service_account_token=False,
+            # The trainer checkpoints on SIGTERM; give it time before SIGKILL.
+            termination_grace_period_seconds=120,
+            node_selector={LABEL_NODE_GROUP: rg.name},
+            tolerations=[GPU_TOLERATION],
+            security_context=k8s.core.v1.PodSecurityContextArgs(
+                run_as_non_root=True, run_as_user=TRAINER_UID, fs_group=TRAINER_UID,
+                seccomp_profile=k8s.core.v1.SeccompProfileArgs(type="RuntimeDefault")),
+            init_containers=_dataset_cache(args, env, mounts) or None,
+            containers=[k8s.core.v1.ContainerArgs(
+                name="trainer", image=args.image, env=env, security_context=restricted(),
+                ports=[k8s.core.v1.ContainerPortArgs(name="rdzv", container_port=contract.RDZV_PORT),
+                       k8s.core.v1.ContainerPortArgs(name="metrics", container_port=contract.METRICS_PORT)],
+                resources=k8s.core.v1.ResourceRequirementsArgs(limits=resources, requests=resources),
+                volume_mounts=mounts)],
+            volumes=volumes)
         self.job = k8s.batch.v1.Job(
             f"{name}-job",
             # The stack submits the run and does not wait for it: pulumi-kubernetes otherwise awaits
@@ -184,28 +164,67 @@ class TrainingJob(pulumi.ComponentResource):
             spec=k8s.batch.v1.JobSpecArgs(
                 completion_mode="Indexed", completions=rg.nnodes, parallelism=rg.nnodes,
                 backoff_limit=args.backoff_limit,
-                template=k8s.core.v1.PodTemplateSpecArgs(
-                    metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
-                    spec=k8s.core.v1.PodSpecArgs(
-                        restart_policy="OnFailure", service_account_name=account.metadata.name,
-                        automount_service_account_token=False,
-                        # The trainer checkpoints on SIGTERM; give it time before SIGKILL.
-                        termination_grace_period_seconds=120,
-                        node_selector={LABEL_NODE_GROUP: rg.name},
-                        tolerations=[GPU_TOLERATION],
-                        security_context=k8s.core.v1.PodSecurityContextArgs(
-                            run_as_non_root=True, run_as_user=TRAINER_UID, fs_group=TRAINER_UID,
-                            seccomp_profile=k8s.core.v1.SeccompProfileArgs(type="RuntimeDefault")),
-                        init_containers=init or None,
-                        containers=[k8s.core.v1.ContainerArgs(
-                            name="trainer", image=args.image, env=env, security_context=restricted(),
-                            ports=[k8s.core.v1.ContainerPortArgs(name="rdzv", container_port=contract.RDZV_PORT),
-                                   k8s.core.v1.ContainerPortArgs(name="metrics", container_port=contract.METRICS_PORT)],
-                            resources=k8s.core.v1.ResourceRequirementsArgs(limits=resources, requests=resources),
-                            volume_mounts=mounts)],
-                        volumes=volumes))),
+                template=k8s.core.v1.PodTemplateSpecArgs(metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
+                                                         spec=pod)),
             opts=child)
         self.register_outputs({"jobName": self.job.metadata.name})
+
+    @staticmethod
+    def _env(name: str, args: TrainingJobArgs, labels: dict[str, str],
+             child: pulumi.ResourceOptions) -> list[k8s.core.v1.EnvVarArgs]:
+        """The contract's values, the secret ones through a Kubernetes Secret, the workload
+        identity's, and this pod's node index."""
+        env = [k8s.core.v1.EnvVarArgs(name=k, value=v) for k, v in sorted(args.env.items())
+               if not (k in SECRET_VARS and v)]
+        secrets = {k: v for k, v in args.env.items() if k in SECRET_VARS and v}
+        if secrets:
+            # An MLflow URI may hold a token: a Kubernetes Secret, created from a Pulumi secret, and
+            # the env refers to it (the Job's spec stays readable in previews).
+            held = k8s.core.v1.Secret(f"{name}-secrets", metadata=k8s.meta.v1.ObjectMetaArgs(
+                name=f"{name}-secrets", namespace=args.namespace, labels=labels),
+                string_data={k.lower(): pulumi.Output.secret(v) for k, v in secrets.items()}, opts=child)
+            env += [k8s.core.v1.EnvVarArgs(name=k, value_from=k8s.core.v1.EnvVarSourceArgs(
+                secret_key_ref=k8s.core.v1.SecretKeySelectorArgs(name=held.metadata.name, key=k.lower())))
+                for k in sorted(secrets)]
+        env += [k8s.core.v1.EnvVarArgs(name=k, value=v) for k, v in sorted(args.identity.env.items())]
+        env.append(k8s.core.v1.EnvVarArgs(name=c.NODE_RANK.name, value_from=k8s.core.v1.EnvVarSourceArgs(
+            field_ref=k8s.core.v1.ObjectFieldSelectorArgs(
+                field_path="metadata.annotations['batch.kubernetes.io/job-completion-index']"))))
+        return env
+
+
+def _volumes(args: TrainingJobArgs, shm_gb: int) -> tuple[list[k8s.core.v1.VolumeMountArgs],
+                                                          list[k8s.core.v1.VolumeArgs]]:
+    """Node-local scratch for the dataset cache and the checkpoints (not the container layer),
+    a bounded /dev/shm, and the projected identity token where the workload identity needs one."""
+    mounts = [k8s.core.v1.VolumeMountArgs(name="scratch", mount_path=contract.POD_SCRATCH),
+              k8s.core.v1.VolumeMountArgs(name="dshm", mount_path="/dev/shm")]
+    volumes = [
+        k8s.core.v1.VolumeArgs(name="scratch", empty_dir=k8s.core.v1.EmptyDirVolumeSourceArgs(
+            size_limit=f"{args.scratch_gb}Gi")),
+        k8s.core.v1.VolumeArgs(name="dshm", empty_dir=k8s.core.v1.EmptyDirVolumeSourceArgs(
+            medium="Memory", size_limit=f"{shm_gb}Gi"))]
+    identity = args.identity
+    if identity.token_audience:
+        folder, file = identity.token_path.rsplit("/", 1)
+        mounts.append(k8s.core.v1.VolumeMountArgs(name="identity-token", read_only=True, mount_path=folder))
+        volumes.append(k8s.core.v1.VolumeArgs(name="identity-token", projected=k8s.core.v1.ProjectedVolumeSourceArgs(
+            sources=[k8s.core.v1.VolumeProjectionArgs(service_account_token=k8s.core.v1.ServiceAccountTokenProjectionArgs(
+                audience=identity.token_audience, expiration_seconds=3600, path=file))])))
+    return mounts, volumes
+
+
+def _dataset_cache(args: TrainingJobArgs, env: list[k8s.core.v1.EnvVarArgs],
+                   mounts: list[k8s.core.v1.VolumeMountArgs]) -> list[k8s.core.v1.ContainerArgs]:
+    """The dataset on node-local scratch before the trainer starts (resumable, verified)."""
+    dataset = args.env.get(c.DATASET_URL.name)
+    if not dataset:
+        return []
+    return [k8s.core.v1.ContainerArgs(
+        name="dataset", image=args.image, env=env, volume_mounts=mounts, security_context=restricted(),
+        command=["python", "-m", "training.datasync", dataset, args.env[c.DATA_DIR.name]],
+        resources=k8s.core.v1.ResourceRequirementsArgs(
+            requests={"cpu": "2", "memory": "4Gi"}, limits={"cpu": "2", "memory": "4Gi"}))]
 
 
 def training_namespace(name: str, opts: pulumi.ResourceOptions) -> k8s.core.v1.Namespace:

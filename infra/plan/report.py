@@ -40,6 +40,12 @@ def key_inputs(inputs: dict[str, Any], limit: int = 4) -> str:
 
 
 def print_plan(plan: dict[str, Any], console: Console) -> None:
+    _resources(plan, console)
+    _cost(plan["cost"], console)
+    _violations(plan["violations"], console)
+
+
+def _resources(plan: dict[str, Any], console: Console) -> None:
     table = Table(title=f"stack {plan['stack']}: {len(plan['resources'])} resources", show_lines=False)
     for column in ("cloud", "type", "name", "protected", "key inputs"):
         table.add_column(column, overflow="fold")
@@ -59,7 +65,8 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         else:
             console.print("[green]no stateful resource is replaced or deleted by this change[/]")
 
-    cost = plan["cost"]
+
+def _cost(cost: dict[str, Any], console: Console) -> None:
     groups = Table(title="cost by node group (USD)")
     for column in ("node group", "cloud", "type", "market", "spot cap /node-h", "avg nodes", "$/h", "$/month",
                    "on-demand $/month"):
@@ -91,7 +98,8 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
                   f"budget: ${cost['budget_monthly_usd']:,.0f}/month"
                   + ("   (* price is an estimate; override in pricing.overrides)" if cost["includes_estimates"] else ""))
 
-    violations = plan["violations"]
+
+def _violations(violations: list[dict[str, str]], console: Console) -> None:
     if not violations:
         console.print("[green]policies: no violations[/]")
         return

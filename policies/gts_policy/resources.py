@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -93,90 +93,128 @@ def _max_disk(disks: Any, size_key: str) -> int:
     return max(sizes, default=0)
 
 
+def _aws_asg(res: Res, p: Mapping[str, Any], by_id: Mapping[str, Res], group: str) -> Capacity | None:
+    policy = res.get("mixedInstancesPolicy") or {}
+    dist = policy.get("instancesDistribution") or {}
+    types = [o.get("instanceType") for o in (policy.get("launchTemplate") or {}).get("overrides") or []]
+    base = int(dist.get("onDemandBaseCapacity") or 0)
+    above = int(dist.get("onDemandPercentageAboveBaseCapacity", 100))
+    lt_id = ((policy.get("launchTemplate") or {}).get("launchTemplateSpecification") or {}).get("launchTemplateId")
+    lt = by_id.get(str(lt_id))
+    disk = _max_disk([m.get("ebs") or {} for m in (lt.get("blockDeviceMappings") or [])], "volumeSize") if lt else 0
+    return Capacity([str(x) for x in types if x], int(p.get("maxSize") or 0), int(p.get("minSize") or 0),
+                    spot=base == 0 and above == 0, on_demand_nodes=base if above == 0 else int(p.get("maxSize") or 0),
+                    workload=_workload(res), disk_gb=disk, group=group)
+
+
+def _eks_node_group(res: Res, p: Mapping[str, Any], by_id: Mapping[str, Res], group: str) -> Capacity | None:
+    scaling = p.get("scalingConfig") or {}
+    lt = by_id.get(str(res.get("launchTemplate", "id")))
+    disk = _max_disk([m.get("ebs") or {} for m in (lt.get("blockDeviceMappings") or [])], "volumeSize") if lt else int(p.get("diskSize") or 0)
+    spot = p.get("capacityType") == "SPOT"
+    return Capacity(list(p.get("instanceTypes") or []), int(scaling.get("maxSize") or 0), int(scaling.get("minSize") or 0),
+                    spot=spot, on_demand_nodes=0 if spot else int(scaling.get("maxSize") or 0),
+                    workload=_workload(res), disk_gb=disk, group=group)
+
+
+def _aws_instance(res: Res, p: Mapping[str, Any], by_id: Mapping[str, Res], group: str) -> Capacity | None:
+    spot = bool(p.get("instanceMarketOptions"))
+    return Capacity([str(p.get("instanceType"))], 1, 1, spot, 0 if spot else 1, _workload(res),
+                    _max_disk(p.get("ebsBlockDevices"), "volumeSize"), group)
+
+
+def _ecs_instance(res: Res, p: Mapping[str, Any], by_id: Mapping[str, Res], group: str) -> Capacity | None:
+    spot = p.get("spotStrategy") in ("SpotAsPriceGo", "SpotWithPriceLimit")
+    return Capacity([str(p.get("instanceType"))], 1, 1, spot, 0 if spot else 1, _workload(res),
+                    _max_disk(p.get("dataDisks"), "size"), group)
+
+
+def _ess_configuration(res: Res, p: Mapping[str, Any], by_id: Mapping[str, Res], group: str) -> Capacity | None:
+    grp = by_id.get(str(p.get("scalingGroupId")))
+    types = list(p.get("instanceTypes") or ([p["instanceType"]] if p.get("instanceType") else []))
+    spot = p.get("spotStrategy") in ("SpotAsPriceGo", "SpotWithPriceLimit")
+    base = int(grp.get("onDemandBaseCapacity") or 0) if grp else 0
+    above = int(grp.get("onDemandPercentageAboveBaseCapacity", 0 if spot else 100)) if grp else (0 if spot else 100)
+    mx = int(grp.get("maxSize") or 0) if grp else 0
+    return Capacity(types, mx, int(grp.get("minSize") or 0) if grp else 0, spot and base == 0 and above == 0,
+                    base if spot else mx, _workload(grp or res), _max_disk(p.get("dataDisks"), "size"),
+                    (_first(_tags(grp), GROUP_KEYS) or group) if grp else group)
+
+
+def _ess_group(res: Res, p: Mapping[str, Any], by_id: Mapping[str, Res], group: str) -> Capacity | None:
+    if not p.get("launchTemplateId"):
+        return None
+    lt = by_id.get(str(p.get("launchTemplateId")))
+    types = [str(o.get("instanceType")) for o in p.get("launchTemplateOverrides") or [] if o.get("instanceType")]
+    spot = lt is not None and lt.get("spotStrategy") in ("SpotAsPriceGo", "SpotWithPriceLimit")
+    base = int(p.get("onDemandBaseCapacity") or 0)
+    above = int(p.get("onDemandPercentageAboveBaseCapacity", 0 if spot else 100))
+    mx = int(p.get("maxSize") or 0)
+    return Capacity(types, mx, int(p.get("minSize") or 0), spot and base == 0 and above == 0,
+                    base if spot and above == 0 else mx, _workload(res),
+                    _max_disk(lt.get("dataDisks") if lt else None, "size"), group)
+
+
+def _ack_pool(res: Res, p: Mapping[str, Any], by_id: Mapping[str, Res], group: str) -> Capacity | None:
+    scaling = p.get("scalingConfig") or {}
+    spot = p.get("spotStrategy") in ("SpotAsPriceGo", "SpotWithPriceLimit")
+    mx = int(scaling.get("maxSize") or p.get("desiredSize") or 0)
+    base = int(p.get("onDemandBaseCapacity") or 0)
+    return Capacity(list(p.get("instanceTypes") or []), mx, int(scaling.get("minSize") or 0), spot and base == 0,
+                    base if spot else mx, _workload(res), _max_disk(p.get("dataDisks"), "size"), group)
+
+
+def _cvm_instance(res: Res, p: Mapping[str, Any], by_id: Mapping[str, Res], group: str) -> Capacity | None:
+    spot = p.get("instanceChargeType") == "SPOTPAID"
+    return Capacity([str(p.get("instanceType"))], 1, 1, spot, 0 if spot else 1, _workload(res),
+                    _max_disk(p.get("dataDisks"), "dataDiskSize"), group)
+
+
+def _as_config(res: Res, p: Mapping[str, Any], by_id: Mapping[str, Res], group: str) -> Capacity | None:
+    grp = next((g for g in by_id.values() if g.type == "tencentcloud:As/scalingGroup:ScalingGroup"
+                and g.get("configurationId") in (f"{res.name}-id", p.get("id"))), None)
+    spot = p.get("instanceChargeType") == "SPOTPAID"
+    mx = int(grp.get("maxSize") or 0) if grp else 0
+    return Capacity(list(p.get("instanceTypes") or []), mx, int(grp.get("minSize") or 0) if grp else 0, spot,
+                    0 if spot else mx, _workload(grp or res), _max_disk(p.get("dataDisks"), "diskSize"),
+                    (_first(_tags(grp), GROUP_KEYS) or group) if grp else group)
+
+
+def _tke_pool(res: Res, p: Mapping[str, Any], by_id: Mapping[str, Res], group: str) -> Capacity | None:
+    asc = p.get("autoScalingConfig") or {}
+    spot = asc.get("instanceChargeType") == "SPOTPAID"
+    types = [asc["instanceType"]] if asc.get("instanceType") else []
+    types += list(asc.get("backupInstanceTypes") or [])
+    mx = int(p.get("maxSize") or 0)
+    return Capacity(types, mx, int(p.get("minSize") or 0), spot, 0 if spot else mx,
+                    _workload(res), _max_disk(asc.get("dataDisks"), "diskSize"), group)
+
+
+CapacityReader = Callable[[Res, Mapping[str, Any], Mapping[str, Res], str], Capacity | None]
+_CAPACITY: dict[str, CapacityReader] = {
+    "aws:autoscaling/group:Group": _aws_asg,
+    "aws:eks/nodeGroup:NodeGroup": _eks_node_group,
+    "aws:ec2/instance:Instance": _aws_instance,
+    "alicloud:ecs/instance:Instance": _ecs_instance,
+    "alicloud:ess/scalingConfiguration:ScalingConfiguration": _ess_configuration,
+    "alicloud:ess/scalingGroup:ScalingGroup": _ess_group,
+    "alicloud:cs/nodePool:NodePool": _ack_pool,
+    "tencentcloud:Instance/instance:Instance": _cvm_instance,
+    "tencentcloud:As/scalingConfig:ScalingConfig": _as_config,
+    "tencentcloud:Kubernetes/nodePool:NodePool": _tke_pool,
+}
+
+
 def capacity(res: Res, by_id: Mapping[str, Res]) -> Capacity | None:
     """The GPU capacity of a fleet / pool / instance resource; None for other resources.
 
     `by_id` maps ids (as the program passed them) to resources, to follow a scaling
     configuration to its group or an ASG to its launch template.
     """
-    t, p = res.type, res.props
-    group = _first(_tags(res), GROUP_KEYS) or res.name
-    if t == "aws:autoscaling/group:Group":
-        policy = res.get("mixedInstancesPolicy") or {}
-        dist = policy.get("instancesDistribution") or {}
-        types = [o.get("instanceType") for o in (policy.get("launchTemplate") or {}).get("overrides") or []]
-        base = int(dist.get("onDemandBaseCapacity") or 0)
-        above = int(dist.get("onDemandPercentageAboveBaseCapacity", 100))
-        lt_id = ((policy.get("launchTemplate") or {}).get("launchTemplateSpecification") or {}).get("launchTemplateId")
-        lt = by_id.get(str(lt_id))
-        disk = _max_disk([m.get("ebs") or {} for m in (lt.get("blockDeviceMappings") or [])], "volumeSize") if lt else 0
-        return Capacity([str(x) for x in types if x], int(p.get("maxSize") or 0), int(p.get("minSize") or 0),
-                        spot=base == 0 and above == 0, on_demand_nodes=base if above == 0 else int(p.get("maxSize") or 0),
-                        workload=_workload(res), disk_gb=disk, group=group)
-    if t == "aws:eks/nodeGroup:NodeGroup":
-        scaling = p.get("scalingConfig") or {}
-        lt = by_id.get(str(res.get("launchTemplate", "id")))
-        disk = _max_disk([m.get("ebs") or {} for m in (lt.get("blockDeviceMappings") or [])], "volumeSize") if lt else int(p.get("diskSize") or 0)
-        spot = p.get("capacityType") == "SPOT"
-        return Capacity(list(p.get("instanceTypes") or []), int(scaling.get("maxSize") or 0), int(scaling.get("minSize") or 0),
-                        spot=spot, on_demand_nodes=0 if spot else int(scaling.get("maxSize") or 0),
-                        workload=_workload(res), disk_gb=disk, group=group)
-    if t == "aws:ec2/instance:Instance":
-        spot = bool(p.get("instanceMarketOptions"))
-        return Capacity([str(p.get("instanceType"))], 1, 1, spot, 0 if spot else 1, _workload(res),
-                        _max_disk(p.get("ebsBlockDevices"), "volumeSize"), group)
-    if t == "alicloud:ecs/instance:Instance":
-        spot = p.get("spotStrategy") in ("SpotAsPriceGo", "SpotWithPriceLimit")
-        return Capacity([str(p.get("instanceType"))], 1, 1, spot, 0 if spot else 1, _workload(res),
-                        _max_disk(p.get("dataDisks"), "size"), group)
-    if t == "alicloud:ess/scalingConfiguration:ScalingConfiguration":
-        grp = by_id.get(str(p.get("scalingGroupId")))
-        types = list(p.get("instanceTypes") or ([p["instanceType"]] if p.get("instanceType") else []))
-        spot = p.get("spotStrategy") in ("SpotAsPriceGo", "SpotWithPriceLimit")
-        base = int(grp.get("onDemandBaseCapacity") or 0) if grp else 0
-        above = int(grp.get("onDemandPercentageAboveBaseCapacity", 0 if spot else 100)) if grp else (0 if spot else 100)
-        mx = int(grp.get("maxSize") or 0) if grp else 0
-        return Capacity(types, mx, int(grp.get("minSize") or 0) if grp else 0, spot and base == 0 and above == 0,
-                        base if spot else mx, _workload(grp or res), _max_disk(p.get("dataDisks"), "size"),
-                        (_first(_tags(grp), GROUP_KEYS) or group) if grp else group)
-    if t == "alicloud:ess/scalingGroup:ScalingGroup" and p.get("launchTemplateId"):
-        lt = by_id.get(str(p.get("launchTemplateId")))
-        types = [str(o.get("instanceType")) for o in p.get("launchTemplateOverrides") or [] if o.get("instanceType")]
-        spot = lt is not None and lt.get("spotStrategy") in ("SpotAsPriceGo", "SpotWithPriceLimit")
-        base = int(p.get("onDemandBaseCapacity") or 0)
-        above = int(p.get("onDemandPercentageAboveBaseCapacity", 0 if spot else 100))
-        mx = int(p.get("maxSize") or 0)
-        return Capacity(types, mx, int(p.get("minSize") or 0), spot and base == 0 and above == 0,
-                        base if spot and above == 0 else mx, _workload(res),
-                        _max_disk(lt.get("dataDisks") if lt else None, "size"), group)
-    if t == "alicloud:cs/nodePool:NodePool":
-        scaling = p.get("scalingConfig") or {}
-        spot = p.get("spotStrategy") in ("SpotAsPriceGo", "SpotWithPriceLimit")
-        mx = int(scaling.get("maxSize") or p.get("desiredSize") or 0)
-        base = int(p.get("onDemandBaseCapacity") or 0)
-        return Capacity(list(p.get("instanceTypes") or []), mx, int(scaling.get("minSize") or 0), spot and base == 0,
-                        base if spot else mx, _workload(res), _max_disk(p.get("dataDisks"), "size"), group)
-    if t == "tencentcloud:Instance/instance:Instance":
-        spot = p.get("instanceChargeType") == "SPOTPAID"
-        return Capacity([str(p.get("instanceType"))], 1, 1, spot, 0 if spot else 1, _workload(res),
-                        _max_disk(p.get("dataDisks"), "dataDiskSize"), group)
-    if t == "tencentcloud:As/scalingConfig:ScalingConfig":
-        grp = next((g for g in by_id.values() if g.type == "tencentcloud:As/scalingGroup:ScalingGroup"
-                    and g.get("configurationId") in (f"{res.name}-id", p.get("id"))), None)
-        spot = p.get("instanceChargeType") == "SPOTPAID"
-        mx = int(grp.get("maxSize") or 0) if grp else 0
-        return Capacity(list(p.get("instanceTypes") or []), mx, int(grp.get("minSize") or 0) if grp else 0, spot,
-                        0 if spot else mx, _workload(grp or res), _max_disk(p.get("dataDisks"), "diskSize"),
-                        (_first(_tags(grp), GROUP_KEYS) or group) if grp else group)
-    if t == "tencentcloud:Kubernetes/nodePool:NodePool":
-        asc = p.get("autoScalingConfig") or {}
-        spot = asc.get("instanceChargeType") == "SPOTPAID"
-        types = [asc["instanceType"]] if asc.get("instanceType") else []
-        types += list(asc.get("backupInstanceTypes") or [])
-        mx = int(p.get("maxSize") or 0)
-        return Capacity(types, mx, int(p.get("minSize") or 0), spot, 0 if spot else mx,
-                        _workload(res), _max_disk(asc.get("dataDisks"), "diskSize"), group)
-    return None
+    reader = _CAPACITY.get(res.type)
+    if reader is None:
+        return None
+    return reader(res, res.props, by_id, _first(_tags(res), GROUP_KEYS) or res.name)
 
 
 def index_by_id(resources: list[Res]) -> dict[str, Res]:

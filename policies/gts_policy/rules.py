@@ -515,14 +515,20 @@ RULES: list[Rule] = [
 ]
 
 
+def configured(rule: Rule, config: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(enforcement level, settings) of a rule in a policy-pack config file's content:
+    {rule: "mandatory" | "advisory" | "remediate" | "disabled" | {"enforcementLevel": ..., <settings>}}."""
+    entry = config.get(rule.name, {})
+    settings = dict(entry) if isinstance(entry, Mapping) else {"enforcementLevel": entry}
+    level = str(settings.pop("enforcementLevel", rule.enforcement))
+    return level, settings
+
+
 def evaluate(resources: list[Res], config: Mapping[str, Any]) -> list[dict[str, str]]:
-    """Run every enabled rule. `config` is a policy-pack config file's content:
-    {rule: "mandatory" | "advisory" | "disabled" | {"enforcementLevel": ..., <settings>}}."""
+    """Run every enabled rule, as the engine would with this config."""
     found = []
     for rule in RULES:
-        entry = config.get(rule.name, {})
-        settings = entry if isinstance(entry, Mapping) else {"enforcementLevel": entry}
-        level = str(settings.get("enforcementLevel", rule.enforcement))
+        level, settings = configured(rule, config)
         if level == "disabled":
             continue
         if level == "remediate" and rule.remediate is None:

@@ -45,30 +45,42 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
         g = args.group
         tags = g.tags(args.tags)
         child = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.after)
-        types, disk_gb = list(g.types), g.scratch_disk_gb
         image = alicloud.ecs.get_images_output(name_regex=IMAGE_REGEX, owners="system", most_recent=True,
-                                               instance_type=types[0],
+                                               instance_type=g.types[0],
                                                opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         image_id = image.images.apply(lambda imgs: imgs[0].id)
-        price_cap = g.price_cap
-
         if g.market.type == "reserved":
-            self.instances = [alicloud.ecs.Instance(
-                f"{name}-{i}", instance_name=f"{name}-{i}", instance_type=types[0], image_id=image_id,
-                instance_charge_type="PrePaid", period=1, period_unit="Month", renewal_status="AutoRenewal",
-                vswitch_id=args.switch_ids[i % len(args.switch_ids)], security_groups=[args.security_group_id],
-                http_tokens="required", http_endpoint="enabled", role_name=args.role_name,
-                system_disk_category=ESSD, system_disk_size=SYSTEM_DISK_GB, system_disk_encrypted=True,
-                data_disks=[alicloud.ecs.InstanceDataDiskArgs(category=ESSD, size=disk_gb, encrypted=True)] if disk_gb else None,
-                user_data=args.user_data, tags=tags, opts=child) for i in range(g.scaling.max)]
+            self.instances = self._reserved(name, args, image_id, tags, child)
             self.capacity: pulumi.Output[list[str]] = pulumi.Output.all(*[i.id for i in self.instances])
             self.register_outputs({"instanceIds": self.capacity})
             return
+        self.launch_template = self._launch_template(name, args, image_id, tags, child)
+        self.group = self._group(name, g, args.switch_ids, tags, child)
+        self._schedules(name, g, args.env, child)
+        self.capacity = self.group.id.apply(lambda i: [i])
+        self.register_outputs({"scalingGroupId": self.group.id})
 
-        self.launch_template = alicloud.ecs.EcsLaunchTemplate(
-            f"{name}-lt", launch_template_name=f"{name}-lt", image_id=image_id, instance_type=types[0],
+    @staticmethod
+    def _reserved(name: str, args: AlicloudGpuFleetArgs, image_id: pulumi.Output[str], tags: dict[str, str],
+                  child: pulumi.ResourceOptions) -> list[alicloud.ecs.Instance]:
+        g, disk_gb = args.group, args.group.scratch_disk_gb
+        return [alicloud.ecs.Instance(
+            f"{name}-{i}", instance_name=f"{name}-{i}", instance_type=g.types[0], image_id=image_id,
+            instance_charge_type="PrePaid", period=1, period_unit="Month", renewal_status="AutoRenewal",
+            vswitch_id=args.switch_ids[i % len(args.switch_ids)], security_groups=[args.security_group_id],
+            http_tokens="required", http_endpoint="enabled", role_name=args.role_name,
+            system_disk_category=ESSD, system_disk_size=SYSTEM_DISK_GB, system_disk_encrypted=True,
+            data_disks=[alicloud.ecs.InstanceDataDiskArgs(category=ESSD, size=disk_gb, encrypted=True)] if disk_gb else None,
+            user_data=args.user_data, tags=tags, opts=child) for i in range(g.scaling.max)]
+
+    @staticmethod
+    def _launch_template(name: str, args: AlicloudGpuFleetArgs, image_id: pulumi.Output[str], tags: dict[str, str],
+                         child: pulumi.ResourceOptions) -> alicloud.ecs.EcsLaunchTemplate:
+        g, disk_gb = args.group, args.group.scratch_disk_gb
+        return alicloud.ecs.EcsLaunchTemplate(
+            f"{name}-lt", launch_template_name=f"{name}-lt", image_id=image_id, instance_type=g.types[0],
             instance_charge_type="PostPaid", spot_strategy=spot_strategy(g),
-            spot_price_limit=price_cap,
+            spot_price_limit=g.price_cap,
             security_group_ids=[args.security_group_id], vpc_id=args.vpc_id, vswitch_id=args.switch_ids[0],
             # Hardened mode: metadata only with a token (the spot watcher and the trainer ask for one);
             # hop limit 1, both run in the host's network namespace.
@@ -80,33 +92,34 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
                                                                    delete_with_instance=True)] if disk_gb else None,
             user_data=args.user_data, template_tags=tags, tags=tags, opts=child)
 
+    def _group(self, name: str, g: ResolvedGroup, switch_ids: list[pulumi.Output[str]], tags: dict[str, str],
+               child: pulumi.ResourceOptions) -> alicloud.ess.ScalingGroup:
         spot = g.spot
-        self.group = alicloud.ess.ScalingGroup(
+        return alicloud.ess.ScalingGroup(
             f"{name}-ess", scaling_group_name=name, min_size=g.scaling.min, max_size=g.scaling.max,
-            desired_capacity=g.scaling.baseline, vswitch_ids=args.switch_ids,
+            desired_capacity=g.scaling.baseline, vswitch_ids=switch_ids,
             launch_template_id=self.launch_template.id, launch_template_version="Latest",
             launch_template_overrides=[alicloud.ess.ScalingGroupLaunchTemplateOverrideArgs(
-                instance_type=t, spot_price_limit=price_cap) for t in types],
+                instance_type=t, spot_price_limit=g.price_cap) for t in g.types],
             multi_az_policy="COST_OPTIMIZED" if spot else "BALANCE",
             on_demand_base_capacity=g.market.on_demand_base if spot else g.scaling.max,
             on_demand_percentage_above_base_capacity=0 if spot else 100,
-            spot_instance_pools=min(len(types), 10) if spot else None,
+            spot_instance_pools=min(len(g.types), 10) if spot else None,
             # Replace a spot node that gets its reclaim notice before it goes.
             spot_instance_remedy=spot, compensate_with_on_demand=spot,
             removal_policies=["NewestInstance", "OldestScalingConfiguration"],
             tags=tags, opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
                 ignore_changes=["desiredCapacity"])))
 
+    def _schedules(self, name: str, g: ResolvedGroup, env: str, child: pulumi.ResourceOptions) -> None:
         start, end = (t.strftime("%Y-%m-%dT%H:%MZ") for t in recurrence_window())
         for action in g.schedule:
             lo, hi = schedule_bounds(g.group, action)
             alicloud.ess.ScheduledTask(
                 # Task names are unique per account and region, so the stack's env is part of it.
-                f"{name}-{action.name}", scheduled_task_name=fit(f"{args.env}-{name}-{action.name}", "essScheduledTask"),
+                f"{name}-{action.name}", scheduled_task_name=fit(f"{env}-{name}-{action.name}", "essScheduledTask"),
                 scaling_group_id=self.group.id, launch_time=start, recurrence_type="Cron",
                 recurrence_value=action.cron, recurrence_end_time=end, desired_capacity=action.desired,
                 min_value=lo, max_value=hi, task_enabled=True,
                 opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
                     ignore_changes=["launchTime"], replace_on_changes=RENEW_REPLACE, delete_before_replace=True)))
-        self.capacity = self.group.id.apply(lambda i: [i])
-        self.register_outputs({"scalingGroupId": self.group.id})

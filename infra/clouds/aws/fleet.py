@@ -54,12 +54,32 @@ class AwsGpuFleet(pulumi.ComponentResource):
         g = args.group
         tags = g.tags(args.tags)
         child = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.after)
-        types, disk_gb = list(g.types), g.scratch_disk_gb
+        self.launch_template = self._launch_template(name, args, tags, child)
+        # Multi-node training wants the nodes close together: a cluster placement group, which
+        # AWS confines to one zone.
+        placement = None
+        subnets = args.subnet_ids
+        if g.workload == "training" and g.scaling.max > 1:
+            placement = aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", tags=tags, opts=child)
+            subnets = subnets[:1]
+        if g.market.type == "reserved":
+            # Reserved capacity: an On-Demand Capacity Reservation at the group's maximum, which
+            # the launch template targets ("open"). Savings Plans / RIs are bought outside IaC.
+            aws.ec2.CapacityReservation(f"{name}-odcr", instance_type=g.types[0], instance_platform="Linux/UNIX",
+                                        availability_zone=args.zones[0], instance_count=g.scaling.max,
+                                        tags=tags, opts=child)
+        self.group = self._group(name, g, subnets, placement, tags, child)
+        self._drain_and_schedules(name, g, child)
+        self.capacity: pulumi.Output[list[str]] = self.group.name.apply(lambda n: [n])
+        self.register_outputs({"autoscalingGroupName": self.group.name,
+                               "launchTemplateId": self.launch_template.id})
 
+    def _launch_template(self, name: str, args: AwsGpuFleetArgs, tags: dict[str, str],
+                         child: pulumi.ResourceOptions) -> aws.ec2.LaunchTemplate:
         ami = aws.ssm.get_parameter_output(name=DLAMI_PARAMETER,
                                            opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
-        reserved = g.market.type == "reserved"
-        self.launch_template = aws.ec2.LaunchTemplate(
+        reserved = args.group.market.type == "reserved"
+        return aws.ec2.LaunchTemplate(
             f"{name}-lt", image_id=ami.value, update_default_version=True,
             iam_instance_profile=aws.ec2.LaunchTemplateIamInstanceProfileArgs(arn=args.instance_profile_arn),
             vpc_security_group_ids=[args.security_group_id],
@@ -69,7 +89,7 @@ class AwsGpuFleet(pulumi.ComponentResource):
             metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
                 http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=1,
                 instance_metadata_tags="enabled"),
-            block_device_mappings=block_devices(disk_gb),
+            block_device_mappings=block_devices(args.group.scratch_disk_gb),
             user_data=args.user_data,
             capacity_reservation_specification=(
                 aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs(capacity_reservation_preference="open")
@@ -78,21 +98,9 @@ class AwsGpuFleet(pulumi.ComponentResource):
                                 for kind in ("instance", "volume", "network-interface")],
             tags=tags, opts=child)
 
-        # Multi-node training wants the nodes close together: a cluster placement group, which
-        # AWS confines to one zone.
-        multi_node = g.workload == "training" and g.scaling.max > 1
-        placement = None
-        subnets = args.subnet_ids
-        if multi_node:
-            placement = aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", tags=tags, opts=child)
-            subnets = subnets[:1]
-        if reserved:
-            # Reserved capacity: an On-Demand Capacity Reservation at the group's maximum, which
-            # the launch template targets ("open"). Savings Plans / RIs are bought outside IaC.
-            aws.ec2.CapacityReservation(f"{name}-odcr", instance_type=types[0], instance_platform="Linux/UNIX",
-                                        availability_zone=args.zones[0], instance_count=g.scaling.max,
-                                        tags=tags, opts=child)
-
+    def _group(self, name: str, g: ResolvedGroup, subnets: list[pulumi.Output[str]],
+               placement: aws.ec2.PlacementGroup | None, tags: dict[str, str],
+               child: pulumi.ResourceOptions) -> aws.autoscaling.Group:
         on_demand_base = g.scaling.max if g.market.type != "spot" else g.market.on_demand_base
         distribution = aws.autoscaling.GroupMixedInstancesPolicyInstancesDistributionArgs(
             on_demand_base_capacity=on_demand_base,
@@ -100,7 +108,9 @@ class AwsGpuFleet(pulumi.ComponentResource):
             on_demand_allocation_strategy="prioritized",
             spot_allocation_strategy="price-capacity-optimized",
             spot_max_price=(f"{g.market.spot_max_price_usd:.4f}" if g.market.spot_max_price_usd else None))
-        self.group = aws.autoscaling.Group(
+        template = aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateLaunchTemplateSpecificationArgs(
+            launch_template_id=self.launch_template.id, version="$Latest")
+        return aws.autoscaling.Group(
             f"{name}-asg", min_size=g.scaling.min, max_size=g.scaling.max,
             desired_capacity=g.scaling.baseline, vpc_zone_identifiers=subnets,
             capacity_rebalance=g.market.type == "spot",
@@ -108,15 +118,16 @@ class AwsGpuFleet(pulumi.ComponentResource):
             mixed_instances_policy=aws.autoscaling.GroupMixedInstancesPolicyArgs(
                 instances_distribution=distribution,
                 launch_template=aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateArgs(
-                    launch_template_specification=aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateLaunchTemplateSpecificationArgs(
-                        launch_template_id=self.launch_template.id, version="$Latest"),
+                    launch_template_specification=template,
                     overrides=[aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateOverrideArgs(instance_type=t)
-                               for t in types])),
-            # Nodes checkpoint on the spot notice; a scale-in gets the same two minutes.
+                               for t in g.types])),
+            # A new node bootstraps (driver, runtime, image, dataset) for minutes before it trains:
+            # its metrics count toward scaling decisions only after this warm-up.
             default_instance_warmup=300,
             tags=[aws.autoscaling.GroupTagArgs(key=k, value=v, propagate_at_launch=True) for k, v in tags.items()],
             opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["desiredCapacity"])))
 
+    def _drain_and_schedules(self, name: str, g: ResolvedGroup, child: pulumi.ResourceOptions) -> None:
         # A scale-in gives no spot-style notice: this hook holds a leaving instance for five minutes,
         # and the spot watcher sees it as the target lifecycle state "Terminated" in instance
         # metadata (EC2 Auto Scaling user guide, "Retrieve the target lifecycle state through
@@ -130,6 +141,3 @@ class AwsGpuFleet(pulumi.ComponentResource):
                                      autoscaling_group_name=self.group.name, recurrence=action.cron,
                                      time_zone="Etc/UTC", desired_capacity=action.desired,
                                      min_size=lo, max_size=hi, opts=child)
-        self.capacity: pulumi.Output[list[str]] = self.group.name.apply(lambda n: [n])
-        self.register_outputs({"autoscalingGroupName": self.group.name,
-                               "launchTemplateId": self.launch_template.id})

@@ -47,37 +47,49 @@ class TencentGpuFleet(pulumi.ComponentResource):
         g = args.group
         tags = g.tags(args.tags)
         child = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.after)
-        types, disk_gb = list(g.types), g.scratch_disk_gb
         image_id = tencentcloud.images.get_instance_output(
-            image_types=["PUBLIC_IMAGE"], image_name_regex=IMAGE_REGEX, instance_type=types[0],
+            image_types=["PUBLIC_IMAGE"], image_name_regex=IMAGE_REGEX, instance_type=g.types[0],
             opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self)).image_id
-
+        # Reserved groups and a spot group's on-demand base are fixed instances; the rest scales.
         fixed = g.scaling.max if g.market.type == "reserved" else (
             g.market.on_demand_base if g.market.type == "spot" else 0)
-        self.instances = [tencentcloud.instance.Instance(
-            f"{name}-{i}", instance_name=f"{name}-{i}", instance_type=types[0], image_id=image_id,
+        self.instances = [self._instance(f"{name}-{i}", i, args, image_id, tags, child) for i in range(fixed)]
+        if g.scaling.max - fixed <= 0:
+            self.capacity: pulumi.Output[list[str]] = pulumi.Output.all(*[i.id for i in self.instances])
+            self.register_outputs({"instanceIds": self.capacity})
+            return
+        self.group = self._group(name, args, image_id, fixed, tags, child)
+        self._schedules(name, g, fixed, child)
+        # The on-demand base instances and the scaling group that adds the rest.
+        self.capacity = pulumi.Output.all(*[i.id for i in self.instances], self.group.id)
+        self.register_outputs({"scalingGroupId": self.group.id})
+
+    @staticmethod
+    def _instance(name: str, i: int, args: TencentGpuFleetArgs, image_id: pulumi.Output[str], tags: dict[str, str],
+                  child: pulumi.ResourceOptions) -> tencentcloud.instance.Instance:
+        g, disk_gb = args.group, args.group.scratch_disk_gb
+        reserved = g.market.type == "reserved"
+        return tencentcloud.instance.Instance(
+            name, instance_name=name, instance_type=g.types[0], image_id=image_id,
             availability_zone=args.zones[i % len(args.zones)], vpc_id=args.vpc_id,
             subnet_id=args.subnet_ids[i % len(args.subnet_ids)], orderly_security_groups=[args.security_group_id],
-            instance_charge_type="PREPAID" if g.market.type == "reserved" else "POSTPAID_BY_HOUR",
-            instance_charge_type_prepaid_period=1 if g.market.type == "reserved" else None,
-            instance_charge_type_prepaid_renew_flag="NOTIFY_AND_AUTO_RENEW" if g.market.type == "reserved" else None,
+            instance_charge_type="PREPAID" if reserved else "POSTPAID_BY_HOUR",
+            instance_charge_type_prepaid_period=1 if reserved else None,
+            instance_charge_type_prepaid_renew_flag="NOTIFY_AND_AUTO_RENEW" if reserved else None,
             system_disk_type=DISK, system_disk_size=SYSTEM_DISK_GB,
             data_disks=[tencentcloud.instance.InstanceDataDiskArgs(data_disk_type=DISK, data_disk_size=disk_gb,
                                                                    encrypt=True, delete_with_instance=True)]
             if disk_gb else None,
             cam_role_name=args.role_name, allocate_public_ip=False, user_data=args.user_data, tags=tags, opts=child)
-            for i in range(fixed)]
-        elastic_max = g.scaling.max - fixed
-        if elastic_max <= 0:
-            self.capacity: pulumi.Output[list[str]] = pulumi.Output.all(*[i.id for i in self.instances])
-            self.register_outputs({"instanceIds": self.capacity})
-            return
 
-        spot = g.spot
+    @staticmethod
+    def _group(name: str, args: TencentGpuFleetArgs, image_id: pulumi.Output[str], fixed: int, tags: dict[str, str],
+               child: pulumi.ResourceOptions) -> tencentcloud.as_.ScalingGroup:
+        g, disk_gb, spot = args.group, args.group.scratch_disk_gb, args.group.spot
         # tencentcloud-iac-pulumi 0.2.3 cannot set Encrypt on a launch configuration's data
         # disks (the AS API can): see infra/data/capabilities.yaml.
         config = tencentcloud.as_.ScalingConfig(
-            f"{name}-config", configuration_name=f"{name}-config", image_id=image_id, instance_types=types,
+            f"{name}-config", configuration_name=f"{name}-config", image_id=image_id, instance_types=list(g.types),
             instance_charge_type="SPOTPAID" if spot else "POSTPAID_BY_HOUR",
             spot_instance_type="one-time" if spot else None,
             spot_max_price=spot_max_price(g) if spot else None,
@@ -87,13 +99,15 @@ class TencentGpuFleet(pulumi.ComponentResource):
                                                                    delete_with_instance=True)] if disk_gb else None,
             public_ip_assigned=False, internet_max_bandwidth_out=0, user_data=args.user_data,
             instance_tags=tags, tags=tags, opts=child)
-        self.group = tencentcloud.as_.ScalingGroup(
+        return tencentcloud.as_.ScalingGroup(
             f"{name}-asg", scaling_group_name=name, configuration_id=config.id, vpc_id=args.vpc_id,
-            subnet_ids=args.subnet_ids, min_size=max(0, g.scaling.min - fixed), max_size=elastic_max,
+            subnet_ids=args.subnet_ids, min_size=max(0, g.scaling.min - fixed), max_size=g.scaling.max - fixed,
             desired_capacity=max(0, g.scaling.baseline - fixed), multi_zone_subnet_policy="EQUALITY",
             retry_policy="INCREMENTAL_INTERVALS", termination_policies="NEWEST_INSTANCE",
             tags=tags, opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
                 ignore_changes=["desiredCapacity"])))
+
+    def _schedules(self, name: str, g: ResolvedGroup, fixed: int, child: pulumi.ResourceOptions) -> None:
         start, end = (t.isoformat() for t in recurrence_window(CHINA))
         for action in g.schedule:
             lo, hi = schedule_bounds(g.group, action)
@@ -104,6 +118,3 @@ class TencentGpuFleet(pulumi.ComponentResource):
                 min_size=max(0, lo - fixed), max_size=max(0, hi - fixed),
                 opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
                     ignore_changes=["startTime"], replace_on_changes=RENEW_REPLACE, delete_before_replace=True)))
-        # The on-demand base instances and the scaling group that adds the rest.
-        self.capacity = pulumi.Output.all(*[i.id for i in self.instances], self.group.id)
-        self.register_outputs({"scalingGroupId": self.group.id})

@@ -1,0 +1,102 @@
+"""The house rules a newcomer can rely on: no import cycle between the project's modules, and
+no function so long that it cannot be read top to bottom (60 lines, unless a `# long:` comment
+on the line above says why)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.harness import ROOT
+
+PACKAGES = ("infra", "policies", "training")
+LIMIT = 60
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, name: str) -> set[str]:
+    """Project modules a module imports when it is imported (module level, not TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        for sub in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else []:
+            if isinstance(sub, ast.Import):
+                found |= {a.name for a in sub.names}
+            elif isinstance(sub, ast.ImportFrom):
+                base = sub.module or ""
+                if sub.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - sub.level + 1] + ([base] if base else []))
+                found.add(base)
+                found |= {f"{base}.{a.name}" for a in sub.names}
+    return {m for m in found if m.split(".")[0] in PACKAGES}
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
+             if "__pycache__" not in p.parts and p.name != "__main__.py" or p.parent.name == "plan"}
+    return {name: {m for m in _imports(path, name) if m in files and m != name} for name, path in files.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_between_the_projects_modules() -> None:
+    graph = _graph()
+    assert len(graph) > 40 and "infra.groups" in graph["infra.program"]
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _long_functions() -> list[str]:
+    out = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            lines = path.read_text(encoding="utf-8").splitlines()
+            for node in ast.walk(ast.parse("\n".join(lines))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = (node.end_lineno or node.lineno) - node.lineno + 1
+                    reason = lines[node.lineno - 2].strip().startswith("# long:") if node.lineno > 1 else False
+                    if length > LIMIT and not reason:
+                        out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    return out
+
+
+def test_no_function_is_too_long_to_read() -> None:
+    assert _long_functions() == []
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_package_is_walked(package: str) -> None:
+    assert any(name.startswith(package + ".") for name in _graph())
