@@ -16,7 +16,7 @@ CKPT_EVERY ?= 50
 CKPT_DIR   ?= out/checkpoints
 THROTTLE_MS ?= 50
 
-.PHONY: plan diff policy-config policy-data userdata monitoring dataset train-local bench test typecheck unit tools venv clean
+.PHONY: plan diff policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -69,6 +69,18 @@ train-local: $(STAMP)
 	  --steps $(STEPS) --checkpoint-every $(CKPT_EVERY) --checkpoint-dir $(CKPT_DIR) \
 	  --throttle-ms $(THROTTLE_MS) --log-every 10
 
+## example-loop: your own PyTorch loop made spot-safe by the checkpoint library (examples/plain_loop.py; STEPS= CKPT_DIR=)
+example-loop: $(STAMP)
+	@PYTHONPATH=$(CURDIR) OMP_NUM_THREADS=1 $(PY) examples/plain_loop.py --steps $(STEPS) --checkpoint-dir $(CKPT_DIR)-loop
+
+## example-hf: the guide's BERT fine-tuning (transformers.Trainer + training/hf.py) under accelerate, 2 CPU processes, through the image's entrypoint (STEPS= CKPT_DIR=)
+example-hf: $(STAMP)
+	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" LAUNCHER=accelerate ACCELERATE_USE_CPU=1 NNODES=1 NPROC_PER_NODE=2 \
+	  OMP_NUM_THREADS=1 CHECKPOINT_DIR=$(CKPT_DIR)-hf CHECKPOINT_EVERY=$(CKPT_EVERY) \
+	  TRAIN_COMMAND=$$($(PY) -c 'import sys; from training.contract import encode_command; print(encode_command(sys.argv[1:]))' \
+	    -m training.workloads.bert_finetune --output_dir '$${CHECKPOINT_DIR}/hf-out' --max_steps $(STEPS)) \
+	  bash training/entrypoint.sh
+
 ## bench: checkpoint and resume figures (~100 MB and ~1 GB states, S3 endpoint on 127.0.0.1)
 bench: $(STAMP)
 	@$(PY) -m training.bench
@@ -77,9 +89,9 @@ bench: $(STAMP)
 test: typecheck unit
 
 typecheck: $(STAMP)
-	$(PY) -m mypy infra __main__.py tests policies training
+	$(PY) -m mypy infra __main__.py tests policies training examples
 	cd policies && ../$(PY) -m mypy --config-file ../mypy.ini __main__.py
-	$(PY) -m pyflakes infra __main__.py tests policies training
+	$(PY) -m pyflakes infra __main__.py tests policies training examples
 
 # Two workers: the suite is mostly real processes waiting on each other (pytest-xdist).
 unit: $(STAMP) tools

@@ -43,8 +43,10 @@ def dataset_url(spec: StackSpec, rg: ResolvedGroup) -> str:
 def trainer_env(spec: StackSpec, rg: ResolvedGroup) -> dict[str, str]:
     """The trainer contract's values for one node group (training/contract.py names them)."""
     t = spec.training
+    command = spec.command_of(rg.group)
     env = {
         c.WORKLOAD: t.workload, c.TRAIN_STEPS: str(t.steps), c.TRAIN_MODULE: TRAIN_MODULE,
+        c.TRAIN_COMMAND: c.encode_command(command) if command else "",
         c.DATA_DIR: VM_DATA_DIR, c.DATASET_URL: dataset_url(spec, rg),
         c.CHECKPOINT_URL: rg.checkpoint_url, c.CHECKPOINT_DIR: f"{SCRATCH}/checkpoints",
         c.CHECKPOINT_EVERY: str(t.checkpoint_every), c.KEEP_CHECKPOINTS: str(t.keep_checkpoints),

@@ -30,6 +30,14 @@ def content_tag(base_image: str, root: Path = ROOT) -> str:
     return "t-" + digest.hexdigest()[:16]
 
 
+def image_resource_name(platform: str, base_image: str, default_base: str) -> str:
+    """The stack's own base keeps the name it always had; a group's own base gets one derived
+    from it, so adding or removing a group's image renames no other image."""
+    if base_image == default_base:
+        return f"{platform}-trainer"
+    return f"{platform}-trainer-{hashlib.sha256(base_image.encode()).hexdigest()[:8]}"
+
+
 def registry_name(env: str) -> str:
     """A registry instance's name: it becomes a global domain (<name>.tencentcloudcr.com,
     <name>-registry.<region>.cr.aliyuncs.com), so it carries a suffix from the organization,

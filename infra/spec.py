@@ -138,6 +138,17 @@ class Scratch(SpecModel):
         "auto", description="instance-store: local NVMe only; data-disk: encrypted cloud disk; auto: NVMe when big enough.")
 
 
+Command = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+
+
+class GroupTraining(SpecModel):
+    """What this node group trains, where it differs from the stack's `training`."""
+
+    image: str | None = Field(None, description="Base image of this group's trainer image, pinned by digest: your "
+                                                "image with your code; the stack adds the trainer layer on top.")
+    command: Command | None = Field(None, description="Your training command, run by the launcher on every process of every node: `[-m, package.module, args...]`, `[script.py, args...]` or an executable with its arguments. `${NAME}` in an argument expands to a trainer-contract variable (e.g. ${DATA_DIR}, ${CHECKPOINT_URL}). Empty: our trainer with `workload`.")
+
+
 class NodeGroup(SpecModel):
     """GPU nodes: a VM fleet or a managed-Kubernetes node pool."""
 
@@ -154,6 +165,8 @@ class NodeGroup(SpecModel):
     market: Market = Field(description="Purchase market.")
     schedule: list[ScheduleAction] = Field(default_factory=list, description="Recurring scaling actions.")
     scratch: Scratch | None = Field(None, description="Scratch space; defaults to storage.scratch.")
+    training: GroupTraining | None = Field(None, description="Image and command of this group, where they differ "
+                                                             "from the stack's training section.")
 
     @model_validator(mode="after")
     def _type_or_requirement(self) -> NodeGroup:
@@ -182,7 +195,9 @@ class Storage(SpecModel):
 
 class Training(SpecModel):
     image: str = Field(description="Base image the stack builds the trainer image from (training/Dockerfile), "
-                                   "pinned by digest.")
+                                   "pinned by digest: NGC PyTorch, or your own image with your code in it (the stack "
+                                   "adds the trainer layer: launcher, checkpoint library, contract check).")
+    command: Command | None = Field(None, description="Your training command, run by the launcher on every process of every node: `[-m, package.module, args...]`, `[script.py, args...]` or an executable with its arguments. `${NAME}` in an argument expands to a trainer-contract variable (e.g. ${DATA_DIR}, ${CHECKPOINT_URL}). Empty: our trainer with `workload`.")
     prebuilt_images: dict[Cloud, str] = Field(
         default_factory=dict, description="Per cloud, a trainer image built elsewhere (pinned by digest) to use "
                                           "instead of building one.")
@@ -250,6 +265,16 @@ class StackSpec(SpecModel):
 
     def scratch_of(self, group: NodeGroup) -> Scratch:
         return group.scratch or self.storage.scratch
+
+    def command_of(self, group: NodeGroup) -> list[str] | None:
+        """The group's training command: its own, else the stack's, else None (our trainer)."""
+        own = group.training.command if group.training else None
+        return own or self.training.command
+
+    def base_image_of(self, group: NodeGroup) -> str:
+        """The base image of the group's trainer image: its own, else the stack's."""
+        own = group.training.image if group.training else None
+        return own or self.training.image
 
     def catalog(self) -> cat.Catalog:
         overrides: dict[tuple[str, str], float] = {

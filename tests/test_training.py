@@ -308,7 +308,7 @@ def test_a_tampered_checkpoint_cannot_run_code_when_loaded(tmp_path: Path) -> No
 
     from training.checkpoint import (MODEL_FILE, CheckpointError, CheckpointManager, Topology, manifest_name,
                                      rng_name, sha256_of, step_dir)
-    from training.train import rng_state, set_rng_state
+    from training.checkpointing import rng_state, set_rng_state
 
     topo = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
     mgr = CheckpointManager(str(tmp_path / "ckpt"), None, topo)

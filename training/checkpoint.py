@@ -90,6 +90,14 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link (no second copy of a large file) where the file system allows one."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -199,14 +207,45 @@ class CheckpointManager:
             else:
                 self._commit(step, tmp, final)
             self._prune_local()
-            if self.remote is not None:
-                with self._lock:
-                    if step not in self.status.pending:
-                        self.status.pending.append(step)
-                self._idle.clear()
-                self._queue.put(step)
+            self._queue_upload(step)
         barrier()
         return time.perf_counter() - start
+
+    def save_folder(self, step: int, source: Path, barrier: Callable[[], None]) -> float:
+        """Commit a checkpoint another library wrote as a folder of files (a Hugging Face
+        Trainer's `checkpoint-N/`): each node's local rank 0 takes the files its node wrote,
+        hard-linked where the file system allows, under the same manifest, upload and keep-K as
+        our own. Every rank must call it. Returns the seconds the caller was blocked."""
+        start = time.perf_counter()
+        tmp = self.local / f"{step_dir(step)}.tmp"
+        final = self.local / step_dir(step)
+        nested = sorted(p.name for p in source.iterdir() if p.is_dir()) if source.is_dir() else []
+        if nested:  # a manifest lists the files of one folder: these would be left out unseen (every rank raises)
+            raise CheckpointError(f"{source} holds folders ({', '.join(nested)}): only flat checkpoint folders "
+                                  "can be committed")
+        barrier()
+        if self.topo.local_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(source, tmp, copy_function=_link_or_copy)
+            for stale in tmp.glob("manifest-node*.json"):
+                stale.unlink()
+            if final.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                self._commit(step, tmp, final)
+            self._prune_local()
+            self._queue_upload(step)
+        barrier()
+        return time.perf_counter() - start
+
+    def _queue_upload(self, step: int) -> None:
+        if self.remote is None:
+            return
+        with self._lock:
+            if step not in self.status.pending:
+                self.status.pending.append(step)
+        self._idle.clear()
+        self._queue.put(step)
 
     def _commit(self, step: int, tmp: Path, final: Path) -> None:
         files = sorted(p for p in tmp.iterdir() if p.is_file() and not p.name.endswith(".part"))
@@ -292,6 +331,28 @@ class CheckpointManager:
         model = self._unpickle(folder / MODEL_FILE)
         rng = self._unpickle(folder / rng_name(self.topo.rank)) if rng_name(self.topo.rank) in files else None
         return model, rng
+
+    def load_folder(self, step: int) -> Path:
+        """A step saved with `save_folder`, every file of every node checked (fetched from the
+        bucket where missing or bad here): the local folder holding them."""
+        folder = self.local / step_dir(step)
+        manifests = self._local_manifests(step)
+        try:
+            files = self._all_files(manifests)
+            self._verify(folder, files)
+        except CheckpointError:
+            if self.remote is None:
+                raise
+            manifests = self._remote_manifests(step)
+            files = self._all_files(manifests)
+            self._download(step, folder, files)
+            self._verify(folder, files)
+        return folder
+
+    def _all_files(self, manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        if not manifests or len(manifests) < int(manifests[0].get("nnodes", 1)):
+            raise CheckpointError("the manifests of some nodes are missing")
+        return {name: meta for m in manifests for name, meta in m.get("files", {}).items()}
 
     def _needed(self, manifests: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], int]:
         """The files this rank loads, with their manifest entries, and the step's world size."""

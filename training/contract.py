@@ -9,6 +9,9 @@ Standard library only: the stack imports it without torch.
 
 from __future__ import annotations
 
+import base64
+import json
+import re
 from dataclasses import dataclass
 
 
@@ -35,7 +38,10 @@ CHECKPOINT_EVERY = Var("CHECKPOINT_EVERY", "steps between checkpoints (and one o
                        "checkpoint_every")
 KEEP_CHECKPOINTS = Var("KEEP_CHECKPOINTS", "newest checkpoints kept locally and in the bucket", STACK, "keep")
 LAUNCHER = Var("LAUNCHER", "torchrun | accelerate | horovod", STACK, "launcher")
-TRAIN_MODULE = Var("TRAIN_MODULE", "the Python module every training process runs", STACK)
+TRAIN_MODULE = Var("TRAIN_MODULE", "the Python module every training process runs (when TRAIN_COMMAND is empty)",
+                   STACK)
+TRAIN_COMMAND = Var("TRAIN_COMMAND", "your training command (training.command): its argv as JSON, base64url-encoded "
+                    "so that env files, shells and systemd read it alike; empty: our trainer", STACK)
 NNODES = Var("NNODES", "most nodes of one training run (elastic: torchrun --nnodes MIN_NNODES:NNODES)", STACK)
 MIN_NNODES = Var("MIN_NNODES", "fewest nodes the run goes on with after losing some", STACK)
 NPROC_PER_NODE = Var("NPROC_PER_NODE", "training processes per node (its GPUs)", STACK)
@@ -59,7 +65,7 @@ GTS_CLOUD = Var("GTS_CLOUD", "aws | alicloud | tencentcloud", STACK)
 GTS_NODE_GROUP = Var("GTS_NODE_GROUP", "the node group (metrics labels)", STACK)
 
 VARS = (WORKLOAD, TRAIN_STEPS, DATA_DIR, DATASET_URL, CHECKPOINT_URL, CHECKPOINT_DIR, CHECKPOINT_EVERY,
-        KEEP_CHECKPOINTS, LAUNCHER, TRAIN_MODULE, NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK, RDZV_ENDPOINT, METRICS_PORT,
+        KEEP_CHECKPOINTS, LAUNCHER, TRAIN_MODULE, TRAIN_COMMAND, NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK, RDZV_ENDPOINT, METRICS_PORT,
         NODE_HOURLY_USD, MLFLOW_TRACKING_URI, STORAGE_ENDPOINT_URL, STORAGE_REGION, STORAGE_ADDRESSING_STYLE,
         STORAGE_CREDENTIALS, AWS_REGION, GTS_CLOUD, GTS_NODE_GROUP)
 NAMES = frozenset(v.name for v in VARS)
@@ -69,6 +75,32 @@ CREDENTIAL_SOURCES = ("default", "instance-role", "ack-rrsa")
 
 
 LAUNCHERS = ("torchrun", "accelerate", "horovod")
+REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def encode_command(argv: list[str]) -> str:
+    """TRAIN_COMMAND's value for `argv`: JSON, base64url (only [A-Za-z0-9_-=]: safe unquoted in an
+    env file that bash sources, systemd reads and `docker run --env-file` passes literally)."""
+    return base64.urlsafe_b64encode(json.dumps(argv, separators=(",", ":")).encode()).decode()
+
+
+def decode_command(value: str) -> list[str]:
+    """The argv TRAIN_COMMAND holds; ValueError naming what is wrong with it."""
+    try:
+        argv = json.loads(base64.urlsafe_b64decode(value.encode()).decode())
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"{TRAIN_COMMAND.name}: not base64url-encoded JSON (infra/contract.py writes it)") from None
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
+        raise ValueError(f"{TRAIN_COMMAND.name}: not a non-empty list of non-empty strings")
+    if argv[0] == "-m" and len(argv) < 2:
+        raise ValueError(f"{TRAIN_COMMAND.name}: '-m' without a module name")
+    return argv
+
+
+def expand(argv: list[str], env: dict[str, str]) -> list[str]:
+    """`${NAME}` in each argument replaced by the contract variable's value (other text is kept
+    as it is: no shell runs the command)."""
+    return [REFERENCE.sub(lambda m: env.get(m.group(1), "") if m.group(1) in NAMES else m.group(0), a) for a in argv]
 
 
 def problems(env: dict[str, str] | None = None) -> list[str]:
@@ -96,6 +128,11 @@ def problems(env: dict[str, str] | None = None) -> list[str]:
     rank = env.get(NODE_RANK.name, "0")
     if rank.isdigit() and nnodes.isdigit() and int(rank) >= max(int(nnodes), 1):
         found.append(f"{NODE_RANK.name}={rank} is not below {NNODES.name}={nnodes}")
+    if env.get(TRAIN_COMMAND.name):
+        try:
+            decode_command(env[TRAIN_COMMAND.name])
+        except ValueError as exc:
+            found.append(str(exc))
     launcher = env.get(LAUNCHER.name) or "torchrun"
     if launcher not in LAUNCHERS:
         found.append(f"{LAUNCHER.name}={launcher!r}: use one of {', '.join(LAUNCHERS)}")
@@ -112,14 +149,19 @@ def table() -> str:
 def main(argv: list[str] | None = None) -> int:
     """`python -m training.contract check`: the entrypoint's first step (one line per problem,
     exit 2, before any launcher starts); `table`: the README's table."""
+    import os
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     if args == ["table"]:
         print(table())
         return 0
+    if args == ["command"]:  # the entrypoint reads the argv NUL-separated (mapfile -d '')
+        env = dict(os.environ)
+        sys.stdout.write("".join(a + "\0" for a in expand(decode_command(env[TRAIN_COMMAND.name]), env)))
+        return 0
     if args != ["check"]:
-        print("usage: python -m training.contract check|table", file=sys.stderr)
+        print("usage: python -m training.contract check|table|command", file=sys.stderr)
         return 2
     found = problems()
     for problem in found:

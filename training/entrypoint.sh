@@ -17,8 +17,21 @@ NNODES=${NNODES:-1}
 MIN_NNODES=${MIN_NNODES:-$NNODES}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 NODE_RANK=${NODE_RANK:-0}
-# The Python module the launcher runs on every process (your own training code may replace it).
+# What every process runs: your command (TRAIN_COMMAND, the stack's training.command, with ${NAME}
+# expanded from the contract), else our trainer's module with this script's arguments.
 TRAIN_MODULE=${TRAIN_MODULE:-training.train}
+own_flags=()
+no_python=()
+if [ -n "${TRAIN_COMMAND:-}" ]; then
+  mapfile -d '' -t target < <(python -m training.contract command)
+  case "${target[0]}" in
+    -m|*.py) ;;
+    *) no_python=(--no-python) ;;  # an executable: the launchers run it as it is
+  esac
+else
+  target=(-m "$TRAIN_MODULE")
+  own_flags=(--launcher "$LAUNCHER")
+fi
 if [ "${NPROC_PER_NODE}" -lt 1 ]; then NPROC_PER_NODE=1; fi
 
 # The address this node reaches the store from: other nodes reach its workers there.
@@ -41,18 +54,23 @@ case "$LAUNCHER" in
       cmd=(torchrun --nnodes "$MIN_NNODES:$NNODES" --nproc-per-node "$NPROC_PER_NODE"
            --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$id"
            --rdzv-conf "is_host=false,read_timeout=300,last_call_timeout=${RDZV_LAST_CALL_S:-30}" --max-restarts "${MAX_RESTARTS:-100}"
-           --local-addr "$(local_address "${RDZV_ENDPOINT%:*}")" -m "$TRAIN_MODULE" "$@")
+           --local-addr "$(local_address "${RDZV_ENDPOINT%:*}")" "${no_python[@]}" "${target[@]}" "$@")
     else
-      cmd=(torchrun --standalone --nproc-per-node "$NPROC_PER_NODE" -m "$TRAIN_MODULE" "$@")
+      cmd=(torchrun --standalone --nproc-per-node "$NPROC_PER_NODE" "${no_python[@]}" "${target[@]}" "$@")
     fi
     ;;
   accelerate)
-    cmd=(accelerate launch --multi_gpu --num_machines "$NNODES" --machine_rank "$NODE_RANK"
-         --num_processes "$((NNODES * NPROC_PER_NODE))" --main_process_ip "${RDZV_ENDPOINT%%:*}"
-         --main_process_port "${RDZV_ENDPOINT##*:}" -m "$TRAIN_MODULE" --launcher accelerate "$@")
+    machines=(--num_machines "$NNODES" --machine_rank "$NODE_RANK")
+    if [ "$NNODES" -gt 1 ]; then
+      machines+=(--main_process_ip "${RDZV_ENDPOINT%%:*}" --main_process_port "${RDZV_ENDPOINT##*:}")
+    fi
+    cmd=(accelerate launch --multi_gpu "${machines[@]}" --num_processes "$((NNODES * NPROC_PER_NODE))"
+         --mixed_precision "${ACCELERATE_MIXED_PRECISION:-no}" --dynamo_backend no
+         "${no_python[@]/--no-python/--no_python}" "${target[@]}" "${own_flags[@]}" "$@")
     ;;
   horovod)
-    cmd=(horovodrun -np "$((NNODES * NPROC_PER_NODE))" python -m "$TRAIN_MODULE" --launcher horovod "$@")
+    if [ ${#no_python[@]} -eq 0 ]; then target=(python "${target[@]}"); fi
+    cmd=(horovodrun -np "$((NNODES * NPROC_PER_NODE))" "${target[@]}" "${own_flags[@]}" "$@")
     ;;
 esac
 

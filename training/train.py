@@ -19,10 +19,8 @@ import hashlib
 import logging
 import os
 import random
-import signal
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,7 +29,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from training import config as config_mod
-from training.checkpoint import CheckpointError, CheckpointManager, RunLocked, Topology, UploadStatus
+from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadStatus
+from training.checkpointing import StopFlag, choose_checkpoint, exit_code, rng_state, set_rng_state
 from training.data import ImageFolder, ResumableSampler, SyntheticClassification, derived_seed
 from training.distributed import Comm
 from training.metrics import Metrics
@@ -45,55 +44,6 @@ log = logging.getLogger("gts.train")
 SHAPING = ("workload", "steps", "batch_size", "lr", "weight_decay", "warmup_steps", "seed", "image_size",
            "tiny_dim", "tiny_width", "tiny_samples", "precision")
 EXIT_USAGE = 2
-# A rank that stopped because another node was told to (its spot notice): non-zero, so torchrun's
-# agent restarts the workers and re-rendezvouses with the nodes that remain (EX_TEMPFAIL).
-EXIT_PEER_STOPPED = 75
-
-
-class StopFlag:
-    """Signal handlers only set flags; the loop combines them across ranks after each step.
-    SIGTERM / SIGINT: checkpoint and stop. SIGUSR1 (a rebalance recommendation, or a person):
-    checkpoint now and go on."""
-
-    def __init__(self) -> None:
-        self.raised: str | None = None
-        self.checkpoint_requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-        signal.signal(signal.SIGUSR1, self._checkpoint)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.raised = signal.Signals(signum).name
-
-    def _checkpoint(self, signum: int, frame: Any) -> None:
-        self.checkpoint_requested = True
-
-    def take_checkpoint_request(self) -> bool:
-        asked, self.checkpoint_requested = self.checkpoint_requested, False
-        return asked
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG the step uses, as tensors and plain values only: checkpoints are read with
-    torch.load(weights_only=True), which refuses anything that could run code (a numpy array in
-    a pickle included)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": {"name": str(name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    saved = state["numpy"]
-    np.random.set_state((saved["name"], saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
-                         saved["cached"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def params_sha256(model: nn.Module) -> str:
@@ -125,40 +75,6 @@ def lr_lambda(cfg: config_mod.TrainConfig) -> Any:
         progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return factor
-
-
-@dataclass
-class Resumed:
-    step: int
-    state: dict[str, Any]
-    rng: dict[str, Any] | None
-
-
-def choose_checkpoint(ckpt: CheckpointManager, comm: Comm) -> Resumed | None:
-    """The newest step every rank can load, each file checked; a step that fails on any rank is
-    skipped with a log line naming the rank, file and fault, and the one before it is tried."""
-    common = set.intersection(*map(set, comm.all_gather_object(sorted(ckpt.loadable_steps()))))
-    if ckpt.remote_error and comm.local_rank == 0:
-        log.warning("the bucket %s cannot be listed (%s): starting from this node's own checkpoints; uploads "
-                    "are retried in the background", ckpt.remote.url if ckpt.remote else "", ckpt.remote_error)
-    for step in sorted(common, reverse=True):
-        state: dict[str, Any] = {}
-        rng = None
-        try:
-            state, rng = ckpt.load(step)
-            fault = ""
-        except CheckpointError as exc:
-            fault = str(exc)
-        faults = [(rank, f) for rank, f in enumerate(comm.all_gather_object(fault)) if f]
-        if not faults:
-            return Resumed(step, state, rng)
-        if comm.rank == 0:
-            rank, first = faults[0]
-            log.warning("skipping checkpoint step %d: rank %d: %s%s", step, rank, first,
-                        f" (and {len(faults) - 1} more rank(s))" if len(faults) > 1 else "")
-    if common and comm.rank == 0:
-        log.warning("no usable checkpoint among steps %s: starting from scratch", sorted(common))
-    return None
 
 
 def config_drift(saved: dict[str, Any], cfg: config_mod.TrainConfig) -> list[str]:
@@ -345,12 +261,7 @@ class Run:
         if self.comm.rank == 0:
             log.warning("stopped by %s at step %d after an emergency checkpoint%s", interrupted, self.step,
                         "" if not status.pending else f" ({len(status.pending)} upload(s) still pending)")
-        if self.comm.nnodes > 1:
-            signalled = {node for node, raised in self.comm.all_gather_object((self.comm.node, self.stop.raised))
-                         if raised}
-            if self.comm.node not in signalled:
-                return EXIT_PEER_STOPPED
-        return 0
+        return exit_code(self.comm, self.stop.raised)
 
 
 def main(argv: list[str] | None = None) -> int:

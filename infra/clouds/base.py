@@ -4,6 +4,7 @@ Cloud modules subclass it and supply each concern."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -12,7 +13,7 @@ import pulumi
 from infra import rendezvous, userdata
 from infra.access import CLUSTER_NODE, Grants, node_grants
 from infra.buckets import bucket
-from infra.image import Registry, TrainerImage, TrainerImageArgs
+from infra.image import Registry, TrainerImage, TrainerImageArgs, image_resource_name
 from infra.groups import ResolvedGroup, Stack
 from infra.rendezvous import Site
 from infra.spec import CloudAccount, Network, Peering
@@ -62,16 +63,18 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         self.make_links(nets)
         storage = self.make_storage()
         access = self.make_access(storage)
-        image = self.trainer_image(nets)
+        images = self.trainer_images(nets)
+        image = images.get(self.spec.training.image, pulumi.Output.from_input(""))
+        of_group = {g.name: images.get(self.spec.base_image_of(g.group), image) for g in self.node_groups()}
         # Multi-node VM runs meet at their network's store; its fixed address is taken before any
         # fleet starts nodes in that subnet.
         self.stores = {site.network: self.make_rendezvous(site, nets[site.network], access, image)
                        for site in self.rendezvous_sites()}
-        fleets = {g.name: self.make_fleet(g, nets[g.network], access, image) for g in self.vm_groups()}
+        fleets = {g.name: self.make_fleet(g, nets[g.network], access, of_group[g.name]) for g in self.vm_groups()}
         clusters: dict[str, Cluster] = {}
         for net_name, groups in self.kubernetes_groups().items():
             clusters[net_name] = self.make_cluster(self.spec.network(net_name), groups, nets[net_name], access,
-                                                   storage, image)
+                                                   storage, {g.name: of_group[g.name] for g in groups})
         self.make_budget()
         self.exports = {"vpcIds": {name: self.vpc_id(n) for name, n in nets.items()},
                         "bucket": self.bucket_name(storage), "checkpointUrl": self.checkpoint_root(),
@@ -79,17 +82,20 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
                         "kubeconfigs": pulumi.Output.secret({k: c.kubeconfig for k, c in clusters.items()}),
                         "trainerImage": image}
 
-    def trainer_image(self, nets: dict[str, NetT]) -> pulumi.Output[str]:
-        """The trainer image by digest in this cloud's registry (built and pushed by the stack),
-        or the prebuilt one the spec names for this cloud."""
+    def trainer_images(self, nets: dict[str, NetT]) -> dict[str, pulumi.Output[str]]:
+        """Base image -> the trainer image built on it, by digest in this cloud's registry (built
+        and pushed by the stack): the stack's `training.image` and each group's own; or the
+        prebuilt image the spec names for this cloud, for every group."""
         prebuilt = self.spec.training.prebuilt_images.get(self.CLOUD)  # type: ignore[call-overload]
         if prebuilt:
-            return pulumi.Output.from_input(str(prebuilt))
+            return {self.spec.training.image: pulumi.Output.from_input(str(prebuilt))}
         if not self.node_groups():
-            return pulumi.Output.from_input("")
+            return {}
         registry = self.make_registry(nets)
-        return TrainerImage(f"{self.name}-trainer", TrainerImageArgs(self.spec.training.image, registry),
-                            opts=pulumi.ResourceOptions(parent=self)).ref
+        bases = dict.fromkeys([self.spec.training.image] + [self.spec.base_image_of(g.group) for g in self.node_groups()])
+        return {base: TrainerImage(image_resource_name(self.name, base, self.spec.training.image),
+                                   TrainerImageArgs(base, registry), opts=pulumi.ResourceOptions(parent=self)).ref
+                for base in bases}
 
     # -- what subclasses provide -------------------------------------------------------
     def make_provider(self, region: str) -> pulumi.ProviderResource:
@@ -124,7 +130,7 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         raise TypeError(f"{type(self).__name__} must define make_fleet")
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: NetT, access: AccessT,
-                     storage: StoreT, image: pulumi.Output[str]) -> Cluster:
+                     storage: StoreT, images: Mapping[str, pulumi.Output[str]]) -> Cluster:
         raise TypeError(f"{type(self).__name__} must define make_cluster")
 
     def make_budget(self) -> None:

@@ -9,6 +9,8 @@ needs one), and requests what it limits, sized from the node type, so it is neve
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import math
 from dataclasses import dataclass, field
 
@@ -109,11 +111,11 @@ def rendezvous_store(name: str, image: pulumi.Input[str], namespace: pulumi.Inpu
         opts=opts)
 
 
-def deploy_training_jobs(groups: list[ResolvedGroup], image: pulumi.Input[str], identities: dict[str, Identity],
+def deploy_training_jobs(groups: list[ResolvedGroup], images: Mapping[str, pulumi.Output[str]], identities: dict[str, Identity],
                          namespace: pulumi.Input[str], labels: dict[str, str],
                          opts: pulumi.ResourceOptions) -> list[TrainingJob]:
     """One training Job per Kubernetes training group, on the cluster whose provider `opts` carries."""
-    return [TrainingJob(g.name, TrainingJobArgs(group=g, image=image, env=job_env(g, g.name), identity=identities[g.name],
+    return [TrainingJob(g.name, TrainingJobArgs(group=g, image=images[g.name], env=job_env(g, g.name), identity=identities[g.name],
                                                 namespace=namespace, scratch_gb=max(g.scratch_gb, 50), labels=labels),
                         opts=opts)
             for g in groups if g.workload == "training"]

@@ -5,6 +5,8 @@ the NVIDIA device plugin on GPU nodes itself."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import json
 from dataclasses import dataclass
 
@@ -55,7 +57,7 @@ class AlicloudAckArgs:
     role_name: pulumi.Output[str]
     network_cidr: str
     access: AlicloudAccess  # makes the pods' roles
-    image: pulumi.Output[str]
+    images: Mapping[str, pulumi.Output[str]]  # group name -> its trainer image
     provider: pulumi.ProviderResource
     tags: dict[str, str]
 
@@ -95,7 +97,7 @@ class AlicloudAck(pulumi.ComponentResource):
             cluster_id=self.cluster.id, opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(credential.kube_config.apply(str))
         cluster_workloads(name, self.kubeconfig, [self.system, *self.pools], spec, args.groups, parent=self,
-                          device_plugin=False, image=args.image, identities=self._rrsa(name, args))
+                          device_plugin=False, trainer_images=args.images, identities=self._rrsa(name, args))
         self.register_outputs({"clusterId": self.cluster.id})
 
     def _rrsa(self, name: str, args: AlicloudAckArgs) -> dict[str, Identity]:

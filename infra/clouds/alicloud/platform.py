@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pulumi
 import pulumi_alicloud as alicloud
 
@@ -87,12 +89,12 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: AlicloudNetwork,
-                     access: AlicloudAccess, storage: AlicloudStorage, image: pulumi.Output[str]) -> Cluster:
+                     access: AlicloudAccess, storage: AlicloudStorage, images: Mapping[str, pulumi.Output[str]]) -> Cluster:
         assert access.ack_node_role is not None
         ack = AlicloudAck(f"{self.spec.env}-{net.name}", AlicloudAckArgs(
             spec=self.spec, groups=groups, switch_ids=[s.id for s in built.switches],
             security_group_id=built.security_group.id, role_name=access.ack_node_role.role_name,
-            network_cidr=str(net.cidr), access=access, image=image, provider=self.provider(self.region_of(net)),
+            network_cidr=str(net.cidr), access=access, images=images, provider=self.provider(self.region_of(net)),
             tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
         return Cluster(ack.cluster.id, ack.kubeconfig)
 

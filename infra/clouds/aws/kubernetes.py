@@ -6,7 +6,7 @@ cloud-neutral node agents and training Job on the created cluster."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import pulumi
@@ -69,7 +69,7 @@ class AwsEksArgs:
     node_role_arn: pulumi.Output[str]
     kms_key_arn: pulumi.Output[str]
     access: AwsAccess  # makes the pods' roles
-    image: pulumi.Output[str]
+    images: Mapping[str, pulumi.Output[str]]  # group name -> its trainer image
     provider: pulumi.ProviderResource
     tags: dict[str, str]
 
@@ -113,7 +113,7 @@ class AwsEks(pulumi.ComponentResource):
                 lambda ec: kubeconfig(name, args.region, ec[0], ec[1])))
         # The EKS NVIDIA AMI has the driver but not the device plugin.
         k8s_provider = cluster_workloads(name, self.kubeconfig, [self.system, *self.node_groups], spec, args.groups,
-                                         parent=self, device_plugin=True, image=args.image,
+                                         parent=self, device_plugin=True, trainer_images=args.images,
                                          identities=self._pod_identities(name, args, child))
         EksClusterAutoscaler(f"{name}-ca", EksAutoscalerArgs(
             cluster_name=self.cluster.name, region=args.region,

@@ -3,6 +3,8 @@ EKS, budget."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pulumi
 import pulumi_aws as aws
 
@@ -88,13 +90,13 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: AwsNetwork, access: AwsAccess,
-                     storage: AwsStorage, image: pulumi.Output[str]) -> Cluster:
+                     storage: AwsStorage, images: Mapping[str, pulumi.Output[str]]) -> Cluster:
         assert access.eks_cluster_role is not None and access.eks_node_role is not None
         region = self.region_of(net)
         eks = AwsEks(f"{self.spec.env}-{net.name}", AwsEksArgs(
             spec=self.spec, groups=groups, region=region, subnet_ids=[s.id for s in built.private_subnets],
             security_group_id=built.security_group.id, cluster_role_arn=access.eks_cluster_role.arn,
-            node_role_arn=access.eks_node_role.arn, kms_key_arn=storage.key.arn, access=access, image=image,
+            node_role_arn=access.eks_node_role.arn, kms_key_arn=storage.key.arn, access=access, images=images,
             provider=self.provider(region), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
         return Cluster(eks.cluster.name, eks.kubeconfig)
 

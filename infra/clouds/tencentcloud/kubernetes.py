@@ -6,6 +6,8 @@ Job. TKE installs the NVIDIA device plugin on GPU nodes itself."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dataclasses import dataclass
 
 import pulumi
@@ -44,7 +46,7 @@ class TencentTkeArgs:
     subnet_ids: list[pulumi.Output[str]]
     security_group_id: pulumi.Output[str]
     role_names: dict[str, pulumi.Output[str]]  # each group's CAM role (its pods use it)
-    image: pulumi.Output[str]
+    images: Mapping[str, pulumi.Output[str]]  # group name -> its trainer image
     provider: pulumi.ProviderResource
     tags: dict[str, str]
 
@@ -76,7 +78,7 @@ class TencentTke(pulumi.ComponentResource):
         # TKE pods use their node's role (one group per pool: that group's grants).
         identities = {g.name: Identity(service_account=f"{g.name}-trainer") for g in args.groups}
         cluster_workloads(name, self.kubeconfig, [self.endpoint], spec, args.groups, parent=self, device_plugin=False,
-                          image=args.image, identities=identities)
+                          trainer_images=args.images, identities=identities)
         self.register_outputs({"clusterId": self.cluster.id})
 
     def _endpoint(self, name: str, args: TencentTkeArgs,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
@@ -103,11 +105,11 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: TencentNetwork,
-                     access: TencentAccess, storage: TencentStorage, image: pulumi.Output[str]) -> Cluster:
+                     access: TencentAccess, storage: TencentStorage, images: Mapping[str, pulumi.Output[str]]) -> Cluster:
         tke = TencentTke(f"{self.spec.env}-{net.name}", TencentTkeArgs(
             spec=self.spec, groups=groups, vpc_id=built.vpc.id, subnet_ids=[s.id for s in built.subnets],
             security_group_id=built.security_group.id, role_names={g.name: access.roles[g.name].name for g in groups},
-            image=image, provider=self.provider(self.region_of(net)), tags=self.tags),
+            images=images, provider=self.provider(self.region_of(net)), tags=self.tags),
             opts=pulumi.ResourceOptions(parent=self))
         return Cluster(tke.cluster.id, tke.kubeconfig)
 

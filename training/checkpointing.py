@@ -1,0 +1,256 @@
+"""Checkpoints for your own training code: the manager our trainer uses (atomic commit, sha256
+checked on load, background upload with retries, keep-K, a lock per run), the emergency
+checkpoint on SIGTERM / SIGINT / the spot notice, and exact resume, behind three lines.
+
+    from training.checkpointing import Checkpointer
+
+    with Checkpointer(model=model, optimizer=optimizer, scheduler=scheduler) as ckpt:
+        for step in range(ckpt.resume(), total_steps):     # the newest good checkpoint, or 0
+            train_one_step(step)
+            if ckpt.step(step + 1):                        # every CHECKPOINT_EVERY steps, and on
+                break                                      # a stop signal: saved, now leave
+
+Where the checkpoints go comes from the trainer contract the stack gives every node and Job
+(CHECKPOINT_URL, CHECKPOINT_DIR, CHECKPOINT_EVERY, KEEP_CHECKPOINTS; training/contract.py), or
+from the arguments. Under torchrun or `accelerate launch` every rank makes a Checkpointer and
+calls `step` after each optimizer step: the ranks agree on when to save and stop (one
+collective per step), each rank's RNG streams are saved and restored, and the objects' state is
+written once per node. Anything with `state_dict()` / `load_state_dict()` can be passed; other
+values that shape the run (an epoch counter, a data position) go into `step(..., **extra)` and
+come back in `ckpt.extra` after `resume()`.
+
+Exact resume needs the loop's data order to be a function of the step (or of values kept in
+`extra`): seed a generator from (seed, epoch) and skip the batches already consumed.
+The checkpoints are read with weights_only: tensors and plain values only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from training import contract
+from training.checkpoint import CheckpointError, CheckpointManager, Topology, UploadStatus
+from training.distributed import Comm
+
+log = logging.getLogger("gts.checkpointing")
+
+# A rank that stopped because another node was told to (its spot notice): non-zero, so torchrun's
+# agent restarts the workers and re-rendezvouses with the nodes that remain (EX_TEMPFAIL).
+EXIT_PEER_STOPPED = 75
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+class StopFlag:
+    """Signal handlers only set flags; the loop combines them across ranks after each step.
+    SIGTERM / SIGINT: checkpoint and stop. SIGUSR1 (a rebalance recommendation, or a person):
+    checkpoint now and go on."""
+
+    def __init__(self) -> None:
+        self.raised: str | None = None
+        self.checkpoint_requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+        signal.signal(signal.SIGUSR1, self._checkpoint)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.raised = signal.Signals(signum).name
+
+    def _checkpoint(self, signum: int, frame: Any) -> None:
+        self.checkpoint_requested = True
+
+    def take_checkpoint_request(self) -> bool:
+        asked, self.checkpoint_requested = self.checkpoint_requested, False
+        return asked
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG the step uses, as tensors and plain values only: checkpoints are read with
+    torch.load(weights_only=True), which refuses anything that could run code (a numpy array in
+    a pickle included)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"name": str(name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    saved = state["numpy"]
+    np.random.set_state((saved["name"], saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
+                         saved["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class Resumed:
+    step: int
+    state: Any
+    rng: dict[str, Any] | None
+
+
+def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
+                      load: Callable[[int], tuple[Any, dict[str, Any] | None]] | None = None) -> Resumed | None:
+    """The newest step every rank can load, each file checked; a step that fails on any rank is
+    skipped with a log line naming the rank, file and fault, and the one before it is tried.
+    `load` reads one step (default: the model state and this rank's RNG state)."""
+    load = load or ckpt.load
+    common = set.intersection(*map(set, comm.all_gather_object(sorted(ckpt.loadable_steps()))))
+    if ckpt.remote_error and comm.local_rank == 0:
+        log.warning("the bucket %s cannot be listed (%s): starting from this node's own checkpoints; uploads "
+                    "are retried in the background", ckpt.remote.url if ckpt.remote else "", ckpt.remote_error)
+    for step in sorted(common, reverse=True):
+        state: Any = {}
+        rng = None
+        try:
+            state, rng = load(step)
+            fault = ""
+        except CheckpointError as exc:
+            fault = str(exc)
+        faults = [(rank, f) for rank, f in enumerate(comm.all_gather_object(fault)) if f]
+        if not faults:
+            return Resumed(step, state, rng)
+        if comm.rank == 0:
+            rank, first = faults[0]
+            log.warning("skipping checkpoint step %d: rank %d: %s%s", step, rank, first,
+                        f" (and {len(faults) - 1} more rank(s))" if len(faults) > 1 else "")
+    if common and comm.rank == 0:
+        log.warning("no usable checkpoint among steps %s: starting from scratch", sorted(common))
+    return None
+
+
+def exit_code(comm: Comm, raised: str | None) -> int:
+    """After an emergency checkpoint: 0 where a node was told to stop; 75 on the other nodes of
+    a multi-node run, whose agents then go on without it."""
+    if comm.nnodes > 1:
+        signalled = {node for node, signal_name in comm.all_gather_object((comm.node, raised)) if signal_name}
+        if comm.node not in signalled:
+            return EXIT_PEER_STOPPED
+    return 0
+
+
+def _setting(value: Any, var: contract.Var, default: Any) -> Any:
+    """An argument, else the contract's environment variable, else the default."""
+    if value is not None:
+        return value
+    raw = os.environ.get(var.name, "")
+    if not raw:
+        return default
+    try:
+        return type(default)(raw)
+    except ValueError:
+        raise ValueError(f"{var.name}={raw!r}: expected {type(default).__name__}") from None
+
+
+def open_manager(comm: Comm, url: str | None, local_dir: str | None, keep: int | None,
+                 on_status: Callable[[UploadStatus], None] | None = None) -> CheckpointManager:
+    """The run's checkpoint manager, configured from the arguments or the trainer contract."""
+    remote = _setting(url, contract.CHECKPOINT_URL, "")
+    folder = _setting(local_dir, contract.CHECKPOINT_DIR, "out/checkpoints")
+    if "://" in folder and not folder.startswith("file://"):
+        folder, remote = "out/checkpoint-cache", folder
+    topo = Topology(comm.rank, comm.local_rank, comm.world, comm.node, comm.nnodes, comm.local_world)
+    return CheckpointManager(folder.removeprefix("file://"), remote or None, topo,
+                             keep=_setting(keep, contract.KEEP_CHECKPOINTS, 3), on_status=on_status)
+
+
+class Checkpointer:
+    """save / resume / stop for a training loop we did not write. See the module docstring."""
+
+    def __init__(self, every: int | None = None, *, url: str | None = None, local_dir: str | None = None,
+                 keep: int | None = None, upload_deadline_s: float = 90.0, launcher: str = "auto",
+                 **state: Stateful):
+        self.every = _setting(every, contract.CHECKPOINT_EVERY, 500)
+        if self.every <= 0:
+            raise ValueError(f"checkpoint interval {self.every}: must be a positive number of steps")
+        self.comm = Comm(launcher)
+        self.stop = StopFlag()
+        self.state = state
+        self.extra: dict[str, Any] = {}
+        self.deadline = upload_deadline_s
+        self.manager = open_manager(self.comm, url, local_dir, keep)
+        self.last_saved = -1
+        self.stopped: str | None = None
+        self.exit_code = 0  # set when the `with` block ends (close())
+
+    def resume(self) -> int:
+        """Restore the newest checkpoint every rank can load (checked file by file); returns its
+        step, or 0 when there is none. Committed steps the bucket lacks are uploaded now."""
+        found = choose_checkpoint(self.manager, self.comm)
+        self.manager.resync()
+        if found is None:
+            return 0
+        saved = found.state.get("state", {})
+        missing = sorted(set(self.state) - set(saved))
+        if missing:
+            raise CheckpointError(f"checkpoint step {found.step} holds no state for {', '.join(missing)} "
+                                  f"(it has {', '.join(sorted(saved)) or 'none'})")
+        for name, obj in self.state.items():
+            obj.load_state_dict(saved[name])
+        self.extra = dict(found.state.get("extra", {}))
+        if found.rng is not None:
+            set_rng_state(found.rng)
+        elif self.comm.rank == 0:
+            log.warning("world size changed since step %d: per-rank RNG streams not restored", found.step)
+        self.last_saved = found.step
+        if self.comm.rank == 0:
+            log.info("resumed from checkpoint step %d", found.step)
+        return found.step
+
+    def step(self, step: int, **extra: Any) -> bool:
+        """After each optimizer step, with the number of steps done: saves every `every` steps,
+        on SIGUSR1, and on SIGTERM / SIGINT on any rank — then returns True: leave the loop."""
+        stopping, asked = self.comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request())
+        if step % self.every == 0 or stopping or asked:
+            self.save(step, **extra)
+        if stopping:
+            self.stopped = self.stop.raised or "a signal on another rank"
+            if self.comm.rank == 0:
+                log.warning("stopped by %s at step %d after an emergency checkpoint", self.stopped, step)
+        return stopping
+
+    def save(self, step: int, **extra: Any) -> float:
+        """Checkpoint now (every rank calls it); returns the seconds the loop was blocked."""
+        if step == self.last_saved:
+            return 0.0
+        payload = None
+        if self.comm.local_rank == 0:
+            payload = {"state": {name: obj.state_dict() for name, obj in self.state.items()}, "extra": extra,
+                       "step": step, "world_size": self.comm.world}
+        blocked = self.manager.save(step, payload, rng_state(), self.comm.barrier)
+        self.last_saved = step
+        self.extra = dict(extra)
+        return blocked
+
+    def close(self) -> int:
+        """Wait for the uploads (up to the deadline) and return the process's exit code: 0, or
+        75 on the nodes of a multi-node run that stopped because another node was told to."""
+        status = self.manager.close(timeout=self.deadline)
+        if status.pending and self.comm.rank == 0:
+            log.error("%d checkpoint(s) not uploaded yet; kept on local disk", len(status.pending))
+        return exit_code(self.comm, self.stop.raised) if self.stopped else 0
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.exit_code = self.close()
