@@ -52,6 +52,7 @@ def trainer_env(spec: StackSpec, rg: ResolvedGroup) -> dict[str, str]:
         c.CHECKPOINT_EVERY: str(t.checkpoint_every), c.KEEP_CHECKPOINTS: str(t.keep_checkpoints),
         c.LAUNCHER: t.launcher, c.NNODES: str(rg.max_nodes), c.MIN_NNODES: str(rg.min_nodes),
         c.NPROC_PER_NODE: str(rg.gpus), c.RDZV_ENDPOINT: rendezvous.endpoint_for(spec, rg),
+        c.SHARED_DIR: shared.mount_path if (shared := spec.shared_fs_of(rg.group)) else "",
         c.METRICS_PORT: str(METRICS_PORT),
         c.NODE_HOURLY_USD: f"{rg.node_hourly_usd:.4f}", c.MLFLOW_TRACKING_URI: t.mlflow_tracking_uri or "",
         c.STORAGE_ENDPOINT_URL: endpoint(rg.cloud, rg.bucket.region, rg.region),

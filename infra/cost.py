@@ -15,7 +15,7 @@ from typing import Any
 from croniter import croniter
 
 from infra import catalog as cat
-from infra import rendezvous
+from infra import rendezvous, sharedfs
 from infra.groups import ResolvedGroup, Stack
 from infra.spec import NodeGroup, StackSpec
 
@@ -177,7 +177,8 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
         nat = round(nat_hourly_usd(spec, cloud) * cat.HOURS_PER_MONTH, 2)
         registry = registry_monthly_usd(spec, cloud)
         stores = rendezvous_monthly_usd(stack, cloud)
-        fixed = storage + clusters + nat + registry + stores
+        shared = round(sharedfs.monthly_usd(spec, cloud), 2)
+        fixed = storage + clusters + nat + registry + stores + shared
         monthly = sum(g.monthly_usd for g in mine) + fixed
         by_cloud[cloud] = {
             "hourly_usd": round(monthly / cat.HOURS_PER_MONTH, 4),
@@ -189,6 +190,7 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
             "nat_monthly_usd": nat,
             "registry_monthly_usd": registry,
             "rendezvous_monthly_usd": stores,
+            "shared_fs_monthly_usd": shared,
         }
     monthly = sum(c["monthly_usd"] for c in by_cloud.values())
     on_demand = sum(c["on_demand_monthly_usd"] for c in by_cloud.values())

@@ -71,6 +71,23 @@ class Subnet(SpecModel):
     cidr: IPv4Network = Field(description="Subnet CIDR, inside the network's CIDR.")
 
 
+SharedFsType = Literal["efs", "fsx-lustre", "nas", "cfs"]
+
+
+class SharedFs(SpecModel):
+    """A shared file system in the network (the guide's "NFS shared storage"), mounted on the
+    nodes of the groups that ask for it; encrypted, reachable only from the stack's networks."""
+
+    type: SharedFsType = Field(description="efs or fsx-lustre (AWS), nas (Alibaba NAS), cfs (Tencent CFS).")
+    size_gb: int = Field(1200, gt=0, description="FSx for Lustre: the capacity provisioned (1200, 2400, then "
+                                                 "multiples of 2400). EFS, NAS, CFS grow as used: the size priced.")
+    throughput_per_tib: Literal[125, 250, 500, 1000] = Field(
+        125, description="FSx for Lustre (PERSISTENT_2): MB/s of throughput per TiB of storage.")
+    performance: bool = Field(False, description="NAS and CFS: the performance class instead of capacity / standard.")
+    mount_path: str = Field("/shared", pattern=r"^/[A-Za-z0-9._/-]*[A-Za-z0-9._-]$",
+                            description="Where nodes and pods see it.")
+
+
 class Network(SpecModel):
     """A VPC with subnets (vSwitches) in one region."""
 
@@ -83,6 +100,8 @@ class Network(SpecModel):
     nat: bool = Field(False, description="Create a NAT gateway for egress.")
     ssh_cidrs: list[IPv4Network] = Field(default_factory=list,
                                          description="CIDRs allowed to SSH in; empty = no SSH (use SSM / cloud shell).")
+    shared_fs: SharedFs | None = Field(None, description="A shared file system in this network; groups set "
+                                                         "sharedFs: true to mount it.")
 
 
 class Peering(SpecModel):
@@ -167,6 +186,8 @@ class NodeGroup(SpecModel):
     scratch: Scratch | None = Field(None, description="Scratch space; defaults to storage.scratch.")
     training: GroupTraining | None = Field(None, description="Image and command of this group, where they differ "
                                                              "from the stack's training section.")
+    shared_fs: bool = Field(False, description="Mount the network's shared file system (networks[].sharedFs) on "
+                                               "these nodes, at its mountPath, in the training container too.")
 
     @model_validator(mode="after")
     def _type_or_requirement(self) -> NodeGroup:
@@ -265,6 +286,10 @@ class StackSpec(SpecModel):
 
     def scratch_of(self, group: NodeGroup) -> Scratch:
         return group.scratch or self.storage.scratch
+
+    def shared_fs_of(self, group: NodeGroup) -> SharedFs | None:
+        """The shared file system the group mounts, if it asks for one."""
+        return self.network(group.network).shared_fs if group.shared_fs else None
 
     def command_of(self, group: NodeGroup) -> list[str] | None:
         """The group's training command: its own, else the stack's, else None (our trainer)."""

@@ -29,6 +29,7 @@ from infra.groups import ResolvedGroup, Stack
 from infra.buckets import bucket, endpoint
 from infra.images import node_agents
 from infra.rendezvous import Site
+from infra.sharedfs import SharedMount, placeholder
 from infra.spec import StackSpec
 from training import contract as c
 
@@ -94,6 +95,10 @@ class NodeContext:
     bundle_url: str  # the node bundle in the stack's bucket, and its pinned sha256
     bundle_sha256: str
     trainer: dict[str, str]  # the trainer contract (infra/contract.py)
+    shared_fs: str = ""  # the shared file system's mount (gts-shared.sh): kernel type, source, options, path
+    shared_source: str = ""
+    shared_options: str = ""
+    shared_dir: str = ""
 
 
 def store_context(spec: StackSpec, site: Site, image: str) -> NodeContext:
@@ -121,7 +126,7 @@ def for_store(spec: StackSpec, site: Site, image: str = IMAGE_PLACEHOLDER) -> st
     return for_vm(store_context(spec, site, image))
 
 
-def node_context(spec: StackSpec, rg: ResolvedGroup, image: str) -> NodeContext:
+def node_context(spec: StackSpec, rg: ResolvedGroup, image: str, shared: SharedMount | None = None) -> NodeContext:
     pinned = bundle.build()
     mirrors = spec.clouds[rg.group.cloud].mirrors
     agents = node_agents(mirrors)
@@ -136,6 +141,10 @@ def node_context(spec: StackSpec, rg: ResolvedGroup, image: str) -> NodeContext:
         # Cluster nodes run no trainer (the Job carries its env): they get what the fetcher needs.
         bundle_sha256=pinned.sha256, trainer={k: v for k, v in rg.trainer.items() if k in NODE_VARS} if kube
         else rg.trainer,
+        # A VM node mounts it for its trainer container; a cluster node hands its root to the
+        # trainer's uid (gts-shared.sh --prepare), and pods mount it through a PersistentVolume.
+        **({} if shared is None else {"shared_fs": shared.fs_type, "shared_source": shared.source,
+                                      "shared_options": shared.options, "shared_dir": shared.path}),
     )
 
 
@@ -219,9 +228,12 @@ def for_node_pool_script(ctx: NodeContext) -> str:
     return base64.b64encode(_check(render_script(ctx).encode(), ctx.cloud, f"{ctx.cloud}/{ctx.group}")).decode()
 
 
-def for_group(spec: StackSpec, rg: ResolvedGroup, image: str = IMAGE_PLACEHOLDER) -> str:
-    """The user data field value of a group's nodes, in the shape its kind of node takes."""
-    ctx = node_context(spec, rg, image)
+def for_group(spec: StackSpec, rg: ResolvedGroup, image: str = IMAGE_PLACEHOLDER,
+              shared: SharedMount | None = None) -> str:
+    """The user data field value of a group's nodes, in the shape its kind of node takes; a
+    group that mounts a shared file system whose address is not known yet gets a placeholder."""
+    fs = spec.shared_fs_of(rg.group)
+    ctx = node_context(spec, rg, image, shared or (placeholder(fs) if fs else None))
     if rg.kind == "vm":
         return for_vm(ctx)
     return for_eks(ctx) if rg.cloud == "aws" else for_node_pool_script(ctx)

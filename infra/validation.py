@@ -14,7 +14,7 @@ from croniter import croniter
 from pydantic import BaseModel, ValidationError
 
 from infra import catalog as cat
-from infra import cloud_rules, commands
+from infra import cloud_rules, commands, sharedfs
 from infra.errors import Problem, SpecError, suggest
 from infra.groups import requirement, schedule_bounds
 from infra.schedule import cron_in_beijing
@@ -126,6 +126,7 @@ def check(spec: StackSpec) -> list[Problem]:
     problems += _check_node_groups(spec, nets)
     if not problems:  # the provider limits assume a spec that is whole
         problems += cloud_rules.check(spec)
+        problems += sharedfs.check(spec)
     if not problems:  # the commands are checked against the resolved groups' trainer contract
         problems += commands.check(spec)
     return problems

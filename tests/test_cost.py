@@ -91,7 +91,7 @@ def test_stack_totals_add_up() -> None:
     for cloud, c in total["by_cloud"].items():
         mine = sum(g["monthly_usd"] for g in groups if g["cloud"] == cloud)
         fixed = (c["storage_monthly_usd"] + c["clusters_monthly_usd"] + c["nat_monthly_usd"] + c["registry_monthly_usd"]
-                 + c["rendezvous_monthly_usd"])
+                 + c["rendezvous_monthly_usd"] + c["shared_fs_monthly_usd"])
         assert c["monthly_usd"] == pytest.approx(mine + fixed, abs=0.05)
     assert total["monthly_usd"] == pytest.approx(sum(c["monthly_usd"] for c in total["by_cloud"].values()), abs=0.05)
     assert total["hourly_usd"] == pytest.approx(total["monthly_usd"] / HOURS, abs=0.01)

@@ -33,16 +33,35 @@ def unprotected(resources: list[Registered]) -> list[str]:
             and not (r.options["protect"] and (r.options["retainOnDelete"] or not STATEFUL[r.type].retain))]
 
 
+# Shared file system types prod does not use (it has EFS); the test below gives prod one of each.
+NOT_IN_PROD = {"aws:fsx/lustreFileSystem:LustreFileSystem", "alicloud:nas/fileSystem:FileSystem",
+               "tencentcloud:Cfs/fileSystem:FileSystem"}
+
+
 def test_prod_protects_every_stateful_resource_and_dev_none() -> None:
     prod = list(shipped("prod"))
     stateful = [r for r in prod if r.type in STATEFUL]
-    assert {r.type for r in stateful} == set(STATEFUL), "every kind listed is in prod"
+    assert {r.type for r in stateful} == set(STATEFUL) - NOT_IN_PROD, "every other kind listed is in prod"
     assert unprotected(prod) == []
     # Only those: the node-bundle object (replaced whenever the scripts change) and the bucket's
     # settings stay replaceable although Pulumi hands `protect` down to children.
-    assert {r.type for r in prod if r.options["protect"]} == set(STATEFUL)
+    assert {r.type for r in prod if r.options["protect"]} == set(STATEFUL) - NOT_IN_PROD
     dev = list(shipped("dev"))
     assert not [r.name for r in dev if r.options["protect"] or r.options["retainOnDelete"]]
+
+
+def test_every_kind_of_shared_file_system_is_protected_in_prod(tmp_path: Path) -> None:
+    from tests.harness import run_stack
+
+    def edit(values: dict[str, Any]) -> None:
+        kinds = {"aws-train-west": {"type": "fsx-lustre", "sizeGb": 1200}, "ali-train": {"type": "nas"},
+                 "tc-train": {"type": "cfs"}}
+        for net in values[key("networks")]:
+            if net["name"] in kinds:
+                net["sharedFs"] = kinds[net["name"]]
+    resources = run_stack("prod", edit, tmp_path)
+    assert {r.type for r in resources} >= NOT_IN_PROD
+    assert unprotected(resources) == []
 
 
 def test_an_unprotected_stateful_resource_fails_the_check_and_the_policy() -> None:

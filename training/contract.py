@@ -48,6 +48,8 @@ NPROC_PER_NODE = Var("NPROC_PER_NODE", "training processes per node (its GPUs)",
 NODE_RANK = Var("NODE_RANK", "this node's index (Kubernetes: the Job completion index)", K8S)
 RDZV_ENDPOINT = Var("RDZV_ENDPOINT", "host:port of the rendezvous store of a multi-node run (VMs: the stack's "
                     "store instance; Kubernetes: the Job's store Service)", STACK)
+SHARED_DIR = Var("SHARED_DIR", "the network's shared file system, mounted here (empty: none; nodeGroups[].sharedFs)",
+                 STACK)
 METRICS_PORT = Var("METRICS_PORT", "Prometheus endpoint of the trainer", STACK, "metrics_port")
 NODE_HOURLY_USD = Var("NODE_HOURLY_USD", "what this node costs per hour (cost-so-far metric, budget pace)", STACK,
                       "node_hourly_usd")
@@ -65,7 +67,7 @@ GTS_CLOUD = Var("GTS_CLOUD", "aws | alicloud | tencentcloud", STACK)
 GTS_NODE_GROUP = Var("GTS_NODE_GROUP", "the node group (metrics labels)", STACK)
 
 VARS = (WORKLOAD, TRAIN_STEPS, DATA_DIR, DATASET_URL, CHECKPOINT_URL, CHECKPOINT_DIR, CHECKPOINT_EVERY,
-        KEEP_CHECKPOINTS, LAUNCHER, TRAIN_MODULE, TRAIN_COMMAND, NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK, RDZV_ENDPOINT, METRICS_PORT,
+        KEEP_CHECKPOINTS, LAUNCHER, TRAIN_MODULE, TRAIN_COMMAND, NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK, RDZV_ENDPOINT, SHARED_DIR, METRICS_PORT,
         NODE_HOURLY_USD, MLFLOW_TRACKING_URI, STORAGE_ENDPOINT_URL, STORAGE_REGION, STORAGE_ADDRESSING_STYLE,
         STORAGE_CREDENTIALS, AWS_REGION, GTS_CLOUD, GTS_NODE_GROUP)
 NAMES = frozenset(v.name for v in VARS)

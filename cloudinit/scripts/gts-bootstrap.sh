@@ -37,6 +37,8 @@ start_services() {
 if [ "${GTS_MODE:-vm}" = "kubernetes" ]; then
   # EKS / ACK / TKE GPU images bring the driver and containerd; the cluster runs the trainer
   # (a Job) and the exporters (DaemonSets). The node adds scratch and the spot watcher.
+  # Pods mount the shared file system themselves; its root is handed to the trainer's uid here.
+  step shared "$SBIN/gts-shared.sh" --prepare
   touch "$STATE/ready"
   start_services gts-scratch.service gts-spot-watch.service
   log "node ready (kubernetes)"
@@ -62,6 +64,6 @@ if [ -e "$STATE/reboot-required" ]; then
 fi
 step runtime "$SBIN/gts-runtime.sh"
 touch "$STATE/ready"
-start_services gts-scratch.service gts-dataset.service gts-exporters.service gts-spot-watch.service \
-  gts-trainer.service
-log "node ready: scratch, dataset cache, exporters, spot watcher and trainer started"
+start_services gts-scratch.service gts-shared.service gts-dataset.service gts-exporters.service \
+  gts-spot-watch.service gts-trainer.service
+log "node ready: scratch, shared file system, dataset cache, exporters, spot watcher and trainer started"

@@ -13,9 +13,10 @@ import pulumi
 from infra import rendezvous, userdata
 from infra.access import CLUSTER_NODE, Grants, node_grants
 from infra.buckets import bucket
-from infra.image import Registry, TrainerImage, TrainerImageArgs, image_resource_name
 from infra.groups import ResolvedGroup, Stack
+from infra.image import Registry, TrainerImage, TrainerImageArgs, image_resource_name
 from infra.rendezvous import Site
+from infra.sharedfs import SharedFsOutputs
 from infra.spec import CloudAccount, Network, Peering
 from infra.tags import stack_tags
 
@@ -50,6 +51,7 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         self.tags = stack_tags(self.spec)
         self.exports: dict[str, Any] = {}
         self.stores: dict[str, pulumi.Resource] = {}
+        self.shared: dict[str, SharedFsOutputs] = {}  # network name -> its shared file system
         self.providers: dict[str, pulumi.ProviderResource] = {}
         for region in self.regions():
             self.providers[region] = self.make_provider(region)
@@ -62,6 +64,8 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         nets = {net.name: self.make_network(net) for net in self.networks()}
         self.make_links(nets)
         storage = self.make_storage()
+        self.shared = {net.name: self.make_shared_fs(net, nets[net.name], storage)
+                       for net in self.networks() if net.shared_fs is not None}
         access = self.make_access(storage)
         images = self.trainer_images(nets)
         image = images.get(self.spec.training.image, pulumi.Output.from_input(""))
@@ -115,6 +119,9 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
 
     def bucket_name(self, storage: StoreT) -> pulumi.Output[str]:
         raise TypeError(f"{type(self).__name__} must define bucket_name")
+
+    def make_shared_fs(self, net: Network, built: NetT, storage: StoreT) -> SharedFsOutputs:
+        raise TypeError(f"{type(self).__name__} offers no shared file system")
 
     def make_access(self, storage: StoreT) -> AccessT:
         raise TypeError(f"{type(self).__name__} must define make_access")
@@ -186,10 +193,16 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         return str(rendezvous.instance(self.CLOUD)["instanceType"])
 
     def user_data(self, group: ResolvedGroup, image: pulumi.Output[str]) -> pulumi.Output[str]:
-        """The group's user data, once the image's digest is known; a secret when it carries an
-        MLflow URI (they often hold a token: `pulumi config set --secret --path
-        training.mlflowTrackingUri`), so that it never shows in previews or the state in clear."""
-        rendered = image.apply(lambda ref: userdata.for_group(self.spec, group, ref))
+        """The group's user data, once the image's digest (and the shared file system's address,
+        where the group mounts one) is known; a secret when it carries an MLflow URI (they often
+        hold a token: `pulumi config set --secret --path training.mlflowTrackingUri`), so that it
+        never shows in previews or the state in clear."""
+        shared = self.shared.get(group.network) if group.group.shared_fs else None
+        if shared is not None:
+            rendered = pulumi.Output.all(image, shared.mount()).apply(
+                lambda both: userdata.for_group(self.spec, group, both[0], both[1]))
+        else:
+            rendered = image.apply(lambda ref: userdata.for_group(self.spec, group, ref))
         return pulumi.Output.secret(rendered) if self.spec.training.mlflow_tracking_uri else rendered
 
     def regions(self) -> list[str]:

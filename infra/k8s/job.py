@@ -9,9 +9,8 @@ needs one), and requests what it limits, sized from the node type, so it is neve
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pulumi
@@ -20,6 +19,7 @@ import pulumi_kubernetes as k8s
 from infra import contract
 from infra.groups import LABEL_NODE_GROUP, ResolvedGroup
 from infra.k8s.daemons import GPU_TOLERATION
+from infra.sharedfs import MOUNTS, SharedFsOutputs
 from training import contract as c
 
 SKIP_AWAIT = "pulumi.com/skipAwait"
@@ -50,6 +50,7 @@ class TrainingJobArgs:
     scratch_gb: int
     labels: dict[str, str] = field(default_factory=dict)
     backoff_limit: int = 6
+    shared: SharedFsOutputs | None = None  # the network's shared file system, when the group mounts it
 
 
 def pod_resources(rg: ResolvedGroup) -> tuple[dict[str, str], int]:
@@ -111,14 +112,38 @@ def rendezvous_store(name: str, image: pulumi.Input[str], namespace: pulumi.Inpu
         opts=opts)
 
 
-def deploy_training_jobs(groups: list[ResolvedGroup], images: Mapping[str, pulumi.Output[str]], identities: dict[str, Identity],
-                         namespace: pulumi.Input[str], labels: dict[str, str],
-                         opts: pulumi.ResourceOptions) -> list[TrainingJob]:
+def deploy_training_jobs(groups: list[ResolvedGroup], images: Mapping[str, pulumi.Output[str]],
+                         identities: dict[str, Identity], namespace: pulumi.Input[str], labels: dict[str, str],
+                         opts: pulumi.ResourceOptions, shared: SharedFsOutputs | None = None) -> list[TrainingJob]:
     """One training Job per Kubernetes training group, on the cluster whose provider `opts` carries."""
-    return [TrainingJob(g.name, TrainingJobArgs(group=g, image=images[g.name], env=job_env(g, g.name), identity=identities[g.name],
-                                                namespace=namespace, scratch_gb=max(g.scratch_gb, 50), labels=labels),
-                        opts=opts)
+    return [TrainingJob(g.name, TrainingJobArgs(
+        group=g, image=images[g.name], env=job_env(g, g.name), identity=identities[g.name], namespace=namespace,
+        scratch_gb=max(g.scratch_gb, 50), labels=labels, shared=shared if g.group.shared_fs else None), opts=opts)
             for g in groups if g.workload == "training"]
+
+
+def shared_claim(name: str, shared: SharedFsOutputs, namespace: pulumi.Input[str], labels: dict[str, str],
+                 opts: pulumi.ResourceOptions) -> k8s.core.v1.PersistentVolumeClaim:
+    """The network's NFS file system as a static PersistentVolume bound to this Job's claim (the
+    restricted Pod Security level admits claims, not inline nfs volumes); Retain: deleting the
+    Job never deletes a file."""
+    fs_type, options = MOUNTS[shared.spec.type]
+    size = f"{shared.spec.size_gb}Gi"
+    volume = k8s.core.v1.PersistentVolume(
+        f"{name}-shared-pv", metadata=k8s.meta.v1.ObjectMetaArgs(name=f"{name}-shared", labels=labels),
+        spec=k8s.core.v1.PersistentVolumeSpecArgs(
+            capacity={"storage": size}, access_modes=["ReadWriteMany"], persistent_volume_reclaim_policy="Retain",
+            storage_class_name="", mount_options=[o for o in options.split(",") if o != "_netdev"],
+            nfs=k8s.core.v1.NFSVolumeSourceArgs(server=shared.server, path=shared.export),
+            claim_ref=k8s.core.v1.ObjectReferenceArgs(namespace=namespace, name=f"{name}-shared")),
+        opts=opts)
+    return k8s.core.v1.PersistentVolumeClaim(
+        f"{name}-shared-pvc", metadata=k8s.meta.v1.ObjectMetaArgs(name=f"{name}-shared", namespace=namespace,
+                                                                  labels=labels),
+        spec=k8s.core.v1.PersistentVolumeClaimSpecArgs(
+            access_modes=["ReadWriteMany"], storage_class_name="", volume_name=volume.metadata.name,
+            resources=k8s.core.v1.VolumeResourceRequirementsArgs(requests={"storage": size})),
+        opts=opts)
 
 
 class TrainingJob(pulumi.ComponentResource):
@@ -138,6 +163,11 @@ class TrainingJob(pulumi.ComponentResource):
         resources, shm_gb = pod_resources(rg)
         env = self._env(name, args, labels, child)
         mounts, volumes = _volumes(args, shm_gb)
+        if args.shared is not None:
+            claim = shared_claim(name, args.shared, args.namespace, labels, child)
+            mounts.append(k8s.core.v1.VolumeMountArgs(name="shared", mount_path=args.shared.spec.mount_path))
+            volumes.append(k8s.core.v1.VolumeArgs(name="shared", persistent_volume_claim=(
+                k8s.core.v1.PersistentVolumeClaimVolumeSourceArgs(claim_name=claim.metadata.name))))
         pod = k8s.core.v1.PodSpecArgs(
             restart_policy="OnFailure", service_account_name=account.metadata.name,
             automount_service_account_token=False,

@@ -6,6 +6,7 @@ through with a made-up answer. Values mirror the shape of the real responses.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -136,7 +137,6 @@ COMPUTED.update({
 
 def _docker_image(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
     """The digest a push would report: derived from the tags and build inputs, stable per run."""
-    import hashlib
     import json
 
     digest = "sha256:" + hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
@@ -201,4 +201,35 @@ COMPUTED.update({
     "alicloud:cs/managedKubernetes:ManagedKubernetes": _ack_cluster,
     "alicloud:ram/role:Role": _ram_role,
     "tencentcloud:Kubernetes/clusterEndpoint:ClusterEndpoint": _tke_endpoint,
+})
+
+
+# --- shared file systems (infra/clouds/<cloud>/sharedfs.py): the addresses nodes mount ----------
+def _mock_id(prefix: str, name: str, length: int = 8) -> str:
+    return prefix + hashlib.sha256(name.encode()).hexdigest()[:length]
+
+
+def _efs(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    fs_id = _mock_id("fs-", name, 17)
+    return {"id": fs_id, "dnsName": f"{fs_id}.efs.mock-region.amazonaws.com"}
+
+
+def _lustre(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    fs_id = _mock_id("fs-", name, 17)
+    return {"id": fs_id, "dnsName": f"{fs_id}.fsx.mock-region.amazonaws.com", "mountName": _mock_id("", name)}
+
+
+def _nas_mount_target(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"mountTargetDomain": f"{_mock_id('', name, 10)}-abc12.mock-region.nas.aliyuncs.com"}
+
+
+def _cfs(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"id": _mock_id("cfs-", name), "fsId": _mock_id("", name), "mountIp": "10.70.0.27"}
+
+
+COMPUTED.update({
+    "aws:efs/fileSystem:FileSystem": _efs,
+    "aws:fsx/lustreFileSystem:LustreFileSystem": _lustre,
+    "alicloud:nas/mountTarget:MountTarget": _nas_mount_target,
+    "tencentcloud:Cfs/fileSystem:FileSystem": _cfs,
 })

@@ -82,16 +82,17 @@ def _cost(cost: dict[str, Any], console: Console) -> None:
     console.print(groups)
 
     clouds = Table(title="cost by cloud (USD; node groups, object storage, clusters, NAT, image registry, "
-                         "rendezvous stores)")
-    for column in ("cloud", "$/h", "$/month", "storage", "clusters", "NAT", "registry", "rdzv", "peak $/h",
-                   "on-demand $/month"):
+                         "rendezvous stores, shared file systems)")
+    for column in ("cloud", "$/h", "$/month", "storage", "clusters", "NAT", "registry", "rdzv", "shared FS",
+                   "peak $/h", "on-demand $/month"):
         clouds.add_column(column, justify="right" if column != "cloud" else "left")
     for name, c in cost["by_cloud"].items():
         clouds.add_row(name, f"{c['hourly_usd']:,.2f}", f"{c['monthly_usd']:,.0f}", f"{c['storage_monthly_usd']:,.0f}",
                        f"{c['clusters_monthly_usd']:,.0f}", f"{c['nat_monthly_usd']:,.0f}",
                        f"{c['registry_monthly_usd']:,.0f}", f"{c['rendezvous_monthly_usd']:,.0f}",
-                       f"{c['peak_hourly_usd']:,.2f}", f"{c['on_demand_monthly_usd']:,.0f}")
-    clouds.add_row("[bold]total[/]", f"{cost['hourly_usd']:,.2f}", f"{cost['monthly_usd']:,.0f}", "", "", "", "", "",
+                       f"{c['shared_fs_monthly_usd']:,.0f}", f"{c['peak_hourly_usd']:,.2f}",
+                       f"{c['on_demand_monthly_usd']:,.0f}")
+    clouds.add_row("[bold]total[/]", f"{cost['hourly_usd']:,.2f}", f"{cost['monthly_usd']:,.0f}", "", "", "", "", "", "",
                    f"{cost['peak_hourly_usd']:,.2f}", f"{cost['on_demand_monthly_usd']:,.0f}")
     console.print(clouds)
     console.print(f"saving vs on-demand: {cost['savings_vs_on_demand_pct']}%   "

@@ -392,10 +392,15 @@ def disks_encrypted(r: Res, cfg: Mapping[str, Any]) -> list[str]:
         bad = r.get("encrypted") is not True
     elif r.cloud == "alicloud" and r.get("dataDisks") is not None:
         bad = any(d.get("encrypted") not in (True, "true") for d in r.get("dataDisks") or [])
+    elif r.type == "aws:efs/fileSystem:FileSystem":
+        bad = r.get("encrypted") is not True
+    elif r.type == "alicloud:nas/fileSystem:FileSystem":
+        bad = r.get("encryptType", default=0) not in (1, 2)  # 1.0 == 1: numbers arrive as floats
     elif r.cloud == "tencentcloud" and not sdk_gap(r.type, "dataDiskEncryption"):
         disks = r.get("dataDisks") or r.get("autoScalingConfig", "dataDisks") or []
         bad = any(d.get("encrypt") is not True for d in disks)
-    return ["a disk is not encrypted; set encrypted / encrypt on every data and root disk"] if bad else []
+    return ["a disk or file system is not encrypted; set encrypted / encrypt on every data and root disk, "
+            "encrypted on EFS, encryptType 1 on NAS"] if bad else []
 
 
 def encrypt_disks(r: Res) -> dict[str, Any] | None:
@@ -404,8 +409,10 @@ def encrypt_disks(r: Res) -> dict[str, Any] | None:
     if r.type == "aws:ec2/launchTemplate:LaunchTemplate":
         props["blockDeviceMappings"] = [{**m, "ebs": {**m["ebs"], "encrypted": "true"}} if m.get("ebs") else m
                                         for m in (r.get("blockDeviceMappings") or [])]
-    elif r.type == "aws:ebs/volume:Volume":
+    elif r.type in ("aws:ebs/volume:Volume", "aws:efs/fileSystem:FileSystem"):
         props["encrypted"] = True
+    elif r.type == "alicloud:nas/fileSystem:FileSystem":
+        props["encryptType"] = 1
     elif r.cloud == "alicloud" and r.get("dataDisks") is not None:
         props["dataDisks"] = [{**d, "encrypted": True} for d in r.get("dataDisks") or []]
     elif r.cloud == "tencentcloud" and r.get("dataDisks") and not sdk_gap(r.type, "dataDiskEncryption"):
@@ -418,7 +425,9 @@ def encrypt_disks(r: Res) -> dict[str, Any] | None:
 def known_sdk_gaps(r: Res, cfg: Mapping[str, Any]) -> list[str]:
     """Security settings the pinned SDKs cannot express, on the resources that need them."""
     reason = sdk_gap(r.type, "dataDiskEncryption")
-    return [f"data disks are not encrypted: {reason}"] if reason and r.get("dataDisks") else []
+    found = [f"data disks are not encrypted: {reason}"] if reason and r.get("dataDisks") else []
+    at_rest = sdk_gap(r.type, "atRestEncryption")
+    return found + ([f"the shared file system is not encrypted at rest: {at_rest}"] if at_rest else [])
 
 
 def private_kubernetes_api(r: Res, cfg: Mapping[str, Any]) -> list[str]:
@@ -504,7 +513,7 @@ RULES: list[Rule] = [
     Rule("no-instance-passwords", "No instance passwords.", "mandatory", per_resource=no_passwords),
     Rule("buckets-private-encrypted-versioned", "Buckets are private, encrypted and versioned.", "mandatory",
          buckets_safe),
-    Rule("disks-encrypted", "Every disk is encrypted.", "mandatory", per_resource=disks_encrypted,
+    Rule("disks-encrypted", "Every disk and shared file system is encrypted.", "mandatory", per_resource=disks_encrypted,
          remediate=encrypt_disks),
     Rule("known-sdk-gaps", "Security settings the provider SDKs cannot express yet (with the workaround).",
          "advisory", per_resource=known_sdk_gaps),

@@ -22,6 +22,7 @@ from infra.cloud_rules import POD_CIDR, SERVICE_CIDR
 from infra.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
 from infra.k8s.cluster import cluster_workloads
 from infra.k8s.job import NAMESPACE, Identity
+from infra.sharedfs import SharedFsOutputs
 from infra.spec import StackSpec
 
 ACK_SPEC = "ack.pro.small"
@@ -60,6 +61,7 @@ class AlicloudAckArgs:
     images: Mapping[str, pulumi.Output[str]]  # group name -> its trainer image
     provider: pulumi.ProviderResource
     tags: dict[str, str]
+    shared: SharedFsOutputs | None = None  # the network's shared file system (networks[].sharedFs)
 
 
 class AlicloudAck(pulumi.ComponentResource):
@@ -97,7 +99,7 @@ class AlicloudAck(pulumi.ComponentResource):
             cluster_id=self.cluster.id, opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(credential.kube_config.apply(str))
         cluster_workloads(name, self.kubeconfig, [self.system, *self.pools], spec, args.groups, parent=self,
-                          device_plugin=False, trainer_images=args.images, identities=self._rrsa(name, args))
+                          device_plugin=False, trainer_images=args.images, shared=args.shared, identities=self._rrsa(name, args))
         self.register_outputs({"clusterId": self.cluster.id})
 
     def _rrsa(self, name: str, args: AlicloudAckArgs) -> dict[str, Identity]:

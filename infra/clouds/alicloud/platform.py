@@ -15,6 +15,7 @@ from infra.clouds.alicloud.fleet import AlicloudGpuFleet, AlicloudGpuFleetArgs
 from infra.clouds.alicloud.kubernetes import AlicloudAck, AlicloudAckArgs
 from infra.clouds.alicloud.network import AlicloudNetwork, AlicloudNetworkArgs
 from infra.clouds.alicloud.peering import AlicloudPeering, AlicloudPeeringArgs
+from infra.clouds.alicloud.sharedfs import AlicloudSharedFs, AlicloudSharedFsArgs
 from infra.clouds.alicloud.registry import AlicloudRegistry, AlicloudRegistryArgs
 from infra.clouds.alicloud.rendezvous import AlicloudRendezvous, AlicloudRendezvousArgs
 from infra.rendezvous import Site
@@ -22,6 +23,7 @@ from infra.clouds.alicloud.storage import AlicloudStorage, AlicloudStorageArgs
 from infra.clouds.base import CloudPlatform, Cluster
 from infra.groups import ResolvedGroup
 from infra.image import Registry
+from infra.sharedfs import SharedFsOutputs
 from infra.spec import Network
 
 
@@ -53,6 +55,13 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
         return AlicloudStorage(f"{self.name}-storage",
                                AlicloudStorageArgs(self.spec.storage, bucket(self.spec, self.CLOUD), bundle.build(), self.tags),
                                opts=self.provider_opts())
+
+    def make_shared_fs(self, net: Network, built: AlicloudNetwork, storage: AlicloudStorage) -> SharedFsOutputs:
+        shared = AlicloudSharedFs(f"{net.name}", AlicloudSharedFsArgs(
+            network=net, vswitch_id=built.switches[0].id, zone=net.subnets[0].zone,
+            allowed_cidrs=[str(net.cidr), *self.peer_cidrs()[net.name]], tags=self.tags),
+            opts=self.provider_opts(self.region_of(net)))
+        return shared.outputs
 
     def bucket_name(self, storage: AlicloudStorage) -> pulumi.Output[str]:
         return storage.bucket.bucket
@@ -95,7 +104,7 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
             spec=self.spec, groups=groups, switch_ids=[s.id for s in built.switches],
             security_group_id=built.security_group.id, role_name=access.ack_node_role.role_name,
             network_cidr=str(net.cidr), access=access, images=images, provider=self.provider(self.region_of(net)),
-            tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
+            tags=self.tags, shared=self.shared.get(net.name)), opts=pulumi.ResourceOptions(parent=self))
         return Cluster(ack.cluster.id, ack.kubeconfig)
 
     def make_budget(self) -> None:

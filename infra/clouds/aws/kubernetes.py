@@ -23,6 +23,7 @@ from infra.k8s.cluster import cluster_workloads
 from infra.k8s.job import NAMESPACE, Identity
 from infra.k8s.pools import pool_parts
 from infra.names import fit
+from infra.sharedfs import SharedFsOutputs
 from infra.spec import StackSpec
 
 # 1.33 left standard support on 2026-07-29 (extended support costs more per cluster-hour);
@@ -72,6 +73,7 @@ class AwsEksArgs:
     images: Mapping[str, pulumi.Output[str]]  # group name -> its trainer image
     provider: pulumi.ProviderResource
     tags: dict[str, str]
+    shared: SharedFsOutputs | None = None  # the network's shared file system (networks[].sharedFs)
 
 
 class AwsEks(pulumi.ComponentResource):
@@ -113,7 +115,7 @@ class AwsEks(pulumi.ComponentResource):
                 lambda ec: kubeconfig(name, args.region, ec[0], ec[1])))
         # The EKS NVIDIA AMI has the driver but not the device plugin.
         k8s_provider = cluster_workloads(name, self.kubeconfig, [self.system, *self.node_groups], spec, args.groups,
-                                         parent=self, device_plugin=True, trainer_images=args.images,
+                                         parent=self, device_plugin=True, trainer_images=args.images, shared=args.shared,
                                          identities=self._pod_identities(name, args, child))
         EksClusterAutoscaler(f"{name}-ca", EksAutoscalerArgs(
             cluster_name=self.cluster.name, region=args.region,

@@ -19,10 +19,12 @@ from infra.clouds.aws.peering import AwsPeering, AwsPeeringArgs
 from infra.clouds.aws.registry import AwsRegistry, AwsRegistryArgs
 from infra.clouds.aws.rendezvous import AwsRendezvous, AwsRendezvousArgs
 from infra.rendezvous import Site
+from infra.clouds.aws.sharedfs import AwsSharedFs, AwsSharedFsArgs
 from infra.clouds.aws.storage import AwsStorage, AwsStorageArgs
 from infra.clouds.base import CloudPlatform, Cluster
 from infra.groups import ResolvedGroup
 from infra.image import Registry
+from infra.sharedfs import SharedFsOutputs
 from infra.spec import Network
 
 
@@ -58,6 +60,15 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
         return AwsStorage(f"{self.name}-storage",
                           AwsStorageArgs(self.spec.storage, bucket(self.spec, self.CLOUD), bundle(), self.tags),
                           opts=self.provider_opts())
+
+    def make_shared_fs(self, net: Network, built: AwsNetwork, storage: AwsStorage) -> SharedFsOutputs:
+        region = self.region_of(net)
+        shared = AwsSharedFs(f"{net.name}", AwsSharedFsArgs(
+            network=net, vpc_id=built.vpc.id, subnet_ids=[s.id for s in built.private_subnets],
+            allowed_cidrs=[str(net.cidr), *self.peer_cidrs()[net.name]],
+            kms_key_arn=storage.key.arn if region == self.account.region else None, tags=self.tags),
+            opts=self.provider_opts(region))
+        return shared.outputs
 
     def bucket_name(self, storage: AwsStorage) -> pulumi.Output[str]:
         return storage.bucket.bucket
@@ -97,7 +108,7 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
             spec=self.spec, groups=groups, region=region, subnet_ids=[s.id for s in built.private_subnets],
             security_group_id=built.security_group.id, cluster_role_arn=access.eks_cluster_role.arn,
             node_role_arn=access.eks_node_role.arn, kms_key_arn=storage.key.arn, access=access, images=images,
-            provider=self.provider(region), tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
+            provider=self.provider(region), tags=self.tags, shared=self.shared.get(net.name)), opts=pulumi.ResourceOptions(parent=self))
         return Cluster(eks.cluster.name, eks.kubeconfig)
 
     def make_budget(self) -> None:

@@ -22,6 +22,7 @@ from infra.k8s.cluster import cluster_workloads
 from infra.k8s.job import Identity
 from infra.k8s.pools import pool_parts
 from infra.names import fit
+from infra.sharedfs import SharedFsOutputs
 from infra.spec import StackSpec
 
 TKE_VERSION = "1.30.0"
@@ -49,6 +50,7 @@ class TencentTkeArgs:
     images: Mapping[str, pulumi.Output[str]]  # group name -> its trainer image
     provider: pulumi.ProviderResource
     tags: dict[str, str]
+    shared: SharedFsOutputs | None = None  # the network's shared file system (networks[].sharedFs)
 
 
 class TencentTke(pulumi.ComponentResource):
@@ -78,7 +80,7 @@ class TencentTke(pulumi.ComponentResource):
         # TKE pods use their node's role (one group per pool: that group's grants).
         identities = {g.name: Identity(service_account=f"{g.name}-trainer") for g in args.groups}
         cluster_workloads(name, self.kubeconfig, [self.endpoint], spec, args.groups, parent=self, device_plugin=False,
-                          trainer_images=args.images, identities=identities)
+                          trainer_images=args.images, shared=args.shared, identities=identities)
         self.register_outputs({"clusterId": self.cluster.id})
 
     def _endpoint(self, name: str, args: TencentTkeArgs,

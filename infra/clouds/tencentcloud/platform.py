@@ -17,6 +17,7 @@ from infra.clouds.tencentcloud.fleet import TencentGpuFleet, TencentGpuFleetArgs
 from infra.clouds.tencentcloud.kubernetes import TencentTke, TencentTkeArgs
 from infra.clouds.tencentcloud.network import TencentNetwork, TencentNetworkArgs
 from infra.clouds.tencentcloud.peering import TencentPeering, TencentPeeringArgs, TencentTransit, TencentTransitArgs
+from infra.clouds.tencentcloud.sharedfs import TencentSharedFs, TencentSharedFsArgs
 from infra.clouds.tencentcloud.registry import TencentRegistry, TencentRegistryArgs
 from infra.clouds.tencentcloud.rendezvous import TencentRendezvous, TencentRendezvousArgs
 from infra.rendezvous import Site
@@ -24,6 +25,7 @@ from infra.clouds.tencentcloud.storage import TencentStorage, TencentStorageArgs
 from infra.access import CLUSTER_NODE, node_grants
 from infra.groups import ResolvedGroup
 from infra.image import Registry
+from infra.sharedfs import SharedFsOutputs
 from infra.spec import Network
 
 
@@ -70,6 +72,13 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
                               TencentStorageArgs(self.spec.storage, bucket(self.spec, self.CLOUD), bundle.build(), self.tags),
                               opts=self.provider_opts())
 
+    def make_shared_fs(self, net: Network, built: TencentNetwork, storage: TencentStorage) -> SharedFsOutputs:
+        shared = TencentSharedFs(f"{net.name}", TencentSharedFsArgs(
+            network=net, vpc_id=built.vpc.id, subnet_id=built.subnets[0].id, zone=net.subnets[0].zone,
+            allowed_cidrs=[str(net.cidr), *self.peer_cidrs()[net.name]], tags=self.tags),
+            opts=self.provider_opts(self.region_of(net)))
+        return shared.outputs
+
     def bucket_name(self, storage: TencentStorage) -> pulumi.Output[str]:
         return storage.bucket.bucket
 
@@ -109,7 +118,7 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
         tke = TencentTke(f"{self.spec.env}-{net.name}", TencentTkeArgs(
             spec=self.spec, groups=groups, vpc_id=built.vpc.id, subnet_ids=[s.id for s in built.subnets],
             security_group_id=built.security_group.id, role_names={g.name: access.roles[g.name].name for g in groups},
-            images=images, provider=self.provider(self.region_of(net)), tags=self.tags),
+            images=images, provider=self.provider(self.region_of(net)), tags=self.tags, shared=self.shared.get(net.name)),
             opts=pulumi.ResourceOptions(parent=self))
         return Cluster(tke.cluster.id, tke.kubeconfig)
 

@@ -1,0 +1,116 @@
+"""Shared file systems (networks[].sharedFs), the cloud-neutral part: which cloud offers which
+type, how a node mounts each (the VM bootstrap's gts-shared.sh and a Kubernetes PersistentVolume
+read the same values), what the spec may ask for, and what it costs. Each cloud's module
+creates the file system, its mount targets and access rules (infra/clouds/<cloud>/sharedfs.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pulumi
+
+from infra import catalog as cat
+from infra.errors import Problem
+from infra.spec import SharedFs, StackSpec
+
+CLOUD_OF = {"efs": "aws", "fsx-lustre": "aws", "nas": "alicloud", "cfs": "tencentcloud"}
+# The mount each type takes: the kernel file system and its options. NFS options are the clouds'
+# own recommendations (EFS: docs.aws.amazon.com/efs/latest/ug/mounting-fs-nfs-mount-settings.html;
+# NAS: help.aliyun.com "Mount an NFS file system on a Linux ECS instance"; CFS: cloud.tencent.com
+# "Using CFS on Linux clients"); _netdev orders the mount after the network.
+MOUNTS = {
+    "efs": ("nfs4", "nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport,_netdev"),
+    "fsx-lustre": ("lustre", "relatime,flock,_netdev"),
+    "nas": ("nfs", "vers=3,nolock,proto=tcp,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport,_netdev"),
+    "cfs": ("nfs", "vers=3,nolock,proto=tcp,hard,timeo=600,retrans=2,noresvport,_netdev"),
+}
+# Kubernetes mounts the NFS types through a PersistentVolume; Lustre needs the FSx CSI driver,
+# which the stack does not install.
+KUBERNETES_TYPES = ("efs", "nas", "cfs")
+# FSx for Lustre PERSISTENT_2 capacity: 1200 GiB, 2400 GiB, then multiples of 2400 GiB
+# (aws.fsx.LustreFileSystem storage_capacity; FSx API CreateFileSystem StorageCapacity).
+FSX_STEPS_GB = 2400
+SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/proc", "/root", "/run", "/sbin", "/sys", "/tmp",
+               "/usr", "/var")
+
+
+@dataclass(frozen=True)
+class SharedMount:
+    """How a node mounts one shared file system: `mount -t <fs_type> -o <options> <source> <path>`."""
+
+    fs_type: str
+    source: str  # server:/path (NFS) or dns@tcp:/mountname (Lustre)
+    options: str
+    path: str
+
+
+@dataclass
+class SharedFsOutputs:
+    """What a cloud's shared file system hands the nodes: the mount source once it is known, and
+    the NFS server and export path a Kubernetes PersistentVolume names."""
+
+    spec: SharedFs
+    source: pulumi.Output[str]
+    server: pulumi.Output[str]
+    export: pulumi.Output[str]
+
+    def mount(self) -> pulumi.Output[SharedMount]:
+        fs_type, options = MOUNTS[self.spec.type]
+        return self.source.apply(lambda src: SharedMount(fs_type, src, options, self.spec.mount_path))
+
+
+def placeholder(shared: SharedFs) -> SharedMount:
+    """The mount as `make userdata` shows it before the file system exists (sized like a real one)."""
+    fs_type, options = MOUNTS[shared.type]
+    source = {"fsx-lustre": "fs-0123456789abcdef0.fsx.region.amazonaws.com@tcp:/abcdefgh"}.get(
+        shared.type, "fs-0123456789abcdef0.file-system.example:/")
+    return SharedMount(fs_type, source, options, shared.mount_path)
+
+
+def check(spec: StackSpec) -> Iterator[Problem]:
+    """What a stack may ask of its shared file systems."""
+    for i, net in enumerate(spec.networks):
+        fs = net.shared_fs
+        if fs is None:
+            continue
+        key = f"networks[{i}].sharedFs"
+        if CLOUD_OF[fs.type] != net.cloud:
+            offered = sorted(t for t, c in CLOUD_OF.items() if c == net.cloud)
+            yield Problem(f"{key}.type", f"{fs.type!r} is not offered on {cat.CLOUD_NAMES[net.cloud]}; use "
+                                         f"{' or '.join(offered)}")
+        if fs.type == "fsx-lustre" and fs.size_gb not in (1200, 2400) and fs.size_gb % FSX_STEPS_GB:
+            yield Problem(f"{key}.sizeGb", f"FSx for Lustre takes 1200, 2400 or a multiple of {FSX_STEPS_GB} GB, "
+                                           f"not {fs.size_gb}")
+        if fs.performance and fs.type not in ("nas", "cfs"):
+            yield Problem(f"{key}.performance", f"applies to nas and cfs; {fs.type} sets its throughput otherwise")
+        if any(fs.mount_path == d or fs.mount_path.startswith(d + "/") for d in SYSTEM_DIRS[1:]) or \
+                fs.mount_path in ("/", "/scratch") or fs.mount_path.startswith("/scratch/"):
+            yield Problem(f"{key}.mountPath", f"{fs.mount_path} is a system or scratch directory; use e.g. /shared")
+    for i, group in enumerate(spec.node_groups):
+        if not group.shared_fs:
+            continue
+        fs = spec.network(group.network).shared_fs
+        if fs is None:
+            yield Problem(f"nodeGroups[{i}].sharedFs", f"network {group.network} has no sharedFs; add one to it "
+                                                        "or set sharedFs: false")
+        elif group.kind == "kubernetes" and fs.type not in KUBERNETES_TYPES:
+            yield Problem(f"nodeGroups[{i}].sharedFs", f"{fs.type} mounts on VM groups only here (pods would need "
+                                                        "the FSx CSI driver); use efs for Kubernetes groups")
+
+
+def monthly_usd(spec: StackSpec, cloud: str) -> float:
+    """The shared file systems of this cloud's networks, per month (USD)."""
+    prices = cat.load_storage_prices()[cloud]
+    total = 0.0
+    for net in spec.networks:
+        fs = net.shared_fs
+        if net.cloud != cloud or fs is None:
+            continue
+        key = fs.type + ("-performance" if fs.performance else "")
+        if fs.type == "fsx-lustre":
+            key = f"fsx-lustre-{fs.throughput_per_tib}"
+        per_gb = float(prices["sharedFs"][key])
+        total += fs.size_gb * per_gb
+    return total / spec.pricing.cny_per_usd if prices["currency"] == "CNY" else total
