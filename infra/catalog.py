@@ -122,6 +122,15 @@ def load_storage_prices() -> dict[str, dict[str, Any]]:
     return {cloud: dict(data[cloud]) for cloud in CLOUDS}
 
 
+@functools.cache
+def load_interruptions() -> dict[str, Any]:
+    """Reclaim rates and notices per cloud (infra/data/interruptions.yaml; estimates)."""
+    data = load_yaml("interruptions.yaml")
+    if data.get("schemaVersion") != 1:
+        raise ValueError("infra/data/interruptions.yaml: schemaVersion 1 expected")
+    return dict(data)
+
+
 @dataclass(frozen=True)
 class Requirement:
     """What a node group asks for instead of an instance type."""

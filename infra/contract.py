@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from infra import catalog as cat
 from infra import rendezvous
 from infra.buckets import DATASET_PREFIX, endpoint
 from infra.spec import StackSpec
@@ -34,6 +35,24 @@ def credentials_source(rg: ResolvedGroup) -> str:
     return "instance-role"
 
 
+def interruptions(rg: ResolvedGroup) -> tuple[float, float, str]:
+    """(mean seconds between interruptions of one run of the group, the reclaim notice in
+    seconds, where the figure comes from) for `checkpointEvery: auto`. A run on N nodes stops
+    when any of them goes: its MTBF is the node's divided by N."""
+    data = cat.load_interruptions()
+    cloud = data["clouds"][rg.cloud]
+    market = rg.market
+    if market.observed_mtbf_hours:
+        hours, notice, source = market.observed_mtbf_hours, float(cloud["notice_s"]), "the group's observed reclaims"
+    elif market.type == "spot":
+        band = data["types"].get(rg.primary.instance_type, cloud["spot_band"])
+        hours = cat.HOURS_PER_MONTH / float(data["bands"][band])
+        notice, source = float(cloud["notice_s"]), f"spot band {band} (estimate, infra/data/interruptions.yaml)"
+    else:
+        hours, notice, source = float(cloud["on_demand_mtbf_hours"]), 0.0, "on-demand host faults (estimate)"
+    return hours * 3600 / max(1, rg.max_nodes), notice, source
+
+
 def dataset_url(spec: StackSpec, rg: ResolvedGroup) -> str:
     """The dataset in the group's own cloud's bucket (nodes never read another cloud's)."""
     name = spec.training.dataset
@@ -50,6 +69,7 @@ def trainer_env(spec: StackSpec, rg: ResolvedGroup) -> dict[str, str]:
         c.DATA_DIR: VM_DATA_DIR, c.DATASET_URL: dataset_url(spec, rg),
         c.CHECKPOINT_URL: rg.checkpoint_url, c.CHECKPOINT_DIR: f"{SCRATCH}/checkpoints",
         c.CHECKPOINT_EVERY: str(t.checkpoint_every), c.KEEP_CHECKPOINTS: str(t.keep_checkpoints),
+        c.MTBF_S: f"{interruptions(rg)[0]:.0f}", c.NOTICE_S: f"{interruptions(rg)[1]:.0f}",
         c.LAUNCHER: t.launcher, c.NNODES: str(rg.max_nodes), c.MIN_NNODES: str(rg.min_nodes),
         c.NPROC_PER_NODE: str(rg.gpus), c.RDZV_ENDPOINT: rendezvous.endpoint_for(spec, rg),
         c.SHARED_DIR: shared.mount_path if (shared := spec.shared_fs_of(rg.group)) else "",

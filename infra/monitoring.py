@@ -56,13 +56,17 @@ def rules(spec: StackSpec) -> dict[str, Any]:
         "GtsGpuIdle", f"avg by (instance) (DCGM_FI_DEV_GPU_UTIL) < {GPU_IDLE_PERCENT}", GPU_IDLE_FOR, "warning", env,
         f"GPUs on {{{{ $labels.instance }}}} averaged under {GPU_IDLE_PERCENT}% for {GPU_IDLE_FOR}: a paid node "
         "doing no work; check the trainer or scale the group down"))
-    stale_after = (f"clamp_min({CHECKPOINT_STALE_FACTOR} * {spec.training.checkpoint_every} * gts_train_step_seconds, "
+    every = spec.training.checkpoint_every
+    # auto: the interval the trainer chose (it exports it); otherwise the fixed one
+    interval = "gts_checkpoint_interval_steps" if every == "auto" else str(every)
+    stale_after = (f"clamp_min({CHECKPOINT_STALE_FACTOR} * {interval} * gts_train_step_seconds, "
                    f"{CHECKPOINT_STALE_MIN_S})")
     work = [
         _rule("GtsCheckpointStale", f"time() - gts_checkpoint_last_commit_timestamp_seconds > {stale_after}", "5m",
               "warning", env,
-              f"no checkpoint committed on node {{{{ $labels.node }}}} for {CHECKPOINT_STALE_FACTOR} intervals of "
-              f"{spec.training.checkpoint_every} steps: a reclaim now loses that work"),
+              f"no checkpoint committed on node {{{{ $labels.node }}}} for {CHECKPOINT_STALE_FACTOR} "
+              + ("of the intervals it chose (checkpointEvery: auto)" if every == "auto" else f"intervals of {every} steps")
+              + ": a reclaim now loses that work"),
         _rule("GtsCheckpointUploadsPending", "gts_checkpoint_uploads_pending > 0", UPLOADS_PENDING_FOR, "warning",
               env, "{{ $value }} committed checkpoint(s) on node {{ $labels.node }} are not in the bucket yet: "
                    "the object store is unreachable or refusing writes; they stay on local disk and are retried"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ipaddress import IPv4Network
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 from pydantic.alias_generators import to_camel
 
 from infra import catalog as cat
@@ -139,6 +139,9 @@ class Market(SpecModel):
     type: Literal["spot", "on-demand", "reserved"] = Field(description="Purchase market.")
     on_demand_base: int = Field(0, ge=0, description="With spot: nodes kept on-demand; the rest are spot.")
     spot_max_price_usd: float | None = Field(None, gt=0, description="With spot: price cap per node-hour; none = up to on-demand.")
+    observed_mtbf_hours: float | None = Field(
+        None, gt=0, description="Mean hours between the reclaims this group has actually seen; overrides the "
+                                "estimate checkpointEvery: auto uses (infra/data/interruptions.yaml).")
 
 
 class ScheduleAction(SpecModel):
@@ -214,6 +217,15 @@ class Storage(SpecModel):
     dataset_tmpfs_gb: int = Field(0, ge=0, description="Also cache the dataset in RAM (tmpfs) of this size; 0 = off.")
 
 
+def _interval(value: object) -> int | Literal["auto"]:
+    """checkpointEvery: a whole number of steps above 0, or auto (one message, not one per type)."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError("use a whole number of steps above 0, or auto")
+    return value
+
+
 class Training(SpecModel):
     image: str = Field(description="Base image the stack builds the trainer image from (training/Dockerfile), "
                                    "pinned by digest: NGC PyTorch, or your own image with your code in it (the stack "
@@ -225,7 +237,9 @@ class Training(SpecModel):
     launcher: Literal["torchrun", "accelerate", "horovod"] = Field("torchrun", description="Distributed launcher.")
     workload: Literal["resnet50", "tiny"] = Field("resnet50", description="Workload the bootstrap trains.")
     steps: int = Field(100_000, gt=0, description="Optimizer steps of the whole run (across restarts).")
-    checkpoint_every: int = Field(500, gt=0, description="Checkpoint every N steps (and on SIGTERM).")
+    checkpoint_every: Annotated[int | Literal["auto"], PlainValidator(_interval)] = Field(
+        500, description="Checkpoint every N steps (and on SIGTERM), or auto: Daly's interval from the checkpoint cost "
+                         "the trainer measures and the group's reclaim rate and notice (training/goodput.py).")
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept locally and in the bucket.")
     dataset: Name | None = Field(None, description="Dataset name: each cloud's nodes read <bucket>/datasets/<name>/ "
                                                    "in their own cloud.")

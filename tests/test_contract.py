@@ -289,7 +289,7 @@ def test_a_bad_number_names_its_variable(tmp_path: Path, capsys: pytest.CaptureF
         config.parse([], environ=env)
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.strip().endswith("the environment variable CHECKPOINT_EVERY='often': expected a whole number")
+    assert err.strip().endswith("the environment variable CHECKPOINT_EVERY='often': expected a whole number or auto")
     assert "usage:" not in err
 
 

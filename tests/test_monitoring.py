@@ -43,8 +43,8 @@ def _alert(labels: dict[str, str], summary: str) -> dict[str, Any]:
 
 
 def test_synthetic_series_fire_exactly_the_expected_alerts(tmp_path: Path) -> None:
-    spec = load_stack_spec("dev")  # budget 3000 USD, thresholds 50/80/100 %, checkpointEvery 200
-    assert spec.budget.monthly_limit_usd == 3000 and spec.training.checkpoint_every == 200
+    spec = load_stack_spec("dev")  # budget 3000 USD, thresholds 50/80/100 %, checkpointEvery auto
+    assert spec.budget.monthly_limit_usd == 3000 and spec.training.checkpoint_every == "auto"
     (tmp_path / "rules.yml").write_text(monitoring.render(spec), encoding="utf-8")
     node = 'node="0",workload="tiny",cloud="aws",group="aws-train"'
     two_nodes = [
@@ -54,9 +54,12 @@ def test_synthetic_series_fire_exactly_the_expected_alerts(tmp_path: Path) -> No
     ]
     one_node = [two_nodes[0]]  # 2233.8 USD: over 50 % (1500) only
     work = [
-        # Node a last committed at t=0 with 0.5 s steps: stale after max(3 x 200 x 0.5, 600) s.
+        # Node a last committed at t=0 with 0.5 s steps and the 200-step interval its trainer chose
+        # (checkpointEvery: auto): stale after max(3 x 200 x 0.5, 600) s.
         {"series": f'gts_checkpoint_last_commit_timestamp_seconds{{instance="a",{node}}}', "values": "0x40"},
         {"series": f'gts_train_step_seconds{{instance="a",{node}}}', "values": "0.5x40"},
+        {"series": f'gts_checkpoint_interval_steps{{instance="a",{node}}}', "values": "200x40"},
+        {"series": f'gts_checkpoint_interval_steps{{instance="b",{node}}}', "values": "200x40"},
         # Node b commits every minute: never stale.
         {"series": f'gts_checkpoint_last_commit_timestamp_seconds{{instance="b",{node}}}', "values": "0+60x40"},
         {"series": f'gts_train_step_seconds{{instance="b",{node}}}', "values": "0.5x40"},
@@ -88,7 +91,8 @@ def test_synthetic_series_fire_exactly_the_expected_alerts(tmp_path: Path) -> No
             {"eval_time": "12m", "alertname": "GtsCheckpointStale", "exp_alerts": []},  # stale, not for 5m yet
             {"eval_time": "20m", "alertname": "GtsCheckpointStale", "exp_alerts": [
                 _alert({**labels, "severity": "warning", "instance": "a"},
-                       "no checkpoint committed on node 0 for 3 intervals of 200 steps: a reclaim now loses that work")]},
+                       "no checkpoint committed on node 0 for 3 of the intervals it chose (checkpointEvery: auto): "
+                       "a reclaim now loses that work")]},
             {"eval_time": "10m", "alertname": "GtsCheckpointUploadsPending", "exp_alerts": []},
             {"eval_time": "20m", "alertname": "GtsCheckpointUploadsPending", "exp_alerts": [
                 _alert({**labels, "severity": "warning", "instance": "a"},

@@ -44,7 +44,9 @@ class TrainConfig:
     channels_last: bool = True  # NHWC memory format for convolutions (resnet50)
     num_workers: int = 0  # DataLoader worker processes
     # checkpoints
-    checkpoint_every: int = 500  # steps; also on SIGTERM / SIGINT
+    checkpoint_every: int | Literal["auto"] = 500  # steps, or auto (training/goodput.py); also on SIGTERM / SIGINT
+    mtbf_s: float = 0.0  # auto: mean seconds between interruptions of this run (0: unknown, 6 h assumed)
+    notice_s: float = 0.0  # auto: seconds of reclaim notice
     checkpoint_dir: str = "out/checkpoints"  # local dir (NVMe), or a URL: then a local cache is used
     checkpoint_url: str = ""  # object storage for checkpoints (s3://, oss://, cosn://, file://)
     keep: int = 3  # newest checkpoints kept locally and in the bucket
@@ -70,6 +72,8 @@ ENV = contract.CONFIG_FIELDS  # environment variable -> field (training/contract
 
 def _coerce(name: str, value: Any) -> Any:
     kind = {f.name: f.type for f in fields(TrainConfig)}[name]
+    if name == "checkpoint_every":
+        return "auto" if str(value) == "auto" else int(value)
     if kind in ("bool", bool):
         return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
     if kind in ("int", int):
@@ -117,15 +121,15 @@ def parse(argv: list[str] | None = None, environ: dict[str, str] | None = None) 
             coerced[name] = _coerce(name, value)
         except ValueError:
             kind = {f.name: f.type for f in fields(TrainConfig)}[name]
-            _refuse(parser, f"{origin[name]}={value!r}: expected {'a whole number' if kind in ('int', int) else 'a number'}")
+            _refuse(parser, f"{origin[name]}={value!r}: expected {'a whole number' if kind in ('int', int) else 'a number' if kind in ('float', float) else 'a whole number or auto'}")
     for problem in contract.problems(dict(env)):
         _refuse(parser, problem)
     cfg = TrainConfig(**coerced)
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             _refuse(parser, f"{origin[name]}={getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
-    if cfg.checkpoint_every <= 0 or cfg.steps <= 0:
-        parser.error("--checkpoint-every and --steps must be positive")
+    if (cfg.checkpoint_every != "auto" and cfg.checkpoint_every <= 0) or cfg.steps <= 0:
+        parser.error("--checkpoint-every (a number of steps, or auto) and --steps must be positive")
     if cfg.workload == "resnet50" and not cfg.data_dir:
         parser.error("--workload resnet50 needs --data-dir (an image folder: <dir>/<class>/<image>)")
     return cfg

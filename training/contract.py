@@ -34,8 +34,12 @@ DATASET_URL = Var("DATASET_URL", "the dataset in this cloud's bucket (datasets/<
 CHECKPOINT_URL = Var("CHECKPOINT_URL", "the node group's checkpoint prefix in its cloud's bucket", STACK,
                      "checkpoint_url")
 CHECKPOINT_DIR = Var("CHECKPOINT_DIR", "local checkpoint cache on node-local scratch", STACK, "checkpoint_dir")
-CHECKPOINT_EVERY = Var("CHECKPOINT_EVERY", "steps between checkpoints (and one on every SIGTERM)", STACK,
+CHECKPOINT_EVERY = Var("CHECKPOINT_EVERY", "steps between checkpoints (and one on every SIGTERM), or auto: "
+                       "Daly's interval from the measured checkpoint cost, MTBF_S and NOTICE_S", STACK,
                        "checkpoint_every")
+MTBF_S = Var("MTBF_S", "mean seconds between interruptions of one run of this group (for CHECKPOINT_EVERY=auto)",
+             STACK, "mtbf_s")
+NOTICE_S = Var("NOTICE_S", "seconds of notice before a reclaim (0: none)", STACK, "notice_s")
 KEEP_CHECKPOINTS = Var("KEEP_CHECKPOINTS", "newest checkpoints kept locally and in the bucket", STACK, "keep")
 LAUNCHER = Var("LAUNCHER", "torchrun | accelerate | horovod", STACK, "launcher")
 TRAIN_MODULE = Var("TRAIN_MODULE", "the Python module every training process runs (when TRAIN_COMMAND is empty)",
@@ -66,7 +70,7 @@ AWS_REGION = Var("AWS_REGION", "region for AWS SDKs in pods (IMDS is out of thei
 GTS_CLOUD = Var("GTS_CLOUD", "aws | alicloud | tencentcloud", STACK)
 GTS_NODE_GROUP = Var("GTS_NODE_GROUP", "the node group (metrics labels)", STACK)
 
-VARS = (WORKLOAD, TRAIN_STEPS, DATA_DIR, DATASET_URL, CHECKPOINT_URL, CHECKPOINT_DIR, CHECKPOINT_EVERY,
+VARS = (WORKLOAD, TRAIN_STEPS, DATA_DIR, DATASET_URL, CHECKPOINT_URL, CHECKPOINT_DIR, CHECKPOINT_EVERY, MTBF_S, NOTICE_S,
         KEEP_CHECKPOINTS, LAUNCHER, TRAIN_MODULE, TRAIN_COMMAND, NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK, RDZV_ENDPOINT, SHARED_DIR, METRICS_PORT,
         NODE_HOURLY_USD, MLFLOW_TRACKING_URI, STORAGE_ENDPOINT_URL, STORAGE_REGION, STORAGE_ADDRESSING_STYLE,
         STORAGE_CREDENTIALS, AWS_REGION, GTS_CLOUD, GTS_NODE_GROUP)

@@ -27,6 +27,8 @@ class Metrics:
         self.loss = gauge("gts_train_loss", "Mean loss over ranks of the last step.")
         self.checkpoint_seconds = gauge("gts_checkpoint_seconds", "Time the loop was blocked by the last checkpoint.")
         self.checkpoint_time = gauge("gts_checkpoint_last_commit_timestamp_seconds", "When the last checkpoint was committed.")
+        self.checkpoint_interval = gauge("gts_checkpoint_interval_steps",
+                                         "Steps between checkpoints (fixed, or chosen by checkpointEvery: auto).")
         self.upload_pending = gauge("gts_checkpoint_uploads_pending", "Committed checkpoints not yet in the bucket.")
         self.upload_time = gauge("gts_checkpoint_last_upload_timestamp_seconds", "When the last upload finished.")
         self.cost = gauge("gts_node_cost_usd", "This node's cost since the process started, at its hourly price.")

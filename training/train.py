@@ -33,6 +33,7 @@ from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadSt
 from training.checkpointing import StopFlag, choose_checkpoint, exit_code, rng_state, set_rng_state
 from training.data import ImageFolder, ResumableSampler, SyntheticClassification, derived_seed
 from training.distributed import Comm
+from training.goodput import AutoInterval
 from training.metrics import Metrics
 from training.models import ResNet50, TinyNet
 from training.tracking import Tracker
@@ -105,6 +106,7 @@ class Run:
                                 "cloud": os.environ.get("GTS_CLOUD", ""), "group": os.environ.get("GTS_NODE_GROUP", "")})
         self.step, self.epoch, self.offset, self.run_id = 0, 0, 0, None
         self.last_saved, self.last_loss = 0, float("nan")
+        self.auto = AutoInterval(cfg.mtbf_s, cfg.notice_s, log.info) if cfg.checkpoint_every == "auto" else None
 
     def open_checkpoints(self) -> CheckpointManager | None:
         """The run's checkpoint manager, or None on every rank when another trainer holds the run."""
@@ -170,10 +172,23 @@ class Run:
                      "config": config_mod.as_dict(self.cfg), "world_size": self.comm.world}
         blocked = ckpt.save(self.step, state, rng_state(), self.comm.barrier)
         self.last_saved = self.step
+        if self.auto is not None:
+            self.auto.observe_checkpoint(blocked)
         self.metrics.checkpoint_seconds.set(blocked)
         self.metrics.checkpoint_time.set(time.time())
         if self.comm.rank == 0:
             log.info("checkpoint step %d: loop blocked %.3f s", self.step, blocked)
+
+    def checkpoint_due(self) -> bool:
+        """Every --checkpoint-every steps, or with auto when rank 0's planner says so (the
+        ranks combine the flag, so they all save at the same step)."""
+        if self.auto is None:
+            self.metrics.checkpoint_interval.set(int(self.cfg.checkpoint_every))
+            return self.step % int(self.cfg.checkpoint_every) == 0
+        due = self.comm.rank == 0 and self.auto.due(self.step - self.last_saved)
+        if self.auto.steps is not None:
+            self.metrics.checkpoint_interval.set(self.auto.steps)
+        return due
 
     def train_step(self, ddp_model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         cfg, comm = self.cfg, self.comm
@@ -193,6 +208,8 @@ class Run:
         self.step, self.offset = self.step + 1, self.offset + 1
         self.last_loss = comm.mean(loss)
         elapsed = time.perf_counter() - started
+        if self.auto is not None:
+            self.auto.observe_step(elapsed)
         self.metrics.step.set(self.step)
         self.metrics.loss.set(self.last_loss)
         self.metrics.step_seconds.set(elapsed)
@@ -222,8 +239,9 @@ class Run:
                     tracker.log(self.step, {"loss": self.last_loss, "lr": float(self.scheduler.get_last_lr()[0])})
                     if comm.rank == 0:
                         log.info("step %d loss %.5f", self.step, self.last_loss)
-                stopping, asked = comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request())
-                if self.step % cfg.checkpoint_every == 0 or stopping or asked or self.step >= cfg.steps:
+                stopping, asked, due = comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request(),
+                                                     self.checkpoint_due())
+                if due or stopping or asked or self.step >= cfg.steps:
                     self.save(ckpt, tracker)
                 if stopping:
                     return self.stop.raised or "a signal on another rank"
