@@ -81,7 +81,7 @@ example-hf: $(STAMP)
 	    -m training.workloads.bert_finetune --output_dir '$${CHECKPOINT_DIR}/hf-out' --max_steps $(STEPS)) \
 	  bash training/entrypoint.sh
 
-## bench: checkpoint and resume figures (~100 MB and ~1 GB states, S3 endpoint on 127.0.0.1)
+## bench: checkpoint (ours, in line, async_save), resume and goodput figures for ~100 MB and ~1 GB states (S3 endpoint on 127.0.0.1; ~8 min)
 bench: $(STAMP)
 	@$(PY) -m training.bench
 

@@ -21,6 +21,8 @@ FILLED_BY = {
     c.RDZV_ENDPOINT.name: "a scaling.max above 1 (a single-node group has no rendezvous)",
     c.MLFLOW_TRACKING_URI.name: "training.mlflowTrackingUri",
     c.AWS_REGION.name: "an AWS node group (it is empty on other clouds)",
+    c.SHARED_DIR.name: "sharedFs: true on the group and a sharedFs on its network",
+    c.NODE_RANK.name: "a Kubernetes group (the Job sets it; on VMs torchrun assigns ranks itself)",
 }
 
 
@@ -36,6 +38,9 @@ def _command(spec: StackSpec, rg: ResolvedGroup) -> Iterator[Problem]:
     key = _command_key(spec, rg)
     if command[0] == "-m" and (len(command) < 2 or not MODULE.match(command[1])):
         yield Problem(f"{key}[1]", "after '-m' comes a Python module name (e.g. my_project.train)")
+    elif command[0].startswith("-") and command[0] != "-m":
+        yield Problem(f"{key}[0]", f"{command[0]!r}: the command starts with a script (train.py), '-m module' or an "
+                                   "executable; interpreter options do not reach python through the launchers")
     for i, arg in enumerate(command):
         for name in c.REFERENCE.findall(arg):
             if name not in c.NAMES:
@@ -61,6 +66,8 @@ def _images(spec: StackSpec) -> Iterator[Problem]:
 
 
 def _left_empty(spec: StackSpec, rg: ResolvedGroup, name: str) -> bool:
+    if name == c.NODE_RANK.name:  # the Job's completion index
+        return rg.kind != "kubernetes"
     if name == c.RDZV_ENDPOINT.name:  # VMs: the network's store; Kubernetes: the Job's own store Service
         return rg.max_nodes <= 1
     if name == c.DATA_DIR.name:  # always a path, but an empty one without a dataset

@@ -42,8 +42,9 @@ def interruptions(rg: ResolvedGroup) -> tuple[float, float, str]:
     data = cat.load_interruptions()
     cloud = data["clouds"][rg.cloud]
     market = rg.market
-    if market.observed_mtbf_hours:
-        hours, notice, source = market.observed_mtbf_hours, float(cloud["notice_s"]), "the group's observed reclaims"
+    if market.observed_mtbf_hours:  # only spot reclaims come with a notice
+        hours, source = market.observed_mtbf_hours, "the group's observed reclaims"
+        notice = float(cloud["notice_s"]) if market.type == "spot" else 0.0
     elif market.type == "spot":
         band = data["types"].get(rg.primary.instance_type, cloud["spot_band"])
         hours = cat.HOURS_PER_MONTH / float(data["bands"][band])

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import posixpath
+
 import pulumi
 
 from infra import catalog as cat
@@ -32,8 +34,11 @@ KUBERNETES_TYPES = ("efs", "nas", "cfs")
 # FSx for Lustre PERSISTENT_2 capacity: 1200 GiB, 2400 GiB, then multiples of 2400 GiB
 # (aws.fsx.LustreFileSystem storage_capacity; FSx API CreateFileSystem StorageCapacity).
 FSX_STEPS_GB = 2400
-SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/proc", "/root", "/run", "/sbin", "/sys", "/tmp",
-               "/usr", "/var")
+# Where a mount would hide the system, the image (/opt/gts holds the trainer), the node's own
+# mounts (/mnt: the dataset's RAM cache; /opt/dlami: the DLAMI's NVMe) or scratch.
+RESERVED_DIRS = ("/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt",
+                 "/opt", "/proc", "/root", "/run", "/sbin", "/scratch", "/snap", "/srv", "/sys", "/tmp", "/usr",
+                 "/var")
 
 
 @dataclass(frozen=True)
@@ -64,8 +69,11 @@ class SharedFsOutputs:
 def placeholder(shared: SharedFs) -> SharedMount:
     """The mount as `make userdata` shows it before the file system exists (sized like a real one)."""
     fs_type, options = MOUNTS[shared.type]
-    source = {"fsx-lustre": "fs-0123456789abcdef0.fsx.region.amazonaws.com@tcp:/abcdefgh"}.get(
-        shared.type, "fs-0123456789abcdef0.file-system.example:/")
+    # as long as the longest real address (an EFS or FSx name in the longest region name), so that
+    # the user data size checked at plan time is not exceeded once the real address is known
+    long_name = "fs-0123456789abcdef0.file-system.ap-southeast-5-example.amazonaws.com"
+    source = {"fsx-lustre": f"{long_name}@tcp:/abcdefgh", "cfs": "255.255.255.255:/abcdefgh"}.get(
+        shared.type, f"{long_name}:/")
     return SharedMount(fs_type, source, options, shared.mount_path)
 
 
@@ -85,9 +93,13 @@ def check(spec: StackSpec) -> Iterator[Problem]:
                                            f"not {fs.size_gb}")
         if fs.performance and fs.type not in ("nas", "cfs"):
             yield Problem(f"{key}.performance", f"applies to nas and cfs; {fs.type} sets its throughput otherwise")
-        if any(fs.mount_path == d or fs.mount_path.startswith(d + "/") for d in SYSTEM_DIRS[1:]) or \
-                fs.mount_path in ("/", "/scratch") or fs.mount_path.startswith("/scratch/"):
-            yield Problem(f"{key}.mountPath", f"{fs.mount_path} is a system or scratch directory; use e.g. /shared")
+        path = fs.mount_path
+        if posixpath.normpath(path) != path or "//" in path:
+            yield Problem(f"{key}.mountPath", f"{path!r} is not a plain absolute path (no '.', '..' or '//' parts); "
+                                              "use e.g. /shared")
+        elif any(path == d or path.startswith(d + "/") for d in RESERVED_DIRS):
+            yield Problem(f"{key}.mountPath", f"{path} would hide a system, image, node or scratch directory; use a "
+                                              "new top-level directory such as /shared")
     for i, group in enumerate(spec.node_groups):
         if not group.shared_fs:
             continue

@@ -19,7 +19,9 @@ from infra import catalog as cat
 Cloud = Literal["aws", "alicloud", "tencentcloud"]
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+NO_NUL = r"^[^\x00]*$"
 PATTERN_HELP = {
+    NO_NUL: "an argument cannot hold a NUL character (the launcher would split it in two)",
     NAME_PATTERN: "use 2-32 lowercase letters, digits and hyphens, starting with a letter",
     r"^\d{10}$": "use the 10-digit APPID from the Tencent Cloud console, quoted (appId: \"1250000000\")",
 }
@@ -160,7 +162,7 @@ class Scratch(SpecModel):
         "auto", description="instance-store: local NVMe only; data-disk: encrypted cloud disk; auto: NVMe when big enough.")
 
 
-Command = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+Command = Annotated[list[Annotated[str, Field(min_length=1, pattern=NO_NUL)]], Field(min_length=1)]
 
 
 class GroupTraining(SpecModel):

@@ -24,11 +24,12 @@ log = logging.getLogger("gts.faults")
 def _slow_commits(seconds: float, at_step: int) -> None:
     original = checkpoint.CheckpointManager._commit
 
-    def slow_commit(self: checkpoint.CheckpointManager, step: int, tmp: Path, final: Path) -> Any:
+    def slow_commit(self: checkpoint.CheckpointManager, step: int, tmp: Path, final: Path,
+                    known: dict[str, tuple[int, str]] | None = None) -> Any:
         if at_step in (-1, step):
             log.warning("fault injection: pausing %.1f s before committing %s", seconds, final.name)
             time.sleep(seconds)
-        return original(self, step, tmp, final)
+        return original(self, step, tmp, final, known)
 
     checkpoint.CheckpointManager._commit = slow_commit  # type: ignore[method-assign]
 

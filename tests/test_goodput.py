@@ -20,7 +20,8 @@ def daly_by_hand(delta: float, m: float) -> float:
     """J. T. Daly, FGCS 22 (2006), eq. (37): the optimum compute time between dumps."""
     if delta >= 2 * m:
         return m
-    return math.sqrt(2 * delta * m) * (1 + (1 / 3) * (delta / (2 * m)) ** 0.5 + (1 / 9) * (delta / (2 * m))) - delta
+    ratio: float = delta / (2 * m)
+    return math.sqrt(2 * delta * m) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - delta
 
 
 @pytest.mark.parametrize("delta, m, expected", [
@@ -63,11 +64,21 @@ def test_auto_is_at_least_every_fixed_interval_on_the_same_trace(notice: float) 
     assert results["auto"] >= best_fixed
 
 
-def test_the_model_and_the_simulator_agree() -> None:
+@pytest.mark.parametrize("durable", [20.0, 60.0])  # committed = durable, or a 40 s upload after the commit
+def test_the_model_and_the_simulator_agree(durable: float) -> None:
     times = goodput.trace_times("poisson:3600:9:20000")
     for notice in (0.0, 120.0):
-        p = goodput.plan(20.0, 3600.0, 60.0, notice)
-        assert goodput.simulate(times, p.interval_s, 20.0, 60.0, notice) == pytest.approx(p.goodput, abs=0.01)
+        p = goodput.plan(20.0, 3600.0, 60.0, notice, durable)
+        simulated = goodput.simulate(times, p.interval_s, 20.0, 60.0, notice, durable)
+        assert simulated == pytest.approx(p.goodput, abs=0.01)
+
+
+def test_an_upload_lag_costs_work_at_unannounced_failures() -> None:
+    times = goodput.trace_times("poisson:3600:4:20000")
+    prompt = goodput.simulate(times, 400.0, 20.0, 60.0, durable=20.0)
+    lagging = goodput.simulate(times, 400.0, 20.0, 60.0, durable=200.0)
+    assert lagging < prompt - 0.01
+    assert goodput.plan(20.0, 3600.0, 60.0, durable=200.0).goodput < goodput.plan(20.0, 3600.0, 60.0).goodput
 
 
 def test_a_notice_shorter_than_a_durable_checkpoint_does_not_count() -> None:

@@ -242,7 +242,13 @@ def test_a_job_mounts_the_network_file_system_through_a_bound_claim(tmp_path: Pa
     (lambda v: v[GROUPS][0].update(sharedFs=True), "nodeGroups[0].sharedFs: network aws-train has no sharedFs"),
     (lambda v: with_shared({"aws-train": "fsx-lustre"}, size_gb=1500)(v), "FSx for Lustre takes 1200, 2400"),
     (lambda v: (with_shared({"aws-train": "efs"})(v), v[NETS][0]["sharedFs"].update(mountPath="/scratch/x")),
-     "is a system or scratch directory"),
+     "would hide a system, image, node or scratch directory"),
+    (lambda v: (with_shared({"aws-train": "efs"})(v), v[NETS][0]["sharedFs"].update(mountPath="/opt/gts")),
+     "would hide a system, image, node or scratch directory"),
+    (lambda v: (with_shared({"aws-train": "efs"})(v), v[NETS][0]["sharedFs"].update(mountPath="/shared/../etc")),
+     "is not a plain absolute path"),
+    (lambda v: (with_shared({"aws-train": "efs"})(v), v[NETS][0]["sharedFs"].update(mountPath="//etc")),
+     "is not a plain absolute path"),
 ])
 def test_a_shared_file_system_the_cloud_cannot_give_is_refused(edit: Any, named: str) -> None:
     values = stack_values("dev")
@@ -270,5 +276,5 @@ def test_make_userdata_shows_a_placeholder_address(tmp_path: Path) -> None:
     text = userdata.for_group(stack.spec, stack.group("aws-train"))
     root = tmp_path / "node"
     lay_down(base64.b64decode(text) if not text.startswith("#") else text.encode(), root)
-    assert node_env(root)["GTS_SHARED_SOURCE"].endswith(".file-system.example:/")
+    assert node_env(root)["GTS_SHARED_SOURCE"].endswith("-example.amazonaws.com:/")
     assert os.path.exists(root / "etc/gpu-training/node.env")

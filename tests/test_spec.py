@@ -62,7 +62,7 @@ CASES: list[tuple[str, str, Edit, list[str]]] = [
     ("non-positive budget", "dev", lambda v: v[key("budget")].__setitem__("monthlyLimitUsd", 0),
      ["budget.monthlyLimitUsd", "greater than 0"]),
     ("checkpoint interval 0", "dev", lambda v: v[key("training")].__setitem__("checkpointEvery", 0),
-     ["training.checkpointEvery", "greater than 0"]),
+     ["training.checkpointEvery", "a whole number of steps above 0, or auto"]),
     ("tencent international spot", "dev", lambda v: v[key("clouds")]["tencentcloud"].__setitem__("site", "international"),
      ["nodeGroups[2].market.type", "international-site Tencent Cloud account", "SPOTPAID"]),
     ("misspelled key", "dev", lambda v: _group(v).__setitem__("instanceTyp", "p3.2xlarge"),

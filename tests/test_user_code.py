@@ -175,6 +175,10 @@ def _problems(edit: Any) -> str:
     (["train.py", "--run", "${RUN_NAME}"], "${RUN_NAME} is not a trainer-contract variable"),
     (["train.py", "--tracking", "${MLFLOW_TRACKING_URI}"], "training.mlflowTrackingUri"),
     (["-m", "not a module"], "training.command[1]: after '-m' comes a Python module name"),
+    (["-c", "print(1)"], "training.command[0]: '-c': the command starts with a script"),
+    (["train.py", "--rank", "${NODE_RANK}"], "it needs a Kubernetes group (the Job sets it"),
+    (["train.py", "--out", "${SHARED_DIR}/run"], "it needs sharedFs: true on the group"),
+    (["train.py", "a\x00b"], "an argument cannot hold a NUL character"),
 ])
 def test_a_command_that_needs_what_the_stack_lacks_is_refused(command: list[str], named: str) -> None:
     assert named in _problems(with_command(command))
@@ -204,3 +208,16 @@ def test_a_group_gets_its_own_image_and_command(tmp_path: Path) -> None:
     assert vm[contract.TRAIN_COMMAND.name] == ""
     assert trainer["image"] != vm["GTS_IMAGE"]
     assert trainer["image"].split("@")[0] == vm["GTS_IMAGE"].split("@")[0], "the same repository, another digest"
+
+
+def test_the_library_follows_checkpoint_every_auto(tmp_path: Path) -> None:
+    """CHECKPOINT_EVERY=auto, as dev's stack hands it: Daly's interval from MTBF_S and the
+    measured costs, logged, and checkpoints taken by it (a short MTBF makes them frequent)."""
+    env = {contract.CHECKPOINT_DIR.name: str(tmp_path / "ck"), contract.CHECKPOINT_EVERY.name: "auto",
+           contract.MTBF_S.name: "2", contract.NOTICE_S.name: "0"}
+    run = start([str(BIN / "python"), str(EXAMPLE), "--steps", "200", "--sleep-ms", "10"], env, tmp_path)
+    assert run.finish() == 0, run.output[-3000:]
+    line = run.wait_for(r"checkpoint interval: every \d+ steps")
+    assert "Daly (FGCS 2006)" in line and "M=2 s" in line
+    assert len(list((tmp_path / "ck").glob("step-*"))) == 3  # keep-K of the many it took
+    assert (tmp_path / "ck" / "step-00000200").is_dir()

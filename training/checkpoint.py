@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from tenacity import RetryError, Retrying, stop_after_attempt, wait_exponential
 
+from training.staging import Stager, save_hashed
 from training.storage import Location, location
 
 log = logging.getLogger("gts.checkpoint")
@@ -135,6 +136,8 @@ class UploadStatus:
     last_success: float = 0.0
     last_error: str = ""
     uploaded: list[int] = field(default_factory=list)
+    last_commit: float = 0.0  # when the newest checkpoint was committed locally
+    write_error: str = ""  # why the last background write failed ("" when it did not)
 
 
 def _lock(folder: Path) -> Any:
@@ -160,7 +163,8 @@ class CheckpointManager:
     """save / load / close. One per process; collectives stay in the caller."""
 
     def __init__(self, local_dir: str, remote_url: str | None, topo: Topology, keep: int = 3,
-                 upload_attempts: int = 4, on_status: Callable[[UploadStatus], None] | None = None):
+                 upload_attempts: int = 4, on_status: Callable[[UploadStatus], None] | None = None,
+                 background: bool = True):
         self.local = Path(local_dir) / run_key(remote_url) if remote_url else Path(local_dir)
         self.remote: Location | None = location(remote_url) if remote_url else None
         self.remote_error = ""  # why the bucket could not be listed at start, if it could not
@@ -178,6 +182,10 @@ class CheckpointManager:
         if topo.local_rank == 0:
             for stale in self.local.glob("step-*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)  # a crash mid-write: never committed
+        self.background = background  # False: the caller waits for the write and the commit (make bench compares)
+        self._stager = Stager()
+        self._writer: threading.Thread | None = None
+        self._writer_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         if self.remote is not None and topo.local_rank == 0:
             self._thread = threading.Thread(target=self._uploader, name="checkpoint-upload", daemon=True)
@@ -186,30 +194,75 @@ class CheckpointManager:
     # ------------------------------------------------------------------ save
     def save(self, step: int, model_state: dict[str, Any] | None, rng_state: dict[str, Any],
              barrier: Callable[[], None]) -> float:
-        """Write this rank's part of step `step`; local rank 0 also writes the model state (pass
-        None elsewhere) and commits. Returns the seconds the caller was blocked. Every rank
-        must call it (it runs `barrier` between the data files and the commit)."""
+        """Checkpoint step `step`: every rank writes its RNG state (small); local rank 0 copies the
+        model state into reused buffers and returns, while a background thread serialises it
+        (hashing as it writes), fsyncs, commits the manifest, prunes and queues the upload. Pass
+        None as the model state on the other ranks. One checkpoint is in flight at a time (the
+        next save, and close, wait for it). Returns the seconds the caller was blocked. Every
+        rank must call it (it runs `barrier` around the per-rank files)."""
         start = time.perf_counter()
         tmp = self.local / f"{step_dir(step)}.tmp"
         final = self.local / step_dir(step)
         if self.topo.local_rank == 0:
+            self.wait_commit()
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
         _save(rng_state, tmp / rng_name(self.topo.rank))
+        barrier()
         if self.topo.local_rank == 0:
             assert model_state is not None
-            _save(model_state, tmp / MODEL_FILE)
-        barrier()
-        if self.topo.local_rank == 0:
             if final.exists():  # committed before (the caller normally skips this)
                 shutil.rmtree(tmp, ignore_errors=True)
-            else:
+            elif not self.background:
+                _save(model_state, tmp / MODEL_FILE)
                 self._commit(step, tmp, final)
-            self._prune_local()
-            self._queue_upload(step)
-        barrier()
+                self._prune_local()
+                self._queue_upload(step)
+            else:
+                staged = self._stager.stage(model_state)
+                # Not a daemon: an exiting process waits for the checkpoint it already reported.
+                writer = threading.Thread(target=self._write_and_commit, args=(step, staged, tmp, final),
+                                          name="checkpoint-write", daemon=False)
+                with self._writer_lock:
+                    self._writer = writer
+                writer.start()
         return time.perf_counter() - start
+
+    def _write_and_commit(self, step: int, staged: dict[str, Any], tmp: Path, final: Path) -> None:
+        try:
+            size, digest = save_hashed(staged, tmp / MODEL_FILE)
+            self._commit(step, tmp, final, known={MODEL_FILE: (size, digest)})
+        except Exception as exc:  # noqa: BLE001 (disk full, I/O error): the step is not committed
+            shutil.rmtree(tmp, ignore_errors=True)  # do not leave a partial step on a full disk
+            with self._lock:
+                self.status.write_error = f"{step_dir(step)}: {type(exc).__name__}: {exc}"
+            log.error("checkpoint %s could not be written: %s; the newest committed one stays the resume point",
+                      step_dir(step), exc)
+            self._report()
+            return
+        with self._lock:
+            self.status.last_commit, self.status.write_error = time.time(), ""
+        self._prune_local()
+        self._queue_upload(step)
+        self._report()
+
+    @property
+    def write_error(self) -> str:
+        return self.status.write_error
+
+    def wait_commit(self) -> None:
+        """Until the checkpoint being written in the background is committed (or failed). The
+        writer and the upload thread never wait for it (the writer is what they would wait for;
+        the upload thread only lists steps)."""
+        with self._writer_lock:
+            writer = self._writer
+        if writer is None or threading.current_thread() in (writer, self._thread):
+            return
+        writer.join()
+        with self._writer_lock:
+            if self._writer is writer:  # a newer writer may have started meanwhile: keep it
+                self._writer = None
 
     def save_folder(self, step: int, source: Path, barrier: Callable[[], None]) -> float:
         """Commit a checkpoint another library wrote as a folder of files (a Hugging Face
@@ -219,6 +272,7 @@ class CheckpointManager:
         start = time.perf_counter()
         tmp = self.local / f"{step_dir(step)}.tmp"
         final = self.local / step_dir(step)
+        self.wait_commit()
         nested = sorted(p.name for p in source.iterdir() if p.is_dir()) if source.is_dir() else []
         if nested:  # a manifest lists the files of one folder: these would be left out unseen (every rank raises)
             raise CheckpointError(f"{source} holds folders ({', '.join(nested)}): only flat checkpoint folders "
@@ -247,12 +301,16 @@ class CheckpointManager:
         self._idle.clear()
         self._queue.put(step)
 
-    def _commit(self, step: int, tmp: Path, final: Path) -> None:
+    def _commit(self, step: int, tmp: Path, final: Path, known: dict[str, tuple[int, str]] | None = None) -> None:
+        """The manifest (sizes and sha256 of the step's files; `known` ones hashed while written)
+        written last and fsync'd, then the folder renamed: the commit."""
+        known = known or {}
         files = sorted(p for p in tmp.iterdir() if p.is_file() and not p.name.endswith(".part"))
+        entries = {p.name: {"size": known[p.name][0], "sha256": known[p.name][1]} if p.name in known
+                   else {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in files}
         manifest = {"step": step, "node": self.topo.node, "nnodes": self.topo.nnodes,
                     "world_size": self.topo.world_size, "ranks": list(self.topo.node_ranks),
-                    "files": {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in files},
-                    "created": time.time()}
+                    "files": entries, "created": time.time()}
         path = tmp / manifest_name(self.topo.node)
         with path.open("w", encoding="utf-8") as fh:
             json.dump(manifest, fh, indent=1)
@@ -276,6 +334,7 @@ class CheckpointManager:
 
     def local_steps(self) -> list[int]:
         """Committed steps on this node's disk (a manifest is in: checked file by file on load)."""
+        self.wait_commit()
         steps = [int(m.group(1)) for p in self.local.iterdir() if (m := STEP_RE.match(p.name))]
         return sorted(s for s in steps if self._local_manifests(s))
 
@@ -313,6 +372,7 @@ class CheckpointManager:
         """(model state, this rank's RNG state or None when the step was saved with another
         world size) for `step`: every file checked against its manifest first; a bad local copy
         is fetched again from the bucket. Raises CheckpointError naming the file and the fault."""
+        self.wait_commit()
         folder = self.local / step_dir(step)
         manifests = self._local_manifests(step)
         try:
@@ -335,6 +395,7 @@ class CheckpointManager:
     def load_folder(self, step: int) -> Path:
         """A step saved with `save_folder`, every file of every node checked (fetched from the
         bucket where missing or bad here): the local folder holding them."""
+        self.wait_commit()
         folder = self.local / step_dir(step)
         manifests = self._local_manifests(step)
         try:
@@ -517,11 +578,13 @@ class CheckpointManager:
         if self.on_status is not None:
             with self._lock:
                 snapshot = UploadStatus(list(self.status.pending), self.status.last_success,
-                                        self.status.last_error, list(self.status.uploaded))
+                                        self.status.last_error, list(self.status.uploaded), self.status.last_commit,
+                                        self.status.write_error)
             self.on_status(snapshot)
 
     def wait_uploads(self, timeout: float) -> bool:
         """Block until the queue is drained (True) or `timeout` passes (False)."""
+        self.wait_commit()
         if self._thread is None:
             return True
         deadline = time.monotonic() + timeout
@@ -534,6 +597,7 @@ class CheckpointManager:
         return not self.status.pending
 
     def close(self, timeout: float = 120.0) -> UploadStatus:
+        self.wait_commit()  # a stop waits for the checkpoint it asked for
         ok = self.wait_uploads(timeout)
         if self._thread is not None:
             self._queue.put(None)

@@ -30,6 +30,7 @@ import logging
 import os
 import random
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -41,6 +42,7 @@ import torch
 from training import contract
 from training.checkpoint import CheckpointError, CheckpointManager, Topology, UploadStatus
 from training.distributed import Comm
+from training.goodput import AutoInterval
 
 log = logging.getLogger("gts.checkpointing")
 
@@ -161,6 +163,43 @@ def _setting(value: Any, var: contract.Var, default: Any) -> Any:
         raise ValueError(f"{var.name}={raw!r}: expected {type(default).__name__}") from None
 
 
+class Interval:
+    """When to checkpoint: every N steps, or `auto` (CHECKPOINT_EVERY=auto: Daly's interval from
+    the measured checkpoint cost and step time, MTBF_S and NOTICE_S; training/goodput.py). The
+    ranks agree on it through the per-step collective: rank 0 decides."""
+
+    def __init__(self, every: int | str | None, comm: Comm):
+        raw = every if every is not None else (os.environ.get(contract.CHECKPOINT_EVERY.name) or 500)
+        self.comm = comm
+        self.auto: AutoInterval | None = None
+        self.every = 0
+        self.last_step_at = time.perf_counter()
+        if str(raw) == "auto":
+            self.auto = AutoInterval(_setting(None, contract.MTBF_S, 0.0), _setting(None, contract.NOTICE_S, 0.0),
+                                     log.info)
+        else:
+            try:
+                self.every = int(raw)
+            except ValueError:
+                raise ValueError(f"{contract.CHECKPOINT_EVERY.name}={raw!r}: a whole number of steps or auto") from None
+            if self.every <= 0:
+                raise ValueError(f"checkpoint interval {self.every}: must be a positive number of steps")
+
+    def due(self, step: int, last_saved: int) -> bool:
+        """This rank's view: the caller combines it across ranks."""
+        now = time.perf_counter()
+        if self.auto is None:
+            return step % self.every == 0
+        self.auto.observe_step(now - self.last_step_at)
+        self.last_step_at = now
+        return self.comm.rank == 0 and self.auto.due(step - max(last_saved, 0))
+
+    def saved(self, blocked_s: float) -> None:
+        if self.auto is not None:
+            self.auto.observe_checkpoint(blocked_s)
+            self.last_step_at = time.perf_counter()  # the checkpoint is not a step
+
+
 def open_manager(comm: Comm, url: str | None, local_dir: str | None, keep: int | None,
                  on_status: Callable[[UploadStatus], None] | None = None) -> CheckpointManager:
     """The run's checkpoint manager, configured from the arguments or the trainer contract."""
@@ -176,13 +215,11 @@ def open_manager(comm: Comm, url: str | None, local_dir: str | None, keep: int |
 class Checkpointer:
     """save / resume / stop for a training loop we did not write. See the module docstring."""
 
-    def __init__(self, every: int | None = None, *, url: str | None = None, local_dir: str | None = None,
+    def __init__(self, every: int | str | None = None, *, url: str | None = None, local_dir: str | None = None,
                  keep: int | None = None, upload_deadline_s: float = 90.0, launcher: str = "auto",
                  **state: Stateful):
-        self.every = _setting(every, contract.CHECKPOINT_EVERY, 500)
-        if self.every <= 0:
-            raise ValueError(f"checkpoint interval {self.every}: must be a positive number of steps")
         self.comm = Comm(launcher)
+        self.interval = Interval(every, self.comm)
         self.stop = StopFlag()
         self.state = state
         self.extra: dict[str, Any] = {}
@@ -219,8 +256,9 @@ class Checkpointer:
     def step(self, step: int, **extra: Any) -> bool:
         """After each optimizer step, with the number of steps done: saves every `every` steps,
         on SIGUSR1, and on SIGTERM / SIGINT on any rank — then returns True: leave the loop."""
-        stopping, asked = self.comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request())
-        if step % self.every == 0 or stopping or asked:
+        stopping, asked, due = self.comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request(),
+                                                  self.interval.due(step, self.last_saved))
+        if due or stopping or asked:
             self.save(step, **extra)
         if stopping:
             self.stopped = self.stop.raised or "a signal on another rank"
@@ -237,6 +275,7 @@ class Checkpointer:
             payload = {"state": {name: obj.state_dict() for name, obj in self.state.items()}, "extra": extra,
                        "step": step, "world_size": self.comm.world}
         blocked = self.manager.save(step, payload, rng_state(), self.comm.barrier)
+        self.interval.saved(blocked)
         self.last_saved = step
         self.extra = dict(extra)
         return blocked

@@ -96,8 +96,15 @@ def plan(delta: float, mtbf: float, restart: float = 0.0, notice: float = 0.0, d
     interval = daly_interval(delta, m_unannounced) if share > 0 else math.inf
     announced_rate = (1 - share) / mtbf if covered else 0.0
     kept = max(0.0, 1 - announced_rate * (notice + restart))  # each announced reclaim: the notice and a restart
-    goodput = kept if math.isinf(interval) else daly_goodput(interval, delta, m_unannounced, restart) * kept
-    lost = share * (0.0 if math.isinf(interval) else lost_per_failure(interval, delta, m_unannounced))
+    # An unannounced failure takes the node's disk: a checkpoint still uploading (the `lag`
+    # after it is committed) is lost with it, and the interval before it.
+    lag = max(0.0, durable - delta)
+    if math.isinf(interval):
+        goodput, lost = kept, 0.0
+    else:
+        extra = lag * interval / (interval + delta) if lag < interval + delta else interval
+        goodput = daly_goodput(interval, delta, m_unannounced, restart) * kept * max(0.0, 1 - extra / m_unannounced)
+        lost = share * (lost_per_failure(interval, delta, m_unannounced) + extra)
     if covered:
         why = (f"a {notice:.0f} s notice covers a durable checkpoint ({durable:.1f} s): only the {share:.0%} of "
                f"reclaims without one need the interval (their MTBF {m_unannounced:.0f} s)")
@@ -123,6 +130,7 @@ class AutoInterval:
         self.notice = notice_s
         self.log = log
         self.delta: float | None = None
+        self.durable: float | None = None  # from the start of a checkpoint until it is in the bucket
         self.step_s: float | None = None
         self.steps: int | None = None
 
@@ -133,10 +141,16 @@ class AutoInterval:
         self.delta = blocked_s if self.delta is None else 0.5 * self.delta + 0.5 * blocked_s
         self._replan()
 
+    def observe_durable(self, seconds: float) -> None:
+        """A notice shorter than this does not save the work in flight."""
+        self.durable = seconds if self.durable is None else max(0.5 * self.durable + 0.5 * seconds, seconds)
+        self._replan()
+
     def _replan(self) -> None:
         if self.step_s is None:
             return
-        found = plan(max(self.delta or self.FIRST_DELTA_S, 1e-3), self.mtbf, notice=self.notice)
+        delta = max(self.delta or self.FIRST_DELTA_S, 1e-3)
+        found = plan(delta, self.mtbf, notice=self.notice, durable=max(self.durable or 0.0, delta))
         steps = 10**9 if math.isinf(found.interval_s) else max(1, round(found.interval_s / max(self.step_s, 1e-6)))
         first = ""
         if self.delta is None and steps * self.step_s > self.FIRST_CHECKPOINT_S:
@@ -164,8 +178,12 @@ def trace_times(spec: str) -> list[float]:
         need = 1 if kind == "poisson" else 2
         if len(parts) < need:
             raise ValueError(f"{spec!r}: {kind} needs {'MTBF' if need == 1 else 'SHAPE:SCALE'} in seconds")
+        if not all(math.isfinite(p) and p > 0 for p in parts[:need]):
+            raise ValueError(f"{spec!r}: {'MTBF must be a positive number' if need == 1 else 'SHAPE and SCALE must be positive numbers'}")
         seed = int(parts[need]) if len(parts) > need else 0
         count = int(parts[need + 1]) if len(parts) > need + 1 else HORIZON_FAILURES
+        if count < 1:
+            raise ValueError(f"{spec!r}: the trace needs at least one reclaim")
         rng = random.Random(seed)
         times, t = [], 0.0
         for _ in range(count):
@@ -178,8 +196,12 @@ def trace_times(spec: str) -> list[float]:
     except ValueError:
         stamps = [datetime.fromisoformat(line.replace("Z", "+00:00")).timestamp() for line in lines]
         values = [s - min(stamps) for s in stamps]
-    if not values or any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"{spec}: reclaim times must be given in order, one per line")
+    if not values:
+        raise ValueError(f"{spec}: no reclaim times in it (one per line: seconds, or an ISO 8601 time)")
+    if not all(math.isfinite(v) and v >= 0 for v in values) or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{spec}: reclaim times must be finite, not negative, and in order, one per line")
+    if values[-1] <= 0:
+        raise ValueError(f"{spec}: the last reclaim must come after the start")
     return values
 
 
@@ -191,6 +213,7 @@ def simulate(times: list[float], interval: float, delta: float, restart: float =
     then `restart` s pass before work resumes."""
     durable = delta if durable is None else durable
     covered = notice > 0 and notice >= durable
+    lag = max(0.0, durable - delta)  # a committed checkpoint is in the bucket this much later
     rng = random.Random(seed)
     work, start = 0.0, 0.0
     for t in times:
@@ -202,6 +225,9 @@ def simulate(times: list[float], interval: float, delta: float, restart: float =
         if covered and rng.random() >= unannounced:
             # the emergency checkpoint starts with the notice: the work until then is kept
             work += max(0.0, min(left - notice, interval))
+        elif full and left < lag:
+            # the node and its disk are gone: checkpoints not yet uploaded are lost too
+            work -= min(full, math.floor((lag - left) / cycle) + 1) * interval
         start = t + restart
     return work / times[-1] if times and times[-1] > 0 else 0.0
 
@@ -234,12 +260,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fixed", default="60,300,600,1800,3600", help="fixed intervals (s) to compare")
     parser.add_argument("--format", choices=("text", "json"), default="text")
     args = parser.parse_args(argv)
+    problems = [f"--{name.replace('_', '-')} {value}: {rule}" for name, value, ok, rule in (
+        ("checkpoint_cost", args.checkpoint_cost, args.checkpoint_cost > 0, "must be above 0"),
+        ("mtbf", args.mtbf, args.mtbf > 0, "must be above 0"),
+        ("restart_cost", args.restart_cost, args.restart_cost >= 0, "must not be negative"),
+        ("notice", args.notice, args.notice >= 0, "must not be negative"),
+        ("durable", args.durable, args.durable is None or args.durable >= 0, "must not be negative"),
+        ("unannounced", args.unannounced, 0 <= args.unannounced <= 1, "is a share between 0 and 1"))
+        if not ok or (isinstance(value, float) and not math.isfinite(value))]
+    try:
+        fixed_values = [float(x) for x in args.fixed.split(",") if x]
+    except ValueError:
+        fixed_values, problems = [], [*problems, f"--fixed {args.fixed}: comma-separated seconds"]
+    problems += [f"--fixed {v:g}: intervals must be above 0" for v in fixed_values if not v > 0]
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
     try:
         result = plan(args.checkpoint_cost, args.mtbf, args.restart_cost, args.notice, args.durable, args.unannounced)
         report: dict[str, object] = {**asdict(result)}
         if args.simulate:
             times = trace_times(args.simulate)
-            fixed = [float(x) for x in args.fixed.split(",") if x]
+            fixed = fixed_values
             report["simulation"] = {
                 "reclaims": len(times), "trace_mtbf_s": times[-1] / len(times),
                 "with_notice": sweep(times, args.checkpoint_cost, args.restart_cost, args.notice or 120, fixed,

@@ -27,8 +27,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from training import contract
-from training.checkpointing import StopFlag, _setting, choose_checkpoint, exit_code, open_manager
+from training.checkpointing import Interval, StopFlag, choose_checkpoint, exit_code, open_manager
 from training.distributed import Comm
 
 log = logging.getLogger("gts.hf")
@@ -37,12 +36,11 @@ log = logging.getLogger("gts.hf")
 class SpotCheckpointCallback(TrainerCallback):
     """Checkpoints of a `transformers.Trainer` run through the spot-safe manager."""
 
-    def __init__(self, every: int | None = None, *, url: str | None = None, local_dir: str | None = None,
+    def __init__(self, every: int | str | None = None, *, url: str | None = None, local_dir: str | None = None,
                  keep: int | None = None, upload_deadline_s: float = 90.0):
-        self.every = _setting(every, contract.CHECKPOINT_EVERY, 500)
-        if self.every <= 0:
-            raise ValueError(f"checkpoint interval {self.every}: must be a positive number of steps")
         self.comm = Comm("auto")  # joins the process group accelerate / torchrun describe
+        self.interval = Interval(every, self.comm)  # N steps, or auto (CHECKPOINT_EVERY=auto)
+        self.last_saved = 0
         self.stop = StopFlag()
         self.manager = open_manager(self.comm, url, local_dir, keep)
         self.deadline = upload_deadline_s
@@ -77,8 +75,9 @@ class SpotCheckpointCallback(TrainerCallback):
     # -- TrainerCallback hooks -----------------------------------------------------------
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
-        stopping, asked = self.comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request())
-        if state.global_step % self.every == 0 or stopping or asked or state.global_step >= state.max_steps:
+        stopping, asked, due = self.comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request(),
+                                                  self.interval.due(state.global_step, self.last_saved))
+        if due or stopping or asked or state.global_step >= state.max_steps:
             control.should_save = True
         if stopping:
             self.stopped = self.stop.raised or "a signal on another rank"
@@ -92,6 +91,8 @@ class SpotCheckpointCallback(TrainerCallback):
         folder = Path(args.output_dir or ".") / f"checkpoint-{state.global_step}"
         self.comm.barrier()  # every process has written its part (the RNG files are per process)
         blocked = self.manager.save_folder(state.global_step, folder, self.comm.barrier)
+        self.interval.saved(blocked)
+        self.last_saved = state.global_step
         if self.comm.local_rank == 0:
             shutil.rmtree(folder, ignore_errors=True)  # the committed copy is in the manager's folder
         if self.comm.rank == 0:

@@ -107,6 +107,7 @@ class Run:
         self.step, self.epoch, self.offset, self.run_id = 0, 0, 0, None
         self.last_saved, self.last_loss = 0, float("nan")
         self.auto = AutoInterval(cfg.mtbf_s, cfg.notice_s, log.info) if cfg.checkpoint_every == "auto" else None
+        self.save_started: dict[int, float] = {}  # step -> when its save began (durable time for auto)
 
     def open_checkpoints(self) -> CheckpointManager | None:
         """The run's checkpoint manager, or None on every rank when another trainer holds the run."""
@@ -127,6 +128,10 @@ class Run:
         self.metrics.upload_pending.set(len(status.pending))
         if status.last_success:
             self.metrics.upload_time.set(status.last_success)
+        if status.last_commit:  # the commit, not the copy: the stale-checkpoint alert reads it
+            self.metrics.checkpoint_time.set(status.last_commit)
+        if self.auto is not None and status.uploaded and status.uploaded[-1] in self.save_started:
+            self.auto.observe_durable(status.last_success - self.save_started.pop(status.uploaded[-1]))
 
     def resume(self, ckpt: CheckpointManager) -> str | None:
         """Restore the newest usable checkpoint. Returns why the run must not go on (already
@@ -170,12 +175,12 @@ class Run:
                      "scaler": self.scaler.state_dict() if self.use_scaler else None,
                      "step": self.step, "epoch": self.epoch, "offset": self.offset, "mlflow_run_id": tracker.run_id,
                      "config": config_mod.as_dict(self.cfg), "world_size": self.comm.world}
+        self.save_started[self.step] = time.time()
         blocked = ckpt.save(self.step, state, rng_state(), self.comm.barrier)
         self.last_saved = self.step
         if self.auto is not None:
             self.auto.observe_checkpoint(blocked)
         self.metrics.checkpoint_seconds.set(blocked)
-        self.metrics.checkpoint_time.set(time.time())
         if self.comm.rank == 0:
             log.info("checkpoint step %d: loop blocked %.3f s", self.step, blocked)
 
@@ -261,7 +266,11 @@ class Run:
                 (log.info if verdict.startswith("complete") else log.error)("run %s", verdict)
             return 0 if verdict.startswith("complete") else EXIT_USAGE
         tracker = Tracker(self.comm.rank == 0, self.run_id, config_mod.as_dict(self.cfg))
-        interrupted = self.loop(ckpt, tracker)
+        try:
+            interrupted = self.loop(ckpt, tracker)
+        except BaseException:
+            ckpt.wait_commit()  # a checkpoint already reported is committed before the process goes
+            raise
         if self.last_saved != self.step:
             self.save(ckpt, tracker)
         status = ckpt.close(timeout=self.cfg.upload_deadline_s)
@@ -276,6 +285,10 @@ class Run:
     def stopped(self, interrupted: str, status: UploadStatus) -> int:
         """After the emergency checkpoint: 0 where a node was told to stop; 75 on the other nodes
         of a multi-node run, whose agents then go on without it."""
+        if status.write_error:  # the emergency checkpoint is not on disk: not a clean stop
+            log.error("stopped by %s at step %d, but the emergency checkpoint could not be written (%s); a "
+                      "restart resumes from the newest committed one", interrupted, self.step, status.write_error)
+            return 1
         if self.comm.rank == 0:
             log.warning("stopped by %s at step %d after an emergency checkpoint%s", interrupted, self.step,
                         "" if not status.pending else f" ({len(status.pending)} upload(s) still pending)")

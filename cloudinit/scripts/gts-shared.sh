@@ -90,7 +90,15 @@ if [ "$PREPARE" = --prepare ]; then
   exit 0
 fi
 mkdir -p "$GTS_SHARED_DIR"
-if ! mountpoint -q "$GTS_SHARED_DIR"; then
+if mountpoint -q "$GTS_SHARED_DIR"; then
+  # Mounted already (this unit ran before this boot's restart): only if it is this file system's
+  # kind; anything else there (a local disk, a tmpfs) would take the shared data silently.
+  fstype=$(findmnt -n -o FSTYPE --mountpoint "$GTS_SHARED_DIR" 2>/dev/null || true)
+  case "$fstype" in
+    "$GTS_SHARED_FS"|nfs|nfs4) ;;
+    *) log "$GTS_SHARED_DIR is already a '$fstype' mount, not the shared file system ($GTS_SHARED_FS)"; exit 1 ;;
+  esac
+else
   mount_it "$GTS_SHARED_DIR"
 fi
 hand_over "$GTS_SHARED_DIR"

@@ -58,7 +58,7 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
 
     def make_shared_fs(self, net: Network, built: AlicloudNetwork, storage: AlicloudStorage) -> SharedFsOutputs:
         shared = AlicloudSharedFs(f"{net.name}", AlicloudSharedFsArgs(
-            network=net, vswitch_id=built.switches[0].id, zone=net.subnets[0].zone,
+            env=self.spec.env, network=net, vswitch_id=built.switches[0].id, zone=net.subnets[0].zone,
             allowed_cidrs=[str(net.cidr), *self.peer_cidrs()[net.name]], tags=self.tags),
             opts=self.provider_opts(self.region_of(net)))
         return shared.outputs

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_alicloud as alicloud
 
+from infra.image import registry_name
 from infra.sharedfs import SharedFsOutputs
 from infra.spec import Network
 
 
 @dataclass
 class AlicloudSharedFsArgs:
+    env: str
     network: Network
     vswitch_id: pulumi.Output[str]
     zone: str
@@ -41,7 +43,8 @@ class AlicloudSharedFs(pulumi.ComponentResource):
         fs = args.network.shared_fs
         assert fs is not None
         child = pulumi.ResourceOptions(parent=self)
-        group = alicloud.nas.AccessGroup(f"{name}-access", access_group_name=f"{name}-shared",
+        # The group's name is its identity in the region: unique per stack (as the registry's is).
+        group = alicloud.nas.AccessGroup(f"{name}-access", access_group_name=f"{registry_name(args.env)}-{name}",
                                          access_group_type="Vpc", file_system_type="standard",
                                          description="gpu-training-stack: the stack's networks only", opts=child)
         # no_squash: the node hands the file system's root to the trainer's uid (gts-shared.sh).
