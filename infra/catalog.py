@@ -88,47 +88,46 @@ def load_provider_checks() -> dict[str, dict[str, Any]]:
     return dict(load_yaml("provider_checks.yaml")["types"])
 
 
+def _per_cloud(name: str) -> dict[str, dict[str, Any]]:
+    """A data file keyed by cloud (every cloud present)."""
+    data = load_yaml(name)
+    return {cloud: dict(data[cloud]) for cloud in CLOUDS}
+
+
 @functools.cache
 def load_network_prices() -> dict[str, dict[str, Any]]:
     """What one network's NAT egress costs per hour on each cloud."""
-    data = load_yaml("network_prices.yaml")
-    return {cloud: dict(data[cloud]) for cloud in CLOUDS}
+    return _per_cloud("network_prices.yaml")
 
 
 @functools.cache
 def load_system_pools() -> dict[str, dict[str, Any]]:
     """The untainted system pool (and control-plane fee) of each cloud's clusters."""
-    data = load_yaml("system_pools.yaml")
-    return {cloud: dict(data[cloud]) for cloud in CLOUDS}
+    return _per_cloud("system_pools.yaml")
 
 
 @functools.cache
 def load_rendezvous() -> dict[str, dict[str, Any]]:
     """The rendezvous store instance of each cloud (type and price)."""
-    data = load_yaml("rendezvous.yaml")
-    return {cloud: dict(data[cloud]) for cloud in CLOUDS}
+    return _per_cloud("rendezvous.yaml")
 
 
 @functools.cache
 def load_registry_prices() -> dict[str, dict[str, Any]]:
     """What the trainer image's registry costs per month on each cloud."""
-    data = load_yaml("registry_prices.yaml")
-    return {cloud: dict(data[cloud]) for cloud in CLOUDS}
+    return _per_cloud("registry_prices.yaml")
 
 
 @functools.cache
 def load_storage_prices() -> dict[str, dict[str, Any]]:
-    data = load_yaml("storage_prices.yaml")
-    return {cloud: dict(data[cloud]) for cloud in CLOUDS}
+    """Object storage, data disk and shared file system prices of each cloud."""
+    return _per_cloud("storage_prices.yaml")
 
 
 @functools.cache
 def load_interruptions() -> dict[str, Any]:
-    """Reclaim rates and notices per cloud (infra/data/interruptions.yaml; estimates)."""
-    data = load_yaml("interruptions.yaml")
-    if data.get("schemaVersion") != 1:
-        raise ValueError("infra/data/interruptions.yaml: schemaVersion 1 expected")
-    return dict(data)
+    """Reclaim rates and notices per cloud and market (infra/data/interruptions.yaml; estimates)."""
+    return load_yaml("interruptions.yaml")
 
 
 @dataclass(frozen=True)

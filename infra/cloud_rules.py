@@ -231,6 +231,17 @@ def _images(spec: StackSpec) -> Iterator[Problem]:
     for cloud, ref in t.prebuilt_images.items():
         if not DIGEST.search(ref):
             yield Problem(f"training.prebuiltImages.{cloud}", f"{ref!r} is not pinned by digest; append @sha256:<digest>")
+    for i, group in enumerate(spec.node_groups):
+        own = group.training.image if group.training else None
+        if not own:
+            continue
+        if not DIGEST.search(own):
+            yield Problem(f"nodeGroups[{i}].training.image", f"{own!r} is not pinned by digest; append @sha256:<digest> "
+                                                             "(`docker buildx imagetools inspect <image>` prints it)")
+        if group.cloud in t.prebuilt_images:
+            yield Problem(f"nodeGroups[{i}].training.image",
+                          f"training.prebuiltImages.{group.cloud} replaces every trainer image on {group.cloud}, so "
+                          "this one would never be built; drop one of the two")
     clouds_with_nodes = {g.cloud for g in spec.node_groups}
     for i, g in enumerate(spec.node_groups):
         net = spec.network(g.network)

@@ -1,6 +1,7 @@
-"""Checks of the training commands and images a stack gives its node groups (training.command,
-training.image, nodeGroups[].training): what a command needs that the stack does not provide is
-named before anything is created, not found by a crash loop on the nodes."""
+"""Checks of the training commands a stack gives its node groups (training.command,
+nodeGroups[].training.command): what a command needs that the stack does not provide is named
+before anything is created, not found by a crash loop on the nodes. (Images are checked with the
+stack's own in infra/cloud_rules.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from infra.groups import ResolvedGroup, resolve
 from infra.spec import StackSpec
 from training import contract as c
 
-DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 # A contract variable the stack may leave empty for a group, and the setting that fills it.
 FILLED_BY = {
@@ -51,20 +51,6 @@ def _command(spec: StackSpec, rg: ResolvedGroup) -> Iterator[Problem]:
                                              f"for this group; it needs {FILLED_BY.get(name, 'a value for it')}")
 
 
-def _images(spec: StackSpec) -> Iterator[Problem]:
-    for i, group in enumerate(spec.node_groups):
-        own = group.training.image if group.training else None
-        if not own:
-            continue
-        key = f"nodeGroups[{i}].training.image"
-        if not DIGEST.search(own):
-            yield Problem(key, f"{own!r} is not pinned by digest; append @sha256:<digest> "
-                               "(`docker buildx imagetools inspect <image>` prints it)")
-        if group.cloud in spec.training.prebuilt_images:
-            yield Problem(key, f"training.prebuiltImages.{group.cloud} replaces every trainer image on "
-                               f"{group.cloud}, so this one would never be built; drop one of the two")
-
-
 def _left_empty(spec: StackSpec, rg: ResolvedGroup, name: str) -> bool:
     if name == c.NODE_RANK.name:  # the Job's completion index
         return rg.kind != "kubernetes"
@@ -77,8 +63,7 @@ def _left_empty(spec: StackSpec, rg: ResolvedGroup, name: str) -> bool:
 
 def check(spec: StackSpec) -> list[Problem]:
     """The problems of a spec that is otherwise valid (its groups resolve)."""
-    stack = resolve(spec)
-    problems = list(_images(spec))
-    for rg in stack.groups:
+    problems: list[Problem] = []
+    for rg in resolve(spec).groups:
         problems += [p for p in _command(spec, rg) if p not in problems]
     return problems

@@ -35,23 +35,24 @@ def credentials_source(rg: ResolvedGroup) -> str:
     return "instance-role"
 
 
-def interruptions(rg: ResolvedGroup) -> tuple[float, float, str]:
+def interruptions(rg: ResolvedGroup) -> tuple[float, float]:
     """(mean seconds between interruptions of one run of the group, the reclaim notice in
-    seconds, where the figure comes from) for `checkpointEvery: auto`. A run on N nodes stops
-    when any of them goes: its MTBF is the node's divided by N."""
+    seconds) for `checkpointEvery: auto`: the group's observed reclaims, else the estimates in
+    infra/data/interruptions.yaml (spot: the type's AWS Spot Advisor band or the cloud's default
+    band; on-demand: host faults, no notice). A run on N nodes stops when any of them goes: its
+    MTBF is the node's divided by N."""
     data = cat.load_interruptions()
     cloud = data["clouds"][rg.cloud]
     market = rg.market
-    if market.observed_mtbf_hours:  # only spot reclaims come with a notice
-        hours, source = market.observed_mtbf_hours, "the group's observed reclaims"
-        notice = float(cloud["notice_s"]) if market.type == "spot" else 0.0
+    notice = float(cloud["notice_s"]) if market.type == "spot" else 0.0  # only spot reclaims are announced
+    if market.observed_mtbf_hours:
+        hours = market.observed_mtbf_hours
     elif market.type == "spot":
         band = data["types"].get(rg.primary.instance_type, cloud["spot_band"])
         hours = cat.HOURS_PER_MONTH / float(data["bands"][band])
-        notice, source = float(cloud["notice_s"]), f"spot band {band} (estimate, infra/data/interruptions.yaml)"
     else:
-        hours, notice, source = float(cloud["on_demand_mtbf_hours"]), 0.0, "on-demand host faults (estimate)"
-    return hours * 3600 / max(1, rg.max_nodes), notice, source
+        hours = float(cloud["on_demand_mtbf_hours"])
+    return hours * 3600 / max(1, rg.max_nodes), notice
 
 
 def dataset_url(spec: StackSpec, rg: ResolvedGroup) -> str:
@@ -64,13 +65,14 @@ def trainer_env(spec: StackSpec, rg: ResolvedGroup) -> dict[str, str]:
     """The trainer contract's values for one node group (training/contract.py names them)."""
     t = spec.training
     command = spec.command_of(rg.group)
+    mtbf_s, notice_s = interruptions(rg)
     env = {
         c.WORKLOAD: t.workload, c.TRAIN_STEPS: str(t.steps), c.TRAIN_MODULE: TRAIN_MODULE,
         c.TRAIN_COMMAND: c.encode_command(command) if command else "",
         c.DATA_DIR: VM_DATA_DIR, c.DATASET_URL: dataset_url(spec, rg),
         c.CHECKPOINT_URL: rg.checkpoint_url, c.CHECKPOINT_DIR: f"{SCRATCH}/checkpoints",
         c.CHECKPOINT_EVERY: str(t.checkpoint_every), c.KEEP_CHECKPOINTS: str(t.keep_checkpoints),
-        c.MTBF_S: f"{interruptions(rg)[0]:.0f}", c.NOTICE_S: f"{interruptions(rg)[1]:.0f}",
+        c.MTBF_S: f"{mtbf_s:.0f}", c.NOTICE_S: f"{notice_s:.0f}",
         c.LAUNCHER: t.launcher, c.NNODES: str(rg.max_nodes), c.MIN_NNODES: str(rg.min_nodes),
         c.NPROC_PER_NODE: str(rg.gpus), c.RDZV_ENDPOINT: rendezvous.endpoint_for(spec, rg),
         c.SHARED_DIR: shared.mount_path if (shared := spec.shared_fs_of(rg.group)) else "",

@@ -12,6 +12,7 @@ ResNet-50 on ImageNet becomes the tiny workload, which a CPU trains in seconds."
 
 from __future__ import annotations
 
+import base64
 import re
 import shutil
 import subprocess
@@ -50,9 +51,15 @@ def _spec(stack: str) -> StackSpec:
 def vm_env(stack: str, cloud: str, tmp: Path) -> dict[str, str]:
     """A VM node's /etc/gpu-training/node.env, from its user data as cloud-init writes it: the
     trainer container gets this file with `docker run --env-file` (gts-trainer.service)."""
+    return node_env_of(list(shipped(stack)), cloud, tmp)
+
+
+def node_env_of(resources: list[Registered], cloud: str, tmp: Path) -> dict[str, str]:
+    """The same for the registrations of any (edited) stack."""
     type_token, name = VM_NODES[cloud]
-    root = tmp / "node"
-    lay_down(user_data(type_token, name, ("userData",), stack=stack), root)
+    (node,) = [r for r in by_type(resources, type_token) if r.name == name]
+    root = tmp / f"node-{cloud}"
+    lay_down(base64.b64decode(node.inputs["userData"]), root)
     return node_env(root)
 
 

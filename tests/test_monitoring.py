@@ -155,3 +155,20 @@ def test_make_monitoring_writes_both_files_and_names_a_missing_stack(tmp_path: P
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "no stack file Pulumi.nope.yaml; stacks here: dev, prod" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_every_trainer_metric_a_rule_reads_is_one_the_trainer_exports(stack: str) -> None:
+    """The seam rules -> trainer: the gts_* series the rendered alert rules name (gts_spot_* come
+    from the spot watcher's textfile) are registered by the trainer's own Metrics, so an alert
+    such as the stale checkpoint under checkpointEvery: auto can fire at all."""
+    import re
+
+    from training.metrics import Metrics
+
+    rules = monitoring.render(load_stack_spec(stack))
+    used = {n for n in re.findall(r"\bgts_[a-z_]+", rules) if not n.startswith("gts_spot_")}
+    exported = {m.name for m in Metrics(0, 1.0, {"node": "0"}).registry.collect()}
+    assert used and used <= exported, used - exported
+    if stack == "dev":  # checkpointEvery: auto
+        assert "gts_checkpoint_interval_steps" in used

@@ -23,7 +23,7 @@ from infra.plan.invokes import COMPUTED
 from infra.validation import parse as parse_spec
 from tests.harness import ROOT, by_type, policy_hits, run_stack, spec_raw, stack_values
 from tests.nodes import lay_down, node_env
-from tests.test_contract import VM_NODES, container_env, job_containers
+from tests.test_contract import VM_NODES, container_env, job_containers, node_env_of
 
 NETS, GROUPS = "gpu-training-stack:networks", "gpu-training-stack:nodeGroups"
 TYPES = {"aws-train": "efs", "ali-train": "nas", "tc-train": "cfs"}
@@ -48,13 +48,6 @@ def one(resources: list[Registered], type_token: str, name: str | None = None) -
     found = [r for r in by_type(resources, type_token) if name is None or r.name == name]
     assert len(found) == 1, [r.name for r in by_type(resources, type_token)]
     return found[0]
-
-
-def vm_env(resources: list[Registered], cloud: str, tmp: Path) -> dict[str, str]:
-    type_token, name = VM_NODES[cloud]
-    root = tmp / f"node-{cloud}"
-    lay_down(base64.b64decode(one(resources, type_token, name).inputs["userData"]), root)
-    return node_env(root)
 
 
 # ------------------------------------------------------------------ what each cloud creates
@@ -152,7 +145,7 @@ def env_file(env: dict[str, str], shared_dir: Path) -> str:
 
 @pytest.mark.parametrize("cloud", sorted(VM_NODES))
 def test_a_vm_node_mounts_what_the_plan_created(dev_shared: list[Registered], cloud: str, tmp_path: Path) -> None:
-    env = vm_env(dev_shared, cloud, tmp_path)
+    env = node_env_of(dev_shared, cloud, tmp_path)
     shared_dir = tmp_path / "shared"
     box = sandbox(tmp_path / "box", env_file(env, shared_dir))
     proc = subprocess.run(["bash", str(ROOT / "cloudinit/scripts/gts-shared.sh")], env=box, capture_output=True,
@@ -174,7 +167,7 @@ def test_a_vm_node_mounts_what_the_plan_created(dev_shared: list[Registered], cl
 
 
 def test_a_file_system_that_never_answers_fails_the_unit(dev_shared: list[Registered], tmp_path: Path) -> None:
-    env = vm_env(dev_shared, "aws", tmp_path)
+    env = node_env_of(dev_shared, "aws", tmp_path)
     box = sandbox(tmp_path / "box", env_file(env, tmp_path / "shared"))
     (tmp_path / "box/unreachable").touch()
     proc = subprocess.run(["bash", str(ROOT / "cloudinit/scripts/gts-shared.sh")], env=box, capture_output=True,
@@ -202,7 +195,7 @@ def _trainer_command(env: dict[str, str], tmp: Path) -> list[str]:
 
 def test_the_trainer_container_sees_the_shared_directory_only_where_mounted(dev_shared: list[Registered],
                                                                              tmp_path: Path) -> None:
-    env = vm_env(dev_shared, "aws", tmp_path)
+    env = node_env_of(dev_shared, "aws", tmp_path)
     args = _trainer_command(env, tmp_path)
     assert "/shared:/shared" in args and args[args.index("/shared:/shared") - 1] == "-v"
     plain = _trainer_command({**env, "GTS_SHARED_DIR": ""}, tmp_path)
@@ -278,3 +271,37 @@ def test_make_userdata_shows_a_placeholder_address(tmp_path: Path) -> None:
     lay_down(base64.b64decode(text) if not text.startswith("#") else text.encode(), root)
     assert node_env(root)["GTS_SHARED_SOURCE"].endswith("-example.amazonaws.com:/")
     assert os.path.exists(root / "etc/gpu-training/node.env")
+
+
+def test_lustre_takes_what_fsx_accepts_and_a_key_of_its_own_region(tmp_path: Path) -> None:
+    """aws.fsx.LustreFileSystem (pulumi_aws fsx/lustre_file_system.py; provider_checks.yaml):
+    one subnet given as a string, PERSISTENT_2 (the default is SCRATCH_1), a throughput tier it
+    lists, Lustre ports from the stack and among the servers; the stack's KMS key is regional, so a
+    network in another region gets none (FSx then uses its AWS-managed key)."""
+    def edit(values: dict[str, Any]) -> None:
+        for net in values[NETS]:
+            if net["name"] == "aws-train-west":
+                net["sharedFs"] = {"type": "fsx-lustre", "sizeGb": 2400, "throughputPerTib": 250}
+    resources = run_stack("prod", edit, tmp_path)
+    lustre = one(resources, "aws:fsx/lustreFileSystem:LustreFileSystem")
+    inputs = lustre.inputs
+    assert isinstance(inputs["subnetIds"], str) and inputs["deploymentType"] == "PERSISTENT_2"
+    assert inputs["storageCapacity"] == 2400 and inputs["perUnitStorageThroughput"] == 250
+    assert inputs["fileSystemTypeVersion"] == "2.15" and "kmsKeyId" not in inputs
+    west = next(n for n in stack_values("prod")[NETS] if n["name"] == "aws-train-west")
+    assert west.get("region") not in (None, stack_values("prod")["gpu-training-stack:clouds"]["aws"]["region"])
+    rules = [r.inputs for r in by_type(resources, "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule")
+             if r.name.startswith("aws-train-west-shared")]
+    ports = {(r["fromPort"], r["toPort"]) for r in rules}
+    assert ports == {(988, 988), (1018, 1023)}
+    assert {r["cidrIpv4"] for r in rules if "cidrIpv4" in r} >= {west["cidr"]}
+    assert [r for r in rules if "referencedSecurityGroupId" in r], "the servers reach each other"
+    efs = one(resources, "aws:efs/fileSystem:FileSystem")  # prod's EFS is in the key's region
+    assert efs.inputs["kmsKeyId"]
+
+
+def test_a_nas_permission_group_name_is_unique_per_stack(dev_shared: list[Registered]) -> None:
+    """The group's name is its identity in the region (nas/access_group.py): two stacks with a
+    network of the same name must not collide."""
+    name = one(dev_shared, "alicloud:nas/accessGroup:AccessGroup").inputs["accessGroupName"]
+    assert name.startswith("gts-dev-") and name.endswith("-ali-train") and name != "ali-train-shared"

@@ -6,7 +6,6 @@ alike and checked before anything is created."""
 
 from __future__ import annotations
 
-import base64
 import os
 import shutil
 import signal
@@ -20,8 +19,7 @@ from infra.errors import SpecError
 from infra.plan.engine import Registered
 from infra.validation import parse as parse_spec
 from tests.harness import ROOT, by_type, run_stack, spec_raw, stack_values
-from tests.nodes import lay_down, node_env
-from tests.test_contract import JOBS, VM_NODES, container_env, job_containers
+from tests.test_contract import JOBS, VM_NODES, container_env, job_containers, node_env_of
 from tests.training_helpers import BIN, LAUNCH_TIMEOUT, MotoServer, Run, free_port, storage_env
 from training import contract
 
@@ -94,15 +92,6 @@ def with_command(command: list[str], launcher: str = "accelerate", every: int = 
     return edit
 
 
-def vm_node_env(resources: list[Registered], cloud: str, tmp: Path) -> dict[str, str]:
-    """A VM node's /etc/gpu-training/node.env as cloud-init (or the pool's script) writes it."""
-    type_token, name = VM_NODES[cloud]
-    node = next(r for r in by_type(resources, type_token) if r.name == name)
-    root = tmp / f"node-{cloud}"
-    lay_down(base64.b64decode(node.inputs["userData"]), root)
-    return node_env(root)
-
-
 def job_trainer(resources: list[Registered], cloud: str) -> dict[str, Any]:
     job = next(r for r in resources if r.name == JOBS[cloud])
     return job_containers(job)["trainer"]
@@ -116,7 +105,7 @@ def bert_stack(tmp_path_factory: pytest.TempPathFactory) -> list[Registered]:
 @pytest.mark.parametrize("cloud", sorted(VM_NODES))
 def test_a_user_command_reaches_the_vm_service_and_the_job_alike(bert_stack: list[Registered], cloud: str,
                                                                   tmp_path: Path) -> None:
-    vm, job = vm_node_env(bert_stack, cloud, tmp_path), container_env(job_trainer(bert_stack, cloud))
+    vm, job = node_env_of(bert_stack, cloud, tmp_path), container_env(job_trainer(bert_stack, cloud))
     assert vm[contract.TRAIN_COMMAND.name] == job[contract.TRAIN_COMMAND.name]
     assert contract.decode_command(vm[contract.TRAIN_COMMAND.name]) == BERT
     assert vm[contract.LAUNCHER.name] == job[contract.LAUNCHER.name] == "accelerate"
@@ -129,7 +118,7 @@ def test_the_bert_finetuning_resumes_from_the_bucket_with_the_same_loss(bert_sta
     """The aws VM node's env, as its user data writes it, run through the image's entrypoint with
     two CPU processes under accelerate; SIGTERM mid-run; the node is then lost (its disk with
     it) and a new one resumes from the S3 server."""
-    plan_env = vm_node_env(bert_stack, "aws", tmp_path)
+    plan_env = node_env_of(bert_stack, "aws", tmp_path)
     server = MotoServer(bucket=plan_env["CHECKPOINT_URL"].split("/")[2])
     try:
         def node(scratch: str, url: str) -> dict[str, str]:
@@ -203,7 +192,7 @@ def test_a_group_gets_its_own_image_and_command(tmp_path: Path) -> None:
              if "aws" in r.name}
     assert len(built) == 2 and base in built, "one more trainer image on AWS, built on the group's base"
     trainer = job_trainer(resources, "aws")
-    vm = vm_node_env(resources, "aws", tmp_path)
+    vm = node_env_of(resources, "aws", tmp_path)
     assert contract.decode_command(container_env(trainer)[contract.TRAIN_COMMAND.name]) == own
     assert vm[contract.TRAIN_COMMAND.name] == ""
     assert trainer["image"] != vm["GTS_IMAGE"]
@@ -221,3 +210,19 @@ def test_the_library_follows_checkpoint_every_auto(tmp_path: Path) -> None:
     assert "Daly (FGCS 2006)" in line and "M=2 s" in line
     assert len(list((tmp_path / "ck").glob("step-*"))) == 3  # keep-K of the many it took
     assert (tmp_path / "ck" / "step-00000200").is_dir()
+
+
+def test_the_library_reads_the_interval_a_dev_node_is_given(tmp_path: Path) -> None:
+    """The seam plan -> node env -> library: dev's AWS VM node env, decoded from its user data
+    (checkpointEvery: auto, MTBF_S and NOTICE_S from infra/data/interruptions.yaml), given to a
+    loop that uses only the library; only the bucket (out of reach here) and scratch are replaced."""
+    from tests.test_contract import vm_env
+
+    env = vm_env("dev", "aws", tmp_path)
+    assert env[contract.CHECKPOINT_EVERY.name] == "auto"
+    node = {**env, contract.CHECKPOINT_URL.name: "", contract.CHECKPOINT_DIR.name: str(tmp_path / "scratch")}
+    run = start([str(BIN / "python"), str(EXAMPLE), "--steps", "40"], node, tmp_path)
+    assert run.finish() == 0, run.output[-3000:]
+    line = run.wait_for(r"checkpoint interval: every \d+ steps")
+    assert f"M={env[contract.MTBF_S.name]} s" in line
+    assert f"a {env[contract.NOTICE_S.name]} s notice covers a durable checkpoint" in line

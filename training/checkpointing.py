@@ -164,18 +164,22 @@ def _setting(value: Any, var: contract.Var, default: Any) -> Any:
 
 
 class Interval:
-    """When to checkpoint: every N steps, or `auto` (CHECKPOINT_EVERY=auto: Daly's interval from
-    the measured checkpoint cost and step time, MTBF_S and NOTICE_S; training/goodput.py). The
-    ranks agree on it through the per-step collective: rank 0 decides."""
+    """When to checkpoint, the same in our trainer, the library and the Hugging Face callback:
+    every N steps, or `auto` (CHECKPOINT_EVERY=auto: Daly's interval from the measured
+    loop-blocked time, step time and time until a checkpoint is in the bucket, and MTBF_S /
+    NOTICE_S; training/goodput.py). Rank 0 decides; the caller combines the flag across ranks
+    in its per-step collective. `status` is the manager's on_status callback."""
 
-    def __init__(self, every: int | str | None, comm: Comm):
+    def __init__(self, every: int | str | None, comm: Comm, mtbf_s: float | None = None,
+                 notice_s: float | None = None):
         raw = every if every is not None else (os.environ.get(contract.CHECKPOINT_EVERY.name) or 500)
         self.comm = comm
         self.auto: AutoInterval | None = None
         self.every = 0
-        self.last_step_at = time.perf_counter()
+        self.last_step_at: float | None = None
+        self.started: dict[int, float] = {}  # step -> when its save began
         if str(raw) == "auto":
-            self.auto = AutoInterval(_setting(None, contract.MTBF_S, 0.0), _setting(None, contract.NOTICE_S, 0.0),
+            self.auto = AutoInterval(_setting(mtbf_s, contract.MTBF_S, 0.0), _setting(notice_s, contract.NOTICE_S, 0.0),
                                      log.info)
         else:
             try:
@@ -185,19 +189,49 @@ class Interval:
             if self.every <= 0:
                 raise ValueError(f"checkpoint interval {self.every}: must be a positive number of steps")
 
+    @property
+    def steps(self) -> int | None:
+        """Steps between checkpoints now (None until auto has measured a step)."""
+        return self.every if self.auto is None else self.auto.steps
+
     def due(self, step: int, last_saved: int) -> bool:
-        """This rank's view: the caller combines it across ranks."""
-        now = time.perf_counter()
+        """This rank's view after optimizer step `step` (wall time between calls is the step time)."""
         if self.auto is None:
             return step % self.every == 0
-        self.auto.observe_step(now - self.last_step_at)
+        now = time.perf_counter()
+        if self.last_step_at is not None:
+            self.auto.observe_step(now - self.last_step_at)
         self.last_step_at = now
         return self.comm.rank == 0 and self.auto.due(step - max(last_saved, 0))
+
+    def saving(self, step: int) -> None:
+        self.started[step] = time.time()
 
     def saved(self, blocked_s: float) -> None:
         if self.auto is not None:
             self.auto.observe_checkpoint(blocked_s)
-            self.last_step_at = time.perf_counter()  # the checkpoint is not a step
+            self.last_step_at = None  # the checkpoint is not a step
+
+    def status(self, status: UploadStatus) -> None:
+        """The manager's report: the newest upload tells how long a checkpoint takes to be durable."""
+        if self.auto is not None and status.uploaded and status.uploaded[-1] in self.started:
+            self.auto.observe_durable(status.last_success - self.started.pop(status.uploaded[-1]))
+
+
+def finish(manager: CheckpointManager, comm: Comm, raised: str | None, stopped: bool, deadline: float) -> int:
+    """Wait for the uploads (up to `deadline` s) and return the process's exit code: 0, 1 when
+    the stop's own checkpoint could not be written, 75 on the nodes of a multi-node run that
+    stopped because another node was told to."""
+    status = manager.close(timeout=deadline)
+    if status.pending and comm.rank == 0:
+        log.error("%d checkpoint(s) not uploaded yet; kept on local disk", len(status.pending))
+    if not stopped:
+        return 0
+    if status.write_error:
+        log.error("the emergency checkpoint could not be written (%s); a restart resumes from the newest "
+                  "committed one", status.write_error)
+        return 1
+    return exit_code(comm, raised)
 
 
 def open_manager(comm: Comm, url: str | None, local_dir: str | None, keep: int | None,
@@ -224,7 +258,7 @@ class Checkpointer:
         self.state = state
         self.extra: dict[str, Any] = {}
         self.deadline = upload_deadline_s
-        self.manager = open_manager(self.comm, url, local_dir, keep)
+        self.manager = open_manager(self.comm, url, local_dir, keep, on_status=self.interval.status)
         self.last_saved = -1
         self.stopped: str | None = None
         self.exit_code = 0  # set when the `with` block ends (close())
@@ -274,6 +308,7 @@ class Checkpointer:
         if self.comm.local_rank == 0:
             payload = {"state": {name: obj.state_dict() for name, obj in self.state.items()}, "extra": extra,
                        "step": step, "world_size": self.comm.world}
+        self.interval.saving(step)
         blocked = self.manager.save(step, payload, rng_state(), self.comm.barrier)
         self.interval.saved(blocked)
         self.last_saved = step
@@ -281,12 +316,8 @@ class Checkpointer:
         return blocked
 
     def close(self) -> int:
-        """Wait for the uploads (up to the deadline) and return the process's exit code: 0, or
-        75 on the nodes of a multi-node run that stopped because another node was told to."""
-        status = self.manager.close(timeout=self.deadline)
-        if status.pending and self.comm.rank == 0:
-            log.error("%d checkpoint(s) not uploaded yet; kept on local disk", len(status.pending))
-        return exit_code(self.comm, self.stop.raised) if self.stopped else 0
+        """Wait for the uploads (up to the deadline) and return the process's exit code (finish)."""
+        return finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -156,7 +156,7 @@ class AutoInterval:
         if self.delta is None and steps * self.step_s > self.FIRST_CHECKPOINT_S:
             steps, first = max(1, round(self.FIRST_CHECKPOINT_S / max(self.step_s, 1e-6))), "; the first one early, to measure δ"
         if self.steps is None or abs(steps - self.steps) > 0.1 * self.steps:
-            interval = "never" if math.isinf(found.interval_s) else f"~{found.interval_s:.0f} s"
+            interval = "never" if math.isinf(found.interval_s) else f"~{found.interval_s:.{0 if found.interval_s >= 10 else 1}f} s"
             self.log(f"checkpoint interval: every {steps} steps ({interval} at {self.step_s:.3f} s/step; "
                      f"expected goodput {found.goodput:.1%}): {found.why}; M {self.source}{first}")
         self.steps = steps

@@ -27,7 +27,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from training.checkpointing import Interval, StopFlag, choose_checkpoint, exit_code, open_manager
+from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, open_manager
 from training.distributed import Comm
 
 log = logging.getLogger("gts.hf")
@@ -42,7 +42,7 @@ class SpotCheckpointCallback(TrainerCallback):
         self.interval = Interval(every, self.comm)  # N steps, or auto (CHECKPOINT_EVERY=auto)
         self.last_saved = 0
         self.stop = StopFlag()
-        self.manager = open_manager(self.comm, url, local_dir, keep)
+        self.manager = open_manager(self.comm, url, local_dir, keep, on_status=self.interval.status)
         self.deadline = upload_deadline_s
         self.stopped: str | None = None
         self.resumed_step = 0
@@ -90,6 +90,7 @@ class SpotCheckpointCallback(TrainerCallback):
                 **kwargs: Any) -> TrainerControl:
         folder = Path(args.output_dir or ".") / f"checkpoint-{state.global_step}"
         self.comm.barrier()  # every process has written its part (the RNG files are per process)
+        self.interval.saving(state.global_step)
         blocked = self.manager.save_folder(state.global_step, folder, self.comm.barrier)
         self.interval.saved(blocked)
         self.last_saved = state.global_step
@@ -100,9 +101,5 @@ class SpotCheckpointCallback(TrainerCallback):
         return control
 
     def close(self) -> int:
-        """Wait for the uploads and return the exit code (0; 75 on the nodes of a multi-node run
-        that stopped because another node was told to)."""
-        status = self.manager.close(timeout=self.deadline)
-        if status.pending and self.comm.rank == 0:
-            log.error("%d checkpoint(s) not uploaded yet; kept on local disk", len(status.pending))
-        return exit_code(self.comm, self.stop.raised) if self.stopped else 0
+        """Wait for the uploads and return the exit code (training.checkpointing.finish)."""
+        return finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline)

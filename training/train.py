@@ -30,10 +30,9 @@ from torch.utils.data import DataLoader
 
 from training import config as config_mod
 from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadStatus
-from training.checkpointing import StopFlag, choose_checkpoint, exit_code, rng_state, set_rng_state
+from training.checkpointing import Interval, StopFlag, choose_checkpoint, exit_code, rng_state, set_rng_state
 from training.data import ImageFolder, ResumableSampler, SyntheticClassification, derived_seed
 from training.distributed import Comm
-from training.goodput import AutoInterval
 from training.metrics import Metrics
 from training.models import ResNet50, TinyNet
 from training.tracking import Tracker
@@ -106,8 +105,7 @@ class Run:
                                 "cloud": os.environ.get("GTS_CLOUD", ""), "group": os.environ.get("GTS_NODE_GROUP", "")})
         self.step, self.epoch, self.offset, self.run_id = 0, 0, 0, None
         self.last_saved, self.last_loss = 0, float("nan")
-        self.auto = AutoInterval(cfg.mtbf_s, cfg.notice_s, log.info) if cfg.checkpoint_every == "auto" else None
-        self.save_started: dict[int, float] = {}  # step -> when its save began (durable time for auto)
+        self.interval = Interval(cfg.checkpoint_every, comm, cfg.mtbf_s, cfg.notice_s)
 
     def open_checkpoints(self) -> CheckpointManager | None:
         """The run's checkpoint manager, or None on every rank when another trainer holds the run."""
@@ -130,8 +128,7 @@ class Run:
             self.metrics.upload_time.set(status.last_success)
         if status.last_commit:  # the commit, not the copy: the stale-checkpoint alert reads it
             self.metrics.checkpoint_time.set(status.last_commit)
-        if self.auto is not None and status.uploaded and status.uploaded[-1] in self.save_started:
-            self.auto.observe_durable(status.last_success - self.save_started.pop(status.uploaded[-1]))
+        self.interval.status(status)
 
     def resume(self, ckpt: CheckpointManager) -> str | None:
         """Restore the newest usable checkpoint. Returns why the run must not go on (already
@@ -175,24 +172,20 @@ class Run:
                      "scaler": self.scaler.state_dict() if self.use_scaler else None,
                      "step": self.step, "epoch": self.epoch, "offset": self.offset, "mlflow_run_id": tracker.run_id,
                      "config": config_mod.as_dict(self.cfg), "world_size": self.comm.world}
-        self.save_started[self.step] = time.time()
+        self.interval.saving(self.step)
         blocked = ckpt.save(self.step, state, rng_state(), self.comm.barrier)
         self.last_saved = self.step
-        if self.auto is not None:
-            self.auto.observe_checkpoint(blocked)
+        self.interval.saved(blocked)
         self.metrics.checkpoint_seconds.set(blocked)
         if self.comm.rank == 0:
             log.info("checkpoint step %d: loop blocked %.3f s", self.step, blocked)
 
     def checkpoint_due(self) -> bool:
-        """Every --checkpoint-every steps, or with auto when rank 0's planner says so (the
-        ranks combine the flag, so they all save at the same step)."""
-        if self.auto is None:
-            self.metrics.checkpoint_interval.set(int(self.cfg.checkpoint_every))
-            return self.step % int(self.cfg.checkpoint_every) == 0
-        due = self.comm.rank == 0 and self.auto.due(self.step - self.last_saved)
-        if self.auto.steps is not None:
-            self.metrics.checkpoint_interval.set(self.auto.steps)
+        """Every --checkpoint-every steps, or with auto when rank 0's planner says so (the ranks
+        combine the flag, so they all save at the same step)."""
+        due = self.interval.due(self.step, self.last_saved)
+        if self.interval.steps is not None:
+            self.metrics.checkpoint_interval.set(self.interval.steps)
         return due
 
     def train_step(self, ddp_model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> None:
@@ -213,8 +206,6 @@ class Run:
         self.step, self.offset = self.step + 1, self.offset + 1
         self.last_loss = comm.mean(loss)
         elapsed = time.perf_counter() - started
-        if self.auto is not None:
-            self.auto.observe_step(elapsed)
         self.metrics.step.set(self.step)
         self.metrics.loss.set(self.last_loss)
         self.metrics.step_seconds.set(elapsed)

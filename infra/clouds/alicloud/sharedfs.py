@@ -48,6 +48,7 @@ class AlicloudSharedFs(pulumi.ComponentResource):
                                          access_group_type="Vpc", file_system_type="standard",
                                          description="gpu-training-stack: the stack's networks only", opts=child)
         # no_squash: the node hands the file system's root to the trainer's uid (gts-shared.sh).
+        # One priority for all: every rule grants the same, so which of them matches does not matter.
         rules = [alicloud.nas.AccessRule(f"{name}-rule-{i}", access_group_name=group.access_group_name,
                                          source_cidr_ip=cidr, rw_access_type="RDWR", user_access_type="no_squash",
                                          priority=1, file_system_type="standard", opts=child)

@@ -60,9 +60,12 @@ class AwsSharedFs(pulumi.ComponentResource):
                                                  referenced_security_group_id=sg, ip_protocol="tcp", from_port=low,
                                                  to_port=high, description="Lustre among the file servers",
                                                  tags=args.tags, opts=child)
+        # A security group made by the provider has no egress rule (pulumi_aws ec2/security_group.py,
+        # "NOTE on Egress rules": it removes AWS's default allow-all); replies need none (stateful), but
+        # FSx for Lustre's servers connect to each other: outbound within the network only.
         aws.vpc.SecurityGroupEgressRule(f"{name}-shared-egress", security_group_id=sg, cidr_ipv4=args.allowed_cidrs[0],
-                                        ip_protocol="-1", description="replies within the network", tags=args.tags,
-                                        opts=child)
+                                        ip_protocol="-1", description="file servers among themselves, in the network",
+                                        tags=args.tags, opts=child)
         self.outputs = self._efs(name, args, tags, child) if fs.type == "efs" else self._lustre(name, args, tags, child)
         self.register_outputs({"source": self.outputs.source})
 

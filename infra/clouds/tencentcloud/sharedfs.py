@@ -42,6 +42,8 @@ class TencentSharedFs(pulumi.ComponentResource):
         group = tencentcloud.cfs.AccessGroup(f"{name}-access", name=f"{name}-shared",
                                              description="gpu-training-stack: the stack's networks only", opts=child)
         # no_root_squash: the node hands the file system's root to the trainer's uid (gts-shared.sh).
+        # Distinct priorities: among overlapping rules of one priority CFS applies one at random
+        # (qcloud-documents 权限组); distinct ones keep the match defined, though every rule grants the same.
         rules = [tencentcloud.cfs.AccessRule(f"{name}-rule-{i}", access_group_id=group.id, auth_client_ip=cidr,
                                              priority=i + 1, rw_permission="RW", user_permission="no_root_squash",
                                              opts=child)
