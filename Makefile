@@ -16,7 +16,7 @@ CKPT_EVERY ?= 50
 CKPT_DIR   ?= out/checkpoints
 THROTTLE_MS ?= 50
 
-.PHONY: plan diff policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench test typecheck unit tools venv clean
+.PHONY: plan diff teams policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -41,6 +41,10 @@ plan: $(RUNTIME_STAMP)
 BASE ?= HEAD
 diff: $(RUNTIME_STAMP)
 	@$(PY) -m infra.cli.diff --base $(BASE) --stack $(or $(filter-out dev,$(STACK)),$(if $(filter command line,$(origin STACK)),$(STACK),all)) --format $(if $(filter json,$(FORMAT)),json,md)
+
+## teams: the team registry (teams.yaml): regenerates the isolated teams' stacks, then each team's resources, cost, GPU quota used/granted and violations, and the org's totals (TEAM=<name>, FORMAT=table|json)
+teams: $(RUNTIME_STAMP)
+	@$(PY) -m infra.teams.report $(if $(TEAM),--team $(TEAM)) --format $(FORMAT)
 
 ## policy-config: the policy pack's config for a real preview of STACK (prints its path: --policy-pack-config $$(make -s policy-config STACK=prod))
 policy-config: $(RUNTIME_STAMP)

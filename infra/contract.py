@@ -81,6 +81,6 @@ def trainer_env(spec: StackSpec, rg: ResolvedGroup) -> dict[str, str]:
         c.STORAGE_ENDPOINT_URL: endpoint(rg.cloud, rg.bucket.region, rg.region),
         c.STORAGE_REGION: rg.bucket.region, c.STORAGE_ADDRESSING_STYLE: "virtual",
         c.STORAGE_CREDENTIALS: credentials_source(rg), c.AWS_REGION: rg.region if rg.cloud == "aws" else "",
-        c.GTS_CLOUD: rg.cloud, c.GTS_NODE_GROUP: rg.name,
+        c.GTS_CLOUD: rg.cloud, c.GTS_NODE_GROUP: rg.name, c.GTS_TEAM: spec.team_name,
     }
     return {var.name: value for var, value in env.items()}

@@ -21,7 +21,11 @@ LABEL_NODE_GROUP = "gpu-training-stack/node-group"
 LABEL_GPU_MODEL = "gpu-training-stack/gpu-model"
 LABEL_WORKLOAD = "gpu-training-stack/workload"
 LABEL_POOL = "gpu-training-stack/pool"  # "system" on each cluster's untainted add-on pool
-GROUP_LABELS = (LABEL_NODE_GROUP, LABEL_GPU_MODEL, LABEL_WORKLOAD)
+# spot | on-demand: how the pool's nodes are bought (a Kueue ResourceFlavor selects on it and the
+# GPU model). EKS and TKE buy a spot group's on-demand base as a pool of its own; an ACK pool
+# mixes both in one pool and is labelled by its group's market (its base counts as spot).
+LABEL_CAPACITY = "gpu-training-stack/capacity"
+GROUP_LABELS = (LABEL_NODE_GROUP, LABEL_GPU_MODEL, LABEL_WORKLOAD, LABEL_CAPACITY)
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,8 @@ class ResolvedGroup:
 
     def labels(self) -> dict[str, str]:
         """Kubernetes node labels of the group's pools; Jobs select on the first."""
-        return dict(zip(GROUP_LABELS, (self.name, self.primary.gpu_model, self.workload)))
+        market = "spot" if self.spot else "on-demand"
+        return dict(zip(GROUP_LABELS, (self.name, self.primary.gpu_model, self.workload, market)))
 
 
 def schedule_bounds(group: NodeGroup, action: ScheduleAction) -> tuple[int, int]:

@@ -75,7 +75,37 @@ def rules(spec: StackSpec) -> dict[str, Any]:
               "an emergency checkpoint"),
     ]
     return {"groups": [{"name": f"gts-{env}-cost", "rules": cost},
-                       {"name": f"gts-{env}-work-at-risk", "rules": work}]}
+                       {"name": f"gts-{env}-work-at-risk", "rules": work},
+                       {"name": f"gts-{env}-showback", "rules": showback(spec)}]}
+
+
+TEAM_NODE_SPEND = "gts:team_node_spend_usd_per_month"
+TEAM_QUEUE_SPEND = "gts:team_queue_spend_usd_per_month"
+QUEUE_GPU_SPEND = "gts:queue_gpu_spend_usd_per_hour"
+
+
+def showback(spec: StackSpec) -> list[dict[str, Any]]:
+    """Spend per team: what the running nodes report, by the team label every trainer exports
+    (GTS_TEAM); and on shared clusters (kubernetes.queues) the GPUs Kueue has admitted for each
+    team's ClusterQueue (team-<name>), priced per flavor at its GPU-hour."""
+    out: list[dict[str, Any]] = [{"record": TEAM_NODE_SPEND,
+                                  "expr": f"sum by (team) (gts_node_hourly_usd) * {cat.HOURS_PER_MONTH:g}"}]
+    if not spec.kubernetes.queues:
+        return out
+    from infra.groups import resolve
+    from infra.teams.queues import flavors
+
+    stack = resolve(spec)
+    for cloud in spec.clouds:
+        for name, flavor in sorted(flavors(stack, cloud).items()):
+            usage = ('kueue_cluster_queue_resource_usage{resource="nvidia.com/gpu",'
+                     f'flavor="{name}",replica_role="leader"}}')
+            out.append({"record": QUEUE_GPU_SPEND,
+                        "expr": f"sum by (cluster_queue, flavor) ({usage}) * {flavor.gpu_hourly_usd:g}"})
+    out.append({"record": TEAM_QUEUE_SPEND,
+                "expr": f'sum by (team) (label_replace({QUEUE_GPU_SPEND}, "team", "$1", "cluster_queue", "team-(.+)"))'
+                        f" * {cat.HOURS_PER_MONTH:g}"})
+    return out
 
 
 def render(spec: StackSpec) -> str:
@@ -89,6 +119,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Spending pace of running GPU nodes (USD a month)", "currencyUSD",
      [(SPEND_PACE, "all nodes"),
       (f"sum by (cloud) (gts_node_hourly_usd) * {cat.HOURS_PER_MONTH:g}", "{{cloud}}")]),
+    ("Spending pace by team (USD a month)", "currencyUSD",
+     [(TEAM_NODE_SPEND, "{{team}} nodes"), (TEAM_QUEUE_SPEND, "{{team}} queued on shared clusters")]),
     ("Running nodes by group", "short", [("count by (cloud, group) (gts_node_hourly_usd)", "{{cloud}}/{{group}}")]),
     ("Cost since start by group (USD)", "currencyUSD",
      [("sum by (cloud, group) (gts_node_cost_usd)", "{{cloud}}/{{group}}")]),

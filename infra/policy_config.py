@@ -17,18 +17,25 @@ from infra.stackfile import project_root
 from policies.gts_policy.rules import RULES
 
 
-def base_config(stack_name: str, env: str) -> dict[str, Any]:
+def base_config(stack_name: str, env: str, fallback: str | None = None) -> dict[str, Any]:
+    """policies/<stack>.json, else <env>.json, else (a team stack) the file its registry names."""
     folder = project_root() / "policies"
-    path = next((p for p in (folder / f"{stack_name}.json", folder / f"{env}.json") if p.exists()), None)
+    names = (stack_name, env, *((fallback,) if fallback else ()))
+    path = next((p for p in (folder / f"{n}.json" for n in names) if p.exists()), None)
     return json.loads(path.read_text(encoding="utf-8")) if path else {}
 
 
 def for_stack(stack_name: str, stack: Stack) -> dict[str, Any]:
     spec = stack.spec
     planned = stack_cost(stack)["monthly_usd"]
-    derived = {"cnyPerUsd": spec.pricing.cny_per_usd, "budgetMonthlyUsd": spec.budget.monthly_limit_usd,
-               "thresholdsPercent": list(spec.budget.thresholds_percent), "plannedMonthlyUsd": planned}
-    out: dict[str, Any] = dict(base_config(stack_name, spec.env))
+    derived: dict[str, Any] = {
+        "cnyPerUsd": spec.pricing.cny_per_usd, "budgetMonthlyUsd": spec.budget.monthly_limit_usd,
+        "thresholdsPercent": list(spec.budget.thresholds_percent), "plannedMonthlyUsd": planned}
+    team = spec.team
+    if team is not None:  # the registry's quota and markets (teams.yaml, through `make teams`)
+        derived |= {"team": team.name, "gpuQuota": {c: dict(q) for c, q in team.gpus.items()},
+                    "spotOnly": team.spot_only, "onDemandBaseMax": team.on_demand_base_max}
+    out: dict[str, Any] = dict(base_config(stack_name, spec.env, team.policies if team else None))
     for rule in RULES:
         wanted = {k: v for k, v in derived.items() if k in rule.schema}
         if not wanted:

@@ -27,7 +27,7 @@ PATTERN_HELP = {
 }
 
 # The top-level Pulumi config keys (namespace gpu-training-stack), in the order documented.
-CONFIG_KEYS = ("env", "protectStateful", "tags", "clouds", "networks", "peerings", "nodeGroups", "kubernetes", "storage",
+CONFIG_KEYS = ("env", "protectStateful", "team", "tags", "clouds", "networks", "peerings", "nodeGroups", "kubernetes", "storage",
                "training", "budget", "pricing")
 REQUIRED_TAGS = ("owner", "cost-center", "env")
 
@@ -202,11 +202,37 @@ class NodeGroup(SpecModel):
 
 
 class KubernetesAccess(SpecModel):
-    """How the managed clusters' API servers are reached by whoever runs `pulumi up`."""
+    """How the managed clusters' API servers are reached by whoever runs `pulumi up`, and whether
+    they are shared by the teams of a registry."""
 
     api_access_cidrs: list[IPv4Network] = Field(
         default_factory=list,
         description="Public API endpoint open only to these CIDRs (operators, CI runners); empty = private only.")
+    queues: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9._/-]+\.ya?ml$",
+        description="A team registry (teams.yaml, relative to the project): the clusters become shared ones — Kueue, "
+                    "a ResourceFlavor per GPU model and market, a ClusterQueue with each shared team's GPU quota, "
+                    "and a namespace, LocalQueue and RBAC per team; this stack's own Jobs queue too.")
+
+
+GpuQuota = dict[Cloud, dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9]+$")], Annotated[int, Field(ge=0)]]]
+
+
+def quota_of(gpus: GpuQuota, cloud: str) -> dict[str, int]:
+    """GPU model -> GPUs of one cloud in a quota (empty where the cloud has none)."""
+    return dict(gpus.get(cloud, {}))  # type: ignore[call-overload]  # a str that may not be a Cloud
+
+
+class TeamLimits(SpecModel):
+    """What a team stack may use, from the team registry (written by `make teams`): the policy
+    pack holds the stack to it, and the plan and `make teams` report against it."""
+
+    name: Name = Field(description="The team (teams.yaml).")
+    policies: Name = Field(description="The policy-pack settings the team stack starts from: policies/<this>.json.")
+    regions: dict[Cloud, list[str]] = Field(min_length=1, description="Regions the team may use, per cloud.")
+    gpus: GpuQuota = Field(description="GPU quota per cloud and GPU model (GPUs, not nodes).")
+    spot_only: bool = Field(True, description="All GPU capacity is spot, beyond onDemandBaseMax on-demand nodes.")
+    on_demand_base_max: int = Field(0, ge=0, description="On-demand nodes the team may keep, all groups together.")
 
 
 class Storage(SpecModel):
@@ -281,6 +307,8 @@ class StackSpec(SpecModel):
     protect_stateful: bool | None = Field(
         None, description="Register buckets, keys, clusters and registries with `protect` (and buckets and keys "
                           "with retainOnDelete): `pulumi destroy` and replacements stop at them. Default: on in prod.")
+    team: TeamLimits | None = Field(None, description="Set by `make teams` in a team's generated stack: the team's "
+                                                      "regions, GPU quota and markets from teams.yaml.")
     tags: dict[str, str] = Field(description="Tags on every taggable resource; owner, cost-center, env required.")
     clouds: dict[Cloud, CloudAccount] = Field(min_length=1, description="Cloud accounts to deploy into.")
     networks: list[Network] = Field(min_length=1, description="VPCs.")
@@ -294,6 +322,11 @@ class StackSpec(SpecModel):
     pricing: Pricing = Field(default_factory=Pricing, description="Exchange rate and price overrides.")
 
     # Derived lookups -----------------------------------------------------------------
+    @property
+    def team_name(self) -> str:
+        """Whose stack this is, for showback: the registry's team, else the team tag, else the owner."""
+        return self.team.name if self.team else self.tags.get("team", self.tags.get("owner", self.env))
+
     def network(self, name: str) -> Network:
         return next(n for n in self.networks if n.name == name)
 

@@ -38,9 +38,9 @@ def _path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
+def _fields_at(loc: tuple[int | str, ...], root: type[BaseModel] = StackSpec) -> list[str]:
     """Aliases of the model fields allowed where an unknown key was found."""
-    model: Any = StackSpec
+    model: Any = root
     for part in loc[:-1]:
         if isinstance(part, int) or model is None:
             continue
@@ -61,12 +61,12 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _problem(err: Any) -> Problem:
+def _problem(err: Any, root: type[BaseModel] = StackSpec) -> Problem:
     loc = tuple(err["loc"])
     kind = err["type"]
     value = err.get("input")
     if kind == "extra_forbidden":
-        allowed = _fields_at(loc)
+        allowed = _fields_at(loc, root)
         return Problem(_path(loc), f"unknown key{suggest(loc[-1], allowed)} "
                                    f"Allowed here: {', '.join(allowed)}.")
     if kind == "missing":
@@ -91,6 +91,11 @@ def _problem(err: Any) -> Problem:
         msg = f"is not a valid value; {PATTERN_HELP.get(pattern, msg)}"
     shown = "" if isinstance(value, (dict, list)) or value is None else f"{value!r}: "
     return Problem(_path(loc), f"{shown}{msg}")
+
+
+def problems_of(exc: ValidationError, root: type[BaseModel]) -> list[Problem]:
+    """pydantic's errors for a model read from a file as key paths in the file's own spelling."""
+    return [_problem(e, root) for e in exc.errors()]
 
 
 def parse(raw: Mapping[str, Any], source: str = "stack config") -> StackSpec:
@@ -121,6 +126,7 @@ def check(spec: StackSpec) -> list[Problem]:
         return problems
     problems += _check_tags(spec)
     problems += _check_clouds(spec)
+    problems += _check_team(spec)
     nets = _check_networks(spec, problems)
     problems += _check_peerings(spec, nets)
     problems += _check_node_groups(spec, nets)
@@ -129,6 +135,10 @@ def check(spec: StackSpec) -> list[Problem]:
         problems += sharedfs.check(spec)
     if not problems:  # the commands are checked against the resolved groups' trainer contract
         problems += commands.check(spec)
+    if not problems and spec.kubernetes.queues:  # the teams' queues against the resolved pools
+        from infra.teams import registry  # the registry reads stack specs too
+
+        problems += registry.check_shared_stack(spec)
     return problems
 
 
@@ -137,6 +147,20 @@ def _check_tags(spec: StackSpec) -> list[Problem]:
            for t in REQUIRED_TAGS if not spec.tags.get(t)]
     if spec.tags.get("env") and spec.tags["env"] != spec.env:
         out.append(Problem("tags.env", f"{spec.tags['env']!r} differs from env {spec.env!r}; make them equal"))
+    return out
+
+
+def _check_team(spec: StackSpec) -> list[Problem]:
+    """A team stack stays on its team's clouds and regions (teams.yaml)."""
+    out: list[Problem] = []
+    team = spec.team
+    if team is not None:
+        for i, net in enumerate(spec.networks):
+            allowed = team.regions.get(net.cloud, [])
+            if spec.region_of(net) not in allowed:
+                where = f"{net.cloud} regions {', '.join(allowed)}" if allowed else f"no {net.cloud} region"
+                out.append(Problem(f"networks[{i}]", f"{net.name} is in {net.cloud} {spec.region_of(net)}, but team "
+                                                     f"{team.name} may use {where} (teams.yaml regions)"))
     return out
 
 
@@ -378,3 +402,6 @@ def _check_hardware(spec: StackSpec, catalog: cat.Catalog, group: NodeGroup, pat
                                       f"{req.scratch_gb} GB from instance-store — use source: auto or data-disk"))
     return out
 
+
+
+check_region = _check_region  # the team registry checks its regions the same way

@@ -65,7 +65,7 @@ def project_copy(tmp: Path) -> Path:
     """A copy of the project without its stack files (folders linked), to run commands in."""
     proj = tmp / "proj"
     proj.mkdir()
-    for name in ("Pulumi.yaml", "__main__.py"):
+    for name in ("Pulumi.yaml", "__main__.py", "teams.yaml"):
         (proj / name).write_text((ROOT / name).read_text())
     for folder in PROGRAM_FOLDERS:
         (proj / folder).symlink_to(ROOT / folder)

@@ -106,14 +106,14 @@ def test_adding_a_network_and_a_peering(repo: Path) -> None:
 
 def test_a_change_that_replaces_a_node_group_is_flagged(repo: Path) -> None:
     def change(config: dict[str, Any]) -> None:
-        eks = _groups(config)["aws-eks-train"]
-        eks.pop("gpu", None)
-        eks["instanceType"] = "p4de.24xlarge"  # instance_types cannot change in place (EKS)
+        # (the inference pool: the training pools hold the shared teams' queues, teams.yaml)
+        eks = _groups(config)["aws-eks-infer"]
+        eks["instanceType"] = "g6e.12xlarge"  # instance_types cannot change in place (EKS)
     _edit(repo, change)
     code, report, md = _diff(repo)
     assert code == 0, md
     replaced = {r["name"]: r["why"] for r in report["resources"]["replaced"]}
-    assert replaced and all(name.startswith("aws-eks-train") for name in replaced)
+    assert replaced and all(name.startswith("aws-eks-infer") for name in replaced)
     assert all("instanceTypes changes" in why for why in replaced.values())
     assert "[!WARNING]" in md and "Replaced or deleted" in md
 

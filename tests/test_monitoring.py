@@ -33,7 +33,7 @@ def test_rules_of_every_shipped_stack_pass_promtool(stack: str, tmp_path: Path) 
     assert result.returncode == 0, result.stdout + result.stderr
     budget = load_stack_spec(stack).budget
     pace = [r for g in monitoring.rules(load_stack_spec(stack))["groups"] for r in g["rules"]
-            if r["alert"] == "GtsBudgetPace"]
+            if r.get("alert") == "GtsBudgetPace"]
     assert [r["labels"]["threshold_percent"] for r in pace] == [str(p) for p in sorted(budget.thresholds_percent)]
 
 

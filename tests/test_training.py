@@ -139,7 +139,7 @@ def test_storage_outage_does_not_stop_training(moto: MotoServer, tmp_path: Path)
     run = launch([*args, "--metrics-port", str(port)], tmp_path, env)
     run.wait_for(r"uploaded step-00000010")
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    assert 'gts_train_step{cloud="",group="",node="0",workload="tiny"}' in metrics
+    assert 'gts_train_step{cloud="",group="",node="0",team="",workload="tiny"}' in metrics
     assert "gts_checkpoint_uploads_pending" in metrics and 'gts_node_hourly_usd{' in metrics
     proxy.down()
     assert run.finish() == 0, run.output[-3000:]

@@ -6,6 +6,7 @@ pinned to a commit."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -78,10 +79,22 @@ def test_pull_requests_run_the_tests_and_one_updated_diff_comment() -> None:
     assert diff_job["permissions"]["pull-requests"] == "write"
 
 
+def _listed(workflow: dict[str, Any], job: str) -> list[str]:
+    """What a workflow's stack-listing job outputs when run in this checkout (its own command)."""
+    (step,) = [s for s in _steps(workflow["jobs"][job]) if s.get("id") == "list"]
+    command = step["run"].split(" >> ")[0]
+    out = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.startswith("list=")
+    return list(json.loads(out[len("list="):]))
+
+
 def test_previews_run_the_policy_pack_with_each_stacks_config_and_never_for_forks() -> None:
-    job = _load("preview.yml")["jobs"]["preview"]
-    assert "head.repo.full_name == github.repository" in job["if"] and "vars.PULUMI_PREVIEW" in job["if"]
-    assert job["strategy"]["matrix"]["stack"] == STACKS
+    workflow = _load("preview.yml")
+    job = workflow["jobs"]["preview"]
+    gate = workflow["jobs"]["stacks"]["if"]
+    assert "head.repo.full_name == github.repository" in gate and "vars.PULUMI_PREVIEW" in gate
+    assert job["needs"] == "stacks" and _listed(workflow, "stacks") == STACKS  # the teams' stacks included
+    assert job["strategy"]["matrix"]["stack"] == "${{ fromJSON(needs.stacks.outputs.list) }}"
     assert job["concurrency"]["group"] == "pulumi-${{ matrix.stack }}"
     assert job["permissions"]["id-token"] == "write"  # AWS by OIDC
     config = next(s for s in _steps(job) if s.get("id") == "pack")
@@ -102,9 +115,13 @@ def test_merges_deploy_dev_then_prod_behind_an_approval_and_drift_is_checked_nig
     assert up["environment"] == "${{ inputs.environment }}"
     (pulumi,) = [s for s in _steps(up) if s.get("uses", "").startswith("pulumi/actions@")]
     assert pulumi["with"]["command"] == "up" and pulumi["with"]["policyPacks"] == "policies"
+    teams = deploy["jobs"]["teams"]
+    assert teams["needs"] == ["prod", "team-stacks"] and teams["with"]["environment"] == "production"
+    assert _listed(deploy, "team-stacks") == [s for s in STACKS if s.startswith("team-")]
     drift = _load("drift.yml")
     assert drift["on"]["schedule"] and "workflow_dispatch" in drift["on"]
     job = drift["jobs"]["drift"]
-    assert job["strategy"]["matrix"]["stack"] == STACKS
+    assert _listed(drift, "stacks") == STACKS
+    assert job["strategy"]["matrix"]["stack"] == "${{ fromJSON(needs.stacks.outputs.list) }}"
     (check,) = [s for s in _steps(job) if s.get("uses", "").startswith("pulumi/actions@")]
     assert check["with"]["refresh"] is True and check["with"]["expect-no-changes"] is True

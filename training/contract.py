@@ -69,11 +69,13 @@ STORAGE_CREDENTIALS = Var(
 AWS_REGION = Var("AWS_REGION", "region for AWS SDKs in pods (IMDS is out of their reach)", STACK)
 GTS_CLOUD = Var("GTS_CLOUD", "aws | alicloud | tencentcloud", STACK)
 GTS_NODE_GROUP = Var("GTS_NODE_GROUP", "the node group (metrics labels)", STACK)
+GTS_TEAM = Var("GTS_TEAM", "the team the node's cost is shown back to (metrics label; teams.yaml, else the owner tag)",
+               STACK)
 
 VARS = (WORKLOAD, TRAIN_STEPS, DATA_DIR, DATASET_URL, CHECKPOINT_URL, CHECKPOINT_DIR, CHECKPOINT_EVERY, MTBF_S, NOTICE_S,
         KEEP_CHECKPOINTS, LAUNCHER, TRAIN_MODULE, TRAIN_COMMAND, NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK, RDZV_ENDPOINT, SHARED_DIR, METRICS_PORT,
         NODE_HOURLY_USD, MLFLOW_TRACKING_URI, STORAGE_ENDPOINT_URL, STORAGE_REGION, STORAGE_ADDRESSING_STYLE,
-        STORAGE_CREDENTIALS, AWS_REGION, GTS_CLOUD, GTS_NODE_GROUP)
+        STORAGE_CREDENTIALS, AWS_REGION, GTS_CLOUD, GTS_NODE_GROUP, GTS_TEAM)
 NAMES = frozenset(v.name for v in VARS)
 # environment variable -> TrainConfig field, for the trainer's config parser
 CONFIG_FIELDS = {v.name: v.field for v in VARS if v.field}

@@ -102,7 +102,8 @@ class Run:
         self.metrics = Metrics(cfg.metrics_port if comm.local_rank == 0 else 0, cfg.node_hourly_usd,
                                {"node": str(comm.node), "workload": cfg.workload,
                                 # set by the node's env file or the Job; empty elsewhere
-                                "cloud": os.environ.get("GTS_CLOUD", ""), "group": os.environ.get("GTS_NODE_GROUP", "")})
+                                "cloud": os.environ.get("GTS_CLOUD", ""), "group": os.environ.get("GTS_NODE_GROUP", ""),
+                                "team": os.environ.get("GTS_TEAM", "")})
         self.step, self.epoch, self.offset, self.run_id = 0, 0, 0, None
         self.last_saved, self.last_loss = 0, float("nan")
         self.interval = Interval(cfg.checkpoint_every, comm, cfg.mtbf_s, cfg.notice_s)

@@ -7,10 +7,11 @@ from collections.abc import Mapping, Sequence
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.groups import ResolvedGroup
+from infra.groups import ResolvedGroup, Stack
 from infra.images import node_agents
 from infra.k8s.daemons import GpuNodeExporters, NvidiaDevicePlugin
 from infra.k8s.job import Identity, deploy_training_jobs, training_namespace
+from infra.k8s.queues import LABEL_TEAM, SharedQueues
 from infra.sharedfs import SharedFsOutputs
 from infra.spec import StackSpec
 
@@ -29,6 +30,27 @@ def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[
     if device_plugin:
         NvidiaDevicePlugin(f"{name}-nvidia", images.device_plugin, opts=opts)
     GpuNodeExporters(f"{name}-exporters", images, opts=opts)
-    namespace = training_namespace(name, opts).metadata.name
-    deploy_training_jobs(groups, trainer_images, identities, namespace, {"env": spec.env}, opts, shared)
+    queue = shared_queues(name, spec, groups, opts)
+    namespace = training_namespace(name, opts, managed=queue is not None).metadata.name
+    labels = {"env": spec.env, LABEL_TEAM: spec.team_name}
+    deploy_training_jobs(groups, trainer_images, identities, namespace, labels, opts, shared, queue)
     return provider
+
+
+def shared_queues(name: str, spec: StackSpec, groups: list[ResolvedGroup],
+                  opts: pulumi.ResourceOptions) -> str | None:
+    """Kueue and the teams' queues where the stack shares its clusters (kubernetes.queues): the
+    LocalQueue its own Jobs are submitted to; None elsewhere."""
+    if not spec.kubernetes.queues:
+        return None
+    from infra.stackfile import project_root
+    from infra.teams import queues, registry
+
+    stack = Stack(spec, tuple(groups))
+    cloud = groups[0].cloud
+    planned = queues.queues(stack, registry.load(project_root(), spec.kubernetes.queues), cloud)
+    if not planned:  # no training pool on this cluster: nothing to queue for
+        return None
+    SharedQueues(f"{name}-queues", cloud, queues.flavors(stack, cloud), planned, spec.clouds[groups[0].group.cloud].mirrors,
+                 opts=opts)
+    return queues.OWN_QUEUE

@@ -23,6 +23,8 @@ from infra.sharedfs import MOUNTS, SharedFsOutputs
 from training import contract as c
 
 SKIP_AWAIT = "pulumi.com/skipAwait"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # Kueue's label naming a Job's LocalQueue
+QUEUES_MANAGED = "gpu-training-stack/queues"  # namespaces whose Jobs Kueue manages (infra/k8s/queues.py)
 SECRET_VARS = frozenset({c.MLFLOW_TRACKING_URI.name})
 NAMESPACE = "training"
 TRAINER_UID = 1000  # the image's USER (training/Dockerfile)
@@ -51,6 +53,7 @@ class TrainingJobArgs:
     labels: dict[str, str] = field(default_factory=dict)
     backoff_limit: int = 6
     shared: SharedFsOutputs | None = None  # the network's shared file system, when the group mounts it
+    queue: str | None = None  # the Kueue LocalQueue it is submitted to, on a shared cluster
 
 
 def pod_resources(rg: ResolvedGroup) -> tuple[dict[str, str], int]:
@@ -114,11 +117,13 @@ def rendezvous_store(name: str, image: pulumi.Input[str], namespace: pulumi.Inpu
 
 def deploy_training_jobs(groups: list[ResolvedGroup], images: Mapping[str, pulumi.Output[str]],
                          identities: dict[str, Identity], namespace: pulumi.Input[str], labels: dict[str, str],
-                         opts: pulumi.ResourceOptions, shared: SharedFsOutputs | None = None) -> list[TrainingJob]:
+                         opts: pulumi.ResourceOptions, shared: SharedFsOutputs | None = None,
+                         queue: str | None = None) -> list[TrainingJob]:
     """One training Job per Kubernetes training group, on the cluster whose provider `opts` carries."""
     return [TrainingJob(g.name, TrainingJobArgs(
         group=g, image=images[g.name], env=job_env(g, g.name), identity=identities[g.name], namespace=namespace,
-        scratch_gb=max(g.scratch_gb, 50), labels=labels, shared=shared if g.group.shared_fs else None), opts=opts)
+        scratch_gb=max(g.scratch_gb, 50), labels=labels, shared=shared if g.group.shared_fs else None, queue=queue),
+        opts=opts)
             for g in groups if g.workload == "training"]
 
 
@@ -186,14 +191,18 @@ class TrainingJob(pulumi.ComponentResource):
                 resources=k8s.core.v1.ResourceRequirementsArgs(limits=resources, requests=resources),
                 volume_mounts=mounts)],
             volumes=volumes)
+        # On a shared cluster the Job waits in its LocalQueue until Kueue admits all its pods at
+        # once; created suspended so that it never starts outside the queue (Kueue unsuspends it).
+        queued = {QUEUE_LABEL: args.queue} if args.queue else {}
         self.job = k8s.batch.v1.Job(
             f"{name}-job",
             # The stack submits the run and does not wait for it: pulumi-kubernetes otherwise awaits
             # a Job until Complete, at most 10 minutes (batch/v1/Job.py), failing every real run's
             # `pulumi up`. The run is watched through its metrics and `kubectl`, not the deploy.
-            metadata=k8s.meta.v1.ObjectMetaArgs(name=job, namespace=args.namespace, labels=labels,
+            metadata=k8s.meta.v1.ObjectMetaArgs(name=job, namespace=args.namespace, labels={**labels, **queued},
                                                 annotations={SKIP_AWAIT: "true"}),
             spec=k8s.batch.v1.JobSpecArgs(
+                suspend=True if args.queue else None,
                 completion_mode="Indexed", completions=rg.nnodes, parallelism=rg.nnodes,
                 backoff_limit=args.backoff_limit,
                 template=k8s.core.v1.PodTemplateSpecArgs(metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
@@ -259,8 +268,11 @@ def _dataset_cache(args: TrainingJobArgs, env: list[k8s.core.v1.EnvVarArgs],
             requests={"cpu": "2", "memory": "4Gi"}, limits={"cpu": "2", "memory": "4Gi"}))]
 
 
-def training_namespace(name: str, opts: pulumi.ResourceOptions) -> k8s.core.v1.Namespace:
-    """Where the cluster's training Jobs run, at the restricted Pod Security level."""
-    restricted_level = {f"pod-security.kubernetes.io/{mode}": "restricted" for mode in ("enforce", "audit", "warn")}
+def training_namespace(name: str, opts: pulumi.ResourceOptions, managed: bool = False) -> k8s.core.v1.Namespace:
+    """Where the cluster's training Jobs run, at the restricted Pod Security level (and, on a
+    shared cluster, with its Jobs managed by Kueue)."""
+    labels = {f"pod-security.kubernetes.io/{mode}": "restricted" for mode in ("enforce", "audit", "warn")}
+    if managed:
+        labels[QUEUES_MANAGED] = "true"
     return k8s.core.v1.Namespace(f"{name}-training-ns", metadata=k8s.meta.v1.ObjectMetaArgs(
-        name=NAMESPACE, labels=restricted_level), opts=opts)
+        name=NAMESPACE, labels=labels), opts=opts)

@@ -185,6 +185,53 @@ def max_nodes(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, s
             for r, c in _capacities(resources) if c.max_nodes > limit]
 
 
+def gpu_usage(resources: list[Res]) -> dict[tuple[str, str], int]:
+    """GPUs per (cloud, GPU model) the stack's capacity can reach (schedules included). A node of
+    a group with fallback types is counted as its model's largest type: the worst case, per model."""
+    used: dict[tuple[str, str], int] = {}
+    for _, c in _capacities(resources):
+        largest: dict[tuple[str, str], int] = {}
+        for item in (_item(t) for t in c.instance_types):
+            if item is not None:
+                key = (item.cloud, item.gpu_model)
+                largest[key] = max(largest.get(key, 0), item.gpu_count)
+        for key, per_node in largest.items():
+            used[key] = used.get(key, 0) + c.max_nodes * per_node
+    return used
+
+
+def team_gpu_quota(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A team stack's GPUs at its maximum within the team's quota (teams.yaml, per cloud and model)."""
+    quota = cfg.get("gpuQuota")
+    if not isinstance(quota, Mapping):
+        return []
+    team = str(cfg.get("team", "this team"))
+    out = []
+    for (cloud, model), gpus in sorted(gpu_usage(resources).items()):
+        granted = int((quota.get(cloud) or {}).get(model, 0))
+        if gpus > granted:
+            out.append(("stack", f"team {team}: {gpus} {model} GPUs on {cloud} at the node groups' maximum, over its "
+                                 f"quota of {granted} (teams.yaml gpus.{cloud}.{model}); lower scaling.max or ask "
+                                 "for more quota in a pull request to teams.yaml"))
+    return out
+
+
+def team_markets(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A spot-only team keeps at most onDemandBaseMax on-demand (or prepaid) nodes, all groups together."""
+    if not cfg.get("spotOnly"):
+        return []
+    team, most = str(cfg.get("team", "this team")), int(cfg.get("onDemandBaseMax", 0))
+    fixed: dict[str, int] = {}
+    for _, c in _capacities(resources):  # an EKS / TKE group's on-demand base is a pool of its own
+        fixed[c.group] = fixed.get(c.group, 0) + (c.on_demand_nodes if c.spot else c.max_nodes)
+    total = sum(fixed.values())
+    if total <= most:
+        return []
+    groups = ", ".join(f"{g} {n}" for g, n in sorted(fixed.items()) if n)
+    return [("stack", f"team {team} is spot-only with at most {most} on-demand node(s) (teams.yaml markets), but its "
+                      f"groups keep {total} ({groups}); use market.type: spot with a smaller onDemandBase")]
+
+
 def reserve_always_on(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [(r.name, f"node group {c.group} keeps {min(c.on_demand_nodes, c.min_nodes)} on-demand node(s) running "
                      "around the clock; reserved capacity or a savings plan would cost 30-40% less")
@@ -495,6 +542,12 @@ RULES: list[Rule] = [
          schema={"families": {"type": "array", "items": {"type": "string"}}}, per_resource=allowed_families),
     Rule("gpu-max-nodes", "Node groups cannot grow past a cap.", "mandatory", max_nodes,
          {"maxNodesPerGroup": {"type": "integer"}}),
+    Rule("team-gpu-quota", "A team stack's GPUs at their maximum stay within the team's quota per cloud and model "
+         "(teams.yaml).", "mandatory", team_gpu_quota,
+         {"team": {"type": "string"}, "gpuQuota": {"type": "object"}}),
+    Rule("team-markets", "A spot-only team keeps no more on-demand nodes than its registry entry allows.",
+         "mandatory", team_markets,
+         {"team": {"type": "string"}, "spotOnly": {"type": "boolean"}, "onDemandBaseMax": {"type": "integer"}}),
     Rule("reserve-always-on", "Always-on on-demand capacity should be reserved or under a savings plan.",
          "advisory", reserve_always_on),
     Rule("host-ram-ratio", "Training hosts have RAM >= 1.5 x total GPU memory.", "mandatory", host_ram),

@@ -17,7 +17,7 @@ from infra import userdata
 from infra.access import trainer_grants
 from infra.clouds.aws.access import AwsAccess
 from infra.clouds.aws.autoscaler import EksAutoscalerArgs, EksClusterAutoscaler
-from infra.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
+from infra.groups import LABEL_CAPACITY, LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 from infra.images import CLUSTER_AUTOSCALER, pulled
 from infra.k8s.cluster import cluster_workloads
 from infra.k8s.job import NAMESPACE, Identity
@@ -181,7 +181,7 @@ class AwsEks(pulumi.ComponentResource):
         groups = []
         for part in pool_parts(g.group):
             capacity = "SPOT" if part.spot else "ON_DEMAND"
-            pool_labels = {**labels, "gpu-training-stack/capacity": capacity.lower()}
+            pool_labels = {**labels, LABEL_CAPACITY: "spot" if part.spot else "on-demand"}
             ng = aws.eks.NodeGroup(
                 f"{g.name}-{part.suffix}", cluster_name=self.cluster.name, node_role_arn=args.node_role_arn,
                 subnet_ids=args.subnet_ids, ami_type=GPU_AMI, capacity_type=capacity, instance_types=types,

@@ -17,7 +17,7 @@ from infra import userdata
 from infra.clouds.tencentcloud.fleet import DISK, spot_max_price
 from infra import catalog as cat
 from infra.cloud_rules import POD_CIDR, SERVICE_CIDR
-from infra.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
+from infra.groups import LABEL_CAPACITY, LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
 from infra.k8s.cluster import cluster_workloads
 from infra.k8s.job import Identity
 from infra.k8s.pools import pool_parts
@@ -152,7 +152,7 @@ class TencentTke(pulumi.ComponentResource):
                     user_data=userdata.for_group(spec, g),
                     gpu_args=tencentcloud.kubernetes.NodePoolNodeConfigGpuArgsArgs(
                         driver=GPU_DRIVER, cuda=GPU_CUDA, mig_enable=False)),
-                labels={**labels, "gpu-training-stack/capacity": "spot" if spot else "on-demand"},
+                labels={**labels, LABEL_CAPACITY: "spot" if spot else "on-demand"},
                 taints=[tencentcloud.kubernetes.NodePoolTaintArgs(key="nvidia.com/gpu", value="true",
                                                                   effect="NoSchedule")],
                 tags=g.tags(args.tags),

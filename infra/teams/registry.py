@@ -1,0 +1,205 @@
+"""The team registry (`teams.yaml`): which teams exist, what each may use, and the org's limits.
+
+Typed and validated like a stack spec: every problem is reported at once as a key path in the
+file's own spelling (`teams[2].gpus.aws.H100`). A registry whose teams ask for more GPUs or
+budget than the org has, or that names a cloud the org does not use, is refused.
+
+    version: 1
+    org: {name, baseStack, sharedStack, monthlyBudgetUsd, gpus: {<cloud>: {<GPU model>: GPUs}}}
+    teams:
+      - {name, owners, costCenter, placement: isolated | shared, regions, gpus, markets,
+         monthlyBudgetUsd, borrowing, stack: {networks, peerings, nodeGroups}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from infra import catalog as cat
+from infra.errors import Problem, SpecError
+from infra.spec import Cloud, GpuQuota, quota_of, Name, NodeGroup, Network, Peering, SpecModel
+
+REGISTRY = "teams.yaml"
+STACK_PREFIX = "team-"  # a team's generated stack (and env) is team-<name>
+TeamName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,25}[a-z0-9]$")]  # team-<name> is a Name
+Email = Annotated[str, Field(pattern=r"^[^@\s]+@[^@\s]+\.[^@\s]+$")]
+
+
+class RegistryError(SpecError):
+    """The registry is invalid: exit 2, every problem named."""
+
+
+class Org(SpecModel):
+    name: Name = Field(description="The organisation; prefix of the team stacks' buckets.")
+    base_stack: Name = Field(description="The stack every isolated team's stack starts from: its clouds, mirrors, "
+                                         "Kubernetes access, storage, training and pricing (Pulumi.<this>.yaml).")
+    shared_stack: Name | None = Field(None, description="The stack whose clusters shared teams queue on; it sets "
+                                                        "kubernetes.queues: teams.yaml.")
+    monthly_budget_usd: float = Field(gt=0, description="The org's monthly budget; the teams' budgets fit in it.")
+    gpus: GpuQuota = Field(min_length=1, description="GPUs the org may use per cloud and GPU model.")
+
+
+class Markets(SpecModel):
+    spot_only: bool = Field(True, description="All GPU capacity spot, beyond onDemandBaseMax on-demand nodes.")
+    on_demand_base_max: int = Field(0, ge=0, description="On-demand nodes kept, all groups together (on a shared "
+                                                         "cluster: the share of the quota on on-demand nodes).")
+
+
+class TeamStack(SpecModel):
+    """An isolated team's own networks and node groups; the rest comes from the org's base stack."""
+
+    networks: list[Network] = Field(min_length=1, description="The team's VPCs.")
+    peerings: list[Peering] = Field(default_factory=list, description="Links between them.")
+    node_groups: list[NodeGroup] = Field(min_length=1, description="The team's GPU node groups.")
+
+
+class Team(SpecModel):
+    name: TeamName = Field(description="2-27 lowercase letters, digits and hyphens; its stack is team-<name>.")
+    owners: list[Email] = Field(min_length=1, description="Who owns it; they get its budget alerts.")
+    cost_center: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Cost center, tagged on everything.")
+    placement: Literal["isolated", "shared"] = Field(description="isolated: a stack of its own; shared: queues on "
+                                                                 "the org's shared clusters.")
+    regions: dict[Cloud, list[str]] = Field(min_length=1, description="Regions it may use, per cloud.")
+    gpus: GpuQuota = Field(min_length=1, description="Its GPU quota per cloud and GPU model (GPUs, not nodes).")
+    markets: Markets = Field(default_factory=Markets, description="How it may buy capacity.")
+    monthly_budget_usd: float = Field(gt=0, description="Its monthly budget.")
+    borrowing: bool = Field(False, description="Shared: may borrow unused quota of the other teams in the cohort.")
+    stack: TeamStack | None = Field(None, description="Isolated: its networks and node groups.")
+
+    @property
+    def stack_name(self) -> str:
+        return f"{STACK_PREFIX}{self.name}"
+
+    @model_validator(mode="after")
+    def _placement(self) -> Team:
+        if self.placement == "isolated" and self.stack is None:
+            raise ValueError("an isolated team needs stack: {networks, nodeGroups} (or placement: shared)")
+        if self.placement == "shared" and self.stack is not None:
+            raise ValueError("a shared team queues on the shared clusters: remove stack (or placement: isolated)")
+        if self.placement == "isolated" and self.borrowing:
+            raise ValueError("borrowing is for shared teams (quota in a cohort); remove it")
+        return self
+
+
+class Registry(SpecModel):
+    version: Literal[1] = Field(description="Schema version of this file.")
+    org: Org
+    teams: list[Team] = Field(min_length=1)
+
+    def team(self, name: str) -> Team:
+        return next(t for t in self.teams if t.name == name)
+
+    def index(self, name: str) -> int:
+        return next(i for i, t in enumerate(self.teams) if t.name == name)
+
+    @property
+    def shared(self) -> list[Team]:
+        return [t for t in self.teams if t.placement == "shared"]
+
+
+def load(root: Path, name: str = REGISTRY) -> Registry:
+    """The registry at `root/name`, checked; RegistryError lists every problem."""
+    from infra.validation import problems_of
+
+    path = root / name
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise RegistryError([Problem(name, f"cannot be read ({exc.strerror}); create it (README: Teams)")], name) from None
+    except yaml.YAMLError as exc:
+        raise RegistryError([Problem(name, f"is not valid YAML: {exc}")], name) from None
+    try:
+        registry = Registry.model_validate(data)
+    except ValidationError as exc:
+        raise RegistryError(problems_of(exc, Registry), name) from None
+    problems = list(check(registry, root))
+    if problems:
+        raise RegistryError(problems, name)
+    return registry
+
+
+def check(registry: Registry, root: Path) -> Iterator[Problem]:
+    """Rules across teams and against the org and the catalog."""
+    seen: dict[str, int] = {}
+    for i, team in enumerate(registry.teams):
+        if team.name in seen:
+            yield Problem(f"teams[{i}].name", f"{team.name!r} is already teams[{seen[team.name]}]; names are unique")
+        seen.setdefault(team.name, i)
+        yield from _check_team(registry, team, i)
+    yield from _check_org_totals(registry)
+    org = registry.org
+    for key, stack in (("baseStack", org.base_stack), ("sharedStack", org.shared_stack)):
+        if stack and not (root / f"Pulumi.{stack}.yaml").exists():
+            yield Problem(f"org.{key}", f"no stack file Pulumi.{stack}.yaml here")
+    if registry.shared and not org.shared_stack:
+        yield Problem("org.sharedStack", "shared teams need the stack whose clusters they queue on")
+
+
+def _check_team(registry: Registry, team: Team, i: int) -> Iterator[Problem]:
+    from infra.validation import check_region
+
+    catalog = cat.load_catalog()
+    for cloud in sorted(set(team.regions) | set(team.gpus)):
+        if cloud not in registry.org.gpus:
+            yield Problem(f"teams[{i}].gpus.{cloud}" if cloud in team.gpus else f"teams[{i}].regions.{cloud}",
+                          f"team {team.name} asks for {cloud}, which the org does not use (org.gpus has "
+                          f"{', '.join(registry.org.gpus)}); add it to org.gpus or remove it here")
+    for cloud, regions in team.regions.items():
+        for j, region in enumerate(regions):
+            yield from check_region(cloud, region, f"teams[{i}].regions.{cloud}[{j}]")
+    for cloud, quota in team.gpus.items():
+        if cloud not in team.regions:
+            yield Problem(f"teams[{i}].gpus.{cloud}", f"team {team.name} has a {cloud} quota but no {cloud} region; "
+                                                      f"add regions: {{{cloud}: [...]}}")
+        models = catalog.gpu_models(cloud)
+        for model in quota:
+            if model not in models:
+                yield Problem(f"teams[{i}].gpus.{cloud}.{model}",
+                              f"{model} is not a GPU model of {cat.CLOUD_NAMES[cloud]} in the catalog; use one of "
+                              f"{', '.join(models)}")
+
+
+def _check_org_totals(registry: Registry) -> Iterator[Problem]:
+    org = registry.org
+    for cloud, quota in sorted(org_demand(registry).items()):
+        for model, (asked, who) in sorted(quota.items()):
+            has = quota_of(org.gpus, cloud).get(model, 0)
+            if asked > has:
+                yield Problem(f"org.gpus.{cloud}.{model}",
+                              f"the teams ask for {asked} {model} GPUs on {cloud} ({who}), over the org's {has}; "
+                              "lower the teams' quotas or raise the org's")
+    budgets = sum(t.monthly_budget_usd for t in registry.teams)
+    if budgets > org.monthly_budget_usd:
+        who = ", ".join(f"{t.name} {t.monthly_budget_usd:,.0f}" for t in registry.teams)
+        yield Problem("org.monthlyBudgetUsd", f"the teams' budgets add up to ${budgets:,.0f}/month ({who}), over the "
+                                              f"org's ${org.monthly_budget_usd:,.0f}; lower them or raise the org's")
+
+
+def org_demand(registry: Registry) -> dict[str, dict[str, tuple[int, str]]]:
+    """cloud -> model -> (GPUs the teams ask for together, who asks)."""
+    out: dict[str, dict[str, tuple[int, str]]] = {}
+    for team in registry.teams:
+        for cloud, quota in team.gpus.items():
+            for model, gpus in quota.items():
+                total, who = out.setdefault(cloud, {}).get(model, (0, ""))
+                out[cloud][model] = (total + gpus, f"{who}, {team.name} {gpus}".lstrip(", "))
+    return out
+
+
+def check_shared_stack(spec: Any) -> list[Problem]:
+    """A stack with kubernetes.queues: its registry loads, names this stack as the shared one, and
+    its shared teams' quotas fit the stack's GPU pools (infra/teams/queues.py)."""
+    from infra.stackfile import project_root
+    from infra.teams import queues
+
+    name = spec.kubernetes.queues
+    try:
+        registry = load(project_root(), name)
+    except RegistryError as exc:
+        return [Problem("kubernetes.queues", f"{name}: {p}") for p in exc.problems]
+    return [Problem("kubernetes.queues", f"{name}: {p}") for p in queues.check(spec, registry)]
