@@ -16,7 +16,7 @@ CKPT_EVERY ?= 50
 CKPT_DIR   ?= out/checkpoints
 THROTTLE_MS ?= 50
 
-.PHONY: plan diff teams policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench test typecheck unit tools venv clean
+.PHONY: plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -50,9 +50,13 @@ teams: $(RUNTIME_STAMP)
 policy-config: $(RUNTIME_STAMP)
 	@$(PY) -m infra.cli.policy_config --stack $(STACK) --out $(or $(OUT),out)
 
+## prices: refresh infra/data/prices.csv from the clouds' own price lists (CLOUD=aws|alicloud|tencentcloud, REGION=<region> adds one, ACCEPT=1 writes changes over THRESHOLD=25 %, SITE=international for a Tencent international account)
+prices: $(STAMP)
+	@$(PY) -m infra.prices.refresh $(if $(CLOUD),--cloud $(CLOUD)) $(if $(REGION),--region $(REGION)) $(if $(ACCEPT),--accept) $(if $(THRESHOLD),--threshold $(THRESHOLD)) $(if $(SITE),--site $(SITE))
+
 ## policy-data: copy the data the policy pack ships (policies/data/) from infra/data/ (a test keeps them equal)
 policy-data:
-	@cp infra/data/gpu_catalog.csv infra/data/capabilities.yaml infra/data/stateful.yaml policies/data/
+	@cp infra/data/gpu_catalog.csv infra/data/prices.csv infra/data/capabilities.yaml infra/data/stateful.yaml policies/data/
 
 ## userdata: each node group's rendered cloud-config as $(OUT)/<cloud>-<group>.yaml (STACK=…)
 userdata: $(RUNTIME_STAMP)

@@ -179,12 +179,14 @@ def meets(item: InstanceType, req: Requirement) -> bool:
 
 
 def select(catalog: Catalog, clouds: Iterable[str], req: Requirement,
-           cny_per_usd: float) -> list[Candidate]:
-    """Every type on `clouds` that meets `req`, cheapest first (node price + scratch disk)."""
+           cny_per_usd: float, region: str | None = None) -> list[Candidate]:
+    """Every type on `clouds` that meets `req`, cheapest first (node price + scratch disk), at
+    its price in `region` (types without one there are left out), or at its reference price."""
     found: list[Candidate] = []
     for cloud in clouds:
-        for item in catalog.of_cloud(cloud):
-            if not meets(item, req):
+        for spec_item in catalog.of_cloud(cloud):
+            item = catalog.priced(cloud, spec_item.instance_type, region) if region else spec_item
+            if item is None or not meets(item, req):
                 continue
             disk = scratch_disk_gb(item, req.scratch_gb, req.scratch_source) or 0
             hourly = to_usd(item.price_ondemand, item.currency, cny_per_usd)

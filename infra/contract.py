@@ -38,8 +38,8 @@ def credentials_source(rg: ResolvedGroup) -> str:
 def interruptions(rg: ResolvedGroup) -> tuple[float, float]:
     """(mean seconds between interruptions of one run of the group, the reclaim notice in
     seconds) for `checkpointEvery: auto`: the group's observed reclaims, else the estimates in
-    infra/data/interruptions.yaml (spot: the type's AWS Spot Advisor band or the cloud's default
-    band; on-demand: host faults, no notice). A run on N nodes stops when any of them goes: its
+    infra/data/interruptions.yaml (spot: the type's AWS Spot Advisor band in the group's region
+    from prices.csv, or the cloud's default band; on-demand: host faults, no notice). A run on N nodes stops when any of them goes: its
     MTBF is the node's divided by N."""
     data = cat.load_interruptions()
     cloud = data["clouds"][rg.cloud]
@@ -48,7 +48,8 @@ def interruptions(rg: ResolvedGroup) -> tuple[float, float]:
     if market.observed_mtbf_hours:
         hours = market.observed_mtbf_hours
     elif market.type == "spot":
-        band = data["types"].get(rg.primary.instance_type, cloud["spot_band"])
+        # the Spot Advisor's band for the type in the group's region (prices.csv), else the cloud's estimate
+        band = rg.primary.spot_band or cloud["spot_band"]
         hours = cat.HOURS_PER_MONTH / float(data["bands"][band])
     else:
         hours = float(cloud["on_demand_mtbf_hours"])

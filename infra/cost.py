@@ -79,6 +79,9 @@ class GroupCost:
     on_demand_monthly_usd: float  # the same occupancy bought on-demand
     disk_monthly_usd: float
     price_estimate: bool
+    region: str  # where the nodes run: the price is that region's (prices.csv)
+    price_source: str
+    price_date: str
     spot_max_price: float | None  # per node-hour in `currency`, what the cloud is sent
     currency: str  # the group's cloud bills in this (the catalog row's) currency
     spot_max_price_basis: str  # "spotMaxPriceUsd" | "on-demand price (no cap given)" | ""
@@ -115,7 +118,8 @@ def group_cost(rg: ResolvedGroup) -> GroupCost:
         peak_hourly_usd=round(peak_hourly + occ.peak * disk_hourly, 4),
         on_demand_monthly_usd=round((occ.average * (on_demand + disk_hourly)) * cat.HOURS_PER_MONTH, 2),
         disk_monthly_usd=round(disk_avg * cat.HOURS_PER_MONTH, 2),
-        price_estimate=item.price_estimate,
+        price_estimate=item.price_estimate, region=rg.region, price_source=item.price_source,
+        price_date=item.price_date,
         spot_max_price=round(rg.bid_cap, 4) if rg.spot else None, currency=item.currency,
         spot_max_price_basis=("" if not rg.spot else "spotMaxPriceUsd" if rg.price_cap is not None
                               else "on-demand price (no cap given)"),

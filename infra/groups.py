@@ -168,7 +168,9 @@ def instance_types(spec: StackSpec, group: NodeGroup, catalog: cat.Catalog) -> t
     if group.instance_type is not None:
         types = [group.instance_type] + group.fallback_types
     else:
-        picks = [c for c in cat.select(catalog, [group.cloud], requirement(spec, group), spec.pricing.cny_per_usd)
+        region = spec.region_of(spec.network(group.network))
+        picks = [c for c in cat.select(catalog, [group.cloud], requirement(spec, group), spec.pricing.cny_per_usd,
+                                       region)
                  if group.kind != "vm" or not cat.vm_gpu_unsupported(group.cloud, c.type.gpu_model)]
         types = [c.type.instance_type for c in picks[:4]] + group.fallback_types
     return tuple(dict.fromkeys(types))
@@ -194,13 +196,14 @@ def _price_cap(spec: StackSpec, group: NodeGroup, item: cat.InstanceType) -> flo
 
 def resolve_group(spec: StackSpec, group: NodeGroup, index: int, catalog: cat.Catalog) -> ResolvedGroup:
     types = instance_types(spec, group, catalog)
-    primary = catalog.get(group.cloud, types[0])
-    if primary is None:  # validation has checked every type against the catalog
-        raise LookupError(f"{group.name}: {types[0]} is not in the catalog")
+    region = spec.region_of(spec.network(group.network))
+    primary = catalog.priced(group.cloud, types[0], region)  # every figure at the group's region's price
+    if primary is None:  # validation has checked every type against the catalog and its prices
+        raise LookupError(f"{group.name}: {types[0]} has no price in {region}")
     scratch = spec.scratch_of(group)
     disk_gb = cat.scratch_disk_gb(primary, scratch.size_gb, scratch.source) or 0
     return ResolvedGroup(
-        group=group, index=index, region=spec.region_of(spec.network(group.network)), types=types,
+        group=group, index=index, region=region, types=types,
         primary=primary, scratch_gb=scratch.size_gb, scratch_disk_gb=disk_gb,
         price_cap=_price_cap(spec, group, primary), prices=_prices(spec, group, primary, disk_gb),
         bucket=bucket(spec, group.cloud))

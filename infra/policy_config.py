@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from infra.catalog import to_usd
 from infra.cost import stack_cost
 from infra.groups import Stack
 from infra.stackfile import project_root
@@ -25,12 +26,24 @@ def base_config(stack_name: str, env: str, fallback: str | None = None) -> dict[
     return json.loads(path.read_text(encoding="utf-8")) if path else {}
 
 
+def group_prices(stack: Stack) -> dict[str, dict[str, float]]:
+    catalog, rate = stack.spec.catalog(), stack.spec.pricing.cny_per_usd
+    out: dict[str, dict[str, float]] = {}
+    for g in stack.groups:
+        priced = {t: catalog.priced(g.cloud, t, g.region) for t in g.types}
+        out[g.name] = {t: round(to_usd(i.price_ondemand, i.currency, rate), 6) for t, i in priced.items() if i}
+    return out
+
+
 def for_stack(stack_name: str, stack: Stack) -> dict[str, Any]:
     spec = stack.spec
     planned = stack_cost(stack)["monthly_usd"]
     derived: dict[str, Any] = {
         "cnyPerUsd": spec.pricing.cny_per_usd, "budgetMonthlyUsd": spec.budget.monthly_limit_usd,
-        "thresholdsPercent": list(spec.budget.thresholds_percent), "plannedMonthlyUsd": planned}
+        "thresholdsPercent": list(spec.budget.thresholds_percent), "plannedMonthlyUsd": planned,
+        # each node group's types at their price in its region, overrides included (USD per node-hour):
+        # the pack prices capacity where it runs, as the plan does
+        "groupPrices": group_prices(stack)}
     team = spec.team
     if team is not None:  # the registry's quota and markets (teams.yaml, through `make teams`)
         derived |= {"team": team.name, "gpuQuota": {c: dict(q) for c, q in team.gpus.items()},

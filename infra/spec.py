@@ -292,12 +292,16 @@ class Budget(SpecModel):
 class PriceOverride(SpecModel):
     cloud: Cloud
     instance_type: str
+    region: str | None = Field(None, description="The region the price is for; none: every region the catalog "
+                                                 "prices the type in (give one to price a new region).")
     on_demand_hourly: float = Field(gt=0, description="Price per node-hour in the catalog row's currency.")
 
 
 class Pricing(SpecModel):
     cny_per_usd: float = Field(7.2, gt=0, description="Exchange rate for CNY catalog prices.")
     overrides: list[PriceOverride] = Field(default_factory=list, description="Negotiated or current prices.")
+    allow_stale_prices: bool = Field(False, description="Plan with catalog prices older than a year (otherwise an "
+                                                        "error: run `make prices`).")
 
 
 class StackSpec(SpecModel):
@@ -351,6 +355,6 @@ class StackSpec(SpecModel):
         return own or self.training.image
 
     def catalog(self) -> cat.Catalog:
-        overrides: dict[tuple[str, str], float] = {
-            (o.cloud, o.instance_type): o.on_demand_hourly for o in self.pricing.overrides}
+        overrides: dict[tuple[str, str, str | None], float] = {
+            (o.cloud, o.instance_type, o.region): o.on_demand_hourly for o in self.pricing.overrides}
         return cat.load_catalog().with_prices(overrides)

@@ -72,7 +72,8 @@ def _problem(err: Any, root: type[BaseModel] = StackSpec) -> Problem:
     if kind == "missing":
         return Problem(_path(loc), "is required but missing; add it to the stack config")
     if kind in ("literal_error", "enum"):
-        expected = re.findall(r"'([^']+)'", str(err.get("ctx", {}).get("expected", "")))
+        raw = str(err.get("ctx", {}).get("expected", ""))
+        expected = re.findall(r"'([^']+)'", raw) or [raw]  # a Literal of numbers has no quotes
         return Problem(_path(loc), f"{value!r} is not allowed; use one of {', '.join(expected)}"
                                    f"{suggest(value, expected)}")
     msg = str(err["msg"]).removeprefix("Value error, ")
@@ -135,6 +136,10 @@ def check(spec: StackSpec) -> list[Problem]:
         problems += sharedfs.check(spec)
     if not problems:  # the commands are checked against the resolved groups' trainer contract
         problems += commands.check(spec)
+    if not problems:  # the prices the plan would use, by their age
+        from infra.prices.age import check_stale
+
+        problems += check_stale(spec)
     if not problems and spec.kubernetes.queues:  # the teams' queues against the resolved pools
         from infra.teams import registry  # the registry reads stack specs too
 
@@ -156,6 +161,8 @@ def _check_team(spec: StackSpec) -> list[Problem]:
     team = spec.team
     if team is not None:
         for i, net in enumerate(spec.networks):
+            if net.cloud not in spec.clouds:  # reported with the networks
+                continue
             allowed = team.regions.get(net.cloud, [])
             if spec.region_of(net) not in allowed:
                 where = f"{net.cloud} regions {', '.join(allowed)}" if allowed else f"no {net.cloud} region"
@@ -277,7 +284,27 @@ def _check_node_groups(spec: StackSpec, nets: Mapping[str, Network]) -> list[Pro
             out.append(Problem(f"{path}.network", f"{group.network!r} is a {net.cloud} network; the group is on {group.cloud}"))
         out += _check_scaling(group, path)
         out += _check_market(spec, group, path)
-        out += _check_hardware(spec, catalog, group, path)
+        region = spec.region_of(net) if net is not None and net.cloud == group.cloud else None
+        hardware = _check_hardware(spec, catalog, group, path, region)
+        out += hardware
+        if not hardware and region is not None:
+            out += _check_prices(catalog, group, path, region)
+    return out
+
+
+def _check_prices(catalog: cat.Catalog, group: NodeGroup, path: str, region: str) -> list[Problem]:
+    """Every named type has a price in the group's region: a figure from another region would
+    be wrong by up to 70 % (infra/data/prices.csv)."""
+    out = []
+    named = [(f"{path}.instanceType", group.instance_type)] if group.instance_type else []
+    named += [(f"{path}.fallbackTypes[{k}]", t) for k, t in enumerate(group.fallback_types)]
+    for where, name in named:
+        if name and catalog.priced(group.cloud, name, region) is None:
+            priced = ", ".join(catalog.regions_of(group.cloud, name)) or "nowhere"
+            out.append(Problem(where, f"node group {group.name}: {name} has no price in {region} (infra/data/"
+                                      f"prices.csv prices it in {priced}); run `make prices CLOUD={group.cloud} "
+                                      f"REGION={region}`, or give pricing.overrides [{{cloud: {group.cloud}, "
+                                      f"instanceType: {name}, region: {region}, onDemandHourly: ...}}]"))
     return out
 
 
@@ -285,6 +312,8 @@ def _check_pricing(spec: StackSpec) -> list[Problem]:
     catalog = cat.load_catalog()
     out = []
     for i, o in enumerate(spec.pricing.overrides):
+        if o.region is not None:
+            out += _check_region(o.cloud, o.region, f"pricing.overrides[{i}].region")
         if catalog.get(o.cloud, o.instance_type) is None:
             known = [t.instance_type for t in catalog.of_cloud(o.cloud)]
             name = cat.CLOUD_NAMES[o.cloud]
@@ -365,7 +394,8 @@ def _check_type(catalog: cat.Catalog, cloud: str, name: str, path: str) -> list[
                           f"{suggest(name, known)} (catalog: infra/data/gpu_catalog.csv)")]
 
 
-def _check_hardware(spec: StackSpec, catalog: cat.Catalog, group: NodeGroup, path: str) -> list[Problem]:
+def _check_hardware(spec: StackSpec, catalog: cat.Catalog, group: NodeGroup, path: str,
+                    region: str | None = None) -> list[Problem]:
     out: list[Problem] = []
     if group.instance_type is not None:
         out += _check_type(catalog, group.cloud, group.instance_type, f"{path}.instanceType")
@@ -385,6 +415,12 @@ def _check_hardware(spec: StackSpec, catalog: cat.Catalog, group: NodeGroup, pat
                                            f"{req.gpu_count} x {req.gpu_model or 'any'} GPU(s) with >= {req.min_vram_gb} GB each, "
                                            f"RAM >= {cat.RAM_PER_VRAM} x GPU memory and {req.scratch_gb} GB scratch "
                                            f"({req.scratch_source}); relax the requirement")]
+        if region is not None and not cat.select(catalog, [group.cloud], req, spec.pricing.cny_per_usd, region):
+            fits = [c.type.instance_type for c in cat.select(catalog, [group.cloud], req, spec.pricing.cny_per_usd)]
+            return [Problem(f"{path}.gpu", f"node group {group.name}: none of the types that meet it ({', '.join(fits)}) "
+                                           f"has a price in {region} (infra/data/prices.csv); run `make prices "
+                                           f"CLOUD={group.cloud} REGION={region}` or give pricing.overrides with "
+                                           "that region")]
         return []
     for k, name in enumerate([group.instance_type or ""] + group.fallback_types):
         item = catalog.get(group.cloud, name)

@@ -1,4 +1,4 @@
-"""The GPU catalog loader and the selector."""
+"""The GPU catalog and its prices per region: loaders, the selector, overrides."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def test_catalog_loads_all_required_families() -> None:
 def test_verified_specs_from_cloud_facts() -> None:
     c = cat.load_catalog()
     p4d = c.get("aws", "p4d.24xlarge")
-    assert p4d and (p4d.gpu_count, p4d.gpu_vram_gb, p4d.ram_gib, p4d.nvme_gb, p4d.price_ondemand) == (8, 40, 1152, 8000, 21.96)
+    assert p4d and (p4d.gpu_count, p4d.gpu_vram_gb, p4d.ram_gib, p4d.nvme_gb) == (8, 40, 1152, 8000)
+    assert (p4d.price_ondemand, p4d.price_region, p4d.price_date) == (21.957642, "us-east-1", "2026-09-10")
     gn = c.get("tencentcloud", "GN10Xp.5XLARGE80")
     assert gn and (gn.gpu_count, gn.gpu_vram_gb) == (2, 32)  # 32 GB V100s, not 16
     assert c.get("alicloud", "p4v.2xlarge") is None  # the guide's made-up type
@@ -40,15 +41,53 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 def test_loader_rejects_wrong_schema_and_columns(tmp_path: Path) -> None:
     good = cat.CATALOG_PATH.read_text()
+    prices = cat.CATALOG_PATH.with_name("prices.csv")
+
+    def load(text: str, price_text: str | None = None) -> None:
+        path = _write(tmp_path, text)
+        (tmp_path / "prices.csv").write_text(price_text if price_text is not None else prices.read_text())
+        cat.load_catalog_file(path)
+
     with pytest.raises(CatalogError, match="schema_version"):
-        cat.load_catalog_file(_write(tmp_path, good.replace("schema_version=1", "schema_version=9")))
+        load(good.replace("schema_version=2", "schema_version=9"))
     with pytest.raises(CatalogError, match="columns"):
-        cat.load_catalog_file(_write(tmp_path, good.replace("gpu_vram_gb", "vram")))
+        load(good.replace("gpu_vram_gb", "vram"))
     with pytest.raises(CatalogError, match="duplicate"):
         row = next(line for line in good.splitlines() if line.startswith("aws,p3.2xlarge"))
-        cat.load_catalog_file(_write(tmp_path, good + row + "\n"))
-    with pytest.raises(CatalogError, match="cat.csv:"):
-        cat.load_catalog_file(_write(tmp_path, good.replace(",3.06,USD", ",cheap,USD")))
+        load(good + row + "\n")
+    with pytest.raises(CatalogError, match="prices.csv:"):
+        load(good, prices.read_text().replace(",3.06,USD", ",cheap,USD"))
+    with pytest.raises(CatalogError, match="duplicate price"):
+        row = next(line for line in prices.read_text().splitlines() if line.startswith("aws,p3.2xlarge"))
+        load(good, prices.read_text() + row + "\n")
+    with pytest.raises(CatalogError, match="no price for aws p3.2xlarge"):
+        load(good, "\n".join(line for line in prices.read_text().splitlines() if not line.startswith("aws,p3.2xlarge,")))
+    with pytest.raises(CatalogError, match="date must be"):
+        load(good, prices.read_text().replace(",2026-09-10,", ",last week,", 1))
+
+
+def test_prices_are_per_region_with_source_and_date() -> None:
+    c = cat.load_catalog()
+    east, west, tokyo = (c.priced("aws", "p4d.24xlarge", r) for r in ("us-east-1", "eu-west-1", "ap-northeast-1"))
+    assert east and west and tokyo
+    assert (east.price_ondemand, west.price_ondemand, tokyo.price_ondemand) == (21.957642, 23.71569, 30.10)
+    assert west.price_source.startswith("AWS Price List bulk offer") and not west.price_estimate
+    assert tokyo.price_estimate  # quoted, not read from the price list here
+    assert c.priced("aws", "p4d.24xlarge", "af-south-1") is None
+    assert (west.gpu_count, west.ram_gib) == (east.gpu_count, east.ram_gib)  # one set of specs
+    assert east.spot_band == "10-15%" and east.spot_discount == 0.67  # the Spot Advisor, us-east-1
+    sa = c.priced("aws", "g5.xlarge", "sa-east-1")
+    assert sa and sa.price_ondemand == 1.71 and c.priced("aws", "g5.xlarge", "us-east-1").price_ondemand == 1.006  # type: ignore[union-attr]
+
+
+def test_the_selector_ranks_and_filters_by_the_region() -> None:
+    c = cat.load_catalog()
+    req = cat.Requirement(gpu_count=1, gpu_model="T4")
+    east = cat.select(c, ["aws"], req, 7.2, "us-east-1")
+    europe = cat.select(c, ["aws"], req, 7.2, "eu-west-1")
+    assert {p.type.instance_type for p in europe} <= {p.type.instance_type for p in east}
+    assert all(p.type.price_region == "eu-west-1" for p in europe)
+    assert cat.select(c, ["aws"], req, 7.2, "af-south-1") == []
 
 
 def test_selector_cheapest_first_across_clouds() -> None:
@@ -82,7 +121,11 @@ def test_selector_applies_ram_and_scratch_rules() -> None:
 
 
 def test_price_overrides_replace_catalog_prices() -> None:
-    c = cat.load_catalog().with_prices({("aws", "p4d.24xlarge"): 10.0})
+    c = cat.load_catalog().with_prices({("aws", "p4d.24xlarge", None): 10.0})
     item = c.get("aws", "p4d.24xlarge")
     assert item and item.price_ondemand == 10.0 and item.price_source == "stack override"
-    assert cat.load_catalog().get("aws", "p4d.24xlarge").price_ondemand == 21.96  # type: ignore[union-attr]
+    assert c.priced("aws", "p4d.24xlarge", "eu-west-1").price_ondemand == 10.0  # type: ignore[union-attr]
+    assert cat.load_catalog().get("aws", "p4d.24xlarge").price_ondemand == 21.957642  # type: ignore[union-attr]
+    one = cat.load_catalog().with_prices({("aws", "p4d.24xlarge", "af-south-1"): 31.0})
+    assert one.priced("aws", "p4d.24xlarge", "af-south-1").price_ondemand == 31.0  # type: ignore[union-attr]
+    assert one.priced("aws", "p4d.24xlarge", "us-east-1").price_ondemand == 21.957642  # type: ignore[union-attr]

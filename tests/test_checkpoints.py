@@ -107,7 +107,8 @@ def test_two_runs_never_share_a_cache_and_one_run_takes_one_trainer(moto: MotoSe
     env = storage_env(moto.url)
     first = launch([*TRAIN_ARGS, "--checkpoint-dir", f"s3://{moto.bucket}/run-x"], tmp_path, env)
     assert first.finish() == 0, first.output[-3000:]
-    other = launch([*TRAIN_ARGS, "--checkpoint-dir", f"s3://{moto.bucket}/run-y", "--throttle-ms", "200"],
+    # slow enough that run-y cannot reach step 60 on its own before it is stopped, even on a loaded machine
+    other = launch([*TRAIN_ARGS, "--checkpoint-dir", f"s3://{moto.bucket}/run-y", "--throttle-ms", "1000"],
                    tmp_path, env)
     other.wait_for(r"step 5 loss")
     assert "resumed" not in other.output, "a new run URL starts from scratch, not from run-x's steps"

@@ -7,12 +7,17 @@ from typing import Any
 import pytest
 
 from infra import cost
+from infra.catalog import load_catalog
 from infra.groups import resolve
 from infra.spec import StackSpec
 from infra.validation import parse
 from tests.harness import key, spec_raw, stack_values
 
 HOURS = 730.0
+# p4d.24xlarge in the dev network's region (us-east-1): its on-demand price and spot discount there
+_P4D = load_catalog().priced("aws", "p4d.24xlarge", "us-east-1")
+assert _P4D is not None
+P4D, P4D_SPOT = _P4D.price_ondemand, _P4D.spot_discount
 
 
 def _spec(stack: str = "dev", **edits: Any) -> StackSpec:
@@ -35,17 +40,17 @@ BASE = {"name": "grp", "cloud": "aws", "network": "aws-train", "instanceType": "
 def test_on_demand_always_on() -> None:
     spec = _one_group({**BASE, "scaling": {"min": 2, "max": 2}, "market": {"type": "on-demand"}})
     g = cost.group_cost(resolve(spec).groups[0])
-    assert g.hourly_usd == pytest.approx(2 * 21.96)
-    assert g.monthly_usd == pytest.approx(2 * 21.96 * HOURS, abs=0.01)
+    assert g.hourly_usd == pytest.approx(2 * P4D)
+    assert g.monthly_usd == pytest.approx(2 * P4D * HOURS, abs=0.01)
     assert g.on_demand_monthly_usd == pytest.approx(g.monthly_usd, abs=0.01)
 
 
 def test_spot_with_on_demand_base() -> None:
     spec = _one_group({**BASE, "scaling": {"min": 3, "max": 3}, "market": {"type": "spot", "onDemandBase": 1}})
     g = cost.group_cost(resolve(spec).groups[0])
-    spot = 21.96 * (1 - 0.60)
-    assert g.hourly_usd == pytest.approx(21.96 + 2 * spot)
-    assert g.on_demand_monthly_usd == pytest.approx(3 * 21.96 * HOURS, abs=0.01)
+    spot = P4D * (1 - P4D_SPOT)
+    assert g.hourly_usd == pytest.approx(P4D + 2 * spot)
+    assert g.on_demand_monthly_usd == pytest.approx(3 * P4D * HOURS, abs=0.01)
 
 
 def test_spot_max_price_caps_the_spot_price() -> None:
@@ -61,8 +66,8 @@ def test_schedule_duty_cycle() -> None:
     g = cost.group_cost(resolve(spec).groups[0])
     assert g.average_nodes == pytest.approx(2 * 60 / 168, abs=1e-4)
     assert g.peak_nodes == 2
-    assert g.hourly_usd == pytest.approx(2 * 60 / 168 * 21.96, rel=1e-4)
-    assert g.peak_hourly_usd == pytest.approx(2 * 21.96)
+    assert g.hourly_usd == pytest.approx(2 * 60 / 168 * P4D, rel=1e-4)
+    assert g.peak_hourly_usd == pytest.approx(2 * P4D)
 
 
 def test_reserved_pays_peak_around_the_clock() -> None:
@@ -70,7 +75,7 @@ def test_reserved_pays_peak_around_the_clock() -> None:
                        "schedule": [{"name": "up", "cron": "0 8 * * 1-5", "desired": 2},
                                     {"name": "down", "cron": "0 20 * * 1-5", "desired": 0}]})
     g = cost.group_cost(resolve(spec).groups[0])
-    assert g.hourly_usd == pytest.approx(2 * 21.96 * (1 - 0.40))
+    assert g.hourly_usd == pytest.approx(2 * P4D * (1 - 0.40), abs=1e-4)  # the cost model rounds to 4 places
 
 
 def test_cny_converted_and_data_disk_added() -> None:

@@ -278,8 +278,11 @@ def test_long_names_still_fit_the_clouds_limits(tmp_path: Path) -> None:
     ("pod range inside a VPC", "prod", lambda v: v[key("networks")][3].update(
         cidr="172.20.0.0/16", subnets=[{"zone": "cn-hangzhou-h", "cidr": "172.20.0.0/20"}]),
      ["networks[3].cidr", "overlaps the Alibaba Cloud clusters' pod range"]),
-    ("nodes out of the registry's region", "prod", lambda v: next(
+    ("nodes out of the registry's region", "prod", lambda v: (next(
         g for g in v[key("nodeGroups")] if g["name"] == "ali-train").__setitem__("network", "ali-train-sh"),
+        v.__setitem__(key("pricing"), {"overrides": [  # priced there, so that the registry's region is what fails
+            {"cloud": "alicloud", "instanceType": "ecs.gn7e-c16g1.32xlarge", "region": "cn-shanghai",
+             "onDemandHourly": 315.44}]})),
      ["nodeGroups[3].network", "serves VPCs in cn-hangzhou only", "training.prebuiltImages.alicloud"]),
     ("multi-node with a launcher that cannot be elastic", "dev", lambda v: v[key("training")].__setitem__(
         "launcher", "accelerate"), ["training.launcher", "aws-train trains on up to 2 nodes", "elastic torchrun"]),

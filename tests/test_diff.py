@@ -5,6 +5,7 @@ plans' own costs, and replacements of data- or capacity-holding resources are fl
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -45,7 +46,7 @@ def _edit(repo: Path, change: Any) -> None:
 
 def _run(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", *args], cwd=repo, capture_output=True, text=True, timeout=600,
-                          env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+                          env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin", "GTS_TODAY": os.environ["GTS_TODAY"]})
 
 
 def _diff(repo: Path) -> tuple[int, dict[str, Any], str]:
@@ -130,3 +131,32 @@ def test_a_new_mandatory_violation_exits_1_and_a_bad_ref_exits_2(repo: Path) -> 
     assert md_cli.returncode == 1 and md_cli.stdout == md, "make diff prints what the report renders"
     bad = _run(repo, "infra.cli.diff", "--base", "no-such-ref")
     assert bad.returncode == 2 and "no-such-ref" in bad.stderr
+
+
+def test_a_team_added_by_pull_request_shows_its_stack_and_cost(repo: Path) -> None:
+    """The platform team's workflow: a PR adds a team to teams.yaml, `make teams` writes its
+    generated stack, and `make diff` shows the new stack's resources and cost."""
+    subprocess.run(["git", "checkout", "-q", "--", "."], cwd=repo, check=True)
+    registry = yaml.safe_load((repo / "teams.yaml").read_text())
+    audio = json.loads(json.dumps(registry["teams"][0]))  # the isolated team as a template
+    audio.update(name="audio", costCenter="cc-4500", monthlyBudgetUsd=12000, gpus={"aws": {"A100": 8}})
+    audio["stack"]["networks"][0].update(name="audio-train", cidr="10.120.0.0/16",
+                                         subnets=[{"zone": "us-east-1a", "cidr": "10.120.0.0/20"}])
+    audio["stack"]["nodeGroups"][0].update(name="audio-train", network="audio-train",
+                                           scaling={"min": 0, "max": 1, "desired": 1})
+    registry["teams"].append(audio)
+    registry["org"]["gpus"]["aws"]["A100"] += 8
+    (repo / "teams.yaml").write_text(yaml.safe_dump(registry, sort_keys=False))
+    try:
+        teams = _run(repo, "infra.teams.report", "--team", "audio", "--format", "json")
+        assert teams.returncode == 0, teams.stderr
+        assert "wrote Pulumi.team-audio.yaml" in teams.stderr
+        as_json = _run(repo, "infra.cli.diff", "--base", "HEAD", "--stack", "team-audio", "--format", "json")
+        assert as_json.returncode == 0, as_json.stderr
+        report = json.loads(as_json.stdout)["stacks"][0]
+        added = {r["type"] for r in report["resources"]["added"]}
+        assert "aws:autoscaling/group:Group" in added and "aws:s3/bucket:Bucket" in added
+        cost = json.dumps(report["cost"])
+        assert "audio-train" in cost
+    finally:
+        (repo / "Pulumi.team-audio.yaml").unlink(missing_ok=True)

@@ -6,6 +6,7 @@ mean what the README says."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from tests.harness import ROOT, key, project_copy, stack_values, write_stack
 TAGS = {"owner": "o", "cost-center": "c", "env": "prod"}
 
 
-@pytest.mark.parametrize("name", ["gpu_catalog.csv", "capabilities.yaml", "stateful.yaml"])
+@pytest.mark.parametrize("name", ["gpu_catalog.csv", "prices.csv", "capabilities.yaml", "stateful.yaml"])
 def test_the_pack_ships_the_projects_data(name: str) -> None:
     assert (ROOT / "policies/data" / name).read_bytes() == (ROOT / "infra/data" / name).read_bytes(), \
         f"policies/data/{name} differs from infra/data/{name}: run `make policy-data`"
@@ -97,7 +98,7 @@ def test_a_schedule_cannot_lift_a_group_past_the_node_and_cost_caps() -> None:
 
 def _plan(proj: Path, stack: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "infra.plan", "--stack", stack, "--format", "json"], cwd=proj,
-                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(proj), "PATH": "/usr/bin:/bin"})
+                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(proj), "PATH": "/usr/bin:/bin", "GTS_TODAY": os.environ["GTS_TODAY"]})
 
 
 def test_a_budget_below_the_plan_is_a_mandatory_violation(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -97,7 +98,7 @@ def test_plan_reads_any_stack_file_and_rejects_bad_ones(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.argv=['plan','--stack','team-a'];"
                            "runpy.run_module('infra.plan', run_name='__main__')"],
                           cwd=proj, capture_output=True, text=True, timeout=300,
-                          env={"PYTHONPATH": str(proj), "PATH": "/usr/bin:/bin"})
+                          env={"PYTHONPATH": str(proj), "PATH": "/usr/bin:/bin", "GTS_TODAY": os.environ["GTS_TODAY"]})
     assert proc.returncode == 2
     assert "nodeGroups[0].instanceType" in proc.stderr and "did you mean 'p5.48xlarge'" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""

@@ -4,6 +4,7 @@ the shipped stacks, and the plan's exit code on violations."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -94,10 +95,10 @@ def test_dataset_disk_gpu_memory_families_max_nodes(cloud: str) -> None:
 
 
 def test_cost_caps_use_catalog_prices() -> None:
-    res = aws_asg(True, itype="p4d.24xlarge", max_size=4)  # 4 x 21.96 = 87.84 USD/h
+    res = aws_asg(True, itype="p4d.24xlarge", max_size=4)  # 4 x 21.957642 = 87.83 USD/h
     assert _names(rules.stack_cost_cap, res, {"maxHourlyUsd": 88}) == []
     assert _names(rules.stack_cost_cap, res, {"maxHourlyUsd": 87}) == ["stack"]
-    assert _names(rules.stack_cost_cap, res, {"maxMonthlyUsd": 87.84 * 730 - 1}) == ["stack"]
+    assert _names(rules.stack_cost_cap, res, {"maxMonthlyUsd": 87.83 * 730 - 1}) == ["stack"]
     assert _names(rules.group_cost_cap, res, {"maxHourlyUsdPerGroup": 50}) == ["asg"]
     tc = tc_instance(True, itype="GT4.41XLARGE948")  # 253.84 CNY / 7.2
     assert _names(rules.stack_cost_cap, tc, {"maxHourlyUsd": 35, "cnyPerUsd": 7.2}) == ["stack"]
@@ -212,7 +213,7 @@ def test_dev_stack_turned_on_demand_fails_the_spot_rule(tmp_path: Path) -> None:
     values[key("nodeGroups")][0]["market"] = {"type": "on-demand"}
     write_stack(proj, "dev", values)
     proc = subprocess.run([sys.executable, "-m", "infra.plan", "--stack", "dev", "--format", "json"], cwd=proj,
-                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(proj), "PATH": "/usr/bin:/bin"})
+                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(proj), "PATH": "/usr/bin:/bin", "GTS_TODAY": os.environ["GTS_TODAY"]})
     assert proc.returncode == 1, proc.stderr
     plan = json.loads(proc.stdout)
     spot = [v for v in plan["violations"] if v["policy"] == "gpu-spot-only"]

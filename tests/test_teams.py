@@ -38,7 +38,7 @@ def teams_project(tmp: Path, edit: Any = None) -> Path:
     """A project copy with prod (the base and shared stack), the registry and its generated
     stacks; `edit(registry_dict)` changes teams.yaml first."""
     proj = project_copy(tmp)
-    for name in ("Pulumi.prod.yaml", "Pulumi.team-vision.yaml", "teams.yaml"):
+    for name in ("Pulumi.dev.yaml", "Pulumi.prod.yaml", "Pulumi.team-vision.yaml", "teams.yaml"):
         shutil.copy(ROOT / name, proj / name)
     if edit is not None:
         data = yaml.safe_load((proj / "teams.yaml").read_text())
@@ -245,6 +245,66 @@ def test_bad_registry_shapes_name_the_key(tmp_path: Path) -> None:
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "teams[1].placment: unknown key; did you mean 'placement'?" in result.stderr
     assert "teams[2]" in result.stderr and "shared team queues on the shared clusters" in result.stderr
+
+
+@pytest.mark.parametrize("what,edit,expected", [
+    ("a team named after a stack takes its buckets", lambda d: d["teams"][0].__setitem__("name", "dev"),
+     ["teams[0].name", "'gts-dev' is Pulumi.dev.yaml's"]),
+    ("a prefix too long for a bucket name", lambda d: d["org"].__setitem__("name", "a" * 28),
+     ["teams[0].name", "over 32 characters"]),
+    ("a network on a cloud the team has no region on", lambda d: d["teams"][0]["stack"]["networks"].append(
+        {"name": "vt-tc", "cloud": "tencentcloud", "cidr": "10.111.0.0/16",
+         "subnets": [{"zone": "ap-guangzhou-3", "cidr": "10.111.0.0/20"}]}),
+     ["teams[0].stack.networks[1].cloud", "no tencentcloud region"]),
+    ("an empty region list", lambda d: d["teams"][0]["regions"].__setitem__("aws", []),
+     ["teams[0].regions.aws", "at least 1 item"]),
+    ("a quota of 0, true or a string", lambda d: d["teams"][1]["gpus"]["aws"].update(H100=0) or
+     d["teams"][2]["gpus"]["alicloud"].update(V100=True) or d["teams"][2]["gpus"]["tencentcloud"].update(V100="8"),
+     ["teams[1].gpus.aws.H100", "teams[2].gpus.alicloud.V100", "teams[2].gpus.tencentcloud.V100"]),
+    ("an endless budget", lambda d: d["org"].__setitem__("monthlyBudgetUsd", float("inf")),
+     ["org.monthlyBudgetUsd", "finite"]),
+    ("a shared stack that shares nothing", lambda d: d["org"].__setitem__("sharedStack", "dev"),
+     ["org.sharedStack", "Pulumi.dev.yaml does not set kubernetes.queues: teams.yaml"]),
+    ("a schema version this tool does not read", lambda d: d.__setitem__("version", 2), ["version", "use one of 1"]),
+    ("an org GPU model the catalog does not have", lambda d: d["org"]["gpus"]["aws"].update(h100=8),
+     ["org.gpus.aws.h100", "use one of"]),
+    ("a shared team outside the shared cluster's region", lambda d: d["teams"][1]["regions"].__setitem__(
+        "aws", ["eu-west-1"]), ["teams[1].regions.aws", "cluster is in us-east-1"]),
+    ("an on-demand share the pools cannot hold", lambda d: d["teams"][1]["markets"].__setitem__("onDemandBaseMax", 1),
+     ["aws-h100-on-demand", "markets.onDemandBaseMax"]),
+    ("a generated stack that is not a valid stack", lambda d: d["teams"][0]["stack"]["nodeGroups"][0].__setitem__(
+        "sharedFs", True), ["teams[0].stack.nodeGroups[0].sharedFs"]),
+])
+def test_hostile_registries_are_refused_naming_the_key(tmp_path: Path, what: str, edit: Any,
+                                                       expected: list[str]) -> None:
+    proj = teams_project(tmp_path, edit)
+    before = (proj / "Pulumi.team-vision.yaml").read_text()
+    result = make_teams(proj)
+    assert result.returncode == 2, (what, result.stdout, result.stderr)
+    for text in expected:
+        assert text in result.stderr, (what, text, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert (proj / "Pulumi.team-vision.yaml").read_text() == before, "nothing is written from a refused registry"
+
+
+def test_hand_written_stacks_and_repeated_keys(tmp_path: Path) -> None:
+    def claim(data: dict[str, Any]) -> None:
+        data["teams"][0]["name"] = "foo"
+
+    proj = teams_project(tmp_path, claim)
+    (proj / "Pulumi.team-foo.yaml").write_text("config: {}\n")  # a stack someone wrote by hand
+    result = make_teams(proj)
+    assert result.returncode == 2 and "Pulumi.team-foo.yaml exists and is hand-written" in result.stderr
+    assert (proj / "Pulumi.team-foo.yaml").read_text() == "config: {}\n"
+    (tmp_path / "b").mkdir()
+    proj2 = teams_project(tmp_path / "b")
+    text = (proj2 / "teams.yaml").read_text().replace("    gpus: {aws: {H100: 16}}\n",
+                                                     "    gpus: {aws: {H100: 16}}\n    gpus: {aws: {H100: 32}}\n")
+    (proj2 / "teams.yaml").write_text(text)
+    twice = make_teams(proj2)
+    assert twice.returncode == 2 and "'gpus' is given twice" in twice.stderr
+    (proj2 / "teams.yaml").write_text("- just a list\n")
+    assert "must be a mapping with version: 1, org and teams" in make_teams(proj2).stderr
 
 
 # ----------------------------------------------------------- the Automation API driver

@@ -8,6 +8,7 @@ extra for images that ship it (horovod 0.28.1 does not build against current tor
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from typing import Any
@@ -48,6 +49,11 @@ class Comm:
             if self.world > 1 and not dist.is_initialized():
                 backend = "nccl" if torch.cuda.is_available() else "gloo"
                 dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+            if self.world > 1:
+                # Code that never calls close() (a Hugging Face script after spot.train, a plain
+                # loop) still leaves together at exit: a gloo rank that exits while its peer ends
+                # the last collective aborts it ("terminate called without an active exception").
+                atexit.register(self.close)
         self.node = self.rank // max(1, self.local_world)
         self.nnodes = max(1, self.world // max(1, self.local_world))
         self.device = torch.device(f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu")

@@ -29,6 +29,7 @@ from infra.plan import report
 from infra.plan.engine import DuplicateUrn, Registered, run_program, unwrap_secrets
 from infra.plan.invokes import COMPUTED, INVOKES
 from infra.plan.replacements import replacements
+from infra.prices import age
 from infra.stackfile import StackFileError, project_name, read_stack_file, spec_from_values, stack_path
 
 
@@ -53,8 +54,11 @@ def build_plan(stack: str, against: Path | None = None) -> dict[str, Any]:
     rendered = [{"type": r.type, "name": r.name, "urn": r.urn, "parent": r.parent, "provider": r.provider,
                  "protect": bool(r.options.get("protect")), "retainOnDelete": bool(r.options.get("retainOnDelete")),
                  "aliases": list(r.options.get("aliases", [])), "inputs": r.masked()} for r in resources]
+    cost["prices"] = age.summary(resolved)
+    violations = policy_verdicts(stack, resolved, resources)
+    stale = age.advisory(resolved)
     plan = {"stack": stack, "project": project, "resources": rendered, "cost": cost,
-            "violations": policy_verdicts(stack, resolved, resources)}
+            "violations": violations + ([stale] if stale else [])}
     if against is not None:
         base = json.loads(against.read_text(encoding="utf-8"))
         kinds = protection.stateful_types()

@@ -68,15 +68,15 @@ def _resources(plan: dict[str, Any], console: Console) -> None:
 
 def _cost(cost: dict[str, Any], console: Console) -> None:
     groups = Table(title="cost by node group (USD)")
-    for column in ("node group", "cloud", "type", "market", "spot cap /node-h", "avg nodes", "$/h", "$/month",
-                   "on-demand $/month"):
+    for column in ("node group", "cloud", "region", "type", "market", "spot cap /node-h", "avg nodes", "$/h",
+                   "$/month", "on-demand $/month"):
         groups.add_column(column, justify="right" if column[0] in "a$os" else "left")
     for g in cost["node_groups"]:
         flag = "*" if g["price_estimate"] else ""
         cap = "" if g["spot_max_price"] is None else (
             f"{g['spot_max_price']:,.2f} {g['currency']}"
             + (" (on-demand)" if g["spot_max_price_basis"].startswith("on-demand") else ""))
-        groups.add_row(g["name"], g["cloud"], g["instance_type"] + flag, g["market"], cap,
+        groups.add_row(g["name"], g["cloud"], g["region"], g["instance_type"] + flag, g["market"], cap,
                        f"{g['average_nodes']:.2f}", f"{g['hourly_usd']:,.2f}", f"{g['monthly_usd']:,.0f}",
                        f"{g['on_demand_monthly_usd']:,.0f}")
     console.print(groups)
@@ -98,6 +98,12 @@ def _cost(cost: dict[str, Any], console: Console) -> None:
     console.print(f"saving vs on-demand: {cost['savings_vs_on_demand_pct']}%   "
                   f"budget: ${cost['budget_monthly_usd']:,.0f}/month"
                   + ("   (* price is an estimate; override in pricing.overrides)" if cost["includes_estimates"] else ""))
+    prices = cost.get("prices")
+    if prices and prices["oldest"]:
+        oldest = prices["oldest"]
+        console.print(f"prices: each group's region (infra/data/prices.csv); oldest used {oldest['date']} "
+                      f"({prices['age_days']} days: {escape(oldest['type'])} in {oldest['region']}, "
+                      f"{escape(str(oldest['source']))})", highlight=False)
 
 
 def _violations(violations: list[dict[str, str]], console: Console) -> None:

@@ -117,18 +117,20 @@ def own_queue(stack: Stack, cloud: str) -> Queue:
 
 
 def queues(stack: Stack, registry: Registry, cloud: str) -> list[Queue]:
-    """Every ClusterQueue of the stack's cluster on `cloud`: the stack's own, then the teams'."""
+    """Every ClusterQueue of the stack's cluster on `cloud`: the stack's own, then the teams'
+    (a team whose quota finds no flavor here gets none: Kueue requires at least one)."""
     available = flavors(stack, cloud)
     if not available:
         return []
     teams = [team_queue(t, registry.index(t.name), cloud, available) for t in registry.shared if cloud in t.gpus]
-    return [own_queue(stack, cloud), *teams]
+    return [own_queue(stack, cloud), *(q for q in teams if q.gpus)]
 
 
 def check(spec: StackSpec, registry: Registry) -> Iterator[Problem]:
     """Every shared team's GPUs have pools of their model here, and every flavor's quotas together
     fit its pools at their max size."""
     stack = resolve(spec)
+    yield from _one_cluster_per_cloud(stack)
     for team in registry.shared:
         i = registry.index(team.name)
         for cloud, quota in team.gpus.items():
@@ -136,6 +138,10 @@ def check(spec: StackSpec, registry: Registry) -> Iterator[Problem]:
                 yield Problem(f"teams[{i}].gpus.{cloud}", f"the shared stack does not use {cloud}; remove the quota "
                                                           "or add the cloud and a Kubernetes training pool there")
                 continue
+            where = sorted({g.region for g in training_pools(stack, cloud)})
+            if where and not set(where) & set(team.regions.get(cloud, [])):
+                yield Problem(f"teams[{i}].regions.{cloud}", f"the shared {cloud} cluster is in {', '.join(where)}, "
+                                                             f"not in team {team.name}'s regions; add it there")
             here = flavors(stack, cloud)
             for model in quota:
                 if not any(f.model == model for f in here.values()):
@@ -147,6 +153,17 @@ def check(spec: StackSpec, registry: Registry) -> Iterator[Problem]:
         yield from _fits(stack, registry, cloud)
 
 
+def _one_cluster_per_cloud(stack: Stack) -> Iterator[Problem]:
+    """A team's quota on a cloud is one ClusterQueue on one cluster: the shared stack keeps its
+    Kubernetes training pools in one network (one cluster, one region) per cloud."""
+    for cloud in stack.spec.clouds:
+        networks = sorted({g.network for g in training_pools(stack, cloud)})
+        if len(networks) > 1:
+            yield Problem("nodeGroups", f"the shared stack's {cloud} training pools are in {len(networks)} clusters "
+                                        f"({', '.join(networks)}); teams queue on one cluster per cloud: keep the "
+                                        "Kubernetes training pools of a cloud in one network")
+
+
 def _fits(stack: Stack, registry: Registry, cloud: str) -> Iterator[Problem]:
     here = flavors(stack, cloud)
     planned = queues(stack, registry, cloud)
@@ -155,7 +172,9 @@ def _fits(stack: Stack, registry: Registry, cloud: str) -> Iterator[Problem]:
         total = sum(n for _, n in asked)
         if total > flavor.capacity_gpus:
             who = ", ".join(f"{q.name} {n} ({q.registry_path})" for q, n in asked)
+            fix = ("lower the teams' markets.onDemandBaseMax (a team's on-demand share is that many nodes' GPUs; "
+                   "this stack's own Jobs keep theirs) or raise the pools' on-demand base"
+                   if flavor.market == "on-demand" else "lower the teams' quotas or raise the pools' scaling.max")
             yield Problem(f"{cloud}.{name}", f"the queues' quotas add up to {total} GPUs ({who}), over the "
                                              f"{flavor.capacity_gpus} its pools hold at their max "
-                                             f"({'; '.join(flavor.pools)}); lower the teams' quotas or raise the "
-                                             "pools' scaling.max")
+                                             f"({'; '.join(flavor.pools)}); {fix}")

@@ -22,12 +22,17 @@ from pydantic import Field, ValidationError, model_validator
 
 from infra import catalog as cat
 from infra.errors import Problem, SpecError
-from infra.spec import Cloud, GpuQuota, quota_of, Name, NodeGroup, Network, Peering, SpecModel
+from infra.spec import Cloud, Name, NodeGroup, Network, Peering, SpecModel, quota_of
 
 REGISTRY = "teams.yaml"
 STACK_PREFIX = "team-"  # a team's generated stack (and env) is team-<name>
 TeamName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,25}[a-z0-9]$")]  # team-<name> is a Name
 Email = Annotated[str, Field(pattern=r"^[^@\s]+@[^@\s]+\.[^@\s]+$")]
+GpuModel = Annotated[str, Field(pattern=r"^[A-Za-z0-9]+$")]
+# GPUs per cloud and model: whole numbers above 0 (YAML's true or "16" are refused, not read as 1 or 16)
+Quota = dict[Cloud, dict[GpuModel, Annotated[int, Field(gt=0, strict=True)]]]
+Usd = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Regions = Annotated[list[str], Field(min_length=1)]
 
 
 class RegistryError(SpecError):
@@ -40,13 +45,13 @@ class Org(SpecModel):
                                          "Kubernetes access, storage, training and pricing (Pulumi.<this>.yaml).")
     shared_stack: Name | None = Field(None, description="The stack whose clusters shared teams queue on; it sets "
                                                         "kubernetes.queues: teams.yaml.")
-    monthly_budget_usd: float = Field(gt=0, description="The org's monthly budget; the teams' budgets fit in it.")
-    gpus: GpuQuota = Field(min_length=1, description="GPUs the org may use per cloud and GPU model.")
+    monthly_budget_usd: Usd = Field(description="The org's monthly budget; the teams' budgets fit in it.")
+    gpus: Quota = Field(min_length=1, description="GPUs the org may use per cloud and GPU model.")
 
 
 class Markets(SpecModel):
     spot_only: bool = Field(True, description="All GPU capacity spot, beyond onDemandBaseMax on-demand nodes.")
-    on_demand_base_max: int = Field(0, ge=0, description="On-demand nodes kept, all groups together (on a shared "
+    on_demand_base_max: int = Field(0, ge=0, strict=True, description="On-demand nodes kept, all groups together (on a shared "
                                                          "cluster: the share of the quota on on-demand nodes).")
 
 
@@ -64,10 +69,11 @@ class Team(SpecModel):
     cost_center: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Cost center, tagged on everything.")
     placement: Literal["isolated", "shared"] = Field(description="isolated: a stack of its own; shared: queues on "
                                                                  "the org's shared clusters.")
-    regions: dict[Cloud, list[str]] = Field(min_length=1, description="Regions it may use, per cloud.")
-    gpus: GpuQuota = Field(min_length=1, description="Its GPU quota per cloud and GPU model (GPUs, not nodes).")
+    regions: dict[Cloud, Regions] = Field(min_length=1, description="Regions it may use, per cloud (the first: "
+                                                                   "its stack's default).")
+    gpus: Quota = Field(min_length=1, description="Its GPU quota per cloud and GPU model (GPUs, not nodes).")
     markets: Markets = Field(default_factory=Markets, description="How it may buy capacity.")
-    monthly_budget_usd: float = Field(gt=0, description="Its monthly budget.")
+    monthly_budget_usd: Usd = Field(description="Its monthly budget.")
     borrowing: bool = Field(False, description="Shared: may borrow unused quota of the other teams in the cohort.")
     stack: TeamStack | None = Field(None, description="Isolated: its networks and node groups.")
 
@@ -102,17 +108,34 @@ class Registry(SpecModel):
         return [t for t in self.teams if t.placement == "shared"]
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping: in a reviewed file, the line a reviewer
+    reads must be the one that applies."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load(root: Path, name: str = REGISTRY) -> Registry:
     """The registry at `root/name`, checked; RegistryError lists every problem."""
     from infra.validation import problems_of
 
     path = root / name
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeys)  # noqa: S506 (a SafeLoader)
     except OSError as exc:
         raise RegistryError([Problem(name, f"cannot be read ({exc.strerror}); create it (README: Teams)")], name) from None
     except yaml.YAMLError as exc:
         raise RegistryError([Problem(name, f"is not valid YAML: {exc}")], name) from None
+    if not isinstance(data, dict):
+        raise RegistryError([Problem(name, "must be a mapping with version: 1, org and teams (README: Teams)")], name)
     try:
         registry = Registry.model_validate(data)
     except ValidationError as exc:
@@ -132,12 +155,71 @@ def check(registry: Registry, root: Path) -> Iterator[Problem]:
         seen.setdefault(team.name, i)
         yield from _check_team(registry, team, i)
     yield from _check_org_totals(registry)
+    yield from _check_org_models(registry)
+    yield from _check_stacks(registry, root)
+    yield from _check_buckets(registry, root)
+
+
+def _stack_config(root: Path, stack: str) -> dict[str, Any]:
+    data = yaml.safe_load((root / f"Pulumi.{stack}.yaml").read_text(encoding="utf-8")) or {}
+    return dict(data.get("config") or {}) if isinstance(data, dict) else {}
+
+
+def _check_stacks(registry: Registry, root: Path) -> Iterator[Problem]:
+    """The base and shared stacks exist, and the shared one shares its clusters with this registry."""
     org = registry.org
     for key, stack in (("baseStack", org.base_stack), ("sharedStack", org.shared_stack)):
         if stack and not (root / f"Pulumi.{stack}.yaml").exists():
             yield Problem(f"org.{key}", f"no stack file Pulumi.{stack}.yaml here")
+            return
     if registry.shared and not org.shared_stack:
         yield Problem("org.sharedStack", "shared teams need the stack whose clusters they queue on")
+    elif org.shared_stack:
+        access: Any = next((v for k, v in _stack_config(root, org.shared_stack).items() if k.endswith(":kubernetes")),
+                           {})
+        if not isinstance(access, dict) or access.get("queues") != REGISTRY:
+            yield Problem("org.sharedStack", f"Pulumi.{org.shared_stack}.yaml does not set kubernetes.queues: "
+                                             f"{REGISTRY}; point sharedStack at the stack whose clusters the teams share "
+                                             "(or set it there)")
+
+
+def _check_buckets(registry: Registry, root: Path) -> Iterator[Problem]:
+    """An isolated team's bucket prefix (<org>-<team>) fits 32 characters and is no other stack's:
+    two stacks on one bucket would overwrite each other's checkpoints."""
+    from infra.teams.generate import is_generated
+
+    taken = {}
+    for path in sorted(root.glob("Pulumi.*.yaml")):
+        if is_generated(path):
+            continue
+        storage: Any = next((v for k, v in _stack_config(root, path.name[7:-5]).items() if k.endswith(":storage")), {})
+        if isinstance(storage, dict) and storage.get("bucketPrefix"):
+            taken[str(storage["bucketPrefix"])] = path.name
+    for i, team in enumerate(registry.teams):
+        if team.placement != "isolated":
+            continue
+        prefix = bucket_prefix(registry, team)
+        if len(prefix) > 32:
+            yield Problem(f"teams[{i}].name", f"the team's bucket prefix {prefix!r} is over 32 characters; shorten "
+                                              "the team name or org.name")
+        elif prefix in taken:
+            yield Problem(f"teams[{i}].name", f"the team's bucket prefix {prefix!r} is {taken[prefix]}'s; rename "
+                                              "the team")
+        taken.setdefault(prefix, f"team {team.name}")
+
+
+def bucket_prefix(registry: Registry, team: Team) -> str:
+    return f"{registry.org.name}-{team.name}"
+
+
+def _check_org_models(registry: Registry) -> Iterator[Problem]:
+    catalog = cat.load_catalog()
+    for cloud, quota in registry.org.gpus.items():
+        models = catalog.gpu_models(cloud)
+        for model in quota:
+            if model not in models:
+                yield Problem(f"org.gpus.{cloud}.{model}", f"{model} is not a GPU model of {cat.CLOUD_NAMES[cloud]} in "
+                                                           f"the catalog; use one of {', '.join(models)}")
 
 
 def _check_team(registry: Registry, team: Team, i: int) -> Iterator[Problem]:
@@ -152,6 +234,13 @@ def _check_team(registry: Registry, team: Team, i: int) -> Iterator[Problem]:
     for cloud, regions in team.regions.items():
         for j, region in enumerate(regions):
             yield from check_region(cloud, region, f"teams[{i}].regions.{cloud}[{j}]")
+    own = team.stack
+    parts = [("networks", k, x.cloud) for k, x in enumerate(own.networks)] if own else []
+    parts += [("nodeGroups", k, x.cloud) for k, x in enumerate(own.node_groups)] if own else []
+    for key, k, cloud in parts:
+        if cloud not in team.regions:
+            yield Problem(f"teams[{i}].stack.{key}[{k}].cloud", f"team {team.name} has no {cloud} region; add "
+                                                                 f"regions.{cloud} (and its quota) or use another cloud")
     for cloud, quota in team.gpus.items():
         if cloud not in team.regions:
             yield Problem(f"teams[{i}].gpus.{cloud}", f"team {team.name} has a {cloud} quota but no {cloud} region; "

@@ -5,7 +5,7 @@ as CI does), plans each team stack (or one) in the mock engine, reads the shared
 the teams' ClusterQueues, and prints per team: resources, $/h and $/month, GPUs used vs granted
 per cloud and model, violations; then the org's total against its limits. Exit 0 fine, 1 a
 mandatory violation or a quota or org-limit breach (naming the team and the model), 2 an invalid
-registry or team stack (or, with --check, generated files that differ from the registry).
+registry or team stack (or, with --check, generated files that differ from the registry), 3 an internal error.
 """
 
 from __future__ import annotations
@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--team", help="one team (default: all, with the org's totals)")
     parser.add_argument("--format", choices=("table", "json"), default="table")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 2 if the generated stacks differ")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an internal error")
     args = parser.parse_args(argv)
     err = Console(stderr=True, soft_wrap=True)
     root = project_root()
@@ -217,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     except (RegistryError, SpecError, StackFileError, CatalogError, pulumi.RunError) as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return 2
+    except Exception as exc:  # noqa: BLE001 (a bug here, not the registry's: exit 3, one line, as make plan)
+        from infra.plan.__main__ import internal_error
+
+        return internal_error(exc, args.debug, err)
     if args.format == "json":
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:

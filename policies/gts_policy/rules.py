@@ -100,10 +100,27 @@ def _capacities(resources: list[Res]) -> list[tuple[Res, Capacity]]:
     return out
 
 
-def _peak_hourly_usd(cap: Capacity, cny_per_usd: float) -> float:
-    """All nodes up, at on-demand price of the dearest listed type (the worst case)."""
-    prices = [cat.to_usd(i.price_ondemand, i.currency, cny_per_usd)
-              for i in (_item(t) for t in cap.instance_types) if i]
+def _group_prices(cap: Capacity, cfg: Mapping[str, Any]) -> Mapping[str, float] | None:
+    """USD per node-hour of each type of the capacity's node group, as the stack prices it in the
+    group's region (with its overrides): the stack's policy config carries them (`groupPrices`,
+    infra/policy_config.py). A pool of a group (EKS / TKE name an on-demand base <group>-od) is
+    its group's; the longest matching group name wins."""
+    groups = cfg.get("groupPrices") or {}
+    if cap.group in groups:
+        return dict(groups[cap.group])
+    owners = sorted((g for g in groups if cap.group.startswith(f"{g}-")), key=len, reverse=True)
+    return dict(groups[owners[0]]) if owners else None
+
+
+def _peak_hourly_usd(cap: Capacity, cny_per_usd: float, cfg: Mapping[str, Any]) -> float:
+    """All nodes up, at the on-demand price of the dearest listed type (the worst case): the
+    group's regional price from the stack, else the catalog's reference price."""
+    regional = _group_prices(cap, cfg)
+    if regional:
+        prices = [float(regional[t]) for t in cap.instance_types if t in regional]
+    else:
+        prices = [cat.to_usd(i.price_ondemand, i.currency, cny_per_usd)
+                  for i in (_item(t) for t in cap.instance_types) if i]
     return cap.max_nodes * max(prices, default=0.0)
 
 
@@ -111,7 +128,7 @@ def _peak_hourly_usd(cap: Capacity, cny_per_usd: float) -> float:
 
 def stack_cost_cap(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     rate = float(cfg.get("cnyPerUsd", 7.2))
-    total = sum(_peak_hourly_usd(c, rate) for _, c in _capacities(resources))
+    total = sum(_peak_hourly_usd(c, rate, cfg) for _, c in _capacities(resources))
     out = []
     if "maxHourlyUsd" in cfg and total > float(cfg["maxHourlyUsd"]):
         out.append(("stack", f"GPU capacity at its maximum costs ${total:,.2f}/h on-demand, over the cap of "
@@ -126,9 +143,9 @@ def stack_cost_cap(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[s
 def group_cost_cap(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     rate = float(cfg.get("cnyPerUsd", 7.2))
     cap_usd = float(cfg.get("maxHourlyUsdPerGroup", float("inf")))
-    return [(r.name, f"node group {c.group} can reach ${_peak_hourly_usd(c, rate):,.2f}/h on-demand, over "
+    return [(r.name, f"node group {c.group} can reach ${_peak_hourly_usd(c, rate, cfg):,.2f}/h on-demand, over "
                      f"${cap_usd:,.2f}/h; lower its max size or pick cheaper types")
-            for r, c in _capacities(resources) if _peak_hourly_usd(c, rate) > cap_usd]
+            for r, c in _capacities(resources) if _peak_hourly_usd(c, rate, cfg) > cap_usd]
 
 
 BUDGET_SCHEMA: dict[str, dict[str, Any]] = {"budgetMonthlyUsd": {"type": "number"}, "plannedMonthlyUsd": {"type": "number"},
@@ -530,9 +547,10 @@ def stateful_protected(r: Res, config: Mapping[str, Any]) -> list[str]:
 RULES: list[Rule] = [
     Rule("stack-cost-cap", "The stack's GPU capacity at its maximum stays under an hourly and monthly cap.",
          "mandatory", stack_cost_cap, {"maxHourlyUsd": {"type": "number"}, "maxMonthlyUsd": {"type": "number"},
-                                        "cnyPerUsd": {"type": "number"}}),
+                                        "cnyPerUsd": {"type": "number"}, "groupPrices": {"type": "object"}}),
     Rule("node-group-cost-cap", "Each node group at its maximum stays under an hourly cap.", "mandatory",
-         group_cost_cap, {"maxHourlyUsdPerGroup": {"type": "number"}, "cnyPerUsd": {"type": "number"}}),
+         group_cost_cap, {"maxHourlyUsdPerGroup": {"type": "number"}, "cnyPerUsd": {"type": "number"},
+                          "groupPrices": {"type": "object"}}),
     Rule("budget-covers-plan", "The planned monthly cost stays within the stack's budget.", "mandatory",
          budget_covers_plan, BUDGET_SCHEMA),
     Rule("budget-headroom", "The planned monthly cost stays under the budget's first alert threshold.", "advisory",
