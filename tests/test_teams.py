@@ -130,13 +130,18 @@ def test_flavors_select_nodes_the_pools_really_label() -> None:
 
 
 def test_each_stack_job_is_admitted_whole_by_its_own_queue() -> None:
-    """Seam Job -> queue: a queued Job (suspended, labelled) asks for parallelism x its pod's
-    requests, and its ClusterQueue's nominal quota on each flavor of its pool holds all of it."""
+    """Seam Job -> queue: a queued Job (labelled, created after Kueue and its LocalQueue, its
+    `suspend` left to Kueue's webhook) asks for parallelism x its pod's requests, and its
+    ClusterQueue's nominal quota on each flavor of its pool holds all of it."""
     stack = resolve(load_stack_spec("prod"))
     res = list(shipped("prod"))
-    jobs = {r.inputs["metadata"]["name"]: r.inputs for r in by_type(res, "kubernetes:batch/v1:Job")}
-    assert jobs and all(j["spec"]["suspend"] is True and j["metadata"]["labels"][QUEUE_LABEL] == queues.OWN_QUEUE
+    registered = by_type(res, "kubernetes:batch/v1:Job")
+    jobs = {r.inputs["metadata"]["name"]: r.inputs for r in registered}
+    assert jobs and all("suspend" not in j["spec"] and j["metadata"]["labels"][QUEUE_LABEL] == queues.OWN_QUEUE
                         for j in jobs.values())
+    for r in registered:
+        waits = " ".join(r.options["dependencies"])
+        assert "helm.sh/v3:Release" in waits and "v1beta2:LocalQueue" in waits, r.name
     reg = registry.load(ROOT)
     for cloud in stack.spec.clouds:
         own = queues.queues(stack, reg, cloud)[0]
@@ -404,3 +409,18 @@ def test_showback_rules_price_each_teams_admitted_gpus(tmp_path: Path) -> None:
                             timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert math.isfinite(monthly) and monthly > 0
+
+
+def test_a_shared_stack_keeps_one_training_cluster_per_cloud() -> None:
+    """A team's quota on a cloud is one ClusterQueue: a second cluster with training pools on the
+    same cloud (another network) is refused, naming the networks."""
+    from infra.errors import SpecError
+    from infra.validation import parse
+    from tests.harness import key, spec_raw, stack_values
+
+    values = stack_values("prod")
+    eks = next(g for g in values[key("nodeGroups")] if g["name"] == "aws-eks-train")
+    values[key("nodeGroups")].append({**eks, "name": "aws-eks-west", "network": "aws-train-west", "sharedFs": False})
+    with pytest.raises(SpecError) as caught:
+        parse(spec_raw(values))
+    assert "aws training pools are in 2 clusters (aws-train, aws-train-west)" in str(caught.value)

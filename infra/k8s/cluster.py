@@ -30,17 +30,18 @@ def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[
     if device_plugin:
         NvidiaDevicePlugin(f"{name}-nvidia", images.device_plugin, opts=opts)
     GpuNodeExporters(f"{name}-exporters", images, opts=opts)
-    queue = shared_queues(name, spec, groups, opts)
-    namespace = training_namespace(name, opts, managed=queue is not None).metadata.name
+    queued = shared_queues(name, spec, groups, opts)
+    namespace = training_namespace(name, opts, managed=queued is not None).metadata.name
     labels = {"env": spec.env, LABEL_TEAM: spec.team_name}
-    deploy_training_jobs(groups, trainer_images, identities, namespace, labels, opts, shared, queue)
+    queue, after = queued if queued else (None, [])
+    deploy_training_jobs(groups, trainer_images, identities, namespace, labels, opts, shared, queue, after)
     return provider
 
 
 def shared_queues(name: str, spec: StackSpec, groups: list[ResolvedGroup],
-                  opts: pulumi.ResourceOptions) -> str | None:
+                  opts: pulumi.ResourceOptions) -> tuple[str, list[pulumi.Resource]] | None:
     """Kueue and the teams' queues where the stack shares its clusters (kubernetes.queues): the
-    LocalQueue its own Jobs are submitted to; None elsewhere."""
+    LocalQueue its own Jobs are submitted to and what they wait for; None elsewhere."""
     if not spec.kubernetes.queues:
         return None
     from infra.stackfile import project_root
@@ -51,6 +52,6 @@ def shared_queues(name: str, spec: StackSpec, groups: list[ResolvedGroup],
     planned = queues.queues(stack, registry.load(project_root(), spec.kubernetes.queues), cloud)
     if not planned:  # no training pool on this cluster: nothing to queue for
         return None
-    SharedQueues(f"{name}-queues", cloud, queues.flavors(stack, cloud), planned, spec.clouds[groups[0].group.cloud].mirrors,
-                 opts=opts)
-    return queues.OWN_QUEUE
+    component = SharedQueues(f"{name}-queues", cloud, queues.flavors(stack, cloud), planned,
+                             spec.clouds[groups[0].group.cloud].mirrors, opts=opts)
+    return queues.OWN_QUEUE, [component.release, *component.local_queues]

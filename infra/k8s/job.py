@@ -54,6 +54,7 @@ class TrainingJobArgs:
     backoff_limit: int = 6
     shared: SharedFsOutputs | None = None  # the network's shared file system, when the group mounts it
     queue: str | None = None  # the Kueue LocalQueue it is submitted to, on a shared cluster
+    after: list[pulumi.Resource] = field(default_factory=list)  # created after these (Kueue, its queues)
 
 
 def pod_resources(rg: ResolvedGroup) -> tuple[dict[str, str], int]:
@@ -118,12 +119,12 @@ def rendezvous_store(name: str, image: pulumi.Input[str], namespace: pulumi.Inpu
 def deploy_training_jobs(groups: list[ResolvedGroup], images: Mapping[str, pulumi.Output[str]],
                          identities: dict[str, Identity], namespace: pulumi.Input[str], labels: dict[str, str],
                          opts: pulumi.ResourceOptions, shared: SharedFsOutputs | None = None,
-                         queue: str | None = None) -> list[TrainingJob]:
+                         queue: str | None = None, after: list[pulumi.Resource] | None = None) -> list[TrainingJob]:
     """One training Job per Kubernetes training group, on the cluster whose provider `opts` carries."""
     return [TrainingJob(g.name, TrainingJobArgs(
         group=g, image=images[g.name], env=job_env(g, g.name), identity=identities[g.name], namespace=namespace,
-        scratch_gb=max(g.scratch_gb, 50), labels=labels, shared=shared if g.group.shared_fs else None, queue=queue),
-        opts=opts)
+        scratch_gb=max(g.scratch_gb, 50), labels=labels, shared=shared if g.group.shared_fs else None, queue=queue,
+        after=list(after or [])), opts=opts)
             for g in groups if g.workload == "training"]
 
 
@@ -192,7 +193,10 @@ class TrainingJob(pulumi.ComponentResource):
                 volume_mounts=mounts)],
             volumes=volumes)
         # On a shared cluster the Job waits in its LocalQueue until Kueue admits all its pods at
-        # once; created suspended so that it never starts outside the queue (Kueue unsuspends it).
+        # once. Kueue's webhook suspends a labelled Job in a managed namespace as it is created
+        # (site/content/en/docs/tasks/run/jobs.md), so the spec leaves `suspend` to Kueue: a spec
+        # value would read as drift on every refresh once Kueue unsuspends it. The Job is created
+        # after Kueue and its queues, so that the webhook is there to catch it.
         queued = {QUEUE_LABEL: args.queue} if args.queue else {}
         self.job = k8s.batch.v1.Job(
             f"{name}-job",
@@ -202,12 +206,11 @@ class TrainingJob(pulumi.ComponentResource):
             metadata=k8s.meta.v1.ObjectMetaArgs(name=job, namespace=args.namespace, labels={**labels, **queued},
                                                 annotations={SKIP_AWAIT: "true"}),
             spec=k8s.batch.v1.JobSpecArgs(
-                suspend=True if args.queue else None,
                 completion_mode="Indexed", completions=rg.nnodes, parallelism=rg.nnodes,
                 backoff_limit=args.backoff_limit,
                 template=k8s.core.v1.PodTemplateSpecArgs(metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
                                                          spec=pod)),
-            opts=child)
+            opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(depends_on=args.after)))
         self.register_outputs({"jobName": self.job.metadata.name})
 
     @staticmethod

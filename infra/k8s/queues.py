@@ -116,6 +116,7 @@ class SharedQueues(pulumi.ComponentResource):
             metadata=k8s.meta.v1.ObjectMetaArgs(name=f.name), spec=_flavor_spec(f), opts=after)
             for f in flavors.values()]
         after_flavors = pulumi.ResourceOptions(parent=self, depends_on=[self.release, *made])
+        self.local_queues: list[pulumi.Resource] = []
         for queue in queues:
             cluster_queue = k8s.apiextensions.CustomResource(
                 f"{name}-cq-{queue.name}", api_version=API, kind="ClusterQueue",
@@ -124,12 +125,12 @@ class SharedQueues(pulumi.ComponentResource):
             namespace: pulumi.Input[str] = queue.namespace
             if queue.namespace != TRAINING_NAMESPACE:  # the stack's own namespace exists already (infra/k8s/job.py)
                 namespace = self._team_namespace(name, queue, child).metadata.name
-            k8s.apiextensions.CustomResource(
+            self.local_queues.append(k8s.apiextensions.CustomResource(
                 f"{name}-lq-{queue.name}", api_version=API, kind="LocalQueue",
                 metadata=k8s.meta.v1.ObjectMetaArgs(name=queue.local_queue, namespace=namespace,
                                                     labels={LABEL_TEAM: queue.team}),
                 spec={"clusterQueue": queue.name},
-                opts=pulumi.ResourceOptions(parent=self, depends_on=[self.release, cluster_queue]))
+                opts=pulumi.ResourceOptions(parent=self, depends_on=[self.release, cluster_queue])))
         self.register_outputs({"queues": [q.name for q in queues]})
 
     @staticmethod
