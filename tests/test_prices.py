@@ -21,7 +21,7 @@ from infra import catalog as cat
 from infra import policy_config
 from infra.groups import resolve
 from infra.prices import age, refresh
-from infra.prices.sources import PriceSourceError, alicloud_price, aws_offer, aws_spot, tencentcloud_price
+from infra.prices.sources import PriceSourceError, alicloud_price, alicloud_spot, aws_offer, aws_spot, tencentcloud_price
 from infra.stackfile import load_stack_spec
 from policies.gts_policy.resources import Res
 from policies.gts_policy.rules import group_cost_cap
@@ -43,7 +43,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def figures(path: Path) -> dict[tuple[str, str, str], tuple[Any, ...]]:
     _, rows = refresh.read(path)
-    return {(p.cloud, p.instance_type, p.region): (p.on_demand, p.currency, p.spot_discount, p.spot_band) for p in rows}
+    return {(p.cloud, p.instance_type, p.region): (p.on_demand, p.currency, p.spot_discount, p.spot_band,
+                                                   p.reserved_discount) for p in rows}
 
 
 # ------------------------------------------------------------------------ the sources
@@ -54,6 +55,8 @@ def test_the_offer_filter_takes_plain_linux_on_demand_only() -> None:
     # Windows, Dedicated, Reserved and p5's Capacity Block at $0.00 are in the file and all refused
     assert offer.prices == {"p4d.24xlarge": 21.957642, "p5.48xlarge": 55.04, "g4dn.xlarge": 0.526, "g6.xlarge": 0.8048}
     assert (offer.version, offer.date) == ("20260910195514", "2026-09-10")
+    # the same product's 1-year, no-upfront, standard Reserved term: what reserved_discount stands for
+    assert offer.reserved["p4d.24xlarge"] == pytest.approx(21.957642 * 0.6, abs=1e-4)
     with pytest.raises(PriceSourceError, match="Publication Date"):
         aws_offer(lines[5:], "us-east-1", {"p4d.24xlarge"})
 
@@ -65,6 +68,10 @@ def test_spot_advisor_alibaba_and_tencent_formats() -> None:
     assert alicloud_price(body) == (11.5, "CNY")  # the instance's line, not the total with its system disk
     body["PriceInfo"]["Price"]["DetailInfos"] = {"ResourcePriceModel": body["PriceInfo"]["Price"]["DetailInfos"]["DetailInfo"]}
     assert alicloud_price(body) == (11.5, "CNY")  # older SDKs' name for the list
+    history = json.loads((RECORDED / "alicloud" / "cn-hangzhou" / "ecs.gn7i-c8g1.2xlarge.spot.json").read_text())
+    assert alicloud_spot(history, "ecs.gn7i-c8g1.2xlarge") == 0.70  # 1 - mean(SpotPrice / OriginPrice)
+    with pytest.raises(PriceSourceError, match="no spot price"):
+        alicloud_spot(history, "ecs.gn6i-c4g1.xlarge")
     tencent = json.loads((RECORDED / "tencentcloud" / "ap-guangzhou" / "GN7.2XLARGE32.json").read_text())
     assert tencentcloud_price(tencent) == 8.68
     with pytest.raises(PriceSourceError, match="AuthFailure"):
@@ -82,6 +89,7 @@ def test_make_prices_on_the_recorded_responses_reproduces_the_shipped_rows(tmp_p
     _, rows = refresh.read(path)
     ali = next(p for p in rows if p.instance_type == "ecs.gn7i-c8g1.2xlarge")
     assert not ali.estimate and ali.source.startswith("Alibaba Cloud ECS DescribePrice")  # now read from the API
+    assert ali.spot_source.startswith("Alibaba Cloud ECS DescribeSpotPriceHistory")  # its spot discount too
     assert "skipped" in result.stdout and "p3.8xlarge us-east-1: not in the offer file" in result.stdout
 
 
@@ -117,7 +125,7 @@ def test_a_new_region_is_priced_from_its_offer_file(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout
     got = figures(path)
     assert got[("aws", "p4d.24xlarge", "us-west-2")][0] == 21.95764 and got[("aws", "g6.xlarge", "us-west-2")][0] == 0.8048
-    assert got[("aws", "p5.48xlarge", "us-west-2")][2:] == (0.46, "5-10%")  # the Advisor's figures for us-west-2
+    assert got[("aws", "p5.48xlarge", "us-west-2")][2:4] == (0.46, "5-10%")  # the Advisor's figures for us-west-2
     assert ("aws", "p3.2xlarge", "us-west-2") not in got  # not in that offer file: no row, said so
     bad = run("--recorded", str(RECORDED), "--file", str(path), "--region", "us-west-2")
     assert bad.returncode == 2 and "needs one CLOUD" in bad.stdout

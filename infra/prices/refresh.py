@@ -28,14 +28,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from infra import catalog as cat
-from infra.prices.sources import (Live, PriceSourceError, Recorded, Source, Unanswered, alicloud_price, aws_offer,
-                                  aws_spot, tencentcloud_price)
+from infra.prices.sources import (Live, PriceSourceError, Recorded, Source, Unanswered, alicloud_price, alicloud_spot,
+                                  aws_offer, aws_spot, tencentcloud_price)
 from policies.gts_policy.catalog import PRICE_COLUMNS, Price
 
 PRICES = cat.DATA_DIR / "prices.csv"
 PACK_COPY = Path(__file__).resolve().parents[2] / "policies" / "data" / "prices.csv"
 THRESHOLD_PCT = 25.0
 ADVISOR = "AWS Spot Instance Advisor data (spot-advisor-data.json)"
+ALIBABA_SPOT = "Alibaba Cloud ECS DescribeSpotPriceHistory (1 - mean SpotPrice / OriginPrice)"
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,11 @@ def refresh_aws(rows: list[Price], source: Source, today: str) -> tuple[list[Pri
             if p.instance_type not in offer.prices:
                 missing.append(f"aws {p.instance_type} {region}: not in the offer file (not offered there)")
                 continue
-            fresh = replace(p, on_demand=offer.prices[p.instance_type], source=f"AWS Price List bulk offer AmazonEC2 "
-                            f"{offer.version}", date=offer.date, estimate=False)
+            on_demand = offer.prices[p.instance_type]
+            reserved = offer.reserved.get(p.instance_type)
+            fresh = replace(p, on_demand=on_demand, source=f"AWS Price List bulk offer AmazonEC2 {offer.version}",
+                            date=offer.date, estimate=False,
+                            reserved_discount=round(1 - reserved / on_demand, 2) if reserved else p.reserved_discount)
             if p.instance_type in spot:
                 discount, band = spot[p.instance_type]
                 if (discount, band) != (p.spot_discount, p.spot_band):
@@ -128,8 +132,15 @@ def refresh_alicloud(rows: list[Price], source: Source, today: str) -> tuple[lis
             missing.append(f"alicloud {p.instance_type} {p.region}: the API answers in {currency}, the catalog row is "
                            f"{p.currency} (an account of the other site); not changed")
             continue
-        out.append(replace(p, on_demand=price, source="Alibaba Cloud ECS DescribePrice (TradePrice)", date=today,
-                           estimate=False))
+        fresh = replace(p, on_demand=price, source="Alibaba Cloud ECS DescribePrice (TradePrice)", date=today,
+                        estimate=False)
+        zone = cat.load_regions()["alicloud"].get(p.region, [""])[0]
+        try:
+            discount = alicloud_spot(source.alicloud_spot_history(p.region, zone, p.instance_type), p.instance_type)
+            fresh = replace(fresh, spot_discount=discount, spot_source=ALIBABA_SPOT, spot_date=today)
+        except Unanswered as exc:
+            missing.append(f"alicloud {p.instance_type} {p.region} spot: {exc} (spot discount kept)")
+        out.append(fresh)
     return out, missing
 
 

@@ -7,12 +7,14 @@
   "Compute Instance", Region Code the region, Operating System Linux, Tenancy Shared, Pre
   Installed S/W NA, CapacityStatus Used, License Model "No License required", MarketOption
   OnDemand, TermType OnDemand and Unit Hrs (a Capacity Block SKU of p5 lists at 0.00 and differs
-  only in MarketOption). Columns are read by name: the set changes over time.
+  only in MarketOption). Columns are read by name: the set changes over time. The reserved
+  discount is the same product's Reserved term of 1 year, No Upfront, standard, per hour.
   Spot: the Spot Instance Advisor feed https://spot-bid-advisor.s3.amazonaws.com/spot-advisor-data.json
   (spot_advisor[region].Linux[type] = {s: savings % off on-demand, r: index into ranges}).
 - Alibaba Cloud: ECS DescribePrice (2014-05-26; ResourceType instance, PriceUnit Hour, Linux):
   PriceInfo.Price.DetailInfos.DetailInfo[Resource=instanceType].TradePrice (older SDKs call the
-  list ResourcePriceModel), in PriceInfo.Price.Currency (the account's site decides it).
+  list ResourcePriceModel), in PriceInfo.Price.Currency (the account's site decides it). Spot:
+  DescribeSpotPriceHistory (SpotPrices.SpotPriceType[] {InstanceType, SpotPrice, OriginPrice}).
 - Tencent Cloud: CVM InquiryPriceRunInstances (2017-03-12; POSTPAID_BY_HOUR):
   Response.Price.InstancePrice.UnitPriceDiscount per ChargeUnit HOUR (the account's price; its
   Discount field is 0.0 in the official examples and is not used). Currency: the account's site.
@@ -29,16 +31,20 @@ import functools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
 PRICE_LIST = "https://pricing.us-east-1.amazonaws.com"
 REGION_INDEX = f"{PRICE_LIST}/offers/v1.0/aws/AmazonEC2/current/region_index.json"
 SPOT_ADVISOR = "https://spot-bid-advisor.s3.amazonaws.com/spot-advisor-data.json"
-LINUX_ON_DEMAND = {"Product Family": "Compute Instance", "Operating System": "Linux", "Tenancy": "Shared",
-                   "Pre Installed S/W": "NA", "CapacityStatus": "Used", "License Model": "No License required",
-                   "MarketOption": "OnDemand", "TermType": "OnDemand", "Unit": "Hrs"}
+LINUX = {"Product Family": "Compute Instance", "Operating System": "Linux", "Tenancy": "Shared",
+         "Pre Installed S/W": "NA", "CapacityStatus": "Used", "License Model": "No License required",
+         "MarketOption": "OnDemand", "Unit": "Hrs"}
+LINUX_ON_DEMAND = {**LINUX, "TermType": "OnDemand"}
+# the reserved price the catalog's reserved_discount stands for: 1 year, no upfront, standard
+LINUX_RESERVED = {**LINUX, "TermType": "Reserved", "LeaseContractLength": "1yr", "PurchaseOption": "No Upfront",
+                  "OfferingClass": "standard"}
 
 
 class PriceSourceError(Exception):
@@ -68,6 +74,7 @@ class Offer:
     version: str
     date: str  # publication date, YYYY-MM-DD
     prices: dict[str, float]  # instance type -> USD per hour
+    reserved: dict[str, float] = field(default_factory=dict)  # type -> USD per hour, 1 year no upfront
 
 
 def aws_offer(lines: Iterable[str], region: str, types: set[str]) -> Offer:
@@ -81,19 +88,19 @@ def aws_offer(lines: Iterable[str], region: str, types: set[str]) -> Offer:
     if "Publication Date" not in meta or "Version" not in meta:
         raise PriceSourceError("not an AWS offer file: its first rows hold no Publication Date and Version")
     prices: dict[str, float] = {}
+    reserved: dict[str, float] = {}
     seen = 0
     for row in csv.DictReader(it):
         if row.get("Region Code") != region:
             continue
         seen += 1
-        if row.get("Instance Type") in types and all(row.get(k) == v for k, v in LINUX_ON_DEMAND.items()):
-            try:
-                amount = float(row["PricePerUnit"])
-            except (TypeError, ValueError):
-                raise PriceSourceError(f"offer file {region}: PricePerUnit {row.get('PricePerUnit')!r} of "
-                                       f"{row['Instance Type']} is not a number") from None
-            if amount > 0:
-                prices[row["Instance Type"]] = amount
+        if row.get("Instance Type") not in types:
+            continue
+        for wanted, into in ((LINUX_ON_DEMAND, prices), (LINUX_RESERVED, reserved)):
+            if all(row.get(k) == v for k, v in wanted.items()):
+                amount = _amount(row, region)
+                if amount > 0:
+                    into[row["Instance Type"]] = amount
     if not seen:
         raise PriceSourceError(f"offer file {region}: no row for the region at all (a truncated download, or "
                                "another region's file)")
@@ -103,7 +110,15 @@ def aws_offer(lines: Iterable[str], region: str, types: set[str]) -> Offer:
     except ValueError:
         raise PriceSourceError(f"offer file {region}: Publication Date {meta['Publication Date']!r} is not a date") \
             from None
-    return Offer(meta["Version"], date, prices)
+    return Offer(meta["Version"], date, prices, reserved)
+
+
+def _amount(row: dict[str, str], region: str) -> float:
+    try:
+        return float(row["PricePerUnit"])
+    except (TypeError, ValueError):
+        raise PriceSourceError(f"offer file {region}: PricePerUnit {row.get('PricePerUnit')!r} of "
+                               f"{row['Instance Type']} is not a number") from None
 
 
 def aws_spot(advisor: dict[str, Any], region: str, types: set[str]) -> dict[str, tuple[float, str]]:
@@ -128,6 +143,19 @@ def alicloud_price(body: dict[str, Any]) -> tuple[float, str]:
         raise PriceSourceError(f"not a DescribePrice response: {exc!r}") from None
 
 
+def alicloud_spot(body: dict[str, Any], instance_type: str) -> float:
+    """The spot discount off pay-as-you-go from a DescribeSpotPriceHistory response: 1 - the mean
+    of SpotPrice / OriginPrice over the type's entries (the last 3 hours by default)."""
+    try:
+        entries = [e for e in body["SpotPrices"]["SpotPriceType"] if e.get("InstanceType") == instance_type]
+        ratios = [float(e["SpotPrice"]) / float(e["OriginPrice"]) for e in entries if float(e["OriginPrice"]) > 0]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PriceSourceError(f"not a DescribeSpotPriceHistory response: {exc!r}") from None
+    if not ratios:
+        raise NotOffered(f"DescribeSpotPriceHistory lists no spot price of {instance_type}")
+    return round(1 - sum(ratios) / len(ratios), 2)
+
+
 def tencentcloud_price(body: dict[str, Any]) -> float:
     """The hourly instance price from an InquiryPriceRunInstances response."""
     response = body.get("Response", {}) if isinstance(body, dict) else {}
@@ -149,6 +177,7 @@ class Source(Protocol):
     def aws_offer_lines(self, region: str) -> Iterator[str]: ...
     def aws_spot_advisor(self) -> dict[str, Any]: ...
     def alicloud_describe_price(self, region: str, instance_type: str) -> dict[str, Any]: ...
+    def alicloud_spot_history(self, region: str, zone: str, instance_type: str) -> dict[str, Any]: ...
     def tencentcloud_inquiry(self, region: str, zone: str, instance_type: str) -> dict[str, Any]: ...
 
 
@@ -180,6 +209,9 @@ class Recorded:
 
     def alicloud_describe_price(self, region: str, instance_type: str) -> dict[str, Any]:
         return self._json("alicloud", region, f"{instance_type}.json")
+
+    def alicloud_spot_history(self, region: str, zone: str, instance_type: str) -> dict[str, Any]:
+        return self._json("alicloud", region, f"{instance_type}.spot.json")
 
     def tencentcloud_inquiry(self, region: str, zone: str, instance_type: str) -> dict[str, Any]:
         return self._json("tencentcloud", region, f"{instance_type}.json")
@@ -239,14 +271,27 @@ class Live:
     def alicloud_describe_price(self, region: str, instance_type: str) -> dict[str, Any]:
         from alibabacloud_ecs20140526 import models
         from alibabacloud_ecs20140526.client import Client
-        from alibabacloud_tea_openapi import models as openapi
 
-        config = openapi.Config(access_key_id=_env("ALIBABA_CLOUD_ACCESS_KEY_ID"),
-                                access_key_secret=_env("ALIBABA_CLOUD_ACCESS_KEY_SECRET"),
-                                endpoint=f"ecs.{region}.aliyuncs.com")
         request = models.DescribePriceRequest(region_id=region, resource_type="instance", instance_type=instance_type,
                                               price_unit="Hour", period=1)
-        return dict(Client(config).describe_price(request).to_map()["body"])
+        return dict(Client(self._alicloud(region)).describe_price(request).to_map()["body"])
+
+    @_answer("Alibaba Cloud DescribeSpotPriceHistory")
+    def alicloud_spot_history(self, region: str, zone: str, instance_type: str) -> dict[str, Any]:
+        from alibabacloud_ecs20140526 import models
+        from alibabacloud_ecs20140526.client import Client
+
+        request = models.DescribeSpotPriceHistoryRequest(region_id=region, zone_id=zone, instance_type=instance_type,
+                                                         network_type="vpc", ostype="linux")
+        return dict(Client(self._alicloud(region)).describe_spot_price_history(request).to_map()["body"])
+
+    @staticmethod
+    def _alicloud(region: str) -> Any:
+        from alibabacloud_tea_openapi import models as openapi
+
+        return openapi.Config(access_key_id=_env("ALIBABA_CLOUD_ACCESS_KEY_ID"),
+                              access_key_secret=_env("ALIBABA_CLOUD_ACCESS_KEY_SECRET"),
+                              endpoint=f"ecs.{region}.aliyuncs.com")
 
     @_answer("Tencent Cloud InquiryPriceRunInstances")
     def tencentcloud_inquiry(self, region: str, zone: str, instance_type: str) -> dict[str, Any]:
