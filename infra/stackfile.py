@@ -88,13 +88,18 @@ def _mask(value: Any) -> Any:
 
 def read_stack_file(path: Path, project: str) -> StackConfig:
     """Turn `Pulumi.<stack>.yaml` into the config map the Pulumi CLI hands the program."""
-    stack = path.name[len("Pulumi."):-len(".yaml")]
+    return read_stack_text(path.read_text(encoding="utf-8"), path.name, project)
+
+
+def read_stack_text(text: str, name: str, project: str) -> StackConfig:
+    """The same for a stack file's text (`name` is its file name: Pulumi.<stack>.yaml)."""
+    stack = name[len("Pulumi."):-len(".yaml")]
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
-        raise StackFileError(f"{path.name} is not valid YAML: {exc}") from None
+        raise StackFileError(f"{name} is not valid YAML: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("config", {}), dict):
-        raise StackFileError(f"{path.name}: expected a mapping with a 'config:' mapping")
+        raise StackFileError(f"{name}: expected a mapping with a 'config:' mapping")
     values: dict[str, str] = {}
     secrets: list[str] = []
     for key, value in (data.get("config") or {}).items():

@@ -135,3 +135,34 @@ def test_resource_rules_judge_one_resource_before_it_is_created_and_remediate(
     assert not [d for d in analyzer.Analyze(protected).diagnostics if d.policyName == "stateful-protected"]
     untagged = _resource("aws:s3/bucket:Bucket", "raw", {"bucket": "c"}, protect=True)
     assert [d for d in analyzer.Analyze(untagged).diagnostics if d.policyName == "required-tags"]
+
+
+def test_a_team_stacks_policy_config_holds_it_to_its_quota(analyzer: analyzer_pb2_grpc.AnalyzerStub,
+                                                           tmp_path: Path) -> None:
+    """Seam registry -> team stack -> `make policy-config` -> the pack as the engine runs it: the
+    generated stack's real fleet, within its quota, passes; with the quota halved in the written
+    config, team-gpu-quota is a mandatory violation naming the team and the model."""
+    from infra.plan.engine import unwrap_secrets
+    from tests.harness import by_type, shipped
+
+    out = subprocess.run([sys.executable, "-m", "infra.cli.policy_config", "--stack", "team-vision", "--out",
+                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    path = Path(out.stdout.strip())
+    (asg,) = by_type(list(shipped("team-vision")), "aws:autoscaling/group:Group")
+    fleet = analyzer_pb2.AnalyzerResource(
+        type=asg.type, name=asg.name, urn=asg.urn, properties=_struct(json.loads(json.dumps(unwrap_secrets(asg.inputs)))))
+
+    def quota_hits() -> list[analyzer_pb2.AnalyzeDiagnostic]:
+        found = analyzer.AnalyzeStack(analyzer_pb2.AnalyzeStackRequest(resources=[fleet])).diagnostics
+        return [d for d in found if d.policyName == "team-gpu-quota"]
+
+    _configure(analyzer, path)
+    assert quota_hits() == []
+    config = json.loads(path.read_text())
+    config["team-gpu-quota"]["gpuQuota"]["aws"]["A100"] = 8
+    path.write_text(json.dumps(config))
+    _configure(analyzer, path)
+    (hit,) = quota_hits()
+    assert hit.enforcementLevel == LEVELS["mandatory"]
+    assert "team vision" in hit.message and "16 A100 GPUs" in hit.message

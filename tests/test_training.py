@@ -240,7 +240,13 @@ def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\nrule_files: [rules.yml]\n"
         f"scrape_configs: [{{job_name: trainer, static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]}}]\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # The identity a dev AWS node's env file gives its trainer (decoded from the node's user data):
+    # the metrics' labels, which the showback rules sum by team.
+    from tests.test_contract import vm_env
+
+    node = vm_env("dev", "aws", tmp_path)
+    identity = {k: node[k] for k in ("GTS_CLOUD", "GTS_NODE_GROUP", "GTS_TEAM")}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **identity}
     trainer = subprocess.Popen([sys.executable, "-m", "training.train", "--steps", "400", "--throttle-ms", "50",
                                 "--checkpoint-every", "100", "--checkpoint-dir", str(tmp_path / "ck"),
                                 "--metrics-port", str(metrics_port), "--node-hourly-usd", "3.06"],
@@ -279,6 +285,12 @@ def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
             return len(rules) >= 7 and all(r["health"] == "ok" and r.get("lastEvaluation", "").startswith("2")
                                            for r in rules)
         assert retry_until(rules_evaluated, 30), "Prometheus did not load and evaluate the stack's rules"
+        # Showback: the recording rule gives the node's spend to the team its env names.
+        assert identity["GTS_TEAM"] == spec.team_name
+        assert retry_until(lambda: bool(query(monitoring.TEAM_NODE_SPEND)), 30), "the showback rule recorded nothing"
+        spend = query(monitoring.TEAM_NODE_SPEND)
+        assert [r["metric"].get("team") for r in spend] == [spec.team_name]
+        assert float(spend[0]["value"][1]) == pytest.approx(3.06 * 730)
         # Every dashboard query runs; those over the trainer's metrics return its series.
         for panel in monitoring.dashboard(spec)["panels"]:
             for target in panel["targets"]:

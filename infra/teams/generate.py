@@ -12,7 +12,6 @@ node groups, and its budget with its owners as the alert list.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +95,7 @@ def validate(registry: Registry, root: Path, files: dict[Path, str]) -> None:
     reported against the team's entry in teams.yaml (its stack.networks / nodeGroups), and a
     hand-written file of that name is never replaced."""
     from infra.errors import SpecError
-    from infra.stackfile import project_name, spec_from_values
+    from infra.stackfile import project_name, read_stack_text, spec_from_values
 
     problems: list[Problem] = []
     for team in registry.teams:
@@ -108,10 +107,9 @@ def validate(registry: Registry, root: Path, files: dict[Path, str]) -> None:
             problems.append(Problem(f"teams[{i}].name", f"{path.name} exists and is hand-written (no GENERATED "
                                                         "header): rename the team or move that file"))
             continue
-        config = yaml.safe_load(files[path])["config"]
-        values = {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
-        try:
-            spec_from_values(values, project_name(root), path.name)
+        project = project_name(root)
+        try:  # read as the Pulumi CLI will read the file
+            spec_from_values(read_stack_text(files[path], path.name, project).values, project, path.name)
         except SpecError as exc:
             problems += [Problem(_team_path(i, p.path), p.message) for p in exc.problems]
     if problems:

@@ -160,9 +160,17 @@ def check(registry: Registry, root: Path) -> Iterator[Problem]:
     yield from _check_buckets(registry, root)
 
 
-def _stack_config(root: Path, stack: str) -> dict[str, Any]:
-    data = yaml.safe_load((root / f"Pulumi.{stack}.yaml").read_text(encoding="utf-8")) or {}
-    return dict(data.get("config") or {}) if isinstance(data, dict) else {}
+def _stack_value(root: Path, stack: str, key: str) -> Any:
+    """One project key of a stack file, read as the Pulumi CLI hands it to the program (None
+    where it is absent or the file unreadable: the stack's own plan says why)."""
+    from infra.stackfile import StackFileError, decode, project_name, read_stack_file
+
+    project = project_name(root)
+    try:
+        values = read_stack_file(root / f"Pulumi.{stack}.yaml", project).values
+    except StackFileError:
+        return None
+    return decode({k.split(":", 1)[1]: v for k, v in values.items() if k.startswith(f"{project}:")}).get(key)
 
 
 def _check_stacks(registry: Registry, root: Path) -> Iterator[Problem]:
@@ -175,8 +183,7 @@ def _check_stacks(registry: Registry, root: Path) -> Iterator[Problem]:
     if registry.shared and not org.shared_stack:
         yield Problem("org.sharedStack", "shared teams need the stack whose clusters they queue on")
     elif org.shared_stack:
-        access: Any = next((v for k, v in _stack_config(root, org.shared_stack).items() if k.endswith(":kubernetes")),
-                           {})
+        access = _stack_value(root, org.shared_stack, "kubernetes")
         if not isinstance(access, dict) or access.get("queues") != REGISTRY:
             yield Problem("org.sharedStack", f"Pulumi.{org.shared_stack}.yaml does not set kubernetes.queues: "
                                              f"{REGISTRY}; point sharedStack at the stack whose clusters the teams share "
@@ -192,7 +199,7 @@ def _check_buckets(registry: Registry, root: Path) -> Iterator[Problem]:
     for path in sorted(root.glob("Pulumi.*.yaml")):
         if is_generated(path):
             continue
-        storage: Any = next((v for k, v in _stack_config(root, path.name[7:-5]).items() if k.endswith(":storage")), {})
+        storage = _stack_value(root, path.name[len("Pulumi."):-len(".yaml")], "storage")
         if isinstance(storage, dict) and storage.get("bucketPrefix"):
             taken[str(storage["bucketPrefix"])] = path.name
     for i, team in enumerate(registry.teams):

@@ -39,6 +39,9 @@ class TencentSharedFs(pulumi.ComponentResource):
         fs = args.network.shared_fs
         assert fs is not None
         child = pulumi.ResourceOptions(parent=self)
+        # A label, not an identity (unlike a NAS group's name, infra/clouds/alicloud/sharedfs.py):
+        # CFS creates the group by name and addresses it by the id it returns, and nothing asks
+        # for unique names (terraform-provider-tencentcloud resource_tc_cfs_access_group.go).
         group = tencentcloud.cfs.AccessGroup(f"{name}-access", name=f"{name}-shared",
                                              description="gpu-training-stack: the stack's networks only", opts=child)
         # no_root_squash: the node hands the file system's root to the trainer's uid (gts-shared.sh).
