@@ -40,6 +40,7 @@ class FakeMetadata:
         self.spot_notice: str | None = None
         self.extra: dict[str, str] = {}  # other paths, e.g. AWS's rebalance recommendation
         self.credential_requests = 0
+        self.requests = 0  # every GET answered: a test waits on it instead of sleeping
         self.token = "tok-123"
         # Alibaba STS AssumeRoleWithOIDC (ACK RRSA) and the EKS Pod Identity agent, on the same port
         self.oidc_tokens: list[str] = []
@@ -67,6 +68,7 @@ class FakeMetadata:
                 self._reply(200, json.dumps({"RequestId": "r-1", "Credentials": doc}))
 
             def do_GET(self) -> None:  # noqa: N802
+                owner.requests += 1
                 if self.path == POD_IDENTITY_PATH:
                     if self.headers.get("Authorization") != owner.pod_identity_token:
                         self.send_error(401)

@@ -1,6 +1,7 @@
 """A training worker stand-in for the spot-notice tests, run by the real entrypoint and torchrun
 (TRAIN_MODULE=tests.stand_in_worker): it idles like a training step loop; SIGTERM "checkpoints"
-for 2 s, writes `saved` to $GTS_TEST_MARKER and exits 0; SIGUSR1 appends `checkpoint now`."""
+for 2 s, writes `saved` to $GTS_TEST_MARKER and exits 0; SIGUSR1 appends `checkpoint now`.
+Once its handlers are in place it creates $GTS_TEST_MARKER.ready: the event the tests wait on."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGUSR1, checkpoint)
+    open(marker + ".ready", "w", encoding="utf-8").close()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         time.sleep(0.1)

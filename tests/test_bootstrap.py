@@ -289,7 +289,7 @@ def test_a_reclaim_notice_ends_in_a_committed_checkpoint_even_when_it_takes_over
     import time
 
     from tests.metadata_server import FakeMetadata
-    from tests.training_helpers import BIN, LAUNCH_TIMEOUT
+    from tests.training_helpers import BIN, LAUNCH_TIMEOUT, Run
 
     ckpt = tmp_path / "ck"
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
@@ -305,17 +305,19 @@ def test_a_reclaim_notice_ends_in_a_committed_checkpoint_even_when_it_takes_over
              "--action", f"pid:{trainer.pid}", "--metadata-url", meta.url, "--textfile-dir", str(tmp_path / "tf"),
              "--run-dir", str(tmp_path / "run"), "--once", "--interval", "1"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "GTS_LIB": str(ROOT / "training")})
+        run = Run(trainer)
+        run.start_reader()
         try:
-            time.sleep(12)  # torchrun up, the workers training
+            run.wait_for(r"step \d+ loss", timeout=LAUNCH_TIMEOUT)  # the workers are training
             goes = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
             meta.spot_notice = json.dumps({"action": "terminate", "time": goes})
-            code = trainer.wait(timeout=LAUNCH_TIMEOUT)
-            log, _ = watcher.communicate(timeout=30)
+            code = run.finish(timeout=LAUNCH_TIMEOUT)
+            log, _ = watcher.communicate(timeout=LAUNCH_TIMEOUT)
         finally:
             for proc in (trainer, watcher):
                 if proc.poll() is None:
                     os.killpg(proc.pid, 9) if proc is trainer else proc.kill()
-    output = trainer.stdout.read() if trainer.stdout else ""
+    output = run.output
     assert code == 0, output[-3000:]
     took = float(re.search(r"the trainer exited ([\d.]+) s after the notice", log).group(1))  # type: ignore[union-attr]
     assert took > 30, f"the checkpoint took {took} s: the slow commit did not happen"
