@@ -89,7 +89,7 @@ example-hf: $(STAMP)
 	    -m training.workloads.bert_finetune --output_dir '$${CHECKPOINT_DIR}/hf-out' --max_steps $(STEPS)) \
 	  bash training/entrypoint.sh
 
-## bench: checkpoint (ours, in line, async_save), resume and goodput figures for ~100 MB and ~1 GB states (S3 endpoint on 127.0.0.1; ~8 min)
+## bench: checkpoint (ours, in line, async_save) and resume figures for ~100 MB and ~1 GB states beside their limits (memcpy, write+fsync, import+read; interleaved; S3 endpoint on 127.0.0.1), goodput, and the prod plan beside SDK imports + the mock engine (~12 min)
 bench: $(STAMP)
 	@$(PY) -m training.bench
 
