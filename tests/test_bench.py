@@ -49,11 +49,12 @@ def test_the_pipelined_hash_is_the_hash_of_the_bytes_written(tmp_path: Path) -> 
     HashingWriter.PIECE = 1 << 16  # small pieces: many boundaries in a small state
     try:
         for numel in (1, (1 << 15) - 3, 1 << 15, (1 << 16) + 5, 300_001):
-            state = {"w": torch.arange(numel, dtype=torch.float32), "step": numel}
+            weights = torch.arange(numel, dtype=torch.float32)
+            state = {"w": weights, "step": numel}
             size, digest = save_hashed(state, tmp_path / f"s{numel}.pt")
             data = (tmp_path / f"s{numel}.pt").read_bytes()
             assert (size, digest) == (len(data), hashlib.sha256(data).hexdigest())
             loaded = torch.load(io.BytesIO(data), weights_only=True)
-            assert torch.equal(loaded["w"], state["w"])
+            assert torch.equal(loaded["w"], weights)
     finally:
         HashingWriter.PIECE = 8 << 20
