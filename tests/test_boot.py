@@ -37,13 +37,15 @@ def booted(tmp_path: Path) -> Iterator[Any]:
         raw = user_data(type_token, name, path, stack=stack)
         env = _env_of(raw, tmp_path / "decoded")
         cloud = env["GTS_CLOUD"]
-        node = Node(tmp_path / "node", cloud, raw)
+        bucket, key, host = bucket_host(env)
+        region = env["STORAGE_REGION"]
+        node = Node(tmp_path / "node", cloud, raw,
+                    (host, urlhost(env["STORAGE_ENDPOINT_URL"]), f"api.ecr.{region}.amazonaws.com"),
+                    # The DLAMI has assembled the instance store at /opt/dlami/nvme (a mount).
+                    nspawn_args=("--tmpfs=/opt/dlami/nvme",) if cloud == "aws" else ())
         nodes.append(node)
         (node.upper / "usr/bin").mkdir(parents=True, exist_ok=True)
         shutil.copy(HERE / "boot" / "docker", node.upper / "usr/bin/docker")  # as the DLAMI has docker
-        bucket, key, host = bucket_host(env)
-        region = env["STORAGE_REGION"]
-        node.hosts(host, urlhost(env["STORAGE_ENDPOINT_URL"]), f"api.ecr.{region}.amazonaws.com")
         (obj,) = [r for r in shipped(stack) if r.type == BUNDLE_TYPES[cloud] and r.cloud == cloud
                   and r.inputs["key"] == key]
         body = obj.inputs["content"].encode()
@@ -100,7 +102,11 @@ def _check_trainer_run(run: str, env: dict[str, str]) -> None:
 
 def _no_failed_units(node: Node) -> None:
     failed = node.sh("systemctl list-units --failed --plain --no-legend --no-pager").stdout
-    assert not [line for line in failed.splitlines() if "gts-" in line or "cloud-" in line], failed
+    bad = [line.split()[0] for line in failed.splitlines() if line.strip()]
+    why = {unit: node.sh(f"journalctl -b -u {unit} --no-pager | tail -25; "
+                         f"grep -B2 -A8 -E 'Traceback|failed' /var/log/cloud-init.log | tail -40").stdout
+           for unit in bad}
+    assert not bad, why
 
 
 def test_dev_aws_fleet_boots_on_the_dlami_to_a_running_trainer_and_stops_on_a_spot_notice(booted: Any) -> None:

@@ -32,9 +32,9 @@ from tests.metadata_server import FakeMetadata
 HERE = Path(__file__).parent
 SUITE, MIRROR = "bookworm", os.environ.get("GTS_BOOT_MIRROR", "http://deb.debian.org/debian")
 # python3-cffi-backend by name: debootstrap does not resolve the virtual package cryptography needs
-# (cloud-init would stay unconfigured).
+# (cloud-init would stay unconfigured); locales: cloud-init's locale module needs locale-gen, as on Ubuntu.
 PACKAGES = ("systemd", "systemd-sysv", "dbus", "cloud-init", "python3", "python3-cffi-backend", "ca-certificates",
-            "curl", "iproute2", "util-linux", "procps", "apt", "openssl")
+            "curl", "iproute2", "util-linux", "procps", "apt", "openssl", "locales")
 STORE_ADDRESS = "10.99.0.2"  # the object store (and ECR) inside the node's network namespace
 METADATA_ADDRESS = "169.254.169.254"
 CLONE_NEWNET = 0x40000000
@@ -142,15 +142,14 @@ class Store:
     """moto over TLS on STORE_ADDRESS:443, answering for the clouds' storage and ECR host names;
     a request not signed with the metadata server's current key is refused (403)."""
 
-    def __init__(self, netns: str, workdir: Path, meta: FakeMetadata):
+    def __init__(self, netns: str, workdir: Path, meta: FakeMetadata, names: tuple[str, ...]):
         from moto.server import DomainDispatcherApplication, create_backend_app
         from werkzeug.serving import make_server
 
         ca = cache_dir() / "ca"
         key, csr, crt = workdir / "store.key", workdir / "store.csr", workdir / "store.crt"
         ext = workdir / "ext.cnf"
-        ext.write_text("subjectAltName=DNS:*.amazonaws.com,DNS:*.s3.us-east-1.amazonaws.com,"
-                       "DNS:*.s3.us-west-2.amazonaws.com,DNS:*.aliyuncs.com,DNS:*.myqcloud.com\n")
+        ext.write_text("subjectAltName=" + ",".join([f"IP:{STORE_ADDRESS}", *(f"DNS:{n}" for n in names)]) + "\n")
         subprocess.run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=store", "-keyout", str(key),
                         "-out", str(csr)], check=True, capture_output=True, timeout=60)
         subprocess.run(["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca / "ca.crt"), "-CAkey",
@@ -193,7 +192,10 @@ class Store:
 class Node:
     """One node's boots: an overlay over the base root, its seed, its namespace and servers."""
 
-    def __init__(self, workdir: Path, cloud: str, user_data: bytes, instance: str = "i-0boot0000000001"):
+    def __init__(self, workdir: Path, cloud: str, user_data: bytes, hosts: tuple[str, ...],
+                 instance: str = "i-0boot0000000001", nspawn_args: tuple[str, ...] = ()):
+        """`hosts`: the store's names (the bucket, storage and registry endpoints), resolved by the
+        node's /etc/hosts to the store and named in its certificate."""
         self.base = base_image()
         self.workdir = workdir
         self.upper, self.work, self.merged = workdir / "upper", workdir / "work", workdir / "merged"
@@ -205,24 +207,22 @@ class Node:
                     ["ip", "addr", "add", f"{STORE_ADDRESS}/32", "dev", "lo"]):
             subprocess.run(["ip", "netns", "exec", self.netns, *cmd], check=True, capture_output=True)
         self.meta = _setns_thread(self.netns, lambda: FakeMetadata(cloud, host=METADATA_ADDRESS, port=80)).start()
-        self.store = Store(self.netns, workdir, self.meta)
+        self.store = Store(self.netns, workdir, self.meta, hosts)
         self.proc: subprocess.Popen[bytes] | None = None
+        self.nspawn_args = nspawn_args
         self.boots = 0
         seed = self.upper / "var/lib/cloud/seed/nocloud"
         seed.mkdir(parents=True)
         (seed / "user-data").write_bytes(user_data)  # the plan's bytes, unchanged
         (seed / "meta-data").write_text(f"instance-id: {instance}\nlocal-hostname: gts-node\n")
+        etc_hosts = self.upper / "etc/hosts"
+        etc_hosts.parent.mkdir(parents=True, exist_ok=True)
+        etc_hosts.write_text("127.0.0.1 localhost gts-node\n" + "".join(f"{STORE_ADDRESS} {n}\n" for n in hosts))
 
     def file(self, path: str) -> Path:
         """A file the node wrote (the overlay's upper layer) or the base image has."""
         upper = self.upper / path.lstrip("/")
         return upper if upper.exists() else self.base / path.lstrip("/")
-
-    def hosts(self, *names: str) -> None:
-        """The VPC's DNS for the store's endpoints: they resolve to the store in the namespace."""
-        hosts = self.upper / "etc/hosts"
-        text = hosts.read_text() if hosts.exists() else (self.base / "etc/hosts").read_text()
-        hosts.write_text(text + "".join(f"{STORE_ADDRESS} {n}\n" for n in names))
 
     def drop_in(self, unit: str, text: str) -> None:
         """A test-only timing override (e.g. a shorter RestartSec), next to the unit under test."""
@@ -237,7 +237,7 @@ class Node:
         script = ("mkdir -p /run/systemd/nspawn && mount -t tmpfs tmpfs /run/systemd/nspawn && "
                   f"mount -t overlay overlay -o lowerdir={self.base},upperdir={self.upper},workdir={self.work} "
                   f"{self.merged} && exec systemd-nspawn -q -D {self.merged} -b --register=no --keep-unit "
-                  f"--network-namespace-path=/run/netns/{self.netns} --console=pipe --hostname=gts-node")
+                  f"--network-namespace-path=/run/netns/{self.netns} --console=pipe --hostname=gts-node {' '.join(self.nspawn_args)}")
         # A private mount namespace: nspawn's propagation tmpfs and the overlay vanish with it.
         self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
