@@ -109,7 +109,7 @@ class FakeMetadata:
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}" if isinstance(host, str) else f"http://{host.decode()}:{port}"
 
     def access_key(self) -> str:
         return f"STS.{self.cloud}.{self.generation}"

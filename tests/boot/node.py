@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 import pytest
 
@@ -143,7 +143,7 @@ class Store:
     a request not signed with the metadata server's current key is refused (403)."""
 
     def __init__(self, netns: str, workdir: Path, meta: FakeMetadata, names: tuple[str, ...]):
-        from moto.server import DomainDispatcherApplication, create_backend_app
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
         from werkzeug.serving import make_server
 
         ca = cache_dir() / "ca"
