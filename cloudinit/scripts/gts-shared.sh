@@ -31,7 +31,7 @@ client() {
     nfs|nfs4)
       command -v mount.nfs >/dev/null 2>&1 && return 0
       if command -v apt-get >/dev/null 2>&1; then
-        apt_get update -q && apt_get install -y -q nfs-common
+        apt_get update -q --error-on=any && apt_get install -y -q nfs-common
       else
         yum install -y -q nfs-utils  # EKS AL2023 (dnf), TKE tlinux / ACK Alibaba Cloud Linux (yum)
       fi
@@ -45,7 +45,7 @@ client() {
         | gpg --dearmor --yes -o "$key"
       echo "deb [signed-by=$key] https://fsx-lustre-client-repo.s3.amazonaws.com/ubuntu jammy main" \
         > /etc/apt/sources.list.d/fsxlustreclientrepo.list
-      apt_get update -q && apt_get install -y -q "lustre-client-modules-$(uname -r)"
+      apt_get update -q --error-on=any && apt_get install -y -q "lustre-client-modules-$(uname -r)"
       ;;
     *) log "unknown shared file system type '$GTS_SHARED_FS'"; exit 2 ;;
   esac
