@@ -475,3 +475,54 @@ def test_the_trainer_unit_requires_the_gate_and_the_node_gets_the_types_expectat
         userdata.node_context(stack.spec, stack.group("aws-train"), "img")).splitlines() if "=" in line and not line.startswith("#"))
     assert env["GTS_GPU_COUNT"] == "8" and env["GTS_NVSWITCH"] == "true" and env["GTS_NVLINKS"] == "12"  # p4d: A100 SXM4
     assert env["GTS_GPU_DIAG_LEVEL"] == "1"
+
+
+# ---------------------------------------------------------------------------- the plan's permissions
+
+def _statements(document: str) -> list[dict[str, Any]]:
+    doc = json.loads(document)
+    return list(doc.get("Statement") or doc.get("statement") or [])
+
+
+def test_each_node_role_may_replace_only_its_own_group_and_nothing_else() -> None:
+    """Over the planned resources: one policy per scaling group, one statement, one action, the
+    group's own ARN / id as the resource, attached to that group's node role; no other policy in
+    the plan grants one of these actions."""
+    from tests.harness import by_type, shipped
+
+    res = list(shipped("prod"))
+    found: dict[str, tuple[str, str, str]] = {}  # group -> (action, resource, role)
+    for r in by_type(res, "aws:iam/rolePolicy:RolePolicy"):
+        if r.name.endswith("-replace-self"):
+            [s] = _statements(r.inputs["policy"])
+            found[r.name.removesuffix("-replace-self")] = (s["Action"], s["Resource"], r.inputs["role"])
+    attached = {r.name: r.inputs for r in by_type(res, "alicloud:ram/rolePolicyAttachment:RolePolicyAttachment")}
+    for r in by_type(res, "alicloud:ram/policy:Policy"):
+        if r.name.endswith("-replace-self"):
+            [s] = _statements(r.inputs["policyDocument"])
+            assert attached[r.name]["policyName"] == r.inputs["policyName"]
+            found[r.name.removeprefix("prod-").removesuffix("-replace-self")] = (
+                s["Action"], s["Resource"], attached[r.name]["roleName"])
+    cam = {r.name: r.inputs for r in by_type(res, "tencentcloud:Cam/rolePolicyAttachment:RolePolicyAttachment")}
+    for r in by_type(res, "tencentcloud:Cam/policy:Policy"):
+        if r.name.endswith("-replace-self"):
+            [s] = _statements(r.inputs["document"])
+            [action], [resource] = s["action"], s["resource"]
+            found[r.name.removeprefix("prod-").removesuffix("-replace-self")] = (action, resource, cam[r.name]["roleId"])
+    asgs = [r.name.removesuffix("-asg") for r in by_type(res, "aws:autoscaling/group:Group") if not r.name.startswith(("aws-eks", "eks"))
+            and r.name.endswith("-asg")]
+    ess = [r.name.removesuffix("-ess") for r in by_type(res, "alicloud:ess/scalingGroup:ScalingGroup")]
+    tas = [r.name.removesuffix("-asg") for r in by_type(res, "tencentcloud:As/scalingGroup:ScalingGroup")]
+    assert sorted(found) == sorted(asgs + ess + tas) and len(found) == 3, (found, asgs, ess, tas)
+    assert found["aws-train"] == ("autoscaling:SetInstanceHealth", "arn:mock:aws:autoscaling/group:Group:aws-train-asg",
+                                  "prod-aws-train-node")
+    assert found["ali-train"][:2] == ("ess:SetInstanceHealth", "acs:ess:cn-hangzhou:*:scalinggroup/ali-train-ess-id")
+    assert "prod-ali-train-node" in str(found["ali-train"][2])
+    assert found["tc-train"][:2] == ("as:RemoveInstances", "qcs::as:ap-guangzhou:uin/*:autoscalinggroup/tc-train-asg-id")
+    # Nothing else grants these actions (nor a wildcard over the scaling services).
+    for r in res:
+        text = json.dumps(r.inputs)
+        if "replace-self" in r.name:
+            continue
+        for action in ("SetInstanceHealth", "RemoveInstances", "autoscaling:*", "ess:*", "as:*"):
+            assert action not in text, f"{r.name} ({r.type}) mentions {action}"
