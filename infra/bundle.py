@@ -33,6 +33,7 @@ FILES = (
     ("/usr/local/sbin/gts-registry-login.py", 0o755, "cloudinit/scripts/gts-registry-login.py"),
     ("/usr/local/sbin/gts-gpu-health.py", 0o755, "cloudinit/scripts/gts-gpu-health.py"),
     ("/usr/local/lib/gts/gpu_health.yaml", 0o644, "infra/data/gpu_health.yaml"),
+    ("/etc/gpu-training/dcgm-counters.csv", 0o644, "cloudinit/dcgm-counters.csv"),
     ("/etc/systemd/system/gts-bootstrap.service", 0o644, "cloudinit/units/gts-bootstrap.service"),
     ("/etc/systemd/system/gts-scratch.service", 0o644, "cloudinit/units/gts-scratch.service"),
     ("/etc/systemd/system/gts-dataset.service", 0o644, "cloudinit/units/gts-dataset.service"),

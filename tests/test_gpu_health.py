@@ -526,3 +526,25 @@ def test_each_node_role_may_replace_only_its_own_group_and_nothing_else() -> Non
             continue
         for action in ("SetInstanceHealth", "RemoveInstances", "autoscaling:*", "ess:*", "as:*"):
             assert action not in text, f"{r.name} ({r.type}) mentions {action}"
+
+
+def test_the_gpu_health_alerts_read_series_the_node_writes_and_promtool_accepts_them(tmp_path: Path) -> None:
+    from infra import monitoring
+    from infra.stackfile import load_stack_spec
+    from tests.test_monitoring import promtool
+
+    text = monitoring.render(load_stack_spec("prod"))
+    (tmp_path / "rules.yml").write_text(text)
+    done = subprocess.run([promtool(), "check", "rules", str(tmp_path / "rules.yml")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    used = set(re.findall(r"\bgts_gpu_[a-z_]+", text))
+    written = SCRIPT.read_text()
+    assert {"gts_gpu_gate_ok", "gts_gpu_xid_events_total", "gts_gpu_replace_requested"} <= used
+    assert all(f"{name}{{" in written or f'"{name}' in written or f"{name} " in written for name in used), used
+    # The exporter gets the counters file that turns the ECC, row-remap, Xid and NVLink counters on.
+    csv = (ROOT / "cloudinit/dcgm-counters.csv").read_text()
+    for field in ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "DCGM_FI_DEV_ROW_REMAP_FAILURE", "DCGM_FI_DEV_XID_ERRORS",
+                  "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED"):
+        assert re.search(rf"^{field}, (counter|gauge), ", csv, re.M), field
+    assert "-f /etc/dcgm-exporter/gts-counters.csv" in (ROOT / "cloudinit/units/gts-exporters.service").read_text()

@@ -100,7 +100,7 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
             user_data=self.user_data(group, image), provider=self.provider(group.region), tags=self.tags,
             after=self.after_store(group)), opts=pulumi.ResourceOptions(parent=self))
         # A node with a failed GPU hands itself back (gts-gpu-health.py): that one call, on its own group.
-        grant_replace_self(group.name, access.profiles[group.name].role, fleet.group,
+        grant_replace_self(group.name, access.profiles[group.name].role.apply(str), fleet.group,
                            pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region)))
         return fleet.capacity
 
