@@ -422,7 +422,8 @@ def main(argv=None):
         p.add_argument("--run-dir", default=env("GTS_RUN_DIR", "/run/gpu-training"))
         p.add_argument("--no-replace", action="store_true", help="report only (Kubernetes: the cloud's repair acts)")
     g = sub.choices["gate"]
-    g.add_argument("--gpus", type=int, default=int(env("GTS_GPU_COUNT") or 0))
+    g.add_argument("--gpus", type=int, default=int(env("GTS_GPU_COUNT") or env("NPROC_PER_NODE") or 0),
+                   help="the type's GPU count (node.env: NPROC_PER_NODE, one process per GPU)")
     g.add_argument("--nvswitch", action="store_true", default=env("GTS_NVSWITCH") == "true")
     g.add_argument("--nvlinks", type=int, default=int(env("GTS_NVLINKS") or 0), help="active NVLinks per GPU (0: skip)")
     g.add_argument("--diag-level", type=int, choices=(0, 1, 2), default=int(env("GTS_GPU_DIAG_LEVEL") or 1))
