@@ -23,7 +23,7 @@ from pathlib import Path
 
 import jinja2
 
-from infra import bundle
+from infra import bundle, gpu_health
 from infra.errors import Problem
 from infra.groups import ResolvedGroup, Stack
 from infra.buckets import bucket, endpoint
@@ -99,6 +99,8 @@ class NodeContext:
     shared_source: str = ""
     shared_options: str = ""
     shared_dir: str = ""
+    nvlinks: int = 0  # the GPU boot gate's expectations (infra/gpu_health.py; the GPU count is NPROC_PER_NODE)
+    gpu_diag_level: int = 1
 
 
 def store_context(spec: StackSpec, site: Site, image: str) -> NodeContext:
@@ -139,7 +141,8 @@ def node_context(spec: StackSpec, rg: ResolvedGroup, image: str, shared: SharedM
         metadata_url=METADATA_URLS[rg.cloud], dcgm_exporter_image=agents.dcgm_exporter,
         node_exporter_image=agents.node_exporter, bundle_url=f"s3://{rg.bucket.name}/{pinned.key}",
         # Cluster nodes run no trainer (the Job carries its env): they get what the fetcher needs.
-        bundle_sha256=pinned.sha256, trainer={k: v for k, v in rg.trainer.items() if k in NODE_VARS} if kube
+        bundle_sha256=pinned.sha256, nvlinks=gpu_health.nvlinks(rg),
+        gpu_diag_level=int(gpu_health.load()["default_diag_level"]), trainer={k: v for k, v in rg.trainer.items() if k in NODE_VARS} if kube
         else rg.trainer,
         # A VM node mounts it for its trainer container; a cluster node hands its root to the
         # trainer's uid (gts-shared.sh --prepare), and pods mount it through a PersistentVolume.

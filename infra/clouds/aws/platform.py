@@ -13,6 +13,7 @@ from infra.bundle import build as bundle
 from infra.clouds.aws.access import AwsAccess, AwsAccessArgs
 from infra.clouds.aws.budget import AwsBudget, AwsBudgetArgs
 from infra.clouds.aws.fleet import AwsGpuFleet, AwsGpuFleetArgs
+from infra.clouds.aws.health import grant_replace_self
 from infra.clouds.aws.kubernetes import AwsEks, AwsEksArgs
 from infra.clouds.aws.network import AwsNetwork, AwsNetworkArgs
 from infra.clouds.aws.peering import AwsPeering, AwsPeeringArgs
@@ -98,6 +99,9 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
             security_group_id=net.security_group.id, instance_profile_arn=access.profiles[group.name].arn,
             user_data=self.user_data(group, image), provider=self.provider(group.region), tags=self.tags,
             after=self.after_store(group)), opts=pulumi.ResourceOptions(parent=self))
+        # A node with a failed GPU hands itself back (gts-gpu-health.py): that one call, on its own group.
+        grant_replace_self(group.name, access.profiles[group.name].role.apply(str), fleet.group,
+                           pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region)))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: AwsNetwork, access: AwsAccess,
