@@ -146,6 +146,7 @@ def _docker_image(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
 
 def _ecr_repository(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
     return {"registryId": "123456789012",
+            "arn": f"arn:aws:ecr:us-east-1:123456789012:repository/{inputs.get('name', name)}",
             "repositoryUrl": f"123456789012.dkr.ecr.us-east-1.amazonaws.com/{inputs.get('name', name)}"}
 
 

@@ -118,7 +118,8 @@ class AwsEks(pulumi.ComponentResource):
                                          parent=self, device_plugin=True, trainer_images=args.images, shared=args.shared,
                                          identities=self._pod_identities(name, args, child))
         EksClusterAutoscaler(f"{name}-ca", EksAutoscalerArgs(
-            cluster_name=self.cluster.name, region=args.region,
+            cluster_name=self.cluster.name, asg_names=[ng.resources.apply(_asg_name) for ng in self.node_groups],
+            region=args.region,
             image=pulled(CLUSTER_AUTOSCALER, spec.clouds["aws"].mirrors), system_selector={LABEL_POOL: "system"},
             pod_identity_agent=self.pod_identity, aws_provider=args.provider, k8s_provider=k8s_provider, tags=tags),
             opts=pulumi.ResourceOptions(parent=self))

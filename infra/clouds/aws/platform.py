@@ -3,6 +3,7 @@ EKS, budget."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import pulumi
@@ -26,6 +27,19 @@ from infra.groups import ResolvedGroup
 from infra.image import Registry
 from infra.sharedfs import SharedFsOutputs
 from infra.spec import Network
+
+# <account>.dkr.ecr.<region>.amazonaws.com[.cn]/<repository>[:tag|@digest] (Amazon ECR user guide,
+# "Private registry concepts": the registry URL and repository name of an image reference)
+ECR_REF = re.compile(r"^(\d{12})\.dkr\.ecr\.([a-z0-9-]+)\.amazonaws\.com(\.cn)?/([a-z0-9._/-]+?)(?:[:@].*)?$")
+
+
+def ecr_repository_arn(ref: str) -> str | None:
+    """The repository ARN of an ECR image reference; None for any other registry."""
+    m = ECR_REF.match(ref)
+    if m is None:
+        return None
+    account, region, china, repo = m.groups()
+    return f"arn:{'aws-cn' if china else 'aws'}:ecr:{region}:{account}:repository/{repo}"
 
 
 class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
@@ -74,13 +88,25 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
         return storage.bucket.bucket
 
     def make_access(self, storage: AwsStorage) -> AwsAccess:
-        return AwsAccess(f"{self.name}-access", AwsAccessArgs(
+        self.access = AwsAccess(f"{self.name}-access", AwsAccessArgs(
             bucket_arn=storage.bucket.arn, key_arn=storage.key.arn, env=self.spec.env, tags=self.tags,
             groups=self.access_grants(), kubernetes=bool(self.kubernetes_groups())), opts=self.provider_opts())
+        return self.access
+
+    def trainer_images(self, nets: dict[str, AwsNetwork]) -> dict[str, pulumi.Output[str]]:
+        """The images, and the nodes' right to pull them (their repository only, infra/clouds/aws/access.py)."""
+        self.repository_arns: list[pulumi.Output[str]] = []
+        images = super().trainer_images(nets)
+        prebuilt = self.spec.training.prebuilt_images.get("aws")
+        arn = ecr_repository_arn(str(prebuilt)) if prebuilt else None
+        repos = [pulumi.Output.from_input(arn)] if arn else self.repository_arns
+        self.access.allow_pull("pull", pulumi.Output.all(*repos).apply(lambda arns: [str(a) for a in arns]))
+        return images
 
     def make_registry(self, nets: dict[str, AwsNetwork]) -> Registry:
-        return AwsRegistry(f"{self.name}-registry", AwsRegistryArgs(self.spec.env, self.tags),
-                           opts=self.provider_opts()).registry
+        made = AwsRegistry(f"{self.name}-registry", AwsRegistryArgs(self.spec.env, self.tags), opts=self.provider_opts())
+        self.repository_arns.append(made.repository.arn)
+        return made.registry
 
     def make_rendezvous(self, site: Site, net: AwsNetwork, access: AwsAccess,
                         image: pulumi.Output[str]) -> pulumi.Resource:
