@@ -105,6 +105,13 @@ class AwsEks(pulumi.ComponentResource):
                                           addon_name="eks-pod-identity-agent", resolve_conflicts_on_create="OVERWRITE",
                                           resolve_conflicts_on_update="OVERWRITE", tags=tags, opts=child)
 
+        if args.shared is not None and args.shared.spec.type == "efs" and any(g.group.shared_fs for g in args.groups):
+            # Pods mount EFS through its access point with TLS and the node's role (the file system
+            # policy admits nothing else): the EFS CSI driver, as an EKS add-on (EKS user guide,
+            # efs-csi; static volumes need no controller permissions).
+            aws.eks.Addon(f"{name}-efs-csi", cluster_name=self.cluster.name, addon_name="aws-efs-csi-driver",
+                          resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="OVERWRITE", tags=tags,
+                          opts=child)
         self.system = self._system_group(name, args, child)
         self.node_groups: list[aws.eks.NodeGroup] = []
         for g in args.groups:
@@ -168,7 +175,7 @@ class AwsEks(pulumi.ComponentResource):
         # A launch template gives managed nodes IMDSv2 and encrypted volumes; EKS picks the AMI
         # and merges its own NodeConfig into this MIME user data.
         lt = aws.ec2.LaunchTemplate(
-            f"{g.name}-lt", update_default_version=True, user_data=userdata.for_group(spec, g),
+            f"{g.name}-lt", update_default_version=True, user_data=userdata.for_cluster_group(spec, g, args.shared),
             metadata_options=node_metadata(),
             block_device_mappings=[aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
                 device_name="/dev/xvda",

@@ -82,15 +82,25 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
             allowed_cidrs=[str(net.cidr), *self.peer_cidrs()[net.name]],
             kms_key_arn=storage.key.arn if region == self.account.region else None, tags=self.tags),
             opts=self.provider_opts(region))
+        self.shared_components = {**getattr(self, "shared_components", {}), net.name: shared}
         return shared.outputs
 
     def bucket_name(self, storage: AwsStorage) -> pulumi.Output[str]:
         return storage.bucket.bucket
 
     def make_access(self, storage: AwsStorage) -> AwsAccess:
-        self.access = AwsAccess(f"{self.name}-access", AwsAccessArgs(
+        self.access_name = f"{self.name}-access"
+        self.access = AwsAccess(self.access_name, AwsAccessArgs(
             bucket_arn=storage.bucket.arn, key_arn=storage.key.arn, env=self.spec.env, tags=self.tags,
             groups=self.access_grants(), kubernetes=bool(self.kubernetes_groups())), opts=self.provider_opts())
+        for net_name, shared in getattr(self, "shared_components", {}).items():
+            # the roles of the nodes that mount it: its VM groups' own, and the EKS node role (the
+            # EFS CSI driver's node plugin mounts for the pods with it) where a cluster group shares it
+            mounting = [g for g in self.node_groups() if g.network == net_name and g.group.shared_fs]
+            roles = [self.access.roles[f"{self.access_name}-{g.name}"].arn for g in mounting if g.kind == "vm"]
+            if any(g.kind == "kubernetes" for g in mounting) and self.access.eks_node_role is not None:
+                roles.append(self.access.eks_node_role.arn)
+            shared.allow(net_name, roles)
         return self.access
 
     def trainer_images(self, nets: dict[str, AwsNetwork]) -> dict[str, pulumi.Output[str]]:
