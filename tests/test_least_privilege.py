@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-from email import message_from_bytes
 from pathlib import Path
 from typing import Any
 
@@ -188,7 +187,7 @@ def test_vm_nodes_mount_efs_with_tls_through_the_access_point(tmp_path: Path) ->
     assert env["GTS_SHARED_FS"] == "efs"
     assert env["GTS_SHARED_OPTIONS"].split(",") == ["tls", "iam", "_netdev", f"accesspoint={_mock_id(ap['name'], 'fsap')}"]
     (fs,) = resources("prod", "aws:efs/fileSystem:FileSystem")
-    assert env["GTS_SHARED_SOURCE"] == f"{_mock_id(fs['name'], 'fs')}.efs.us-east-1.amazonaws.com:/"
+    assert env["GTS_SHARED_SOURCE"] == f"{_mock_id(fs['name'], 'fs')}.efs.mock-region.amazonaws.com:/"
 
 
 def test_jobs_mount_efs_through_the_csi_driver_with_tls() -> None:

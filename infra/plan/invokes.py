@@ -212,7 +212,8 @@ def _mock_id(prefix: str, name: str, length: int = 8) -> str:
 
 def _efs(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
     fs_id = _mock_id("fs-", name, 17)
-    return {"id": fs_id, "dnsName": f"{fs_id}.efs.mock-region.amazonaws.com"}
+    return {"id": fs_id, "dnsName": f"{fs_id}.efs.mock-region.amazonaws.com",
+            "arn": f"arn:aws:elasticfilesystem:us-east-1:123456789012:file-system/{fs_id}"}
 
 
 def _lustre(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -254,12 +255,6 @@ def _iam_role(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
     return {"id": role, "name": role, "arn": f"arn:aws:iam::123456789012:role/{role}"}
 
 
-def _efs(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
-    fs_id = _aws_id(name, "fs")
-    return {"id": fs_id, "arn": f"arn:aws:elasticfilesystem:us-east-1:123456789012:file-system/{fs_id}",
-            "dnsName": f"{fs_id}.efs.us-east-1.amazonaws.com"}
-
-
 def _efs_access_point(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
     ap_id = _aws_id(name, "fsap")
     return {"id": ap_id, "arn": f"arn:aws:elasticfilesystem:us-east-1:123456789012:access-point/{ap_id}"}
@@ -268,6 +263,5 @@ def _efs_access_point(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
 COMPUTED.update({
     "aws:kms/key:Key": _kms_key,
     "aws:iam/role:Role": _iam_role,
-    "aws:efs/fileSystem:FileSystem": _efs,
     "aws:efs/accessPoint:AccessPoint": _efs_access_point,
 })

@@ -645,12 +645,12 @@ def _api_sources(r: Res) -> list[str]:
     if r.type == "aws:eks/cluster:Cluster":
         return list(r.get("vpcConfig", "publicAccessCidrs") or [])
     if r.type == "tencentcloud:Security/groupRuleSet:GroupRuleSet":
-        return [i.get("cidrBlock") for i in r.get("ingresses") or []
+        return [str(i["cidrBlock"]) for i in r.get("ingresses") or []
                 if isinstance(i, Mapping) and i.get("description") == "Kubernetes API" and i.get("cidrBlock")]
     if r.type == "alicloud:cr/internetEndpoint:InternetEndpoint":
-        return [e.get("entry") for e in r.get("entries") or [] if isinstance(e, Mapping) and e.get("entry")]
+        return [str(e["entry"]) for e in r.get("entries") or [] if isinstance(e, Mapping) and e.get("entry")]
     if r.type == "tencentcloud:Tcr/instance:Instance":
-        return [p.get("cidrBlock") for p in r.get("securityPolicies") or [] if isinstance(p, Mapping) and p.get("cidrBlock")]
+        return [str(p["cidrBlock"]) for p in r.get("securityPolicies") or [] if isinstance(p, Mapping) and p.get("cidrBlock")]
     return []
 
 

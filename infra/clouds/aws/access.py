@@ -20,8 +20,10 @@ for Session Manager", getting-started-create-iam-instance-profile; Amazon ECR us
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import pulumi
 import pulumi_aws as aws
@@ -128,10 +130,13 @@ class AwsAccess(pulumi.ComponentResource):
         EKS nodes also from EKS's add-on repositories."""
         identity = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self))
         partition = aws.get_partition_output(opts=pulumi.InvokeOutputOptions(parent=self))
+        def document(values: list[Any], addons: bool) -> str:
+            return node_policy(str(values[0]), str(values[1]), [str(a) for a in values[2]], addons)
+
         for res_name, role in self.roles.items():
             addons = role is self.eks_node_role
             policy = pulumi.Output.all(partition.partition, identity.account_id, repository_arns).apply(
-                lambda pa, addons=addons: node_policy(str(pa[0]), str(pa[1]), list(pa[2]), addons))
+                functools.partial(document, addons=addons))
             aws.iam.RolePolicy(f"{res_name}-{name}", role=role.id, policy=policy, opts=self.child)
 
     def pod_role(self, name: str, role_name: str, grants: Grants) -> aws.iam.Role:

@@ -101,9 +101,9 @@ class EksClusterAutoscaler(pulumi.ComponentResource):
         role = aws.iam.Role(f"{name}-role", name=fit(f"{name}-autoscaler", "iamRole"),
                             assume_role_policy=pod_identity_trust(), tags=args.tags, opts=on_aws)
         invoke = pulumi.InvokeOutputOptions(parent=self, provider=args.aws_provider)
-        account = aws.get_caller_identity_output(opts=invoke).account_id
+        account_id = aws.get_caller_identity_output(opts=invoke).account_id
         partition = aws.get_partition_output(opts=invoke).partition
-        policy = pulumi.Output.all(partition, account, args.cluster_name, *args.asg_names).apply(
+        policy = pulumi.Output.all(partition, account_id, args.cluster_name, *args.asg_names).apply(
             lambda v: policy_document(str(v[0]), args.region, str(v[1]), str(v[2]), [str(n) for n in v[3:]]))
         aws.iam.RolePolicy(f"{name}-policy", role=role.id, policy=policy, opts=on_aws)
         aws.eks.PodIdentityAssociation(
