@@ -22,6 +22,7 @@ from email.mime.text import MIMEText
 from pathlib import Path
 
 import jinja2
+import pulumi
 
 from infra import bundle, gpu_health
 from infra.errors import Problem
@@ -29,7 +30,7 @@ from infra.groups import ResolvedGroup, Stack
 from infra.buckets import bucket, endpoint
 from infra.images import node_agents
 from infra.rendezvous import Site
-from infra.sharedfs import SharedMount, placeholder
+from infra.sharedfs import SharedFsOutputs, SharedMount, placeholder
 from infra.spec import StackSpec
 from training import contract as c
 
@@ -240,6 +241,21 @@ def for_group(spec: StackSpec, rg: ResolvedGroup, image: str = IMAGE_PLACEHOLDER
     if rg.kind == "vm":
         return for_vm(ctx)
     return for_eks(ctx) if rg.cloud == "aws" else for_node_pool_script(ctx)
+
+
+def for_cluster_group(spec: StackSpec, rg: ResolvedGroup, shared: SharedFsOutputs | None) -> pulumi.Output[str]:
+    """A managed-Kubernetes GPU pool's user data, with no placeholder in it: cluster nodes run no
+    trainer image (the Job does), and they prepare the network's shared file system (hand its
+    root to the trainer's uid) at its real address once it is known. EFS needs no preparing: its
+    access point creates the root directory owned by the trainer's uid, and the file system
+    policy admits mounts through it only (infra/clouds/aws/sharedfs.py)."""
+    def render(mount: SharedMount | None) -> str:
+        ctx = node_context(spec, rg, "", mount)
+        return for_eks(ctx) if rg.cloud == "aws" else for_node_pool_script(ctx)
+
+    if shared is None or not rg.group.shared_fs or shared.spec.type == "efs":
+        return pulumi.Output.from_input(render(None))
+    return shared.mount().apply(render)
 
 
 def check_sizes(stack: Stack) -> list[Problem]:
