@@ -58,7 +58,10 @@ def _s3_bucket(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _asg(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
-    return {"name": inputs.get("name") or f"{name}-20261129000000000000000001"}  # AWS names it when unset
+    group = str(inputs.get("name") or f"{name}-20261129000000000000000001")  # AWS names it when unset
+    uuid = hashlib.sha256(group.encode()).hexdigest()  # the ARN's shape, as IAM policies name it
+    return {"name": group, "arn": f"arn:aws:autoscaling:us-east-1:123456789012:autoScalingGroup:"
+            f"{uuid[:8]}-{uuid[8:12]}-{uuid[12:16]}-{uuid[16:20]}-{uuid[20:32]}:autoScalingGroupName/{group}"}
 
 
 COMPUTED: dict[str, Callable[[str, dict[str, Any]], dict[str, Any]]] = {
