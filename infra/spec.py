@@ -300,8 +300,9 @@ class PriceOverride(SpecModel):
 class Pricing(SpecModel):
     cny_per_usd: float = Field(7.2, gt=0, description="Exchange rate for CNY catalog prices.")
     overrides: list[PriceOverride] = Field(default_factory=list, description="Negotiated or current prices.")
-    allow_stale_prices: bool = Field(False, description="Plan with catalog prices older than a year (otherwise an "
-                                                        "error: run `make prices`).")
+    allow_stale_prices: bool = Field(False, description="No prices-fresh verdict on the age of the catalog prices "
+                                                        "(otherwise the policy pack's, advisory by default: run "
+                                                        "`make prices`).")
 
 
 class StackSpec(SpecModel):

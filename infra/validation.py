@@ -136,10 +136,6 @@ def check(spec: StackSpec) -> list[Problem]:
         problems += sharedfs.check(spec)
     if not problems:  # the commands are checked against the resolved groups' trainer contract
         problems += commands.check(spec)
-    if not problems:  # the prices the plan would use, by their age
-        from infra.prices.age import check_stale
-
-        problems += check_stale(spec)
     if not problems and spec.kubernetes.queues:  # the teams' queues against the resolved pools
         from infra.teams import registry  # the registry reads stack specs too
 

@@ -174,6 +174,31 @@ def budget_headroom(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[
     return []
 
 
+PRICES_SCHEMA: dict[str, dict[str, Any]] = {
+    "maxAgeDays": {"type": "integer"}, "pricesDated": {"type": "string"}, "pricesOldest": {"type": "string"},
+    "pricesJudgedOn": {"type": "string"}}
+
+
+def prices_fresh(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The prices the stack's costs and caps rest on are younger than maxAgeDays (default 90).
+    Their date comes from the stack (infra/prices/age.py through the policy config); they are
+    judged on pricesJudgedOn, else GTS_TODAY, else today. A verdict whose level the
+    organisation sets (advisory by default): the calendar alone never stops a deployment."""
+    import datetime
+    import os
+
+    dated = cfg.get("pricesDated")
+    if not dated:
+        return []
+    judged = str(cfg.get("pricesJudgedOn") or os.environ.get("GTS_TODAY") or datetime.date.today().isoformat())
+    days = (datetime.date.fromisoformat(judged) - datetime.date.fromisoformat(str(dated))).days
+    most = int(cfg.get("maxAgeDays", 90))
+    if days <= most:
+        return []
+    return [("stack", f"prices are {days} days old (oldest: {cfg.get('pricesOldest', dated)}), over {most} days: "
+                      "refresh them with `make prices` and commit infra/data/prices.csv")]
+
+
 def spot_only(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [(r.name, f"node group {c.group} buys capacity that is not spot ({r.type}: on-demand or "
                      "prepaid); in this environment all GPU capacity must be spot — set market.type: spot "
@@ -555,6 +580,8 @@ RULES: list[Rule] = [
          budget_covers_plan, BUDGET_SCHEMA),
     Rule("budget-headroom", "The planned monthly cost stays under the budget's first alert threshold.", "advisory",
          budget_headroom, BUDGET_SCHEMA),
+    Rule("prices-fresh", "The prices the stack's costs and caps rest on are younger than maxAgeDays (90).",
+         "advisory", prices_fresh, PRICES_SCHEMA),
     Rule("gpu-spot-only", "All GPU capacity is spot (dev).", "disabled", spot_only),
     Rule("gpu-families-allowed", "GPU instance families are on the environment's list.", "mandatory",
          schema={"families": {"type": "array", "items": {"type": "string"}}}, per_resource=allowed_families),
