@@ -20,7 +20,24 @@ Cloud = Literal["aws", "alicloud", "tencentcloud"]
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 NO_NUL = r"^[^\x00]*$"
+# Values that reach /etc/gpu-training/node.env, which the node's scripts source as root, systemd
+# reads as an EnvironmentFile= and docker as an --env-file: only characters all three read as
+# themselves, unquoted (no quotes, spaces, `$`, backquotes, `;`, `&`, `|`, `\\`, `~`, `#`, newlines).
+ENV_SAFE = r"A-Za-z0-9._/:@%+,=-"
+# An http(s) mirror: host, port, path; no credentials (they would sit in user data in clear).
+MIRROR_URL = r"^https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._/%+,=:@-]*)?$"
+# MLflow's tracking URI: databricks, or scheme://host[:port][/path] (file:///, http(s)://, sqlite:///).
+TRACKING_URI = r"^(databricks(-uc)?|[a-z][a-z0-9+.-]*://[A-Za-z0-9.-]*(:[0-9]+)?(/[A-Za-z0-9._/%+,=:@-]*)?)$"
+REGISTRY_HOST = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*$"
+# A container image reference (docker/distribution reference grammar, lowercase repository).
+IMAGE_REF = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*(:[A-Za-z0-9_.-]{1,128})?(@sha256:[0-9a-f]{64})?$"
 PATTERN_HELP = {
+    MIRROR_URL: "use an http(s) URL: scheme, host, optional port and path, without credentials or characters a "
+                "shell would read (the value is written to the nodes' env file)",
+    TRACKING_URI: "use databricks or scheme://host[:port]/path without credentials (MLflow reads "
+                  "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD for those) or characters a shell would read",
+    REGISTRY_HOST: "use a registry host with optional port and path, e.g. registry.cn-hangzhou.aliyuncs.com",
+    IMAGE_REF: "use an image reference: registry/repository[:tag]@sha256:<digest>, lowercase repository",
     NO_NUL: "an argument cannot hold a NUL character (the launcher would split it in two)",
     NAME_PATTERN: "use 2-32 lowercase letters, digits and hyphens, starting with a letter",
     r"^\d{10}$": "use the 10-digit APPID from the Tencent Cloud console, quoted (appId: \"1250000000\")",
@@ -43,14 +60,14 @@ class Mirrors(SpecModel):
     """Where nodes that cannot reach Docker Hub, nvcr.io, PyPI or the Ubuntu archive (mainland
     China) get their images and packages from, inside their own cloud."""
 
-    registry: str | None = Field(None, description="Container registry of this cloud holding copies of the node "
+    registry: str | None = Field(None, pattern=REGISTRY_HOST, description="Container registry of this cloud holding copies of the node "
                                                    "agents' images (pulled by full name), e.g. an ACR / TCR host.")
-    docker_hub: str | None = Field(None, description="Docker Hub pull-through mirror URL for the Docker daemon "
+    docker_hub: str | None = Field(None, pattern=MIRROR_URL, description="Docker Hub pull-through mirror URL for the Docker daemon "
                                                      "(registry-mirrors mirrors Docker Hub only).")
-    apt: str | None = Field(None, description="APT mirror base URL for Ubuntu images.")
-    nvidia: str | None = Field(None, description="Mirror of https://nvidia.github.io/libnvidia-container "
+    apt: str | None = Field(None, pattern=MIRROR_URL, description="APT mirror base URL for Ubuntu images.")
+    nvidia: str | None = Field(None, pattern=MIRROR_URL, description="Mirror of https://nvidia.github.io/libnvidia-container "
                                                  "(the NVIDIA container toolkit's apt repository).")
-    pip: str | None = Field(None, description="PyPI index URL.")
+    pip: str | None = Field(None, pattern=MIRROR_URL, description="PyPI index URL.")
 
 
 class CloudAccount(SpecModel):
@@ -168,7 +185,7 @@ Command = Annotated[list[Annotated[str, Field(min_length=1, pattern=NO_NUL)]], F
 class GroupTraining(SpecModel):
     """What this node group trains, where it differs from the stack's `training`."""
 
-    image: str | None = Field(None, description="Base image of this group's trainer image, pinned by digest: your "
+    image: str | None = Field(None, pattern=IMAGE_REF, description="Base image of this group's trainer image, pinned by digest: your "
                                                 "image with your code; the stack adds the trainer layer on top.")
     command: Command | None = Field(None, description="Your training command, run by the launcher on every process of every node: `[-m, package.module, args...]`, `[script.py, args...]` or an executable with its arguments. `${NAME}` in an argument expands to a trainer-contract variable (e.g. ${DATA_DIR}, ${CHECKPOINT_URL}). Empty: our trainer with `workload`.")
 
@@ -255,11 +272,11 @@ def _interval(value: object) -> int | Literal["auto"]:
 
 
 class Training(SpecModel):
-    image: str = Field(description="Base image the stack builds the trainer image from (training/Dockerfile), "
+    image: str = Field(pattern=IMAGE_REF, description="Base image the stack builds the trainer image from (training/Dockerfile), "
                                    "pinned by digest: NGC PyTorch, or your own image with your code in it (the stack "
                                    "adds the trainer layer: launcher, checkpoint library, contract check).")
     command: Command | None = Field(None, description="Your training command, run by the launcher on every process of every node: `[-m, package.module, args...]`, `[script.py, args...]` or an executable with its arguments. `${NAME}` in an argument expands to a trainer-contract variable (e.g. ${DATA_DIR}, ${CHECKPOINT_URL}). Empty: our trainer with `workload`.")
-    prebuilt_images: dict[Cloud, str] = Field(
+    prebuilt_images: dict[Cloud, Annotated[str, Field(pattern=IMAGE_REF)]] = Field(
         default_factory=dict, description="Per cloud, a trainer image built elsewhere (pinned by digest) to use "
                                           "instead of building one.")
     launcher: Literal["torchrun", "accelerate", "horovod"] = Field("torchrun", description="Distributed launcher.")
@@ -274,7 +291,7 @@ class Training(SpecModel):
     dataset_source: str | None = Field(None, description="Where the dataset's original lives (s3://, oss://, cosn://, "
                                                          "file:// or a path); `make dataset` copies it into each "
                                                          "cloud's bucket.")
-    mlflow_tracking_uri: str | None = Field(None, description="MLflow server, if any.")
+    mlflow_tracking_uri: str | None = Field(None, pattern=TRACKING_URI, description="MLflow server, if any.")
     rendezvous_endpoint: str | None = Field(
         None, pattern=r"^[A-Za-z0-9.-]+:\d+$",
         description="host:port of the c10d rendezvous for multi-node VM fleets (e.g. a fixed private IP or DNS name).")

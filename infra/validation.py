@@ -18,7 +18,7 @@ from infra import cloud_rules, commands, sharedfs
 from infra.errors import Problem, SpecError, suggest
 from infra.groups import requirement, schedule_bounds
 from infra.schedule import cron_in_beijing
-from infra.spec import (CONFIG_KEYS, PATTERN_HELP, REQUIRED_TAGS, Network, NodeGroup, StackSpec)
+from infra.spec import (CONFIG_KEYS, ENV_SAFE, PATTERN_HELP, REQUIRED_TAGS, Network, NodeGroup, StackSpec)
 from policies.gts_policy.addresses import opens_internet
 
 
@@ -148,6 +148,11 @@ def _check_tags(spec: StackSpec) -> list[Problem]:
            for t in REQUIRED_TAGS if not spec.tags.get(t)]
     if spec.tags.get("env") and spec.tags["env"] != spec.env:
         out.append(Problem("tags.env", f"{spec.tags['env']!r} differs from env {spec.env!r}; make them equal"))
+    # The team the nodes' cost is shown back to reaches their env file (GTS_TEAM).
+    if spec.team is None and not re.fullmatch(f"[{ENV_SAFE}]+", spec.team_name):
+        key = "tags.team" if "team" in spec.tags else "tags.owner"
+        out.append(Problem(key, f"{spec.team_name!r} names the team in the nodes' env file (GTS_TEAM): use letters, "
+                                "digits and . _ / : @ % + , = - only (no spaces, quotes or shell characters)"))
     return out
 
 
