@@ -81,6 +81,11 @@ def stack_path(stack: str, root: Path | None = None) -> Path:
     if not path.exists():
         raise StackFileError(f"no stack file {path.name}; stacks here: {', '.join(available_stacks(root))} "
                              f"(create Pulumi.{stack}.yaml or pass STACK=<one of them>)")
+    from infra.teams.generate import stack_drift  # a generated team stack must match its registry
+
+    drift = stack_drift(path, root)
+    if drift:
+        raise StackFileError(f"{path.name}: " + "; ".join(drift))
     return path
 
 

@@ -352,3 +352,25 @@ def test_a_fresh_clone_plans_on_the_real_date_and_years_ahead(tmp_path: Path) ->
         assert proc.returncode == 0, proc.stderr
         [note] = [v for v in json.loads(proc.stdout)["violations"] if v["policy"] == "prices-fresh"]
         assert note["enforcement"] == "advisory" and "days old" in note["message"] and "make prices" in note["message"]
+
+
+# ------------------------------------------------------------------ generated team stacks
+
+def test_a_hand_edited_team_stack_is_refused_by_plan_and_policy_config(tmp_path: Path) -> None:
+    """`team.gpus.aws.A100: 1000` written into the generated Pulumi.team-vision.yaml: make plan
+    and make policy-config exit 2 naming the key and `make teams`; nothing is written."""
+    proj = project_copy(tmp_path)
+    for name in ("Pulumi.prod.yaml", "Pulumi.team-vision.yaml"):
+        (proj / name).write_text((ROOT / name).read_text())
+    assert _plan(proj, "team-vision", GTS_TODAY="2026-11-30").returncode == 0
+    path = proj / "Pulumi.team-vision.yaml"
+    path.write_text(path.read_text().replace("        A100: 16\n", "        A100: 1000\n", 1))
+    proc = _plan(proj, "team-vision", GTS_TODAY="2026-11-30")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "gpu-training-stack:team.gpus.aws.A100" in proc.stderr and "make teams" in proc.stderr
+    out = tmp_path / "out"
+    config = subprocess.run([sys.executable, "-m", "infra.cli.policy_config", "--stack", "team-vision", "--out",
+                             str(out)], cwd=proj, capture_output=True, text=True, timeout=300,
+                            env={"PYTHONPATH": str(proj), "PATH": "/usr/bin:/bin", "GTS_TODAY": "2026-11-30"})
+    assert config.returncode == 2 and "team.gpus.aws.A100" in config.stderr and "make teams" in config.stderr
+    assert not out.exists()
