@@ -26,8 +26,11 @@ NO_NUL = r"^[^\x00]*$"
 ENV_SAFE = r"A-Za-z0-9._/:@%+,=-"
 # An http(s) mirror: host, port, path; no credentials (they would sit in user data in clear).
 MIRROR_URL = r"^https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._/%+,=:@-]*)?$"
+# What the offline plan reads for a `secure:` value (it cannot decrypt it); the real program
+# reads the decrypted value, which the patterns then check.
+SECRET_MASK = "[secret]"
 # MLflow's tracking URI: databricks, or scheme://host[:port][/path] (file:///, http(s)://, sqlite:///).
-TRACKING_URI = r"^(databricks(-uc)?|[a-z][a-z0-9+.-]*://[A-Za-z0-9.-]*(:[0-9]+)?(/[A-Za-z0-9._/%+,=:@-]*)?)$"
+TRACKING_URI = r"^(\[secret\]|databricks(-uc)?|[a-z][a-z0-9+.-]*://[A-Za-z0-9.-]*(:[0-9]+)?(/[A-Za-z0-9._/%+,=:@-]*)?)$"
 REGISTRY_HOST = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*$"
 # A container image reference (docker/distribution reference grammar, lowercase repository).
 IMAGE_REF = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*(:[A-Za-z0-9_.-]{1,128})?(@sha256:[0-9a-f]{64})?$"

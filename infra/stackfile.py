@@ -21,7 +21,7 @@ from infra import spec as spec_mod
 from infra import validation
 from infra.errors import Problem, SpecError
 
-SECRET_MASK = "[secret]"
+SECRET_MASK = spec_mod.SECRET_MASK
 # Keys whose values the program receives as plain strings; the others are JSON.
 SCALAR_KEYS = ("env",)
 

@@ -31,7 +31,7 @@ from infra.buckets import bucket, endpoint
 from infra.images import node_agents
 from infra.rendezvous import Site
 from infra.sharedfs import SharedMount, placeholder
-from infra.spec import ENV_SAFE, StackSpec
+from infra.spec import ENV_SAFE, SECRET_MASK, StackSpec
 from training import contract as c
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,10 +197,11 @@ def check_env(ctx: NodeContext) -> NodeContext:
     the nodes' scripts source the file as root, systemd and docker read it without a shell, so
     one character outside it could run a command, override a later variable or read differently
     to the three. The spec refuses such values with their key; this stops any that a later
-    change lets through before it reaches a node."""
+    change lets through before it reaches a node. (The offline plan's mask of a `secure:` value
+    passes: a real run renders the decrypted value, which the spec has checked.)"""
     values = [(f"GTS_{k.upper()}", v) for k, v in asdict(ctx).items() if isinstance(v, str)]
     for name, value in [*values, *ctx.trainer.items()]:
-        if not _VAR.fullmatch(name) or not _SAFE.fullmatch(value):
+        if not _VAR.fullmatch(name) or not (_SAFE.fullmatch(value) or value == SECRET_MASK):
             raise UnsafeEnvValue(f"{ctx.cloud}/{ctx.group}: node.env {name}={value!r} holds characters a shell, "
                                  f"systemd or docker would read differently (allowed: {ENV_SAFE})")
     return ctx

@@ -338,7 +338,9 @@ def _ingress_sources(r: Res) -> tuple[str, list[str]] | None:
     def cidrs(*values: Any) -> list[str]:
         out: list[str] = []
         for v in values:
-            out += [str(c) for c in v] if isinstance(v, (list, tuple)) else ([str(v)] if v else [])
+            # lists arrive as the engine's list proxies in a real Analyze call, not as list
+            out += [str(c) for c in v] if v and not isinstance(v, (str, bytes)) and hasattr(v, "__iter__") \
+                else ([str(v)] if v else [])
         return out
 
     t = r.type
@@ -382,6 +384,18 @@ def no_public_ingress(resources: list[Res], cfg: Mapping[str, Any]) -> list[tupl
                 out.append((r.name, f"{r.type} and the other rules of its security group together admit the whole "
                                     f"internet ({', '.join(sorted(set(everything)))}); {fix}"))
     return out
+
+
+def public_ingress_rule(r: Res, cfg: Mapping[str, Any]) -> list[str]:
+    """One security group or ingress rule resource, judged alone before it is created (the
+    engine's per-resource Analyze during `pulumi up`): its own sources must not add up to the
+    internet, IPv4 or IPv6, split ranges included (0.0.0.0/1 + 128.0.0.0/1, ::/1 + 8000::/1).
+    Rules that open it only together, across resources, are no-public-ingress's (stack level)."""
+    found = _ingress_sources(r)
+    if not found or not found[1] or not opens_internet(found[1]):
+        return []
+    return [f"{r.type} admits traffic from the whole internet ({', '.join(found[1])}); allow only your office / "
+            "VPN CIDRs (networks[].sshCidrs) or use Session Manager / cloud shell"]
 
 
 def _private(cidr: str) -> bool:
@@ -606,6 +620,9 @@ RULES: list[Rule] = [
          "(prod).", "disabled", per_resource=stateful_protected),
     Rule("no-public-ingress", "No ingress from 0.0.0.0/0, for SSH, RDP or anything else.", "mandatory",
          no_public_ingress),
+    Rule("no-public-ingress-rule", "No security group or ingress rule resource admits the internet (IPv4 or IPv6, "
+         "split ranges included), judged on each before it is created.", "mandatory",
+         per_resource=public_ingress_rule),
     Rule("metadata-hardened", "Instance metadata requires tokens (IMDSv2 / hardened mode).", "mandatory",
          per_resource=metadata_hardened, remediate=harden_metadata),
     Rule("no-instance-passwords", "No instance passwords.", "mandatory", per_resource=no_passwords),
