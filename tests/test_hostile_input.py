@@ -374,3 +374,51 @@ def test_a_hand_edited_team_stack_is_refused_by_plan_and_policy_config(tmp_path:
                             env={"PYTHONPATH": str(proj), "PATH": "/usr/bin:/bin", "GTS_TODAY": "2026-11-30"})
     assert config.returncode == 2 and "team.gpus.aws.A100" in config.stderr and "make teams" in config.stderr
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ values that cannot work
+
+def _problems(edit: Any) -> list[str]:
+    config = stack_values("dev")
+    edit(config)
+    with pytest.raises(SpecError) as caught:
+        parse(spec_raw(config))
+    return [str(p) for p in caught.value.problems]
+
+
+def test_a_spot_cap_far_below_the_market_is_refused_with_the_arithmetic() -> None:
+    def cap(value: float) -> Any:
+        return lambda c: c[key("nodeGroups")][0]["market"].__setitem__("spotMaxPriceUsd", value)
+
+    [problem] = _problems(cap(0.0001))
+    assert problem.startswith("nodeGroups[0].market.spotMaxPriceUsd: $0.0001/h is far below the spot price of ")
+    assert "on-demand x (1 - " in problem and "typical spot discount) = $" in problem and "never get capacity" in problem
+    config = stack_values("dev")
+    cap(5.0)(config)
+    assert parse(spec_raw(config)).node_groups[0].market.spot_max_price_usd == 5.0  # a real cap passes
+
+
+def test_a_ram_cache_larger_than_the_node_is_refused_with_the_arithmetic() -> None:
+    problems = _problems(lambda c: c[key("storage")].__setitem__("datasetTmpfsGb", 100000))
+    assert problems and all(p.startswith("storage.datasetTmpfsGb: 100000 GB of RAM cache does not fit node group ")
+                            for p in problems)
+    assert "GiB RAM - " in problems[0] and "GB at most" in problems[0]
+
+
+@pytest.mark.parametrize("where,edit", [
+    ("nodeGroups[0].scaling.max", lambda c: c[key("nodeGroups")][0]["scaling"].__setitem__("max", True)),
+    ("nodeGroups[0].scaling.min", lambda c: c[key("nodeGroups")][0]["scaling"].__setitem__("min", False)),
+    ("training.steps", lambda c: c[key("training")].__setitem__("steps", True)),
+    ("storage.datasetTmpfsGb", lambda c: c[key("storage")].__setitem__("datasetTmpfsGb", True)),
+    ("budget.thresholdsPercent[0]", lambda c: c[key("budget")].__setitem__("thresholdsPercent", [True]))])
+def test_a_yaml_boolean_is_not_read_as_a_number(where: str, edit: Any) -> None:
+    problems = _problems(edit)
+    assert any(p.startswith(f"{where}: ") and "YAML boolean, not a number" in p for p in problems), problems
+
+
+def test_an_ipv6_network_is_not_said_to_have_host_bits_set() -> None:
+    problems = _problems(lambda c: c[key("networks")][0].__setitem__("cidr", "2001:db8::/32"))
+    [problem] = [p for p in problems if p.startswith("networks[0].cidr")]
+    assert "IPv6 network" in problem and "host bits" not in problem
+    [host_bits] = _problems(lambda c: c[key("networks")][0].__setitem__("cidr", "10.0.0.1/16"))
+    assert host_bits == "networks[0].cidr: '10.0.0.1/16' has host bits set; the network is 10.0.0.0/16 (write that)"
