@@ -139,6 +139,7 @@ def check(spec: StackSpec) -> list[Problem]:
     if not problems:  # the provider limits assume a spec that is whole
         problems += cloud_rules.check(spec)
         problems += sharedfs.check(spec)
+    if not problems:  # resolving the groups needs every provider limit met
         problems += _check_workable(spec)
     if not problems:  # the commands are checked against the resolved groups' trainer contract
         problems += commands.check(spec)

@@ -227,7 +227,8 @@ def test_renderer_refuses_a_hostile_value_in_any_env_field() -> None:
     assert len(fields) >= 15
     for name in fields:
         with pytest.raises(userdata.UnsafeEnvValue, match=f"GTS_{name.upper()}="):
-            userdata.render_env(dataclasses.replace(ctx, **{name: "x$(touch PWNED)"}))
+            hostile: dict[str, Any] = {name: "x$(touch PWNED)"}
+            userdata.render_env(dataclasses.replace(ctx, **hostile))
     for var in ctx.trainer:
         with pytest.raises(userdata.UnsafeEnvValue, match=var):
             userdata.render_env(dataclasses.replace(ctx, trainer={**ctx.trainer, var: "x\nGTS_BUNDLE_SHA256=evil"}))

@@ -9,9 +9,7 @@ import datetime
 import os
 from typing import Any
 
-from infra.errors import Problem
-from infra.groups import Stack, resolve
-from infra.spec import StackSpec
+from infra.groups import Stack
 
 ADVISORY_DAYS = 90  # the pack's default maxAgeDays (policies/gts_policy/rules.py prices_fresh)
 
