@@ -8,6 +8,7 @@ regions, CIDRs, account-site markets), and reports key paths in the stack file's
 
 from __future__ import annotations
 
+import re
 from ipaddress import IPv4Network
 from typing import Annotated, Literal
 
@@ -31,6 +32,8 @@ MIRROR_URL = r"^https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._/%+,=:@-]*)?$"
 SECRET_MASK = "[secret]"
 # MLflow's tracking URI: databricks, or scheme://host[:port][/path] (file:///, http(s)://, sqlite:///).
 TRACKING_URI = r"^(\[secret\]|databricks(-uc)?|[a-z][a-z0-9+.-]*://[A-Za-z0-9.-]*(:[0-9]+)?(/[A-Za-z0-9._/%+,=:@-]*)?)$"
+# scheme://user:password@ — a password in a URL (refused in clear in a stack file, never echoed).
+URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s:]*:[^/?#@\s]+@")
 REGISTRY_HOST = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*$"
 # A container image reference (docker/distribution reference grammar, lowercase repository).
 IMAGE_REF = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*(:[A-Za-z0-9_.-]{1,128})?(@sha256:[0-9a-f]{64})?$"

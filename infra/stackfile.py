@@ -135,8 +135,7 @@ CREDENTIAL_KEYS = frozenset({
     "alicloud:accessKey", "alicloud:secretKey", "alicloud:securityToken",
     "tencentcloud:secretId", "tencentcloud:secretKey", "tencentcloud:securityToken",
 })
-# scheme://user:password@host — a password in a URL.
-URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s:]*:[^/?#@\s]+@")
+URL_PASSWORD = spec_mod.URL_PASSWORD
 
 
 def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:

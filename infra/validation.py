@@ -18,7 +18,7 @@ from infra import cloud_rules, commands, sharedfs
 from infra.errors import Problem, SpecError, suggest
 from infra.groups import requirement, schedule_bounds
 from infra.schedule import cron_in_beijing
-from infra.spec import (CONFIG_KEYS, ENV_SAFE, PATTERN_HELP, REQUIRED_TAGS, Network, NodeGroup, StackSpec)
+from infra.spec import (CONFIG_KEYS, URL_PASSWORD, ENV_SAFE, PATTERN_HELP, REQUIRED_TAGS, Network, NodeGroup, StackSpec)
 from policies.gts_policy.addresses import opens_internet
 
 
@@ -96,6 +96,8 @@ def _problem(err: Any, root: type[BaseModel] = StackSpec) -> Problem:
         pattern = str(err.get("ctx", {}).get("pattern", ""))
         msg = f"is not a valid value; {PATTERN_HELP.get(pattern, msg)}"
     shown = "" if isinstance(value, (dict, list)) or value is None else f"{value!r}: "
+    if isinstance(value, str) and URL_PASSWORD.search(value):  # a decrypted secret: never echoed
+        shown = "(a URL with a password, not shown): "
     return Problem(_path(loc), f"{shown}{msg}")
 
 

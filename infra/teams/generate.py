@@ -35,7 +35,9 @@ def stack_config(team: Team, registry: Registry, root: Path) -> dict[str, Any]:
     """The team stack's `config:` mapping, in the documented key order."""
     project = project_name(root)
     base_path = root / f"Pulumi.{registry.org.base_stack}.yaml"
-    base = (yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}).get("config") or {}
+    from infra.stackfile import load_yaml  # the base read as strictly as any stack file
+
+    base = (load_yaml(base_path.read_text(encoding="utf-8"), base_path.name) or {}).get("config") or {}
     own = {k.split(":", 1)[1]: v for k, v in base.items() if k.startswith(f"{project}:")}
     assert team.stack is not None  # an isolated team (the registry checks)
     env = f"{STACK_PREFIX}{team.name}"
