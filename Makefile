@@ -16,6 +16,10 @@ CKPT_EVERY ?= 50
 CKPT_DIR   ?= out/checkpoints
 THROTTLE_MS ?= 50
 
+# Every variable reaches the shell as one single-quoted word: `STACK='dev; rm -rf ~'` is a
+# (refused) stack name, never a command; CKPT_DIR may hold spaces.
+q = '$(subst ','"'"',$(1))'
+
 .PHONY: plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench test boot-test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
@@ -35,24 +39,24 @@ venv: $(STAMP)
 
 ## plan: the stack offline — resources, cost, policy verdicts (STACK=dev|prod|<name>, FORMAT=table|json, AGAINST=<earlier plan json>)
 plan: $(RUNTIME_STAMP)
-	@$(PY) -m infra.plan --stack $(STACK) --format $(FORMAT) $(if $(AGAINST),--against $(AGAINST))
+	@$(PY) -m infra.plan --stack $(call q,$(STACK)) --format $(call q,$(FORMAT)) $(if $(AGAINST),--against $(call q,$(AGAINST)))
 
 ## diff: what the working tree changes against a git ref, per stack, as Markdown (BASE=<ref>, STACK=all|<name>, FORMAT=md|json)
 BASE ?= HEAD
 diff: $(RUNTIME_STAMP)
-	@$(PY) -m infra.cli.diff --base $(BASE) --stack $(or $(filter-out dev,$(STACK)),$(if $(filter command line,$(origin STACK)),$(STACK),all)) --format $(if $(filter json,$(FORMAT)),json,md)
+	@$(PY) -m infra.cli.diff --base $(call q,$(BASE)) --stack $(call q,$(or $(filter-out dev,$(STACK)),$(if $(filter command line,$(origin STACK)),$(STACK),all))) --format $(if $(filter json,$(FORMAT)),json,md)
 
 ## teams: the team registry (teams.yaml): regenerates the isolated teams' stacks, then each team's resources, cost, GPU quota used/granted and violations, and the org's totals (TEAM=<name>, FORMAT=table|json)
 teams: $(RUNTIME_STAMP)
-	@$(PY) -m infra.teams.report $(if $(TEAM),--team $(TEAM)) --format $(FORMAT)
+	@$(PY) -m infra.teams.report $(if $(TEAM),--team $(call q,$(TEAM))) --format $(call q,$(FORMAT))
 
 ## policy-config: the policy pack's config for a real preview of STACK (prints its path: --policy-pack-config $$(make -s policy-config STACK=prod))
 policy-config: $(RUNTIME_STAMP)
-	@$(PY) -m infra.cli.policy_config --stack $(STACK) --out $(or $(OUT),out)
+	@$(PY) -m infra.cli.policy_config --stack $(call q,$(STACK)) --out $(call q,$(or $(OUT),out))
 
 ## prices: refresh infra/data/prices.csv from the clouds' own price lists (CLOUD=aws|alicloud|tencentcloud, REGION=<region> adds one, ACCEPT=1 writes changes over THRESHOLD=25 %, SITE=international for a Tencent international account)
 prices: $(STAMP)
-	@$(PY) -m infra.prices.refresh $(if $(CLOUD),--cloud $(CLOUD)) $(if $(REGION),--region $(REGION)) $(if $(ACCEPT),--accept) $(if $(THRESHOLD),--threshold $(THRESHOLD)) $(if $(SITE),--site $(SITE))
+	@$(PY) -m infra.prices.refresh $(if $(CLOUD),--cloud $(call q,$(CLOUD))) $(if $(REGION),--region $(call q,$(REGION))) $(if $(ACCEPT),--accept) $(if $(THRESHOLD),--threshold $(call q,$(THRESHOLD))) $(if $(SITE),--site $(call q,$(SITE)))
 
 ## policy-data: copy the data the policy pack ships (policies/data/) from infra/data/ (a test keeps them equal)
 policy-data:
@@ -60,33 +64,33 @@ policy-data:
 
 ## userdata: each node group's rendered cloud-config as $(OUT)/<cloud>-<group>.yaml (STACK=…)
 userdata: $(RUNTIME_STAMP)
-	@$(PY) -m infra.cli.userdata --stack $(STACK) --out $(or $(OUT),out/userdata)
+	@$(PY) -m infra.cli.userdata --stack $(call q,$(STACK)) --out $(call q,$(or $(OUT),out/userdata))
 
 ## monitoring: Prometheus alerting rules and a Grafana dashboard for the stack, into OUT (default out/monitoring)
 monitoring: $(RUNTIME_STAMP)
-	@$(PY) -m infra.cli.monitoring --stack $(STACK) --out $(or $(OUT),out/monitoring)
+	@$(PY) -m infra.cli.monitoring --stack $(call q,$(STACK)) --out $(call q,$(or $(OUT),out/monitoring))
 
 ## dataset: copy training.datasetSource into every cloud's bucket at datasets/<training.dataset>/ (STACK=…; resumable, verified)
 dataset: $(STAMP)
-	@$(PY) -m infra.cli.dataset --stack $(STACK)
+	@$(PY) -m infra.cli.dataset --stack $(call q,$(STACK))
 
 ## train-local: the trainer on CPU, 2 processes (gloo), tiny workload, through the image's entrypoint (STEPS= CKPT_EVERY= CKPT_DIR=<path or URL>)
 train-local: $(STAMP)
 	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" LAUNCHER=torchrun NNODES=1 NPROC_PER_NODE=2 OMP_NUM_THREADS=1 \
 	  bash training/entrypoint.sh --workload tiny \
-	  --steps $(STEPS) --checkpoint-every $(CKPT_EVERY) --checkpoint-dir $(CKPT_DIR) \
-	  --throttle-ms $(THROTTLE_MS) --log-every 10
+	  --steps $(call q,$(STEPS)) --checkpoint-every $(call q,$(CKPT_EVERY)) --checkpoint-dir $(call q,$(CKPT_DIR)) \
+	  --throttle-ms $(call q,$(THROTTLE_MS)) --log-every 10
 
 ## example-loop: your own PyTorch loop made spot-safe by the checkpoint library (examples/plain_loop.py; STEPS= CKPT_DIR=)
 example-loop: $(STAMP)
-	@PYTHONPATH=$(CURDIR) OMP_NUM_THREADS=1 $(PY) examples/plain_loop.py --steps $(STEPS) --checkpoint-dir $(CKPT_DIR)-loop
+	@PYTHONPATH=$(CURDIR) OMP_NUM_THREADS=1 $(PY) examples/plain_loop.py --steps $(call q,$(STEPS)) --checkpoint-dir $(call q,$(CKPT_DIR)-loop)
 
 ## example-hf: the guide's BERT fine-tuning (transformers.Trainer + training/hf.py) under accelerate, 2 CPU processes, through the image's entrypoint (STEPS= CKPT_DIR=)
 example-hf: $(STAMP)
 	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" LAUNCHER=accelerate ACCELERATE_USE_CPU=1 NNODES=1 NPROC_PER_NODE=2 \
-	  OMP_NUM_THREADS=1 CHECKPOINT_DIR=$(CKPT_DIR)-hf CHECKPOINT_EVERY=$(CKPT_EVERY) \
+	  OMP_NUM_THREADS=1 CHECKPOINT_DIR=$(call q,$(CKPT_DIR)-hf) CHECKPOINT_EVERY=$(call q,$(CKPT_EVERY)) \
 	  TRAIN_COMMAND=$$($(PY) -c 'import sys; from training.contract import encode_command; print(encode_command(sys.argv[1:]))' \
-	    -m training.workloads.bert_finetune --output_dir '$${CHECKPOINT_DIR}/hf-out' --max_steps $(STEPS)) \
+	    -m training.workloads.bert_finetune --output_dir '$${CHECKPOINT_DIR}/hf-out' --max_steps $(call q,$(STEPS))) \
 	  bash training/entrypoint.sh
 
 ## bench: checkpoint (ours, in line, async_save) and resume figures for ~100 MB and ~1 GB states beside their limits (memcpy, write+fsync, import+read; interleaved; S3 endpoint on 127.0.0.1), goodput, and the prod plan beside SDK imports + the mock engine (~12 min)

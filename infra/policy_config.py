@@ -14,6 +14,7 @@ from typing import Any
 from infra.catalog import to_usd
 from infra.cost import stack_cost
 from infra.groups import Stack
+from infra.prices import age
 from infra.stackfile import project_root
 from policies.gts_policy.rules import RULES
 
@@ -43,7 +44,9 @@ def for_stack(stack_name: str, stack: Stack) -> dict[str, Any]:
         "thresholdsPercent": list(spec.budget.thresholds_percent), "plannedMonthlyUsd": planned,
         # each node group's types at their price in its region, overrides included (USD per node-hour):
         # the pack prices capacity where it runs, as the plan does
-        "groupPrices": group_prices(stack)}
+        "groupPrices": group_prices(stack),
+        # the date of the oldest price the stack is planned with (the prices-fresh rule)
+        **age.verdict_config(stack)}
     team = spec.team
     if team is not None:  # the registry's quota and markets (teams.yaml, through `make teams`)
         derived |= {"team": team.name, "gpuQuota": {c: dict(q) for c, q in team.gpus.items()},

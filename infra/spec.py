@@ -8,10 +8,11 @@ regions, CIDRs, account-site markets), and reports key paths in the stack file's
 
 from __future__ import annotations
 
+import re
 from ipaddress import IPv4Network
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictInt, model_validator
 from pydantic.alias_generators import to_camel
 
 from infra import catalog as cat
@@ -20,7 +21,29 @@ Cloud = Literal["aws", "alicloud", "tencentcloud"]
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 NO_NUL = r"^[^\x00]*$"
+# Values that reach /etc/gpu-training/node.env, which the node's scripts source as root, systemd
+# reads as an EnvironmentFile= and docker as an --env-file: only characters all three read as
+# themselves, unquoted (no quotes, spaces, `$`, backquotes, `;`, `&`, `|`, `\\`, `~`, `#`, newlines).
+ENV_SAFE = r"A-Za-z0-9._/:@%+,=-"
+# An http(s) mirror: host, port, path; no credentials (they would sit in user data in clear).
+MIRROR_URL = r"^https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._/%+,=:@-]*)?$"
+# What the offline plan reads for a `secure:` value (it cannot decrypt it); the real program
+# reads the decrypted value, which the patterns then check.
+SECRET_MASK = "[secret]"
+# MLflow's tracking URI: databricks, or scheme://host[:port][/path] (file:///, http(s)://, sqlite:///).
+TRACKING_URI = r"^(\[secret\]|databricks(-uc)?|[a-z][a-z0-9+.-]*://[A-Za-z0-9.-]*(:[0-9]+)?(/[A-Za-z0-9._/%+,=:@-]*)?)$"
+# scheme://user:password@ — a password in a URL (refused in clear in a stack file, never echoed).
+URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s:]*:[^/?#@\s]+@")
+REGISTRY_HOST = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*$"
+# A container image reference (docker/distribution reference grammar, lowercase repository).
+IMAGE_REF = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*(:[A-Za-z0-9_.-]{1,128})?(@sha256:[0-9a-f]{64})?$"
 PATTERN_HELP = {
+    MIRROR_URL: "use an http(s) URL: scheme, host, optional port and path, without credentials or characters a "
+                "shell would read (the value is written to the nodes' env file)",
+    TRACKING_URI: "use databricks or scheme://host[:port]/path without credentials (MLflow reads "
+                  "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD for those) or characters a shell would read",
+    REGISTRY_HOST: "use a registry host with optional port and path, e.g. registry.cn-hangzhou.aliyuncs.com",
+    IMAGE_REF: "use an image reference: registry/repository[:tag]@sha256:<digest>, lowercase repository",
     NO_NUL: "an argument cannot hold a NUL character (the launcher would split it in two)",
     NAME_PATTERN: "use 2-32 lowercase letters, digits and hyphens, starting with a letter",
     r"^\d{10}$": "use the 10-digit APPID from the Tencent Cloud console, quoted (appId: \"1250000000\")",
@@ -43,14 +66,14 @@ class Mirrors(SpecModel):
     """Where nodes that cannot reach Docker Hub, nvcr.io, PyPI or the Ubuntu archive (mainland
     China) get their images and packages from, inside their own cloud."""
 
-    registry: str | None = Field(None, description="Container registry of this cloud holding copies of the node "
+    registry: str | None = Field(None, pattern=REGISTRY_HOST, description="Container registry of this cloud holding copies of the node "
                                                    "agents' images (pulled by full name), e.g. an ACR / TCR host.")
-    docker_hub: str | None = Field(None, description="Docker Hub pull-through mirror URL for the Docker daemon "
+    docker_hub: str | None = Field(None, pattern=MIRROR_URL, description="Docker Hub pull-through mirror URL for the Docker daemon "
                                                      "(registry-mirrors mirrors Docker Hub only).")
-    apt: str | None = Field(None, description="APT mirror base URL for Ubuntu images.")
-    nvidia: str | None = Field(None, description="Mirror of https://nvidia.github.io/libnvidia-container "
+    apt: str | None = Field(None, pattern=MIRROR_URL, description="APT mirror base URL for Ubuntu images.")
+    nvidia: str | None = Field(None, pattern=MIRROR_URL, description="Mirror of https://nvidia.github.io/libnvidia-container "
                                                  "(the NVIDIA container toolkit's apt repository).")
-    pip: str | None = Field(None, description="PyPI index URL.")
+    pip: str | None = Field(None, pattern=MIRROR_URL, description="PyPI index URL.")
 
 
 class CloudAccount(SpecModel):
@@ -81,7 +104,7 @@ class SharedFs(SpecModel):
     nodes of the groups that ask for it; encrypted, reachable only from the stack's networks."""
 
     type: SharedFsType = Field(description="efs or fsx-lustre (AWS), nas (Alibaba NAS), cfs (Tencent CFS).")
-    size_gb: int = Field(1200, gt=0, description="FSx for Lustre: the capacity provisioned (1200, 2400, then "
+    size_gb: StrictInt = Field(1200, gt=0, description="FSx for Lustre: the capacity provisioned (1200, 2400, then "
                                                  "multiples of 2400). EFS, NAS, CFS grow as used: the size priced.")
     throughput_per_tib: Literal[125, 250, 500, 1000] = Field(
         125, description="FSx for Lustre (PERSISTENT_2): MB/s of throughput per TiB of storage.")
@@ -114,21 +137,21 @@ class Peering(SpecModel):
     accepter: str = Field(description="Network that accepts it.")
     via: Literal["peering", "transit"] = Field(
         "peering", description="peering: VPC peering; transit: CEN (Alibaba) / CCN (Tencent) / Transit Gateway (AWS).")
-    bandwidth_mbps: int | None = Field(None, gt=0, description="Cross-region bandwidth cap (Alibaba, Tencent).")
+    bandwidth_mbps: StrictInt | None = Field(None, gt=0, description="Cross-region bandwidth cap (Alibaba, Tencent).")
 
 
 class GpuRequirement(SpecModel):
     """A GPU requirement the selector turns into instance types."""
 
     model: str | None = Field(None, description="GPU model, e.g. A100, H100, V100, A10, T4, L4.")
-    min_vram_gb: int = Field(0, ge=0, description="Minimum memory per GPU in GB.")
-    count: int = Field(1, ge=1, description="GPUs per node.")
+    min_vram_gb: StrictInt = Field(0, ge=0, description="Minimum memory per GPU in GB.")
+    count: StrictInt = Field(1, ge=1, description="GPUs per node.")
 
 
 class Scaling(SpecModel):
-    min: int = Field(ge=0, description="Fewest nodes.")
-    max: int = Field(ge=1, description="Most nodes.")
-    desired: int | None = Field(None, ge=0, description="Nodes at rest; defaults to min.")
+    min: StrictInt = Field(ge=0, description="Fewest nodes.")
+    max: StrictInt = Field(ge=1, description="Most nodes.")
+    desired: StrictInt | None = Field(None, ge=0, description="Nodes at rest; defaults to min.")
 
     @property
     def baseline(self) -> int:
@@ -139,7 +162,7 @@ class Market(SpecModel):
     """How the nodes are bought."""
 
     type: Literal["spot", "on-demand", "reserved"] = Field(description="Purchase market.")
-    on_demand_base: int = Field(0, ge=0, description="With spot: nodes kept on-demand; the rest are spot.")
+    on_demand_base: StrictInt = Field(0, ge=0, description="With spot: nodes kept on-demand; the rest are spot.")
     spot_max_price_usd: float | None = Field(None, gt=0, description="With spot: price cap per node-hour; none = up to on-demand.")
     observed_mtbf_hours: float | None = Field(
         None, gt=0, description="Mean hours between the reclaims this group has actually seen; overrides the "
@@ -151,13 +174,13 @@ class ScheduleAction(SpecModel):
 
     name: Name = Field(description="Action name.")
     cron: str = Field(description="Five-field cron expression, UTC.")
-    desired: int = Field(ge=0, description="Desired nodes from this time on.")
-    min: int | None = Field(None, ge=0, description="New minimum, if it changes.")
-    max: int | None = Field(None, ge=0, description="New maximum, if it changes.")
+    desired: StrictInt = Field(ge=0, description="Desired nodes from this time on.")
+    min: StrictInt | None = Field(None, ge=0, description="New minimum, if it changes.")
+    max: StrictInt | None = Field(None, ge=0, description="New maximum, if it changes.")
 
 
 class Scratch(SpecModel):
-    size_gb: int = Field(0, ge=0, description="Scratch space per node for datasets, GB.")
+    size_gb: StrictInt = Field(0, ge=0, description="Scratch space per node for datasets, GB.")
     source: Literal["auto", "instance-store", "data-disk"] = Field(
         "auto", description="instance-store: local NVMe only; data-disk: encrypted cloud disk; auto: NVMe when big enough.")
 
@@ -168,7 +191,7 @@ Command = Annotated[list[Annotated[str, Field(min_length=1, pattern=NO_NUL)]], F
 class GroupTraining(SpecModel):
     """What this node group trains, where it differs from the stack's `training`."""
 
-    image: str | None = Field(None, description="Base image of this group's trainer image, pinned by digest: your "
+    image: str | None = Field(None, pattern=IMAGE_REF, description="Base image of this group's trainer image, pinned by digest: your "
                                                 "image with your code; the stack adds the trainer layer on top.")
     command: Command | None = Field(None, description="Your training command, run by the launcher on every process of every node: `[-m, package.module, args...]`, `[script.py, args...]` or an executable with its arguments. `${NAME}` in an argument expands to a trainer-contract variable (e.g. ${DATA_DIR}, ${CHECKPOINT_URL}). Empty: our trainer with `workload`.")
 
@@ -184,7 +207,7 @@ class NodeGroup(SpecModel):
     instance_type: str | None = Field(None, description="Instance type; or give `gpu` and let the selector choose.")
     fallback_types: list[str] = Field(default_factory=list, description="More types for spot capacity pools.")
     gpu: GpuRequirement | None = Field(None, description="GPU requirement instead of an instance type.")
-    min_gpu_memory_gb: int = Field(0, ge=0, description="Smallest GPU memory the workload runs in (e.g. 32 for 3D detection).")
+    min_gpu_memory_gb: StrictInt = Field(0, ge=0, description="Smallest GPU memory the workload runs in (e.g. 32 for 3D detection).")
     scaling: Scaling = Field(description="Node counts.")
     market: Market = Field(description="Purchase market.")
     schedule: list[ScheduleAction] = Field(default_factory=list, description="Recurring scaling actions.")
@@ -215,7 +238,7 @@ class KubernetesAccess(SpecModel):
                     "and a namespace, LocalQueue and RBAC per team; this stack's own Jobs queue too.")
 
 
-GpuQuota = dict[Cloud, dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9]+$")], Annotated[int, Field(ge=0)]]]
+GpuQuota = dict[Cloud, dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9]+$")], Annotated[StrictInt, Field(ge=0)]]]
 
 
 def quota_of(gpus: GpuQuota, cloud: str) -> dict[str, int]:
@@ -232,17 +255,17 @@ class TeamLimits(SpecModel):
     regions: dict[Cloud, list[str]] = Field(min_length=1, description="Regions the team may use, per cloud.")
     gpus: GpuQuota = Field(description="GPU quota per cloud and GPU model (GPUs, not nodes).")
     spot_only: bool = Field(True, description="All GPU capacity is spot, beyond onDemandBaseMax on-demand nodes.")
-    on_demand_base_max: int = Field(0, ge=0, description="On-demand nodes the team may keep, all groups together.")
+    on_demand_base_max: StrictInt = Field(0, ge=0, description="On-demand nodes the team may keep, all groups together.")
 
 
 class Storage(SpecModel):
     bucket_prefix: Name = Field(description="Bucket name prefix; each cloud adds its suffix.")
     scratch: Scratch = Field(default_factory=Scratch, description="Default scratch for node groups.")
-    checkpoint_archive_days: int = Field(30, ge=1, description="Days before checkpoints move to archive storage.")
-    noncurrent_expire_days: int = Field(30, ge=1, description="Days before old object versions are deleted.")
-    abort_multipart_days: int = Field(7, ge=1, description="Days before incomplete multipart uploads are aborted.")
-    expected_gb: int = Field(500, ge=0, description="Bucket size used for the cost summary.")
-    dataset_tmpfs_gb: int = Field(0, ge=0, description="Also cache the dataset in RAM (tmpfs) of this size; 0 = off.")
+    checkpoint_archive_days: StrictInt = Field(30, ge=1, description="Days before checkpoints move to archive storage.")
+    noncurrent_expire_days: StrictInt = Field(30, ge=1, description="Days before old object versions are deleted.")
+    abort_multipart_days: StrictInt = Field(7, ge=1, description="Days before incomplete multipart uploads are aborted.")
+    expected_gb: StrictInt = Field(500, ge=0, description="Bucket size used for the cost summary.")
+    dataset_tmpfs_gb: StrictInt = Field(0, ge=0, description="Also cache the dataset in RAM (tmpfs) of this size; 0 = off.")
 
 
 def _interval(value: object) -> int | Literal["auto"]:
@@ -255,26 +278,26 @@ def _interval(value: object) -> int | Literal["auto"]:
 
 
 class Training(SpecModel):
-    image: str = Field(description="Base image the stack builds the trainer image from (training/Dockerfile), "
+    image: str = Field(pattern=IMAGE_REF, description="Base image the stack builds the trainer image from (training/Dockerfile), "
                                    "pinned by digest: NGC PyTorch, or your own image with your code in it (the stack "
                                    "adds the trainer layer: launcher, checkpoint library, contract check).")
     command: Command | None = Field(None, description="Your training command, run by the launcher on every process of every node: `[-m, package.module, args...]`, `[script.py, args...]` or an executable with its arguments. `${NAME}` in an argument expands to a trainer-contract variable (e.g. ${DATA_DIR}, ${CHECKPOINT_URL}). Empty: our trainer with `workload`.")
-    prebuilt_images: dict[Cloud, str] = Field(
+    prebuilt_images: dict[Cloud, Annotated[str, Field(pattern=IMAGE_REF)]] = Field(
         default_factory=dict, description="Per cloud, a trainer image built elsewhere (pinned by digest) to use "
                                           "instead of building one.")
     launcher: Literal["torchrun", "accelerate", "horovod"] = Field("torchrun", description="Distributed launcher.")
     workload: Literal["resnet50", "tiny"] = Field("resnet50", description="Workload the bootstrap trains.")
-    steps: int = Field(100_000, gt=0, description="Optimizer steps of the whole run (across restarts).")
+    steps: StrictInt = Field(100_000, gt=0, description="Optimizer steps of the whole run (across restarts).")
     checkpoint_every: Annotated[int | Literal["auto"], PlainValidator(_interval)] = Field(
         500, description="Checkpoint every N steps (and on SIGTERM), or auto: Daly's interval from the checkpoint cost "
                          "the trainer measures and the group's reclaim rate and notice (training/goodput.py).")
-    keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept locally and in the bucket.")
+    keep_checkpoints: StrictInt = Field(3, ge=1, description="Checkpoints kept locally and in the bucket.")
     dataset: Name | None = Field(None, description="Dataset name: each cloud's nodes read <bucket>/datasets/<name>/ "
                                                    "in their own cloud.")
     dataset_source: str | None = Field(None, description="Where the dataset's original lives (s3://, oss://, cosn://, "
                                                          "file:// or a path); `make dataset` copies it into each "
                                                          "cloud's bucket.")
-    mlflow_tracking_uri: str | None = Field(None, description="MLflow server, if any.")
+    mlflow_tracking_uri: str | None = Field(None, pattern=TRACKING_URI, description="MLflow server, if any.")
     rendezvous_endpoint: str | None = Field(
         None, pattern=r"^[A-Za-z0-9.-]+:\d+$",
         description="host:port of the c10d rendezvous for multi-node VM fleets (e.g. a fixed private IP or DNS name).")
@@ -284,7 +307,7 @@ class Budget(SpecModel):
     monthly_limit_usd: float = Field(gt=0, description="Monthly spending limit, USD.")
     alert_emails: list[Annotated[str, Field(pattern=r"^[^@\s]+@[^@\s]+\.[^@\s]+$")]] = Field(
         min_length=1, description="Who gets budget alerts.")
-    thresholds_percent: list[Annotated[int, Field(gt=0, le=200)]] = Field(
+    thresholds_percent: list[Annotated[StrictInt, Field(gt=0, le=200)]] = Field(
         default_factory=lambda: [50, 80, 100], min_length=1,
         description="Alert at these percentages of the limit (at least one: an empty list would alert nobody).")
 
@@ -300,8 +323,9 @@ class PriceOverride(SpecModel):
 class Pricing(SpecModel):
     cny_per_usd: float = Field(7.2, gt=0, description="Exchange rate for CNY catalog prices.")
     overrides: list[PriceOverride] = Field(default_factory=list, description="Negotiated or current prices.")
-    allow_stale_prices: bool = Field(False, description="Plan with catalog prices older than a year (otherwise an "
-                                                        "error: run `make prices`).")
+    allow_stale_prices: bool = Field(False, description="No prices-fresh verdict on the age of the catalog prices "
+                                                        "(otherwise the policy pack's, advisory by default: run "
+                                                        "`make prices`).")
 
 
 class StackSpec(SpecModel):

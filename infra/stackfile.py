@@ -9,7 +9,8 @@ the project root is found when a function asks for it.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,30 @@ from infra import spec as spec_mod
 from infra import validation
 from infra.errors import Problem, SpecError
 
-SECRET_MASK = "[secret]"
+SECRET_MASK = spec_mod.SECRET_MASK
 # Keys whose values the program receives as plain strings; the others are JSON.
 SCALAR_KEYS = ("env",)
 
 
 class StackFileError(Exception):
     """The stack file cannot be read as Pulumi would read it."""
+
+
+# Pulumi's own rule for a stack name (pulumi/pulumi sdk/go/common/tokens/stack_name.go,
+# ParseStackName): not empty, at most 100 characters of `[A-Za-z0-9_.-]`. Checked before the name
+# reaches a path, a file name or a command.
+STACK_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
+
+
+def check_stack_name(stack: str) -> str:
+    """`stack` when Pulumi would accept it as a stack name; a StackFileError naming the rule."""
+    if STACK_NAME.fullmatch(stack):
+        return stack
+    bad = next((ch for ch in stack if not re.fullmatch(r"[A-Za-z0-9_.-]", ch)), "")
+    why = ("is empty" if not stack else "is longer than 100 characters" if len(stack) > 100
+           else f"has {bad!r} at position {stack.index(bad)}")
+    raise StackFileError(f"stack name {stack!r} {why}: a Pulumi stack name is 1-100 letters, digits, hyphens, "
+                         "underscores or periods (pass STACK=<name of a Pulumi.<name>.yaml here>)")
 
 
 @dataclass(frozen=True)
@@ -59,10 +77,15 @@ def available_stacks(root: Path | None = None) -> list[str]:
 def stack_path(stack: str, root: Path | None = None) -> Path:
     """`Pulumi.<stack>.yaml`, or a StackFileError naming the stacks that exist."""
     root = root or project_root()
-    path = root / f"Pulumi.{stack}.yaml"
+    path = root / f"Pulumi.{check_stack_name(stack)}.yaml"
     if not path.exists():
         raise StackFileError(f"no stack file {path.name}; stacks here: {', '.join(available_stacks(root))} "
                              f"(create Pulumi.{stack}.yaml or pass STACK=<one of them>)")
+    from infra.teams.generate import stack_drift  # a generated team stack must match its registry
+
+    drift = stack_drift(path, root)
+    if drift:
+        raise StackFileError(f"{path.name}: " + "; ".join(drift))
     return path
 
 
@@ -91,15 +114,70 @@ def read_stack_file(path: Path, project: str) -> StackConfig:
     return read_stack_text(path.read_text(encoding="utf-8"), path.name, project)
 
 
+def load_yaml(text: str, name: str) -> Any:
+    """A stack file's YAML, read with the loader that refuses a key given twice (the one
+    teams.yaml is read with): `scaling: {max: 50, max: 2}` would otherwise plan with the last."""
+    from infra.teams.registry import UniqueKeyLoader
+
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.constructor.ConstructorError as exc:
+        mark = exc.problem_mark
+        at = f", line {mark.line + 1}" if mark is not None else ""
+        raise StackFileError(f"{name}{at}: {exc.problem}; keep one (the file must say one thing once)") from None
+    except yaml.YAMLError as exc:
+        raise StackFileError(f"{name} is not valid YAML: {exc}") from None
+
+
+# Provider settings that are credentials: in a stack file only as `secure:` values.
+CREDENTIAL_KEYS = frozenset({
+    "aws:accessKey", "aws:secretKey", "aws:token",
+    "alicloud:accessKey", "alicloud:secretKey", "alicloud:securityToken",
+    "tencentcloud:secretId", "tencentcloud:secretKey", "tencentcloud:securityToken",
+})
+URL_PASSWORD = spec_mod.URL_PASSWORD
+
+
+def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """(key path, string) for every plain string in a config value; `secure:` values are skipped."""
+    if isinstance(value, dict):
+        if set(value) == {"secure"}:
+            return
+        for k, v in value.items():
+            yield from _strings(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _strings(v, f"{path}[{i}]")
+    elif isinstance(value, str):
+        yield path, value
+
+
+def secrets_in_clear(config: Mapping[str, Any], project: str) -> list[str]:
+    """What a stack file holds in clear that must be encrypted: provider credentials, and
+    passwords in URLs (which would reach the nodes' user data in clear)."""
+    found = []
+    for key, value in config.items():
+        full = key if ":" in str(key) else f"{project}:{key}"
+        if full in CREDENTIAL_KEYS and not _has_secret(value):
+            found.append(f"{full} is a credential in clear; remove the line and run `pulumi config set --secret "
+                         f"{full} <value>` (or leave it out and use the provider's environment or profile)")
+            continue
+        for where, text in _strings(value, full):
+            if URL_PASSWORD.search(text):
+                found.append(f"{where} holds a URL with a password in clear; remove the password from the URL, "
+                             "or store the value with `pulumi config set --secret`")
+    return found
+
+
 def read_stack_text(text: str, name: str, project: str) -> StackConfig:
     """The same for a stack file's text (`name` is its file name: Pulumi.<stack>.yaml)."""
     stack = name[len("Pulumi."):-len(".yaml")]
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise StackFileError(f"{name} is not valid YAML: {exc}") from None
+    data = load_yaml(text, name) or {}
     if not isinstance(data, dict) or not isinstance(data.get("config", {}), dict):
         raise StackFileError(f"{name}: expected a mapping with a 'config:' mapping")
+    clear = secrets_in_clear(data.get("config") or {}, project)
+    if clear:
+        raise StackFileError(f"{name}: " + "; ".join(clear))
     values: dict[str, str] = {}
     secrets: list[str] = []
     for key, value in (data.get("config") or {}).items():

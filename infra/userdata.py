@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import base64
 import gzip
+import re
 from dataclasses import asdict, dataclass
 from email.mime.multipart import MIMEMultipart
 from email.mime.text import MIMEText
@@ -31,7 +32,7 @@ from infra.buckets import bucket, endpoint
 from infra.images import node_agents
 from infra.rendezvous import Site
 from infra.sharedfs import SharedFsOutputs, SharedMount, placeholder
-from infra.spec import StackSpec
+from infra.spec import ENV_SAFE, SECRET_MASK, StackSpec
 from training import contract as c
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,19 +188,42 @@ def _files(ctx: NodeContext) -> list[dict[str, str]]:
     return out
 
 
+class UnsafeEnvValue(ValueError):
+    """A value that bash, systemd and docker would not all read as itself in node.env."""
+
+
+_SAFE = re.compile(f"[{ENV_SAFE}]*")
+_VAR = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
+def check_env(ctx: NodeContext) -> NodeContext:
+    """Every value written to node.env in the alphabet the spec allows (infra/spec.py ENV_SAFE):
+    the nodes' scripts source the file as root, systemd and docker read it without a shell, so
+    one character outside it could run a command, override a later variable or read differently
+    to the three. The spec refuses such values with their key; this stops any that a later
+    change lets through before it reaches a node. (The offline plan's mask of a `secure:` value
+    passes: a real run renders the decrypted value, which the spec has checked.)"""
+    values = [(f"GTS_{k.upper()}", v) for k, v in asdict(ctx).items() if isinstance(v, str)]
+    for name, value in [*values, *ctx.trainer.items()]:
+        if not _VAR.fullmatch(name) or not (_SAFE.fullmatch(value) or value == SECRET_MASK):
+            raise UnsafeEnvValue(f"{ctx.cloud}/{ctx.group}: node.env {name}={value!r} holds characters a shell, "
+                                 f"systemd or docker would read differently (allowed: {ENV_SAFE})")
+    return ctx
+
+
 def render_env(ctx: NodeContext) -> str:
     """The node's /etc/gpu-training/node.env alone."""
-    return _ENV.get_template("cloudinit/node.env.j2").render(**asdict(ctx))
+    return _ENV.get_template("cloudinit/node.env.j2").render(**asdict(check_env(ctx)))
 
 
 def render(ctx: NodeContext) -> str:
     """The node's cloud-config."""
-    return _ENV.get_template("cloudinit/node.yaml.j2").render(**asdict(ctx), files=_files(ctx))
+    return _ENV.get_template("cloudinit/node.yaml.j2").render(**asdict(check_env(ctx)), files=_files(ctx))
 
 
 def render_script(ctx: NodeContext) -> str:
     """The same content as a shell script, for node pools that run their user data as one."""
-    return _ENV.get_template("cloudinit/node.sh.j2").render(**asdict(ctx), files=_files(ctx))
+    return _ENV.get_template("cloudinit/node.sh.j2").render(**asdict(check_env(ctx)), files=_files(ctx))
 
 
 class UserDataTooLarge(ValueError):

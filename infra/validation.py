@@ -18,7 +18,7 @@ from infra import cloud_rules, commands, sharedfs
 from infra.errors import Problem, SpecError, suggest
 from infra.groups import requirement, schedule_bounds
 from infra.schedule import cron_in_beijing
-from infra.spec import (CONFIG_KEYS, PATTERN_HELP, REQUIRED_TAGS, Network, NodeGroup, StackSpec)
+from infra.spec import (CONFIG_KEYS, URL_PASSWORD, ENV_SAFE, PATTERN_HELP, REQUIRED_TAGS, Network, NodeGroup, StackSpec)
 from policies.gts_policy.addresses import opens_internet
 
 
@@ -79,18 +79,25 @@ def _problem(err: Any, root: type[BaseModel] = StackSpec) -> Problem:
     msg = str(err["msg"]).removeprefix("Value error, ")
     if kind == "string_type" and isinstance(value, int) and loc[-1] == "appId":
         return Problem(_path(loc), f"{value} is a number to YAML; write the APPID quoted: appId: \"{value}\"")
-    if kind == "ip_v4_network" and isinstance(value, str) and "/" in value:
+    if kind == "ip_v4_network" and isinstance(value, str):
         import ipaddress
 
         try:
             network = ipaddress.ip_network(value, strict=False)
-            return Problem(_path(loc), f"{value!r} has host bits set; the network is {network} (write that)")
         except ValueError:
-            pass
+            network = None
+        if isinstance(network, ipaddress.IPv6Network):
+            return Problem(_path(loc), f"{value!r} is an IPv6 network; this key takes an IPv4 CIDR such as 10.0.0.0/16")
+        if network is not None and "/" in value and str(network) != value:
+            return Problem(_path(loc), f"{value!r} has host bits set; the network is {network} (write that)")
+    if kind in ("int_type", "int_from_float", "int_parsing") and isinstance(value, bool):
+        return Problem(_path(loc), f"{str(value).lower()} is a YAML boolean, not a number; write a whole number")
     if kind == "string_pattern_mismatch":
         pattern = str(err.get("ctx", {}).get("pattern", ""))
         msg = f"is not a valid value; {PATTERN_HELP.get(pattern, msg)}"
     shown = "" if isinstance(value, (dict, list)) or value is None else f"{value!r}: "
+    if isinstance(value, str) and URL_PASSWORD.search(value):  # a decrypted secret: never echoed
+        shown = "(a URL with a password, not shown): "
     return Problem(_path(loc), f"{shown}{msg}")
 
 
@@ -134,12 +141,10 @@ def check(spec: StackSpec) -> list[Problem]:
     if not problems:  # the provider limits assume a spec that is whole
         problems += cloud_rules.check(spec)
         problems += sharedfs.check(spec)
+    if not problems:  # resolving the groups needs every provider limit met
+        problems += _check_workable(spec)
     if not problems:  # the commands are checked against the resolved groups' trainer contract
         problems += commands.check(spec)
-    if not problems:  # the prices the plan would use, by their age
-        from infra.prices.age import check_stale
-
-        problems += check_stale(spec)
     if not problems and spec.kubernetes.queues:  # the teams' queues against the resolved pools
         from infra.teams import registry  # the registry reads stack specs too
 
@@ -147,11 +152,59 @@ def check(spec: StackSpec) -> list[Problem]:
     return problems
 
 
+# A spot cap under this share of the spot price the catalog expects gets no capacity: spot prices
+# move around the typical discount, not to a fraction of it.
+SPOT_CAP_FLOOR = 0.5
+
+
+def _check_workable(spec: StackSpec) -> list[Problem]:
+    """Values that pass every range check but cannot work, refused with the arithmetic: a spot
+    cap far under the market, a RAM cache (storage.datasetTmpfsGb) the nodes cannot hold next to
+    the trainer."""
+    from infra.catalog import to_usd
+    from infra.groups import resolve
+
+    out: list[Problem] = []
+    rate = spec.pricing.cny_per_usd
+    tmpfs = spec.storage.dataset_tmpfs_gb
+    catalog = spec.catalog()
+    for rg in resolve(spec).groups:
+        cap = rg.market.spot_max_price_usd
+        if rg.spot and cap is not None:
+            item = rg.primary
+            on_demand = to_usd(item.price_ondemand, item.currency, rate)
+            market = on_demand * (1 - item.spot_discount)
+            if cap < SPOT_CAP_FLOOR * market:
+                out.append(Problem(f"{rg.path}.market.spotMaxPriceUsd",
+                                   f"${cap:g}/h is far below the spot price of {item.instance_type} in {rg.region}: "
+                                   f"${on_demand:.4f}/h on-demand x (1 - {item.spot_discount:g} typical spot discount) "
+                                   f"= ${market:.4f}/h; under {SPOT_CAP_FLOOR:g} x that (${SPOT_CAP_FLOOR * market:.4f}/h) "
+                                   "the group would never get capacity: raise it, or leave it out (up to on-demand)"))
+        if tmpfs:
+            for itype in rg.types:
+                node = catalog.priced(rg.cloud, itype, rg.region)
+                if node is None:
+                    continue
+                room = node.ram_gib - node.total_vram_gb  # the trainer keeps about its GPUs' memory in RAM
+                if tmpfs > room:
+                    out.append(Problem("storage.datasetTmpfsGb",
+                                       f"{tmpfs} GB of RAM cache does not fit node group {rg.name}'s {itype}: "
+                                       f"{node.ram_gib} GiB RAM - {node.total_vram_gb} GB for the trainer (its GPUs' "
+                                       f"memory) = {max(room, 0)} GB at most; lower it or set 0 (off)"))
+                    break
+    return out
+
+
 def _check_tags(spec: StackSpec) -> list[Problem]:
     out = [Problem(f"tags.{t}", f"required tag is missing; add tags: {{{t}: ...}}")
            for t in REQUIRED_TAGS if not spec.tags.get(t)]
     if spec.tags.get("env") and spec.tags["env"] != spec.env:
         out.append(Problem("tags.env", f"{spec.tags['env']!r} differs from env {spec.env!r}; make them equal"))
+    # The team the nodes' cost is shown back to reaches their env file (GTS_TEAM).
+    if spec.team is None and not re.fullmatch(f"[{ENV_SAFE}]+", spec.team_name):
+        key = "tags.team" if "team" in spec.tags else "tags.owner"
+        out.append(Problem(key, f"{spec.team_name!r} names the team in the nodes' env file (GTS_TEAM): use letters, "
+                                "digits and . _ / : @ % + , = - only (no spaces, quotes or shell characters)"))
     return out
 
 

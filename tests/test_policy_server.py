@@ -193,3 +193,53 @@ def test_a_real_preview_refuses_unroutable_api_sources(analyzer: analyzer_pb2_gr
     public = {**props, "vpcConfig": {**props["vpcConfig"], "publicAccessCidrs": ["198.51.99.0/24"]}}
     assert not [d for d in analyzer.Analyze(_resource(eks.type, eks.name, public)).diagnostics
                 if d.policyName == "kubernetes-api-sources-routable"]
+
+# Each security group / ingress rule type the stack creates (make plan: aws SecurityGroup and vpc
+# SecurityGroupIngressRule, Alibaba SecurityGroupRule, Tencent GroupRuleSet) and the other rule
+# types the pack reads, opening SSH to the internet in one resource: (type, properties).
+def _open_ssh(cidrs: list[str]) -> list[tuple[str, dict[str, object]]]:
+    v4 = [c for c in cidrs if ":" not in c]
+    v6 = [c for c in cidrs if ":" in c]
+    out: list[tuple[str, dict[str, object]]] = [
+        ("aws:ec2/securityGroup:SecurityGroup", {"vpcId": "vpc-1", "ingress": [
+            {"protocol": "tcp", "fromPort": 22, "toPort": 22, "cidrBlocks": v4, "ipv6CidrBlocks": v6}]}),
+        ("aws:ec2/securityGroupRule:SecurityGroupRule", {"type": "ingress", "securityGroupId": "sg-1", "protocol": "tcp",
+                                                         "fromPort": 22, "toPort": 22, "cidrBlocks": v4,
+                                                         "ipv6CidrBlocks": v6}),
+        ("tencentcloud:Security/groupRuleSet:GroupRuleSet", {"securityGroupId": "sg-1", "ingresses": [
+            {"action": "ACCEPT", "protocol": "TCP", "port": "22", **({"cidrBlock": c} if ":" not in c
+                                                                       else {"ipv6CidrBlock": c})} for c in cidrs]}),
+    ]
+    if len(cidrs) == 1:  # the types that hold one source each
+        one = cidrs[0]
+        out += [
+            ("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule", {
+                "securityGroupId": "sg-1", "ipProtocol": "tcp", "fromPort": 22, "toPort": 22,
+                **({"cidrIpv6": one} if ":" in one else {"cidrIpv4": one})}),
+            ("alicloud:ecs/securityGroupRule:SecurityGroupRule", {
+                "type": "ingress", "securityGroupId": "sg-1", "ipProtocol": "tcp", "portRange": "22/22",
+                **({"ipv6CidrIp": one} if ":" in one else {"cidrIp": one})}),
+            ("tencentcloud:Security/groupRule:GroupRule", {"type": "ingress", "securityGroupId": "sg-1",
+                                                          "ipProtocol": "tcp", "portRange": "22", "cidrIp": one}),
+        ]
+    return out
+
+
+@pytest.mark.parametrize("cidrs", [["0.0.0.0/0"], ["::/0"], ["0.0.0.0/1", "128.0.0.0/1"], ["::/1", "8000::/1"]])
+def test_the_pack_alone_flags_each_open_security_group_through_analyze(
+        analyzer: analyzer_pb2_grpc.AnalyzerStub, cidrs: list[str]) -> None:
+    """The per-resource Analyze call (what runs on each resource before it is created during
+    `pulumi up`) flags a security group or rule resource opening SSH to the internet."""
+    _configure(analyzer, ROOT / "policies" / "prod.json")
+    tags = {"owner": "o", "cost-center": "c", "env": "prod"}
+    for type_, props in _open_ssh(cidrs):
+        found = [d for d in analyzer.Analyze(_resource(type_, "ssh", {**props, "tags": tags})).diagnostics
+                 if d.policyName == "no-public-ingress-rule"]
+        assert len(found) == 1, (type_, cidrs)
+        assert found[0].enforcementLevel == LEVELS["mandatory"] and found[0].urn.endswith("::ssh")
+        assert "whole internet" in found[0].message
+    office = _open_ssh(["203.0.113.0/24"])
+    assert len(office) == 6
+    for type_, props in office:  # an office range passes
+        assert not [d for d in analyzer.Analyze(_resource(type_, "ssh", {**props, "tags": tags})).diagnostics
+                    if d.policyName == "no-public-ingress-rule"]

@@ -204,19 +204,32 @@ def test_a_type_without_a_price_in_the_region_names_group_region_and_type(tmp_pa
     assert (aws["instance_type"], aws["node_hourly_usd"], aws["region"]) == ("g4dn.2xlarge", 1.0, "ap-southeast-1")
 
 
-def test_the_prices_age_is_an_advisory_then_an_error() -> None:
+def test_the_prices_age_is_a_policy_verdict_never_an_error() -> None:
+    """Old prices are the pack's prices-fresh verdict (advisory by default, its level the pack
+    config's) with the age and `make prices`; the calendar never makes the spec invalid."""
+    from infra import policy_config
+    from policies.gts_policy.rules import evaluate
+
     spec = load_stack_spec("dev")
     stack = resolve(spec)
     oldest = age.summary(stack)["oldest"]
     when = age.parse(oldest["date"])
-    assert age.advisory(stack, when + datetime.timedelta(days=30)) is None
-    note = age.advisory(stack, when + datetime.timedelta(days=120))
-    assert note and note["enforcement"] == "advisory" and "120 days old" in note["message"]
-    assert age.check_stale(spec, when + datetime.timedelta(days=300)) == []
-    [problem] = age.check_stale(spec, when + datetime.timedelta(days=400))
-    assert problem.path == "pricing" and "make prices" in problem.message and "allowStalePrices" in problem.message
+
+    def verdicts(days: int, level: str | None = None) -> list[dict[str, str]]:
+        config = policy_config.for_stack("dev", stack)
+        config["prices-fresh"] = {**config["prices-fresh"], **age.verdict_config(stack, when + datetime.timedelta(days=days)),
+                                  **({"enforcementLevel": level} if level else {})}
+        return [v for v in evaluate([], config) if v["policy"] == "prices-fresh"]
+
+    assert verdicts(30) == []
+    [note] = verdicts(120)
+    assert note["enforcement"] == "advisory" and "120 days old" in note["message"] and "make prices" in note["message"]
+    [late] = verdicts(4000)  # ten years on: still a verdict, not an error
+    assert late["enforcement"] == "advisory" and "4000 days old" in late["message"]
+    [strict] = verdicts(4000, "mandatory")  # the organisation's pack config sets the level
+    assert strict["enforcement"] == "mandatory"
     allowed = spec.model_copy(update={"pricing": spec.pricing.model_copy(update={"allow_stale_prices": True})})
-    assert age.check_stale(allowed, when + datetime.timedelta(days=400)) == []
+    assert age.verdict_config(resolve(allowed), when + datetime.timedelta(days=4000)) == {}
 
 
 def test_bad_answers_write_nothing_and_exit_2(tmp_path: Path) -> None:

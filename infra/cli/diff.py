@@ -17,7 +17,7 @@ from typing import Any
 
 from infra.plan import markdown
 from infra.plan.diff import diff_plans, new_mandatory
-from infra.stackfile import project_root
+from infra.stackfile import StackFileError, check_stack_name, project_root
 
 
 class DiffError(Exception):
@@ -78,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=("md", "json"), default="md")
     args = parser.parse_args(argv)
     try:
+        if args.stack != "all":
+            check_stack_name(args.stack)
         reports, errors = compare(args.base, args.stack, project_root())
-    except DiffError as exc:
+    except (DiffError, StackFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.format == "json":

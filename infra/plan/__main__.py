@@ -61,9 +61,7 @@ def build_plan(stack: str, against: Path | None = None) -> dict[str, Any]:
                  "aliases": list(r.options.get("aliases", [])), "inputs": r.masked()} for r in resources]
     cost["prices"] = age.summary(resolved)
     violations = policy_verdicts(stack, resolved, resources)
-    stale = age.advisory(resolved)
-    plan = {"stack": stack, "project": project, "resources": rendered, "cost": cost,
-            "violations": violations + ([stale] if stale else [])}
+    plan = {"stack": stack, "project": project, "resources": rendered, "cost": cost, "violations": violations}
     if against is not None:
         base = json.loads(against.read_text(encoding="utf-8"))
         kinds = protection.stateful_types()

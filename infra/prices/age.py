@@ -1,6 +1,7 @@
 """How old the prices a stack is planned with are: every figure rests on infra/data/prices.csv,
-and a price list moves. Older than 90 days is an advisory in the plan; older than a year an
-error (exit 2) unless `pricing.allowStalePrices: true` — refresh them with `make prices`."""
+and a price list moves. The age is a policy verdict (the pack's prices-fresh rule: advisory by
+default, older than 90 days unless the pack config says otherwise), shown with the age and the
+refresh command, `make prices`; the calendar alone never stops a plan, a preview or an up."""
 
 from __future__ import annotations
 
@@ -8,12 +9,9 @@ import datetime
 import os
 from typing import Any
 
-from infra.errors import Problem
-from infra.groups import Stack, resolve
-from infra.spec import StackSpec
+from infra.groups import Stack
 
-ADVISORY_DAYS = 90
-ERROR_DAYS = 365
+ADVISORY_DAYS = 90  # the pack's default maxAgeDays (policies/gts_policy/rules.py prices_fresh)
 
 
 OVERRIDE = "stack override"  # pricing.overrides: the stack's own figure, dated by nobody but the stack
@@ -59,22 +57,14 @@ def _where(row: dict[str, Any]) -> str:
     return f"{row['type']} in {row['region']} for node group {row['group']}, dated {row['date']} ({row['source']})"
 
 
-def check_stale(spec: StackSpec, today: datetime.date | None = None) -> list[Problem]:
-    if spec.pricing.allow_stale_prices:
-        return []
-    found = summary(resolve(spec), today)
-    if found["oldest"] is None or found["age_days"] <= ERROR_DAYS:
-        return []
-    return [Problem("pricing", f"the prices this stack is planned with are {found['age_days']} days old (oldest: "
-                               f"{_where(found['oldest'])}), over a year: refresh them with `make prices`, or set "
-                               "pricing.allowStalePrices: true to plan with them anyway")]
-
-
-def advisory(stack: Stack, today: datetime.date | None = None) -> dict[str, str] | None:
-    """The plan's advisory when the prices are older than 90 days (a violation entry)."""
+def verdict_config(stack: Stack, today: datetime.date | None = None) -> dict[str, Any]:
+    """What the pack's prices-fresh rule judges (infra/policy_config.py): the oldest price's date,
+    where it is used and the date it is judged at. Nothing when every price is the stack's own
+    override or the stack sets pricing.allowStalePrices."""
+    if stack.spec.pricing.allow_stale_prices:
+        return {}
     found = summary(stack, today)
-    if found["oldest"] is None or found["age_days"] <= ADVISORY_DAYS:
-        return None
-    return {"policy": "prices-fresh", "enforcement": "advisory", "resource": "stack",
-            "message": f"prices are {found['age_days']} days old (oldest: {_where(found['oldest'])}); refresh them "
-                       f"with `make prices` (over {ADVISORY_DAYS} days: this advisory; over {ERROR_DAYS}: an error)"}
+    if found["oldest"] is None:
+        return {}
+    return {"pricesDated": parse(str(found["oldest"]["date"])).isoformat(), "pricesOldest": _where(found["oldest"]),
+            "pricesJudgedOn": (today or judged_on()).isoformat()}

@@ -35,7 +35,9 @@ def stack_config(team: Team, registry: Registry, root: Path) -> dict[str, Any]:
     """The team stack's `config:` mapping, in the documented key order."""
     project = project_name(root)
     base_path = root / f"Pulumi.{registry.org.base_stack}.yaml"
-    base = (yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}).get("config") or {}
+    from infra.stackfile import load_yaml  # the base read as strictly as any stack file
+
+    base = (load_yaml(base_path.read_text(encoding="utf-8"), base_path.name) or {}).get("config") or {}
     own = {k.split(":", 1)[1]: v for k, v in base.items() if k.startswith(f"{project}:")}
     assert team.stack is not None  # an isolated team (the registry checks)
     env = f"{STACK_PREFIX}{team.name}"
@@ -147,4 +149,41 @@ def drift(registry: Registry, root: Path) -> list[str]:
             if p.exists() and p.read_text(encoding="utf-8") != text]
     out += [f"{p.name} belongs to no team in the registry" for p in sorted(root.glob(f"Pulumi.{STACK_PREFIX}*.yaml"))
             if p not in files and is_generated(p)]
+    return out
+
+
+def _differences(have: Any, want: Any, path: str) -> list[str]:
+    """Key paths where `have` (the file) differs from `want` (a fresh generation)."""
+    if isinstance(have, dict) and isinstance(want, dict):
+        out = []
+        for k in [*want, *(k for k in have if k not in want)]:
+            out += _differences(have.get(k), want.get(k), f"{path}.{k}" if path else str(k))
+        return out
+    if isinstance(have, list) and isinstance(want, list) and len(have) == len(want):
+        return [d for i, (h, w) in enumerate(zip(have, want)) for d in _differences(h, w, f"{path}[{i}]")]
+    return [] if have == want else [path]
+
+
+def stack_drift(path: Path, root: Path) -> list[str]:
+    """For a generated team stack (GENERATED header): the keys where it differs from what the
+    registry and the base stack generate now, each with the file's value and the registry's
+    (empty: none, or not a generated stack). A hand edit of a generated stack — more GPUs in
+    `team.gpus`, another region — is refused by `make plan` and `make policy-config`, not
+    honoured: the registry, reviewed, is the only source."""
+    from infra.stackfile import load_yaml
+    from infra.teams.registry import load
+
+    if not is_generated(path):
+        return []
+    registry = load(root)
+    team = next((t for t in registry.teams if t.placement == "isolated" and t.stack_name == path.name[7:-5]), None)
+    if team is None:
+        return [f"{path.name} is generated, but no isolated team in {REGISTRY} generates it: remove it, or add the "
+                f"team to {REGISTRY} and run `make teams`"]
+    want = yaml.safe_load(render(team, registry, root))["config"]
+    have = (load_yaml(path.read_text(encoding="utf-8"), path.name) or {}).get("config") or {}
+    out = []
+    for key in _differences(have, want, ""):
+        out.append(f"{key} differs from {REGISTRY} (team {team.name}) and Pulumi.{registry.org.base_stack}.yaml; "
+                   f"a generated stack is never edited: change {REGISTRY} and run `make teams`")
     return out

@@ -123,6 +123,9 @@ class _UniqueKeys(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+UniqueKeyLoader = _UniqueKeys  # stack files are read with it too (infra/stackfile.py)
+
+
 def load(root: Path, name: str = REGISTRY) -> Registry:
     """The registry at `root/name`, checked; RegistryError lists every problem."""
     from infra.validation import problems_of

@@ -175,6 +175,31 @@ def budget_headroom(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[
     return []
 
 
+PRICES_SCHEMA: dict[str, dict[str, Any]] = {
+    "maxAgeDays": {"type": "integer"}, "pricesDated": {"type": "string"}, "pricesOldest": {"type": "string"},
+    "pricesJudgedOn": {"type": "string"}}
+
+
+def prices_fresh(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The prices the stack's costs and caps rest on are younger than maxAgeDays (default 90).
+    Their date comes from the stack (infra/prices/age.py through the policy config); they are
+    judged on pricesJudgedOn, else GTS_TODAY, else today. A verdict whose level the
+    organisation sets (advisory by default): the calendar alone never stops a deployment."""
+    import datetime
+    import os
+
+    dated = cfg.get("pricesDated")
+    if not dated:
+        return []
+    judged = str(cfg.get("pricesJudgedOn") or os.environ.get("GTS_TODAY") or datetime.date.today().isoformat())
+    days = (datetime.date.fromisoformat(judged) - datetime.date.fromisoformat(str(dated))).days
+    most = int(cfg.get("maxAgeDays", 90))
+    if days <= most:
+        return []
+    return [("stack", f"prices are {days} days old (oldest: {cfg.get('pricesOldest', dated)}), over {most} days: "
+                      "refresh them with `make prices` and commit infra/data/prices.csv")]
+
+
 def spot_only(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [(r.name, f"node group {c.group} buys capacity that is not spot ({r.type}: on-demand or "
                      "prepaid); in this environment all GPU capacity must be spot — set market.type: spot "
@@ -314,7 +339,9 @@ def _ingress_sources(r: Res) -> tuple[str, list[str]] | None:
     def cidrs(*values: Any) -> list[str]:
         out: list[str] = []
         for v in values:
-            out += [str(c) for c in v] if isinstance(v, (list, tuple)) else ([str(v)] if v else [])
+            # lists arrive as the engine's list proxies in a real Analyze call, not as list
+            out += [str(c) for c in v] if v and not isinstance(v, (str, bytes)) and hasattr(v, "__iter__") \
+                else ([str(v)] if v else [])
         return out
 
     t = r.type
@@ -358,6 +385,18 @@ def no_public_ingress(resources: list[Res], cfg: Mapping[str, Any]) -> list[tupl
                 out.append((r.name, f"{r.type} and the other rules of its security group together admit the whole "
                                     f"internet ({', '.join(sorted(set(everything)))}); {fix}"))
     return out
+
+
+def public_ingress_rule(r: Res, cfg: Mapping[str, Any]) -> list[str]:
+    """One security group or ingress rule resource, judged alone before it is created (the
+    engine's per-resource Analyze during `pulumi up`): its own sources must not add up to the
+    internet, IPv4 or IPv6, split ranges included (0.0.0.0/1 + 128.0.0.0/1, ::/1 + 8000::/1).
+    Rules that open it only together, across resources, are no-public-ingress's (stack level)."""
+    found = _ingress_sources(r)
+    if not found or not found[1] or not opens_internet(found[1]):
+        return []
+    return [f"{r.type} admits traffic from the whole internet ({', '.join(found[1])}); allow only your office / "
+            "VPN CIDRs (networks[].sshCidrs) or use Session Manager / cloud shell"]
 
 
 def _private(cidr: str) -> bool:
@@ -558,6 +597,8 @@ RULES: list[Rule] = [
          budget_covers_plan, BUDGET_SCHEMA),
     Rule("budget-headroom", "The planned monthly cost stays under the budget's first alert threshold.", "advisory",
          budget_headroom, BUDGET_SCHEMA),
+    Rule("prices-fresh", "The prices the stack's costs and caps rest on are younger than maxAgeDays (90).",
+         "advisory", prices_fresh, PRICES_SCHEMA),
     Rule("gpu-spot-only", "All GPU capacity is spot (dev).", "disabled", spot_only),
     Rule("gpu-families-allowed", "GPU instance families are on the environment's list.", "mandatory",
          schema={"families": {"type": "array", "items": {"type": "string"}}}, per_resource=allowed_families),
@@ -582,6 +623,9 @@ RULES: list[Rule] = [
          "(prod).", "disabled", per_resource=stateful_protected),
     Rule("no-public-ingress", "No ingress from 0.0.0.0/0, for SSH, RDP or anything else.", "mandatory",
          no_public_ingress),
+    Rule("no-public-ingress-rule", "No security group or ingress rule resource admits the internet (IPv4 or IPv6, "
+         "split ranges included), judged on each before it is created.", "mandatory",
+         per_resource=public_ingress_rule),
     Rule("metadata-hardened", "Instance metadata requires tokens (IMDSv2 / hardened mode).", "mandatory",
          per_resource=metadata_hardened, remediate=harden_metadata),
     Rule("no-instance-passwords", "No instance passwords.", "mandatory", per_resource=no_passwords),
