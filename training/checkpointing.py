@@ -227,6 +227,13 @@ def finish(manager: CheckpointManager, comm: Comm, raised: str | None, stopped: 
     status = manager.close(timeout=deadline)
     if status.pending and comm.rank == 0:
         log.error("%d checkpoint(s) not uploaded yet; kept on local disk", len(status.pending))
+    if status.permanent_error:
+        log.error("checkpoints could not be uploaded: %s", status.permanent_error)
+        return 1
+    if status.write_error and not stopped:  # the run's last state is not on disk: a restart repeats work
+        log.error("a checkpoint could not be written (%s); a restart resumes from the newest committed one",
+                  status.write_error)
+        return 1
     if not stopped:
         return 0
     if status.write_error:
