@@ -144,11 +144,13 @@ def test_the_lock_and_drift_refusals_are_the_last_line_not_a_traceback(reference
                   TWO, tmp_path)
     assert drift.finish() == 2, drift.output[-3000:]
     assert last_line(drift.output).startswith("entrypoint: run refused: checkpoint step 60 was trained with other "
-                                              "settings (lr=0.01 -> 0.02)")
+                                              "settings (steps=60 -> 80, lr=0.01 -> 0.02)")
     quiet(drift.output)
 
     with (tmp_path / "ck" / ".lock").open("a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.seek(0)
+        held.truncate()
         held.write("pid 1 on the-other-trainer\n")
         held.flush()
         locked = start([*ENTRYPOINT, *TRAIN_ARGS, "--steps", "80", "--checkpoint-dir", str(tmp_path / "ck")], TWO,
@@ -173,16 +175,18 @@ def test_a_final_checkpoint_that_cannot_be_written_fails_the_run(tmp_path: Path)
 
 
 def test_a_folder_renamed_past_its_manifest_is_not_a_checkpoint(reference: tuple[str, Path], tmp_path: Path) -> None:
-    """step-00000060 copied to step-00000999: the run is not "complete"; it resumes from 60."""
-    _, ref_dir = reference
+    """step-00000040 copied to step-00000999 (step 60 gone): the run is not "complete"; it
+    resumes from 40 and ends where the uninterrupted run ended."""
+    digest, ref_dir = reference
     ck = tmp_path / "ck"
     shutil.copytree(ref_dir, ck)
-    shutil.copytree(ck / "step-00000060", ck / "step-00000999")
-    run = launch([*TRAIN_ARGS, "--steps", "80", "--checkpoint-dir", str(ck)], tmp_path)
+    shutil.rmtree(ck / "step-00000060")
+    shutil.copytree(ck / "step-00000040", ck / "step-00000999")
+    run = launch([*TRAIN_ARGS, "--checkpoint-dir", str(ck)], tmp_path)
     assert run.finish() == 0, run.output[-3000:]
-    run.wait_for(r"step-00000999/manifest-node000.json is the manifest of step 60, not of step-00000999")
-    run.wait_for(r"resumed from step 60\b")
-    assert run.final()[0] == 80
+    run.wait_for(r"step-00000999/manifest-node000.json is the manifest of step 40, not of step-00000999")
+    run.wait_for(r"resumed from step 40\b")
+    assert run.final()[0] == 60 and run.final()[2] == digest
 
 
 # ------------------------------------------------------------------ storage that says no
