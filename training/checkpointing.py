@@ -67,6 +67,10 @@ class StopFlag:
     def __init__(self) -> None:
         self.raised: str | None = None
         self.checkpoint_requested = False
+        self.install()
+
+    def install(self) -> None:
+        """(Again) make these handlers the process's: after a framework installed its own."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
         signal.signal(signal.SIGUSR1, self._checkpoint)
