@@ -47,14 +47,14 @@ def main() -> int:
     distributed = "RANK" in os.environ  # under torchrun
     if distributed:
         dist.init_process_group("gloo")
-    sampler = DistributedSampler(data, shuffle=True, seed=3) if distributed else None
+    sampler: DistributedSampler[Any] | None = DistributedSampler(data, shuffle=True, seed=3) if distributed else None
     make: type[DataLoader[Any]] = DataLoader
     if args.stateful:
-        from torchdata.stateful_dataloader import StatefulDataLoader
+        from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
         make = StatefulDataLoader
     loader = make(data, batch_size=args.batch_size, sampler=sampler, shuffle=sampler is None, drop_last=True,
                   num_workers=args.workers)
-    ddp: nn.Module = nn.parallel.DistributedDataParallel(model) if distributed else model
+    ddp = nn.parallel.DistributedDataParallel(model) if distributed else None
 
     # The rule: the loader is state like the model; the epoch loop starts at ckpt.epoch.
     with Checkpointer(model=model, optimizer=optimizer, loader=loader) as ckpt:
@@ -66,9 +66,9 @@ def main() -> int:
                 sampler.set_epoch(epoch)
             for i, (x, y) in enumerate(loader):
                 last = (i + 1) % args.accumulate == 0
-                sync = contextlib.nullcontext() if last or not distributed else ddp.no_sync()
-                with sync:  # type: ignore[attr-defined]
-                    loss = nn.functional.binary_cross_entropy_with_logits(ddp(x), y) / args.accumulate
+                # Accumulating: no gradient all-reduce until the batch that ends the optimizer step.
+                with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
+                    loss = nn.functional.binary_cross_entropy_with_logits((ddp or model)(x), y) / args.accumulate
                     torch.autograd.backward(loss)
                 if not last:
                     continue

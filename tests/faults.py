@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ def _slow_commits(seconds: float, at_step: int) -> None:
 
 def _full_disk(at_step: int) -> None:
     """The background write of step `at_step` (-1: every step) fails as on a full disk."""
-    original = checkpoint.save_hashed
+    original: Callable[[Any, Path], tuple[int, str]] = getattr(checkpoint, "save_hashed")
 
     def full(obj: Any, path: Path) -> tuple[int, str]:
         if at_step in (-1, int(path.parent.name.split("-")[1].split(".")[0])):
@@ -45,7 +46,7 @@ def _full_disk(at_step: int) -> None:
             raise OSError(28, "No space left on device")
         return original(obj, path)
 
-    checkpoint.save_hashed = full  # type: ignore[assignment]
+    setattr(checkpoint, "save_hashed", full)
 
 
 def install() -> None:

@@ -19,8 +19,10 @@ written once per node. Anything with `state_dict()` / `load_state_dict()` can be
 values that shape the run (an epoch counter, a data position) go into `step(..., **extra)` and
 come back in `ckpt.extra` after `resume()`.
 
-Exact resume needs the loop's data order to be a function of the step (or of values kept in
-`extra`): seed a generator from (seed, epoch) and skip the batches already consumed.
+Exact resume with a DataLoader: pass it like the model (`loader=loader`) and start the epoch
+loop at `ckpt.epoch` (training/loaders.py keeps its position and randomness per rank; torchdata's
+StatefulDataLoader is taken too). Without a loader, make the data order a function of the step
+(or of values kept in `extra`).
 The checkpoints are read with weights_only: tensors and plain values only.
 """
 
