@@ -5,6 +5,7 @@ code carries no fault hooks. Launch it where the trainer would be launched:
 
 GTS_TEST_SLOW_COMMIT_S=<s> [GTS_TEST_SLOW_COMMIT_STEP=<n>]: pause between a checkpoint's data
 files and its commit (a slow disk, or a kill in the middle of a checkpoint).
+GTS_TEST_DISK_FULL_STEP=<n>: the write of step n's checkpoint fails with ENOSPC (-1: every one).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,22 @@ def _slow_commits(seconds: float, at_step: int) -> None:
     checkpoint.CheckpointManager._commit = slow_commit  # type: ignore[method-assign]
 
 
+def _full_disk(at_step: int) -> None:
+    """The background write of step `at_step` (-1: every step) fails as on a full disk."""
+    original: Callable[[Any, Path], tuple[int, str]] = getattr(checkpoint, "save_hashed")
+
+    def full(obj: Any, path: Path) -> tuple[int, str]:
+        if at_step in (-1, int(path.parent.name.split("-")[1].split(".")[0])):
+            log.warning("fault injection: no space left writing %s", path.parent.name)
+            raise OSError(28, "No space left on device")
+        return original(obj, path)
+
+    setattr(checkpoint, "save_hashed", full)
+
+
 def install() -> None:
+    if os.environ.get("GTS_TEST_DISK_FULL_STEP"):
+        _full_disk(int(os.environ["GTS_TEST_DISK_FULL_STEP"]))
     slow = float(os.environ.get("GTS_TEST_SLOW_COMMIT_S", "0"))
     if slow:
         _slow_commits(slow, int(os.environ.get("GTS_TEST_SLOW_COMMIT_STEP", "-1")))

@@ -50,11 +50,17 @@ import torch
 from tenacity import RetryError, Retrying, stop_after_attempt, wait_exponential
 
 from training.staging import Stager, save_hashed
-from training.storage import Location, location
+from tenacity import retry_if_exception
+
+from training.storage import Location, StorageRefused, location, permanent_cause
 
 log = logging.getLogger("gts.checkpoint")
 STEP_RE = re.compile(r"^step-(\d{8})$")
 MODEL_FILE = "model.pt"
+# A file name a manifest may list: a plain name inside the step's folder (no path, no '..', no
+# leading dot). Every name is checked before it is joined to a local path or a bucket key.
+FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+MAX_NODES = 4096
 
 
 def step_dir(step: int) -> str:
@@ -77,6 +83,26 @@ def run_key(url: str) -> str:
 
 class CheckpointError(Exception):
     """A step that cannot be used (the message says which file and why)."""
+
+
+def check_manifest(manifest: Any, step: int, where: str) -> dict[str, Any]:
+    """`manifest` if it is one of `step` whose every file lies in the step's folder; else
+    CheckpointError naming what is wrong (a hostile or hand-edited manifest is never used)."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{where}: not a manifest")
+    if manifest.get("step") != step:
+        raise CheckpointError(f"{where} is the manifest of step {manifest.get('step')!r}, not of {step_dir(step)} "
+                              "(a renamed or copied folder): not used")
+    nnodes = manifest.get("nnodes", 1)
+    if not isinstance(nnodes, int) or not 1 <= nnodes <= MAX_NODES:
+        raise CheckpointError(f"{where}: nnodes {nnodes!r} is not a node count")
+    for name, meta in manifest["files"].items():
+        if not isinstance(name, str) or not FILE_NAME.match(name) or name.startswith("manifest-node"):
+            raise CheckpointError(f"{where} lists {name!r}: not a plain file name inside the step's folder; "
+                                  "the step is not used")
+        if not isinstance(meta, dict) or not isinstance(meta.get("size"), int) or not isinstance(meta.get("sha256"), str):
+            raise CheckpointError(f"{where}: the entry of {name!r} has no size and sha256")
+    return manifest
 
 
 class RunLocked(Exception):
@@ -138,6 +164,7 @@ class UploadStatus:
     uploaded: list[int] = field(default_factory=list)
     last_commit: float = 0.0  # when the newest checkpoint was committed locally
     write_error: str = ""  # why the last background write failed ("" when it did not)
+    permanent_error: str = ""  # the store's answer no retry changes (URL: Code: message), if any
 
 
 def _lock(folder: Path) -> Any:
@@ -168,6 +195,7 @@ class CheckpointManager:
         self.local = Path(local_dir) / run_key(remote_url) if remote_url else Path(local_dir)
         self.remote: Location | None = location(remote_url) if remote_url else None
         self.remote_error = ""  # why the bucket could not be listed at start, if it could not
+        self._told: set[str] = set()  # warnings already logged (a bad folder is named once)
         self.topo = topo
         self.keep = keep
         self.attempts = upload_attempts
@@ -323,19 +351,29 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ find / load
     def _local_manifests(self, step: int) -> list[dict[str, Any]]:
+        """The step's manifests on this disk that are its own (see check_manifest); one that is
+        not is logged once and makes the step not committed here."""
         folder = self.local / step_dir(step)
         found = []
         for path in sorted(folder.glob("manifest-node*.json")):
             try:
-                found.append(json.loads(path.read_text()))
+                manifest = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
+            try:
+                found.append(check_manifest(manifest, step, f"{folder.name}/{path.name}"))
+            except CheckpointError as exc:
+                if str(exc) not in self._told:
+                    self._told.add(str(exc))
+                    log.warning("%s", exc)
+                return []
         return found
 
     def local_steps(self) -> list[int]:
-        """Committed steps on this node's disk (a manifest is in: checked file by file on load)."""
+        """Committed steps on this node's disk (a manifest of that step is in: the step is the
+        manifest's, never the folder name's; checked file by file on load)."""
         self.wait_commit()
-        steps = [int(m.group(1)) for p in self.local.iterdir() if (m := STEP_RE.match(p.name))]
+        steps = [int(m.group(1)) for p in self.local.iterdir() if (m := STEP_RE.match(p.name)) and not p.is_symlink()]
         return sorted(s for s in steps if self._local_manifests(s))
 
     def remote_steps(self) -> list[int]:
@@ -345,9 +383,12 @@ class CheckpointManager:
             return []
         try:
             names = [p.rsplit("/", 1)[-1] for p in self.remote.fs.ls(self.remote.root, detail=False)]
-        except FileNotFoundError:
-            return []
         except Exception as exc:  # noqa: BLE001 (botocore / aiohttp errors are not all OSError)
+            cause = permanent_cause(exc)
+            if cause is not None:  # no retry helps: say so now, not after minutes of retries
+                raise StorageRefused(f"{self.remote.url}: {cause}") from None
+            if isinstance(exc, FileNotFoundError):
+                return []  # nothing under the prefix yet
             self.remote_error = f"{type(exc).__name__}: {exc}"
             return []
         found = []
@@ -359,6 +400,13 @@ class CheckpointManager:
                 listing = {p.rsplit("/", 1)[-1] for p in self.remote.fs.ls(self.remote.join(name), detail=False)}
                 first = json.loads(self.remote.fs.cat(self.remote.join(name, manifest_name(0))))
             except Exception:  # noqa: BLE001 (a missing or damaged manifest: not a complete step)
+                continue
+            try:
+                check_manifest(first, int(m.group(1)), f"{self.remote.url}/{name}/{manifest_name(0)}")
+            except CheckpointError as exc:
+                if str(exc) not in self._told:
+                    self._told.add(str(exc))
+                    log.warning("%s", exc)
                 continue
             if all(manifest_name(n) in listing for n in range(int(first["nnodes"]))):
                 found.append(int(m.group(1)))
@@ -430,7 +478,11 @@ class CheckpointManager:
     @staticmethod
     def _verify(folder: Path, files: dict[str, dict[str, Any]]) -> None:
         for name, meta in files.items():
+            if not FILE_NAME.match(name):
+                raise CheckpointError(f"{name!r} is not a plain file name inside the step's folder")
             path = folder / name
+            if path.is_symlink() or folder.is_symlink():
+                raise CheckpointError(f"{folder.name}/{name} is a symbolic link: a checkpoint holds files only")
             try:
                 size = path.stat().st_size
             except OSError:
@@ -454,9 +506,14 @@ class CheckpointManager:
     def _remote_manifests(self, step: int) -> list[dict[str, Any]]:
         assert self.remote is not None
         try:
-            first = json.loads(self.remote.fs.cat(self.remote.join(step_dir(step), manifest_name(0))))
-            return [first] + [json.loads(self.remote.fs.cat(self.remote.join(step_dir(step), manifest_name(n))))
+            first = check_manifest(json.loads(self.remote.fs.cat(self.remote.join(step_dir(step), manifest_name(0)))),
+                                   step, f"{self.remote.url}/{step_dir(step)}/{manifest_name(0)}")
+            return [first] + [check_manifest(json.loads(self.remote.fs.cat(self.remote.join(step_dir(step),
+                                                                                           manifest_name(n)))),
+                                             step, f"{self.remote.url}/{step_dir(step)}/{manifest_name(n)}")
                               for n in range(1, int(first["nnodes"]))]
+        except CheckpointError:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"its manifests cannot be read from {self.remote.url}: {exc}") from None
 
@@ -464,6 +521,10 @@ class CheckpointManager:
         """Fetch the files that are missing or bad here; one rank of the node at a time (a lock
         file), each file replaced atomically, so ranks reading it meanwhile keep a whole file."""
         assert self.remote is not None
+        bad = [name for name in files if not FILE_NAME.match(name)]
+        if bad or folder.is_symlink():
+            raise CheckpointError(f"{bad[0]!r} is not a plain file name inside the step's folder" if bad else
+                                  f"{folder} is a symbolic link: not written through")
         folder.mkdir(parents=True, exist_ok=True)
         with (folder.parent / f".{step_dir(step)}.fetch").open("a") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
@@ -504,15 +565,26 @@ class CheckpointManager:
             steps = sorted(self.status.pending)
         for step in steps:
             try:
+                # Transient faults (timeouts, 5xx, a dropped connection) are retried quietly; an
+                # answer no retry changes (no such bucket, access denied) stops at once.
                 for attempt in Retrying(stop=stop_after_attempt(self.attempts), reraise=False,
+                                        retry=retry_if_exception(lambda e: permanent_cause(e) is None),
                                         wait=wait_exponential(multiplier=0.5, max=8)):
                     with attempt:
                         self._upload(step)
             except RetryError as exc:
                 error = exc.last_attempt.exception()
+                assert error is not None
+                cause = permanent_cause(error)
                 with self._lock:
-                    self.status.last_error = f"{step_dir(step)}: {error}"
-                log.warning("upload of %s failed (%s); kept locally, will retry", step_dir(step), error)
+                    self.status.last_error = f"{step_dir(step)}: {cause or error}"
+                    if cause:
+                        self.status.permanent_error = f"{self.remote.url if self.remote else ''}: {cause}"
+                if cause:
+                    log.error("upload of %s refused by %s (%s): not retried; kept locally", step_dir(step),
+                              self.remote.url if self.remote else "", cause)
+                else:
+                    log.warning("upload of %s failed (%s); kept locally, will retry", step_dir(step), error)
                 self._report()
                 return  # keep order: newer steps wait for older ones
             with self._lock:
@@ -531,7 +603,7 @@ class CheckpointManager:
         assert self.remote is not None
         folder = self.local / step_dir(step)
         for path in sorted(folder.glob("manifest-node*.json")):
-            manifest = json.loads(path.read_text())
+            manifest = check_manifest(json.loads(path.read_text()), step, f"{folder.name}/{path.name}")
             names = sorted(manifest["files"])
             if self.topo.rank != 0:
                 names = [n for n in names if n != MODEL_FILE]  # global rank 0 uploads the shared file
@@ -571,7 +643,7 @@ class CheckpointManager:
             steps = self.remote_steps()
             for step in steps[:-self.keep]:
                 self.remote.fs.rm(self.remote.join(step_dir(step)), recursive=True)
-        except OSError as exc:
+        except (OSError, StorageRefused) as exc:
             log.warning("could not prune old checkpoints in %s: %s", self.remote.url, exc)
 
     def _report(self) -> None:
@@ -579,7 +651,7 @@ class CheckpointManager:
             with self._lock:
                 snapshot = UploadStatus(list(self.status.pending), self.status.last_success,
                                         self.status.last_error, list(self.status.uploaded), self.status.last_commit,
-                                        self.status.write_error)
+                                        self.status.write_error, self.status.permanent_error)
             self.on_status(snapshot)
 
     def wait_uploads(self, timeout: float) -> bool:
@@ -591,6 +663,8 @@ class CheckpointManager:
         while time.monotonic() < deadline:
             if self._idle.wait(timeout=0.5) and not self.status.pending:
                 return True
+            if self.status.permanent_error:
+                return False  # waiting changes nothing
             if self._idle.is_set() and self.status.pending:
                 self._idle.clear()
                 self._queue.put(self.status.pending[-1])  # retry now

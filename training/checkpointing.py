@@ -19,8 +19,10 @@ written once per node. Anything with `state_dict()` / `load_state_dict()` can be
 values that shape the run (an epoch counter, a data position) go into `step(..., **extra)` and
 come back in `ckpt.extra` after `resume()`.
 
-Exact resume needs the loop's data order to be a function of the step (or of values kept in
-`extra`): seed a generator from (seed, epoch) and skip the batches already consumed.
+Exact resume with a DataLoader: pass it like the model (`loader=loader`) and start the epoch
+loop at `ckpt.epoch` (training/loaders.py keeps its position and randomness per rank; torchdata's
+StatefulDataLoader is taken too). Without a loader, make the data order a function of the step
+(or of values kept in `extra`).
 The checkpoints are read with weights_only: tensors and plain values only.
 """
 
@@ -38,11 +40,13 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from training import contract
 from training.checkpoint import CheckpointError, CheckpointManager, Topology, UploadStatus
 from training.distributed import Comm
 from training.goodput import AutoInterval
+from training.loaders import LoaderState
 
 log = logging.getLogger("gts.checkpointing")
 
@@ -65,6 +69,10 @@ class StopFlag:
     def __init__(self) -> None:
         self.raised: str | None = None
         self.checkpoint_requested = False
+        self.install()
+
+    def install(self) -> None:
+        """(Again) make these handlers the process's: after a framework installed its own."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
         signal.signal(signal.SIGUSR1, self._checkpoint)
@@ -225,6 +233,13 @@ def finish(manager: CheckpointManager, comm: Comm, raised: str | None, stopped: 
     status = manager.close(timeout=deadline)
     if status.pending and comm.rank == 0:
         log.error("%d checkpoint(s) not uploaded yet; kept on local disk", len(status.pending))
+    if status.permanent_error:
+        log.error("checkpoints could not be uploaded: %s", status.permanent_error)
+        return 1
+    if status.write_error and not stopped:  # the run's last state is not on disk: a restart repeats work
+        log.error("a checkpoint could not be written (%s); a restart resumes from the newest committed one",
+                  status.write_error)
+        return 1
     if not stopped:
         return 0
     if status.write_error:
@@ -251,11 +266,14 @@ class Checkpointer:
 
     def __init__(self, every: int | str | None = None, *, url: str | None = None, local_dir: str | None = None,
                  keep: int | None = None, upload_deadline_s: float = 90.0, launcher: str = "auto",
-                 **state: Stateful):
+                 **state: Stateful | DataLoader[Any]):
         self.comm = Comm(launcher)
         self.interval = Interval(every, self.comm)
         self.stop = StopFlag()
-        self.state = state
+        # DataLoaders are per-rank state (position, seed): they go into each rank's own file.
+        self.loaders = {name: LoaderState(name, obj, set_rng_state) for name, obj in state.items()
+                        if isinstance(obj, DataLoader)}
+        self.state: dict[str, Stateful] = {name: obj for name, obj in state.items() if not isinstance(obj, DataLoader)}
         self.extra: dict[str, Any] = {}
         self.deadline = upload_deadline_s
         self.manager = open_manager(self.comm, url, local_dir, keep, on_status=self.interval.status)
@@ -280,8 +298,16 @@ class Checkpointer:
         self.extra = dict(found.state.get("extra", {}))
         if found.rng is not None:
             set_rng_state(found.rng)
+            saved_loaders = found.rng.get("loaders", {})
+            for name, loader in self.loaders.items():
+                if name in saved_loaders:
+                    loader.load_state_dict(saved_loaders[name], found.rng)
+                elif self.comm.rank == 0:
+                    log.warning("checkpoint step %d holds no position for loader %r: it starts its epoch over",
+                                found.step, name)
         elif self.comm.rank == 0:
-            log.warning("world size changed since step %d: per-rank RNG streams not restored", found.step)
+            log.warning("world size changed since step %d: per-rank RNG streams and loader positions not restored",
+                        found.step)
         self.last_saved = found.step
         if self.comm.rank == 0:
             log.info("resumed from checkpoint step %d", found.step)
@@ -309,11 +335,18 @@ class Checkpointer:
             payload = {"state": {name: obj.state_dict() for name, obj in self.state.items()}, "extra": extra,
                        "step": step, "world_size": self.comm.world}
         self.interval.saving(step)
-        blocked = self.manager.save(step, payload, rng_state(), self.comm.barrier)
+        per_rank = {**rng_state(), "loaders": {name: loader.state_dict() for name, loader in self.loaders.items()}}
+        blocked = self.manager.save(step, payload, per_rank, self.comm.barrier)
         self.interval.saved(blocked)
         self.last_saved = step
         self.extra = dict(extra)
         return blocked
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the (first) DataLoader passed in was in at the restored checkpoint (0 without
+        one): start the epoch loop there."""
+        return next(iter(self.loaders.values())).epoch if self.loaders else 0
 
     def close(self) -> int:
         """Wait for the uploads (up to the deadline) and return the process's exit code (finish)."""

@@ -7,9 +7,10 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NoReturn, get_args
 
 import yaml
 
@@ -31,7 +32,7 @@ class TrainConfig:
     steps: int = 200  # optimizer steps in total (across restarts)
     batch_size: int = 32  # per rank
     lr: float = 0.01  # peak learning rate
-    weight_decay: float = 0.0001
+    weight_decay: float = 0.0001  # AdamW weight decay
     warmup_steps: int = 10  # linear warm-up, then cosine decay to 0 at `steps`
     seed: int = 1234  # everything random derives from it (init, shuffling, augmentation)
     # tiny workload shape (the benchmark raises width to reach a given state size)
@@ -68,6 +69,28 @@ class TrainConfig:
 
 
 ENV = contract.CONFIG_FIELDS  # environment variable -> field (training/contract.py: the node env and the Job)
+FIELD_ENV = {name: var for var, name in ENV.items()}
+
+# The smallest value each number takes (and whether it may equal it): one line naming the
+# setting otherwise, before anything starts (a batch size of 0 would divide by zero later).
+BOUNDS: dict[str, tuple[float, bool]] = {
+    "image_size": (1, True), "steps": (1, True), "batch_size": (1, True), "lr": (0, False), "weight_decay": (0, True),
+    "warmup_steps": (0, True), "tiny_dim": (1, True), "tiny_width": (1, True), "tiny_samples": (1, True),
+    "num_workers": (0, True), "mtbf_s": (0, True), "notice_s": (0, True), "keep": (1, True),
+    "upload_deadline_s": (0, True), "log_every": (1, True), "metrics_port": (0, True), "node_hourly_usd": (0, True),
+    "throttle_ms": (0, True)}
+
+
+def field_help() -> dict[str, str]:
+    """Each field's meaning: its comment in TrainConfig (the one place it is written)."""
+    import inspect
+
+    found = {}
+    for line in inspect.getsource(TrainConfig).splitlines():
+        m = re.match(r"^    (\w+): [^=]+= .*?  # (.*)$", line)
+        if m:
+            found[m.group(1)] = m.group(2)
+    return found
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -83,29 +106,57 @@ def _coerce(name: str, value: Any) -> Any:
     return str(value)
 
 
-def _refuse(parser: argparse.ArgumentParser, message: str) -> None:
+def _refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     """A bad value: one line naming it (the usage text would bury it in every rank's log)."""
     parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
-def parse(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> TrainConfig:
-    parser = argparse.ArgumentParser(description="gpu-training-stack trainer", allow_abbrev=False)
-    parser.add_argument("--config", help="YAML or JSON file with TrainConfig fields")
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not the usage text in every rank's log
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    described = field_help()
+    parser = _Parser(prog="python -m training.train", usage="%(prog)s [options]", allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     description="gpu-training-stack trainer. Each setting comes from, lowest first: its default, "
+                     "--config, the\ntrainer-contract variable named with it (the stack sets them on every node "
+                     "and Job), the flag.",
+                     epilog="Exit codes: 0 done or stopped cleanly (checkpoint committed); 1 a fault (a checkpoint "
+                     "that could not\nbe written included); 2 a usage error or a refusal (one line says which); "
+                     "75 a peer node was stopped.")
+    parser.add_argument("--config", help="YAML or JSON file with the settings below (by field name, e.g. batch_size)")
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
+        var = FIELD_ENV.get(f.name)
+        choices = CHOICES.get(f.name)
+        text = described.get(f.name, "") + (f" ({' | '.join(choices)})" if choices else "")
+        text += f" [default: {f.default}" + (f"; env {var}]" if var else "]")
+        text = text.replace("%", "%%")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction)
+            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=text)
         else:
-            parser.add_argument(flag, dest=f.name, default=None)
+            parser.add_argument(flag, dest=f.name, default=None, help=text, metavar=f.name.upper())
+    return parser
+
+
+def parse(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> TrainConfig:
+    parser = globals()["parser"]()
     args = vars(parser.parse_args(argv))
     values: dict[str, Any] = {}
     config_file = args.pop("config")
     if config_file:
-        text = Path(config_file).read_text(encoding="utf-8")
-        loaded = json.loads(text) if config_file.endswith(".json") else yaml.safe_load(text)
+        try:
+            text = Path(config_file).read_text(encoding="utf-8")
+            loaded = json.loads(text) if config_file.endswith(".json") else yaml.safe_load(text)
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            _refuse(parser, f"--config {config_file}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        if loaded is not None and not isinstance(loaded, dict):
+            _refuse(parser, f"--config {config_file}: expected a mapping of settings")
         unknown = set(loaded or {}) - {f.name for f in fields(TrainConfig)}
         if unknown:
-            parser.error(f"{config_file}: unknown settings {sorted(unknown)}")
+            _refuse(parser, f"{config_file}: unknown settings {sorted(unknown)}")
         values.update(loaded or {})
     env = os.environ if environ is None else environ
     origin = {name: f"{config_file}: {name}" for name in values}
@@ -128,12 +179,31 @@ def parse(argv: list[str] | None = None, environ: dict[str, str] | None = None) 
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             _refuse(parser, f"{origin[name]}={getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
-    if (cfg.checkpoint_every != "auto" and cfg.checkpoint_every <= 0) or cfg.steps <= 0:
-        parser.error("--checkpoint-every (a number of steps, or auto) and --steps must be positive")
+    if cfg.checkpoint_every != "auto" and cfg.checkpoint_every <= 0:
+        _refuse(parser, f"{origin['checkpoint_every']}={cfg.checkpoint_every}: a positive number of steps, or auto")
+    for name, (least, inclusive) in BOUNDS.items():
+        value = getattr(cfg, name)
+        if value < least or (value == least and not inclusive) or value != value:  # NaN too
+            _refuse(parser, f"{origin.get(name, name)}={value!r}: must be {'at least' if inclusive else 'more than'} "
+                    f"{least:g}")
+    if cfg.metrics_port > 65535:
+        _refuse(parser, f"{origin['metrics_port']}={cfg.metrics_port}: a TCP port (0 = off, at most 65535)")
+    local, _ = cfg.local_and_remote()
+    blocking = next((p for p in [Path(local), *Path(local).parents] if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        _refuse(parser, f"{origin.get('checkpoint_dir', '--checkpoint-dir')}={cfg.checkpoint_dir!r}: {blocking} is a "
+                "file, not a folder: name a folder (it is created if missing)")
     if cfg.workload == "resnet50" and not cfg.data_dir:
-        parser.error("--workload resnet50 needs --data-dir (an image folder: <dir>/<class>/<image>)")
+        _refuse(parser, "--workload resnet50 needs --data-dir (an image folder: <dir>/<class>/<image>)")
     return cfg
 
 
 def as_dict(cfg: TrainConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+if __name__ == "__main__":  # the entrypoint's check of the options before any launcher starts
+    import sys
+
+    parse(sys.argv[1:])
+    sys.exit(0)

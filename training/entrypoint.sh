@@ -9,14 +9,47 @@
 # forward the signal, SIGKILL the workers 30 s later and exit 1. SIGUSR1: a checkpoint now.
 # On a node of a multi-node run, the launcher is then killed outright, so that it neither waits
 # in its exit barrier nor closes the rendezvous for the nodes that go on without this one.
+#
+# SIGKILL of this script takes the launcher and every worker with it (training/guard.py).
 set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+usage: training/entrypoint.sh [TRAINER OPTIONS]
+
+Starts NPROC_PER_NODE training processes on this node (default: one per GPU that nvidia-smi
+lists, else one) with LAUNCHER (torchrun | accelerate | horovod); with NNODES > 1 one elastic
+job across the nodes through the rendezvous store at RDZV_ENDPOINT. Each process runs
+TRAIN_COMMAND (the stack's training.command) when set, else python -m TRAIN_MODULE
+(training.train) with the options given here. The trainer contract (training/contract.py,
+the README's table) names every variable.
+Signals: TERM / INT: checkpoint and stop (exit 0); USR1: checkpoint now.
+EOF
+  if [ -n "${TRAIN_COMMAND:-}" ]; then
+    echo; echo "TRAIN_COMMAND is set: the options are your command's own."
+  else
+    echo; python -m "${TRAIN_MODULE:-training.train}" --help
+  fi
+}
+for arg in "$@"; do
+  case "$arg" in -h|--help) usage; exit 0 ;; esac
+done
 # The contract's values first (training/contract.py): a bad one stops here, named, on one line.
 python -m training.contract check
 LAUNCHER=${LAUNCHER:-torchrun}
 NNODES=${NNODES:-1}
 MIN_NNODES=${MIN_NNODES:-$NNODES}
-NPROC_PER_NODE=${NPROC_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 NODE_RANK=${NODE_RANK:-0}
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+  NPROC_PER_NODE=0
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    NPROC_PER_NODE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  fi
+  if [ "${NPROC_PER_NODE:-0}" -lt 1 ]; then
+    echo "entrypoint: no GPU listed by nvidia-smi: one training process (set NPROC_PER_NODE for more)" >&2
+    NPROC_PER_NODE=1
+  fi
+fi
 # What every process runs: your command (TRAIN_COMMAND, the stack's training.command, with ${NAME}
 # expanded from the contract), else our trainer's module with this script's arguments.
 TRAIN_MODULE=${TRAIN_MODULE:-training.train}
@@ -31,8 +64,16 @@ if [ -n "${TRAIN_COMMAND:-}" ]; then
 else
   target=(-m "$TRAIN_MODULE")
   own_flags=(--launcher "$LAUNCHER")
+  if [ "$TRAIN_MODULE" = training.train ]; then
+    # Usage errors once, on one line, before any launcher starts (and its traceback per worker).
+    python -m training.config "$@"
+  fi
 fi
-if [ "${NPROC_PER_NODE}" -lt 1 ]; then NPROC_PER_NODE=1; fi
+# A refusal (the run's lock, changed settings, too little data) is written here by the trainer,
+# which then exits 0 so that the launcher stays quiet; this script says it last and exits 2.
+GTS_REFUSAL_FILE=$(mktemp "${TMPDIR:-/tmp}/gts-refusal.XXXXXX")
+export GTS_REFUSAL_FILE
+trap 'rm -f "$GTS_REFUSAL_FILE"' EXIT
 
 # The address this node reaches the store from: other nodes reach its workers there.
 local_address() {
@@ -74,8 +115,13 @@ case "$LAUNCHER" in
     ;;
 esac
 
+children() {
+  cat /proc/"$1"/task/*/children 2>/dev/null || true
+}
+# The launcher's children: the guard's grandchildren (or its adopted children once the launcher is gone).
 workers() {
-  cat /proc/"$LAUNCHED"/task/*/children 2>/dev/null || true
+  local launcher
+  for launcher in $(children "$LAUNCHED"); do children "$launcher"; done
 }
 
 STOPPING=""
@@ -89,9 +135,10 @@ trap 'forward TERM' TERM
 trap 'forward INT' INT
 trap 'forward USR1' USR1
 
-# The launcher in a session of its own: a terminal's Ctrl-C or a process-group signal reaches
-# this script only, which passes it on to the workers.
-setsid "${cmd[@]}" &
+# The launcher under the guard, in a session of its own: a terminal's Ctrl-C or a process-group
+# signal reaches this script only, which passes it on to the workers; and if this script is
+# killed, the guard kills the launcher and the workers.
+python -m training.guard "${cmd[@]}" &
 LAUNCHED=$!
 echo "entrypoint: pid $$ (kill -TERM $$: checkpoint and stop; kill -USR1 $$: checkpoint now)" >&2
 status=0
@@ -106,5 +153,9 @@ while true; do
     break
   fi
 done
+if [ -s "$GTS_REFUSAL_FILE" ]; then
+  echo "entrypoint: $(head -n 1 "$GTS_REFUSAL_FILE")" >&2
+  exit 2
+fi
 # After a stop the trainer's rank 0 has said where the run stopped; a real failure is non-zero.
 exit "$status"

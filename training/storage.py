@@ -26,6 +26,32 @@ ENDPOINTS = {  # scheme -> S3-compatible endpoint template ({region} from STORAG
 }
 
 
+# Answers of an S3-compatible store that no retry can change: the URL or the credentials are wrong.
+PERMANENT = frozenset({"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                       "AllAccessDisabled", "AccountProblem", "InvalidBucketName", "InvalidAccessKeyID",
+                       "AccessForbidden", "UserDisable"})
+
+
+def permanent_cause(exc: BaseException) -> str | None:
+    """`Code: message` when `exc` (or what it wraps: s3fs turns botocore's errors into OSErrors)
+    is an answer no retry changes, else None (a timeout, a 5xx, a dropped connection)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        error = getattr(current, "response", None)
+        if isinstance(error, dict):
+            code = str(error.get("Error", {}).get("Code", ""))
+            if code in PERMANENT:
+                return f"{code}: {error.get('Error', {}).get('Message', '') or code}"
+        current = current.__cause__ or current.__context__
+    return None
+
+
+class StorageRefused(Exception):
+    """The store answered with a permanent error (the message names the URL and the cause)."""
+
+
 @dataclass(frozen=True)
 class Location:
     """A checkpoint root: a filesystem and a path on it (no scheme)."""

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from training import config as config_mod
 from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadStatus
+from training.storage import StorageRefused
 from training.checkpointing import Interval, StopFlag, choose_checkpoint, exit_code, rng_state, set_rng_state
 from training.data import ImageFolder, ResumableSampler, SyntheticClassification, derived_seed
 from training.distributed import Comm
@@ -44,6 +45,17 @@ log = logging.getLogger("gts.train")
 SHAPING = ("workload", "steps", "batch_size", "lr", "weight_decay", "warmup_steps", "seed", "image_size",
            "tiny_dim", "tiny_width", "tiny_samples", "precision")
 EXIT_USAGE = 2
+
+
+def refuse(message: str) -> None:
+    """A refusal the user must act on: logged, and written where the entrypoint asked
+    (GTS_REFUSAL_FILE), which repeats it as its own last line instead of the launcher's
+    traceback of a failed worker."""
+    log.error("%s", message)
+    path = os.environ.get("GTS_REFUSAL_FILE")
+    if path:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(message.replace("\n", " ") + "\n")
 
 
 def params_sha256(model: nn.Module) -> str:
@@ -118,7 +130,7 @@ class Run:
                                                                on_status=self._on_status)
             locked = False
         except RunLocked as exc:
-            log.error("%s", exc)
+            refuse(str(exc))
             ckpt, locked = None, True
         (anyone_locked,) = self.comm.any_true(locked)
         return None if anyone_locked else ckpt
@@ -220,6 +232,8 @@ class Run:
         ddp_model, self.optimizer = comm.wrap(self.model, self.optimizer)
         sampler = ResumableSampler(len(self.dataset), comm.world, comm.rank, cfg.seed)
         batches_per_epoch = len(self.dataset) // comm.world // cfg.batch_size
+        if batches_per_epoch == 0:  # refused at start (too_small); never spin on an empty epoch
+            raise RuntimeError("no batch in an epoch")
         while self.step < cfg.steps:
             if self.offset >= batches_per_epoch:
                 self.epoch, self.offset = self.epoch + 1, 0
@@ -246,16 +260,39 @@ class Run:
                     break
         return None
 
+    def too_small(self) -> str | None:
+        """Why the data cannot fill one step on every rank (the loop would never take a step)."""
+        global_batch = self.cfg.batch_size * self.comm.world
+        if len(self.dataset) >= global_batch:
+            return None
+        return (f"refused: the dataset has {len(self.dataset)} samples, fewer than one global batch (--batch-size "
+                f"{self.cfg.batch_size} x {self.comm.world} processes = {global_batch}): lower --batch-size or give it "
+                "more data")
+
     def execute(self) -> int:
+        small = self.too_small()
+        if small is not None:
+            if self.comm.rank == 0:
+                refuse(small)
+            return EXIT_USAGE
         ckpt = self.open_checkpoints()
         if ckpt is None:
             return EXIT_USAGE
-        verdict = self.resume(ckpt)
+        try:
+            verdict = self.resume(ckpt)
+        except StorageRefused as exc:  # no such bucket, access denied: no retry or wait helps
+            if self.comm.rank == 0:
+                refuse(f"refused: checkpoint storage {exc}")
+            ckpt.close(timeout=0)
+            return EXIT_USAGE
         ckpt.resync()  # committed steps the bucket lacks (an outage before this start) go up now
         if verdict is not None:
             ckpt.close(timeout=self.cfg.upload_deadline_s)
             if self.comm.rank == 0:
-                (log.info if verdict.startswith("complete") else log.error)("run %s", verdict)
+                if verdict.startswith("complete"):
+                    log.info("run %s", verdict)
+                else:
+                    refuse(f"run {verdict}")
             return 0 if verdict.startswith("complete") else EXIT_USAGE
         tracker = Tracker(self.comm.rank == 0, self.run_id, config_mod.as_dict(self.cfg))
         try:
@@ -267,6 +304,13 @@ class Run:
             self.save(ckpt, tracker)
         status = ckpt.close(timeout=self.cfg.upload_deadline_s)
         tracker.close(interrupted=interrupted is not None)
+        if status.permanent_error:
+            log.error("checkpoints could not be uploaded: %s; they are kept in %s", status.permanent_error, ckpt.local)
+            return 1
+        if interrupted is None and status.write_error:  # a run that cannot be resumed from its end is not done
+            log.error("the run reached step %d, but its checkpoint could not be written (%s): a restart resumes from "
+                      "the newest committed one", self.step, status.write_error)
+            return 1
         if interrupted is None:
             if self.comm.rank == 0:
                 print(f"final step={self.step} loss={self.last_loss!r} params_sha256={params_sha256(self.model)}",
@@ -294,9 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     log.info("rank %d of %d (node %d of %d) via %s on %s", comm.rank, comm.world, comm.node, comm.nnodes,
              comm.launcher, comm.device)
     try:
-        return Run(cfg, comm).execute()
+        code = Run(cfg, comm).execute()
     finally:
         comm.close()
+    if code == EXIT_USAGE and os.environ.get("GTS_REFUSAL_FILE"):
+        return 0  # the entrypoint says it and exits 2; a failed worker would bury it in the launcher's traceback
+    return code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,51 @@
+"""PyTorch Lightning through the spot-safe manager, under its DDP strategy with two CPU
+processes started by the image's entrypoint: checkpoints verified and uploaded, SIGTERM (the spot
+notice) answered with an emergency checkpoint at the same step on both ranks, the node's disk
+lost, the run resumed from the bucket and finished; a start after the end trains nothing."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+from pathlib import Path
+
+from tests.test_user_code import final_line, start
+from tests.training_helpers import ROOT
+from training import contract
+
+EXAMPLE = ROOT / "examples" / "lightning_loop.py"
+ENTRYPOINT = ["bash", str(ROOT / "training" / "entrypoint.sh")]
+
+
+def node(tmp_path: Path, scratch: str, sleep_ms: int = 0) -> dict[str, str]:
+    command = [str(EXAMPLE), "--max-steps", "30", "--sleep-ms", str(sleep_ms)]
+    return {contract.TRAIN_COMMAND.name: contract.encode_command(command), contract.NPROC_PER_NODE.name: "2",
+            contract.CHECKPOINT_DIR.name: str(tmp_path / scratch), contract.CHECKPOINT_EVERY.name: "8",
+            contract.CHECKPOINT_URL.name: f"file://{tmp_path / 'bucket'}"}
+
+
+def test_lightning_ddp_stops_with_a_checkpoint_and_resumes_from_the_bucket(tmp_path: Path) -> None:
+    first = start(ENTRYPOINT, node(tmp_path, "node-a", sleep_ms=200), tmp_path)
+    first.wait_for(r"checkpoint step 8 committed", timeout=150)
+    first.wait_for(r"step 10 loss")
+    os.kill(first.proc.pid, signal.SIGTERM)
+    assert first.finish() == 0, first.output[-3000:]
+    stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", first.output).group(1))  # type: ignore[union-attr]
+    assert 10 <= stopped < 30
+    assert "final step=" not in first.output
+    committed = tmp_path / "bucket" / f"step-{stopped:08d}"
+    assert sorted(p.name for p in committed.iterdir()) == ["lightning.ckpt", "manifest-node000.json"]
+    shutil.rmtree(tmp_path / "node-a")  # the reclaimed node's disk is gone
+
+    second = start(ENTRYPOINT, node(tmp_path, "node-b"), tmp_path)
+    assert second.finish() == 0, second.output[-3000:]
+    second.wait_for(rf"fetched step-{stopped:08d} from file://")
+    second.wait_for(rf"resuming Lightning from checkpoint step {stopped}\b")
+    assert final_line(second) == "final step=30"
+    assert (tmp_path / "bucket" / "step-00000030" / "manifest-node000.json").is_file()
+
+    again = start(ENTRYPOINT, node(tmp_path, "node-b"), tmp_path)
+    assert again.finish() == 0, again.output[-3000:]
+    again.wait_for(r"run complete: checkpoint step 30 is at max_steps; nothing to train")

@@ -1,0 +1,122 @@
+"""PyTorch Lightning runs checkpointing through our manager: Lightning's own checkpoint file
+(weights, optimizer, schedulers, loops, callbacks) is written by `trainer.save_checkpoint`, then
+committed atomically with a sha256 manifest, uploaded in the background to the bucket and kept
+K deep; SIGTERM (the spot notice, passed on by the entrypoint) makes every rank save at the
+same step and stop; a restart resumes from the newest good checkpoint, local or in the bucket.
+
+    import lightning.pytorch as pl
+    from training.lightning_spot import SpotCheckpoint
+
+    spot = SpotCheckpoint()                  # CHECKPOINT_URL, CHECKPOINT_EVERY, ... from the contract
+    trainer = pl.Trainer(max_steps=1000, callbacks=[spot], enable_checkpointing=False, ...)
+    raise SystemExit(spot.fit(trainer, model, datamodule=data))   # resume, train, wait for uploads
+
+(`spot.fit` is `trainer.fit(..., ckpt_path=spot.resume())` and `spot.close()`; it does not train
+a run whose checkpoint is already at `max_steps`.) Launch it with torchrun (or the stack's
+entrypoint) and `strategy="ddp"`: Lightning then joins the process group torchrun describes.
+
+Lightning's own SIGTERM handling (a broadcast inside the signal handler, then an exit without a
+checkpoint) is replaced for the length of the fit by ours: the flag is combined across ranks
+after each batch, so all of them save the same step. Lightning restarts an interrupted epoch's
+data from the batch its own loaders allow (mid-epoch exactness needs a stateful loader).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, open_manager
+from training.distributed import Comm
+
+log = logging.getLogger("gts.lightning")
+CKPT_FILE = "lightning.ckpt"
+
+
+class SpotCheckpoint(pl.Callback):
+    """Checkpoints of a Lightning run through the spot-safe manager (see the module docstring)."""
+
+    def __init__(self, every: int | str | None = None, *, url: str | None = None, local_dir: str | None = None,
+                 keep: int | None = None, upload_deadline_s: float = 90.0):
+        self.comm = Comm("auto")  # joins the process group torchrun describes; Lightning then reuses it
+        self.interval = Interval(every, self.comm)
+        self.stop = StopFlag()
+        self.manager = open_manager(self.comm, url, local_dir, keep, on_status=self.interval.status)
+        self.deadline = upload_deadline_s
+        self.last_saved = 0
+        self.stopped: str | None = None
+        self.resumed_step = 0
+
+    # -- resume / fit / close ---------------------------------------------------------------
+    def resume(self) -> str | None:
+        """The newest checkpoint every rank can load, verified (fetched from the bucket where
+        needed): the path for `trainer.fit(ckpt_path=...)`, or None."""
+        found = choose_checkpoint(self.manager, self.comm, load=lambda step: (self.manager.load_folder(step), None))
+        self.manager.resync()
+        if found is None:
+            return None
+        self.resumed_step = self.last_saved = found.step
+        if self.comm.rank == 0:
+            log.info("resuming Lightning from checkpoint step %d", found.step)
+        return str(Path(found.state) / CKPT_FILE)
+
+    def fit(self, trainer: pl.Trainer, model: pl.LightningModule, **data: Any) -> int:
+        """Resume `trainer` from the newest good checkpoint, fit `model` to max_steps or a stop
+        signal, wait for the uploads. Returns the exit code (training.checkpointing.finish)."""
+        path = self.resume()
+        if path is not None and 0 < trainer.max_steps <= self.resumed_step:
+            if self.comm.rank == 0:
+                log.info("run complete: checkpoint step %d is at max_steps; nothing to train", self.resumed_step)
+        else:
+            options: dict[str, Any] = {}
+            if "weights_only" in inspect.signature(trainer.fit).parameters:
+                options["weights_only"] = True  # a checkpoint in a shared bucket must not run code when loaded
+            trainer.fit(model, ckpt_path=path, **data, **options)
+        return self.close()
+
+    def close(self) -> int:
+        return finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline)
+
+    # -- Callback hooks ---------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.stop.install()  # after Lightning's own handlers: ours decide
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        fresh = step != self.last_saved
+        stopping, asked, due = self.comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request(),
+                                                  fresh and self.interval.due(step, self.last_saved))
+        if due or stopping or asked:
+            self.save(trainer)
+        if stopping:
+            self.stopped = self.stop.raised or "a signal on another rank"
+            trainer.should_stop = True
+            if self.comm.rank == 0:
+                log.warning("stopped by %s at step %d after an emergency checkpoint", self.stopped, step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.save(trainer)  # the finished state: a restart finds nothing left to do
+
+    def save(self, trainer: pl.Trainer) -> None:
+        """Lightning writes its file (rank 0), then every rank commits it through the manager."""
+        step = trainer.global_step
+        if step == self.last_saved:
+            return
+        staging = self.manager.local / f".lightning-{step:08d}"
+        self.interval.saving(step)
+        trainer.save_checkpoint(staging / CKPT_FILE)  # every rank calls it; rank 0 writes
+        if self.comm.local_rank == 0:
+            staging.mkdir(parents=True, exist_ok=True)  # a node without rank 0 commits its (empty) share
+        blocked = self.manager.save_folder(step, staging, self.comm.barrier)
+        if self.comm.local_rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.interval.saved(blocked)
+        self.last_saved = step
+        if self.comm.rank == 0:
+            log.info("checkpoint step %d committed (loop blocked %.3f s)", step, blocked)

@@ -1,0 +1,125 @@
+"""A DataLoader as checkpointed state: where the loop is in the data, and the loader's randomness.
+
+A loop written the usual way (a `DistributedSampler` with shuffling, a `DataLoader`, dropout)
+does not resume exactly by restoring the model and the RNG alone: creating a DataLoader
+iterator draws its base seed from the global RNG, so the resumed run — which creates its
+iterator after the RNG was restored — draws one number more than the uninterrupted run, and
+every later dropout mask differs; and the batches the interrupted epoch already consumed
+must be skipped.
+
+`LoaderState` fixes both for any loader passed to the Checkpointer (`loader=loader`): per rank it
+records the sampler's epoch, how many batches the current iterator yielded and the RNG state
+the iterator drew its seed from. On resume the sampler's epoch is set back; the first iterator
+the loop creates draws the same seed, skips the consumed batches (without loading them when
+the loader has no workers), and the global RNG is then put back where the checkpoint left it.
+torchdata's `StatefulDataLoader` is checkpointed through its own `state_dict` (position and
+worker state), with the same RNG rule.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+log = logging.getLogger("gts.loaders")
+
+
+class LoaderMisuse(Exception):
+    """The loop does not continue where the checkpoint says the loader was (one line: the fix)."""
+
+
+def _sampler_of(loader: DataLoader[Any]) -> Any:
+    sampler = loader.sampler
+    if loader.batch_sampler is not None and hasattr(loader.batch_sampler, "sampler"):
+        sampler = loader.batch_sampler.sampler
+    return sampler
+
+
+def _epoch_of(loader: DataLoader[Any]) -> int | None:
+    epoch = getattr(_sampler_of(loader), "epoch", None)
+    return int(epoch) if isinstance(epoch, int) else None
+
+
+def _stateful(loader: DataLoader[Any]) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+class LoaderState:
+    """One rank's view of one DataLoader: `state_dict()` / `load_state_dict()` for the per-rank
+    checkpoint file, and `after_resume(rng)` for the RNG rule above."""
+
+    def __init__(self, name: str, loader: DataLoader[Any], set_rng: Any):
+        self.name, self.loader, self._set_rng = name, loader, set_rng
+        self.stateful = _stateful(loader)
+        self._iterator: Any = None
+        self._pre_seed: torch.Tensor | None = None  # the RNG state the current iterator drew its seed from
+        self._pending: dict[str, Any] | None = None  # a restored position, applied at the next iterator
+        self._rng_after: dict[str, Any] | None = None  # the checkpoint's RNG, put back after that iterator
+        self.epoch = 0  # the epoch the restored position is in (ckpt.epoch)
+        if not self.stateful:
+            sampler = _sampler_of(loader)
+            if loader.generator is None:  # its own stream: the seed draw never moves the global RNG
+                loader.generator = torch.Generator().manual_seed(torch.initial_seed())
+                if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None:
+                    sampler.generator = loader.generator
+        original = loader._get_iterator
+
+        def tracked() -> Any:
+            return self._new_iterator(original)
+        loader._get_iterator = tracked  # type: ignore[method-assign]
+
+    def _seed_source(self) -> torch.Generator:
+        return self.loader.generator if self.loader.generator is not None else torch.default_generator
+
+    def _new_iterator(self, original: Any) -> Any:
+        pending, self._pending = self._pending, None
+        epoch = _epoch_of(self.loader)
+        if pending is not None and not self.stateful and pending["epoch"] is not None and epoch != pending["epoch"]:
+            raise LoaderMisuse(
+                f"loader {self.name!r} was in epoch {pending['epoch']} (batch {pending['batches']}) at the checkpoint, "
+                f"but the loop started epoch {epoch}: start the epoch loop at ckpt.epoch "
+                f"(for epoch in range(ckpt.epoch, epochs): sampler.set_epoch(epoch) ...)")
+        if pending is not None and not self.stateful and pending.get("seed_state") is not None:
+            self._seed_source().set_state(pending["seed_state"])
+        self._pre_seed = self._seed_source().get_state()
+        iterator = original()
+        self._iterator = iterator
+        if pending is not None and not self.stateful and pending["batches"]:
+            self._skip(iterator, int(pending["batches"]))
+        if self._rng_after is not None:
+            rng, self._rng_after = self._rng_after, None
+            self._set_rng(rng)  # the seed draw and the skipped batches leave no trace on the global RNG
+        return iterator
+
+    def _skip(self, iterator: Any, batches: int) -> None:
+        if (self.loader.num_workers == 0 and hasattr(iterator, "_sampler_iter")
+                and not isinstance(self.loader.dataset, IterableDataset)):
+            for _ in range(batches):  # indices only: no batch is loaded
+                next(iterator._sampler_iter)
+            iterator._num_yielded += batches
+        else:  # workers: consumed as the first run did, so each worker's RNG stream is where it was
+            for _ in range(batches):
+                next(iterator)
+        log.info("loader %r: skipped the %d batch(es) epoch %s had consumed", self.name, batches, self.epoch)
+
+    # -- checkpointed state ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        epoch = _epoch_of(self.loader)
+        if self.stateful:
+            return {"epoch": epoch, "stateful": self.loader.state_dict()}  # type: ignore[attr-defined]
+        batches = int(getattr(self._iterator, "_num_yielded", 0)) if self._iterator is not None else 0
+        return {"epoch": epoch, "batches": batches, "seed_state": self._pre_seed}
+
+    def load_state_dict(self, state: dict[str, Any], rng: dict[str, Any] | None) -> None:
+        epoch = state.get("epoch")
+        self.epoch = int(epoch) if epoch is not None else 0
+        sampler = _sampler_of(self.loader)
+        if epoch is not None and callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(int(epoch))
+        if self.stateful:
+            self.loader.load_state_dict(state["stateful"])  # type: ignore[attr-defined]
+        self._pending = dict(state)
+        self._rng_after = rng
