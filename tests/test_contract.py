@@ -59,7 +59,9 @@ def node_env_of(resources: list[Registered], cloud: str, tmp: Path) -> dict[str,
     type_token, name = VM_NODES[cloud]
     (node,) = [r for r in by_type(resources, type_token) if r.name == name]
     root = tmp / f"node-{cloud}"
-    lay_down(base64.b64decode(node.inputs["userData"]), root)
+    from infra.plan.engine import unwrap_secrets
+
+    lay_down(base64.b64decode(unwrap_secrets(node.inputs["userData"])), root)  # secret: it holds the rendezvous key
     return node_env(root)
 
 
