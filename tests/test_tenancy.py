@@ -152,3 +152,88 @@ def test_the_store_listens_on_its_address_alone() -> None:
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+# --- the plan: each store admits its own group's nodes and nothing else ---------------------------
+
+STORES = {"aws": "aws:ec2/instance:Instance", "alicloud": "alicloud:ecs/instance:Instance",
+          "tencentcloud": "tencentcloud:Instance/instance:Instance"}
+STORE_GROUPS = {"aws": "vpcSecurityGroupIds", "alicloud": "securityGroups", "tencentcloud": "orderlySecurityGroups"}
+IMAGE_FIELD = {"aws": "ami", "alicloud": "imageId", "tencentcloud": "imageId"}
+FLEET_GROUPS = ("vpcSecurityGroupIds", "securityGroupIds", "securityGroups", "orderlySecurityGroups")
+
+
+def ingress_rules(resources: list, group_id: str) -> list[dict]:  # type: ignore[type-arg]
+    """Every ingress rule the plan puts on a security group, as {source, cidr, port}."""
+    from infra.plan.engine import unwrap_secrets
+
+    found = []
+    for r in resources:
+        i = unwrap_secrets(r.inputs)
+        if i.get("securityGroupId") != group_id:
+            continue
+        if r.type == "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule":
+            found.append({"source": i.get("referencedSecurityGroupId"), "cidr": i.get("cidrIpv4") or i.get("cidrIpv6"),
+                          "port": (i.get("fromPort"), i.get("toPort")), "protocol": i.get("ipProtocol")})
+        elif r.type == "alicloud:ecs/securityGroupRule:SecurityGroupRule" and i.get("type") == "ingress":
+            found.append({"source": i.get("sourceSecurityGroupId"), "cidr": i.get("cidrIp"),
+                          "port": i.get("portRange"), "protocol": i.get("ipProtocol")})
+        elif r.type == "tencentcloud:Security/groupRuleSet:GroupRuleSet":
+            found += [{"source": x.get("sourceSecurityId"), "cidr": x.get("cidrBlock"), "port": x.get("port"),
+                       "protocol": x.get("protocol")} for x in i.get("ingresses") or []]
+        elif "Ingress" in r.type or "ingress" in str(i.get("type")):
+            found.append({"unknown": r.type})
+    return found
+
+
+@pytest.mark.parametrize("stack", ["prod", "dev"])
+def test_each_store_admits_its_own_groups_nodes_and_nothing_else(stack: str) -> None:
+    from infra.plan.engine import unwrap_secrets
+    from infra.rendezvous import PORT
+    from tests.harness import shipped
+
+    resources = list(shipped(stack))
+    stores = [r for r in resources if r.type in STORES.values() and "-rdzv-" in r.name]
+    assert stores, "the shipped stack has multi-node VM groups, so it has stores"
+    for store in stores:
+        cloud = store.type.split(":")[0]
+        group = store.name.split("-rdzv-", 1)[1]
+        own = unwrap_secrets(store.inputs)[STORE_GROUPS[cloud]]
+        assert own == [f"{store.name}-sg-id"], (store.name, own)  # its own group alone: no training/peer/pod rules
+        clients = f"{store.name}-clients-id"
+        rules = ingress_rules(resources, own[0])
+        port = {"aws": (PORT, PORT), "alicloud": f"{PORT}/{PORT}", "tencentcloud": str(PORT)}[cloud]
+        assert rules == [{"source": clients, "cidr": None, "port": port, "protocol": rules[0]["protocol"]}], rules
+        assert str(rules[0]["protocol"]).lower() == "tcp"
+        carriers = {r.name for r in resources if r is not store and any(
+            clients in (unwrap_secrets(r.inputs).get(k) or []) for k in FLEET_GROUPS)}
+        assert carriers and all(name.startswith(group) for name in carriers), (store.name, carriers)
+        # A routine `up` never replaces or re-installs it for a newer image.
+        assert IMAGE_FIELD[cloud] in store.options["ignoreChanges"], store.options
+    # Every multi-node VM group's nodes carry exactly their own store's client group.
+    for r in resources:
+        held = [g for k in FLEET_GROUPS for g in (unwrap_secrets(r.inputs).get(k) or []) if str(g).endswith("-clients-id")]
+        owners = [g.split("-rdzv-", 1)[1].removesuffix("-clients-id") for g in held]
+        assert len(held) <= 1 and all(r.name.startswith(f"{o}-") for o in owners), (r.name, held)
+
+
+def test_a_stores_address_is_in_its_reserved_range_and_the_group_holds_the_key(tmp_path: Path) -> None:
+    import ipaddress
+
+    from infra.plan.engine import unwrap_secrets
+    from infra.userdata import RDZV_KEY
+    from tests.harness import shipped
+    from tests.nodes import lay_down, node_env
+
+    resources = list(shipped("prod"))
+    (reservation,) = [r for r in resources if r.type == "aws:ec2/subnetCidrReservation:SubnetCidrReservation"]
+    assert reservation.inputs["reservationType"] == "explicit"
+    (store,) = [r for r in resources if r.type == STORES["aws"] and "-rdzv-" in r.name]
+    assert ipaddress.ip_address(store.inputs["privateIp"]) in ipaddress.ip_network(reservation.inputs["cidrBlock"])
+    assert store.options["dependencies"] and any(reservation.urn == d for d in store.options["dependencies"])
+    (template,) = [r for r in resources if r.type == "aws:ec2/launchTemplate:LaunchTemplate" and r.name == "aws-train-lt"]
+    assert not isinstance(template.inputs["userData"], str), "a user data with a key must be a secret"
+    root = tmp_path / "node"
+    lay_down(base64.b64decode(unwrap_secrets(template.inputs["userData"])), root)
+    env = node_env(root)
+    assert len(env[RDZV_KEY]) >= 32 and env["RDZV_ENDPOINT"] == f"{store.inputs['privateIp']}:29400"
