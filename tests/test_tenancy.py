@@ -237,3 +237,99 @@ def test_a_stores_address_is_in_its_reserved_range_and_the_group_holds_the_key(t
     lay_down(base64.b64decode(unwrap_secrets(template.inputs["userData"])), root)
     env = node_env(root)
     assert len(env[RDZV_KEY]) >= 32 and env["RDZV_ENDPOINT"] == f"{store.inputs['privateIp']}:29400"
+
+
+# --- the plan: NetworkPolicies in every namespace the stack creates --------------------------------
+
+def _policies(resources: list) -> list[dict]:  # type: ignore[type-arg]
+    from infra.plan.engine import unwrap_secrets
+
+    return [unwrap_secrets(r.inputs) for r in resources if r.type == "kubernetes:networking.k8s.io/v1:NetworkPolicy"]
+
+
+@pytest.mark.parametrize("stack", ["prod"])  # dev has no cluster
+def test_every_namespace_the_stack_creates_denies_by_default(stack: str) -> None:
+    from infra.plan.engine import unwrap_secrets
+    from infra.k8s.netpol import METADATA
+    from tests.harness import shipped
+
+    resources = list(shipped(stack))
+    namespaces = {unwrap_secrets(r.inputs)["metadata"]["name"] for r in resources
+                  if r.type == "kubernetes:core/v1:Namespace"}
+    assert namespaces, "the shipped stack has clusters"
+    policies = _policies(resources)
+    for ns in namespaces:
+        mine = [p for p in policies if p["metadata"]["namespace"] == ns]
+        deny = [p for p in mine if p["spec"]["podSelector"].get("matchLabels", {}) == {}
+                and sorted(p["spec"]["policyTypes"]) == ["Egress", "Ingress"]
+                and not p["spec"].get("ingress") and not p["spec"].get("egress")]
+        assert deny, f"namespace {ns} has no default-deny NetworkPolicy"
+        # Nothing in it admits ingress from another namespace, but the monitoring namespaces.
+        for p in mine:
+            for rule in p["spec"].get("ingress") or []:
+                for peer in rule.get("from") or []:
+                    selector = peer.get("namespaceSelector")
+                    assert selector is None or selector == {"matchLabels": {"gpu-training-stack/monitoring": "true"}}, p
+                    assert "ipBlock" not in peer, p
+    # Team namespaces never reach the metadata service (their node's role is the pool's, not theirs).
+    teams = {unwrap_secrets(r.inputs)["metadata"]["name"] for r in resources if r.type == "kubernetes:core/v1:Namespace"
+             and "gpu-training-stack/team" in (unwrap_secrets(r.inputs)["metadata"].get("labels") or {})}
+    for p in policies:
+        if p["metadata"]["namespace"] not in teams:
+            continue
+        for rule in p["spec"].get("egress") or []:
+            for peer in rule.get("to") or []:
+                block = peer.get("ipBlock")
+                if block and block["cidr"] == "0.0.0.0/0":
+                    assert set(METADATA) <= set(block.get("except") or []), p
+
+
+def _two_node_jobs(values: dict) -> None:  # type: ignore[type-arg]
+    from tests.harness import key
+
+    values[key("kubernetes")].pop("queues", None)  # the shared queues' quotas are sized for one-node Jobs
+    for g in values[key("nodeGroups")]:
+        if g.get("kind") == "kubernetes" and g.get("workload", "training") == "training":
+            g["scaling"] = {**g["scaling"], "desired": 2, "max": max(2, g["scaling"]["max"])}
+
+
+def test_a_jobs_store_admits_that_jobs_pods_alone(tmp_path: Path) -> None:
+    from infra.plan.engine import unwrap_secrets
+    from infra.rendezvous import PORT
+    from tests.harness import run_stack
+
+    resources = run_stack("prod", _two_node_jobs, tmp_path)
+    stores = [unwrap_secrets(r.inputs) for r in resources if r.type == "kubernetes:apps/v1:Deployment"
+              and r.name.endswith("-rdzv-deploy")]
+    assert stores, "prod has multi-node Jobs"
+    policies = _policies(resources)
+    for store in stores:
+        name = store["metadata"]["name"]
+        job = name.removesuffix("-rdzv")
+        container = store["spec"]["template"]["spec"]["containers"][0]
+        assert container["command"][container["command"].index("--host") + 1] == "$(POD_IP)"
+        guarding = [p for p in policies if p["spec"]["podSelector"].get("matchLabels") == {"app.kubernetes.io/name": name}]
+        assert len(guarding) == 1, guarding
+        (rule,) = guarding[0]["spec"]["ingress"]
+        assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": job}}}]
+        assert rule["ports"] == [{"protocol": "TCP", "port": PORT}]
+    # Each multi-node Job's pods get their own key from a Secret.
+    for r in resources:
+        if r.type == "kubernetes:batch/v1:Job" and r.name.removesuffix("-job") + "-rdzv" in {s["metadata"]["name"] for s in stores}:
+            env = unwrap_secrets(r.inputs)["spec"]["template"]["spec"]["containers"][0]["env"]
+            (key,) = [e for e in env if e["name"] == "RDZV_KEY"]
+            assert key["valueFrom"]["secretKeyRef"]["name"] == r.name.removesuffix("-job") + "-rdzv-key"
+
+
+def test_each_cluster_enforces_network_policy() -> None:
+    import json
+
+    from infra.plan.engine import unwrap_secrets
+    from tests.harness import shipped
+
+    resources = list(shipped("prod"))
+    cni = [unwrap_secrets(r.inputs) for r in resources if r.type == "aws:eks/addon:Addon"
+           and unwrap_secrets(r.inputs)["addonName"] == "vpc-cni"]
+    assert cni and all(json.loads(a["configurationValues"]) == {"enableNetworkPolicy": "true"} for a in cni)
+    tke = [r for r in resources if r.type == "tencentcloud:Kubernetes/addon:Addon"]
+    assert [unwrap_secrets(r.inputs)["addonName"] for r in tke] == ["networkpolicy"]
