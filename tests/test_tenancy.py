@@ -43,7 +43,7 @@ def poison(port: int, rdzv_id: str, marker: Path) -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-    client.set(f"torch.rendezvous.{rdzv_id}", base64.b64encode(pickle.dumps(Payload(marker))))
+    client.set(f"torch.rendezvous.{rdzv_id}", base64.b64encode(pickle.dumps(Payload(marker))).decode())
 
 
 def store(port: int) -> subprocess.Popen[bytes]:
@@ -125,7 +125,7 @@ def test_a_state_signed_with_another_groups_key_is_refused(tmp_path: Path) -> No
         ours.get_state()
     # The same key under another run's id is refused too (no replay across runs).
     other_run = SignedC10dBackend(shared, "run-b", b"a" * 48)
-    shared.set("torch.rendezvous.run-b", shared.get("torch.rendezvous.run-a"))
+    shared.set("torch.rendezvous.run-b", shared.get("torch.rendezvous.run-a").decode())
     with pytest.raises(RendezvousStateError, match="not signed"):
         other_run.get_state()
     assert theirs.get_state() is not None
