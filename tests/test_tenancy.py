@@ -333,3 +333,36 @@ def test_each_cluster_enforces_network_policy() -> None:
     assert cni and all(json.loads(a["configurationValues"]) == {"enableNetworkPolicy": "true"} for a in cni)
     tke = [r for r in resources if r.type == "tencentcloud:Kubernetes/addon:Addon"]
     assert [unwrap_secrets(r.inputs)["addonName"] for r in tke] == ["networkpolicy"]
+
+
+# --- metrics endpoints: the node's / pod's address, never every interface ---------------------------
+
+def _listening(port: int) -> list[str]:
+    return subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout.split()
+
+
+@pytest.mark.parametrize("addr", ["", "127.0.0.1"])
+def test_the_trainers_metrics_listen_on_one_address(addr: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """METRICS_ADDR is what the stack sets (the node's private address from its default route,
+    the pod's from the downward API); unset, the trainer keeps to loopback."""
+    from training.metrics import Metrics
+
+    if addr:
+        monkeypatch.setenv("METRICS_ADDR", addr)
+    else:
+        monkeypatch.delenv("METRICS_ADDR", raising=False)
+    port = free_port()
+    Metrics(port, 1.0, {"group": "g"})
+    listening = _listening(port)
+    assert f"127.0.0.1:{port}" in listening and f"*:{port}" not in listening and f"0.0.0.0:{port}" not in listening
+
+
+def test_the_node_units_bind_the_exporters_and_trainer_to_the_private_address() -> None:
+    exporters = (ROOT / "cloudinit/units/gts-exporters.service").read_text()
+    trainer = (ROOT / "cloudinit/units/gts-trainer.service").read_text()
+    route = 'addr=$$(ip -4 -o route get 1.1.1.1 | sed -e "s/.* src //" -e "s/ .*//")'
+    starts = [line for line in exporters.splitlines() if line.startswith("ExecStart=")]
+    assert len(starts) == 2 and all(route in line for line in starts)
+    assert '-p "$$addr:9400:9400"' in starts[0] and '--web.listen-address="$$addr:9100"' in starts[1]
+    assert "-p 9400:9400" not in exporters
+    assert '-e METRICS_ADDR="$$(ip -4 -o route get 1.1.1.1' in trainer
