@@ -78,6 +78,9 @@ def container_env(container: dict[str, Any], completion_index: int = 0) -> dict[
             env[item["name"]] = item["value"]
         else:
             path = item["valueFrom"]["fieldRef"]["fieldPath"]
+            if path == "status.podIP":  # the pod's address (METRICS_ADDR): here, this machine's loopback
+                env[item["name"]] = "127.0.0.1"
+                continue
             assert path == "metadata.annotations['batch.kubernetes.io/job-completion-index']", path
             env[item["name"]] = str(completion_index)
     return env
