@@ -72,6 +72,9 @@ METADATA_URLS = {"aws": "http://169.254.169.254", "alicloud": "http://100.100.10
 NODE_VARS = frozenset(v.name for v in (c.GTS_CLOUD, c.GTS_NODE_GROUP, c.STORAGE_ENDPOINT_URL, c.STORAGE_REGION,
                                        c.STORAGE_ADDRESSING_STYLE, c.STORAGE_CREDENTIALS))
 
+STORE_HOST = "GTS_RDZV_HOST"  # gts-rdzv.service: the address the store binds
+RDZV_KEY = "RDZV_KEY"  # a multi-node VM group's rendezvous key (training/rdzv_launch.py)
+
 # As long as any digest reference: the user data is sized with it before the image exists.
 IMAGE_PLACEHOLDER = "registry.example/gpu-training-stack/trainer@sha256:" + "0" * 64
 
@@ -116,7 +119,8 @@ def store_context(spec: StackSpec, site: Site, image: str) -> NodeContext:
     env = {c.GTS_CLOUD.name: site.cloud, c.GTS_NODE_GROUP.name: site.name,
            c.STORAGE_ENDPOINT_URL.name: endpoint(site.cloud, b.region, region), c.STORAGE_REGION.name: b.region,
            c.STORAGE_ADDRESSING_STYLE.name: "virtual",
-           c.STORAGE_CREDENTIALS.name: "default" if site.cloud == "aws" else "instance-role"}
+           c.STORAGE_CREDENTIALS.name: "default" if site.cloud == "aws" else "instance-role",
+           STORE_HOST: site.address}  # the store listens on its private address alone
     return NodeContext(
         env=spec.env, cloud=site.cloud, group=site.name, mode="rendezvous", image=image, scratch_gb=0, tmpfs_gb=0,
         nvswitch=False, driver_branch=DRIVER_BRANCH, dockerhub_mirror=mirrors.docker_hub or "",
@@ -130,7 +134,8 @@ def for_store(spec: StackSpec, site: Site, image: str = IMAGE_PLACEHOLDER) -> st
     return for_vm(store_context(spec, site, image))
 
 
-def node_context(spec: StackSpec, rg: ResolvedGroup, image: str, shared: SharedMount | None = None) -> NodeContext:
+def node_context(spec: StackSpec, rg: ResolvedGroup, image: str, shared: SharedMount | None = None,
+                 secrets: dict[str, str] | None = None) -> NodeContext:
     pinned = bundle.build()
     mirrors = spec.clouds[rg.group.cloud].mirrors
     agents = node_agents(mirrors)
@@ -144,8 +149,8 @@ def node_context(spec: StackSpec, rg: ResolvedGroup, image: str, shared: SharedM
         node_exporter_image=agents.node_exporter, bundle_url=f"s3://{rg.bucket.name}/{pinned.key}",
         # Cluster nodes run no trainer (the Job carries its env): they get what the fetcher needs.
         bundle_sha256=pinned.sha256, nvlinks=gpu_health.nvlinks(rg),
-        gpu_diag_level=int(gpu_health.load()["default_diag_level"]), trainer={k: v for k, v in rg.trainer.items() if k in NODE_VARS} if kube
-        else rg.trainer,
+        gpu_diag_level=int(gpu_health.load()["default_diag_level"]),
+        trainer={k: v for k, v in rg.trainer.items() if k in NODE_VARS} if kube else {**rg.trainer, **(secrets or {})},
         # A VM node mounts it for its trainer container; a cluster node hands its root to the
         # trainer's uid (gts-shared.sh --prepare), and pods mount it through a PersistentVolume.
         **({} if shared is None else {"shared_fs": shared.fs_type, "shared_source": shared.source,
@@ -257,11 +262,12 @@ def for_node_pool_script(ctx: NodeContext) -> str:
 
 
 def for_group(spec: StackSpec, rg: ResolvedGroup, image: str = IMAGE_PLACEHOLDER,
-              shared: SharedMount | None = None) -> str:
+              shared: SharedMount | None = None, secrets: dict[str, str] | None = None) -> str:
     """The user data field value of a group's nodes, in the shape its kind of node takes; a
-    group that mounts a shared file system whose address is not known yet gets a placeholder."""
+    group that mounts a shared file system whose address is not known yet gets a placeholder.
+    `secrets` join a VM node's trainer env (its rendezvous key); the caller keeps the result secret."""
     fs = spec.shared_fs_of(rg.group)
-    ctx = node_context(spec, rg, image, shared or (placeholder(fs) if fs else None))
+    ctx = node_context(spec, rg, image, shared or (placeholder(fs) if fs else None), secrets)
     if rg.kind == "vm":
         return for_vm(ctx)
     return for_eks(ctx) if rg.cloud == "aws" else for_node_pool_script(ctx)

@@ -37,7 +37,9 @@ def registered(type_token: str, name: str, stack: str = "prod") -> Registered:
 
 
 def user_data(type_token: str, name: str, path: tuple[str, ...], stack: str = "prod") -> bytes:
-    value: Any = registered(type_token, name, stack).inputs
+    from infra.plan.engine import unwrap_secrets
+
+    value: Any = unwrap_secrets(registered(type_token, name, stack).inputs)  # a multi-node group's is a secret
     for key in path:
         value = value[key]
     return base64.b64decode(value)

@@ -135,20 +135,22 @@ def test_golden_snapshots_one_group_per_cloud() -> None:
 
 
 def test_plan_gpu_resources_carry_the_user_data() -> None:
+    from infra.plan.engine import unwrap_secrets  # a multi-node VM group's user data is a secret (its rendezvous key)
+
     res = list(shipped("prod"))
     carried: dict[str, str] = {}
     for r in by_type(res, "aws:ec2/launchTemplate:LaunchTemplate"):
         if r.inputs.get("userData"):
-            carried[r.name] = base64.b64decode(r.inputs["userData"]).decode()
+            carried[r.name] = base64.b64decode(unwrap_secrets(r.inputs)["userData"]).decode()
     for r in by_type(res, "alicloud:ecs/ecsLaunchTemplate:EcsLaunchTemplate") + by_type(res, "alicloud:cs/nodePool:NodePool"):
         if r.inputs.get("userData"):
-            carried[r.name] = base64.b64decode(r.inputs["userData"]).decode()
+            carried[r.name] = base64.b64decode(unwrap_secrets(r.inputs)["userData"]).decode()
     for r in by_type(res, "tencentcloud:As/scalingConfig:ScalingConfig") + by_type(res, "tencentcloud:Instance/instance:Instance"):
         if "-rdzv-" not in r.name:  # the rendezvous store (tests/test_contract.py)
-            carried[r.name] = base64.b64decode(r.inputs["userData"]).decode()
+            carried[r.name] = base64.b64decode(unwrap_secrets(r.inputs)["userData"]).decode()
     for r in by_type(res, "tencentcloud:Kubernetes/nodePool:NodePool"):
         if (r.inputs.get("nodeConfig") or {}).get("userData"):
-            carried[r.name] = base64.b64decode(r.inputs["nodeConfig"]["userData"]).decode()
+            carried[r.name] = base64.b64decode(unwrap_secrets(r.inputs)["nodeConfig"]["userData"]).decode()
     assert len(carried) == 3 + 2 + 2 + 2  # system pools carry none
     for name, text in carried.items():
         cloud = "aws" if name.startswith("aws") else "alicloud" if name.startswith("ali") else "tencentcloud"

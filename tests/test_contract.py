@@ -59,7 +59,9 @@ def node_env_of(resources: list[Registered], cloud: str, tmp: Path) -> dict[str,
     type_token, name = VM_NODES[cloud]
     (node,) = [r for r in by_type(resources, type_token) if r.name == name]
     root = tmp / f"node-{cloud}"
-    lay_down(base64.b64decode(node.inputs["userData"]), root)
+    from infra.plan.engine import unwrap_secrets
+
+    lay_down(base64.b64decode(unwrap_secrets(node.inputs["userData"])), root)  # secret: it holds the rendezvous key
     return node_env(root)
 
 
@@ -76,6 +78,9 @@ def container_env(container: dict[str, Any], completion_index: int = 0) -> dict[
             env[item["name"]] = item["value"]
         else:
             path = item["valueFrom"]["fieldRef"]["fieldPath"]
+            if path == "status.podIP":  # the pod's address (METRICS_ADDR): here, this machine's loopback
+                env[item["name"]] = "127.0.0.1"
+                continue
             assert path == "metadata.annotations['batch.kubernetes.io/job-completion-index']", path
             env[item["name"]] = str(completion_index)
     return env

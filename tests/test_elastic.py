@@ -38,7 +38,7 @@ def _node(index: int, port: int, moto: MotoServer, tmp: Path) -> Run:
     env = {**os.environ, **storage_env(moto.url), "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "LAUNCHER": "torchrun", "NNODES": "3", "MIN_NNODES": "2",
            "NPROC_PER_NODE": "1", "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_LAST_CALL_S": "3",
-           "GTS_NODE_GROUP": "local", "CHECKPOINT_URL": f"s3://{moto.bucket}/elastic/", "TRAIN_STEPS": str(STEPS),
+           "GTS_NODE_GROUP": "local", "RDZV_KEY": "local-test-key-" + "0" * 32, "CHECKPOINT_URL": f"s3://{moto.bucket}/elastic/", "TRAIN_STEPS": str(STEPS),
            "CHECKPOINT_DIR": str(tmp / f"node{index}")}
     proc = subprocess.Popen(["bash", str(ROOT / "training/entrypoint.sh"), "--workload", "tiny",
                              "--checkpoint-every", "20", "--log-every", "10", "--throttle-ms", "60"],

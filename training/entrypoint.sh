@@ -92,8 +92,10 @@ case "$LAUNCHER" in
       # Rebuild the store's view every round: a joining node otherwise waits forever
       # (pytorch/pytorch#135712).
       export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-      cmd=(torchrun --nnodes "$MIN_NNODES:$NNODES" --nproc-per-node "$NPROC_PER_NODE"
-           --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$id"
+      # torchrun with the rendezvous state signed under the group's RDZV_KEY: the agents
+      # unpickle it, and the store has no authentication (training/rdzv_launch.py).
+      cmd=(python -m training.rdzv_launch --nnodes "$MIN_NNODES:$NNODES" --nproc-per-node "$NPROC_PER_NODE"
+           --rdzv-backend gts-c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$id"
            --rdzv-conf "is_host=false,read_timeout=300,last_call_timeout=${RDZV_LAST_CALL_S:-30}" --max-restarts "${MAX_RESTARTS:-100}"
            --local-addr "$(local_address "${RDZV_ENDPOINT%:*}")" "${no_python[@]}" "${target[@]}" "$@")
     else

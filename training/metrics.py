@@ -4,6 +4,7 @@ utilisation and memory when NVIDIA GPUs are present, and the cost so far from th
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -47,8 +48,9 @@ class Metrics:
         except Exception:  # noqa: BLE001 - no NVIDIA driver here: GPU metrics stay absent
             self._nvml = None
         if port:
-            start_http_server(port, registry=self.registry)
-            log.info("metrics on :%d/metrics", port)
+            addr = os.environ.get("METRICS_ADDR") or "127.0.0.1"  # the node's / pod's private address (the stack sets it)
+            start_http_server(port, addr=addr, registry=self.registry)
+            log.info("metrics on %s:%d/metrics", addr, port)
 
     def refresh(self) -> None:
         self.cost.set(self.hourly * (time.time() - self.started) / 3600)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import pulumi
+import pulumi_random as random
 
 from infra import rendezvous, userdata
 from infra.access import CLUSTER_NODE, Grants, node_grants
@@ -50,11 +51,13 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         self.spec = stack.spec
         self.tags = stack_tags(self.spec)
         self.exports: dict[str, Any] = {}
-        self.stores: dict[str, pulumi.Resource] = {}
+        self.stores: dict[str, pulumi.Resource] = {}  # multi-node VM group -> its rendezvous store
+        self.store_clients: dict[str, pulumi.Output[str]] = {}  # group -> the security group its store admits
         self.shared: dict[str, SharedFsOutputs] = {}  # network name -> its shared file system
         self.providers: dict[str, pulumi.ProviderResource] = {}
         for region in self.regions():
             self.providers[region] = self.make_provider(region)
+        self.rdzv_keys = self.rendezvous_keys()
         self.build()
         self.register_outputs(self.exports)
 
@@ -70,9 +73,9 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         images = self.trainer_images(nets)
         image = images.get(self.spec.training.image, pulumi.Output.from_input(""))
         of_group = {g.name: images.get(self.spec.base_image_of(g.group), image) for g in self.node_groups()}
-        # Multi-node VM runs meet at their network's store; its fixed address is taken before any
+        # Multi-node VM runs meet at their group's store; its fixed address is taken before any
         # fleet starts nodes in that subnet.
-        self.stores = {site.network: self.make_rendezvous(site, nets[site.network], access, image)
+        self.stores = {site.group: self.make_rendezvous(site, nets[site.network], access, image)
                        for site in self.rendezvous_sites()}
         fleets = {g.name: self.make_fleet(g, nets[g.network], access, of_group[g.name]) for g in self.vm_groups()}
         clusters: dict[str, Cluster] = {}
@@ -131,6 +134,7 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         raise TypeError(f"{type(self).__name__} must define make_registry")
 
     def make_rendezvous(self, site: Site, net: NetT, access: AccessT, image: pulumi.Output[str]) -> pulumi.Resource:
+        """The group's store instance; records its client security group in store_clients."""
         raise TypeError(f"{type(self).__name__} must define make_rendezvous")
 
     def make_fleet(self, group: ResolvedGroup, net: NetT, access: AccessT,
@@ -183,9 +187,27 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         return {**grants, **{site.name: CLUSTER_NODE for site in self.rendezvous_sites()}}
 
     def after_store(self, group: ResolvedGroup) -> list[pulumi.Resource]:
-        """What a group's fleet waits for: its network's rendezvous store, if it has one."""
-        store = self.stores.get(group.network)
+        """What a group's fleet waits for: its rendezvous store, if it has one."""
+        store = self.stores.get(group.name)
         return [store] if store is not None and rendezvous.multi_node_vm(group) else []
+
+    def clients_of(self, group: ResolvedGroup) -> list[pulumi.Output[str]]:
+        """The security group a group's nodes carry to reach its store (none without one)."""
+        found = self.store_clients.get(group.name)
+        return [found] if found is not None else []
+
+    def rendezvous_keys(self) -> dict[str, pulumi.Output[str]]:
+        """Each multi-node VM group's rendezvous key (training/rdzv_launch.py signs the rendezvous
+        state with it): drawn once, kept as a secret in the state, and given to that group's
+        nodes alone, in their user data (a secret too). The stacks disable default providers:
+        the random provider is explicit, like the clouds'."""
+        groups = [g for g in self.vm_groups() if rendezvous.multi_node_vm(g)]
+        if not groups:
+            return {}
+        provider = random.Provider(f"{self.name}-random", opts=pulumi.ResourceOptions(parent=self))
+        return {g.name: random.RandomPassword(
+            f"{self.name}-{g.name}-rdzv-key", length=rendezvous.KEY_LENGTH, special=False,
+            opts=pulumi.ResourceOptions(parent=self, provider=provider)).result for g in groups}
 
     def store_user_data(self, site: Site, image: pulumi.Output[str]) -> pulumi.Output[str]:
         return image.apply(lambda ref: userdata.for_store(self.spec, site, ref))
@@ -199,12 +221,13 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
         hold a token: `pulumi config set --secret --path training.mlflowTrackingUri`), so that it
         never shows in previews or the state in clear."""
         shared = self.shared.get(group.network) if group.group.shared_fs else None
-        if shared is not None:
-            rendered = pulumi.Output.all(image, shared.mount()).apply(
-                lambda both: userdata.for_group(self.spec, group, both[0], both[1]))
-        else:
-            rendered = image.apply(lambda ref: userdata.for_group(self.spec, group, ref))
-        return pulumi.Output.secret(rendered) if self.spec.training.mlflow_tracking_uri else rendered
+        key = self.rdzv_keys.get(group.name)
+        mount = shared.mount() if shared is not None else None
+        rendered = pulumi.Output.all(image, mount, key).apply(
+            lambda got: userdata.for_group(self.spec, group, got[0], got[1],
+                                           {userdata.RDZV_KEY: got[2]} if got[2] else None))
+        secret = self.spec.training.mlflow_tracking_uri or key is not None
+        return pulumi.Output.secret(rendered) if secret else rendered
 
     def regions(self) -> list[str]:
         found = [self.account.region] + [self.spec.region_of(n) for n in self.networks()]

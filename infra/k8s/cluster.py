@@ -6,9 +6,11 @@ from collections.abc import Mapping, Sequence
 
 import pulumi
 import pulumi_kubernetes as k8s
+import pulumi_random as random
 
 from infra.groups import ResolvedGroup, Stack
 from infra.images import node_agents
+from infra.k8s import netpol
 from infra.k8s.daemons import GpuNodeExporters, NvidiaDevicePlugin
 from infra.k8s.job import Identity, deploy_training_jobs, training_namespace
 from infra.k8s.queues import LABEL_TEAM, SharedQueues
@@ -33,8 +35,19 @@ def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[
     queued = shared_queues(name, spec, groups, opts)
     namespace = training_namespace(name, opts, managed=queued is not None).metadata.name
     labels = {"env": spec.env, LABEL_TEAM: spec.team_name}
+    cloud = groups[0].cloud
+    # The training namespace: default deny, DNS, out but not to the metadata service, except on
+    # TKE, where the stack's own Jobs get their group's role from their node (the GPU pool is
+    # that group's); other teams' namespaces never reach it (infra/k8s/queues.py).
+    netpol.namespace_baseline(f"{name}-training", namespace, labels, opts, metadata_ok=cloud == "tencentcloud",
+                              extra_egress=netpol.pod_identity_egress(cloud))
     queue, after = queued if queued else (None, [])
-    deploy_training_jobs(groups, trainer_images, identities, namespace, labels, opts, shared, queue, after)
+    # Multi-node Jobs' rendezvous keys (training/rdzv_launch.py) come from the random provider,
+    # explicit like every provider here (the stacks disable default providers).
+    keys = None
+    if any(g.workload == "training" and g.max_nodes > 1 for g in groups):
+        keys = random.Provider(f"{name}-random", opts=pulumi.ResourceOptions(parent=parent))
+    deploy_training_jobs(groups, trainer_images, identities, namespace, labels, opts, shared, queue, after, keys)
     return provider
 
 

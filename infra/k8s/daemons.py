@@ -9,6 +9,7 @@ import pulumi_kubernetes as k8s
 
 from infra.groups import LABEL_NODE_GROUP
 from infra.images import NodeAgents
+from infra.k8s import netpol
 
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
 GPU_TOLERATION = k8s.core.v1.TolerationArgs(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
@@ -68,6 +69,11 @@ class GpuNodeExporters(pulumi.ComponentResource):
         ns = k8s.core.v1.Namespace(f"{name}-ns", metadata=k8s.meta.v1.ObjectMetaArgs(
             name=self.NAMESPACE, labels={"pod-security.kubernetes.io/enforce": "privileged"}), opts=child)
         namespace = ns.metadata.name
+        # Default deny; the DCGM exporter's port from the monitoring namespaces only.
+        ns_opts = pulumi.ResourceOptions(parent=ns)
+        netpol.namespace_baseline(f"{name}-agents", namespace, {}, ns_opts, egress_out=False)
+        netpol.metrics_from_monitoring(f"{name}-dcgm", namespace, {"app.kubernetes.io/name": "dcgm-exporter"}, 9400,
+                                       {}, ns_opts)
         self._dcgm(name, namespace, images.dcgm_exporter, child)
         self._node(name, namespace, images.node_exporter, child)
         self.register_outputs({"namespace": namespace})
@@ -115,7 +121,12 @@ class GpuNodeExporters(pulumi.ComponentResource):
                         host_network=True, host_pid=True,
                         containers=[k8s.core.v1.ContainerArgs(
                             name="node-exporter", image=image,
-                            args=["--path.rootfs=/host", "--collector.textfile.directory=/textfile"],
+                            # Host network: on the node's address alone (NetworkPolicy cannot
+                            # reach a host-network pod; the nodes' security groups do).
+                            args=["--path.rootfs=/host", "--collector.textfile.directory=/textfile",
+                                  "--web.listen-address=$(HOST_IP):9100"],
+                            env=[k8s.core.v1.EnvVarArgs(name="HOST_IP", value_from=k8s.core.v1.EnvVarSourceArgs(
+                                field_ref=k8s.core.v1.ObjectFieldSelectorArgs(field_path="status.hostIP")))],
                             ports=[k8s.core.v1.ContainerPortArgs(name="metrics", container_port=9100)],
                             security_context=k8s.core.v1.SecurityContextArgs(
                                 read_only_root_filesystem=True, allow_privilege_escalation=False,

@@ -16,9 +16,11 @@ from typing import Any
 
 import pulumi
 import pulumi_kubernetes as k8s
+import pulumi_random as random
 
-from infra import contract
+from infra import contract, rendezvous
 from infra.groups import LABEL_NODE_GROUP, ResolvedGroup
+from infra.k8s import netpol
 from infra.k8s.daemons import GPU_TOLERATION
 from infra.sharedfs import MOUNTS, SharedFsOutputs
 from training import contract as c
@@ -56,6 +58,7 @@ class TrainingJobArgs:
     shared: SharedFsOutputs | None = None  # the network's shared file system, when the group mounts it
     queue: str | None = None  # the Kueue LocalQueue it is submitted to, on a shared cluster
     after: list[pulumi.Resource] = field(default_factory=list)  # created after these (Kueue, its queues)
+    key_provider: pulumi.ProviderResource | None = None  # the random provider of a multi-node Job's key
 
 
 def pod_resources(rg: ResolvedGroup) -> tuple[dict[str, str], int]:
@@ -86,10 +89,11 @@ def job_env(rg: ResolvedGroup, job: str) -> dict[str, str]:
 
 
 def rendezvous_store(name: str, image: pulumi.Input[str], namespace: pulumi.Input[str], labels: dict[str, str],
-                     opts: pulumi.ResourceOptions) -> None:
+                     opts: pulumi.ResourceOptions) -> dict[str, str]:
     """A multi-node Job's rendezvous store (training/rdzv_store.py) as a Deployment on the
     untainted system pool behind a Service: losing any training pod leaves it, and the run,
-    alive; the Indexed Job recreates the lost pod, which joins again."""
+    alive; the Indexed Job recreates the lost pod, which joins again. It listens on its pod's
+    address; a NetworkPolicy admits the Job's pods alone (job_policies). Returns its selector."""
     selector = {"app.kubernetes.io/name": name}
     k8s.core.v1.Service(f"{name}-svc", metadata=k8s.meta.v1.ObjectMetaArgs(name=name, namespace=namespace,
                                                                           labels={**labels, **selector}),
@@ -110,22 +114,26 @@ def rendezvous_store(name: str, image: pulumi.Input[str], namespace: pulumi.Inpu
                         seccomp_profile=k8s.core.v1.SeccompProfileArgs(type="RuntimeDefault")),
                     containers=[k8s.core.v1.ContainerArgs(
                         name="store", image=image, command=["python", "-m", "training.rdzv_store",
-                                                            "--port", str(contract.RDZV_PORT)],
+                                                            "--host", "$(POD_IP)", "--port", str(contract.RDZV_PORT)],
+                        env=[k8s.core.v1.EnvVarArgs(name="POD_IP", value_from=k8s.core.v1.EnvVarSourceArgs(
+                            field_ref=k8s.core.v1.ObjectFieldSelectorArgs(field_path="status.podIP")))],
                         security_context=restricted(),
                         ports=[k8s.core.v1.ContainerPortArgs(name="rdzv", container_port=contract.RDZV_PORT)],
                         resources=k8s.core.v1.ResourceRequirementsArgs(requests=small, limits=small))]))),
         opts=opts)
+    return selector
 
 
 def deploy_training_jobs(groups: list[ResolvedGroup], images: Mapping[str, pulumi.Output[str]],
                          identities: dict[str, Identity], namespace: pulumi.Input[str], labels: dict[str, str],
                          opts: pulumi.ResourceOptions, shared: SharedFsOutputs | None = None,
-                         queue: str | None = None, after: list[pulumi.Resource] | None = None) -> list[TrainingJob]:
+                         queue: str | None = None, after: list[pulumi.Resource] | None = None,
+                         key_provider: pulumi.ProviderResource | None = None) -> list[TrainingJob]:
     """One training Job per Kubernetes training group, on the cluster whose provider `opts` carries."""
     return [TrainingJob(g.name, TrainingJobArgs(
         group=g, image=images[g.name], env=job_env(g, g.name), identity=identities[g.name], namespace=namespace,
         scratch_gb=max(g.scratch_gb, 50), labels=labels, shared=shared if g.group.shared_fs else None, queue=queue,
-        after=list(after or [])), opts=opts)
+        after=list(after or []), key_provider=key_provider), opts=opts)
             for g in groups if g.workload == "training"]
 
 
@@ -175,8 +183,12 @@ class TrainingJob(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         rg, job = args.group, name
         labels = {"app.kubernetes.io/name": job, **args.labels}
-        if rg.max_nodes > 1:
-            rendezvous_store(store_name(job), args.image, args.namespace, args.labels, child)
+        store = rendezvous_store(store_name(job), args.image, args.namespace, args.labels, child) \
+            if rg.max_nodes > 1 else None
+        # Its pods with each other and their own store; the store from them alone; metrics from
+        # the monitoring namespaces (infra/k8s/netpol.py).
+        netpol.job_policies(job, args.namespace, {"app.kubernetes.io/name": job}, store, contract.RDZV_PORT,
+                            contract.METRICS_PORT, args.labels, child)
         account = k8s.core.v1.ServiceAccount(f"{name}-sa", metadata=k8s.meta.v1.ObjectMetaArgs(
             name=args.identity.service_account, namespace=args.namespace, labels=labels),
             automount_service_account_token=False, opts=child)
@@ -244,7 +256,21 @@ class TrainingJob(pulumi.ComponentResource):
             env += [k8s.core.v1.EnvVarArgs(name=k, value_from=k8s.core.v1.EnvVarSourceArgs(
                 secret_key_ref=k8s.core.v1.SecretKeySelectorArgs(name=held.metadata.name, key=k.lower())))
                 for k in sorted(secrets)]
+        if args.group.max_nodes > 1:
+            # The Job's rendezvous key (training/rdzv_launch.py), drawn once, in a Secret of its own.
+            if args.key_provider is None:
+                raise ValueError(f"{name}: a multi-node Job needs the random provider for its rendezvous key")
+            key = random.RandomPassword(f"{name}-rdzv-key", length=rendezvous.KEY_LENGTH, special=False,
+                                        opts=pulumi.ResourceOptions(parent=child.parent, provider=args.key_provider))
+            held_key = k8s.core.v1.Secret(f"{name}-rdzv-key", metadata=k8s.meta.v1.ObjectMetaArgs(
+                name=f"{name}-rdzv-key", namespace=args.namespace, labels=labels),
+                string_data={"key": key.result}, opts=child)
+            env.append(k8s.core.v1.EnvVarArgs(name="RDZV_KEY", value_from=k8s.core.v1.EnvVarSourceArgs(
+                secret_key_ref=k8s.core.v1.SecretKeySelectorArgs(name=held_key.metadata.name, key="key"))))
         env += [k8s.core.v1.EnvVarArgs(name=k, value=v) for k, v in sorted(args.identity.env.items())]
+        # The trainer's metrics listen on the pod's address alone (training/metrics.py).
+        env.append(k8s.core.v1.EnvVarArgs(name="METRICS_ADDR", value_from=k8s.core.v1.EnvVarSourceArgs(
+            field_ref=k8s.core.v1.ObjectFieldSelectorArgs(field_path="status.podIP"))))
         env.append(k8s.core.v1.EnvVarArgs(name=c.NODE_RANK.name, value_from=k8s.core.v1.EnvVarSourceArgs(
             field_ref=k8s.core.v1.ObjectFieldSelectorArgs(
                 field_path="metadata.annotations['batch.kubernetes.io/job-completion-index']"))))

@@ -25,6 +25,7 @@ import yaml
 from infra.groups import LABEL_CAPACITY, LABEL_GPU_MODEL, LABEL_POOL
 from infra.images import pulled
 from infra.k8s.job import NAMESPACE as TRAINING_NAMESPACE
+from infra.k8s import netpol
 from infra.k8s.job import QUEUES_MANAGED
 from infra.spec import Mirrors
 from infra.teams.queues import GPU, Flavor, Queue
@@ -124,7 +125,7 @@ class SharedQueues(pulumi.ComponentResource):
                 spec=_queue_spec(queue, flavors, cohort=name), opts=after_flavors)
             namespace: pulumi.Input[str] = queue.namespace
             if queue.namespace != TRAINING_NAMESPACE:  # the stack's own namespace exists already (infra/k8s/job.py)
-                namespace = self._team_namespace(name, queue, child).metadata.name
+                namespace = self._team_namespace(name, cloud, queue, child).metadata.name
             self.local_queues.append(k8s.apiextensions.CustomResource(
                 f"{name}-lq-{queue.name}", api_version=API, kind="LocalQueue",
                 metadata=k8s.meta.v1.ObjectMetaArgs(name=queue.local_queue, namespace=namespace,
@@ -134,12 +135,16 @@ class SharedQueues(pulumi.ComponentResource):
         self.register_outputs({"queues": [q.name for q in queues]})
 
     @staticmethod
-    def _team_namespace(name: str, queue: Queue, child: pulumi.ResourceOptions) -> k8s.core.v1.Namespace:
+    def _team_namespace(name: str, cloud: str, queue: Queue, child: pulumi.ResourceOptions) -> k8s.core.v1.Namespace:
         labels = {MANAGED: "true", LABEL_TEAM: queue.team,
                   **{f"pod-security.kubernetes.io/{m}": "restricted" for m in ("enforce", "audit", "warn")}}
         ns = k8s.core.v1.Namespace(f"{name}-ns-{queue.team}", metadata=k8s.meta.v1.ObjectMetaArgs(
             name=queue.namespace, labels=labels), opts=child)
         ns_opts = pulumi.ResourceOptions(parent=ns)
+        # A team's pods: each other, DNS and out, never the metadata service (its node's role is
+        # the GPU pool's, not the team's) nor another namespace (README "Trust boundaries").
+        netpol.namespace_baseline(f"{name}-{queue.team}", ns.metadata.name, {LABEL_TEAM: queue.team}, ns_opts,
+                                  same_namespace=True, extra_egress=netpol.pod_identity_egress(cloud))
         role = k8s.rbac.v1.Role(f"{name}-role-{queue.team}", metadata=k8s.meta.v1.ObjectMetaArgs(
             name="team-member", namespace=ns.metadata.name, labels={LABEL_TEAM: queue.team}),
             rules=[k8s.rbac.v1.PolicyRuleArgs(api_groups=["batch"], resources=["jobs"],

@@ -136,6 +136,17 @@ COMPUTED.update({
 })
 
 
+# --- generated secrets ---------------------------------------------------------------------------
+
+def _random_password(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    """A value of the requested length, stable per name (the real provider draws it once)."""
+    length = int(inputs.get("length") or 32)
+    return {"result": (hashlib.sha256(name.encode()).hexdigest() * 4)[:length]}
+
+
+COMPUTED.update({"random:index/randomPassword:RandomPassword": _random_password})
+
+
 # --- the trainer image and its registries -------------------------------------------------------
 
 def _docker_image(name: str, inputs: dict[str, Any]) -> dict[str, Any]:

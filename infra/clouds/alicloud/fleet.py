@@ -37,6 +37,8 @@ class AlicloudGpuFleetArgs:
     tags: dict[str, str]
     env: str
     after: list[pulumi.Resource] = field(default_factory=list)  # its rendezvous store, created first
+    # its rendezvous store's client group: the one security group the store admits (infra/rendezvous.py)
+    store_clients: list[pulumi.Output[str]] = field(default_factory=list)
 
 
 class AlicloudGpuFleet(pulumi.ComponentResource):
@@ -67,7 +69,7 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
         return [alicloud.ecs.Instance(
             f"{name}-{i}", instance_name=f"{name}-{i}", instance_type=g.types[0], image_id=image_id,
             instance_charge_type="PrePaid", period=1, period_unit="Month", renewal_status="AutoRenewal",
-            vswitch_id=args.switch_ids[i % len(args.switch_ids)], security_groups=[args.security_group_id],
+            vswitch_id=args.switch_ids[i % len(args.switch_ids)], security_groups=[args.security_group_id, *args.store_clients],
             http_tokens="required", http_endpoint="enabled", role_name=args.role_name,
             system_disk_category=ESSD, system_disk_size=SYSTEM_DISK_GB, system_disk_encrypted=True,
             data_disks=[alicloud.ecs.InstanceDataDiskArgs(category=ESSD, size=disk_gb, encrypted=True)] if disk_gb else None,
@@ -81,7 +83,7 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
             f"{name}-lt", launch_template_name=f"{name}-lt", image_id=image_id, instance_type=g.types[0],
             instance_charge_type="PostPaid", spot_strategy=spot_strategy(g),
             spot_price_limit=g.price_cap,
-            security_group_ids=[args.security_group_id], vpc_id=args.vpc_id, vswitch_id=args.switch_ids[0],
+            security_group_ids=[args.security_group_id, *args.store_clients], vpc_id=args.vpc_id, vswitch_id=args.switch_ids[0],
             # Hardened mode: metadata only with a token (the spot watcher and the trainer ask for one);
             # hop limit 1, both run in the host's network namespace.
             http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=1,

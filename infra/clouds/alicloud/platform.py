@@ -81,11 +81,13 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
 
     def make_rendezvous(self, site: Site, net: AlicloudNetwork, access: AlicloudAccess,
                         image: pulumi.Output[str]) -> pulumi.Resource:
-        return AlicloudRendezvous(f"{self.spec.env}-{site.name}", AlicloudRendezvousArgs(
-            site=site, instance_type=self.store_instance_type(), vswitch_id=net.switches[0].id,
-            security_group_id=net.security_group.id, role_name=access.roles[site.name].role_name,
+        store = AlicloudRendezvous(f"{self.spec.env}-{site.name}", AlicloudRendezvousArgs(
+            site=site, instance_type=self.store_instance_type(), vpc_id=net.vpc.id, vswitch_id=net.switches[0].id,
+            role_name=access.roles[site.name].role_name,
             user_data=self.store_user_data(site, image), provider=self.provider(self.region_of(site.network)),
-            tags=self.tags), opts=pulumi.ResourceOptions(parent=self)).instance
+            tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
+        self.store_clients[site.group] = store.clients.id
+        return store.instance
 
     def make_fleet(self, group: ResolvedGroup, net: AlicloudNetwork, access: AlicloudAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
@@ -94,7 +96,8 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
             group=group, vpc_id=net.vpc.id, switch_ids=[s.id for s in net.switches],
             zones=[s.zone for s in spec_net.subnets], security_group_id=net.security_group.id,
             role_name=access.roles[group.name].role_name, user_data=self.user_data(group, image),
-            provider=self.provider(group.region), tags=self.tags, env=self.spec.env, after=self.after_store(group)),
+            provider=self.provider(group.region), tags=self.tags, env=self.spec.env, after=self.after_store(group),
+            store_clients=self.clients_of(group)),
             opts=pulumi.ResourceOptions(parent=self))
         if hasattr(fleet, "group"):  # a reserved group is fixed instances: no group to hand a node back to
             grant_replace_self(f"{self.spec.env}-{group.name}", access.roles[group.name].role_name, group.region, fleet.group, self.tags,

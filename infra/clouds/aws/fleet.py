@@ -28,6 +28,8 @@ class AwsGpuFleetArgs:
     provider: pulumi.ProviderResource
     tags: dict[str, str]
     after: list[pulumi.Resource] = field(default_factory=list)  # its rendezvous store, created first
+    # its rendezvous store's client group: the one security group the store admits (infra/rendezvous.py)
+    store_clients: list[pulumi.Output[str]] = field(default_factory=list)
 
 
 def block_devices(scratch_disk_gb: int) -> list[aws.ec2.LaunchTemplateBlockDeviceMappingArgs]:
@@ -82,7 +84,7 @@ class AwsGpuFleet(pulumi.ComponentResource):
         return aws.ec2.LaunchTemplate(
             f"{name}-lt", image_id=ami.value, update_default_version=True,
             iam_instance_profile=aws.ec2.LaunchTemplateIamInstanceProfileArgs(arn=args.instance_profile_arn),
-            vpc_security_group_ids=[args.security_group_id],
+            vpc_security_group_ids=[args.security_group_id, *args.store_clients],
             # IMDSv2 only, hop limit 1: the spot watcher and the trainer run in the host's network
             # namespace (`docker run --network host`) and reach it; a bridged container does not.
             # Instance tags in IMDS restrict tag keys (no `/`): the spec checks the stack's tags.

@@ -104,6 +104,13 @@ class AwsEks(pulumi.ComponentResource):
         self.pod_identity = aws.eks.Addon(f"{name}-pod-identity", cluster_name=self.cluster.name,
                                           addon_name="eks-pod-identity-agent", resolve_conflicts_on_create="OVERWRITE",
                                           resolve_conflicts_on_update="OVERWRITE", tags=tags, opts=child)
+        # NetworkPolicy is enforced on EKS by the VPC CNI's network policy agent, off until the
+        # add-on's configuration turns it on (EKS user guide, "Restrict Pod network traffic with
+        # Kubernetes network policies": enableNetworkPolicy on the vpc-cni add-on, v1.14 or later).
+        aws.eks.Addon(f"{name}-vpc-cni", cluster_name=self.cluster.name, addon_name="vpc-cni",
+                      configuration_values=json.dumps({"enableNetworkPolicy": "true"}),
+                      resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="OVERWRITE", tags=tags,
+                      opts=child)
 
         if args.shared is not None and args.shared.spec.type == "efs" and any(g.group.shared_fs for g in args.groups):
             # Pods mount EFS through its access point with TLS and the node's role (the file system

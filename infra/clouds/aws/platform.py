@@ -20,6 +20,7 @@ from infra.clouds.aws.network import AwsNetwork, AwsNetworkArgs
 from infra.clouds.aws.peering import AwsPeering, AwsPeeringArgs
 from infra.clouds.aws.registry import AwsRegistry, AwsRegistryArgs
 from infra.clouds.aws.rendezvous import AwsRendezvous, AwsRendezvousArgs
+from infra import rendezvous
 from infra.rendezvous import Site
 from infra.clouds.aws.sharedfs import AwsSharedFs, AwsSharedFsArgs
 from infra.clouds.aws.storage import AwsStorage, AwsStorageArgs
@@ -121,11 +122,15 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
 
     def make_rendezvous(self, site: Site, net: AwsNetwork, access: AwsAccess,
                         image: pulumi.Output[str]) -> pulumi.Resource:
-        return AwsRendezvous(f"{self.spec.env}-{site.name}", AwsRendezvousArgs(
-            site=site, instance_type=self.store_instance_type(), subnet_id=net.private_subnets[0].id,
-            security_group_id=net.security_group.id, instance_profile=access.profiles[site.name].name,
+        first = [s for s in self.rendezvous_sites() if s.network == site.network][0] == site
+        store = AwsRendezvous(f"{self.spec.env}-{site.name}", AwsRendezvousArgs(
+            site=site, instance_type=self.store_instance_type(), vpc_id=net.vpc.id,
+            subnet_id=net.private_subnets[0].id, store_range=rendezvous.store_range(str(self.spec.network(site.network).subnets[0].cidr)),
+            instance_profile=access.profiles[site.name].name,
             user_data=self.store_user_data(site, image), provider=self.provider(self.region_of(site.network)),
-            tags=self.tags), opts=pulumi.ResourceOptions(parent=self)).instance
+            tags=self.tags, reserve=first), opts=pulumi.ResourceOptions(parent=self))
+        self.store_clients[site.group] = store.clients.id
+        return store.instance
 
     def make_fleet(self, group: ResolvedGroup, net: AwsNetwork, access: AwsAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
@@ -134,7 +139,7 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
             group=group, subnet_ids=[s.id for s in net.private_subnets], zones=[s.zone for s in spec_net.subnets],
             security_group_id=net.security_group.id, instance_profile_arn=access.profiles[group.name].arn,
             user_data=self.user_data(group, image), provider=self.provider(group.region), tags=self.tags,
-            after=self.after_store(group)), opts=pulumi.ResourceOptions(parent=self))
+            after=self.after_store(group), store_clients=self.clients_of(group)), opts=pulumi.ResourceOptions(parent=self))
         # A node with a failed GPU hands itself back (gts-gpu-health.py): that one call, on its own group.
         grant_replace_self(group.name, access.profiles[group.name].role.apply(str), fleet.group,
                            pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region)))

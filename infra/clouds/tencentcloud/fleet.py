@@ -39,6 +39,8 @@ class TencentGpuFleetArgs:
     provider: pulumi.ProviderResource
     tags: dict[str, str]
     after: list[pulumi.Resource] = field(default_factory=list)  # its rendezvous store, created first
+    # its rendezvous store's client group: the one security group the store admits (infra/rendezvous.py)
+    store_clients: list[pulumi.Output[str]] = field(default_factory=list)
 
 
 class TencentGpuFleet(pulumi.ComponentResource):
@@ -72,7 +74,7 @@ class TencentGpuFleet(pulumi.ComponentResource):
         return tencentcloud.instance.Instance(
             name, instance_name=name, instance_type=g.types[0], image_id=image_id,
             availability_zone=args.zones[i % len(args.zones)], vpc_id=args.vpc_id,
-            subnet_id=args.subnet_ids[i % len(args.subnet_ids)], orderly_security_groups=[args.security_group_id],
+            subnet_id=args.subnet_ids[i % len(args.subnet_ids)], orderly_security_groups=[args.security_group_id, *args.store_clients],
             instance_charge_type="PREPAID" if reserved else "POSTPAID_BY_HOUR",
             instance_charge_type_prepaid_period=1 if reserved else None,
             instance_charge_type_prepaid_renew_flag="NOTIFY_AND_AUTO_RENEW" if reserved else None,
@@ -98,7 +100,7 @@ class TencentGpuFleet(pulumi.ComponentResource):
             instance_charge_type="SPOTPAID" if spot else "POSTPAID_BY_HOUR",
             spot_instance_type="one-time" if spot else None,
             spot_max_price=spot_max_price(g) if spot else None,
-            security_group_ids=[args.security_group_id], cam_role_name=args.role_name,
+            security_group_ids=[args.security_group_id, *args.store_clients], cam_role_name=args.role_name,
             system_disk_type=DISK, system_disk_size=SYSTEM_DISK_GB,
             data_disks=[tencentcloud.as_.ScalingConfigDataDiskArgs(disk_type=DISK, disk_size=disk_gb,
                                                                    delete_with_instance=True)] if disk_gb else None,

@@ -74,6 +74,12 @@ class TencentTke(pulumi.ComponentResource):
         for g in args.groups:
             self.pools += self._pools(g, args, child)
         self.endpoint = self._endpoint(name, args, child)
+        # NetworkPolicy is enforced on TKE by its NetworkPolicy add-on, not by the global-router
+        # network itself (TKE "Network Policy": "TKE provides network isolation through the
+        # Network Policy add-on", document/product/457/31424).
+        tencentcloud.kubernetes.Addon(f"{name}-networkpolicy", cluster_id=self.cluster.id, addon_name="networkpolicy",
+                                      opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
+                                          depends_on=[self.endpoint])))
         public = bool(spec.kubernetes.api_access_cidrs)
         self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(
             self.endpoint.kube_config if public else self.endpoint.kube_config_intranet)

@@ -97,11 +97,13 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
 
     def make_rendezvous(self, site: Site, net: TencentNetwork, access: TencentAccess,
                         image: pulumi.Output[str]) -> pulumi.Resource:
-        return TencentRendezvous(f"{self.spec.env}-{site.name}", TencentRendezvousArgs(
+        store = TencentRendezvous(f"{self.spec.env}-{site.name}", TencentRendezvousArgs(
             site=site, instance_type=self.store_instance_type(), vpc_id=net.vpc.id, subnet_id=net.subnets[0].id,
-            security_group_id=net.security_group.id, role_name=access.roles[site.name].name,
+            role_name=access.roles[site.name].name,
             user_data=self.store_user_data(site, image), provider=self.provider(self.region_of(site.network)),
-            tags=self.tags), opts=pulumi.ResourceOptions(parent=self)).instance
+            tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
+        self.store_clients[site.group] = store.clients.id
+        return store.instance
 
     def make_fleet(self, group: ResolvedGroup, net: TencentNetwork, access: TencentAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
@@ -110,7 +112,8 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
             group=group, vpc_id=net.vpc.id, subnet_ids=[s.id for s in net.subnets],
             zones=[s.zone for s in spec_net.subnets], security_group_id=net.security_group.id,
             role_name=access.roles[group.name].name, user_data=self.user_data(group, image),
-            provider=self.provider(group.region), tags=self.tags, after=self.after_store(group)),
+            provider=self.provider(group.region), tags=self.tags, after=self.after_store(group),
+            store_clients=self.clients_of(group)),
             opts=pulumi.ResourceOptions(parent=self))
         if hasattr(fleet, "group"):  # fixed instances only: no group to hand a node back to
             grant_replace_self(f"{self.spec.env}-{group.name}", access.roles[group.name].id, group.region, fleet.group,

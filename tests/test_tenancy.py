@@ -1,0 +1,368 @@
+"""Teams that share a cloud cannot reach each other's runs (issue 27).
+
+The rendezvous store: the exploit (a pickled payload written under a run's id, which anyone
+can compute from the stack file, and which torch's agents unpickle) on loopback with our own
+store and entrypoint; the plan's rules around each store admit exactly its group."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import pickle
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.training_helpers import BIN, ROOT, Run, free_port, kill_tree, retry_until, wait_port
+
+KEY = "k" * 48
+
+
+class Payload:
+    """What an attacker writes: unpickling it runs a command (here: creates a marker file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def run_id(group: str, checkpoint_url: str, steps: str) -> str:
+    """The run's rendezvous id as training/entrypoint.sh computes it (from the stack's values)."""
+    digest = hashlib.sha256(f"{checkpoint_url} {steps}".encode()).hexdigest()[:12]
+    return f"{group}-{digest}"
+
+
+def poison(port: int, rdzv_id: str, marker: Path) -> None:
+    """Write the payload as the rendezvous state of `rdzv_id`, as torch's c10d backend stores it."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    client.set(f"torch.rendezvous.{rdzv_id}", base64.b64encode(pickle.dumps(Payload(marker))).decode())
+
+
+def store(port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-m", "training.rdzv_store", "--host", "127.0.0.1", "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port)
+    return proc
+
+
+def node_env(port: int, tmp: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1", "LAUNCHER": "torchrun", "NNODES": "2", "MIN_NNODES": "2", "NPROC_PER_NODE": "1",
+            "RDZV_ENDPOINT": f"127.0.0.1:{port}", "GTS_NODE_GROUP": "victim",
+            "CHECKPOINT_URL": f"file://{tmp}/ckpt/", "TRAIN_STEPS": "50", "CHECKPOINT_DIR": str(tmp / "local"),
+            **extra}
+
+
+def test_a_poisoned_rendezvous_state_never_runs_in_a_node(tmp_path: Path) -> None:
+    """The entrypoint's agent reads the payload, refuses it unread (no signature under the
+    group's key) and stops; the payload never runs."""
+    port = free_port()
+    server = store(port)
+    marker = tmp_path / "pwned"
+    try:
+        env = node_env(port, tmp_path, RDZV_KEY=KEY)
+        poison(port, run_id("victim", env["CHECKPOINT_URL"], env["TRAIN_STEPS"]), marker)
+        node = Run(subprocess.Popen(["bash", str(ROOT / "training/entrypoint.sh"), "--workload", "tiny"], env=env,
+                                    cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        node.start_reader()
+        try:
+            assert node.finish(timeout=180) != 0, node.output[-3000:]
+        finally:
+            if node.proc.poll() is None:
+                kill_tree(node.proc.pid)
+        assert "not signed with this run's key" in node.output, node.output[-3000:]
+        assert not marker.exists()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_the_same_payload_runs_in_an_unsigned_torchrun_agent(tmp_path: Path) -> None:
+    """The exploit is real: torch's own c10d backend (what the entrypoint ran before) unpickles
+    the payload in the agent."""
+    port = free_port()
+    server = store(port)
+    marker = tmp_path / "pwned"
+    agent = None
+    try:
+        poison(port, "victim-run", marker)
+        agent = subprocess.Popen([str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1",
+                                  "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                  "--rdzv-id", "victim-run", "--rdzv-conf", "is_host=false",
+                                  "-m", "training.train"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert retry_until(marker.exists, timeout=120), "the unsigned agent did not run the payload"
+    finally:
+        if agent is not None and agent.poll() is None:
+            kill_tree(agent.pid)
+            agent.wait(timeout=30)
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_a_state_signed_with_another_groups_key_is_refused(tmp_path: Path) -> None:
+    """A group's nodes cannot write a state another group's agents accept: the signature is
+    under the writer's key and the run's id."""
+    from torch.distributed import FileStore  # type: ignore[attr-defined]
+    from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+
+    from training.rdzv_launch import SignedC10dBackend
+
+    shared = FileStore(str(tmp_path / "store"), -1)
+    theirs = SignedC10dBackend(shared, "run-a", b"a" * 48)
+    ours = SignedC10dBackend(shared, "run-a", b"b" * 48)
+    written = theirs.set_state(pickle.dumps({"round": 1}))
+    assert written is not None and written[2]
+    with pytest.raises(RendezvousStateError, match="not signed"):
+        ours.get_state()
+    # The same key under another run's id is refused too (no replay across runs).
+    other_run = SignedC10dBackend(shared, "run-b", b"a" * 48)
+    shared.set("torch.rendezvous.run-b", shared.get("torch.rendezvous.run-a").decode())
+    with pytest.raises(RendezvousStateError, match="not signed"):
+        other_run.get_state()
+    assert theirs.get_state() is not None
+
+
+def test_a_multi_node_run_without_a_key_never_starts(tmp_path: Path) -> None:
+    port = free_port()
+    env = node_env(port, tmp_path)
+    env.pop("RDZV_KEY", None)
+    proc = subprocess.run(["bash", str(ROOT / "training/entrypoint.sh")], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "RDZV_KEY" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_store_listens_on_its_address_alone() -> None:
+    """Bound to the address it is given (the instance's private address), not the wildcard that
+    TCPStore's own server takes whatever host it is told."""
+    port = free_port()
+    server = store(port)
+    try:
+        listening = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True,
+                                   check=True).stdout.split()
+        assert f"127.0.0.1:{port}" in listening and f"*:{port}" not in listening, listening
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+# --- the plan: each store admits its own group's nodes and nothing else ---------------------------
+
+STORES = {"aws": "aws:ec2/instance:Instance", "alicloud": "alicloud:ecs/instance:Instance",
+          "tencentcloud": "tencentcloud:Instance/instance:Instance"}
+STORE_GROUPS = {"aws": "vpcSecurityGroupIds", "alicloud": "securityGroups", "tencentcloud": "orderlySecurityGroups"}
+IMAGE_FIELD = {"aws": "ami", "alicloud": "imageId", "tencentcloud": "imageId"}
+FLEET_GROUPS = ("vpcSecurityGroupIds", "securityGroupIds", "securityGroups", "orderlySecurityGroups")
+
+
+def ingress_rules(resources: list, group_id: str) -> list[dict]:  # type: ignore[type-arg]
+    """Every ingress rule the plan puts on a security group, as {source, cidr, port}."""
+    from infra.plan.engine import unwrap_secrets
+
+    found = []
+    for r in resources:
+        i = unwrap_secrets(r.inputs)
+        if i.get("securityGroupId") != group_id:
+            continue
+        if r.type == "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule":
+            found.append({"source": i.get("referencedSecurityGroupId"), "cidr": i.get("cidrIpv4") or i.get("cidrIpv6"),
+                          "port": (i.get("fromPort"), i.get("toPort")), "protocol": i.get("ipProtocol")})
+        elif r.type == "alicloud:ecs/securityGroupRule:SecurityGroupRule" and i.get("type") == "ingress":
+            found.append({"source": i.get("sourceSecurityGroupId"), "cidr": i.get("cidrIp"),
+                          "port": i.get("portRange"), "protocol": i.get("ipProtocol")})
+        elif r.type == "tencentcloud:Security/groupRuleSet:GroupRuleSet":
+            found += [{"source": x.get("sourceSecurityId"), "cidr": x.get("cidrBlock"), "port": x.get("port"),
+                       "protocol": x.get("protocol")} for x in i.get("ingresses") or []]
+        elif "Ingress" in r.type or "ingress" in str(i.get("type")):
+            found.append({"unknown": r.type})
+    return found
+
+
+@pytest.mark.parametrize("stack", ["prod", "dev"])
+def test_each_store_admits_its_own_groups_nodes_and_nothing_else(stack: str) -> None:
+    from infra.plan.engine import unwrap_secrets
+    from infra.rendezvous import PORT
+    from tests.harness import shipped
+
+    resources = list(shipped(stack))
+    stores = [r for r in resources if r.type in STORES.values() and "-rdzv-" in r.name]
+    assert stores, "the shipped stack has multi-node VM groups, so it has stores"
+    for store in stores:
+        cloud = store.type.split(":")[0]
+        group = store.name.split("-rdzv-", 1)[1]
+        own = unwrap_secrets(store.inputs)[STORE_GROUPS[cloud]]
+        assert own == [f"{store.name}-sg-id"], (store.name, own)  # its own group alone: no training/peer/pod rules
+        clients = f"{store.name}-clients-id"
+        rules = ingress_rules(resources, own[0])
+        port = {"aws": (PORT, PORT), "alicloud": f"{PORT}/{PORT}", "tencentcloud": str(PORT)}[cloud]
+        assert rules == [{"source": clients, "cidr": None, "port": port, "protocol": rules[0]["protocol"]}], rules
+        assert str(rules[0]["protocol"]).lower() == "tcp"
+        carriers = {r.name for r in resources if r is not store and any(
+            clients in (unwrap_secrets(r.inputs).get(k) or []) for k in FLEET_GROUPS)}
+        assert carriers and all(name.startswith(group) for name in carriers), (store.name, carriers)
+        # A routine `up` never replaces or re-installs it for a newer image.
+        assert IMAGE_FIELD[cloud] in store.options["ignoreChanges"], store.options
+    # Every multi-node VM group's nodes carry exactly their own store's client group.
+    for r in resources:
+        held = [g for k in FLEET_GROUPS for g in (unwrap_secrets(r.inputs).get(k) or []) if str(g).endswith("-clients-id")]
+        owners = [g.split("-rdzv-", 1)[1].removesuffix("-clients-id") for g in held]
+        assert len(held) <= 1 and all(r.name.startswith(f"{o}-") for o in owners), (r.name, held)
+
+
+def test_a_stores_address_is_in_its_reserved_range_and_the_group_holds_the_key(tmp_path: Path) -> None:
+    import ipaddress
+
+    from infra.plan.engine import unwrap_secrets
+    from infra.userdata import RDZV_KEY
+    from tests.harness import shipped
+    from tests.nodes import lay_down, node_env
+
+    resources = list(shipped("prod"))
+    (reservation,) = [r for r in resources if r.type == "aws:ec2/subnetCidrReservation:SubnetCidrReservation"]
+    assert reservation.inputs["reservationType"] == "explicit"
+    (store,) = [r for r in resources if r.type == STORES["aws"] and "-rdzv-" in r.name]
+    assert ipaddress.ip_address(store.inputs["privateIp"]) in ipaddress.ip_network(reservation.inputs["cidrBlock"])
+    assert store.options["dependencies"] and any(reservation.urn == d for d in store.options["dependencies"])
+    (template,) = [r for r in resources if r.type == "aws:ec2/launchTemplate:LaunchTemplate" and r.name == "aws-train-lt"]
+    assert not isinstance(template.inputs["userData"], str), "a user data with a key must be a secret"
+    root = tmp_path / "node"
+    lay_down(base64.b64decode(unwrap_secrets(template.inputs["userData"])), root)
+    env = node_env(root)
+    assert len(env[RDZV_KEY]) >= 32 and env["RDZV_ENDPOINT"] == f"{store.inputs['privateIp']}:29400"
+
+
+# --- the plan: NetworkPolicies in every namespace the stack creates --------------------------------
+
+def _policies(resources: list) -> list[dict]:  # type: ignore[type-arg]
+    from infra.plan.engine import unwrap_secrets
+
+    return [unwrap_secrets(r.inputs) for r in resources if r.type == "kubernetes:networking.k8s.io/v1:NetworkPolicy"]
+
+
+@pytest.mark.parametrize("stack", ["prod"])  # dev has no cluster
+def test_every_namespace_the_stack_creates_denies_by_default(stack: str) -> None:
+    from infra.plan.engine import unwrap_secrets
+    from infra.k8s.netpol import METADATA
+    from tests.harness import shipped
+
+    resources = list(shipped(stack))
+    namespaces = {unwrap_secrets(r.inputs)["metadata"]["name"] for r in resources
+                  if r.type == "kubernetes:core/v1:Namespace"}
+    assert namespaces, "the shipped stack has clusters"
+    policies = _policies(resources)
+    for ns in namespaces:
+        mine = [p for p in policies if p["metadata"]["namespace"] == ns]
+        deny = [p for p in mine if p["spec"]["podSelector"].get("matchLabels", {}) == {}
+                and sorted(p["spec"]["policyTypes"]) == ["Egress", "Ingress"]
+                and not p["spec"].get("ingress") and not p["spec"].get("egress")]
+        assert deny, f"namespace {ns} has no default-deny NetworkPolicy"
+        # Nothing in it admits ingress from another namespace, but the monitoring namespaces.
+        for p in mine:
+            for rule in p["spec"].get("ingress") or []:
+                for peer in rule.get("from") or []:
+                    selector = peer.get("namespaceSelector")
+                    assert selector is None or selector == {"matchLabels": {"gpu-training-stack/monitoring": "true"}}, p
+                    assert "ipBlock" not in peer, p
+    # Team namespaces never reach the metadata service (their node's role is the pool's, not theirs).
+    teams = {unwrap_secrets(r.inputs)["metadata"]["name"] for r in resources if r.type == "kubernetes:core/v1:Namespace"
+             and "gpu-training-stack/team" in (unwrap_secrets(r.inputs)["metadata"].get("labels") or {})}
+    for p in policies:
+        if p["metadata"]["namespace"] not in teams:
+            continue
+        for rule in p["spec"].get("egress") or []:
+            for peer in rule.get("to") or []:
+                block = peer.get("ipBlock")
+                if block and block["cidr"] == "0.0.0.0/0":
+                    assert set(METADATA) <= set(block.get("except") or []), p
+
+
+def _two_node_jobs(values: dict) -> None:  # type: ignore[type-arg]
+    from tests.harness import key
+
+    values[key("kubernetes")].pop("queues", None)  # the shared queues' quotas are sized for one-node Jobs
+    for g in values[key("nodeGroups")]:
+        if g.get("kind") == "kubernetes" and g.get("workload", "training") == "training":
+            g["scaling"] = {**g["scaling"], "desired": 2, "max": max(2, g["scaling"]["max"])}
+
+
+def test_a_jobs_store_admits_that_jobs_pods_alone(tmp_path: Path) -> None:
+    from infra.plan.engine import unwrap_secrets
+    from infra.rendezvous import PORT
+    from tests.harness import run_stack
+
+    resources = run_stack("prod", _two_node_jobs, tmp_path)
+    stores = [unwrap_secrets(r.inputs) for r in resources if r.type == "kubernetes:apps/v1:Deployment"
+              and r.name.endswith("-rdzv-deploy")]
+    assert stores, "prod has multi-node Jobs"
+    policies = _policies(resources)
+    for store in stores:
+        name = store["metadata"]["name"]
+        job = name.removesuffix("-rdzv")
+        container = store["spec"]["template"]["spec"]["containers"][0]
+        assert container["command"][container["command"].index("--host") + 1] == "$(POD_IP)"
+        guarding = [p for p in policies if p["spec"]["podSelector"].get("matchLabels") == {"app.kubernetes.io/name": name}]
+        assert len(guarding) == 1, guarding
+        (rule,) = guarding[0]["spec"]["ingress"]
+        assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": job}}}]
+        assert rule["ports"] == [{"protocol": "TCP", "port": PORT}]
+    # Each multi-node Job's pods get their own key from a Secret.
+    for r in resources:
+        if r.type == "kubernetes:batch/v1:Job" and r.name.removesuffix("-job") + "-rdzv" in {s["metadata"]["name"] for s in stores}:
+            env = unwrap_secrets(r.inputs)["spec"]["template"]["spec"]["containers"][0]["env"]
+            (key,) = [e for e in env if e["name"] == "RDZV_KEY"]
+            assert key["valueFrom"]["secretKeyRef"]["name"] == r.name.removesuffix("-job") + "-rdzv-key"
+
+
+def test_each_cluster_enforces_network_policy() -> None:
+    import json
+
+    from infra.plan.engine import unwrap_secrets
+    from tests.harness import shipped
+
+    resources = list(shipped("prod"))
+    cni = [unwrap_secrets(r.inputs) for r in resources if r.type == "aws:eks/addon:Addon"
+           and unwrap_secrets(r.inputs)["addonName"] == "vpc-cni"]
+    assert cni and all(json.loads(a["configurationValues"]) == {"enableNetworkPolicy": "true"} for a in cni)
+    tke = [r for r in resources if r.type == "tencentcloud:Kubernetes/addon:Addon"]
+    assert [unwrap_secrets(r.inputs)["addonName"] for r in tke] == ["networkpolicy"]
+
+
+# --- metrics endpoints: the node's / pod's address, never every interface ---------------------------
+
+def _listening(port: int) -> list[str]:
+    return subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout.split()
+
+
+@pytest.mark.parametrize("addr", ["", "127.0.0.1"])
+def test_the_trainers_metrics_listen_on_one_address(addr: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """METRICS_ADDR is what the stack sets (the node's private address from its default route,
+    the pod's from the downward API); unset, the trainer keeps to loopback."""
+    from training.metrics import Metrics
+
+    if addr:
+        monkeypatch.setenv("METRICS_ADDR", addr)
+    else:
+        monkeypatch.delenv("METRICS_ADDR", raising=False)
+    port = free_port()
+    Metrics(port, 1.0, {"group": "g"})
+    listening = _listening(port)
+    assert f"127.0.0.1:{port}" in listening and f"*:{port}" not in listening and f"0.0.0.0:{port}" not in listening
+
+
+def test_the_node_units_bind_the_exporters_and_trainer_to_the_private_address() -> None:
+    exporters = (ROOT / "cloudinit/units/gts-exporters.service").read_text()
+    trainer = (ROOT / "cloudinit/units/gts-trainer.service").read_text()
+    route = 'addr=$$(ip -4 -o route get 1.1.1.1 | sed -e "s/.* src //" -e "s/ .*//")'
+    starts = [line for line in exporters.splitlines() if line.startswith("ExecStart=")]
+    assert len(starts) == 2 and all(route in line for line in starts)
+    assert '-p "$$addr:9400:9400"' in starts[0] and '--web.listen-address="$$addr:9100"' in starts[1]
+    assert "-p 9400:9400" not in exporters
+    assert '-e METRICS_ADDR="$$(ip -4 -o route get 1.1.1.1' in trainer

@@ -1,0 +1,102 @@
+"""torchrun with a rendezvous whose state is signed: `python -m training.rdzv_launch` takes
+torchrun's arguments and adds the rendezvous backend `gts-c10d`, torch's c10d backend on the
+same TCPStore with every state it writes sealed, and every state it reads checked, with an
+HMAC-SHA256 under the run's key (RDZV_KEY; the stack makes one per node group and gives it to
+that group's nodes or pods only).
+
+Why: torch's agents unpickle the rendezvous state they read from the store
+(dynamic_rendezvous.py, `_RendezvousStateHolder.sync`), and the store has no authentication and
+lists its keys (`TCPStore.list_keys`), so a secret run id would not hide a run: anyone who
+reaches the store could write a pickled payload under a run's key and have it run in every
+node's agent. Here a state without this run's signature is refused before it is unpickled.
+A group without the key can still disturb the store (delete keys, fill it); that is kept out by
+the network (the store admits its own group's nodes only).
+
+    RDZV_KEY=... python -m training.rdzv_launch --nnodes 2:4 --rdzv-backend gts-c10d \\
+        --rdzv-endpoint 10.0.0.10:29400 --rdzv-id run-1 -m training.train
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import sys
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, _create_tcp_store
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+BACKEND = "gts-c10d"
+KEY_VAR = "RDZV_KEY"
+MIN_KEY_CHARS = 32
+TAG = b"gts-hmac-v1:"
+DIGEST = hashlib.sha256().digest_size
+
+
+class SignedC10dBackend(C10dRendezvousBackend):
+    """torch's c10d backend, with the state sealed on write and checked on read."""
+
+    def __init__(self, store: Any, run_id: str, key: bytes) -> None:
+        self._mac_key = key
+        self._run = run_id.encode()
+        super().__init__(store, run_id)
+
+    @property
+    def name(self) -> str:
+        return BACKEND
+
+    def seal(self, state: bytes) -> bytes:
+        return TAG + hmac.new(self._mac_key, self._run + b"\0" + state, hashlib.sha256).digest() + state
+
+    def open(self, sealed: bytes) -> bytes:
+        """The state, if this run's key signed it; else RendezvousStateError (never unpickled)."""
+        mac, state = sealed[len(TAG):len(TAG) + DIGEST], sealed[len(TAG) + DIGEST:]
+        good = hmac.new(self._mac_key, self._run + b"\0" + state, hashlib.sha256).digest()
+        if not sealed.startswith(TAG) or not hmac.compare_digest(mac, good):
+            raise RendezvousStateError("the rendezvous state in the store is not signed with this run's key "
+                                       f"({KEY_VAR}); refusing to read it")
+        return state
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        found = super().get_state()
+        if found is None:
+            return None
+        sealed, token = found
+        return self.open(sealed), token
+
+    def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
+        written = super().set_state(self.seal(state), token)
+        if written is None:
+            return None
+        sealed, new_token, _ = written
+        current = self.open(sealed)
+        return current, new_token, current == state
+
+
+def run_key(env: dict[str, str] | None = None) -> bytes:
+    """The run's key from the environment, or an error naming the variable."""
+    value = (env if env is not None else dict(os.environ)).get(KEY_VAR, "")
+    if len(value) < MIN_KEY_CHARS:
+        raise SystemExit(f"rdzv_launch: {KEY_VAR} must hold the run's rendezvous key (at least {MIN_KEY_CHARS} "
+                         "characters; the stack gives each node group its own)")
+    return value.encode()
+
+
+def create_signed_handler(params: RendezvousParameters) -> RendezvousHandler:
+    store = _create_tcp_store(params)
+    return create_handler(store, SignedC10dBackend(store, params.run_id, run_key()), params)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_key()  # no key, no start: the run never falls back to an unsigned rendezvous
+    rendezvous_handler_registry.register(BACKEND, create_signed_handler)
+    from torch.distributed.run import main as torchrun
+
+    torchrun(argv if argv is not None else sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()
