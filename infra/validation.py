@@ -134,6 +134,10 @@ def check(spec: StackSpec) -> list[Problem]:
     if not problems:  # the provider limits assume a spec that is whole
         problems += cloud_rules.check(spec)
         problems += sharedfs.check(spec)
+    if not problems:  # each group's fabric against its resolved types (infra/fabric.py)
+        from infra import fabric
+
+        problems += fabric.check(spec)
     if not problems:  # the commands are checked against the resolved groups' trainer contract
         problems += commands.check(spec)
     if not problems:  # the prices the plan would use, by their age
