@@ -5,6 +5,7 @@ the resource, the rule and the fix. Specs and prices come from the stack's own G
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -527,8 +528,10 @@ def required_tags(r: Res, cfg: Mapping[str, Any]) -> list[str]:
     return [f"{r.type} lacks tag(s) {', '.join(missing)}; the stack's tags must reach it"] if missing else []
 
 
-def _stateful() -> dict[str, str]:
-    """type -> why it is protected (policies/data/stateful.yaml, a copy of infra/data/'s)."""
+@functools.lru_cache(maxsize=1)
+def _stateful() -> Mapping[str, str]:
+    """type -> why it is protected (policies/data/stateful.yaml, a copy of infra/data/'s); read
+    once per process, not once per resource (the rule runs on every resource of the plan)."""
     import yaml
 
     data = yaml.safe_load((cat.DATA_DIR / "stateful.yaml").read_text(encoding="utf-8"))
