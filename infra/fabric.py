@@ -201,6 +201,12 @@ def check(spec: StackSpec) -> list[Problem]:
         fabric = wanted(group, types[0])
         if fabric is None:
             continue
+        if fabric.fabric == "hcc" and (group.scaling.min != group.scaling.max or group.schedule):
+            out.append(Problem(f"{path}.scaling", f"node group {group.name}: an HCC group is {group.scaling.max} fixed "
+                                                  "CVM instances in its HCC cluster (Auto Scaling cannot place "
+                                                  "instances in one through the provider), so it has no range or "
+                                                  f"schedule: set min = max = {group.scaling.max} and no schedule, "
+                                                  "or fabric: none"))
         first = signature(group.cloud, types[0])
         for k, name in enumerate(types[1:], start=1):
             if signature(group.cloud, name) != first:
@@ -234,6 +240,14 @@ def advisories(stack: Stack) -> list[dict[str, str]]:
     return out
 
 
+def placement(rg: ResolvedGroup) -> str:
+    """What keeps a fabric group's nodes together (an ESS scaling configuration cannot take a
+    deployment set: infra/data/capabilities.yaml sdkGaps)."""
+    if rg.cloud == "alicloud" and rg.kind == "vm" and rg.market.type != "reserved":
+        return "one vSwitch (ESS scaling configurations take no deployment set)"
+    return PLACEMENT[rg.cloud]
+
+
 class Summary(TypedDict):
     fabric: str
     fabric_interfaces: int
@@ -248,5 +262,5 @@ def summary(rg: ResolvedGroup) -> Summary:
     f = rg.fabric
     return {"fabric": f.fabric if f else "none", "fabric_interfaces": f.interfaces if f else 0,
             "fabric_devices": f.devices if f else 0, "fabric_gbps": f.gbps if f else 0,
-            "placement": PLACEMENT[rg.cloud] if f else "",
+            "placement": placement(rg) if f else "",
             "placement_monthly_usd": PLACEMENT_MONTHLY_USD[rg.cloud] if f else 0.0}

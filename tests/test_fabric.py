@@ -310,3 +310,40 @@ def test_no_fabric_means_nothing_to_do(tmp_path: Path) -> None:
     proc = run_fabric(tmp_path, "", [], 0, "", "check")
     assert proc.returncode == 0 and "no fabric" in proc.stdout
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------- Alibaba and Tencent
+
+def test_erdma_group_is_a_scaling_configuration_with_a_high_performance_primary_eni(planned: dict[str, Any]) -> None:
+    config = resource(planned, "alicloud:ess/scalingConfiguration:ScalingConfiguration", "ali-erdma-config")
+    (nic,) = config["networkInterfaces"]
+    assert (nic["instanceType"], nic["networkInterfaceTrafficMode"]) == ("Primary", "HighPerformance")
+    assert nic["securityGroupIds"] == ["ali-train-training-sg-id"]
+    assert "securityGroupId" not in config and "securityGroupIds" not in config, "the ENIs carry the group"
+    assert config["active"] is True and config["systemDiskEncrypted"] is True
+    group = resource(planned, "alicloud:ess/scalingGroup:ScalingGroup", "ali-erdma-ess")
+    assert group["vswitchIds"] == ["ali-train-cn-hangzhou-h-id"], "one zone"
+    assert not group.get("launchTemplateId"), "a launch template cannot set the traffic mode"
+    names = [r["name"] for r in of_type(planned, "alicloud:ecs/ecsLaunchTemplate:EcsLaunchTemplate")]
+    assert "ali-erdma-lt" not in names and "ali-train-lt" in names, "only the eRDMA group changes"
+
+
+def test_hcc_group_is_instances_in_an_hcc_cluster_in_one_zone(planned: dict[str, Any]) -> None:
+    hcc = resource(planned, "tencentcloud:Cvm/hpcCluster:HpcCluster", "tc-hcc-hcc")
+    assert hcc["zone"] == "ap-guangzhou-3"
+    for i in range(2):
+        node = resource(planned, "tencentcloud:Instance/instance:Instance", f"tc-hcc-{i}")
+        assert node["hpcClusterId"] == "tc-hcc-hcc-id" and node["availabilityZone"] == "ap-guangzhou-3"
+        assert node["instanceType"] == "HCCPNV4sne.32XLARGE1280" and node["allocatePublicIp"] is False
+    groups = [r["name"] for r in of_type(planned, "tencentcloud:As/scalingGroup:ScalingGroup")]
+    assert "tc-hcc-asg" not in groups, "AS cannot place instances in an HCC cluster through the provider"
+    cost = {g["name"]: g for g in planned["cost"]["node_groups"]}
+    assert (cost["tc-hcc"]["fabric"], cost["tc-hcc"]["fabric_devices"]) == ("hcc", 8)
+    assert cost["ali-erdma"]["placement"].startswith("one vSwitch"), "no deployment set on an ESS configuration"
+
+
+def test_hcc_group_must_be_a_fixed_count() -> None:
+    values = fabric_values()
+    index = next(i for i, g in enumerate(values[GROUPS]) if g["name"] == "tc-hcc")
+    with pytest.raises(SpecError, match=rf"nodeGroups\[{index}\]\.scaling.*tc-hcc.*min = max = 4"):
+        spec_with({"scaling": {"min": 2, "max": 4}}, index, values)
