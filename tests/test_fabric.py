@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from infra import fabric, userdata
-from infra.errors import SpecError
+from infra.errors import CatalogError, SpecError
 from infra.groups import resolve
 from infra.validation import parse as parse_spec
 from tests.harness import ROOT, key, project_copy, spec_raw, stack_values, write_stack
@@ -82,13 +82,13 @@ def test_fabric_file_checks_refuse_bad_rows(tmp_path: Path) -> None:
     text = fabric.PATH.read_text()
     bad = tmp_path / "fabric.csv"
     bad.write_text(text.replace("aws,p4d.24xlarge,efa,4,4", "aws,p4d.24xlarge,erdma,4,4"))
-    with pytest.raises(fabric.CatalogError, match="aws types have fabric 'efa'"):
+    with pytest.raises(CatalogError, match="aws types have fabric 'efa'"):
         fabric.load_file(bad)
     bad.write_text(text.replace("aws,p4d.24xlarge,efa,4,4", "aws,p4d.24xlarge,efa,4,3"))
-    with pytest.raises(fabric.CatalogError, match="interfaces must equal devices"):
+    with pytest.raises(CatalogError, match="interfaces must equal devices"):
         fabric.load_file(bad)
     bad.write_text(text.replace("aws,p4d.24xlarge,efa", "aws,p9.24xlarge,efa"))
-    with pytest.raises(fabric.CatalogError, match="not in gpu_catalog.csv"):
+    with pytest.raises(CatalogError, match="not in gpu_catalog.csv"):
         fabric.load_file(bad)
 
 
