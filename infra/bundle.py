@@ -32,6 +32,9 @@ FILES = (
     ("/usr/local/sbin/gts-shared.sh", 0o755, "cloudinit/scripts/gts-shared.sh"),
     ("/usr/local/sbin/gts-spot-watch.py", 0o755, "cloudinit/scripts/gts-spot-watch.py"),
     ("/usr/local/sbin/gts-registry-login.py", 0o755, "cloudinit/scripts/gts-registry-login.py"),
+    ("/usr/local/sbin/gts-gpu-health.py", 0o755, "cloudinit/scripts/gts-gpu-health.py"),
+    ("/usr/local/lib/gts/gpu_health.yaml", 0o644, "infra/data/gpu_health.yaml"),
+    ("/etc/gpu-training/dcgm-counters.csv", 0o644, "cloudinit/dcgm-counters.csv"),
     ("/etc/systemd/system/gts-bootstrap.service", 0o644, "cloudinit/units/gts-bootstrap.service"),
     ("/etc/systemd/system/gts-scratch.service", 0o644, "cloudinit/units/gts-scratch.service"),
     ("/etc/systemd/system/gts-dataset.service", 0o644, "cloudinit/units/gts-dataset.service"),
@@ -40,6 +43,8 @@ FILES = (
     ("/etc/systemd/system/gts-spot-watch.service", 0o644, "cloudinit/units/gts-spot-watch.service"),
     ("/etc/systemd/system/gts-exporters.service", 0o644, "cloudinit/units/gts-exporters.service"),
     ("/etc/systemd/system/gts-rdzv.service", 0o644, "cloudinit/units/gts-rdzv.service"),
+    ("/etc/systemd/system/gts-gpu-gate.service", 0o644, "cloudinit/units/gts-gpu-gate.service"),
+    ("/etc/systemd/system/gts-gpu-watch.service", 0o644, "cloudinit/units/gts-gpu-watch.service"),
 )
 
 

@@ -63,6 +63,15 @@ class Registry:
 class TrainerImageArgs:
     base_image: str
     registry: Registry
+    # Explicit, because the stack files disable default providers (`pulumi:disable-default-providers:
+    # ["*"]`) and a denied default provider cannot be used: every build would fail at `up`
+    # (pulumi/pulumi#8829; Pulumi docs, "Disable default providers").
+    provider: pulumi.ProviderResource
+
+
+def build_provider(name: str, parent: pulumi.Resource) -> pulumi.ProviderResource:
+    """The docker-build provider the cloud's images build with (one per cloud)."""
+    return docker_build.Provider(f"{name}-docker-build", opts=pulumi.ResourceOptions(parent=parent))
 
 
 class TrainerImage(pulumi.ComponentResource):
@@ -81,6 +90,6 @@ class TrainerImage(pulumi.ComponentResource):
             push=True, build_on_preview=False, tags=[reg.push_repository.apply(lambda r: f"{r}:{tag}")],
             registries=[docker_build.RegistryArgs(address=reg.address, username=reg.username,
                                                   password=pulumi.Output.secret(reg.password))],
-            opts=pulumi.ResourceOptions(parent=self))
+            opts=pulumi.ResourceOptions(parent=self, provider=args.provider))
         self.ref = pulumi.Output.all(reg.pull_repository, self.image.digest).apply(lambda rd: f"{rd[0]}@{rd[1]}")
         self.register_outputs({"ref": self.ref})

@@ -76,7 +76,31 @@ def rules(spec: StackSpec) -> dict[str, Any]:
     ]
     return {"groups": [{"name": f"gts-{env}-cost", "rules": cost},
                        {"name": f"gts-{env}-work-at-risk", "rules": work},
+                       {"name": f"gts-{env}-gpu-health", "rules": gpu_health_rules(env)},
                        {"name": f"gts-{env}-showback", "rules": showback(spec)}]}
+
+
+GPU_REPLACEMENTS_PER_DAY = 2  # more nodes of one group replaced for GPU faults in a day: a bad batch or zone
+
+
+def gpu_health_rules(env: str) -> list[dict[str, Any]]:
+    """From the node's GPU gate and Xid watch (cloudinit/scripts/gts-gpu-health.py, through the node
+    exporter's textfile directory) and the DCGM exporter's counters (cloudinit/dcgm-counters.csv)."""
+    return [
+        _rule("GtsGpuGateFailed", "gts_gpu_gate_ok == 0", "0s", "warning", env,
+              "node {{ $labels.instance }} of {{ $labels.group }} failed its GPU boot gate: its trainer did not "
+              "start and it asked its group for a replacement"),
+        _rule("GtsGpuXidReplace", 'increase(gts_gpu_xid_events_total{action="replace"}[10m]) > 0', "0s", "critical", env,
+              "Xid {{ $labels.xid }} on node {{ $labels.instance }} of {{ $labels.group }}: checkpointing and "
+              "replacing the node"),
+        _rule("GtsGpuReplacedOften",
+              f"count by (group) (max_over_time(gts_gpu_replace_requested[1d])) > {GPU_REPLACEMENTS_PER_DAY}", "0s",
+              "critical", env,
+              f"{{{{ $value }}}} nodes of {{{{ $labels.group }}}} asked to be replaced for GPU faults in a day "
+              f"(over {GPU_REPLACEMENTS_PER_DAY}): a bad batch of hosts or a zone; look before the group burns more"),
+        _rule("GtsGpuDoubleBitEcc", "increase(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL[10m]) > 0", "0s", "warning", env,
+              "double-bit ECC errors on GPU {{ $labels.gpu }} of {{ $labels.instance }}"),
+    ]
 
 
 TEAM_NODE_SPEND = "gts:team_node_spend_usd_per_month"
@@ -137,6 +161,11 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("GPU utilisation", "percent", [("avg by (instance) (DCGM_FI_DEV_GPU_UTIL)", "{{instance}}")]),
     ("GPU memory used", "decmbytes", [("sum by (instance) (DCGM_FI_DEV_FB_USED)", "{{instance}}")]),
     ("Spot reclaim notices", "short", [("sum by (cloud) (gts_spot_interruption_notice)", "{{cloud}}")]),
+    ("GPU health: gate failures, Xid events, replacements", "short",
+     [("count by (group) (gts_gpu_gate_ok == 0)", "{{group}} gate failed"),
+      ("sum by (group, xid, action) (increase(gts_gpu_xid_events_total[1h]))", "{{group}} Xid {{xid}} ({{action}})"),
+      ("count by (group) (max_over_time(gts_gpu_replace_requested[1d]))", "{{group}} replaced (1 d)"),
+      ("sum by (instance) (increase(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL[1h]))", "{{instance}} DBE ECC")]),
 ]
 
 

@@ -22,8 +22,13 @@ CLOUD_OF = {"efs": "aws", "fsx-lustre": "aws", "nas": "alicloud", "cfs": "tencen
 # own recommendations (EFS: docs.aws.amazon.com/efs/latest/ug/mounting-fs-nfs-mount-settings.html;
 # NAS: help.aliyun.com "Mount an NFS file system on a Linux ECS instance"; CFS: cloud.tencent.com
 # "Using CFS on Linux clients"); _netdev orders the mount after the network.
+# EFS mounts through AWS's mount helper (amazon-efs-utils, `mount -t efs`): `tls` wraps NFS in TLS
+# (stunnel to the mount target), `iam` signs the mount with the node's role, and the access
+# point (`accesspoint=fsap-…`, added per file system) fixes the POSIX user and root directory
+# (EFS user guide: mounting-fs-mount-helper-ec2-linux, efs-access-points, encryption-in-transit;
+# the file-system policy refuses anything else, infra/clouds/aws/sharedfs.py).
 MOUNTS = {
-    "efs": ("nfs4", "nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport,_netdev"),
+    "efs": ("efs", "tls,iam,_netdev"),
     "fsx-lustre": ("lustre", "relatime,flock,_netdev"),
     "nas": ("nfs", "vers=3,nolock,proto=tcp,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport,_netdev"),
     "cfs": ("nfs", "vers=3,nolock,proto=tcp,hard,timeo=600,retrans=2,noresvport,_netdev"),
@@ -60,15 +65,23 @@ class SharedFsOutputs:
     source: pulumi.Output[str]
     server: pulumi.Output[str]
     export: pulumi.Output[str]
+    # EFS: the file system's id and the access point every mount goes through (the CSI driver's
+    # volumeHandle is `<fs id>::<access point id>`)
+    file_system_id: pulumi.Output[str] | None = None
+    access_point: pulumi.Output[str] | None = None
 
     def mount(self) -> pulumi.Output[SharedMount]:
         fs_type, options = MOUNTS[self.spec.type]
-        return self.source.apply(lambda src: SharedMount(fs_type, src, options, self.spec.mount_path))
+        point = self.access_point if self.access_point is not None else pulumi.Output.from_input("")
+        return pulumi.Output.all(self.source, point).apply(lambda sp: SharedMount(
+            fs_type, str(sp[0]), options + (f",accesspoint={sp[1]}" if sp[1] else ""), self.spec.mount_path))
 
 
 def placeholder(shared: SharedFs) -> SharedMount:
     """The mount as `make userdata` shows it before the file system exists (sized like a real one)."""
     fs_type, options = MOUNTS[shared.type]
+    if shared.type == "efs":
+        options += ",accesspoint=fsap-0123456789abcdef0"
     # as long as the longest real address (an EFS or FSx name in the longest region name), so that
     # the user data size checked at plan time is not exceeded once the real address is known
     long_name = "fs-0123456789abcdef0.file-system.ap-southeast-5-example.amazonaws.com"

@@ -22,14 +22,15 @@ from email.mime.text import MIMEText
 from pathlib import Path
 
 import jinja2
+import pulumi
 
-from infra import bundle
+from infra import bundle, gpu_health
 from infra.errors import Problem
 from infra.groups import ResolvedGroup, Stack
 from infra.buckets import bucket, endpoint
 from infra.images import node_agents
 from infra.rendezvous import Site
-from infra.sharedfs import SharedMount, placeholder
+from infra.sharedfs import SharedFsOutputs, SharedMount, placeholder
 from infra.spec import StackSpec
 from training import contract as c
 
@@ -99,6 +100,8 @@ class NodeContext:
     shared_source: str = ""
     shared_options: str = ""
     shared_dir: str = ""
+    nvlinks: int = 0  # the GPU boot gate's expectations (infra/gpu_health.py; the GPU count is NPROC_PER_NODE)
+    gpu_diag_level: int = 1
 
 
 def store_context(spec: StackSpec, site: Site, image: str) -> NodeContext:
@@ -139,7 +142,8 @@ def node_context(spec: StackSpec, rg: ResolvedGroup, image: str, shared: SharedM
         metadata_url=METADATA_URLS[rg.cloud], dcgm_exporter_image=agents.dcgm_exporter,
         node_exporter_image=agents.node_exporter, bundle_url=f"s3://{rg.bucket.name}/{pinned.key}",
         # Cluster nodes run no trainer (the Job carries its env): they get what the fetcher needs.
-        bundle_sha256=pinned.sha256, trainer={k: v for k, v in rg.trainer.items() if k in NODE_VARS} if kube
+        bundle_sha256=pinned.sha256, nvlinks=gpu_health.nvlinks(rg),
+        gpu_diag_level=int(gpu_health.load()["default_diag_level"]), trainer={k: v for k, v in rg.trainer.items() if k in NODE_VARS} if kube
         else rg.trainer,
         # A VM node mounts it for its trainer container; a cluster node hands its root to the
         # trainer's uid (gts-shared.sh --prepare), and pods mount it through a PersistentVolume.
@@ -237,6 +241,21 @@ def for_group(spec: StackSpec, rg: ResolvedGroup, image: str = IMAGE_PLACEHOLDER
     if rg.kind == "vm":
         return for_vm(ctx)
     return for_eks(ctx) if rg.cloud == "aws" else for_node_pool_script(ctx)
+
+
+def for_cluster_group(spec: StackSpec, rg: ResolvedGroup, shared: SharedFsOutputs | None) -> pulumi.Output[str]:
+    """A managed-Kubernetes GPU pool's user data, with no placeholder in it: cluster nodes run no
+    trainer image (the Job does), and they prepare the network's shared file system (hand its
+    root to the trainer's uid) at its real address once it is known. EFS needs no preparing: its
+    access point creates the root directory owned by the trainer's uid, and the file system
+    policy admits mounts through it only (infra/clouds/aws/sharedfs.py)."""
+    def render(mount: SharedMount | None) -> str:
+        ctx = node_context(spec, rg, "", mount)
+        return for_eks(ctx) if rg.cloud == "aws" else for_node_pool_script(ctx)
+
+    if shared is None or not rg.group.shared_fs or shared.spec.type == "efs":
+        return pulumi.Output.from_input(render(None))
+    return shared.mount().apply(render)
 
 
 def check_sizes(stack: Stack) -> list[Problem]:

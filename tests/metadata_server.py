@@ -30,9 +30,10 @@ def _stamp(t: float) -> str:
 
 
 class FakeMetadata:
-    """Serves one cloud's metadata on 127.0.0.1 (start() / stop(), or as a context manager)."""
+    """Serves one cloud's metadata on 127.0.0.1 (start() / stop(), or as a context manager); the
+    boot test binds it to 169.254.169.254:80 inside the booted node's network namespace."""
 
-    def __init__(self, cloud: str, lifetime: float = 3600.0):
+    def __init__(self, cloud: str, lifetime: float = 3600.0, host: str = "127.0.0.1", port: int = 0):
         self.cloud = cloud
         self.lifetime = lifetime
         self.generation = 0  # bumped by rotate(): the access key carries it
@@ -103,11 +104,12 @@ class FakeMetadata:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer((host, port), Handler)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_port}"
+        host, port = self.server.server_address[:2]
+        return f"http://{host!s}:{port}" if isinstance(host, str) else f"http://{host.decode()}:{port}"
 
     def access_key(self) -> str:
         return f"STS.{self.cloud}.{self.generation}"

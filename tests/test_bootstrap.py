@@ -343,3 +343,82 @@ def test_the_rendezvous_store_boots_docker_and_the_store_only(sandbox: dict[str,
     assert not [c for c in calls if "nvidia-container-toolkit" in c or c.startswith("nvidia-ctk")], calls
     starts = [c for c in calls if c.startswith("systemctl start")]
     assert starts == ["systemctl start --no-block gts-rdzv.service"], starts
+
+
+# ------------------------------------------------------- defects the real boot found (#29)
+
+DOCKER_STUB = Path(__file__).parent / "boot" / "docker"
+
+
+def test_the_dataset_copy_runs_as_the_dataset_command_not_as_trainer_arguments(
+        sandbox: dict[str, str], tmp_path: Path) -> None:
+    """The docker stand-in models the trainer image: its ENTRYPOINT hands arguments to the trainer,
+    which refuses `-m training.datasync …` (and would first join the run's rendezvous). The copy
+    must replace the entrypoint."""
+    box = Path(sandbox["GTS_SANDBOX"])
+    shutil.copy(DOCKER_STUB, box / "bin" / "docker")
+    (Path(sandbox["GTS_SBIN"]) / "gts-registry-login.py").write_text("print('login stand-in')\n")
+    scratch = tmp_path / "scratch"
+    Path(sandbox["GTS_ENV_FILE"]).write_text(_node_env(GTS_SCRATCH_DIR=str(scratch), GTS_TMPFS_GB="0"))
+    env = {**sandbox, "GTS_DOCKER_LOG": str(box / "docker.calls"), "GTS_DOCKER_STATE": str(box / "docker"),
+           "GTS_TRAINER_UID": str(os.getuid())}
+    proc = subprocess.run(["bash", os.path.join(sandbox["GTS_SBIN"], "gts-dataset.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    dataset_url = cloudmeta.read_env(sandbox["GTS_ENV_FILE"])["DATASET_URL"]
+    assert (scratch / "datasets/current/.gts-copied").read_text().strip() == dataset_url
+    (run,) = [c for c in (box / "docker.calls").read_text().splitlines() if c.startswith("docker run")]
+    assert re.search(r" --entrypoint python \S+@sha256:[0-9a-f]{64} -m training\.datasync ", run), run
+
+
+def test_every_unit_the_trainer_requires_starts_it_again_after_a_failed_first_try() -> None:
+    """A required unit's failed start fails the trainer's start job ("Dependency failed"); its own
+    automatic restart then succeeds and nothing would start the trainer: each restarting unit the
+    trainer requires starts it (without waiting) once it has succeeded. The boot test runs it."""
+    units = ROOT / "cloudinit/units"
+    trainer = (units / "gts-trainer.service").read_text()
+    required = re.search(r"^Requires=(.*)$", trainer, re.M).group(1).split()  # type: ignore[union-attr]
+    restarting = [u for u in required if (units / u).exists() and "Restart=on-failure" in (units / u).read_text()]
+    assert set(restarting) >= {"gts-dataset.service", "gts-shared.service"}
+    for name in restarting:
+        assert "ExecStartPost=-/bin/systemctl start --no-block gts-trainer.service" in (units / name).read_text(), name
+
+
+def test_an_unreachable_mirror_fails_apt_update_so_the_retry_retries(sandbox: dict[str, str], tmp_path: Path) -> None:
+    """The real apt-get (APT_CONFIG points it at a private state and a mirror on a closed port)
+    exits 0 on `update` when nothing can be fetched unless told --error-on=any: the driver step
+    must fail in its update retries, never reach the install ("Unable to locate package")."""
+    real = shutil.which("apt-get")
+    if real is None:
+        pytest.skip("apt-get is not installed: this test runs the real one")
+    apt = tmp_path / "apt"
+    for sub in ("lists/partial", "cache/archives/partial", "etc/sources.list.d", "etc/preferences.d",
+                "etc/apt.conf.d", "log"):
+        (apt / sub).mkdir(parents=True)
+    (apt / "status").write_text("")
+    (apt / "etc/sources.list").write_text("deb [trusted=yes] http://127.0.0.1:9/ubuntu jammy main\n")
+    (apt / "apt.conf").write_text("\n".join([
+        f'Dir::State "{apt}"; Dir::State::status "{apt}/status"; Dir::Cache "{apt}/cache";',
+        f'Dir::Etc "{apt}/etc"; Dir::Log "{apt}/log"; APT::Sandbox::User "root";',
+        'Acquire::Retries "0"; Debug::NoLocking "true";', ""]))
+    box = Path(sandbox["GTS_SANDBOX"])
+    (box / "bin" / "apt-get").unlink()  # the real one, from PATH
+    env = {**sandbox, "APT_CONFIG": str(apt / "apt.conf")}
+    plain = subprocess.run([real, "update", "-q"], env=env, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and "Failed to fetch" in plain.stdout + plain.stderr  # what apt does
+    proc = subprocess.run(["bash", os.path.join(sandbox["GTS_SBIN"], "gts-driver.sh")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "apt-get update failed (try 6)" in proc.stderr, proc.stderr[-2000:]
+    assert "Unable to locate package" not in proc.stderr
+    assert not (Path(sandbox["GTS_STATE_DIR"]) / "reboot-required").exists()
+
+
+def test_the_readme_names_the_signal_the_spot_watcher_sends() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("**The emergency checkpoint gets the whole notice.**"):]
+    section = section[:section.index("\n\n")]
+    watcher = (ROOT / "cloudinit/scripts/gts-spot-watch.py").read_text()
+    assert '["docker", "kill", "--signal", name, self.target]' in watcher
+    assert "`docker kill --signal TERM gts-trainer`" in section, section
+    assert "pkill" not in section and "docker exec" not in section, section

@@ -166,3 +166,30 @@ def test_a_team_stacks_policy_config_holds_it_to_its_quota(analyzer: analyzer_pb
     (hit,) = quota_hits()
     assert hit.enforcementLevel == LEVELS["mandatory"]
     assert "team vision" in hit.message and "16 A100 GPUs" in hit.message
+
+
+def test_a_real_preview_refuses_unroutable_api_sources(analyzer: analyzer_pb2_grpc.AnalyzerStub,
+                                                       tmp_path: Path) -> None:
+    """Issue 27: the shipped prod stack's kubernetes.apiAccessCidrs (203.0.113.0/24, RFC 5737
+    documentation) is advisory in the offline plan only; the pack, with the config `make
+    policy-config STACK=prod` writes for a real preview, refuses the EKS cluster as the engine
+    sends it, and admits a real public range."""
+    from infra.groups import resolve
+    from infra.plan.engine import unwrap_secrets
+    from infra.policy_config import for_stack
+    from infra.stackfile import project_name, read_stack_file, spec_from_values, stack_path
+    from tests.harness import shipped
+
+    path = stack_path("prod")
+    spec = spec_from_values(read_stack_file(path, project_name()).values, project_name(), path.name)
+    config = tmp_path / "policy-config-prod.json"
+    config.write_text(json.dumps(for_stack("prod", resolve(spec))))
+    _configure(analyzer, config)
+    (eks,) = [r for r in shipped("prod") if r.type == "aws:eks/cluster:Cluster"]
+    props = unwrap_secrets(eks.inputs)
+    (diag,) = [d for d in analyzer.Analyze(_resource(eks.type, eks.name, props)).diagnostics
+               if d.policyName == "kubernetes-api-sources-routable"]
+    assert diag.enforcementLevel == LEVELS["mandatory"] and "203.0.113.0/24" in diag.message
+    public = {**props, "vpcConfig": {**props["vpcConfig"], "publicAccessCidrs": ["198.51.99.0/24"]}}
+    assert not [d for d in analyzer.Analyze(_resource(eks.type, eks.name, public)).diagnostics
+                if d.policyName == "kubernetes-api-sources-routable"]

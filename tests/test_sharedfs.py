@@ -161,7 +161,9 @@ def test_a_vm_node_mounts_what_the_plan_created(dev_shared: list[Registered], cl
     made = one(dev_shared, created[0])
     address = COMPUTED[made.type](made.name, made.inputs)[created[1]]  # what the engine reported it created
     assert env["GTS_SHARED_SOURCE"].startswith(f"{address}:/")
-    assert any(c.startswith("apt-get") and c.endswith("install -y -q nfs-common") for c in calls)
+    # EFS through AWS's mount helper (TLS, the access point; infra/sharedfs.py), the NFS types through nfs-common
+    client = "amazon-efs-utils" if cloud == "aws" else "nfs-common"
+    assert any(c.startswith("apt-get") and c.endswith(f"install -y -q {client}") for c in calls)
     assert f"chown 1000:1000 {shared_dir}" in calls
     assert env["SHARED_DIR"] == "/shared"
 
@@ -212,9 +214,12 @@ def test_a_job_mounts_the_network_file_system_through_a_bound_claim(tmp_path: Pa
     efs = one(resources, "aws:efs/fileSystem:FileSystem")
     pv = one(resources, "kubernetes:core/v1:PersistentVolume")
     pvc = one(resources, "kubernetes:core/v1:PersistentVolumeClaim")
-    assert pv.inputs["spec"]["nfs"] == {"server": COMPUTED[efs.type](efs.name, efs.inputs)["dnsName"], "path": "/"}
+    access_point = one(resources, "aws:efs/accessPoint:AccessPoint")
+    # EFS through its CSI driver: the file system and its access point, with TLS (issue 27)
+    assert pv.inputs["spec"]["csi"]["volumeHandle"] == (f"{COMPUTED[efs.type](efs.name, efs.inputs)['id']}::"
+                                                        f"{COMPUTED[access_point.type](access_point.name, {})['id']}")
     assert pv.inputs["spec"]["persistentVolumeReclaimPolicy"] == "Retain"
-    assert "_netdev" not in pv.inputs["spec"]["mountOptions"] and "nfsvers=4.1" in pv.inputs["spec"]["mountOptions"]
+    assert "_netdev" not in pv.inputs["spec"]["mountOptions"] and "tls" in pv.inputs["spec"]["mountOptions"]
     assert pvc.inputs["spec"]["volumeName"] == pv.inputs["metadata"]["name"]
     job = next(r for r in resources if r.name == "aws-eks-train-job")
     pod = job.inputs["spec"]["template"]["spec"]

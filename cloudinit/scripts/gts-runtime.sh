@@ -13,7 +13,7 @@ apt_get() { apt-get -o DPkg::Lock::Timeout=600 -o Dpkg::Options::=--force-confol
 apt_update() {
   local try
   for try in 1 2 3 4 5 6; do
-    if apt_get update -q; then return 0; fi
+    if apt_get update -q --error-on=any; then return 0; fi
     echo "gts-runtime: apt-get update failed (try $try); retrying" >&2
     sleep $((try * 10))
   done

@@ -31,9 +31,22 @@ client() {
     nfs|nfs4)
       command -v mount.nfs >/dev/null 2>&1 && return 0
       if command -v apt-get >/dev/null 2>&1; then
-        apt_get update -q && apt_get install -y -q nfs-common
+        apt_get update -q --error-on=any && apt_get install -y -q nfs-common
       else
         yum install -y -q nfs-utils  # EKS AL2023 (dnf), TKE tlinux / ACK Alibaba Cloud Linux (yum)
+      fi
+      ;;
+    efs)
+      # AWS's EFS mount helper: `-o tls` (NFS inside TLS to the mount target), `iam` (the mount is
+      # signed with the node's role) and `accesspoint=` — the file system policy refuses any other
+      # mount (EFS user guide, efs-mount-helper and encryption-in-transit). Amazon Linux ships it;
+      # elsewhere it comes from the image or an apt mirror that carries it (github.com/aws/efs-utils).
+      command -v mount.efs >/dev/null 2>&1 && return 0
+      if command -v yum >/dev/null 2>&1; then
+        yum install -y -q amazon-efs-utils
+      elif ! { apt_get update -q && apt_get install -y -q amazon-efs-utils; }; then
+        log "amazon-efs-utils (mount.efs) is missing and not installable here; EFS mounts only with TLS through it"
+        exit 2
       fi
       ;;
     lustre)
@@ -45,7 +58,7 @@ client() {
         | gpg --dearmor --yes -o "$key"
       echo "deb [signed-by=$key] https://fsx-lustre-client-repo.s3.amazonaws.com/ubuntu jammy main" \
         > /etc/apt/sources.list.d/fsxlustreclientrepo.list
-      apt_get update -q && apt_get install -y -q "lustre-client-modules-$(uname -r)"
+      apt_get update -q --error-on=any && apt_get install -y -q "lustre-client-modules-$(uname -r)"
       ;;
     *) log "unknown shared file system type '$GTS_SHARED_FS'"; exit 2 ;;
   esac
@@ -95,7 +108,7 @@ if mountpoint -q "$GTS_SHARED_DIR"; then
   # kind; anything else there (a local disk, a tmpfs) would take the shared data silently.
   fstype=$(findmnt -n -o FSTYPE --mountpoint "$GTS_SHARED_DIR" 2>/dev/null || true)
   case "$fstype" in
-    "$GTS_SHARED_FS"|nfs|nfs4) ;;
+    "$GTS_SHARED_FS"|nfs|nfs4) ;;  # an EFS mount (mount.efs) shows as nfs4
     *) log "$GTS_SHARED_DIR is already a '$fstype' mount, not the shared file system ($GTS_SHARED_FS)"; exit 1 ;;
   esac
 else

@@ -14,7 +14,7 @@ from infra import rendezvous, userdata
 from infra.access import CLUSTER_NODE, Grants, node_grants
 from infra.buckets import bucket
 from infra.groups import ResolvedGroup, Stack
-from infra.image import Registry, TrainerImage, TrainerImageArgs, image_resource_name
+from infra.image import Registry, TrainerImage, TrainerImageArgs, build_provider, image_resource_name
 from infra.rendezvous import Site
 from infra.sharedfs import SharedFsOutputs
 from infra.spec import CloudAccount, Network, Peering
@@ -97,8 +97,9 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
             return {}
         registry = self.make_registry(nets)
         bases = dict.fromkeys([self.spec.training.image] + [self.spec.base_image_of(g.group) for g in self.node_groups()])
+        builder = build_provider(self.name, self)
         return {base: TrainerImage(image_resource_name(self.name, base, self.spec.training.image),
-                                   TrainerImageArgs(base, registry), opts=pulumi.ResourceOptions(parent=self)).ref
+                                   TrainerImageArgs(base, registry, builder), opts=pulumi.ResourceOptions(parent=self)).ref
                 for base in bases}
 
     # -- what subclasses provide -------------------------------------------------------

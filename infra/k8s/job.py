@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -147,6 +148,19 @@ def deploy_training_jobs(groups: list[ResolvedGroup], images: Mapping[str, pulum
             for g in groups if g.workload == "training"]
 
 
+def _volume_source(shared: SharedFsOutputs) -> dict[str, Any]:
+    """NFS for NAS and CFS; EFS through the EFS CSI driver (efs.csi.aws.com, an EKS add-on), which
+    mounts through the access point with TLS and the node's role, as the file system policy
+    requires (kubernetes-sigs/aws-efs-csi-driver examples/kubernetes/access_points: volumeHandle
+    `[FileSystemId]::[AccessPointId]`, "access point mounts require TLS"; docs: encryptInTransit
+    defaults to true, the `iam` mount option signs the mount)."""
+    if shared.spec.type == "efs" and shared.file_system_id is not None and shared.access_point is not None:
+        handle = pulumi.Output.all(shared.file_system_id, shared.access_point).apply(lambda fa: f"{fa[0]}::{fa[1]}")
+        return {"csi": k8s.core.v1.CSIPersistentVolumeSourceArgs(
+            driver="efs.csi.aws.com", volume_handle=handle, volume_attributes={"encryptInTransit": "true"})}
+    return {"nfs": k8s.core.v1.NFSVolumeSourceArgs(server=shared.server, path=shared.export)}
+
+
 def shared_claim(name: str, shared: SharedFsOutputs, namespace: pulumi.Input[str], labels: dict[str, str],
                  opts: pulumi.ResourceOptions) -> k8s.core.v1.PersistentVolumeClaim:
     """The network's NFS file system as a static PersistentVolume bound to this Job's claim (the
@@ -159,7 +173,7 @@ def shared_claim(name: str, shared: SharedFsOutputs, namespace: pulumi.Input[str
         spec=k8s.core.v1.PersistentVolumeSpecArgs(
             capacity={"storage": size}, access_modes=["ReadWriteMany"], persistent_volume_reclaim_policy="Retain",
             storage_class_name="", mount_options=[o for o in options.split(",") if o != "_netdev"],
-            nfs=k8s.core.v1.NFSVolumeSourceArgs(server=shared.server, path=shared.export),
+            **_volume_source(shared),
             claim_ref=k8s.core.v1.ObjectReferenceArgs(namespace=namespace, name=f"{name}-shared")),
         opts=opts)
     return k8s.core.v1.PersistentVolumeClaim(

@@ -37,10 +37,15 @@ def policy_verdicts(stack: str, resolved: Stack, resources: list[Registered]) ->
     """The policy pack's rules on what the program registered, with the config a real preview
     gets (`make policy-config`: the env's file plus the stack's rate, budget and planned cost)."""
     from policies.gts_policy.resources import Res
-    from policies.gts_policy.rules import evaluate
+    from policies.gts_policy.rules import OFFLINE_ADVISORY, evaluate
     config = policy_config.for_stack(stack, resolved)
     views = [Res(r.type, r.name, unwrap_secrets(r.inputs), bool(r.options.get("protect"))) for r in resources]
-    return evaluate(views, config)
+    verdicts = evaluate(views, config)
+    for v in verdicts:  # mandatory in a real preview; the offline plan of an example stack still plans
+        if v["policy"] in OFFLINE_ADVISORY and v["enforcement"] == "mandatory":
+            v["enforcement"] = "advisory"
+            v["message"] += " (advisory offline; mandatory in a real preview with the policy pack)"
+    return verdicts
 
 
 def build_plan(stack: str, against: Path | None = None) -> dict[str, Any]:

@@ -146,6 +146,7 @@ def _docker_image(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
 
 def _ecr_repository(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
     return {"registryId": "123456789012",
+            "arn": f"arn:aws:ecr:us-east-1:123456789012:repository/{inputs.get('name', name)}",
             "repositoryUrl": f"123456789012.dkr.ecr.us-east-1.amazonaws.com/{inputs.get('name', name)}"}
 
 
@@ -211,7 +212,8 @@ def _mock_id(prefix: str, name: str, length: int = 8) -> str:
 
 def _efs(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
     fs_id = _mock_id("fs-", name, 17)
-    return {"id": fs_id, "dnsName": f"{fs_id}.efs.mock-region.amazonaws.com"}
+    return {"id": fs_id, "dnsName": f"{fs_id}.efs.mock-region.amazonaws.com",
+            "arn": f"arn:aws:elasticfilesystem:us-east-1:123456789012:file-system/{fs_id}"}
 
 
 def _lustre(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -232,4 +234,34 @@ COMPUTED.update({
     "aws:fsx/lustreFileSystem:LustreFileSystem": _lustre,
     "alicloud:nas/mountTarget:MountTarget": _nas_mount_target,
     "tencentcloud:Cfs/fileSystem:FileSystem": _cfs,
+})
+
+
+# --- ARNs and ids that IAM documents and mounts name (issue 27: the plan's policies are linted
+# by parliament, which refuses the engine's generic mock ARN; an EFS volume handle is fs-…::fsap-…)
+
+def _aws_id(name: str, prefix: str) -> str:
+    return f"{prefix}-{hashlib.sha256(name.encode()).hexdigest()[:17]}"
+
+
+def _kms_key(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    key_id = hashlib.sha256(name.encode()).hexdigest()
+    uuid = f"{key_id[:8]}-{key_id[8:12]}-{key_id[12:16]}-{key_id[16:20]}-{key_id[20:32]}"
+    return {"id": uuid, "keyId": uuid, "arn": f"arn:aws:kms:us-east-1:123456789012:key/{uuid}"}
+
+
+def _iam_role(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    role = str(inputs.get("name") or name)
+    return {"id": role, "name": role, "arn": f"arn:aws:iam::123456789012:role/{role}"}
+
+
+def _efs_access_point(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    ap_id = _aws_id(name, "fsap")
+    return {"id": ap_id, "arn": f"arn:aws:elasticfilesystem:us-east-1:123456789012:access-point/{ap_id}"}
+
+
+COMPUTED.update({
+    "aws:kms/key:Key": _kms_key,
+    "aws:iam/role:Role": _iam_role,
+    "aws:efs/accessPoint:AccessPoint": _efs_access_point,
 })

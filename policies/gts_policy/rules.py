@@ -621,3 +621,61 @@ def evaluate(resources: list[Res], config: Mapping[str, Any]) -> list[dict[str, 
                 message += " (remediated: the engine applies the fix before the resource is created)"
             found.append({"policy": rule.name, "enforcement": level, "resource": resource, "message": message})
     return found
+
+
+# ---------------------------------------------------------------- API access sources (issue 27)
+
+# Ranges no operator or CI runner can come from on the internet: documentation (RFC 5737:
+# 192.0.2.0/24, 198.51.100.0/24, 203.0.113.0/24; RFC 3849: 2001:db8::/32), private use (RFC 1918),
+# shared address space (RFC 6598), loopback, link-local (RFC 3927) and benchmarking (RFC 2544).
+UNROUTABLE_SOURCES = {
+    "192.0.2.0/24": "documentation (RFC 5737)", "198.51.100.0/24": "documentation (RFC 5737)",
+    "203.0.113.0/24": "documentation (RFC 5737)", "2001:db8::/32": "documentation (RFC 3849)",
+    "10.0.0.0/8": "private use (RFC 1918)", "172.16.0.0/12": "private use (RFC 1918)",
+    "192.168.0.0/16": "private use (RFC 1918)", "100.64.0.0/10": "shared address space (RFC 6598)",
+    "127.0.0.0/8": "loopback (RFC 1122)", "169.254.0.0/16": "link-local (RFC 3927)",
+    "198.18.0.0/15": "benchmarking (RFC 2544)", "fc00::/7": "unique local (RFC 4193)",
+}
+# Rules whose offline verdict is advisory whatever the pack config says: the offline plan of a
+# shipped example stack must plan, while a real preview with the pack refuses it.
+OFFLINE_ADVISORY = ("kubernetes-api-sources-routable",)
+
+
+def _api_sources(r: Res) -> list[str]:
+    """The public sources of the Kubernetes API endpoints and of the registries' push endpoints
+    (kubernetes.apiAccessCidrs): EKS publicAccessCidrs, TKE's API security group rules, ACR's
+    internet endpoint entries, TCR's security policies."""
+    if r.type == "aws:eks/cluster:Cluster":
+        return list(r.get("vpcConfig", "publicAccessCidrs") or [])
+    if r.type == "tencentcloud:Security/groupRuleSet:GroupRuleSet":
+        return [str(i["cidrBlock"]) for i in r.get("ingresses") or []
+                if isinstance(i, Mapping) and i.get("description") == "Kubernetes API" and i.get("cidrBlock")]
+    if r.type == "alicloud:cr/internetEndpoint:InternetEndpoint":
+        return [str(e["entry"]) for e in r.get("entries") or [] if isinstance(e, Mapping) and e.get("entry")]
+    if r.type == "tencentcloud:Tcr/instance:Instance":
+        return [str(p["cidrBlock"]) for p in r.get("securityPolicies") or [] if isinstance(p, Mapping) and p.get("cidrBlock")]
+    return []
+
+
+def api_sources_routable(r: Res, cfg: Mapping[str, Any]) -> list[str]:
+    import ipaddress
+
+    found = []
+    for cidr in _api_sources(r):
+        try:
+            net = ipaddress.ip_network(str(cidr), strict=False)
+        except ValueError:
+            continue
+        for reserved, why in UNROUTABLE_SOURCES.items():
+            if net.version == ipaddress.ip_network(reserved).version and net.overlaps(ipaddress.ip_network(reserved)):
+                found.append(f"{cidr} is a {why} range: no operator or CI runner reaches the endpoint from it, so "
+                             "`pulumi up` cannot reach the cluster or push the image; set kubernetes.apiAccessCidrs "
+                             "to your operators' and runners' public egress ranges")
+                break
+    return found
+
+
+RULES.append(Rule(
+    "kubernetes-api-sources-routable", "Kubernetes API and registry push endpoints admit real public sources, not "
+    "documentation or private-use ranges (kubernetes.apiAccessCidrs).", "mandatory",
+    per_resource=api_sources_routable))

@@ -175,7 +175,7 @@ class AlicloudAck(pulumi.ComponentResource):
             data_disks=[alicloud.cs.NodePoolDataDiskArgs(category=ESSD, size=disk_gb, encrypted="true")] if disk_gb else None,
             instance_metadata_options=alicloud.cs.NodePoolInstanceMetadataOptionsArgs(http_tokens="required"),
             ram_role_name=args.role_name,
-            user_data=userdata.for_group(spec, g),
+            user_data=userdata.for_cluster_group(spec, g, args.shared),
             labels=[alicloud.cs.NodePoolLabelArgs(key=k, value=v) for k, v in labels.items()],
             taints=[alicloud.cs.NodePoolTaintArgs(key="nvidia.com/gpu", value="true", effect="NoSchedule")],
             # ACK: ECS tags + taints + labels of an autoscaling pool must stay under 12 (ACK "Enable node

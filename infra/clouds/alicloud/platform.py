@@ -12,6 +12,7 @@ from infra.buckets import bucket
 from infra.clouds.alicloud.access import AlicloudAccess, AlicloudAccessArgs
 from infra.clouds.alicloud.budget import AlicloudBudget, AlicloudBudgetArgs
 from infra.clouds.alicloud.fleet import AlicloudGpuFleet, AlicloudGpuFleetArgs
+from infra.clouds.alicloud.health import grant_replace_self
 from infra.clouds.alicloud.kubernetes import AlicloudAck, AlicloudAckArgs
 from infra.clouds.alicloud.network import AlicloudNetwork, AlicloudNetworkArgs
 from infra.clouds.alicloud.peering import AlicloudPeering, AlicloudPeeringArgs
@@ -95,6 +96,9 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
             role_name=access.roles[group.name].role_name, user_data=self.user_data(group, image),
             provider=self.provider(group.region), tags=self.tags, env=self.spec.env, after=self.after_store(group)),
             opts=pulumi.ResourceOptions(parent=self))
+        if hasattr(fleet, "group"):  # a reserved group is fixed instances: no group to hand a node back to
+            grant_replace_self(f"{self.spec.env}-{group.name}", access.roles[group.name].role_name, group.region, fleet.group, self.tags,
+                               pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region)))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: AlicloudNetwork,

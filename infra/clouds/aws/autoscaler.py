@@ -2,7 +2,14 @@
 shrinks them when idle. Its AWS permissions come through EKS Pod Identity (the nodes' IMDS hop
 limit is 1, so no pod can borrow the node role). Manifest after kubernetes/autoscaler
 cluster-autoscaler/cloudprovider/aws/examples/cluster-autoscaler-autodiscover.yaml; IAM policy
-from that provider's README ("Full Cluster Autoscaler Features Policy")."""
+from that provider's README, scoped as its "Minimal IAM Permissions Policy" asks: the write
+actions only on Auto Scaling groups tagged k8s.io/cluster-autoscaler/enabled=true and
+k8s.io/cluster-autoscaler/<cluster>=owned (EKS puts both tags on a managed node group's group:
+EKS user guide, managed-node-groups), and here also only on this cluster's GPU node groups' own
+Auto Scaling groups by ARN, so an autoscaler (or whoever takes its pod) cannot resize or
+terminate another stack's or team's groups. Describe* calls take no resource ("*", Service
+Authorization Reference for EC2 Auto Scaling and EC2); eks:DescribeNodegroup is limited to the
+cluster's node groups."""
 
 from __future__ import annotations
 
@@ -19,8 +26,8 @@ NAMESPACE = "kube-system"
 ACCOUNT = "cluster-autoscaler"
 READ_ACTIONS = ["autoscaling:DescribeAutoScalingGroups", "autoscaling:DescribeAutoScalingInstances",
                 "autoscaling:DescribeLaunchConfigurations", "autoscaling:DescribeScalingActivities",
-                "ec2:DescribeImages", "ec2:DescribeInstanceTypes", "ec2:DescribeLaunchTemplateVersions",
-                "ec2:GetInstanceTypesFromInstanceRequirements", "eks:DescribeNodegroup"]
+                "autoscaling:DescribeTags", "ec2:DescribeImages", "ec2:DescribeInstanceTypes",
+                "ec2:DescribeLaunchTemplateVersions", "ec2:GetInstanceTypesFromInstanceRequirements"]
 WRITE_ACTIONS = ["autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup"]
 # (api groups, resources, verbs[, resource names]) of the example's ClusterRole
 CLUSTER_RULES: list[tuple[list[str], list[str], list[str], list[str]]] = [
@@ -52,10 +59,17 @@ def _rules(rules: list[tuple[list[str], list[str], list[str], list[str]]]) -> li
             for g, r, v, n in rules]
 
 
-def policy_document() -> str:
+def policy_document(partition: str, region: str, account: str, cluster: str, asg_names: list[str]) -> str:
+    """Read anything the autoscaler discovers; write only to this cluster's tagged GPU groups."""
+    groups = [f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/{n}"
+              for n in asg_names]
     return json.dumps({"Version": "2012-10-17", "Statement": [
         {"Sid": "Discover", "Effect": "Allow", "Action": READ_ACTIONS, "Resource": "*"},
-        {"Sid": "Scale", "Effect": "Allow", "Action": WRITE_ACTIONS, "Resource": "*"}]})
+        {"Sid": "DescribeOwnNodegroups", "Effect": "Allow", "Action": "eks:DescribeNodegroup",
+         "Resource": f"arn:{partition}:eks:{region}:{account}:nodegroup/{cluster}/*/*"},
+        {"Sid": "ScaleOwnGroups", "Effect": "Allow", "Action": WRITE_ACTIONS, "Resource": groups,
+         "Condition": {"StringEquals": {"aws:ResourceTag/k8s.io/cluster-autoscaler/enabled": "true",
+                                        f"aws:ResourceTag/k8s.io/cluster-autoscaler/{cluster}": "owned"}}}]})
 
 
 def pod_identity_trust() -> str:
@@ -69,6 +83,7 @@ def pod_identity_trust() -> str:
 @dataclass
 class EksAutoscalerArgs:
     cluster_name: pulumi.Output[str]
+    asg_names: list[pulumi.Output[str]]  # the Auto Scaling groups of the cluster's GPU node groups
     region: str
     image: str
     system_selector: dict[str, str]  # the untainted system pool it runs on
@@ -85,7 +100,12 @@ class EksClusterAutoscaler(pulumi.ComponentResource):
         on_k8s = pulumi.ResourceOptions(parent=self, provider=args.k8s_provider)
         role = aws.iam.Role(f"{name}-role", name=fit(f"{name}-autoscaler", "iamRole"),
                             assume_role_policy=pod_identity_trust(), tags=args.tags, opts=on_aws)
-        aws.iam.RolePolicy(f"{name}-policy", role=role.id, policy=policy_document(), opts=on_aws)
+        invoke = pulumi.InvokeOutputOptions(parent=self, provider=args.aws_provider)
+        account_id = aws.get_caller_identity_output(opts=invoke).account_id
+        partition = aws.get_partition_output(opts=invoke).partition
+        policy = pulumi.Output.all(partition, account_id, args.cluster_name, *args.asg_names).apply(
+            lambda v: policy_document(str(v[0]), args.region, str(v[1]), str(v[2]), [str(n) for n in v[3:]]))
+        aws.iam.RolePolicy(f"{name}-policy", role=role.id, policy=policy, opts=on_aws)
         aws.eks.PodIdentityAssociation(
             f"{name}-identity", cluster_name=args.cluster_name, namespace=NAMESPACE, service_account=ACCOUNT,
             role_arn=role.arn, tags=args.tags,

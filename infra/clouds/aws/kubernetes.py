@@ -106,6 +106,13 @@ class AwsEks(pulumi.ComponentResource):
                                           addon_name="eks-pod-identity-agent", resolve_conflicts_on_create="OVERWRITE",
                                           resolve_conflicts_on_update="OVERWRITE", tags=tags, opts=child)
 
+        if args.shared is not None and args.shared.spec.type == "efs" and any(g.group.shared_fs for g in args.groups):
+            # Pods mount EFS through its access point with TLS and the node's role (the file system
+            # policy admits nothing else): the EFS CSI driver, as an EKS add-on (EKS user guide,
+            # efs-csi; static volumes need no controller permissions).
+            aws.eks.Addon(f"{name}-efs-csi", cluster_name=self.cluster.name, addon_name="aws-efs-csi-driver",
+                          resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="OVERWRITE", tags=tags,
+                          opts=child)
         self.system = self._system_group(name, args, child)
         self.node_groups: list[aws.eks.NodeGroup] = []
         for g in args.groups:
@@ -119,7 +126,8 @@ class AwsEks(pulumi.ComponentResource):
                                          parent=self, device_plugin=True, trainer_images=args.images, shared=args.shared,
                                          identities=self._pod_identities(name, args, child))
         EksClusterAutoscaler(f"{name}-ca", EksAutoscalerArgs(
-            cluster_name=self.cluster.name, region=args.region,
+            cluster_name=self.cluster.name, asg_names=[ng.resources.apply(_asg_name) for ng in self.node_groups],
+            region=args.region,
             image=pulled(CLUSTER_AUTOSCALER, spec.clouds["aws"].mirrors), system_selector={LABEL_POOL: "system"},
             pod_identity_agent=self.pod_identity, aws_provider=args.provider, k8s_provider=k8s_provider, tags=tags),
             opts=pulumi.ResourceOptions(parent=self))
@@ -176,7 +184,7 @@ class AwsEks(pulumi.ComponentResource):
         # A launch template gives managed nodes IMDSv2 and encrypted volumes; EKS picks the AMI
         # and merges its own NodeConfig into this MIME user data.
         lt = aws.ec2.LaunchTemplate(
-            f"{g.name}-lt", update_default_version=True, user_data=userdata.for_group(spec, g),
+            f"{g.name}-lt", update_default_version=True, user_data=userdata.for_cluster_group(spec, g, args.shared),
             metadata_options=node_metadata(),
             block_device_mappings=[aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
                 device_name="/dev/xvda",

@@ -3,6 +3,7 @@ EKS, budget."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import pulumi
@@ -13,6 +14,7 @@ from infra.bundle import build as bundle
 from infra.clouds.aws.access import AwsAccess, AwsAccessArgs
 from infra.clouds.aws.budget import AwsBudget, AwsBudgetArgs
 from infra.clouds.aws.fleet import AwsGpuFleet, AwsGpuFleetArgs
+from infra.clouds.aws.health import grant_replace_self
 from infra.clouds.aws.kubernetes import AwsEks, AwsEksArgs
 from infra.clouds.aws.network import AwsNetwork, AwsNetworkArgs
 from infra.clouds.aws.peering import AwsPeering, AwsPeeringArgs
@@ -26,6 +28,19 @@ from infra.groups import ResolvedGroup
 from infra.image import Registry
 from infra.sharedfs import SharedFsOutputs
 from infra.spec import Network
+
+# <account>.dkr.ecr.<region>.amazonaws.com[.cn]/<repository>[:tag|@digest] (Amazon ECR user guide,
+# "Private registry concepts": the registry URL and repository name of an image reference)
+ECR_REF = re.compile(r"^(\d{12})\.dkr\.ecr\.([a-z0-9-]+)\.amazonaws\.com(\.cn)?/([a-z0-9._/-]+?)(?:[:@].*)?$")
+
+
+def ecr_repository_arn(ref: str) -> str | None:
+    """The repository ARN of an ECR image reference; None for any other registry."""
+    m = ECR_REF.match(ref)
+    if m is None:
+        return None
+    account, region, china, repo = m.groups()
+    return f"arn:{'aws-cn' if china else 'aws'}:ecr:{region}:{account}:repository/{repo}"
 
 
 class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
@@ -69,19 +84,41 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
             allowed_cidrs=[str(net.cidr), *self.peer_cidrs()[net.name]],
             kms_key_arn=storage.key.arn if region == self.account.region else None, tags=self.tags),
             opts=self.provider_opts(region))
+        self.shared_components = {**getattr(self, "shared_components", {}), net.name: shared}
         return shared.outputs
 
     def bucket_name(self, storage: AwsStorage) -> pulumi.Output[str]:
         return storage.bucket.bucket
 
     def make_access(self, storage: AwsStorage) -> AwsAccess:
-        return AwsAccess(f"{self.name}-access", AwsAccessArgs(
+        self.access_name = f"{self.name}-access"
+        self.access = AwsAccess(self.access_name, AwsAccessArgs(
             bucket_arn=storage.bucket.arn, key_arn=storage.key.arn, env=self.spec.env, tags=self.tags,
             groups=self.access_grants(), kubernetes=bool(self.kubernetes_groups())), opts=self.provider_opts())
+        for net_name, shared in getattr(self, "shared_components", {}).items():
+            # the roles of the nodes that mount it: its VM groups' own, and the EKS node role (the
+            # EFS CSI driver's node plugin mounts for the pods with it) where a cluster group shares it
+            mounting = [g for g in self.node_groups() if g.network == net_name and g.group.shared_fs]
+            roles = [self.access.roles[f"{self.access_name}-{g.name}"].arn for g in mounting if g.kind == "vm"]
+            if any(g.kind == "kubernetes" for g in mounting) and self.access.eks_node_role is not None:
+                roles.append(self.access.eks_node_role.arn)
+            shared.allow(net_name, roles)
+        return self.access
+
+    def trainer_images(self, nets: dict[str, AwsNetwork]) -> dict[str, pulumi.Output[str]]:
+        """The images, and the nodes' right to pull them (their repository only, infra/clouds/aws/access.py)."""
+        self.repository_arns: list[pulumi.Output[str]] = []
+        images = super().trainer_images(nets)
+        prebuilt = self.spec.training.prebuilt_images.get("aws")
+        arn = ecr_repository_arn(str(prebuilt)) if prebuilt else None
+        repos = [pulumi.Output.from_input(arn)] if arn else self.repository_arns
+        self.access.allow_pull("pull", pulumi.Output.all(*repos).apply(lambda arns: [str(a) for a in arns]))
+        return images
 
     def make_registry(self, nets: dict[str, AwsNetwork]) -> Registry:
-        return AwsRegistry(f"{self.name}-registry", AwsRegistryArgs(self.spec.env, self.tags),
-                           opts=self.provider_opts()).registry
+        made = AwsRegistry(f"{self.name}-registry", AwsRegistryArgs(self.spec.env, self.tags), opts=self.provider_opts())
+        self.repository_arns.append(made.repository.arn)
+        return made.registry
 
     def make_rendezvous(self, site: Site, net: AwsNetwork, access: AwsAccess,
                         image: pulumi.Output[str]) -> pulumi.Resource:
@@ -99,6 +136,9 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
             security_group_id=net.security_group.id, instance_profile_arn=access.profiles[group.name].arn,
             user_data=self.user_data(group, image), provider=self.provider(group.region), tags=self.tags,
             after=self.after_store(group)), opts=pulumi.ResourceOptions(parent=self))
+        # A node with a failed GPU hands itself back (gts-gpu-health.py): that one call, on its own group.
+        grant_replace_self(group.name, access.profiles[group.name].role.apply(str), fleet.group,
+                           pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region)))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: AwsNetwork, access: AwsAccess,

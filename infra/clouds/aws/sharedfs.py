@@ -12,11 +12,24 @@ subnet_ids is one subnet; deployment_type defaults to SCRATCH_1 (set PERSISTENT_
 per_unit_storage_throughput 125 | 250 | 500 | 1000 for PERSISTENT_2; kms_key_id only for the
 persistent types; file_system_type_version 2.15; storage_capacity 1200, 2400, then multiples of
 2400 (infra/sharedfs.py checks it). Ports: NFS 2049; Lustre 988 and 1018-1023, also among the
-file servers themselves (docs.aws.amazon.com/fsx/latest/LustreGuide/limit-access-security-groups.html)."""
+file servers themselves (docs.aws.amazon.com/fsx/latest/LustreGuide/limit-access-security-groups.html).
+
+EFS is guarded by more than its security group: an access point (every mount runs as the
+trainer's uid in a root directory the access point creates owned by it; EFS user guide,
+efs-access-points: "enforce a user identity" and "root directory … CreationInfo"), and a file
+system policy (EFS user guide, iam-access-control-nfs-efs and the policy examples there) that
+denies any connection without TLS (aws:SecureTransport false) and allows ClientMount and
+ClientWrite only to the node roles of the network's groups that mount it, only through that
+access point (elasticfilesystem:AccessPointArn). No ClientRootAccess: root on a node is squashed
+to nobody. pulumi-aws efs/access_point.py (posix_user uid/gid, root_directory path and
+creation_info owner_uid/owner_gid/permissions) and efs/file_system_policy.py (file_system_id,
+policy; bypass_policy_lockout_safety_check left false)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import json
 
 import pulumi
 import pulumi_aws as aws
@@ -24,6 +37,8 @@ import pulumi_aws as aws
 from infra.sharedfs import SharedFsOutputs
 from infra.spec import Network
 
+TRAINER_UID = 1000  # the image's USER (training/Dockerfile); gts-shared.sh hands other types' roots to it
+ROOT_DIRECTORY = "/training"
 PORTS = {"efs": [(2049, 2049)], "fsx-lustre": [(988, 988), (1018, 1023)]}
 
 
@@ -83,8 +98,26 @@ class AwsSharedFs(pulumi.ComponentResource):
                               for zone, subnet in zones.items()]
         # The name resolves in the VPC once the zone's mount target exists (gts-shared.sh waits for it).
         dns = pulumi.Output.all(self.efs.dns_name, *[t.id for t in self.mount_targets]).apply(lambda a: str(a[0]))
+        self.access_point = aws.efs.AccessPoint(
+            f"{name}-efs-ap", file_system_id=self.efs.id,
+            posix_user=aws.efs.AccessPointPosixUserArgs(uid=TRAINER_UID, gid=TRAINER_UID),
+            root_directory=aws.efs.AccessPointRootDirectoryArgs(
+                path=ROOT_DIRECTORY, creation_info=aws.efs.AccessPointRootDirectoryCreationInfoArgs(
+                    owner_uid=TRAINER_UID, owner_gid=TRAINER_UID, permissions="0750")),
+            tags=tags, opts=child)
         return SharedFsOutputs(spec=args.network.shared_fs, server=dns, export=pulumi.Output.from_input("/"),
-                               source=dns.apply(lambda d: f"{d}:/"))
+                               source=dns.apply(lambda d: f"{d}:/"), file_system_id=self.efs.id,
+                               access_point=self.access_point.id)
+
+    def allow(self, name: str, role_arns: list[pulumi.Output[str]]) -> None:
+        """The file system policy: TLS always, and mounts and writes only by these roles through
+        the access point. A file system with no role that mounts it gets the TLS rule alone."""
+        if not hasattr(self, "efs"):
+            return
+        doc = pulumi.Output.all(self.efs.arn, self.access_point.arn, *role_arns).apply(
+            lambda v: efs_policy(str(v[0]), str(v[1]), [str(r) for r in v[2:]]))
+        aws.efs.FileSystemPolicy(f"{name}-efs-policy", file_system_id=self.efs.id, policy=doc,
+                                 opts=pulumi.ResourceOptions(parent=self))
 
     def _lustre(self, name: str, args: AwsSharedFsArgs, tags: dict[str, str],
                 child: pulumi.ResourceOptions) -> SharedFsOutputs:
@@ -98,3 +131,16 @@ class AwsSharedFs(pulumi.ComponentResource):
         source = pulumi.Output.all(self.lustre.dns_name, self.lustre.mount_name).apply(
             lambda dm: f"{dm[0]}@tcp:/{dm[1]}")
         return SharedFsOutputs(spec=fs, server=self.lustre.dns_name, export=self.lustre.mount_name, source=source)
+
+
+def efs_policy(fs_arn: str, access_point_arn: str, role_arns: list[str]) -> str:
+    statements: list[dict[str, object]] = [
+        {"Sid": "TlsOnly", "Effect": "Deny", "Principal": {"AWS": "*"}, "Action": "*", "Resource": fs_arn,
+         "Condition": {"Bool": {"aws:SecureTransport": "false"}}}]
+    if role_arns:
+        statements.append({
+            "Sid": "GroupNodesThroughAccessPoint", "Effect": "Allow", "Principal": {"AWS": sorted(role_arns)},
+            "Action": ["elasticfilesystem:ClientMount", "elasticfilesystem:ClientWrite"], "Resource": fs_arn,
+            "Condition": {"StringEquals": {"elasticfilesystem:AccessPointArn": access_point_arn},
+                          "Bool": {"elasticfilesystem:AccessedViaMountTarget": "true"}}})
+    return json.dumps({"Version": "2012-10-17", "Statement": statements})

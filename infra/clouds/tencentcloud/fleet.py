@@ -101,7 +101,12 @@ class TencentGpuFleet(pulumi.ComponentResource):
             data_disks=[tencentcloud.instance.InstanceDataDiskArgs(data_disk_type=DISK, data_disk_size=disk_gb,
                                                                    encrypt=True, delete_with_instance=True)]
             if disk_gb else None,
-            cam_role_name=args.role_name, allocate_public_ip=False, user_data=args.user_data, tags=tags, opts=child)
+            cam_role_name=args.role_name, allocate_public_ip=False, user_data=args.user_data, tags=tags,
+            # The image lookup answers the newest matching image; a changed image_id reinstalls the
+            # instance's system disk in place (terraform-provider-tencentcloud resource_tc_instance
+            # Update: ResetInstance), mid-run on a reserved node. A routine `up` keeps the image it
+            # was created with; `pulumi up --replace <urn>` moves one to a new image on purpose.
+            opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["imageId"])))
 
     @staticmethod
     def _group(name: str, args: TencentGpuFleetArgs, image_id: pulumi.Output[str], fixed: int, tags: dict[str, str],

@@ -149,7 +149,7 @@ class TencentTke(pulumi.ComponentResource):
                     orderly_security_group_ids=[args.security_group_id], cam_role_name=args.role_names[g.name],
                     public_ip_assigned=False, internet_max_bandwidth_out=0),
                 node_config=tencentcloud.kubernetes.NodePoolNodeConfigArgs(
-                    user_data=userdata.for_group(spec, g),
+                    user_data=userdata.for_cluster_group(spec, g, args.shared),
                     gpu_args=tencentcloud.kubernetes.NodePoolNodeConfigGpuArgsArgs(
                         driver=GPU_DRIVER, cuda=GPU_CUDA, mig_enable=False)),
                 labels={**labels, LABEL_CAPACITY: "spot" if spot else "on-demand"},

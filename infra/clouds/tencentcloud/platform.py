@@ -13,6 +13,7 @@ from infra.cloud_rules import POD_CIDR
 from infra.clouds.base import CloudPlatform, Cluster
 from infra.clouds.tencentcloud.access import TencentAccess, TencentAccessArgs
 from infra.clouds.tencentcloud.budget import TencentBudget, TencentBudgetArgs
+from infra.clouds.tencentcloud.health import grant_replace_self
 from infra.clouds.tencentcloud.fleet import TencentGpuFleet, TencentGpuFleetArgs
 from infra.clouds.tencentcloud.kubernetes import TencentTke, TencentTkeArgs
 from infra.clouds.tencentcloud.network import TencentNetwork, TencentNetworkArgs
@@ -111,6 +112,9 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
             role_name=access.roles[group.name].name, user_data=self.user_data(group, image),
             provider=self.provider(group.region), tags=self.tags, after=self.after_store(group)),
             opts=pulumi.ResourceOptions(parent=self))
+        if hasattr(fleet, "group"):  # fixed instances only: no group to hand a node back to
+            grant_replace_self(f"{self.spec.env}-{group.name}", access.roles[group.name].id, group.region, fleet.group,
+                               pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region)))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: TencentNetwork,

@@ -1,0 +1,452 @@
+#!/usr/bin/env python3
+"""GPU health on a training node: a boot gate before the trainer starts, and a watch of the
+kernel's Xid messages while it runs. A bad GPU costs minutes, not the run.
+
+gate  (gts-gpu-gate.service, which gts-trainer.service Requires; the Kubernetes Job's init
+      container): the GPU count nvidia-smi sees is the type's, persistence mode is on, Fabric
+      Manager is active where the type has NVSwitch, `dcgmi diag -r <level>` passes, and each
+      GPU has its NVLinks up where the type has them. A failing node logs one line, writes
+      gts_gpu_gate_* to the node exporter's textfile directory, asks its group to replace it,
+      and exits 1: the trainer is never started.
+watch (gts-gpu-watch.service): follows the kernel log (`journalctl -k -f`, or a file) for
+      `NVRM: Xid` lines and classifies each by infra/data/gpu_health.yaml:
+      replace -> the emergency checkpoint through the spot notice's path (gts-spot-watch.py:
+                 the node is marked, the workers get SIGTERM and commit, bounded wait), then the
+                 node hands itself back to its group (below);
+      restart -> the training workers are killed; torchrun restarts them from the newest
+                 committed checkpoint (--max-restarts), the node stays;
+      monitor -> a metric only (an unknown Xid is monitored too, and the journal says so).
+
+Handing the node back, signed with the instance role's credentials from the metadata service:
+  AWS      autoscaling SetInstanceHealth(InstanceId, Unhealthy, ShouldRespectGracePeriod=false),
+           query API 2011-01-01, Signature V4 — "Amazon EC2 Auto Scaling terminates and replaces
+           the unhealthy instance";
+  Alibaba  ESS SetInstanceHealth(InstanceId, Unhealthy), RPC API 2014-08-28, signature v1
+           (HMAC-SHA1) — "the scaling group detects and removes unhealthy instances";
+  Tencent  AS RemoveInstances(AutoScalingGroupId, InstanceIds), API 3.0 2018-04-19,
+           TC3-HMAC-SHA256 (the group backfills to its desired capacity: unverified, see README).
+
+    gts-gpu-health.py gate --cloud aws --gpus 8 --nvswitch --nvlinks 12 --diag-level 1
+    gts-gpu-health.py watch --cloud aws --action docker:gts-trainer
+    gts-gpu-health.py watch --cloud tencentcloud --action pid:1234 --kernel-log /tmp/kmsg --api-url http://127.0.0.1:9000
+"""
+
+import argparse
+import base64
+import datetime as dt
+import hashlib
+import hmac
+import importlib.util
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LIB = os.environ.get("GTS_LIB", "/usr/local/lib/gts")
+sys.path.insert(0, LIB)
+import cloudmeta  # noqa: E402  (the node's copy of training/cloudmeta.py)
+
+
+def _spot_watch():
+    """gts-spot-watch.py beside this script: its trainer signalling, node mark and bounded wait."""
+    spec = importlib.util.spec_from_file_location("gts_spot_watch", os.path.join(HERE, "gts-spot-watch.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+spot = _spot_watch()
+log = logging.getLogger("gts-gpu-health")
+XID = re.compile(r"NVRM: Xid \((?P<pci>[^)]*)\): (?P<code>\d+)(?:, (?P<text>.*))?")
+ACTIONS = ("replace", "restart", "monitor")
+DEFAULT_TABLE = os.path.join(LIB, "gpu_health.yaml")
+INSTANCE_ID = {"aws": "/latest/meta-data/instance-id", "alicloud": "/latest/meta-data/instance-id",
+               "tencentcloud": "/latest/meta-data/instance-id"}
+REGION = {"aws": "/latest/meta-data/placement/region", "alicloud": "/latest/meta-data/region-id",
+          "tencentcloud": "/latest/meta-data/placement/region"}
+
+
+# ---------------------------------------------------------------------------- the table
+
+def load_table(path):
+    """{xid: action} and the action for unknown codes, from gpu_health.yaml (PyYAML: cloud-init's
+    own dependency, so every node's python3 has it)."""
+    import yaml
+
+    with open(path, encoding="utf-8") as fh:
+        doc = yaml.safe_load(fh)
+    table = {}
+    for action in ACTIONS:
+        for code in doc["xid"][action]["codes"]:
+            if code in table:
+                raise ValueError(f"{path}: Xid {code} is in both {table[code]} and {action}")
+            table[int(code)] = action
+    return table, doc["xid"]["unknown"], doc
+
+
+def classify(table, unknown, code):
+    """(action, known) for an Xid code."""
+    return (table[code], True) if code in table else (unknown, False)
+
+
+# ---------------------------------------------------------------------------- metrics
+
+def write_textfile(directory, name, lines):
+    """Atomically replace <directory>/<name>.prom (the node exporter reads whole files only)."""
+    if not directory:
+        return
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{name}.prom.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write("\n".join(lines) + "\n")
+    os.replace(tmp, os.path.join(directory, f"{name}.prom"))
+
+
+def _labels(**kv):
+    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(kv.items())) + "}"
+
+
+# ---------------------------------------------------------------------------- the gate
+
+def _run(cmd, timeout):
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
+                              timeout=timeout)
+        return proc.returncode, proc.stdout
+    except FileNotFoundError:
+        return 127, f"{cmd[0]}: not found"
+    except subprocess.TimeoutExpired:
+        return 124, f"{' '.join(cmd)}: no answer in {timeout} s"
+
+
+def dcgmi_command(level, image):
+    """`dcgmi diag` on the host, else in the DCGM exporter's image (the DCGM it ships, with a host
+    engine of its own) — the stack's images carry no DCGM on the host."""
+    diag = ["dcgmi", "diag", "-r", str(level)]
+    if any(os.access(os.path.join(d, "dcgmi"), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep)):
+        return diag
+    return ["docker", "run", "--rm", "--gpus", "all", "--cap-add", "SYS_ADMIN", "--entrypoint", "sh", image,
+            "-c", "nv-hostengine && exec " + " ".join(diag)]
+
+
+def gate_checks(args):
+    """[(check, ok, detail)] in order; the first failures do not stop the others (one run says all)."""
+    results = []
+    code, out = _run(["nvidia-smi", "--query-gpu=index,persistence_mode", "--format=csv,noheader"], 60)
+    rows = [r.split(",") for r in out.strip().splitlines() if r.strip()] if code == 0 else []
+    results.append(("gpu_count", code == 0 and len(rows) == args.gpus,
+                    f"nvidia-smi sees {len(rows)} GPUs, the type has {args.gpus}" if code == 0 else out.strip()))
+    off = [r[0].strip() for r in rows if len(r) > 1 and r[1].strip().lower() != "enabled"]
+    if off:  # ParallelCluster's health check turns it on before DCGM; so do we, then look again
+        _run(["nvidia-smi", "-pm", "1"], 60)
+        code, out = _run(["nvidia-smi", "--query-gpu=index,persistence_mode", "--format=csv,noheader"], 60)
+        off = [r.split(",")[0].strip() for r in out.strip().splitlines()
+               if r.strip() and r.split(",")[-1].strip().lower() != "enabled"]
+    results.append(("persistence_mode", not off, f"persistence mode off on GPUs {','.join(off)}" if off else "on"))
+    if args.nvswitch:
+        code, out = _run(["systemctl", "is-active", "nvidia-fabricmanager"], 30)
+        results.append(("fabric_manager", out.strip() == "active", f"nvidia-fabricmanager is {out.strip() or code}"))
+    if args.diag_level:
+        code, out = _run(dcgmi_command(args.diag_level, args.dcgm_image), args.diag_timeout)
+        failed = [line.strip() for line in out.splitlines() if re.search(r"\bFail", line)]
+        ok = code == 0 and not failed
+        results.append(("dcgm_diag", ok, f"dcgmi diag -r {args.diag_level}: " +
+                        ("passed" if ok else (failed[0] if failed else f"exit {code}: {out.strip()[-200:]}"))))
+    if args.nvlinks:
+        code, out = _run(["nvidia-smi", "nvlink", "-s"], 60)
+        per_gpu, gpu = {}, None
+        for line in out.splitlines():
+            head = re.match(r"GPU (\d+):", line)
+            if head:
+                gpu = int(head.group(1))
+                per_gpu[gpu] = 0
+            elif gpu is not None and re.search(r"Link \d+: [\d.]+ GB/s", line):
+                per_gpu[gpu] += 1
+        short = {g: n for g, n in per_gpu.items() if n != args.nvlinks}
+        ok = code == 0 and len(per_gpu) == args.gpus and not short
+        results.append(("nvlink", ok, "all up" if ok else
+                        f"NVLinks up per GPU {per_gpu or out.strip()[-120:]}, expected {args.nvlinks} on each of {args.gpus}"))
+    return results
+
+
+def gate(args):
+    results = gate_checks(args)
+    failed = [(c, d) for c, ok, d in results if not ok]
+    labels = dict(cloud=args.cloud, group=args.group)
+    lines = ["# HELP gts_gpu_gate_ok 1 when the node passed its GPU boot gate; 0 keeps its trainer from starting.",
+             "# TYPE gts_gpu_gate_ok gauge", f"gts_gpu_gate_ok{_labels(**labels)} {0 if failed else 1}",
+             "# HELP gts_gpu_gate_check_ok Each boot-gate check (gpu_count, persistence_mode, fabric_manager, "
+             "dcgm_diag, nvlink).", "# TYPE gts_gpu_gate_check_ok gauge"]
+    lines += [f"gts_gpu_gate_check_ok{_labels(check=c, **labels)} {int(ok)}" for c, ok, _ in results]
+    if not failed:
+        write_textfile(args.textfile_dir, "gts_gpu_gate", lines)
+        log.info("GPU gate passed: %s", "; ".join(f"{c}: {d}" for c, _, d in results))
+        return 0
+    reason = "; ".join(f"{c}: {d}" for c, d in failed)
+    log.error("GPU gate FAILED, the trainer does not start and the node asks for its replacement: %s", reason)
+    spot.mark(args.run_dir)  # the trainer unit's ConditionPathExists: never started on this node
+    lines += replace_metric(labels, "gate:" + failed[0][0])
+    write_textfile(args.textfile_dir, "gts_gpu_gate", lines)
+    if not args.no_replace:
+        hand_back(args)
+    return 1
+
+
+# ---------------------------------------------------------------------------- handing the node back
+
+def replace_metric(labels, reason):
+    return ["# HELP gts_gpu_replace_requested 1 once this node asked its group to replace it (a GPU fault).",
+            "# TYPE gts_gpu_replace_requested gauge",
+            f"gts_gpu_replace_requested{_labels(reason=reason, **labels)} 1",
+            "# HELP gts_gpu_replace_requested_timestamp_seconds When (unix time).",
+            "# TYPE gts_gpu_replace_requested_timestamp_seconds gauge",
+            f"gts_gpu_replace_requested_timestamp_seconds{_labels(**labels)} {time.time():.0f}"]
+
+
+def _percent(text):
+    """Alibaba RPC percent-encoding: RFC 3986 unreserved characters stay."""
+    return urllib.parse.quote(str(text), safe="-_.~")
+
+
+def aws_set_unhealthy(creds, region, instance, url, now):
+    body = urllib.parse.urlencode({"Action": "SetInstanceHealth", "Version": "2011-01-01", "InstanceId": instance,
+                                   "HealthStatus": "Unhealthy", "ShouldRespectGracePeriod": "false"}).encode()
+    content = "application/x-www-form-urlencoded; charset=utf-8"
+    headers = cloudmeta.sign_v4("POST", url, region, creds, now, service="autoscaling", body=body,
+                                extra={"content-type": content})
+    headers.pop("host", None)
+    return urllib.request.Request(url, data=body, headers=headers, method="POST")
+
+
+def alicloud_set_unhealthy(creds, region, instance, url, now):
+    params = {"Action": "SetInstanceHealth", "Version": "2014-08-28", "RegionId": region, "InstanceId": instance,
+              "HealthStatus": "Unhealthy", "Format": "JSON", "AccessKeyId": creds.access_key,
+              "SecurityToken": creds.token, "SignatureMethod": "HMAC-SHA1", "SignatureVersion": "1.0",
+              "SignatureNonce": uuid.uuid4().hex, "Timestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    query = "&".join(f"{_percent(k)}={_percent(v)}" for k, v in sorted(params.items()))
+    to_sign = "GET&%2F&" + _percent(query)
+    digest = hmac.new((creds.secret_key + "&").encode(), to_sign.encode(), hashlib.sha1).digest()
+    signature = _percent(base64.b64encode(digest).decode())
+    return urllib.request.Request(f"{url.rstrip('/')}/?{query}&Signature={signature}", method="GET")
+
+
+def tencent_remove(creds, region, instance, group_id, url, now):
+    host = urllib.parse.urlsplit(url).netloc
+    body = json.dumps({"AutoScalingGroupId": group_id, "InstanceIds": [instance]}).encode()
+    content = "application/json; charset=utf-8"
+    day, stamp = now.strftime("%Y-%m-%d"), str(int(now.timestamp()))
+    canonical = "\n".join(["POST", "/", "", f"content-type:{content}\nhost:{host}\n", "content-type;host",
+                           hashlib.sha256(body).hexdigest()])
+    scope = f"{day}/as/tc3_request"
+    to_sign = "\n".join(["TC3-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+    key = ("TC3" + creds.secret_key).encode()
+    for part in (day, "as", "tc3_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    headers = {"Content-Type": content, "X-TC-Action": "RemoveInstances", "X-TC-Version": "2018-04-19",
+               "X-TC-Timestamp": stamp, "X-TC-Region": region, "X-TC-Token": creds.token,
+               "Authorization": f"TC3-HMAC-SHA256 Credential={creds.access_key}/{scope}, "
+                                f"SignedHeaders=content-type;host, Signature={signature}"}
+    return urllib.request.Request(url, data=body, headers=headers, method="POST")
+
+
+def api_url(cloud, region, override):
+    if override:
+        return override.rstrip("/") + "/"
+    return {"aws": f"https://autoscaling.{region}.amazonaws.com/", "alicloud": f"https://ess.{region}.aliyuncs.com/",
+            "tencentcloud": "https://as.tencentcloudapi.com/"}[cloud]
+
+
+def hand_back(args, attempts=5):
+    """Ask the node's group to replace this node; True once the cloud accepted. Retries transient
+    failures (the role's credentials, the network) a few times: the node is broken either way."""
+    meta = cloudmeta.Metadata(args.cloud, args.metadata_url)
+    for attempt in range(1, attempts + 1):
+        try:
+            instance = meta.get(INSTANCE_ID[args.cloud])
+            region = args.region or meta.get(REGION[args.cloud])
+            creds = meta.credentials()
+            now = dt.datetime.now(dt.timezone.utc)
+            url = api_url(args.cloud, region, args.api_url)
+            if args.cloud == "aws":
+                req = aws_set_unhealthy(creds, region, instance, url, now)
+            elif args.cloud == "alicloud":
+                req = alicloud_set_unhealthy(creds, region, instance, url, now)
+            else:
+                if not args.group_id:
+                    raise ValueError("--group-id (GTS_SCALING_GROUP_ID) is empty: Tencent's RemoveInstances needs it")
+                req = tencent_remove(creds, region, instance, args.group_id, url, now)
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                answer = resp.read().decode()
+            if args.cloud == "tencentcloud" and "Error" in json.loads(answer).get("Response", {}):
+                raise ValueError(f"RemoveInstances answered {answer}")
+            log.warning("asked the %s group to replace instance %s: %s", args.cloud, instance, answer.strip()[:300])
+            return True
+        except (OSError, ValueError, KeyError, cloudmeta.MetadataError) as exc:
+            detail = exc.read().decode()[:300] if hasattr(exc, "read") else str(exc)
+            log.error("replacement request %d/%d failed: %s", attempt, attempts, detail)
+            if attempt < attempts:
+                time.sleep(min(30.0, 2.0 ** attempt))
+    return False
+
+
+# ---------------------------------------------------------------------------- the watch
+
+def follow(path):
+    """Lines of the kernel log as they come: `journalctl -k -f` or, for tests, a file."""
+    if path:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            while True:
+                line = fh.readline()
+                if line:
+                    yield line
+                else:
+                    time.sleep(0.2)
+    proc = subprocess.Popen(["journalctl", "-k", "-f", "-n", "0", "-o", "short-iso"], stdout=subprocess.PIPE,
+                            universal_newlines=True)
+    yield from proc.stdout
+
+
+def restart_workers(trainer):
+    """Kill the training workers (the launcher's children): torchrun sees them fail and restarts
+    them from the newest committed checkpoint, on this node, within --max-restarts."""
+    script = ("for l in $(cat /proc/1/task/*/children); do for w in $(cat /proc/$l/task/*/children); "
+              "do kill -KILL $w; done; done")
+    if trainer.kind == "pid":
+        for launcher in _children(int(trainer.target)):
+            for worker in _children(launcher):
+                os.kill(worker, signal.SIGKILL)
+    elif trainer.kind == "docker":
+        subprocess.run(["docker", "exec", trainer.target, "sh", "-c", script], check=False)
+    else:
+        for cid in trainer._crictl_ids():
+            subprocess.run(["crictl", "exec", cid, "sh", "-c", script], check=False)
+
+
+def _children(pid):
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children", encoding="utf-8") as fh:
+                found += [int(c) for c in fh.read().split()]
+    except OSError:
+        pass
+    return found
+
+
+class Watch:
+    def __init__(self, args):
+        self.args = args
+        self.table, self.unknown, self.doc = load_table(args.table)
+        self.trainer = spot.Trainer(args.action)
+        self.labels = dict(cloud=args.cloud, group=args.group)
+        self.counts = {}
+        self.replacing = False
+        self.extra = []
+
+    def metrics(self):
+        lines = ["# HELP gts_gpu_watch_up 1 while the node's Xid watch runs.", "# TYPE gts_gpu_watch_up gauge",
+                 f"gts_gpu_watch_up{_labels(**self.labels)} 1",
+                 "# HELP gts_gpu_xid_events_total NVRM Xid lines in the kernel log, by code and the action taken.",
+                 "# TYPE gts_gpu_xid_events_total counter"]
+        lines += [f"gts_gpu_xid_events_total{_labels(xid=str(code), action=action, **self.labels)} {n}"
+                  for (code, action), n in sorted(self.counts.items())]
+        write_textfile(self.args.textfile_dir, "gts_gpu_watch", lines + self.extra)
+
+    def handle(self, line):
+        match = XID.search(line)
+        if not match:
+            return None
+        code = int(match.group("code"))
+        action, known = classify(self.table, self.unknown, code)
+        self.counts[(code, action)] = self.counts.get((code, action), 0) + 1
+        note = self.doc["xid"].get(action, {}).get("notes", {}).get(code, "") if known else \
+            "not in gpu_health.yaml: monitored only"
+        log.warning("Xid %d on %s (%s): %s%s", code, match.group("pci"), note or match.group("text") or "", action,
+                    "" if known else " (unknown Xid)")
+        if action == "replace" and not self.replacing:
+            self.replacing = True
+            self.extra = replace_metric(self.labels, f"xid:{code}")
+            self.metrics()
+            self.replace()
+        elif action == "restart" and not self.replacing:
+            restart_workers(self.trainer)
+            log.warning("Xid %d: the training workers were killed; torchrun restarts them from the newest "
+                        "committed checkpoint", code)
+        self.metrics()
+        return action
+
+    def replace(self):
+        spot.mark(self.args.run_dir)  # the trainer unit is never started again on this node
+        goes = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=self.args.checkpoint_wait + spot.MARGIN_S)
+        took = spot.emergency_checkpoint(self.trainer, goes)
+        if took is None:
+            log.error("no emergency checkpoint within %.0f s; the node goes anyway (the run resumes from the newest "
+                      "committed one)", self.args.checkpoint_wait)
+        hand_back(self.args)
+
+    def run(self):
+        self.metrics()
+        log.info("watching the kernel log%s for NVRM Xid lines", f" {self.args.kernel_log}" if self.args.kernel_log else "")
+        for line in follow(self.args.kernel_log):
+            self.handle(line)
+            if self.replacing and self.args.once:
+                return 0
+        return 0
+
+
+# ---------------------------------------------------------------------------- main
+
+def main(argv=None):
+    env = os.environ.get
+    parser = argparse.ArgumentParser(description="GPU boot gate and Xid watch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("gate", "watch"):
+        p = sub.add_parser(name)
+        p.add_argument("--cloud", choices=sorted(cloudmeta.CLOUDS), default=env("GTS_CLOUD"))
+        p.add_argument("--group", default=env("GTS_NODE_GROUP", ""))
+        p.add_argument("--group-id", default=env("GTS_SCALING_GROUP_ID", ""),
+                       help="the scaling group's id (Tencent RemoveInstances)")
+        p.add_argument("--region", default="", help="default: the metadata service's")
+        p.add_argument("--metadata-url", default=env("GTS_METADATA_URL") or None)
+        p.add_argument("--api-url", default="", help="the scaling API's endpoint (tests)")
+        p.add_argument("--textfile-dir", default="/var/lib/node_exporter/textfile")
+        p.add_argument("--run-dir", default=env("GTS_RUN_DIR", "/run/gpu-training"))
+        p.add_argument("--no-replace", action="store_true", help="report only (Kubernetes: the cloud's repair acts)")
+    g = sub.choices["gate"]
+    g.add_argument("--gpus", type=int, default=int(env("GTS_GPU_COUNT") or env("NPROC_PER_NODE") or 0),
+                   help="the type's GPU count (node.env: NPROC_PER_NODE, one process per GPU)")
+    g.add_argument("--nvswitch", action="store_true", default=env("GTS_NVSWITCH") == "true")
+    g.add_argument("--nvlinks", type=int, default=int(env("GTS_NVLINKS") or 0), help="active NVLinks per GPU (0: skip)")
+    g.add_argument("--diag-level", type=int, choices=(0, 1, 2), default=int(env("GTS_GPU_DIAG_LEVEL") or 1))
+    g.add_argument("--diag-timeout", type=float, default=900.0)
+    g.add_argument("--dcgm-image", default=env("GTS_DCGM_EXPORTER_IMAGE", ""))
+    w = sub.choices["watch"]
+    w.add_argument("--action", default=env("GTS_SPOT_ACTION"), help="pid:N | docker:CONTAINER | crictl:NAME")
+    w.add_argument("--table", default=DEFAULT_TABLE)
+    w.add_argument("--kernel-log", default="", help="follow this file instead of journalctl -k")
+    w.add_argument("--checkpoint-wait", type=float, default=600.0, help="seconds the emergency checkpoint may take")
+    w.add_argument("--once", action="store_true", help="exit after a replacement (tests)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+    if not args.cloud:
+        parser.error("--cloud (GTS_CLOUD) is required")
+    if args.command == "gate":
+        if args.gpus < 1:
+            parser.error("--gpus (GTS_GPU_COUNT) must be the node type's GPU count")
+        return gate(args)
+    if not args.action:
+        parser.error("--action (GTS_SPOT_ACTION) is required")
+    return Watch(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

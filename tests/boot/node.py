@@ -1,0 +1,319 @@
+"""A node booted for real: the plan's exact user data through real cloud-init under real systemd
+(PID 1 of `systemd-nspawn -b`), in a network namespace with no route out, where the cloud's
+metadata service answers on 169.254.169.254 (tests/metadata_server.py) and an object store (moto,
+over TLS, refusing anything not signed with the role's current key) serves the node bundle.
+
+The base root (Debian bookworm from debootstrap: systemd, cloud-init, python3) is built once and
+cached outside the repository, keyed by its package list; each boot is an overlay on it, kept for
+the scenario's reboots. What the Deep Learning AMI brings is stood in: docker (tests/boot/docker,
+recording), nvidia-smi, nvidia-ctk and an enabled docker.service."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import pytest
+
+from tests.metadata_server import FakeMetadata
+
+HERE = Path(__file__).parent
+SUITE, MIRROR = "bookworm", os.environ.get("GTS_BOOT_MIRROR", "http://deb.debian.org/debian")
+# python3-cffi-backend by name: debootstrap does not resolve the virtual package cryptography needs
+# (cloud-init would stay unconfigured); locales: cloud-init's locale module needs locale-gen, as on Ubuntu.
+PACKAGES = ("systemd", "systemd-sysv", "dbus", "cloud-init", "python3", "python3-cffi-backend", "ca-certificates",
+            "curl", "iproute2", "util-linux", "procps", "apt", "openssl", "locales")
+STORE_ADDRESS = "10.99.0.2"  # the object store (and ECR) inside the node's network namespace
+METADATA_ADDRESS = "169.254.169.254"
+CLONE_NEWNET = 0x40000000
+# Stand-ins for what the Deep Learning AMI preinstalls (the driver works; Docker and the toolkit are in).
+AMI_STUBS = {
+    "usr/bin/nvidia-smi": "#!/bin/sh\necho 'NVIDIA-SMI stand-in: 8 GPUs'\n",
+    "usr/bin/nvidia-ctk": "#!/bin/sh\necho \"nvidia-ctk $*\" >> /var/log/gts-nvidia-ctk.calls\n",
+    "etc/systemd/system/docker.service": "[Unit]\nDescription=Docker (stand-in)\n[Service]\nType=oneshot\n"
+                                         "RemainAfterExit=yes\nExecStart=/bin/true\n[Install]\nWantedBy=multi-user.target\n",
+    "etc/cloud/cloud.cfg.d/90-gts-boot.cfg": "datasource_list: [NoCloud, None]\n",
+}
+T = TypeVar("T")
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skip loudly where the host cannot boot a node; CI must never skip."""
+    if os.environ.get("CI"):
+        pytest.fail(reason + " — CI must run the boot test")
+    pytest.skip("BOOT TEST NOT RUN: " + reason)
+
+
+def check_host() -> None:
+    if os.geteuid() != 0:
+        skip_or_fail("needs root (debootstrap, mounts, network namespaces)")
+    for tool, package in (("debootstrap", "debootstrap"), ("systemd-nspawn", "systemd-container"),
+                          ("ip", "iproute2"), ("unshare", "util-linux"), ("openssl", "openssl")):
+        if shutil.which(tool) is None:
+            skip_or_fail(f"{tool} is missing: `make tools` installs Debian's {package} (apt-get install {package})")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("GTS_BOOT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gts-boot")
+    key = hashlib.sha256(json.dumps([SUITE, MIRROR, PACKAGES, AMI_STUBS]).encode()).hexdigest()[:16]
+    return Path(base) / key
+
+
+def base_image() -> Path:
+    """The cached base root (built under a lock: parallel workers wait for one build)."""
+    check_host()
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    root = cache / "root"
+    with open(cache / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (cache / "ready").exists():
+            return root
+        shutil.rmtree(cache / "building", ignore_errors=True)
+        proc = subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE,
+                               str(cache / "building"), MIRROR], capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            skip_or_fail(f"debootstrap {SUITE} from {MIRROR} failed: {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+        building = cache / "building"
+        audit = subprocess.run(["chroot", str(building), "dpkg", "--audit"], capture_output=True, text=True, timeout=120)
+        if audit.stdout.strip():
+            skip_or_fail(f"debootstrap left packages unconfigured: {audit.stdout[-1500:]}")
+        for path, text in AMI_STUBS.items():
+            target = building / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+            target.chmod(0o755 if "/bin/" in path else 0o644)
+        wants = building / "etc/systemd/system/multi-user.target.wants"
+        wants.mkdir(parents=True, exist_ok=True)
+        (wants / "docker.service").symlink_to("/etc/systemd/system/docker.service")
+        # The store's certificate authority, trusted by the node (the clouds' endpoints are public CAs).
+        ca = cache / "ca"
+        ca.mkdir(exist_ok=True)
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650",
+                        "-subj", "/CN=gts boot test CA", "-keyout", str(ca / "ca.key"), "-out", str(ca / "ca.crt")],
+                       check=True, capture_output=True, timeout=120)
+        shutil.copy(ca / "ca.crt", building / "usr/local/share/ca-certificates/gts-boot-ca.crt")
+        subprocess.run(["chroot", str(building), "update-ca-certificates"], check=True, capture_output=True, timeout=120)
+        shutil.rmtree(root, ignore_errors=True)
+        building.rename(root)
+        (cache / "ready").touch()
+    return root
+
+
+def _setns_thread(netns: str, fn: Callable[[], T]) -> T:
+    """Run `fn` on a thread that has joined `netns`: the sockets it opens live there."""
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns")
+        finally:
+            os.close(fd)
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            out["error"] = exc
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]  # type: ignore[no-any-return]
+
+
+class Store:
+    """moto over TLS on STORE_ADDRESS:443, answering for the clouds' storage and ECR host names;
+    a request not signed with the metadata server's current key is refused (403)."""
+
+    def __init__(self, netns: str, workdir: Path, meta: FakeMetadata, names: tuple[str, ...]):
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+        from werkzeug.serving import make_server
+
+        ca = cache_dir() / "ca"
+        key, csr, crt = workdir / "store.key", workdir / "store.csr", workdir / "store.crt"
+        ext = workdir / "ext.cnf"
+        ext.write_text("subjectAltName=" + ",".join([f"IP:{STORE_ADDRESS}", *(f"DNS:{n}" for n in names)]) + "\n")
+        subprocess.run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=store", "-keyout", str(key),
+                        "-out", str(csr)], check=True, capture_output=True, timeout=60)
+        subprocess.run(["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca / "ca.crt"), "-CAkey",
+                        str(ca / "ca.key"), "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(crt)],
+                       check=True, capture_output=True, timeout=60)
+        self.meta = meta
+        self.refused: list[str] = []
+        self.served: list[str] = []
+        moto_app = DomainDispatcherApplication(create_backend_app)
+        owner = self
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+            auth = environ.get("HTTP_AUTHORIZATION", "")
+            what = f"{environ['REQUEST_METHOD']} {environ.get('HTTP_HOST')}{environ.get('PATH_INFO')}"
+            if not owner.setting_up and owner.meta.access_key() not in auth:
+                owner.refused.append(what)
+                start_response("403 Forbidden", [("Content-Type", "text/plain")])
+                return [b"AccessDenied: not signed with the node role's credentials\n"]
+            owner.served.append(what)
+            return moto_app(environ, start_response)
+
+        self.setting_up = True
+        self.netns = netns
+        self.server = _setns_thread(netns, lambda: make_server(STORE_ADDRESS, 443, app, threaded=True,
+                                                               ssl_context=(str(crt), str(key))))
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def setup(self, fn: Callable[[], T]) -> T:
+        """Run setup calls (boto3 against https://STORE_ADDRESS) from inside the namespace."""
+        self.setting_up = True
+        try:
+            return _setns_thread(self.netns, fn)
+        finally:
+            self.setting_up = False
+
+    def stop(self) -> None:
+        self.server.shutdown()
+
+
+class Node:
+    """One node's boots: an overlay over the base root, its seed, its namespace and servers."""
+
+    def __init__(self, workdir: Path, cloud: str, user_data: bytes, hosts: tuple[str, ...],
+                 instance: str = "i-0boot0000000001", nspawn_args: tuple[str, ...] = ()):
+        """`hosts`: the store's names (the bucket, storage and registry endpoints), resolved by the
+        node's /etc/hosts to the store and named in its certificate."""
+        self.base = base_image()
+        self.workdir = workdir
+        self.upper, self.work, self.merged = workdir / "upper", workdir / "work", workdir / "merged"
+        for d in (self.upper, self.work, self.merged):
+            d.mkdir(parents=True, exist_ok=True)
+        self.netns = f"gts-boot-{os.getpid()}-{abs(hash(workdir)) % 100000}"
+        subprocess.run(["ip", "netns", "add", self.netns], check=True, capture_output=True)
+        for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "addr", "add", f"{METADATA_ADDRESS}/32", "dev", "lo"],
+                    ["ip", "addr", "add", f"{STORE_ADDRESS}/32", "dev", "lo"]):
+            subprocess.run(["ip", "netns", "exec", self.netns, *cmd], check=True, capture_output=True)
+        self.meta = _setns_thread(self.netns, lambda: FakeMetadata(cloud, host=METADATA_ADDRESS, port=80)).start()
+        self.store = Store(self.netns, workdir, self.meta, hosts)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.nspawn_args = nspawn_args
+        self.boots = 0
+        seed = self.upper / "var/lib/cloud/seed/nocloud"
+        seed.mkdir(parents=True)
+        (seed / "user-data").write_bytes(user_data)  # the plan's bytes, unchanged
+        (seed / "meta-data").write_text(f"instance-id: {instance}\nlocal-hostname: gts-node\n")
+        etc_hosts = self.upper / "etc/hosts"
+        etc_hosts.parent.mkdir(parents=True, exist_ok=True)
+        etc_hosts.write_text("127.0.0.1 localhost gts-node\n" + "".join(f"{STORE_ADDRESS} {n}\n" for n in hosts))
+
+    def file(self, path: str) -> Path:
+        """A file the node wrote (the overlay's upper layer) or the base image has."""
+        upper = self.upper / path.lstrip("/")
+        return upper if upper.exists() else self.base / path.lstrip("/")
+
+    def drop_in(self, unit: str, text: str) -> None:
+        """A test-only timing override (e.g. a shorter RestartSec), next to the unit under test."""
+        d = self.upper / f"etc/systemd/system/{unit}.d"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "90-boot-test.conf").write_text(text)
+
+    def boot(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None
+        self.boots += 1
+        log = open(self.workdir / f"console-{self.boots}.log", "wb")
+        script = ("mkdir -p /run/systemd/nspawn && mount -t tmpfs tmpfs /run/systemd/nspawn && "
+                  f"mount -t overlay overlay -o lowerdir={self.base},upperdir={self.upper},workdir={self.work} "
+                  f"{self.merged} && exec systemd-nspawn -q -D {self.merged} -b --register=no --keep-unit "
+                  f"--network-namespace-path=/run/netns/{self.netns} --console=pipe --hostname=gts-node {' '.join(self.nspawn_args)}")
+        # A private mount namespace: nspawn's propagation tmpfs and the overlay vanish with it.
+        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def wait_exit(self, timeout: float) -> int:
+        """The container's own exit: 0 after poweroff/halt, 133 after a reboot (systemd-nspawn(1))."""
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def init_pid(self) -> int:
+        """The host pid of the container's PID 1."""
+        assert self.proc is not None
+        todo = [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            with contextlib.suppress(OSError):
+                status = Path(f"/proc/{pid}/status").read_text()
+                nspid = [line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")][0]
+                if len(nspid) > 1 and nspid[-1] == "1":
+                    return pid
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+        raise AssertionError("the container has no PID 1 (it did not boot)")
+
+    def sh(self, command: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """A command inside the running node (its namespaces, as root)."""
+        return subprocess.run(["nsenter", "-t", str(self.init_pid()), "-m", "-u", "-i", "-n", "-p", "--",
+                               "/bin/sh", "-c", command], capture_output=True, text=True, timeout=timeout)
+
+    def wait_for(self, check: Callable[[], bool], what: str, timeout: float = 240) -> None:
+        """Wait on an event the node produces (a file, a unit state), never a fixed time."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if check():
+                return
+            if self.proc is not None and self.proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        raise AssertionError(f"{what}: not seen (boot {self.boots})\n{self.journal_text()[-6000:]}")
+
+    def docker_calls(self) -> list[str]:
+        path = self.file("/var/log/gts-docker.calls")
+        return path.read_text().splitlines() if path.exists() else []
+
+    def journal(self) -> list[dict[str, Any]]:
+        proc = subprocess.run(["journalctl", "-D", str(self.upper / "var/log/journal"), "-o", "json", "--no-pager"],
+                              capture_output=True, text=True, timeout=120)
+        return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+    def journal_text(self) -> str:
+        proc = subprocess.run(["journalctl", "-D", str(self.upper / "var/log/journal"), "-o", "short-precise",
+                               "--no-pager"], capture_output=True, text=True, timeout=120)
+        return proc.stdout
+
+    def poweroff(self, timeout: float = 120) -> int:
+        """SIGTERM to systemd-nspawn asks the container's systemd to shut down cleanly."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        with contextlib.suppress(AssertionError):
+            os.kill(self.init_pid(), signal.SIGRTMIN + 4)  # systemd: poweroff
+        return self.wait_exit(timeout)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.poweroff(timeout=60)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.store.stop()
+        self.meta.stop()
+        subprocess.run(["ip", "netns", "delete", self.netns], capture_output=True)
+
+
+def bucket_host(env: dict[str, str]) -> tuple[str, str, str]:
+    """(bucket, key, host name) of the bundle as the node's fetcher addresses it."""
+    url = urllib.parse.urlsplit(env["GTS_BUNDLE_URL"])
+    endpoint = urllib.parse.urlsplit(env["STORAGE_ENDPOINT_URL"]).netloc
+    virtual = env.get("STORAGE_ADDRESSING_STYLE", "virtual") == "virtual"
+    return url.netloc, url.path.lstrip("/"), f"{url.netloc}.{endpoint}" if virtual else endpoint

@@ -1,0 +1,163 @@
+"""Node kinds booted for real (`make boot-test`; in `make test` too): the plan's exact user data
+through real cloud-init under real systemd in `systemd-nspawn -b`, the bundle fetched over TLS
+from a local object store with the role credentials of a local metadata service on
+169.254.169.254, in a network namespace with no route out (tests/boot/node.py). Skips loudly
+where the host cannot boot a container; fails in CI instead."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from tests.boot.node import STORE_ADDRESS, Node, bucket_host, cache_dir
+from tests.harness import shipped
+from tests.nodes import lay_down, node_env, user_data
+
+pytestmark = pytest.mark.boot
+HERE = Path(__file__).parent
+BUNDLE_TYPES = {"aws": "aws:s3/bucketObject:BucketObject"}
+TRAINER_FLAGS = ("--gpus all", "--ipc=host", "--network host", "--ulimit memlock=-1", "--ulimit stack=67108864",
+                 "--stop-timeout 110", "--env-file /etc/gpu-training/node.env")
+
+
+def _env_of(raw: bytes, tmp: Path) -> dict[str, str]:
+    lay_down(raw, tmp)
+    return node_env(tmp)
+
+
+@pytest.fixture()
+def booted(tmp_path: Path) -> Iterator[Any]:
+    nodes: list[Node] = []
+
+    def make(stack: str, type_token: str, name: str, path: tuple[str, ...] = ("userData",)) -> tuple[Node, dict[str, str]]:
+        raw = user_data(type_token, name, path, stack=stack)
+        env = _env_of(raw, tmp_path / "decoded")
+        cloud = env["GTS_CLOUD"]
+        bucket, key, host = bucket_host(env)
+        region = env["STORAGE_REGION"]
+        node = Node(tmp_path / "node", cloud, raw,
+                    (host, urlhost(env["STORAGE_ENDPOINT_URL"]), f"api.ecr.{region}.amazonaws.com"),
+                    # The DLAMI has assembled the instance store at /opt/dlami/nvme (a mount).
+                    nspawn_args=("--tmpfs=/opt/dlami/nvme",) if cloud == "aws" else ())
+        nodes.append(node)
+        (node.upper / "usr/bin").mkdir(parents=True, exist_ok=True)
+        shutil.copy(HERE / "boot" / "docker", node.upper / "usr/bin/docker")  # as the DLAMI has docker
+        (obj,) = [r for r in shipped(stack) if r.type == BUNDLE_TYPES[cloud] and r.cloud == cloud
+                  and r.inputs["key"] == key]
+        body = obj.inputs["content"].encode()
+
+        def put() -> None:
+            import boto3
+            from botocore.config import Config
+
+            s3 = boto3.client("s3", endpoint_url=f"https://{STORE_ADDRESS}", region_name=region,
+                              aws_access_key_id="setup", aws_secret_access_key="setup",
+                              verify=str(cache_dir() / "ca/ca.crt"), config=Config(s3={"addressing_style": "path"}))
+            s3.create_bucket(Bucket=bucket) if region == "us-east-1" else s3.create_bucket(
+                Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": region})
+            s3.put_object(Bucket=bucket, Key=key, Body=body)
+
+        node.store.setup(put)
+        return node, env
+
+    yield make
+    for node in nodes:
+        node.close()
+
+
+def urlhost(url: str) -> str:
+    return re.sub(r"^https?://", "", url).split("/")[0]
+
+
+def _unit_is(node: Node, unit: str, state: str) -> bool:
+    return node.sh(f"systemctl is-active {unit}").stdout.strip() == state
+
+
+def _trainer_runs(node: Node) -> list[str]:
+    return [c for c in node.docker_calls() if c.startswith("docker run") and "--name gts-trainer" in c]
+
+
+def _started(node: Node) -> list[str]:
+    """gts-* units in the order systemd finished starting them (from the node's journal)."""
+    order = []
+    for entry in node.journal():
+        unit = entry.get("UNIT", "")
+        if entry.get("JOB_TYPE") == "start" and entry.get("JOB_RESULT") == "done" and unit.startswith("gts-"):
+            order.append(unit)
+    return order
+
+
+def _check_trainer_run(run: str, env: dict[str, str]) -> None:
+    assert re.search(r" \S+@sha256:[0-9a-f]{64}$", run), run  # the image by digest, no arguments
+    for flag in TRAINER_FLAGS:
+        assert flag in run, (flag, run)
+    scratch = env["GTS_SCRATCH_DIR"]
+    assert f"-v {scratch}:{scratch}" in run, run
+    assert re.search(r"-v \S+:\S+:ro", run), run  # the dataset directory, read-only
+
+
+def _no_failed_units(node: Node) -> None:
+    failed = node.sh("systemctl list-units --failed --plain --no-legend --no-pager").stdout
+    # cloud-config.service fails in this Debian minbase root on cloud-init's locale module (not on the
+    # user data: write_files runs in cloud-init.service, runcmd in cloud-final.service).
+    bad = [line.split()[0] for line in failed.splitlines() if line.strip() and not line.startswith("cloud-config.")]
+    why = {unit: node.sh(f"journalctl -b -u {unit} --no-pager | tail -25; "
+                         f"grep -B2 -A8 -E 'Traceback|failed' /var/log/cloud-init.log | tail -40").stdout
+           for unit in bad}
+    assert not bad, why
+
+
+def test_dev_aws_fleet_boots_on_the_dlami_to_a_running_trainer_and_stops_on_a_spot_notice(booted: Any) -> None:
+    node, env = booted("dev", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
+    node.boot()
+    node.wait_for(lambda: bool(_trainer_runs(node)), "the trainer's docker run")
+    node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "active"), "gts-trainer active")
+    (run,) = _trainer_runs(node)
+    _check_trainer_run(run, env)
+    order = _started(node)
+    assert order.index("gts-fetch.service") < order.index("gts-bootstrap.service") < order.index("gts-trainer.service")
+    assert order.index("gts-scratch.service") < order.index("gts-trainer.service")
+    _no_failed_units(node)
+    # The bundle came signed with the role's key; an unsigned request is refused.
+    assert any("/nodes/bundle-" in s for s in node.store.served), node.store.served
+    assert not [r for r in node.store.refused if "/nodes/bundle-" in r], node.store.refused
+    unsigned = node.sh(f"curl -s -o /dev/null -w '%{{http_code}}' https://{bucket_host(env)[2]}/{bucket_host(env)[1]}")
+    assert unsigned.stdout == "403", unsigned
+    # A spot notice: the watcher marks the node and signals the trainer container; it is not restarted.
+    node.meta.spot_notice = '{"action": "terminate", "time": "2030-01-01T00:00:00Z"}'
+    node.wait_for(lambda: node.sh("test -e /run/gpu-training/spot-notice").returncode == 0, "the spot notice mark")
+    node.wait_for(lambda: any(c.startswith("docker kill --signal TERM gts-trainer") for c in node.docker_calls()),
+                  "docker kill --signal TERM gts-trainer")
+    node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "inactive"), "the trainer stopped")
+    assert len(_trainer_runs(node)) == 1  # never started again on a reclaimed node
+
+
+@pytest.mark.xfail(strict=False, reason="the prod group mounts NFS (gts-shared installs nfs-common, which the "
+                   "namespace cannot download, then mounts): the boot test has no NFS stand-in yet")
+def test_prod_aws_group_caches_its_dataset_then_trains_also_when_the_copy_fails_first(booted: Any) -> None:
+    node, env = booted("prod", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
+    state = node.upper / "var/lib/gts-docker-stub"
+    state.mkdir(parents=True)
+    (state / "dataset-failures").write_text("1")  # the first copy fails
+    node.drop_in("gts-dataset.service", "[Service]\nRestartSec=1\n")  # the retry without its minute's wait
+    node.boot()
+    node.wait_for(lambda: bool(_trainer_runs(node)), "the trainer's docker run after the dataset's retry")
+    node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "active"), "gts-trainer active")
+    copies = [c for c in node.docker_calls() if "training.datasync" in c]
+    assert len(copies) == 2, copies  # failed once, then succeeded
+    for copy in copies:
+        assert re.search(r" --entrypoint python \S+@sha256:[0-9a-f]{64} -m training\.datasync ", copy), copy
+    assert node.sh("cat /scratch/datasets/current/.gts-copied").stdout.strip() == env["DATASET_URL"]
+    calls = node.docker_calls()
+    assert calls.index(copies[-1]) < calls.index(_trainer_runs(node)[0])
+    (run,) = _trainer_runs(node)
+    _check_trainer_run(run, env)
+    # The RAM copy (GTS_TMPFS_GB) is what the trainer reads, mounted into the container.
+    data_dir = node.sh(". /etc/gpu-training/node.env; echo $DATA_DIR").stdout.strip()
+    assert f"-v {data_dir}:{data_dir}:ro" in run, (data_dir, run)
+    assert "Dependency failed for gts-trainer.service" in node.journal_text()  # the fault did happen
+    assert node.sh("systemctl is-failed gts-dataset.service").stdout.strip() == "active"
