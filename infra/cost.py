@@ -15,7 +15,7 @@ from typing import Any
 from croniter import croniter
 
 from infra import catalog as cat
-from infra import rendezvous, sharedfs
+from infra import fabric, rendezvous, sharedfs
 from infra.groups import ResolvedGroup, Stack
 from infra.spec import NodeGroup, StackSpec
 
@@ -85,6 +85,12 @@ class GroupCost:
     spot_max_price: float | None  # per node-hour in `currency`, what the cloud is sent
     currency: str  # the group's cloud bills in this (the catalog row's) currency
     spot_max_price_basis: str  # "spotMaxPriceUsd" | "on-demand price (no cap given)" | ""
+    fabric: str = "none"  # efa | erdma | hcc | none (infra/fabric.py)
+    fabric_interfaces: int = 0  # network interfaces declared per node for it
+    fabric_devices: int = 0  # fabric devices each node must see
+    fabric_gbps: int = 0
+    placement: str = ""  # the group's placement resource (placement group, deployment set, HCC cluster)
+    placement_monthly_usd: float = 0.0  # what it costs (all three: nothing)
 
 
 def group_cost(rg: ResolvedGroup) -> GroupCost:
@@ -123,6 +129,7 @@ def group_cost(rg: ResolvedGroup) -> GroupCost:
         spot_max_price=round(rg.bid_cap, 4) if rg.spot else None, currency=item.currency,
         spot_max_price_basis=("" if not rg.spot else "spotMaxPriceUsd" if rg.price_cap is not None
                               else "on-demand price (no cap given)"),
+        **fabric.summary(rg),
     )
 
 
@@ -182,7 +189,8 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
         registry = registry_monthly_usd(spec, cloud)
         stores = rendezvous_monthly_usd(stack, cloud)
         shared = round(sharedfs.monthly_usd(spec, cloud), 2)
-        fixed = storage + clusters + nat + registry + stores + shared
+        placement = round(sum(g.placement_monthly_usd for g in mine), 2)
+        fixed = storage + clusters + nat + registry + stores + shared + placement
         monthly = sum(g.monthly_usd for g in mine) + fixed
         by_cloud[cloud] = {
             "hourly_usd": round(monthly / cat.HOURS_PER_MONTH, 4),
@@ -195,6 +203,7 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
             "registry_monthly_usd": registry,
             "rendezvous_monthly_usd": stores,
             "shared_fs_monthly_usd": shared,
+            "placement_monthly_usd": placement,  # placement groups, deployment sets, HCC clusters
         }
     monthly = sum(c["monthly_usd"] for c in by_cloud.values())
     on_demand = sum(c["on_demand_monthly_usd"] for c in by_cloud.values())

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from infra import catalog as cat
+from infra import fabric as fab
 from infra.buckets import Bucket, bucket
 from infra.contract import trainer_env
 from infra.spec import GpuRequirement, Market, NodeGroup, ScheduleAction, Scaling, StackSpec
@@ -53,6 +54,7 @@ class ResolvedGroup:
     prices: NodePrices
     bucket: Bucket  # the stack's bucket on the group's cloud
     trainer: dict[str, str] = field(default_factory=dict)  # the trainer contract's values (infra/contract.py)
+    fabric: fab.TypeFabric | None = None  # the multi-node fabric its nodes get (infra/fabric.py)
 
     # -- the spec entry, by name ------------------------------------------------------
     @property
@@ -172,7 +174,10 @@ def instance_types(spec: StackSpec, group: NodeGroup, catalog: cat.Catalog) -> t
         picks = [c for c in cat.select(catalog, [group.cloud], requirement(spec, group), spec.pricing.cny_per_usd,
                                        region)
                  if group.kind != "vm" or not cat.vm_gpu_unsupported(group.cloud, c.type.gpu_model)]
-        types = [c.type.instance_type for c in picks[:4]] + group.fallback_types
+        picked = [c.type.instance_type for c in picks[:4]]
+        if picked and fab.wanted(group, picked[0]):  # one interface layout per launch configuration
+            picked = fab.same_fabric(group.cloud, picked)
+        types = picked + group.fallback_types
     return tuple(dict.fromkeys(types))
 
 
@@ -206,7 +211,7 @@ def resolve_group(spec: StackSpec, group: NodeGroup, index: int, catalog: cat.Ca
         group=group, index=index, region=region, types=types,
         primary=primary, scratch_gb=scratch.size_gb, scratch_disk_gb=disk_gb,
         price_cap=_price_cap(spec, group, primary), prices=_prices(spec, group, primary, disk_gb),
-        bucket=bucket(spec, group.cloud))
+        bucket=bucket(spec, group.cloud), fabric=fab.wanted(group, types[0]))
 
 
 @dataclass(frozen=True)

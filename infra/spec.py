@@ -216,6 +216,10 @@ class NodeGroup(SpecModel):
                                                              "from the stack's training section.")
     shared_fs: bool = Field(False, description="Mount the network's shared file system (networks[].sharedFs) on "
                                                "these nodes, at its mountPath, in the training container too.")
+    fabric: Literal["auto", "none", "efa", "erdma", "hcc"] = Field(
+        "auto", description="Multi-node fabric: efa (AWS), erdma (Alibaba), hcc (Tencent) on the types that have "
+                            "one (infra/data/fabric.csv); auto: on for a multi-node training group on such a type; "
+                            "none: NCCL over the ordinary network.")
 
     @model_validator(mode="after")
     def _type_or_requirement(self) -> NodeGroup:

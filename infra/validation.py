@@ -143,6 +143,10 @@ def check(spec: StackSpec) -> list[Problem]:
         problems += sharedfs.check(spec)
     if not problems:  # resolving the groups needs every provider limit met
         problems += _check_workable(spec)
+    if not problems:  # each group's fabric against its resolved types (infra/fabric.py)
+        from infra import fabric
+
+        problems += fabric.check(spec)
     if not problems:  # the commands are checked against the resolved groups' trainer contract
         problems += commands.check(spec)
     if not problems and spec.kubernetes.queues:  # the teams' queues against the resolved pools

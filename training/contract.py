@@ -77,6 +77,35 @@ VARS = (WORKLOAD, TRAIN_STEPS, DATA_DIR, DATASET_URL, CHECKPOINT_URL, CHECKPOINT
         NODE_HOURLY_USD, MLFLOW_TRACKING_URI, STORAGE_ENDPOINT_URL, STORAGE_REGION, STORAGE_ADDRESSING_STYLE,
         STORAGE_CREDENTIALS, AWS_REGION, GTS_CLOUD, GTS_NODE_GROUP, GTS_TEAM)
 NAMES = frozenset(v.name for v in VARS)
+
+# The multi-node fabric's settings (infra/fabric.py, data/fabric.csv), set only where they apply:
+# NCCL and libfabric read them, the trainer does not. On a VM node the fabric check
+# (gts-fabric.sh) adds what differs per node (the RDMA devices it sees) in its own env file.
+FABRIC = "the stack, for a group with a fabric (nodeGroups[].fabric)"
+GTS_FABRIC = Var("GTS_FABRIC", "the group's fabric: efa | erdma | hcc", FABRIC)
+GTS_FABRIC_DEVICES = Var("GTS_FABRIC_DEVICES", "fabric devices each node must see before it joins a run", FABRIC)
+NCCL_DEBUG = Var("NCCL_DEBUG", "NCCL log level (WARN; the node's fabric check runs with INFO)", STACK)
+NCCL_SOCKET_IFNAME = Var("NCCL_SOCKET_IFNAME", "interfaces NCCL bootstraps over (VMs: ^lo,docker; a fabric's: its "
+                         "VPC interface)", STACK)
+FI_PROVIDER = Var("FI_PROVIDER", "libfabric provider: efa (aws-ofi-nccl then carries NCCL over EFA)", FABRIC)
+FI_EFA_USE_DEVICE_RDMA = Var("FI_EFA_USE_DEVICE_RDMA", "1: GPUDirect RDMA over EFA (p4d, p5)", FABRIC)
+FI_EFA_USE_HUGE_PAGE = Var("FI_EFA_USE_HUGE_PAGE", "0 on VM nodes (no huge pages reserved there); pods request "
+                           "hugepages-2Mi instead", FABRIC)
+NCCL_IB_HCA = Var("NCCL_IB_HCA", "RDMA devices NCCL uses, by prefix (erdma, mlx5_bond); the node's fabric check "
+                  "narrows it to the devices it sees", FABRIC)
+NCCL_IB_GID_INDEX = Var("NCCL_IB_GID_INDEX", "RoCE GID index: -1 (NCCL finds each device's RoCEv2 IPv4 GID; it "
+                        "differs per eRDMA device) or the cloud's fixed index (HCC: 3)", FABRIC)
+NCCL_IB_ADDR_FAMILY = Var("NCCL_IB_ADDR_FAMILY", "AF_INET: the GID NCCL picks is an IPv4 one", FABRIC)
+NCCL_IB_ROCE_VERSION_NUM = Var("NCCL_IB_ROCE_VERSION_NUM", "2: RoCEv2 GIDs", FABRIC)
+NCCL_IB_ADDR_RANGE = Var("NCCL_IB_ADDR_RANGE", "the network's CIDR: the eRDMA GIDs NCCL picks are in it", FABRIC)
+NCCL_IB_TC = Var("NCCL_IB_TC", "RDMA traffic class (HCC: 160)", FABRIC)
+NCCL_IB_SL = Var("NCCL_IB_SL", "RDMA service level (HCC: 3)", FABRIC)
+NCCL_NET_GDR_LEVEL = Var("NCCL_NET_GDR_LEVEL", "GPUDirect RDMA distance (eRDMA: SYS, off by default there; "
+                         "HCC: 2)", FABRIC)
+FABRIC_VARS = (GTS_FABRIC, GTS_FABRIC_DEVICES, NCCL_DEBUG, NCCL_SOCKET_IFNAME, FI_PROVIDER, FI_EFA_USE_DEVICE_RDMA,
+               FI_EFA_USE_HUGE_PAGE, NCCL_IB_HCA, NCCL_IB_GID_INDEX, NCCL_IB_ADDR_FAMILY, NCCL_IB_ROCE_VERSION_NUM,
+               NCCL_IB_ADDR_RANGE, NCCL_IB_TC, NCCL_IB_SL, NCCL_NET_GDR_LEVEL)
+FABRIC_NAMES = frozenset(v.name for v in FABRIC_VARS)
 # environment variable -> TrainConfig field, for the trainer's config parser
 CONFIG_FIELDS = {v.name: v.field for v in VARS if v.field}
 CREDENTIAL_SOURCES = ("default", "instance-role", "ack-rrsa")
@@ -150,7 +179,7 @@ def problems(env: dict[str, str] | None = None) -> list[str]:
 def table() -> str:
     """The contract as the README's Markdown table."""
     rows = ["| variable | meaning | set by |", "|---|---|---|"]
-    rows += [f"| `{v.name}` | {v.meaning} | {v.set_by} |" for v in VARS]
+    rows += [f"| `{v.name}` | {v.meaning} | {v.set_by} |" for v in VARS + FABRIC_VARS]
     return "\n".join(rows)
 
 

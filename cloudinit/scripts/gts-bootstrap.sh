@@ -62,6 +62,8 @@ if [ -e "$STATE/reboot-required" ]; then
   systemctl reboot
   exit 0
 fi
+# The multi-node fabric's user space and host limits (gts-fabric.sh), where the group has one.
+[ -z "${GTS_FABRIC:-}" ] || step fabric "$SBIN/gts-fabric.sh" install
 step runtime "$SBIN/gts-runtime.sh"
 touch "$STATE/ready"
 start_services gts-scratch.service gts-shared.service gts-dataset.service gts-exporters.service \

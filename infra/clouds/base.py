@@ -173,6 +173,10 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
                 found.setdefault(g.network, []).append(g)
         return found
 
+    def fabric_networks(self) -> set[str]:
+        """This cloud's networks that hold a group with a multi-node fabric (infra/fabric.py)."""
+        return {g.network for g in self.node_groups() if g.fabric is not None}
+
     def node_networks(self) -> list[Network]:
         """This cloud's networks that hold node groups."""
         used = {g.network for g in self.node_groups()}

@@ -9,9 +9,9 @@ import pulumi_kubernetes as k8s
 import pulumi_random as random
 
 from infra.groups import ResolvedGroup, Stack
-from infra.images import node_agents
+from infra.images import EFA_DEVICE_PLUGIN, node_agents, pulled
 from infra.k8s import netpol
-from infra.k8s.daemons import GpuNodeExporters, NvidiaDevicePlugin
+from infra.k8s.daemons import EfaDevicePlugin, GpuNodeExporters, NvidiaDevicePlugin
 from infra.k8s.job import Identity, deploy_training_jobs, training_namespace
 from infra.k8s.queues import LABEL_TEAM, SharedQueues
 from infra.sharedfs import SharedFsOutputs
@@ -31,6 +31,9 @@ def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[
     images = node_agents(spec.clouds[groups[0].group.cloud].mirrors)
     if device_plugin:
         NvidiaDevicePlugin(f"{name}-nvidia", images.device_plugin, opts=opts)
+    efa = [g.name for g in groups if g.fabric is not None and g.fabric.fabric == "efa"]
+    if efa:
+        EfaDevicePlugin(f"{name}-efa", pulled(EFA_DEVICE_PLUGIN, spec.clouds["aws"].mirrors), efa, opts=opts)
     GpuNodeExporters(f"{name}-exporters", images, opts=opts)
     queued = shared_queues(name, spec, groups, opts)
     namespace = training_namespace(name, opts, managed=queued is not None).metadata.name

@@ -56,6 +56,45 @@ class NvidiaDevicePlugin(pulumi.ComponentResource):
 
 
 
+class EfaDevicePlugin(pulumi.ComponentResource):
+    """Advertises vpc.amazonaws.com/efa on the nodes of the EFA groups: the EKS AMIs carry the EFA
+    host components but not the plugin (EKS user guide device-management-efa). Shaped as the
+    aws/eks-charts aws-efa-k8s-device-plugin chart's DaemonSet: host network, the kubelet's
+    device-plugin socket directory and /dev/infiniband, no privileges."""
+
+    def __init__(self, name: str, image: str, groups: list[str], opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpu-training-stack:k8s:EfaDevicePlugin", name, None, opts)
+        labels = {"app.kubernetes.io/name": "aws-efa-k8s-device-plugin"}
+        on_efa_groups = k8s.core.v1.AffinityArgs(node_affinity=k8s.core.v1.NodeAffinityArgs(
+            required_during_scheduling_ignored_during_execution=k8s.core.v1.NodeSelectorArgs(node_selector_terms=[
+                k8s.core.v1.NodeSelectorTermArgs(match_expressions=[k8s.core.v1.NodeSelectorRequirementArgs(
+                    key=LABEL_NODE_GROUP, operator="In", values=groups)])])))
+        paths = {"device-plugin": "/var/lib/kubelet/device-plugins", "infiniband": "/dev/infiniband"}
+        self.daemonset = k8s.apps.v1.DaemonSet(
+            f"{name}-ds",
+            metadata=k8s.meta.v1.ObjectMetaArgs(name="aws-efa-k8s-device-plugin", namespace="kube-system",
+                                                labels=labels),
+            spec=k8s.apps.v1.DaemonSetSpecArgs(
+                selector=k8s.meta.v1.LabelSelectorArgs(match_labels=labels),
+                update_strategy=k8s.apps.v1.DaemonSetUpdateStrategyArgs(type="RollingUpdate"),
+                template=k8s.core.v1.PodTemplateSpecArgs(
+                    metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
+                    spec=k8s.core.v1.PodSpecArgs(
+                        priority_class_name="system-node-critical", host_network=True,
+                        tolerations=[GPU_TOLERATION], affinity=on_efa_groups,
+                        containers=[k8s.core.v1.ContainerArgs(
+                            name="aws-efa-k8s-device-plugin", image=image,
+                            security_context=k8s.core.v1.SecurityContextArgs(
+                                allow_privilege_escalation=False,
+                                capabilities=k8s.core.v1.CapabilitiesArgs(drop=["ALL"])),
+                            volume_mounts=[k8s.core.v1.VolumeMountArgs(name=n, mount_path=p)
+                                           for n, p in paths.items()])],
+                        volumes=[k8s.core.v1.VolumeArgs(name=n, host_path=k8s.core.v1.HostPathVolumeSourceArgs(path=p))
+                                 for n, p in paths.items()]))),
+            opts=pulumi.ResourceOptions(parent=self))
+        self.register_outputs({"name": self.daemonset.metadata.name})
+
+
 class GpuNodeExporters(pulumi.ComponentResource):
     """DCGM exporter (:9400, GPU utilisation and memory) and node exporter (:9100, with the
     spot watcher's textfile metrics) on every GPU node, in a namespace of their own (they need

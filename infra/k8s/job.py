@@ -66,7 +66,26 @@ def pod_resources(rg: ResolvedGroup) -> tuple[dict[str, str], int]:
     cpu = max(1, math.floor(rg.primary.vcpu * CPU_SHARE))
     memory = max(1, math.floor(rg.primary.ram_gib * MEMORY_SHARE))
     shm = max(1, math.floor(memory * SHM_SHARE))  # memory-backed: it counts against the limit
-    return {"cpu": str(cpu), "memory": f"{memory}Gi", "nvidia.com/gpu": str(rg.gpus)}, shm
+    return {"cpu": str(cpu), "memory": f"{memory}Gi", "nvidia.com/gpu": str(rg.gpus), **fabric_resources(rg)}, shm
+
+
+# The extended resource each fabric's device plugin advertises (EKS: aws-efa-k8s-device-plugin,
+# EKS user guide device-management-efa; ACK: the eRDMA controller, alibabacloud-erdma-controller).
+FABRIC_RESOURCES = {"efa": "vpc.amazonaws.com/efa", "erdma": "aliyun/erdma"}
+# libfabric's EFA provider allocates its bounce buffers from huge pages: the amount the awsome
+# nccl-tests Job requests on p5.48xlarge (micro-benchmarks/nccl-tests/kubernetes/nccl-tests.yaml).
+EFA_HUGEPAGES = "5120Mi"
+
+
+def fabric_resources(rg: ResolvedGroup) -> dict[str, str]:
+    """The trainer pod's fabric devices (all the node has) and what they need."""
+    f = rg.fabric
+    if f is None or f.fabric not in FABRIC_RESOURCES:
+        return {}
+    found = {FABRIC_RESOURCES[f.fabric]: str(f.devices)}
+    if f.fabric == "efa":
+        found["hugepages-2Mi"] = EFA_HUGEPAGES
+    return found
 
 
 def restricted() -> k8s.core.v1.SecurityContextArgs:

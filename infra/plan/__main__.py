@@ -21,7 +21,7 @@ import pulumi
 from rich.console import Console
 from rich.markup import escape
 
-from infra import policy_config, protection
+from infra import fabric, policy_config, protection
 from infra.cost import stack_cost
 from infra.errors import CatalogError, SpecError
 from infra.groups import Stack, resolve
@@ -61,7 +61,8 @@ def build_plan(stack: str, against: Path | None = None) -> dict[str, Any]:
                  "aliases": list(r.options.get("aliases", [])), "inputs": r.masked()} for r in resources]
     cost["prices"] = age.summary(resolved)
     violations = policy_verdicts(stack, resolved, resources)
-    plan = {"stack": stack, "project": project, "resources": rendered, "cost": cost, "violations": violations}
+    plan = {"stack": stack, "project": project, "resources": rendered, "cost": cost,
+            "violations": violations + fabric.advisories(resolved)}
     if against is not None:
         base = json.loads(against.read_text(encoding="utf-8"))
         kinds = protection.stateful_types()

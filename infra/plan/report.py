@@ -68,15 +68,18 @@ def _resources(plan: dict[str, Any], console: Console) -> None:
 
 def _cost(cost: dict[str, Any], console: Console) -> None:
     groups = Table(title="cost by node group (USD)")
-    for column in ("node group", "cloud", "region", "type", "market", "spot cap /node-h", "avg nodes", "$/h",
-                   "$/month", "on-demand $/month"):
+    for column in ("node group", "cloud", "region", "type", "market", "fabric", "spot cap /node-h", "avg nodes",
+                   "$/h", "$/month", "on-demand $/month"):
         groups.add_column(column, justify="right" if column[0] in "a$os" else "left")
     for g in cost["node_groups"]:
         flag = "*" if g["price_estimate"] else ""
         cap = "" if g["spot_max_price"] is None else (
             f"{g['spot_max_price']:,.2f} {g['currency']}"
             + (" (on-demand)" if g["spot_max_price_basis"].startswith("on-demand") else ""))
-        groups.add_row(g["name"], g["cloud"], g["region"], g["instance_type"] + flag, g["market"], cap,
+        fabric = "" if g["fabric"] == "none" else (
+            f"{g['fabric']} x{g['fabric_devices']} ({g['fabric_interfaces']} NICs), {g['placement']} "
+            f"${g['placement_monthly_usd']:,.0f}")
+        groups.add_row(g["name"], g["cloud"], g["region"], g["instance_type"] + flag, g["market"], fabric, cap,
                        f"{g['average_nodes']:.2f}", f"{g['hourly_usd']:,.2f}", f"{g['monthly_usd']:,.0f}",
                        f"{g['on_demand_monthly_usd']:,.0f}")
     console.print(groups)

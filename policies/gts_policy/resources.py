@@ -134,7 +134,7 @@ def _ess_configuration(res: Res, p: Mapping[str, Any], by_id: Mapping[str, Res],
     types = list(p.get("instanceTypes") or ([p["instanceType"]] if p.get("instanceType") else []))
     spot = p.get("spotStrategy") in ("SpotAsPriceGo", "SpotWithPriceLimit")
     base = int(grp.get("onDemandBaseCapacity") or 0) if grp else 0
-    above = int(grp.get("onDemandPercentageAboveBaseCapacity", 0 if spot else 100)) if grp else (0 if spot else 100)
+    above = int(grp.get("onDemandPercentageAboveBaseCapacity", default=0 if spot else 100)) if grp else (0 if spot else 100)
     mx = int(grp.get("maxSize") or 0) if grp else 0
     return Capacity(types, mx, int(grp.get("minSize") or 0) if grp else 0, spot and base == 0 and above == 0,
                     base if spot else mx, _workload(grp or res), _max_disk(p.get("dataDisks"), "size"),

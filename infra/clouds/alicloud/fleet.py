@@ -56,8 +56,16 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
             self.capacity: pulumi.Output[list[str]] = pulumi.Output.all(*[i.id for i in self.instances])
             self.register_outputs({"instanceIds": self.capacity})
             return
-        self.launch_template = self._launch_template(name, args, image_id, tags, child)
-        self.group = self._group(name, g, args.switch_ids, tags, child)
+        if g.fabric is not None:
+            # eRDMA: one zone, and the nodes' primary interface in HighPerformance mode, which only
+            # a scaling configuration can say: alicloud_ecs_launch_template's network_interfaces
+            # have no traffic mode (terraform-provider-alicloud resource_alicloud_ecs_launch_template.go;
+            # resource_alicloud_ess_scaling_configuration.go writes NetworkInterfaceTrafficMode).
+            self.group = self._group(name, g, args.switch_ids[:1], tags, child, template=False)
+            self.configuration = self._erdma_configuration(name, args, image_id, tags, child)
+        else:
+            self.launch_template = self._launch_template(name, args, image_id, tags, child)
+            self.group = self._group(name, g, args.switch_ids, tags, child)
         self._schedules(name, g, args.env, child)
         self.capacity = self.group.id.apply(lambda i: [i])
         self.register_outputs({"scalingGroupId": self.group.id})
@@ -66,10 +74,21 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
     def _reserved(name: str, args: AlicloudGpuFleetArgs, image_id: pulumi.Output[str], tags: dict[str, str],
                   child: pulumi.ResourceOptions) -> list[alicloud.ecs.Instance]:
         g, disk_gb = args.group, args.group.scratch_disk_gb
+        fabric, switches, placed = g.fabric, args.switch_ids, None
+        if fabric is not None:
+            # eRDMA instances: one zone, a LowLatency deployment set (the nodes near each other), the
+            # primary ENI in HighPerformance mode, jumbo frames (MTU 8500) where the type takes them
+            # (alicloud_instance network_interface_traffic_mode, deployment_set_id, enable_jumbo_frame).
+            switches = switches[:1]
+            placed = alicloud.ecs.EcsDeploymentSet(f"{name}-ds", deployment_set_name=name, strategy="LowLatency",
+                                                   description="eRDMA group: instances close together", opts=child)
         return [alicloud.ecs.Instance(
             f"{name}-{i}", instance_name=f"{name}-{i}", instance_type=g.types[0], image_id=image_id,
             instance_charge_type="PrePaid", period=1, period_unit="Month", renewal_status="AutoRenewal",
-            vswitch_id=args.switch_ids[i % len(args.switch_ids)], security_groups=[args.security_group_id, *args.store_clients],
+            vswitch_id=switches[i % len(switches)], security_groups=[args.security_group_id, *args.store_clients],
+            deployment_set_id=placed.id if placed else None,
+            network_interface_traffic_mode="HighPerformance" if fabric else None,
+            enable_jumbo_frame=True if fabric and fabric.jumbo_frames else None,
             http_tokens="required", http_endpoint="enabled", role_name=args.role_name,
             system_disk_category=ESSD, system_disk_size=SYSTEM_DISK_GB, system_disk_encrypted=True,
             data_disks=[alicloud.ecs.InstanceDataDiskArgs(category=ESSD, size=disk_gb, encrypted=True)] if disk_gb else None,
@@ -94,15 +113,43 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
                                                                    delete_with_instance=True)] if disk_gb else None,
             user_data=args.user_data, template_tags=tags, tags=tags, opts=child)
 
+    def _erdma_configuration(self, name: str, args: AlicloudGpuFleetArgs, image_id: pulumi.Output[str],
+                             tags: dict[str, str], child: pulumi.ResourceOptions) -> alicloud.ess.ScalingConfiguration:
+        """The launch template's settings as a scaling configuration, with the ERIs: the primary
+        ENI and, for types with more ERIs, secondary ENIs, all HighPerformance, each with the
+        training security group (with network_interfaces, the configuration "cannot specify
+        SecurityGroupId or SecurityGroupIds": pulumi_alicloud ess ScalingConfigurationNetworkInterfaceArgs).
+        Not expressible here, recorded in infra/data/capabilities.yaml sdkGaps: the metadata
+        token mode and the deployment set (the ESS API has both, pulumi-alicloud 4.0.0's scaling
+        configuration neither), and jumbo frames (alicloud_instance only)."""
+        g, disk_gb = args.group, args.group.scratch_disk_gb
+        assert g.fabric is not None
+        nics = [alicloud.ess.ScalingConfigurationNetworkInterfaceArgs(
+            instance_type="Primary" if i == 0 else "Secondary", network_interface_traffic_mode="HighPerformance",
+            security_group_ids=[args.security_group_id]) for i in range(g.fabric.interfaces)]
+        return alicloud.ess.ScalingConfiguration(
+            f"{name}-config", scaling_group_id=self.group.id, scaling_configuration_name=name,
+            image_id=image_id, instance_types=list(g.types), network_interfaces=nics,
+            spot_strategy=spot_strategy(g),
+            spot_price_limits=[alicloud.ess.ScalingConfigurationSpotPriceLimitArgs(instance_type=t,
+                                                                                  price_limit=g.price_cap)
+                               for t in g.types] if g.price_cap else None,
+            http_endpoint="enabled", role_name=args.role_name,
+            system_disk_category=ESSD, system_disk_size=SYSTEM_DISK_GB, system_disk_encrypted=True,
+            data_disks=[alicloud.ess.ScalingConfigurationDataDiskArgs(category=ESSD, size=disk_gb, encrypted=True,
+                                                                      delete_with_instance=True)] if disk_gb else None,
+            user_data=args.user_data, active=True, enable=True, force_delete=True, tags=tags, opts=child)
+
     def _group(self, name: str, g: ResolvedGroup, switch_ids: list[pulumi.Output[str]], tags: dict[str, str],
-               child: pulumi.ResourceOptions) -> alicloud.ess.ScalingGroup:
+               child: pulumi.ResourceOptions, template: bool = True) -> alicloud.ess.ScalingGroup:
         spot = g.spot
         return alicloud.ess.ScalingGroup(
             f"{name}-ess", scaling_group_name=name, min_size=g.scaling.min, max_size=g.scaling.max,
             desired_capacity=g.scaling.baseline, vswitch_ids=switch_ids,
-            launch_template_id=self.launch_template.id, launch_template_version="Latest",
+            launch_template_id=self.launch_template.id if template else None,
+            launch_template_version="Latest" if template else None,
             launch_template_overrides=[alicloud.ess.ScalingGroupLaunchTemplateOverrideArgs(
-                instance_type=t, spot_price_limit=g.price_cap) for t in g.types],
+                instance_type=t, spot_price_limit=g.price_cap) for t in g.types] if template else None,
             multi_az_policy="COST_OPTIMIZED" if spot else "BALANCE",
             on_demand_base_capacity=g.market.on_demand_base if spot else g.scaling.max,
             on_demand_percentage_above_base_capacity=0 if spot else 100,

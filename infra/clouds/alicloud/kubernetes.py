@@ -30,6 +30,8 @@ ACK_SPEC = "ack.pro.small"
 NODE_IMAGE = "Ubuntu"
 RRSA_AUDIENCE = "sts.aliyuncs.com"
 RRSA_TOKEN = "/var/run/secrets/ack.alibabacloud.com/rrsa-tokens/token"
+# The ACK eRDMA controller's add-on configuration: the OFED driver (GPU / NCCL), every ERI to the pod.
+ERDMA_CONTROLLER_CONFIG = '{"preferDriver": "ofed", "allocateAllDevices": true}'
 
 
 def _provider_arn(meta: alicloud.cs.outputs.ManagedKubernetesRrsaMetadata | None) -> str:
@@ -95,6 +97,14 @@ class AlicloudAck(pulumi.ComponentResource):
                                       skip_nodes_with_local_storage=False, opts=child)
         self.system = self._system_pool(name, args, child)
         self.pools = [self._pool(g, args, child) for g in args.groups]
+        if any(g.fabric is not None for g in args.groups):
+            # eRDMA pools: the ACK eRDMA controller installs the driver in OFED mode (the one NCCL's
+            # verbs transport needs on GPU nodes) and advertises aliyun/erdma, which the Jobs request
+            # (alibabacloud-erdma-controller README, deploy/helm/values.yaml agent.preferDriver; ACK
+            # "Use eRDMA in ACK clusters").
+            alicloud.cs.KubernetesAddon(f"{name}-erdma", cluster_id=self.cluster.id, name="ack-erdma-controller",
+                                        config=ERDMA_CONTROLLER_CONFIG, opts=pulumi.ResourceOptions.merge(
+                                            child, pulumi.ResourceOptions(depends_on=self.pools)))
         credential = alicloud.cs.get_cluster_credential_output(
             cluster_id=self.cluster.id, opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(credential.kube_config.apply(str))
@@ -137,12 +147,19 @@ class AlicloudAck(pulumi.ComponentResource):
     def _pool(self, g: ResolvedGroup, args: AlicloudAckArgs, child: pulumi.ResourceOptions) -> alicloud.cs.NodePool:
         spec = args.spec
         types, disk_gb = list(g.types), g.scratch_disk_gb
+        switches, placed = args.switch_ids, None
+        if g.fabric is not None:
+            # eRDMA: one zone and a LowLatency deployment set (cs_kubernetes_node_pool deployment_set_id).
+            switches = switches[:1]
+            placed = alicloud.ecs.EcsDeploymentSet(f"{g.name}-ds", deployment_set_name=g.name, strategy="LowLatency",
+                                                   description="eRDMA pool: nodes close together", opts=child)
         spot = g.spot
         cap = g.price_cap
         labels = g.labels()
         return alicloud.cs.NodePool(
-            f"{g.name}-pool", node_pool_name=g.name, cluster_id=self.cluster.id, vswitch_ids=args.switch_ids,
+            f"{g.name}-pool", node_pool_name=g.name, cluster_id=self.cluster.id, vswitch_ids=switches,
             instance_types=types, security_group_ids=[args.security_group_id],
+            deployment_set_id=placed.id if placed else None,
             instance_charge_type="PrePaid" if g.market.type == "reserved" else "PostPaid",
             period=1 if g.market.type == "reserved" else None, period_unit="Month" if g.market.type == "reserved" else None,
             spot_strategy=spot_strategy(g),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_aws as aws
 
+from infra.fabric import TypeFabric
 from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 
 # Deep Learning Base AMI with the NVIDIA driver, CUDA, Docker and the container toolkit.
@@ -47,6 +48,24 @@ def block_devices(scratch_disk_gb: int) -> list[aws.ec2.LaunchTemplateBlockDevic
     return devices
 
 
+def efa_interfaces(fabric: TypeFabric, security_group_ids: list[pulumi.Input[str]]
+                   ) -> list[aws.ec2.LaunchTemplateNetworkInterfaceArgs]:
+    """One interface per network card: card 0 at device index 0 is ENA+EFA ("efa": it carries the
+    node's IP), every other card at device index 1 "efa-only" (no IP address), except that P5
+    takes ENA+EFA on every 4th card (EC2 user guide "EFA configuration for P5"). Sources:
+    pulumi-eks nodes/instances.ts getEfaNetworkInterfaces ("EFA requires the first interface to
+    have device index 0, and all the secondary interfaces to have device index 1"), terraform-aws-eks
+    efa_network_interfaces, dstack and SkyPilot. The security groups go on each interface: a
+    template with interfaces cannot also set vpc_security_group_ids (terraform launch_template doc:
+    "Conflicts with network_interfaces.security_groups"). No subnet here: the ASG / EKS node group
+    gives it (EKS: "will fail if set here"); no associate_public_ip_address: EC2 refuses it with more
+    than one interface (InvalidParameterCombination, karpenter-provider-aws #5666)."""
+    return [aws.ec2.LaunchTemplateNetworkInterfaceArgs(
+        network_card_index=i, device_index=0 if i == 0 else 1, interface_type=kind,
+        security_groups=security_group_ids, delete_on_termination="true")
+        for i, kind in enumerate(fabric.interface_types())]
+
+
 class AwsGpuFleet(pulumi.ComponentResource):
     launch_template: aws.ec2.LaunchTemplate
     group: aws.autoscaling.Group
@@ -59,9 +78,10 @@ class AwsGpuFleet(pulumi.ComponentResource):
         self.launch_template = self._launch_template(name, args, tags, child)
         # Multi-node training wants the nodes close together: a cluster placement group, which
         # AWS confines to one zone.
+        # EFA works within one zone only (ParallelCluster efa-v3) and wants the same group.
         placement = None
         subnets = args.subnet_ids
-        if g.workload == "training" and g.scaling.max > 1:
+        if (g.workload == "training" and g.scaling.max > 1) or g.fabric is not None:
             placement = aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", tags=tags, opts=child)
             subnets = subnets[:1]
         if g.market.type == "reserved":
@@ -81,10 +101,13 @@ class AwsGpuFleet(pulumi.ComponentResource):
         ami = aws.ssm.get_parameter_output(name=DLAMI_PARAMETER,
                                            opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         reserved = args.group.market.type == "reserved"
+        fabric = args.group.fabric
         return aws.ec2.LaunchTemplate(
             f"{name}-lt", image_id=ami.value, update_default_version=True,
             iam_instance_profile=aws.ec2.LaunchTemplateIamInstanceProfileArgs(arn=args.instance_profile_arn),
-            vpc_security_group_ids=[args.security_group_id, *args.store_clients],
+            # EFA: the interfaces carry the security groups (efa_interfaces); otherwise the template does.
+            vpc_security_group_ids=None if fabric else [args.security_group_id, *args.store_clients],
+            network_interfaces=efa_interfaces(fabric, [args.security_group_id, *args.store_clients]) if fabric else None,
             # IMDSv2 only, hop limit 1: the spot watcher and the trainer run in the host's network
             # namespace (`docker run --network host`) and reach it; a bridged container does not.
             # Instance tags in IMDS restrict tag keys (no `/`): the spec checks the stack's tags.

@@ -17,6 +17,7 @@ from infra import userdata
 from infra.access import trainer_grants
 from infra.clouds.aws.access import AwsAccess
 from infra.clouds.aws.autoscaler import EksAutoscalerArgs, EksClusterAutoscaler
+from infra.clouds.aws.fleet import efa_interfaces
 from infra.groups import LABEL_CAPACITY, LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 from infra.images import CLUSTER_AUTOSCALER, pulled
 from infra.k8s.cluster import cluster_workloads
@@ -179,6 +180,14 @@ class AwsEks(pulumi.ComponentResource):
                      child: pulumi.ResourceOptions) -> list[aws.eks.NodeGroup]:
         spec, tags = args.spec, args.tags
         types, disk_gb = list(g.types), g.scratch_disk_gb
+        subnets, fabric, placement = args.subnet_ids, g.fabric, None
+        if fabric is not None:
+            # EFA: one zone, a cluster placement group, one interface per network card carrying the
+            # cluster's security group (node-to-control-plane, as pulumi-eks attaches) and the
+            # training group's (its rules to itself both ways admit EFA).
+            subnets = args.subnet_ids[:1]
+            placement = aws.ec2.PlacementGroup(f"{g.name}-pg", strategy="cluster", tags=tags, opts=child)
+            cluster_sg = self.cluster.vpc_config.cluster_security_group_id
         # A launch template gives managed nodes IMDSv2 and encrypted volumes; EKS picks the AMI
         # and merges its own NodeConfig into this MIME user data.
         lt = aws.ec2.LaunchTemplate(
@@ -191,6 +200,9 @@ class AwsEks(pulumi.ComponentResource):
                     delete_on_termination="true"))],
             tag_specifications=[aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=kind, tags=tags)
                                 for kind in ("instance", "volume")],
+            network_interfaces=(efa_interfaces(fabric, [cluster_sg, args.security_group_id])
+                                if fabric is not None else None),
+            placement=aws.ec2.LaunchTemplatePlacementArgs(group_name=placement.name) if placement else None,
             tags=tags, opts=child)
         labels = {**g.labels(), "nvidia.com/gpu.present": "true"}
         groups = []
@@ -199,7 +211,7 @@ class AwsEks(pulumi.ComponentResource):
             pool_labels = {**labels, LABEL_CAPACITY: "spot" if part.spot else "on-demand"}
             ng = aws.eks.NodeGroup(
                 f"{g.name}-{part.suffix}", cluster_name=self.cluster.name, node_role_arn=args.node_role_arn,
-                subnet_ids=args.subnet_ids, ami_type=GPU_AMI, capacity_type=capacity, instance_types=types,
+                subnet_ids=subnets, ami_type=GPU_AMI, capacity_type=capacity, instance_types=types,
                 scaling_config=aws.eks.NodeGroupScalingConfigArgs(min_size=part.min, max_size=part.max,
                                                                   desired_size=part.desired),
                 launch_template=aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str)),

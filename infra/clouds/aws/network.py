@@ -24,6 +24,7 @@ class AwsNetworkArgs:
     region: str
     tags: dict[str, str]
     peer_cidrs: list[str] = field(default_factory=list)  # peered VPCs, allowed into the group
+    fabric: bool = False  # a group in it uses EFA: the group's rule to itself goes both ways
 
 
 class AwsNetwork(pulumi.ComponentResource):
@@ -73,6 +74,14 @@ class AwsNetwork(pulumi.ComponentResource):
                                          referenced_security_group_id=self.security_group.id, ip_protocol="-1",
                                          description="NCCL / rendezvous among training nodes", tags=tags,
                                          opts=sg_child)
+        # EFA: all traffic to and from the group itself, in
+        # both directions (AWS PCS working-with_networking_efa_create-sg; terraform-aws-eks
+        # all_self_efa; dstack): the docs ask for it as well as any CIDR egress.
+        if args.fabric:
+            aws.vpc.SecurityGroupEgressRule(f"{name}-training-self-egress", security_group_id=self.security_group.id,
+                                            referenced_security_group_id=self.security_group.id,
+                                            ip_protocol="-1", description="EFA / NCCL to the other training nodes",
+                                            tags=tags, opts=sg_child)
         for i, cidr in enumerate(net.ssh_cidrs):
             aws.vpc.SecurityGroupIngressRule(f"{name}-ssh-{i}", security_group_id=self.security_group.id,
                                              cidr_ipv4=str(cidr), ip_protocol="tcp", from_port=22, to_port=22,

@@ -56,7 +56,8 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
 
     def make_network(self, net: Network) -> AwsNetwork:
         region = self.region_of(net)
-        return AwsNetwork(net.name, AwsNetworkArgs(net, region, self.tags, self.peer_cidrs()[net.name]),
+        return AwsNetwork(net.name, AwsNetworkArgs(net, region, self.tags, self.peer_cidrs()[net.name],
+                                                   fabric=net.name in self.fabric_networks()),
                           opts=self.provider_opts(region))
 
     def vpc_id(self, net: AwsNetwork) -> pulumi.Output[str]:

@@ -55,7 +55,20 @@ class TencentGpuFleet(pulumi.ComponentResource):
         # Reserved groups and a spot group's on-demand base are fixed instances; the rest scales.
         fixed = g.scaling.max if g.market.type == "reserved" else (
             g.market.on_demand_base if g.market.type == "spot" else 0)
-        self.instances = [self._instance(f"{name}-{i}", i, args, image_id, tags, child) for i in range(fixed)]
+        self.hpc: tencentcloud.cvm.HpcCluster | None = None
+        if g.fabric is not None:
+            # HCC: every node is a CVM instance placed in an HCC cluster in the group's zone. AS
+            # launch configurations and TKE node pools cannot take hpc_cluster_id in
+            # tencentcloud-iac-pulumi (the AS API's CreateLaunchConfiguration.HpcClusterId is not
+            # exposed), tencentcloud_instance can: the group is fixed instances (infra/fabric.py
+            # refuses min != max and schedules), a reclaimed or failed one is recreated by the next
+            # `pulumi up --refresh`, and the run goes on without it meanwhile (elastic rendezvous,
+            # MIN_NNODES), as on the other fleets after a spot notice (gts-spot-watch).
+            self.hpc = tencentcloud.cvm.HpcCluster(f"{name}-hcc", zone=args.zones[0], name=name,
+                                                   remark="gpu-training-stack HCC group", opts=child)
+            fixed = g.scaling.max
+        self.instances = [self._instance(f"{name}-{i}", i, args, image_id, tags, child, self.hpc)
+                          for i in range(fixed)]
         if g.scaling.max - fixed <= 0:
             self.capacity: pulumi.Output[list[str]] = pulumi.Output.all(*[i.id for i in self.instances])
             self.register_outputs({"instanceIds": self.capacity})
@@ -68,14 +81,22 @@ class TencentGpuFleet(pulumi.ComponentResource):
 
     @staticmethod
     def _instance(name: str, i: int, args: TencentGpuFleetArgs, image_id: pulumi.Output[str], tags: dict[str, str],
-                  child: pulumi.ResourceOptions) -> tencentcloud.instance.Instance:
+                  child: pulumi.ResourceOptions, hpc: tencentcloud.cvm.HpcCluster | None = None
+                  ) -> tencentcloud.instance.Instance:
         g, disk_gb = args.group, args.group.scratch_disk_gb
         reserved = g.market.type == "reserved"
+        # An HCC node is in the HCC's zone; a spot one is SPOTPAID ("must set spot_instance_type and
+        # spot_max_price at the same time", tencentcloud_instance doc).
+        zones, subnets = (args.zones[:1], args.subnet_ids[:1]) if hpc else (args.zones, args.subnet_ids)
+        spot = hpc is not None and g.spot and i >= g.market.on_demand_base
+        charge = "PREPAID" if reserved else "SPOTPAID" if spot else "POSTPAID_BY_HOUR"
         return tencentcloud.instance.Instance(
             name, instance_name=name, instance_type=g.types[0], image_id=image_id,
-            availability_zone=args.zones[i % len(args.zones)], vpc_id=args.vpc_id,
-            subnet_id=args.subnet_ids[i % len(args.subnet_ids)], orderly_security_groups=[args.security_group_id, *args.store_clients],
-            instance_charge_type="PREPAID" if reserved else "POSTPAID_BY_HOUR",
+            availability_zone=zones[i % len(zones)], vpc_id=args.vpc_id,
+            subnet_id=subnets[i % len(subnets)], orderly_security_groups=[args.security_group_id, *args.store_clients],
+            hpc_cluster_id=hpc.id if hpc else None,
+            spot_instance_type="ONE-TIME" if spot else None, spot_max_price=spot_max_price(g) if spot else None,
+            instance_charge_type=charge,
             instance_charge_type_prepaid_period=1 if reserved else None,
             instance_charge_type_prepaid_renew_flag="NOTIFY_AND_AUTO_RENEW" if reserved else None,
             system_disk_type=DISK, system_disk_size=SYSTEM_DISK_GB,
