@@ -8,6 +8,7 @@ data disk of that size priced in).
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,7 +40,15 @@ def load_catalog() -> Catalog:
 
 
 def load_yaml(name: str) -> dict[str, Any]:
-    data = yaml.safe_load((DATA_DIR / name).read_text(encoding="utf-8"))
+    """infra/data/<name>, checked for its schema version; parsed once per process, a fresh copy
+    per call (callers may change what they get)."""
+    return copy.deepcopy(_parsed(name))
+
+
+@functools.cache
+def _parsed(name: str) -> dict[str, Any]:
+    data = yaml.load((DATA_DIR / name).read_text(encoding="utf-8"),  # noqa: S506 (a safe loader)
+                     Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     if not isinstance(data, dict) or data.get("schemaVersion") != SCHEMA_VERSION:
         raise CatalogError(f"{name}: expected a mapping with schemaVersion: {SCHEMA_VERSION}")
     return data

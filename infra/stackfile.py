@@ -8,6 +8,8 @@ the project root is found when a function asks for it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import re
 from collections.abc import Iterator, Mapping
@@ -170,7 +172,15 @@ def secrets_in_clear(config: Mapping[str, Any], project: str) -> list[str]:
 
 
 def read_stack_text(text: str, name: str, project: str) -> StackConfig:
-    """The same for a stack file's text (`name` is its file name: Pulumi.<stack>.yaml)."""
+    """The same for a stack file's text (`name` is its file name: Pulumi.<stack>.yaml). A plan
+    reads each stack file several times (the stack, the team registry's checks, the drift of
+    generated stacks): the text is parsed once, and each caller gets its own copy."""
+    cfg = _read_stack_text(text, name, project)
+    return dataclasses.replace(cfg, values=dict(cfg.values), secret_keys=list(cfg.secret_keys))
+
+
+@functools.lru_cache(maxsize=64)
+def _read_stack_text(text: str, name: str, project: str) -> StackConfig:
     stack = name[len("Pulumi."):-len(".yaml")]
     data = load_yaml(text, name) or {}
     if not isinstance(data, dict) or not isinstance(data.get("config", {}), dict):

@@ -14,6 +14,7 @@ user data that is not MIME multipart, and TKE runs the decoded bytes as a script
 from __future__ import annotations
 
 import ast
+import functools
 import base64
 import gzip
 import re
@@ -158,6 +159,7 @@ def node_context(spec: StackSpec, rg: ResolvedGroup, image: str, shared: SharedM
     )
 
 
+@functools.lru_cache(maxsize=32)
 def compact_python(source: str) -> str:
     """The same program without docstrings and comments (the user data carries it; the readable
     source is in the repository)."""
