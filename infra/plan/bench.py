@@ -47,15 +47,21 @@ def sdk_modules(types: set[str]) -> list[str]:
 
 
 _IMPORTED = """
-import contextlib, io, re, sys
+import contextlib, importlib, io, re, sys
+pattern = re.compile(r"^(pulumi_[a-z_]+|tencentcloud_iac_pulumi)(\\.[a-z_0-9]+)?$")
+
+def loaded():
+    return {name for name, m in list(sys.modules.items()) if pattern.match(name) and name.count(".") == 1
+            and type(m).__name__ != "_LazyModule" and not name.rsplit(".", 1)[1].startswith("_")
+            and name.rsplit(".", 1)[1] not in ("config", "provider", "outputs")}
+
+for package in sys.argv[2:]:  # what importing the SDK packages loads by itself is not the stack's choice
+    importlib.import_module(package)
+before = loaded()
 from infra.plan.__main__ import main
 with contextlib.redirect_stdout(io.StringIO()):
     main(["--stack", sys.argv[1], "--format", "json"])
-pattern = re.compile(r"^(pulumi_[a-z_]+|tencentcloud_iac_pulumi)(\\.[a-z_0-9]+)?$")
-loaded = [name for name, m in list(sys.modules.items()) if pattern.match(name) and name.count(".") == 1
-          and type(m).__name__ != "_LazyModule" and not name.rsplit(".", 1)[1].startswith("_")
-          and name.rsplit(".", 1)[1] not in ("config", "provider", "outputs")]
-print("\\n".join(sorted(loaded)))
+print("\\n".join(sorted(loaded() - before)))
 """
 
 _FLOOR = """
@@ -92,8 +98,9 @@ def measure(stack: str, repeats: int) -> dict[str, object]:
                           check=True, capture_output=True, text=True, timeout=900)
     resources = json.loads(plan.stdout)["resources"]
     sdks = sdk_modules({r["type"] for r in resources})
-    imported = subprocess.run([sys.executable, "-c", _IMPORTED, stack], cwd=ROOT, check=True, capture_output=True,
-                              text=True, timeout=900).stdout.split()
+    packages = sorted({m.split(".")[0] for m in sdks} | {SDKS["random"]})
+    imported = subprocess.run([sys.executable, "-c", _IMPORTED, stack, *packages], cwd=ROOT, check=True,
+                              capture_output=True, text=True, timeout=900).stdout.split()
     runs = {
         "plan": [sys.executable, "-m", "infra.plan", "--stack", stack, "--format", "json"],
         "limit": [sys.executable, "-c", _FLOOR, str(len(resources)), *sdks],
