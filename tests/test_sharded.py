@@ -113,9 +113,9 @@ def test_four_ranks_lose_a_node_and_two_go_on_resharded(tmp_path: Path) -> None:
         kill_tree(nodes[lost].proc.pid)  # a reclaim without notice: no emergency checkpoint
         nodes[lost].proc.wait(timeout=30)
         survivor = nodes[first]
-        mark = len(survivor.lines)
-        _, line = wait_any([survivor], r"rank 0 of 2 ", timeout=180, after={0: mark})
-        _, line = wait_any([survivor], RESTORED.pattern, timeout=120, after={0: mark})
+        seen = len(survivor.lines)
+        _, line = wait_any([survivor], r"rank 0 of 2 ", timeout=180, after={0: seen})
+        _, line = wait_any([survivor], RESTORED.pattern, timeout=120, after={0: seen})
         restored = RESTORED.search(line)
         assert restored and restored.group(2) == "4" and restored.group(3) == "2", line
         step = int(restored.group(1))
@@ -133,7 +133,7 @@ def test_four_ranks_lose_a_node_and_two_go_on_resharded(tmp_path: Path) -> None:
             client.download_file(moto.bucket, key, str(folder / key.rsplit("/", 1)[1]))
         assert restored.group(4) == checkpoint_hash(folder)
         # The loss goes on from where the 4 ranks left it, not from an untrained model's ln(vocab).
-        after = [float(m.group(1)) for x in survivor.lines[mark:] if (m := re.search(rf"step {step + 2} loss ([\d.]+)$", x))]
+        after = [float(m.group(1)) for x in survivor.lines[seen:] if (m := re.search(rf"step {step + 2} loss ([\d.]+)$", x))]
         assert after and step in before, (after, sorted(before))
         assert abs(after[0] - before[step]) < 0.25 * before[step] and after[0] < 0.95 * math.log(64), (after, before)
         assert f"sharded/step-{steps:08d}/manifest-node000.json" in moto.keys("sharded/")

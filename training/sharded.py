@@ -47,9 +47,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save, save as dcp_save
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
@@ -91,7 +92,7 @@ def full_params_sha256(model: nn.Module) -> str:
     """sha256 of the full (gathered) parameters, the same for any sharding of the same values.
     Every rank must call it (it gathers); rank 0 gets the hash, the others ''."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return state_sha256(full) if not dist.is_initialized() or dist.get_rank() == 0 else ""
+    return state_sha256({k: v for k, v in full.items() if isinstance(v, torch.Tensor)}) if not dist.is_initialized() or dist.get_rank() == 0 else ""
 
 
 def state_sha256(state: dict[str, torch.Tensor]) -> str:
@@ -105,9 +106,10 @@ def state_sha256(state: dict[str, torch.Tensor]) -> str:
 def read_full_model(folder: Path, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The full model state of a step's folder in one process (no process group): `template`
     is an unsharded model's state_dict, filled in place. For tests and offline inspection."""
-    state = {"model": {k: v.clone() for k, v in template.items()}}
-    dcp.load(state, storage_reader=_Reader(folder), no_dist=True)
-    return state["model"]
+    state: dict[str, Any] = {"model": {k: v.clone() for k, v in template.items()}}
+    dcp_load(state, storage_reader=_Reader(folder), no_dist=True)
+    model: dict[str, torch.Tensor] = state["model"]
+    return model
 
 
 class ShardedCheckpoints:
@@ -148,12 +150,12 @@ class ShardedCheckpoints:
         state = {"model": model_state, "optim": optim_state}
         writer = _Writer(tmp)
         if not self.background:
-            dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
+            dcp_save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
             if topo.local_rank == 0:
                 manager.start_writer(step, lambda: self._commit(step, tmp, final, None), wait=True)
             self.comm.barrier()
             return time.perf_counter() - start
-        pending = dcp.async_save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
+        pending = async_save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
         assert isinstance(pending, Future)
         self.pending = pending
         if topo.local_rank == 0:
@@ -192,8 +194,8 @@ class ShardedCheckpoints:
         after `choose` agreed on the step."""
         folder = self.manager.local / step_dir(step)
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, storage_reader=_Reader(folder), process_group=self.group, no_dist=self.group is None)
+        state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+        dcp_load(state, storage_reader=_Reader(folder), process_group=self.group, no_dist=self.group is None)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def close(self) -> None:

@@ -210,6 +210,7 @@ class Run:
                      "config": config_mod.as_dict(self.cfg), "world_size": self.comm.world}
         self.interval.saving(self.step)
         if self.sharded is not None:
+            assert state is not None
             blocked = self.sharded.save(self.step, self.model, self.optimizer, state, rng_state())
         else:
             blocked = ckpt.save(self.step, state, rng_state(), self.comm.barrier)
