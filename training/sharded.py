@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save, save as dc
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from training.checkpoint import CheckpointError, CheckpointManager, _save, rng_name, step_dir
+from training.checkpoint import CheckpointError, CheckpointManager, rng_name, step_dir
 from training.checkpointing import Resumed, choose_checkpoint
 from training.distributed import Comm
 
@@ -120,6 +120,13 @@ class ShardedCheckpoints:
         # DCP's collectives, in the background included, on a gloo group of their own.
         self.group = dist.new_group(backend="gloo") if comm.distributed else None
         self.pending: Future[Any] | None = None
+        # One stager for the run: its host buffers are reused from one checkpoint to the next
+        # (pinned on GPUs, so the copy the loop waits for is a DMA).
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = comm.device.type == "cuda"
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=cuda))
 
     def wait(self) -> None:
         """Until this rank's previous save is written (and, on a node's local rank 0, committed)."""
@@ -143,9 +150,10 @@ class ShardedCheckpoints:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.comm.barrier()
-        _save(rng, tmp / rng_name(topo.rank))
+        # Small files, written without fsync here: the commit fsyncs every file before its manifest.
+        torch.save(rng, tmp / rng_name(topo.rank))
         if topo.rank == 0:
-            _save(train_state, tmp / TRAIN_STATE)
+            torch.save(train_state, tmp / TRAIN_STATE)
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         writer = _Writer(tmp)
@@ -155,7 +163,8 @@ class ShardedCheckpoints:
                 manager.start_writer(step, lambda: self._commit(step, tmp, final, None), wait=True)
             self.comm.barrier()
             return time.perf_counter() - start
-        pending = async_save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
+        pending = async_save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None,
+                             async_stager=self.stager)
         assert isinstance(pending, Future)
         self.pending = pending
         if topo.local_rank == 0:
@@ -169,6 +178,9 @@ class ShardedCheckpoints:
         if final.exists():
             shutil.rmtree(tmp, ignore_errors=True)
             return
+        for path in tmp.iterdir():  # every rank's files of this node on disk before the manifest says so
+            with path.open("rb") as fh:
+                os.fsync(fh.fileno())
         self.manager.commit_step(step, tmp, final)
 
     # ------------------------------------------------------------------ load
@@ -200,4 +212,5 @@ class ShardedCheckpoints:
 
     def close(self) -> None:
         self.wait()
+        self.stager.close()
 
