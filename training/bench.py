@@ -9,6 +9,8 @@ loaded machine. Every figure is min / median of REPEATS (at least 3).
   blocked    seconds the loop waits per checkpoint. Ours: the state copied into reused buffers,
              everything else in the background. Limit: a copy into preallocated buffers (memcpy).
              Beside it: torch's async_save with a reused stager, and the in-line save.
+             sharded: training/sharded.py's path for FSDP / DTensor state (DCP's async_save,
+             then our manifest, commit and upload), on one rank, beside the bare async_save.
   durable    seconds from the start of a checkpoint until it is fsync'd and committed on local
              disk. Limit: the same bytes written raw and fsync'd. Beside it: the in-line save
              (torch.save with CRC, sha256 by reading back, fsync).
@@ -182,6 +184,38 @@ class Checkpoints:
         return {"durable": took}
 
 
+class Sharded:
+    """training/sharded.py's path on one rank (a model and AdamW of the same size): DCP's
+    async_save, then the manifest, commit and upload of our manager. Beside `run_dcp` it shows
+    what our bookkeeping adds to the loop's wait and to the time until the step is committed."""
+
+    def __init__(self, width: int, work: Path, remote: str):
+        from training.distributed import Comm
+        from training.sharded import ShardedCheckpoints
+
+        torch.manual_seed(0)
+        self.model = TinyNet(32, width)
+        self.optimizer = torch.optim.AdamW(self.model.parameters())
+        self.model(torch.randn(4, 32)).sum().backward()
+        self.optimizer.step()
+        self.manager = CheckpointManager(str(work / "sharded"), f"{remote}/sharded", TOPO, keep=2)
+        self.ckpt = ShardedCheckpoints(self.manager, Comm("torchrun"))
+
+    def run(self, rep: int) -> dict[str, float]:
+        step = rep + 1
+        started = time.perf_counter()
+        blocked = self.ckpt.save(step, self.model, self.optimizer, {"step": step, "world_size": 1},
+                                 {"rng": torch.get_rng_state()})
+        self.ckpt.wait()
+        durable = time.perf_counter() - started
+        self.manager.wait_uploads(600)
+        return {"blocked": blocked, "durable": durable, "bucket": time.perf_counter() - started}
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.manager.close()
+
+
 def _wall_per_checkpoint(width: int, work: Path, every: int = 5, steps: int = 30) -> Callable[[int], dict[str, float]]:
     """One method for `interleaved`: a real training loop with and without background
     checkpoints; the extra wall time per checkpoint, and the loop-blocked time it reported."""
@@ -281,11 +315,14 @@ def main() -> int:
         for label, width in SIZES.items():
             state, size = _state(width)
             ck = Checkpoints(state, work / f"w{width}", f"s3://bench/{width}")
+            sharded = Sharded(width, work / f"w{width}", f"s3://bench/{width}")
             try:
                 figures = interleaved({"ours": ck.run_ours, "inline": ck.run_inline, "dcp": ck.run_dcp,
-                                       "memcpy": ck.run_memcpy, "raw": ck.run_raw})
+                                       "memcpy": ck.run_memcpy, "raw": ck.run_raw, "sharded": sharded.run})
             finally:
                 ck.close()
+                sharded.close()
+            del sharded
             del state, ck
             def resume(rep: int, w: int = width) -> dict[str, float]:
                 return _resume_seconds(w, f"s3://bench/{w}", env, work, rep)
@@ -332,6 +369,12 @@ def _print_checkpoint_table(rows: list[tuple[str, float, Figures]]) -> None:
         line(label, "durable", "dcp (files written)", f["dcp"]["durable"], "write+fsync", raw)
         line(label, "durable", "in line", f["inline"]["durable"], "write+fsync", raw)
         line(label, "in bucket", "ours", f["ours"]["bucket"])
+        if "sharded" in f:  # FSDP / DTensor state: DCP's async_save + our commit, beside the bare async_save
+            line(label, "blocked", "sharded (dcp + commit)", f["sharded"]["blocked"], "async_save",
+                 f["dcp"]["blocked"])
+            line(label, "durable", "sharded (committed)", f["sharded"]["durable"], "dcp written",
+                 f["dcp"]["durable"])
+            line(label, "in bucket", "sharded", f["sharded"]["bucket"])
         if "wall" in f:
             line(label, "wall", "ours, per checkpoint", f["wall"]["wall"])
             line(label, "blocked", "ours, in that loop", f["wall"]["blocked"])

@@ -258,9 +258,31 @@ class CheckpointManager:
         return time.perf_counter() - start
 
     def _write_and_commit(self, step: int, staged: dict[str, Any], tmp: Path, final: Path) -> None:
-        try:
+        def write() -> None:
             size, digest = save_hashed(staged, tmp / MODEL_FILE)
             self._commit(step, tmp, final, known={MODEL_FILE: (size, digest)})
+        self._written(step, tmp, write)
+
+    def start_writer(self, step: int, write: Callable[[], None], wait: bool = False) -> None:
+        """Run `write` (it writes and commits `step`, e.g. training/sharded.py's) on the writer
+        thread, with the bookkeeping of our own background saves: a failure leaves no partial
+        step and is reported; a success prunes and queues the upload. The next save, load and
+        close wait for it (`wait`: this call does)."""
+        tmp = self.local / f"{step_dir(step)}.tmp"
+        writer = threading.Thread(target=self._written, args=(step, tmp, write), name="checkpoint-write", daemon=False)
+        with self._writer_lock:
+            self._writer = writer
+        writer.start()
+        if wait:
+            self.wait_commit()
+
+    def commit_step(self, step: int, tmp: Path, final: Path) -> None:
+        """Hash the files in `tmp`, write this node's manifest, rename: for writers of our format."""
+        self._commit(step, tmp, final)
+
+    def _written(self, step: int, tmp: Path, write: Callable[[], None]) -> None:
+        try:
+            write()
         except Exception as exc:  # noqa: BLE001 (disk full, I/O error): the step is not committed
             shutil.rmtree(tmp, ignore_errors=True)  # do not leave a partial step on a full disk
             with self._lock:

@@ -17,16 +17,18 @@ import yaml
 from training import contract
 
 
-Workload = Literal["tiny", "resnet50"]
+Workload = Literal["tiny", "resnet50", "gpt-tiny"]
+Sharding = Literal["none", "fsdp"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Launcher = Literal["auto", "torchrun", "accelerate", "horovod"]
-CHOICES = {"workload": get_args(Workload), "precision": get_args(Precision), "launcher": get_args(Launcher)}
+CHOICES = {"workload": get_args(Workload), "sharding": get_args(Sharding), "precision": get_args(Precision), "launcher": get_args(Launcher)}
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     # what to train
-    workload: Workload = "tiny"  # synthetic and CPU-friendly, or ResNet-50 on an image folder
+    workload: Workload = "tiny"  # synthetic and CPU-friendly, ResNet-50 on an image folder, or a small GPT
+    sharding: Sharding = "none"  # none: every rank holds the whole model (DDP); fsdp: FSDP2 shards it over the ranks
     data_dir: str = ""  # image-folder root for resnet50 (class sub-folders of images)
     image_size: int = 224  # resnet50 input resolution
     steps: int = 200  # optimizer steps in total (across restarts)
@@ -39,6 +41,12 @@ class TrainConfig:
     tiny_dim: int = 32
     tiny_width: int = 64
     tiny_samples: int = 4096
+    # gpt-tiny: a decoder-only transformer built in code, on synthetic token sequences
+    gpt_vocab: int = 64  # tokens in the vocabulary
+    gpt_dim: int = 32  # model width (a multiple of gpt_heads)
+    gpt_layers: int = 2  # decoder blocks (each one FSDP unit)
+    gpt_heads: int = 4  # attention heads
+    gpt_context: int = 16  # tokens per sequence
     # numerics and memory
     precision: Precision = "fp32"  # bf16: autocast; fp16: autocast + GradScaler (CUDA only)
     grad_checkpointing: bool = False  # recompute activations in the backward pass (resnet50)
@@ -75,7 +83,8 @@ FIELD_ENV = {name: var for var, name in ENV.items()}
 # setting otherwise, before anything starts (a batch size of 0 would divide by zero later).
 BOUNDS: dict[str, tuple[float, bool]] = {
     "image_size": (1, True), "steps": (1, True), "batch_size": (1, True), "lr": (0, False), "weight_decay": (0, True),
-    "warmup_steps": (0, True), "tiny_dim": (1, True), "tiny_width": (1, True), "tiny_samples": (1, True),
+    "warmup_steps": (0, True), "tiny_dim": (1, True), "tiny_width": (1, True), "tiny_samples": (1, True), "gpt_vocab": (2, True),
+    "gpt_dim": (1, True), "gpt_layers": (1, True), "gpt_heads": (1, True), "gpt_context": (1, True),
     "num_workers": (0, True), "mtbf_s": (0, True), "notice_s": (0, True), "keep": (1, True),
     "upload_deadline_s": (0, True), "log_every": (1, True), "metrics_port": (0, True), "node_hourly_usd": (0, True),
     "throttle_ms": (0, True)}
@@ -193,6 +202,8 @@ def parse(argv: list[str] | None = None, environ: dict[str, str] | None = None) 
     if blocking is not None:
         _refuse(parser, f"{origin.get('checkpoint_dir', '--checkpoint-dir')}={cfg.checkpoint_dir!r}: {blocking} is a "
                 "file, not a folder: name a folder (it is created if missing)")
+    if cfg.workload == "gpt-tiny" and cfg.gpt_dim % cfg.gpt_heads:
+        _refuse(parser, f"--gpt-dim {cfg.gpt_dim} is not a multiple of --gpt-heads {cfg.gpt_heads}")
     if cfg.workload == "resnet50" and not cfg.data_dir:
         _refuse(parser, "--workload resnet50 needs --data-dir (an image folder: <dir>/<class>/<image>)")
     return cfg

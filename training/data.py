@@ -46,6 +46,28 @@ class SyntheticClassification(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x + noise, label
 
 
+class SyntheticTokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Token sequences from a fixed random Markov chain (learnable, nothing downloaded): each
+    sample is (tokens[:-1], tokens[1:]), a function of (seed, index) only."""
+
+    def __init__(self, samples: int, vocab: int, context: int, seed: int):
+        self.samples, self.vocab, self.context, self.seed = samples, vocab, context, seed
+        # each token has 4 likely successors: a language a small model can learn in a few steps
+        self.successors = torch.randint(0, vocab, (vocab, 4), generator=generator(seed, -3))
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = generator(self.seed, index)
+        tokens = torch.empty(self.context + 1, dtype=torch.long)
+        tokens[0] = torch.randint(0, self.vocab, (1,), generator=g)
+        choice = torch.randint(0, 4, (self.context,), generator=g)
+        for i in range(self.context):
+            tokens[i + 1] = self.successors[tokens[i], choice[i]]
+        return tokens[:-1], tokens[1:]
+
+
 class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
     """<root>/<class>/<image>; random-resized-crop + flip drawn from (seed, epoch, index)."""
 

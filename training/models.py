@@ -66,3 +66,45 @@ class ResNet50(nn.Module):
             x = checkpoint(stage, x, use_reentrant=False) if self.grad_checkpointing and self.training else stage(x)
         out: torch.Tensor = self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
         return out
+
+
+class Block(nn.Module):
+    """One pre-norm decoder block: causal self-attention and an MLP."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
+
+
+class TinyGPT(nn.Module):
+    """A small decoder-only transformer built here (nothing downloaded): token and position
+    embeddings, `layers` blocks, a final norm and a language-model head. Its blocks are the
+    units FSDP shards (training/sharded.py)."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, context: int):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits

@@ -6,6 +6,8 @@
     torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $RDZV_ENDPOINT -m training.train
     # accelerate on CPU: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 -m training.train
     # Horovod (images that ship it): horovodrun -np 8 python -m training.train --launcher horovod
+    # a model sharded over the ranks (FSDP2; gloo on CPU, NCCL on GPUs), resumable at any world size
+    torchrun --standalone --nproc-per-node 4 -m training.train --workload gpt-tiny --sharding fsdp
 
 Checkpoints go to --checkpoint-dir every --checkpoint-every steps and on SIGTERM / SIGINT
 (finish the step, save, upload, exit 0); at start the newest complete checkpoint (local disk
@@ -32,10 +34,11 @@ from training import config as config_mod
 from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadStatus
 from training.storage import StorageRefused
 from training.checkpointing import Interval, StopFlag, choose_checkpoint, exit_code, rng_state, set_rng_state
-from training.data import ImageFolder, ResumableSampler, SyntheticClassification, derived_seed
+from training.data import ImageFolder, ResumableSampler, SyntheticClassification, SyntheticTokens, derived_seed
 from training.distributed import Comm
 from training.metrics import Metrics
-from training.models import ResNet50, TinyNet
+from training.models import ResNet50, TinyGPT, TinyNet
+from training.sharded import ShardedCheckpoints, full_params_sha256, shard
 from training.tracking import Tracker
 
 log = logging.getLogger("gts.train")
@@ -43,7 +46,8 @@ log = logging.getLogger("gts.train")
 # The settings that shape the result: resuming a checkpoint under other values is refused
 # (--allow-config-change resumes anyway). The world size may change (elastic runs).
 SHAPING = ("workload", "steps", "batch_size", "lr", "weight_decay", "warmup_steps", "seed", "image_size",
-           "tiny_dim", "tiny_width", "tiny_samples", "precision")
+           "tiny_dim", "tiny_width", "tiny_samples", "precision", "gpt_vocab", "gpt_dim", "gpt_layers", "gpt_heads",
+           "gpt_context")
 EXIT_USAGE = 2
 
 
@@ -66,8 +70,11 @@ def params_sha256(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def build(cfg: config_mod.TrainConfig) -> tuple[SyntheticClassification | ImageFolder, nn.Module]:
+def build(cfg: config_mod.TrainConfig) -> tuple[SyntheticClassification | ImageFolder | SyntheticTokens, nn.Module]:
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    if cfg.workload == "gpt-tiny":
+        return (SyntheticTokens(cfg.tiny_samples, cfg.gpt_vocab, cfg.gpt_context, cfg.seed),
+                TinyGPT(cfg.gpt_vocab, cfg.gpt_dim, cfg.gpt_layers, cfg.gpt_heads, cfg.gpt_context))
     if cfg.workload == "tiny":
         return (SyntheticClassification(cfg.tiny_samples, cfg.tiny_dim, 10, cfg.seed),
                 TinyNet(cfg.tiny_dim, cfg.tiny_width))
@@ -102,6 +109,9 @@ class Run:
         self.stop = StopFlag()
         self.dataset, self.model = build(cfg)
         self.model.to(comm.device)
+        if cfg.sharding == "fsdp":  # before the optimizer: it must hold the sharded parameters
+            shard(self.model, list(getattr(self.model, "blocks", [])), comm)
+        self.sharded: ShardedCheckpoints | None = None  # the sharded path's checkpoints (open_checkpoints)
         self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
                                                                   weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -133,6 +143,8 @@ class Run:
             refuse(str(exc))
             ckpt, locked = None, True
         (anyone_locked,) = self.comm.any_true(locked)
+        if ckpt is not None and not anyone_locked and self.cfg.sharding == "fsdp":
+            self.sharded = ShardedCheckpoints(ckpt, self.comm)
         return None if anyone_locked else ckpt
 
     def _on_status(self, status: UploadStatus) -> None:
@@ -146,7 +158,7 @@ class Run:
     def resume(self, ckpt: CheckpointManager) -> str | None:
         """Restore the newest usable checkpoint. Returns why the run must not go on (already
         complete, or its result-shaping config changed), or None to train."""
-        found = choose_checkpoint(ckpt, self.comm)
+        found = self.sharded.choose() if self.sharded is not None else choose_checkpoint(ckpt, self.comm)
         if found is None:
             return None
         state = found.state
@@ -159,8 +171,15 @@ class Run:
                     "--allow-config-change")
         if drift and self.comm.rank == 0:
             log.warning("resuming step %d with changed settings (--allow-config-change): %s", found.step, ", ".join(drift))
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded is not None:  # every rank reads the pieces of its own shard, whatever the saved world size
+            self.sharded.restore(found.step, self.model, self.optimizer)
+            digest = full_params_sha256(self.model)
+            if self.comm.rank == 0:
+                log.info("restored step %d saved by %d ranks into %d: params_sha256=%s", found.step,
+                         int(state.get("world_size", 0)), self.comm.world, digest)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.use_scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -179,14 +198,22 @@ class Run:
 
     def save(self, ckpt: CheckpointManager, tracker: Tracker) -> None:
         state = None
-        if self.comm.local_rank == 0:
+        if self.sharded is not None:  # each rank writes its shard; rank 0 the rest
+            state = {"scheduler": self.scheduler.state_dict(), "step": self.step, "epoch": self.epoch,
+                     "offset": self.offset, "mlflow_run_id": tracker.run_id, "config": config_mod.as_dict(self.cfg),
+                     "world_size": self.comm.world}
+        elif self.comm.local_rank == 0:
             state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                      "scheduler": self.scheduler.state_dict(),
                      "scaler": self.scaler.state_dict() if self.use_scaler else None,
                      "step": self.step, "epoch": self.epoch, "offset": self.offset, "mlflow_run_id": tracker.run_id,
                      "config": config_mod.as_dict(self.cfg), "world_size": self.comm.world}
         self.interval.saving(self.step)
-        blocked = ckpt.save(self.step, state, rng_state(), self.comm.barrier)
+        if self.sharded is not None:
+            assert state is not None
+            blocked = self.sharded.save(self.step, self.model, self.optimizer, state, rng_state())
+        else:
+            blocked = ckpt.save(self.step, state, rng_state(), self.comm.barrier)
         self.last_saved = self.step
         self.interval.saved(blocked)
         self.metrics.checkpoint_seconds.set(blocked)
@@ -210,7 +237,9 @@ class Run:
         autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(comm.device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            loss: torch.Tensor = nn.functional.cross_entropy(ddp_model(inputs), labels)
+            out = ddp_model(inputs)
+            loss: torch.Tensor = nn.functional.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out,
+                                                             labels.flatten())
         scaled: torch.Tensor = self.scaler.scale(loss)
         torch.autograd.backward(scaled)
         self.scaler.step(self.optimizer)
@@ -229,7 +258,9 @@ class Run:
     def loop(self, ckpt: CheckpointManager, tracker: Tracker) -> str | None:
         """Train to --steps; returns what interrupted it (a signal here or on another rank) or None."""
         cfg, comm = self.cfg, self.comm
-        ddp_model, self.optimizer = comm.wrap(self.model, self.optimizer)
+        ddp_model = self.model  # FSDP2 shards the model itself: no wrapper
+        if self.sharded is None:
+            ddp_model, self.optimizer = comm.wrap(self.model, self.optimizer)
         sampler = ResumableSampler(len(self.dataset), comm.world, comm.rank, cfg.seed)
         batches_per_epoch = len(self.dataset) // comm.world // cfg.batch_size
         if batches_per_epoch == 0:  # refused at start (too_small); never spin on an empty epoch
@@ -302,6 +333,8 @@ class Run:
             raise
         if self.last_saved != self.step:
             self.save(ckpt, tracker)
+        if self.sharded is not None:
+            self.sharded.close()  # this rank's shard of the last checkpoint is written
         status = ckpt.close(timeout=self.cfg.upload_deadline_s)
         tracker.close(interrupted=interrupted is not None)
         if status.permanent_error:
@@ -312,9 +345,11 @@ class Run:
                       "the newest committed one", self.step, status.write_error)
             return 1
         if interrupted is None:
+            # sharded: the full parameters, gathered (every rank takes part), so any sharding compares
+            digest = (full_params_sha256(self.model) if self.sharded is not None
+                      else params_sha256(self.model) if self.comm.rank == 0 else "")
             if self.comm.rank == 0:
-                print(f"final step={self.step} loss={self.last_loss!r} params_sha256={params_sha256(self.model)}",
-                      flush=True)
+                print(f"final step={self.step} loss={self.last_loss!r} params_sha256={digest}", flush=True)
             return 0
         return self.stopped(interrupted, status)
 

@@ -1,0 +1,146 @@
+"""Sharded (FSDP2) training with real processes on CPU (gloo): the gpt-tiny workload's shards
+checkpointed by every rank (training/sharded.py), verified on every rank before use, resumed
+bit-exactly at the same world size and resharded into another one after a node is lost."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.training_helpers import BIN, ROOT, MotoServer, Run, free_port, kill_tree, launch, storage_env, wait_port
+from training.models import TinyGPT
+from training.sharded import read_full_model, state_sha256
+
+GPT = ["--workload", "gpt-tiny", "--sharding", "fsdp", "--batch-size", "8", "--tiny-samples", "512", "--log-every", "2"]
+RESTORED = re.compile(r"restored step (\d+) saved by (\d+) ranks into (\d+): params_sha256=([0-9a-f]{64})")
+
+
+def checkpoint_hash(folder: Path) -> str:
+    """The full parameters of a step's folder, read in this process (no process group) and hashed
+    as the trainer hashes its gathered parameters: an independent reading of the shards."""
+    return state_sha256(read_full_model(folder, TinyGPT(64, 32, 2, 4, 16).state_dict()))
+
+
+def test_stopped_and_resumed_equals_uninterrupted_and_a_bad_shard_means_the_previous_step(tmp_path: Path) -> None:
+    args = [*GPT, "--steps", "24", "--checkpoint-every", "4"]
+    straight = launch([*args, "--checkpoint-dir", str(tmp_path / "a")], tmp_path)
+    assert straight.finish() == 0, straight.output[-3000:]
+    _, _, expected = straight.final()
+
+    folder = tmp_path / "b"
+    stopped = launch([*args, "--checkpoint-dir", str(folder), "--throttle-ms", "150"], tmp_path)
+    stopped.wait_for(r"checkpoint step 4:", timeout=120)
+    os.kill(stopped.proc.pid, signal.SIGTERM)  # torchrun passes it to the workers: save, then stop
+    stopped.finish()  # torchrun exits 1 even when the workers stopped cleanly (TRAINING_FACTS.md)
+    at = int(stopped.wait_for(r"stopped by SIGTERM at step (\d+)").split("at step ")[1].split()[0])
+    steps = sorted(int(p.name.split("-")[1]) for p in folder.glob("step-????????"))
+    assert steps[-1] == at and len(steps) >= 2, steps
+
+    # One byte of rank 1's shard of the newest step: every rank must refuse that step.
+    shard = folder / f"step-{at:08d}" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    previous = tmp_path / "previous"  # the fallback step, as committed (keep-K prunes it later in the run)
+    shutil.copytree(folder / f"step-{steps[-2]:08d}", previous)
+
+    resumed = launch([*args, "--checkpoint-dir", str(folder)], tmp_path)
+    assert resumed.finish() == 0, resumed.output[-3000:]
+    skipped = resumed.wait_for(rf"skipping checkpoint step {at}: rank \d")
+    assert "__1_0.distcp does not match its sha256" in skipped and "1 more rank" in skipped, skipped
+    match = RESTORED.search(resumed.output)
+    assert match, resumed.output[-3000:]
+    assert int(match.group(1)) == steps[-2] and match.group(2) == match.group(3) == "2", match.group(0)
+    # What was restored is what that step holds, read back independently of the trainer.
+    assert match.group(4) == checkpoint_hash(previous)
+    step, _, digest = resumed.final()
+    assert step == 24 and digest == expected, (digest, expected)
+
+
+def _node(index: int, port: int, moto: MotoServer, tmp: Path, steps: int) -> Run:
+    env = {**os.environ, **storage_env(moto.url), "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "LAUNCHER": "torchrun", "NNODES": "2", "MIN_NNODES": "1",
+           "NPROC_PER_NODE": "2", "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_LAST_CALL_S": "10",
+           "GTS_NODE_GROUP": "local", "RDZV_KEY": "local-test-key-" + "0" * 32,
+           "CHECKPOINT_URL": f"s3://{moto.bucket}/sharded/", "TRAIN_STEPS": str(steps),
+           "CHECKPOINT_DIR": str(tmp / f"node{index}")}
+    proc = subprocess.Popen(["bash", str(ROOT / "training/entrypoint.sh"), *GPT, "--checkpoint-every", "4", "--keep", "20",
+                             "--throttle-ms", "100"],
+                            env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = Run(proc)
+    run.start_reader()
+    return run
+
+
+def wait_any(nodes: list[Run], pattern: str, timeout: float, after: dict[int, int] | None = None) -> tuple[int, str]:
+    """(node, line) of the first line matching `pattern` on any node, among each node's lines
+    after `after[node]` (which node holds which rank is the rendezvous' choice)."""
+    deadline = time.monotonic() + timeout
+    regex = re.compile(pattern)
+    while time.monotonic() < deadline:
+        for i, run in enumerate(nodes):
+            for line in list(run.lines)[(after or {}).get(i, 0):]:
+                if regex.search(line):
+                    return i, line
+        time.sleep(0.1)
+    raise AssertionError(f"no node printed {pattern!r}:\n" + "\n---\n".join(r.output[-2500:] for r in nodes))
+
+
+def test_four_ranks_lose_a_node_and_two_go_on_resharded(tmp_path: Path) -> None:
+    steps = 40
+    moto = MotoServer()
+    port = free_port()
+    store = subprocess.Popen([sys.executable, "-m", "training.rdzv_store", "--port", str(port)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    nodes: list[Run] = []
+    try:
+        wait_port(port)
+        nodes = [_node(i, port, moto, tmp_path, steps) for i in range(2)]
+        first, _ = wait_any(nodes, r"rank 0 of 4 ", timeout=180)
+        mark = {i: len(run.lines) for i, run in enumerate(nodes)}
+        for i in range(2):  # step 8 is in the bucket from both nodes: a resumable point without either
+            wait_any([nodes[i]], r"uploaded step-00000008 ", timeout=180, after={0: mark[i]})
+        before = {int(m.group(1)): float(m.group(2)) for run in nodes for m in
+                  (re.search(r"step (\d+) loss ([\d.]+)$", x) for x in list(run.lines)) if m}
+        lost = 1 - first  # the node without rank 0, so the log lines stay on the survivor
+        kill_tree(nodes[lost].proc.pid)  # a reclaim without notice: no emergency checkpoint
+        nodes[lost].proc.wait(timeout=30)
+        survivor = nodes[first]
+        seen = len(survivor.lines)
+        _, line = wait_any([survivor], r"rank 0 of 2 ", timeout=180, after={0: seen})
+        _, line = wait_any([survivor], RESTORED.pattern, timeout=120, after={0: seen})
+        restored = RESTORED.search(line)
+        assert restored and restored.group(2) == "4" and restored.group(3) == "2", line
+        step = int(restored.group(1))
+        assert step >= 8, line
+        assert survivor.finish(timeout=300) == 0, survivor.output[-3000:]
+        final = [x for x in survivor.lines if x.startswith("final step=")]
+        assert len(final) == 1 and final[0].startswith(f"final step={steps} "), final
+
+        # The 2 ranks hold exactly the parameters the 4 ranks saved (read back from the bucket; --keep 20
+        # keeps the step there).
+        folder = tmp_path / "from-bucket"
+        folder.mkdir()
+        client = moto.client()
+        for key in moto.keys(f"sharded/step-{step:08d}/"):
+            client.download_file(moto.bucket, key, str(folder / key.rsplit("/", 1)[1]))
+        assert restored.group(4) == checkpoint_hash(folder)
+        # The loss goes on from where the 4 ranks left it, not from an untrained model's ln(vocab).
+        after = [float(m.group(1)) for x in survivor.lines[seen:] if (m := re.search(rf"step {step + 2} loss ([\d.]+)$", x))]
+        assert after and step in before, (after, sorted(before))
+        assert abs(after[0] - before[step]) < 0.25 * before[step] and after[0] < 0.95 * math.log(64), (after, before)
+        assert f"sharded/step-{steps:08d}/manifest-node000.json" in moto.keys("sharded/")
+    finally:
+        for run in nodes:
+            if run.proc.poll() is None:
+                kill_tree(run.proc.pid)
+        store.terminate()
+        store.wait(timeout=10)
+        moto.stop()
