@@ -104,6 +104,13 @@ class AwsEks(pulumi.ComponentResource):
         self.pod_identity = aws.eks.Addon(f"{name}-pod-identity", cluster_name=self.cluster.name,
                                           addon_name="eks-pod-identity-agent", resolve_conflicts_on_create="OVERWRITE",
                                           resolve_conflicts_on_update="OVERWRITE", tags=tags, opts=child)
+        # GPU node health for EKS node repair: the node monitoring agent reports the DCGM / Xid
+        # conditions (AcceleratedHardwareReady) that node_repair_config acts on (EKS user guide
+        # node-health and node-repair; FABRIC_AND_HEALTH.md 4.4).
+        self.node_monitoring = aws.eks.Addon(f"{name}-node-monitoring", cluster_name=self.cluster.name,
+                                             addon_name="eks-node-monitoring-agent",
+                                             resolve_conflicts_on_create="OVERWRITE",
+                                             resolve_conflicts_on_update="OVERWRITE", tags=tags, opts=child)
 
         self.system = self._system_group(name, args, child)
         self.node_groups: list[aws.eks.NodeGroup] = []
@@ -190,6 +197,8 @@ class AwsEks(pulumi.ComponentResource):
                 launch_template=aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str)),
                 taints=[aws.eks.NodeGroupTaintArgs(key=GPU_TAINT_KEY, value="true", effect="NO_SCHEDULE")],
                 labels=pool_labels, update_config=aws.eks.NodeGroupUpdateConfigArgs(max_unavailable=1), tags=tags,
+                # A node whose GPUs the monitoring agent finds faulty is replaced (or rebooted) by EKS.
+                node_repair_config=aws.eks.NodeGroupNodeRepairConfigArgs(enabled=True),
                 # The autoscaler owns the desired size once the group exists.
                 opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
                     ignore_changes=["scalingConfig.desiredSize"])))
