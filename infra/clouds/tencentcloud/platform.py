@@ -115,10 +115,12 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
             opts=pulumi.ResourceOptions(parent=self))
         if hasattr(fleet, "group"):  # fixed instances only: no group to hand a node back to
             grant_replace_self(f"{self.spec.env}-{group.name}", access.roles[group.name].id, group.region, fleet.group,
-                               pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region)))
+                               pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region),
+                                                      depends_on=self.after_store(group)))
             # The node learns its group's id from the bucket (no metadata entry names it).
             publish_group_id(f"{self.spec.env}-{group.name}", group.name, self.storage.bucket.bucket, fleet.group,
-                             self.tags, pulumi.ResourceOptions(parent=fleet, provider=self.provider()))
+                             self.tags, pulumi.ResourceOptions(parent=fleet, provider=self.provider(),
+                                                    depends_on=self.after_store(group)))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: TencentNetwork,
