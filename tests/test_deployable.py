@@ -69,8 +69,8 @@ def test_eks_nodes_keep_pods_off_the_node_role() -> None:
         options = named(res, name).inputs["metadataOptions"]
         assert options["httpPutResponseHopLimit"] == 1 and options["httpTokens"] == "required"
         assert options.get("instanceMetadataTags") != "enabled"  # EKS tags nodes with `/` keys
-    (addon,) = by_type(res, "aws:eks/addon:Addon")
-    assert addon.inputs["addonName"] == "eks-pod-identity-agent"
+    addons = {a.inputs["addonName"] for a in by_type(res, "aws:eks/addon:Addon")}
+    assert addons == {"eks-pod-identity-agent", "eks-node-monitoring-agent"}  # the latter: GPU node repair
 
 
 def test_eks_autoscaler_has_its_own_role_by_pod_identity() -> None:

@@ -122,7 +122,7 @@ class ScalingApi:
         self.calls: list[dict[str, Any]] = []
         # Tencent: one AS group as the API documents it; whether RemoveInstances lowers the
         # desired capacity is not documented, so the fake does either.
-        self.group = {"AutoScalingGroupId": GROUP["tencentcloud"], "DesiredCapacity": 2,
+        self.group: dict[str, Any] = {"AutoScalingGroupId": GROUP["tencentcloud"], "DesiredCapacity": 2,
                       "Instances": [INSTANCE["tencentcloud"], "ins-other001"]}
         self.lowers_desired = lowers_desired
         self.objects: dict[str, str] = {}  # COS (S3 API, path style): /<bucket>/<key> -> body
