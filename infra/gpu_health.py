@@ -5,6 +5,7 @@ infra/data/gpu_health.yaml (which also classifies the Xid codes the node's watch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from infra import catalog as cat
@@ -42,7 +43,33 @@ def nvlinks(rg: ResolvedGroup) -> int:
     return int(load()["nvlinks_per_gpu"].get(rg.primary.gpu_model, 0))
 
 
+def diag_level(rg: ResolvedGroup) -> int:
+    """The group's `dcgmi diag` level (nodeGroups[].gpuHealth.diagLevel; the table's default is 1)."""
+    return int(rg.group.gpu_health.diag_level)
+
+
+# Clouds whose reserved groups are fixed instances with no scaling group (infra/clouds/*/fleet.py:
+# AWS reserves capacity for an Auto Scaling group; Alibaba and Tencent create the instances).
+FIXED_RESERVED = ("alicloud", "tencentcloud")
+
+
+def replace_mode(rg: ResolvedGroup) -> str:
+    """group: a faulty node hands itself back to its scaling group; none: the group's nodes are
+    fixed instances, and a faulty node is quarantined for the operator (GTS_REPLACE)."""
+    return "none" if rg.kind == "vm" and rg.market.type == "reserved" and rg.cloud in FIXED_RESERVED else "group"
+
+
 def node_env(rg: ResolvedGroup) -> dict[str, str]:
     """The gate's expectations for one group's nodes (node.env / the init container's env)."""
     return {"GTS_GPU_COUNT": str(rg.gpus), "GTS_NVSWITCH": str(rg.primary.nvswitch).lower(),
-            "GTS_NVLINKS": str(nvlinks(rg)), "GTS_GPU_DIAG_LEVEL": str(load()["default_diag_level"])}
+            "GTS_NVLINKS": str(nvlinks(rg)), "GTS_GPU_DIAG_LEVEL": str(diag_level(rg))}
+
+
+def advisories(groups: Sequence[ResolvedGroup]) -> list[dict[str, str]]:
+    """The plan's advisory for each group whose gate runs the longer DCGM level (its minutes)."""
+    levels = load()["diag_levels"]
+    return [{"policy": "gpu-diag-level", "enforcement": "advisory", "resource": rg.name,
+             "message": f"nodeGroups[{rg.name}].gpuHealth.diagLevel: {diag_level(rg)} ({levels[diag_level(rg)]['name']}) "
+                        f"runs `dcgmi diag -r {diag_level(rg)}` on every node start before its trainer: "
+                        f"{levels[diag_level(rg)]['minutes']} minutes (level 1: {levels[1]['minutes']})"}
+            for rg in groups if diag_level(rg) != int(load()["default_diag_level"])]

@@ -196,6 +196,15 @@ class GroupTraining(SpecModel):
     command: Command | None = Field(None, description="Your training command, run by the launcher on every process of every node: `[-m, package.module, args...]`, `[script.py, args...]` or an executable with its arguments. `${NAME}` in an argument expands to a trainer-contract variable (e.g. ${DATA_DIR}, ${CHECKPOINT_URL}). Empty: our trainer with `workload`.")
 
 
+class GpuHealth(SpecModel):
+    """The GPU boot gate of this group's nodes (cloudinit/scripts/gts-gpu-health.py)."""
+
+    diag_level: Literal[1, 2] = Field(
+        1, description="`dcgmi diag -r` level the gate runs before the trainer starts on each node: 1 (quick, "
+                       "seconds) or 2 (medium, about 2 minutes; 2.5 to 10.5 minutes measured on 8-GPU nodes, added to "
+                       "every node's start).")
+
+
 class NodeGroup(SpecModel):
     """GPU nodes: a VM fleet or a managed-Kubernetes node pool."""
 
@@ -220,6 +229,7 @@ class NodeGroup(SpecModel):
         "auto", description="Multi-node fabric: efa (AWS), erdma (Alibaba), hcc (Tencent) on the types that have "
                             "one (infra/data/fabric.csv); auto: on for a multi-node training group on such a type; "
                             "none: NCCL over the ordinary network.")
+    gpu_health: GpuHealth = Field(default_factory=GpuHealth, description="The GPU boot gate's DCGM diagnostic level.")
 
     @model_validator(mode="after")
     def _type_or_requirement(self) -> NodeGroup:

@@ -107,6 +107,7 @@ class NodeContext:
     shared_dir: str = ""
     nvlinks: int = 0  # the GPU boot gate's expectations (infra/gpu_health.py; the GPU count is NPROC_PER_NODE)
     gpu_diag_level: int = 1
+    replace: str = "group"  # none: fixed instances, no scaling group (infra/gpu_health.py replace_mode)
 
 
 def store_context(spec: StackSpec, site: Site, image: str) -> NodeContext:
@@ -150,7 +151,7 @@ def node_context(spec: StackSpec, rg: ResolvedGroup, image: str, shared: SharedM
         node_exporter_image=agents.node_exporter, bundle_url=f"s3://{rg.bucket.name}/{pinned.key}",
         # Cluster nodes run no trainer (the Job carries its env): they get what the fetcher needs.
         bundle_sha256=pinned.sha256, nvlinks=gpu_health.nvlinks(rg),
-        gpu_diag_level=int(gpu_health.load()["default_diag_level"]),
+        gpu_diag_level=gpu_health.diag_level(rg), replace=gpu_health.replace_mode(rg),
         trainer={k: v for k, v in rg.trainer.items() if k in NODE_VARS} if kube else {**rg.trainer, **(secrets or {})},
         # A VM node mounts it for its trainer container; a cluster node hands its root to the
         # trainer's uid (gts-shared.sh --prepare), and pods mount it through a PersistentVolume.

@@ -21,6 +21,7 @@ import threading
 import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -116,9 +117,15 @@ class ScalingApi:
     AWS requests then go to moto's real Auto Scaling API."""
 
     def __init__(self, cloud: str, meta: FakeMetadata, at_arrival: Callable[[], Any] = lambda: None,
-                 forward: str = ""):
+                 forward: str = "", lowers_desired: bool = False):
         self.cloud, self.meta, self.at_arrival, self.forward = cloud, meta, at_arrival, forward
         self.calls: list[dict[str, Any]] = []
+        # Tencent: one AS group as the API documents it; whether RemoveInstances lowers the
+        # desired capacity is not documented, so the fake does either.
+        self.group: dict[str, Any] = {"AutoScalingGroupId": GROUP["tencentcloud"], "DesiredCapacity": 2,
+                      "Instances": [INSTANCE["tencentcloud"], "ins-other001"]}
+        self.lowers_desired = lowers_desired
+        self.objects: dict[str, str] = {}  # COS (S3 API, path style): /<bucket>/<key> -> body
         self.event = threading.Event()
         owner = self
 
@@ -127,7 +134,18 @@ class ScalingApi:
                 pass
 
             def do_GET(self) -> None:  # noqa: N802
+                if owner.cloud == "tencentcloud" and self.path in owner.objects:
+                    return self.object_get()
                 self.handle_call(b"")
+
+            def object_get(self) -> None:
+                call = owner.check_sigv4("GET", self.path, {k: v for k, v in self.headers.items()}, b"")
+                owner.calls.append({**call, "action": "GetObject", "path": self.path})
+                body = owner.objects[self.path].encode() if call["signature_ok"] else b"denied"
+                self.send_response(200 if call["signature_ok"] else 403)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             def do_POST(self) -> None:  # noqa: N802
                 self.handle_call(self.rfile.read(int(self.headers.get("Content-Length", 0))))
@@ -144,7 +162,7 @@ class ScalingApi:
                     with urllib.request.urlopen(req, timeout=30) as resp:
                         status, answer = resp.status, resp.read()
                 elif owner.cloud == "tencentcloud":
-                    answer = json.dumps({"Response": {"ActivityId": "asa-dne04cxp", "RequestId": "r-1"}}).encode()
+                    answer = json.dumps({"Response": {**owner.tencent(call), "RequestId": "r-1"}}).encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
@@ -160,6 +178,46 @@ class ScalingApi:
 
     def secret(self) -> str:
         return f"secret-{self.meta.generation}"
+
+    def tencent(self, call: dict[str, Any]) -> dict[str, Any]:
+        """The answer of the documented AS API 2018-04-19 for this call, on the one group."""
+        group, params = self.group, call["params"]
+        if not call["signature_ok"]:
+            return {"Error": {"Code": "AuthFailure.SignatureFailure", "Message": "signature"}}
+        if call["action"] == "DescribeAutoScalingGroups":
+            found = [dict(group, InstanceCount=len(group["Instances"]))] if group["AutoScalingGroupId"] in params[
+                "AutoScalingGroupIds"] else []
+            return {"AutoScalingGroupSet": found, "TotalCount": len(found)}
+        if params.get("AutoScalingGroupId") != group["AutoScalingGroupId"]:
+            return {"Error": {"Code": "ResourceNotFound.AutoScalingGroupNotFound", "Message": "no such group"}}
+        if call["action"] == "RemoveInstances":
+            group["Instances"] = [i for i in group["Instances"] if i not in params["InstanceIds"]]
+            if self.lowers_desired:
+                group["DesiredCapacity"] -= len(params["InstanceIds"])
+            return {"ActivityId": "asa-dne04cxp"}
+        if call["action"] == "ModifyDesiredCapacity":
+            group["DesiredCapacity"] = params["DesiredCapacity"]
+            return {}
+        return {"Error": {"Code": "InvalidAction", "Message": call["action"]}}
+
+    def check_sigv4(self, method: str, path: str, headers: dict[str, str], body: bytes) -> dict[str, Any]:
+        from botocore.auth import SigV4Auth
+        from botocore.awsrequest import AWSRequest
+        from botocore.credentials import Credentials
+
+        auth = re.match(r"AWS4-HMAC-SHA256 Credential=([^/]+)/\d{8}/([^/]+)/([^/]+)/aws4_request, "
+                        r"SignedHeaders=([^,]+), Signature=(\w+)", headers["Authorization"])
+        assert auth, headers
+        signed = {h: headers[next(k for k in headers if k.lower() == h)] for h in auth.group(4).split(";")}
+        req = AWSRequest(method=method, url=self.url + path, data=body, headers=signed)
+        req.context["timestamp"] = signed["x-amz-date"]
+        signer = SigV4Auth(Credentials(auth.group(1), self.secret(), headers.get("X-Amz-Security-Token")),
+                           auth.group(3), auth.group(2))
+        if auth.group(3) == "s3":
+            req.context["payload_signing_enabled"] = True
+        good = signer.signature(signer.string_to_sign(req, signer.canonical_request(req)), req) == auth.group(5)
+        return {"signed_by": auth.group(1), "signature_ok": good, "service": auth.group(3),
+                "token": headers.get("X-Amz-Security-Token")}
 
     def check(self, method: str, path: str, headers: dict[str, str], body: bytes) -> dict[str, Any]:
         if self.cloud == "aws":
@@ -261,8 +319,14 @@ def _trainer(tmp: Path, ckpt: Path, **extra: str) -> Run:
     return run
 
 
+def _bucket_env(api: ScalingApi) -> dict[str, str]:
+    """node.env's bucket settings, the bucket on the fake's address (path style)."""
+    return {"GTS_BUNDLE_URL": "s3://gts-bucket/nodes/bundle-0.tar.gz.b64", "STORAGE_ENDPOINT_URL": api.url,
+            "STORAGE_REGION": "ap-guangzhou", "STORAGE_ADDRESSING_STYLE": "path"}
+
+
 def _watch(cloud: str, meta: FakeMetadata, api: ScalingApi, trainer_pid: int, tmp: Path,
-           *extra: str) -> subprocess.Popen[str]:
+           *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     kmsg = tmp / "kmsg"
     kmsg.touch()
     return subprocess.Popen(
@@ -270,7 +334,8 @@ def _watch(cloud: str, meta: FakeMetadata, api: ScalingApi, trainer_pid: int, tm
          "--action", f"pid:{trainer_pid}", "--metadata-url", meta.url, "--api-url", api.url,
          "--kernel-log", str(kmsg), "--textfile-dir", str(tmp / "tf"), "--run-dir", str(tmp / "run"),
          "--table", str(ROOT / "infra/data/gpu_health.yaml"), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "GTS_LIB": str(ROOT / "training")})
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "GTS_LIB": str(ROOT / "training"), **(env or {})})
 
 
 def _watching(tmp: Path, watcher: subprocess.Popen[str]) -> None:
@@ -342,9 +407,10 @@ def test_xid_79_on_alibaba_and_tencent_calls_the_documented_api_signed_by_the_no
     meta = _metadata(cloud, INSTANCE[cloud]).start()
     meta.rotate()  # the node signs with the credentials the metadata service gives now
     api = ScalingApi(cloud, meta, at_arrival=lambda: marker.exists() and marker.read_text())
+    # Tencent: the scaling-group id comes from the object the plan writes beside the bundle.
+    api.objects[f"/gts-bucket/nodes/scaling-groups/{cloud}-train"] = GROUP["tencentcloud"] + "\n"
     launcher = stand_in(marker)
-    extra = ["--group-id", GROUP["tencentcloud"]] if cloud == "tencentcloud" else []
-    watcher = _watch(cloud, meta, api, launcher.pid, tmp_path, "--once", *extra)
+    watcher = _watch(cloud, meta, api, launcher.pid, tmp_path, "--once", env=_bucket_env(api))
     try:
         _worker_ready(marker, launcher)
         _watching(tmp_path, watcher)
@@ -358,10 +424,11 @@ def test_xid_79_on_alibaba_and_tencent_calls_the_documented_api_signed_by_the_no
                 kill_tree(proc.pid)
         api.stop()
         meta.stop()
-    [call] = api.calls
+    call = api.calls[-1] if cloud == "alicloud" else next(c for c in api.calls if c["action"] == "RemoveInstances")
+    assert len(api.calls) == (1 if cloud == "alicloud" else 4)
     assert call["at_arrival"] == "saved"
-    assert call["signature_ok"] and call["signed_by"] == meta.access_key() == f"STS.{cloud}.1"
-    assert call["token"] == "token-1"
+    assert all(c["signature_ok"] and c["signed_by"] == meta.access_key() == f"STS.{cloud}.1" and c["token"] == "token-1"
+               for c in api.calls)
     params = call["params"]
     if cloud == "alicloud":
         assert {k: params[k] for k in ("Action", "Version", "InstanceId", "HealthStatus", "RegionId")} == {
@@ -372,6 +439,10 @@ def test_xid_79_on_alibaba_and_tencent_calls_the_documented_api_signed_by_the_no
     else:
         assert (call["action"], call["version"]) == ("RemoveInstances", "2018-04-19")
         assert params == {"AutoScalingGroupId": GROUP[cloud], "InstanceIds": [INSTANCE[cloud]]}
+        assert [c["action"] for c in api.calls] == ["GetObject", "DescribeAutoScalingGroups", "RemoveInstances",
+                                                    "ModifyDesiredCapacity"]
+        assert api.calls[0]["service"] == "s3" and api.calls[0]["path"] == "/gts-bucket/nodes/scaling-groups/tencentcloud-train"
+        assert api.group["Instances"] == ["ins-other001"] and api.group["DesiredCapacity"] == 2
 
 
 def test_xid_94_restarts_the_workers_and_replaces_nothing(tmp_path: Path) -> None:
@@ -411,12 +482,13 @@ def test_xid_94_restarts_the_workers_and_replaces_nothing(tmp_path: Path) -> Non
 
 # ---------------------------------------------------------------------------- the boot gate
 
-def _gate(tmp: Path, tools: Path, meta: FakeMetadata, api: ScalingApi, *args: str) -> subprocess.CompletedProcess[str]:
+def _gate(tmp: Path, tools: Path, meta: FakeMetadata, api: ScalingApi, *args: str,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(SCRIPT), "gate", "--cloud", meta.cloud, "--group", "ali-train", "--metadata-url", meta.url,
          "--api-url", api.url, "--textfile-dir", str(tmp / "tf"), "--run-dir", str(tmp / "run"), *args],
         capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
-        env={**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "GTS_LIB": str(ROOT / "training")})
+        env={**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "GTS_LIB": str(ROOT / "training"), **(env or {})})
 
 
 def test_a_healthy_node_passes_its_gate(tmp_path: Path) -> None:
@@ -490,6 +562,7 @@ def test_each_node_role_may_replace_only_its_own_group_and_nothing_else() -> Non
     the plan grants one of these actions."""
     from tests.harness import by_type, shipped
 
+    health = _watch_module()
     res = list(shipped("prod"))
     found: dict[str, tuple[str, str, str]] = {}  # group -> (action, resource, role)
     for r in by_type(res, "aws:iam/rolePolicy:RolePolicy"):
@@ -507,8 +580,9 @@ def test_each_node_role_may_replace_only_its_own_group_and_nothing_else() -> Non
     for r in by_type(res, "tencentcloud:Cam/policy:Policy"):
         if r.name.endswith("-replace-self"):
             [s] = _statements(r.inputs["document"])
-            [action], [resource] = s["action"], s["resource"]
-            found[r.name.removeprefix("prod-").removesuffix("-replace-self")] = (action, resource, cam[r.name]["roleId"])
+            [resource] = s["resource"]
+            found[r.name.removeprefix("prod-").removesuffix("-replace-self")] = (
+                ",".join(s["action"]), resource, cam[r.name]["roleId"])
     asgs = [r.name.removesuffix("-asg") for r in by_type(res, "aws:autoscaling/group:Group") if not r.name.startswith(("aws-eks", "eks"))
             and r.name.endswith("-asg")]
     ess = [r.name.removesuffix("-ess") for r in by_type(res, "alicloud:ess/scalingGroup:ScalingGroup")]
@@ -518,13 +592,21 @@ def test_each_node_role_may_replace_only_its_own_group_and_nothing_else() -> Non
                                   "prod-aws-train-node")
     assert found["ali-train"][:2] == ("ess:SetInstanceHealth", "acs:ess:cn-hangzhou:*:scalinggroup/ali-train-ess-id")
     assert "prod-ali-train-node" in str(found["ali-train"][2])
-    assert found["tc-train"][:2] == ("as:RemoveInstances", "qcs::as:ap-guangzhou:uin/*:autoscalinggroup/tc-train-asg-id")
+    # Tencent: the call, and reading / setting back the desired capacity, on its own group only.
+    assert found["tc-train"][:2] == ("as:DescribeAutoScalingGroups,as:RemoveInstances,as:ModifyDesiredCapacity",
+                                     "qcs::as:ap-guangzhou:uin/*:autoscalinggroup/tc-train-asg-id")
+    # The group's nodes learn its id from the object the plan writes once the group exists, under
+    # the prefix their role reads already (no new grant).
+    [obj] = [r for r in by_type(res, "tencentcloud:Cos/bucketObject:BucketObject") if r.name == "prod-tc-train-group-id"]
+    assert obj.inputs["content"] == "tc-train-asg-id" and obj.inputs["key"] == "nodes/scaling-groups/tc-train"
+    from infra.buckets import NODES_PREFIX
+    assert obj.inputs["key"].startswith(NODES_PREFIX) and health.group_id_key("tc-train") == obj.inputs["key"]
     # Nothing else grants these actions (nor a wildcard over the scaling services).
     for r in res:
         text = json.dumps(r.inputs)
-        if "replace-self" in r.name:
-            continue
-        for action in ("SetInstanceHealth", "RemoveInstances", "autoscaling:*", "ess:*", "as:*"):
+        if "replace-self" in r.name or r.type == "kubernetes:core/v1:ConfigMap" and r.name.endswith("-gpu-gate"):
+            continue  # the grants themselves; the gate script's own text (a Job's init container)
+        for action in ("SetInstanceHealth", "RemoveInstances", "ModifyDesiredCapacity", "autoscaling:*", "ess:*", "as:*"):
             assert action not in text, f"{r.name} ({r.type}) mentions {action}"
 
 
@@ -548,3 +630,183 @@ def test_the_gpu_health_alerts_read_series_the_node_writes_and_promtool_accepts_
                   "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED"):
         assert re.search(rf"^{field}, (counter|gauge), ", csv, re.M), field
     assert "-f /etc/dcgm-exporter/gts-counters.csv" in (ROOT / "cloudinit/units/gts-exporters.service").read_text()
+
+
+# ---------------------------------------------------------------------------- Tencent's desired capacity
+
+@pytest.mark.parametrize("lowers", [True, False], ids=["remove-lowers-desired", "remove-keeps-desired"])
+def test_a_tencent_node_that_fails_its_gate_leaves_and_the_group_keeps_its_desired_capacity(
+        lowers: bool, tmp_path: Path) -> None:
+    """RemoveInstances' documentation does not say what it does to the desired capacity; the
+    node reads it first and sets it back, so the group launches a replacement either way."""
+    tools = _fake_tools(tmp_path, gpus=7)
+    with _metadata("tencentcloud", INSTANCE["tencentcloud"]) as meta:
+        api = ScalingApi("tencentcloud", meta, lowers_desired=lowers)
+        api.objects["/gts-bucket/nodes/scaling-groups/tc-train"] = GROUP["tencentcloud"]
+        done = _gate(tmp_path, tools, meta, api, "--gpus", "8", "--group", "tc-train", env=_bucket_env(api))
+        api.stop()
+    assert done.returncode == 1, done.stderr
+    assert [c["action"] for c in api.calls] == ["GetObject", "DescribeAutoScalingGroups", "RemoveInstances",
+                                                "ModifyDesiredCapacity"]
+    assert all(c["signature_ok"] and c["signed_by"] == meta.access_key() for c in api.calls)
+    assert api.calls[-1]["params"] == {"AutoScalingGroupId": GROUP["tencentcloud"], "DesiredCapacity": 2}
+    assert api.group["Instances"] == ["ins-other001"] and api.group["DesiredCapacity"] == 2
+
+
+def test_a_tencent_node_refuses_a_group_id_object_that_is_not_one(tmp_path: Path) -> None:
+    """A hostile or broken object never reaches the AS API as a group id."""
+    health = _watch_module()
+    meta = _metadata("tencentcloud", INSTANCE["tencentcloud"]).start()
+    api = ScalingApi("tencentcloud", meta)
+    api.objects["/gts-bucket/nodes/scaling-groups/tc-train"] = "asg-x\"}, \"InstanceIds\": [\"ins-all\"]"
+    try:
+        creds = health.cloudmeta.Metadata("tencentcloud", meta.url).credentials()
+        args = type("Args", (), {"group_id": "", "group": "tc-train"})()
+        os.environ.update(_bucket_env(api))
+        with pytest.raises(ValueError, match="not a scaling-group id"):
+            health.tencent_group_id(args, creds)
+    finally:
+        for key in _bucket_env(api):
+            os.environ.pop(key, None)
+        api.stop()
+        meta.stop()
+    assert [c["action"] for c in api.calls] == ["GetObject"]
+
+
+# ---------------------------------------------------------------------------- fixed instances
+
+def test_a_fixed_node_checkpoints_and_is_quarantined_not_replaced(tmp_path: Path) -> None:
+    """GTS_REPLACE=none (reserved groups on Alibaba and Tencent are fixed instances): a replace-class
+    Xid still stops the trainer after its checkpoint and keeps it from starting again; no scaling
+    API is called; the journal and a metric say the node is quarantined for the operator."""
+    from tests.test_cloudinit import _trainer as stand_in, _worker_ready
+
+    marker = tmp_path / "worker"
+    meta = _metadata("alicloud", INSTANCE["alicloud"]).start()
+    api = ScalingApi("alicloud", meta)
+    launcher = stand_in(marker)
+    watcher = _watch("alicloud", meta, api, launcher.pid, tmp_path, "--once", env={"GTS_REPLACE": "none"})
+    try:
+        _worker_ready(marker, launcher)
+        _watching(tmp_path, watcher)
+        _log(tmp_path, XID79)
+        assert launcher.wait(timeout=LAUNCH_TIMEOUT) == 0
+        log, _ = watcher.communicate(timeout=LAUNCH_TIMEOUT)
+    finally:
+        for proc in (launcher, watcher):
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+        api.stop()
+        meta.stop()
+    assert marker.read_text() == "saved" and not api.calls
+    assert (tmp_path / "run" / "spot-notice").exists()
+    assert "no scaling group" in log and "quarantined" in log
+    metrics = (tmp_path / "tf" / "gts_gpu_watch.prom").read_text()
+    assert 'gts_gpu_quarantined{cloud="alicloud",group="alicloud-train",why="no_scaling_group"} 1' in metrics
+    assert "gts_gpu_replace_requested" not in metrics
+
+
+def test_only_groups_without_a_scaling_group_render_replace_none() -> None:
+    from infra import gpu_health as gh
+    from infra import userdata
+    from infra.groups import resolve
+    from infra.stackfile import load_stack_spec
+
+    stack = resolve(load_stack_spec("prod"))
+    for rg in stack.groups:
+        fixed = rg.kind == "vm" and rg.market.type == "reserved" and rg.cloud in ("alicloud", "tencentcloud")
+        assert gh.replace_mode(rg) == ("none" if fixed else "group"), rg.name
+    vm = next(g for g in stack.groups if g.kind == "vm")
+    reserved = vm.group.model_copy(update={"market": vm.group.market.model_copy(update={"type": "reserved"}),
+                                           "cloud": "tencentcloud"})
+    ctx = userdata.node_context(stack.spec, replace(vm, group=reserved), "img")
+    assert ctx.replace == "none" and "GTS_REPLACE=none" in userdata.render_env(ctx).splitlines()
+    assert "GTS_REPLACE" not in userdata.render_env(userdata.node_context(stack.spec, vm, "img"))
+
+
+# ---------------------------------------------------------------------------- the DCGM level
+
+def test_the_diag_level_is_a_group_field_rendered_only_when_not_the_default() -> None:
+    from pydantic import ValidationError
+
+    from infra import gpu_health as gh
+    from infra import userdata
+    from infra.groups import resolve
+    from infra.spec import GpuHealth
+    from infra.stackfile import load_stack_spec
+
+    stack = resolve(load_stack_spec("prod"))
+    vm = next(g for g in stack.groups if g.kind == "vm")
+    assert vm.group.gpu_health.diag_level == 1 and not gh.advisories(stack.groups)
+    slow = replace(vm, group=vm.group.model_copy(update={"gpu_health": GpuHealth(diag_level=2)}))
+    assert "GTS_GPU_DIAG_LEVEL=2" in userdata.render_env(userdata.node_context(stack.spec, slow, "img")).splitlines()
+    [advice] = gh.advisories([slow])
+    assert advice["enforcement"] == "advisory" and "dcgmi diag -r 2" in advice["message"]
+    assert "2.5 to 10.5" in advice["message"] and "minutes" in advice["message"]
+    assert "2.5 to 10.5 minutes" in (GpuHealth.model_fields["diag_level"].description or "")
+    with pytest.raises(ValidationError):
+        GpuHealth.model_validate({"diagLevel": 3})
+
+
+# ---------------------------------------------------------------------------- Kubernetes
+
+def test_the_job_runs_the_node_gate_as_its_first_init_container_and_a_bad_gpu_fails_the_pod(tmp_path: Path) -> None:
+    """The planned Job's init container, run as the pod would run it: the ConfigMap's scripts in
+    its folder, its command and its env (plain values) with fake nvidia-smi. A GPU missing fails
+    it with the reason in its last lines (the termination message); all GPUs pass it."""
+    from tests.harness import by_type, shipped
+
+    res = list(shipped("prod"))
+    jobs = {r.name: r for r in by_type(res, "kubernetes:batch/v1:Job")}
+    maps = {r.name: r for r in by_type(res, "kubernetes:core/v1:ConfigMap")}
+    assert jobs and all(j.inputs["spec"]["template"]["spec"]["initContainers"][0]["name"] == "gpu-gate"
+                        for j in jobs.values())
+    job = jobs["aws-eks-train-job"]
+    pod = job.inputs["spec"]["template"]["spec"]
+    gate = pod["initContainers"][0]
+    trainer = pod["containers"][0]
+    assert gate["resources"]["limits"]["nvidia.com/gpu"] == trainer["resources"]["limits"]["nvidia.com/gpu"]
+    assert gate["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert gate["securityContext"]["runAsNonRoot"] and not gate["securityContext"]["allowPrivilegeEscalation"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "gpu-gate"]
+    folder = tmp_path / "gate"
+    folder.mkdir()
+    for name, text in maps[volume["configMap"]["name"]].inputs["data"].items():
+        (folder / name).write_text(text)
+    env = {e["name"]: e["value"] for e in gate["env"] if "value" in e}
+    gpus = int(env["GTS_GPU_COUNT"])
+    assert env["GTS_GPU_DIAG_LEVEL"] == "0" and env["GTS_NVSWITCH"] == "false"  # not checkable from a pod
+    command = [sys.executable if c == "python" else c.replace("/opt/gts/gpu-gate", str(folder)) for c in gate["command"]]
+    command = [c.replace("/tmp/gts-run", str(tmp_path / "run")) for c in command]
+    for count, want in ((gpus - 1, 1), (gpus, 0)):
+        (tmp_path / f"n{count}").mkdir()
+        tools = _fake_tools(tmp_path / f"n{count}", gpus=count, links=int(env["GTS_NVLINKS"]) or 12)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+                              env={**os.environ, **env, "GTS_LIB": str(ROOT / "training"),
+                                   "PATH": f"{tools}:{os.environ['PATH']}"})
+        assert done.returncode == want, done.stderr
+        calls = (tmp_path / f"n{count}" / "calls").read_text()
+        assert "dcgmi" not in calls and "systemctl" not in calls and "nvidia-smi -pm" not in calls
+        if want:
+            last = done.stderr.strip().splitlines()[-1]
+            assert "GPU gate FAILED" in last and f"nvidia-smi sees {count} GPUs, the type has {gpus}" in last
+
+
+def test_the_clouds_own_node_repair_is_on_for_gpu_pools() -> None:
+    """EKS: node_repair_config on every GPU managed node group and the node monitoring agent
+    add-on; ACK: a managed GPU pool with auto repair and the two add-ons it needs (pulumi_aws /
+    pulumi_alicloud arguments, infra/data/provider_checks.yaml)."""
+    from tests.harness import by_type, shipped
+
+    res = list(shipped("prod"))
+    groups = {r.name: r.inputs for r in by_type(res, "aws:eks/nodeGroup:NodeGroup")}
+    gpu = [n for n, i in groups.items() if i["amiType"].endswith("NVIDIA")]
+    assert gpu and all(groups[n]["nodeRepairConfig"] == {"enabled": True} for n in gpu)
+    assert all("nodeRepairConfig" not in i for n, i in groups.items() if n not in gpu)
+    assert {r.inputs["addonName"] for r in by_type(res, "aws:eks/addon:Addon")} >= {"eks-node-monitoring-agent"}
+    pools = {r.name: r.inputs for r in by_type(res, "alicloud:cs/nodePool:NodePool")}
+    gpu_pools = [n for n, i in pools.items() if i.get("taints")]
+    assert gpu_pools and all(pools[n]["management"] == {"enable": True, "autoRepair": True,
+                                                         "autoRepairPolicy": {"restartNode": True}} for n in gpu_pools)
+    assert {r.inputs["name"] for r in by_type(res, "alicloud:cs/kubernetesAddon:KubernetesAddon")} == {
+        "ack-node-problem-detector", "node-lifecycle-controller"}

@@ -23,8 +23,18 @@ Handing the node back, signed with the instance role's credentials from the meta
            the unhealthy instance";
   Alibaba  ESS SetInstanceHealth(InstanceId, Unhealthy), RPC API 2014-08-28, signature v1
            (HMAC-SHA1) — "the scaling group detects and removes unhealthy instances";
-  Tencent  AS RemoveInstances(AutoScalingGroupId, InstanceIds), API 3.0 2018-04-19,
-           TC3-HMAC-SHA256 (the group backfills to its desired capacity: unverified, see README).
+  Tencent  AS RemoveInstances(AutoScalingGroupId, InstanceIds), API 3.0 2018-04-19, TC3-HMAC-SHA256.
+           The metadata service names no scaling group, and user data is rendered before the
+           group exists: the plan writes the group's id to nodes/scaling-groups/<group> in the
+           stack's bucket once the group exists, and the node reads it with its role (the grant
+           it has for its bundle). RemoveInstances' documentation (377/20431) does not say what
+           happens to the desired capacity (ScaleInInstances and EnterStandby say they lower it),
+           so the node reads DesiredCapacity first (DescribeAutoScalingGroups) and sets it back
+           afterwards (ModifyDesiredCapacity): the group backfills either way.
+A node with no scaling group (GTS_REPLACE=none: reserved groups on Alibaba and Tencent are fixed
+instances), or whose group refuses the call, checkpoints and stops its trainer all the same,
+stays out of the run (quarantined: gts_gpu_quarantined 1, and the journal says why) and is left
+for the operator to repair or replace.
 
     gts-gpu-health.py gate --cloud aws --gpus 8 --nvswitch --nvlinks 12 --diag-level 1
     gts-gpu-health.py watch --cloud aws --action docker:gts-trainer
@@ -193,14 +203,37 @@ def gate(args):
     reason = "; ".join(f"{c}: {d}" for c, d in failed)
     log.error("GPU gate FAILED, the trainer does not start and the node asks for its replacement: %s", reason)
     spot.mark(args.run_dir)  # the trainer unit's ConditionPathExists: never started on this node
-    lines += replace_metric(labels, "gate:" + failed[0][0])
+    if args.replace == "group":
+        lines += replace_metric(labels, "gate:" + failed[0][0])
     write_textfile(args.textfile_dir, "gts_gpu_gate", lines)
-    if not args.no_replace:
-        hand_back(args)
+    lines += leave(args, labels, "gate:" + failed[0][0])
+    write_textfile(args.textfile_dir, "gts_gpu_gate", lines)
     return 1
 
 
 # ---------------------------------------------------------------------------- handing the node back
+
+def leave(args, labels, reason):
+    """After a replace-class fault (the trainer is stopped and marked never to start again): hand
+    the node back to its group; with no group, or when the group refuses, the node stays
+    quarantined for the operator. Returns the metric lines that say which."""
+    if args.no_replace:  # Kubernetes: the pod fails with the reason; the cloud's node repair acts
+        return []
+    if args.replace == "none":
+        log.error("%s: this node has no scaling group (a fixed instance: GTS_REPLACE=none); it stays out of the "
+                  "run, quarantined, for the operator to repair or replace", reason)
+        return quarantine_metric(labels, "no_scaling_group")
+    if hand_back(args):
+        return []
+    log.error("%s: the scaling group did not take the node back; it stays out of the run, quarantined, for the "
+              "operator to repair or replace", reason)
+    return quarantine_metric(labels, "hand_back_failed")
+
+
+def quarantine_metric(labels, why):
+    return ["# HELP gts_gpu_quarantined 1 when a GPU fault took this node out of the run and no group replaces it.",
+            "# TYPE gts_gpu_quarantined gauge", f"gts_gpu_quarantined{_labels(why=why, **labels)} 1"]
+
 
 def replace_metric(labels, reason):
     return ["# HELP gts_gpu_replace_requested 1 once this node asked its group to replace it (a GPU fault).",
@@ -238,9 +271,10 @@ def alicloud_set_unhealthy(creds, region, instance, url, now):
     return urllib.request.Request(f"{url.rstrip('/')}/?{query}&Signature={signature}", method="GET")
 
 
-def tencent_remove(creds, region, instance, group_id, url, now):
+def tencent_call(creds, region, action, params, url, now):
+    """One Tencent Cloud API 3.0 call (service as, version 2018-04-19), signed TC3-HMAC-SHA256."""
     host = urllib.parse.urlsplit(url).netloc
-    body = json.dumps({"AutoScalingGroupId": group_id, "InstanceIds": [instance]}).encode()
+    body = json.dumps(params).encode()
     content = "application/json; charset=utf-8"
     day, stamp = now.strftime("%Y-%m-%d"), str(int(now.timestamp()))
     canonical = "\n".join(["POST", "/", "", f"content-type:{content}\nhost:{host}\n", "content-type;host",
@@ -251,11 +285,65 @@ def tencent_remove(creds, region, instance, group_id, url, now):
     for part in (day, "as", "tc3_request"):
         key = hmac.new(key, part.encode(), hashlib.sha256).digest()
     signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    headers = {"Content-Type": content, "X-TC-Action": "RemoveInstances", "X-TC-Version": "2018-04-19",
+    headers = {"Content-Type": content, "X-TC-Action": action, "X-TC-Version": "2018-04-19",
                "X-TC-Timestamp": stamp, "X-TC-Region": region, "X-TC-Token": creds.token,
                "Authorization": f"TC3-HMAC-SHA256 Credential={creds.access_key}/{scope}, "
                                 f"SignedHeaders=content-type;host, Signature={signature}"}
     return urllib.request.Request(url, data=body, headers=headers, method="POST")
+
+
+def tencent_answer(req, timeout=30):
+    """The Response object of a Tencent API call; its Error raised."""
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        answer = json.loads(resp.read().decode()).get("Response", {})
+    if "Error" in answer:
+        raise ValueError(f"{req.get_header('X-tc-action')} answered {answer['Error']}")
+    return answer
+
+
+def group_id_key(group):
+    """Where the plan writes a Tencent group's scaling-group id (infra/clouds/tencentcloud/health.py)."""
+    return f"nodes/scaling-groups/{group}"
+
+
+def tencent_group_id(args, creds):
+    """The scaling group's id: --group-id, else the object the plan wrote beside the node bundle,
+    read with the node's role like the bundle (bucket and endpoint from node.env)."""
+    if args.group_id:
+        return args.group_id
+    env = os.environ.get
+    bucket = urllib.parse.urlsplit(env("GTS_BUNDLE_URL", "")).netloc
+    if not (bucket and env("STORAGE_ENDPOINT_URL") and args.group):
+        raise ValueError("no scaling-group id: --group-id is empty and node.env names no bucket (GTS_BUNDLE_URL, "
+                         "STORAGE_ENDPOINT_URL) or group (GTS_NODE_GROUP)")
+    body = cloudmeta.signed_get("tencentcloud", env("STORAGE_ENDPOINT_URL"), env("STORAGE_REGION", ""), bucket,
+                                group_id_key(args.group), creds, env("STORAGE_ADDRESSING_STYLE", "virtual"))
+    group_id = body.decode().strip()
+    if not re.fullmatch(r"asg-[a-z0-9]+", group_id):
+        raise ValueError(f"{group_id_key(args.group)} holds {group_id[:60]!r}, not a scaling-group id")
+    return group_id
+
+
+def tencent_replace(creds, region, instance, group_id, url):
+    """DescribeAutoScalingGroups (the desired capacity now), RemoveInstances, then
+    ModifyDesiredCapacity back to it: the group launches a replacement whether or not
+    RemoveInstances lowered the desired capacity (its documentation does not say)."""
+    now = lambda: dt.datetime.now(dt.timezone.utc)  # noqa: E731
+    found = tencent_answer(tencent_call(creds, region, "DescribeAutoScalingGroups",
+                                        {"AutoScalingGroupIds": [group_id]}, url, now()))
+    groups = found.get("AutoScalingGroupSet") or []
+    if len(groups) != 1:
+        raise ValueError(f"DescribeAutoScalingGroups found {len(groups)} groups with id {group_id}")
+    desired = int(groups[0]["DesiredCapacity"])
+    removed = tencent_answer(tencent_call(creds, region, "RemoveInstances",
+                                          {"AutoScalingGroupId": group_id, "InstanceIds": [instance]}, url, now()))
+    try:
+        tencent_answer(tencent_call(creds, region, "ModifyDesiredCapacity",
+                                    {"AutoScalingGroupId": group_id, "DesiredCapacity": desired}, url, now()))
+    except (OSError, ValueError) as exc:  # the node is removed already: say so, do not remove it again
+        log.error("RemoveInstances done, but setting the desired capacity of %s back to %d failed: %s",
+                  group_id, desired, exc)
+    return json.dumps({"RemoveInstances": removed, "DesiredCapacity": desired})
 
 
 def api_url(cloud, region, override):
@@ -281,13 +369,11 @@ def hand_back(args, attempts=5):
             elif args.cloud == "alicloud":
                 req = alicloud_set_unhealthy(creds, region, instance, url, now)
             else:
-                if not args.group_id:
-                    raise ValueError("--group-id (GTS_SCALING_GROUP_ID) is empty: Tencent's RemoveInstances needs it")
-                req = tencent_remove(creds, region, instance, args.group_id, url, now)
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                answer = resp.read().decode()
-            if args.cloud == "tencentcloud" and "Error" in json.loads(answer).get("Response", {}):
-                raise ValueError(f"RemoveInstances answered {answer}")
+                req = None
+                answer = tencent_replace(creds, region, instance, tencent_group_id(args, creds), url)
+            if req is not None:
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    answer = resp.read().decode()
             log.warning("asked the %s group to replace instance %s: %s", args.cloud, instance, answer.strip()[:300])
             return True
         except (OSError, ValueError, KeyError, cloudmeta.MetadataError) as exc:
@@ -374,9 +460,9 @@ class Watch:
                     "" if known else " (unknown Xid)")
         if action == "replace" and not self.replacing:
             self.replacing = True
-            self.extra = replace_metric(self.labels, f"xid:{code}")
+            self.extra = replace_metric(self.labels, f"xid:{code}") if self.args.replace == "group" else []
             self.metrics()
-            self.replace()
+            self.extra += self.replace(f"xid:{code}")
         elif action == "restart" and not self.replacing:
             restart_workers(self.trainer)
             log.warning("Xid %d: the training workers were killed; torchrun restarts them from the newest "
@@ -384,14 +470,14 @@ class Watch:
         self.metrics()
         return action
 
-    def replace(self):
+    def replace(self, reason):
         spot.mark(self.args.run_dir)  # the trainer unit is never started again on this node
         goes = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=self.args.checkpoint_wait + spot.MARGIN_S)
         took = spot.emergency_checkpoint(self.trainer, goes)
         if took is None:
             log.error("no emergency checkpoint within %.0f s; the node goes anyway (the run resumes from the newest "
                       "committed one)", self.args.checkpoint_wait)
-        hand_back(self.args)
+        return leave(self.args, self.labels, reason)
 
     def run(self):
         self.metrics()
@@ -414,13 +500,15 @@ def main(argv=None):
         p.add_argument("--cloud", choices=sorted(cloudmeta.CLOUDS), default=env("GTS_CLOUD"))
         p.add_argument("--group", default=env("GTS_NODE_GROUP", ""))
         p.add_argument("--group-id", default=env("GTS_SCALING_GROUP_ID", ""),
-                       help="the scaling group's id (Tencent RemoveInstances)")
+                       help="the scaling group's id (Tencent); default: the plan's object in the bucket")
         p.add_argument("--region", default="", help="default: the metadata service's")
         p.add_argument("--metadata-url", default=env("GTS_METADATA_URL") or None)
         p.add_argument("--api-url", default="", help="the scaling API's endpoint (tests)")
         p.add_argument("--textfile-dir", default="/var/lib/node_exporter/textfile")
         p.add_argument("--run-dir", default=env("GTS_RUN_DIR", "/run/gpu-training"))
         p.add_argument("--no-replace", action="store_true", help="report only (Kubernetes: the cloud's repair acts)")
+        p.add_argument("--replace", choices=("group", "none"), default=env("GTS_REPLACE") or "group",
+                       help="none: the node has no scaling group (fixed instances); it is quarantined instead")
     g = sub.choices["gate"]
     g.add_argument("--gpus", type=int, default=int(env("GTS_GPU_COUNT") or env("NPROC_PER_NODE") or 0),
                    help="the type's GPU count (node.env: NPROC_PER_NODE, one process per GPU)")

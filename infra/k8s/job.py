@@ -18,7 +18,8 @@ import pulumi
 import pulumi_kubernetes as k8s
 import pulumi_random as random
 
-from infra import contract, rendezvous
+from infra import contract, gpu_health, rendezvous
+from infra.bundle import ROOT
 from infra.groups import LABEL_NODE_GROUP, ResolvedGroup
 from infra.k8s import netpol
 from infra.k8s.daemons import GPU_TOLERATION
@@ -219,6 +220,8 @@ class TrainingJob(pulumi.ComponentResource):
             mounts.append(k8s.core.v1.VolumeMountArgs(name="shared", mount_path=args.shared.spec.mount_path))
             volumes.append(k8s.core.v1.VolumeArgs(name="shared", persistent_volume_claim=(
                 k8s.core.v1.PersistentVolumeClaimVolumeSourceArgs(claim_name=claim.metadata.name))))
+        gate, gate_volume = _gpu_gate(name, args, env, resources, labels, child)
+        volumes.append(gate_volume)
         pod = k8s.core.v1.PodSpecArgs(
             restart_policy="OnFailure", service_account_name=account.metadata.name,
             automount_service_account_token=False,
@@ -229,7 +232,7 @@ class TrainingJob(pulumi.ComponentResource):
             security_context=k8s.core.v1.PodSecurityContextArgs(
                 run_as_non_root=True, run_as_user=TRAINER_UID, fs_group=TRAINER_UID,
                 seccomp_profile=k8s.core.v1.SeccompProfileArgs(type="RuntimeDefault")),
-            init_containers=_dataset_cache(args, env, mounts) or None,
+            init_containers=[gate, *_dataset_cache(args, env, mounts)],
             containers=[k8s.core.v1.ContainerArgs(
                 name="trainer", image=args.image, env=env, security_context=restricted(),
                 ports=[k8s.core.v1.ContainerPortArgs(name="rdzv", container_port=contract.RDZV_PORT),
@@ -315,6 +318,41 @@ def _volumes(args: TrainingJobArgs, shm_gb: int) -> tuple[list[k8s.core.v1.Volum
             sources=[k8s.core.v1.VolumeProjectionArgs(service_account_token=k8s.core.v1.ServiceAccountTokenProjectionArgs(
                 audience=identity.token_audience, expiration_seconds=3600, path=file))])))
     return mounts, volumes
+
+
+GATE_SCRIPTS = ("gts-gpu-health.py", "gts-spot-watch.py")  # the gate imports the spot watcher's helpers
+GATE_DIR = "/opt/gts/gpu-gate"
+
+
+def gate_env(rg: ResolvedGroup) -> dict[str, str]:
+    """The node gate's expectations as the pod can check them: GPU count, persistence mode and
+    NVLinks through nvidia-smi (the device plugin puts the GPUs and the driver's tools in the
+    container). Not from a pod: Fabric Manager (a host unit) and `dcgmi diag` (the trainer image
+    carries no DCGM) — on EKS the node monitoring agent watches both for node repair."""
+    return {**gpu_health.node_env(rg), "GTS_NVSWITCH": "false", "GTS_GPU_DIAG_LEVEL": "0",
+            "GTS_LIB": "/opt/gts/training"}
+
+
+def _gpu_gate(name: str, args: TrainingJobArgs, env: list[k8s.core.v1.EnvVarArgs], resources: dict[str, str],
+              labels: dict[str, str], child: pulumi.ResourceOptions) -> tuple[k8s.core.v1.ContainerArgs,
+                                                                              k8s.core.v1.VolumeArgs]:
+    """The VM node's GPU boot gate (cloudinit/scripts/gts-gpu-health.py, from a ConfigMap) as the
+    pod's first init container, on all the node's GPUs: a failing check fails the pod before the
+    trainer starts, the reason in the container's termination message (its last log lines) and
+    the pod's events; the node itself is the cloud's to repair (EKS node repair, ACK auto repair)."""
+    scripts = k8s.core.v1.ConfigMap(f"{name}-gpu-gate", metadata=k8s.meta.v1.ObjectMetaArgs(
+        name=f"{name}-gpu-gate", namespace=args.namespace, labels=labels),
+        data={f: (ROOT / "cloudinit" / "scripts" / f).read_text(encoding="utf-8") for f in GATE_SCRIPTS}, opts=child)
+    small = {"cpu": "1", "memory": "1Gi", "nvidia.com/gpu": resources["nvidia.com/gpu"]}
+    return k8s.core.v1.ContainerArgs(
+        name="gpu-gate", image=args.image, security_context=restricted(),
+        env=env + [k8s.core.v1.EnvVarArgs(name=k, value=v) for k, v in sorted(gate_env(args.group).items())],
+        command=["python", f"{GATE_DIR}/gts-gpu-health.py", "gate", "--no-replace", "--textfile-dir", "",
+                 "--run-dir", "/tmp/gts-run"],
+        termination_message_policy="FallbackToLogsOnError",
+        volume_mounts=[k8s.core.v1.VolumeMountArgs(name="gpu-gate", mount_path=GATE_DIR, read_only=True)],
+        resources=k8s.core.v1.ResourceRequirementsArgs(requests=small, limits=small)), k8s.core.v1.VolumeArgs(
+            name="gpu-gate", config_map=k8s.core.v1.ConfigMapVolumeSourceArgs(name=scripts.metadata.name))
 
 
 def _dataset_cache(args: TrainingJobArgs, env: list[k8s.core.v1.EnvVarArgs],

@@ -82,6 +82,10 @@ class AlicloudAck(pulumi.ComponentResource):
             control_plane_log_components=["apiserver", "kcm", "scheduler", "ccm"],
             # RRSA: pods assume their own RAM role with a service-account token (irreversible once on).
             enable_rrsa=True, deletion_protection=spec.env == "prod", tags=tags, opts=child)
+        # What node pool auto repair needs on the cluster (pulumi_alicloud cs NodePoolManagementArgs.auto_repair).
+        self.repair_addons = [alicloud.cs.KubernetesAddon(f"{name}-{addon}", cluster_id=self.cluster.id, name=addon,
+                                                          opts=child)
+                              for addon in ("ack-node-problem-detector", "node-lifecycle-controller")]
         # With a security group of our own, ACK adds no rules: Flannel needs the pod range and
         # ICMP admitted on the nodes (ACK "Configure security group rules", inbound table).
         # ICMP from the VPC and the pods only (the doc's 0.0.0.0/0 is not needed: no node has a public address).
@@ -175,6 +179,12 @@ class AlicloudAck(pulumi.ComponentResource):
             data_disks=[alicloud.cs.NodePoolDataDiskArgs(category=ESSD, size=disk_gb, encrypted="true")] if disk_gb else None,
             instance_metadata_options=alicloud.cs.NodePoolInstanceMetadataOptionsArgs(http_tokens="required"),
             ram_role_name=args.role_name,
+            # Managed pool with auto repair: ACK isolates a node that ack-node-problem-detector
+            # finds faulty (GPU Xid included) and restarts or replaces it (ACK "auto-repair";
+            # pulumi_alicloud cs NodePoolManagementArgs: needs that add-on and node-lifecycle-controller).
+            management=alicloud.cs.NodePoolManagementArgs(
+                enable=True, auto_repair=True, auto_repair_policy=alicloud.cs.NodePoolManagementAutoRepairPolicyArgs(
+                    restart_node=True)),
             user_data=userdata.for_cluster_group(spec, g, args.shared),
             labels=[alicloud.cs.NodePoolLabelArgs(key=k, value=v) for k, v in labels.items()],
             taints=[alicloud.cs.NodePoolTaintArgs(key="nvidia.com/gpu", value="true", effect="NoSchedule")],

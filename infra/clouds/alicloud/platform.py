@@ -101,7 +101,8 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
             opts=pulumi.ResourceOptions(parent=self))
         if hasattr(fleet, "group"):  # a reserved group is fixed instances: no group to hand a node back to
             grant_replace_self(f"{self.spec.env}-{group.name}", access.roles[group.name].role_name, group.region, fleet.group, self.tags,
-                               pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region)))
+                               pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region),
+                                                      depends_on=self.after_store(group)))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: AlicloudNetwork,

@@ -112,6 +112,13 @@ class AwsEks(pulumi.ComponentResource):
                       configuration_values=json.dumps({"enableNetworkPolicy": "true"}),
                       resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="OVERWRITE", tags=tags,
                       opts=child)
+        # GPU node health for EKS node repair: the node monitoring agent reports the DCGM / Xid
+        # conditions (AcceleratedHardwareReady) that node_repair_config acts on (EKS user guide
+        # node-health and node-repair; FABRIC_AND_HEALTH.md 4.4).
+        self.node_monitoring = aws.eks.Addon(f"{name}-node-monitoring", cluster_name=self.cluster.name,
+                                             addon_name="eks-node-monitoring-agent",
+                                             resolve_conflicts_on_create="OVERWRITE",
+                                             resolve_conflicts_on_update="OVERWRITE", tags=tags, opts=child)
 
         if args.shared is not None and args.shared.spec.type == "efs" and any(g.group.shared_fs for g in args.groups):
             # Pods mount EFS through its access point with TLS and the node's role (the file system
@@ -217,6 +224,8 @@ class AwsEks(pulumi.ComponentResource):
                 launch_template=aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str)),
                 taints=[aws.eks.NodeGroupTaintArgs(key=GPU_TAINT_KEY, value="true", effect="NO_SCHEDULE")],
                 labels=pool_labels, update_config=aws.eks.NodeGroupUpdateConfigArgs(max_unavailable=1), tags=tags,
+                # A node whose GPUs the monitoring agent finds faulty is replaced (or rebooted) by EKS.
+                node_repair_config=aws.eks.NodeGroupNodeRepairConfigArgs(enabled=True),
                 # The autoscaler owns the desired size once the group exists.
                 opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
                     ignore_changes=["scalingConfig.desiredSize"])))

@@ -143,7 +143,8 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
             after=self.after_store(group), store_clients=self.clients_of(group)), opts=pulumi.ResourceOptions(parent=self))
         # A node with a failed GPU hands itself back (gts-gpu-health.py): that one call, on its own group.
         grant_replace_self(group.name, access.profiles[group.name].role.apply(str), fleet.group,
-                           pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region)))
+                           pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region),
+                                                      depends_on=self.after_store(group)))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: AwsNetwork, access: AwsAccess,

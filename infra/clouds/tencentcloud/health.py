@@ -1,7 +1,19 @@
-"""The one permission a GPU VM node's CAM role needs to hand itself back after a GPU fault
-(cloudinit/scripts/gts-gpu-health.py): as:RemoveInstances on its own scaling group only
-(resource qcs::as:{region}:uin/*:autoscalinggroup/{id}; CAM's resource description format,
-cloud.tencent.com/document/product/598/10606 — the AS resource-level support is unverified)."""
+"""What a Tencent GPU VM node needs to hand itself back after a GPU fault
+(cloudinit/scripts/gts-gpu-health.py), on its own scaling group only (resource
+qcs::as:{region}:uin/*:autoscalinggroup/{id}; CAM's resource description format,
+cloud.tencent.com/document/product/598/10606 — the AS resource-level support is unverified):
+
+- as:RemoveInstances, the call that takes the node out ("instances created by AS are terminated",
+  cloud.tencent.com/document/api/377/20431);
+- as:DescribeAutoScalingGroups and as:ModifyDesiredCapacity, to read the desired capacity
+  before and set it back after: RemoveInstances' documentation does not say whether it lowers
+  it (ScaleInInstances, 377/40718, and EnterStandby say they do), so the node keeps it.
+
+And the group's id, which the node cannot learn at run time: Tencent's metadata service has no
+scaling-group entry (cloud.tencent.com/document/product/213/4934 lists instance, placement,
+network and CAM entries), and user data is rendered before the group exists. The plan writes it
+to nodes/scaling-groups/<group> in the stack's bucket, which the node's role reads already (the
+node bundle's prefix, infra/access.py): no new permission."""
 
 from __future__ import annotations
 
@@ -10,12 +22,19 @@ import json
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
-ACTION = "as:RemoveInstances"
+from infra.buckets import NODES_PREFIX
+
+ACTIONS = ("as:DescribeAutoScalingGroups", "as:RemoveInstances", "as:ModifyDesiredCapacity")
+
+
+def group_id_key(group: str) -> str:
+    """The object holding a group's scaling-group id (the node's gts-gpu-health.py group_id_key)."""
+    return f"{NODES_PREFIX}scaling-groups/{group}"
 
 
 def replace_self_policy(region: str, group_id: str) -> str:
     return json.dumps({"version": "2.0", "statement": [
-        {"effect": "allow", "action": [ACTION], "resource": [f"qcs::as:{region}:uin/*:autoscalinggroup/{group_id}"]}]})
+        {"effect": "allow", "action": list(ACTIONS), "resource": [f"qcs::as:{region}:uin/*:autoscalinggroup/{group_id}"]}]})
 
 
 def grant_replace_self(name: str, role_id: pulumi.Input[str], region: str, group: tencentcloud.as_.ScalingGroup,
@@ -24,3 +43,10 @@ def grant_replace_self(name: str, role_id: pulumi.Input[str], region: str, group
                                      document=group.id.apply(lambda i: replace_self_policy(region, i)),
                                      description=f"{name}: a node removes itself after a GPU fault", opts=opts)
     return tencentcloud.cam.RolePolicyAttachment(f"{name}-replace-self", role_id=role_id, policy_id=policy.id, opts=opts)
+
+
+def publish_group_id(name: str, group_name: str, bucket: pulumi.Input[str], group: tencentcloud.as_.ScalingGroup,
+                     tags: dict[str, str], opts: pulumi.ResourceOptions) -> tencentcloud.cos.BucketObject:
+    """The scaling group's id where the group's nodes read it (created once the group exists)."""
+    return tencentcloud.cos.BucketObject(f"{name}-group-id", bucket=bucket, key=group_id_key(group_name),
+                                         content=group.id, content_type="text/plain", tags=tags, opts=opts)

@@ -13,7 +13,7 @@ from infra.cloud_rules import POD_CIDR
 from infra.clouds.base import CloudPlatform, Cluster
 from infra.clouds.tencentcloud.access import TencentAccess, TencentAccessArgs
 from infra.clouds.tencentcloud.budget import TencentBudget, TencentBudgetArgs
-from infra.clouds.tencentcloud.health import grant_replace_self
+from infra.clouds.tencentcloud.health import grant_replace_self, publish_group_id
 from infra.clouds.tencentcloud.fleet import TencentGpuFleet, TencentGpuFleetArgs
 from infra.clouds.tencentcloud.kubernetes import TencentTke, TencentTkeArgs
 from infra.clouds.tencentcloud.network import TencentNetwork, TencentNetworkArgs
@@ -69,9 +69,10 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
                            opts=self.provider_opts())
 
     def make_storage(self) -> TencentStorage:
-        return TencentStorage(f"{self.name}-storage",
+        self.storage = TencentStorage(f"{self.name}-storage",
                               TencentStorageArgs(self.spec.storage, bucket(self.spec, self.CLOUD), bundle.build(), self.tags),
                               opts=self.provider_opts())
+        return self.storage
 
     def make_shared_fs(self, net: Network, built: TencentNetwork, storage: TencentStorage) -> SharedFsOutputs:
         shared = TencentSharedFs(f"{net.name}", TencentSharedFsArgs(
@@ -117,7 +118,12 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
             opts=pulumi.ResourceOptions(parent=self))
         if hasattr(fleet, "group"):  # fixed instances only: no group to hand a node back to
             grant_replace_self(f"{self.spec.env}-{group.name}", access.roles[group.name].id, group.region, fleet.group,
-                               pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region)))
+                               pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region),
+                                                      depends_on=self.after_store(group)))
+            # The node learns its group's id from the bucket (no metadata entry names it).
+            publish_group_id(f"{self.spec.env}-{group.name}", group.name, self.storage.bucket.bucket, fleet.group,
+                             self.tags, pulumi.ResourceOptions(parent=fleet, provider=self.provider(),
+                                                    depends_on=self.after_store(group)))
         return fleet.capacity
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: TencentNetwork,
