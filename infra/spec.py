@@ -127,6 +127,9 @@ class Network(SpecModel):
                                          description="CIDRs allowed to SSH in; empty = no SSH (use SSM / cloud shell).")
     shared_fs: SharedFs | None = Field(None, description="A shared file system in this network; groups set "
                                                          "sharedFs: true to mount it.")
+    scrape_cidrs: list[IPv4Network] = Field(
+        default_factory=list, description="Where the monitoring scrapes the VM nodes' exporters from (ports 9100, "
+                                          "9400 and the trainer's 9401); empty = this network's own CIDR.")
 
 
 class Peering(SpecModel):

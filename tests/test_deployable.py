@@ -136,13 +136,14 @@ def test_every_cluster_has_an_untainted_system_pool_and_node_agents() -> None:
 
 
 def test_pod_networks_are_admitted_on_ack_and_tke_nodes() -> None:
-    """ACK "Configure security group rules" (Flannel: inbound from the pod CIDR); TKE "Security
-    group settings" (the container pod network must be open)."""
+    """ACK on Terway: pods take the nodes' ENIs' secondary addresses (the group's own rule admits
+    them; no pod range outside the VPC); TKE "Security group settings" (the container pod network
+    must be open: every port but the exporters', infra/scrape.py)."""
     res = prod()
     ack = [r for r in by_type(res, "alicloud:ecs/securityGroupRule:SecurityGroupRule") if r.name == "prod-ali-train-pods"]
-    assert ack and ack[0].inputs["cidrIp"] == "172.20.0.0/16"
+    assert not ack
     rules = named(res, "tc-train-training-rules").inputs["ingresses"]
-    assert any(r.get("cidrBlock") == "172.20.0.0/16" for r in rules)
+    assert any(r.get("cidrBlock") == "172.20.0.0/16" and r.get("port") == "1-9099" for r in rules)
 
 
 def test_ack_autoscaling_is_switched_on_and_pools_fit_its_mark_limit() -> None:

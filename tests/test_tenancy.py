@@ -366,3 +366,32 @@ def test_the_node_units_bind_the_exporters_and_trainer_to_the_private_address() 
     assert '-p "$$addr:9400:9400"' in starts[0] and '--web.listen-address="$$addr:9100"' in starts[1]
     assert "-p 9400:9400" not in exporters
     assert '-e METRICS_ADDR="$$(ip -4 -o route get 1.1.1.1' in trainer
+
+
+def test_ack_runs_terway_with_network_policy_on_its_own_pod_switches() -> None:
+    """ACK enforces NetworkPolicy with Terway only; the plugin is chosen at creation, with pod
+    vSwitches of its own in the nodes' zones, apart from the nodes' vSwitches."""
+    import ipaddress
+    import json
+
+    from infra.plan.engine import unwrap_secrets
+    from tests.harness import shipped
+
+    resources = list(shipped("prod"))
+    clusters = [unwrap_secrets(r.inputs) for r in resources if r.type == "alicloud:cs/managedKubernetes:ManagedKubernetes"]
+    assert clusters
+    switches = {r.name: unwrap_secrets(r.inputs) for r in resources if r.type == "alicloud:vpc/switch:Switch"}
+    for c in clusters:
+        (addon,) = c["addons"]
+        assert addon["name"] == "terway-eniip" and json.loads(addon["config"])["NetworkPolicy"] == "true"
+        assert "podCidr" not in c and c["podVswitchIds"]
+        pods = [switches[i.removesuffix("-id")] for i in c["podVswitchIds"]]
+        nodes = [switches[i.removesuffix("-id")] for i in c["vswitchIds"]]
+        assert sorted(p["zoneId"] for p in pods) == sorted(n["zoneId"] for n in nodes)
+        for p in pods:
+            assert not any(ipaddress.ip_network(p["cidrBlock"]).overlaps(ipaddress.ip_network(n["cidrBlock"]))
+                           for n in nodes), (p, nodes)
+    # No Flannel pod range is admitted anywhere on Alibaba any more.
+    for r in resources:
+        if r.type == "alicloud:ecs/securityGroupRule:SecurityGroupRule":
+            assert unwrap_secrets(r.inputs).get("cidrIp") != "172.20.0.0/16", r.name

@@ -36,7 +36,7 @@ class NvidiaDevicePlugin(pulumi.ComponentResource):
                 template=k8s.core.v1.PodTemplateSpecArgs(
                     metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
                     spec=k8s.core.v1.PodSpecArgs(
-                        priority_class_name="system-node-critical",
+                        priority_class_name="system-node-critical", automount_service_account_token=False,
                         tolerations=[GPU_TOLERATION],
                         affinity=ON_GPU_NODES,
                         containers=[k8s.core.v1.ContainerArgs(
@@ -129,6 +129,7 @@ class GpuNodeExporters(pulumi.ComponentResource):
                         "prometheus.io/scrape": "true", "prometheus.io/port": "9400"}),
                     spec=k8s.core.v1.PodSpecArgs(
                         affinity=ON_GPU_NODES, tolerations=[GPU_TOLERATION], priority_class_name="system-node-critical",
+                        automount_service_account_token=False,  # no API access: the kubelet's socket only
                         containers=[k8s.core.v1.ContainerArgs(
                             name="dcgm-exporter", image=image,
                             # All GPUs of the node, through the NVIDIA runtime, without requesting any.
@@ -157,7 +158,7 @@ class GpuNodeExporters(pulumi.ComponentResource):
                         "prometheus.io/scrape": "true", "prometheus.io/port": "9100"}),
                     spec=k8s.core.v1.PodSpecArgs(
                         affinity=ON_GPU_NODES, tolerations=[GPU_TOLERATION], priority_class_name="system-node-critical",
-                        host_network=True, host_pid=True,
+                        host_network=True, host_pid=True, automount_service_account_token=False,
                         containers=[k8s.core.v1.ContainerArgs(
                             name="node-exporter", image=image,
                             # Host network: on the node's address alone (NetworkPolicy cannot

@@ -14,7 +14,7 @@ what the stack's pods need, and nothing that crosses from one team to another.
 
 Enforcement is the cluster's (README "Trust boundaries"): EKS through the VPC CNI's network
 policy agent (enableNetworkPolicy on the vpc-cni add-on), TKE through its NetworkPolicy add-on,
-ACK through Terway (Flannel clusters do not enforce NetworkPolicy)."""
+ACK through Terway (terway-eniip with NetworkPolicy on; Flannel would not enforce it)."""
 
 from __future__ import annotations
 

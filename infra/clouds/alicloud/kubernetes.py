@@ -18,7 +18,7 @@ from infra import userdata
 from infra.clouds.alicloud.fleet import ESSD, spot_strategy
 from infra.access import trainer_grants
 from infra.clouds.alicloud.access import AlicloudAccess
-from infra.cloud_rules import POD_CIDR, SERVICE_CIDR
+from infra.cloud_rules import SERVICE_CIDR
 from infra.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
 from infra.k8s.cluster import cluster_workloads
 from infra.k8s.job import NAMESPACE, Identity
@@ -32,6 +32,8 @@ RRSA_AUDIENCE = "sts.aliyuncs.com"
 RRSA_TOKEN = "/var/run/secrets/ack.alibabacloud.com/rrsa-tokens/token"
 # The ACK eRDMA controller's add-on configuration: the OFED driver (GPU / NCCL), every ERI to the pod.
 ERDMA_CONTROLLER_CONFIG = '{"preferDriver": "ofed", "allocateAllDevices": true}'
+TERWAY = "terway-eniip"
+TERWAY_CONFIG = {"IPVlan": "false", "NetworkPolicy": "true"}  # ACK CreateCluster `addons` (terway-eniip)
 
 
 def _provider_arn(meta: alicloud.cs.outputs.ManagedKubernetesRrsaMetadata | None) -> str:
@@ -56,6 +58,7 @@ class AlicloudAckArgs:
     spec: StackSpec
     groups: list[ResolvedGroup]
     switch_ids: list[pulumi.Output[str]]
+    pod_switch_ids: list[pulumi.Output[str]]  # Terway's pod vSwitches, one per zone of switch_ids
     security_group_id: pulumi.Output[str]
     role_name: pulumi.Output[str]
     network_cidr: str
@@ -75,7 +78,11 @@ class AlicloudAck(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self, provider=args.provider)
         self.cluster = alicloud.cs.ManagedKubernetes(
             f"{name}-ack", name=name, cluster_spec=ACK_SPEC, vswitch_ids=args.switch_ids,
-            pod_cidr=str(POD_CIDR), service_cidr=str(SERVICE_CIDR), new_nat_gateway=False,
+            # Terway (ENI multi-IP) with NetworkPolicy on: the one ACK network plugin that enforces
+            # NetworkPolicy (Flannel does not); chosen at creation only (ACK CreateCluster `addons`;
+            # provider: "Only works for Create"). Pods take addresses of the pod vSwitches.
+            addons=[alicloud.cs.ManagedKubernetesAddonArgs(name=TERWAY, config=json.dumps(TERWAY_CONFIG))],
+            pod_vswitch_ids=args.pod_switch_ids, service_cidr=str(SERVICE_CIDR), new_nat_gateway=False,
             # Private API server: ACK's access list lives on a listener of ACK's own load balancer,
             # which the provider cannot attach (data/capabilities.yaml, kubernetesApiAccess).
             slb_internet_enabled=False, security_group_id=args.security_group_id,
@@ -86,14 +93,13 @@ class AlicloudAck(pulumi.ComponentResource):
         self.repair_addons = [alicloud.cs.KubernetesAddon(f"{name}-{addon}", cluster_id=self.cluster.id, name=addon,
                                                           opts=child)
                               for addon in ("ack-node-problem-detector", "node-lifecycle-controller")]
-        # With a security group of our own, ACK adds no rules: Flannel needs the pod range and
-        # ICMP admitted on the nodes (ACK "Configure security group rules", inbound table).
-        # ICMP from the VPC and the pods only (the doc's 0.0.0.0/0 is not needed: no node has a public address).
-        for rule, protocol, cidr in (("pods", "all", str(POD_CIDR)), ("icmp-vpc", "icmp", args.network_cidr),
-                                     ("icmp-pods", "icmp", str(POD_CIDR))):
-            alicloud.ecs.SecurityGroupRule(f"{name}-{rule}", type="ingress", ip_protocol=protocol, port_range="-1/-1",
-                                           security_group_id=args.security_group_id, cidr_ip=cidr, policy="accept",
-                                           description=f"ACK Flannel: {rule}", opts=child)
+        # With a security group of our own, ACK adds no rules. Terway's pods take secondary
+        # addresses of the nodes' ENIs, which carry this group: the group's own rule admits them,
+        # and no pod range outside the VPC exists (Flannel's did). ICMP from the VPC only (ACK
+        # "Configure security group rules"; the doc's 0.0.0.0/0 is not needed: no public address).
+        alicloud.ecs.SecurityGroupRule(f"{name}-icmp-vpc", type="ingress", ip_protocol="icmp", port_range="-1/-1",
+                                       security_group_id=args.security_group_id, cidr_ip=args.network_cidr,
+                                       policy="accept", description="ACK: ICMP in the VPC", opts=child)
         # Node pools with scaling enabled grow only once the cluster's autoscaler is on ("The node
         # pool auto scaling mode only takes effect after auto scaling is enabled for the cluster").
         alicloud.cs.AutoscalingConfig(f"{name}-autoscaling", cluster_id=self.cluster.id, scaler_type="cluster-autoscaler",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_alicloud as alicloud
 
+from infra import scrape
 from infra.spec import Network
 
 
@@ -16,11 +17,22 @@ class AlicloudNetworkArgs:
     network: Network
     tags: dict[str, str]
     peer_cidrs: list[str] = field(default_factory=list)
+    pod_switches: bool = False  # an ACK cluster lives here: Terway's pod vSwitches, one per zone
+
+
+def pod_switch_cidr(net: Network, index: int) -> str:
+    """A /20 for Terway's pods in the index-th zone: the highest free /20s of the VPC, clear of
+    the node vSwitches (ACK recommends pod vSwitches apart from the nodes', in the same zones)."""
+    taken = [s.cidr for s in net.subnets]
+    free = [c for c in reversed(list(net.cidr.subnets(new_prefix=max(20, net.cidr.prefixlen + 1))))
+            if not any(c.overlaps(t) for t in taken)]
+    return str(free[index])
 
 
 class AlicloudNetwork(pulumi.ComponentResource):
     vpc: alicloud.vpc.Network
     switches: list[alicloud.vpc.Switch]
+    pod_switches: list[alicloud.vpc.Switch]  # Terway's (empty without an ACK cluster)
     security_group: alicloud.ecs.SecurityGroup
 
     def __init__(self, name: str, args: AlicloudNetworkArgs, opts: pulumi.ResourceOptions | None = None):
@@ -33,6 +45,10 @@ class AlicloudNetwork(pulumi.ComponentResource):
             alicloud.vpc.Switch(f"{name}-{sub.zone}", vswitch_name=f"{name}-{sub.zone}", vpc_id=self.vpc.id,
                                 zone_id=sub.zone, cidr_block=str(sub.cidr), tags=tags, opts=child)
             for sub in net.subnets]
+        self.pod_switches = [
+            alicloud.vpc.Switch(f"{name}-{sub.zone}-pods", vswitch_name=f"{name}-{sub.zone}-pods", vpc_id=self.vpc.id,
+                                zone_id=sub.zone, cidr_block=pod_switch_cidr(net, i), tags=tags, opts=child)
+            for i, sub in enumerate(net.subnets)] if args.pod_switches else []
         if net.nat:
             # An enhanced NAT gateway adds the 0.0.0.0/0 route to the VPC's system route table
             # itself; SNAT gives every vSwitch egress through one EIP.
@@ -44,7 +60,9 @@ class AlicloudNetwork(pulumi.ComponentResource):
                                           tags=tags, opts=child)
             bind = alicloud.ecs.EipAssociation(f"{name}-nat-eip-bind", allocation_id=eip.id, instance_id=nat.id,
                                                instance_type="Nat", opts=child)
-            for sub, switch in zip(net.subnets, self.switches):
+            pod_subnets = [sub.model_copy(update={"zone": f"{sub.zone}-pods"}) for sub in net.subnets]
+            for sub, switch in zip([*net.subnets, *pod_subnets[:len(self.pod_switches)]],
+                                   [*self.switches, *self.pod_switches]):
                 alicloud.vpc.SnatEntry(f"{name}-snat-{sub.zone}", snat_table_id=nat.snat_table_ids,
                                        source_vswitch_id=switch.id, snat_ip=eip.ip_address,
                                        opts=pulumi.ResourceOptions(parent=self, depends_on=[bind]))
@@ -63,10 +81,24 @@ class AlicloudNetwork(pulumi.ComponentResource):
             alicloud.ecs.SecurityGroupRule(f"{name}-ssh-{i}", type="ingress", ip_protocol="tcp", port_range="22/22",
                                            security_group_id=self.security_group.id, cidr_ip=str(cidr),
                                            policy="accept", description="SSH from an allowed CIDR", opts=sg)
+        # The exporters' ports (infra/scrape.py) from the monitoring source alone; peered VPCs get
+        # every other port.
+        for i, source in enumerate(scrape.sources(net)):
+            for port in scrape.EXPORTER_PORTS:
+                alicloud.ecs.SecurityGroupRule(f"{name}-scrape-{i}-{port}", type="ingress", ip_protocol="tcp",
+                                               port_range=f"{port}/{port}", security_group_id=self.security_group.id,
+                                               cidr_ip=source, policy="accept",
+                                               description="metrics from the monitoring source", opts=sg)
         for i, peer in enumerate(args.peer_cidrs):
-            alicloud.ecs.SecurityGroupRule(f"{name}-peer-{i}", type="ingress", ip_protocol="all", port_range="-1/-1",
-                                           security_group_id=self.security_group.id, cidr_ip=peer, policy="accept",
-                                           description="traffic from a peered VPC", opts=sg)
+            peer_rules = [("tcp", f"{lo}/{hi}") for lo, hi in scrape.other_tcp_ranges()] + [("udp", "1/65535"),
+                                                                                            ("icmp", "-1/-1")]
+            for proto, ports in peer_rules:
+                suffix = f"{proto}-{ports.split('/')[0]}" if proto == "tcp" else proto
+                alicloud.ecs.SecurityGroupRule(f"{name}-peer-{i}-{suffix}", type="ingress", ip_protocol=proto,
+                                               port_range=ports, security_group_id=self.security_group.id, cidr_ip=peer,
+                                               policy="accept",
+                                               description="traffic from a peered VPC (not the exporters' ports)",
+                                               opts=sg)
         alicloud.ecs.SecurityGroupRule(f"{name}-egress", type="egress", ip_protocol="all", port_range="-1/-1",
                                        security_group_id=self.security_group.id, cidr_ip="0.0.0.0/0",
                                        policy="accept", description="egress", opts=sg)

@@ -36,7 +36,8 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
                                  opts=pulumi.ResourceOptions(parent=self))
 
     def make_network(self, net: Network) -> AlicloudNetwork:
-        return AlicloudNetwork(net.name, AlicloudNetworkArgs(net, self.tags, self.peer_cidrs()[net.name]),
+        return AlicloudNetwork(net.name, AlicloudNetworkArgs(net, self.tags, self.peer_cidrs()[net.name],
+                                                             pod_switches=net.name in self.kubernetes_groups()),
                                opts=self.provider_opts(self.region_of(net)))
 
     def vpc_id(self, net: AlicloudNetwork) -> pulumi.Output[str]:
@@ -110,6 +111,7 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
         assert access.ack_node_role is not None
         ack = AlicloudAck(f"{self.spec.env}-{net.name}", AlicloudAckArgs(
             spec=self.spec, groups=groups, switch_ids=[s.id for s in built.switches],
+            pod_switch_ids=[s.id for s in built.pod_switches],
             security_group_id=built.security_group.id, role_name=access.ack_node_role.role_name,
             network_cidr=str(net.cidr), access=access, images=images, provider=self.provider(self.region_of(net)),
             tags=self.tags, shared=self.shared.get(net.name)), opts=pulumi.ResourceOptions(parent=self))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_aws as aws
 
+from infra import scrape
 from infra.spec import Network
 
 
@@ -86,10 +87,22 @@ class AwsNetwork(pulumi.ComponentResource):
             aws.vpc.SecurityGroupIngressRule(f"{name}-ssh-{i}", security_group_id=self.security_group.id,
                                              cidr_ipv4=str(cidr), ip_protocol="tcp", from_port=22, to_port=22,
                                              description="SSH from an allowed CIDR", tags=tags, opts=sg_child)
+        # The exporters' ports (infra/scrape.py) from the monitoring source alone; peered VPCs get
+        # every other port (security groups only allow: "all but these ports" is ranges).
+        for i, source in enumerate(scrape.sources(net)):
+            for port in scrape.EXPORTER_PORTS:
+                aws.vpc.SecurityGroupIngressRule(f"{name}-scrape-{i}-{port}", security_group_id=self.security_group.id,
+                                                 cidr_ipv4=source, ip_protocol="tcp", from_port=port, to_port=port,
+                                                 description="metrics from the monitoring source", tags=tags,
+                                                 opts=sg_child)
         for i, peer_cidr in enumerate(args.peer_cidrs):
-            aws.vpc.SecurityGroupIngressRule(f"{name}-peer-{i}", security_group_id=self.security_group.id,
-                                             cidr_ipv4=peer_cidr, ip_protocol="-1",
-                                             description="traffic from a peered VPC", tags=tags, opts=sg_child)
+            peer_rules = [("tcp", lo, hi) for lo, hi in scrape.other_tcp_ranges()] + [("udp", 0, 65535), ("icmp", -1, -1)]
+            for proto, lo, hi in peer_rules:
+                suffix = f"{proto}-{lo}" if proto == "tcp" else proto
+                aws.vpc.SecurityGroupIngressRule(f"{name}-peer-{i}-{suffix}", security_group_id=self.security_group.id,
+                                                 cidr_ipv4=peer_cidr, ip_protocol=proto, from_port=lo, to_port=hi,
+                                                 description="traffic from a peered VPC (not the exporters' ports)",
+                                                 tags=tags, opts=sg_child)
         aws.vpc.SecurityGroupEgressRule(f"{name}-egress", security_group_id=self.security_group.id,
                                         cidr_ipv4="0.0.0.0/0", ip_protocol="-1",
                                         description="egress (registries, buckets, peers)", tags=tags, opts=sg_child)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
+from infra import scrape
 from infra.spec import Network
 
 
@@ -59,14 +60,26 @@ class TencentNetwork(pulumi.ComponentResource):
                           description="NCCL / rendezvous among training nodes")]
         ingresses += [rule(action="ACCEPT", cidr_block=str(c), protocol="TCP", port="22",
                            description="SSH from an allowed CIDR") for c in net.ssh_cidrs]
-        ingresses += [rule(action="ACCEPT", cidr_block=c, protocol="ALL", description="traffic from a peered VPC")
-                      for c in args.peer_cidrs]
+        # The exporters' ports (infra/scrape.py) from the monitoring source alone; peered VPCs and
+        # the pod range get every other port.
+        ingresses += [rule(action="ACCEPT", cidr_block=c, protocol="TCP", port=str(port),
+                           description="metrics from the monitoring source")
+                      for c in scrape.sources(net) for port in scrape.EXPORTER_PORTS]
+
+        def all_but_exporters(cidr: str, what: str) -> list[tencentcloud.security.GroupRuleSetIngressArgs]:
+            tcp = [rule(action="ACCEPT", cidr_block=cidr, protocol="TCP", port=f"{lo}-{hi}", description=what)
+                   for lo, hi in scrape.other_tcp_ranges()]
+            return tcp + [rule(action="ACCEPT", cidr_block=cidr, protocol=p, port="ALL", description=what)
+                          for p in ("UDP", "ICMP")]
+
+        for c in args.peer_cidrs:
+            ingresses += all_but_exporters(c, "traffic from a peered VPC (not the exporters' ports)")
         # TKE global-router pods talk across nodes from the pod range; the self-reference above
         # matches node addresses only (TKE "Security group settings": "the container pod network
         # and the cluster node network ... must be open"). The rule set owns every rule of the
         # group, so the cluster's range is added here rather than by the cluster.
-        ingresses += [rule(action="ACCEPT", cidr_block=c, protocol="ALL", description="TKE pod network")
-                      for c in args.pod_cidrs]
+        for c in args.pod_cidrs:
+            ingresses += all_but_exporters(c, "TKE pod network (not the exporters' ports)")
         tencentcloud.security.GroupRuleSet(
             f"{name}-training-rules", security_group_id=self.security_group.id, ingresses=ingresses,
             egresses=[tencentcloud.security.GroupRuleSetEgressArgs(action="ACCEPT", cidr_block="0.0.0.0/0",

@@ -1,0 +1,30 @@
+"""Who may scrape a VM node's exporters: the monitoring source of its network
+(`networks[].scrapeCidrs`, default: the network's own CIDR), never a peered network or the TKE
+pod range. The training security groups admit EXPORTER_PORTS from those sources alone, and
+admit peers and pod ranges to every other port (TCP_OTHER ranges, UDP, ICMP) instead of to
+all traffic."""
+
+from __future__ import annotations
+
+from infra.contract import METRICS_PORT
+from infra.spec import Network
+
+NODE_EXPORTER, DCGM_EXPORTER = 9100, 9400
+EXPORTER_PORTS = (NODE_EXPORTER, DCGM_EXPORTER, METRICS_PORT)  # METRICS_PORT: the trainer's
+
+
+def sources(net: Network) -> list[str]:
+    """The CIDRs admitted to the exporters' ports: scrapeCidrs, else the network's own CIDR."""
+    return [str(c) for c in net.scrape_cidrs] or [str(net.cidr)]
+
+
+def other_tcp_ranges(ports: tuple[int, ...] = EXPORTER_PORTS) -> list[tuple[int, int]]:
+    """TCP 1-65535 less `ports`, as inclusive (from, to) ranges."""
+    ranges, start = [], 1
+    for port in sorted(set(ports)):
+        if port > start:
+            ranges.append((start, port - 1))
+        start = port + 1
+    if start <= 65535:
+        ranges.append((start, 65535))
+    return ranges
