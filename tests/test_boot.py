@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from tests.boot import repo
 from tests.boot.node import Node, bucket_host, gpu_health
 from tests.harness import shipped
 from tests.nodes import lay_down, node_env, user_data
@@ -43,13 +44,16 @@ def booted(tmp_path: Path) -> Iterator[Any]:
         cloud = env["GTS_CLOUD"]
         bucket, key, host = bucket_host(env)
         region = env["STORAGE_REGION"]
+        shared_host = env.get("GTS_SHARED_SOURCE", "").split(":")[0]
         node = Node(tmp_path / "node", cloud, raw,
                     (host, urlhost(env["STORAGE_ENDPOINT_URL"]), f"api.ecr.{region}.amazonaws.com",
-                     urlhost(api_url(cloud, region, ""))),
+                     urlhost(api_url(cloud, region, "")), *([shared_host] if shared_host else [])),
                     # The DLAMI has assembled the instance store at /opt/dlami/nvme (a mount).
                     nspawn_args=("--tmpfs=/opt/dlami/nvme",) if cloud == "aws" else ())
         nodes.append(node)
         node.meta.extra[REGION[cloud]] = region
+        node.packages(repo.NFS_COMMON)  # the archive has the NFS client (not the image)
+        (node.nfs_export / "exported").touch()  # the shared file system is there (a scenario may take it away)
         # Healthy GPUs by default: as many as the type has (one worker per GPU), NVLinks all up.
         node.gpus(int(env["NPROC_PER_NODE"]), nvlinks=int(env.get("GTS_NVLINKS") or 0))
         (obj,) = [r for r in shipped(stack) if r.type == BUNDLE_TYPES[cloud] and r.cloud == cloud
@@ -177,11 +181,12 @@ def test_dev_aws_fleet_boots_on_the_dlami_to_a_running_trainer_and_stops_on_a_sp
 
 
 def test_a_node_one_gpu_short_fails_its_gate_never_trains_and_its_group_replaces_it(booted: Any) -> None:
-    node, env = booted("dev", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
+    """The prod AWS group (p4d: 8 GPUs, NVSwitch, 12 NVLinks each) on a node that sees 7."""
+    node, env = booted("prod", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
     region = env["STORAGE_REGION"]
     instance = _moto_group(node, region)
     assert _health(node, region, instance) == "Healthy"
-    node.gpus(int(env["NPROC_PER_NODE"]) - 1)  # one GPU fell off the bus
+    node.gpus(int(env["NPROC_PER_NODE"]) - 1, nvlinks=int(env["GTS_NVLINKS"]))  # one GPU fell off the bus
     node.boot()
     node.wait_for(lambda: node.sh("systemctl is-failed gts-gpu-gate.service").stdout.strip() == "failed",
                   "the GPU gate failed")
@@ -192,7 +197,8 @@ def test_a_node_one_gpu_short_fails_its_gate_never_trains_and_its_group_replaces
     assert not [r for r in node.store.refused if api in r], node.store.refused
     journal = node.journal_text()
     failed = [line for line in journal.splitlines() if "GPU gate FAILED" in line]
-    assert len(failed) == 1 and "gpu_count: nvidia-smi sees" in failed[0], failed  # one line says why
+    assert len(failed) == 1 and "gpu_count: nvidia-smi sees 7 GPUs, the type has 8" in failed[0], failed  # one line
+    assert "fabric_manager" not in failed[0] and "dcgm_diag" not in failed[0], failed  # those passed
     assert "asked the aws group to replace instance " + instance in journal
     metrics = node.file("/var/lib/node_exporter/textfile/gts_gpu_gate.prom").read_text()
     assert re.search(r'^gts_gpu_gate_ok\{[^}]*\} 0$', metrics, re.M), metrics

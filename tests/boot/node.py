@@ -29,6 +29,7 @@ from typing import Any, Callable, TypeVar
 
 import pytest
 
+from tests.boot import repo
 from tests.metadata_server import FakeMetadata
 
 HERE = Path(__file__).parent
@@ -149,6 +150,18 @@ def _setns_thread(netns: str, fn: Callable[[], T]) -> T:
     return out["value"]  # type: ignore[no-any-return]
 
 
+def _static_server(directory: Path, served: list[str]) -> Any:
+    """Plain HTTP on STORE_ADDRESS:80 serving `directory` (the node's apt archive)."""
+    import functools as ft
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            served.append(f"{self.command} {self.path} {args[1] if len(args) > 1 else ''}")
+
+    return ThreadingHTTPServer((STORE_ADDRESS, 80), ft.partial(Handler, directory=str(directory)))
+
+
 class Store:
     """moto over TLS on STORE_ADDRESS:443, answering for the clouds' storage and ECR host names;
     a request not signed with the metadata server's current key (or the test's own) is refused (403)."""
@@ -256,8 +269,15 @@ class Node:
             subprocess.run(["ip", "netns", "exec", self.netns, *cmd], check=True, capture_output=True)
         self.meta = _setns_thread(self.netns, lambda: FakeMetadata(cloud, host=meta_address, port=80)).start()
         self.store = Store(self.netns, workdir, self.meta, hosts)
+        self.archive_dir = workdir / "archive"
+        self.archive_dir.mkdir(exist_ok=True)
+        self.archive_served: list[str] = []
+        self.archive = _setns_thread(self.netns, lambda: _static_server(self.archive_dir, self.archive_served))
+        threading.Thread(target=self.archive.serve_forever, daemon=True).start()
+        self.nfs_export = workdir / "nfs"  # the NFS "server": bound into the node at repo.NFS_EXPORT
+        (self.nfs_export / "data").mkdir(parents=True)
         self.proc: subprocess.Popen[bytes] | None = None
-        self.nspawn_args = nspawn_args
+        self.nspawn_args = (*nspawn_args, f"--bind={self.nfs_export}:{repo.NFS_EXPORT}")
         self.boots = 0
         seed = self.upper / "var/lib/cloud/seed/nocloud"
         seed.mkdir(parents=True)
@@ -265,7 +285,8 @@ class Node:
         self.set_instance(instance)
         etc_hosts = self.upper / "etc/hosts"
         etc_hosts.parent.mkdir(parents=True, exist_ok=True)
-        etc_hosts.write_text("127.0.0.1 localhost gts-node\n" + "".join(f"{STORE_ADDRESS} {n}\n" for n in hosts)
+        etc_hosts.write_text("127.0.0.1 localhost gts-node\n"
+                             + "".join(f"{STORE_ADDRESS} {n}\n" for n in (*hosts, repo.ARCHIVE_HOST))
                              + (f"{meta_address} {meta_name}\n" if meta_name else ""))
         image_layer(self.upper, image)
 
@@ -275,6 +296,13 @@ class Node:
             f"instance-id: {instance}\nlocal-hostname: gts-node\n")
         self.meta.extra["/latest/meta-data/instance-id"] = instance
         self.instance = instance
+
+    def packages(self, *packages: repo.Package) -> None:
+        """Serve these stand-in packages from the node's archive (tests/boot/repo.py), trusted by the node."""
+        key = repo.build(self.archive_dir / "debian", list(packages), cache_dir())
+        trusted = self.upper / "etc/apt/trusted.gpg.d"
+        trusted.mkdir(parents=True, exist_ok=True)
+        (trusted / "gts-boot-archive.gpg").write_bytes(key)
 
     def gpus(self, count: int, persistence: str = "Enabled", nvlinks: int = 0, diag: str = "pass") -> None:
         """The GPUs the node's stand-ins report (tests/boot/gpu): what nvidia-smi and dcgmi see."""
@@ -305,6 +333,13 @@ class Node:
         # A private mount namespace: nspawn's propagation tmpfs and the overlay vanish with it.
         self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120  # the container's PID 1 appears (then node.sh can enter it)
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            with contextlib.suppress(AssertionError):
+                self.init_pid()
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"the container did not start: {(self.workdir / f'console-{self.boots}.log').read_text()[-3000:]}")
 
     def wait_exit(self, timeout: float) -> int:
         """The container's own exit: 0 after poweroff/halt, 133 after a reboot (systemd-nspawn(1))."""
@@ -371,6 +406,7 @@ class Node:
             self.proc.kill()
             self.proc.wait(timeout=30)
         self.store.stop()
+        self.archive.shutdown()
         self.meta.stop()
         subprocess.run(["ip", "netns", "delete", self.netns], capture_output=True)
 
