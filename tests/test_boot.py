@@ -214,8 +214,6 @@ def test_a_node_one_gpu_short_fails_its_gate_never_trains_and_its_group_replaces
     assert sum("SetInstanceHealth" in s or s.startswith(f"POST {api}/") for s in node.store.served) == 1
 
 
-@pytest.mark.xfail(strict=False, reason="the prod group mounts NFS (gts-shared installs nfs-common, which the "
-                   "namespace cannot download, then mounts): the boot test has no NFS stand-in yet")
 def test_prod_aws_group_caches_its_dataset_then_trains_also_when_the_copy_fails_first(booted: Any) -> None:
     node, env = booted("prod", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
     state = node.upper / "var/lib/gts-docker-stub"
@@ -239,3 +237,6 @@ def test_prod_aws_group_caches_its_dataset_then_trains_also_when_the_copy_fails_
     assert f"-v {data_dir}:{data_dir}:ro" in run, (data_dir, run)
     assert "Dependency failed for gts-trainer.service" in node.journal_text()  # the fault did happen
     assert node.sh("systemctl is-failed gts-dataset.service").stdout.strip() == "active"
+    # The shared file system came from the archive's NFS client and is mounted for the trainer.
+    assert node.sh("findmnt -n /shared").returncode == 0 and "-v /shared:/shared" in run, run
+    assert node.file("/var/log/gts-mount-nfs.calls").read_text().startswith(f"mount.nfs {env['GTS_SHARED_SOURCE']} /shared")

@@ -87,7 +87,8 @@ def build(root: Path, packages: list[Package], cache: Path) -> bytes:
 
     entry = f" {hashlib.sha256(index).hexdigest()} {len(index)} main/binary-{arch}/Packages\n"
     release = root / f"dists/{SUITE}/Release"
-    release.write_text(f"Origin: gts-boot\nLabel: gts-boot\nSuite: {SUITE}\nCodename: {SUITE}\n"
+    # Origin / Label as the archive it stands in for (apt refuses a repository whose Origin changed).
+    release.write_text(f"Origin: Debian\nLabel: Debian\nSuite: {SUITE}\nCodename: {SUITE}\n"
                        f"Date: {formatdate(usegmt=True)}\nArchitectures: {arch}\nComponents: main\nSHA256:\n{entry}")
     home = archive_key(cache)
     subprocess.run(["gpg", "--batch", "--yes", "--homedir", str(home), "--clearsign", "-o",
