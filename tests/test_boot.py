@@ -7,21 +7,26 @@ where the host cannot boot a container; fails in CI instead."""
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from tests.boot.node import STORE_ADDRESS, Node, bucket_host, cache_dir
+from tests.boot import repo
+from tests.boot.node import Node, bucket_host, gpu_health
 from tests.harness import shipped
 from tests.nodes import lay_down, node_env, user_data
 
 pytestmark = pytest.mark.boot
 HERE = Path(__file__).parent
+REGION = gpu_health().REGION  # the metadata path of the node's region, as the gate reads it
 BUNDLE_TYPES = {"aws": "aws:s3/bucketObject:BucketObject"}
 TRAINER_FLAGS = ("--gpus all", "--ipc=host", "--network host", "--ulimit memlock=-1", "--ulimit stack=67108864",
                  "--stop-timeout 110", "--env-file /etc/gpu-training/node.env")
+
+
+def api_url(cloud: str, region: str, override: str) -> str:
+    return gpu_health().api_url(cloud, region, override)  # type: ignore[no-any-return]
 
 
 def _env_of(raw: bytes, tmp: Path) -> dict[str, str]:
@@ -39,24 +44,24 @@ def booted(tmp_path: Path) -> Iterator[Any]:
         cloud = env["GTS_CLOUD"]
         bucket, key, host = bucket_host(env)
         region = env["STORAGE_REGION"]
+        shared_host = env.get("GTS_SHARED_SOURCE", "").split(":")[0]
         node = Node(tmp_path / "node", cloud, raw,
-                    (host, urlhost(env["STORAGE_ENDPOINT_URL"]), f"api.ecr.{region}.amazonaws.com"),
+                    (host, urlhost(env["STORAGE_ENDPOINT_URL"]), f"api.ecr.{region}.amazonaws.com",
+                     urlhost(api_url(cloud, region, "")), *([shared_host] if shared_host else [])),
                     # The DLAMI has assembled the instance store at /opt/dlami/nvme (a mount).
                     nspawn_args=("--tmpfs=/opt/dlami/nvme",) if cloud == "aws" else ())
         nodes.append(node)
-        (node.upper / "usr/bin").mkdir(parents=True, exist_ok=True)
-        shutil.copy(HERE / "boot" / "docker", node.upper / "usr/bin/docker")  # as the DLAMI has docker
+        node.meta.extra[REGION[cloud]] = region
+        node.packages(repo.NFS_COMMON)  # the archive has the NFS client (not the image)
+        (node.nfs_export / "exported").touch()  # the shared file system is there (a scenario may take it away)
+        # Healthy GPUs by default: as many as the type has (one worker per GPU), NVLinks all up.
+        node.gpus(int(env["NPROC_PER_NODE"]), nvlinks=int(env.get("GTS_NVLINKS") or 0))
         (obj,) = [r for r in shipped(stack) if r.type == BUNDLE_TYPES[cloud] and r.cloud == cloud
                   and r.inputs["key"] == key]
         body = obj.inputs["content"].encode()
 
         def put() -> None:
-            import boto3
-            from botocore.config import Config
-
-            s3 = boto3.client("s3", endpoint_url=f"https://{STORE_ADDRESS}", region_name=region,
-                              aws_access_key_id="setup", aws_secret_access_key="setup",
-                              verify=str(cache_dir() / "ca/ca.crt"), config=Config(s3={"addressing_style": "path"}))
+            s3 = node.store.client("s3", region)
             s3.create_bucket(Bucket=bucket) if region == "us-east-1" else s3.create_bucket(
                 Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": region})
             s3.put_object(Bucket=bucket, Key=key, Body=body)
@@ -111,6 +116,44 @@ def _no_failed_units(node: Node) -> None:
     assert not bad, why
 
 
+def _gate_runs(node: Node) -> list[str]:
+    return [c for c in node.docker_calls() if c.startswith("docker run") and "dcgmi\\ diag" in c]
+
+
+def _gate_passed(node: Node, order: list[str], env: dict[str, str]) -> None:
+    """The GPU boot gate ran for real before the trainer, and its checks passed: GPU count and
+    persistence mode from nvidia-smi, dcgmi diag in the DCGM exporter's image (the host has none)."""
+    assert order.index("gts-gpu-gate.service") < order.index("gts-trainer.service"), order
+    (diag,) = _gate_runs(node)
+    assert f"--entrypoint sh {env['GTS_DCGM_EXPORTER_IMAGE']} -c" in diag, diag
+    passed = [line for line in node.journal_text().splitlines() if "GPU gate passed" in line]
+    assert len(passed) == 1 and "gpu_count: nvidia-smi sees" in passed[0] and "dcgm_diag: dcgmi diag -r 1: passed" \
+        in passed[0], passed
+    metrics = node.file("/var/lib/node_exporter/textfile/gts_gpu_gate.prom").read_text()
+    assert re.search(r"^gts_gpu_gate_ok\{[^}]*\} 1$", metrics, re.M), metrics
+
+
+def _moto_group(node: Node, region: str) -> str:
+    """A real Auto Scaling group with one instance in moto; the node becomes that instance."""
+    def make() -> str:
+        client = node.store.client("autoscaling", region)
+        client.create_launch_configuration(LaunchConfigurationName="gts-boot-lc", ImageId="ami-12c6146b",
+                                           InstanceType="p4d.24xlarge")
+        client.create_auto_scaling_group(AutoScalingGroupName="gts-boot-asg", LaunchConfigurationName="gts-boot-lc",
+                                         MinSize=1, MaxSize=2, DesiredCapacity=1, AvailabilityZones=[f"{region}a"])
+        return str(client.describe_auto_scaling_groups()["AutoScalingGroups"][0]["Instances"][0]["InstanceId"])
+
+    instance = node.store.setup(make)
+    node.set_instance(instance)
+    return instance
+
+
+def _health(node: Node, region: str, instance: str) -> str:
+    found = node.store.setup(lambda: node.store.client("autoscaling", region).describe_auto_scaling_instances(
+        InstanceIds=[instance])["AutoScalingInstances"])
+    return str(found[0]["HealthStatus"])
+
+
 def test_dev_aws_fleet_boots_on_the_dlami_to_a_running_trainer_and_stops_on_a_spot_notice(booted: Any) -> None:
     node, env = booted("dev", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
     node.boot()
@@ -122,6 +165,7 @@ def test_dev_aws_fleet_boots_on_the_dlami_to_a_running_trainer_and_stops_on_a_sp
     assert order.index("gts-fetch.service") < order.index("gts-bootstrap.service") < order.index("gts-trainer.service")
     assert order.index("gts-scratch.service") < order.index("gts-trainer.service")
     _no_failed_units(node)
+    _gate_passed(node, order, env)
     # The bundle came signed with the role's key; an unsigned request is refused.
     assert any("/nodes/bundle-" in s for s in node.store.served), node.store.served
     assert not [r for r in node.store.refused if "/nodes/bundle-" in r], node.store.refused
@@ -136,8 +180,40 @@ def test_dev_aws_fleet_boots_on_the_dlami_to_a_running_trainer_and_stops_on_a_sp
     assert len(_trainer_runs(node)) == 1  # never started again on a reclaimed node
 
 
-@pytest.mark.xfail(strict=False, reason="the prod group mounts NFS (gts-shared installs nfs-common, which the "
-                   "namespace cannot download, then mounts): the boot test has no NFS stand-in yet")
+def test_a_node_one_gpu_short_fails_its_gate_never_trains_and_its_group_replaces_it(booted: Any) -> None:
+    """The prod AWS group (p4d: 8 GPUs, NVSwitch, 12 NVLinks each) on a node that sees 7."""
+    node, env = booted("prod", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
+    region = env["STORAGE_REGION"]
+    instance = _moto_group(node, region)
+    assert _health(node, region, instance) == "Healthy"
+    node.gpus(int(env["NPROC_PER_NODE"]) - 1, nvlinks=int(env["GTS_NVLINKS"]))  # one GPU fell off the bus
+    node.boot()
+    node.wait_for(lambda: node.sh("systemctl is-failed gts-gpu-gate.service").stdout.strip() == "failed",
+                  "the GPU gate failed")
+    # The replacement request: SetInstanceHealth signed with the role's key, at moto's Auto Scaling over TLS.
+    api = urlhost(api_url("aws", region, ""))
+    node.wait_for(lambda: any(s.startswith(f"POST {api}/") for s in node.store.served), "SetInstanceHealth")
+    assert _health(node, region, instance) == "Unhealthy"
+    assert not [r for r in node.store.refused if api in r], node.store.refused
+    journal = node.journal_text()
+    failed = [line for line in journal.splitlines() if "GPU gate FAILED" in line]
+    assert len(failed) == 1 and "gpu_count: nvidia-smi sees 7 GPUs, the type has 8" in failed[0], failed  # one line
+    assert "fabric_manager" not in failed[0] and "dcgm_diag" not in failed[0], failed  # those passed
+    assert "asked the aws group to replace instance " + instance in journal
+    metrics = node.file("/var/lib/node_exporter/textfile/gts_gpu_gate.prom").read_text()
+    assert re.search(r'^gts_gpu_gate_ok\{[^}]*\} 0$', metrics, re.M), metrics
+    assert re.search(r'^gts_gpu_gate_check_ok\{check="gpu_count",[^}]*\} 0$', metrics, re.M), metrics
+    assert re.search(r'^gts_gpu_replace_requested\{[^}]*reason="gate:gpu_count"[^}]*\} 1$', metrics, re.M), metrics
+    # The trainer never started, and nothing starts it later (the gate's mark is its condition).
+    node.wait_for(lambda: "Dependency failed for gts-trainer.service" in node.journal_text(), "the trainer not started")
+    node.wait_for(lambda: _unit_is(node, "gts-dataset.service", "active") and _unit_is(node, "gts-shared.service", "active"),
+                  "the trainer's other inputs done (each starts the trainer again)")
+    assert node.sh("test -e /run/gpu-training/spot-notice").returncode == 0
+    assert not _trainer_runs(node) and _unit_is(node, "gts-trainer.service", "inactive")
+    assert len(_gate_runs(node)) == 1  # the gate ran once: every check, the diag too
+    assert sum("SetInstanceHealth" in s or s.startswith(f"POST {api}/") for s in node.store.served) == 1
+
+
 def test_prod_aws_group_caches_its_dataset_then_trains_also_when_the_copy_fails_first(booted: Any) -> None:
     node, env = booted("prod", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
     state = node.upper / "var/lib/gts-docker-stub"
@@ -161,3 +237,6 @@ def test_prod_aws_group_caches_its_dataset_then_trains_also_when_the_copy_fails_
     assert f"-v {data_dir}:{data_dir}:ro" in run, (data_dir, run)
     assert "Dependency failed for gts-trainer.service" in node.journal_text()  # the fault did happen
     assert node.sh("systemctl is-failed gts-dataset.service").stdout.strip() == "active"
+    # The shared file system came from the archive's NFS client and is mounted for the trainer.
+    assert node.sh("findmnt -n /shared").returncode == 0 and "-v /shared:/shared" in run, run
+    assert node.file("/var/log/gts-mount-nfs.calls").read_text().startswith(f"mount.nfs {env['GTS_SHARED_SOURCE']} /shared")

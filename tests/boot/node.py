@@ -6,13 +6,15 @@ over TLS, refusing anything not signed with the role's current key) serves the n
 The base root (Debian bookworm from debootstrap: systemd, cloud-init, python3) is built once and
 cached outside the repository, keyed by its package list; each boot is an overlay on it, kept for
 the scenario's reboots. What the Deep Learning AMI brings is stood in: docker (tests/boot/docker,
-recording), nvidia-smi, nvidia-ctk and an enabled docker.service."""
+recording), nvidia-smi, nvidia-ctk and an enabled docker.service (image_layer); the GPUs the node
+"has" are the stand-ins' state (Node.gpus), so the GPU boot gate really runs and can fail."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -27,6 +29,7 @@ from typing import Any, Callable, TypeVar
 
 import pytest
 
+from tests.boot import repo
 from tests.metadata_server import FakeMetadata
 
 HERE = Path(__file__).parent
@@ -34,19 +37,32 @@ SUITE, MIRROR = "bookworm", os.environ.get("GTS_BOOT_MIRROR", "http://deb.debian
 # python3-cffi-backend by name: debootstrap does not resolve the virtual package cryptography needs
 # (cloud-init would stay unconfigured); locales: cloud-init's locale module needs locale-gen, as on Ubuntu.
 PACKAGES = ("systemd", "systemd-sysv", "dbus", "cloud-init", "python3", "python3-cffi-backend", "ca-certificates",
-            "curl", "iproute2", "util-linux", "procps", "apt", "openssl", "locales")
+            "curl", "iproute2", "util-linux", "procps", "apt", "openssl", "locales", "gpg")
 STORE_ADDRESS = "10.99.0.2"  # the object store (and ECR) inside the node's network namespace
-METADATA_ADDRESS = "169.254.169.254"
+# Each cloud's metadata service: its address, and the name the node resolves to it where it uses
+# one (Tencent's metadata.tencentyun.com is 169.254.0.23; Alibaba's is 100.100.100.200).
+METADATA = {"aws": ("169.254.169.254", ""), "alicloud": ("100.100.100.200", ""),
+            "tencentcloud": ("169.254.0.23", "metadata.tencentyun.com")}
 CLONE_NEWNET = 0x40000000
-# Stand-ins for what the Deep Learning AMI preinstalls (the driver works; Docker and the toolkit are in).
-AMI_STUBS = {
-    "usr/bin/nvidia-smi": "#!/bin/sh\necho 'NVIDIA-SMI stand-in: 8 GPUs'\n",
-    "usr/bin/nvidia-ctk": "#!/bin/sh\necho \"nvidia-ctk $*\" >> /var/log/gts-nvidia-ctk.calls\n",
-    "etc/systemd/system/docker.service": "[Unit]\nDescription=Docker (stand-in)\n[Service]\nType=oneshot\n"
-                                         "RemainAfterExit=yes\nExecStart=/bin/true\n[Install]\nWantedBy=multi-user.target\n",
-    "etc/cloud/cloud.cfg.d/90-gts-boot.cfg": "datasource_list: [NoCloud, None]\n",
-}
+SETUP_KEY = "gts-boot-setup"  # the access key of the test's own requests to the store (never the node's)
+# The base root holds what every image has; what an image adds (the DLAMI's driver, Docker and
+# toolkit) is a per-node layer (image_layer), so a bare image boots from the same base.
+BASE_FILES = {"etc/cloud/cloud.cfg.d/90-gts-boot.cfg": "datasource_list: [NoCloud, None]\n"}
 T = TypeVar("T")
+
+
+@functools.cache
+def gpu_health() -> Any:
+    """The node's gts-gpu-health.py as a module (its metadata paths and scaling API endpoints)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(HERE.parent.parent / "training"))  # its `import cloudmeta`
+    spec = importlib.util.spec_from_file_location("gts_gpu_health", HERE.parent.parent / "cloudinit/scripts/gts-gpu-health.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def skip_or_fail(reason: str) -> None:
@@ -68,7 +84,7 @@ def check_host() -> None:
 def cache_dir() -> Path:
     base = os.environ.get("GTS_BOOT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gts-boot")
-    key = hashlib.sha256(json.dumps([SUITE, MIRROR, PACKAGES, AMI_STUBS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([SUITE, MIRROR, PACKAGES, BASE_FILES]).encode()).hexdigest()[:16]
     return Path(base) / key
 
 
@@ -91,14 +107,10 @@ def base_image() -> Path:
         audit = subprocess.run(["chroot", str(building), "dpkg", "--audit"], capture_output=True, text=True, timeout=120)
         if audit.stdout.strip():
             skip_or_fail(f"debootstrap left packages unconfigured: {audit.stdout[-1500:]}")
-        for path, text in AMI_STUBS.items():
+        for path, text in BASE_FILES.items():
             target = building / path
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text)
-            target.chmod(0o755 if "/bin/" in path else 0o644)
-        wants = building / "etc/systemd/system/multi-user.target.wants"
-        wants.mkdir(parents=True, exist_ok=True)
-        (wants / "docker.service").symlink_to("/etc/systemd/system/docker.service")
         # The store's certificate authority, trusted by the node (the clouds' endpoints are public CAs).
         ca = cache / "ca"
         ca.mkdir(exist_ok=True)
@@ -138,9 +150,21 @@ def _setns_thread(netns: str, fn: Callable[[], T]) -> T:
     return out["value"]  # type: ignore[no-any-return]
 
 
+def _static_server(directory: Path, served: list[str]) -> Any:
+    """Plain HTTP on STORE_ADDRESS:80 serving `directory` (the node's apt archive)."""
+    import functools as ft
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            served.append(f"{self.command} {self.path} {args[1] if len(args) > 1 else ''}")
+
+    return ThreadingHTTPServer((STORE_ADDRESS, 80), ft.partial(Handler, directory=str(directory)))
+
+
 class Store:
     """moto over TLS on STORE_ADDRESS:443, answering for the clouds' storage and ECR host names;
-    a request not signed with the metadata server's current key is refused (403)."""
+    a request not signed with the metadata server's current key (or the test's own) is refused (403)."""
 
     def __init__(self, netns: str, workdir: Path, meta: FakeMetadata, names: tuple[str, ...]):
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
@@ -164,38 +188,74 @@ class Store:
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
             auth = environ.get("HTTP_AUTHORIZATION", "")
             what = f"{environ['REQUEST_METHOD']} {environ.get('HTTP_HOST')}{environ.get('PATH_INFO')}"
-            if not owner.setting_up and owner.meta.access_key() not in auth:
+            if f"Credential={SETUP_KEY}/" not in auth and owner.meta.access_key() not in auth:
                 owner.refused.append(what)
                 start_response("403 Forbidden", [("Content-Type", "text/plain")])
                 return [b"AccessDenied: not signed with the node role's credentials\n"]
             owner.served.append(what)
             return moto_app(environ, start_response)
 
-        self.setting_up = True
         self.netns = netns
         self.server = _setns_thread(netns, lambda: make_server(STORE_ADDRESS, 443, app, threaded=True,
                                                                ssl_context=(str(crt), str(key))))
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def setup(self, fn: Callable[[], T]) -> T:
-        """Run setup calls (boto3 against https://STORE_ADDRESS) from inside the namespace."""
-        self.setting_up = True
-        try:
-            return _setns_thread(self.netns, fn)
-        finally:
-            self.setting_up = False
+        """Run the test's own calls (setup_client) from inside the namespace."""
+        return _setns_thread(self.netns, fn)
+
+    @staticmethod
+    def client(service: str, region: str) -> Any:
+        """A boto3 client for the test's own calls to the store, with the test's credentials."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(service, endpoint_url=f"https://{STORE_ADDRESS}", region_name=region,
+                            aws_access_key_id=SETUP_KEY, aws_secret_access_key="setup",
+                            verify=str(cache_dir() / "ca/ca.crt"), config=Config(s3={"addressing_style": "path"}))
 
     def stop(self) -> None:
         self.server.shutdown()
+
+
+def image_layer(upper: Path, image: str) -> None:
+    """What the node's image adds to the base root, laid into the node's overlay. "dlami": the Deep
+    Learning AMI's driver (nvidia-smi), Docker (tests/boot/docker, recording; an enabled
+    docker.service) and toolkit (nvidia-ctk), the DCGM exporter image's dcgmi for docker's model."""
+    if image != "dlami":
+        raise ValueError(f"no layer for image {image!r}")
+    files = {"usr/bin/docker": HERE / "docker", "usr/bin/nvidia-smi": HERE / "gpu/nvidia-smi",
+             "usr/lib/gts-docker-stub/images/dcgm-exporter/dcgmi": HERE / "gpu/dcgmi",
+             "usr/lib/gts-docker-stub/images/dcgm-exporter/nv-hostengine": HERE / "gpu/nv-hostengine"}
+    for path, source in files.items():
+        (upper / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source, upper / path)
+    texts = {"usr/bin/nvidia-ctk": "#!/bin/sh\necho \"nvidia-ctk $*\" >> /var/log/gts-nvidia-ctk.calls\n",
+             "etc/systemd/system/docker.service": "[Unit]\nDescription=Docker (stand-in)\n[Service]\nType=oneshot\n"
+                                                  "RemainAfterExit=yes\nExecStart=/bin/true\n[Install]\n"
+                                                  "WantedBy=multi-user.target\n",
+             # The DLAMI's Fabric Manager (what the gate asks on NVSwitch types), running.
+             "etc/systemd/system/nvidia-fabricmanager.service": "[Unit]\nDescription=NVIDIA Fabric Manager (stand-in)\n"
+                                                                "[Service]\nType=oneshot\nRemainAfterExit=yes\n"
+                                                                "ExecStart=/bin/true\n[Install]\n"
+                                                                "WantedBy=multi-user.target\n"}
+    for path, text in texts.items():
+        (upper / path).parent.mkdir(parents=True, exist_ok=True)
+        (upper / path).write_text(text)
+        (upper / path).chmod(0o755 if "/bin/" in path else 0o644)
+    wants = upper / "etc/systemd/system/multi-user.target.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    for unit in ("docker.service", "nvidia-fabricmanager.service"):
+        (wants / unit).symlink_to(f"/etc/systemd/system/{unit}")
 
 
 class Node:
     """One node's boots: an overlay over the base root, its seed, its namespace and servers."""
 
     def __init__(self, workdir: Path, cloud: str, user_data: bytes, hosts: tuple[str, ...],
-                 instance: str = "i-0boot0000000001", nspawn_args: tuple[str, ...] = ()):
-        """`hosts`: the store's names (the bucket, storage and registry endpoints), resolved by the
-        node's /etc/hosts to the store and named in its certificate."""
+                 instance: str = "i-0boot0000000001", nspawn_args: tuple[str, ...] = (), image: str = "dlami"):
+        """`hosts`: the store's names (the bucket, storage, registry and scaling API endpoints),
+        resolved by the node's /etc/hosts to the store and named in its certificate."""
         self.base = base_image()
         self.workdir = workdir
         self.upper, self.work, self.merged = workdir / "upper", workdir / "work", workdir / "merged"
@@ -203,21 +263,53 @@ class Node:
             d.mkdir(parents=True, exist_ok=True)
         self.netns = f"gts-boot-{os.getpid()}-{abs(hash(workdir)) % 100000}"
         subprocess.run(["ip", "netns", "add", self.netns], check=True, capture_output=True)
-        for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "addr", "add", f"{METADATA_ADDRESS}/32", "dev", "lo"],
+        meta_address, meta_name = METADATA[cloud]
+        for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "addr", "add", f"{meta_address}/32", "dev", "lo"],
                     ["ip", "addr", "add", f"{STORE_ADDRESS}/32", "dev", "lo"]):
             subprocess.run(["ip", "netns", "exec", self.netns, *cmd], check=True, capture_output=True)
-        self.meta = _setns_thread(self.netns, lambda: FakeMetadata(cloud, host=METADATA_ADDRESS, port=80)).start()
+        self.meta = _setns_thread(self.netns, lambda: FakeMetadata(cloud, host=meta_address, port=80)).start()
         self.store = Store(self.netns, workdir, self.meta, hosts)
+        self.archive_dir = workdir / "archive"
+        self.archive_dir.mkdir(exist_ok=True)
+        self.archive_served: list[str] = []
+        self.archive = _setns_thread(self.netns, lambda: _static_server(self.archive_dir, self.archive_served))
+        threading.Thread(target=self.archive.serve_forever, daemon=True).start()
+        self.nfs_export = workdir / "nfs"  # the NFS "server": bound into the node at repo.NFS_EXPORT
+        (self.nfs_export / "data").mkdir(parents=True)
         self.proc: subprocess.Popen[bytes] | None = None
-        self.nspawn_args = nspawn_args
+        self.nspawn_args = (*nspawn_args, f"--bind={self.nfs_export}:{repo.NFS_EXPORT}")
         self.boots = 0
         seed = self.upper / "var/lib/cloud/seed/nocloud"
         seed.mkdir(parents=True)
         (seed / "user-data").write_bytes(user_data)  # the plan's bytes, unchanged
-        (seed / "meta-data").write_text(f"instance-id: {instance}\nlocal-hostname: gts-node\n")
+        self.set_instance(instance)
         etc_hosts = self.upper / "etc/hosts"
         etc_hosts.parent.mkdir(parents=True, exist_ok=True)
-        etc_hosts.write_text("127.0.0.1 localhost gts-node\n" + "".join(f"{STORE_ADDRESS} {n}\n" for n in hosts))
+        etc_hosts.write_text("127.0.0.1 localhost gts-node\n"
+                             + "".join(f"{STORE_ADDRESS} {n}\n" for n in (*hosts, repo.ARCHIVE_HOST))
+                             + (f"{meta_address} {meta_name}\n" if meta_name else ""))
+        image_layer(self.upper, image)
+
+    def set_instance(self, instance: str) -> None:
+        """The instance id: cloud-init's (the seed) and the metadata service's."""
+        (self.upper / "var/lib/cloud/seed/nocloud/meta-data").write_text(
+            f"instance-id: {instance}\nlocal-hostname: gts-node\n")
+        self.meta.extra["/latest/meta-data/instance-id"] = instance
+        self.instance = instance
+
+    def packages(self, *packages: repo.Package) -> None:
+        """Serve these stand-in packages from the node's archive (tests/boot/repo.py), trusted by the node."""
+        key = repo.build(self.archive_dir / "debian", list(packages), cache_dir())
+        trusted = self.upper / "etc/apt/trusted.gpg.d"
+        trusted.mkdir(parents=True, exist_ok=True)
+        (trusted / "gts-boot-archive.gpg").write_bytes(key)
+
+    def gpus(self, count: int, persistence: str = "Enabled", nvlinks: int = 0, diag: str = "pass") -> None:
+        """The GPUs the node's stand-ins report (tests/boot/gpu): what nvidia-smi and dcgmi see."""
+        state = self.upper / "var/lib/gts-gpu-stub"
+        state.mkdir(parents=True, exist_ok=True)
+        for name, value in (("gpus", count), ("persistence", persistence), ("nvlinks", nvlinks), ("diag", diag)):
+            (state / name).write_text(f"{value}\n")
 
     def file(self, path: str) -> Path:
         """A file the node wrote (the overlay's upper layer) or the base image has."""
@@ -241,6 +333,13 @@ class Node:
         # A private mount namespace: nspawn's propagation tmpfs and the overlay vanish with it.
         self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120  # the container's PID 1 appears (then node.sh can enter it)
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            with contextlib.suppress(AssertionError):
+                self.init_pid()
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"the container did not start: {(self.workdir / f'console-{self.boots}.log').read_text()[-3000:]}")
 
     def wait_exit(self, timeout: float) -> int:
         """The container's own exit: 0 after poweroff/halt, 133 after a reboot (systemd-nspawn(1))."""
@@ -307,6 +406,7 @@ class Node:
             self.proc.kill()
             self.proc.wait(timeout=30)
         self.store.stop()
+        self.archive.shutdown()
         self.meta.stop()
         subprocess.run(["ip", "netns", "delete", self.netns], capture_output=True)
 

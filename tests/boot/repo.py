@@ -1,0 +1,96 @@
+"""A local, signed apt archive for a booted node: stand-in packages built with dpkg-deb, indexed
+by dpkg-scanpackages, its Release signed (InRelease) with a test archive key the node trusts, and
+served over HTTP in the node's network namespace under the archive's own host name (the node's
+/etc/hosts), so the node's real apt-get update / install run unchanged against it.
+
+The packages stand in for what the node's scripts install from the archive: `nfs-common` (its
+mount.nfs "mounts" an export the test serves by binding it, once the test has exported it)."""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUITE = "bookworm"  # the base root's sources.list: deb http://deb.debian.org/debian bookworm main (root = .../debian)
+ARCHIVE_HOST = "deb.debian.org"
+NFS_EXPORT = "/srv/gts-nfs"  # the test's NFS "server" (a host folder bound into the node)
+
+
+@dataclass(frozen=True)
+class Package:
+    name: str
+    version: str
+    files: dict[str, str] = field(default_factory=dict)  # path -> text (executable under bin/ or sbin/)
+    description: str = "boot-test stand-in"
+
+
+NFS_COMMON = Package("nfs-common", "1:2.6.2-4+gts", {
+    "usr/sbin/mount.nfs": textwrap.dedent(f"""\
+        #!/bin/sh
+        # mount.nfs stand-in (the boot test's nfs-common): SOURCE DIR -o OPTIONS -> the test's export,
+        # bound at DIR once the test has exported it ({NFS_EXPORT}/exported); refused before that.
+        echo "mount.nfs $*" >> /var/log/gts-mount-nfs.calls
+        if [ ! -e {NFS_EXPORT}/exported ]; then
+          echo "mount.nfs: Connection refused (the export is not there yet)" >&2
+          exit 32
+        fi
+        exec mount --bind {NFS_EXPORT}/data "$2"
+        """),
+}, "NFS client (stand-in): mount.nfs / mount.nfs4")
+NFS_COMMON.files["usr/sbin/mount.nfs4"] = NFS_COMMON.files["usr/sbin/mount.nfs"]
+
+
+def archive_key(cache: Path) -> Path:
+    """The test archive's signing key (a gpg home under the cache), made once."""
+    home = cache / "archive-gpg"
+    with open(cache / "archive-gpg.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (home / "public.gpg").exists():
+            home.mkdir(mode=0o700, exist_ok=True)
+            subprocess.run(["gpg", "--batch", "--homedir", str(home), "--passphrase", "", "--quick-gen-key",
+                            "gts boot test archive", "rsa2048", "sign", "never"], check=True, capture_output=True,
+                           timeout=300)
+            public = subprocess.run(["gpg", "--batch", "--homedir", str(home), "--export"], check=True,
+                                    capture_output=True, timeout=60).stdout
+            (home / "public.gpg").write_bytes(public)
+    return home
+
+
+def build(root: Path, packages: list[Package], cache: Path) -> bytes:
+    """Build the archive under `root` (dists/, pool/); returns the public key the node must trust."""
+    pool = root / "pool"
+    pool.mkdir(parents=True, exist_ok=True)
+    arch = subprocess.run(["dpkg", "--print-architecture"], check=True, capture_output=True, text=True).stdout.strip()
+    for package in packages:
+        tree = root.parent / f"pkg-{package.name}"
+        (tree / "DEBIAN").mkdir(parents=True, exist_ok=True)
+        (tree / "DEBIAN/control").write_text(
+            f"Package: {package.name}\nVersion: {package.version}\nArchitecture: {arch}\n"
+            f"Maintainer: gts boot test <boot@invalid>\nDescription: {package.description}\n")
+        for path, text in package.files.items():
+            target = tree / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+            target.chmod(0o755 if "bin/" in path else 0o644)
+        subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(tree),
+                        str(pool / f"{package.name}.deb")], check=True, capture_output=True, timeout=120)
+    binary = root / f"dists/{SUITE}/main/binary-{arch}"
+    binary.mkdir(parents=True, exist_ok=True)
+    index = subprocess.run(["dpkg-scanpackages", "--multiversion", "pool", "/dev/null"], cwd=root, check=True,
+                           capture_output=True, timeout=120).stdout
+    (binary / "Packages").write_bytes(index)
+    import hashlib
+    from email.utils import formatdate
+
+    entry = f" {hashlib.sha256(index).hexdigest()} {len(index)} main/binary-{arch}/Packages\n"
+    release = root / f"dists/{SUITE}/Release"
+    # Origin / Label as the archive it stands in for (apt refuses a repository whose Origin changed).
+    release.write_text(f"Origin: Debian\nLabel: Debian\nSuite: {SUITE}\nCodename: {SUITE}\n"
+                       f"Date: {formatdate(usegmt=True)}\nArchitectures: {arch}\nComponents: main\nSHA256:\n{entry}")
+    home = archive_key(cache)
+    subprocess.run(["gpg", "--batch", "--yes", "--homedir", str(home), "--clearsign", "-o",
+                    str(release.parent / "InRelease"), str(release)], check=True, capture_output=True, timeout=120)
+    return (home / "public.gpg").read_bytes()
