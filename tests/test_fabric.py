@@ -101,7 +101,11 @@ def test_p5_launch_template_has_one_efa_interface_per_card(planned: dict[str, An
     assert [n["deviceIndex"] for n in nics] == [0] + [1] * 31
     assert [n["interfaceType"] for n in nics] == ["efa" if i % 4 == 0 else "efa-only" for i in range(32)]
     groups = {tuple(n["securityGroups"]) for n in nics}
-    assert len(groups) == 1 and len(next(iter(groups))) == 1, "the training group on every interface"
+    # The same groups on every interface: the training group and (a multi-node group) its
+    # rendezvous store's client group (issue 27), nothing at the template's top level.
+    assert len(groups) == 1 and next(iter(groups))[0] == "aws-train-training-sg-id", groups
+    assert set(next(iter(groups))[1:]) <= {"prod-rdzv-aws-efa-clients-id"}, groups
+    assert not lt.get("vpcSecurityGroupIds")
     assert not lt.get("vpcSecurityGroupIds"), "interfaces carry the groups; the template must not"
     assert not any(n.get("associatePublicIpAddress") for n in nics) and not any(n.get("subnetId") for n in nics)
     asg = resource(planned, "aws:autoscaling/group:Group", "aws-efa-asg")

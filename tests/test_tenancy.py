@@ -163,6 +163,15 @@ IMAGE_FIELD = {"aws": "ami", "alicloud": "imageId", "tencentcloud": "imageId"}
 FLEET_GROUPS = ("vpcSecurityGroupIds", "securityGroupIds", "securityGroups", "orderlySecurityGroups")
 
 
+def fleet_groups(inputs: dict) -> list:  # type: ignore[type-arg]
+    """The security groups a node-starting resource gives its nodes: at its top level, or on each of
+    its network interfaces (an EFA launch template carries them on the interfaces only, issue 30)."""
+    found = [g for k in FLEET_GROUPS for g in (inputs.get(k) or [])]
+    for nic in inputs.get("networkInterfaces") or []:
+        found += [g for k in FLEET_GROUPS for g in (nic.get(k) or [])]
+    return list(dict.fromkeys(found))
+
+
 def ingress_rules(resources: list, group_id: str) -> list[dict]:  # type: ignore[type-arg]
     """Every ingress rule the plan puts on a security group, as {source, cidr, port}."""
     from infra.plan.engine import unwrap_secrets
@@ -205,14 +214,13 @@ def test_each_store_admits_its_own_groups_nodes_and_nothing_else(stack: str) -> 
         port = {"aws": (PORT, PORT), "alicloud": f"{PORT}/{PORT}", "tencentcloud": str(PORT)}[cloud]
         assert rules == [{"source": clients, "cidr": None, "port": port, "protocol": rules[0]["protocol"]}], rules
         assert str(rules[0]["protocol"]).lower() == "tcp"
-        carriers = {r.name for r in resources if r is not store and any(
-            clients in (unwrap_secrets(r.inputs).get(k) or []) for k in FLEET_GROUPS)}
+        carriers = {r.name for r in resources if r is not store and clients in fleet_groups(unwrap_secrets(r.inputs))}
         assert carriers and all(name.startswith(group) for name in carriers), (store.name, carriers)
         # A routine `up` never replaces or re-installs it for a newer image.
         assert IMAGE_FIELD[cloud] in store.options["ignoreChanges"], store.options
     # Every multi-node VM group's nodes carry exactly their own store's client group.
     for r in resources:
-        held = [g for k in FLEET_GROUPS for g in (unwrap_secrets(r.inputs).get(k) or []) if str(g).endswith("-clients-id")]
+        held = [g for g in fleet_groups(unwrap_secrets(r.inputs)) if str(g).endswith("-clients-id")]
         owners = [g.split("-rdzv-", 1)[1].removesuffix("-clients-id") for g in held]
         assert len(held) <= 1 and all(r.name.startswith(f"{o}-") for o in owners), (r.name, held)
 

@@ -214,12 +214,7 @@ class TrainingJob(pulumi.ComponentResource):
             automount_service_account_token=False, opts=child)
         resources, shm_gb = pod_resources(rg)
         env = self._env(name, args, labels, child)
-        mounts, volumes = _volumes(args, shm_gb)
-        if args.shared is not None:
-            claim = shared_claim(name, args.shared, args.namespace, labels, child)
-            mounts.append(k8s.core.v1.VolumeMountArgs(name="shared", mount_path=args.shared.spec.mount_path))
-            volumes.append(k8s.core.v1.VolumeArgs(name="shared", persistent_volume_claim=(
-                k8s.core.v1.PersistentVolumeClaimVolumeSourceArgs(claim_name=claim.metadata.name))))
+        mounts, volumes = self._volumes(name, args, shm_gb, labels, child)
         gate, gate_volume = _gpu_gate(name, args, env, resources, labels, child)
         volumes.append(gate_volume)
         pod = k8s.core.v1.PodSpecArgs(
@@ -260,6 +255,19 @@ class TrainingJob(pulumi.ComponentResource):
                                                          spec=pod)),
             opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(depends_on=args.after)))
         self.register_outputs({"jobName": self.job.metadata.name})
+
+    @staticmethod
+    def _volumes(name: str, args: TrainingJobArgs, shm_gb: int, labels: dict[str, str],
+                 child: pulumi.ResourceOptions) -> tuple[list[k8s.core.v1.VolumeMountArgs], list[k8s.core.v1.VolumeArgs]]:
+        """Scratch, shared memory and the dataset, and the network's shared file system through
+        its claim where the group mounts one."""
+        mounts, volumes = _volumes(args, shm_gb)
+        if args.shared is not None:
+            claim = shared_claim(name, args.shared, args.namespace, labels, child)
+            mounts.append(k8s.core.v1.VolumeMountArgs(name="shared", mount_path=args.shared.spec.mount_path))
+            volumes.append(k8s.core.v1.VolumeArgs(name="shared", persistent_volume_claim=(
+                k8s.core.v1.PersistentVolumeClaimVolumeSourceArgs(claim_name=claim.metadata.name))))
+        return mounts, volumes
 
     @staticmethod
     def _env(name: str, args: TrainingJobArgs, labels: dict[str, str],

@@ -50,22 +50,7 @@ class AlicloudNetwork(pulumi.ComponentResource):
                                 zone_id=sub.zone, cidr_block=pod_switch_cidr(net, i), tags=tags, opts=child)
             for i, sub in enumerate(net.subnets)] if args.pod_switches else []
         if net.nat:
-            # An enhanced NAT gateway adds the 0.0.0.0/0 route to the VPC's system route table
-            # itself; SNAT gives every vSwitch egress through one EIP.
-            nat = alicloud.vpc.NatGateway(f"{name}-nat", vpc_id=self.vpc.id, vswitch_id=self.switches[0].id,
-                                          nat_gateway_name=f"{name}-nat", nat_type="Enhanced",
-                                          payment_type="PayAsYouGo", network_type="internet", tags=tags, opts=child)
-            eip = alicloud.ecs.EipAddress(f"{name}-nat-eip", address_name=f"{name}-nat", bandwidth="200",
-                                          internet_charge_type="PayByTraffic", payment_type="PayAsYouGo",
-                                          tags=tags, opts=child)
-            bind = alicloud.ecs.EipAssociation(f"{name}-nat-eip-bind", allocation_id=eip.id, instance_id=nat.id,
-                                               instance_type="Nat", opts=child)
-            pod_subnets = [sub.model_copy(update={"zone": f"{sub.zone}-pods"}) for sub in net.subnets]
-            for sub, switch in zip([*net.subnets, *pod_subnets[:len(self.pod_switches)]],
-                                   [*self.switches, *self.pod_switches]):
-                alicloud.vpc.SnatEntry(f"{name}-snat-{sub.zone}", snat_table_id=nat.snat_table_ids,
-                                       source_vswitch_id=switch.id, snat_ip=eip.ip_address,
-                                       opts=pulumi.ResourceOptions(parent=self, depends_on=[bind]))
+            self._nat(name, net, tags, child)
 
         self.security_group = alicloud.ecs.SecurityGroup(
             f"{name}-training-sg", vpc_id=self.vpc.id, security_group_name=f"{name}-training",
@@ -103,3 +88,21 @@ class AlicloudNetwork(pulumi.ComponentResource):
                                        security_group_id=self.security_group.id, cidr_ip="0.0.0.0/0",
                                        policy="accept", description="egress", opts=sg)
         self.register_outputs({"vpcId": self.vpc.id, "securityGroupId": self.security_group.id})
+
+    def _nat(self, name: str, net: Network, tags: dict[str, str], child: pulumi.ResourceOptions) -> None:
+        # An enhanced NAT gateway adds the 0.0.0.0/0 route to the VPC's system route table
+        # itself; SNAT gives every vSwitch egress through one EIP.
+        nat = alicloud.vpc.NatGateway(f"{name}-nat", vpc_id=self.vpc.id, vswitch_id=self.switches[0].id,
+                                      nat_gateway_name=f"{name}-nat", nat_type="Enhanced",
+                                      payment_type="PayAsYouGo", network_type="internet", tags=tags, opts=child)
+        eip = alicloud.ecs.EipAddress(f"{name}-nat-eip", address_name=f"{name}-nat", bandwidth="200",
+                                      internet_charge_type="PayByTraffic", payment_type="PayAsYouGo",
+                                      tags=tags, opts=child)
+        bind = alicloud.ecs.EipAssociation(f"{name}-nat-eip-bind", allocation_id=eip.id, instance_id=nat.id,
+                                           instance_type="Nat", opts=child)
+        pod_subnets = [sub.model_copy(update={"zone": f"{sub.zone}-pods"}) for sub in net.subnets]
+        for sub, switch in zip([*net.subnets, *pod_subnets[:len(self.pod_switches)]],
+                               [*self.switches, *self.pod_switches]):
+            alicloud.vpc.SnatEntry(f"{name}-snat-{sub.zone}", snat_table_id=nat.snat_table_ids,
+                                   source_vswitch_id=switch.id, snat_ip=eip.ip_address,
+                                   opts=pulumi.ResourceOptions(parent=self, depends_on=[bind]))

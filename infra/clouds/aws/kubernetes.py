@@ -105,28 +105,7 @@ class AwsEks(pulumi.ComponentResource):
         self.pod_identity = aws.eks.Addon(f"{name}-pod-identity", cluster_name=self.cluster.name,
                                           addon_name="eks-pod-identity-agent", resolve_conflicts_on_create="OVERWRITE",
                                           resolve_conflicts_on_update="OVERWRITE", tags=tags, opts=child)
-        # NetworkPolicy is enforced on EKS by the VPC CNI's network policy agent, off until the
-        # add-on's configuration turns it on (EKS user guide, "Restrict Pod network traffic with
-        # Kubernetes network policies": enableNetworkPolicy on the vpc-cni add-on, v1.14 or later).
-        aws.eks.Addon(f"{name}-vpc-cni", cluster_name=self.cluster.name, addon_name="vpc-cni",
-                      configuration_values=json.dumps({"enableNetworkPolicy": "true"}),
-                      resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="OVERWRITE", tags=tags,
-                      opts=child)
-        # GPU node health for EKS node repair: the node monitoring agent reports the DCGM / Xid
-        # conditions (AcceleratedHardwareReady) that node_repair_config acts on (EKS user guide
-        # node-health and node-repair; FABRIC_AND_HEALTH.md 4.4).
-        self.node_monitoring = aws.eks.Addon(f"{name}-node-monitoring", cluster_name=self.cluster.name,
-                                             addon_name="eks-node-monitoring-agent",
-                                             resolve_conflicts_on_create="OVERWRITE",
-                                             resolve_conflicts_on_update="OVERWRITE", tags=tags, opts=child)
-
-        if args.shared is not None and args.shared.spec.type == "efs" and any(g.group.shared_fs for g in args.groups):
-            # Pods mount EFS through its access point with TLS and the node's role (the file system
-            # policy admits nothing else): the EFS CSI driver, as an EKS add-on (EKS user guide,
-            # efs-csi; static volumes need no controller permissions).
-            aws.eks.Addon(f"{name}-efs-csi", cluster_name=self.cluster.name, addon_name="aws-efs-csi-driver",
-                          resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="OVERWRITE", tags=tags,
-                          opts=child)
+        self._addons(name, args, child)
         self.system = self._system_group(name, args, child)
         self.node_groups: list[aws.eks.NodeGroup] = []
         for g in args.groups:
@@ -146,6 +125,32 @@ class AwsEks(pulumi.ComponentResource):
             pod_identity_agent=self.pod_identity, aws_provider=args.provider, k8s_provider=k8s_provider, tags=tags),
             opts=pulumi.ResourceOptions(parent=self))
         self.register_outputs({"clusterName": self.cluster.name})
+
+    def _addons(self, name: str, args: AwsEksArgs, child: pulumi.ResourceOptions) -> None:
+        """The add-ons besides Pod Identity's agent: NetworkPolicy enforcement, GPU node health,
+        and the EFS CSI driver where pods mount the shared file system."""
+        tags = args.tags
+        # NetworkPolicy is enforced on EKS by the VPC CNI's network policy agent, off until the
+        # add-on's configuration turns it on (EKS user guide, "Restrict Pod network traffic with
+        # Kubernetes network policies": enableNetworkPolicy on the vpc-cni add-on, v1.14 or later).
+        aws.eks.Addon(f"{name}-vpc-cni", cluster_name=self.cluster.name, addon_name="vpc-cni",
+                      configuration_values=json.dumps({"enableNetworkPolicy": "true"}),
+                      resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="OVERWRITE", tags=tags,
+                      opts=child)
+        # GPU node health for EKS node repair: the node monitoring agent reports the DCGM / Xid
+        # conditions (AcceleratedHardwareReady) that node_repair_config acts on (EKS user guide
+        # node-health and node-repair; FABRIC_AND_HEALTH.md 4.4).
+        self.node_monitoring = aws.eks.Addon(f"{name}-node-monitoring", cluster_name=self.cluster.name,
+                                             addon_name="eks-node-monitoring-agent",
+                                             resolve_conflicts_on_create="OVERWRITE",
+                                             resolve_conflicts_on_update="OVERWRITE", tags=tags, opts=child)
+        if args.shared is not None and args.shared.spec.type == "efs" and any(g.group.shared_fs for g in args.groups):
+            # Pods mount EFS through its access point with TLS and the node's role (the file system
+            # policy admits nothing else): the EFS CSI driver, as an EKS add-on (EKS user guide,
+            # efs-csi; static volumes need no controller permissions).
+            aws.eks.Addon(f"{name}-efs-csi", cluster_name=self.cluster.name, addon_name="aws-efs-csi-driver",
+                          resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="OVERWRITE", tags=tags,
+                          opts=child)
 
     def _pod_identities(self, name: str, args: AwsEksArgs, child: pulumi.ResourceOptions) -> dict[str, Identity]:
         """Each training group's pods get their group's grants through EKS Pod Identity: a role per

@@ -66,32 +66,42 @@ class AwsNetwork(pulumi.ComponentResource):
                             route_table_ids=[t.id for t in self.private_route_tables],
                             tags={**tags, "Name": f"{name}-s3"}, opts=child)
 
-        self.security_group = aws.ec2.SecurityGroup(
+        self.security_group = self._security_group(name, args, tags, child)
+
+        self.register_outputs({"vpcId": self.vpc.id, "securityGroupId": self.security_group.id,
+                               "privateSubnetIds": [s.id for s in self.private_subnets]})
+
+    def _security_group(self, name: str, args: AwsNetworkArgs, tags: dict[str, str],
+                        child: pulumi.ResourceOptions) -> aws.ec2.SecurityGroup:
+        """The training nodes' group: all traffic among members, SSH from the listed CIDRs, the
+        exporters from the monitoring source, everything else from peers, the fabric's self egress."""
+        net = args.network
+        group = aws.ec2.SecurityGroup(
             f"{name}-training-sg", vpc_id=self.vpc.id,
             description="GPU training nodes: all traffic among members (NCCL), SSH only from listed CIDRs",
             tags={**tags, "Name": f"{name}-training-sg"}, opts=child)
-        sg_child = pulumi.ResourceOptions(parent=self.security_group)
-        aws.vpc.SecurityGroupIngressRule(f"{name}-training-self", security_group_id=self.security_group.id,
-                                         referenced_security_group_id=self.security_group.id, ip_protocol="-1",
+        sg_child = pulumi.ResourceOptions(parent=group)
+        aws.vpc.SecurityGroupIngressRule(f"{name}-training-self", security_group_id=group.id,
+                                         referenced_security_group_id=group.id, ip_protocol="-1",
                                          description="NCCL / rendezvous among training nodes", tags=tags,
                                          opts=sg_child)
         # EFA: all traffic to and from the group itself, in
         # both directions (AWS PCS working-with_networking_efa_create-sg; terraform-aws-eks
         # all_self_efa; dstack): the docs ask for it as well as any CIDR egress.
         if args.fabric:
-            aws.vpc.SecurityGroupEgressRule(f"{name}-training-self-egress", security_group_id=self.security_group.id,
-                                            referenced_security_group_id=self.security_group.id,
+            aws.vpc.SecurityGroupEgressRule(f"{name}-training-self-egress", security_group_id=group.id,
+                                            referenced_security_group_id=group.id,
                                             ip_protocol="-1", description="EFA / NCCL to the other training nodes",
                                             tags=tags, opts=sg_child)
         for i, cidr in enumerate(net.ssh_cidrs):
-            aws.vpc.SecurityGroupIngressRule(f"{name}-ssh-{i}", security_group_id=self.security_group.id,
+            aws.vpc.SecurityGroupIngressRule(f"{name}-ssh-{i}", security_group_id=group.id,
                                              cidr_ipv4=str(cidr), ip_protocol="tcp", from_port=22, to_port=22,
                                              description="SSH from an allowed CIDR", tags=tags, opts=sg_child)
         # The exporters' ports (infra/scrape.py) from the monitoring source alone; peered VPCs get
         # every other port (security groups only allow: "all but these ports" is ranges).
         for i, source in enumerate(scrape.sources(net)):
             for port in scrape.EXPORTER_PORTS:
-                aws.vpc.SecurityGroupIngressRule(f"{name}-scrape-{i}-{port}", security_group_id=self.security_group.id,
+                aws.vpc.SecurityGroupIngressRule(f"{name}-scrape-{i}-{port}", security_group_id=group.id,
                                                  cidr_ipv4=source, ip_protocol="tcp", from_port=port, to_port=port,
                                                  description="metrics from the monitoring source", tags=tags,
                                                  opts=sg_child)
@@ -99,16 +109,14 @@ class AwsNetwork(pulumi.ComponentResource):
             peer_rules = [("tcp", lo, hi) for lo, hi in scrape.other_tcp_ranges()] + [("udp", 0, 65535), ("icmp", -1, -1)]
             for proto, lo, hi in peer_rules:
                 suffix = f"{proto}-{lo}" if proto == "tcp" else proto
-                aws.vpc.SecurityGroupIngressRule(f"{name}-peer-{i}-{suffix}", security_group_id=self.security_group.id,
+                aws.vpc.SecurityGroupIngressRule(f"{name}-peer-{i}-{suffix}", security_group_id=group.id,
                                                  cidr_ipv4=peer_cidr, ip_protocol=proto, from_port=lo, to_port=hi,
                                                  description="traffic from a peered VPC (not the exporters' ports)",
                                                  tags=tags, opts=sg_child)
-        aws.vpc.SecurityGroupEgressRule(f"{name}-egress", security_group_id=self.security_group.id,
+        aws.vpc.SecurityGroupEgressRule(f"{name}-egress", security_group_id=group.id,
                                         cidr_ipv4="0.0.0.0/0", ip_protocol="-1",
                                         description="egress (registries, buckets, peers)", tags=tags, opts=sg_child)
-
-        self.register_outputs({"vpcId": self.vpc.id, "securityGroupId": self.security_group.id,
-                               "privateSubnetIds": [s.id for s in self.private_subnets]})
+        return group
 
     def _nat(self, name: str, net: Network, tags: dict[str, str], child: pulumi.ResourceOptions) -> None:
         """One NAT gateway in the first zone: GPU nodes only pull images and packages through it,
