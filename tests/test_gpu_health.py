@@ -458,7 +458,8 @@ def test_xid_94_restarts_the_workers_and_replaces_nothing(tmp_path: Path) -> Non
     try:
         wait_port(port)
         trainer = _trainer(tmp_path, ckpt, NNODES="2", MIN_NNODES="1", RDZV_ENDPOINT=f"127.0.0.1:{port}",
-                           RDZV_LAST_CALL_S="1", GTS_NODE_GROUP="local")
+                           RDZV_LAST_CALL_S="1", GTS_NODE_GROUP="local",
+                           RDZV_KEY="local-test-key-" + "0" * 32)
         watcher = _watch("aws", meta, api, trainer.proc.pid, tmp_path)
         _watching(tmp_path, watcher)
         trainer.wait_for(r"checkpoint step 20:", timeout=LAUNCH_TIMEOUT)

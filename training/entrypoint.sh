@@ -136,13 +136,19 @@ forward() {
 trap 'forward TERM' TERM
 trap 'forward INT' INT
 trap 'forward USR1' USR1
+# USR2: the workers are killed and the launcher restarts them from the newest committed
+# checkpoint (a GPU fault of the restart class, cloudinit/scripts/gts-gpu-health.py): only this
+# script knows which processes are the workers (it runs the launcher under the guard).
+# shellcheck disable=SC2046,SC2329  # one pid per word; called by the trap
+restart_workers() { kill -KILL $(workers) 2>/dev/null || true; }
+trap 'restart_workers' USR2
 
 # The launcher under the guard, in a session of its own: a terminal's Ctrl-C or a process-group
 # signal reaches this script only, which passes it on to the workers; and if this script is
 # killed, the guard kills the launcher and the workers.
 python -m training.guard "${cmd[@]}" &
 LAUNCHED=$!
-echo "entrypoint: pid $$ (kill -TERM $$: checkpoint and stop; kill -USR1 $$: checkpoint now)" >&2
+echo "entrypoint: pid $$ (kill -TERM $$: checkpoint and stop; kill -USR1 $$: checkpoint now; kill -USR2 $$: restart the workers)" >&2
 status=0
 while true; do
   wait "$LAUNCHED" && status=0 || status=$?

@@ -402,30 +402,17 @@ def follow(path):
 
 
 def restart_workers(trainer):
-    """Kill the training workers (the launcher's children): torchrun sees them fail and restarts
-    them from the newest committed checkpoint, on this node, within --max-restarts."""
-    script = ("for l in $(cat /proc/1/task/*/children); do for w in $(cat /proc/$l/task/*/children); "
-              "do kill -KILL $w; done; done")
+    """Ask the trainer's entrypoint to kill its workers (SIGUSR2, training/entrypoint.sh): the
+    launcher sees them fail and restarts them from the newest committed checkpoint, on this node,
+    within --max-restarts. The entrypoint knows which processes are its workers (the launcher runs
+    under a guard process, so their depth below it is not this script's to guess)."""
     if trainer.kind == "pid":
-        for launcher in _children(int(trainer.target)):
-            for worker in _children(launcher):
-                os.kill(worker, signal.SIGKILL)
+        os.kill(int(trainer.target), signal.SIGUSR2)
     elif trainer.kind == "docker":
-        subprocess.run(["docker", "exec", trainer.target, "sh", "-c", script], check=False)
+        subprocess.run(["docker", "kill", "--signal", "USR2", trainer.target], check=False)
     else:
         for cid in trainer._crictl_ids():
-            subprocess.run(["crictl", "exec", cid, "sh", "-c", script], check=False)
-
-
-def _children(pid):
-    found = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children", encoding="utf-8") as fh:
-                found += [int(c) for c in fh.read().split()]
-    except OSError:
-        pass
-    return found
+            subprocess.run(["crictl", "exec", cid, "kill", "-USR2", "1"], check=False)
 
 
 class Watch:
