@@ -46,8 +46,8 @@ class FakeMetadata:
         # Alibaba STS AssumeRoleWithOIDC (ACK RRSA) and the EKS Pod Identity agent, on the same port
         self.oidc_tokens: list[str] = []
         self.pod_identity_token = "pod-identity-token"
-        # Tencent STS AssumeRoleWithWebIdentity (TKE pod identity): each request's JSON body and
-        # headers; the token to accept (anything else is refused as Tencent refuses, HTTP 200 + Error)
+        # Tencent STS AssumeRoleWithWebIdentity (TKE pod identity): each request's headers (lower-case
+        # names) and JSON body; the token to accept (anything else is refused as Tencent refuses, HTTP 200 + Error)
         self.web_identity_requests: list[tuple[dict[str, str], dict[str, Any]]] = []
         self.web_identity_token = "tke-projected-token"
         owner = self
@@ -107,7 +107,7 @@ class FakeMetadata:
             def _tencent_sts(self) -> None:
                 """Tencent STS's AssumeRoleWithWebIdentity: JSON in, {"Response": ...} out."""
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
-                owner.web_identity_requests.append(({k: v for k, v in self.headers.items()}, body))
+                owner.web_identity_requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
                 if self.headers.get("X-TC-Action") != "AssumeRoleWithWebIdentity" or self.path != "/":
                     self.send_error(400)
                     return
