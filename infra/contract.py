@@ -27,11 +27,14 @@ TRAIN_MODULE = "training.train"
 def credentials_source(rg: ResolvedGroup) -> str:
     """How the trainer gets its bucket credentials on this group's nodes: the AWS SDK chain finds
     the instance role and EKS Pod Identity itself; ECS RAM and CVM CAM roles come from the
-    metadata service; ACK pods use their own RAM role (RRSA)."""
+    metadata service; ACK pods use their own RAM role (RRSA), TKE pods their own CAM role (pod
+    identity)."""
     if rg.cloud == "aws":
         return "default"
     if rg.cloud == "alicloud" and rg.kind == "kubernetes":
         return "ack-rrsa"
+    if rg.cloud == "tencentcloud" and rg.kind == "kubernetes":
+        return "tke-pod-identity"
     return "instance-role"
 
 

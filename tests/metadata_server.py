@@ -46,6 +46,10 @@ class FakeMetadata:
         # Alibaba STS AssumeRoleWithOIDC (ACK RRSA) and the EKS Pod Identity agent, on the same port
         self.oidc_tokens: list[str] = []
         self.pod_identity_token = "pod-identity-token"
+        # Tencent STS AssumeRoleWithWebIdentity (TKE pod identity): each request's headers (lower-case
+        # names) and JSON body; the token to accept (anything else is refused as Tencent refuses, HTTP 200 + Error)
+        self.web_identity_requests: list[tuple[dict[str, str], dict[str, Any]]] = []
+        self.web_identity_token = "tke-projected-token"
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -60,6 +64,9 @@ class FakeMetadata:
                 self._reply(200, owner.token)
 
             def do_POST(self) -> None:  # noqa: N802
+                if self.headers.get("X-TC-Action"):
+                    self._tencent_sts()
+                    return
                 query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query))
                 if query.get("Action") != "AssumeRoleWithOIDC" or not query.get("OIDCToken"):
                     self.send_error(400)
@@ -96,6 +103,24 @@ class FakeMetadata:
                     self._reply(200, owner.extra[self.path])
                 else:
                     self.send_error(404)
+
+            def _tencent_sts(self) -> None:
+                """Tencent STS's AssumeRoleWithWebIdentity: JSON in, {"Response": ...} out."""
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+                owner.web_identity_requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                if self.headers.get("X-TC-Action") != "AssumeRoleWithWebIdentity" or self.path != "/":
+                    self.send_error(400)
+                    return
+                if body.get("WebIdentityToken") != owner.web_identity_token:
+                    self._reply(200, json.dumps({"Response": {"Error": {
+                        "Code": "InvalidParameter.WebIdentityTokenError", "Message": "token invalid"},
+                        "RequestId": "r-2"}}))
+                    return
+                owner.credential_requests += 1
+                doc = json.loads(owner.document())  # tencentcloud's credential fields
+                self._reply(200, json.dumps({"Response": {
+                    "Credentials": {k: doc[k] for k in ("Token", "TmpSecretId", "TmpSecretKey")},
+                    "ExpiredTime": doc["ExpiredTime"], "Expiration": doc["Expiration"], "RequestId": "r-1"}}))
 
             def _reply(self, code: int, body: str) -> None:
                 data = body.encode()

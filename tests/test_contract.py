@@ -112,6 +112,12 @@ def credentials_of(cloud: str, env: dict[str, str], meta: FakeMetadata, tmp: Pat
         token = tmp / "rrsa-token"
         token.write_text("projected-sa-token")
         return {"ALIBABA_CLOUD_OIDC_TOKEN_FILE": str(token), "ALIBABA_CLOUD_STS_ENDPOINT": meta.url}
+    if source == "tke-pod-identity":  # what TKE's pod-identity webhook sets, exchanged at Tencent STS
+        token = tmp / "tke-token"
+        token.write_text(meta.web_identity_token)
+        return {"TKE_REGION": env["STORAGE_REGION"], "TKE_PROVIDER_ID": "cls-plan",
+                "TKE_ROLE_ARN": "qcs::cam::uin/100000000001:roleName/pods", "TKE_WEB_IDENTITY_TOKEN_FILE": str(token),
+                "GTS_STS_ENDPOINT": meta.url}
     assert source == "default" and cloud == "aws"
     if env.get("GTS_MODE") != "vm":
         # EKS Pod Identity: the agent's webhook adds these two variables to every pod of an
@@ -272,6 +278,8 @@ def test_a_job_pod_caches_its_dataset_then_trains_and_resumes(cloud: str, tmp_pa
                              proxy, meta, tmp_path)
             if trainer_env["STORAGE_CREDENTIALS"] == "ack-rrsa":
                 assert meta.oidc_tokens and set(meta.oidc_tokens) == {"projected-sa-token"}
+            if trainer_env["STORAGE_CREDENTIALS"] == "tke-pod-identity":
+                assert meta.web_identity_requests, "the pod's credentials came from STS, not the metadata service"
         keys = _checkpoint_keys(server, trainer_env["CHECKPOINT_URL"])
         assert f"step-{STEPS + 2:08d}/manifest-node000.json" in keys, keys
     finally:

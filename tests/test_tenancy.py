@@ -403,3 +403,111 @@ def test_ack_runs_terway_with_network_policy_on_its_own_pod_switches() -> None:
     for r in resources:
         if r.type == "alicloud:ecs/securityGroupRule:SecurityGroupRule":
             assert unwrap_secrets(r.inputs).get("cidrIp") != "172.20.0.0/16", r.name
+
+
+# --- TKE pod identity: the training namespace's pods hold their own CAM role ------------------------
+
+def test_tke_job_pods_assume_their_own_role_and_no_namespace_reaches_the_metadata_service() -> None:
+    import json
+
+    from infra.k8s.netpol import METADATA
+    from infra.plan.engine import unwrap_secrets
+    from tests.harness import shipped
+
+    resources = list(shipped("prod"))
+    values = {r.urn: unwrap_secrets(r.inputs) for r in resources}
+    (oidc,) = [r for r in resources if r.type == "tencentcloud:Kubernetes/authAttachment:AuthAttachment"]
+    attach = values[oidc.urn]
+    assert attach["autoCreateOidcConfig"] and attach["autoInstallPodIdentityWebhookAddon"] and attach["useTkeDefault"]
+    cluster_id = attach["clusterId"]
+    # The TKE cluster's provider (and so its Jobs) waits for the webhook.
+    (provider,) = [r for r in resources if r.type == "pulumi:providers:kubernetes" and r.name.startswith("prod-tc-")]
+    assert oidc.urn in provider.options["dependencies"], provider.options
+    roles = {values[r.urn]["name"]: r for r in resources if r.type == "tencentcloud:Cam/role:Role"}
+    jobs = [r for r in resources if r.type == "kubernetes:batch/v1:Job" and r.name.startswith("tc-")]
+    assert jobs, "prod has a TKE training Job"
+    for job in jobs:
+        pod = values[job.urn]["spec"]["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["STORAGE_CREDENTIALS"] == "tke-pod-identity", env
+        (account,) = [values[r.urn] for r in resources if r.type == "kubernetes:core/v1:ServiceAccount"
+                      and values[r.urn]["metadata"]["name"] == pod["serviceAccountName"]]
+        ns, sa = account["metadata"]["namespace"], account["metadata"]["name"]
+        arn = account["metadata"]["annotations"]["tke.cloud.tencent.com/role-arn"]
+        uin, role_name = arn.removeprefix("qcs::cam::uin/").split(":roleName/")
+        role = roles[role_name]
+        (statement,) = json.loads(values[role.urn]["document"])["statement"]
+        assert statement["action"] == ["name/sts:AssumeRoleWithWebIdentity"]
+        assert statement["principal"] == {"federated": [f"qcs::cam::uin/{uin}:oidc-provider/{cluster_id}"]}
+        assert statement["condition"] == {"string_equal": {"oidc:aud": ["sts.cloud.tencent.com"],
+                                                           "oidc:sub": [f"system:serviceaccount:{ns}:{sa}"]}}
+        assert oidc.urn in role.options["dependencies"]
+        # The role's policy: the group's own checkpoints to write, nothing of another group's.
+        group = job.name.removesuffix("-job")
+        (policy,) = [values[r.urn] for r in resources if r.type == "tencentcloud:Cam/policy:Policy"
+                     and values[r.urn]["name"] == f"{role_name}-bucket"]
+        written = [res for s in json.loads(policy["document"])["statement"] if "name/cos:PutObject" in s["action"]
+                   for res in s["resource"]]
+        assert written and all(res.endswith(f"/checkpoints/{group}/*") for res in written), written
+    # No namespace the stack creates on any cluster reaches the metadata services now: every
+    # egress to 0.0.0.0/0 excepts them.
+    wide = [(p["metadata"]["namespace"], peer["ipBlock"]) for p in _policies(resources)
+            for rule in p["spec"].get("egress") or [] for peer in rule.get("to") or []
+            if (peer.get("ipBlock") or {}).get("cidr") == "0.0.0.0/0"]
+    assert {ns for ns, _ in wide} >= {"training"}
+    assert all(set(METADATA) <= set(block.get("except") or []) for _, block in wide), wide
+
+
+def _tke_env(meta: object, tmp: Path, token: str) -> dict[str, str]:
+    from tests.metadata_server import FakeMetadata
+
+    assert isinstance(meta, FakeMetadata)
+    (tmp / "token").write_text(token)
+    return {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "TKE_REGION": "ap-guangzhou",
+            "TKE_PROVIDER_ID": "cls-abc", "TKE_ROLE_ARN": "qcs::cam::uin/100000000001:roleName/prod-tc-tke-train-pods",
+            "TKE_WEB_IDENTITY_TOKEN_FILE": str(tmp / "token"), "GTS_STS_ENDPOINT": meta.url}
+
+
+SHOW_CREDENTIALS = ("from training.credentials import credential_source; c = credential_source('tke-pod-identity', "
+                    "__import__('os').environ)(); print(c.access_key, c.token, int(c.expires))")
+
+
+def test_a_tke_pod_exchanges_its_token_at_sts_and_never_asks_the_metadata_service(tmp_path: Path) -> None:
+    """A real process with what TKE's webhook gives a pod: the token file and the TKE_* variables.
+    It asks STS the way the Tencent SDKs do (unsigned TC3 JSON POST), reads the token file anew
+    each time (Kubernetes rotates it), and never reads the instance role."""
+    from tests.metadata_server import FakeMetadata
+
+    with FakeMetadata("tencentcloud") as meta:
+        env = _tke_env(meta, tmp_path, meta.web_identity_token)
+        got = subprocess.run([sys.executable, "-c", SHOW_CREDENTIALS], env=env, cwd=tmp_path, capture_output=True,
+                             text=True, timeout=60)
+        assert got.returncode == 0, got.stderr
+        key, token, _ = got.stdout.split()
+        assert (key, token) == ("STS.tencentcloud.0", "token-0")
+        ((headers, body),) = meta.web_identity_requests
+        assert headers["x-tc-action"] == "AssumeRoleWithWebIdentity" and headers["x-tc-version"] == "2018-08-13"
+        assert headers["authorization"] == "SKIP" and headers["x-tc-region"] == "ap-guangzhou"
+        assert headers["content-type"] == "application/json"
+        assert body["ProviderId"] == "cls-abc" and body["WebIdentityToken"] == meta.web_identity_token
+        assert body["RoleArn"] == env["TKE_ROLE_ARN"] and body["RoleSessionName"]
+        assert meta.requests == 0, "no GET reached the metadata paths"
+        # A rotated token is read again; a stolen or stale one is refused with STS's reason.
+        meta.web_identity_token = "rotated"
+        (tmp_path / "token").write_text("rotated")
+        meta.rotate()
+        again = subprocess.run([sys.executable, "-c", SHOW_CREDENTIALS], env=env, cwd=tmp_path, capture_output=True,
+                               text=True, timeout=60)
+        assert again.stdout.split()[0] == "STS.tencentcloud.1", again.stderr
+        (tmp_path / "token").write_text("someone-elses-token")
+        refused = subprocess.run([sys.executable, "-c", SHOW_CREDENTIALS], env=env, cwd=tmp_path, capture_output=True,
+                                 text=True, timeout=60)
+        assert refused.returncode != 0 and "InvalidParameter.WebIdentityTokenError" in refused.stderr
+
+
+def test_a_pod_without_the_webhooks_variables_is_told_what_is_missing(tmp_path: Path) -> None:
+    from training.cloudmeta import MetadataError
+    from training.credentials import credential_source
+
+    with pytest.raises(MetadataError, match="TKE_ROLE_ARN, TKE_WEB_IDENTITY_TOKEN_FILE .*tke.cloud.tencent.com/role-arn"):
+        credential_source("tke-pod-identity", {"TKE_REGION": "ap-guangzhou", "TKE_PROVIDER_ID": "cls-abc"})()

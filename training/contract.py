@@ -65,7 +65,8 @@ STORAGE_ADDRESSING_STYLE = Var("STORAGE_ADDRESSING_STYLE", "virtual (OSS require
 STORAGE_CREDENTIALS = Var(
     "STORAGE_CREDENTIALS",
     "where the bucket credentials come from: default (AWS chain: instance role, EKS Pod Identity) | "
-    "instance-role (the ECS RAM / CVM CAM role from the metadata service) | ack-rrsa (the pod's RAM role)", STACK)
+    "instance-role (the ECS RAM / CVM CAM role from the metadata service) | ack-rrsa (the pod's RAM role) | "
+    "tke-pod-identity (the pod's CAM role)", STACK)
 AWS_REGION = Var("AWS_REGION", "region for AWS SDKs in pods (IMDS is out of their reach)", STACK)
 GTS_CLOUD = Var("GTS_CLOUD", "aws | alicloud | tencentcloud", STACK)
 GTS_NODE_GROUP = Var("GTS_NODE_GROUP", "the node group (metrics labels)", STACK)
@@ -108,7 +109,7 @@ FABRIC_VARS = (GTS_FABRIC, GTS_FABRIC_DEVICES, NCCL_DEBUG, NCCL_SOCKET_IFNAME, F
 FABRIC_NAMES = frozenset(v.name for v in FABRIC_VARS)
 # environment variable -> TrainConfig field, for the trainer's config parser
 CONFIG_FIELDS = {v.name: v.field for v in VARS if v.field}
-CREDENTIAL_SOURCES = ("default", "instance-role", "ack-rrsa")
+CREDENTIAL_SOURCES = ("default", "instance-role", "ack-rrsa", "tke-pod-identity")
 
 
 LAUNCHERS = ("torchrun", "accelerate", "horovod")

@@ -1,13 +1,15 @@
 """Where the trainer's bucket credentials come from (STORAGE_CREDENTIALS in the contract):
 `instance-role` (the ECS RAM / CVM CAM role from the metadata service), `ack-rrsa` (an ACK
-pod's own RAM role, by its projected service-account token) or `default` (the AWS SDK chain
-finds the EC2 instance role and EKS Pod Identity itself). training/storage.py turns the
+pod's own RAM role, by its projected service-account token), `tke-pod-identity` (a TKE pod's
+own CAM role, the same way) or `default` (the AWS SDK chain finds the EC2 instance role and EKS
+Pod Identity itself). training/storage.py turns the
 function chosen here into refreshing botocore credentials."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -17,6 +19,11 @@ from training.cloudmeta import CLOUDS, Credentials, Metadata, MetadataError, utc
 from training.contract import CREDENTIAL_SOURCES
 
 ACK_STS = "https://sts.aliyuncs.com"
+TKE_STS = "https://sts.tencentcloudapi.com"
+# What TKE's pod-identity webhook sets in a pod whose service account is annotated
+# tke.cloud.tencent.com/role-arn (TKE "Pod identity", document/product/457/57285; the Tencent
+# SDKs' DefaultTkeOIDCRoleArnProvider reads the same four).
+TKE_IDENTITY_VARS = ("TKE_REGION", "TKE_PROVIDER_ID", "TKE_ROLE_ARN", "TKE_WEB_IDENTITY_TOKEN_FILE")
 
 
 def assume_role_with_oidc(env: Mapping[str, str], timeout: float = 10.0) -> Credentials:
@@ -49,6 +56,42 @@ def assume_role_with_oidc(env: Mapping[str, str], timeout: float = 10.0) -> Cred
         raise MetadataError(f"alicloud STS {endpoint} AssumeRoleWithOIDC did not return credentials: {exc}") from None
 
 
+def assume_role_with_web_identity(env: Mapping[str, str], timeout: float = 10.0) -> Credentials:
+    """TKE pod identity: exchange the pod's projected service-account token for its CAM role's
+    credentials at Tencent STS AssumeRoleWithWebIdentity (version 2018-08-13). Not signed (the
+    token is the proof): a TC3-style JSON POST with `Authorization: SKIP`, as the Tencent SDKs
+    send it (tencentcloud-sdk-python common/credential.py OIDCRoleArnCredential with SkipSign,
+    common/abstract_client.py). The token file is read on every call: Kubernetes rotates it.
+    GTS_STS_ENDPOINT overrides the endpoint (tests)."""
+    missing = [k for k in TKE_IDENTITY_VARS if not env.get(k)]
+    if missing:
+        raise MetadataError(f"tke-pod-identity credentials need {', '.join(missing)} (TKE's pod-identity webhook sets "
+                            "them in pods of a service account annotated tke.cloud.tencent.com/role-arn)")
+    with open(env["TKE_WEB_IDENTITY_TOKEN_FILE"], encoding="utf-8") as fh:
+        token = fh.read().strip()
+    body = json.dumps({"ProviderId": env["TKE_PROVIDER_ID"], "WebIdentityToken": token, "RoleArn": env["TKE_ROLE_ARN"],
+                       "RoleSessionName": "gpu-training-stack", "DurationSeconds": 3600}).encode()
+    endpoint = env.get("GTS_STS_ENDPOINT") or TKE_STS
+    url = (endpoint if "://" in endpoint else "https://" + endpoint).rstrip("/") + "/"
+    headers = {"Content-Type": "application/json", "Authorization": "SKIP",
+               "X-TC-Action": "AssumeRoleWithWebIdentity", "X-TC-Version": "2018-08-13",
+               "X-TC-Region": env["TKE_REGION"], "X-TC-Timestamp": str(int(time.time()))}
+    what = f"tencentcloud STS {endpoint} AssumeRoleWithWebIdentity"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers, method="POST"),
+                                    timeout=timeout) as resp:
+            doc = json.loads(resp.read().decode())["Response"]
+        if "Error" in doc:  # Tencent API errors come back with HTTP 200
+            raise MetadataError(f"{what} refused: {doc['Error'].get('Code')}: {doc['Error'].get('Message')}")
+        found = doc["Credentials"]
+        return Credentials(str(found["TmpSecretId"]), str(found["TmpSecretKey"]), str(found["Token"]),
+                           float(doc["ExpiredTime"]))
+    except urllib.error.HTTPError as err:
+        raise MetadataError(f"{what} answered HTTP {err.code}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise MetadataError(f"{what} did not return credentials: {exc!r}") from None
+
+
 def credential_source(source: str, env: Mapping[str, str]) -> Callable[[], Credentials]:
     """The function that gives fresh credentials for STORAGE_CREDENTIALS=`source` (not `default`:
     botocore's own chain serves that)."""
@@ -59,4 +102,6 @@ def credential_source(source: str, env: Mapping[str, str]) -> Callable[[], Crede
         return Metadata(cloud, env.get("GTS_METADATA_URL") or None).credentials
     if source == "ack-rrsa":
         return lambda: assume_role_with_oidc(env)
+    if source == "tke-pod-identity":
+        return lambda: assume_role_with_web_identity(env)
     raise ValueError(f"STORAGE_CREDENTIALS={source!r}: use one of {', '.join(CREDENTIAL_SOURCES)}")

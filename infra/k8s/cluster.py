@@ -39,10 +39,10 @@ def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[
     namespace = training_namespace(name, opts, managed=queued is not None).metadata.name
     labels = {"env": spec.env, LABEL_TEAM: spec.team_name}
     cloud = groups[0].cloud
-    # The training namespace: default deny, DNS, out but not to the metadata service, except on
-    # TKE, where the stack's own Jobs get their group's role from their node (the GPU pool is
-    # that group's); other teams' namespaces never reach it (infra/k8s/queues.py).
-    netpol.namespace_baseline(f"{name}-training", namespace, labels, opts, metadata_ok=cloud == "tencentcloud",
+    # The training namespace: default deny, DNS, out but not to the metadata service on any cloud:
+    # the stack's own Jobs hold their own roles (EKS Pod Identity, ACK RRSA, TKE pod identity),
+    # never the node's; other teams' namespaces never reach it either (infra/k8s/queues.py).
+    netpol.namespace_baseline(f"{name}-training", namespace, labels, opts,
                               extra_egress=netpol.pod_identity_egress(cloud))
     queue, after = queued if queued else (None, [])
     # Multi-node Jobs' rendezvous keys (training/rdzv_launch.py) come from the random provider,

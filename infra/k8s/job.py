@@ -44,6 +44,7 @@ class Identity:
     env: dict[str, pulumi.Input[str]] = field(default_factory=dict)  # e.g. ACK RRSA's role and provider
     token_audience: str = ""  # a projected service-account token for this audience, when needed
     token_path: str = ""
+    annotations: dict[str, pulumi.Input[str]] = field(default_factory=dict)  # the service account's (TKE's role)
 
 
 @dataclass
@@ -210,7 +211,8 @@ class TrainingJob(pulumi.ComponentResource):
         netpol.job_policies(job, args.namespace, {"app.kubernetes.io/name": job}, store, contract.RDZV_PORT,
                             contract.METRICS_PORT, args.labels, child)
         account = k8s.core.v1.ServiceAccount(f"{name}-sa", metadata=k8s.meta.v1.ObjectMetaArgs(
-            name=args.identity.service_account, namespace=args.namespace, labels=labels),
+            name=args.identity.service_account, namespace=args.namespace, labels=labels,
+            annotations=args.identity.annotations or None),
             automount_service_account_token=False, opts=child)
         resources, shm_gb = pod_resources(rg)
         env = self._env(name, args, labels, child)

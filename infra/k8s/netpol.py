@@ -4,7 +4,8 @@ what the stack's pods need, and nothing that crosses from one team to another.
 - default deny, ingress and egress, for every pod of the namespace;
 - DNS to the cluster's resolver (kube-system, port 53);
 - out to anywhere except the instance metadata services (a pod would otherwise get its node's
-  role from them: on TKE that is the GPU pool's storage role); what a pod may reach of other
+  role from them: on TKE that is the GPU pool's storage role; the stack's Jobs hold roles of
+  their own on every cluster); what a pod may reach of other
   teams is closed on the receiving side: every namespace the stack creates denies ingress
   (other teams' pods), security groups close nodes and stores, bucket policies the data;
 - inside a Job: its pods with each other (NCCL / gloo, any port) and with its own rendezvous
@@ -45,10 +46,9 @@ def _ports(*ports: tuple[str, int]) -> list[np.NetworkPolicyPortArgs]:
 
 def namespace_baseline(name: str, namespace: pulumi.Input[str], labels: dict[str, str], opts: pulumi.ResourceOptions,
                        *, egress_out: bool = True, extra_egress: Sequence[str] = (),
-                       metadata_ok: bool = False, same_namespace: bool = False) -> list[np.NetworkPolicy]:
+                       same_namespace: bool = False) -> list[np.NetworkPolicy]:
     """Default deny for the namespace, DNS, and (egress_out) out to anywhere but the metadata
-    services (metadata_ok: the node's role is these pods' own, TKE's training namespace);
-    `extra_egress` CIDRs too (EKS Pod Identity's agent, in the metadata range); same_namespace:
+    services; `extra_egress` CIDRs too (EKS Pod Identity's agent, in the metadata range); same_namespace:
     the namespace's pods with each other (a team's own multi-node Jobs)."""
     every: dict[str, str] = {}
     made = [np.NetworkPolicy(f"{name}-default-deny", metadata=_meta("default-deny", namespace, labels),
@@ -71,7 +71,7 @@ def namespace_baseline(name: str, namespace: pulumi.Input[str], labels: dict[str
                                          egress=[np.NetworkPolicyEgressRuleArgs(to=own)]), opts=opts))
     if egress_out:
         peers = [np.NetworkPolicyPeerArgs(ip_block=np.IPBlockArgs(
-            cidr="0.0.0.0/0", except_=None if metadata_ok else list(METADATA)))]
+            cidr="0.0.0.0/0", except_=list(METADATA)))]
         peers += [np.NetworkPolicyPeerArgs(ip_block=np.IPBlockArgs(cidr=c)) for c in extra_egress]
         made.append(np.NetworkPolicy(f"{name}-egress-out", metadata=_meta("allow-egress-out", namespace, labels),
                                      spec=np.NetworkPolicySpecArgs(

@@ -1,7 +1,7 @@
 """Tencent Cloud CAM: one role per node group (VM fleets and TKE pools alike), limited to that
-group's grants in the bucket (infra/access.py). TKE pods use their node's role: TKE's workload
-identity (the pod-identity webhook) exists, but the form of its CAM trust policy could not be
-verified here; a pool holds one group's pods only, so the node role is still that group's grants."""
+group's grants in the bucket (infra/access.py), and one per TKE training group's pods (`pod_role`,
+TKE pod identity: infra/clouds/tencentcloud/kubernetes.py), whose trust names the cluster's OIDC
+provider and the Job's service account alone."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ class TencentAccess(pulumi.ComponentResource):
     def __init__(self, name: str, args: TencentAccessArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:tencentcloud:Access", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
+        self.args, self.child = args, child
         self.roles = {}
         for group, grants in args.groups.items():
             role_name = fit(f"{args.env}-{group}-node", "iamRole")
@@ -61,3 +62,18 @@ class TencentAccess(pulumi.ComponentResource):
                                                   opts=child)
             self.roles[group] = role
         self.register_outputs({"groups": sorted(self.roles)})
+
+    def pod_role(self, name: str, role_name: str, trust: pulumi.Input[str], grants: Grants, description: str,
+                 after: list[pulumi.Resource] | None = None) -> tencentcloud.cam.Role:
+        """A CAM role with a policy of the grants in the stack's bucket, for pods (`trust`), made
+        after `after` (the OIDC provider its trust names)."""
+        args = self.args
+        role_name = fit(role_name, "iamRole")
+        role = tencentcloud.cam.Role(name, name=role_name, console_login=False, document=trust,
+                                     description=description, tags=args.tags, opts=pulumi.ResourceOptions.merge(
+                                         self.child, pulumi.ResourceOptions(depends_on=after or [])))
+        policy = tencentcloud.cam.Policy(f"{name}-bucket", name=f"{role_name}-bucket",
+                                         document=bucket_policy(args.bucket, args.region, args.app_id, grants),
+                                         description=description, opts=self.child)
+        tencentcloud.cam.RolePolicyAttachment(f"{name}-bucket", role_id=role.id, policy_id=policy.id, opts=self.child)
+        return role

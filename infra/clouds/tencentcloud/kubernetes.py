@@ -6,6 +6,7 @@ Job. TKE installs the NVIDIA device plugin on GPU nodes itself."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 from dataclasses import dataclass
@@ -14,12 +15,14 @@ import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
 from infra import userdata
+from infra.access import trainer_grants
+from infra.clouds.tencentcloud.access import TencentAccess
 from infra.clouds.tencentcloud.fleet import DISK, spot_max_price
 from infra import catalog as cat
 from infra.cloud_rules import POD_CIDR, SERVICE_CIDR
 from infra.groups import LABEL_CAPACITY, LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
 from infra.k8s.cluster import cluster_workloads
-from infra.k8s.job import Identity
+from infra.k8s.job import NAMESPACE, Identity
 from infra.k8s.pools import pool_parts
 from infra.names import fit
 from infra.sharedfs import SharedFsOutputs
@@ -37,6 +40,25 @@ ENDPOINT_FIELDS = ["clusterInternet", "clusterIntranet", "clusterIntranetSubnetI
 # TKE installs these on GPU nodes; pin them with the stack so a node pool's GPUs match its image.
 GPU_DRIVER = {"name": "NVIDIA-Linux-x86_64-535.161.08.run", "version": "535.161.08"}
 GPU_CUDA = {"name": "cuda_12.2.2_535.104.05_linux.run", "version": "12.2.2"}
+# TKE pod identity (TKE "Pod identity" / OIDC resource access control, document/product/457/57285):
+# the pod-identity webhook gives a pod whose service account carries ROLE_ANNOTATION a projected
+# token for AUDIENCE and the TKE_* variables training/credentials.py reads.
+ROLE_ANNOTATION = "tke.cloud.tencent.com/role-arn"
+AUDIENCE_ANNOTATION = "tke.cloud.tencent.com/audience"
+AUDIENCE = "sts.cloud.tencent.com"  # the webhook's default client id, which the OIDC provider lists
+
+
+def pod_trust(parts: str) -> str:
+    """The trust policy of a group's pod role; `parts` is "<owner uin>\n<cluster id>\n<account>":
+    the cluster's CAM OIDC provider (named by the cluster id, tencentcloud_iac_pulumi
+    kubernetes/auth_attachment.py: cam.get_oidc_config(name=<cluster id>)), for the Job's service
+    account's token alone (CAM "Creating a role for an OIDC IdP", document/product/598/96013)."""
+    uin, cluster_id, account = parts.split("\n")
+    return json.dumps({"version": "2.0", "statement": [{
+        "action": ["name/sts:AssumeRoleWithWebIdentity"], "effect": "allow",
+        "principal": {"federated": [f"qcs::cam::uin/{uin}:oidc-provider/{cluster_id}"]},
+        "condition": {"string_equal": {"oidc:aud": [AUDIENCE],
+                                       "oidc:sub": [f"system:serviceaccount:{NAMESPACE}:{account}"]}}}]})
 
 
 @dataclass
@@ -46,10 +68,11 @@ class TencentTkeArgs:
     vpc_id: pulumi.Output[str]
     subnet_ids: list[pulumi.Output[str]]
     security_group_id: pulumi.Output[str]
-    role_names: dict[str, pulumi.Output[str]]  # each group's CAM role (its pods use it)
+    role_names: dict[str, pulumi.Output[str]]  # each group's node CAM role
     images: Mapping[str, pulumi.Output[str]]  # group name -> its trainer image
     provider: pulumi.ProviderResource
     tags: dict[str, str]
+    access: TencentAccess  # where the pods' own CAM roles are made
     shared: SharedFsOutputs | None = None  # the network's shared file system (networks[].sharedFs)
 
 
@@ -83,11 +106,38 @@ class TencentTke(pulumi.ComponentResource):
         public = bool(spec.kubernetes.api_access_cidrs)
         self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(
             self.endpoint.kube_config if public else self.endpoint.kube_config_intranet)
-        # TKE pods use their node's role (one group per pool: that group's grants).
-        identities = {g.name: Identity(service_account=f"{g.name}-trainer") for g in args.groups}
-        cluster_workloads(name, self.kubeconfig, [self.endpoint], spec, args.groups, parent=self, device_plugin=False,
-                          trainer_images=args.images, shared=args.shared, identities=identities)
+        identities, oidc = self._pod_identity(name, args, child)
+        # After the webhook: a Job's pods created before it would get no identity.
+        cluster_workloads(name, self.kubeconfig, [self.endpoint, oidc], spec, args.groups, parent=self,
+                          device_plugin=False, trainer_images=args.images, shared=args.shared, identities=identities)
         self.register_outputs({"clusterId": self.cluster.id})
+
+    def _pod_identity(self, name: str, args: TencentTkeArgs, child: pulumi.ResourceOptions
+                      ) -> tuple[dict[str, Identity], tencentcloud.kubernetes.AuthAttachment]:
+        """Each training group's pods assume a CAM role of their own with their service account's
+        token, so no pod needs the node's role and the metadata service is closed to every
+        namespace (infra/k8s/netpol.py). The cluster's issuer becomes a CAM OIDC provider and the
+        pod-identity webhook is installed (AuthAttachment: auto_create_oidc_config needs
+        auto_install_pod_identity_webhook_addon; the discovery documents readable anonymously, as
+        CAM fetches them); each role trusts that provider for `system:serviceaccount:training:
+        <group>-trainer` only (pod_trust)."""
+        oidc = tencentcloud.kubernetes.AuthAttachment(
+            f"{name}-oidc", cluster_id=self.cluster.id, use_tke_default=True, auto_create_discovery_anonymous_auth=True,
+            auto_create_oidc_config=True, auto_install_pod_identity_webhook_addon=True,
+            opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(depends_on=[self.endpoint])))
+        uin = tencentcloud.user.get_info_output(opts=pulumi.InvokeOutputOptions(provider=args.provider,
+                                                                                parent=self)).owner_uin
+        identities = {}
+        for g in args.groups:
+            account = f"{g.name}-trainer"
+            trust = pulumi.Output.format("{0}\n{1}\n{2}", uin, self.cluster.id, account).apply(pod_trust)
+            role = args.access.pod_role(f"{name}-{g.name}-pods", f"{args.spec.env}-{g.name}-pods", trust,
+                                        trainer_grants(args.spec, g), f"pods of {g.name}: its dataset, its own checkpoints",
+                                        after=[oidc])
+            arn = pulumi.Output.format("qcs::cam::uin/{0}:roleName/{1}", uin, role.name)
+            identities[g.name] = Identity(service_account=account,
+                                          annotations={ROLE_ANNOTATION: arn, AUDIENCE_ANNOTATION: AUDIENCE})
+        return identities, oidc
 
     def _endpoint(self, name: str, args: TencentTkeArgs,
                   child: pulumi.ResourceOptions) -> tencentcloud.kubernetes.ClusterEndpoint:

@@ -131,7 +131,8 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
         tke = TencentTke(f"{self.spec.env}-{net.name}", TencentTkeArgs(
             spec=self.spec, groups=groups, vpc_id=built.vpc.id, subnet_ids=[s.id for s in built.subnets],
             security_group_id=built.security_group.id, role_names={g.name: access.roles[g.name].name for g in groups},
-            images=images, provider=self.provider(self.region_of(net)), tags=self.tags, shared=self.shared.get(net.name)),
+            images=images, provider=self.provider(self.region_of(net)), tags=self.tags, access=access,
+            shared=self.shared.get(net.name)),
             opts=pulumi.ResourceOptions(parent=self))
         return Cluster(tke.cluster.id, tke.kubeconfig)
 
