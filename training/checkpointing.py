@@ -313,6 +313,9 @@ class Checkpointer:
             raise ValueError(f"sharded state: pass exactly one model (an nn.Module, fully_shard-ed) to the "
                              f"Checkpointer; got {len(models)} ({', '.join(models) or 'none'})")
         self.model_name = models[0]
+        model = self.state[self.model_name]
+        assert isinstance(model, nn.Module)
+        self.model: nn.Module = model
         self.optimizers = {name: obj for name, obj in self.state.items() if isinstance(obj, torch.optim.Optimizer)}
         self.sharded = ShardedCheckpoints(self.manager, self.comm)
 
@@ -337,7 +340,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint step {found.step} holds no state for {', '.join(missing)} "
                                   f"(it has {', '.join(sorted(saved)) or 'none'})")
         if self.sharded is not None:  # every rank reads the pieces of its own shard, whatever the saved world size
-            self.sharded.restore(found.step, self.state[self.model_name], list(self.optimizers.values()))
+            self.sharded.restore(found.step, self.model, list(self.optimizers.values()))
             if self.comm.rank == 0:
                 log.info("restored sharded step %d saved by %d ranks into %d", found.step,
                          int(found.state.get("world_size", 0)), self.comm.world)
@@ -386,7 +389,7 @@ class Checkpointer:
         per_rank = {**rng_state(), "loaders": {name: loader.state_dict() for name, loader in self.loaders.items()}}
         if self.sharded is not None:
             assert payload is not None
-            blocked = self.sharded.save(step, self.state[self.model_name], list(self.optimizers.values()), payload,
+            blocked = self.sharded.save(step, self.model, list(self.optimizers.values()), payload,
                                         per_rank)
         else:
             blocked = self.manager.save(step, payload, per_rank, self.comm.barrier)
