@@ -77,7 +77,7 @@ class SpotCheckpointCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> TrainerControl:
         if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and self.comm.rank == 0:
-            from accelerate.state import AcceleratorState
+            from accelerate.state import AcceleratorState  # type: ignore[import-untyped]
 
             kind = AcceleratorState().distributed_type
             if kind.value != "FSDP":
