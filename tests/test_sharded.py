@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.training_helpers import BIN, ROOT, MotoServer, Run, free_port, kill_tree, launch, storage_env, wait_port
 from training import contract
@@ -252,3 +253,36 @@ def test_a_users_fsdp_checkpoint_of_two_ranks_resumes_on_fewer_or_more(stopped_l
     last = bucket / f"step-{LOOP_STEPS:08d}"
     assert sorted(p.name for p in last.glob("__*.distcp")) == [f"__{r}_0.distcp" for r in range(nproc)]
     assert loop_hash(last) == final.group(2)
+
+
+def test_the_checkpointer_feeds_a_sharded_upload_back_to_auto_and_names_a_second_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process, `sharded=True` (a one-process run of an FSDP loop holds a plain model): the
+    DCP step goes to a file:// bucket, and the time until it is there reaches checkpointEvery
+    auto's plan, as for replicated state. Two models: refused, named."""
+    from torch import nn
+
+    from training.checkpointing import Checkpointer
+
+    for var, value in ((contract.CHECKPOINT_EVERY, "auto"), (contract.MTBF_S, "2"), (contract.NOTICE_S, "0")):
+        monkeypatch.setenv(var.name, value)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    bucket = tmp_path / "bucket"
+    try:
+        model = nn.Linear(4, 2)
+        optimizer = torch.optim.AdamW(model.parameters())
+        with Checkpointer(url=f"file://{bucket}", local_dir=str(tmp_path / "ck"), sharded=True, model=model,
+                          optimizer=optimizer) as ckpt:
+            assert ckpt.sharded is not None and ckpt.interval.auto is not None
+            ckpt.step(1)  # measures nothing yet; the save below is the one the plan hears about
+            ckpt.save(2)
+            assert ckpt.manager.wait_uploads(60)
+            assert ckpt.interval.auto.durable is not None and ckpt.interval.auto.durable > 0
+        assert ckpt.exit_code == 0
+        assert sorted(p.name for p in (bucket / "step-00000002").iterdir()) == [
+            "__0_0.distcp", "dcp.metadata", "manifest-node000.json", "rng-rank00000.pt", "train-state.pt"]
+        with pytest.raises(ValueError, match=r"pass exactly one model .* got 2 \(a, b\)"):
+            Checkpointer(local_dir=str(tmp_path / "two"), sharded=True, a=nn.Linear(2, 2), b=nn.Linear(2, 2))
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
