@@ -226,3 +226,22 @@ def test_the_library_reads_the_interval_a_dev_node_is_given(tmp_path: Path) -> N
     line = run.wait_for(r"checkpoint interval: every \d+ steps")
     assert f"M={env[contract.MTBF_S.name]} s" in line
     assert f"a {env[contract.NOTICE_S.name]} s notice covers a durable checkpoint" in line
+
+
+def test_fsdp_asked_of_accelerate_on_cpu_is_named_not_silently_ddp(tmp_path: Path) -> None:
+    """`accelerate launch --use_fsdp --fsdp_version 2` on CPU: accelerate (1.15) runs it as
+    MULTI_CPU (DDP) without a word; the callback says so, and the checkpoint it commits holds the
+    whole model (a replicated one, no FSDP shard folders)."""
+    env = {"ACCELERATE_USE_CPU": "1", contract.CHECKPOINT_DIR.name: str(tmp_path / "ck"),
+           contract.CHECKPOINT_EVERY.name: "4"}
+    command = [str(BIN / "accelerate"), "launch", "--num_processes", "2", "--num_machines", "1",
+               "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--use_fsdp", "--fsdp_version", "2", "--fsdp_state_dict_type", "SHARDED_STATE_DICT",
+               "-m", "training.workloads.bert_finetune", "--output_dir", str(tmp_path / "out"), "--max_steps", "4"]
+    run = start(command, env, tmp_path)
+    assert run.finish(LAUNCH_TIMEOUT) == 0, run.output[-3000:]
+    line = run.wait_for(r"FSDP was asked for \(accelerate launch --use_fsdp\) but accelerate runs this as ")
+    assert "as MULTI_CPU:" in line, line
+    assert final_line(run).startswith("final step=4 ")
+    files = sorted(p.name for p in (tmp_path / "ck" / "step-00000004").iterdir())
+    assert "model.safetensors" in files and not any("fsdp" in name for name in files), files

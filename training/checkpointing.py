@@ -24,6 +24,18 @@ loop at `ckpt.epoch` (training/loaders.py keeps its position and randomness per 
 StatefulDataLoader is taken too). Without a loader, make the data order a function of the step
 (or of values kept in `extra`).
 The checkpoints are read with weights_only: tensors and plain values only.
+
+Sharded state (FSDP2's `fully_shard`, or any model whose parameters are DTensors) is taken the
+same way, found by itself (or `sharded=True`: a one-process run of an FSDP loop holds a plain
+model, and its checkpoints must stay readable by any world size):
+
+    fully_shard(...)                                       # your FSDP2 setup, before the optimizer
+    with Checkpointer(model=model, optimizer=optimizer, scheduler=scheduler) as ckpt:
+        ...                                                # the same loop
+
+Then every rank writes its own shard through torch's distributed checkpoint (training/sharded.py)
+and `resume()` loads a checkpoint written by any number of ranks into this run's sharding; the
+other objects (a scheduler) and `extra` are written once, by rank 0, as for replicated state.
 """
 
 from __future__ import annotations
@@ -36,10 +48,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
 from training import contract
@@ -47,6 +60,9 @@ from training.checkpoint import CheckpointError, CheckpointManager, Topology, Up
 from training.distributed import Comm
 from training.goodput import AutoInterval
 from training.loaders import LoaderState
+
+if TYPE_CHECKING:
+    from training.sharded import ShardedCheckpoints
 
 log = logging.getLogger("gts.checkpointing")
 
@@ -266,7 +282,7 @@ class Checkpointer:
 
     def __init__(self, every: int | str | None = None, *, url: str | None = None, local_dir: str | None = None,
                  keep: int | None = None, upload_deadline_s: float = 90.0, launcher: str = "auto",
-                 **state: Stateful | DataLoader[Any]):
+                 sharded: bool | None = None, **state: Stateful | DataLoader[Any]):
         self.comm = Comm(launcher)
         self.interval = Interval(every, self.comm)
         self.stop = StopFlag()
@@ -280,20 +296,55 @@ class Checkpointer:
         self.last_saved = -1
         self.stopped: str | None = None
         self.exit_code = 0  # set when the `with` block ends (close())
+        self.sharded: ShardedCheckpoints | None = None
+        self._open_sharded(sharded)
+
+    def _open_sharded(self, sharded: bool | None) -> None:
+        """The sharded path when asked for, or when the state holds DTensors (FSDP2): the one
+        model and its optimizers go through DCP, every rank its shard; the rest stays as it is."""
+        from training.sharded import ShardedCheckpoints, holds_dtensors
+
+        if sharded is None:
+            sharded = any(holds_dtensors(obj) for obj in self.state.values())
+        if not sharded:
+            return
+        models = [name for name, obj in self.state.items() if isinstance(obj, nn.Module)]
+        if len(models) != 1:
+            raise ValueError(f"sharded state: pass exactly one model (an nn.Module, fully_shard-ed) to the "
+                             f"Checkpointer; got {len(models)} ({', '.join(models) or 'none'})")
+        self.model_name = models[0]
+        model = self.state[self.model_name]
+        assert isinstance(model, nn.Module)
+        self.model: nn.Module = model
+        self.optimizers = {name: obj for name, obj in self.state.items() if isinstance(obj, torch.optim.Optimizer)}
+        self.sharded = ShardedCheckpoints(self.manager, self.comm)
+
+    def _plain_state(self) -> dict[str, Stateful]:
+        """The objects whose state rank 0 writes whole (all of them, unless sharded)."""
+        if self.sharded is None:
+            return self.state
+        return {name: obj for name, obj in self.state.items()
+                if name != self.model_name and name not in self.optimizers}
 
     def resume(self) -> int:
         """Restore the newest checkpoint every rank can load (checked file by file); returns its
         step, or 0 when there is none. Committed steps the bucket lacks are uploaded now."""
-        found = choose_checkpoint(self.manager, self.comm)
+        found = self.sharded.choose() if self.sharded is not None else choose_checkpoint(self.manager, self.comm)
         self.manager.resync()
         if found is None:
             return 0
         saved = found.state.get("state", {})
-        missing = sorted(set(self.state) - set(saved))
+        plain = self._plain_state()
+        missing = sorted(set(plain) - set(saved))
         if missing:
             raise CheckpointError(f"checkpoint step {found.step} holds no state for {', '.join(missing)} "
                                   f"(it has {', '.join(sorted(saved)) or 'none'})")
-        for name, obj in self.state.items():
+        if self.sharded is not None:  # every rank reads the pieces of its own shard, whatever the saved world size
+            self.sharded.restore(found.step, self.model, list(self.optimizers.values()))
+            if self.comm.rank == 0:
+                log.info("restored sharded step %d saved by %d ranks into %d", found.step,
+                         int(found.state.get("world_size", 0)), self.comm.world)
+        for name, obj in plain.items():
             obj.load_state_dict(saved[name])
         self.extra = dict(found.state.get("extra", {}))
         if found.rng is not None:
@@ -331,12 +382,17 @@ class Checkpointer:
         if step == self.last_saved:
             return 0.0
         payload = None
-        if self.comm.local_rank == 0:
-            payload = {"state": {name: obj.state_dict() for name, obj in self.state.items()}, "extra": extra,
+        if self.comm.local_rank == 0 or self.sharded is not None:
+            payload = {"state": {name: obj.state_dict() for name, obj in self._plain_state().items()}, "extra": extra,
                        "step": step, "world_size": self.comm.world}
         self.interval.saving(step)
         per_rank = {**rng_state(), "loaders": {name: loader.state_dict() for name, loader in self.loaders.items()}}
-        blocked = self.manager.save(step, payload, per_rank, self.comm.barrier)
+        if self.sharded is not None:
+            assert payload is not None
+            blocked = self.sharded.save(step, self.model, list(self.optimizers.values()), payload,
+                                        per_rank)
+        else:
+            blocked = self.manager.save(step, payload, per_rank, self.comm.barrier)
         self.interval.saved(blocked)
         self.last_saved = step
         self.extra = dict(extra)
@@ -350,6 +406,8 @@ class Checkpointer:
 
     def close(self) -> int:
         """Wait for the uploads (up to the deadline) and return the process's exit code (finish)."""
+        if self.sharded is not None:
+            self.sharded.close()  # this rank's shard of the last checkpoint is written
         return finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline)
 
     def __enter__(self) -> Checkpointer:

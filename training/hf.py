@@ -21,6 +21,7 @@ schedule, each process's RNG state and skips the batches already seen.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,19 @@ class SpotCheckpointCallback(TrainerCallback):
         return self.close()
 
     # -- TrainerCallback hooks -----------------------------------------------------------
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> TrainerControl:
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and self.comm.rank == 0:
+            from accelerate.state import AcceleratorState  # type: ignore[import-untyped]
+
+            kind = AcceleratorState().distributed_type
+            if kind.value != "FSDP":
+                # accelerate (1.15) makes FSDP only on GPU-type devices; on CPU it runs DDP and says nothing.
+                log.warning("FSDP was asked for (accelerate launch --use_fsdp) but accelerate runs this as %s: every "
+                            "process holds the whole model and optimizer, and the checkpoints are replicated ones. "
+                            "accelerate builds FSDP only on GPUs (and other accelerators), not on CPU", kind.value)
+        return control
+
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
         stopping, asked, due = self.comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request(),

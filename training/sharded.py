@@ -42,8 +42,9 @@ import os
 import shutil
 import time
 from concurrent.futures import Future
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,26 @@ from training.distributed import Comm
 log = logging.getLogger("gts.sharded")
 METADATA = "dcp.metadata"  # DCP's `.metadata`, renamed: a manifest lists plain, visible names only
 TRAIN_STATE = "train-state.pt"
+# One optimizer, several, or none (a model alone): what torch's get_state_dict takes.
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
+
+
+def _optimizers(optimizer: Optimizers) -> Sequence[torch.optim.Optimizer]:
+    if optimizer is None:
+        return ()
+    return (optimizer,) if isinstance(optimizer, torch.optim.Optimizer) else tuple(optimizer)
+
+
+def holds_dtensors(obj: object) -> bool:
+    """True for a model whose parameters are DTensors (FSDP2's `fully_shard`, tensor parallel)
+    or an optimizer over such parameters: state no single rank holds whole."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, nn.Module):
+        return any(isinstance(p, DTensor) for p in obj.parameters())
+    if isinstance(obj, torch.optim.Optimizer):
+        return any(isinstance(p, DTensor) for group in obj.param_groups for p in group["params"])
+    return False
 
 
 class _Writer(FileSystemWriter):
@@ -138,7 +159,7 @@ class ShardedCheckpoints:
             self.pending = None
         self.manager.wait_commit()
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
+    def save(self, step: int, model: nn.Module, optimizer: Optimizers, train_state: dict[str, Any],
              rng: dict[str, Any]) -> float:
         """Checkpoint `step`: every rank's shard, rank 0's `train_state` (plain values), each
         rank's RNG state. Returns the seconds the caller was blocked. Every rank calls it."""
@@ -154,7 +175,7 @@ class ShardedCheckpoints:
         torch.save(rng, tmp / rng_name(topo.rank))
         if topo.rank == 0:
             torch.save(train_state, tmp / TRAIN_STATE)
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
         state = {"model": model_state, "optim": optim_state}
         writer = _Writer(tmp)
         if not self.background:
@@ -201,14 +222,15 @@ class ShardedCheckpoints:
         self.wait()
         return choose_checkpoint(self.manager, self.comm, self.verify)
 
-    def restore(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def restore(self, step: int, model: nn.Module, optimizer: Optimizers) -> None:
         """Load `step`'s shards into this run's sharding (any world size). Every rank calls it,
         after `choose` agreed on the step."""
         folder = self.manager.local / step_dir(step)
-        model_state, optim_state = get_state_dict(model, optimizer)
+        optimizers = _optimizers(optimizer)
+        model_state, optim_state = get_state_dict(model, optimizers)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         dcp_load(state, storage_reader=_Reader(folder), process_group=self.group, no_dist=self.group is None)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def close(self) -> None:
         self.wait()
