@@ -106,19 +106,18 @@ def test_a_flipped_byte_in_a_nested_file_falls_back_through_the_hugging_face_res
         saved[step] = trainer_folder(out / f"checkpoint-{step}", step)
         args, state = SimpleNamespace(output_dir=str(out)), SimpleNamespace(global_step=step)
         spot.on_save(cast(Any, args), cast(Any, state), cast(Any, SimpleNamespace()))
-    assert spot.close() == 0
+    assert spot.manager.wait_uploads(60)
     assert not (out / "checkpoint-10").exists()  # the callback keeps the committed copy only
 
-    # A damaged local copy of a nested file: fetched again, step 10 used.
+    # A damaged local copy of a nested file: fetched again from the bucket, step 10 used.
     local = Path(spot.manager.local) / "step-00000010" / "pytorch_model_fsdp_0" / "__0_0.distcp"
-    local.write_bytes(b"\0" + local.read_bytes()[1:])
-    again = SpotCheckpointCallback(5, url=url, local_dir=str(tmp_path / "node"))
-    resumed = again.resume()
-    again.close()
-    assert resumed is not None and again.resumed_step == 10
+    local.write_bytes(bytes([local.read_bytes()[0] ^ 0xFF]) + local.read_bytes()[1:])
+    resumed = spot.resume()
+    assert spot.close() == 0
+    assert resumed is not None and spot.resumed_step == 10
     assert all(torch.equal(dcp_weights(Path(resumed))[k], saved[10][k]) for k in saved[10])
 
-    # A flipped byte in the bucket's copy and no local disk: step 10 is unusable, step 5 is used.
+    # A flipped byte in the bucket's copy and the node's disk gone: step 10 is unusable, step 5 is used.
     shutil.rmtree(tmp_path / "node")
     remote = tmp_path / "bucket" / "step-00000010" / "pytorch_model_fsdp_0" / "__0_0.distcp"
     data = bytearray(remote.read_bytes())
