@@ -20,7 +20,8 @@ from typing import Any, cast
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from training import storage
 from training.checkpoint import CheckpointError, CheckpointManager, Topology, plain_path, tree_files
@@ -49,8 +50,8 @@ def trainer_folder(folder: Path, step: int) -> dict[str, torch.Tensor]:
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     model(torch.randn(4, 8)).sum().backward()
     optim.step()
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder / "pytorch_model_fsdp_0"))
-    dcp.save({"optimizer": optim.state_dict()}, checkpoint_id=str(folder / "optimizer_0"))
+    dcp_save({"model": model.state_dict()}, checkpoint_id=str(folder / "pytorch_model_fsdp_0"))
+    dcp_save({"optimizer": optim.state_dict()}, checkpoint_id=str(folder / "optimizer_0"))
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     torch.save({"cpu_rng_state": torch.get_rng_state()}, folder / "rng_state_0.pth")
     return {k: v.clone() for k, v in model.state_dict().items()}
@@ -62,7 +63,7 @@ def digests(folder: Path) -> dict[str, str]:
 
 def dcp_weights(folder: Path) -> dict[str, torch.Tensor]:
     target = {"model": _model(999).state_dict()}
-    dcp.load(target, checkpoint_id=str(folder / "pytorch_model_fsdp_0"))
+    dcp_load(target, checkpoint_id=str(folder / "pytorch_model_fsdp_0"))
     return cast(dict[str, torch.Tensor], target["model"])
 
 
