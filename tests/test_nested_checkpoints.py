@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from tests.training_helpers import MotoServer, storage_env
 from training import storage
 from training.checkpoint import CheckpointError, CheckpointManager, Topology, plain_path, tree_files
 
@@ -129,6 +130,36 @@ def test_a_flipped_byte_in_a_nested_file_falls_back_through_the_hugging_face_res
     fresh.close()
     assert resumed is not None and fresh.resumed_step == 5
     assert all(torch.equal(dcp_weights(Path(resumed))[k], saved[5][k]) for k in saved[5])
+
+
+def test_subfolders_through_s3_keys_and_keep_k(moto: MotoServer, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a real S3 endpoint (moto): each nested file under its relative key, the tree
+    fetched back into its subfolders, and keep-K removing whole steps, subfolders included."""
+    for key, value in storage_env(moto.url).items():
+        monkeypatch.setenv(key, value)
+    url = f"s3://{moto.bucket}/nested"
+    writer = CheckpointManager(str(tmp_path / "node"), url, TOPO, keep=1, background=False)
+    for step in (5, 10):
+        src = tmp_path / f"checkpoint-{step}"
+        (src / "pytorch_model_fsdp_0").mkdir(parents=True)
+        (src / "pytorch_model_fsdp_0" / ".metadata").write_bytes(b"meta %d" % step)
+        (src / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(os.urandom(4096))
+        (src / "trainer_state.json").write_text("{}")
+        writer.save_folder(step, src, lambda: None)
+        assert writer.wait_uploads(60)
+    writer.close(timeout=60)
+    keys = moto.keys("nested/")
+    assert "nested/step-00000010/pytorch_model_fsdp_0/.metadata" in keys, keys
+    assert not [k for k in keys if "step-00000005" in k], keys  # keep-K pruned the whole step
+    assert [p.name for p in (tmp_path / "node").rglob("step-*")] == ["step-00000010"]
+    shutil.rmtree(tmp_path / "node")
+    reader = CheckpointManager(str(tmp_path / "node"), url, TOPO)
+    folder = reader.load_folder(10)
+    reader.close(timeout=5)
+    assert (folder / "pytorch_model_fsdp_0" / ".metadata").read_bytes() == b"meta 10"
+    assert (folder / "pytorch_model_fsdp_0" / "__0_0.distcp").read_bytes() == \
+        (tmp_path / "checkpoint-10" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_bytes()
 
 
 # ------------------------------------------------------------------ hostile nested names
