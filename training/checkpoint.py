@@ -60,7 +60,61 @@ MODEL_FILE = "model.pt"
 # A file name a manifest may list: a plain name inside the step's folder (no path, no '..', no
 # leading dot). Every name is checked before it is joined to a local path or a bucket key.
 FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+# Inside a subfolder a leaf may also be a dot file (DCP's `.metadata`), never `.` or `..`.
+DOT_LEAF = re.compile(r"^\.[A-Za-z0-9_][A-Za-z0-9._-]{0,198}$")
+MAX_DEPTH = 8  # components of one listed path (a Trainer's FSDP folder has 2)
 MAX_NODES = 4096
+
+
+def plain_path(name: object) -> bool:
+    """True for a name a manifest may list: a relative POSIX path (`pytorch_model_fsdp_0/__0_0.distcp`)
+    whose every component is a plain name (no '', '.', '..', leading '/', backslash or NUL; folders
+    never dot names), whose leaf may be a dot file only inside a subfolder, and which is never a
+    manifest. Checked before a name is joined to a local path or a bucket key; symbolic links on
+    disk are refused separately (`inside`)."""
+    if not isinstance(name, str) or "\\" in name or "\x00" in name:
+        return False
+    parts = name.split("/")
+    if not 1 <= len(parts) <= MAX_DEPTH or not all(FILE_NAME.fullmatch(p) for p in parts[:-1]):
+        return False
+    leaf = parts[-1]
+    if leaf.startswith("manifest-node"):
+        return False
+    return bool(FILE_NAME.fullmatch(leaf) or (len(parts) > 1 and DOT_LEAF.fullmatch(leaf)))
+
+
+def inside(folder: Path, name: str) -> Path:
+    """`folder/name` for a listed name, after checking that the name is a plain path and that no
+    component of it on disk (nor the folder) is a symbolic link and it resolves inside `folder`;
+    else CheckpointError."""
+    if not plain_path(name):
+        raise CheckpointError(f"{name!r} is not a plain file name inside the step's folder")
+    path = folder
+    for part in [None, *name.split("/")]:
+        path = path if part is None else path / part
+        if path.is_symlink():
+            raise CheckpointError(f"{folder.name}/{name} is a symbolic link: a checkpoint holds files only")
+    if folder.exists() and not path.resolve().is_relative_to(folder.resolve()):
+        raise CheckpointError(f"{folder.name}/{name} resolves outside the step's folder")
+    return path
+
+
+def tree_files(folder: Path) -> list[str]:
+    """The files under `folder` as relative POSIX paths, sorted; CheckpointError when one is a
+    symbolic link (file or folder) or neither a file nor a folder. Never follows a link."""
+    found = []
+    for here, dirs, names in os.walk(folder, followlinks=False):
+        base = Path(here)
+        for entry in sorted(dirs) + sorted(names):
+            path = base / entry
+            rel = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                raise CheckpointError(f"{folder}/{rel} is a symbolic link: a checkpoint holds files only")
+            if path.is_file():
+                found.append(rel)
+            elif not path.is_dir():
+                raise CheckpointError(f"{folder}/{rel} is not a file or a folder")
+    return sorted(found)
 
 
 def step_dir(step: int) -> str:
@@ -97,7 +151,7 @@ def check_manifest(manifest: Any, step: int, where: str) -> dict[str, Any]:
     if not isinstance(nnodes, int) or not 1 <= nnodes <= MAX_NODES:
         raise CheckpointError(f"{where}: nnodes {nnodes!r} is not a node count")
     for name, meta in manifest["files"].items():
-        if not isinstance(name, str) or not FILE_NAME.match(name) or name.startswith("manifest-node"):
+        if not plain_path(name):
             raise CheckpointError(f"{where} lists {name!r}: not a plain file name inside the step's folder; "
                                   "the step is not used")
         if not isinstance(meta, dict) or not isinstance(meta.get("size"), int) or not isinstance(meta.get("sha256"), str):
@@ -316,17 +370,23 @@ class CheckpointManager:
 
     def save_folder(self, step: int, source: Path, barrier: Callable[[], None]) -> float:
         """Commit a checkpoint another library wrote as a folder of files (a Hugging Face
-        Trainer's `checkpoint-N/`): each node's local rank 0 takes the files its node wrote,
-        hard-linked where the file system allows, under the same manifest, upload and keep-K as
-        our own. Every rank must call it. Returns the seconds the caller was blocked."""
+        Trainer's `checkpoint-N/`, with FSDP's SHARDED_STATE_DICT its `pytorch_model_fsdp_0/`
+        and `optimizer_0/` DCP subfolders too): each node's local rank 0 takes the tree its node
+        wrote, hard-linked where the file system allows, under the same manifest (one entry per
+        file, by relative path), upload and keep-K as our own. A symbolic link anywhere in it, or
+        a name a manifest may not list, is refused before anything is copied (every rank raises).
+        Every rank must call it. Returns the seconds the caller was blocked."""
         start = time.perf_counter()
         tmp = self.local / f"{step_dir(step)}.tmp"
         final = self.local / step_dir(step)
         self.wait_commit()
-        nested = sorted(p.name for p in source.iterdir() if p.is_dir()) if source.is_dir() else []
-        if nested:  # a manifest lists the files of one folder: these would be left out unseen (every rank raises)
-            raise CheckpointError(f"{source} holds folders ({', '.join(nested)}): only flat checkpoint folders "
-                                  "can be committed")
+        if source.is_dir():
+            names = [n for n in tree_files(source) if not re.fullmatch(r"manifest-node\d+\.json", n)]  # stale: dropped
+            bad = [n for n in names if not plain_path(n)]
+            if bad:
+                raise CheckpointError(f"{source} holds {bad[0]!r}: not a plain file name a checkpoint may list "
+                                      "(letters, digits, '._-'; dot files only inside a subfolder; no manifest-node* "
+                                      "below the top); rename or remove it")
         barrier()
         if self.topo.local_rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -355,9 +415,12 @@ class CheckpointManager:
         """The manifest (sizes and sha256 of the step's files; `known` ones hashed while written)
         written last and fsync'd, then the folder renamed: the commit."""
         known = known or {}
-        files = sorted(p for p in tmp.iterdir() if p.is_file() and not p.name.endswith(".part"))
-        entries = {p.name: {"size": known[p.name][0], "sha256": known[p.name][1]} if p.name in known
-                   else {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in files}
+        files = [n for n in tree_files(tmp) if not n.endswith(".part")]
+        bad = [n for n in files if not plain_path(n)]
+        if bad:
+            raise CheckpointError(f"{tmp.name}/{bad[0]} is not a plain file name a manifest may list")
+        entries = {n: {"size": known[n][0], "sha256": known[n][1]} if n in known
+                   else {"size": (tmp / n).stat().st_size, "sha256": sha256_of(tmp / n)} for n in files}
         manifest = {"step": step, "node": self.topo.node, "nnodes": self.topo.nnodes,
                     "world_size": self.topo.world_size, "ranks": list(self.topo.node_ranks),
                     "files": entries, "created": time.time()}
@@ -366,6 +429,8 @@ class CheckpointManager:
             json.dump(manifest, fh, indent=1)
             fh.flush()
             os.fsync(fh.fileno())
+        for sub in sorted({(tmp / n).parent for n in files} - {tmp}):
+            _fsync_dir(sub)
         _fsync_dir(tmp)
         os.replace(tmp, final)
         _fsync_dir(self.local)
@@ -500,11 +565,7 @@ class CheckpointManager:
     @staticmethod
     def _verify(folder: Path, files: dict[str, dict[str, Any]]) -> None:
         for name, meta in files.items():
-            if not FILE_NAME.match(name):
-                raise CheckpointError(f"{name!r} is not a plain file name inside the step's folder")
-            path = folder / name
-            if path.is_symlink() or folder.is_symlink():
-                raise CheckpointError(f"{folder.name}/{name} is a symbolic link: a checkpoint holds files only")
+            path = inside(folder, name)  # a plain relative path, no symbolic link on the way
             try:
                 size = path.stat().st_size
             except OSError:
@@ -551,7 +612,7 @@ class CheckpointManager:
         """Fetch the files that are missing or bad here; one rank of the node at a time (a lock
         file), each file replaced atomically, so ranks reading it meanwhile keep a whole file."""
         assert self.remote is not None
-        bad = [name for name in files if not FILE_NAME.match(name)]
+        bad = [name for name in files if not plain_path(name)]
         if bad or folder.is_symlink():
             raise CheckpointError(f"{bad[0]!r} is not a plain file name inside the step's folder" if bad else
                                   f"{folder} is a symbolic link: not written through")
@@ -559,13 +620,18 @@ class CheckpointManager:
         with (folder.parent / f".{step_dir(step)}.fetch").open("a") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
             for name, meta in files.items():
-                target = folder / name
+                target = inside(folder, name)  # a symbolic link on disk (say a linked subfolder) is refused
                 try:
                     self._verify(folder, {name: meta})
                     continue  # another rank fetched it already
                 except CheckpointError:
                     pass
-                part = folder / f"{name}.{self.topo.rank}.download"
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)  # a subfolder of the step (FSDP's DCP folders)
+                except OSError as exc:
+                    raise CheckpointError(f"{folder.name}/{name}: its folder cannot be made: {exc}") from None
+                target = inside(folder, name)  # and still none after creating the subfolders
+                part = target.with_name(f"{target.name}.{self.topo.rank}.download")
                 try:
                     self.remote.fs.get(self.remote.join(step_dir(step), name), str(part))
                 except Exception as exc:  # noqa: BLE001
@@ -638,8 +704,9 @@ class CheckpointManager:
             if self.topo.rank != 0:
                 names = [n for n in names if n != MODEL_FILE]  # global rank 0 uploads the shared file
             for name in names:
-                if (folder / name).exists():
-                    self.remote.fs.put(str(folder / name), self.remote.join(step_dir(step), name))
+                local = inside(folder, name)  # each file under its relative key (subfolders as key prefixes)
+                if local.exists():
+                    self.remote.fs.put(str(local), self.remote.join(step_dir(step), name))
             self.remote.fs.put(str(path), self.remote.join(step_dir(step), path.name))
 
     def resync(self) -> None:
