@@ -1,8 +1,11 @@
 """Where the nodes of a multi-node VM run meet: a rendezvous store (training/rdzv_store.py, in
 the trainer image) on a small on-demand instance, one per multi-node VM group, at a fixed
-private address in a range of the network's first subnet that the stack reserves for its stores
-(STORE_RANGE: the cloud never hands it to nodes, pods or mount targets). It runs apart from the
-GPU nodes, so a spot reclaim of any of them leaves the run alive (torchrun `--nnodes MIN:MAX`,
+private address nothing else can take: on AWS in a range of the network's first subnet that
+the stack reserves for its stores (STORE_RANGE, an explicit subnet CIDR reservation: EC2 hands it
+to no node, pod or mount target); on Alibaba and Tencent, whose reservations cannot hold an
+instance's primary address, in a vSwitch / subnet of the stores' own (`own_subnet`) that no
+fleet, pool, pod vSwitch, mount target or NAT gateway names. It runs apart from the GPU nodes,
+so a spot reclaim of any of them leaves the run alive (torchrun `--nnodes MIN:MAX`,
 is_host=false), and its address never changes across replacements, so nodes find it from their
 user data.
 

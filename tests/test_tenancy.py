@@ -299,16 +299,16 @@ def test_alibaba_and_tencent_stores_sit_in_a_vswitch_or_subnet_nothing_else_take
         assert store.name in named_by
         # Apart: inside its VPC, clear of every other vSwitch / subnet there (nodes, Terway's pods)
         # and of the clusters' pod and service ranges.
-        block = ipaddress.ip_network(own["cidrBlock"])
+        block = ipaddress.IPv4Network(own["cidrBlock"])
         (vpc,) = [unwrap_secrets(r.inputs) for r in resources if r.type == VPCS[cloud] and f"{r.name}-id" == own["vpcId"]]
-        assert block.subnet_of(ipaddress.ip_network(vpc["cidrBlock"])), (block, vpc["cidrBlock"])
+        assert block.subnet_of(ipaddress.IPv4Network(vpc["cidrBlock"])), (block, vpc["cidrBlock"])
         others = [(r.name, ipaddress.ip_network(unwrap_secrets(r.inputs)["cidrBlock"])) for r in resources
                   if r.type == kind and r.name != own["_name"] and unwrap_secrets(r.inputs).get("vpcId") == own["vpcId"]]
         assert others, "a network with a store has subnets of its own"
         assert not [name for name, c in others if c.overlaps(block)], (block, others)
         assert not block.overlaps(POD_CIDR) and not block.overlaps(SERVICE_CIDR)
         # The store's address inside it, clear of the addresses the cloud keeps (first, last three).
-        at = ipaddress.ip_address(inputs["privateIp"])
+        at = ipaddress.IPv4Address(inputs["privateIp"])
         assert block.network_address + 1 <= at <= block.broadcast_address - 3, (at, block)
         # In the zone of the network's first subnet (the zone the store instance names).
         first = min(others, key=lambda nc: nc[1])[0]
