@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from ipaddress import IPv4Network
 
 from infra import catalog as cat
+from infra import rendezvous
 from policies.gts_policy.addresses import opens_internet
 from infra.buckets import bucket
 from infra.errors import Problem
@@ -29,7 +30,27 @@ NOT_INTERNET = tuple(IPv4Network(c) for c in ("10.0.0.0/8", "172.16.0.0/12", "19
 def check(spec: StackSpec) -> list[Problem]:
     return [*_cidr_sizes(spec), *_tags(spec), *_buckets(spec), *_api_access(spec), *_cluster_ranges(spec),
             *_features(spec), *_joined_names(spec), *_subnet_zones(spec), *_ack_pool_marks(spec), *_egress(spec),
-            *_images(spec), *_multi_node(spec)]
+            *_images(spec), *_multi_node(spec), *_store_subnets(spec)]
+
+
+def _store_subnets(spec: StackSpec) -> Iterator[Problem]:
+    """Alibaba and Tencent stores sit in a vSwitch / subnet of their own, a free /28 of the VPC
+    (infra/rendezvous.py own_subnet), at most OWN_SUBNET_STORES of them."""
+    for i, net in enumerate(spec.networks):
+        count = rendezvous.stores_in(spec, net)
+        if net.cloud not in rendezvous.OWN_SUBNET_CLOUDS or not count:
+            continue
+        what = "subnets and the ACK pod vSwitches" if net.cloud == "alicloud" else "subnets"
+        if rendezvous.own_subnet(spec, net) is None:
+            yield Problem(f"networks[{i}].cidr", f"{net.name}: no /{rendezvous.OWN_SUBNET_PREFIX} of {net.cidr} is "
+                                                 f"left outside its {what} for the rendezvous stores' own "
+                                                 f"{'vSwitch' if net.cloud == 'alicloud' else 'subnet'} (their "
+                                                 f"{count} multi-node VM group(s) need one); shrink a subnet or "
+                                                 f"widen networks[{i}].cidr")
+        if count > rendezvous.OWN_SUBNET_STORES:
+            yield Problem(f"networks[{i}]", f"{net.name} holds {count} multi-node VM groups; its stores' own "
+                                            f"/{rendezvous.OWN_SUBNET_PREFIX} takes at most "
+                                            f"{rendezvous.OWN_SUBNET_STORES}: move some to another network")
 
 
 def _multi_node(spec: StackSpec) -> Iterator[Problem]:

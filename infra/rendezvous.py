@@ -1,8 +1,11 @@
 """Where the nodes of a multi-node VM run meet: a rendezvous store (training/rdzv_store.py, in
 the trainer image) on a small on-demand instance, one per multi-node VM group, at a fixed
-private address in a range of the network's first subnet that the stack reserves for its stores
-(STORE_RANGE: the cloud never hands it to nodes, pods or mount targets). It runs apart from the
-GPU nodes, so a spot reclaim of any of them leaves the run alive (torchrun `--nnodes MIN:MAX`,
+private address nothing else can take: on AWS in a range of the network's first subnet that
+the stack reserves for its stores (STORE_RANGE, an explicit subnet CIDR reservation: EC2 hands it
+to no node, pod or mount target); on Alibaba and Tencent, whose reservations cannot hold an
+instance's primary address, in a vSwitch / subnet of the stores' own (`own_subnet`) that no
+fleet, pool, pod vSwitch, mount target or NAT gateway names. It runs apart from the GPU nodes,
+so a spot reclaim of any of them leaves the run alive (torchrun `--nnodes MIN:MAX`,
 is_host=false), and its address never changes across replacements, so nodes find it from their
 user data.
 
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from infra import catalog as cat
-from infra.spec import NodeGroup, StackSpec
+from infra.spec import Network, NodeGroup, StackSpec
 
 if TYPE_CHECKING:
     from infra.groups import ResolvedGroup
@@ -34,6 +37,13 @@ DISK_GB = 80  # the trainer image (it carries the store's torch) with room for o
 STORE_RANGE_OFFSET = 16
 STORE_RANGE_PREFIX = 28
 MAX_STORES = 2 ** (32 - STORE_RANGE_PREFIX)
+# Alibaba and Tencent: the stores' own vSwitch / subnet, the lowest free /28 of the VPC in the
+# first subnet's zone. Alibaba keeps a vSwitch's first address and last three (VPC CreateVSwitch);
+# the stores take offsets 4..11, clear of the first four and last four of either cloud.
+OWN_SUBNET_CLOUDS = ("alicloud", "tencentcloud")
+OWN_SUBNET_PREFIX = 28
+OWN_SUBNET_FIRST = 4
+OWN_SUBNET_STORES = 8
 KEY_LENGTH = 48  # characters of a group's rendezvous key (training/rdzv_launch.py MIN_KEY_CHARS)
 
 
@@ -46,6 +56,7 @@ class Site:
     address: str
     zone: str
     groups: tuple[str, ...]
+    subnet: str = ""  # the stores' own vSwitch / subnet (Alibaba, Tencent); "" on AWS (first subnet)
 
     @property
     def endpoint(self) -> str:
@@ -87,6 +98,51 @@ def address(subnet_cidr: str, slot: int = 0) -> str:
     return str(ipaddress.ip_network(store_range(subnet_cidr)).network_address + slot)
 
 
+def taken_ranges(spec: StackSpec, net: Network) -> list[ipaddress.IPv4Network]:
+    """What the stack places in a network's VPC besides the stores: its subnets and, with an ACK
+    cluster there, Terway's pod vSwitches. (The clusters' pod and service ranges lie outside
+    every VPC: infra/cloud_rules.py refuses a network that overlaps them.)"""
+    taken = [s.cidr for s in net.subnets]
+    if net.cloud == "alicloud" and any(g.network == net.name and g.kind == "kubernetes" for g in spec.node_groups):
+        from infra.clouds.alicloud.network import pod_switch_cidr  # the one place that lays them out
+
+        for i in range(len(net.subnets)):
+            try:
+                taken.append(ipaddress.IPv4Network(pod_switch_cidr(net, i)))
+            except IndexError:  # no room for this zone's pod vSwitch, so none to stay clear of
+                break
+    return taken
+
+
+def own_subnet(spec: StackSpec, net: Network) -> str | None:
+    """The stores' own vSwitch / subnet of an Alibaba or Tencent network: the lowest /28 of the
+    VPC clear of everything else the stack places there (None: there is none)."""
+    taken = taken_ranges(spec, net)
+    for block in net.cidr.subnets(new_prefix=max(OWN_SUBNET_PREFIX, net.cidr.prefixlen)):
+        if not any(block.overlaps(t) for t in taken):
+            return str(block)
+    return None
+
+
+def stores_in(spec: StackSpec, net: Network) -> int:
+    """How many stores a network would hold (its multi-node VM groups; none with a named store)."""
+    if spec.training.rendezvous_endpoint:
+        return 0
+    return sum(1 for g in spec.node_groups if g.network == net.name and multi_node_spec(g))
+
+
+def _place(spec: StackSpec, group: NodeGroup) -> tuple[str, str]:
+    """A group's store address, and the stores' own subnet where the cloud needs one."""
+    net = spec.network(group.network)
+    if net.cloud not in OWN_SUBNET_CLOUDS:
+        return address(str(net.subnets[0].cidr), slot(spec, group)), ""
+    own = own_subnet(spec, net)
+    at = slot(spec, group)
+    if own is None or at >= OWN_SUBNET_STORES:  # infra/cloud_rules.py refuses such a spec first
+        raise ValueError(f"network {net.name} has no room for the store of {group.name}")
+    return str(ipaddress.ip_network(own).network_address + OWN_SUBNET_FIRST + at), own
+
+
 def sites(spec: StackSpec, groups: Iterable[ResolvedGroup]) -> list[Site]:
     """The stores the stack creates, one per multi-node VM group: none when the spec names its
     own. A group's slot is its place among its network's multi-node VM groups in spec order."""
@@ -97,7 +153,8 @@ def sites(spec: StackSpec, groups: Iterable[ResolvedGroup]) -> list[Site]:
     for g in spec.node_groups:
         if g.name in chosen:
             first = spec.network(g.network).subnets[0]
-            out.append(Site(g.cloud, g.network, address(str(first.cidr), slot(spec, g)), first.zone, (g.name,)))
+            at, own = _place(spec, g)
+            out.append(Site(g.cloud, g.network, at, first.zone, (g.name,), own))
     return out
 
 
@@ -107,8 +164,7 @@ def endpoint_for(spec: StackSpec, rg: ResolvedGroup) -> str:
         return ""
     if spec.training.rendezvous_endpoint:
         return spec.training.rendezvous_endpoint
-    net = spec.network(rg.network)
-    return f"{address(str(net.subnets[0].cidr), slot(spec, rg.group))}:{PORT}"
+    return f"{_place(spec, rg.group)[0]}:{PORT}"
 
 
 def instance(cloud: str) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Alibaba Cloud network: VPC, vSwitches per zone, enhanced NAT gateway with EIP and SNAT, and
-the training security group."""
+"""Alibaba Cloud network: VPC, vSwitches per zone, the rendezvous stores' own vSwitch, enhanced
+NAT gateway with EIP and SNAT, and the training security group."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class AlicloudNetworkArgs:
     tags: dict[str, str]
     peer_cidrs: list[str] = field(default_factory=list)
     pod_switches: bool = False  # an ACK cluster lives here: Terway's pod vSwitches, one per zone
+    store_cidr: str = ""  # the rendezvous stores' own vSwitch (infra/rendezvous.py own_subnet); "" for none
 
 
 def pod_switch_cidr(net: Network, index: int) -> str:
@@ -33,6 +34,7 @@ class AlicloudNetwork(pulumi.ComponentResource):
     vpc: alicloud.vpc.Network
     switches: list[alicloud.vpc.Switch]
     pod_switches: list[alicloud.vpc.Switch]  # Terway's (empty without an ACK cluster)
+    store_switch: alicloud.vpc.Switch | None  # the rendezvous stores' alone (None without stores)
     security_group: alicloud.ecs.SecurityGroup
 
     def __init__(self, name: str, args: AlicloudNetworkArgs, opts: pulumi.ResourceOptions | None = None):
@@ -49,6 +51,13 @@ class AlicloudNetwork(pulumi.ComponentResource):
             alicloud.vpc.Switch(f"{name}-{sub.zone}-pods", vswitch_name=f"{name}-{sub.zone}-pods", vpc_id=self.vpc.id,
                                 zone_id=sub.zone, cidr_block=pod_switch_cidr(net, i), tags=tags, opts=child)
             for i, sub in enumerate(net.subnets)] if args.pod_switches else []
+        # The stores' fixed addresses live in a vSwitch nothing else names (no fleet, pool, pod
+        # vSwitch, mount target or NAT): a vSwitch CIDR reservation holds ENI prefixes only, not
+        # an instance's primary address, so a node could otherwise take a store's address while
+        # the store is being replaced.
+        self.store_switch = alicloud.vpc.Switch(
+            f"{name}-stores", vswitch_name=f"{name}-stores", vpc_id=self.vpc.id, zone_id=net.subnets[0].zone,
+            cidr_block=args.store_cidr, tags=tags, opts=child) if args.store_cidr else None
         if net.nat:
             self._nat(name, net, tags, child)
 
@@ -101,8 +110,11 @@ class AlicloudNetwork(pulumi.ComponentResource):
         bind = alicloud.ecs.EipAssociation(f"{name}-nat-eip-bind", allocation_id=eip.id, instance_id=nat.id,
                                            instance_type="Nat", opts=child)
         pod_subnets = [sub.model_copy(update={"zone": f"{sub.zone}-pods"}) for sub in net.subnets]
-        for sub, switch in zip([*net.subnets, *pod_subnets[:len(self.pod_switches)]],
-                               [*self.switches, *self.pod_switches]):
-            alicloud.vpc.SnatEntry(f"{name}-snat-{sub.zone}", snat_table_id=nat.snat_table_ids,
+        snat = [(sub.zone, switch) for sub, switch in zip([*net.subnets, *pod_subnets[:len(self.pod_switches)]],
+                                                           [*self.switches, *self.pod_switches])]
+        if self.store_switch is not None:  # the stores pull the trainer image
+            snat.append(("stores", self.store_switch))
+        for suffix, switch in snat:
+            alicloud.vpc.SnatEntry(f"{name}-snat-{suffix}", snat_table_id=nat.snat_table_ids,
                                    source_vswitch_id=switch.id, snat_ip=eip.ip_address,
                                    opts=pulumi.ResourceOptions(parent=self, depends_on=[bind]))

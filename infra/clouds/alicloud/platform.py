@@ -36,8 +36,10 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
                                  opts=pulumi.ResourceOptions(parent=self))
 
     def make_network(self, net: Network) -> AlicloudNetwork:
+        stores = next((s.subnet for s in self.rendezvous_sites() if s.network == net.name), "")
         return AlicloudNetwork(net.name, AlicloudNetworkArgs(net, self.tags, self.peer_cidrs()[net.name],
-                                                             pod_switches=net.name in self.kubernetes_groups()),
+                                                             pod_switches=net.name in self.kubernetes_groups(),
+                                                             store_cidr=stores),
                                opts=self.provider_opts(self.region_of(net)))
 
     def vpc_id(self, net: AlicloudNetwork) -> pulumi.Output[str]:
@@ -82,8 +84,10 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
 
     def make_rendezvous(self, site: Site, net: AlicloudNetwork, access: AlicloudAccess,
                         image: pulumi.Output[str]) -> pulumi.Resource:
+        stores = net.store_switch
+        assert stores is not None, "make_network gives a network with stores their own vSwitch"
         store = AlicloudRendezvous(f"{self.spec.env}-{site.name}", AlicloudRendezvousArgs(
-            site=site, instance_type=self.store_instance_type(), vpc_id=net.vpc.id, vswitch_id=net.switches[0].id,
+            site=site, instance_type=self.store_instance_type(), vpc_id=net.vpc.id, vswitch_id=stores.id,
             role_name=access.roles[site.name].role_name,
             user_data=self.store_user_data(site, image), provider=self.provider(self.region_of(site.network)),
             tags=self.tags), opts=pulumi.ResourceOptions(parent=self))

@@ -1,5 +1,5 @@
-"""Tencent Cloud network: VPC, a private route table, subnets per zone, NAT gateway with EIP
-and a default route for egress, and the training security group."""
+"""Tencent Cloud network: VPC, a private route table, subnets per zone, the rendezvous stores'
+own subnet, NAT gateway with EIP and a default route for egress, and the training security group."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ class TencentNetworkArgs:
     tags: dict[str, str]
     peer_cidrs: list[str] = field(default_factory=list)
     pod_cidrs: list[str] = field(default_factory=list)  # TKE clusters' pod ranges in this VPC
+    store_cidr: str = ""  # the rendezvous stores' own subnet (infra/rendezvous.py own_subnet); "" for none
 
 
 class TencentNetwork(pulumi.ComponentResource):
     vpc: tencentcloud.vpc.Instance
     route_table: tencentcloud.route.Table
     subnets: list[tencentcloud.subnet.Instance]
+    store_subnet: tencentcloud.subnet.Instance | None  # the rendezvous stores' alone (None without stores)
     security_group: tencentcloud.security.Group
 
     def __init__(self, name: str, args: TencentNetworkArgs, opts: pulumi.ResourceOptions | None = None):
@@ -40,16 +42,15 @@ class TencentNetwork(pulumi.ComponentResource):
                                          availability_zone=sub.zone, cidr_block=str(sub.cidr),
                                          route_table_id=self.route_table.id, tags=tags, opts=child)
             for sub in net.subnets]
+        # The stores' fixed addresses live in a subnet nothing else names (no fleet, pool or mount
+        # target), so no node can take a store's address while the store is being replaced. On
+        # the private route table like the others: the store pulls its image through NAT.
+        self.store_subnet = tencentcloud.subnet.Instance(
+            f"{name}-stores", name=f"{name}-stores", vpc_id=self.vpc.id, availability_zone=net.subnets[0].zone,
+            cidr_block=args.store_cidr, route_table_id=self.route_table.id, tags=tags,
+            opts=child) if args.store_cidr else None
         if net.nat:
-            eip = tencentcloud.eip.Instance(f"{name}-nat-eip", name=f"{name}-nat",
-                                            internet_charge_type="TRAFFIC_POSTPAID_BY_HOUR",
-                                            internet_max_bandwidth_out=200, tags=tags, opts=child)
-            nat = tencentcloud.nat.Gateway(f"{name}-nat", name=f"{name}-nat", vpc_id=self.vpc.id, bandwidth=200,
-                                           max_concurrent=1000000, assigned_eip_sets=[eip.public_ip], tags=tags,
-                                           opts=child)
-            tencentcloud.route.TableEntry(f"{name}-default", route_table_id=self.route_table.id,
-                                          destination_cidr_block="0.0.0.0/0", next_type="NAT", next_hub=nat.id,
-                                          description="egress through NAT", opts=child)
+            self._nat(name, tags, child)
 
         self.security_group = tencentcloud.security.Group(
             f"{name}-training-sg", name=f"{name}-training",
@@ -86,3 +87,15 @@ class TencentNetwork(pulumi.ComponentResource):
                                                                    protocol="ALL", description="egress")],
             opts=pulumi.ResourceOptions(parent=self.security_group))
         self.register_outputs({"vpcId": self.vpc.id, "securityGroupId": self.security_group.id})
+
+    def _nat(self, name: str, tags: dict[str, str], child: pulumi.ResourceOptions) -> None:
+        """A NAT gateway with its EIP and the private route table's default route through it."""
+        eip = tencentcloud.eip.Instance(f"{name}-nat-eip", name=f"{name}-nat",
+                                        internet_charge_type="TRAFFIC_POSTPAID_BY_HOUR",
+                                        internet_max_bandwidth_out=200, tags=tags, opts=child)
+        nat = tencentcloud.nat.Gateway(f"{name}-nat", name=f"{name}-nat", vpc_id=self.vpc.id, bandwidth=200,
+                                       max_concurrent=1000000, assigned_eip_sets=[eip.public_ip], tags=tags,
+                                       opts=child)
+        tencentcloud.route.TableEntry(f"{name}-default", route_table_id=self.route_table.id,
+                                      destination_cidr_block="0.0.0.0/0", next_type="NAT", next_hub=nat.id,
+                                      description="egress through NAT", opts=child)

@@ -42,8 +42,10 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
                                      opts=pulumi.ResourceOptions(parent=self))
 
     def make_network(self, net: Network) -> TencentNetwork:
+        stores = next((s.subnet for s in self.rendezvous_sites() if s.network == net.name), "")
         pods = [str(POD_CIDR)] if net.name in self.kubernetes_groups() else []
-        return TencentNetwork(net.name, TencentNetworkArgs(net, self.tags, self.peer_cidrs()[net.name], pods),
+        return TencentNetwork(net.name, TencentNetworkArgs(net, self.tags, self.peer_cidrs()[net.name], pods,
+                                                           store_cidr=stores),
                               opts=self.provider_opts(self.region_of(net)))
 
     def vpc_id(self, net: TencentNetwork) -> pulumi.Output[str]:
@@ -98,8 +100,10 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
 
     def make_rendezvous(self, site: Site, net: TencentNetwork, access: TencentAccess,
                         image: pulumi.Output[str]) -> pulumi.Resource:
+        stores = net.store_subnet
+        assert stores is not None, "make_network gives a network with stores their own subnet"
         store = TencentRendezvous(f"{self.spec.env}-{site.name}", TencentRendezvousArgs(
-            site=site, instance_type=self.store_instance_type(), vpc_id=net.vpc.id, subnet_id=net.subnets[0].id,
+            site=site, instance_type=self.store_instance_type(), vpc_id=net.vpc.id, subnet_id=stores.id,
             role_name=access.roles[site.name].name,
             user_data=self.store_user_data(site, image), provider=self.provider(self.region_of(site.network)),
             tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
