@@ -10,9 +10,11 @@ import datetime
 import http.server
 import json
 import os
+import shutil
 import socketserver
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,7 +169,10 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 def read_with_docker(path: Path, tmp: Path) -> dict[str, str]:
     """The real docker CLI's --env-file reading (what gts-trainer.service runs), sent to a
     stand-in daemon on a unix socket that records the container's Env."""
-    sock = tmp / "docker.sock"
+    # A unix socket path holds at most 107 bytes: pytest's temporary folders (per xdist worker)
+    # can be longer, so the socket lives in a short folder of its own.
+    short = Path(tempfile.mkdtemp(prefix="gts-docker-"))
+    sock = short / "docker.sock"
     server = _Server(str(sock), _Docker)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -182,6 +187,7 @@ def read_with_docker(path: Path, tmp: Path) -> dict[str, str]:
     finally:
         server.shutdown()
         server.server_close()
+        shutil.rmtree(short, ignore_errors=True)
     return dict(item.split("=", 1) for item in created["Env"])
 
 
