@@ -355,6 +355,14 @@ class CheckpointManager:
     def write_error(self) -> str:
         return self.status.write_error
 
+    @property
+    def writing(self) -> bool:
+        """A checkpoint is being written in the background now (the loop's wall-cost accounting,
+        training/wallcost.py)."""
+        with self._writer_lock:
+            writer = self._writer
+        return writer is not None and writer.is_alive()
+
     def wait_commit(self) -> None:
         """Until the checkpoint being written in the background is committed (or failed). The
         writer and the upload thread never wait for it (the writer is what they would wait for;

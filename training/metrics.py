@@ -27,6 +27,9 @@ class Metrics:
         self.step_seconds = gauge("gts_train_step_seconds", "Wall time of the last step.")
         self.loss = gauge("gts_train_loss", "Mean loss over ranks of the last step.")
         self.checkpoint_seconds = gauge("gts_checkpoint_seconds", "Time the loop was blocked by the last checkpoint.")
+        self.checkpoint_wall_seconds = gauge(
+            "gts_checkpoint_wall_seconds", "Wall time the last finished checkpoint cost the loop: its blocked time plus "
+            "the extra time of the steps that ran while it was written (training/wallcost.py).")
         self.checkpoint_time = gauge("gts_checkpoint_last_commit_timestamp_seconds", "When the last checkpoint was committed.")
         self.checkpoint_interval = gauge("gts_checkpoint_interval_steps",
                                          "Steps between checkpoints (fixed, or chosen by checkpointEvery: auto).")

@@ -40,6 +40,7 @@ from training.metrics import Metrics
 from training.models import ResNet50, TinyGPT, TinyNet
 from training.sharded import ShardedCheckpoints, full_params_sha256, shard
 from training.tracking import Tracker
+from training.wallcost import WallCost
 
 log = logging.getLogger("gts.train")
 
@@ -129,6 +130,7 @@ class Run:
         self.step, self.epoch, self.offset, self.run_id = 0, 0, 0, None
         self.last_saved, self.last_loss = 0, float("nan")
         self.interval = Interval(cfg.checkpoint_every, comm, cfg.mtbf_s, cfg.notice_s)
+        self.wall = WallCost()
 
     def open_checkpoints(self) -> CheckpointManager | None:
         """The run's checkpoint manager, or None on every rank when another trainer holds the run."""
@@ -219,6 +221,15 @@ class Run:
         self.metrics.checkpoint_seconds.set(blocked)
         if self.comm.rank == 0:
             log.info("checkpoint step %d: loop blocked %.3f s", self.step, blocked)
+        self._wall_cost(self.wall.checkpoint(blocked))
+
+    def _wall_cost(self, seconds: float | None) -> None:
+        """A checkpoint's whole cost to the loop, once its write is done (training/wallcost.py)."""
+        if seconds is None:
+            return
+        self.metrics.checkpoint_wall_seconds.set(seconds)
+        if self.comm.rank == 0:
+            log.info("checkpoint wall cost %.3f s (blocked and slower steps while it was written)", seconds)
 
     def checkpoint_due(self) -> bool:
         """Every --checkpoint-every steps, or with auto when rank 0's planner says so (the ranks
@@ -228,7 +239,8 @@ class Run:
             self.metrics.checkpoint_interval.set(self.interval.steps)
         return due
 
-    def train_step(self, ddp_model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    def train_step(self, ddp_model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                   writing: bool = False) -> None:
         cfg, comm = self.cfg, self.comm
         started = time.perf_counter()
         inputs, labels = inputs.to(comm.device), labels.to(comm.device)
@@ -248,6 +260,7 @@ class Run:
         self.step, self.offset = self.step + 1, self.offset + 1
         self.last_loss = comm.mean(loss)
         elapsed = time.perf_counter() - started
+        self._wall_cost(self.wall.step(elapsed, writing))
         self.metrics.step.set(self.step)
         self.metrics.loss.set(self.last_loss)
         self.metrics.step_seconds.set(elapsed)
@@ -275,7 +288,7 @@ class Run:
                                 num_workers=cfg.num_workers, persistent_workers=False,
                                 generator=torch.Generator().manual_seed(derived_seed(cfg.seed, self.epoch)))
             for inputs, labels in loader:
-                self.train_step(ddp_model, inputs, labels)
+                self.train_step(ddp_model, inputs, labels, writing=ckpt.writing)
                 if self.step % cfg.log_every == 0:
                     self.metrics.refresh()
                     tracker.log(self.step, {"loss": self.last_loss, "lr": float(self.scheduler.get_last_lr()[0])})
