@@ -18,7 +18,7 @@ from infra.plan.engine import DuplicateUrn, Registered, run_program
 from infra.plan.invokes import COMPUTED, INVOKES
 from infra.stackfile import StackConfig
 from infra.validation import parse
-from tests.harness import by_type, key, run_stack, shipped, spec_raw, stack_values
+from tests.harness import ROOT, by_type, key, run_stack, shipped, spec_raw, stack_values
 
 CONSTRAINTS = cat.load_constraints()
 
@@ -320,3 +320,15 @@ def test_every_resource_type_has_been_read_against_its_provider() -> None:
     assert not missing, f"not read against its provider yet: {missing}"
     for type_token, entry in checks.items():
         assert entry.get("checked") and entry.get("sources"), type_token
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "infra/data").glob("*.yaml")))
+def test_no_data_file_says_one_thing_twice(name: str) -> None:
+    """A key given twice in a data file would silently drop the first entry (what a merge of two
+    branches that both add a type's provider checks leaves behind): read with the loader that
+    refuses duplicates."""
+    import yaml
+
+    from infra.teams.registry import UniqueKeyLoader
+
+    yaml.load((ROOT / "infra/data" / name).read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # noqa: S506
