@@ -6,6 +6,7 @@ where the host cannot boot a container; fails in CI instead."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,14 +14,15 @@ from typing import Any, Iterator
 import pytest
 
 from tests.boot import repo
-from tests.boot.node import Node, bucket_host, gpu_health
+from tests.boot.node import Node, bucket_host, cache_dir, gpu_health
 from tests.harness import shipped
 from tests.nodes import lay_down, node_env, user_data
 
 pytestmark = pytest.mark.boot
 HERE = Path(__file__).parent
 REGION = gpu_health().REGION  # the metadata path of the node's region, as the gate reads it
-BUNDLE_TYPES = {"aws": "aws:s3/bucketObject:BucketObject"}
+BUNDLE_TYPES = {"aws": "aws:s3/bucketObject:BucketObject", "alicloud": "alicloud:oss/bucketObject:BucketObject",
+                "tencentcloud": "tencentcloud:Cos/bucketObject:BucketObject"}
 TRAINER_FLAGS = ("--gpus all", "--ipc=host", "--network host", "--ulimit memlock=-1", "--ulimit stack=67108864",
                  "--stop-timeout 110", "--env-file /etc/gpu-training/node.env")
 
@@ -38,21 +40,35 @@ def _env_of(raw: bytes, tmp: Path) -> dict[str, str]:
 def booted(tmp_path: Path) -> Iterator[Any]:
     nodes: list[Node] = []
 
-    def make(stack: str, type_token: str, name: str, path: tuple[str, ...] = ("userData",)) -> tuple[Node, dict[str, str]]:
+    def make(stack: str, type_token: str, name: str, path: tuple[str, ...] = ("userData",),
+             image: str = "dlami") -> tuple[Node, dict[str, str]]:
         raw = user_data(type_token, name, path, stack=stack)
         env = _env_of(raw, tmp_path / "decoded")
         cloud = env["GTS_CLOUD"]
         bucket, key, host = bucket_host(env)
         region = env["STORAGE_REGION"]
         shared_host = env.get("GTS_SHARED_SOURCE", "").split(":")[0]
+        # A bare image reaches Ubuntu's archive and NVIDIA's repository only through the plan's mirrors.
+        mirrors = tuple(urlhost(env[k]) for k in ("GTS_APT_MIRROR", "GTS_NVIDIA_MIRROR") if image == "bare" and env[k])
         node = Node(tmp_path / "node", cloud, raw,
                     (host, urlhost(env["STORAGE_ENDPOINT_URL"]), f"api.ecr.{region}.amazonaws.com",
                      urlhost(api_url(cloud, region, "")), *([shared_host] if shared_host else [])),
-                    # The DLAMI has assembled the instance store at /opt/dlami/nvme (a mount).
-                    nspawn_args=("--tmpfs=/opt/dlami/nvme",) if cloud == "aws" else ())
+                    # The DLAMI has assembled the instance store at /opt/dlami/nvme (a mount). Elsewhere
+                    # scratch is a mount already: the node must never see (and format) the host's disks.
+                    nspawn_args=("--tmpfs=/opt/dlami/nvme",) if image == "dlami" else ("--tmpfs=/scratch",),
+                    image=image,
+                    mirrors=tuple(dict.fromkeys(mirrors)))
         nodes.append(node)
         node.meta.extra[REGION[cloud]] = region
         node.packages(repo.NFS_COMMON)  # the archive has the NFS client (not the image)
+        if image == "bare":  # the driver path's packages, from the mirrors the plan names
+            apt, nvidia = env["GTS_APT_MIRROR"], env["GTS_NVIDIA_MIRROR"]
+            node.packages(repo.NFS_COMMON, repo.DOCKER_IO, *repo.driver_packages(os.uname().release,
+                                                                              env["GTS_DRIVER_BRANCH"]),
+                          root=node.mirror(urlhost(apt)) / urlpath(apt))
+            toolkit = node.mirror(urlhost(nvidia)) / urlpath(nvidia)
+            node.packages(repo.NVIDIA_CONTAINER_TOOLKIT, root=toolkit / f"stable/deb/{repo.dpkg_arch()}", flat=True)
+            (toolkit / "gpgkey").write_bytes(repo.armored_key(cache_dir()))
         (node.nfs_export / "exported").touch()  # the shared file system is there (a scenario may take it away)
         # Healthy GPUs by default: as many as the type has (one worker per GPU), NVLinks all up.
         node.gpus(int(env["NPROC_PER_NODE"]), nvlinks=int(env.get("GTS_NVLINKS") or 0))
@@ -76,6 +92,10 @@ def booted(tmp_path: Path) -> Iterator[Any]:
 
 def urlhost(url: str) -> str:
     return re.sub(r"^https?://", "", url).split("/")[0]
+
+
+def urlpath(url: str) -> str:
+    return re.sub(r"^https?://[^/]*/?", "", url)
 
 
 def _unit_is(node: Node, unit: str, state: str) -> bool:
@@ -240,3 +260,70 @@ def test_prod_aws_group_caches_its_dataset_then_trains_also_when_the_copy_fails_
     # The shared file system came from the archive's NFS client and is mounted for the trainer.
     assert node.sh("findmnt -n /shared").returncode == 0 and "-v /shared:/shared" in run, run
     assert node.file("/var/log/gts-mount-nfs.calls").read_text().startswith(f"mount.nfs {env['GTS_SHARED_SOURCE']} /shared")
+
+
+def _bundle_fetched_signed(node: Node, env: dict[str, str]) -> None:
+    """The bundle came from the cloud's object store host, signed with the role's key."""
+    host = bucket_host(env)[2]
+    assert any(s.startswith(f"GET {host}/nodes/bundle-") for s in node.store.served), node.store.served
+    assert not [r for r in node.store.refused if "/nodes/bundle-" in r], node.store.refused
+    assert node.meta.credential_requests > 0
+
+
+def test_dev_alicloud_ess_node_on_bare_ubuntu_installs_the_driver_reboots_and_trains(booted: Any) -> None:
+    """The ESS group's launch template user data on bare Ubuntu: its metadata at 100.100.100.200
+    (hardened-mode token, the RAM role's credential document), the bundle from OSS's S3 endpoint,
+    the driver, docker.io and NVIDIA's toolkit from the plan's mirrors over HTTPS (the image's own
+    sources name Ubuntu's archive, which the node cannot reach), the reboot, then the trainer."""
+    node, env = booted("dev", "alicloud:ecs/ecsLaunchTemplate:EcsLaunchTemplate", "ali-train-lt", image="bare")
+    assert env["GTS_METADATA_URL"] == "http://100.100.100.200"
+    node.boot()
+    node.wait_for(lambda: node.proc is not None and node.proc.poll() is not None, "the driver install's reboot",
+                  timeout=600)
+    assert node.wait_exit(10) == 133, node.journal_text()[-4000:]  # systemd-nspawn: the container rebooted
+    journal = node.journal_text()
+    assert "gts-driver: driver 535 installed; a reboot loads it" in journal
+    assert "driver installed; rebooting" in journal
+    apt_host = urlhost(env["GTS_APT_MIRROR"])
+    assert any(s.startswith(f"GET {apt_host}/ubuntu/pool/nvidia-driver-535-server.deb 200") for s in node.store.served)
+    node.boot()
+    node.wait_for(lambda: bool(_trainer_runs(node)), "the trainer's docker run after the reboot", timeout=600)
+    node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "active"), "gts-trainer active")
+    (run,) = _trainer_runs(node)
+    _check_trainer_run(run, env)
+    order = _started(node)  # this boot's and the first's: the driver step ran once, before the reboot
+    _no_failed_units(node)
+    _gate_passed(node, order, env)
+    journal = node.journal_text()
+    assert "driver: already done" in journal  # the step is stamped: not run again after the reboot
+    # Docker and the toolkit came from the mirrors: NVIDIA's flat repository, its key by HTTPS.
+    nvidia = urlhost(env["GTS_NVIDIA_MIRROR"])
+    assert any(s.startswith(f"GET {nvidia}/libnvidia-container/gpgkey 200") for s in node.store.served)
+    assert any(s.startswith(f"GET {nvidia}/libnvidia-container/stable/deb/") and "nvidia-container-toolkit.deb 200" in s
+               for s in node.store.served), node.store.served
+    assert node.file("/var/log/gts-nvidia-ctk.calls").read_text().startswith("nvidia-ctk runtime configure --runtime=docker")
+    assert f"{env['GTS_APT_MIRROR']} " in node.file("/etc/apt/sources.list").read_text()
+    _bundle_fetched_signed(node, env)
+
+
+def test_a_one_gpu_node_that_lost_its_gpu_keeps_its_driver_fails_its_gate_and_is_replaced(booted: Any) -> None:
+    """The dev AWS group (one GPU) where nvidia-smi finds no device (exit 6): the driver is there,
+    so the driver step goes on (no apt), the gate fails on the count and asks for a replacement."""
+    node, env = booted("dev", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
+    assert env["NPROC_PER_NODE"] == "1"
+    region = env["STORAGE_REGION"]
+    instance = _moto_group(node, region)
+    node.gpus(0)
+    node.boot()
+    node.wait_for(lambda: node.sh("systemctl is-failed gts-gpu-gate.service").stdout.strip() == "failed",
+                  "the GPU gate failed")
+    api = urlhost(api_url("aws", region, ""))
+    node.wait_for(lambda: any(s.startswith(f"POST {api}/") for s in node.store.served), "SetInstanceHealth")
+    assert _health(node, region, instance) == "Unhealthy"
+    journal = node.journal_text()
+    assert "gts-driver: nvidia-smi exits 6 with a driver loaded" in journal, journal[-4000:]
+    assert "apt-get" not in journal and not node.archive_served  # no driver install was tried
+    failed = [line for line in journal.splitlines() if "GPU gate FAILED" in line]
+    assert len(failed) == 1 and "gpu_count" in failed[0], failed
+    assert "asked the aws group to replace instance " + instance in journal
+    assert not _trainer_runs(node)
