@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 
 from tests.boot import repo
-from tests.boot.node import Node, bucket_host, cache_dir, gpu_health
+from tests.boot.node import STORE_ADDRESS, Node, bucket_host, cache_dir, gpu_health
 from tests.harness import shipped
 from tests.nodes import lay_down, node_env, user_data
 
@@ -63,15 +63,20 @@ def booted(tmp_path: Path) -> Iterator[Any]:
         node.packages(repo.NFS_COMMON)  # the archive has the NFS client (not the image)
         if image == "bare":  # the driver path's packages, from the mirrors the plan names
             apt, nvidia = env["GTS_APT_MIRROR"], env["GTS_NVIDIA_MIRROR"]
-            node.packages(repo.NFS_COMMON, repo.DOCKER_IO, *repo.driver_packages(os.uname().release,
-                                                                              env["GTS_DRIVER_BRANCH"]),
-                          root=node.mirror(urlhost(apt)) / urlpath(apt))
-            toolkit = node.mirror(urlhost(nvidia)) / urlpath(nvidia)
-            node.packages(repo.NVIDIA_CONTAINER_TOOLKIT, root=toolkit / f"stable/deb/{repo.dpkg_arch()}", flat=True)
-            (toolkit / "gpgkey").write_bytes(repo.armored_key(cache_dir()))
+            bare = (repo.NFS_COMMON, repo.DOCKER_IO, *repo.driver_packages(os.uname().release, env["GTS_DRIVER_BRANCH"]))
+            if apt:
+                node.packages(*bare, root=node.mirror(urlhost(apt)) / urlpath(apt))
+            else:  # Ubuntu's own archive (the image's sources), over plain HTTP as Ubuntu serves it
+                node.packages(*bare, root=node.archive_dir / "ubuntu")
+                with open(node.upper / "etc/hosts", "a") as hosts:
+                    hosts.write(f"{STORE_ADDRESS} archive.ubuntu.com\n")
+            if nvidia:
+                toolkit = node.mirror(urlhost(nvidia)) / urlpath(nvidia)
+                node.packages(repo.NVIDIA_CONTAINER_TOOLKIT, root=toolkit / f"stable/deb/{repo.dpkg_arch()}", flat=True)
+                (toolkit / "gpgkey").write_bytes(repo.armored_key(cache_dir()))
         (node.nfs_export / "exported").touch()  # the shared file system is there (a scenario may take it away)
         # Healthy GPUs by default: as many as the type has (one worker per GPU), NVLinks all up.
-        node.gpus(int(env["NPROC_PER_NODE"]), nvlinks=int(env.get("GTS_NVLINKS") or 0))
+        node.gpus(int(env.get("NPROC_PER_NODE", "0")), nvlinks=int(env.get("GTS_NVLINKS") or 0))
         (obj,) = [r for r in shipped(stack) if r.type == BUNDLE_TYPES[cloud] and r.cloud == cloud
                   and r.inputs["key"] == key]
         body = obj.inputs["content"].encode()
@@ -281,6 +286,12 @@ def test_dev_alicloud_ess_node_on_bare_ubuntu_installs_the_driver_reboots_and_tr
     node.wait_for(lambda: node.proc is not None and node.proc.poll() is not None, "the driver install's reboot",
                   timeout=600)
     assert node.wait_exit(10) == 133, node.journal_text()[-4000:]  # systemd-nspawn: the container rebooted
+    _trains_after_the_driver_reboot(node, env)
+    # OSS's S3 endpoint, V2-signed with the RAM role's AccessKeyId from the credential document.
+    _bundle_fetched_signed(node, env)
+
+
+def _trains_after_the_driver_reboot(node: Node, env: dict[str, str]) -> None:
     journal = node.journal_text()
     assert "gts-driver: driver 535 installed; a reboot loads it" in journal
     assert "driver installed; rebooting" in journal
@@ -303,6 +314,46 @@ def test_dev_alicloud_ess_node_on_bare_ubuntu_installs_the_driver_reboots_and_tr
                for s in node.store.served), node.store.served
     assert node.file("/var/log/gts-nvidia-ctk.calls").read_text().startswith("nvidia-ctk runtime configure --runtime=docker")
     assert f"{env['GTS_APT_MIRROR']} " in node.file("/etc/apt/sources.list").read_text()
+
+
+def test_dev_tencent_as_node_on_bare_ubuntu_installs_the_driver_reboots_and_trains(booted: Any) -> None:
+    """The AS group's scaling configuration user data: metadata.tencentyun.com (169.254.0.23, the
+    CAM role's credential document), the bundle from COS (SigV4, the role's TmpSecretId), the
+    driver path through Tencent's mirrors, the reboot, the trainer."""
+    node, env = booted("dev", "tencentcloud:As/scalingConfig:ScalingConfig", "tc-train-config", image="bare")
+    assert env["GTS_METADATA_URL"] == "http://metadata.tencentyun.com"
+    node.boot()
+    node.wait_for(lambda: node.proc is not None and node.proc.poll() is not None, "the driver install's reboot",
+                  timeout=600)
+    assert node.wait_exit(10) == 133, node.journal_text()[-4000:]
+    _trains_after_the_driver_reboot(node, env)
+    _bundle_fetched_signed(node, env)
+    # The Docker Hub mirror the plan names is Docker's registry-mirrors.
+    assert env["GTS_DOCKERHUB_MIRROR"] in node.file("/etc/docker/daemon.json").read_text()
+
+
+def test_prod_aws_rendezvous_store_runs_docker_and_the_store_only(booted: Any) -> None:
+    """The prod AWS store instance (t3.medium, bare Ubuntu): docker.io from Ubuntu's archive, the
+    store unit; no driver, no toolkit, no gate, no trainer."""
+    node, env = booted("prod", "aws:ec2/instance:Instance", "prod-rdzv-aws-train", ("userDataBase64",), image="bare")
+    assert env["GTS_MODE"] == "rendezvous"
+    node.boot()
+    node.wait_for(lambda: _unit_is(node, "gts-rdzv.service", "active"), "gts-rdzv active")
+    node.wait_for(lambda: any("--name gts-rdzv" in c for c in node.docker_calls()), "the store's docker run")
+    (run,) = [c for c in node.docker_calls() if c.startswith("docker run") and "--name gts-rdzv" in c]
+    assert re.search(r" --entrypoint python \S+@sha256:[0-9a-f]{64} -m training\.rdzv_store --host "
+                     + re.escape(env["GTS_RDZV_HOST"]) + r" --port 29400$", run), run
+    _no_failed_units(node)
+    order = _started(node)
+    assert order.index("gts-bootstrap.service") < order.index("gts-rdzv.service"), order
+    for unit in ("gts-trainer.service", "gts-gpu-gate.service", "gts-dataset.service"):
+        assert unit not in order, order
+    journal = node.journal_text()
+    assert "runtime: done" in journal and "driver: starting" not in journal
+    assert any(s.startswith("GET /ubuntu/pool/docker.io.deb") for s in node.archive_served), node.archive_served
+    assert not node.file("/var/log/gts-nvidia-ctk.calls").exists() and not node.file("/usr/bin/nvidia-smi").exists()
+    assert not _trainer_runs(node) and not _gate_runs(node)
+    assert node.boots == 1
     _bundle_fetched_signed(node, env)
 
 
