@@ -378,3 +378,21 @@ def test_a_one_gpu_node_that_lost_its_gpu_keeps_its_driver_fails_its_gate_and_is
     assert len(failed) == 1 and "gpu_count" in failed[0], failed
     assert "asked the aws group to replace instance " + instance in journal
     assert not _trainer_runs(node)
+
+
+def test_a_node_whose_role_appears_late_waits_for_it_then_trains(booted: Any) -> None:
+    """The dev AWS node boots before its instance profile's credentials are there (the metadata
+    service answers 404 for them): the fetcher keeps asking, and goes on once they appear."""
+    node, env = booted("dev", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
+    node.meta.mode = "404"
+    node.boot()
+    node.wait_for(lambda: node.meta.credential_requests >= 2, "the fetch asking for the role again")
+    assert not _trainer_runs(node) and not [s for s in node.store.served if s.startswith("GET ") and "/nodes/bundle-" in s]
+    node.meta.mode = "ok"  # the role is attached
+    node.wait_for(lambda: bool(_trainer_runs(node)), "the trainer's docker run once the role is there")
+    node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "active"), "gts-trainer active")
+    _check_trainer_run(_trainer_runs(node)[0], env)
+    assert len(_trainer_runs(node)) == 1
+    assert _unit_is(node, "gts-fetch.service", "active")  # the fetcher's own retry waited: no unit failure
+    _no_failed_units(node)
+    _bundle_fetched_signed(node, env)
