@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 
 from tests.boot import repo
-from tests.boot.node import STORE_ADDRESS, Node, bucket_host, cache_dir, gpu_health
+from tests.boot.node import EFA_SYSFS, STORE_ADDRESS, Node, bucket_host, cache_dir, efa_devices, gpu_health
 from tests.harness import shipped
 from tests.nodes import lay_down, node_env, user_data
 
@@ -55,12 +55,16 @@ def booted(tmp_path: Path) -> Iterator[Any]:
                      urlhost(api_url(cloud, region, "")), *([shared_host] if shared_host else [])),
                     # The DLAMI has assembled the instance store at /opt/dlami/nvme (a mount). Elsewhere
                     # scratch is a mount already: the node must never see (and format) the host's disks.
-                    nspawn_args=("--tmpfs=/opt/dlami/nvme",) if image == "dlami" else ("--tmpfs=/scratch",),
+                    nspawn_args=(("--tmpfs=/opt/dlami/nvme",) if image == "dlami" else ("--tmpfs=/scratch",))
+                    + (efa_devices(tmp_path / "efa", int(env["GTS_FABRIC_DEVICES"])) if env.get("GTS_FABRIC") == "efa"
+                       else ()),
                     image=image,
                     mirrors=tuple(dict.fromkeys(mirrors)))
         nodes.append(node)
+        if env.get("GTS_FABRIC") == "efa":  # the fabric check reads the stand-in devices (efa_devices)
+            node.drop_in("gts-trainer.service", f"[Service]\nEnvironment=GTS_SYSFS={EFA_SYSFS}\n")
         node.meta.extra[REGION[cloud]] = region
-        node.packages(repo.NFS_COMMON)  # the archive has the NFS client (not the image)
+        node.packages(repo.NFS_COMMON, repo.AMAZON_EFS_UTILS)  # the archive has the NFS / EFS clients (not the image)
         if image == "bare":  # the driver path's packages, from the mirrors the plan names
             apt, nvidia = env["GTS_APT_MIRROR"], env["GTS_NVIDIA_MIRROR"]
             bare = (repo.NFS_COMMON, repo.DOCKER_IO, *repo.driver_packages(os.uname().release, env["GTS_DRIVER_BRANCH"]))
@@ -264,7 +268,11 @@ def test_prod_aws_group_caches_its_dataset_then_trains_also_when_the_copy_fails_
     assert node.sh("systemctl is-failed gts-dataset.service").stdout.strip() == "active"
     # The shared file system came from the archive's NFS client and is mounted for the trainer.
     assert node.sh("findmnt -n /shared").returncode == 0 and "-v /shared:/shared" in run, run
-    assert node.file("/var/log/gts-mount-nfs.calls").read_text().startswith(f"mount.nfs {env['GTS_SHARED_SOURCE']} /shared")
+    # The group's EFA fabric: the DLAMI's user space kept, the 4 devices seen, NCCL selects EFA, and
+    # the trainer gets the devices (gts-fabric.sh check; the devices are stand-ins, efa_devices).
+    assert "gts-fabric: fabric check: efa with 4 devices" in node.journal_text()
+    assert "--device=/dev/infiniband" in run and "--cap-add=IPC_LOCK" in run, run
+    assert node.file("/var/log/gts-mount-efs.calls").read_text().startswith(f"mount.efs {env['GTS_SHARED_SOURCE']} /shared")
 
 
 def _bundle_fetched_signed(node: Node, env: dict[str, str]) -> None:

@@ -258,6 +258,11 @@ def image_layer(upper: Path, image: str) -> None:
              "etc/systemd/system/docker.service": "[Unit]\nDescription=Docker (stand-in)\n[Service]\nType=oneshot\n"
                                                   "RemainAfterExit=yes\nExecStart=/bin/true\n[Install]\n"
                                                   "WantedBy=multi-user.target\n",
+             # The DLAMI's EFA user space (the EFA installer's libfabric) and GDRCopy's loaded module,
+             # as `gts-fabric.sh install` asks for them (lsmod stands for the kernel's module list).
+             "opt/amazon/efa/bin/fi_info": "#!/bin/sh\necho 'provider: efa'\necho '    fabric: efa'\n",
+             "usr/sbin/lsmod": "#!/bin/sh\necho 'Module                  Size  Used by'\necho 'gdrdrv                 24576  0'\n"
+                               "echo 'efa                   147456  0'\n",
              # The DLAMI's Fabric Manager (what the gate asks on NVSwitch types), running.
              "etc/systemd/system/nvidia-fabricmanager.service": "[Unit]\nDescription=NVIDIA Fabric Manager (stand-in)\n"
                                                                 "[Service]\nType=oneshot\nRemainAfterExit=yes\n"
@@ -266,11 +271,28 @@ def image_layer(upper: Path, image: str) -> None:
     for path, text in texts.items():
         (upper / path).parent.mkdir(parents=True, exist_ok=True)
         (upper / path).write_text(text)
-        (upper / path).chmod(0o755 if "/bin/" in path else 0o644)
+        (upper / path).chmod(0o755 if "bin/" in path else 0o644)
     wants = upper / "etc/systemd/system/multi-user.target.wants"
     wants.mkdir(parents=True, exist_ok=True)
     for unit in ("docker.service", "nvidia-fabricmanager.service"):
         (wants / unit).symlink_to(f"/etc/systemd/system/{unit}")
+
+
+EFA_SYSFS = "/srv/gts-efa-sys"  # the node's stand-in sysfs for its EFA devices (GTS_SYSFS of gts-fabric.sh)
+
+
+def efa_devices(workdir: Path, count: int) -> tuple[str, ...]:
+    """nspawn arguments giving the node `count` EFA verbs devices as sysfs shows them
+    (class/infiniband/rdmapNs0/device/driver -> .../efa) at EFA_SYSFS — the container's /sys is
+    the host's, read-only, with no /sys/class/infiniband to bind over — and a /dev/infiniband."""
+    sysfs = workdir / "sysfs"
+    for i in range(count):
+        device = sysfs / f"class/infiniband/rdmap{16 + i}s0/device"
+        device.mkdir(parents=True, exist_ok=True)
+        if not (device / "driver").is_symlink():
+            (device / "driver").symlink_to("../../../../bus/pci/drivers/efa")
+    (workdir / "dev-infiniband").mkdir(exist_ok=True)
+    return (f"--bind-ro={sysfs}:{EFA_SYSFS}", f"--bind={workdir / 'dev-infiniband'}:/dev/infiniband")
 
 
 class Node:

@@ -3,8 +3,10 @@ by dpkg-scanpackages, its Release signed (InRelease) with a test archive key the
 served over HTTP in the node's network namespace under the archive's own host name (the node's
 /etc/hosts), so the node's real apt-get update / install run unchanged against it.
 
-The packages stand in for what the node's scripts install from the archive: `nfs-common` (its
-mount.nfs "mounts" an export the test serves by binding it, once the test has exported it)."""
+The packages stand in for what the node's scripts install from the archive: `nfs-common` and
+`amazon-efs-utils` (their mount.nfs / mount.efs "mount" an export the test serves by binding it,
+once the test has exported it), and the bare image's driver path (driver_packages, DOCKER_IO,
+NVIDIA_CONTAINER_TOOLKIT from NVIDIA's flat repository)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,11 @@ NFS_COMMON = Package("nfs-common", "1:2.6.2-4+gts", {
         """),
 }, "NFS client (stand-in): mount.nfs / mount.nfs4")
 NFS_COMMON.files["usr/sbin/mount.nfs4"] = NFS_COMMON.files["usr/sbin/mount.nfs"]
+# AWS's EFS mount helper (github.com/aws/efs-utils), the same stand-in under its name: `mount -t efs`.
+AMAZON_EFS_UTILS = Package("amazon-efs-utils", "2.1.0-1+gts", {
+    "usr/sbin/mount.efs": NFS_COMMON.files["usr/sbin/mount.nfs"].replace("mount.nfs", "mount.efs")
+                                                                 .replace("mount-nfs", "mount-efs"),
+}, "EFS mount helper (stand-in): mount.efs")
 
 
 def archive_key(cache: Path) -> Path:
