@@ -404,3 +404,24 @@ def test_a_node_whose_role_appears_late_waits_for_it_then_trains(booted: Any) ->
     assert _unit_is(node, "gts-fetch.service", "active")  # the fetcher's own retry waited: no unit failure
     _no_failed_units(node)
     _bundle_fetched_signed(node, env)
+
+
+def test_prod_aws_node_whose_shared_file_system_mounts_late_waits_then_trains(booted: Any) -> None:
+    """The EFS mount target is not there at boot (mount.efs refused): gts-shared keeps trying, the
+    trainer waits; once the export appears the mount succeeds and the trainer starts, once."""
+    node, env = booted("prod", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
+    (node.nfs_export / "exported").unlink()
+    node.boot()
+    node.wait_for(lambda: "not mountable yet (try 1 of" in node.journal_text(), "the first refused mount")
+    assert not _trainer_runs(node)
+    (node.nfs_export / "exported").touch()  # the mount target comes up
+    node.wait_for(lambda: bool(_trainer_runs(node)), "the trainer's docker run after the late mount")
+    node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "active"), "gts-trainer active")
+    (run,) = _trainer_runs(node)
+    _check_trainer_run(run, env)
+    assert "-v /shared:/shared" in run and node.sh("findmnt -n /shared").returncode == 0, run
+    calls = node.file("/var/log/gts-mount-efs.calls").read_text().splitlines()
+    assert len(calls) >= 2 and all(c.startswith(f"mount.efs {env['GTS_SHARED_SOURCE']} /shared") for c in calls)
+    order = _started(node)
+    assert order.index("gts-shared.service") < order.index("gts-trainer.service"), order
+    _no_failed_units(node)
