@@ -6,6 +6,7 @@ where the host cannot boot a container; fails in CI instead."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,14 +14,15 @@ from typing import Any, Iterator
 import pytest
 
 from tests.boot import repo
-from tests.boot.node import Node, bucket_host, gpu_health
+from tests.boot.node import EFA_SYSFS, STORE_ADDRESS, Node, bucket_host, cache_dir, efa_devices, gpu_health
 from tests.harness import shipped
 from tests.nodes import lay_down, node_env, user_data
 
 pytestmark = pytest.mark.boot
 HERE = Path(__file__).parent
 REGION = gpu_health().REGION  # the metadata path of the node's region, as the gate reads it
-BUNDLE_TYPES = {"aws": "aws:s3/bucketObject:BucketObject"}
+BUNDLE_TYPES = {"aws": "aws:s3/bucketObject:BucketObject", "alicloud": "alicloud:oss/bucketObject:BucketObject",
+                "tencentcloud": "tencentcloud:Cos/bucketObject:BucketObject"}
 TRAINER_FLAGS = ("--gpus all", "--ipc=host", "--network host", "--ulimit memlock=-1", "--ulimit stack=67108864",
                  "--stop-timeout 110", "--env-file /etc/gpu-training/node.env")
 
@@ -38,24 +40,47 @@ def _env_of(raw: bytes, tmp: Path) -> dict[str, str]:
 def booted(tmp_path: Path) -> Iterator[Any]:
     nodes: list[Node] = []
 
-    def make(stack: str, type_token: str, name: str, path: tuple[str, ...] = ("userData",)) -> tuple[Node, dict[str, str]]:
+    def make(stack: str, type_token: str, name: str, path: tuple[str, ...] = ("userData",),
+             image: str = "dlami") -> tuple[Node, dict[str, str]]:
         raw = user_data(type_token, name, path, stack=stack)
         env = _env_of(raw, tmp_path / "decoded")
         cloud = env["GTS_CLOUD"]
         bucket, key, host = bucket_host(env)
         region = env["STORAGE_REGION"]
         shared_host = env.get("GTS_SHARED_SOURCE", "").split(":")[0]
+        # A bare image reaches Ubuntu's archive and NVIDIA's repository only through the plan's mirrors.
+        mirrors = tuple(urlhost(env[k]) for k in ("GTS_APT_MIRROR", "GTS_NVIDIA_MIRROR") if image == "bare" and env[k])
         node = Node(tmp_path / "node", cloud, raw,
                     (host, urlhost(env["STORAGE_ENDPOINT_URL"]), f"api.ecr.{region}.amazonaws.com",
                      urlhost(api_url(cloud, region, "")), *([shared_host] if shared_host else [])),
-                    # The DLAMI has assembled the instance store at /opt/dlami/nvme (a mount).
-                    nspawn_args=("--tmpfs=/opt/dlami/nvme",) if cloud == "aws" else ())
+                    # The DLAMI has assembled the instance store at /opt/dlami/nvme (a mount). Elsewhere
+                    # scratch is a mount already: the node must never see (and format) the host's disks.
+                    nspawn_args=(("--tmpfs=/opt/dlami/nvme",) if image == "dlami" else ("--tmpfs=/scratch",))
+                    + (efa_devices(tmp_path / "efa", int(env["GTS_FABRIC_DEVICES"])) if env.get("GTS_FABRIC") == "efa"
+                       else ()),
+                    image=image,
+                    mirrors=tuple(dict.fromkeys(mirrors)))
         nodes.append(node)
+        if env.get("GTS_FABRIC") == "efa":  # the fabric check reads the stand-in devices (efa_devices)
+            node.drop_in("gts-trainer.service", f"[Service]\nEnvironment=GTS_SYSFS={EFA_SYSFS}\n")
         node.meta.extra[REGION[cloud]] = region
-        node.packages(repo.NFS_COMMON)  # the archive has the NFS client (not the image)
+        node.packages(repo.NFS_COMMON, repo.AMAZON_EFS_UTILS)  # the archive has the NFS / EFS clients (not the image)
+        if image == "bare":  # the driver path's packages, from the mirrors the plan names
+            apt, nvidia = env["GTS_APT_MIRROR"], env["GTS_NVIDIA_MIRROR"]
+            bare = (repo.NFS_COMMON, repo.DOCKER_IO, *repo.driver_packages(os.uname().release, env["GTS_DRIVER_BRANCH"]))
+            if apt:
+                node.packages(*bare, root=node.mirror(urlhost(apt)) / urlpath(apt))
+            else:  # Ubuntu's own archive (the image's sources), over plain HTTP as Ubuntu serves it
+                node.packages(*bare, root=node.archive_dir / "ubuntu")
+                with open(node.upper / "etc/hosts", "a") as hosts:
+                    hosts.write(f"{STORE_ADDRESS} archive.ubuntu.com\n")
+            if nvidia:
+                toolkit = node.mirror(urlhost(nvidia)) / urlpath(nvidia)
+                node.packages(repo.NVIDIA_CONTAINER_TOOLKIT, root=toolkit / f"stable/deb/{repo.dpkg_arch()}", flat=True)
+                (toolkit / "gpgkey").write_bytes(repo.armored_key(cache_dir()))
         (node.nfs_export / "exported").touch()  # the shared file system is there (a scenario may take it away)
         # Healthy GPUs by default: as many as the type has (one worker per GPU), NVLinks all up.
-        node.gpus(int(env["NPROC_PER_NODE"]), nvlinks=int(env.get("GTS_NVLINKS") or 0))
+        node.gpus(int(env.get("NPROC_PER_NODE", "0")), nvlinks=int(env.get("GTS_NVLINKS") or 0))
         (obj,) = [r for r in shipped(stack) if r.type == BUNDLE_TYPES[cloud] and r.cloud == cloud
                   and r.inputs["key"] == key]
         body = obj.inputs["content"].encode()
@@ -76,6 +101,10 @@ def booted(tmp_path: Path) -> Iterator[Any]:
 
 def urlhost(url: str) -> str:
     return re.sub(r"^https?://", "", url).split("/")[0]
+
+
+def urlpath(url: str) -> str:
+    return re.sub(r"^https?://[^/]*/?", "", url)
 
 
 def _unit_is(node: Node, unit: str, state: str) -> bool:
@@ -239,4 +268,160 @@ def test_prod_aws_group_caches_its_dataset_then_trains_also_when_the_copy_fails_
     assert node.sh("systemctl is-failed gts-dataset.service").stdout.strip() == "active"
     # The shared file system came from the archive's NFS client and is mounted for the trainer.
     assert node.sh("findmnt -n /shared").returncode == 0 and "-v /shared:/shared" in run, run
-    assert node.file("/var/log/gts-mount-nfs.calls").read_text().startswith(f"mount.nfs {env['GTS_SHARED_SOURCE']} /shared")
+    # The group's EFA fabric: the DLAMI's user space kept, the 4 devices seen, NCCL selects EFA, and
+    # the trainer gets the devices (gts-fabric.sh check; the devices are stand-ins, efa_devices).
+    assert "gts-fabric: fabric check: efa with 4 devices" in node.journal_text()
+    assert "--device=/dev/infiniband" in run and "--cap-add=IPC_LOCK" in run, run
+    assert node.file("/var/log/gts-mount-efs.calls").read_text().startswith(f"mount.efs {env['GTS_SHARED_SOURCE']} /shared")
+
+
+def _bundle_fetched_signed(node: Node, env: dict[str, str]) -> None:
+    """The bundle came from the cloud's object store host, signed with the role's key."""
+    host = bucket_host(env)[2]
+    assert any(s.startswith(f"GET {host}/nodes/bundle-") for s in node.store.served), node.store.served
+    assert not [r for r in node.store.refused if "/nodes/bundle-" in r], node.store.refused
+    assert node.meta.credential_requests > 0
+
+
+def test_dev_alicloud_ess_node_on_bare_ubuntu_installs_the_driver_reboots_and_trains(booted: Any) -> None:
+    """The ESS group's launch template user data on bare Ubuntu: its metadata at 100.100.100.200
+    (hardened-mode token, the RAM role's credential document), the bundle from OSS's S3 endpoint,
+    the driver, docker.io and NVIDIA's toolkit from the plan's mirrors over HTTPS (the image's own
+    sources name Ubuntu's archive, which the node cannot reach), the reboot, then the trainer."""
+    node, env = booted("dev", "alicloud:ecs/ecsLaunchTemplate:EcsLaunchTemplate", "ali-train-lt", image="bare")
+    assert env["GTS_METADATA_URL"] == "http://100.100.100.200"
+    node.boot()
+    node.wait_for(lambda: node.proc is not None and node.proc.poll() is not None, "the driver install's reboot",
+                  timeout=600)
+    assert node.wait_exit(10) == 133, node.journal_text()[-4000:]  # systemd-nspawn: the container rebooted
+    _trains_after_the_driver_reboot(node, env)
+    # OSS's S3 endpoint, V2-signed with the RAM role's AccessKeyId from the credential document.
+    _bundle_fetched_signed(node, env)
+
+
+def _trains_after_the_driver_reboot(node: Node, env: dict[str, str]) -> None:
+    journal = node.journal_text()
+    assert "gts-driver: driver 535 installed; a reboot loads it" in journal
+    assert "driver installed; rebooting" in journal
+    apt_host = urlhost(env["GTS_APT_MIRROR"])
+    assert any(s.startswith(f"GET {apt_host}/ubuntu/pool/nvidia-driver-535-server.deb 200") for s in node.store.served)
+    node.boot()
+    node.wait_for(lambda: bool(_trainer_runs(node)), "the trainer's docker run after the reboot", timeout=600)
+    node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "active"), "gts-trainer active")
+    (run,) = _trainer_runs(node)
+    _check_trainer_run(run, env)
+    order = _started(node)  # this boot's and the first's: the driver step ran once, before the reboot
+    _no_failed_units(node)
+    _gate_passed(node, order, env)
+    journal = node.journal_text()
+    assert "driver: already done" in journal  # the step is stamped: not run again after the reboot
+    # Docker and the toolkit came from the mirrors: NVIDIA's flat repository, its key by HTTPS.
+    nvidia = urlhost(env["GTS_NVIDIA_MIRROR"])
+    assert any(s.startswith(f"GET {nvidia}/libnvidia-container/gpgkey 200") for s in node.store.served)
+    assert any(s.startswith(f"GET {nvidia}/libnvidia-container/stable/deb/") and "nvidia-container-toolkit.deb 200" in s
+               for s in node.store.served), node.store.served
+    assert node.file("/var/log/gts-nvidia-ctk.calls").read_text().startswith("nvidia-ctk runtime configure --runtime=docker")
+    assert f"{env['GTS_APT_MIRROR']} " in node.file("/etc/apt/sources.list").read_text()
+
+
+def test_dev_tencent_as_node_on_bare_ubuntu_installs_the_driver_reboots_and_trains(booted: Any) -> None:
+    """The AS group's scaling configuration user data: metadata.tencentyun.com (169.254.0.23, the
+    CAM role's credential document), the bundle from COS (SigV4, the role's TmpSecretId), the
+    driver path through Tencent's mirrors, the reboot, the trainer."""
+    node, env = booted("dev", "tencentcloud:As/scalingConfig:ScalingConfig", "tc-train-config", image="bare")
+    assert env["GTS_METADATA_URL"] == "http://metadata.tencentyun.com"
+    node.boot()
+    node.wait_for(lambda: node.proc is not None and node.proc.poll() is not None, "the driver install's reboot",
+                  timeout=600)
+    assert node.wait_exit(10) == 133, node.journal_text()[-4000:]
+    _trains_after_the_driver_reboot(node, env)
+    _bundle_fetched_signed(node, env)
+    # The Docker Hub mirror the plan names is Docker's registry-mirrors.
+    assert env["GTS_DOCKERHUB_MIRROR"] in node.file("/etc/docker/daemon.json").read_text()
+
+
+def test_prod_aws_rendezvous_store_runs_docker_and_the_store_only(booted: Any) -> None:
+    """The prod AWS store instance (t3.medium, bare Ubuntu): docker.io from Ubuntu's archive, the
+    store unit; no driver, no toolkit, no gate, no trainer."""
+    node, env = booted("prod", "aws:ec2/instance:Instance", "prod-rdzv-aws-train", ("userDataBase64",), image="bare")
+    assert env["GTS_MODE"] == "rendezvous"
+    node.boot()
+    node.wait_for(lambda: _unit_is(node, "gts-rdzv.service", "active"), "gts-rdzv active")
+    node.wait_for(lambda: any("--name gts-rdzv" in c for c in node.docker_calls()), "the store's docker run")
+    (run,) = [c for c in node.docker_calls() if c.startswith("docker run") and "--name gts-rdzv" in c]
+    assert re.search(r" --entrypoint python \S+@sha256:[0-9a-f]{64} -m training\.rdzv_store --host "
+                     + re.escape(env["GTS_RDZV_HOST"]) + r" --port 29400$", run), run
+    _no_failed_units(node)
+    order = _started(node)
+    assert order.index("gts-bootstrap.service") < order.index("gts-rdzv.service"), order
+    for unit in ("gts-trainer.service", "gts-gpu-gate.service", "gts-dataset.service"):
+        assert unit not in order, order
+    journal = node.journal_text()
+    assert "runtime: done" in journal and "driver: starting" not in journal
+    assert any(s.startswith("GET /ubuntu/pool/docker.io.deb") for s in node.archive_served), node.archive_served
+    assert not node.file("/var/log/gts-nvidia-ctk.calls").exists() and not node.file("/usr/bin/nvidia-smi").exists()
+    assert not _trainer_runs(node) and not _gate_runs(node)
+    assert node.boots == 1
+    _bundle_fetched_signed(node, env)
+
+
+def test_a_one_gpu_node_that_lost_its_gpu_keeps_its_driver_fails_its_gate_and_is_replaced(booted: Any) -> None:
+    """The dev AWS group (one GPU) where nvidia-smi finds no device (exit 6): the driver is there,
+    so the driver step goes on (no apt), the gate fails on the count and asks for a replacement."""
+    node, env = booted("dev", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
+    assert env["NPROC_PER_NODE"] == "1"
+    region = env["STORAGE_REGION"]
+    instance = _moto_group(node, region)
+    node.gpus(0)
+    node.boot()
+    node.wait_for(lambda: node.sh("systemctl is-failed gts-gpu-gate.service").stdout.strip() == "failed",
+                  "the GPU gate failed")
+    api = urlhost(api_url("aws", region, ""))
+    node.wait_for(lambda: any(s.startswith(f"POST {api}/") for s in node.store.served), "SetInstanceHealth")
+    assert _health(node, region, instance) == "Unhealthy"
+    journal = node.journal_text()
+    assert "gts-driver: nvidia-smi exits 6 with a driver loaded" in journal, journal[-4000:]
+    assert "apt-get" not in journal and not node.archive_served  # no driver install was tried
+    failed = [line for line in journal.splitlines() if "GPU gate FAILED" in line]
+    assert len(failed) == 1 and "gpu_count" in failed[0], failed
+    assert "asked the aws group to replace instance " + instance in journal
+    assert not _trainer_runs(node)
+
+
+def test_a_node_whose_role_appears_late_waits_for_it_then_trains(booted: Any) -> None:
+    """The dev AWS node boots before its instance profile's credentials are there (the metadata
+    service answers 404 for them): the fetcher keeps asking, and goes on once they appear."""
+    node, env = booted("dev", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
+    node.meta.mode = "404"
+    node.boot()
+    node.wait_for(lambda: node.meta.credential_requests >= 2, "the fetch asking for the role again")
+    assert not _trainer_runs(node) and not [s for s in node.store.served if s.startswith("GET ") and "/nodes/bundle-" in s]
+    node.meta.mode = "ok"  # the role is attached
+    node.wait_for(lambda: bool(_trainer_runs(node)), "the trainer's docker run once the role is there")
+    node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "active"), "gts-trainer active")
+    _check_trainer_run(_trainer_runs(node)[0], env)
+    assert len(_trainer_runs(node)) == 1
+    assert _unit_is(node, "gts-fetch.service", "active")  # the fetcher's own retry waited: no unit failure
+    _no_failed_units(node)
+    _bundle_fetched_signed(node, env)
+
+
+def test_prod_aws_node_whose_shared_file_system_mounts_late_waits_then_trains(booted: Any) -> None:
+    """The EFS mount target is not there at boot (mount.efs refused): gts-shared keeps trying, the
+    trainer waits; once the export appears the mount succeeds and the trainer starts, once."""
+    node, env = booted("prod", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
+    (node.nfs_export / "exported").unlink()
+    node.boot()
+    node.wait_for(lambda: "not mountable yet (try 1 of" in node.journal_text(), "the first refused mount")
+    assert not _trainer_runs(node)
+    (node.nfs_export / "exported").touch()  # the mount target comes up
+    node.wait_for(lambda: bool(_trainer_runs(node)), "the trainer's docker run after the late mount")
+    node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "active"), "gts-trainer active")
+    (run,) = _trainer_runs(node)
+    _check_trainer_run(run, env)
+    assert "-v /shared:/shared" in run and node.sh("findmnt -n /shared").returncode == 0, run
+    calls = node.file("/var/log/gts-mount-efs.calls").read_text().splitlines()
+    assert len(calls) >= 2 and all(c.startswith(f"mount.efs {env['GTS_SHARED_SOURCE']} /shared") for c in calls)
+    order = _started(node)
+    assert order.index("gts-shared.service") < order.index("gts-trainer.service"), order
+    _no_failed_units(node)

@@ -10,9 +10,22 @@ STATE=${GTS_STATE_DIR:-/var/lib/gpu-training}
 OS_RELEASE=${GTS_OS_RELEASE:-/etc/os-release}
 BRANCH=${GTS_DRIVER_BRANCH:-535}
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-  echo "gts-driver: nvidia-smi works; keeping the image's driver"
-  exit 0
+ETC=${GTS_ETC:-/etc}
+
+# nvidia-smi(1) RETURN VALUE: 9 "the NVIDIA driver is not loaded", 12 "NVML shared library couldn't
+# be found or loaded": no usable driver, install one. Any other answer comes from a loaded driver
+# (6 "the query was unsuccessful" is "No devices were found": a GPU lost from the bus; 15 "a GPU
+# has fallen off the bus"): reinstalling cannot bring devices back, so keep the driver and let
+# the GPU boot gate judge the devices and ask for a replacement.
+if command -v nvidia-smi >/dev/null 2>&1; then
+  rc=0
+  nvidia-smi >/dev/null 2>&1 || rc=$?
+  case $rc in
+    0) echo "gts-driver: nvidia-smi works; keeping the image's driver"; exit 0 ;;
+    9|12) echo "gts-driver: nvidia-smi exits $rc: no driver loaded; installing it" ;;
+    *) echo "gts-driver: nvidia-smi exits $rc with a driver loaded (6: no devices found); keeping the driver, the GPU gate judges the devices"
+       exit 0 ;;
+  esac
 fi
 
 # Wait for the dpkg lock (unattended-upgrades holds it on a first boot) instead of failing.
@@ -35,6 +48,12 @@ apt_update() {
 case "${ID:-unknown}" in
   ubuntu|debian)
     export DEBIAN_FRONTEND=noninteractive
+    # The stack's package mirror (nodes that cannot reach Ubuntu's archive), before the first
+    # apt-get: gts-runtime.sh applies it too, but runs after this step.
+    if [ -n "${GTS_APT_MIRROR:-}" ]; then
+      sed -i -E "s#https?://[^ ]*(archive|security)\.ubuntu\.com/ubuntu#${GTS_APT_MIRROR}#g" \
+        "$ETC/apt/sources.list" 2>/dev/null || true
+    fi
     apt_update
     apt_get install -y -q "linux-headers-$(uname -r)" "nvidia-driver-${BRANCH}-server" "nvidia-utils-${BRANCH}-server"
     if [ "${GTS_NVSWITCH:-false}" = "true" ]; then

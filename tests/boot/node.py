@@ -166,7 +166,9 @@ class Store:
     """moto over TLS on STORE_ADDRESS:443, answering for the clouds' storage and ECR host names;
     a request not signed with the metadata server's current key (or the test's own) is refused (403)."""
 
-    def __init__(self, netns: str, workdir: Path, meta: FakeMetadata, names: tuple[str, ...]):
+    def __init__(self, netns: str, workdir: Path, meta: FakeMetadata, names: tuple[str, ...],
+                 static: dict[str, Path] | None = None):
+        """`static`: host names answered from a folder instead (package mirrors: no signing)."""
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
         from werkzeug.serving import make_server
 
@@ -182,12 +184,16 @@ class Store:
         self.meta = meta
         self.refused: list[str] = []
         self.served: list[str] = []
+        self.static = static or {}
         moto_app = DomainDispatcherApplication(create_backend_app)
         owner = self
 
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
             auth = environ.get("HTTP_AUTHORIZATION", "")
             what = f"{environ['REQUEST_METHOD']} {environ.get('HTTP_HOST')}{environ.get('PATH_INFO')}"
+            host = str(environ.get("HTTP_HOST", "")).split(":")[0]
+            if host in owner.static:
+                return owner.serve_static(owner.static[host], environ, start_response, what)
             if f"Credential={SETUP_KEY}/" not in auth and owner.meta.access_key() not in auth:
                 owner.refused.append(what)
                 start_response("403 Forbidden", [("Content-Type", "text/plain")])
@@ -199,6 +205,18 @@ class Store:
         self.server = _setns_thread(netns, lambda: make_server(STORE_ADDRESS, 443, app, threaded=True,
                                                                ssl_context=(str(crt), str(key))))
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def serve_static(self, root: Path, environ: dict[str, Any], start_response: Callable[..., Any],
+                     what: str) -> list[bytes]:
+        path = (root / str(environ.get("PATH_INFO", "")).lstrip("/")).resolve()
+        if environ["REQUEST_METHOD"] not in ("GET", "HEAD") or not path.is_file() or root.resolve() not in path.parents:
+            self.served.append(what + " 404")
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found\n"]
+        self.served.append(what + " 200")
+        data = path.read_bytes()
+        start_response("200 OK", [("Content-Type", "application/octet-stream"), ("Content-Length", str(len(data)))])
+        return [b"" if environ["REQUEST_METHOD"] == "HEAD" else data]
 
     def setup(self, fn: Callable[[], T]) -> T:
         """Run the test's own calls (setup_client) from inside the namespace."""
@@ -222,6 +240,12 @@ def image_layer(upper: Path, image: str) -> None:
     """What the node's image adds to the base root, laid into the node's overlay. "dlami": the Deep
     Learning AMI's driver (nvidia-smi), Docker (tests/boot/docker, recording; an enabled
     docker.service) and toolkit (nvidia-ctk), the DCGM exporter image's dcgmi for docker's model."""
+    if image == "bare":
+        # Bare Ubuntu: no driver, Docker or toolkit; apt's sources name Ubuntu's archive, which the
+        # node reaches only through the mirror the plan names (gts-runtime.sh rewrites them).
+        (upper / "etc/apt").mkdir(parents=True, exist_ok=True)
+        (upper / "etc/apt/sources.list").write_text(f"deb http://archive.ubuntu.com/ubuntu {repo.SUITE} main\n")
+        return
     if image != "dlami":
         raise ValueError(f"no layer for image {image!r}")
     files = {"usr/bin/docker": HERE / "docker", "usr/bin/nvidia-smi": HERE / "gpu/nvidia-smi",
@@ -234,6 +258,11 @@ def image_layer(upper: Path, image: str) -> None:
              "etc/systemd/system/docker.service": "[Unit]\nDescription=Docker (stand-in)\n[Service]\nType=oneshot\n"
                                                   "RemainAfterExit=yes\nExecStart=/bin/true\n[Install]\n"
                                                   "WantedBy=multi-user.target\n",
+             # The DLAMI's EFA user space (the EFA installer's libfabric) and GDRCopy's loaded module,
+             # as `gts-fabric.sh install` asks for them (lsmod stands for the kernel's module list).
+             "opt/amazon/efa/bin/fi_info": "#!/bin/sh\necho 'provider: efa'\necho '    fabric: efa'\n",
+             "usr/sbin/lsmod": "#!/bin/sh\necho 'Module                  Size  Used by'\necho 'gdrdrv                 24576  0'\n"
+                               "echo 'efa                   147456  0'\n",
              # The DLAMI's Fabric Manager (what the gate asks on NVSwitch types), running.
              "etc/systemd/system/nvidia-fabricmanager.service": "[Unit]\nDescription=NVIDIA Fabric Manager (stand-in)\n"
                                                                 "[Service]\nType=oneshot\nRemainAfterExit=yes\n"
@@ -242,20 +271,39 @@ def image_layer(upper: Path, image: str) -> None:
     for path, text in texts.items():
         (upper / path).parent.mkdir(parents=True, exist_ok=True)
         (upper / path).write_text(text)
-        (upper / path).chmod(0o755 if "/bin/" in path else 0o644)
+        (upper / path).chmod(0o755 if "bin/" in path else 0o644)
     wants = upper / "etc/systemd/system/multi-user.target.wants"
     wants.mkdir(parents=True, exist_ok=True)
     for unit in ("docker.service", "nvidia-fabricmanager.service"):
         (wants / unit).symlink_to(f"/etc/systemd/system/{unit}")
 
 
+EFA_SYSFS = "/srv/gts-efa-sys"  # the node's stand-in sysfs for its EFA devices (GTS_SYSFS of gts-fabric.sh)
+
+
+def efa_devices(workdir: Path, count: int) -> tuple[str, ...]:
+    """nspawn arguments giving the node `count` EFA verbs devices as sysfs shows them
+    (class/infiniband/rdmapNs0/device/driver -> .../efa) at EFA_SYSFS — the container's /sys is
+    the host's, read-only, with no /sys/class/infiniband to bind over — and a /dev/infiniband."""
+    sysfs = workdir / "sysfs"
+    for i in range(count):
+        device = sysfs / f"class/infiniband/rdmap{16 + i}s0/device"
+        device.mkdir(parents=True, exist_ok=True)
+        if not (device / "driver").is_symlink():
+            (device / "driver").symlink_to("../../../../bus/pci/drivers/efa")
+    (workdir / "dev-infiniband").mkdir(exist_ok=True)
+    return (f"--bind-ro={sysfs}:{EFA_SYSFS}", f"--bind={workdir / 'dev-infiniband'}:/dev/infiniband")
+
+
 class Node:
     """One node's boots: an overlay over the base root, its seed, its namespace and servers."""
 
     def __init__(self, workdir: Path, cloud: str, user_data: bytes, hosts: tuple[str, ...],
-                 instance: str = "i-0boot0000000001", nspawn_args: tuple[str, ...] = (), image: str = "dlami"):
+                 instance: str = "i-0boot0000000001", nspawn_args: tuple[str, ...] = (), image: str = "dlami",
+                 mirrors: tuple[str, ...] = ()):
         """`hosts`: the store's names (the bucket, storage, registry and scaling API endpoints),
-        resolved by the node's /etc/hosts to the store and named in its certificate."""
+        resolved by the node's /etc/hosts to the store and named in its certificate. `mirrors`:
+        package mirror hosts (HTTPS, same address), each served from mirror(host)."""
         self.base = base_image()
         self.workdir = workdir
         self.upper, self.work, self.merged = workdir / "upper", workdir / "work", workdir / "merged"
@@ -268,7 +316,9 @@ class Node:
                     ["ip", "addr", "add", f"{STORE_ADDRESS}/32", "dev", "lo"]):
             subprocess.run(["ip", "netns", "exec", self.netns, *cmd], check=True, capture_output=True)
         self.meta = _setns_thread(self.netns, lambda: FakeMetadata(cloud, host=meta_address, port=80)).start()
-        self.store = Store(self.netns, workdir, self.meta, hosts)
+        self.mirrors = workdir / "mirrors"
+        hosts = (*hosts, *mirrors)
+        self.store = Store(self.netns, workdir, self.meta, hosts, {m: self.mirrors / m for m in mirrors})
         self.archive_dir = workdir / "archive"
         self.archive_dir.mkdir(exist_ok=True)
         self.archive_served: list[str] = []
@@ -297,12 +347,17 @@ class Node:
         self.meta.extra["/latest/meta-data/instance-id"] = instance
         self.instance = instance
 
-    def packages(self, *packages: repo.Package) -> None:
-        """Serve these stand-in packages from the node's archive (tests/boot/repo.py), trusted by the node."""
-        key = repo.build(self.archive_dir / "debian", list(packages), cache_dir())
+    def packages(self, *packages: repo.Package, root: Path | None = None, flat: bool = False) -> None:
+        """Serve these stand-in packages from the node's archive (tests/boot/repo.py), trusted by the
+        node; `root`: another archive's folder (a mirror's, under mirror(host))."""
+        key = repo.build(root or self.archive_dir / "debian", list(packages), cache_dir(), flat)
         trusted = self.upper / "etc/apt/trusted.gpg.d"
         trusted.mkdir(parents=True, exist_ok=True)
         (trusted / "gts-boot-archive.gpg").write_bytes(key)
+
+    def mirror(self, host: str) -> Path:
+        """The folder a package mirror host's HTTPS answers come from."""
+        return self.mirrors / host
 
     def gpus(self, count: int, persistence: str = "Enabled", nvlinks: int = 0, diag: str = "pass") -> None:
         """The GPUs the node's stand-ins report (tests/boot/gpu): what nvidia-smi and dcgmi see."""
