@@ -16,6 +16,7 @@ import pytest
 
 from tests.boot import repo
 from tests.boot.node import EFA_SYSFS, STORE_ADDRESS, Node, bucket_host, cache_dir, efa_devices, gpu_health
+from infra import userdata
 from infra.plan.engine import Registered, unwrap_secrets
 from tests.harness import run_stack, shipped
 from tests.nodes import lay_down, node_env
@@ -359,6 +360,33 @@ def test_prod_aws_rendezvous_store_runs_docker_and_the_store_only(booted: Any) -
     """The prod AWS store instance (t3.medium, bare Ubuntu): docker.io from Ubuntu's archive, the
     store unit; no driver, no toolkit, no gate, no trainer."""
     node, env = booted("prod", "aws:ec2/instance:Instance", "prod-rdzv-aws-train", ("userDataBase64",), image="bare")
+    _store_runs_docker_and_the_store_only(node, env)
+    assert any(s.startswith("GET /ubuntu/pool/docker.io.deb") for s in node.archive_served), node.archive_served
+
+
+# The Alibaba and Tencent stores (ECS / CVM instances on bare Ubuntu), as their resources carry them.
+STORES = {"alicloud": ("alicloud:ecs/instance:Instance", "prod-rdzv-ali-train"),
+          "tencentcloud": ("tencentcloud:Instance/instance:Instance", "prod-rdzv-tc-train")}
+
+
+@pytest.mark.parametrize("cloud", sorted(STORES))
+def test_prod_china_rendezvous_store_runs_docker_from_the_mirror_and_the_store_only(booted: Any, cloud: str) -> None:
+    """The prod Alibaba / Tencent store instance: its cloud's metadata service (100.100.100.200 with
+    the hardened-mode token / metadata.tencentyun.com) and role document, the bundle from OSS / COS,
+    docker.io from the plan's apt mirror (the image's own archive is unreachable), the store unit."""
+    type_token, name = STORES[cloud]
+    node, env = booted("prod", type_token, name, image="bare")
+    assert env["GTS_CLOUD"] == cloud and env["GTS_METADATA_URL"] == userdata.METADATA_URLS[cloud], env
+    _store_runs_docker_and_the_store_only(node, env)
+    mirror = urlhost(env["GTS_APT_MIRROR"])
+    assert any(s.startswith(f"GET {mirror}/ubuntu/pool/docker.io.deb 200") for s in node.store.served), node.store.served
+    assert not node.archive_served, node.archive_served  # nothing from Ubuntu's own archive
+    assert f"{env['GTS_APT_MIRROR']} " in node.file("/etc/apt/sources.list").read_text()
+    daemon = node.file("/etc/docker/daemon.json").read_text()
+    assert (env["GTS_DOCKERHUB_MIRROR"] in daemon) if env["GTS_DOCKERHUB_MIRROR"] else "registry-mirrors" not in daemon
+
+
+def _store_runs_docker_and_the_store_only(node: Node, env: dict[str, str]) -> None:
     assert env["GTS_MODE"] == "rendezvous"
     node.boot()
     node.wait_for(lambda: _unit_is(node, "gts-rdzv.service", "active"), "gts-rdzv active")
@@ -373,7 +401,6 @@ def test_prod_aws_rendezvous_store_runs_docker_and_the_store_only(booted: Any) -
         assert unit not in order, order
     journal = node.journal_text()
     assert "runtime: done" in journal and "driver: starting" not in journal
-    assert any(s.startswith("GET /ubuntu/pool/docker.io.deb") for s in node.archive_served), node.archive_served
     assert not node.file("/var/log/gts-nvidia-ctk.calls").exists() and not node.file("/usr/bin/nvidia-smi").exists()
     assert not _trainer_runs(node) and not _gate_runs(node)
     assert node.boots == 1
