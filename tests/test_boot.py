@@ -6,6 +6,7 @@ where the host cannot boot a container; fails in CI instead."""
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 from pathlib import Path
@@ -15,8 +16,10 @@ import pytest
 
 from tests.boot import repo
 from tests.boot.node import EFA_SYSFS, STORE_ADDRESS, Node, bucket_host, cache_dir, efa_devices, gpu_health
-from tests.harness import shipped
-from tests.nodes import lay_down, node_env, user_data
+from infra import userdata
+from infra.plan.engine import Registered, unwrap_secrets
+from tests.harness import run_stack, shipped
+from tests.nodes import lay_down, node_env
 
 pytestmark = pytest.mark.boot
 HERE = Path(__file__).parent
@@ -41,8 +44,10 @@ def booted(tmp_path: Path) -> Iterator[Any]:
     nodes: list[Node] = []
 
     def make(stack: str, type_token: str, name: str, path: tuple[str, ...] = ("userData",),
-             image: str = "dlami") -> tuple[Node, dict[str, str]]:
-        raw = user_data(type_token, name, path, stack=stack)
+             image: str = "dlami", plan: tuple[Registered, ...] | None = None) -> tuple[Node, dict[str, str]]:
+        """`plan`: the registrations of an edited stack (tests.harness.run_stack), else the shipped one's."""
+        plan = plan if plan is not None else shipped(stack)
+        raw = _user_data(plan, type_token, name, path)
         env = _env_of(raw, tmp_path / "decoded")
         cloud = env["GTS_CLOUD"]
         bucket, key, host = bucket_host(env)
@@ -81,14 +86,17 @@ def booted(tmp_path: Path) -> Iterator[Any]:
         (node.nfs_export / "exported").touch()  # the shared file system is there (a scenario may take it away)
         # Healthy GPUs by default: as many as the type has (one worker per GPU), NVLinks all up.
         node.gpus(int(env.get("NPROC_PER_NODE", "0")), nvlinks=int(env.get("GTS_NVLINKS") or 0))
-        (obj,) = [r for r in shipped(stack) if r.type == BUNDLE_TYPES[cloud] and r.cloud == cloud
+        (obj,) = [r for r in plan if r.type == BUNDLE_TYPES[cloud] and r.cloud == cloud
                   and r.inputs["key"] == key]
         body = obj.inputs["content"].encode()
 
         def put() -> None:
             s3 = node.store.client("s3", region)
-            s3.create_bucket(Bucket=bucket) if region == "us-east-1" else s3.create_bucket(
-                Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": region})
+            try:
+                s3.create_bucket(Bucket=bucket) if region == "us-east-1" else s3.create_bucket(
+                    Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": region})
+            except s3.exceptions.BucketAlreadyOwnedByYou:  # moto's state is the process's: an earlier node's
+                pass
             s3.put_object(Bucket=bucket, Key=key, Body=body)
 
         node.store.setup(put)
@@ -97,6 +105,14 @@ def booted(tmp_path: Path) -> Iterator[Any]:
     yield make
     for node in nodes:
         node.close()
+
+
+def _user_data(plan: tuple[Registered, ...], type_token: str, name: str, path: tuple[str, ...]) -> bytes:
+    """A resource's user data as the plan registered it (tests/nodes.py user_data, any plan)."""
+    value: Any = unwrap_secrets(next(r for r in plan if r.type == type_token and r.name == name).inputs)
+    for key in path:
+        value = value[key]
+    return base64.b64decode(value)
 
 
 def urlhost(url: str) -> str:
@@ -344,6 +360,33 @@ def test_prod_aws_rendezvous_store_runs_docker_and_the_store_only(booted: Any) -
     """The prod AWS store instance (t3.medium, bare Ubuntu): docker.io from Ubuntu's archive, the
     store unit; no driver, no toolkit, no gate, no trainer."""
     node, env = booted("prod", "aws:ec2/instance:Instance", "prod-rdzv-aws-train", ("userDataBase64",), image="bare")
+    _store_runs_docker_and_the_store_only(node, env)
+    assert any(s.startswith("GET /ubuntu/pool/docker.io.deb") for s in node.archive_served), node.archive_served
+
+
+# The Alibaba and Tencent stores (ECS / CVM instances on bare Ubuntu), as their resources carry them.
+STORES = {"alicloud": ("alicloud:ecs/instance:Instance", "prod-rdzv-ali-train"),
+          "tencentcloud": ("tencentcloud:Instance/instance:Instance", "prod-rdzv-tc-train")}
+
+
+@pytest.mark.parametrize("cloud", sorted(STORES))
+def test_prod_china_rendezvous_store_runs_docker_from_the_mirror_and_the_store_only(booted: Any, cloud: str) -> None:
+    """The prod Alibaba / Tencent store instance: its cloud's metadata service (100.100.100.200 with
+    the hardened-mode token / metadata.tencentyun.com) and role document, the bundle from OSS / COS,
+    docker.io from the plan's apt mirror (the image's own archive is unreachable), the store unit."""
+    type_token, name = STORES[cloud]
+    node, env = booted("prod", type_token, name, image="bare")
+    assert env["GTS_CLOUD"] == cloud and env["GTS_METADATA_URL"] == userdata.METADATA_URLS[cloud], env
+    _store_runs_docker_and_the_store_only(node, env)
+    mirror = urlhost(env["GTS_APT_MIRROR"])
+    assert any(s.startswith(f"GET {mirror}/ubuntu/pool/docker.io.deb 200") for s in node.store.served), node.store.served
+    assert not node.archive_served, node.archive_served  # nothing from Ubuntu's own archive
+    assert f"{env['GTS_APT_MIRROR']} " in node.file("/etc/apt/sources.list").read_text()
+    daemon = node.file("/etc/docker/daemon.json").read_text()
+    assert (env["GTS_DOCKERHUB_MIRROR"] in daemon) if env["GTS_DOCKERHUB_MIRROR"] else "registry-mirrors" not in daemon
+
+
+def _store_runs_docker_and_the_store_only(node: Node, env: dict[str, str]) -> None:
     assert env["GTS_MODE"] == "rendezvous"
     node.boot()
     node.wait_for(lambda: _unit_is(node, "gts-rdzv.service", "active"), "gts-rdzv active")
@@ -358,7 +401,6 @@ def test_prod_aws_rendezvous_store_runs_docker_and_the_store_only(booted: Any) -
         assert unit not in order, order
     journal = node.journal_text()
     assert "runtime: done" in journal and "driver: starting" not in journal
-    assert any(s.startswith("GET /ubuntu/pool/docker.io.deb") for s in node.archive_served), node.archive_served
     assert not node.file("/var/log/gts-nvidia-ctk.calls").exists() and not node.file("/usr/bin/nvidia-smi").exists()
     assert not _trainer_runs(node) and not _gate_runs(node)
     assert node.boots == 1
@@ -425,3 +467,95 @@ def test_prod_aws_node_whose_shared_file_system_mounts_late_waits_then_trains(bo
     order = _started(node)
     assert order.index("gts-shared.service") < order.index("gts-trainer.service"), order
     _no_failed_units(node)
+
+
+# The managed-Kubernetes GPU pools' user data, each as its resource carries it: EKS's launch
+# template (MIME multipart, its cloud-config part), ACK's node pool (a bash script), TKE's node
+# pool (nodeConfig.userData, a bash script).
+NODE_POOLS = {
+    "eks": ("aws:ec2/launchTemplate:LaunchTemplate", "aws-eks-train-lt", ("userData",)),
+    "ack": ("alicloud:cs/nodePool:NodePool", "ali-ack-train-pool", ("userData",)),
+    "tke": ("tencentcloud:Kubernetes/nodePool:NodePool", "tc-tke-train-spot", ("nodeConfig", "userData")),
+}
+# Each cloud's reclaim notice as its metadata service words it (training/cloudmeta.py).
+# (the notice, when the node goes in unix time: Tencent's is Beijing time)
+SPOT_NOTICES = {"aws": ('{"action": "terminate", "time": "2030-01-01T00:00:00Z"}', 1893456000),
+                "alicloud": ("2030-01-01T00:00:00Z", 1893456000),
+                "tencentcloud": ("2030-01-01 00:00:00", 1893456000 - 8 * 3600)}
+
+
+@pytest.mark.parametrize("pool", sorted(NODE_POOLS))
+def test_prod_kubernetes_pool_node_fetches_and_watches_but_never_installs_or_trains(booted: Any, pool: str) -> None:
+    """A node of the prod EKS / ACK / TKE GPU pool as far as it runs on a plain host: the image
+    brings the driver and containerd, the cluster runs the trainer (a Job) and the exporters
+    (DaemonSets). The node fetches its bundle with the role's key, mounts scratch and watches for a
+    reclaim notice, which reaches the Job's container through crictl and the node exporter's
+    textfile directory; no driver, Docker, gate or trainer. None of these groups has a shared file
+    system to prepare (EFS needs none: its access point owns the root; the ACK and TKE networks have none)."""
+    type_token, name, path = NODE_POOLS[pool]
+    node, env = booted("prod", type_token, name, path, image="kubernetes")
+    _kubernetes_node(node, env)
+    assert "gts-shared: no shared file system for this group" in node.journal_text() and not env["GTS_SHARED_FS"]
+    assert not node.archive_served and not [s for s in node.store.served if "/pool/" in s], node.archive_served
+
+
+def test_ack_pool_node_on_a_nas_network_hands_the_shared_root_to_the_trainer_uid(booted: Any, tmp_path: Path) -> None:
+    """prod with NAS on the ACK pool's network: the pool's user data carries the mount target's
+    address once it is known (for_cluster_group); the node installs the NFS client, mounts the
+    export, hands its root to the trainer's uid (pods cannot chown it) and unmounts it again."""
+    def nas(values: dict[str, Any]) -> None:
+        for net in values["gpu-training-stack:networks"]:
+            if net["name"] == "ali-train":
+                net["sharedFs"] = {"type": "nas", "sizeGb": 500}
+        for group in values["gpu-training-stack:nodeGroups"]:
+            if group["name"] == "ali-ack-train":
+                group["sharedFs"] = True
+
+    plan = tuple(run_stack("prod", nas, tmp_path))
+    type_token, name, path = NODE_POOLS["ack"]
+    node, env = booted("prod", type_token, name, path, image="kubernetes", plan=plan)
+    assert env["GTS_SHARED_FS"] == "nfs" and env["GTS_SHARED_SOURCE"].endswith(":/"), env
+    export = node.nfs_export / "data"
+    assert export.stat().st_uid == 0
+    _kubernetes_node(node, env)
+    journal = node.journal_text()
+    assert "shared: done" in journal and "now belongs to uid 1000 (the trainer)" in journal, journal[-3000:]
+    assert export.stat().st_uid == 1000 and oct(export.stat().st_mode & 0o777) == "0o775"
+    calls = node.file("/var/log/gts-mount-nfs.calls").read_text().splitlines()
+    assert len(calls) == 1 and calls[0].startswith(f"mount.nfs {env['GTS_SHARED_SOURCE']} /tmp/"), calls
+    assert node.sh("findmnt -n -t nfs,nfs4; findmnt -n -S /srv/gts-nfs/data").stdout.strip() == ""  # unmounted
+    assert any(s.startswith("GET /debian/pool/nfs-common.deb") for s in node.archive_served), node.archive_served
+    assert not [s for s in node.archive_served if "nvidia" in s or "docker" in s], node.archive_served
+
+
+def _kubernetes_node(node: Node, env: dict[str, str]) -> None:
+    assert env["GTS_MODE"] == "kubernetes" and env["GTS_SPOT_ACTION"] == "crictl:trainer", env
+    node.boot()
+    node.wait_for(lambda: "node ready (kubernetes)" in node.journal_text(), "the kubernetes bootstrap's end")
+    node.wait_for(lambda: _unit_is(node, "gts-spot-watch.service", "active")
+                  and _unit_is(node, "gts-scratch.service", "active"), "scratch and the spot watcher")
+    order = _started(node)
+    assert order.index("gts-fetch.service") < order.index("gts-bootstrap.service") < order.index("gts-scratch.service")
+    for unit in ("gts-trainer.service", "gts-gpu-gate.service", "gts-dataset.service", "gts-exporters.service",
+                 "gts-shared.service", "gts-rdzv.service"):
+        assert unit not in order, order
+    _no_failed_units(node)
+    _bundle_fetched_signed(node, env)
+    journal = node.journal_text()
+    # No driver, runtime or toolkit step: the pool's image has them (EKS: the AL2023 NVIDIA AMI).
+    for step in ("driver: starting", "runtime: starting", "fabric: starting"):
+        assert step not in journal, step
+    assert not node.docker_calls() and not node.file("/var/log/gts-nvidia-ctk.calls").exists()
+    assert node.sh("test -d /scratch/checkpoints && test -d /scratch/datasets").returncode == 0
+    # A reclaim notice: the node is marked, the notice metric lands in the node exporter's textfile
+    # directory (the DaemonSet's hostPath), and the Job's container gets SIGTERM through crictl.
+    notice, goes_at = SPOT_NOTICES[env["GTS_CLOUD"]]
+    node.meta.spot_notice = notice
+    node.wait_for(lambda: node.sh("test -e /run/gpu-training/spot-notice").returncode == 0, "the spot notice mark")
+    node.wait_for(lambda: "the trainer exited" in node.journal_text(), "the Job's container checkpointed and exited")
+    calls = node.file("/var/log/gts-crictl.calls").read_text().splitlines()
+    assert "crictl exec 0123456789ab sh -c kill -TERM 1" in calls, calls
+    metric = node.file("/var/lib/node_exporter/textfile/gts_spot.prom").read_text()
+    assert f'gts_spot_interruption_notice{{cloud="{env["GTS_CLOUD"]}"}} 1' in metric, metric
+    assert re.search(rf"^gts_spot_interruption_time_seconds\{{[^}}]*\}} {goes_at}$", metric, re.M), metric
+    assert not node.docker_calls()

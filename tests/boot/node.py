@@ -237,7 +237,8 @@ class Store:
 
 
 def image_layer(upper: Path, image: str) -> None:
-    """What the node's image adds to the base root, laid into the node's overlay. "dlami": the Deep
+    """What the node's image adds to the base root, laid into the node's overlay ("bare",
+    "kubernetes" or "dlami"). "dlami": the Deep
     Learning AMI's driver (nvidia-smi), Docker (tests/boot/docker, recording; an enabled
     docker.service) and toolkit (nvidia-ctk), the DCGM exporter image's dcgmi for docker's model."""
     if image == "bare":
@@ -245,6 +246,15 @@ def image_layer(upper: Path, image: str) -> None:
         # node reaches only through the mirror the plan names (gts-runtime.sh rewrites them).
         (upper / "etc/apt").mkdir(parents=True, exist_ok=True)
         (upper / "etc/apt/sources.list").write_text(f"deb http://archive.ubuntu.com/ubuntu {repo.SUITE} main\n")
+        return
+    if image == "kubernetes":
+        # A managed-Kubernetes GPU image (EKS AL2023 NVIDIA, ACK, TKE Ubuntu): its containerd and
+        # kubelet run the trainer Job; the node's scripts reach its container through crictl
+        # (tests/boot/crictl, recording), which "runs" the Job's trainer container here.
+        (upper / "usr/bin").mkdir(parents=True, exist_ok=True)
+        shutil.copy(HERE / "crictl", upper / "usr/bin/crictl")
+        (upper / "var/lib/gts-crictl-stub").mkdir(parents=True, exist_ok=True)
+        (upper / "var/lib/gts-crictl-stub/trainer").write_text("0123456789ab\n")
         return
     if image != "dlami":
         raise ValueError(f"no layer for image {image!r}")
