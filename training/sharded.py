@@ -233,6 +233,16 @@ class ShardedCheckpoints:
         set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def close(self) -> None:
+        """This rank's last shard written; then the ranks leave the save group together and it is
+        torn down before the process exits (a rank that exits while a peer still talks on it
+        makes the peer abort: gloo's "terminate called", seen once in a full run)."""
         self.wait()
         self.stager.close()
+        if self.group is not None and dist.is_initialized():
+            try:
+                dist.barrier(group=self.group)
+            except RuntimeError:
+                pass  # a peer is gone already (a lost node)
+            dist.destroy_process_group(self.group)
+            self.group = None
 
