@@ -9,6 +9,7 @@ extra for images that ship it (horovod 0.28.1 does not build against current tor
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 from datetime import timedelta
 from typing import Any
@@ -112,6 +113,12 @@ class Comm:
         """Leave together: a rank that tears its connections down while a peer still receives
         the end of the last collective makes that peer abort (gloo: "terminate called")."""
         if self.hvd is None and dist.is_initialized():
+            # Free what still refers to the groups' work first (an FSDP2 model and its optimizer
+            # live in reference cycles): left to the interpreter's finalisation, gloo's worker
+            # threads drop their last tensors without a live interpreter and the process aborts
+            # ("terminate called", seen intermittently at the end of sharded runs; pytorch/pytorch
+            # PR 179291 describes the mechanism).
+            gc.collect()
             try:
                 dist.barrier()
             except RuntimeError:
