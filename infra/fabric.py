@@ -12,7 +12,6 @@ node installs and checks the user space (cloudinit/scripts/gts-fabric.sh).
 
 from __future__ import annotations
 
-import csv
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 from infra import catalog as cat
+from policies.gts_policy import catalog as pack_catalog
 from infra.errors import CatalogError, Problem
 from infra.spec import NodeGroup, StackSpec
 
@@ -78,17 +78,9 @@ def load_file(path: Path) -> dict[tuple[str, str], TypeFabric]:
     """Read and check fabric.csv: schema version, exact columns, known clouds and fabrics (each
     cloud its own), counts that fit the fabric, a source on every row, and a catalog type for
     every row."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    if not lines or lines[0].strip() != f"# schema_version={SCHEMA}":
-        raise CatalogError(f"{path.name}: first line must be '# schema_version={SCHEMA}'")
-    body = [(n, line) for n, line in enumerate(lines, start=1) if not line.startswith("#")]
-    reader = csv.DictReader(line for _, line in body)
-    if tuple(reader.fieldnames or ()) != COLUMNS:
-        raise CatalogError(f"{path.name}: columns must be {','.join(COLUMNS)}; got {reader.fieldnames}")
     catalog = cat.load_catalog()
     out: dict[tuple[str, str], TypeFabric] = {}
-    for (line_no, _), row in zip(body[1:], reader):
-        where = f"{path.name}:{line_no}"
+    for where, row in pack_catalog.csv_rows(path, SCHEMA, COLUMNS):
         try:
             item = TypeFabric(row["cloud"], row["instance_type"], row["fabric"], int(row["interfaces"]),
                               int(row["devices"]), int(row["gbps"]), int(row["busbw_gbs"]),

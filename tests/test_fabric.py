@@ -351,3 +351,45 @@ def test_hcc_group_must_be_a_fixed_count() -> None:
     index = next(i for i, g in enumerate(values[GROUPS]) if g["name"] == "tc-hcc")
     with pytest.raises(SpecError, match=rf"nodeGroups\[{index}\]\.scaling.*tc-hcc.*min = max = 4"):
         spec_with({"scaling": {"min": 2, "max": 4}}, index, values)
+
+
+@pytest.fixture(scope="module")
+def eks_planned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """prod with its EKS training pool on p5.48xlarge with fabric: efa."""
+    values = stack_values("prod")
+    for group in values[GROUPS]:
+        if group["name"] == "aws-eks-train":
+            group.pop("gpu", None)
+            group.update({"instanceType": "p5.48xlarge", "fabric": "efa"})
+    values[key("budget")]["monthlyLimitUsd"] = 1_000_000
+    proc = plan(tmp_path_factory.mktemp("eks-efa"), values, "eksefa")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(json.loads(proc.stdout))
+
+
+def test_an_eks_efa_pool_gets_the_interfaces_the_device_plugin_and_pods_that_ask_for_efa(
+        eks_planned: dict[str, Any]) -> None:
+    """EKS: the pool's launch template has one EFA interface per card (security groups on the
+    interfaces), the nodes sit in a cluster placement group in one subnet; the EFA device plugin
+    (aws-efa-k8s-device-plugin, EKS user guide device-management-efa) runs only on the EFA pools,
+    with no service-account token; the training pods request vpc.amazonaws.com/efa and huge pages."""
+    lts = [r for r in of_type(eks_planned, "aws:ec2/launchTemplate:LaunchTemplate") if r["name"].startswith("aws-eks-train")]
+    assert len(lts) == 1, [r["name"] for r in lts]
+    nics = lts[0]["inputs"]["networkInterfaces"]
+    assert [n["networkCardIndex"] for n in nics] == list(range(32))
+    assert all(n.get("securityGroups") for n in nics) and not lts[0]["inputs"].get("vpcSecurityGroupIds")
+    groups = [r for r in of_type(eks_planned, "aws:eks/nodeGroup:NodeGroup") if r["name"].startswith("aws-eks-train")]
+    assert groups and all(len(g["inputs"]["subnetIds"]) == 1 for g in groups), [g["inputs"]["subnetIds"] for g in groups]
+    assert [r for r in of_type(eks_planned, "aws:ec2/placementGroup:PlacementGroup") if r["inputs"]["strategy"] == "cluster"]
+    (plugin,) = [r for r in of_type(eks_planned, "kubernetes:apps/v1:DaemonSet")
+                 if r["inputs"]["metadata"]["name"] == "aws-efa-k8s-device-plugin"]
+    pod = plugin["inputs"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False and pod["hostNetwork"] is True
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"][0]["values"] == ["aws-eks-train"]
+    jobs = [r for r in of_type(eks_planned, "kubernetes:batch/v1:Job") if "aws-eks-train" in r["name"]]
+    assert jobs
+    for job in jobs:
+        (trainer,) = [c for c in job["inputs"]["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer"]
+        limits = trainer["resources"]["limits"]
+        assert limits["vpc.amazonaws.com/efa"] == "32" and limits.get("hugepages-2Mi"), limits

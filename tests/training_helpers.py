@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from training.guard import descendants as descendants  # every process below a pid, from /proc
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 FINAL = re.compile(r"^final step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64})$", re.M)
@@ -36,27 +38,6 @@ def wait_port(port: int, timeout: float = 20) -> None:
                 return
         time.sleep(0.1)
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torchrun starts each worker in a session of its own, so a
-    process-group kill does not reach them)."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                children = [int(c) for c in open(f"/proc/{parent}/task/{task}/children").read().split()]
-            except OSError:
-                continue
-            found += children
-            todo += children
-    return found
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:

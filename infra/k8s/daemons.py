@@ -21,35 +21,41 @@ ON_GPU_NODES = k8s.core.v1.AffinityArgs(node_affinity=k8s.core.v1.NodeAffinityAr
 TEXTFILE_DIR = "/var/lib/node_exporter/textfile"  # the spot watcher writes its notice metric here
 
 
+def device_plugin(resource: str, name: str, image: str, affinity: k8s.core.v1.AffinityArgs, paths: dict[str, str],
+                  opts: pulumi.ResourceOptions, env: list[k8s.core.v1.EnvVarArgs] | None = None,
+                  host_network: bool | None = None) -> k8s.apps.v1.DaemonSet:
+    """A device plugin's DaemonSet in kube-system: node-critical, on the GPU taint, no
+    service-account token (it calls no API), no privileges, the host paths it serves from."""
+    labels = {"app.kubernetes.io/name": name}
+    return k8s.apps.v1.DaemonSet(
+        resource,
+        metadata=k8s.meta.v1.ObjectMetaArgs(name=name, namespace="kube-system", labels=labels),
+        spec=k8s.apps.v1.DaemonSetSpecArgs(
+            selector=k8s.meta.v1.LabelSelectorArgs(match_labels=labels),
+            update_strategy=k8s.apps.v1.DaemonSetUpdateStrategyArgs(type="RollingUpdate"),
+            template=k8s.core.v1.PodTemplateSpecArgs(
+                metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
+                spec=k8s.core.v1.PodSpecArgs(
+                    priority_class_name="system-node-critical", host_network=host_network,
+                    automount_service_account_token=False, tolerations=[GPU_TOLERATION], affinity=affinity,
+                    containers=[k8s.core.v1.ContainerArgs(
+                        name=name, image=image, env=env,
+                        security_context=k8s.core.v1.SecurityContextArgs(
+                            allow_privilege_escalation=False, capabilities=k8s.core.v1.CapabilitiesArgs(drop=["ALL"])),
+                        volume_mounts=[k8s.core.v1.VolumeMountArgs(name=n, mount_path=p) for n, p in paths.items()])],
+                    volumes=[k8s.core.v1.VolumeArgs(name=n, host_path=k8s.core.v1.HostPathVolumeSourceArgs(path=p))
+                             for n, p in paths.items()]))),
+        opts=opts)
+
+
 class NvidiaDevicePlugin(pulumi.ComponentResource):
     """Advertises nvidia.com/gpu on the GPU nodes (the EKS/ACK/TKE GPU images do not ship it)."""
 
     def __init__(self, name: str, image: str, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:k8s:NvidiaDevicePlugin", name, None, opts)
-        labels = {"app.kubernetes.io/name": "nvidia-device-plugin"}
-        self.daemonset = k8s.apps.v1.DaemonSet(
-            f"{name}-ds",
-            metadata=k8s.meta.v1.ObjectMetaArgs(name="nvidia-device-plugin", namespace="kube-system", labels=labels),
-            spec=k8s.apps.v1.DaemonSetSpecArgs(
-                selector=k8s.meta.v1.LabelSelectorArgs(match_labels=labels),
-                update_strategy=k8s.apps.v1.DaemonSetUpdateStrategyArgs(type="RollingUpdate"),
-                template=k8s.core.v1.PodTemplateSpecArgs(
-                    metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
-                    spec=k8s.core.v1.PodSpecArgs(
-                        priority_class_name="system-node-critical", automount_service_account_token=False,
-                        tolerations=[GPU_TOLERATION],
-                        affinity=ON_GPU_NODES,
-                        containers=[k8s.core.v1.ContainerArgs(
-                            name="nvidia-device-plugin", image=image,
-                            env=[k8s.core.v1.EnvVarArgs(name="FAIL_ON_INIT_ERROR", value="false")],
-                            security_context=k8s.core.v1.SecurityContextArgs(
-                                allow_privilege_escalation=False,
-                                capabilities=k8s.core.v1.CapabilitiesArgs(drop=["ALL"])),
-                            volume_mounts=[k8s.core.v1.VolumeMountArgs(name="device-plugin",
-                                                                       mount_path="/var/lib/kubelet/device-plugins")])],
-                        volumes=[k8s.core.v1.VolumeArgs(
-                            name="device-plugin",
-                            host_path=k8s.core.v1.HostPathVolumeSourceArgs(path="/var/lib/kubelet/device-plugins"))]))),
+        self.daemonset = device_plugin(
+            f"{name}-ds", "nvidia-device-plugin", image, ON_GPU_NODES, {"device-plugin": "/var/lib/kubelet/device-plugins"},
+            env=[k8s.core.v1.EnvVarArgs(name="FAIL_ON_INIT_ERROR", value="false")],
             opts=pulumi.ResourceOptions(parent=self))
         self.register_outputs({"name": self.daemonset.metadata.name})
 
@@ -64,33 +70,13 @@ class EfaDevicePlugin(pulumi.ComponentResource):
 
     def __init__(self, name: str, image: str, groups: list[str], opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:k8s:EfaDevicePlugin", name, None, opts)
-        labels = {"app.kubernetes.io/name": "aws-efa-k8s-device-plugin"}
         on_efa_groups = k8s.core.v1.AffinityArgs(node_affinity=k8s.core.v1.NodeAffinityArgs(
             required_during_scheduling_ignored_during_execution=k8s.core.v1.NodeSelectorArgs(node_selector_terms=[
                 k8s.core.v1.NodeSelectorTermArgs(match_expressions=[k8s.core.v1.NodeSelectorRequirementArgs(
                     key=LABEL_NODE_GROUP, operator="In", values=groups)])])))
-        paths = {"device-plugin": "/var/lib/kubelet/device-plugins", "infiniband": "/dev/infiniband"}
-        self.daemonset = k8s.apps.v1.DaemonSet(
-            f"{name}-ds",
-            metadata=k8s.meta.v1.ObjectMetaArgs(name="aws-efa-k8s-device-plugin", namespace="kube-system",
-                                                labels=labels),
-            spec=k8s.apps.v1.DaemonSetSpecArgs(
-                selector=k8s.meta.v1.LabelSelectorArgs(match_labels=labels),
-                update_strategy=k8s.apps.v1.DaemonSetUpdateStrategyArgs(type="RollingUpdate"),
-                template=k8s.core.v1.PodTemplateSpecArgs(
-                    metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
-                    spec=k8s.core.v1.PodSpecArgs(
-                        priority_class_name="system-node-critical", host_network=True,
-                        tolerations=[GPU_TOLERATION], affinity=on_efa_groups,
-                        containers=[k8s.core.v1.ContainerArgs(
-                            name="aws-efa-k8s-device-plugin", image=image,
-                            security_context=k8s.core.v1.SecurityContextArgs(
-                                allow_privilege_escalation=False,
-                                capabilities=k8s.core.v1.CapabilitiesArgs(drop=["ALL"])),
-                            volume_mounts=[k8s.core.v1.VolumeMountArgs(name=n, mount_path=p)
-                                           for n, p in paths.items()])],
-                        volumes=[k8s.core.v1.VolumeArgs(name=n, host_path=k8s.core.v1.HostPathVolumeSourceArgs(path=p))
-                                 for n, p in paths.items()]))),
+        self.daemonset = device_plugin(
+            f"{name}-ds", "aws-efa-k8s-device-plugin", image, on_efa_groups,
+            {"device-plugin": "/var/lib/kubelet/device-plugins", "infiniband": "/dev/infiniband"}, host_network=True,
             opts=pulumi.ResourceOptions(parent=self))
         self.register_outputs({"name": self.daemonset.metadata.name})
 

@@ -213,9 +213,9 @@ class Catalog:
         return Catalog(types, prices)
 
 
-def _csv_rows(path: Path, schema: int, columns: tuple[str, ...]) -> list[tuple[str, dict[str, str]]]:
+def csv_rows(path: Path, schema: int, columns: tuple[str, ...]) -> list[tuple[str, dict[str, str]]]:
     """(where, row) of a data CSV whose first line is its schema version and whose header is
-    exactly `columns`."""
+    exactly `columns` (the catalog, the prices and infra/data/fabric.csv)."""
     lines = path.read_text(encoding="utf-8").splitlines()
     if not lines or lines[0].strip() != f"# schema_version={schema}":
         raise CatalogError(f"{path.name}: first line must be '# schema_version={schema}'")
@@ -228,7 +228,7 @@ def _csv_rows(path: Path, schema: int, columns: tuple[str, ...]) -> list[tuple[s
 
 def load_prices_file(path: Path) -> dict[tuple[str, str, str], Price]:
     prices: dict[tuple[str, str, str], Price] = {}
-    for where, row in _csv_rows(path, PRICES_SCHEMA, PRICE_COLUMNS):
+    for where, row in csv_rows(path, PRICES_SCHEMA, PRICE_COLUMNS):
         price = parse_price(row, where)
         key = (price.cloud, price.instance_type, price.region)
         if key in prices:
@@ -241,7 +241,7 @@ def load_catalog_file(path: Path, prices_path: Path | None = None) -> Catalog:
     """Read and check the catalog CSV and its prices (prices.csv next to it): schema versions,
     exact columns, unique types and prices, a price for every type and a type for every price."""
     specs: dict[tuple[str, str], dict[str, Any]] = {}
-    for where, row in _csv_rows(path, CATALOG_SCHEMA, COLUMNS):
+    for where, row in csv_rows(path, CATALOG_SCHEMA, COLUMNS):
         spec = _parse_spec(row, where)
         key = (spec["cloud"], spec["instance_type"])
         if key in specs:
