@@ -30,7 +30,7 @@ import pytest
 from infra import gpu_health
 from tests.harness import ROOT
 from tests.metadata_server import FakeMetadata
-from tests.training_helpers import BIN, LAUNCH_TIMEOUT, MotoServer, Run, free_port, kill_tree, wait_port
+from tests.training_helpers import BIN, LAUNCH_TIMEOUT, RDZV_TEST_KEY, MotoServer, Run, free_port, kill_tree, wait_port
 
 SCRIPT = ROOT / "cloudinit" / "scripts" / "gts-gpu-health.py"
 XID79 = "[ 1234.567] NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.\n"
@@ -459,7 +459,7 @@ def test_xid_94_restarts_the_workers_and_replaces_nothing(tmp_path: Path) -> Non
         wait_port(port)
         trainer = _trainer(tmp_path, ckpt, NNODES="2", MIN_NNODES="1", RDZV_ENDPOINT=f"127.0.0.1:{port}",
                            RDZV_LAST_CALL_S="1", GTS_NODE_GROUP="local",
-                           RDZV_KEY="local-test-key-" + "0" * 32)
+                           RDZV_KEY=RDZV_TEST_KEY)
         watcher = _watch("aws", meta, api, trainer.proc.pid, tmp_path)
         _watching(tmp_path, watcher)
         trainer.wait_for(r"checkpoint step 20:", timeout=LAUNCH_TIMEOUT)

@@ -11,15 +11,14 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.training_helpers import BIN, ROOT, MotoServer, Run, free_port, kill_tree, launch, storage_env, wait_port
+from tests.training_helpers import (BIN, ROOT, MotoServer, Run, elastic_node, kill_tree, launch, rendezvous_store,
+                                    wait_any)
 from training import contract
 from training.models import TinyGPT
 from training.sharded import read_full_model, state_sha256
@@ -71,85 +70,57 @@ def test_stopped_and_resumed_equals_uninterrupted_and_a_bad_shard_means_the_prev
 
 
 def _node(index: int, port: int, moto: MotoServer, tmp: Path, steps: int) -> Run:
-    env = {**os.environ, **storage_env(moto.url), "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
-           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "LAUNCHER": "torchrun", "NNODES": "2", "MIN_NNODES": "1",
-           "NPROC_PER_NODE": "2", "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_LAST_CALL_S": "10",
-           "GTS_NODE_GROUP": "local", "RDZV_KEY": "local-test-key-" + "0" * 32,
-           "CHECKPOINT_URL": f"s3://{moto.bucket}/sharded/", "TRAIN_STEPS": str(steps),
-           "CHECKPOINT_DIR": str(tmp / f"node{index}")}
-    proc = subprocess.Popen(["bash", str(ROOT / "training/entrypoint.sh"), *GPT, "--checkpoint-every", "4", "--keep", "20",
-                             "--throttle-ms", "100"],
-                            env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run = Run(proc)
-    run.start_reader()
-    return run
-
-
-def wait_any(nodes: list[Run], pattern: str, timeout: float, after: dict[int, int] | None = None) -> tuple[int, str]:
-    """(node, line) of the first line matching `pattern` on any node, among each node's lines
-    after `after[node]` (which node holds which rank is the rendezvous' choice)."""
-    deadline = time.monotonic() + timeout
-    regex = re.compile(pattern)
-    while time.monotonic() < deadline:
-        for i, run in enumerate(nodes):
-            for line in list(run.lines)[(after or {}).get(i, 0):]:
-                if regex.search(line):
-                    return i, line
-        time.sleep(0.1)
-    raise AssertionError(f"no node printed {pattern!r}:\n" + "\n---\n".join(r.output[-2500:] for r in nodes))
+    return elastic_node(tmp, index, port, moto, [*GPT, "--checkpoint-every", "4", "--keep", "20", "--throttle-ms", "100"],
+                        NNODES="2", MIN_NNODES="1", NPROC_PER_NODE="2", RDZV_LAST_CALL_S="10",
+                        CHECKPOINT_URL=f"s3://{moto.bucket}/sharded/", TRAIN_STEPS=str(steps))
 
 
 def test_four_ranks_lose_a_node_and_two_go_on_resharded(tmp_path: Path) -> None:
     steps = 40
     moto = MotoServer()
-    port = free_port()
-    store = subprocess.Popen([sys.executable, "-m", "training.rdzv_store", "--port", str(port)], cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     nodes: list[Run] = []
-    try:
-        wait_port(port)
-        nodes = [_node(i, port, moto, tmp_path, steps) for i in range(2)]
-        first, _ = wait_any(nodes, r"rank 0 of 4 ", timeout=180)
-        mark = {i: len(run.lines) for i, run in enumerate(nodes)}
-        for i in range(2):  # step 8 is in the bucket from both nodes: a resumable point without either
-            wait_any([nodes[i]], r"uploaded step-00000008 ", timeout=180, after={0: mark[i]})
-        before = {int(m.group(1)): float(m.group(2)) for run in nodes for m in
-                  (re.search(r"step (\d+) loss ([\d.]+)$", x) for x in list(run.lines)) if m}
-        lost = 1 - first  # the node without rank 0, so the log lines stay on the survivor
-        kill_tree(nodes[lost].proc.pid)  # a reclaim without notice: no emergency checkpoint
-        nodes[lost].proc.wait(timeout=30)
-        survivor = nodes[first]
-        seen = len(survivor.lines)
-        _, line = wait_any([survivor], r"rank 0 of 2 ", timeout=180, after={0: seen})
-        _, line = wait_any([survivor], RESTORED.pattern, timeout=120, after={0: seen})
-        restored = RESTORED.search(line)
-        assert restored and restored.group(2) == "4" and restored.group(3) == "2", line
-        step = int(restored.group(1))
-        assert step >= 8, line
-        assert survivor.finish(timeout=300) == 0, survivor.output[-3000:]
-        final = [x for x in survivor.lines if x.startswith("final step=")]
-        assert len(final) == 1 and final[0].startswith(f"final step={steps} "), final
+    with rendezvous_store() as port:
+        try:
+            nodes = [_node(i, port, moto, tmp_path, steps) for i in range(2)]
+            first, _ = wait_any(nodes, r"rank 0 of 4 ", timeout=180)
+            mark = {i: len(run.lines) for i, run in enumerate(nodes)}
+            for i in range(2):  # step 8 is in the bucket from both nodes: a resumable point without either
+                wait_any([nodes[i]], r"uploaded step-00000008 ", timeout=180, after={0: mark[i]})
+            before = {int(m.group(1)): float(m.group(2)) for run in nodes for m in
+                      (re.search(r"step (\d+) loss ([\d.]+)$", x) for x in list(run.lines)) if m}
+            lost = 1 - first  # the node without rank 0, so the log lines stay on the survivor
+            kill_tree(nodes[lost].proc.pid)  # a reclaim without notice: no emergency checkpoint
+            nodes[lost].proc.wait(timeout=30)
+            survivor = nodes[first]
+            seen = len(survivor.lines)
+            _, line = wait_any([survivor], r"rank 0 of 2 ", timeout=180, after={0: seen})
+            _, line = wait_any([survivor], RESTORED.pattern, timeout=120, after={0: seen})
+            restored = RESTORED.search(line)
+            assert restored and restored.group(2) == "4" and restored.group(3) == "2", line
+            step = int(restored.group(1))
+            assert step >= 8, line
+            assert survivor.finish(timeout=300) == 0, survivor.output[-3000:]
+            final = [x for x in survivor.lines if x.startswith("final step=")]
+            assert len(final) == 1 and final[0].startswith(f"final step={steps} "), final
 
-        # The 2 ranks hold exactly the parameters the 4 ranks saved (read back from the bucket; --keep 20
-        # keeps the step there).
-        folder = tmp_path / "from-bucket"
-        folder.mkdir()
-        client = moto.client()
-        for key in moto.keys(f"sharded/step-{step:08d}/"):
-            client.download_file(moto.bucket, key, str(folder / key.rsplit("/", 1)[1]))
-        assert restored.group(4) == checkpoint_hash(folder)
-        # The loss goes on from where the 4 ranks left it, not from an untrained model's ln(vocab).
-        after = [float(m.group(1)) for x in survivor.lines[seen:] if (m := re.search(rf"step {step + 2} loss ([\d.]+)$", x))]
-        assert after and step in before, (after, sorted(before))
-        assert abs(after[0] - before[step]) < 0.25 * before[step] and after[0] < 0.95 * math.log(64), (after, before)
-        assert f"sharded/step-{steps:08d}/manifest-node000.json" in moto.keys("sharded/")
-    finally:
-        for run in nodes:
-            if run.proc.poll() is None:
-                kill_tree(run.proc.pid)
-        store.terminate()
-        store.wait(timeout=10)
-        moto.stop()
+            # The 2 ranks hold exactly the parameters the 4 ranks saved (read back from the bucket; --keep 20
+            # keeps the step there).
+            folder = tmp_path / "from-bucket"
+            folder.mkdir()
+            client = moto.client()
+            for key in moto.keys(f"sharded/step-{step:08d}/"):
+                client.download_file(moto.bucket, key, str(folder / key.rsplit("/", 1)[1]))
+            assert restored.group(4) == checkpoint_hash(folder)
+            # The loss goes on from where the 4 ranks left it, not from an untrained model's ln(vocab).
+            after = [float(m.group(1)) for x in survivor.lines[seen:] if (m := re.search(rf"step {step + 2} loss ([\d.]+)$", x))]
+            assert after and step in before, (after, sorted(before))
+            assert abs(after[0] - before[step]) < 0.25 * before[step] and after[0] < 0.95 * math.log(64), (after, before)
+            assert f"sharded/step-{steps:08d}/manifest-node000.json" in moto.keys("sharded/")
+        finally:
+            for run in nodes:
+                if run.proc.poll() is None:
+                    kill_tree(run.proc.pid)
+            moto.stop()
 
 
 # ------------------------------------------------------------------ a user's own FSDP2 loop, the library only

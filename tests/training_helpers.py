@@ -12,7 +12,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,3 +235,50 @@ def retry_until(check: Callable[[], bool], timeout: float) -> bool:
             return True
         time.sleep(0.2)
     return False
+
+
+RDZV_TEST_KEY = "local-test-key-" + "0" * 32  # a group's rendezvous key (training/rdzv_launch.py), for loopback runs
+
+
+@contextlib.contextmanager
+def rendezvous_store() -> Iterator[int]:
+    """The nodes' rendezvous store (training/rdzv_store.py) on a free loopback port: its port once
+    it listens; stopped afterwards."""
+    port = free_port()
+    store = subprocess.Popen([sys.executable, "-m", "training.rdzv_store", "--port", str(port)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port)
+        yield port
+    finally:
+        store.terminate()
+        store.wait(timeout=10)
+
+
+def elastic_node(tmp: Path, index: int, port: int, moto: MotoServer, args: list[str], **env: str) -> Run:
+    """One "node" of an elastic multi-node run on loopback: the image's entrypoint with the
+    contract a VM node gets (its checkpoint folder, the bucket, the store at `port`, the group's
+    rendezvous key); `env` sets NNODES, MIN_NNODES, NPROC_PER_NODE, CHECKPOINT_URL, TRAIN_STEPS..."""
+    full = {**os.environ, **storage_env(moto.url), "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "LAUNCHER": "torchrun",
+            "RDZV_ENDPOINT": f"127.0.0.1:{port}", "GTS_NODE_GROUP": "local", "RDZV_KEY": RDZV_TEST_KEY,
+            "CHECKPOINT_DIR": str(tmp / f"node{index}"), **env}
+    proc = subprocess.Popen(["bash", str(ROOT / "training/entrypoint.sh"), *args], env=full, cwd=tmp,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = Run(proc)
+    run.start_reader()
+    return run
+
+
+def wait_any(nodes: list[Run], pattern: str, timeout: float, after: dict[int, int] | None = None) -> tuple[int, str]:
+    """(node, line) of the first line matching `pattern` on any node, among each node's lines
+    after `after[node]` (which node holds which rank is the rendezvous' choice)."""
+    deadline = time.monotonic() + timeout
+    regex = re.compile(pattern)
+    while time.monotonic() < deadline:
+        for i, run in enumerate(nodes):
+            for line in list(run.lines)[(after or {}).get(i, 0):]:
+                if regex.search(line):
+                    return i, line
+        time.sleep(0.1)
+    raise AssertionError(f"no node printed {pattern!r}:\n" + "\n---\n".join(r.output[-2500:] for r in nodes))
