@@ -141,6 +141,10 @@ def unbuildable(group: NodeGroup) -> str | None:
     if group.kind == "kubernetes" and group.cloud == "tencentcloud":
         return ("TKE node pools cannot be placed in an HCC cluster (tencentcloud_kubernetes_node_pool has no "
                 "hpc_cluster_id)")
+    if group.kind == "kubernetes" and group.cloud == "alicloud" and group.market.type == "spot":
+        return ("an eRDMA ACK pool sits in a LowLatency deployment set, and node pools with a deployment set "
+                "cannot hold preemptible instances (ACK \"Associate a deployment set with a node pool\"); use "
+                "market on-demand or reserved for it")
     return None
 
 

@@ -48,15 +48,15 @@ def diag_level(rg: ResolvedGroup) -> int:
     return int(rg.group.gpu_health.diag_level)
 
 
-# Clouds whose reserved groups are fixed instances with no scaling group (infra/clouds/*/fleet.py:
-# AWS reserves capacity for an Auto Scaling group; Alibaba and Tencent create the instances).
-FIXED_RESERVED = ("alicloud", "tencentcloud")
-
-
 def replace_mode(rg: ResolvedGroup) -> str:
-    """group: a faulty node hands itself back to its scaling group; none: the group's nodes are
-    fixed instances, and a faulty node is quarantined for the operator (GTS_REPLACE)."""
-    return "none" if rg.kind == "vm" and rg.market.type == "reserved" and rg.cloud in FIXED_RESERVED else "group"
+    """group: a faulty node hands itself back to its scaling group; none: every node of the group
+    is a fixed instance (as its cloud's fleet builds it: infra/clouds/<cloud>/fleet.py), and a
+    faulty node is quarantined for the operator (GTS_REPLACE). A Tencent spot group's on-demand
+    base shares its group's user data: its nodes' hand-back is refused and they are quarantined
+    (hand_back_failed)."""
+    from infra.clouds import fixed_instances  # the cloud packages import this module's callers
+
+    return "none" if rg.kind == "vm" and fixed_instances(rg) >= rg.scaling.max else "group"
 
 
 def node_env(rg: ResolvedGroup) -> dict[str, str]:

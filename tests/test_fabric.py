@@ -104,7 +104,7 @@ def test_p5_launch_template_has_one_efa_interface_per_card(planned: dict[str, An
     # The same groups on every interface: the training group and (a multi-node group) its
     # rendezvous store's client group (issue 27), nothing at the template's top level.
     assert len(groups) == 1 and next(iter(groups))[0] == "aws-train-training-sg-id", groups
-    assert set(next(iter(groups))[1:]) <= {"prod-rdzv-aws-efa-clients-id"}, groups
+    assert list(next(iter(groups))[1:]) == ["prod-rdzv-aws-efa-clients-id"], groups
     assert not lt.get("vpcSecurityGroupIds")
     assert not lt.get("vpcSecurityGroupIds"), "interfaces carry the groups; the template must not"
     assert not any(n.get("associatePublicIpAddress") for n in nics) and not any(n.get("subnetId") for n in nics)
@@ -322,7 +322,8 @@ def test_erdma_group_is_a_scaling_configuration_with_a_high_performance_primary_
     config = resource(planned, "alicloud:ess/scalingConfiguration:ScalingConfiguration", "ali-erdma-config")
     (nic,) = config["networkInterfaces"]
     assert (nic["instanceType"], nic["networkInterfaceTrafficMode"]) == ("Primary", "HighPerformance")
-    assert nic["securityGroupIds"] == ["ali-train-training-sg-id"]
+    # the training group and its rendezvous store's client group (issue 27), as on the other paths
+    assert nic["securityGroupIds"] == ["ali-train-training-sg-id", "prod-rdzv-ali-erdma-clients-id"]
     assert "securityGroupId" not in config and "securityGroupIds" not in config, "the ENIs carry the group"
     assert config["active"] is True and config["systemDiskEncrypted"] is True
     group = resource(planned, "alicloud:ess/scalingGroup:ScalingGroup", "ali-erdma-ess")
@@ -378,6 +379,9 @@ def test_an_eks_efa_pool_gets_the_interfaces_the_device_plugin_and_pods_that_ask
     nics = lts[0]["inputs"]["networkInterfaces"]
     assert [n["networkCardIndex"] for n in nics] == list(range(32))
     assert all(n.get("securityGroups") for n in nics) and not lts[0]["inputs"].get("vpcSecurityGroupIds")
+    # the training group on every interface (beside the cluster's own group, known after the cluster exists)
+    assert all("aws-train-training-sg-id" in n["securityGroups"] for n in nics), nics[0]
+    assert lts[0]["inputs"]["placement"]["groupName"], lts[0]["inputs"].get("placement")
     groups = [r for r in of_type(eks_planned, "aws:eks/nodeGroup:NodeGroup") if r["name"].startswith("aws-eks-train")]
     assert groups and all(len(g["inputs"]["subnetIds"]) == 1 for g in groups), [g["inputs"]["subnetIds"] for g in groups]
     assert [r for r in of_type(eks_planned, "aws:ec2/placementGroup:PlacementGroup") if r["inputs"]["strategy"] == "cluster"]
@@ -393,3 +397,56 @@ def test_an_eks_efa_pool_gets_the_interfaces_the_device_plugin_and_pods_that_ask
         (trainer,) = [c for c in job["inputs"]["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer"]
         limits = trainer["resources"]["limits"]
         assert limits["vpc.amazonaws.com/efa"] == "32" and limits.get("hugepages-2Mi"), limits
+
+
+def test_an_hcc_group_is_fixed_instances_so_a_faulty_node_is_quarantined_not_handed_back(
+        fabric_stack: Any) -> None:
+    """HCC nodes are CVM instances in an HCC cluster, in no AS group (TencentGpuFleet): a GPU
+    fault must not make them ask a scaling group to replace them (GTS_REPLACE=none); the EFA and
+    eRDMA groups scale and hand a faulty node back (infra/gpu_health.py replace_mode)."""
+    from infra import gpu_health
+    from infra.clouds.tencentcloud.fleet import fixed_instances
+
+    hcc = fabric_stack.group("tc-hcc")
+    assert fixed_instances(hcc) == hcc.scaling.max and gpu_health.replace_mode(hcc) == "none"
+    ctx = userdata.node_context(fabric_stack.spec, hcc, "img")
+    assert "GTS_REPLACE=none" in userdata.render_env(ctx).splitlines()
+    for name in ("aws-efa", "ali-erdma"):
+        assert gpu_health.replace_mode(fabric_stack.group(name)) == "group", name
+
+
+def _ack_erdma(market: dict[str, Any]) -> dict[str, Any]:
+    values = stack_values("prod")
+    for group in values[GROUPS]:
+        if group["name"] == "ali-ack-train":
+            group.update({"instanceType": "ecs.ebmgn7ex.32xlarge", "fabric": "erdma", "market": market})
+    values[key("budget")]["monthlyLimitUsd"] = 1_000_000
+    values[key("kubernetes")].pop("queues", None)  # the teams' V100 quota on the pool this replaces
+    return values
+
+
+def test_an_ack_erdma_pool_is_placed_runs_the_controller_and_its_pods_ask_for_erdma(tmp_path: Path) -> None:
+    """ACK: an eRDMA pool in a LowLatency deployment set in one vSwitch, the eRDMA controller
+    add-on configured through its Helm values (agent.preferDriver ofed, agent.allocateAllDevices;
+    alibabacloud-erdma-controller deploy/helm/values.yaml), pods requesting aliyun/erdma."""
+    proc = plan(tmp_path, _ack_erdma({"type": "on-demand"}), "ackerdma")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    planned = json.loads(proc.stdout)
+    pools = [r for r in of_type(planned, "alicloud:cs/nodePool:NodePool") if r["name"].startswith("ali-ack-train")]
+    assert pools and all(p["inputs"].get("deploymentSetId") and len(p["inputs"]["vswitchIds"]) == 1 for p in pools)
+    sets = of_type(planned, "alicloud:ecs/ecsDeploymentSet:EcsDeploymentSet")
+    assert sets and all(s["inputs"]["strategy"] == "LowLatency" for s in sets)
+    (addon,) = [r for r in of_type(planned, "alicloud:cs/kubernetesAddon:KubernetesAddon")
+                if r["inputs"]["name"] == "ack-erdma-controller"]
+    assert json.loads(addon["inputs"]["config"]) == {"agent": {"preferDriver": "ofed", "allocateAllDevices": True}}
+    jobs = [r for r in of_type(planned, "kubernetes:batch/v1:Job") if "ali-ack-train" in r["name"]]
+    assert jobs
+    for job in jobs:
+        (trainer,) = [c for c in job["inputs"]["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer"]
+        assert trainer["resources"]["limits"].get("aliyun/erdma"), trainer["resources"]
+
+
+def test_a_spot_ack_erdma_pool_is_refused_naming_the_deployment_set_rule(tmp_path: Path) -> None:
+    proc = plan(tmp_path, _ack_erdma({"type": "spot", "onDemandBase": 1}), "ackspot")
+    assert proc.returncode == 2 and "ali-ack-train" in proc.stderr and "deployment set" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

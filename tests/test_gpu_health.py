@@ -718,7 +718,7 @@ def test_only_groups_without_a_scaling_group_render_replace_none() -> None:
     from infra.stackfile import load_stack_spec
 
     stack = resolve(load_stack_spec("prod"))
-    for rg in stack.groups:
+    for rg in stack.groups:  # prod: every reserved VM group on Alibaba and Tencent is fixed instances
         fixed = rg.kind == "vm" and rg.market.type == "reserved" and rg.cloud in ("alicloud", "tencentcloud")
         assert gh.replace_mode(rg) == ("none" if fixed else "group"), rg.name
     vm = next(g for g in stack.groups if g.kind == "vm")

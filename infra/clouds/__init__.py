@@ -11,7 +11,7 @@ from typing import Protocol
 
 import pulumi
 
-from infra.groups import Stack
+from infra.groups import ResolvedGroup, Stack
 
 
 class Platform(Protocol):
@@ -31,3 +31,10 @@ _PLATFORMS = {
 def platform_class(cloud: str) -> type[Platform]:
     module, _, cls = _PLATFORMS[cloud].partition(":")
     return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+
+
+def fixed_instances(group: ResolvedGroup) -> int:
+    """How many of a VM group's nodes are fixed instances outside any scaling group, as the
+    group's cloud builds it (infra/clouds/<cloud>/fleet.py fixed_instances)."""
+    fleet = importlib.import_module(f"infra.clouds.{group.cloud}.fleet")
+    return int(fleet.fixed_instances(group))

@@ -274,7 +274,12 @@ def _efs_access_point(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
     return {"id": ap_id, "arn": f"arn:aws:elasticfilesystem:us-east-1:123456789012:access-point/{ap_id}"}
 
 
+def _placement_group(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"name": str(inputs.get("name") or f"{name}-{hashlib.sha256(name.encode()).hexdigest()[:7]}")}  # auto-named
+
+
 COMPUTED.update({
+    "aws:ec2/placementGroup:PlacementGroup": _placement_group,
     "aws:kms/key:Key": _kms_key,
     "aws:iam/role:Role": _iam_role,
     "aws:efs/accessPoint:AccessPoint": _efs_access_point,

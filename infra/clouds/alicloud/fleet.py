@@ -24,6 +24,12 @@ def spot_strategy(group: ResolvedGroup) -> str:
     return "SpotWithPriceLimit" if group.price_cap else "SpotAsPriceGo"
 
 
+def fixed_instances(group: ResolvedGroup) -> int:
+    """How many of the group's nodes are ECS instances rather than members of its ESS group: all of
+    a reserved group (subscription instances), none otherwise (infra/gpu_health.py replace_mode)."""
+    return group.scaling.max if group.market.type == "reserved" else 0
+
+
 @dataclass
 class AlicloudGpuFleetArgs:
     group: ResolvedGroup
@@ -51,7 +57,7 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
                                                instance_type=g.types[0],
                                                opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         image_id = image.images.apply(lambda imgs: imgs[0].id)
-        if g.market.type == "reserved":
+        if fixed_instances(g):
             self.instances = self._reserved(name, args, image_id, tags, child)
             self.capacity: pulumi.Output[list[str]] = pulumi.Output.all(*[i.id for i in self.instances])
             self.register_outputs({"instanceIds": self.capacity})
@@ -117,7 +123,7 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
                              tags: dict[str, str], child: pulumi.ResourceOptions) -> alicloud.ess.ScalingConfiguration:
         """The launch template's settings as a scaling configuration, with the ERIs: the primary
         ENI and, for types with more ERIs, secondary ENIs, all HighPerformance, each with the
-        training security group (with network_interfaces, the configuration "cannot specify
+        training security group and the store's client group (with network_interfaces, the configuration "cannot specify
         SecurityGroupId or SecurityGroupIds": pulumi_alicloud ess ScalingConfigurationNetworkInterfaceArgs).
         Not expressible here, recorded in infra/data/capabilities.yaml sdkGaps: the metadata
         token mode and the deployment set (the ESS API has both, pulumi-alicloud 4.0.0's scaling
@@ -126,7 +132,7 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
         assert g.fabric is not None
         nics = [alicloud.ess.ScalingConfigurationNetworkInterfaceArgs(
             instance_type="Primary" if i == 0 else "Secondary", network_interface_traffic_mode="HighPerformance",
-            security_group_ids=[args.security_group_id]) for i in range(g.fabric.interfaces)]
+            security_group_ids=[args.security_group_id, *args.store_clients]) for i in range(g.fabric.interfaces)]
         return alicloud.ess.ScalingConfiguration(
             f"{name}-config", scaling_group_id=self.group.id, scaling_configuration_name=name,
             image_id=image_id, instance_types=list(g.types), network_interfaces=nics,

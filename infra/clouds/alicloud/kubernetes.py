@@ -30,8 +30,10 @@ ACK_SPEC = "ack.pro.small"
 NODE_IMAGE = "Ubuntu"
 RRSA_AUDIENCE = "sts.aliyuncs.com"
 RRSA_TOKEN = "/var/run/secrets/ack.alibabacloud.com/rrsa-tokens/token"
-# The ACK eRDMA controller's add-on configuration: the OFED driver (GPU / NCCL), every ERI to the pod.
-ERDMA_CONTROLLER_CONFIG = '{"preferDriver": "ofed", "allocateAllDevices": true}'
+# The ACK eRDMA controller's add-on configuration: the OFED driver (GPU / NCCL), every ERI to the
+# pod. The add-on's config is its Helm values, where both keys sit under `agent`
+# (AliyunContainerService/alibabacloud-erdma-controller deploy/helm/values.yaml).
+ERDMA_CONTROLLER_CONFIG = '{"agent": {"preferDriver": "ofed", "allocateAllDevices": true}}'
 TERWAY = "terway-eniip"
 TERWAY_CONFIG = {"IPVlan": "false", "NetworkPolicy": "true"}  # ACK CreateCluster `addons` (terway-eniip)
 

@@ -33,6 +33,12 @@ class AwsGpuFleetArgs:
     store_clients: list[pulumi.Output[str]] = field(default_factory=list)
 
 
+def fixed_instances(group: ResolvedGroup) -> int:
+    """Every node of an AWS group is in its Auto Scaling group (a reserved group reserves capacity
+    for it): none is a fixed instance (infra/gpu_health.py replace_mode)."""
+    return 0
+
+
 def block_devices(scratch_disk_gb: int) -> list[aws.ec2.LaunchTemplateBlockDeviceMappingArgs]:
     """Encrypted gp3 root; an encrypted gp3 scratch volume when local NVMe cannot hold the scratch."""
     devices = [aws.ec2.LaunchTemplateBlockDeviceMappingArgs(

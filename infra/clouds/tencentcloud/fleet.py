@@ -19,6 +19,15 @@ DISK = "CLOUD_HSSD"
 CHINA = timezone(timedelta(hours=8))  # Tencent Cloud APIs take Beijing time
 
 
+def fixed_instances(group: ResolvedGroup) -> int:
+    """How many of the group's nodes are CVM instances rather than members of its AS group: all of
+    a reserved group and of an HCC group (AS cannot place nodes in an HCC: TencentGpuFleet), and a
+    spot group's on-demand base. The GPU watch reads it too (infra/gpu_health.py replace_mode)."""
+    if group.market.type == "reserved" or group.fabric is not None:
+        return group.scaling.max
+    return group.market.on_demand_base if group.market.type == "spot" else 0
+
+
 def spot_max_price(group: ResolvedGroup) -> str:
     """The spot cap as Tencent wants it: a decimal string in the account's currency. SPOTPAID needs
     one (`spot_max_price` and `spot_instance_type` "at the same time", as_scaling_config and
@@ -52,9 +61,7 @@ class TencentGpuFleet(pulumi.ComponentResource):
         image_id = tencentcloud.images.get_instance_output(
             image_types=["PUBLIC_IMAGE"], image_name_regex=IMAGE_REGEX, instance_type=g.types[0],
             opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self)).image_id
-        # Reserved groups and a spot group's on-demand base are fixed instances; the rest scales.
-        fixed = g.scaling.max if g.market.type == "reserved" else (
-            g.market.on_demand_base if g.market.type == "spot" else 0)
+        fixed = fixed_instances(g)  # the rest scales in an AS group
         self.hpc: tencentcloud.cvm.HpcCluster | None = None
         if g.fabric is not None:
             # HCC: every node is a CVM instance placed in an HCC cluster in the group's zone. AS
@@ -66,7 +73,6 @@ class TencentGpuFleet(pulumi.ComponentResource):
             # MIN_NNODES), as on the other fleets after a spot notice (gts-spot-watch).
             self.hpc = tencentcloud.cvm.HpcCluster(f"{name}-hcc", zone=args.zones[0], name=name,
                                                    remark="gpu-training-stack HCC group", opts=child)
-            fixed = g.scaling.max
         self.instances = [self._instance(f"{name}-{i}", i, args, image_id, tags, child, self.hpc)
                           for i in range(fixed)]
         if g.scaling.max - fixed <= 0:
