@@ -35,9 +35,14 @@ def check(spec: StackSpec) -> list[Problem]:
 
 def _store_subnets(spec: StackSpec) -> Iterator[Problem]:
     """Alibaba and Tencent stores sit in a vSwitch / subnet of their own, a free /28 of the VPC
-    (infra/rendezvous.py own_subnet), at most OWN_SUBNET_STORES of them."""
+    (infra/rendezvous.py own_subnet), at most OWN_SUBNET_STORES of them; AWS stores in the first
+    subnet's reserved range, at most MAX_STORES."""
     for i, net in enumerate(spec.networks):
         count = rendezvous.stores_in(spec, net)
+        if net.cloud not in rendezvous.OWN_SUBNET_CLOUDS and count > rendezvous.MAX_STORES:
+            yield Problem(f"networks[{i}]", f"{net.name} holds {count} multi-node VM groups; its stores' reserved "
+                                            f"/{rendezvous.STORE_RANGE_PREFIX} of the first subnet takes at most "
+                                            f"{rendezvous.MAX_STORES}: move some to another network")
         if net.cloud not in rendezvous.OWN_SUBNET_CLOUDS or not count:
             continue
         what = "subnets and the ACK pod vSwitches" if net.cloud == "alicloud" else "subnets"

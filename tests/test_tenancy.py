@@ -245,6 +245,33 @@ def test_a_stores_address_is_in_its_reserved_range_and_the_group_holds_the_key(t
     lay_down(base64.b64decode(unwrap_secrets(template.inputs["userData"])), root)
     env = node_env(root)
     assert len(env[RDZV_KEY]) >= 32 and env["RDZV_ENDPOINT"] == f"{store.inputs['privateIp']}:29400"
+    # The node's own env file into the launcher's key reader: the key it signs with is the plan's.
+    from training import rdzv_launch
+
+    assert rdzv_launch.run_key(env) == env[RDZV_KEY].encode()
+
+
+def test_every_aws_store_of_a_network_waits_for_the_networks_reservation(tmp_path: Path) -> None:
+    """Two multi-node groups in one AWS network: one reservation, held by the network (as the
+    other clouds' networks hold their stores' vSwitch / subnet), and each store created after it."""
+    import ipaddress
+
+    from tests.harness import key, run_stack
+
+    def edit(values: dict) -> None:  # type: ignore[type-arg]
+        twin = next(dict(g) for g in values[key("nodeGroups")] if g["name"] == "aws-train")
+        twin["name"] = "aws-train-b"
+        values[key("nodeGroups")].append(twin)
+        values[key("budget")]["monthlyLimitUsd"] = 1_000_000
+
+    resources = run_stack("prod", edit, tmp_path)
+    (reservation,) = [r for r in resources if r.type == "aws:ec2/subnetCidrReservation:SubnetCidrReservation"]
+    assert reservation.parent.endswith("gpu-training-stack:aws:Network::aws-train"), reservation.parent
+    stores = [r for r in resources if r.type == STORES["aws"] and "-rdzv-" in r.name]
+    assert len(stores) == 2
+    for store in stores:
+        assert reservation.urn in store.options["dependencies"], store.name
+        assert ipaddress.ip_address(store.inputs["privateIp"]) in ipaddress.ip_network(reservation.inputs["cidrBlock"])
 
 
 # --- the plan: Alibaba and Tencent stores in a vSwitch / subnet of their own -----------------------
@@ -686,3 +713,11 @@ def test_a_pod_without_the_webhooks_variables_is_told_what_is_missing(tmp_path: 
 
     with pytest.raises(MetadataError, match="TKE_ROLE_ARN, TKE_WEB_IDENTITY_TOKEN_FILE .*tke.cloud.tencent.com/role-arn"):
         credential_source("tke-pod-identity", {"TKE_REGION": "ap-guangzhou", "TKE_PROVIDER_ID": "cls-abc"})()
+
+
+@pytest.mark.parametrize("value", ["", "short", "x" * 31])
+def test_a_rendezvous_key_shorter_than_32_characters_is_refused_by_name(value: str) -> None:
+    from training import rdzv_launch
+
+    with pytest.raises(SystemExit, match="RDZV_KEY must hold the run's rendezvous key"):
+        rdzv_launch.run_key({"RDZV_KEY": value})

@@ -26,6 +26,7 @@ class AwsNetworkArgs:
     tags: dict[str, str]
     peer_cidrs: list[str] = field(default_factory=list)  # peered VPCs, allowed into the group
     fabric: bool = False  # a group in it uses EFA: the group's rule to itself goes both ways
+    store_range: str = ""  # its rendezvous stores' range of the first subnet (infra/rendezvous.py store_range)
 
 
 class AwsNetwork(pulumi.ComponentResource):
@@ -33,6 +34,7 @@ class AwsNetwork(pulumi.ComponentResource):
     private_subnets: list[aws.ec2.Subnet]
     private_route_tables: list[aws.ec2.RouteTable]
     security_group: aws.ec2.SecurityGroup
+    store_reservation: aws.ec2.SubnetCidrReservation | None  # the rendezvous stores' range, when it has stores
 
     def __init__(self, name: str, args: AwsNetworkArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:aws:Network", name, None, opts)
@@ -67,6 +69,14 @@ class AwsNetwork(pulumi.ComponentResource):
                             tags={**tags, "Name": f"{name}-s3"}, opts=child)
 
         self.security_group = self._security_group(name, args, tags, child)
+        # The stores' fixed addresses: "explicit" means EC2 hands out no address of the range on
+        # its own (nodes, pods, mount targets); an instance gets one only by naming it (VPC user
+        # guide, "Subnet CIDR reservations"). Held by the network, as Alibaba's and Tencent's
+        # networks hold their stores' own vSwitch / subnet, and awaited by every store.
+        self.store_reservation = aws.ec2.SubnetCidrReservation(
+            f"{name}-stores", subnet_id=self.private_subnets[0].id, cidr_block=args.store_range,
+            reservation_type="explicit", description="rendezvous stores' fixed addresses",
+            opts=child) if args.store_range else None
 
         self.register_outputs({"vpcId": self.vpc.id, "securityGroupId": self.security_group.id,
                                "privateSubnetIds": [s.id for s in self.private_subnets]})

@@ -56,8 +56,11 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
 
     def make_network(self, net: Network) -> AwsNetwork:
         region = self.region_of(net)
+        stores = any(s.network == net.name for s in self.rendezvous_sites())
         return AwsNetwork(net.name, AwsNetworkArgs(net, region, self.tags, self.peer_cidrs()[net.name],
-                                                   fabric=net.name in self.fabric_networks()),
+                                                   fabric=net.name in self.fabric_networks(),
+                                                   store_range=rendezvous.store_range(str(net.subnets[0].cidr))
+                                                   if stores else ""),
                           opts=self.provider_opts(region))
 
     def vpc_id(self, net: AwsNetwork) -> pulumi.Output[str]:
@@ -123,13 +126,11 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
 
     def make_rendezvous(self, site: Site, net: AwsNetwork, access: AwsAccess,
                         image: pulumi.Output[str]) -> pulumi.Resource:
-        first = [s for s in self.rendezvous_sites() if s.network == site.network][0] == site
         store = AwsRendezvous(f"{self.spec.env}-{site.name}", AwsRendezvousArgs(
             site=site, instance_type=self.store_instance_type(), vpc_id=net.vpc.id,
-            subnet_id=net.private_subnets[0].id, store_range=rendezvous.store_range(str(self.spec.network(site.network).subnets[0].cidr)),
-            instance_profile=access.profiles[site.name].name,
+            subnet_id=net.private_subnets[0].id, instance_profile=access.profiles[site.name].name,
             user_data=self.store_user_data(site, image), provider=self.provider(self.region_of(site.network)),
-            tags=self.tags, reserve=first), opts=pulumi.ResourceOptions(parent=self))
+            tags=self.tags, reservation=net.store_reservation), opts=pulumi.ResourceOptions(parent=self))
         self.store_clients[site.group] = store.clients.id
         return store.instance
 

@@ -28,12 +28,11 @@ class AwsRendezvousArgs:
     instance_type: str
     vpc_id: pulumi.Output[str]
     subnet_id: pulumi.Output[str]
-    store_range: str  # the stores' reserved range of the subnet (infra/rendezvous.py store_range)
     instance_profile: pulumi.Output[str]  # name
     user_data: pulumi.Output[str]  # base64
     provider: pulumi.ProviderResource
     tags: dict[str, str]
-    reserve: bool = True  # the first store of a subnet reserves the range for all of them
+    reservation: pulumi.Resource | None = None  # the network's reservation of the stores' range
 
 
 class AwsRendezvous(pulumi.ComponentResource):
@@ -59,14 +58,7 @@ class AwsRendezvous(pulumi.ComponentResource):
         aws.vpc.SecurityGroupEgressRule(
             f"{name}-egress", security_group_id=self.security_group.id, cidr_ipv4="0.0.0.0/0", ip_protocol="-1",
             description="egress (packages, registry, bucket)", tags=tags, opts=sg_child)
-        after: list[pulumi.Resource] = []
-        if args.reserve:
-            # "explicit": EC2 hands out no address of the range on its own (nodes, pods, mount
-            # targets); an instance gets one only by naming it (VPC user guide, "Subnet CIDR
-            # reservations").
-            after.append(aws.ec2.SubnetCidrReservation(
-                f"{name}-range", subnet_id=args.subnet_id, cidr_block=args.store_range, reservation_type="explicit",
-                description="rendezvous stores' fixed addresses", opts=child))
+        after = [args.reservation] if args.reservation is not None else []
         ami = aws.ssm.get_parameter_output(name=UBUNTU_PARAMETER,
                                            opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         # A fixed address cannot be held by two instances: the old one goes first on replacement,
