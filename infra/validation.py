@@ -284,6 +284,14 @@ def _check_networks(spec: StackSpec, problems: list[Problem]) -> dict[str, Netwo
         if not alone and net.ssh_cidrs and opens_internet(net.ssh_cidrs):
             problems.append(Problem(f"{path}.sshCidrs", f"{', '.join(map(str, net.ssh_cidrs))} together open SSH to "
                                                         "the internet; list your office or VPN CIDRs, or leave it empty"))
+        # The exporters (node, DCGM, the trainer's metrics) answer whoever reaches them: only a private
+        # monitoring source may (infra/scrape.py), never a public range, whatever its size.
+        for k, cidr in enumerate(net.scrape_cidrs):
+            if not cidr.is_private:
+                problems.append(Problem(f"{path}.scrapeCidrs[{k}]", f"{cidr} is not a private range: the nodes' "
+                                                                    "metrics would be open to it; list your "
+                                                                    "Prometheus' private addresses, or leave it empty "
+                                                                    "(the network's own CIDR)"))
     return nets
 
 

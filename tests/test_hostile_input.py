@@ -431,3 +431,15 @@ def test_an_ipv6_network_is_not_said_to_have_host_bits_set() -> None:
     assert "IPv6 network" in problem and "host bits" not in problem
     [host_bits] = _problems(lambda c: c[key("networks")][0].__setitem__("cidr", "10.0.0.1/16"))
     assert host_bits == "networks[0].cidr: '10.0.0.1/16' has host bits set; the network is 10.0.0.0/16 (write that)"
+
+
+@pytest.mark.parametrize("cidrs,bad", [
+    (["0.0.0.0/0"], 0), (["0.0.0.0/1", "128.0.0.0/1"], 0), (["10.0.0.0/8", "8.8.8.0/24"], 1)])
+def test_scrape_sources_must_be_private(cidrs: list[str], bad: int) -> None:
+    """networks[].scrapeCidrs opens the nodes' exporters to its ranges (infra/scrape.py): the
+    internet, a split of it, or any public /24 is refused naming the entry."""
+    problems = _problems(lambda c: c[key("networks")][0].__setitem__("scrapeCidrs", cidrs))
+    assert any(f"networks[0].scrapeCidrs[{bad}]" in p and "not a private range" in p for p in problems), problems
+    config = stack_values("dev")
+    config[key("networks")][0]["scrapeCidrs"] = ["10.9.0.0/24"]
+    parse(spec_raw(config))  # a private source passes
