@@ -25,6 +25,7 @@ FILES = (
     ("/usr/local/sbin/gts-bootstrap.sh", 0o755, "cloudinit/scripts/gts-bootstrap.sh"),
     ("/usr/local/sbin/gts-driver.sh", 0o755, "cloudinit/scripts/gts-driver.sh"),
     ("/usr/local/sbin/gts-fabric.sh", 0o755, "cloudinit/scripts/gts-fabric.sh"),
+    ("/usr/local/sbin/gts-node-addr.sh", 0o755, "cloudinit/scripts/gts-node-addr.sh"),
     ("/usr/local/sbin/gts-runtime.sh", 0o755, "cloudinit/scripts/gts-runtime.sh"),
     ("/usr/local/sbin/gts-nvme.sh", 0o755, "cloudinit/scripts/gts-nvme.sh"),
     ("/usr/local/sbin/gts-disks.py", 0o755, "cloudinit/scripts/gts-disks.py"),

@@ -211,6 +211,14 @@ def test_dev_aws_fleet_boots_on_the_dlami_to_a_running_trainer_and_stops_on_a_sp
     assert order.index("gts-scratch.service") < order.index("gts-trainer.service")
     _no_failed_units(node)
     _gate_passed(node, order, env)
+    # The exporters and the trainer's metrics listen on the node's own address, never on every interface.
+    addr = node.sh("/usr/local/sbin/gts-node-addr.sh").stdout.strip()
+    assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+", addr) and addr != "0.0.0.0", addr
+    node.wait_for(lambda: len([c for c in node.docker_calls() if "--name gts-node-exporter" in c]) == 1, "the exporters")
+    (dcgm,) = [c for c in node.docker_calls() if c.startswith("docker run") and "--name gts-dcgm-exporter" in c]
+    (nodex,) = [c for c in node.docker_calls() if c.startswith("docker run") and "--name gts-node-exporter" in c]
+    assert f"-p {addr}:9400:9400" in dcgm and f"--web.listen-address={addr}:9100" in nodex, (dcgm, nodex)
+    assert f"METRICS_ADDR={addr}" in run, run
     # The bundle came signed with the role's key; an unsigned request is refused.
     assert any("/nodes/bundle-" in s for s in node.store.served), node.store.served
     assert not [r for r in node.store.refused if "/nodes/bundle-" in r], node.store.refused

@@ -450,3 +450,18 @@ def test_a_spot_ack_erdma_pool_is_refused_naming_the_deployment_set_rule(tmp_pat
     proc = plan(tmp_path, _ack_erdma({"type": "spot", "onDemandBase": 1}), "ackspot")
     assert proc.returncode == 2 and "ali-ack-train" in proc.stderr and "deployment set" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_nccl_test_runs_one_process_per_gpu_on_each_host(tmp_path: Path) -> None:
+    proc = run_fabric(tmp_path, "efa", ["rdmap0s1"], 1, "", "nccl-test", "10.0.0.1,node-b.internal")
+    assert proc.returncode == 0, proc.stderr
+    args = (tmp_path / "docker.args").read_text().split()
+    assert args[-4:] == ["nccl-test", args[-3], "16", "10.0.0.1:8,node-b.internal:8"], args[-6:]
+
+
+@pytest.mark.parametrize("hosts", ["10.0.0.1;touch /tmp/x", "10.0.0.1 10.0.0.2", "$(id)", "a,,b", "-H x", ""])
+def test_nccl_test_refuses_a_host_list_that_is_not_one(hosts: str, tmp_path: Path) -> None:
+    """The hosts reach mpirun inside a privileged container: anything but names and addresses,
+    comma-separated, is refused before docker runs."""
+    proc = run_fabric(tmp_path, "efa", ["rdmap0s1"], 1, "", "nccl-test", hosts)
+    assert proc.returncode != 0 and not (tmp_path / "docker.args").exists(), proc.stderr

@@ -165,16 +165,25 @@ check() {
 }
 
 nccl_test() {
-  local hosts=$1 np
+  local hosts=$1 per=${NPROC_PER_NODE:-8} slots="" host
   [ -n "$FABRIC" ] || { echo "gts-fabric: this node has no fabric" >&2; exit 2; }
-  np=$(( $(tr ',' '\n' <<<"$hosts" | wc -l) * 8 ))
-  # nccl-tests built in the trainer image (NGC PyTorch brings MPI and NCCL), run across the nodes.
+  # Host names or addresses, comma-separated, nothing else: the list reaches mpirun inside a
+  # privileged container.
+  if ! [[ $hosts =~ ^[A-Za-z0-9.:-]+(,[A-Za-z0-9.:-]+)*$ ]]; then
+    echo "gts-fabric: nccl-test takes host1,host2,... (names or addresses); got '$hosts'" >&2; exit 2
+  fi
+  [[ $per =~ ^[1-9][0-9]*$ ]] || { echo "gts-fabric: NPROC_PER_NODE must be a count of GPUs; got '$per'" >&2; exit 2; }
+  IFS=, read -ra list <<<"$hosts"
+  for host in "${list[@]}"; do slots+="${slots:+,}$host:$per"; done
+  # nccl-tests built in the trainer image (NGC PyTorch brings MPI and NCCL), run across the nodes,
+  # one process per GPU; the hosts reach the command as arguments, never as its text.
   # shellcheck disable=SC2046  # one flag a line, none with spaces
   docker run --rm --gpus all --network host --ipc host --env-file "$ENV_FILE" $(cat "$RUN/fabric.args") \
-    --entrypoint bash "$GTS_IMAGE" -c "git clone -q --depth 1 --branch $NCCL_TESTS_TAG \
+    --entrypoint bash "$GTS_IMAGE" -c 'git clone -q --depth 1 --branch "$1" \
       https://github.com/NVIDIA/nccl-tests.git /tmp/nccl-tests && make -s -C /tmp/nccl-tests MPI=1 \
-      MPI_HOME=/usr/local/mpi && mpirun --allow-run-as-root -np $np -H $hosts -x NCCL_DEBUG=INFO \
-      /tmp/nccl-tests/build/all_reduce_perf -b 8 -e 8G -f 2 -g 1"
+      MPI_HOME=/usr/local/mpi && mpirun --allow-run-as-root -np "$2" -H "$3" -x NCCL_DEBUG=INFO \
+      /tmp/nccl-tests/build/all_reduce_perf -b 8 -e 8G -f 2 -g 1' \
+    nccl-test "$NCCL_TESTS_TAG" "$(( ${#list[@]} * per ))" "$slots"
 }
 
 SYSFS_DEV=${GTS_DEV_DIR:-/dev}
