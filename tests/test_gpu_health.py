@@ -815,3 +815,18 @@ def test_the_clouds_own_node_repair_is_on_for_gpu_pools() -> None:
                                                          "autoRepairPolicy": {"restartNode": True}} for n in gpu_pools)
     assert {r.inputs["name"] for r in by_type(res, "alicloud:cs/kubernetesAddon:KubernetesAddon")} == {
         "ack-node-problem-detector", "node-lifecycle-controller"}
+
+
+@pytest.mark.parametrize("env,named", [
+    ({"GTS_GPU_DIAG_LEVEL": "3"}, "GTS_GPU_DIAG_LEVEL"), ({"GTS_GPU_DIAG_LEVEL": "2; reboot"}, "--diag-level"),
+    ({"GTS_REPLACE": "grup"}, "GTS_REPLACE"), ({"GTS_GPU_COUNT": "eight"}, "--gpus"),
+    ({"GTS_SCALING_GROUP_ID": "asg-1\nGTS_X=1"}, "GTS_SCALING_GROUP_ID")])
+def test_node_env_values_the_gate_reads_are_checked_like_its_flags(env: dict[str, str], named: str,
+                                                                    tmp_path: Path) -> None:
+    """argparse checks choices only on the command line: a bad node.env value must be a usage
+    error naming it (exit 2, no traceback), not a level 3 diag, a typo'd mode or a crash."""
+    gpus = [] if "GTS_GPU_COUNT" in env else ["--gpus", "8"]  # the count itself from node.env in that case
+    proc = subprocess.run([sys.executable, str(SCRIPT), "gate", "--cloud", "tencentcloud", *gpus],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "GTS_LIB": str(ROOT / "training"), **env})
+    assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -306,6 +306,9 @@ def group_id_key(group):
     return f"nodes/scaling-groups/{group}"
 
 
+TENCENT_GROUP_ID = re.compile(r"asg-[a-z0-9]+")  # an AS group's id, as CreateAutoScalingGroup returns it
+
+
 def tencent_group_id(args, creds):
     """The scaling group's id: --group-id, else the object the plan wrote beside the node bundle,
     read with the node's role like the bundle (bucket and endpoint from node.env)."""
@@ -319,7 +322,7 @@ def tencent_group_id(args, creds):
     body = cloudmeta.signed_get("tencentcloud", env("STORAGE_ENDPOINT_URL"), env("STORAGE_REGION", ""), bucket,
                                 group_id_key(args.group), creds, env("STORAGE_ADDRESSING_STYLE", "virtual"))
     group_id = body.decode().strip()
-    if not re.fullmatch(r"asg-[a-z0-9]+", group_id):
+    if not TENCENT_GROUP_ID.fullmatch(group_id):
         raise ValueError(f"{group_id_key(args.group)} holds {group_id[:60]!r}, not a scaling-group id")
     return group_id
 
@@ -401,20 +404,6 @@ def follow(path):
     yield from proc.stdout
 
 
-def restart_workers(trainer):
-    """Ask the trainer's entrypoint to kill its workers (SIGUSR2, training/entrypoint.sh): the
-    launcher sees them fail and restarts them from the newest committed checkpoint, on this node,
-    within --max-restarts. The entrypoint knows which processes are its workers (the launcher runs
-    under a guard process, so their depth below it is not this script's to guess)."""
-    if trainer.kind == "pid":
-        os.kill(int(trainer.target), signal.SIGUSR2)
-    elif trainer.kind == "docker":
-        subprocess.run(["docker", "kill", "--signal", "USR2", trainer.target], check=False)
-    else:
-        for cid in trainer._crictl_ids():
-            subprocess.run(["crictl", "exec", cid, "kill", "-USR2", "1"], check=False)
-
-
 class Watch:
     def __init__(self, args):
         self.args = args
@@ -451,7 +440,9 @@ class Watch:
             self.metrics()
             self.extra += self.replace(f"xid:{code}")
         elif action == "restart" and not self.replacing:
-            restart_workers(self.trainer)
+            # SIGUSR2: the entrypoint kills its workers and the launcher restarts them from the
+            # newest committed checkpoint (training/entrypoint.sh); the spot watcher's path to it.
+            self.trainer.signal_workers(signal.SIGUSR2)
             log.warning("Xid %d: the training workers were killed; torchrun restarts them from the newest "
                         "committed checkpoint", code)
         self.metrics()
@@ -478,6 +469,10 @@ class Watch:
 
 # ---------------------------------------------------------------------------- main
 
+REPLACE_MODES = ("group", "none")
+DIAG_LEVELS = (0, 1, 2)
+
+
 def main(argv=None):
     env = os.environ.get
     parser = argparse.ArgumentParser(description="GPU boot gate and Xid watch")
@@ -494,14 +489,15 @@ def main(argv=None):
         p.add_argument("--textfile-dir", default="/var/lib/node_exporter/textfile")
         p.add_argument("--run-dir", default=env("GTS_RUN_DIR", "/run/gpu-training"))
         p.add_argument("--no-replace", action="store_true", help="report only (Kubernetes: the cloud's repair acts)")
-        p.add_argument("--replace", choices=("group", "none"), default=env("GTS_REPLACE") or "group",
+        p.add_argument("--replace", choices=REPLACE_MODES, default=env("GTS_REPLACE") or "group",
                        help="none: the node has no scaling group (fixed instances); it is quarantined instead")
     g = sub.choices["gate"]
-    g.add_argument("--gpus", type=int, default=int(env("GTS_GPU_COUNT") or env("NPROC_PER_NODE") or 0),
+    # String defaults from node.env go through `type` like a typed flag (a bad one is a usage error).
+    g.add_argument("--gpus", type=int, default=env("GTS_GPU_COUNT") or env("NPROC_PER_NODE") or "0",
                    help="the type's GPU count (node.env: NPROC_PER_NODE, one process per GPU)")
     g.add_argument("--nvswitch", action="store_true", default=env("GTS_NVSWITCH") == "true")
-    g.add_argument("--nvlinks", type=int, default=int(env("GTS_NVLINKS") or 0), help="active NVLinks per GPU (0: skip)")
-    g.add_argument("--diag-level", type=int, choices=(0, 1, 2), default=int(env("GTS_GPU_DIAG_LEVEL") or 1))
+    g.add_argument("--nvlinks", type=int, default=env("GTS_NVLINKS") or "0", help="active NVLinks per GPU (0: skip)")
+    g.add_argument("--diag-level", type=int, choices=DIAG_LEVELS, default=env("GTS_GPU_DIAG_LEVEL") or "1")
     g.add_argument("--diag-timeout", type=float, default=900.0)
     g.add_argument("--dcgm-image", default=env("GTS_DCGM_EXPORTER_IMAGE", ""))
     w = sub.choices["watch"]
@@ -514,6 +510,13 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
     if not args.cloud:
         parser.error("--cloud (GTS_CLOUD) is required")
+    # argparse checks `choices` on what the command line gives, not on defaults (node.env's values).
+    if args.replace not in REPLACE_MODES:
+        parser.error(f"--replace (GTS_REPLACE) must be one of {', '.join(REPLACE_MODES)}; got {args.replace!r}")
+    if args.command == "gate" and args.diag_level not in DIAG_LEVELS:
+        parser.error(f"--diag-level (GTS_GPU_DIAG_LEVEL) must be one of {DIAG_LEVELS}; got {args.diag_level!r}")
+    if args.cloud == "tencentcloud" and args.group_id and not TENCENT_GROUP_ID.fullmatch(args.group_id):
+        parser.error(f"--group-id (GTS_SCALING_GROUP_ID) must be an AS group id (asg-...); got {args.group_id[:60]!r}")
     if args.command == "gate":
         if args.gpus < 1:
             parser.error("--gpus (GTS_GPU_COUNT) must be the node type's GPU count")
