@@ -733,6 +733,31 @@ def test_a_pod_without_the_webhooks_variables_is_told_what_is_missing(tmp_path: 
         credential_source("tke-pod-identity", {"TKE_REGION": "ap-guangzhou", "TKE_PROVIDER_ID": "cls-abc"})()
 
 
+@pytest.mark.parametrize("source,env,named", [
+    ("tke-pod-identity", {"TKE_REGION": "ap-guangzhou", "TKE_PROVIDER_ID": "cls-abc", "TKE_ROLE_ARN": "qcs::cam::r",
+                          "TKE_WEB_IDENTITY_TOKEN_FILE": "/nonexistent/token"}, "TKE_WEB_IDENTITY_TOKEN_FILE"),
+    ("tke-pod-identity", {"TKE_REGION": "ap-guangzhou", "TKE_PROVIDER_ID": "cls-abc", "TKE_ROLE_ARN": "qcs::cam::r",
+                          "TKE_WEB_IDENTITY_TOKEN_FILE": "{token}", "GTS_STS_ENDPOINT": "http://sts.example.com"},
+     "over https only"),
+    ("ack-rrsa", {"ALIBABA_CLOUD_ROLE_ARN": "acs:ram::1:role/r", "ALIBABA_CLOUD_OIDC_PROVIDER_ARN": "acs:ram::1:oidc/p",
+                  "ALIBABA_CLOUD_OIDC_TOKEN_FILE": "/nonexistent/token"}, "ALIBABA_CLOUD_OIDC_TOKEN_FILE"),
+    ("ack-rrsa", {"ALIBABA_CLOUD_ROLE_ARN": "acs:ram::1:role/r", "ALIBABA_CLOUD_OIDC_PROVIDER_ARN": "acs:ram::1:oidc/p",
+                  "ALIBABA_CLOUD_OIDC_TOKEN_FILE": "{token}", "ALIBABA_CLOUD_STS_ENDPOINT": "http://10.0.0.9"},
+     "over https only")])
+def test_a_pods_token_is_never_sent_in_clear_and_a_missing_one_is_named(source: str, env: dict[str, str], named: str,
+                                                                        tmp_path: Path) -> None:
+    """The pod's token is its identity: a plain-http STS endpoint other than loopback is refused
+    before anything is sent, and an unreadable token file is an error naming its variable."""
+    from training.cloudmeta import MetadataError
+    from training.credentials import credential_source
+
+    token = tmp_path / "token"
+    token.write_text("eyJ.token")
+    env = {k: v.replace("{token}", str(token)) for k, v in env.items()}
+    with pytest.raises(MetadataError, match=named):
+        credential_source(source, env)()
+
+
 @pytest.mark.parametrize("value", ["", "short", "x" * 31])
 def test_a_rendezvous_key_shorter_than_32_characters_is_refused_by_name(value: str) -> None:
     from training import rdzv_launch

@@ -26,6 +26,26 @@ TKE_STS = "https://sts.tencentcloudapi.com"
 TKE_IDENTITY_VARS = ("TKE_REGION", "TKE_PROVIDER_ID", "TKE_ROLE_ARN", "TKE_WEB_IDENTITY_TOKEN_FILE")
 
 
+def _token(env: Mapping[str, str], var: str) -> str:
+    """The pod's projected service-account token, from the file `var` names (read on every call:
+    Kubernetes rotates it)."""
+    try:
+        with open(env[var], encoding="utf-8") as fh:
+            return fh.read().strip()
+    except OSError as exc:
+        raise MetadataError(f"{var}={env[var]!r}: the pod's service-account token cannot be read "
+                            f"({exc.strerror}); the pod's identity webhook mounts it") from None
+
+
+def _sts_url(endpoint: str, var: str) -> str:
+    """An STS endpoint the token may be sent to: https, or plain http on loopback (tests)."""
+    url = endpoint if "://" in endpoint else "https://" + endpoint
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "https" and parts.hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise MetadataError(f"{var}={endpoint!r}: the pod's token goes to STS over https only")
+    return url.rstrip("/")
+
+
 def assume_role_with_oidc(env: Mapping[str, str], timeout: float = 10.0) -> Credentials:
     """ACK RRSA: exchange the pod's projected service-account token for the role's credentials
     (Alibaba STS AssumeRoleWithOIDC: no signature, the token is the proof). The token file is
@@ -36,14 +56,13 @@ def assume_role_with_oidc(env: Mapping[str, str], timeout: float = 10.0) -> Cred
     if not (role and provider and token_file):
         raise MetadataError("ack-rrsa credentials need ALIBABA_CLOUD_ROLE_ARN, ALIBABA_CLOUD_OIDC_PROVIDER_ARN and "
                             "ALIBABA_CLOUD_OIDC_TOKEN_FILE (the Job sets them)")
-    with open(token_file, encoding="utf-8") as fh:
-        token = fh.read().strip()
+    token = _token(env, "ALIBABA_CLOUD_OIDC_TOKEN_FILE")
     query = urllib.parse.urlencode({
         "Action": "AssumeRoleWithOIDC", "Format": "JSON", "Version": "2015-04-01", "RoleArn": role,
         "OIDCProviderArn": provider, "OIDCToken": token, "RoleSessionName": "gpu-training-stack",
         "DurationSeconds": "3600", "Timestamp": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")})
     endpoint = env.get("ALIBABA_CLOUD_STS_ENDPOINT") or ACK_STS
-    url = (endpoint if "://" in endpoint else "https://" + endpoint).rstrip("/") + "/?" + query
+    url = _sts_url(endpoint, "ALIBABA_CLOUD_STS_ENDPOINT") + "/?" + query
     try:
         with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=timeout) as resp:
             doc = json.loads(resp.read().decode())
@@ -61,18 +80,17 @@ def assume_role_with_web_identity(env: Mapping[str, str], timeout: float = 10.0)
     credentials at Tencent STS AssumeRoleWithWebIdentity (version 2018-08-13). Not signed (the
     token is the proof): a TC3-style JSON POST with `Authorization: SKIP`, as the Tencent SDKs
     send it (tencentcloud-sdk-python common/credential.py OIDCRoleArnCredential with SkipSign,
-    common/abstract_client.py). The token file is read on every call: Kubernetes rotates it.
+    common/abstract_client.py).
     GTS_STS_ENDPOINT overrides the endpoint (tests)."""
     missing = [k for k in TKE_IDENTITY_VARS if not env.get(k)]
     if missing:
         raise MetadataError(f"tke-pod-identity credentials need {', '.join(missing)} (TKE's pod-identity webhook sets "
                             "them in pods of a service account annotated tke.cloud.tencent.com/role-arn)")
-    with open(env["TKE_WEB_IDENTITY_TOKEN_FILE"], encoding="utf-8") as fh:
-        token = fh.read().strip()
+    token = _token(env, "TKE_WEB_IDENTITY_TOKEN_FILE")
     body = json.dumps({"ProviderId": env["TKE_PROVIDER_ID"], "WebIdentityToken": token, "RoleArn": env["TKE_ROLE_ARN"],
                        "RoleSessionName": "gpu-training-stack", "DurationSeconds": 3600}).encode()
     endpoint = env.get("GTS_STS_ENDPOINT") or TKE_STS
-    url = (endpoint if "://" in endpoint else "https://" + endpoint).rstrip("/") + "/"
+    url = _sts_url(endpoint, "GTS_STS_ENDPOINT") + "/"
     headers = {"Content-Type": "application/json", "Authorization": "SKIP",
                "X-TC-Action": "AssumeRoleWithWebIdentity", "X-TC-Version": "2018-08-13",
                "X-TC-Region": env["TKE_REGION"], "X-TC-Timestamp": str(int(time.time()))}
