@@ -96,6 +96,16 @@ def test_help_names_each_option_its_default_and_its_variable(tmp_path: Path) -> 
 
 # ------------------------------------------------------------------ the entrypoint
 
+@pytest.mark.parametrize("env,named", [({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE"),
+                                       ({"NNODES": "2;id"}, "NNODES"), ({"MIN_NNODES": "-1"}, "MIN_NNODES")])
+def test_the_entrypoint_refuses_counts_that_are_not_counts(env: dict[str, str], named: str, tmp_path: Path) -> None:
+    run = start([*ENTRYPOINT, "--steps", "6"], env, tmp_path)
+    assert run.finish() == 2, run.output
+    # the contract check at container start (training/contract.py) refuses it before any launcher runs
+    assert f"trainer contract: {named}=" in run.output and "a whole number of at least 1" in run.output
+    assert "torchrun" not in run.output
+
+
 def test_the_entrypoint_runs_without_nvidia_smi_and_its_help_shows_both_usages(tmp_path: Path) -> None:
     path = f"{BIN}:/usr/bin:/bin"
     assert shutil.which("nvidia-smi", path=path) is None
