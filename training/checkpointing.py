@@ -242,27 +242,26 @@ class Interval:
             self.auto.observe_durable(status.last_success - self.started.pop(status.uploaded[-1]))
 
 
-def finish(manager: CheckpointManager, comm: Comm, raised: str | None, stopped: bool, deadline: float) -> int:
+def finish(manager: CheckpointManager, comm: Comm, raised: str | None, stopped: bool, deadline: float,
+           step: int | None = None) -> int:
     """Wait for the uploads (up to `deadline` s) and return the process's exit code: 0, 1 when
-    the stop's own checkpoint could not be written, 75 on the nodes of a multi-node run that
-    stopped because another node was told to."""
+    the run's last checkpoint (or the stop's own) could not be written or uploads are refused,
+    75 on the nodes of a multi-node run that stopped because another node was told to. `step`:
+    where the run is, for the messages. The trainer, the library, the Hugging Face and Lightning
+    callbacks all end here."""
     status = manager.close(timeout=deadline)
+    at = f" at step {step}" if step is not None else ""
     if status.pending and comm.rank == 0:
-        log.error("%d checkpoint(s) not uploaded yet; kept on local disk", len(status.pending))
+        log.error("%d checkpoint(s) not uploaded yet; kept on local disk in %s", len(status.pending), manager.local)
     if status.permanent_error:
-        log.error("checkpoints could not be uploaded: %s", status.permanent_error)
+        log.error("checkpoints could not be uploaded: %s; they are kept in %s", status.permanent_error, manager.local)
         return 1
-    if status.write_error and not stopped:  # the run's last state is not on disk: a restart repeats work
-        log.error("a checkpoint could not be written (%s); a restart resumes from the newest committed one",
-                  status.write_error)
+    if status.write_error:  # the run's last state is not on disk: a restart repeats work
+        what = "the emergency checkpoint" if stopped else "its checkpoint"
+        log.error("the run %s%s, but %s could not be written (%s): a restart resumes from the newest committed one",
+                  "stopped" if stopped else "reached its end", at, what, status.write_error)
         return 1
-    if not stopped:
-        return 0
-    if status.write_error:
-        log.error("the emergency checkpoint could not be written (%s); a restart resumes from the newest "
-                  "committed one", status.write_error)
-        return 1
-    return exit_code(comm, raised)
+    return exit_code(comm, raised) if stopped else 0
 
 
 def open_manager(comm: Comm, url: str | None, local_dir: str | None, keep: int | None,

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from training import config as config_mod
 from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadStatus
 from training.storage import StorageRefused
-from training.checkpointing import Interval, StopFlag, choose_checkpoint, exit_code, rng_state, set_rng_state
+from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, rng_state, set_rng_state
 from training.data import ImageFolder, ResumableSampler, SyntheticClassification, SyntheticTokens, derived_seed
 from training.distributed import Comm
 from training.metrics import Metrics
@@ -348,35 +348,17 @@ class Run:
             self.save(ckpt, tracker)
         if self.sharded is not None:
             self.sharded.close()  # this rank's shard of the last checkpoint is written
-        status = ckpt.close(timeout=self.cfg.upload_deadline_s)
+        code = finish(ckpt, self.comm, self.stop.raised, interrupted is not None, self.cfg.upload_deadline_s, self.step)
         tracker.close(interrupted=interrupted is not None)
-        if status.permanent_error:
-            log.error("checkpoints could not be uploaded: %s; they are kept in %s", status.permanent_error, ckpt.local)
-            return 1
-        if interrupted is None and status.write_error:  # a run that cannot be resumed from its end is not done
-            log.error("the run reached step %d, but its checkpoint could not be written (%s): a restart resumes from "
-                      "the newest committed one", self.step, status.write_error)
-            return 1
-        if interrupted is None:
+        if interrupted is not None and code != 1 and self.comm.rank == 0:
+            log.warning("stopped by %s at step %d after an emergency checkpoint", interrupted, self.step)
+        if interrupted is None and code == 0:
             # sharded: the full parameters, gathered (every rank takes part), so any sharding compares
             digest = (full_params_sha256(self.model) if self.sharded is not None
                       else params_sha256(self.model) if self.comm.rank == 0 else "")
             if self.comm.rank == 0:
                 print(f"final step={self.step} loss={self.last_loss!r} params_sha256={digest}", flush=True)
-            return 0
-        return self.stopped(interrupted, status)
-
-    def stopped(self, interrupted: str, status: UploadStatus) -> int:
-        """After the emergency checkpoint: 0 where a node was told to stop; 75 on the other nodes
-        of a multi-node run, whose agents then go on without it."""
-        if status.write_error:  # the emergency checkpoint is not on disk: not a clean stop
-            log.error("stopped by %s at step %d, but the emergency checkpoint could not be written (%s); a "
-                      "restart resumes from the newest committed one", interrupted, self.step, status.write_error)
-            return 1
-        if self.comm.rank == 0:
-            log.warning("stopped by %s at step %d after an emergency checkpoint%s", interrupted, self.step,
-                        "" if not status.pending else f" ({len(status.pending)} upload(s) still pending)")
-        return exit_code(self.comm, self.stop.raised)
+        return code
 
 
 def main(argv: list[str] | None = None) -> int:
