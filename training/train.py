@@ -17,7 +17,6 @@ ends with `final step=<N> loss=<repr> params_sha256=<hex>`.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import random
@@ -38,7 +37,7 @@ from training.data import ImageFolder, ResumableSampler, SyntheticClassification
 from training.distributed import Comm
 from training.metrics import Metrics
 from training.models import ResNet50, TinyGPT, TinyNet
-from training.sharded import ShardedCheckpoints, full_params_sha256, shard
+from training.sharded import ShardedCheckpoints, full_params_sha256, shard, state_sha256
 from training.tracking import Tracker
 from training.wallcost import WallCost
 
@@ -64,11 +63,8 @@ def refuse(message: str) -> None:
 
 
 def params_sha256(model: nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    """sha256 of a replicated model's state, as full_params_sha256 hashes a sharded one's."""
+    return state_sha256(model.state_dict())
 
 
 def build(cfg: config_mod.TrainConfig) -> tuple[SyntheticClassification | ImageFolder | SyntheticTokens, nn.Module]:
