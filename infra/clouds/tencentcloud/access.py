@@ -49,24 +49,18 @@ class TencentAccess(pulumi.ComponentResource):
         self.args, self.child = args, child
         self.roles = {}
         for group, grants in args.groups.items():
-            role_name = fit(f"{args.env}-{group}-node", "iamRole")
-            role = tencentcloud.cam.Role(
-                f"{name}-{group}", name=role_name, console_login=False,
-                document=json.dumps({"version": "2.0", "statement": [{
+            self.roles[group] = self.role(
+                f"{name}-{group}", f"{args.env}-{group}-node",
+                json.dumps({"version": "2.0", "statement": [{
                     "action": ["name/sts:AssumeRole"], "effect": "allow", "principal": {"service": ["cvm.qcloud.com"]}}]}),
-                description=f"GPU nodes of {group}: its dataset, its own checkpoints", tags=args.tags, opts=child)
-            policy = tencentcloud.cam.Policy(f"{name}-{group}-bucket", name=f"{role_name}-bucket",
-                                             document=bucket_policy(args.bucket, args.region, args.app_id, grants),
-                                             description=f"{group}: its dataset, its own checkpoints", opts=child)
-            tencentcloud.cam.RolePolicyAttachment(f"{name}-{group}-bucket", role_id=role.id, policy_id=policy.id,
-                                                  opts=child)
-            self.roles[group] = role
+                grants, f"GPU nodes of {group}: its dataset, its own checkpoints",
+                f"{group}: its dataset, its own checkpoints")
         self.register_outputs({"groups": sorted(self.roles)})
 
-    def pod_role(self, name: str, role_name: str, trust: pulumi.Input[str], grants: Grants, description: str,
-                 after: list[pulumi.Resource] | None = None) -> tencentcloud.cam.Role:
-        """A CAM role with a policy of the grants in the stack's bucket, for pods (`trust`), made
-        after `after` (the OIDC provider its trust names)."""
+    def role(self, name: str, role_name: str, trust: pulumi.Input[str], grants: Grants, description: str,
+             policy_description: str | None = None, after: list[pulumi.Resource] | None = None) -> tencentcloud.cam.Role:
+        """A CAM role trusted as `trust` says (the CVM service for nodes; a cluster's OIDC provider
+        for pods, made after `after`), with a policy of its grants in the stack's bucket."""
         args = self.args
         role_name = fit(role_name, "iamRole")
         role = tencentcloud.cam.Role(name, name=role_name, console_login=False, document=trust,
@@ -74,6 +68,6 @@ class TencentAccess(pulumi.ComponentResource):
                                          self.child, pulumi.ResourceOptions(depends_on=after or [])))
         policy = tencentcloud.cam.Policy(f"{name}-bucket", name=f"{role_name}-bucket",
                                          document=bucket_policy(args.bucket, args.region, args.app_id, grants),
-                                         description=description, opts=self.child)
+                                         description=policy_description or description, opts=self.child)
         tencentcloud.cam.RolePolicyAttachment(f"{name}-bucket", role_id=role.id, policy_id=policy.id, opts=self.child)
         return role

@@ -131,9 +131,9 @@ class TencentTke(pulumi.ComponentResource):
         for g in args.groups:
             account = f"{g.name}-trainer"
             trust = pulumi.Output.format("{0}\n{1}\n{2}", uin, self.cluster.id, account).apply(pod_trust)
-            role = args.access.pod_role(f"{name}-{g.name}-pods", f"{args.spec.env}-{g.name}-pods", trust,
-                                        trainer_grants(args.spec, g), f"pods of {g.name}: its dataset, its own checkpoints",
-                                        after=[oidc])
+            role = args.access.role(f"{name}-{g.name}-pods", f"{args.spec.env}-{g.name}-pods", trust,
+                                    trainer_grants(args.spec, g), f"pods of {g.name}: its dataset, its own checkpoints",
+                                    after=[oidc])
             arn = pulumi.Output.format("qcs::cam::uin/{0}:roleName/{1}", uin, role.name)
             identities[g.name] = Identity(service_account=account,
                                           annotations={ROLE_ANNOTATION: arn, AUDIENCE_ANNOTATION: AUDIENCE})
