@@ -36,6 +36,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader")
     parser.add_argument("--sleep-ms", type=int, default=0, help="slow each step down (lets a test interrupt it)")
+    parser.add_argument("--pause-at", type=int, default=0,
+                        help="after this step, wait for a stop signal (lets a test stop it at a known step)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.manual_seed(0)
@@ -78,6 +80,8 @@ def main() -> int:
                 if ckpt.comm.rank == 0:
                     logging.info("step %d epoch %d batch %d", step, epoch, i + 1)
                 time.sleep(args.sleep_ms / 1000)
+                while step == args.pause_at and ckpt.stop.raised is None:
+                    time.sleep(0.05)
                 if ckpt.step(step) or step >= args.steps:
                     stopped = step < args.steps
                     break

@@ -60,6 +60,8 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", default=None, help="steps, or auto")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--sleep-ms", type=int, default=0, help="slow each step down (lets a test interrupt it)")
+    parser.add_argument("--pause-at", type=int, default=0,
+                        help="after this step, wait for a stop signal (lets a test stop it at a known step)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # Your launcher's process group (torchrun sets RANK / WORLD_SIZE); FSDP2 needs it first.
@@ -88,6 +90,8 @@ def main() -> int:
             optimizer.step()
             scheduler.step()
             time.sleep(args.sleep_ms / 1000)
+            while step + 1 == args.pause_at and ckpt.stop.raised is None:
+                time.sleep(0.05)
             if ckpt.step(step + 1):
                 break
         else:

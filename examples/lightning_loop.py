@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,10 +24,11 @@ from training.lightning_spot import SpotCheckpoint
 
 
 class Tiny(pl.LightningModule):
-    def __init__(self, sleep_ms: int) -> None:
+    def __init__(self, sleep_ms: int, pause_at: int = 0, stopped: Callable[[], bool] = lambda: False) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
         self.sleep_ms = sleep_ms
+        self.pause_at, self.stopped = pause_at, stopped
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -34,6 +36,8 @@ class Tiny(pl.LightningModule):
         if self.global_rank == 0:
             logging.info("step %d loss %.5f", self.global_step + 1, float(loss))
         time.sleep(self.sleep_ms / 1000)
+        while self.global_step + 1 == self.pause_at and not self.stopped():
+            time.sleep(0.05)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -44,6 +48,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--sleep-ms", type=int, default=0, help="slow each step down (lets a test interrupt it)")
+    parser.add_argument("--pause-at", type=int, default=0,
+                        help="at this step, wait for a stop signal (lets a test stop it at a known step)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     pl.seed_everything(0, workers=True)
@@ -56,7 +62,7 @@ def main() -> int:
                          max_steps=args.max_steps,
                          callbacks=[spot], enable_checkpointing=False, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir="out/lightning")
-    model = Tiny(args.sleep_ms)
+    model = Tiny(args.sleep_ms, args.pause_at, lambda: spot.stop.raised is not None)
     code = spot.fit(trainer, model, train_dataloaders=data)
     if code == 0 and spot.stopped is None and spot.comm.rank == 0:
         print(f"final step={trainer.global_step or spot.resumed_step}", flush=True)

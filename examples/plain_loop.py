@@ -35,6 +35,8 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=None)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--sleep-ms", type=int, default=0, help="slow each step down (lets a test interrupt it)")
+    parser.add_argument("--pause-at", type=int, default=0,
+                        help="after this step, wait for a stop signal (lets a test stop it at a known step)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.manual_seed(args.seed)
@@ -57,6 +59,8 @@ def main() -> int:
             optimizer.step()
             scheduler.step()
             time.sleep(args.sleep_ms / 1000)
+            while step + 1 == args.pause_at and ckpt.stop.raised is None:
+                time.sleep(0.05)
             if ckpt.step(step + 1):
                 break
         else:

@@ -36,12 +36,14 @@ def test_an_ordinary_loop_resumes_exactly_mid_epoch(loader: list[str], tmp_path:
     reference = start(ENTRYPOINT, node(tmp_path, "ref", loader, remote=False), tmp_path)
     assert reference.finish() == 0, reference.output[-3000:]
 
-    first = start(ENTRYPOINT, node(tmp_path, "node-a", [*loader, "--sleep-ms", "250"]), tmp_path)
-    first.wait_for(r"step 8 epoch 1 batch 4$")  # inside the second epoch, after a committed checkpoint
+    # The loop waits after step 8 until it is told to stop: inside the second epoch, after a
+    # committed checkpoint (step 4), whatever the machine's load.
+    first = start(ENTRYPOINT, node(tmp_path, "node-a", [*loader, "--pause-at", "8"]), tmp_path)
+    first.wait_for(r"step 8 epoch 1 batch 4$")
     os.kill(first.proc.pid, signal.SIGTERM)
     assert first.finish() == 0, first.output[-3000:]
     stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", first.output).group(1))  # type: ignore[union-attr]
-    assert stopped % STEPS_PER_EPOCH, f"step {stopped} ends an epoch: the test needs a stop inside one"
+    assert stopped == 8 and stopped % STEPS_PER_EPOCH, f"step {stopped}: the test needs a stop inside an epoch"
     assert (tmp_path / "bucket" / f"step-{stopped:08d}" / "manifest-node000.json").is_file()
     shutil.rmtree(tmp_path / "node-a")  # the reclaimed node's disk is gone
 

@@ -19,21 +19,21 @@ EXAMPLE = ROOT / "examples" / "lightning_loop.py"
 ENTRYPOINT = ["bash", str(ROOT / "training" / "entrypoint.sh")]
 
 
-def node(tmp_path: Path, scratch: str, sleep_ms: int = 0) -> dict[str, str]:
-    command = [str(EXAMPLE), "--max-steps", "30", "--sleep-ms", str(sleep_ms)]
+def node(tmp_path: Path, scratch: str, pause_at: int = 0) -> dict[str, str]:
+    command = [str(EXAMPLE), "--max-steps", "30", "--pause-at", str(pause_at)]
     return {contract.TRAIN_COMMAND.name: contract.encode_command(command), contract.NPROC_PER_NODE.name: "2",
             contract.CHECKPOINT_DIR.name: str(tmp_path / scratch), contract.CHECKPOINT_EVERY.name: "8",
             contract.CHECKPOINT_URL.name: f"file://{tmp_path / 'bucket'}"}
 
 
 def test_lightning_ddp_stops_with_a_checkpoint_and_resumes_from_the_bucket(tmp_path: Path) -> None:
-    first = start(ENTRYPOINT, node(tmp_path, "node-a", sleep_ms=200), tmp_path)
+    first = start(ENTRYPOINT, node(tmp_path, "node-a", pause_at=10), tmp_path)  # step 10 waits for the signal
     first.wait_for(r"checkpoint step 8 committed", timeout=150)
     first.wait_for(r"step 10 loss")
     os.kill(first.proc.pid, signal.SIGTERM)
     assert first.finish() == 0, first.output[-3000:]
     stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", first.output).group(1))  # type: ignore[union-attr]
-    assert 10 <= stopped < 30
+    assert stopped == 10
     assert "final step=" not in first.output
     committed = tmp_path / "bucket" / f"step-{stopped:08d}"
     assert sorted(p.name for p in committed.iterdir()) == ["lightning.ckpt", "manifest-node000.json"]

@@ -175,7 +175,8 @@ def stopped_loop(tmp_path_factory: pytest.TempPathFactory) -> Stopped:
     assert match and int(match.group(1)) == LOOP_STEPS, reference.output[-3000:]
 
     bucket = tmp / "bucket"
-    first = start_loop(tmp, 2, f"file://{bucket}", "node-a", "--sleep-ms", "150",
+    # Step 20 waits for the signal: the run cannot end before SIGTERM reaches it, whatever the load.
+    first = start_loop(tmp, 2, f"file://{bucket}", "node-a", "--sleep-ms", "150", "--pause-at", "20",
                        env={contract.CHECKPOINT_EVERY.name: "auto", contract.MTBF_S.name: "2",
                             contract.NOTICE_S.name: "0"})
     first.wait_for(r"uploaded step-\d{8} ", timeout=120)

@@ -52,7 +52,7 @@ def test_a_plain_loop_resumes_exactly_after_sigterm(tmp_path: Path) -> None:
     assert reference.finish() == 0, reference.output[-3000:]
 
     ckpt = str(tmp_path / "run")
-    first = start(args + ["--checkpoint-dir", ckpt, "--sleep-ms", "25"], {}, tmp_path)
+    first = start(args + ["--checkpoint-dir", ckpt, "--sleep-ms", "25", "--pause-at", "60"], {}, tmp_path)
     first.wait_for(r"committed checkpoint step-00000040")
     os.kill(first.proc.pid, signal.SIGTERM)
     assert first.finish() == 0, first.output[-3000:]
