@@ -23,7 +23,7 @@ from tests.nodes import lay_down, node_env
 
 pytestmark = pytest.mark.boot
 HERE = Path(__file__).parent
-REGION = gpu_health().REGION  # the metadata path of the node's region, as the gate reads it
+REGION = gpu_health().node_replace.REGION  # the metadata path of the node's region, as the gate reads it
 BUNDLE_TYPES = {"aws": "aws:s3/bucketObject:BucketObject", "alicloud": "alicloud:oss/bucketObject:BucketObject",
                 "tencentcloud": "tencentcloud:Cos/bucketObject:BucketObject"}
 TRAINER_FLAGS = ("--gpus all", "--ipc=host", "--network host", "--ulimit memlock=-1", "--ulimit stack=67108864",
@@ -31,7 +31,7 @@ TRAINER_FLAGS = ("--gpus all", "--ipc=host", "--network host", "--ulimit memlock
 
 
 def api_url(cloud: str, region: str, override: str) -> str:
-    return gpu_health().api_url(cloud, region, override)  # type: ignore[no-any-return]
+    return gpu_health().node_replace.api_url(cloud, region, override)  # type: ignore[no-any-return]
 
 
 def _env_of(raw: bytes, tmp: Path) -> dict[str, str]:

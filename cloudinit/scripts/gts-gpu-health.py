@@ -42,12 +42,8 @@ for the operator to repair or replace.
 """
 
 import argparse
-import base64
 import datetime as dt
-import hashlib
-import hmac
 import importlib.util
-import json
 import logging
 import os
 import re
@@ -55,14 +51,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
-import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIB = os.environ.get("GTS_LIB", "/usr/local/lib/gts")
 sys.path.insert(0, LIB)
 import cloudmeta  # noqa: E402  (the node's copy of training/cloudmeta.py)
+import node_replace  # noqa: E402  (training/node_replace.py: each cloud's replace-this-node call)
+from node_replace import TENCENT_GROUP_ID, tencent_group_id  # noqa: E402
 
 
 def _spot_watch():
@@ -78,10 +73,6 @@ log = logging.getLogger("gts-gpu-health")
 XID = re.compile(r"NVRM: Xid \((?P<pci>[^)]*)\): (?P<code>\d+)(?:, (?P<text>.*))?")
 ACTIONS = ("replace", "restart", "monitor")
 DEFAULT_TABLE = os.path.join(LIB, "gpu_health.yaml")
-INSTANCE_ID = {"aws": "/latest/meta-data/instance-id", "alicloud": "/latest/meta-data/instance-id",
-               "tencentcloud": "/latest/meta-data/instance-id"}
-REGION = {"aws": "/latest/meta-data/placement/region", "alicloud": "/latest/meta-data/region-id",
-          "tencentcloud": "/latest/meta-data/placement/region"}
 
 
 # ---------------------------------------------------------------------------- the table
@@ -244,139 +235,14 @@ def replace_metric(labels, reason):
             f"gts_gpu_replace_requested_timestamp_seconds{_labels(**labels)} {time.time():.0f}"]
 
 
-def _percent(text):
-    """Alibaba RPC percent-encoding: RFC 3986 unreserved characters stay."""
-    return urllib.parse.quote(str(text), safe="-_.~")
-
-
-def aws_set_unhealthy(creds, region, instance, url, now):
-    body = urllib.parse.urlencode({"Action": "SetInstanceHealth", "Version": "2011-01-01", "InstanceId": instance,
-                                   "HealthStatus": "Unhealthy", "ShouldRespectGracePeriod": "false"}).encode()
-    content = "application/x-www-form-urlencoded; charset=utf-8"
-    headers = cloudmeta.sign_v4("POST", url, region, creds, now, service="autoscaling", body=body,
-                                extra={"content-type": content})
-    headers.pop("host", None)
-    return urllib.request.Request(url, data=body, headers=headers, method="POST")
-
-
-def alicloud_set_unhealthy(creds, region, instance, url, now):
-    params = {"Action": "SetInstanceHealth", "Version": "2014-08-28", "RegionId": region, "InstanceId": instance,
-              "HealthStatus": "Unhealthy", "Format": "JSON", "AccessKeyId": creds.access_key,
-              "SecurityToken": creds.token, "SignatureMethod": "HMAC-SHA1", "SignatureVersion": "1.0",
-              "SignatureNonce": uuid.uuid4().hex, "Timestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ")}
-    query = "&".join(f"{_percent(k)}={_percent(v)}" for k, v in sorted(params.items()))
-    to_sign = "GET&%2F&" + _percent(query)
-    digest = hmac.new((creds.secret_key + "&").encode(), to_sign.encode(), hashlib.sha1).digest()
-    signature = _percent(base64.b64encode(digest).decode())
-    return urllib.request.Request(f"{url.rstrip('/')}/?{query}&Signature={signature}", method="GET")
-
-
-def tencent_call(creds, region, action, params, url, now):
-    """One Tencent Cloud API 3.0 call (service as, version 2018-04-19), signed TC3-HMAC-SHA256."""
-    host = urllib.parse.urlsplit(url).netloc
-    body = json.dumps(params).encode()
-    content = "application/json; charset=utf-8"
-    day, stamp = now.strftime("%Y-%m-%d"), str(int(now.timestamp()))
-    canonical = "\n".join(["POST", "/", "", f"content-type:{content}\nhost:{host}\n", "content-type;host",
-                           hashlib.sha256(body).hexdigest()])
-    scope = f"{day}/as/tc3_request"
-    to_sign = "\n".join(["TC3-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
-    key = ("TC3" + creds.secret_key).encode()
-    for part in (day, "as", "tc3_request"):
-        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    headers = {"Content-Type": content, "X-TC-Action": action, "X-TC-Version": "2018-04-19",
-               "X-TC-Timestamp": stamp, "X-TC-Region": region, "X-TC-Token": creds.token,
-               "Authorization": f"TC3-HMAC-SHA256 Credential={creds.access_key}/{scope}, "
-                                f"SignedHeaders=content-type;host, Signature={signature}"}
-    return urllib.request.Request(url, data=body, headers=headers, method="POST")
-
-
-def tencent_answer(req, timeout=30):
-    """The Response object of a Tencent API call; its Error raised."""
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        answer = json.loads(resp.read().decode()).get("Response", {})
-    if "Error" in answer:
-        raise ValueError(f"{req.get_header('X-tc-action')} answered {answer['Error']}")
-    return answer
-
-
-def group_id_key(group):
-    """Where the plan writes a Tencent group's scaling-group id (infra/clouds/tencentcloud/health.py)."""
-    return f"nodes/scaling-groups/{group}"
-
-
-TENCENT_GROUP_ID = re.compile(r"asg-[a-z0-9]+")  # an AS group's id, as CreateAutoScalingGroup returns it
-
-
-def tencent_group_id(args, creds):
-    """The scaling group's id: --group-id, else the object the plan wrote beside the node bundle,
-    read with the node's role like the bundle (bucket and endpoint from node.env)."""
-    if args.group_id:
-        return args.group_id
-    env = os.environ.get
-    bucket = urllib.parse.urlsplit(env("GTS_BUNDLE_URL", "")).netloc
-    if not (bucket and env("STORAGE_ENDPOINT_URL") and args.group):
-        raise ValueError("no scaling-group id: --group-id is empty and node.env names no bucket (GTS_BUNDLE_URL, "
-                         "STORAGE_ENDPOINT_URL) or group (GTS_NODE_GROUP)")
-    body = cloudmeta.signed_get("tencentcloud", env("STORAGE_ENDPOINT_URL"), env("STORAGE_REGION", ""), bucket,
-                                group_id_key(args.group), creds, env("STORAGE_ADDRESSING_STYLE", "virtual"))
-    group_id = body.decode().strip()
-    if not TENCENT_GROUP_ID.fullmatch(group_id):
-        raise ValueError(f"{group_id_key(args.group)} holds {group_id[:60]!r}, not a scaling-group id")
-    return group_id
-
-
-def tencent_replace(creds, region, instance, group_id, url):
-    """DescribeAutoScalingGroups (the desired capacity now), RemoveInstances, then
-    ModifyDesiredCapacity back to it: the group launches a replacement whether or not
-    RemoveInstances lowered the desired capacity (its documentation does not say)."""
-    now = lambda: dt.datetime.now(dt.timezone.utc)  # noqa: E731
-    found = tencent_answer(tencent_call(creds, region, "DescribeAutoScalingGroups",
-                                        {"AutoScalingGroupIds": [group_id]}, url, now()))
-    groups = found.get("AutoScalingGroupSet") or []
-    if len(groups) != 1:
-        raise ValueError(f"DescribeAutoScalingGroups found {len(groups)} groups with id {group_id}")
-    desired = int(groups[0]["DesiredCapacity"])
-    removed = tencent_answer(tencent_call(creds, region, "RemoveInstances",
-                                          {"AutoScalingGroupId": group_id, "InstanceIds": [instance]}, url, now()))
-    try:
-        tencent_answer(tencent_call(creds, region, "ModifyDesiredCapacity",
-                                    {"AutoScalingGroupId": group_id, "DesiredCapacity": desired}, url, now()))
-    except (OSError, ValueError) as exc:  # the node is removed already: say so, do not remove it again
-        log.error("RemoveInstances done, but setting the desired capacity of %s back to %d failed: %s",
-                  group_id, desired, exc)
-    return json.dumps({"RemoveInstances": removed, "DesiredCapacity": desired})
-
-
-def api_url(cloud, region, override):
-    if override:
-        return override.rstrip("/") + "/"
-    return {"aws": f"https://autoscaling.{region}.amazonaws.com/", "alicloud": f"https://ess.{region}.aliyuncs.com/",
-            "tencentcloud": "https://as.tencentcloudapi.com/"}[cloud]
-
-
 def hand_back(args, attempts=5):
     """Ask the node's group to replace this node; True once the cloud accepted. Retries transient
     failures (the role's credentials, the network) a few times: the node is broken either way."""
     meta = cloudmeta.Metadata(args.cloud, args.metadata_url)
     for attempt in range(1, attempts + 1):
         try:
-            instance = meta.get(INSTANCE_ID[args.cloud])
-            region = args.region or meta.get(REGION[args.cloud])
-            creds = meta.credentials()
-            now = dt.datetime.now(dt.timezone.utc)
-            url = api_url(args.cloud, region, args.api_url)
-            if args.cloud == "aws":
-                req = aws_set_unhealthy(creds, region, instance, url, now)
-            elif args.cloud == "alicloud":
-                req = alicloud_set_unhealthy(creds, region, instance, url, now)
-            else:
-                req = None
-                answer = tencent_replace(creds, region, instance, tencent_group_id(args, creds), url)
-            if req is not None:
-                with urllib.request.urlopen(req, timeout=30) as resp:
-                    answer = resp.read().decode()
+            instance, answer = node_replace.request_replacement(
+                args.cloud, meta, args.region, args.api_url, lambda creds: tencent_group_id(args, creds))
             log.warning("asked the %s group to replace instance %s: %s", args.cloud, instance, answer.strip()[:300])
             return True
         except (OSError, ValueError, KeyError, cloudmeta.MetadataError) as exc:
