@@ -2,11 +2,22 @@
 credentials from the metadata service (training/cloudmeta.py), with the standard library only.
 
 Node-side: the bundle installs it beside cloudmeta.py in /usr/local/lib/gts, and
-cloudinit/scripts/gts-gpu-health.py imports it (its docstring says why each call is the one).
-  AWS      autoscaling SetInstanceHealth, query API 2011-01-01, Signature V4;
-  Alibaba  ESS SetInstanceHealth, RPC API 2014-08-28, signature v1 (HMAC-SHA1);
-  Tencent  AS DescribeAutoScalingGroups / RemoveInstances / ModifyDesiredCapacity, API 3.0
-           2018-04-19, TC3-HMAC-SHA256, the group's id read from the stack's bucket.
+cloudinit/scripts/gts-gpu-health.py imports it.
+
+Handing the node back, signed with the instance role's credentials from the metadata service:
+  AWS      autoscaling SetInstanceHealth(InstanceId, Unhealthy, ShouldRespectGracePeriod=false),
+           query API 2011-01-01, Signature V4 — "Amazon EC2 Auto Scaling terminates and replaces
+           the unhealthy instance";
+  Alibaba  ESS SetInstanceHealth(InstanceId, Unhealthy), RPC API 2014-08-28, signature v1
+           (HMAC-SHA1) — "the scaling group detects and removes unhealthy instances";
+  Tencent  AS RemoveInstances(AutoScalingGroupId, InstanceIds), API 3.0 2018-04-19, TC3-HMAC-SHA256.
+           The metadata service names no scaling group, and user data is rendered before the
+           group exists: the plan writes the group's id to nodes/scaling-groups/<group> in the
+           stack's bucket once the group exists, and the node reads it with its role (the grant
+           it has for its bundle). RemoveInstances' documentation (377/20431) does not say what
+           happens to the desired capacity (ScaleInInstances and EnterStandby say they lower it),
+           so the node reads DesiredCapacity first (DescribeAutoScalingGroups) and sets it back
+           afterwards (ModifyDesiredCapacity): the group backfills either way.
 """
 
 from __future__ import annotations

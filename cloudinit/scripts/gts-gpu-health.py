@@ -17,20 +17,8 @@ watch (gts-gpu-watch.service): follows the kernel log (`journalctl -k -f`, or a 
                  committed checkpoint (--max-restarts), the node stays;
       monitor -> a metric only (an unknown Xid is monitored too, and the journal says so).
 
-Handing the node back, signed with the instance role's credentials from the metadata service:
-  AWS      autoscaling SetInstanceHealth(InstanceId, Unhealthy, ShouldRespectGracePeriod=false),
-           query API 2011-01-01, Signature V4 — "Amazon EC2 Auto Scaling terminates and replaces
-           the unhealthy instance";
-  Alibaba  ESS SetInstanceHealth(InstanceId, Unhealthy), RPC API 2014-08-28, signature v1
-           (HMAC-SHA1) — "the scaling group detects and removes unhealthy instances";
-  Tencent  AS RemoveInstances(AutoScalingGroupId, InstanceIds), API 3.0 2018-04-19, TC3-HMAC-SHA256.
-           The metadata service names no scaling group, and user data is rendered before the
-           group exists: the plan writes the group's id to nodes/scaling-groups/<group> in the
-           stack's bucket once the group exists, and the node reads it with its role (the grant
-           it has for its bundle). RemoveInstances' documentation (377/20431) does not say what
-           happens to the desired capacity (ScaleInInstances and EnterStandby say they lower it),
-           so the node reads DesiredCapacity first (DescribeAutoScalingGroups) and sets it back
-           afterwards (ModifyDesiredCapacity): the group backfills either way.
+Handing the node back: training/node_replace.py (installed beside cloudmeta.py) says each cloud's
+call and why it is that one.
 A node with no scaling group (GTS_REPLACE=none: reserved groups on Alibaba and Tencent are fixed
 instances), or whose group refuses the call, checkpoints and stops its trainer all the same,
 stays out of the run (quarantined: gts_gpu_quarantined 1, and the journal says why) and is left
