@@ -330,8 +330,8 @@ class Budget(SpecModel):
 
 
 class PriceOverride(SpecModel):
-    cloud: Cloud
-    instance_type: str
+    cloud: Cloud = Field(description="Cloud of the catalog row the price replaces.")
+    instance_type: str = Field(description="Instance type of the catalog row the price replaces.")
     region: str | None = Field(None, description="The region the price is for; none: every region the catalog "
                                                  "prices the type in (give one to price a new region).")
     on_demand_hourly: float = Field(gt=0, description="Price per node-hour in the catalog row's currency.")
