@@ -139,7 +139,7 @@ class Peering(SpecModel):
     requester: str = Field(description="Network that asks for the peering.")
     accepter: str = Field(description="Network that accepts it.")
     via: Literal["peering", "transit"] = Field(
-        "peering", description="peering: VPC peering; transit: CEN (Alibaba) / CCN (Tencent) / Transit Gateway (AWS).")
+        "peering", description="peering: VPC peering; transit: one CCN (Tencent only: AWS and Alibaba refuse it, infra/data/capabilities.yaml).")
     bandwidth_mbps: StrictInt | None = Field(None, gt=0, description="Cross-region bandwidth cap (Alibaba, Tencent).")
 
 
