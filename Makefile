@@ -20,7 +20,7 @@ THROTTLE_MS ?= 50
 # (refused) stack name, never a command; CKPT_DIR may hold spaces.
 q = '$(subst ','"'"',$(1))'
 
-.PHONY: plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench test boot-test typecheck unit tools venv clean
+.PHONY: plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench docs test boot-test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -96,6 +96,10 @@ example-hf: $(STAMP)
 ## bench: checkpoint (ours, in line, async_save) and resume figures for ~100 MB and ~1 GB states beside their limits (memcpy, write+fsync, import+read; interleaved; S3 endpoint on 127.0.0.1), goodput, and the prod plan beside SDK imports + the mock engine (~12 min)
 bench: $(STAMP)
 	@$(PY) -m training.bench
+
+## docs: regenerate the stack-spec reference (docs/spec.md, Pulumi.yaml's config block) from infra/spec.py; a test fails when they are stale
+docs: $(RUNTIME_STAMP)
+	@$(PY) -m infra.cli.docs
 
 ## test: type checks and the whole test suite
 test: typecheck unit

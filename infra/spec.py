@@ -139,7 +139,7 @@ class Peering(SpecModel):
     requester: str = Field(description="Network that asks for the peering.")
     accepter: str = Field(description="Network that accepts it.")
     via: Literal["peering", "transit"] = Field(
-        "peering", description="peering: VPC peering; transit: CEN (Alibaba) / CCN (Tencent) / Transit Gateway (AWS).")
+        "peering", description="peering: VPC peering; transit: one CCN (Tencent only: AWS and Alibaba refuse it, infra/data/capabilities.yaml).")
     bandwidth_mbps: StrictInt | None = Field(None, gt=0, description="Cross-region bandwidth cap (Alibaba, Tencent).")
 
 
@@ -330,8 +330,8 @@ class Budget(SpecModel):
 
 
 class PriceOverride(SpecModel):
-    cloud: Cloud
-    instance_type: str
+    cloud: Cloud = Field(description="Cloud of the catalog row the price replaces.")
+    instance_type: str = Field(description="Instance type of the catalog row the price replaces.")
     region: str | None = Field(None, description="The region the price is for; none: every region the catalog "
                                                  "prices the type in (give one to price a new region).")
     on_demand_hourly: float = Field(gt=0, description="Price per node-hour in the catalog row's currency.")

@@ -416,8 +416,8 @@ def test_an_unreachable_mirror_fails_apt_update_so_the_retry_retries(sandbox: di
     assert not (Path(sandbox["GTS_STATE_DIR"]) / "reboot-required").exists()
 
 
-def test_the_readme_names_the_signal_the_spot_watcher_sends() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_name_the_signal_the_spot_watcher_sends() -> None:
+    readme = (ROOT / "docs" / "node-bootstrap.md").read_text()
     section = readme[readme.index("**The emergency checkpoint gets the whole notice.**"):]
     section = section[:section.index("\n\n")]
     watcher = (ROOT / "cloudinit/scripts/gts-spot-watch.py").read_text()

@@ -172,7 +172,7 @@ def _members(archive: bytes) -> list[str]:
         return [m.name for m in tar.getmembers()]
 
 
-# The Python each node image brings (README "Node bootstrap": where real nodes differ from the boot
+# The Python each node image brings (docs/boot-test.md: where real nodes differ from the boot
 # test's Debian 12 / Python 3.11): Ubuntu 22.04 3.10, Alibaba Cloud Linux 3 3.6 (platform python).
 IMAGE_PYTHONS = {"3.10": "Ubuntu 22.04", "3.6": "Alibaba Cloud Linux 3 / TencentOS Server 3"}
 

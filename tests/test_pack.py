@@ -1,7 +1,7 @@
 """The policy pack as an organisation runs it, tried as a new user would: the data it ships
 equals the project's, a missing SDK stops it loudly, the bypasses that used to pass are caught,
 `make plan` and a real preview read the same config, and the plan's exit codes and messages
-mean what the README says."""
+mean what docs/policies.md says."""
 
 from __future__ import annotations
 

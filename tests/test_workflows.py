@@ -1,5 +1,5 @@
 """The GitHub Actions workflows: actionlint passes on them (and catches a broken one), and they
-do what the README says — tests and the plan diff on every pull request, a real preview with
+do what docs/ci.md says — tests and the plan diff on every pull request, a real preview with
 the policy pack and the stack's pack config where credentials exist (never for forks), dev then
 an approved prod on merge, nightly drift detection — with minimal permissions and every action
 pinned to a commit."""
