@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import catalog as cat
+from . import clouds
 from .addresses import opens_internet
 from .resources import Capacity, Res, capacity, index_by_id, tags_of, taggable
 
@@ -434,7 +435,7 @@ PASSWORD_KEYS = ("password", "kmsEncryptedPassword")
 def no_passwords(r: Res, cfg: Mapping[str, Any]) -> list[str]:
     found = [k for k in PASSWORD_KEYS if r.get(k)] + [f"autoScalingConfig.{k}" for k in PASSWORD_KEYS
                                                      if r.get("autoScalingConfig", k)]
-    if r.cloud in ("alicloud", "tencentcloud") and found:
+    if r.cloud in clouds.PASSWORD_CLOUDS and found:
         return [f"sets an instance password ({', '.join(found)}); use key pairs or session access, and Pulumi "
                 "secrets for anything sensitive"]
     return []
@@ -487,6 +488,20 @@ def buckets_safe(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str
     return out
 
 
+def _disks_apply(r: Res, dd: clouds.DataDisks) -> bool:
+    """Whether the cloud's data-disk check reads this resource: the SDK can express the flag
+    here (where it may not), else the resource lists data disks."""
+    if dd.sdk_gap_possible:
+        return not sdk_gap(r.type, "dataDiskEncryption")
+    return r.get("dataDisks") is not None
+
+
+def _disks_fixable(r: Res, dd: clouds.DataDisks) -> bool:
+    if dd.sdk_gap_possible:
+        return bool(r.get("dataDisks")) and not sdk_gap(r.type, "dataDiskEncryption")
+    return r.get("dataDisks") is not None
+
+
 def disks_encrypted(r: Res, cfg: Mapping[str, Any]) -> list[str]:
     bad = False
     if r.type == "aws:ec2/launchTemplate:LaunchTemplate":
@@ -494,15 +509,13 @@ def disks_encrypted(r: Res, cfg: Mapping[str, Any]) -> list[str]:
                   for m in (r.get("blockDeviceMappings") or []) if m.get("ebs"))
     elif r.type == "aws:ebs/volume:Volume":
         bad = r.get("encrypted") is not True
-    elif r.cloud == "alicloud" and r.get("dataDisks") is not None:
-        bad = any(d.get("encrypted") not in (True, "true") for d in r.get("dataDisks") or [])
+    elif (dd := clouds.data_disks(r.cloud)) is not None and _disks_apply(r, dd):
+        disks = r.get("dataDisks") or (r.get("autoScalingConfig", "dataDisks") if dd.sdk_gap_possible else None) or []
+        bad = any(not dd.is_encrypted(d.get(dd.key)) for d in disks)
     elif r.type == "aws:efs/fileSystem:FileSystem":
         bad = r.get("encrypted") is not True
     elif r.type == "alicloud:nas/fileSystem:FileSystem":
         bad = r.get("encryptType", default=0) not in (1, 2)  # 1.0 == 1: numbers arrive as floats
-    elif r.cloud == "tencentcloud" and not sdk_gap(r.type, "dataDiskEncryption"):
-        disks = r.get("dataDisks") or r.get("autoScalingConfig", "dataDisks") or []
-        bad = any(d.get("encrypt") is not True for d in disks)
     return ["a disk or file system is not encrypted; set encrypted / encrypt on every data and root disk, "
             "encrypted on EFS, encryptType 1 on NAS"] if bad else []
 
@@ -517,10 +530,8 @@ def encrypt_disks(r: Res) -> dict[str, Any] | None:
         props["encrypted"] = True
     elif r.type == "alicloud:nas/fileSystem:FileSystem":
         props["encryptType"] = 1
-    elif r.cloud == "alicloud" and r.get("dataDisks") is not None:
-        props["dataDisks"] = [{**d, "encrypted": True} for d in r.get("dataDisks") or []]
-    elif r.cloud == "tencentcloud" and r.get("dataDisks") and not sdk_gap(r.type, "dataDiskEncryption"):
-        props["dataDisks"] = [{**d, "encrypt": True} for d in r.get("dataDisks") or []]
+    elif (dd := clouds.data_disks(r.cloud)) is not None and _disks_fixable(r, dd):
+        props["dataDisks"] = [{**d, dd.key: True} for d in r.get("dataDisks") or []]
     else:
         return None
     return props
