@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infra.clouds import profile, profiles
 from infra.spec import StackSpec
 
 # Every cloud's bucket holds checkpoints and datasets under the same prefixes; node roles are
@@ -13,7 +14,7 @@ from infra.spec import StackSpec
 CHECKPOINT_PREFIX = "checkpoints/"
 DATASET_PREFIX = "datasets/"
 # The URL scheme the trainer's storage layer (training/storage.py) reads for each cloud.
-SCHEMES = {"aws": "s3", "alicloud": "oss", "tencentcloud": "cosn"}
+SCHEMES = {p.name: p.storage_scheme for p in profiles()}
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Bucket:
 
     @property
     def url(self) -> str:
-        return f"{SCHEMES[self.cloud]}://{self.name}/"
+        return f"{profile(self.cloud).storage_scheme}://{self.name}/"
 
     @property
     def checkpoint_root(self) -> str:
@@ -39,9 +40,7 @@ def bucket(spec: StackSpec, cloud: str) -> Bucket:
     """The stack's bucket on `cloud`: `<prefix>-<region>` (COS: `-<APPID>` appended, as COS
     requires)."""
     account = spec.clouds[cloud]  # type: ignore[index]  # cloud is one of the Cloud literals
-    name = f"{spec.storage.bucket_prefix}-{account.region}"
-    if cloud == "tencentcloud":
-        name += f"-{account.app_id or ''}"
+    name = profile(cloud).bucket_name(spec.storage.bucket_prefix, account.region, account.app_id)
     return Bucket(cloud, name, account.region)
 
 
@@ -49,7 +48,8 @@ NODES_PREFIX = "nodes/"  # the node bundle (scripts and units the user data fetc
 
 
 def endpoint(cloud: str, bucket_region: str, node_region: str) -> str:
-    """The S3-compatible endpoint a node in `node_region` reads the bucket through.
+    """The S3-compatible endpoint a node in `node_region` reads the bucket through (each cloud's
+    profile, infra/clouds/<cloud>/profile.py storage_endpoint; an unknown cloud is an error).
 
     AWS: the regional endpoint (a VPC's S3 gateway endpoint serves it in-region). Alibaba: the
     internal endpoint in the bucket's region, else the public one ("Internal (VPC):
@@ -57,9 +57,4 @@ def endpoint(cloud: str, bucket_region: str, node_region: str) -> str:
     Tencent: one name, resolved to an internal address from the same region (COS "CVM accesses
     COS": same-region access is routed internally).
     """
-    if cloud == "aws":
-        return f"https://s3.{bucket_region}.amazonaws.com"
-    if cloud == "alicloud":
-        internal = "-internal" if node_region == bucket_region else ""
-        return f"https://s3.oss-{bucket_region}{internal}.aliyuncs.com"
-    return f"https://cos.{bucket_region}.myqcloud.com"
+    return profile(cloud).storage_endpoint(bucket_region, node_region)

@@ -13,6 +13,7 @@ from infra import catalog as cat
 from infra import rendezvous
 from policies.gts_policy.addresses import opens_internet
 from infra.buckets import bucket
+from infra.clouds import profile
 from infra.errors import Problem
 from infra.spec import StackSpec
 from infra.groups import GROUP_LABELS, TAG_NODE_GROUP, TAG_WORKLOAD
@@ -45,11 +46,11 @@ def _store_subnets(spec: StackSpec) -> Iterator[Problem]:
                                             f"{rendezvous.MAX_STORES}: move some to another network")
         if net.cloud not in rendezvous.OWN_SUBNET_CLOUDS or not count:
             continue
-        what = "subnets and the ACK pod vSwitches" if net.cloud == "alicloud" else "subnets"
+        what = profile(net.cloud).store_subnet_clear_of
         if rendezvous.own_subnet(spec, net) is None:
             yield Problem(f"networks[{i}].cidr", f"{net.name}: no /{rendezvous.OWN_SUBNET_PREFIX} of {net.cidr} is "
                                                  f"left outside its {what} for the rendezvous stores' own "
-                                                 f"{'vSwitch' if net.cloud == 'alicloud' else 'subnet'} (their "
+                                                 f"{profile(net.cloud).subnet_word} (their "
                                                  f"{count} multi-node VM group(s) need one); shrink a subnet or "
                                                  f"widen networks[{i}].cidr")
         if count > rendezvous.OWN_SUBNET_STORES:
@@ -81,8 +82,9 @@ def _cidr_sizes(spec: StackSpec) -> Iterator[Problem]:
         if not isinstance(rule, dict):
             continue
         lo, hi = rule["vpc"]
-        if net.cloud == "tencentcloud" and net.cidr.subnet_of(PRIVATE_192):
-            lo = 16
+        floor = profile(net.cloud).vpc_prefix_floor_192
+        if floor is not None and net.cidr.subnet_of(PRIVATE_192):
+            lo = floor
         if not lo <= net.cidr.prefixlen <= hi:
             yield Problem(f"networks[{i}].cidr", f"{net.cidr} is a /{net.cidr.prefixlen}; a {cat.CLOUD_NAMES[net.cloud]} "
                                                  f"VPC must be /{lo} to /{hi} ({rule['source']})")
@@ -115,7 +117,7 @@ def _tags(spec: StackSpec) -> Iterator[Problem]:
             if len(k) > rule["keyMax"] or len(v) > rule["valueMax"]:
                 yield Problem(where, f"{name} takes tag keys up to {rule['keyMax']} and values up to "
                                      f"{rule['valueMax']} characters; shorten it")
-    if any(g.cloud == "aws" and g.kind == "vm" for g in spec.node_groups):
+    if any(profile(g.cloud).instance_tags_in_metadata and g.kind == "vm" for g in spec.node_groups):
         imds = _limits("imdsTagKey")
         for k in spec.tags:
             if not re.match(str(imds["pattern"]), k) or k in imds["reserved"]:  # type: ignore[operator]
@@ -156,14 +158,17 @@ def _api_access(spec: StackSpec) -> Iterator[Problem]:
             yield Problem(f"kubernetes.apiAccessCidrs[{k}]",
                           f"{cidr} is not a public range: the public endpoint sees the caller's public address "
                           "(the private endpoint already serves the VPCs)")
-    limit = int(_limits("apiAccessCidrsMax")["aws"])  # type: ignore[call-overload]
-    if any(g.cloud == "aws" and g.kind == "kubernetes" for g in spec.node_groups) and len(cidrs) > limit:
-        yield Problem("kubernetes.apiAccessCidrs", f"{len(cidrs)} CIDRs; EKS takes at most {limit} "
-                                                   f"({_limits('apiAccessCidrsMax')['source']})")
+    rule = _limits("apiAccessCidrsMax")  # keyed by the clouds whose service bounds the list
+    for cloud in dict.fromkeys(g.cloud for g in spec.node_groups if g.kind == "kubernetes"):
+        limit = rule.get(cloud)
+        if limit is not None and len(cidrs) > int(limit):  # type: ignore[call-overload]
+            yield Problem("kubernetes.apiAccessCidrs", f"{len(cidrs)} CIDRs; {profile(cloud).kubernetes_service} "
+                                                       f"takes at most {limit} ({rule['source']})")
 
 
 def _cluster_ranges(spec: StackSpec) -> Iterator[Problem]:
-    kube_clouds = {g.cloud for g in spec.node_groups if g.kind == "kubernetes"} - {"aws"}  # EKS uses VPC addresses
+    kube_clouds = {g.cloud for g in spec.node_groups  # clouds whose pods take VPC addresses have no such ranges
+                   if g.kind == "kubernetes" and not profile(g.cloud).kubernetes_pods_in_vpc}
     for i, net in enumerate(spec.networks):
         if net.cloud not in kube_clouds:
             continue
@@ -226,13 +231,19 @@ def _subnet_zones(spec: StackSpec) -> Iterator[Problem]:
 
 def _ack_pool_marks(spec: StackSpec) -> Iterator[Problem]:
     """An autoscaled ACK pool carries the stack's tags, two group tags, the group's labels and the
-    GPU taint; ACK refuses to autoscale it with 12 or more of them."""
-    rule = _limits("ackAutoscalingPoolMarks")
-    most = int(rule["max"])  # type: ignore[call-overload]
+    GPU taint; ACK refuses to autoscale it with 12 or more of them (the clouds whose profile names
+    such a rule: kubernetes_pool_marks_rule)."""
     marks = len(stack_tags(spec)) + len((TAG_NODE_GROUP, TAG_WORKLOAD)) + len(GROUP_LABELS) + 1
-    if marks > most and any(g.cloud == "alicloud" and g.kind == "kubernetes" for g in spec.node_groups):
-        yield Problem("tags", f"ACK GPU pools would carry {marks} tags, labels and taints together; ACK autoscales "
-                              f"a pool only with at most {most} ({rule['source']}): drop {marks - most} tag(s)")
+    for cloud in dict.fromkeys(g.cloud for g in spec.node_groups if g.kind == "kubernetes"):
+        key, service = profile(cloud).kubernetes_pool_marks_rule, profile(cloud).kubernetes_service
+        if key is None:
+            continue
+        rule = _limits(key)
+        most = int(rule["max"])  # type: ignore[call-overload]
+        if marks > most:
+            yield Problem("tags", f"{service} GPU pools would carry {marks} tags, labels and taints together; "
+                                  f"{service} autoscales a pool only with at most {most} ({rule['source']}): "
+                                  f"drop {marks - most} tag(s)")
 
 
 def _egress(spec: StackSpec) -> Iterator[Problem]:
@@ -272,13 +283,13 @@ def _images(spec: StackSpec) -> Iterator[Problem]:
     for i, g in enumerate(spec.node_groups):
         net = spec.network(g.network)
         home = spec.clouds[g.cloud].region
-        if g.cloud in ("alicloud", "tencentcloud") and g.cloud not in t.prebuilt_images and spec.region_of(net) != home:
+        if profile(g.cloud).registry_regional and g.cloud not in t.prebuilt_images and spec.region_of(net) != home:
             yield Problem(f"nodeGroups[{i}].network",
                           f"{g.name} runs in {spec.region_of(net)}, but the stack's {cat.CLOUD_NAMES[g.cloud]} registry "
                           f"serves VPCs in {home} only (ACR EE VPC endpoints and TCR VPC attachments are regional); "
                           f"put the group in a {home} network or set training.prebuiltImages.{g.cloud} to an image "
                           "its nodes can pull")
-    for cloud in sorted(clouds_with_nodes & {"alicloud", "tencentcloud"}):
+    for cloud in sorted(c for c in clouds_with_nodes if profile(c).registry_regional):
         if cloud not in t.prebuilt_images and not spec.kubernetes.api_access_cidrs:
             yield Problem("kubernetes.apiAccessCidrs", f"the {cat.CLOUD_NAMES[cloud]} registry takes the trainer image "
                                                        "only from these CIDRs (it is closed to the internet otherwise); "

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from infra import catalog as cat
 from infra import rendezvous
 from infra.buckets import DATASET_PREFIX, endpoint
+from infra.clouds import profile
 from infra.spec import StackSpec
 from training import contract as c
 
@@ -28,14 +29,8 @@ def credentials_source(rg: ResolvedGroup) -> str:
     """How the trainer gets its bucket credentials on this group's nodes: the AWS SDK chain finds
     the instance role and EKS Pod Identity itself; ECS RAM and CVM CAM roles come from the
     metadata service; ACK pods use their own RAM role (RRSA), TKE pods their own CAM role (pod
-    identity)."""
-    if rg.cloud == "aws":
-        return "default"
-    if rg.cloud == "alicloud" and rg.kind == "kubernetes":
-        return "ack-rrsa"
-    if rg.cloud == "tencentcloud" and rg.kind == "kubernetes":
-        return "tke-pod-identity"
-    return "instance-role"
+    identity) (infra/clouds/<cloud>/profile.py storage_credentials)."""
+    return profile(rg.cloud).storage_credentials(rg.kind)
 
 
 def interruptions(rg: ResolvedGroup) -> tuple[float, float]:
@@ -84,7 +79,7 @@ def trainer_env(spec: StackSpec, rg: ResolvedGroup) -> dict[str, str]:
         c.NODE_HOURLY_USD: f"{rg.node_hourly_usd:.4f}", c.MLFLOW_TRACKING_URI: t.mlflow_tracking_uri or "",
         c.STORAGE_ENDPOINT_URL: endpoint(rg.cloud, rg.bucket.region, rg.region),
         c.STORAGE_REGION: rg.bucket.region, c.STORAGE_ADDRESSING_STYLE: "virtual",
-        c.STORAGE_CREDENTIALS: credentials_source(rg), c.AWS_REGION: rg.region if rg.cloud == "aws" else "",
+        c.STORAGE_CREDENTIALS: credentials_source(rg), c.AWS_REGION: rg.region if profile(rg.cloud).sets_aws_region else "",
         c.GTS_CLOUD: rg.cloud, c.GTS_NODE_GROUP: rg.name, c.GTS_TEAM: spec.team_name,
     }
     env.update(fabric_env(spec, rg))

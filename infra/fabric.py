@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 from infra import catalog as cat
+from infra.clouds import profile, profiles
 from policies.gts_policy import catalog as pack_catalog
 from infra.errors import CatalogError, Problem
 from infra.spec import NodeGroup, StackSpec
@@ -30,19 +31,11 @@ PATH = cat.DATA_DIR / "fabric.csv"
 SCHEMA = 1
 COLUMNS = ("cloud", "instance_type", "fabric", "interfaces", "devices", "gbps", "busbw_gbs", "jumbo_frames",
            "efa_primary_every", "verified", "source")
-# The fabric each cloud has, and what it is called in messages.
-OF_CLOUD = {"aws": "efa", "alicloud": "erdma", "tencentcloud": "hcc"}
+# The fabric each cloud has (its profile: infra/clouds/<cloud>/profile.py fabric, with what its
+# ordinary network gives NCCL instead, its placement resource and that resource's cost), and
+# what each fabric is called in messages.
+OF_CLOUD = {p.name: p.fabric for p in profiles()}
 NAMES = {"efa": "EFA (Elastic Fabric Adapter)", "erdma": "eRDMA (elastic RDMA)", "hcc": "HCC RDMA"}
-# What a node's ordinary network gives NCCL instead (its TCP sockets), for the advisory.
-PLAIN_NETWORK = {"aws": "the ENA network (TCP sockets)", "alicloud": "the VPC network (TCP sockets)",
-                 "tencentcloud": "the VPC network (TCP sockets)"}
-# What the placement resource of a fabric group is, and what it costs (all three are free of
-# charge: EC2 user guide placement-groups "There is no charge for creating a placement group";
-# ECS deployment sets "free of charge" (ECS user guide, deployment sets); Tencent HCC clusters
-# are billed through their instances only (CVM HCC docs, CreateHpcCluster has no price)).
-PLACEMENT = {"aws": "cluster placement group", "alicloud": "deployment set (LowLatency)",
-             "tencentcloud": "HCC cluster (CvmHpcCluster)"}
-PLACEMENT_MONTHLY_USD = {"aws": 0.0, "alicloud": 0.0, "tencentcloud": 0.0}
 
 
 @dataclass(frozen=True)
@@ -138,14 +131,7 @@ def wanted(group: NodeGroup, primary_type: str) -> TypeFabric | None:
 
 def unbuildable(group: NodeGroup) -> str | None:
     """Why the stack cannot give this kind of group its cloud's fabric, or None."""
-    if group.kind == "kubernetes" and group.cloud == "tencentcloud":
-        return ("TKE node pools cannot be placed in an HCC cluster (tencentcloud_kubernetes_node_pool has no "
-                "hpc_cluster_id)")
-    if group.kind == "kubernetes" and group.cloud == "alicloud" and group.market.type == "spot":
-        return ("an eRDMA ACK pool sits in a LowLatency deployment set, and node pools with a deployment set "
-                "cannot hold preemptible instances (ACK \"Associate a deployment set with a node pool\"); use "
-                "market on-demand or reserved for it")
-    return None
+    return profile(group.cloud).fabric_unbuildable(group.kind, group.market.type)  # infra/clouds/<cloud>/profile.py
 
 
 def signature(cloud: str, instance_type: str) -> tuple[str, int, int] | None:
@@ -228,7 +214,7 @@ def advisories(stack: Stack) -> list[dict[str, str]]:
         out.append({
             "policy": "fabric-used", "enforcement": "advisory", "resource": rg.name,
             "message": f"{rg.path} ({rg.name}): up to {rg.max_nodes} x {rg.types[0]} with fabric: none — NCCL "
-                       f"runs over {PLAIN_NETWORK[rg.cloud]} instead of {found.devices} {NAMES[found.fabric]} "
+                       f"runs over {profile(rg.cloud).plain_network} instead of {found.devices} {NAMES[found.fabric]} "
                        f"devices ({found.gbps} Gbps, about {found.busbw_gbs} GB/s all-reduce bus bandwidth): "
                        f"gradient all-reduce several times slower on nodes that cost "
                        f"${rg.prices.on_demand:,.2f}/h each with the fabric paid for. Remove fabric: none "
@@ -239,9 +225,7 @@ def advisories(stack: Stack) -> list[dict[str, str]]:
 def placement(rg: ResolvedGroup) -> str:
     """What keeps a fabric group's nodes together (an ESS scaling configuration cannot take a
     deployment set: infra/data/capabilities.yaml sdkGaps)."""
-    if rg.cloud == "alicloud" and rg.kind == "vm" and rg.market.type != "reserved":
-        return "one vSwitch (ESS scaling configurations take no deployment set)"
-    return PLACEMENT[rg.cloud]
+    return profile(rg.cloud).fabric_placement(rg.kind, rg.market.type)
 
 
 class Summary(TypedDict):
@@ -259,4 +243,4 @@ def summary(rg: ResolvedGroup) -> Summary:
     return {"fabric": f.fabric if f else "none", "fabric_interfaces": f.interfaces if f else 0,
             "fabric_devices": f.devices if f else 0, "fabric_gbps": f.gbps if f else 0,
             "placement": placement(rg) if f else "",
-            "placement_monthly_usd": PLACEMENT_MONTHLY_USD[rg.cloud] if f else 0.0}
+            "placement_monthly_usd": profile(rg.cloud).placement_monthly_usd if f else 0.0}

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from infra import catalog as cat
+from infra.clouds import profile, profiles
 from infra.spec import Network, NodeGroup, StackSpec
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ MAX_STORES = 2 ** (32 - STORE_RANGE_PREFIX)
 # Alibaba and Tencent: the stores' own vSwitch / subnet, the lowest free /28 of the VPC in the
 # first subnet's zone. Alibaba keeps a vSwitch's first address and last three (VPC CreateVSwitch);
 # the stores take offsets 4..11, clear of the first four and last four of either cloud.
-OWN_SUBNET_CLOUDS = ("alicloud", "tencentcloud")
+OWN_SUBNET_CLOUDS = tuple(p.name for p in profiles() if p.stores_own_subnet)
 OWN_SUBNET_PREFIX = 28
 OWN_SUBNET_FIRST = 4
 OWN_SUBNET_STORES = 8
@@ -103,14 +104,8 @@ def taken_ranges(spec: StackSpec, net: Network) -> list[ipaddress.IPv4Network]:
     cluster there, Terway's pod vSwitches. (The clusters' pod and service ranges lie outside
     every VPC: infra/cloud_rules.py refuses a network that overlaps them.)"""
     taken = [s.cidr for s in net.subnets]
-    if net.cloud == "alicloud" and any(g.network == net.name and g.kind == "kubernetes" for g in spec.node_groups):
-        from infra.clouds.alicloud.network import pod_switch_cidr  # the one place that lays them out
-
-        for i in range(len(net.subnets)):
-            try:
-                taken.append(ipaddress.IPv4Network(pod_switch_cidr(net, i)))
-            except IndexError:  # no room for this zone's pod vSwitch, so none to stay clear of
-                break
+    if any(g.network == net.name and g.kind == "kubernetes" for g in spec.node_groups):
+        taken += profile(net.cloud).kubernetes_pod_subnets(net.cidr, taken)  # as many as there is room for
     return taken
 
 

@@ -14,10 +14,11 @@ import posixpath
 import pulumi
 
 from infra import catalog as cat
+from infra.clouds import profiles
 from infra.errors import Problem
 from infra.spec import SharedFs, StackSpec
 
-CLOUD_OF = {"efs": "aws", "fsx-lustre": "aws", "nas": "alicloud", "cfs": "tencentcloud"}
+CLOUD_OF = {t: p.name for p in profiles() for t in p.shared_fs_types}  # infra/clouds/<cloud>/profile.py
 # The mount each type takes: the kernel file system and its options. NFS options are the clouds'
 # own recommendations (EFS: docs.aws.amazon.com/efs/latest/ug/mounting-fs-nfs-mount-settings.html;
 # NAS: help.aliyun.com "Mount an NFS file system on a Linux ECS instance"; CFS: cloud.tencent.com

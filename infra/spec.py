@@ -16,8 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictInt, mo
 from pydantic.alias_generators import to_camel
 
 from infra import catalog as cat
-
-Cloud = Literal["aws", "alicloud", "tencentcloud"]
+from infra.clouds import Cloud as Cloud  # the stack file's cloud names: infra/clouds/__init__.py
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 NO_NUL = r"^[^\x00]*$"

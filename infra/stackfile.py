@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from infra import clouds
 from infra import spec as spec_mod
 from infra import validation
 from infra.errors import Problem, SpecError
@@ -216,7 +217,7 @@ def decode(values: Mapping[str, str]) -> dict[str, Any]:
 
 
 # Config namespaces that are not the project's and are expected in a stack file.
-PROVIDER_NAMESPACES = ("aws", "alicloud", "tencentcloud", "kubernetes", "pulumi", "docker-build")
+PROVIDER_NAMESPACES = (*(p.provider for p in clouds.profiles()), "kubernetes", "pulumi", "docker-build")
 
 
 def stray_keys(values: Mapping[str, str], project: str) -> list[Problem]:

@@ -30,6 +30,7 @@ from infra import bundle, gpu_health
 from infra.errors import Problem
 from infra.groups import ResolvedGroup, Stack
 from infra.buckets import bucket, endpoint
+from infra.clouds import profile, profiles
 from infra.images import node_agents
 from infra.rendezvous import Site
 from infra.sharedfs import SharedFsOutputs, SharedMount, placeholder
@@ -49,24 +50,16 @@ FILES = (
     ("/usr/local/lib/gts/cloudmeta.py", "0755", "training/cloudmeta.py"),
     ("/etc/systemd/system/gts-fetch.service", "0644", "cloudinit/units/gts-fetch.service"),
 )
-# Limits on the user data field: (bytes, counted on "raw" text or on its "base64" form).
-LIMITS = {
-    # EC2: "User data is limited to 16 KB, in raw form, before it is base64-encoded" (EC2 user guide,
-    # instancedata-add-user-data).
-    "aws": (16 * 1024, "raw"),
-    # EKS merges its own NodeConfig part (cluster endpoint, CA bundle, kubelet flags) into the same
-    # 16 KB (EKS user guide, launch-templates): keep 4 KB for it.
-    "eks": (12 * 1024, "raw"),
-    # ECS / ESS / ACK: user data "base64 ... up to 32 KB" (pulumi_alicloud ecs/instance.py user_data).
-    "alicloud": (32 * 1024, "base64"),
-    # CVM / AS / TKE: "Base64-encoded User Data text, the length limit is 16KB"
-    # (tencentcloud_iac_pulumi kubernetes/node_pool.py).
-    "tencentcloud": (16 * 1024, "base64"),
-}
+# Limits on the user data field: (bytes, counted on "raw" text or on its "base64" form), with
+# their sources in each cloud's profile (infra/clouds/<cloud>/profile.py user_data_limit); "eks":
+# the smaller one of pool nodes whose service merges its own NodeConfig part into the same field.
+LIMITS: dict[str, tuple[int, str]] = {p.name: p.user_data_limit for p in profiles()}
+for _p in profiles():
+    if _p.kubernetes_nodeadm and _p.kubernetes_user_data_limit is not None:
+        LIMITS["eks"] = _p.kubernetes_user_data_limit
 PLAIN_FILES = ("cloudinit/node.env.j2", "cloudinit/units/gts-fetch.service")  # readable in the user data
 DRIVER_BRANCH = "535"
-METADATA_URLS = {"aws": "http://169.254.169.254", "alicloud": "http://100.100.100.200",
-                 "tencentcloud": "http://metadata.tencentyun.com"}
+METADATA_URLS = {p.name: p.metadata_url for p in profiles()}
 
 
 # What a cluster node's env holds of the trainer contract: the fetcher's and the registry login's.
@@ -121,12 +114,12 @@ def store_context(spec: StackSpec, site: Site, image: str) -> NodeContext:
     env = {c.GTS_CLOUD.name: site.cloud, c.GTS_NODE_GROUP.name: site.name,
            c.STORAGE_ENDPOINT_URL.name: endpoint(site.cloud, b.region, region), c.STORAGE_REGION.name: b.region,
            c.STORAGE_ADDRESSING_STYLE.name: "virtual",
-           c.STORAGE_CREDENTIALS.name: "default" if site.cloud == "aws" else "instance-role",
+           c.STORAGE_CREDENTIALS.name: profile(site.cloud).storage_credentials("vm"),
            STORE_HOST: site.address}  # the store listens on its private address alone
     return NodeContext(
         env=spec.env, cloud=site.cloud, group=site.name, mode="rendezvous", image=image, scratch_gb=0, tmpfs_gb=0,
         nvswitch=False, driver_branch=DRIVER_BRANCH, dockerhub_mirror=mirrors.docker_hub or "",
-        apt_mirror=mirrors.apt or "", nvidia_mirror="", spot_action="", metadata_url=METADATA_URLS[site.cloud],
+        apt_mirror=mirrors.apt or "", nvidia_mirror="", spot_action="", metadata_url=profile(site.cloud).metadata_url,
         dcgm_exporter_image=agents.dcgm_exporter, node_exporter_image=agents.node_exporter,
         bundle_url=f"s3://{b.name}/{pinned.key}", bundle_sha256=pinned.sha256, trainer=env)
 
@@ -147,7 +140,7 @@ def node_context(spec: StackSpec, rg: ResolvedGroup, image: str, shared: SharedM
         scratch_gb=rg.scratch_gb, tmpfs_gb=spec.storage.dataset_tmpfs_gb, nvswitch=rg.primary.nvswitch,
         driver_branch=DRIVER_BRANCH, dockerhub_mirror=mirrors.docker_hub or "", apt_mirror=mirrors.apt or "",
         nvidia_mirror=mirrors.nvidia or "", spot_action="crictl:trainer" if kube else "docker:gts-trainer",
-        metadata_url=METADATA_URLS[rg.cloud], dcgm_exporter_image=agents.dcgm_exporter,
+        metadata_url=profile(rg.cloud).metadata_url, dcgm_exporter_image=agents.dcgm_exporter,
         node_exporter_image=agents.node_exporter, bundle_url=f"s3://{rg.bucket.name}/{pinned.key}",
         # Cluster nodes run no trainer (the Job carries its env): they get what the fetcher needs.
         bundle_sha256=pinned.sha256, nvlinks=gpu_health.nvlinks(rg),
@@ -256,7 +249,7 @@ def for_eks(ctx: NodeContext) -> str:
     (AL2023 nodeadm takes the cloud-config part; EKS adds its own NodeConfig)."""
     message = MIMEMultipart(boundary="==GTS==")
     message.attach(MIMEText(render(ctx), "cloud-config"))
-    return base64.b64encode(_check(message.as_string().encode(), "eks", f"aws/{ctx.group}")).decode()
+    return base64.b64encode(_check(message.as_string().encode(), "eks", f"{ctx.cloud}/{ctx.group}")).decode()
 
 
 def for_node_pool_script(ctx: NodeContext) -> str:
@@ -273,7 +266,7 @@ def for_group(spec: StackSpec, rg: ResolvedGroup, image: str = IMAGE_PLACEHOLDER
     ctx = node_context(spec, rg, image, shared or (placeholder(fs) if fs else None), secrets)
     if rg.kind == "vm":
         return for_vm(ctx)
-    return for_eks(ctx) if rg.cloud == "aws" else for_node_pool_script(ctx)
+    return for_eks(ctx) if profile(rg.cloud).kubernetes_nodeadm else for_node_pool_script(ctx)
 
 
 def for_cluster_group(spec: StackSpec, rg: ResolvedGroup, shared: SharedFsOutputs | None) -> pulumi.Output[str]:
@@ -284,7 +277,7 @@ def for_cluster_group(spec: StackSpec, rg: ResolvedGroup, shared: SharedFsOutput
     policy admits mounts through it only (infra/clouds/aws/sharedfs.py)."""
     def render(mount: SharedMount | None) -> str:
         ctx = node_context(spec, rg, "", mount)
-        return for_eks(ctx) if rg.cloud == "aws" else for_node_pool_script(ctx)
+        return for_eks(ctx) if profile(rg.cloud).kubernetes_nodeadm else for_node_pool_script(ctx)
 
     if shared is None or not rg.group.shared_fs or shared.spec.type == "efs":
         return pulumi.Output.from_input(render(None))

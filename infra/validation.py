@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from infra import catalog as cat
 from infra import cloud_rules, commands, sharedfs
+from infra.clouds import profile
 from infra.errors import Problem, SpecError, suggest
 from infra.groups import requirement, schedule_bounds
 from infra.schedule import cron_in_beijing
@@ -241,9 +242,9 @@ def _check_clouds(spec: StackSpec) -> list[Problem]:
     out: list[Problem] = []
     for cloud, acct in spec.clouds.items():
         out += _check_region(cloud, acct.region, f"clouds.{cloud}.region")
-        if cloud == "tencentcloud" and acct.app_id is None:
-            out.append(Problem("clouds.tencentcloud.appId", "is required: COS bucket names end in -<APPID>; "
-                                                            "find it under Account Info in the Tencent Cloud console"))
+        missing = profile(cloud).app_id_missing
+        if missing is not None and acct.app_id is None:
+            out.append(Problem(f"clouds.{cloud}.appId", missing))
     return out
 
 
@@ -415,7 +416,7 @@ def _check_scaling(group: NodeGroup, path: str) -> list[Problem]:
         elif _never_fires(act.cron):
             out.append(Problem(f"{apath}.cron", f"{act.cron!r} never fires (no such date in any year); check the "
                                                 "day of month against the month"))
-        if group.cloud == "tencentcloud" and croniter.is_valid(act.cron):
+        if profile(group.cloud).schedules_in_beijing_time and croniter.is_valid(act.cron):
             try:
                 cron_in_beijing(act.cron)
             except ValueError as exc:

@@ -17,13 +17,10 @@ import sys
 from collections.abc import Mapping
 
 from infra.buckets import DATASET_PREFIX, bucket, endpoint
+from infra.clouds import profile
 from infra.errors import SpecError
 from infra.spec import StackSpec
 from infra.stackfile import StackFileError, load_stack_spec
-
-KEYS = {"alicloud": ("ALICLOUD_ACCESS_KEY", "ALICLOUD_SECRET_KEY"),
-        "tencentcloud": ("TENCENTCLOUD_SECRET_ID", "TENCENTCLOUD_SECRET_KEY")}
-
 
 class DatasetError(Exception):
     pass
@@ -45,9 +42,9 @@ def targets(spec: StackSpec, endpoints: Mapping[str, str]) -> list[tuple[str, st
 
 
 def operator_keys(cloud: str, environ: Mapping[str, str]) -> tuple[str, str] | None:
-    if cloud not in KEYS:
-        return None  # AWS: the SDK's default chain (profile, SSO, environment)
-    names = KEYS[cloud]
+    names = profile(cloud).operator_keys  # infra/clouds/<cloud>/profile.py
+    if names is None:
+        return None  # the SDK's default chain (profile, SSO, environment)
     values = [environ.get(n, "") for n in names]
     if not all(values):
         raise DatasetError(f"copying into the {cloud} bucket needs {' and '.join(names)} in the environment "

@@ -1,40 +1,73 @@
-"""One package per cloud with parallel module names (`infra/clouds/<cloud>/<concern>.py`).
+"""One package per cloud with parallel module names (`infra/clouds/<cloud>/<concern>.py`), and
+the one registry of them.
 
-Each cloud's `platform.py` defines a ComponentResource taking (name, stack) that builds that
-cloud's part of the stack and offers `exports`.
+Outside this package no code names a cloud: it asks `profile(name)` (infra/clouds/profile.py
+lists the questions; each cloud's `profile.py` answers them). An unknown name is an error, never
+a fallback. Each cloud's `platform.py` defines a ComponentResource taking (name, stack) that
+builds that cloud's part of the stack and offers `exports`.
+
+This module imports only the profiles (plain data), so the spec itself can use it.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Protocol
+from collections.abc import Iterator
+from typing import Any, Literal, Protocol
 
-import pulumi
+from infra.clouds.alicloud.profile import AlicloudProfile
+from infra.clouds.aws.profile import AwsProfile
+from infra.clouds.profile import CloudProfile
+from infra.clouds.tencentcloud.profile import TencentcloudProfile
 
-from infra.groups import ResolvedGroup, Stack
+# The stack file's cloud names, in the order messages and data files list them.
+Cloud = Literal["aws", "alicloud", "tencentcloud"]
+_PROFILES: dict[str, CloudProfile] = {p.name: p for p in (AwsProfile(), AlicloudProfile(), TencentcloudProfile())}
+NAMES: tuple[str, ...] = tuple(_PROFILES)
+
+
+class UnknownCloud(KeyError):
+    """A cloud name no profile answers for."""
+
+    def __str__(self) -> str:
+        return f"{self.args[0]!r} is not a cloud known here (known: {', '.join(NAMES)}; add one: docs/adding-a-cloud.md)"
+
+
+def profile(name: str) -> CloudProfile:
+    """The cloud's profile; UnknownCloud for a name that has none."""
+    try:
+        return _PROFILES[name]
+    except KeyError:
+        raise UnknownCloud(name) from None
+
+
+def profiles() -> Iterator[CloudProfile]:
+    return iter(_PROFILES.values())
+
+
+def by_provider(prefix: str) -> CloudProfile | None:
+    """The cloud whose Pulumi provider owns a resource type-token prefix ("aws" of "aws:s3/...")."""
+    return next((p for p in _PROFILES.values() if p.provider == prefix), None)
 
 
 class Platform(Protocol):
-    exports: dict[str, pulumi.Input[object]]
+    exports: dict[str, Any]
 
-    def __init__(self, name: str, stack: Stack,
-                 opts: pulumi.ResourceOptions | None = None) -> None: ...
-
-
-_PLATFORMS = {
-    "aws": "infra.clouds.aws.platform:AwsPlatform",
-    "alicloud": "infra.clouds.alicloud.platform:AlicloudPlatform",
-    "tencentcloud": "infra.clouds.tencentcloud.platform:TencentcloudPlatform",
-}
+    def __init__(self, name: str, stack: Any, opts: Any = None) -> None: ...
 
 
 def platform_class(cloud: str) -> type[Platform]:
-    module, _, cls = _PLATFORMS[cloud].partition(":")
+    module, _, cls = profile(cloud).platform.partition(":")
     return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
 
-def fixed_instances(group: ResolvedGroup) -> int:
+class _Grouped(Protocol):
+    @property
+    def cloud(self) -> str: ...
+
+
+def fixed_instances(group: _Grouped) -> int:
     """How many of a VM group's nodes are fixed instances outside any scaling group, as the
     group's cloud builds it (infra/clouds/<cloud>/fleet.py fixed_instances)."""
-    fleet = importlib.import_module(f"infra.clouds.{group.cloud}.fleet")
+    fleet = importlib.import_module(profile(group.cloud).fleet_module)
     return int(fleet.fixed_instances(group))

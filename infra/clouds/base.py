@@ -4,6 +4,7 @@ Cloud modules subclass it and supply each concern."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -34,11 +35,11 @@ class Cluster:
     kubeconfig: pulumi.Output[str]
 
 
-class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
+class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], metaclass=abc.ABCMeta):
     """Base of `gpu-training-stack:<cloud>:Platform`.
 
-    Subclasses set CLOUD and supply `make_provider` and the `make_*` steps; `build()` calls them
-    in the same order on every cloud. Providers are created here, one per region the spec
+    Subclasses set CLOUD and supply `make_provider` and the `make_*` steps (abstract: a cloud that
+    leaves one out cannot be instantiated); `build()` calls them in the same order on every cloud. Providers are created here, one per region the spec
     uses, and passed to children explicitly (the stack files disable default providers).
     """
 
@@ -106,47 +107,58 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT]):
                 for base in bases}
 
     # -- what subclasses provide -------------------------------------------------------
+    @abc.abstractmethod
     def make_provider(self, region: str) -> pulumi.ProviderResource:
-        raise TypeError(f"{type(self).__name__} must define make_provider")
+        ...
 
+    @abc.abstractmethod
     def make_network(self, net: Network) -> NetT:
-        raise TypeError(f"{type(self).__name__} must define make_network")
+        ...
 
+    @abc.abstractmethod
     def vpc_id(self, net: NetT) -> pulumi.Output[str]:
-        raise TypeError(f"{type(self).__name__} must define vpc_id")
+        ...
 
     def make_links(self, nets: dict[str, NetT]) -> None:
         """Peerings (and transit networks) between this cloud's networks."""
 
+    @abc.abstractmethod
     def make_storage(self) -> StoreT:
-        raise TypeError(f"{type(self).__name__} must define make_storage")
+        ...
 
+    @abc.abstractmethod
     def bucket_name(self, storage: StoreT) -> pulumi.Output[str]:
-        raise TypeError(f"{type(self).__name__} must define bucket_name")
+        ...
 
+    @abc.abstractmethod
     def make_shared_fs(self, net: Network, built: NetT, storage: StoreT) -> SharedFsOutputs:
-        raise TypeError(f"{type(self).__name__} offers no shared file system")
+        ...
 
+    @abc.abstractmethod
     def make_access(self, storage: StoreT) -> AccessT:
-        raise TypeError(f"{type(self).__name__} must define make_access")
+        ...
 
+    @abc.abstractmethod
     def make_registry(self, nets: dict[str, NetT]) -> Registry:
-        raise TypeError(f"{type(self).__name__} must define make_registry")
+        ...
 
+    @abc.abstractmethod
     def make_rendezvous(self, site: Site, net: NetT, access: AccessT, image: pulumi.Output[str]) -> pulumi.Resource:
         """The group's store instance; records its client security group in store_clients."""
-        raise TypeError(f"{type(self).__name__} must define make_rendezvous")
 
+    @abc.abstractmethod
     def make_fleet(self, group: ResolvedGroup, net: NetT, access: AccessT,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
-        raise TypeError(f"{type(self).__name__} must define make_fleet")
+        ...
 
+    @abc.abstractmethod
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: NetT, access: AccessT,
                      storage: StoreT, images: Mapping[str, pulumi.Output[str]]) -> Cluster:
-        raise TypeError(f"{type(self).__name__} must define make_cluster")
+        ...
 
+    @abc.abstractmethod
     def make_budget(self) -> None:
-        raise TypeError(f"{type(self).__name__} must define make_budget")
+        ...
 
     # -- helpers ----------------------------------------------------------------------
     @property

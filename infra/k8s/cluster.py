@@ -33,7 +33,7 @@ def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[
         NvidiaDevicePlugin(f"{name}-nvidia", images.device_plugin, opts=opts)
     efa = [g.name for g in groups if g.fabric is not None and g.fabric.fabric == "efa"]
     if efa:
-        EfaDevicePlugin(f"{name}-efa", pulled(EFA_DEVICE_PLUGIN, spec.clouds["aws"].mirrors), efa, opts=opts)
+        EfaDevicePlugin(f"{name}-efa", pulled(EFA_DEVICE_PLUGIN, spec.clouds[groups[0].group.cloud].mirrors), efa, opts=opts)
     GpuNodeExporters(f"{name}-exporters", images, opts=opts)
     queued = shared_queues(name, spec, groups, opts)
     namespace = training_namespace(name, opts, managed=queued is not None).metadata.name

@@ -24,14 +24,13 @@ from collections.abc import Sequence
 import pulumi
 import pulumi_kubernetes as k8s
 
+from infra.clouds import profile
+
 MONITORING_LABEL = "gpu-training-stack/monitoring"  # a namespace whose pods may scrape metrics
 # Instance metadata services a pod must not reach: AWS's, Tencent's (metadata.tencentyun.com is
 # 169.254.0.23) and Alibaba's. Only these addresses: Tencent's private COS and DNS endpoints are
 # link-local and private addresses too (COS "Private network access").
 METADATA = ("169.254.169.254/32", "169.254.0.23/32", "100.100.100.200/32")
-# EKS Pod Identity's agent on every node (link-local): the one metadata-range address a pod on
-# EKS needs, for its own service account's role.
-EKS_POD_IDENTITY = "169.254.170.23/32"
 
 np = k8s.networking.v1
 
@@ -123,5 +122,6 @@ def job_policies(name: str, namespace: pulumi.Input[str], job_pods: dict[str, st
 
 
 def pod_identity_egress(cloud: str) -> tuple[str, ...]:
-    """What a pod's own identity needs in the metadata range: EKS Pod Identity's node agent."""
-    return (EKS_POD_IDENTITY,) if cloud == "aws" else ()
+    """What a pod's own identity needs in the metadata range (EKS Pod Identity's node agent on
+    every node, link-local): the cloud's profile, infra/clouds/<cloud>/profile.py."""
+    return profile(cloud).pod_identity_egress

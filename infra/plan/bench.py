@@ -17,11 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+from infra import clouds
+
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = 1.5
 # The Python package behind each provider prefix of a resource type.
-SDKS = {"aws": "pulumi_aws", "alicloud": "pulumi_alicloud", "tencentcloud": "tencentcloud_iac_pulumi",
-        "kubernetes": "pulumi_kubernetes", "docker-build": "pulumi_docker_build", "random": "pulumi_random"}
+SDKS = {**{p.provider: p.sdk_package for p in clouds.profiles()}, "kubernetes": "pulumi_kubernetes",
+        "docker-build": "pulumi_docker_build", "random": "pulumi_random"}
 
 
 def sdk_modules(types: set[str]) -> list[str]:

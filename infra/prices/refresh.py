@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import importlib
 import io
 import os
 import sys
@@ -28,15 +29,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from infra import catalog as cat
-from infra.prices.sources import (Live, PriceSourceError, Recorded, Source, Unanswered, alicloud_price, alicloud_spot,
-                                  aws_offer, aws_spot, tencentcloud_price)
+from infra import clouds
+from infra.prices.sources import Live, PriceSourceError, Recorded, Source
 from policies.gts_policy.catalog import PRICE_COLUMNS, Price
 
 PRICES = cat.DATA_DIR / "prices.csv"
 PACK_COPY = Path(__file__).resolve().parents[2] / "policies" / "data" / "prices.csv"
 THRESHOLD_PCT = 25.0
-ADVISOR = "AWS Spot Instance Advisor data (spot-advisor-data.json)"
-ALIBABA_SPOT = "Alibaba Cloud ECS DescribeSpotPriceHistory (1 - mean SpotPrice / OriginPrice)"
 
 
 @dataclass(frozen=True)
@@ -91,86 +90,14 @@ def targets(rows: list[Price], clouds: list[str], regions: list[str]) -> list[Pr
     return chosen
 
 
-def refresh_aws(rows: list[Price], source: Source, today: str) -> tuple[list[Price], list[str]]:
-    out, missing = [], []
-    advisor = source.aws_spot_advisor()
-    for region in sorted({p.region for p in rows}):
-        here = [p for p in rows if p.region == region]
-        types = {p.instance_type for p in here}
-        try:
-            offer = aws_offer(source.aws_offer_lines(region), region, types)
-        except Unanswered as exc:
-            missing.append(f"aws {region}: {exc}")
-            continue
-        spot = aws_spot(advisor, region, types)
-        for p in here:
-            if p.instance_type not in offer.prices:
-                missing.append(f"aws {p.instance_type} {region}: not in the offer file (not offered there)")
-                continue
-            on_demand = offer.prices[p.instance_type]
-            reserved = offer.reserved.get(p.instance_type)
-            fresh = replace(p, on_demand=on_demand, source=f"AWS Price List bulk offer AmazonEC2 {offer.version}",
-                            date=offer.date, estimate=False,
-                            reserved_discount=round(1 - reserved / on_demand, 2) if reserved else p.reserved_discount)
-            if p.instance_type in spot:
-                discount, band = spot[p.instance_type]
-                if (discount, band) != (p.spot_discount, p.spot_band):
-                    fresh = replace(fresh, spot_discount=discount, spot_band=band, spot_source=ADVISOR, spot_date=today)
-            out.append(fresh)
-    return out, missing
+Refresh = Callable[[list[Price], Source, str, str], tuple[list[Price], list[str]]]
 
 
-def refresh_alicloud(rows: list[Price], source: Source, today: str) -> tuple[list[Price], list[str]]:
-    out, missing = [], []
-    for p in rows:
-        try:
-            price, currency = alicloud_price(source.alicloud_describe_price(p.region, p.instance_type))
-        except Unanswered as exc:
-            missing.append(f"alicloud {p.instance_type} {p.region}: {exc}")
-            continue
-        if currency != p.currency:
-            missing.append(f"alicloud {p.instance_type} {p.region}: the API answers in {currency}, the catalog row is "
-                           f"{p.currency} (an account of the other site); not changed")
-            continue
-        fresh = replace(p, on_demand=price, source="Alibaba Cloud ECS DescribePrice (TradePrice)", date=today,
-                        estimate=False)
-        zone = cat.load_regions()["alicloud"].get(p.region, [""])[0]
-        try:
-            discount = alicloud_spot(source.alicloud_spot_history(p.region, zone, p.instance_type), p.instance_type)
-            fresh = replace(fresh, spot_discount=discount, spot_source=ALIBABA_SPOT, spot_date=today)
-        except Unanswered as exc:
-            missing.append(f"alicloud {p.instance_type} {p.region} spot: {exc} (spot discount kept)")
-        out.append(fresh)
-    return out, missing
+def refresher(cloud: str) -> Refresh:
+    """The cloud's price source (infra/clouds/<cloud>/prices.py refresh, named by its profile)."""
+    module, _, name = clouds.profile(cloud).price_refresh.partition(":")
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
-
-def refresh_tencentcloud(rows: list[Price], source: Source, today: str,
-                         currency: str = "CNY") -> tuple[list[Price], list[str]]:
-    """InquiryPriceRunInstances answers without a currency: the account's site decides it
-    (--site), and a row in the other currency is left alone."""
-    zones = cat.load_regions()["tencentcloud"]
-    out, missing = [], []
-    for p in rows:
-        where = f"tencentcloud {p.instance_type} {p.region}"
-        if p.currency != currency:
-            missing.append(f"{where}: the catalog row is in {p.currency}, this account's site bills {currency}; "
-                           "not changed")
-            continue
-        if p.region not in zones:
-            missing.append(f"{where}: no zones for the region in infra/data/regions.yaml; add them")
-            continue
-        try:
-            price = tencentcloud_price(source.tencentcloud_inquiry(p.region, zones[p.region][0], p.instance_type))
-        except Unanswered as exc:
-            missing.append(f"{where}: {exc}")
-            continue
-        out.append(replace(p, on_demand=price, source="Tencent Cloud CVM InquiryPriceRunInstances (UnitPriceDiscount)",
-                           date=today, estimate=False))
-    return out, missing
-
-
-REFRESH: dict[str, Callable[[list[Price], Source, str], tuple[list[Price], list[str]]]] = {
-    "aws": refresh_aws, "alicloud": refresh_alicloud, "tencentcloud": refresh_tencentcloud}
 
 
 def merge(rows: list[Price], fresh: list[Price]) -> tuple[list[Price], list[Change]]:
@@ -239,11 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         missing: list[str] = []
         for cloud in clouds:
             mine = [p for p in asked if p.cloud == cloud]
-            if cloud == "tencentcloud":
-                got, skipped = refresh_tencentcloud(mine, source, args.today, "USD" if args.site == "international"
-                                                    else "CNY")
-            else:
-                got, skipped = REFRESH[cloud](mine, source, args.today)
+            got, skipped = refresher(cloud)(mine, source, args.today, args.site)
             fresh += got
             missing += skipped
     except (PriceSourceError, OSError, cat.CatalogError) as exc:

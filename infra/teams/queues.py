@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from infra.clouds import profile
 from infra.errors import Problem
 from infra.groups import ResolvedGroup, Stack, resolve
 from infra.k8s.job import NAMESPACE, pod_resources
@@ -62,7 +63,7 @@ class Queue:
 def _part_markets(rg: ResolvedGroup) -> list[tuple[str, int]]:
     """(market, most nodes) of each of a group's pools: EKS and TKE split a spot group's on-demand
     base into a pool of its own; an ACK pool mixes them and carries its group's market."""
-    if rg.cloud == "alicloud":
+    if profile(rg.cloud).kubernetes_pool_mixes_markets:
         return [("spot" if rg.spot else "on-demand", rg.scaling.max)]
     return [("spot" if p.spot else "on-demand", p.max) for p in pool_parts(rg.group)]
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from . import clouds as pack_clouds
+
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 
 
@@ -26,8 +28,8 @@ class CatalogError(Exception):
 SCHEMA_VERSION = 1  # the YAML data files
 CATALOG_SCHEMA = 2  # gpu_catalog.csv: specs only since the prices moved to prices.csv
 PRICES_SCHEMA = 1
-CLOUDS = ("aws", "alicloud", "tencentcloud")
-CLOUD_NAMES = {"aws": "AWS", "alicloud": "Alibaba Cloud", "tencentcloud": "Tencent Cloud"}
+CLOUDS = pack_clouds.CLOUDS  # the pack's one table of clouds (clouds.py)
+CLOUD_NAMES = pack_clouds.CLOUD_NAMES
 RAM_PER_VRAM = 1.5
 HOURS_PER_MONTH = 730.0
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from .clouds import SDK_PACKAGES
+
 # The stack marks GPU capacity with these instance tags (`:`) and Kubernetes node labels (`/`).
 WORKLOAD_KEYS = ("gpu-training-stack:workload", "gpu-training-stack/workload")
 GROUP_KEYS = ("gpu-training-stack:node-group", "gpu-training-stack/node-group")
@@ -234,7 +236,7 @@ class PackSetupError(RuntimeError):
 @cache
 def taggable(type_token: str) -> bool:
     """Whether the provider SDK's resource class takes `tags` (AWS, Alibaba, Tencent alike)."""
-    package = {"aws": "pulumi_aws", "alicloud": "pulumi_alicloud", "tencentcloud": "tencentcloud_iac_pulumi"}
+    package = SDK_PACKAGES
     parts = type_token.split(":")
     if len(parts) != 3 or parts[0] not in package:
         return False

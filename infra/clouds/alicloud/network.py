@@ -9,6 +9,7 @@ import pulumi
 import pulumi_alicloud as alicloud
 
 from infra import scrape
+from infra.clouds.alicloud.profile import pod_switch_cidrs
 from infra.spec import Network
 
 
@@ -22,12 +23,8 @@ class AlicloudNetworkArgs:
 
 
 def pod_switch_cidr(net: Network, index: int) -> str:
-    """A /20 for Terway's pods in the index-th zone: the highest free /20s of the VPC, clear of
-    the node vSwitches (ACK recommends pod vSwitches apart from the nodes', in the same zones)."""
-    taken = [s.cidr for s in net.subnets]
-    free = [c for c in reversed(list(net.cidr.subnets(new_prefix=max(20, net.cidr.prefixlen + 1))))
-            if not any(c.overlaps(t) for t in taken)]
-    return str(free[index])
+    """A /20 for Terway's pods in the index-th zone (infra/clouds/alicloud/profile.py pod_switch_cidrs)."""
+    return str(pod_switch_cidrs(net.cidr, [s.cidr for s in net.subnets])[index])
 
 
 class AlicloudNetwork(pulumi.ComponentResource):

@@ -1,0 +1,216 @@
+"""What the rest of infra/ may ask of a cloud, in one place: `CloudProfile`.
+
+Each cloud answers in its own `infra/clouds/<cloud>/profile.py`; `infra.clouds.profile(name)`
+finds it (and refuses a name it does not know). Every question is abstract, so a cloud that
+leaves one out cannot be instantiated: there is no default to fall through to.
+
+A profile is plain data and small pure functions: it imports nothing of the project but this
+module, so any module (the spec included) can ask it without an import cycle. What needs the
+provider SDKs stays in the cloud's other modules (platform.py, fleet.py, ...), which the
+profile names by import path.
+"""
+
+from __future__ import annotations
+
+import abc
+import ipaddress
+from typing import Literal
+
+Counted = Literal["raw", "base64"]
+
+
+class CloudProfile(abc.ABC):
+    """One cloud's answers. Subclasses are frozen singletons built by `infra.clouds`."""
+
+    # -- who it is ------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """The key in stack files (`clouds.<name>`, `nodeGroups[].cloud`, data files' cloud column)."""
+
+    @property
+    @abc.abstractmethod
+    def display_name(self) -> str:
+        """How messages name it ("Tencent Cloud")."""
+
+    @property
+    @abc.abstractmethod
+    def provider(self) -> str:
+        """The Pulumi provider's config namespace and resource type-token prefix."""
+
+    @property
+    @abc.abstractmethod
+    def sdk_package(self) -> str:
+        """The Python package of that provider's SDK."""
+
+    @property
+    @abc.abstractmethod
+    def platform(self) -> str:
+        """`module:Class` of the cloud's platform component (infra/clouds/<cloud>/platform.py)."""
+
+    @property
+    @abc.abstractmethod
+    def fleet_module(self) -> str:
+        """The module whose `fixed_instances(group)` says how many of a VM group's nodes are fixed."""
+
+    # -- object storage -------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def storage_scheme(self) -> str:
+        """The URL scheme the trainer's storage layer (training/storage.py) reads for this cloud."""
+
+    @abc.abstractmethod
+    def bucket_name(self, prefix: str, region: str, app_id: int | str | None) -> str:
+        """The stack's bucket in a region (its name is global, so the region is in it)."""
+
+    @abc.abstractmethod
+    def storage_endpoint(self, bucket_region: str, node_region: str) -> str:
+        """The S3-compatible endpoint a node in node_region reaches the bucket through."""
+
+    @property
+    @abc.abstractmethod
+    def app_id_missing(self) -> str | None:
+        """The message for `clouds.<name>.appId` when the account needs one and has none (None: not needed)."""
+
+    # -- the node's metadata service and credentials ----------------------------------
+    @property
+    @abc.abstractmethod
+    def metadata_url(self) -> str:
+        """The instance metadata service's base URL (training/cloudmeta.py reads the same)."""
+
+    @abc.abstractmethod
+    def storage_credentials(self, kind: str) -> str:
+        """Where a node of this kind ("vm" or "kubernetes") takes its storage credentials from
+        (the STORAGE_CREDENTIALS value training/credentials.py reads)."""
+
+    @property
+    @abc.abstractmethod
+    def sets_aws_region(self) -> bool:
+        """Whether the node's SDK reads its region from AWS_REGION (the contract sets it)."""
+
+    @property
+    @abc.abstractmethod
+    def operator_keys(self) -> tuple[str, str] | None:
+        """The environment variables holding an operator's access key pair (None: the SDK's own chain)."""
+
+    @property
+    @abc.abstractmethod
+    def instance_tags_in_metadata(self) -> bool:
+        """Whether VM instance tags are served by the metadata service (their keys are then restricted)."""
+
+    # -- networks -------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def subnet_word(self) -> str:
+        """What the cloud calls a subnet ("vSwitch")."""
+
+    @property
+    @abc.abstractmethod
+    def stores_own_subnet(self) -> bool:
+        """Whether the rendezvous stores get a subnet of their own (else a range of the first one)."""
+
+    @property
+    @abc.abstractmethod
+    def store_subnet_clear_of(self) -> str:
+        """What the stores' own subnet keeps clear of, for the message when there is no room."""
+
+    @property
+    @abc.abstractmethod
+    def vpc_prefix_floor_192(self) -> int | None:
+        """The shortest prefix a VPC inside 192.168.0.0/16 may have, where the cloud narrows it."""
+
+    @abc.abstractmethod
+    def kubernetes_pod_subnets(self, vpc: ipaddress.IPv4Network,
+                               subnets: list[ipaddress.IPv4Network]) -> list[ipaddress.IPv4Network]:
+        """The VPC ranges a cluster's pods take besides the node subnets, one per subnet while
+        there is room (empty where pods take cluster-wide ranges outside the VPC)."""
+
+    # -- registry -------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def registry_regional(self) -> bool:
+        """Whether the stack's registry serves VPCs of its home region only and is closed to the
+        internet except for kubernetes.apiAccessCidrs."""
+
+    # -- multi-node fabric ----------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def fabric(self) -> str:
+        """The fabric kind of its multi-node types (infra/data/fabric.csv): efa, erdma or hcc."""
+
+    @property
+    @abc.abstractmethod
+    def plain_network(self) -> str:
+        """What a node's ordinary network gives NCCL instead of the fabric."""
+
+    @abc.abstractmethod
+    def fabric_placement(self, kind: str, market: str) -> str:
+        """What keeps a fabric group's nodes together."""
+
+    @property
+    @abc.abstractmethod
+    def placement_monthly_usd(self) -> float:
+        """What that placement resource costs a month."""
+
+    @abc.abstractmethod
+    def fabric_unbuildable(self, kind: str, market: str) -> str | None:
+        """Why the stack cannot give a group of this kind and market the fabric, or None."""
+
+    # -- Kubernetes -----------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def kubernetes_service(self) -> str:
+        """The managed Kubernetes service's name in messages (EKS, ACK, TKE)."""
+
+    @property
+    @abc.abstractmethod
+    def kubernetes_pods_in_vpc(self) -> bool:
+        """Whether pods take VPC addresses (else cluster pod/service ranges that must not overlap a VPC)."""
+
+    @property
+    @abc.abstractmethod
+    def kubernetes_pool_marks_rule(self) -> str | None:
+        """The infra/data/constraints.yaml key bounding a pool's tags + labels + taints, if any."""
+
+    @property
+    @abc.abstractmethod
+    def kubernetes_pool_mixes_markets(self) -> bool:
+        """Whether one node pool holds a spot group's on-demand base and its spot nodes together."""
+
+    @property
+    @abc.abstractmethod
+    def kubernetes_nodeadm(self) -> bool:
+        """Whether pool nodes take a MIME NodeConfig user data (EKS nodeadm) rather than a script."""
+
+    @property
+    @abc.abstractmethod
+    def pod_identity_egress(self) -> tuple[str, ...]:
+        """What a pod's own identity needs in the link-local metadata range."""
+
+    # -- user data ------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def user_data_limit(self) -> tuple[int, Counted]:
+        """The user data field's size limit: bytes, counted on the raw text or its base64 form."""
+
+    @property
+    @abc.abstractmethod
+    def kubernetes_user_data_limit(self) -> tuple[int, Counted] | None:
+        """A smaller limit for cluster pool nodes where the service adds its own part (None: the same)."""
+
+    # -- scheduled scaling ----------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def schedules_in_beijing_time(self) -> bool:
+        """Whether scheduled scaling actions take their recurrence in Beijing time (UTC+8)."""
+
+    # -- shared file systems and prices -----------------------------------------------
+    @property
+    @abc.abstractmethod
+    def shared_fs_types(self) -> tuple[str, ...]:
+        """The sharedFs.type values this cloud offers."""
+
+    @property
+    @abc.abstractmethod
+    def price_refresh(self) -> str:
+        """`module:function` refreshing this cloud's rows of infra/data/prices.csv from its price API."""

@@ -1,0 +1,78 @@
+"""Tencent Cloud's answers to infra/clouds/profile.py."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from infra.clouds.profile import CloudProfile, Counted
+
+
+class TencentcloudProfile(CloudProfile):
+    name = "tencentcloud"
+    display_name = "Tencent Cloud"
+    provider = "tencentcloud"
+    sdk_package = "tencentcloud_iac_pulumi"
+    platform = "infra.clouds.tencentcloud.platform:TencentcloudPlatform"
+    fleet_module = "infra.clouds.tencentcloud.fleet"
+
+    storage_scheme = "cosn"
+    app_id_missing = ("is required: COS bucket names end in -<APPID>; find it under Account Info in the Tencent "
+                      "Cloud console")
+
+    def bucket_name(self, prefix: str, region: str, app_id: int | str | None) -> str:
+        return f"{prefix}-{region}-{app_id or ''}"
+
+    def storage_endpoint(self, bucket_region: str, node_region: str) -> str:
+        """One name, resolved to an internal address from the same region (COS "CVM accesses
+        COS": same-region access is routed internally)."""
+        return f"https://cos.{bucket_region}.myqcloud.com"
+
+    metadata_url = "http://metadata.tencentyun.com"
+
+    def storage_credentials(self, kind: str) -> str:
+        """CVM CAM roles come from the metadata service; TKE pods use their own CAM role (pod identity)."""
+        return "tke-pod-identity" if kind == "kubernetes" else "instance-role"
+
+    sets_aws_region = False
+    operator_keys = ("TENCENTCLOUD_SECRET_ID", "TENCENTCLOUD_SECRET_KEY")
+    instance_tags_in_metadata = False
+
+    subnet_word = "subnet"
+    stores_own_subnet = True
+    store_subnet_clear_of = "subnets"
+    vpc_prefix_floor_192 = 16  # a VPC inside 192.168.0.0/16 may be the whole /16
+
+    def kubernetes_pod_subnets(self, vpc: ipaddress.IPv4Network,
+                               subnets: list[ipaddress.IPv4Network]) -> list[ipaddress.IPv4Network]:
+        return []  # TKE's cluster CIDR lies outside every VPC
+
+    registry_regional = True  # TCR VPC attachments are regional
+
+    fabric = "hcc"
+    plain_network = "the VPC network (TCP sockets)"
+    placement_monthly_usd = 0.0  # HCC clusters are billed through their instances (CreateHpcCluster has no price)
+
+    def fabric_placement(self, kind: str, market: str) -> str:
+        return "HCC cluster (CvmHpcCluster)"
+
+    def fabric_unbuildable(self, kind: str, market: str) -> str | None:
+        if kind == "kubernetes":
+            return ("TKE node pools cannot be placed in an HCC cluster (tencentcloud_kubernetes_node_pool has no "
+                    "hpc_cluster_id)")
+        return None
+
+    kubernetes_service = "TKE"
+    kubernetes_pods_in_vpc = False
+    kubernetes_pool_marks_rule = None
+    kubernetes_pool_mixes_markets = False
+    kubernetes_nodeadm = False
+    pod_identity_egress = ()
+
+    # CVM / AS / TKE: "Base64-encoded User Data text, the length limit is 16KB"
+    # (tencentcloud_iac_pulumi kubernetes/node_pool.py).
+    user_data_limit: tuple[int, Counted] = (16 * 1024, "base64")
+    kubernetes_user_data_limit: tuple[int, Counted] | None = None
+
+    schedules_in_beijing_time = True  # AS scheduled actions recur in Beijing time (infra/schedule.py)
+    shared_fs_types = ("cfs",)
+    price_refresh = "infra.clouds.tencentcloud.prices:refresh"
