@@ -276,7 +276,7 @@ def test_prod_aws_group_caches_its_dataset_then_trains_also_when_the_copy_fails_
     node.boot()
     node.wait_for(lambda: bool(_trainer_runs(node)), "the trainer's docker run after the dataset's retry")
     node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "active"), "gts-trainer active")
-    copies = [c for c in node.docker_calls() if "training.datasync" in c]
+    copies = [c for c in node.docker_calls() if "training.node.datasync" in c]
     assert len(copies) == 2, copies  # failed once, then succeeded
     for copy in copies:
         assert re.search(r" --entrypoint python \S+@sha256:[0-9a-f]{64} -m training\.datasync ", copy), copy
