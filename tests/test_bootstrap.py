@@ -370,7 +370,7 @@ def test_the_dataset_copy_runs_as_the_dataset_command_not_as_trainer_arguments(
     dataset_url = cloudmeta.read_env(sandbox["GTS_ENV_FILE"])["DATASET_URL"]
     assert (scratch / "datasets/current/.gts-copied").read_text().strip() == dataset_url
     (run,) = [c for c in (box / "docker.calls").read_text().splitlines() if c.startswith("docker run")]
-    assert re.search(r" --entrypoint python \S+@sha256:[0-9a-f]{64} -m training\.datasync ", run), run
+    assert re.search(r" --entrypoint python \S+@sha256:[0-9a-f]{64} -m training\.node\.datasync ", run), run
 
 
 def test_every_unit_the_trainer_requires_starts_it_again_after_a_failed_first_try() -> None:
