@@ -77,7 +77,7 @@ dataset: $(STAMP)
 ## train-local: the trainer on CPU, 2 processes (gloo), tiny workload, through the image's entrypoint (STEPS= CKPT_EVERY= CKPT_DIR=<path or URL>)
 train-local: $(STAMP)
 	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" LAUNCHER=torchrun NNODES=1 NPROC_PER_NODE=2 OMP_NUM_THREADS=1 \
-	  bash training/entrypoint.sh --workload tiny \
+	  bash training/node/entrypoint.sh --workload tiny \
 	  --steps $(call q,$(STEPS)) --checkpoint-every $(call q,$(CKPT_EVERY)) --checkpoint-dir $(call q,$(CKPT_DIR)) \
 	  --throttle-ms $(call q,$(THROTTLE_MS)) --log-every 10
 
@@ -90,12 +90,12 @@ example-hf: $(STAMP)
 	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" LAUNCHER=accelerate ACCELERATE_USE_CPU=1 NNODES=1 NPROC_PER_NODE=2 \
 	  OMP_NUM_THREADS=1 CHECKPOINT_DIR=$(call q,$(CKPT_DIR)-hf) CHECKPOINT_EVERY=$(call q,$(CKPT_EVERY)) \
 	  TRAIN_COMMAND=$$($(PY) -c 'import sys; from training.contract import encode_command; print(encode_command(sys.argv[1:]))' \
-	    -m training.workloads.bert_finetune --output_dir '$${CHECKPOINT_DIR}/hf-out' --max_steps $(call q,$(STEPS))) \
-	  bash training/entrypoint.sh
+	    -m training.trainer.workloads.bert_finetune --output_dir '$${CHECKPOINT_DIR}/hf-out' --max_steps $(call q,$(STEPS))) \
+	  bash training/node/entrypoint.sh
 
 ## bench: checkpoint (ours, in line, async_save) and resume figures for ~100 MB and ~1 GB states beside their limits (memcpy, write+fsync, import+read; interleaved; S3 endpoint on 127.0.0.1), goodput, and the prod plan beside SDK imports + the mock engine (~12 min)
 bench: $(STAMP)
-	@$(PY) -m training.bench
+	@$(PY) -m training.trainer.bench
 
 ## docs: regenerate the stack-spec reference (docs/spec.md, Pulumi.yaml's config block) from infra/spec.py; a test fails when they are stale
 docs: $(RUNTIME_STAMP)

@@ -22,7 +22,7 @@ RDZV_PORT = rendezvous.PORT
 SCRATCH = "/scratch"
 VM_DATA_DIR = f"{SCRATCH}/datasets/current"  # where gts-dataset.service caches it
 POD_SCRATCH = "/scratch"  # the Job's node-local scratch volume, mounted at the same path
-TRAIN_MODULE = "training.train"
+TRAIN_MODULE = "training.trainer.train"
 
 
 def credentials_source(rg: ResolvedGroup) -> str:

@@ -1,7 +1,7 @@
 """Monitoring for a stack: Prometheus alerting rules and a Grafana dashboard, generated from
 the stack spec.
 
-Both read what the nodes export — the trainer (`gts_*`, training/metrics.py), the spot watcher
+Both read what the nodes export — the trainer (`gts_*`, training/trainer/metrics.py), the spot watcher
 (`gts_spot_interruption_notice`, through the node exporter) and the DCGM exporter — so they work
 the same on every cloud. The rules cover spending pace against the budget, idle GPUs, and work
 at risk (stale checkpoints, uploads stuck, spot reclaims); on Alibaba Cloud, whose provider has

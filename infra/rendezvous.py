@@ -1,4 +1,4 @@
-"""Where the nodes of a multi-node VM run meet: a rendezvous store (training/rdzv_store.py, in
+"""Where the nodes of a multi-node VM run meet: a rendezvous store (training/node/rdzv_store.py, in
 the trainer image) on a small on-demand instance, one per multi-node VM group, at a fixed
 private address nothing else can take: on AWS in a range of the network's first subnet that
 the stack reserves for its stores (STORE_RANGE, an explicit subnet CIDR reservation: EC2 hands it
@@ -12,7 +12,7 @@ user data.
 One store per group, not per network: the store has no authentication, so it is kept to its own
 group by the network (its security group admits that group's nodes alone, by security-group
 reference), and what the agents read from it is signed with the group's key
-(training/rdzv_launch.py), which the stack gives that group's nodes only.
+(training/node/rdzv_launch.py), which the stack gives that group's nodes only.
 
 A stack may name its own store instead (`training.rendezvousEndpoint`, host:port). Kubernetes
 Jobs get theirs from the cluster (infra/k8s/job.py)."""
@@ -45,7 +45,7 @@ OWN_SUBNET_CLOUDS = tuple(p.name for p in profiles() if p.stores_own_subnet)
 OWN_SUBNET_PREFIX = 28
 OWN_SUBNET_FIRST = 4
 OWN_SUBNET_STORES = 8
-KEY_LENGTH = 48  # characters of a group's rendezvous key (training/rdzv_launch.py MIN_KEY_CHARS)
+KEY_LENGTH = 48  # characters of a group's rendezvous key (training/node/rdzv_launch.py MIN_KEY_CHARS)
 
 
 @dataclass(frozen=True)

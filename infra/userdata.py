@@ -67,7 +67,7 @@ NODE_VARS = frozenset(v.name for v in (c.GTS_CLOUD, c.GTS_NODE_GROUP, c.STORAGE_
                                        c.STORAGE_ADDRESSING_STYLE, c.STORAGE_CREDENTIALS))
 
 STORE_HOST = "GTS_RDZV_HOST"  # gts-rdzv.service: the address the store binds
-RDZV_KEY = "RDZV_KEY"  # a multi-node VM group's rendezvous key (training/rdzv_launch.py)
+RDZV_KEY = "RDZV_KEY"  # a multi-node VM group's rendezvous key (training/node/rdzv_launch.py)
 
 # As long as any digest reference: the user data is sized with it before the image exists.
 IMAGE_PLACEHOLDER = "registry.example/gpu-training-stack/trainer@sha256:" + "0" * 64

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from training import checkpoint, train
+from training import checkpoint
+from training.trainer import train
 
 log = logging.getLogger("gts.faults")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from training import bench
+from training.trainer import bench
 from training.staging import HashingWriter, save_hashed
 
 

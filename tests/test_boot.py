@@ -276,10 +276,10 @@ def test_prod_aws_group_caches_its_dataset_then_trains_also_when_the_copy_fails_
     node.boot()
     node.wait_for(lambda: bool(_trainer_runs(node)), "the trainer's docker run after the dataset's retry")
     node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "active"), "gts-trainer active")
-    copies = [c for c in node.docker_calls() if "training.datasync" in c]
+    copies = [c for c in node.docker_calls() if "training.node.datasync" in c]
     assert len(copies) == 2, copies  # failed once, then succeeded
     for copy in copies:
-        assert re.search(r" --entrypoint python \S+@sha256:[0-9a-f]{64} -m training\.datasync ", copy), copy
+        assert re.search(r" --entrypoint python \S+@sha256:[0-9a-f]{64} -m training\.node\.datasync ", copy), copy
     assert node.sh("cat /scratch/datasets/current/.gts-copied").stdout.strip() == env["DATASET_URL"]
     calls = node.docker_calls()
     assert calls.index(copies[-1]) < calls.index(_trainer_runs(node)[0])
@@ -400,7 +400,7 @@ def _store_runs_docker_and_the_store_only(node: Node, env: dict[str, str]) -> No
     node.wait_for(lambda: _unit_is(node, "gts-rdzv.service", "active"), "gts-rdzv active")
     node.wait_for(lambda: any("--name gts-rdzv" in c for c in node.docker_calls()), "the store's docker run")
     (run,) = [c for c in node.docker_calls() if c.startswith("docker run") and "--name gts-rdzv" in c]
-    assert re.search(r" --entrypoint python \S+@sha256:[0-9a-f]{64} -m training\.rdzv_store --host "
+    assert re.search(r" --entrypoint python \S+@sha256:[0-9a-f]{64} -m training\.node\.rdzv_store --host "
                      + re.escape(env["GTS_RDZV_HOST"]) + r" --port 29400$", run), run
     _no_failed_units(node)
     order = _started(node)

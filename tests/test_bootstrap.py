@@ -282,7 +282,7 @@ def test_scratch_never_hides_a_failing_disk_picker(sandbox: dict[str, str], tmp_
 # --------------------------------------------------------------- the spot path, end to end
 
 def test_a_reclaim_notice_ends_in_a_committed_checkpoint_even_when_it_takes_over_30s(tmp_path: Path) -> None:
-    """The trainer launched as the node's container launches it (training/entrypoint.sh: torchrun),
+    """The trainer launched as the node's container launches it (training/node/entrypoint.sh: torchrun),
     a local metadata server announces the reclaim, and the watcher signals the workers. Their
     emergency checkpoint takes 35 s — longer than torchrun's 30 s between forwarding SIGTERM and
     SIGKILL — yet it commits, torchrun exits 0, and the watcher logs how long it took."""
@@ -298,7 +298,7 @@ def test_a_reclaim_notice_ends_in_a_committed_checkpoint_even_when_it_takes_over
            "OMP_NUM_THREADS": "1", "LAUNCHER": "torchrun", "NNODES": "1", "NPROC_PER_NODE": "2",
            "TRAIN_MODULE": "tests.faults", "GTS_TEST_SLOW_COMMIT_S": "35", "WORKLOAD": "tiny",
            "CHECKPOINT_EVERY": "100000", "TRAIN_STEPS": "100000"}
-    trainer = subprocess.Popen(["bash", str(ROOT / "training/entrypoint.sh"), "--checkpoint-dir", str(ckpt),
+    trainer = subprocess.Popen(["bash", str(ROOT / "training/node/entrypoint.sh"), "--checkpoint-dir", str(ckpt),
                                 "--throttle-ms", "20"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     with FakeMetadata("aws") as meta:
@@ -355,7 +355,7 @@ DOCKER_STUB = Path(__file__).parent / "boot" / "docker"
 def test_the_dataset_copy_runs_as_the_dataset_command_not_as_trainer_arguments(
         sandbox: dict[str, str], tmp_path: Path) -> None:
     """The docker stand-in models the trainer image: its ENTRYPOINT hands arguments to the trainer,
-    which refuses `-m training.datasync …` (and would first join the run's rendezvous). The copy
+    which refuses `-m training.node.datasync …` (and would first join the run's rendezvous). The copy
     must replace the entrypoint."""
     box = Path(sandbox["GTS_SANDBOX"])
     shutil.copy(DOCKER_STUB, box / "bin" / "docker")
@@ -370,7 +370,7 @@ def test_the_dataset_copy_runs_as_the_dataset_command_not_as_trainer_arguments(
     dataset_url = cloudmeta.read_env(sandbox["GTS_ENV_FILE"])["DATASET_URL"]
     assert (scratch / "datasets/current/.gts-copied").read_text().strip() == dataset_url
     (run,) = [c for c in (box / "docker.calls").read_text().splitlines() if c.startswith("docker run")]
-    assert re.search(r" --entrypoint python \S+@sha256:[0-9a-f]{64} -m training\.datasync ", run), run
+    assert re.search(r" --entrypoint python \S+@sha256:[0-9a-f]{64} -m training\.node\.datasync ", run), run
 
 
 def test_every_unit_the_trainer_requires_starts_it_again_after_a_failed_first_try() -> None:

@@ -190,7 +190,7 @@ def _trainer(marker: Path) -> subprocess.Popen[bytes]:
     """The image's real entrypoint (torchrun, one worker) running a stand-in worker."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
            "TRAIN_MODULE": "tests.stand_in_worker", "NPROC_PER_NODE": "1", "GTS_TEST_MARKER": str(marker)}
-    return subprocess.Popen(["bash", str(ROOT / "training/entrypoint.sh")], env=env, cwd=ROOT,
+    return subprocess.Popen(["bash", str(ROOT / "training/node/entrypoint.sh")], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

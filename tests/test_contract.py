@@ -1,6 +1,6 @@
 """The seam stack -> training container. What the plan hands a trainer — a VM node's env file
 decoded from its real user data, a Kubernetes Job's container env — is fed, as it is, to the
-real trainer (training/entrypoint.sh, torchrun, gloo on CPU) against an S3 server on 127.0.0.1,
+real trainer (training/node/entrypoint.sh, torchrun, gloo on CPU) against an S3 server on 127.0.0.1,
 with the credentials each group's nodes really have: the instance role from a local metadata
 server in the cloud's format, EKS Pod Identity, ACK RRSA (an STS exchange of the pod's token)
 or the TKE node's CAM role. A proxy in front of the bucket notes which access key signed each
@@ -29,8 +29,9 @@ from tests.harness import ROOT, by_type, shipped, spec_raw, stack_values
 from tests.metadata_server import POD_IDENTITY_PATH, FakeMetadata
 from tests.nodes import lay_down, node_env, registered, user_data
 from tests.training_helpers import BIN, FINAL, LAUNCH_TIMEOUT, MotoServer, Proxy, free_port
-from training import config, contract
+from training import contract
 from training.cloudmeta import MetadataError
+from training.trainer import config
 
 VM_NODES = {  # dev's VM groups: (launch resource type, name)
     "aws": ("aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt"),
@@ -178,7 +179,7 @@ def train_and_resume(env: dict[str, str], proxy: Proxy, meta: FakeMetadata, tmp:
                      args: tuple[str, ...] = ()) -> None:
     """The image's entrypoint twice: STEPS steps with a checkpoint in the bucket, then, with the
     node's scratch gone (a new node), STEPS + 2 steps that resume from the bucket."""
-    entrypoint = ["bash", str(ROOT / "training/entrypoint.sh"), *args]
+    entrypoint = ["bash", str(ROOT / "training/node/entrypoint.sh"), *args]
     first = run(entrypoint, env, tmp)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert FINAL.search(first.stdout) and f"final step={STEPS} " in first.stdout
@@ -211,7 +212,7 @@ def test_a_vm_node_trains_and_resumes_with_the_env_its_user_data_gives_it(stack:
                 # address there); here the same store program on 127.0.0.1, this node alone.
                 assert env["RDZV_ENDPOINT"] in _store_endpoints(stack), env["RDZV_ENDPOINT"]
                 port = free_port()
-                store = subprocess.Popen([str(BIN / "python"), "-m", "training.rdzv_store", "--port", str(port)],
+                store = subprocess.Popen([str(BIN / "python"), "-m", "training.node.rdzv_store", "--port", str(port)],
                                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 container.update(RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_LAST_CALL_S="1")
             train_and_resume(container, proxy, meta, tmp_path)
@@ -297,7 +298,7 @@ def test_a_job_pod_caches_its_dataset_then_trains_and_resumes(cloud: str, tmp_pa
 def test_a_bad_contract_value_stops_the_container_before_any_launcher(bad: dict[str, str], named: str,
                                                                        tmp_path: Path) -> None:
     env = {**vm_env("dev", "aws", tmp_path), **bad}
-    proc = run(["bash", str(ROOT / "training/entrypoint.sh")], env, tmp_path)
+    proc = run(["bash", str(ROOT / "training/node/entrypoint.sh")], env, tmp_path)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"trainer contract: {proc.stderr.split(': ', 1)[1].strip()}"]
     assert named in proc.stderr and "Traceback" not in proc.stderr

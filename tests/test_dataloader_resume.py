@@ -19,7 +19,7 @@ from tests.training_helpers import ROOT
 from training import contract
 
 EXAMPLE = ROOT / "examples" / "dataloader_loop.py"
-ENTRYPOINT = ["bash", str(ROOT / "training" / "entrypoint.sh")]
+ENTRYPOINT = ["bash", str(ROOT / "training" / "node" / "entrypoint.sh")]
 BATCHES_PER_EPOCH = 96 // 2 // 4  # samples / ranks / batch size (the example's defaults)
 STEPS_PER_EPOCH = BATCHES_PER_EPOCH // 2  # two batches per optimizer step
 

@@ -34,12 +34,12 @@ ALLOWED: dict[str, tuple[str, str]] = {
                           "_flip_a_byte"),
     r"python -m training\.goodput ": ("tests/test_goodput.py::test_the_command_prints_the_interval_and_simulates_a_file",
                                       '"training.goodput"'),
-    r"python -m training\.rdzv_store ": ("tests/test_elastic.py::test_three_nodes_lose_one_go_on_and_take_it_back",
+    r"python -m training\.node\.rdzv_store ": ("tests/test_elastic.py::test_three_nodes_lose_one_go_on_and_take_it_back",
                                          "rendezvous_store"),
     r"export RDZV_KEY=": ("tests/test_elastic.py::test_three_nodes_lose_one_go_on_and_take_it_back", "elastic_node"),
-    r"bash training/entrypoint\.sh ": ("tests/test_elastic.py::test_three_nodes_lose_one_go_on_and_take_it_back",
+    r"bash training/node/entrypoint\.sh ": ("tests/test_elastic.py::test_three_nodes_lose_one_go_on_and_take_it_back",
                                        "elastic_node"),
-    r"torchrun --standalone --nproc-per-node \d -m training\.train --workload gpt-tiny --sharding fsdp$": (
+    r"torchrun --standalone --nproc-per-node \d -m training\.trainer\.train --workload gpt-tiny --sharding fsdp$": (
         "tests/test_sharded.py::test_stopped_and_resumed_equals_uninterrupted_and_a_bad_shard_means_the_previous_step",
         '"gpt-tiny", "--sharding", "fsdp"'),
     r"torchrun --standalone --nproc-per-node \d examples/fsdp_loop\.py ": (
@@ -201,9 +201,9 @@ def test_the_allow_list_names_tests_that_exist_and_run_the_command() -> None:
 
 
 def test_the_command_reader_sees_through_loops_heredocs_and_markers() -> None:
-    body = ["make plan   # a comment", "for n in 0 1; do A=1 B=2 \\", "  bash training/entrypoint.sh --x & done",
+    body = ["make plan   # a comment", "for n in 0 1; do A=1 B=2 \\", "  bash training/node/entrypoint.sh --x & done",
             "python - <<'PY'", "import os", "PY", "make test; kill -TERM <pid>"]
-    assert _commands(body) == ["make plan", "bash training/entrypoint.sh --x", "python - <<'PY'", "make test",
+    assert _commands(body) == ["make plan", "bash training/node/entrypoint.sh --x", "python - <<'PY'", "make test",
                                "kill -TERM <pid>"]
     assert NEEDS_CLOUD.match("pulumi up --stack dev") and not NEEDS_CLOUD.match("python -m infra.plan")
     marked = [b for b in blocks() if b.marked]

@@ -1,6 +1,6 @@
 """Multi-node training that survives losing a node: three local "nodes" (each the image's
 entrypoint with its own torchrun and its own scratch), one rendezvous store apart from them
-(training/rdzv_store.py, as the stack runs it), checkpoints in one S3 bucket on 127.0.0.1.
+(training/node/rdzv_store.py, as the stack runs it), checkpoints in one S3 bucket on 127.0.0.1.
 One node is killed outright mid-run (a reclaim without notice); the other two re-rendezvous,
 resume from the last checkpoint and go on; the node started again joins; the run finishes."""
 
@@ -61,6 +61,6 @@ def test_a_multi_node_run_without_a_store_never_trains_alone(nnodes: str, endpoi
                                                              tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), "NNODES": nnodes,
            "RDZV_ENDPOINT": endpoint, "LAUNCHER": launcher, "NPROC_PER_NODE": "1"}
-    proc = subprocess.run(["bash", str(ROOT / "training/entrypoint.sh")], env=env, cwd=tmp_path, capture_output=True,
+    proc = subprocess.run(["bash", str(ROOT / "training/node/entrypoint.sh")], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and named in proc.stderr and "torchrun" not in proc.stderr

@@ -1,6 +1,6 @@
 """GPU health without a GPU: the node's real boot gate and Xid watch (cloudinit/scripts/
 gts-gpu-health.py) driven by fake `nvidia-smi` / `dcgmi` / `systemctl` and a kernel log file,
-next to the real trainer launched as the node's container launches it (training/entrypoint.sh).
+next to the real trainer launched as the node's container launches it (training/node/entrypoint.sh).
 A "replace" Xid ends in a committed checkpoint and then the group's replace-me call, signed with
 the node's role credentials (tests/metadata_server.py), at a local endpoint: moto's Auto Scaling
 API with a real group and instance for AWS; fakes in the documented request shapes that check
@@ -51,7 +51,7 @@ def test_the_xid_table_has_the_issue_classes_and_sources() -> None:
 
 
 def _watch_module() -> Any:
-    sys.path.insert(0, str(ROOT / "training"))
+    sys.path[:0] = [str(ROOT / "training"), str(ROOT / "training" / "node")]  # its `import cloudmeta`, `import node_replace`
     import importlib.util
     spec = importlib.util.spec_from_file_location("gts_gpu_health", SCRIPT)
     assert spec and spec.loader
@@ -310,7 +310,7 @@ def _trainer(tmp: Path, ckpt: Path, **extra: str) -> Run:
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1", "LAUNCHER": "torchrun", "NNODES": "1", "NPROC_PER_NODE": "1",
            "WORKLOAD": "tiny", "TRAIN_STEPS": "100000", **extra}
-    proc = subprocess.Popen(["bash", str(ROOT / "training/entrypoint.sh"), "--checkpoint-dir", str(ckpt),
+    proc = subprocess.Popen(["bash", str(ROOT / "training/node/entrypoint.sh"), "--checkpoint-dir", str(ckpt),
                              "--checkpoint-every", "20", "--log-every", "10", "--throttle-ms", "20"],
                             env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -449,7 +449,7 @@ def test_xid_94_restarts_the_workers_and_replaces_nothing(tmp_path: Path) -> Non
     """An elastic node (the multi-node path, min 1): killing its workers makes torchrun restart
     them, and they resume from the newest committed checkpoint; the node stays."""
     port = free_port()
-    store = subprocess.Popen([sys.executable, "-m", "training.rdzv_store", "--port", str(port)], cwd=ROOT,
+    store = subprocess.Popen([sys.executable, "-m", "training.node.rdzv_store", "--port", str(port)], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt = tmp_path / "ck"
     meta = _metadata("aws", "i-0123456789abcdef0").start()

@@ -16,7 +16,7 @@ from tests.training_helpers import ROOT
 from training import contract
 
 EXAMPLE = ROOT / "examples" / "lightning_loop.py"
-ENTRYPOINT = ["bash", str(ROOT / "training" / "entrypoint.sh")]
+ENTRYPOINT = ["bash", str(ROOT / "training" / "node" / "entrypoint.sh")]
 
 
 def node(tmp_path: Path, scratch: str, pause_at: int = 0) -> dict[str, str]:

@@ -164,7 +164,7 @@ def test_every_trainer_metric_a_rule_reads_is_one_the_trainer_exports(stack: str
     such as the stale checkpoint under checkpointEvery: auto can fire at all."""
     import re
 
-    from training.metrics import Metrics
+    from training.trainer.metrics import Metrics
 
     rules = monitoring.render(load_stack_spec(stack))
     used = {n for n in re.findall(r"\bgts_[a-z_]+", rules) if not n.startswith(("gts_spot_", "gts_gpu_"))}  # gts_gpu_*: tests/test_gpu_health.py

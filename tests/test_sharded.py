@@ -20,7 +20,7 @@ import torch
 from tests.training_helpers import (BIN, ROOT, MotoServer, Run, elastic_node, kill_tree, launch, rendezvous_store,
                                     wait_any)
 from training import contract
-from training.models import TinyGPT
+from training.trainer.models import TinyGPT
 from training.sharded import read_full_model, state_sha256
 
 GPT = ["--workload", "gpt-tiny", "--sharding", "fsdp", "--batch-size", "8", "--tiny-samples", "512", "--log-every", "2"]
@@ -148,7 +148,7 @@ def start_loop(tmp: Path, nproc: int, url: str, scratch: str, *extra: str, env: 
             "OMP_NUM_THREADS": "1", "LAUNCHER": "torchrun", "NNODES": "1", "MIN_NNODES": "1",
             "NPROC_PER_NODE": str(nproc), contract.TRAIN_COMMAND.name: command, contract.CHECKPOINT_URL.name: url,
             contract.CHECKPOINT_DIR.name: str(tmp / scratch), contract.CHECKPOINT_EVERY.name: "4"}
-    proc = subprocess.Popen(["bash", str(ROOT / "training" / "entrypoint.sh")], cwd=tmp, env={**base, **(env or {})},
+    proc = subprocess.Popen(["bash", str(ROOT / "training" / "node" / "entrypoint.sh")], cwd=tmp, env={**base, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     run = Run(proc)
     run.start_reader()

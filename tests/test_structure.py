@@ -100,3 +100,56 @@ def test_no_function_is_too_long_to_read() -> None:
 @pytest.mark.parametrize("package", PACKAGES)
 def test_every_package_is_walked(package: str) -> None:
     assert any(name.startswith(package + ".") for name in _graph())
+
+
+# training/'s three audiences (training/__init__.py): the library at the top level, our reference
+# trainer in training/trainer/, the node-side tools in training/node/. Imports point one way: the
+# trainer and the node tools use the library, the node tools never use the trainer, the library
+# uses neither. Every import counts here: module level, function-local and typing-only.
+LAYERS = {"training.trainer": ("training.node",), "training.node": ("training.trainer",),
+          "training": ("training.trainer", "training.node")}
+
+
+def _layer(module: str) -> str:
+    return next(p for p in ("training.trainer", "training.node", "training")
+                if module == p or module.startswith(p + "."))
+
+
+def _all_imports(path: Path, name: str) -> set[str]:
+    """Every module a module names in an import statement, wherever the statement is."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for sub in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(sub, ast.Import):
+            found |= {a.name for a in sub.names}
+        elif isinstance(sub, ast.ImportFrom):
+            base = sub.module or ""
+            if sub.level:
+                parts = package.split(".")[:len(package.split(".")) - sub.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            found |= {base} | {f"{base}.{a.name}" for a in sub.names}
+    return found
+
+
+def _layer_violations(imports: dict[str, set[str]]) -> list[str]:
+    """`importer -> imported` for each import that points the wrong way between training/'s layers."""
+    return sorted(f"{name} -> {m}" for name, found in imports.items() for m in found
+                  if any(m == f or m.startswith(f + ".") for f in LAYERS[_layer(name)]))
+
+
+def test_training_layers_point_one_way() -> None:
+    imports = {_module_name(p): _all_imports(p, _module_name(p)) for p in (ROOT / "training").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert {"training.checkpointing", "training.trainer.train", "training.node.datasync"} <= set(imports)
+    assert "training.checkpoint" in imports["training.trainer.train"]  # the walk sees the imports
+    assert _layer_violations(imports) == []
+
+
+def test_the_layer_check_finds_a_wrong_way_import() -> None:
+    ok = {"training.trainer.train": {"training.checkpoint"}, "training.node.datasync": {"training.storage"}}
+    assert _layer_violations(ok) == []
+    wrong = {**ok, "training.storage": {"training.node.datasync"}, "training.hf": {"training.trainer"},
+             "training.node.guard": {"training.trainer.config"}, "training.trainer.bench": {"training.node.guard"}}
+    assert _layer_violations(wrong) == ["training.hf -> training.trainer", "training.node.guard -> training.trainer.config",
+                                        "training.storage -> training.node.datasync",
+                                        "training.trainer.bench -> training.node.guard"]

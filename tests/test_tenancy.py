@@ -33,7 +33,7 @@ class Payload:
 
 
 def run_id(group: str, checkpoint_url: str, steps: str) -> str:
-    """The run's rendezvous id as training/entrypoint.sh computes it (from the stack's values)."""
+    """The run's rendezvous id as training/node/entrypoint.sh computes it (from the stack's values)."""
     digest = hashlib.sha256(f"{checkpoint_url} {steps}".encode()).hexdigest()[:12]
     return f"{group}-{digest}"
 
@@ -47,7 +47,7 @@ def poison(port: int, rdzv_id: str, marker: Path) -> None:
 
 
 def store(port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "training.rdzv_store", "--host", "127.0.0.1", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "training.node.rdzv_store", "--host", "127.0.0.1", "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port)
     return proc
@@ -70,7 +70,7 @@ def test_a_poisoned_rendezvous_state_never_runs_in_a_node(tmp_path: Path) -> Non
     try:
         env = node_env(port, tmp_path, RDZV_KEY=KEY)
         poison(port, run_id("victim", env["CHECKPOINT_URL"], env["TRAIN_STEPS"]), marker)
-        node = Run(subprocess.Popen(["bash", str(ROOT / "training/entrypoint.sh"), "--workload", "tiny"], env=env,
+        node = Run(subprocess.Popen(["bash", str(ROOT / "training/node/entrypoint.sh"), "--workload", "tiny"], env=env,
                                     cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         node.start_reader()
         try:
@@ -97,7 +97,7 @@ def test_the_same_payload_runs_in_an_unsigned_torchrun_agent(tmp_path: Path) -> 
         agent = subprocess.Popen([str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1",
                                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                                   "--rdzv-id", "victim-run", "--rdzv-conf", "is_host=false",
-                                  "-m", "training.train"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                  "-m", "training.trainer.train"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         assert retry_until(marker.exists, timeout=120), "the unsigned agent did not run the payload"
     finally:
@@ -114,7 +114,7 @@ def test_a_state_signed_with_another_groups_key_is_refused(tmp_path: Path) -> No
     from torch.distributed import FileStore  # type: ignore[attr-defined]
     from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
-    from training.rdzv_launch import SignedC10dBackend
+    from training.node.rdzv_launch import SignedC10dBackend
 
     shared = FileStore(str(tmp_path / "store"), -1)
     theirs = SignedC10dBackend(shared, "run-a", b"a" * 48)
@@ -135,7 +135,7 @@ def test_a_multi_node_run_without_a_key_never_starts(tmp_path: Path) -> None:
     port = free_port()
     env = node_env(port, tmp_path)
     env.pop("RDZV_KEY", None)
-    proc = subprocess.run(["bash", str(ROOT / "training/entrypoint.sh")], env=env, cwd=tmp_path, capture_output=True,
+    proc = subprocess.run(["bash", str(ROOT / "training/node/entrypoint.sh")], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "RDZV_KEY" in proc.stderr, proc.stderr[-2000:]
 
@@ -246,7 +246,7 @@ def test_a_stores_address_is_in_its_reserved_range_and_the_group_holds_the_key(t
     env = node_env(root)
     assert len(env[RDZV_KEY]) >= 32 and env["RDZV_ENDPOINT"] == f"{store.inputs['privateIp']}:29400"
     # The node's own env file into the launcher's key reader: the key it signs with is the plan's.
-    from training import rdzv_launch
+    from training.node import rdzv_launch
 
     assert rdzv_launch.run_key(env) == env[RDZV_KEY].encode()
 
@@ -555,7 +555,7 @@ def _listening(port: int) -> list[str]:
 def test_the_trainers_metrics_listen_on_one_address(addr: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """METRICS_ADDR is what the stack sets (the node's private address from its default route,
     the pod's from the downward API); unset, the trainer keeps to loopback."""
-    from training.metrics import Metrics
+    from training.trainer.metrics import Metrics
 
     if addr:
         monkeypatch.setenv("METRICS_ADDR", addr)
@@ -760,7 +760,7 @@ def test_a_pods_token_is_never_sent_in_clear_and_a_missing_one_is_named(source: 
 
 @pytest.mark.parametrize("value", ["", "short", "x" * 31])
 def test_a_rendezvous_key_shorter_than_32_characters_is_refused_by_name(value: str) -> None:
-    from training import rdzv_launch
+    from training.node import rdzv_launch
 
     with pytest.raises(SystemExit, match="RDZV_KEY must hold the run's rendezvous key"):
         rdzv_launch.run_key({"RDZV_KEY": value})

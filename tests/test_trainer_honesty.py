@@ -27,7 +27,7 @@ from training.checkpoint import CheckpointError, CheckpointManager, Topology, ru
 
 TOPO = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
 
-ENTRYPOINT = ["bash", str(ROOT / "training" / "entrypoint.sh")]
+ENTRYPOINT = ["bash", str(ROOT / "training" / "node" / "entrypoint.sh")]
 TWO = {"NPROC_PER_NODE": "2"}
 
 
@@ -41,7 +41,7 @@ def quiet(output: str) -> None:
 
 
 def trainer(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BIN / "python"), "-m", "training.train", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([str(BIN / "python"), "-m", "training.trainer.train", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
 
@@ -84,7 +84,7 @@ def test_help_names_each_option_its_default_and_its_variable(tmp_path: Path) -> 
     text = " ".join(done.stdout.split())
     from dataclasses import fields
 
-    from training.config import FIELD_ENV, TrainConfig
+    from training.trainer.config import FIELD_ENV, TrainConfig
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         assert flag in text, flag
@@ -111,7 +111,7 @@ def test_the_entrypoint_runs_without_nvidia_smi_and_its_help_shows_both_usages(t
     assert shutil.which("nvidia-smi", path=path) is None
     helped = start([*ENTRYPOINT, "--help"], {}, tmp_path)
     assert helped.finish() == 0, helped.output
-    assert "usage: training/entrypoint.sh" in helped.output and "usage: python -m training.train" in helped.output
+    assert "usage: training/node/entrypoint.sh" in helped.output and "usage: python -m training.trainer.train" in helped.output
     assert "env CHECKPOINT_EVERY]" in helped.output
 
     run = start([*ENTRYPOINT, "--steps", "6", "--checkpoint-every", "3", "--checkpoint-dir", str(tmp_path / "ck")], {},

@@ -170,7 +170,7 @@ def test_dataset_cache_is_resumable_and_verified(moto: MotoServer, tmp_path: Pat
     import io
     import tarfile
 
-    from training.datasync import sync
+    from training.node.datasync import sync
 
     for key, value in storage_env(moto.url).items():
         monkeypatch.setenv(key, value)
@@ -214,7 +214,7 @@ def test_resnet50_on_an_image_folder_with_bf16_and_grad_checkpointing(tmp_path: 
         (tmp_path / "images" / label).mkdir(parents=True)
         for i in range(4):
             Image.new("RGB", (80 + 8 * i, 72), colour).save(tmp_path / "images" / label / f"{i}.jpg")
-    cmd = [sys.executable, "-m", "training.train", "--workload", "resnet50", "--data-dir", str(tmp_path / "images"),
+    cmd = [sys.executable, "-m", "training.trainer.train", "--workload", "resnet50", "--data-dir", str(tmp_path / "images"),
            "--image-size", "64", "--batch-size", "2", "--steps", "3", "--checkpoint-every", "2",
            "--precision", "bf16", "--grad-checkpointing", "--checkpoint-dir", str(tmp_path / "ck"), "--log-every", "1"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -247,7 +247,7 @@ def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
     node = vm_env("dev", "aws", tmp_path)
     identity = {k: node[k] for k in ("GTS_CLOUD", "GTS_NODE_GROUP", "GTS_TEAM")}
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **identity}
-    trainer = subprocess.Popen([sys.executable, "-m", "training.train", "--steps", "400", "--throttle-ms", "50",
+    trainer = subprocess.Popen([sys.executable, "-m", "training.trainer.train", "--steps", "400", "--throttle-ms", "50",
                                 "--checkpoint-every", "100", "--checkpoint-dir", str(tmp_path / "ck"),
                                 "--metrics-port", str(metrics_port), "--node-hourly-usd", "3.06"],
                                cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -359,7 +359,7 @@ def test_a_stopped_run_exits_zero_through_the_entrypoint_and_resumes(reference: 
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2", "LAUNCHER": "torchrun"}
     args = [*ARGS, "--checkpoint-dir", str(tmp_path / "ck")]
-    proc = subprocess.Popen(["bash", str(ROOT / "training/entrypoint.sh"), *args, "--throttle-ms", "100"], env=env,
+    proc = subprocess.Popen(["bash", str(ROOT / "training/node/entrypoint.sh"), *args, "--throttle-ms", "100"], env=env,
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     from tests.training_helpers import Run
 
@@ -375,6 +375,6 @@ def test_a_stopped_run_exits_zero_through_the_entrypoint_and_resumes(reference: 
     assert len(stops) == 1 and re.search(r"rank0 .* stopped by SIGTERM at step \d+ after an emergency checkpoint",
                                          stops[0]), run.output[-2000:]
     assert "Traceback" not in run.output and "SignalException" not in run.output
-    again = subprocess.run(["bash", str(ROOT / "training/entrypoint.sh"), *args], env=env, cwd=tmp_path,
+    again = subprocess.run(["bash", str(ROOT / "training/node/entrypoint.sh"), *args], env=env, cwd=tmp_path,
                            capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert again.returncode == 0 and f"params_sha256={digest}" in again.stdout, again.stderr[-2000:]

@@ -24,7 +24,7 @@ from tests.training_helpers import BIN, LAUNCH_TIMEOUT, MotoServer, Run, free_po
 from training import contract
 
 EXAMPLE = ROOT / "examples" / "plain_loop.py"
-BERT = ["-m", "training.workloads.bert_finetune", "--output_dir", "${CHECKPOINT_DIR}/hf-out", "--max_steps", "36",
+BERT = ["-m", "training.trainer.workloads.bert_finetune", "--output_dir", "${CHECKPOINT_DIR}/hf-out", "--max_steps", "36",
         "--sleep_ms", "120"]
 
 
@@ -126,7 +126,7 @@ def test_the_bert_finetuning_resumes_from_the_bucket_with_the_same_loss(bert_sta
                     "CHECKPOINT_DIR": str(tmp_path / scratch), "NPROC_PER_NODE": "2", "NNODES": "1",
                     "MIN_NNODES": "1", "RDZV_ENDPOINT": "", "METRICS_PORT": str(free_port())}
 
-        entrypoint = ["bash", str(ROOT / "training" / "entrypoint.sh")]
+        entrypoint = ["bash", str(ROOT / "training" / "node" / "entrypoint.sh")]
         reference = start(entrypoint, node("ref", ""), tmp_path)
         assert reference.finish(LAUNCH_TIMEOUT) == 0, reference.output[-3000:]
 
@@ -160,7 +160,7 @@ def _problems(edit: Any) -> str:
 
 
 @pytest.mark.parametrize("command, named", [
-    (["-m", "training.workloads.bert_finetune", "--data", "${DATA_DIR}"], "training.command[3]: "),
+    (["-m", "training.trainer.workloads.bert_finetune", "--data", "${DATA_DIR}"], "training.command[3]: "),
     (["train.py", "--run", "${RUN_NAME}"], "${RUN_NAME} is not a trainer-contract variable"),
     (["train.py", "--tracking", "${MLFLOW_TRACKING_URI}"], "training.mlflowTrackingUri"),
     (["-m", "not a module"], "training.command[1]: after '-m' comes a Python module name"),
@@ -237,7 +237,7 @@ def test_fsdp_asked_of_accelerate_on_cpu_is_named_not_silently_ddp(tmp_path: Pat
     command = [str(BIN / "accelerate"), "launch", "--num_processes", "2", "--num_machines", "1",
                "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
                "--use_fsdp", "--fsdp_version", "2", "--fsdp_state_dict_type", "SHARDED_STATE_DICT",
-               "-m", "training.workloads.bert_finetune", "--output_dir", str(tmp_path / "out"), "--max_steps", "4"]
+               "-m", "training.trainer.workloads.bert_finetune", "--output_dir", str(tmp_path / "out"), "--max_steps", "4"]
     run = start(command, env, tmp_path)
     assert run.finish(LAUNCH_TIMEOUT) == 0, run.output[-3000:]
     line = run.wait_for(r"FSDP was asked for \(accelerate launch --use_fsdp\) but accelerate runs this as ")

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.guard import descendants as descendants  # every process below a pid, from /proc
+from training.node.guard import descendants as descendants  # every process below a pid, from /proc
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -101,7 +101,7 @@ def launch(args: list[str], cwd: Path, env: dict[str, str] | None = None, accele
     through tests/faults.py, which injects them."""
     base = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     base.update(env or {})
-    module = "tests.faults" if any(k.startswith("GTS_TEST_") for k in (env or {})) else "training.train"
+    module = "tests.faults" if any(k.startswith("GTS_TEST_") for k in (env or {})) else "training.trainer.train"
     if accelerate:
         base["ACCELERATE_USE_CPU"] = "1"
         cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
@@ -237,15 +237,15 @@ def retry_until(check: Callable[[], bool], timeout: float) -> bool:
     return False
 
 
-RDZV_TEST_KEY = "local-test-key-" + "0" * 32  # a group's rendezvous key (training/rdzv_launch.py), for loopback runs
+RDZV_TEST_KEY = "local-test-key-" + "0" * 32  # a group's rendezvous key (training/node/rdzv_launch.py), for loopback runs
 
 
 @contextlib.contextmanager
 def rendezvous_store() -> Iterator[int]:
-    """The nodes' rendezvous store (training/rdzv_store.py) on a free loopback port: its port once
+    """The nodes' rendezvous store (training/node/rdzv_store.py) on a free loopback port: its port once
     it listens; stopped afterwards."""
     port = free_port()
-    store = subprocess.Popen([sys.executable, "-m", "training.rdzv_store", "--port", str(port)], cwd=ROOT,
+    store = subprocess.Popen([sys.executable, "-m", "training.node.rdzv_store", "--port", str(port)], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_port(port)
@@ -263,7 +263,7 @@ def elastic_node(tmp: Path, index: int, port: int, moto: MotoServer, args: list[
             "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "LAUNCHER": "torchrun",
             "RDZV_ENDPOINT": f"127.0.0.1:{port}", "GTS_NODE_GROUP": "local", "RDZV_KEY": RDZV_TEST_KEY,
             "CHECKPOINT_DIR": str(tmp / f"node{index}"), **env}
-    proc = subprocess.Popen(["bash", str(ROOT / "training/entrypoint.sh"), *args], env=full, cwd=tmp,
+    proc = subprocess.Popen(["bash", str(ROOT / "training/node/entrypoint.sh"), *args], env=full, cwd=tmp,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = Run(proc)
     run.start_reader()

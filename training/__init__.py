@@ -1,1 +1,31 @@
-"""The training bootstrap that runs inside the container on every GPU node."""
+"""Spot-safe checkpointing for PyTorch training, and what runs it on the stack's GPU nodes.
+
+Three audiences, three places; imports point one way only: trainer -> library and node -> library;
+the library imports neither, and neither subpackage imports the other (tests/test_structure.py).
+
+training/            THE LIBRARY: what you import into your own training code.
+  checkpointing.py   Checkpointer: save / resume / emergency checkpoint in three lines
+  hf.py              SpotCheckpointCallback for Hugging Face transformers.Trainer / accelerate
+  lightning_spot.py  SpotCheckpoint for PyTorch Lightning
+  checkpoint.py      CheckpointManager: atomic commit, sha256 manifest, background upload, keep-K
+  sharded.py         sharded state (FSDP2 / DTensor) through the manager
+  loaders.py         a DataLoader's position and randomness as checkpointed state
+  staging.py         the state copied into reused buffers, hashed while it is written
+  storage.py         s3:// oss:// cosn:// file:// through fsspec
+  credentials.py     the bucket's credentials (instance role, ACK RRSA, TKE pod identity)
+  cloudmeta.py       each cloud's metadata service, standard library only (also the node's
+                     bundle fetcher, installed in /usr/local/lib/gts)
+  contract.py        the environment variables the stack hands a training container
+  distributed.py     torchrun / accelerate / Horovod behind one interface
+  goodput.py         the checkpoint interval under preemption (`python -m training.goodput`)
+  wallcost.py        a checkpoint's whole wall-time cost to the loop
+
+training/trainer/    OUR REFERENCE TRAINER, built on the library (`python -m training.trainer.train`,
+                     `python -m training.trainer.bench`, workloads/ for Hugging Face examples).
+
+training/node/       NODE-SIDE TOOLS: the image's entrypoint (node/entrypoint.sh), the launcher's
+                     guard, the signed rendezvous (launch, store), the dataset copy and the
+                     node's replace-me call.
+
+Dockerfile and requirements.txt build the training image from all three.
+"""

@@ -1,7 +1,7 @@
 """The trainer contract: every environment variable the stack hands a training container, on a
 VM (the node's /etc/gpu-training/node.env, passed with --env-file) and on Kubernetes (the Job's
 env) alike. This table is the only place that names them: the stack fills them
-(infra/contract.py), the trainer's config reads them (training/config.py), the entrypoint and
+(infra/contract.py), the trainer's config reads them (training/trainer/config.py), the entrypoint and
 storage layer use them, and the README's table is checked against it.
 
 Standard library only: the stack imports it without torch.

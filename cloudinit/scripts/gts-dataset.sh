@@ -16,13 +16,13 @@ fi
 SCRATCH=${GTS_SCRATCH_DIR:-/scratch}
 DEST="$SCRATCH/datasets/current"
 # The copy runs as the training image's uid (training/Dockerfile USER), as the dataset command:
-# without --entrypoint the image's entrypoint (training/entrypoint.sh) would take it as the
+# without --entrypoint the image's entrypoint (training/node/entrypoint.sh) would take it as the
 # trainer's arguments and start training (joining the run's rendezvous) instead.
 install -d -o "${GTS_TRAINER_UID:-1000}" -g "${GTS_TRAINER_UID:-1000}" -m 0755 "$DEST"
 started=$SECONDS
 python3 "${GTS_SBIN:-/usr/local/sbin}/gts-registry-login.py" --env "$ENV_FILE"
 docker run --rm --network host -v "$SCRATCH:$SCRATCH" --env-file "$ENV_FILE" \
-  --entrypoint python "$GTS_IMAGE" -m training.datasync "$DATASET_URL" "$DEST" --workers "${GTS_DATASET_WORKERS:-32}"
+  --entrypoint python "$GTS_IMAGE" -m training.node.datasync "$DATASET_URL" "$DEST" --workers "${GTS_DATASET_WORKERS:-32}"
 echo "gts-dataset: $DATASET_URL cached in $DEST in $((SECONDS - started)) s"
 
 if [ "${GTS_TMPFS_GB:-0}" -gt 0 ]; then

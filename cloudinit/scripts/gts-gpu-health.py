@@ -17,7 +17,7 @@ watch (gts-gpu-watch.service): follows the kernel log (`journalctl -k -f`, or a 
                  committed checkpoint (--max-restarts), the node stays;
       monitor -> a metric only (an unknown Xid is monitored too, and the journal says so).
 
-Handing the node back: training/node_replace.py (installed beside cloudmeta.py) says each cloud's
+Handing the node back: training/node/node_replace.py (installed beside cloudmeta.py) says each cloud's
 call and why it is that one.
 A node with no scaling group (GTS_REPLACE=none: reserved groups on Alibaba and Tencent are fixed
 instances), or whose group refuses the call, checkpoints and stops its trainer all the same,
@@ -42,9 +42,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIB = os.environ.get("GTS_LIB", "/usr/local/lib/gts")
-sys.path.insert(0, LIB)
+sys.path[:0] = [LIB, os.path.join(LIB, "node")]  # node_replace.py: flat in /usr/local/lib/gts on a VM, in training/node/ in the image
 import cloudmeta  # noqa: E402  (the node's copy of training/cloudmeta.py)
-import node_replace  # noqa: E402  (training/node_replace.py: each cloud's replace-this-node call)
+import node_replace  # noqa: E402  (training/node/node_replace.py: each cloud's replace-this-node call)
 from node_replace import TENCENT_GROUP_ID, tencent_group_id  # noqa: E402
 
 
@@ -295,7 +295,7 @@ class Watch:
             self.extra += self.replace(f"xid:{code}")
         elif action == "restart" and not self.replacing:
             # SIGUSR2: the entrypoint kills its workers and the launcher restarts them from the
-            # newest committed checkpoint (training/entrypoint.sh); the spot watcher's path to it.
+            # newest committed checkpoint (training/node/entrypoint.sh); the spot watcher's path to it.
             self.trainer.signal_workers(signal.SIGUSR2)
             log.warning("Xid %d: the training workers were killed; torchrun restarts them from the newest "
                         "committed checkpoint", code)

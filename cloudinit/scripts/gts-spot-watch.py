@@ -6,7 +6,7 @@ an Auto Scaling scale-in, seen as the instance's target lifecycle state, and a r
 recommendation). On a notice it:
 
 1. marks the node (`/run/gpu-training/spot-notice`: the trainer unit is never started again);
-2. sends SIGTERM to the container's entrypoint (training/entrypoint.sh, PID 1), which passes it to
+2. sends SIGTERM to the container's entrypoint (training/node/entrypoint.sh, PID 1), which passes it to
    the training *workers*, not to their launcher: torchrun would forward it and SIGKILL the
    workers 30 s later and exit 1 (torch.distributed.elastic `PContext.close`); the workers instead
    finish their step, commit the emergency checkpoint, upload it and exit 0, and the entrypoint

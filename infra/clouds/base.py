@@ -213,7 +213,7 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
         return [found] if found is not None else []
 
     def rendezvous_keys(self) -> dict[str, pulumi.Output[str]]:
-        """Each multi-node VM group's rendezvous key (training/rdzv_launch.py signs the rendezvous
+        """Each multi-node VM group's rendezvous key (training/node/rdzv_launch.py signs the rendezvous
         state with it): drawn once, kept as a secret in the state, and given to that group's
         nodes alone, in their user data (a secret too). The stacks disable default providers:
         the random provider is explicit, like the clouds'."""

@@ -45,7 +45,7 @@ def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[
     netpol.namespace_baseline(f"{name}-training", namespace, labels, opts,
                               extra_egress=netpol.pod_identity_egress(cloud))
     queue, after = queued if queued else (None, [])
-    # Multi-node Jobs' rendezvous keys (training/rdzv_launch.py) come from the random provider,
+    # Multi-node Jobs' rendezvous keys (training/node/rdzv_launch.py) come from the random provider,
     # explicit like every provider here (the stacks disable default providers).
     keys = None
     if any(g.workload == "training" and g.max_nodes > 1 for g in groups):

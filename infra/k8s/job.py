@@ -111,7 +111,7 @@ def job_env(rg: ResolvedGroup, job: str) -> dict[str, str]:
 
 def rendezvous_store(name: str, image: pulumi.Input[str], namespace: pulumi.Input[str], labels: dict[str, str],
                      opts: pulumi.ResourceOptions) -> dict[str, str]:
-    """A multi-node Job's rendezvous store (training/rdzv_store.py) as a Deployment on the
+    """A multi-node Job's rendezvous store (training/node/rdzv_store.py) as a Deployment on the
     untainted system pool behind a Service: losing any training pod leaves it, and the run,
     alive; the Indexed Job recreates the lost pod, which joins again. It listens on its pod's
     address; a NetworkPolicy admits the Job's pods alone (job_policies). Returns its selector."""
@@ -134,7 +134,7 @@ def rendezvous_store(name: str, image: pulumi.Input[str], namespace: pulumi.Inpu
                         run_as_non_root=True, run_as_user=TRAINER_UID,
                         seccomp_profile=k8s.core.v1.SeccompProfileArgs(type="RuntimeDefault")),
                     containers=[k8s.core.v1.ContainerArgs(
-                        name="store", image=image, command=["python", "-m", "training.rdzv_store",
+                        name="store", image=image, command=["python", "-m", "training.node.rdzv_store",
                                                             "--host", "$(POD_IP)", "--port", str(contract.RDZV_PORT)],
                         env=[k8s.core.v1.EnvVarArgs(name="POD_IP", value_from=k8s.core.v1.EnvVarSourceArgs(
                             field_ref=k8s.core.v1.ObjectFieldSelectorArgs(field_path="status.podIP")))],
@@ -289,7 +289,7 @@ class TrainingJob(pulumi.ComponentResource):
                 secret_key_ref=k8s.core.v1.SecretKeySelectorArgs(name=held.metadata.name, key=k.lower())))
                 for k in sorted(secrets)]
         if args.group.max_nodes > 1:
-            # The Job's rendezvous key (training/rdzv_launch.py), drawn once, in a Secret of its own.
+            # The Job's rendezvous key (training/node/rdzv_launch.py), drawn once, in a Secret of its own.
             if args.key_provider is None:
                 raise ValueError(f"{name}: a multi-node Job needs the random provider for its rendezvous key")
             key = random.RandomPassword(f"{name}-rdzv-key", length=rendezvous.KEY_LENGTH, special=False,
@@ -300,7 +300,7 @@ class TrainingJob(pulumi.ComponentResource):
             env.append(k8s.core.v1.EnvVarArgs(name="RDZV_KEY", value_from=k8s.core.v1.EnvVarSourceArgs(
                 secret_key_ref=k8s.core.v1.SecretKeySelectorArgs(name=held_key.metadata.name, key="key"))))
         env += [k8s.core.v1.EnvVarArgs(name=k, value=v) for k, v in sorted(args.identity.env.items())]
-        # The trainer's metrics listen on the pod's address alone (training/metrics.py).
+        # The trainer's metrics listen on the pod's address alone (training/trainer/metrics.py).
         env.append(k8s.core.v1.EnvVarArgs(name="METRICS_ADDR", value_from=k8s.core.v1.EnvVarSourceArgs(
             field_ref=k8s.core.v1.ObjectFieldSelectorArgs(field_path="status.podIP"))))
         env.append(k8s.core.v1.EnvVarArgs(name=c.NODE_RANK.name, value_from=k8s.core.v1.EnvVarSourceArgs(
@@ -373,7 +373,7 @@ def _dataset_cache(args: TrainingJobArgs, env: list[k8s.core.v1.EnvVarArgs],
         return []
     return [k8s.core.v1.ContainerArgs(
         name="dataset", image=args.image, env=env, volume_mounts=mounts, security_context=restricted(),
-        command=["python", "-m", "training.datasync", dataset, args.env[c.DATA_DIR.name]],
+        command=["python", "-m", "training.node.datasync", dataset, args.env[c.DATA_DIR.name]],
         resources=k8s.core.v1.ResourceRequirementsArgs(
             requests={"cpu": "2", "memory": "4Gi"}, limits={"cpu": "2", "memory": "4Gi"}))]
 

@@ -57,7 +57,7 @@ def gpu_health() -> Any:
     import importlib.util
     import sys
 
-    sys.path.insert(0, str(HERE.parent.parent / "training"))  # its `import cloudmeta`
+    sys.path[:0] = [str(HERE.parent.parent / "training"), str(HERE.parent.parent / "training" / "node")]  # its `import cloudmeta`, `import node_replace`
     spec = importlib.util.spec_from_file_location("gts_gpu_health", HERE.parent.parent / "cloudinit/scripts/gts-gpu-health.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

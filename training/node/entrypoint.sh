@@ -10,25 +10,25 @@
 # On a node of a multi-node run, the launcher is then killed outright, so that it neither waits
 # in its exit barrier nor closes the rendezvous for the nodes that go on without this one.
 #
-# SIGKILL of this script takes the launcher and every worker with it (training/guard.py).
+# SIGKILL of this script takes the launcher and every worker with it (training/node/guard.py).
 set -euo pipefail
 
 usage() {
   cat <<'EOF'
-usage: training/entrypoint.sh [TRAINER OPTIONS]
+usage: training/node/entrypoint.sh [TRAINER OPTIONS]
 
 Starts NPROC_PER_NODE training processes on this node (default: one per GPU that nvidia-smi
 lists, else one) with LAUNCHER (torchrun | accelerate | horovod); with NNODES > 1 one elastic
 job across the nodes through the rendezvous store at RDZV_ENDPOINT. Each process runs
 TRAIN_COMMAND (the stack's training.command) when set, else python -m TRAIN_MODULE
-(training.train) with the options given here. The trainer contract (training/contract.py,
+(training.trainer.train) with the options given here. The trainer contract (training/contract.py,
 the README's table) names every variable.
 Signals: TERM / INT: checkpoint and stop (exit 0); USR1: checkpoint now.
 EOF
   if [ -n "${TRAIN_COMMAND:-}" ]; then
     echo; echo "TRAIN_COMMAND is set: the options are your command's own."
   else
-    echo; python -m "${TRAIN_MODULE:-training.train}" --help
+    echo; python -m "${TRAIN_MODULE:-training.trainer.train}" --help
   fi
 }
 for arg in "$@"; do
@@ -52,7 +52,7 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
 fi
 # What every process runs: your command (TRAIN_COMMAND, the stack's training.command, with ${NAME}
 # expanded from the contract), else our trainer's module with this script's arguments.
-TRAIN_MODULE=${TRAIN_MODULE:-training.train}
+TRAIN_MODULE=${TRAIN_MODULE:-training.trainer.train}
 own_flags=()
 no_python=()
 if [ -n "${TRAIN_COMMAND:-}" ]; then
@@ -64,9 +64,9 @@ if [ -n "${TRAIN_COMMAND:-}" ]; then
 else
   target=(-m "$TRAIN_MODULE")
   own_flags=(--launcher "$LAUNCHER")
-  if [ "$TRAIN_MODULE" = training.train ]; then
+  if [ "$TRAIN_MODULE" = training.trainer.train ]; then
     # Usage errors once, on one line, before any launcher starts (and its traceback per worker).
-    python -m training.config "$@"
+    python -m training.trainer.config "$@"
   fi
 fi
 # A refusal (the run's lock, changed settings, too little data) is written here by the trainer,
@@ -93,8 +93,8 @@ case "$LAUNCHER" in
       # (pytorch/pytorch#135712).
       export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
       # torchrun with the rendezvous state signed under the group's RDZV_KEY: the agents
-      # unpickle it, and the store has no authentication (training/rdzv_launch.py).
-      cmd=(python -m training.rdzv_launch --nnodes "$MIN_NNODES:$NNODES" --nproc-per-node "$NPROC_PER_NODE"
+      # unpickle it, and the store has no authentication (training/node/rdzv_launch.py).
+      cmd=(python -m training.node.rdzv_launch --nnodes "$MIN_NNODES:$NNODES" --nproc-per-node "$NPROC_PER_NODE"
            --rdzv-backend gts-c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$id"
            --rdzv-conf "is_host=false,read_timeout=300,last_call_timeout=${RDZV_LAST_CALL_S:-30}" --max-restarts "${MAX_RESTARTS:-100}"
            --local-addr "$(local_address "${RDZV_ENDPOINT%:*}")" "${no_python[@]}" "${target[@]}" "$@")
@@ -146,7 +146,7 @@ trap 'restart_workers' USR2
 # The launcher under the guard, in a session of its own: a terminal's Ctrl-C or a process-group
 # signal reaches this script only, which passes it on to the workers; and if this script is
 # killed, the guard kills the launcher and the workers.
-python -m training.guard "${cmd[@]}" &
+python -m training.node.guard "${cmd[@]}" &
 LAUNCHED=$!
 echo "entrypoint: pid $$ (kill -TERM $$: checkpoint and stop; kill -USR1 $$: checkpoint now; kill -USR2 $$: restart the workers)" >&2
 status=0

@@ -6,8 +6,8 @@ On a node, the bootstrap caches the dataset on scratch; where the dataset ships 
 Run by hand, the same command puts a dataset into each cloud's bucket, so that every cloud's
 nodes read it from their own cloud:
 
-    python -m training.datasync s3://bucket/datasets/imagenet/ /scratch/datasets/current
-    python -m training.datasync /data/imagenet/ oss://gts-prod-cn-hangzhou/datasets/imagenet/
+    python -m training.node.datasync s3://bucket/datasets/imagenet/ /scratch/datasets/current
+    python -m training.node.datasync /data/imagenet/ oss://gts-prod-cn-hangzhou/datasets/imagenet/
 """
 
 from __future__ import annotations

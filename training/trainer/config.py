@@ -127,7 +127,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     described = field_help()
-    parser = _Parser(prog="python -m training.train", usage="%(prog)s [options]", allow_abbrev=False,
+    parser = _Parser(prog="python -m training.trainer.train", usage="%(prog)s [options]", allow_abbrev=False,
                      formatter_class=argparse.RawDescriptionHelpFormatter,
                      description="gpu-training-stack trainer. Each setting comes from, lowest first: its default, "
                      "--config, the\ntrainer-contract variable named with it (the stack sets them on every node "

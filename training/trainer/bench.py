@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from training.checkpoint import CheckpointManager, Topology
-from training.models import TinyNet
+from training.trainer.models import TinyNet
 from training.staging import Stager
 
 SIZES = {"~100 MB": 2900, "~1 GB": 9150}  # tiny_width: model + AdamW state = 12 bytes/parameter
@@ -255,7 +255,7 @@ def _resume_seconds(width: int, remote: str, env: dict[str, str], work: Path, at
     cwd = work / f"resume-{width}-{attempt}"
     cwd.mkdir()
     remote = f"{remote}-trainer-{attempt}"
-    base = [sys.executable, "-m", "training.train", "--workload", "tiny", "--tiny-width", str(width),
+    base = [sys.executable, "-m", "training.trainer.train", "--workload", "tiny", "--tiny-width", str(width),
             "--checkpoint-dir", remote, "--log-every", "1"]
     child_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
     # A trainer-made checkpoint at step 1, uploaded; then the local disk is wiped.

@@ -4,12 +4,12 @@ a small on-demand instance for VM fleets, as a Deployment on the system pool for
 Jobs — so that losing any training node leaves the store, and the run, alive. It holds no
 training state: restarting it costs the nodes one re-rendezvous.
 
-    python -m training.rdzv_store --host 10.0.0.10 --port 29400
+    python -m training.node.rdzv_store --host 10.0.0.10 --port 29400
 
 It listens on the one address it is given (the instance's private address; the pod's on
 Kubernetes), not on every interface: TCPStore's own server binds the wildcard whatever host it
 is given, so the store binds the socket itself and hands it over (`master_listen_fd`). The
-store has no authentication; what the agents read from it is signed (training/rdzv_launch.py).
+store has no authentication; what the agents read from it is signed (training/node/rdzv_launch.py).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ bucket on restart.
 
     # on CPU here: a tiny BERT built in code and synthetic sentences, nothing downloaded
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 \\
-        -m training.workloads.bert_finetune --model_name_or_path tiny --max_steps 60
+        -m training.trainer.workloads.bert_finetune --model_name_or_path tiny --max_steps 60
     # on a GPU node: a model in the image or on the data disk (no download at run time)
-    accelerate launch -m training.workloads.bert_finetune --model_name_or_path /scratch/models/bert-base-uncased
+    accelerate launch -m training.trainer.workloads.bert_finetune --model_name_or_path /scratch/models/bert-base-uncased
 
 Sentences are made from positive, negative and neutral words; the label says whether positive
 words outnumber negative ones. The main process ends with

@@ -1,13 +1,13 @@
 """Train with spot-safe checkpoints and exact resume.
 
     # one node, all its GPUs (or 2 CPU processes)
-    torchrun --standalone --nproc-per-node 8 -m training.train --workload resnet50 --data-dir /scratch/datasets/current
+    torchrun --standalone --nproc-per-node 8 -m training.trainer.train --workload resnet50 --data-dir /scratch/datasets/current
     # several nodes (the node bootstrap / Kubernetes Job set NODE_RANK and RDZV_ENDPOINT)
-    torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $RDZV_ENDPOINT -m training.train
-    # accelerate on CPU: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 -m training.train
-    # Horovod (images that ship it): horovodrun -np 8 python -m training.train --launcher horovod
+    torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $RDZV_ENDPOINT -m training.trainer.train
+    # accelerate on CPU: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 -m training.trainer.train
+    # Horovod (images that ship it): horovodrun -np 8 python -m training.trainer.train --launcher horovod
     # a model sharded over the ranks (FSDP2; gloo on CPU, NCCL on GPUs), resumable at any world size
-    torchrun --standalone --nproc-per-node 4 -m training.train --workload gpt-tiny --sharding fsdp
+    torchrun --standalone --nproc-per-node 4 -m training.trainer.train --workload gpt-tiny --sharding fsdp
 
 Checkpoints go to --checkpoint-dir every --checkpoint-every steps and on SIGTERM / SIGINT
 (finish the step, save, upload, exit 0); at start the newest complete checkpoint (local disk
@@ -29,16 +29,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from training import config as config_mod
+from training.trainer import config as config_mod
 from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadStatus
 from training.storage import StorageRefused
 from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, rng_state, set_rng_state
-from training.data import ImageFolder, ResumableSampler, SyntheticClassification, SyntheticTokens, derived_seed
+from training.trainer.data import ImageFolder, ResumableSampler, SyntheticClassification, SyntheticTokens, derived_seed
 from training.distributed import Comm
-from training.metrics import Metrics
-from training.models import ResNet50, TinyGPT, TinyNet
+from training.trainer.metrics import Metrics
+from training.trainer.models import ResNet50, TinyGPT, TinyNet
 from training.sharded import ShardedCheckpoints, full_params_sha256, shard, state_sha256
-from training.tracking import Tracker
+from training.trainer.tracking import Tracker
 from training.wallcost import WallCost
 
 log = logging.getLogger("gts.train")

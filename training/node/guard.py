@@ -1,4 +1,4 @@
-"""Runs the launcher so that nothing outlives the entrypoint: `python -m training.guard CMD...`.
+"""Runs the launcher so that nothing outlives the entrypoint: `python -m training.node.guard CMD...`.
 
 torchrun starts each worker in a session of its own, so when the entrypoint is SIGKILLed (an
 OOM kill, `docker kill`, a person) neither a process-group signal nor the kernel would stop the
@@ -76,7 +76,7 @@ def kill_all() -> None:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m training.guard COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: python -m training.node.guard COMMAND [ARGS...]", file=sys.stderr)
         return 2
     parent = os.getppid()
     try:

@@ -1,4 +1,4 @@
-"""torchrun with a rendezvous whose state is signed: `python -m training.rdzv_launch` takes
+"""torchrun with a rendezvous whose state is signed: `python -m training.node.rdzv_launch` takes
 torchrun's arguments and adds the rendezvous backend `gts-c10d`, torch's c10d backend on the
 same TCPStore with every state it writes sealed, and every state it reads checked, with an
 HMAC-SHA256 under the run's key (RDZV_KEY; the stack makes one per node group and gives it to
@@ -12,8 +12,8 @@ node's agent. Here a state without this run's signature is refused before it is 
 A group without the key can still disturb the store (delete keys, fill it); that is kept out by
 the network (the store admits its own group's nodes only).
 
-    RDZV_KEY=... python -m training.rdzv_launch --nnodes 2:4 --rdzv-backend gts-c10d \\
-        --rdzv-endpoint 10.0.0.10:29400 --rdzv-id run-1 -m training.train
+    RDZV_KEY=... python -m training.node.rdzv_launch --nnodes 2:4 --rdzv-backend gts-c10d \\
+        --rdzv-endpoint 10.0.0.10:29400 --rdzv-id run-1 -m training.trainer.train
 """
 
 from __future__ import annotations
