@@ -32,7 +32,7 @@ EXEMPT = {
     "policies/gts_policy/clouds.py": "the policy pack's one table of clouds (the pack cannot import infra)",
     "training/cloudmeta.py": "node-side: runs on the node without infra/ (its metadata and credential endpoints)",
     "training/credentials.py": "node-side: runs on the node without infra/",
-    "training/node_replace.py": "node-side: each cloud's replace-this-node call, run by the node's GPU health watch",
+    "training/node/node_replace.py": "node-side: each cloud's replace-this-node call, run by the node's GPU health watch",
     # cloudinit/scripts/* are node-side too, and outside the scanned packages.
 }
 # Names still written outside the profiles, with why, and how many: one more fails the test.
