@@ -92,7 +92,7 @@ def fabric_env(spec: StackSpec, rg: ResolvedGroup) -> dict[c.Var, str]:
     FI_EFA_USE_DEVICE_RDMA=1 on p4d/p5, FI_EFA_USE_HUGE_PAGE=0 where no huge pages are reserved);
     eRDMA: alibabacloud-erdma-controller docs/erdma-benchmark (NCCL_IB_HCA=erdma, GID per device:
     -1 with AF_INET / RoCEv2 / the ERI's range, NCCL_NET_GDR_LEVEL=SYS); HCC: Tencent-authored
-    training scripts (GID 3, TC 160, SL 3, GDR level 2; secondary evidence, README says so).
+    training scripts (GID 3, TC 160, SL 3, GDR level 2; secondary evidence, docs/fabric.md says so).
     Device lists are narrowed on the node (gts-fabric.sh), where they differ per node."""
     f = rg.fabric
     if f is None:

@@ -2,7 +2,7 @@
 VM (the node's /etc/gpu-training/node.env, passed with --env-file) and on Kubernetes (the Job's
 env) alike. This table is the only place that names them: the stack fills them
 (infra/contract.py), the trainer's config reads them (training/trainer/config.py), the entrypoint and
-storage layer use them, and the README's table is checked against it.
+storage layer use them, and docs/contract.md's table is checked against it.
 
 Standard library only: the stack imports it without torch.
 """
@@ -178,7 +178,7 @@ def problems(env: dict[str, str] | None = None) -> list[str]:
 
 
 def table() -> str:
-    """The contract as the README's Markdown table."""
+    """The contract as docs/contract.md's Markdown table."""
     rows = ["| variable | meaning | set by |", "|---|---|---|"]
     rows += [f"| `{v.name}` | {v.meaning} | {v.set_by} |" for v in VARS + FABRIC_VARS]
     return "\n".join(rows)
@@ -186,7 +186,7 @@ def table() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m training.contract check`: the entrypoint's first step (one line per problem,
-    exit 2, before any launcher starts); `table`: the README's table."""
+    exit 2, before any launcher starts); `table`: docs/contract.md's table."""
     import os
     import sys
 

@@ -13,7 +13,7 @@ what the stack's pods need, and nothing that crosses from one team to another.
 - metrics: the trainer's and the DCGM exporter's port from namespaces labelled MONITORING_LABEL
   (the cluster's Prometheus) only.
 
-Enforcement is the cluster's (README "Trust boundaries"): EKS through the VPC CNI's network
+Enforcement is the cluster's (docs/tenancy.md): EKS through the VPC CNI's network
 policy agent (enableNetworkPolicy on the vpc-cni add-on), TKE through its NetworkPolicy add-on,
 ACK through Terway (terway-eniip with NetworkPolicy on; Flannel would not enforce it)."""
 

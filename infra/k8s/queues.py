@@ -38,7 +38,7 @@ NAMESPACE = "kueue-system"
 MANAGED = QUEUES_MANAGED  # on the namespaces whose Jobs Kueue manages (and only those)
 LABEL_TEAM = "gpu-training-stack/team"
 LABEL_CLOUD = "gpu-training-stack/cloud"
-TEAM_GROUP = "gts:team:{team}"  # the Kubernetes group a team's people are mapped to (README: Teams)
+TEAM_GROUP = "gts:team:{team}"  # the Kubernetes group a team's people are mapped to (docs/teams.md)
 PODS_READY_TIMEOUT = "15m"  # image pull + dataset cache of a big node; then evicted and requeued
 
 
@@ -142,7 +142,7 @@ class SharedQueues(pulumi.ComponentResource):
             name=queue.namespace, labels=labels), opts=child)
         ns_opts = pulumi.ResourceOptions(parent=ns)
         # A team's pods: each other, DNS and out, never the metadata service (its node's role is
-        # the GPU pool's, not the team's) nor another namespace (README "Trust boundaries").
+        # the GPU pool's, not the team's) nor another namespace (docs/tenancy.md).
         netpol.namespace_baseline(f"{name}-{queue.team}", ns.metadata.name, {LABEL_TEAM: queue.team}, ns_opts,
                                   same_namespace=True, extra_egress=netpol.pod_identity_egress(cloud))
         role = k8s.rbac.v1.Role(f"{name}-role-{queue.team}", metadata=k8s.meta.v1.ObjectMetaArgs(

@@ -22,7 +22,7 @@ lists, else one) with LAUNCHER (torchrun | accelerate | horovod); with NNODES > 
 job across the nodes through the rendezvous store at RDZV_ENDPOINT. Each process runs
 TRAIN_COMMAND (the stack's training.command) when set, else python -m TRAIN_MODULE
 (training.trainer.train) with the options given here. The trainer contract (training/contract.py,
-the README's table) names every variable.
+docs/contract.md's table) names every variable.
 Signals: TERM / INT: checkpoint and stop (exit 0); USR1: checkpoint now.
 EOF
   if [ -n "${TRAIN_COMMAND:-}" ]; then

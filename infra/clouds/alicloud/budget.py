@@ -1,6 +1,6 @@
 """Alibaba Cloud budget alerts. The provider has no budget resource: the stack creates the
 CloudMonitor alarm contacts for the budget's e-mails, and the monthly budget itself is set
-once in the Billing console (README: "Alibaba Cloud budget"); `make plan` shows the cost
+once in the Billing console (docs/clouds.md, "Budget"); `make plan` shows the cost
 against the limit."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ AmazonEC2ContainerRegistryReadOnly every repository (team vision's nodes could p
 image). In their place (AWS Systems Manager user guide, "Create a custom IAM instance profile
 for Session Manager", getting-started-create-iam-instance-profile; Amazon ECR user guide,
 "Private repository policy examples" and the Service Authorization Reference for ECR):
-- Session Manager (README: the way onto a node): ssmmessages:{Create,Open}{Control,Data}Channel,
+- Session Manager (docs/tenancy.md: the way onto a node): ssmmessages:{Create,Open}{Control,Data}Channel,
   which take no resource ("*" is the only value the reference allows), and
   ssm:UpdateInstanceInformation on this account's instances.
 - ECR: ecr:GetAuthorizationToken, which takes no resource either ("*"; the token is for the
