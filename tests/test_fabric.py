@@ -18,7 +18,7 @@ import pytest
 from infra import fabric, userdata
 from infra.errors import CatalogError, SpecError
 from infra.groups import resolve
-from infra.validation import parse as parse_spec
+from tests.harness import parse_spec
 from tests.harness import ROOT, key, project_copy, spec_raw, stack_values, write_stack
 
 GROUPS = key("nodeGroups")
