@@ -22,13 +22,11 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from infra import catalog as cat
+from infra.resolved import ResolvedGroup
 from infra.spec import Network, NodeGroup, StackSpec
-
-if TYPE_CHECKING:
-    from infra.groups import ResolvedGroup
 
 PORT = 29400
 DISK_GB = 80  # the trainer image (it carries the store's torch) with room for one more

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from infra import commands, fabric
+from infra import commands, fabric_plan
 from infra.catalog import to_usd
 from infra.errors import Problem
 from infra.groups import Stack, resolve
@@ -26,7 +26,7 @@ def check(spec: StackSpec, teams: TeamsReader | None) -> tuple[Stack, list[Probl
     stack = resolve(spec)
     problems = _check_workable(stack)
     if not problems:  # each group's fabric against its resolved types (infra/fabric.py)
-        problems += fabric.check(spec)
+        problems += fabric_plan.check(spec)
     if not problems:  # the commands are checked against the resolved groups' trainer contract
         problems += commands.check(stack)
     if not problems and spec.kubernetes.queues:  # the teams' queues against the resolved pools

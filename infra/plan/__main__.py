@@ -22,7 +22,7 @@ import pulumi
 from rich.console import Console
 from rich.markup import escape
 
-from infra import fabric, gpu_health, policy_config, protection
+from infra import fabric_plan, gpu_health, policy_config, protection
 from infra.cost import stack_cost
 from infra.errors import CatalogError, SpecError
 from infra import program
@@ -65,7 +65,7 @@ def build_plan(stack: str, against: Path | None = None) -> dict[str, Any]:
     cost["prices"] = age.summary(resolved)
     violations = policy_verdicts(stack, resolved, resources)
     plan = {"stack": stack, "project": project, "resources": rendered, "cost": cost,
-            "violations": violations + fabric.advisories(resolved) + gpu_health.advisories(resolved.groups)}
+            "violations": violations + fabric_plan.advisories(resolved) + gpu_health.advisories(resolved.groups)}
     if against is not None:
         base = json.loads(against.read_text(encoding="utf-8"))
         kinds = protection.stateful_types()
