@@ -11,7 +11,8 @@ from pydantic import BaseModel, ValidationError
 
 from infra import catalog as cat
 from infra.errors import Problem, suggest
-from infra.spec import PATTERN_HELP, URL_PASSWORD, StackSpec
+from infra.spec import StackSpec
+from infra.spec_patterns import PATTERN_HELP, URL_PASSWORD
 
 
 def _path(loc: tuple[int | str, ...]) -> str:

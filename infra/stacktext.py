@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from infra import spec as spec_mod
+from infra import spec_patterns
 from infra.errors import Problem
 
 class _UniqueKeys(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
@@ -42,7 +42,7 @@ UniqueKeyLoader = _UniqueKeys  # teams.yaml is read with it too (infra/teams/reg
 
 
 
-SECRET_MASK = spec_mod.SECRET_MASK
+SECRET_MASK = spec_patterns.SECRET_MASK
 # Keys whose values the program receives as plain strings; the others are JSON.
 SCALAR_KEYS = ("env",)
 
@@ -141,7 +141,7 @@ CREDENTIAL_KEYS = frozenset({
     "alicloud:accessKey", "alicloud:secretKey", "alicloud:securityToken",
     "tencentcloud:secretId", "tencentcloud:secretKey", "tencentcloud:securityToken",
 })
-URL_PASSWORD = spec_mod.URL_PASSWORD
+URL_PASSWORD = spec_patterns.URL_PASSWORD
 
 
 def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:

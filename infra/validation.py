@@ -21,7 +21,8 @@ from infra.resolved_checks import SPOT_CAP_FLOOR, TeamsReader
 from infra.spec_problems import _problem, check_region, problems_of
 from infra.stacktext import decode, stray_keys
 from infra.schedule import cron_in_beijing
-from infra.spec import CONFIG_KEYS, ENV_SAFE, REQUIRED_TAGS, Network, NodeGroup, StackSpec
+from infra.spec import CONFIG_KEYS, REQUIRED_TAGS, Network, NodeGroup, StackSpec
+from infra.spec_patterns import ENV_SAFE
 from policies.gts_policy.addresses import opens_internet
 
 
