@@ -67,5 +67,5 @@ def main(stack: Stack | None = None) -> None:
         pulumi.export(name, values)
     # For the team's Prometheus and Grafana, as `make monitoring` writes them:
     # `pulumi stack output alertRules > rules.yml`, `pulumi stack output grafanaDashboard > dashboard.json`.
-    pulumi.export("alertRules", monitoring.render(spec))
+    pulumi.export("alertRules", monitoring.render(spec, stack))
     pulumi.export("grafanaDashboard", monitoring.render_dashboard(spec))
