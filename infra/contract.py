@@ -9,7 +9,7 @@ from infra import catalog as cat
 from infra import rendezvous
 from infra.buckets import DATASET_PREFIX, endpoint
 from infra.resolved import ResolvedGroup
-from infra.scrape import METRICS_PORT
+from infra.scrape import METRICS_PORT as METRICS_PORT  # the trainer's; infra/k8s/job.py reads it here
 from infra.spec import StackSpec
 from training import contract as c
 

@@ -38,6 +38,7 @@ def check_shared_stack(stack: Stack, teams: TeamsReader | None) -> list[Problem]
     """A stack with kubernetes.queues: its registry loads, names this stack as the shared one, and
     its shared teams' quotas fit the stack's GPU pools (infra/teams/queues.py)."""
     name = stack.spec.kubernetes.queues
+    assert name is not None  # called for a stack with kubernetes.queues
     if teams is None:
         return [Problem("kubernetes.queues", f"{name}: the team registry was not read (the caller reads it once "
                                              "and hands it to the check: infra/stackfile.py teams_reader)")]

@@ -14,6 +14,7 @@ import yaml
 
 from infra.plan.engine import Registered, run_program
 from infra.plan.invokes import COMPUTED, INVOKES
+from infra.spec import StackSpec
 from infra.stackfile import decode, project_name, read_stack_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +96,7 @@ def policy_hits(resources: Iterable[Registered], rule: str, settings: dict[str, 
     return sorted(v["resource"] for v in evaluate(views, config) if v["policy"] == rule)
 
 
-def parse_spec(raw: dict[str, Any], source: str = "stack config") -> Any:
+def parse_spec(raw: dict[str, Any], source: str = "stack config") -> StackSpec:
     """validation.parse as the program's edge calls it: the team registry a queued stack names
     (kubernetes.queues) read from this checkout and handed in."""
     from infra.stackfile import teams_reader

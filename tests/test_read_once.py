@@ -48,7 +48,12 @@ def test_the_registry_a_stack_names_is_read_once_per_reader(monkeypatch: pytest.
 
     reads: list[str] = []
     real = registry.load
-    monkeypatch.setattr(registry, "load", lambda root, name=registry.REGISTRY: reads.append(name) or real(root, name))
+
+    def counted(root: Path, name: str = registry.REGISTRY) -> registry.Registry:
+        reads.append(name)
+        return real(root, name)
+
+    monkeypatch.setattr(registry, "load", counted)
     teams = teams_reader(ROOT)
     assert teams("teams.yaml") is teams("teams.yaml") and reads == ["teams.yaml"]
 

@@ -25,7 +25,8 @@ from infra import catalog as cat
 from infra.errors import Problem, SpecError
 from infra.spec import Cloud, Name, NodeGroup, Network, Peering, SpecModel, quota_of
 from infra.spec_problems import check_region, problems_of
-from infra.stacktext import StackFileError, UniqueKeyLoader, decode, is_generated, project_name, read_stack_file
+from infra.stacktext import StackFileError, decode, is_generated, project_name, read_stack_file
+from infra.stacktext import UniqueKeyLoader as UniqueKeyLoader  # the loader stack files and teams.yaml are read with
 
 REGISTRY = "teams.yaml"
 STACK_PREFIX = "team-"  # a team's generated stack (and env) is team-<name>
