@@ -29,8 +29,10 @@ SDKS = {"aws": "pulumi_aws", "alicloud": "pulumi_alicloud", "tencentcloud": "ten
 def sdk_modules(types: set[str]) -> list[str]:
     """The SDK modules a set of resource types needs: `aws:ec2/instance:Instance` ->
     pulumi_aws.ec2, `tencentcloud:As/scalingGroup:ScalingGroup` -> tencentcloud_iac_pulumi.as_,
-    a Kubernetes custom resource (`kubernetes:kueue.x-k8s.io/v1beta1:ClusterQueue`) ->
-    pulumi_kubernetes.apiextensions."""
+    a Kubernetes resource to the module of its API version, which holds its class
+    (`kubernetes:batch/v1:Job` -> pulumi_kubernetes.batch.v1: importing pulumi_kubernetes.batch
+    alone leaves v1 unloaded), a custom resource (`kubernetes:kueue.x-k8s.io/v1beta1:ClusterQueue`)
+    -> pulumi_kubernetes.apiextensions."""
     found = set()
     for token in types:
         pkg, module = token.split(":")[:2]
@@ -44,6 +46,10 @@ def sdk_modules(types: set[str]) -> list[str]:
         candidate = f"{SDKS[pkg]}.{name}"
         if importlib.util.find_spec(candidate) is None and pkg == "kubernetes":
             candidate = "pulumi_kubernetes.apiextensions"
+        elif pkg == "kubernetes" and "/" in module:
+            version = module.split("/")[1]
+            if importlib.util.find_spec(f"{candidate}.{version}") is not None:
+                candidate = f"{candidate}.{version}"
         found.add(candidate)
     return sorted(found)
 
@@ -115,7 +121,7 @@ def measure(stack: str, repeats: int) -> dict[str, object]:
     for rep in range(repeats):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             times[name].append(_timed(runs[name]))
-    extra = sorted(set(imported) - set(sdks))
+    extra = sorted(set(imported) - {".".join(m.split(".")[:2]) for m in sdks})
     return {"stack": stack, "resources": len(resources), "sdks": sdks, "times": times, "extra": extra}
 
 
