@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterator
 
 from infra.errors import Problem
-from infra.groups import ResolvedGroup, resolve
+from infra.groups import ResolvedGroup, Stack
 from infra.spec import StackSpec
 from training import contract as c
 
@@ -61,9 +61,9 @@ def _left_empty(spec: StackSpec, rg: ResolvedGroup, name: str) -> bool:
     return not rg.trainer.get(name)
 
 
-def check(spec: StackSpec) -> list[Problem]:
-    """The problems of a spec that is otherwise valid (its groups resolve)."""
+def check(stack: Stack) -> list[Problem]:
+    """The problems of a spec that is otherwise valid, against its resolved groups."""
     problems: list[Problem] = []
-    for rg in resolve(spec).groups:
-        problems += [p for p in _command(spec, rg) if p not in problems]
+    for rg in stack.groups:
+        problems += [p for p in _command(stack.spec, rg) if p not in problems]
     return problems

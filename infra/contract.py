@@ -5,19 +5,15 @@ training/contract.py names, which the trainer reads."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from infra import catalog as cat
 from infra import rendezvous
 from infra.buckets import DATASET_PREFIX, endpoint
 from infra.clouds import profile
+from infra.resolved import ResolvedGroup
+from infra.scrape import METRICS_PORT as METRICS_PORT  # the trainer's; infra/k8s/job.py reads it here
 from infra.spec import StackSpec
 from training import contract as c
 
-if TYPE_CHECKING:
-    from infra.groups import ResolvedGroup
-
-METRICS_PORT = 9401
 RDZV_PORT = rendezvous.PORT
 SCRATCH = "/scratch"
 VM_DATA_DIR = f"{SCRATCH}/datasets/current"  # where gts-dataset.service caches it

@@ -15,7 +15,7 @@ from typing import Any
 from croniter import croniter
 
 from infra import catalog as cat
-from infra import fabric, rendezvous, sharedfs
+from infra import fabric_plan, rendezvous, sharedfs
 from infra.groups import ResolvedGroup, Stack
 from infra.spec import NodeGroup, StackSpec
 
@@ -129,7 +129,7 @@ def group_cost(rg: ResolvedGroup) -> GroupCost:
         spot_max_price=round(rg.bid_cap, 4) if rg.spot else None, currency=item.currency,
         spot_max_price_basis=("" if not rg.spot else "spotMaxPriceUsd" if rg.price_cap is not None
                               else "on-demand price (no cap given)"),
-        **fabric.summary(rg),
+        **fabric_plan.summary(rg),
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from infra import catalog as cat
+from infra.resolved import Stack
 from infra.spec import StackSpec
 
 GPU_IDLE_PERCENT = 5  # below this average utilisation for GPU_IDLE_FOR, a GPU is paid for nothing
@@ -41,8 +42,9 @@ def _rule(alert: str, expr: str, for_: str, severity: str, env: str, summary: st
     return rule
 
 
-def rules(spec: StackSpec) -> dict[str, Any]:
-    """The rules file (Prometheus `groups:` format) for this stack."""
+def rules(spec: StackSpec, stack: Stack | None = None) -> dict[str, Any]:
+    """The rules file (Prometheus `groups:` format) for this stack (`stack`: its groups already
+    resolved, as the program holds them; resolved here where needed otherwise)."""
     env, budget = spec.env, spec.budget
     cost = [
         _rule("GtsBudgetPace", f"{SPEND_PACE} > {budget.monthly_limit_usd * pct / 100:g}", "30m",
@@ -77,7 +79,7 @@ def rules(spec: StackSpec) -> dict[str, Any]:
     return {"groups": [{"name": f"gts-{env}-cost", "rules": cost},
                        {"name": f"gts-{env}-work-at-risk", "rules": work},
                        {"name": f"gts-{env}-gpu-health", "rules": gpu_health_rules(env)},
-                       {"name": f"gts-{env}-showback", "rules": showback(spec)}]}
+                       {"name": f"gts-{env}-showback", "rules": showback(spec, stack)}]}
 
 
 GPU_REPLACEMENTS_PER_DAY = 2  # more nodes of one group replaced for GPU faults in a day: a bad batch or zone
@@ -108,7 +110,7 @@ TEAM_QUEUE_SPEND = "gts:team_queue_spend_usd_per_month"
 QUEUE_GPU_SPEND = "gts:queue_gpu_spend_usd_per_hour"
 
 
-def showback(spec: StackSpec) -> list[dict[str, Any]]:
+def showback(spec: StackSpec, stack: Stack | None = None) -> list[dict[str, Any]]:
     """Spend per team: what the running nodes report, by the team label every trainer exports
     (GTS_TEAM); and on shared clusters (kubernetes.queues) the GPUs Kueue has admitted for each
     team's ClusterQueue (team-<name>), priced per flavor at its GPU-hour."""
@@ -119,7 +121,7 @@ def showback(spec: StackSpec) -> list[dict[str, Any]]:
     from infra.groups import resolve
     from infra.teams.queues import flavors
 
-    stack = resolve(spec)
+    stack = stack or resolve(spec)
     for cloud in spec.clouds:
         for name, flavor in sorted(flavors(stack, cloud).items()):
             usage = ('kueue_cluster_queue_resource_usage{resource="nvidia.com/gpu",'
@@ -132,10 +134,10 @@ def showback(spec: StackSpec) -> list[dict[str, Any]]:
     return out
 
 
-def render(spec: StackSpec) -> str:
+def render(spec: StackSpec, stack: Stack | None = None) -> str:
     header = (f"# Prometheus alerting rules for the {spec.env} stack, written by `make monitoring` "
               "(infra/monitoring.py). Load with rule_files.\n")
-    return header + yaml.safe_dump(rules(spec), sort_keys=False, width=120)
+    return header + yaml.safe_dump(rules(spec, stack), sort_keys=False, width=120)
 
 
 # Dashboard panels: (title, unit, [(PromQL, legend)]). Grafana's own unit ids.

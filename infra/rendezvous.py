@@ -22,14 +22,12 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from infra import catalog as cat
 from infra.clouds import profile, profiles
+from infra.resolved import ResolvedGroup
 from infra.spec import Network, NodeGroup, StackSpec
-
-if TYPE_CHECKING:
-    from infra.groups import ResolvedGroup
 
 PORT = 29400
 DISK_GB = 80  # the trainer image (it carries the store's torch) with room for one more
@@ -113,9 +111,16 @@ def own_subnet(spec: StackSpec, net: Network) -> str | None:
     """The stores' own vSwitch / subnet of an Alibaba or Tencent network: the lowest /28 of the
     VPC clear of everything else the stack places there (None: there is none)."""
     taken = taken_ranges(spec, net)
-    for block in net.cidr.subnets(new_prefix=max(OWN_SUBNET_PREFIX, net.cidr.prefixlen)):
-        if not any(block.overlaps(t) for t in taken):
+    size = 2 ** (32 - max(OWN_SUBNET_PREFIX, net.cidr.prefixlen))
+    start, end = int(net.cidr.network_address), int(net.cidr.broadcast_address)
+    at = start
+    while at + size - 1 <= end:  # the blocks in order; past a taken range at once, not block by block
+        block = ipaddress.IPv4Network((at, 32 - (size - 1).bit_length()))
+        hit = next((t for t in taken if block.overlaps(t)), None)
+        if hit is None:
             return str(block)
+        after = int(hit.broadcast_address) + 1  # every block up to the range's end overlaps it
+        at = start + -(-(after - start) // size) * size
     return None
 
 

@@ -6,10 +6,10 @@ all traffic."""
 
 from __future__ import annotations
 
-from infra.contract import METRICS_PORT
 from infra.spec import Network
 
 NODE_EXPORTER, DCGM_EXPORTER = 9100, 9400
+METRICS_PORT = 9401  # the trainer's own metrics (infra/contract.py hands it to the trainer)
 EXPORTER_PORTS = (NODE_EXPORTER, DCGM_EXPORTER, METRICS_PORT)  # METRICS_PORT: the trainer's
 
 

@@ -8,7 +8,6 @@ regions, CIDRs, account-site markets), and reports key paths in the stack file's
 
 from __future__ import annotations
 
-import re
 from ipaddress import IPv4Network
 from typing import Annotated, Literal
 
@@ -17,37 +16,9 @@ from pydantic.alias_generators import to_camel
 
 from infra import catalog as cat
 from infra.clouds import Cloud as Cloud  # the stack file's cloud names: infra/clouds/__init__.py
-NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
-Name = Annotated[str, Field(pattern=NAME_PATTERN)]
-NO_NUL = r"^[^\x00]*$"
-# Values that reach /etc/gpu-training/node.env, which the node's scripts source as root, systemd
-# reads as an EnvironmentFile= and docker as an --env-file: only characters all three read as
-# themselves, unquoted (no quotes, spaces, `$`, backquotes, `;`, `&`, `|`, `\\`, `~`, `#`, newlines).
-ENV_SAFE = r"A-Za-z0-9._/:@%+,=-"
-# An http(s) mirror: host, port, path; no credentials (they would sit in user data in clear).
-MIRROR_URL = r"^https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._/%+,=:@-]*)?$"
-# What the offline plan reads for a `secure:` value (it cannot decrypt it); the real program
-# reads the decrypted value, which the patterns then check.
-SECRET_MASK = "[secret]"
-# MLflow's tracking URI: databricks, or scheme://host[:port][/path] (file:///, http(s)://, sqlite:///).
-TRACKING_URI = r"^(\[secret\]|databricks(-uc)?|[a-z][a-z0-9+.-]*://[A-Za-z0-9.-]*(:[0-9]+)?(/[A-Za-z0-9._/%+,=:@-]*)?)$"
-# scheme://user:password@ — a password in a URL (refused in clear in a stack file, never echoed).
-URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s:]*:[^/?#@\s]+@")
-REGISTRY_HOST = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*$"
-# A container image reference (docker/distribution reference grammar, lowercase repository).
-IMAGE_REF = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*(:[A-Za-z0-9_.-]{1,128})?(@sha256:[0-9a-f]{64})?$"
-PATTERN_HELP = {
-    MIRROR_URL: "use an http(s) URL: scheme, host, optional port and path, without credentials or characters a "
-                "shell would read (the value is written to the nodes' env file)",
-    TRACKING_URI: "use databricks or scheme://host[:port]/path without credentials (MLflow reads "
-                  "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD for those) or characters a shell would read",
-    REGISTRY_HOST: "use a registry host with optional port and path, e.g. registry.cn-hangzhou.aliyuncs.com",
-    IMAGE_REF: "use an image reference: registry/repository[:tag]@sha256:<digest>, lowercase repository",
-    NO_NUL: "an argument cannot hold a NUL character (the launcher would split it in two)",
-    NAME_PATTERN: "use 2-32 lowercase letters, digits and hyphens, starting with a letter",
-    r"^\d{10}$": "use the 10-digit APPID from the Tencent Cloud console, quoted (appId: \"1250000000\")",
-}
+from infra.spec_patterns import IMAGE_REF, MIRROR_URL, NAME_PATTERN, NO_NUL, REGISTRY_HOST, TRACKING_URI
 
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 # The top-level Pulumi config keys (namespace gpu-training-stack), in the order documented.
 CONFIG_KEYS = ("env", "protectStateful", "team", "tags", "clouds", "networks", "peerings", "nodeGroups", "kubernetes", "storage",
                "training", "budget", "pricing")

@@ -1,81 +1,31 @@
-"""Reading `Pulumi.<stack>.yaml` the way the Pulumi CLI hands it to the program.
-
-The program (`pulumi up`), the offline plan and the `make userdata` / `make monitoring`
-commands all read a stack through here: project-namespaced keys, structured values passed to
-the program as JSON strings, `secure:` values kept secret. Nothing here runs at import time;
-the project root is found when a function asks for it.
+"""Reading a stack the way the Pulumi CLI hands it to the program, at the edge: the program
+(`pulumi up`), the offline plan, `make teams` and the `make userdata` / `make monitoring`
+commands read the stack file, its spec and the team registry it names here, once, and hand
+them down; nothing under validation or building reads a file. The file's text is read by
+infra/stacktext.py (its names are importable from here as well).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
-import re
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-import yaml
-
-from infra import clouds
 from infra import spec as spec_mod
 from infra import validation
-from infra.errors import Problem, SpecError
+from infra.groups import Stack
+from infra.stacktext import (CREDENTIAL_KEYS, PROVIDER_NAMESPACES, SCALAR_KEYS, SECRET_MASK, STACK_NAME,
+                             URL_PASSWORD, StackConfig, StackFileError, available_stacks, check_stack_name, decode,
+                             is_generated, load_yaml, project_name, project_root, read_stack_file, read_stack_text,
+                             secrets_in_clear, stray_keys)
+from infra.teams import registry
+from infra.teams.generate import stack_drift
 
-SECRET_MASK = spec_mod.SECRET_MASK
-# Keys whose values the program receives as plain strings; the others are JSON.
-SCALAR_KEYS = ("env",)
-
-
-class StackFileError(Exception):
-    """The stack file cannot be read as Pulumi would read it."""
-
-
-# Pulumi's own rule for a stack name (pulumi/pulumi sdk/go/common/tokens/stack_name.go,
-# ParseStackName): not empty, at most 100 characters of `[A-Za-z0-9_.-]`. Checked before the name
-# reaches a path, a file name or a command.
-STACK_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
-
-
-def check_stack_name(stack: str) -> str:
-    """`stack` when Pulumi would accept it as a stack name; a StackFileError naming the rule."""
-    if STACK_NAME.fullmatch(stack):
-        return stack
-    bad = next((ch for ch in stack if not re.fullmatch(r"[A-Za-z0-9_.-]", ch)), "")
-    why = ("is empty" if not stack else "is longer than 100 characters" if len(stack) > 100
-           else f"has {bad!r} at position {stack.index(bad)}")
-    raise StackFileError(f"stack name {stack!r} {why}: a Pulumi stack name is 1-100 letters, digits, hyphens, "
-                         "underscores or periods (pass STACK=<name of a Pulumi.<name>.yaml here>)")
-
-
-@dataclass(frozen=True)
-class StackConfig:
-    project: str
-    stack: str
-    values: dict[str, str]  # full key -> string as the program receives it
-    secret_keys: list[str] = field(default_factory=list)
-
-
-def project_root(start: Path | None = None) -> Path:
-    """The nearest folder at or above `start` (default: cwd) holding Pulumi.yaml, as the CLI
-    finds it; this checkout when there is none."""
-    here = (start or Path.cwd()).absolute()
-    for folder in (here, *here.parents):
-        if (folder / "Pulumi.yaml").exists():
-            return folder
-    return Path(__file__).resolve().parents[1]
-
-
-def project_name(root: Path | None = None) -> str:
-    data = yaml.safe_load(((root or project_root()) / "Pulumi.yaml").read_text(encoding="utf-8"))
-    return str(data["name"])
-
-
-def available_stacks(root: Path | None = None) -> list[str]:
-    return sorted(p.name[len("Pulumi."):-len(".yaml")] for p in (root or project_root()).glob("Pulumi.*.yaml"))
-
+__all__ = ["CREDENTIAL_KEYS", "PROVIDER_NAMESPACES", "SCALAR_KEYS", "SECRET_MASK", "STACK_NAME", "URL_PASSWORD",
+           "StackConfig", "StackFileError", "available_stacks", "check_stack_name", "decode", "is_generated",
+           "load_yaml", "project_name", "project_root", "read_stack_file", "read_stack_text", "secrets_in_clear",
+           "stray_keys", "stack_path", "teams_reader", "spec_from_values", "stack_from_values", "load_stack_spec",
+           "load_stack"]
 
 def stack_path(stack: str, root: Path | None = None) -> Path:
     """`Pulumi.<stack>.yaml`, or a StackFileError naming the stacks that exist."""
@@ -84,171 +34,41 @@ def stack_path(stack: str, root: Path | None = None) -> Path:
     if not path.exists():
         raise StackFileError(f"no stack file {path.name}; stacks here: {', '.join(available_stacks(root))} "
                              f"(create Pulumi.{stack}.yaml or pass STACK=<one of them>)")
-    from infra.teams.generate import stack_drift  # a generated team stack must match its registry
-
-    drift = stack_drift(path, root)
+    drift = stack_drift(path, root)  # a generated team stack must match its registry
     if drift:
         raise StackFileError(f"{path.name}: " + "; ".join(drift))
     return path
 
 
-def _has_secret(value: Any) -> bool:
-    if isinstance(value, dict):
-        return set(value) == {"secure"} or any(_has_secret(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_has_secret(v) for v in value)
-    return False
+def teams_reader(root: Path | None = None) -> validation.TeamsReader:
+    """The team registries a stack names (kubernetes.queues), each read from `root` (default: the
+    project's) once for the caller that holds this reader, and handed to validation."""
+    folder = root or project_root()
+    return functools.lru_cache(maxsize=None)(functools.partial(registry.load, folder))
 
 
-def _mask(value: Any) -> Any:
-    """Nested `secure:` values (`pulumi config set --secret --path a.b`) as the mask: the
-    offline plan cannot decrypt them and needs no plaintext."""
-    if isinstance(value, dict):
-        if set(value) == {"secure"}:
-            return SECRET_MASK
-        return {k: _mask(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_mask(v) for v in value]
-    return value
+def stack_from_values(values: Mapping[str, str], project: str, source: str,
+                      teams: validation.TeamsReader | None = None) -> Stack:
+    """The checked spec with its groups resolved from a full config map (`<project>:<key>` ->
+    string), as `make plan` reads it; the registry a queued stack names is read with `teams`
+    (default: from the project's folder)."""
+    return validation.parse_values(values, project, source, teams or teams_reader())
 
 
-def read_stack_file(path: Path, project: str) -> StackConfig:
-    """Turn `Pulumi.<stack>.yaml` into the config map the Pulumi CLI hands the program."""
-    return read_stack_text(path.read_text(encoding="utf-8"), path.name, project)
+def spec_from_values(values: Mapping[str, str], project: str, source: str,
+                     teams: validation.TeamsReader | None = None) -> spec_mod.StackSpec:
+    """The spec alone, the same way."""
+    return stack_from_values(values, project, source, teams).spec
 
 
-def load_yaml(text: str, name: str) -> Any:
-    """A stack file's YAML, read with the loader that refuses a key given twice (the one
-    teams.yaml is read with): `scaling: {max: 50, max: 2}` would otherwise plan with the last."""
-    from infra.teams.registry import UniqueKeyLoader
-
-    try:
-        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
-    except yaml.constructor.ConstructorError as exc:
-        mark = exc.problem_mark
-        at = f", line {mark.line + 1}" if mark is not None else ""
-        raise StackFileError(f"{name}{at}: {exc.problem}; keep one (the file must say one thing once)") from None
-    except yaml.YAMLError as exc:
-        raise StackFileError(f"{name} is not valid YAML: {exc}") from None
-
-
-# Provider settings that are credentials: in a stack file only as `secure:` values.
-CREDENTIAL_KEYS = frozenset({
-    "aws:accessKey", "aws:secretKey", "aws:token",
-    "alicloud:accessKey", "alicloud:secretKey", "alicloud:securityToken",
-    "tencentcloud:secretId", "tencentcloud:secretKey", "tencentcloud:securityToken",
-})
-URL_PASSWORD = spec_mod.URL_PASSWORD
-
-
-def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
-    """(key path, string) for every plain string in a config value; `secure:` values are skipped."""
-    if isinstance(value, dict):
-        if set(value) == {"secure"}:
-            return
-        for k, v in value.items():
-            yield from _strings(v, f"{path}.{k}")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _strings(v, f"{path}[{i}]")
-    elif isinstance(value, str):
-        yield path, value
-
-
-def secrets_in_clear(config: Mapping[str, Any], project: str) -> list[str]:
-    """What a stack file holds in clear that must be encrypted: provider credentials, and
-    passwords in URLs (which would reach the nodes' user data in clear)."""
-    found = []
-    for key, value in config.items():
-        full = key if ":" in str(key) else f"{project}:{key}"
-        if full in CREDENTIAL_KEYS and not _has_secret(value):
-            found.append(f"{full} is a credential in clear; remove the line and run `pulumi config set --secret "
-                         f"{full} <value>` (or leave it out and use the provider's environment or profile)")
-            continue
-        for where, text in _strings(value, full):
-            if URL_PASSWORD.search(text):
-                found.append(f"{where} holds a URL with a password in clear; remove the password from the URL, "
-                             "or store the value with `pulumi config set --secret`")
-    return found
-
-
-def read_stack_text(text: str, name: str, project: str) -> StackConfig:
-    """The same for a stack file's text (`name` is its file name: Pulumi.<stack>.yaml). A plan
-    reads each stack file several times (the stack, the team registry's checks, the drift of
-    generated stacks): the text is parsed once, and each caller gets its own copy."""
-    cfg = _read_stack_text(text, name, project)
-    return dataclasses.replace(cfg, values=dict(cfg.values), secret_keys=list(cfg.secret_keys))
-
-
-@functools.lru_cache(maxsize=64)
-def _read_stack_text(text: str, name: str, project: str) -> StackConfig:
-    stack = name[len("Pulumi."):-len(".yaml")]
-    data = load_yaml(text, name) or {}
-    if not isinstance(data, dict) or not isinstance(data.get("config", {}), dict):
-        raise StackFileError(f"{name}: expected a mapping with a 'config:' mapping")
-    clear = secrets_in_clear(data.get("config") or {}, project)
-    if clear:
-        raise StackFileError(f"{name}: " + "; ".join(clear))
-    values: dict[str, str] = {}
-    secrets: list[str] = []
-    for key, value in (data.get("config") or {}).items():
-        full = key if ":" in key else f"{project}:{key}"
-        if _has_secret(value):
-            # Encrypted with the stack's key; the CLI marks the whole key secret.
-            secrets.append(full)
-        masked = _mask(value)
-        values[full] = masked if isinstance(masked, str) else json.dumps(masked)
-    return StackConfig(project, stack, values, secrets)
-
-
-def decode(values: Mapping[str, str]) -> dict[str, Any]:
-    """Config strings (as the engine hands them to the program) to spec values: structured
-    keys are JSON, scalar keys stay strings; unknown keys pass through for the spec to name."""
-    raw: dict[str, Any] = {}
-    for key, text in values.items():
-        if key in SCALAR_KEYS:
-            raw[key] = text
-            continue
-        try:
-            raw[key] = json.loads(text)
-        except json.JSONDecodeError:
-            raw[key] = text  # pydantic then says which type it expected
-    return raw
-
-
-# Config namespaces that are not the project's and are expected in a stack file.
-PROVIDER_NAMESPACES = (*(p.provider for p in clouds.profiles()), "kubernetes", "pulumi", "docker-build")
-
-
-def stray_keys(values: Mapping[str, str], project: str) -> list[Problem]:
-    """Keys under a namespace that is neither the project's nor a provider's: a misspelled
-    project name hides the value from the program (Pulumi passes it to nobody)."""
-    import difflib
-
-    problems = []
-    for key in values:
-        namespace, _, name = key.partition(":")
-        if namespace in (project, *PROVIDER_NAMESPACES):
-            continue
-        close = difflib.get_close_matches(namespace, [project], n=1, cutoff=0.6)
-        hint = f"; did you mean '{project}:{name}'?" if close else f"; this project's keys are '{project}:<key>'"
-        problems.append(Problem(key, f"is under '{namespace}', not this project's '{project}', so the program never "
-                                     f"sees it{hint}"))
-    return problems
-
-
-def spec_from_values(values: Mapping[str, str], project: str, source: str) -> spec_mod.StackSpec:
-    """The spec from a full config map (`<project>:<key>` -> string), as `make plan` reads it."""
-    stray = stray_keys(values, project)
-    if stray:
-        raise SpecError(stray, source)
-    prefix = f"{project}:"
-    return validation.parse(decode({k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}), source)
-
-
-def load_stack_spec(stack: str, root: Path | None = None) -> spec_mod.StackSpec:
-    """The spec of `Pulumi.<stack>.yaml`, read as pulumi would (make userdata / monitoring / plan)."""
+def load_stack(stack: str, root: Path | None = None) -> Stack:
+    """`Pulumi.<stack>.yaml`, read as pulumi would, checked and resolved (make userdata / monitoring)."""
     root = root or project_root()
     path = stack_path(stack, root)
     project = project_name(root)
-    return spec_from_values(read_stack_file(path, project).values, project, path.name)
+    return stack_from_values(read_stack_file(path, project).values, project, path.name, teams_reader(root))
+
+
+def load_stack_spec(stack: str, root: Path | None = None) -> spec_mod.StackSpec:
+    """The spec of `Pulumi.<stack>.yaml` alone, the same way."""
+    return load_stack(stack, root).spec

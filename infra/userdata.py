@@ -34,7 +34,8 @@ from infra.clouds import profile, profiles
 from infra.images import node_agents
 from infra.rendezvous import Site
 from infra.sharedfs import SharedFsOutputs, SharedMount, placeholder
-from infra.spec import ENV_SAFE, SECRET_MASK, StackSpec
+from infra.spec import StackSpec
+from infra.spec_patterns import ENV_SAFE, SECRET_MASK
 from training import contract as c
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,15 +11,19 @@ from ipaddress import IPv4Network
 from typing import Any
 
 from croniter import croniter
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from infra import catalog as cat
-from infra import cloud_rules, commands, sharedfs
+from infra import cloud_rules, resolved_checks, sharedfs
 from infra.clouds import profile
 from infra.errors import Problem, SpecError, suggest
-from infra.groups import requirement, schedule_bounds
+from infra.groups import Stack, requirement, schedule_bounds
+from infra.resolved_checks import SPOT_CAP_FLOOR, TeamsReader
+from infra.spec_problems import _problem, check_region, problems_of
+from infra.stacktext import decode, stray_keys
 from infra.schedule import cron_in_beijing
-from infra.spec import (CONFIG_KEYS, URL_PASSWORD, ENV_SAFE, PATTERN_HELP, REQUIRED_TAGS, Network, NodeGroup, StackSpec)
+from infra.spec import CONFIG_KEYS, REQUIRED_TAGS, Network, NodeGroup, StackSpec
+from infra.spec_patterns import ENV_SAFE
 from policies.gts_policy.addresses import opens_internet
 
 
@@ -27,88 +31,26 @@ from policies.gts_policy.addresses import opens_internet
 # Loading and error reporting
 # --------------------------------------------------------------------------------------
 
-def _path(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part.startswith("function-after") or part in ("str", "int", "[key]"):
-            continue
-        else:
-            out += ("." if out else "") + str(part)
-    return out
+def parse_values(values: Mapping[str, str], project: str, source: str, teams: TeamsReader | None = None) -> Stack:
+    """The stack from a full config map (`<project>:<key>` -> string) as the Pulumi CLI hands it:
+    keys under another namespace are refused first (a misspelled project hides them)."""
+    stray = stray_keys(values, project)
+    if stray:
+        raise SpecError(stray, source)
+    prefix = f"{project}:"
+    return parse_stack(decode({k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}), source, teams)
 
 
-def _fields_at(loc: tuple[int | str, ...], root: type[BaseModel] = StackSpec) -> list[str]:
-    """Aliases of the model fields allowed where an unknown key was found."""
-    model: Any = root
-    for part in loc[:-1]:
-        if isinstance(part, int) or model is None:
-            continue
-        field = next((f for f in model.model_fields.values() if f.alias == part), None)
-        if field is None:
-            return []
-        model = _model_of(field.annotation)
-    return [f.alias or n for n, f in model.model_fields.items()] if model else []
-
-
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = _model_of(arg)
-        if found:
-            return found
-    return None
-
-
-def _problem(err: Any, root: type[BaseModel] = StackSpec) -> Problem:
-    loc = tuple(err["loc"])
-    kind = err["type"]
-    value = err.get("input")
-    if kind == "extra_forbidden":
-        allowed = _fields_at(loc, root)
-        return Problem(_path(loc), f"unknown key{suggest(loc[-1], allowed)} "
-                                   f"Allowed here: {', '.join(allowed)}.")
-    if kind == "missing":
-        return Problem(_path(loc), "is required but missing; add it to the stack config")
-    if kind in ("literal_error", "enum"):
-        raw = str(err.get("ctx", {}).get("expected", ""))
-        expected = re.findall(r"'([^']+)'", raw) or [raw]  # a Literal of numbers has no quotes
-        return Problem(_path(loc), f"{value!r} is not allowed; use one of {', '.join(expected)}"
-                                   f"{suggest(value, expected)}")
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    if kind == "string_type" and isinstance(value, int) and loc[-1] == "appId":
-        return Problem(_path(loc), f"{value} is a number to YAML; write the APPID quoted: appId: \"{value}\"")
-    if kind == "ip_v4_network" and isinstance(value, str):
-        import ipaddress
-
-        try:
-            network = ipaddress.ip_network(value, strict=False)
-        except ValueError:
-            network = None
-        if isinstance(network, ipaddress.IPv6Network):
-            return Problem(_path(loc), f"{value!r} is an IPv6 network; this key takes an IPv4 CIDR such as 10.0.0.0/16")
-        if network is not None and "/" in value and str(network) != value:
-            return Problem(_path(loc), f"{value!r} has host bits set; the network is {network} (write that)")
-    if kind in ("int_type", "int_from_float", "int_parsing") and isinstance(value, bool):
-        return Problem(_path(loc), f"{str(value).lower()} is a YAML boolean, not a number; write a whole number")
-    if kind == "string_pattern_mismatch":
-        pattern = str(err.get("ctx", {}).get("pattern", ""))
-        msg = f"is not a valid value; {PATTERN_HELP.get(pattern, msg)}"
-    shown = "" if isinstance(value, (dict, list)) or value is None else f"{value!r}: "
-    if isinstance(value, str) and URL_PASSWORD.search(value):  # a decrypted secret: never echoed
-        shown = "(a URL with a password, not shown): "
-    return Problem(_path(loc), f"{shown}{msg}")
-
-
-def problems_of(exc: ValidationError, root: type[BaseModel]) -> list[Problem]:
-    """pydantic's errors for a model read from a file as key paths in the file's own spelling."""
-    return [_problem(e, root) for e in exc.errors()]
-
-
-def parse(raw: Mapping[str, Any], source: str = "stack config") -> StackSpec:
+def parse(raw: Mapping[str, Any], source: str = "stack config", teams: TeamsReader | None = None) -> StackSpec:
     """Build and fully check a StackSpec from config values; raise SpecError listing every problem."""
+    return parse_stack(raw, source, teams).spec
+
+
+def parse_stack(raw: Mapping[str, Any], source: str = "stack config", teams: TeamsReader | None = None) -> Stack:
+    """The same, returning the stack with its groups resolved: resolved once, for the checks that
+    need them, and handed on (the program, the plan and the commands take it from here). `teams`
+    reads the team registry a stack with kubernetes.queues names; the caller, at the edge, owns
+    that read (infra/stackfile.py teams_reader)."""
     unknown = [k for k in raw if k not in CONFIG_KEYS]
     problems = [Problem(k, f"unknown config key{suggest(k, CONFIG_KEYS)} Known keys: {', '.join(CONFIG_KEYS)}.")
                 for k in unknown]
@@ -117,22 +59,28 @@ def parse(raw: Mapping[str, Any], source: str = "stack config") -> StackSpec:
     except ValidationError as exc:
         problems += [_problem(e) for e in exc.errors()]
         raise SpecError(problems, source) from None
-    problems += check(spec)
-    if problems:
+    stack, found = checked(spec, teams)
+    problems += found
+    if problems or stack is None:
         raise SpecError(problems, source)
-    return spec
+    return stack
 
 
 # --------------------------------------------------------------------------------------
 # Cross-field checks
 # --------------------------------------------------------------------------------------
 
-def check(spec: StackSpec) -> list[Problem]:
+def check(spec: StackSpec, teams: TeamsReader | None = None) -> list[Problem]:
     """Rules that span fields or need the catalog and region data."""
+    return checked(spec, teams)[1]
+
+
+def checked(spec: StackSpec, teams: TeamsReader | None = None) -> tuple[Stack | None, list[Problem]]:
+    """The problems, and the stack resolved once the spec is whole enough to resolve (else None)."""
     problems: list[Problem] = []
     problems += _check_pricing(spec)
     if problems:  # the catalog with the overrides applied is what the other checks read
-        return problems
+        return None, problems
     problems += _check_tags(spec)
     problems += _check_clouds(spec)
     problems += _check_team(spec)
@@ -142,62 +90,9 @@ def check(spec: StackSpec) -> list[Problem]:
     if not problems:  # the provider limits assume a spec that is whole
         problems += cloud_rules.check(spec)
         problems += sharedfs.check(spec)
-    if not problems:  # resolving the groups needs every provider limit met
-        problems += _check_workable(spec)
-    if not problems:  # each group's fabric against its resolved types (infra/fabric.py)
-        from infra import fabric
-
-        problems += fabric.check(spec)
-    if not problems:  # the commands are checked against the resolved groups' trainer contract
-        problems += commands.check(spec)
-    if not problems and spec.kubernetes.queues:  # the teams' queues against the resolved pools
-        from infra.teams import registry  # the registry reads stack specs too
-
-        problems += registry.check_shared_stack(spec)
-    return problems
-
-
-# A spot cap under this share of the spot price the catalog expects gets no capacity: spot prices
-# move around the typical discount, not to a fraction of it.
-SPOT_CAP_FLOOR = 0.5
-
-
-def _check_workable(spec: StackSpec) -> list[Problem]:
-    """Values that pass every range check but cannot work, refused with the arithmetic: a spot
-    cap far under the market, a RAM cache (storage.datasetTmpfsGb) the nodes cannot hold next to
-    the trainer."""
-    from infra.catalog import to_usd
-    from infra.groups import resolve
-
-    out: list[Problem] = []
-    rate = spec.pricing.cny_per_usd
-    tmpfs = spec.storage.dataset_tmpfs_gb
-    catalog = spec.catalog()
-    for rg in resolve(spec).groups:
-        cap = rg.market.spot_max_price_usd
-        if rg.spot and cap is not None:
-            item = rg.primary
-            on_demand = to_usd(item.price_ondemand, item.currency, rate)
-            market = on_demand * (1 - item.spot_discount)
-            if cap < SPOT_CAP_FLOOR * market:
-                out.append(Problem(f"{rg.path}.market.spotMaxPriceUsd",
-                                   f"${cap:g}/h is far below the spot price of {item.instance_type} in {rg.region}: "
-                                   f"${on_demand:.4f}/h on-demand x (1 - {item.spot_discount:g} typical spot discount) "
-                                   f"= ${market:.4f}/h; under {SPOT_CAP_FLOOR:g} x that (${SPOT_CAP_FLOOR * market:.4f}/h) "
-                                   "the group would never get capacity: raise it, or leave it out (up to on-demand)"))
-        if tmpfs:
-            for itype in rg.types:
-                node = catalog.priced(rg.cloud, itype, rg.region)
-                if node is None:
-                    continue
-                room = node.ram_gib - node.total_vram_gb  # the trainer keeps about its GPUs' memory in RAM
-                if tmpfs > room:
-                    out.append(Problem("storage.datasetTmpfsGb",
-                                       f"{tmpfs} GB of RAM cache does not fit node group {rg.name}'s {itype}: "
-                                       f"{node.ram_gib} GiB RAM - {node.total_vram_gb} GB for the trainer (its GPUs' "
-                                       f"memory) = {max(room, 0)} GB at most; lower it or set 0 (off)"))
-                    break
-    return out
+    if problems:
+        return None, problems
+    return resolved_checks.check(spec, teams)  # resolving the groups needs every provider limit met
 
 
 def _check_tags(spec: StackSpec) -> list[Problem]:
@@ -229,19 +124,10 @@ def _check_team(spec: StackSpec) -> list[Problem]:
     return out
 
 
-def _check_region(cloud: str, region: str, path: str) -> list[Problem]:
-    regions = cat.load_regions()[cloud]
-    if region in regions:
-        return []
-    return [Problem(path, f"{region!r} is not a region of {cat.CLOUD_NAMES[cloud]} known here"
-                          f"{suggest(region, regions)} Known: {', '.join(regions)} "
-                          f"(add others to infra/data/regions.yaml).")]
-
-
 def _check_clouds(spec: StackSpec) -> list[Problem]:
     out: list[Problem] = []
     for cloud, acct in spec.clouds.items():
-        out += _check_region(cloud, acct.region, f"clouds.{cloud}.region")
+        out += check_region(cloud, acct.region, f"clouds.{cloud}.region")
         missing = profile(cloud).app_id_missing
         if missing is not None and acct.app_id is None:
             out.append(Problem(f"clouds.{cloud}.appId", missing))
@@ -262,7 +148,7 @@ def _check_networks(spec: StackSpec, problems: list[Problem]) -> dict[str, Netwo
         region = spec.region_of(net)
         known = cat.load_regions()[net.cloud]
         if net.region is not None:  # an inherited region is reported at clouds.<cloud>.region
-            problems += _check_region(net.cloud, region, f"{path}.region")
+            problems += check_region(net.cloud, region, f"{path}.region")
         zones = known.get(region, [])
         seen: list[IPv4Network] = []
         for j, sub in enumerate(net.subnets):
@@ -379,7 +265,7 @@ def _check_pricing(spec: StackSpec) -> list[Problem]:
     out = []
     for i, o in enumerate(spec.pricing.overrides):
         if o.region is not None:
-            out += _check_region(o.cloud, o.region, f"pricing.overrides[{i}].region")
+            out += check_region(o.cloud, o.region, f"pricing.overrides[{i}].region")
         if catalog.get(o.cloud, o.instance_type) is None:
             known = [t.instance_type for t in catalog.of_cloud(o.cloud)]
             name = cat.CLOUD_NAMES[o.cloud]
@@ -505,5 +391,6 @@ def _check_hardware(spec: StackSpec, catalog: cat.Catalog, group: NodeGroup, pat
     return out
 
 
-
-check_region = _check_region  # the team registry checks its regions the same way
+# Importable here as before: the team registry and tests read pydantic errors and regions the same way.
+__all__ = ["SPOT_CAP_FLOOR", "TeamsReader", "check", "check_region", "checked", "parse", "parse_stack", "parse_values",
+           "problems_of"]

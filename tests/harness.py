@@ -14,6 +14,7 @@ import yaml
 
 from infra.plan.engine import Registered, run_program
 from infra.plan.invokes import COMPUTED, INVOKES
+from infra.spec import StackSpec
 from infra.stackfile import decode, project_name, read_stack_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,3 +94,12 @@ def policy_hits(resources: Iterable[Registered], rule: str, settings: dict[str, 
     views = [Res(r.type, r.name, r.inputs, bool(r.options.get("protect"))) for r in resources]
     config = {rule: {"enforcementLevel": "mandatory", **(settings or {})}}
     return sorted(v["resource"] for v in evaluate(views, config) if v["policy"] == rule)
+
+
+def parse_spec(raw: dict[str, Any], source: str = "stack config") -> StackSpec:
+    """validation.parse as the program's edge calls it: the team registry a queued stack names
+    (kubernetes.queues) read from this checkout and handed in."""
+    from infra.stackfile import teams_reader
+    from infra.validation import parse
+
+    return parse(raw, source, teams_reader(ROOT))

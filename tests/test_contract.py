@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from infra.spec import StackSpec
-from infra.validation import parse as parse_spec
+from tests.harness import parse_spec
 from infra.plan.engine import Registered
 from tests.harness import ROOT, by_type, shipped, spec_raw, stack_values
 from tests.metadata_server import POD_IDENTITY_PATH, FakeMetadata

@@ -10,7 +10,7 @@ from infra import cost
 from infra.catalog import load_catalog
 from infra.groups import resolve
 from infra.spec import StackSpec
-from infra.validation import parse
+from tests.harness import parse_spec as parse
 from tests.harness import key, spec_raw, stack_values
 
 HOURS = 730.0

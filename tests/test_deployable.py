@@ -17,7 +17,7 @@ from infra.errors import SpecError
 from infra.plan.engine import DuplicateUrn, Registered, run_program
 from infra.plan.invokes import COMPUTED, INVOKES
 from infra.stackfile import StackConfig
-from infra.validation import parse
+from tests.harness import parse_spec as parse
 from tests.harness import ROOT, by_type, key, run_stack, shipped, spec_raw, stack_values
 
 CONSTRAINTS = cat.load_constraints()

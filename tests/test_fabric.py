@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from infra import fabric, userdata
+from infra import fabric, fabric_plan, userdata
 from infra.errors import CatalogError, SpecError
 from infra.groups import resolve
-from infra.validation import parse as parse_spec
+from tests.harness import parse_spec
 from tests.harness import ROOT, key, project_copy, spec_raw, stack_values, write_stack
 
 GROUPS = key("nodeGroups")
@@ -190,7 +190,7 @@ def test_fabric_none_on_a_multi_node_fabric_group_is_an_advisory_with_its_cost()
                                                  if g["name"] == "aws-efa"))
     stack = resolve(spec)
     assert stack.group("aws-efa").fabric is None
-    (advice,) = [a for a in fabric.advisories(stack) if a["resource"] == "aws-efa"]
+    (advice,) = [a for a in fabric_plan.advisories(stack) if a["resource"] == "aws-efa"]
     assert advice["enforcement"] == "advisory"
     assert "32 EFA" in advice["message"] and "3200 Gbps" in advice["message"] and "$55.04/h" in advice["message"]
 

@@ -28,7 +28,7 @@ from infra.groups import resolve
 from infra.rendezvous import sites
 from infra.spec import StackSpec
 from infra.stackfile import StackFileError, check_stack_name, read_stack_text
-from infra.validation import parse
+from tests.harness import parse_spec as parse
 from tests.harness import ROOT, key, project_copy, spec_raw, stack_values, write_stack
 
 HOSTILE = ["https://m.example/ubuntu$(touch PWNED)", "https://m.example/x\nGTS_BUNDLE_SHA256=evil",

@@ -237,7 +237,7 @@ def test_no_placeholder_reaches_any_user_data(stack: str, tmp_path: Path) -> Non
     """Every user data field of the plan, decoded as its node decodes it (cloud-init's
     write_files, EKS's MIME part, the node pool script): none carries the image placeholder or
     a placeholder file-system address or access point."""
-    from infra.validation import parse
+    from tests.harness import parse_spec as parse
     from tests.harness import spec_raw, stack_values
 
     spec = parse(spec_raw(stack_values(stack)))

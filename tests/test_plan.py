@@ -15,7 +15,7 @@ import pytest
 from infra.cost import stack_cost
 from infra.groups import resolve
 from tests.harness import ROOT
-from infra.validation import parse
+from tests.harness import parse_spec as parse
 from tests.harness import by_type, key, project_copy, run_stack, shipped, spec_raw, stack_values, write_stack
 
 

@@ -20,7 +20,7 @@ import yaml
 from infra.errors import SpecError
 from infra.plan.engine import Registered
 from infra.plan.invokes import COMPUTED
-from infra.validation import parse as parse_spec
+from tests.harness import parse_spec
 from tests.harness import ROOT, by_type, policy_hits, run_stack, spec_raw, stack_values
 from tests.nodes import lay_down, node_env
 from tests.test_contract import VM_NODES, container_env, job_containers, node_env_of

@@ -10,7 +10,7 @@ import pytest
 
 from infra.errors import SpecError
 from infra.groups import resolve
-from infra.validation import parse
+from tests.harness import parse_spec as parse
 from tests.harness import key, spec_raw, stack_values
 
 Edit = Callable[[dict[str, Any]], None]

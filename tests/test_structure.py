@@ -1,6 +1,7 @@
-"""The house rules a newcomer can rely on: no import cycle between the project's modules, and
-no function so long that it cannot be read top to bottom (60 lines, unless a `# long:` comment
-on the line above says why)."""
+"""The house rules a newcomer can rely on: no import cycle between the project's modules (every
+import counts: module level, typing-only under `if TYPE_CHECKING:`, and inside functions and
+classes — a cycle hidden in a function is still a cycle), and no function so long that it cannot
+be read top to bottom (60 lines, unless a `# long:` comment on the line above says why)."""
 
 from __future__ import annotations
 
@@ -21,27 +22,25 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path, name: str) -> set[str]:
-    """Project modules a module imports when it is imported (module level, not TYPE_CHECKING)."""
+    """Project modules a module imports anywhere: module level, under `if TYPE_CHECKING:`, and
+    inside functions and classes."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found: set[str] = set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        for sub in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else []:
-            if isinstance(sub, ast.Import):
-                found |= {a.name for a in sub.names}
-            elif isinstance(sub, ast.ImportFrom):
-                base = sub.module or ""
-                if sub.level:
-                    base = ".".join(package.split(".")[:len(package.split(".")) - sub.level + 1] + ([base] if base else []))
-                found.add(base)
-                found |= {f"{base}.{a.name}" for a in sub.names}
+    for sub in ast.walk(tree):
+        if isinstance(sub, ast.Import):
+            found |= {a.name for a in sub.names}
+        elif isinstance(sub, ast.ImportFrom):
+            base = sub.module or ""
+            if sub.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - sub.level + 1] + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in sub.names}
     return {m for m in found if m.split(".")[0] in PACKAGES}
 
 
-def _graph() -> dict[str, set[str]]:
-    files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
+def _graph(packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    files = {_module_name(p): p for pkg in packages for p in (ROOT / pkg).rglob("*.py")
              if "__pycache__" not in p.parts and p.name != "__main__.py" or p.parent.name == "plan"}
     return {name: {m for m in _imports(path, name) if m in files and m != name} for name, path in files.items()}
 
@@ -69,14 +68,39 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycle_between_the_projects_modules() -> None:
-    graph = _graph()
+    """infra/ and policies/ together (the stack program, the plan and the pack), every import counted."""
+    graph = _graph(("infra", "policies"))
     assert len(graph) > 40 and "infra.groups" in graph["infra.program"]
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+@pytest.mark.xfail(strict=True, reason="training.checkpointing imports training.sharded under TYPE_CHECKING and "
+                                       "training.sharded imports training.checkpointing: training/ is being split "
+                                       "by its own change (issue 35); remove this mark when that lands")
+def test_no_import_cycle_in_training() -> None:
+    graph = _graph(("training",))
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
 def test_the_cycle_finder_finds_one() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_graph_sees_typing_only_and_function_local_imports(tmp_path: Path) -> None:
+    """The imports a module-level-only walk missed (how two cycles hid in infra/): each counts."""
+    module = tmp_path / "mod.py"
+    module.write_text("from __future__ import annotations\n"
+                      "from typing import TYPE_CHECKING\n"
+                      "if TYPE_CHECKING:\n    from infra.groups import Stack\n"
+                      "def f() -> None:\n    from infra.spec import StackSpec\n"
+                      "class C:\n    def g(self) -> None:\n        import infra.catalog\n"
+                      "    from . import names\n", encoding="utf-8")
+    found = _imports(module, "infra.mod")
+    assert {"infra.groups", "infra.spec", "infra.catalog", "infra.names"} <= found
+    # and a cycle through such imports alone is found
+    graph = {"infra.mod": {"infra.groups"}, "infra.groups": {"infra.mod"}}
+    assert _cycle(graph) == ["infra.groups", "infra.mod", "infra.groups"]
 
 
 def _long_functions() -> list[str]:

@@ -415,7 +415,7 @@ def test_a_shared_stack_keeps_one_training_cluster_per_cloud() -> None:
     """A team's quota on a cloud is one ClusterQueue: a second cluster with training pools on the
     same cloud (another network) is refused, naming the networks."""
     from infra.errors import SpecError
-    from infra.validation import parse
+    from tests.harness import parse_spec as parse
     from tests.harness import key, spec_raw, stack_values
 
     values = stack_values("prod")

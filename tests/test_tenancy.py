@@ -365,7 +365,7 @@ def test_a_store_takes_the_vswitch_it_shares_with_nobody_and_its_nodes_name_it()
     from infra import rendezvous
     from infra.clouds.alicloud.network import pod_switch_cidr
     from infra.groups import resolve
-    from infra.validation import parse as parse_spec
+    from tests.harness import parse_spec
     from tests.harness import spec_raw, stack_values
 
     spec = parse_spec(spec_raw(stack_values("prod")))
@@ -406,7 +406,7 @@ def _filled(values: dict, name: str) -> int:  # type: ignore[type-arg]
 @pytest.mark.parametrize("network, word", [("ali-train", "vSwitch"), ("tc-train", "subnet")])
 def test_a_network_with_no_free_range_for_its_stores_is_refused(network: str, word: str) -> None:
     from infra.errors import SpecError
-    from infra.validation import parse as parse_spec
+    from tests.harness import parse_spec
     from tests.harness import spec_raw, stack_values
 
     values = stack_values("prod")
@@ -437,7 +437,7 @@ def test_a_network_without_room_for_its_stores_exits_2_from_the_plan(tmp_path: P
 def test_more_stores_than_their_range_holds_is_refused() -> None:
     from infra import rendezvous
     from infra.errors import SpecError
-    from infra.validation import parse as parse_spec
+    from tests.harness import parse_spec
     from tests.harness import key, spec_raw, stack_values
 
     values = stack_values("prod")

@@ -17,7 +17,7 @@ import pytest
 
 from infra.errors import SpecError
 from infra.plan.engine import Registered
-from infra.validation import parse as parse_spec
+from tests.harness import parse_spec
 from tests.harness import ROOT, by_type, run_stack, spec_raw, stack_values
 from tests.test_contract import JOBS, VM_NODES, container_env, job_containers, node_env_of
 from tests.training_helpers import BIN, LAUNCH_TIMEOUT, MotoServer, Run, free_port, storage_env

@@ -14,8 +14,7 @@ from pathlib import Path
 
 from infra import policy_config
 from infra.errors import CatalogError, SpecError
-from infra.groups import resolve
-from infra.stackfile import StackFileError, load_stack_spec
+from infra.stackfile import StackFileError, load_stack
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out"))
     args = parser.parse_args(argv)
     try:
-        config = policy_config.for_stack(args.stack, resolve(load_stack_spec(args.stack)))
+        config = policy_config.for_stack(args.stack, load_stack(args.stack))
     except (SpecError, StackFileError, CatalogError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

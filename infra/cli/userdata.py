@@ -8,12 +8,11 @@ from pathlib import Path
 
 from infra import userdata
 from infra.errors import SpecError
-from infra.groups import resolve
-from infra.stackfile import StackFileError, load_stack_spec
+from infra.stackfile import StackFileError, load_stack
 
 
 def write_all(stack: str, out: Path) -> list[Path]:
-    stack_ = resolve(load_stack_spec(stack))
+    stack_ = load_stack(stack)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for group in stack_.groups:

@@ -83,8 +83,7 @@ def runs(registry: Any, root: Path, waves: list[list[str]], out: Path) -> list[l
     import json
 
     from infra import policy_config
-    from infra.groups import resolve
-    from infra.stackfile import load_stack_spec, stack_path
+    from infra.stackfile import load_stack, stack_path
 
     out.mkdir(parents=True, exist_ok=True)
     shared = registry.org.shared_stack
@@ -92,7 +91,7 @@ def runs(registry: Any, root: Path, waves: list[list[str]], out: Path) -> list[l
     for wave in waves:
         batch = []
         for stack in wave:
-            resolved = resolve(load_stack_spec(stack, root))
+            resolved = load_stack(stack, root)
             pack = out / f"policy-config-{stack}.json"
             pack.write_text(json.dumps(policy_config.for_stack(stack, resolved), indent=2) + "\n", encoding="utf-8")
             teams = tuple(t.name for t in registry.teams if (t.stack_name == stack) or

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from infra.clouds import profile
 from infra.errors import Problem
-from infra.groups import ResolvedGroup, Stack, resolve
+from infra.groups import ResolvedGroup, Stack
 from infra.k8s.job import NAMESPACE, pod_resources
 from infra.k8s.pools import pool_parts
-from infra.spec import StackSpec, quota_of
+from infra.spec import quota_of
 from infra.teams.registry import Registry, Team
 
 OWN_QUEUE = "training"  # the LocalQueue of the stack's own Jobs, in the training namespace
@@ -127,10 +127,10 @@ def queues(stack: Stack, registry: Registry, cloud: str) -> list[Queue]:
     return [own_queue(stack, cloud), *(q for q in teams if q.gpus)]
 
 
-def check(spec: StackSpec, registry: Registry) -> Iterator[Problem]:
+def check(stack: Stack, registry: Registry) -> Iterator[Problem]:
     """Every shared team's GPUs have pools of their model here, and every flavor's quotas together
     fit its pools at their max size."""
-    stack = resolve(spec)
+    spec = stack.spec
     yield from _one_cluster_per_cloud(stack)
     for team in registry.shared:
         i = registry.index(team.name)

@@ -13,7 +13,8 @@ budget than the org has, or that names a cloud the org does not use, is refused.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -23,6 +24,9 @@ from pydantic import Field, ValidationError, model_validator
 from infra import catalog as cat
 from infra.errors import Problem, SpecError
 from infra.spec import Cloud, Name, NodeGroup, Network, Peering, SpecModel, quota_of
+from infra.spec_problems import check_region, problems_of
+from infra.stacktext import StackFileError, decode, is_generated, project_name, read_stack_file
+from infra.stacktext import UniqueKeyLoader as UniqueKeyLoader  # the loader stack files and teams.yaml are read with
 
 REGISTRY = "teams.yaml"
 STACK_PREFIX = "team-"  # a team's generated stack (and env) is team-<name>
@@ -108,33 +112,15 @@ class Registry(SpecModel):
         return [t for t in self.teams if t.placement == "shared"]
 
 
-class _UniqueKeys(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
-    """YAML that refuses a key given twice in one mapping: in a reviewed file, the line a reviewer
-    reads must be the one that applies. libyaml's parser where PyYAML has it (the plan reads a
-    dozen stack files: the pure-Python parser was a fifth of its time); the same constructor."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
-                                                        key_node.start_mark)
-            seen.add(key)
-        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
-        return mapping
-
-
-UniqueKeyLoader = _UniqueKeys  # stack files are read with it too (infra/stackfile.py)
 
 
 def load(root: Path, name: str = REGISTRY) -> Registry:
-    """The registry at `root/name`, checked; RegistryError lists every problem."""
-    from infra.validation import problems_of
-
+    """The registry at `root/name`, checked against the catalog and the stack files beside it;
+    RegistryError lists every problem. Read at the edge (`make teams`, the program, the plan) and
+    handed down."""
     path = root / name
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeys)  # noqa: S506 (a SafeLoader)
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except OSError as exc:
         raise RegistryError([Problem(name, f"cannot be read ({exc.strerror}); create it (README: Teams)")], name) from None
     except yaml.YAMLError as exc:
@@ -161,24 +147,22 @@ def check(registry: Registry, root: Path) -> Iterator[Problem]:
         yield from _check_team(registry, team, i)
     yield from _check_org_totals(registry)
     yield from _check_org_models(registry)
-    yield from _check_stacks(registry, root)
-    yield from _check_buckets(registry, root)
+    project = functools.cache(lambda: project_name(root))  # Pulumi.yaml read once, if a stack file is
+    yield from _check_stacks(registry, root, project)
+    yield from _check_buckets(registry, root, project)
 
 
-def _stack_value(root: Path, stack: str, key: str) -> Any:
+def _stack_value(root: Path, project: Callable[[], str], stack: str, key: str) -> Any:
     """One project key of a stack file, read as the Pulumi CLI hands it to the program (None
     where it is absent or the file unreadable: the stack's own plan says why)."""
-    from infra.stackfile import StackFileError, decode, project_name, read_stack_file
-
-    project = project_name(root)
     try:
-        values = read_stack_file(root / f"Pulumi.{stack}.yaml", project).values
+        values = read_stack_file(root / f"Pulumi.{stack}.yaml", project()).values
     except StackFileError:
         return None
-    return decode({k.split(":", 1)[1]: v for k, v in values.items() if k.startswith(f"{project}:")}).get(key)
+    return decode({k.split(":", 1)[1]: v for k, v in values.items() if k.startswith(f"{project()}:")}).get(key)
 
 
-def _check_stacks(registry: Registry, root: Path) -> Iterator[Problem]:
+def _check_stacks(registry: Registry, root: Path, project: Callable[[], str]) -> Iterator[Problem]:
     """The base and shared stacks exist, and the shared one shares its clusters with this registry."""
     org = registry.org
     for key, stack in (("baseStack", org.base_stack), ("sharedStack", org.shared_stack)):
@@ -188,23 +172,21 @@ def _check_stacks(registry: Registry, root: Path) -> Iterator[Problem]:
     if registry.shared and not org.shared_stack:
         yield Problem("org.sharedStack", "shared teams need the stack whose clusters they queue on")
     elif org.shared_stack:
-        access = _stack_value(root, org.shared_stack, "kubernetes")
+        access = _stack_value(root, project, org.shared_stack, "kubernetes")
         if not isinstance(access, dict) or access.get("queues") != REGISTRY:
             yield Problem("org.sharedStack", f"Pulumi.{org.shared_stack}.yaml does not set kubernetes.queues: "
                                              f"{REGISTRY}; point sharedStack at the stack whose clusters the teams share "
                                              "(or set it there)")
 
 
-def _check_buckets(registry: Registry, root: Path) -> Iterator[Problem]:
+def _check_buckets(registry: Registry, root: Path, project: Callable[[], str]) -> Iterator[Problem]:
     """An isolated team's bucket prefix (<org>-<team>) fits 32 characters and is no other stack's:
     two stacks on one bucket would overwrite each other's checkpoints."""
-    from infra.teams.generate import is_generated
-
     taken = {}
     for path in sorted(root.glob("Pulumi.*.yaml")):
         if is_generated(path):
             continue
-        storage = _stack_value(root, path.name[len("Pulumi."):-len(".yaml")], "storage")
+        storage = _stack_value(root, project, path.name[len("Pulumi."):-len(".yaml")], "storage")
         if isinstance(storage, dict) and storage.get("bucketPrefix"):
             taken[str(storage["bucketPrefix"])] = path.name
     for i, team in enumerate(registry.teams):
@@ -235,8 +217,6 @@ def _check_org_models(registry: Registry) -> Iterator[Problem]:
 
 
 def _check_team(registry: Registry, team: Team, i: int) -> Iterator[Problem]:
-    from infra.validation import check_region
-
     catalog = cat.load_catalog()
     for cloud in sorted(set(team.regions) | set(team.gpus)):
         if cloud not in registry.org.gpus:
@@ -290,17 +270,3 @@ def org_demand(registry: Registry) -> dict[str, dict[str, tuple[int, str]]]:
                 total, who = out.setdefault(cloud, {}).get(model, (0, ""))
                 out[cloud][model] = (total + gpus, f"{who}, {team.name} {gpus}".lstrip(", "))
     return out
-
-
-def check_shared_stack(spec: Any) -> list[Problem]:
-    """A stack with kubernetes.queues: its registry loads, names this stack as the shared one, and
-    its shared teams' quotas fit the stack's GPU pools (infra/teams/queues.py)."""
-    from infra.stackfile import project_root
-    from infra.teams import queues
-
-    name = spec.kubernetes.queues
-    try:
-        registry = load(project_root(), name)
-    except RegistryError as exc:
-        return [Problem("kubernetes.queues", f"{name}: {p}") for p in exc.problems]
-    return [Problem("kubernetes.queues", f"{name}: {p}") for p in queues.check(spec, registry)]

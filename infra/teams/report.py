@@ -27,7 +27,7 @@ from rich.table import Table
 from infra import catalog as cat
 from infra.errors import CatalogError, SpecError
 from infra.plan.__main__ import build_plan
-from infra.stackfile import StackFileError, load_stack_spec, project_root
+from infra.stackfile import StackFileError, load_stack, project_root
 from infra.teams import generate, queues, registry
 from infra.teams.registry import Registry, RegistryError, Team
 from infra.spec import quota_of
@@ -125,13 +125,12 @@ def org_totals(reg: Registry, reports: list[TeamReport], shared_plan: dict[str, 
 
 def build(reg: Registry, root: Path, only: str | None = None) -> dict[str, Any]:
     """Every team's report (or one's) and, for all of them, the org's totals."""
-    from infra.groups import resolve
 
     teams = [reg.team(only)] if only else reg.teams
     shared_plan = None
     if reg.org.shared_stack and (not only or any(t.placement == "shared" for t in teams)):
         shared_plan = build_plan(reg.org.shared_stack)
-        stack = resolve(load_stack_spec(reg.org.shared_stack, root))
+        stack = load_stack(reg.org.shared_stack, root)
         flavors: dict[str, dict[str, queues.Flavor]] = {c: queues.flavors(stack, c) for c in stack.spec.clouds}
     reports = []
     for team in teams:
