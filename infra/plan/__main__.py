@@ -84,7 +84,7 @@ def build_plan(stack: str, against: Path | None = None) -> dict[str, Any]:
     return plan
 
 
-REPORT = "report it with the command and the stack file (README: \"What is not proven here\" lists known gaps)"
+REPORT = "report it with the command and the stack file (docs/not-proven.md lists known gaps)"
 
 
 def internal_error(exc: BaseException, debug: bool, err: Console) -> int:

@@ -122,11 +122,11 @@ def load(root: Path, name: str = REGISTRY) -> Registry:
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except OSError as exc:
-        raise RegistryError([Problem(name, f"cannot be read ({exc.strerror}); create it (README: Teams)")], name) from None
+        raise RegistryError([Problem(name, f"cannot be read ({exc.strerror}); create it (docs/teams.md)")], name) from None
     except yaml.YAMLError as exc:
         raise RegistryError([Problem(name, f"is not valid YAML: {exc}")], name) from None
     if not isinstance(data, dict):
-        raise RegistryError([Problem(name, "must be a mapping with version: 1, org and teams (README: Teams)")], name)
+        raise RegistryError([Problem(name, "must be a mapping with version: 1, org and teams (docs/teams.md)")], name)
     try:
         registry = Registry.model_validate(data)
     except ValidationError as exc:
