@@ -11,6 +11,7 @@ from infra import catalog as cat
 from infra import fabric as fab
 from infra.buckets import Bucket
 from infra.spec import Market, NodeGroup, ScheduleAction, Scaling, StackSpec
+from infra.teams.registry import Registry
 
 SYSTEM_DISK_GB = 200  # root / system disk of every GPU node, all clouds
 # Instance tags: no `/` (AWS refuses it in tags exposed to the instance metadata service).
@@ -155,6 +156,9 @@ class Stack:
 
     spec: StackSpec
     groups: tuple[ResolvedGroup, ...]
+    # The team registry kubernetes.queues names, read once at the edge (infra/stackfile.py
+    # teams_reader) and checked; None for a stack without queues.
+    teams: Registry | None = field(default=None, compare=False)
     def group(self, name: str) -> ResolvedGroup:
         return next(g for g in self.groups if g.name == name)
 

@@ -7,6 +7,7 @@ caller (infra/validation.py parse_stack), which hands it on."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from infra import commands, fabric_plan
 from infra.catalog import to_usd
@@ -30,23 +31,30 @@ def check(spec: StackSpec, teams: TeamsReader | None) -> tuple[Stack, list[Probl
     if not problems:  # the commands are checked against the resolved groups' trainer contract
         problems += commands.check(stack)
     if not problems and spec.kubernetes.queues:  # the teams' queues against the resolved pools
-        problems += check_shared_stack(stack, teams)
+        registry, found = _shared_registry(stack, teams)
+        problems += found
+        stack = replace(stack, teams=registry)  # handed on: the clusters' queues are built from it
     return stack, problems
 
 
 def check_shared_stack(stack: Stack, teams: TeamsReader | None) -> list[Problem]:
     """A stack with kubernetes.queues: its registry loads, names this stack as the shared one, and
     its shared teams' quotas fit the stack's GPU pools (infra/teams/queues.py)."""
+    return _shared_registry(stack, teams)[1]
+
+
+def _shared_registry(stack: Stack, teams: TeamsReader | None) -> tuple[Registry | None, list[Problem]]:
+    """check_shared_stack's problems, and the registry when it could be read."""
     name = stack.spec.kubernetes.queues
     assert name is not None  # called for a stack with kubernetes.queues
     if teams is None:
-        return [Problem("kubernetes.queues", f"{name}: the team registry was not read (the caller reads it once "
-                                             "and hands it to the check: infra/stackfile.py teams_reader)")]
+        return None, [Problem("kubernetes.queues", f"{name}: the team registry was not read (the caller reads it "
+                                                   "once and hands it to the check: infra/stackfile.py teams_reader)")]
     try:
         registry = teams(name)
     except RegistryError as exc:
-        return [Problem("kubernetes.queues", f"{name}: {p}") for p in exc.problems]
-    return [Problem("kubernetes.queues", f"{name}: {p}") for p in queues.check(stack, registry)]
+        return None, [Problem("kubernetes.queues", f"{name}: {p}") for p in exc.problems]
+    return registry, [Problem("kubernetes.queues", f"{name}: {p}") for p in queues.check(stack, registry)]
 
 
 # A spot cap under this share of the spot price the catalog expects gets no capacity: spot prices

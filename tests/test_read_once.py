@@ -82,3 +82,23 @@ def test_own_subnet_skipping_past_taken_ranges_picks_what_the_block_by_block_sca
         monkeypatch.setattr(rendezvous, "taken_ranges", lambda spec, net, t=taken: t)
         got = rendezvous.own_subnet(None, SimpleNamespace(cidr=cidr))  # type: ignore[arg-type]
         assert got == _block_by_block(taken, cidr), (cidr, taken)
+
+
+def test_a_shared_stack_program_reads_its_team_registry_once_for_all_its_clusters(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """prod shares three clusters (EKS, ACK, TKE) through teams.yaml: the program reads it at its
+    edge and every cluster's queues are built from that one read (the Stack's teams)."""
+    from tests.harness import run_stack
+
+    reads: list[str] = []
+    real = registry.load
+
+    def counted(root: Path, name: str = registry.REGISTRY) -> registry.Registry:
+        reads.append(name)
+        return real(root, name)
+
+    monkeypatch.setattr(registry, "load", counted)
+    registered = run_stack("prod")
+    shared = [r for r in registered if r.type == "gpu-training-stack:k8s:SharedQueues"]
+    assert len(shared) == 3  # one per cluster: EKS, ACK, TKE
+    assert reads == ["teams.yaml"]

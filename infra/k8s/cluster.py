@@ -9,6 +9,8 @@ import pulumi_kubernetes as k8s
 import pulumi_random as random
 
 from infra.groups import ResolvedGroup, Stack
+from infra.teams import queues
+from infra.teams.registry import Registry
 from infra.images import EFA_DEVICE_PLUGIN, node_agents, pulled
 from infra.k8s import netpol
 from infra.k8s.daemons import EfaDevicePlugin, GpuNodeExporters, NvidiaDevicePlugin
@@ -21,7 +23,7 @@ from infra.spec import StackSpec
 def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[pulumi.Resource], spec: StackSpec,
                       groups: list[ResolvedGroup], parent: pulumi.Resource, device_plugin: bool,
                       trainer_images: Mapping[str, pulumi.Output[str]], identities: dict[str, Identity],
-                      shared: SharedFsOutputs | None = None) -> k8s.Provider:
+                      shared: SharedFsOutputs | None = None, teams: Registry | None = None) -> k8s.Provider:
     """A Kubernetes provider on the new cluster (after its node pools exist, so the system pods
     have somewhere to run), the NVIDIA device plugin where the cloud does not install it, the GPU
     node exporters, the restricted training namespace and the training Jobs."""
@@ -35,7 +37,7 @@ def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[
     if efa:
         EfaDevicePlugin(f"{name}-efa", pulled(EFA_DEVICE_PLUGIN, spec.clouds[groups[0].group.cloud].mirrors), efa, opts=opts)
     GpuNodeExporters(f"{name}-exporters", images, opts=opts)
-    queued = shared_queues(name, spec, groups, opts)
+    queued = shared_queues(name, spec, groups, opts, teams)
     namespace = training_namespace(name, opts, managed=queued is not None).metadata.name
     labels = {"env": spec.env, LABEL_TEAM: spec.team_name}
     cloud = groups[0].cloud
@@ -54,18 +56,19 @@ def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[
     return provider
 
 
-def shared_queues(name: str, spec: StackSpec, groups: list[ResolvedGroup],
-                  opts: pulumi.ResourceOptions) -> tuple[str, list[pulumi.Resource]] | None:
+def shared_queues(name: str, spec: StackSpec, groups: list[ResolvedGroup], opts: pulumi.ResourceOptions,
+                  teams: Registry | None) -> tuple[str, list[pulumi.Resource]] | None:
     """Kueue and the teams' queues where the stack shares its clusters (kubernetes.queues): the
-    LocalQueue its own Jobs are submitted to and what they wait for; None elsewhere."""
+    LocalQueue its own Jobs are submitted to and what they wait for; None elsewhere. `teams`: the
+    registry the edge read and validation checked (the Stack's), never read again here."""
     if not spec.kubernetes.queues:
         return None
-    from infra.stackfile import project_root
-    from infra.teams import queues, registry
-
-    stack = Stack(spec, tuple(groups))
+    if teams is None:
+        raise ValueError(f"kubernetes.queues names {spec.kubernetes.queues} but no checked team registry was "
+                         "handed to the cluster (the Stack's teams, read at the edge)")
+    stack = Stack(spec, tuple(groups), teams)
     cloud = groups[0].cloud
-    planned = queues.queues(stack, registry.load(project_root(), spec.kubernetes.queues), cloud)
+    planned = queues.queues(stack, teams, cloud)
     if not planned:  # no training pool on this cluster: nothing to queue for
         return None
     component = SharedQueues(f"{name}-queues", cloud, queues.flavors(stack, cloud), planned,

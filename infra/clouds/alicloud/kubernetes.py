@@ -19,6 +19,7 @@ from infra.clouds.alicloud.fleet import ESSD, spot_strategy
 from infra.access import trainer_grants
 from infra.clouds.alicloud.access import AlicloudAccess
 from infra.cloud_rules import SERVICE_CIDR
+from infra.teams.registry import Registry
 from infra.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
 from infra.k8s.cluster import cluster_workloads
 from infra.k8s.job import NAMESPACE, Identity
@@ -69,6 +70,7 @@ class AlicloudAckArgs:
     provider: pulumi.ProviderResource
     tags: dict[str, str]
     shared: SharedFsOutputs | None = None  # the network's shared file system (networks[].sharedFs)
+    teams: Registry | None = None  # the checked team registry kubernetes.queues names (the Stack's)
 
 
 class AlicloudAck(pulumi.ComponentResource):
@@ -121,7 +123,7 @@ class AlicloudAck(pulumi.ComponentResource):
             cluster_id=self.cluster.id, opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
         self.kubeconfig: pulumi.Output[str] = pulumi.Output.secret(credential.kube_config.apply(str))
         cluster_workloads(name, self.kubeconfig, [self.system, *self.pools], spec, args.groups, parent=self,
-                          device_plugin=False, trainer_images=args.images, shared=args.shared, identities=self._rrsa(name, args))
+                          device_plugin=False, trainer_images=args.images, shared=args.shared, teams=args.teams, identities=self._rrsa(name, args))
         self.register_outputs({"clusterId": self.cluster.id})
 
     def _rrsa(self, name: str, args: AlicloudAckArgs) -> dict[str, Identity]:

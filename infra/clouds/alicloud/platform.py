@@ -114,7 +114,7 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
                      access: AlicloudAccess, storage: AlicloudStorage, images: Mapping[str, pulumi.Output[str]]) -> Cluster:
         assert access.ack_node_role is not None
         ack = AlicloudAck(f"{self.spec.env}-{net.name}", AlicloudAckArgs(
-            spec=self.spec, groups=groups, switch_ids=[s.id for s in built.switches],
+            spec=self.spec, groups=groups, teams=self.stack.teams, switch_ids=[s.id for s in built.switches],
             pod_switch_ids=[s.id for s in built.pod_switches],
             security_group_id=built.security_group.id, role_name=access.ack_node_role.role_name,
             network_cidr=str(net.cidr), access=access, images=images, provider=self.provider(self.region_of(net)),

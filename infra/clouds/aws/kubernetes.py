@@ -18,6 +18,7 @@ from infra.access import trainer_grants
 from infra.clouds.aws.access import AwsAccess
 from infra.clouds.aws.autoscaler import EksAutoscalerArgs, EksClusterAutoscaler
 from infra.clouds.aws.fleet import efa_interfaces
+from infra.teams.registry import Registry
 from infra.groups import LABEL_CAPACITY, LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 from infra.images import CLUSTER_AUTOSCALER, pulled
 from infra.k8s.cluster import cluster_workloads
@@ -75,6 +76,7 @@ class AwsEksArgs:
     provider: pulumi.ProviderResource
     tags: dict[str, str]
     shared: SharedFsOutputs | None = None  # the network's shared file system (networks[].sharedFs)
+    teams: Registry | None = None  # the checked team registry kubernetes.queues names (the Stack's)
 
 
 class AwsEks(pulumi.ComponentResource):
@@ -116,7 +118,7 @@ class AwsEks(pulumi.ComponentResource):
                 lambda ec: kubeconfig(name, args.region, ec[0], ec[1])))
         # The EKS NVIDIA AMI has the driver but not the device plugin.
         k8s_provider = cluster_workloads(name, self.kubeconfig, [self.system, *self.node_groups], spec, args.groups,
-                                         parent=self, device_plugin=True, trainer_images=args.images, shared=args.shared,
+                                         parent=self, device_plugin=True, trainer_images=args.images, shared=args.shared, teams=args.teams,
                                          identities=self._pod_identities(name, args, child))
         EksClusterAutoscaler(f"{name}-ca", EksAutoscalerArgs(
             cluster_name=self.cluster.name, asg_names=[ng.resources.apply(_asg_name) for ng in self.node_groups],

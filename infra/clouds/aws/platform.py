@@ -153,7 +153,7 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
         assert access.eks_cluster_role is not None and access.eks_node_role is not None
         region = self.region_of(net)
         eks = AwsEks(f"{self.spec.env}-{net.name}", AwsEksArgs(
-            spec=self.spec, groups=groups, region=region, subnet_ids=[s.id for s in built.private_subnets],
+            spec=self.spec, groups=groups, teams=self.stack.teams, region=region, subnet_ids=[s.id for s in built.private_subnets],
             security_group_id=built.security_group.id, cluster_role_arn=access.eks_cluster_role.arn,
             node_role_arn=access.eks_node_role.arn, kms_key_arn=storage.key.arn, access=access, images=images,
             provider=self.provider(region), tags=self.tags, shared=self.shared.get(net.name)), opts=pulumi.ResourceOptions(parent=self))

@@ -20,6 +20,7 @@ from infra.clouds.tencentcloud.access import TencentAccess
 from infra.clouds.tencentcloud.fleet import DISK, spot_max_price
 from infra import catalog as cat
 from infra.cloud_rules import POD_CIDR, SERVICE_CIDR
+from infra.teams.registry import Registry
 from infra.groups import LABEL_CAPACITY, LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
 from infra.k8s.cluster import cluster_workloads
 from infra.k8s.job import NAMESPACE, Identity
@@ -74,6 +75,7 @@ class TencentTkeArgs:
     tags: dict[str, str]
     access: TencentAccess  # where the pods' own CAM roles are made
     shared: SharedFsOutputs | None = None  # the network's shared file system (networks[].sharedFs)
+    teams: Registry | None = None  # the checked team registry kubernetes.queues names (the Stack's)
 
 
 class TencentTke(pulumi.ComponentResource):
@@ -109,7 +111,7 @@ class TencentTke(pulumi.ComponentResource):
         identities, oidc = self._pod_identity(name, args, child)
         # After the webhook: a Job's pods created before it would get no identity.
         cluster_workloads(name, self.kubeconfig, [self.endpoint, oidc], spec, args.groups, parent=self,
-                          device_plugin=False, trainer_images=args.images, shared=args.shared, identities=identities)
+                          device_plugin=False, trainer_images=args.images, shared=args.shared, teams=args.teams, identities=identities)
         self.register_outputs({"clusterId": self.cluster.id})
 
     def _pod_identity(self, name: str, args: TencentTkeArgs, child: pulumi.ResourceOptions

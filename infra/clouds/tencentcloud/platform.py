@@ -133,7 +133,7 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: TencentNetwork,
                      access: TencentAccess, storage: TencentStorage, images: Mapping[str, pulumi.Output[str]]) -> Cluster:
         tke = TencentTke(f"{self.spec.env}-{net.name}", TencentTkeArgs(
-            spec=self.spec, groups=groups, vpc_id=built.vpc.id, subnet_ids=[s.id for s in built.subnets],
+            spec=self.spec, groups=groups, teams=self.stack.teams, vpc_id=built.vpc.id, subnet_ids=[s.id for s in built.subnets],
             security_group_id=built.security_group.id, role_names={g.name: access.roles[g.name].name for g in groups},
             images=images, provider=self.provider(self.region_of(net)), tags=self.tags, access=access,
             shared=self.shared.get(net.name)),
