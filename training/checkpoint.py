@@ -49,8 +49,10 @@ from typing import Any
 import torch
 from tenacity import RetryError, Retrying, stop_after_attempt, wait_exponential
 
-from training.staging import Stager, save_hashed
 from tenacity import retry_if_exception
+
+from training.fetch import fetch_verified
+from training.staging import Stager, save_hashed
 
 from training.storage import Location, StorageRefused, location, permanent_cause
 
@@ -529,8 +531,7 @@ class CheckpointManager:
                             step_dir(step), local_fault, self.remote.url)
             manifests = self._remote_manifests(step)
             files, world = self._needed(manifests)
-            self._download(step, folder, files)
-            self._verify(folder, files)
+            self._download(step, folder, files)  # each file checked there (fetched and hashed, or already good)
         model = self._unpickle(folder / MODEL_FILE)
         rng = self._unpickle(folder / rng_name(self.topo.rank)) if rng_name(self.topo.rank) in files else None
         return model, rng
@@ -549,8 +550,7 @@ class CheckpointManager:
                 raise
             manifests = self._remote_manifests(step)
             files = self._all_files(manifests)
-            self._download(step, folder, files)
-            self._verify(folder, files)
+            self._download(step, folder, files)  # each file checked there
         return folder
 
     def _all_files(self, manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -572,6 +572,7 @@ class CheckpointManager:
 
     @staticmethod
     def _verify(folder: Path, files: dict[str, dict[str, Any]]) -> None:
+        """Each file's size and sha256 against its manifest entry."""
         for name, meta in files.items():
             path = inside(folder, name)  # a plain relative path, no symbolic link on the way
             try:
@@ -640,13 +641,17 @@ class CheckpointManager:
                     raise CheckpointError(f"{folder.name}/{name}: its folder cannot be made: {exc}") from None
                 target = inside(folder, name)  # and still none after creating the subfolders
                 part = target.with_name(f"{target.name}.{self.topo.rank}.download")
-                try:
-                    self.remote.fs.get(self.remote.join(step_dir(step), name), str(part))
+                url = self.remote.url
+
+                def fault(why: str, name: str = name) -> CheckpointError:
+                    return CheckpointError(f"{name} in {url} {why}")
+                try:  # one pass: hashed as it arrives (training/fetch.py), never read back
+                    fetch_verified(self.remote.fs, self.remote.join(step_dir(step), name), part, meta["size"],
+                                   meta["sha256"], fault)
+                except CheckpointError:
+                    raise
                 except Exception as exc:  # noqa: BLE001
                     raise CheckpointError(f"{name} cannot be fetched from {self.remote.url}: {exc}") from None
-                if sha256_of(part) != meta["sha256"]:
-                    part.unlink(missing_ok=True)
-                    raise CheckpointError(f"{name} in {self.remote.url} does not match its sha256 either")
                 os.replace(part, target)
             for n, manifest in enumerate(self._remote_manifests(step)):
                 path = folder / manifest_name(n)
