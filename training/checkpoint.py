@@ -271,6 +271,8 @@ class CheckpointManager:
         self._writer: threading.Thread | None = None
         self._writer_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._prefetch: threading.Thread | None = None
+        self._prefetched: tuple[int, tuple[dict[str, Any], dict[str, Any] | None]] | None = None
         if self.remote is not None and topo.local_rank == 0:
             self._thread = threading.Thread(target=self._uploader, name="checkpoint-upload", daemon=True)
             self._thread.start()
@@ -513,10 +515,38 @@ class CheckpointManager:
         """Steps this node may restore, from its disk or the bucket (checked when loaded)."""
         return set(self.local_steps()) | set(self.remote_steps())
 
+    def prefetch(self) -> None:
+        """Start loading the newest step (local or in the bucket: fetched, checked, mapped) on a
+        background thread, so that it overlaps what the caller does next (imports, building the
+        model). `load` of that step then returns its result; a fault found there is not kept:
+        `load` tries again and reports it as usual."""
+        if self._prefetch is None:
+            self._prefetch = threading.Thread(target=self._load_newest, name="checkpoint-prefetch", daemon=True)
+            self._prefetch.start()
+
+    def _load_newest(self) -> None:
+        try:
+            steps = sorted(self.loadable_steps())
+            if steps:
+                self._prefetched = (steps[-1], self.load(steps[-1]))
+        except Exception as exc:  # noqa: BLE001 (load, on the caller's thread, meets it again and says so)
+            log.debug("prefetch: %s", exc)
+
+    def _take_prefetched(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+        prefetch = self._prefetch
+        if prefetch is None or threading.current_thread() is prefetch:
+            return None
+        prefetch.join()
+        found, self._prefetched = self._prefetched, None
+        return found[1] if found is not None and found[0] == step else None
+
     def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """(model state, this rank's RNG state or None when the step was saved with another
         world size) for `step`: every file checked against its manifest first; a bad local copy
         is fetched again from the bucket. Raises CheckpointError naming the file and the fault."""
+        prefetched = self._take_prefetched(step)
+        if prefetched is not None:
+            return prefetched
         self.wait_commit()
         folder = self.local / step_dir(step)
         manifests = self._local_manifests(step)
@@ -781,6 +811,8 @@ class CheckpointManager:
         return not self.status.pending
 
     def close(self, timeout: float = 120.0) -> UploadStatus:
+        if self._prefetch is not None:
+            self._prefetch.join()  # no fetch left half-written
         self.wait_commit()  # a stop waits for the checkpoint it asked for
         ok = self.wait_uploads(timeout)
         if self._thread is not None:
