@@ -51,6 +51,7 @@ from tenacity import RetryError, Retrying, stop_after_attempt, wait_exponential
 
 from tenacity import retry_if_exception
 
+from training import digest
 from training.fetch import fetch_verified
 from training.staging import Stager, save_hashed
 
@@ -149,6 +150,10 @@ def check_manifest(manifest: Any, step: int, where: str) -> dict[str, Any]:
     if manifest.get("step") != step:
         raise CheckpointError(f"{where} is the manifest of step {manifest.get('step')!r}, not of {step_dir(step)} "
                               "(a renamed or copied folder): not used")
+    version = manifest.get("format", 1)
+    if not isinstance(version, int) or version > digest.FORMAT:
+        raise CheckpointError(f"{where} has manifest format {version!r}; this version of training/ reads formats "
+                              f"1 to {digest.FORMAT}: resume it with the version that wrote it, or a newer one")
     nnodes = manifest.get("nnodes", 1)
     if not isinstance(nnodes, int) or not 1 <= nnodes <= MAX_NODES:
         raise CheckpointError(f"{where}: nnodes {nnodes!r} is not a node count")
@@ -156,7 +161,7 @@ def check_manifest(manifest: Any, step: int, where: str) -> dict[str, Any]:
         if not plain_path(name):
             raise CheckpointError(f"{where} lists {name!r}: not a plain file name inside the step's folder; "
                                   "the step is not used")
-        if not isinstance(meta, dict) or not isinstance(meta.get("size"), int) or not isinstance(meta.get("sha256"), str):
+        if not digest.vouched(meta):
             raise CheckpointError(f"{where}: the entry of {name!r} has no size and sha256")
     return manifest
 
@@ -424,16 +429,16 @@ class CheckpointManager:
         self._queue.put(step)
 
     def _commit(self, step: int, tmp: Path, final: Path, known: dict[str, tuple[int, str]] | None = None) -> None:
-        """The manifest (sizes and sha256 of the step's files; `known` ones hashed while written)
-        written last and fsync'd, then the folder renamed: the commit."""
+        """The manifest (sizes and sha256_pieces of the step's files, training/digest.py; `known`
+        ones hashed while written) written last and fsync'd, then the folder renamed: the commit."""
         known = known or {}
         files = [n for n in tree_files(tmp) if not n.endswith(".part")]
         bad = [n for n in files if not plain_path(n)]
         if bad:
             raise CheckpointError(f"{tmp.name}/{bad[0]} is not a plain file name a manifest may list")
-        entries = {n: {"size": known[n][0], "sha256": known[n][1]} if n in known
-                   else {"size": (tmp / n).stat().st_size, "sha256": sha256_of(tmp / n)} for n in files}
-        manifest = {"step": step, "node": self.topo.node, "nnodes": self.topo.nnodes,
+        entries = {n: {"size": known[n][0], digest.PIECES: known[n][1]} if n in known else digest.entry(tmp / n)
+                   for n in files}
+        manifest = {"format": digest.FORMAT, "step": step, "node": self.topo.node, "nnodes": self.topo.nnodes,
                     "world_size": self.topo.world_size, "ranks": list(self.topo.node_ranks),
                     "files": entries, "created": time.time()}
         path = tmp / manifest_name(self.topo.node)
@@ -611,7 +616,7 @@ class CheckpointManager:
                 raise CheckpointError(f"{name} is missing") from None
             if size != meta["size"]:
                 raise CheckpointError(f"{name} has {size} bytes, the manifest says {meta['size']}")
-            if sha256_of(path) != meta["sha256"]:
+            if not digest.matches(path, meta):
                 raise CheckpointError(f"{name} does not match its sha256 in the manifest")
 
     @staticmethod
@@ -676,8 +681,7 @@ class CheckpointManager:
                 def fault(why: str, name: str = name) -> CheckpointError:
                     return CheckpointError(f"{name} in {url} {why}")
                 try:  # one pass: hashed as it arrives (training/fetch.py), never read back
-                    fetch_verified(self.remote.fs, self.remote.join(step_dir(step), name), part, meta["size"],
-                                   meta["sha256"], fault)
+                    fetch_verified(self.remote.fs, self.remote.join(step_dir(step), name), part, meta, fault)
                 except CheckpointError:
                     raise
                 except Exception as exc:  # noqa: BLE001

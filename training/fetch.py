@@ -16,11 +16,12 @@ pieces hashed in order, which this keeps simple by having one stream.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from training.digest import StreamHasher, expected
 
 PIECE = 8 << 20  # bytes handed to the hashing writer at once
 
@@ -30,12 +31,13 @@ class TooLong(Exception):
 
 
 class _Sink:
-    """Hashes and writes pieces on a helper thread, in order, one piece in flight at a time
-    while the caller receives the next; counts the bytes and refuses more than `limit`."""
+    """Hashes (as the manifest entry's kind, training/digest.py) and writes pieces on a helper
+    thread, in order, one piece in flight at a time while the caller receives the next; counts
+    the bytes and refuses more than `limit`."""
 
-    def __init__(self, fh: BinaryIO, limit: int):
+    def __init__(self, fh: BinaryIO, limit: int, kind: str):
         self.fh, self.limit = fh, limit
-        self.digest = hashlib.sha256()
+        self.digest = StreamHasher(kind)
         self.size = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-fetch")
         self._pending: Future[None] | None = None
@@ -94,16 +96,18 @@ def _stream_other(fs: Any, key: str, sink: _Sink) -> None:
             sink.put([piece])
 
 
-def fetch_verified(fs: Any, key: str, dest: Path, size: int, sha256: str,
+def fetch_verified(fs: Any, key: str, dest: Path, meta: dict[str, Any],
                    on_fault: Callable[[str], Exception]) -> None:
     """Copy `key` from `fs` (an fsspec filesystem) to `dest` (a temporary name the caller
     renames into place after this returns), hashing while writing. Raises `on_fault(reason)`,
-    and removes `dest`, when the bytes are not `size` long or do not match `sha256`."""
+    and removes `dest`, when the bytes are not the manifest entry `meta`'s size or digest."""
     from fsspec.asyn import sync
 
+    size = meta["size"]
+    kind, want = expected(meta)
     try:
         with dest.open("wb") as fh:
-            sink = _Sink(fh, size)
+            sink = _Sink(fh, size, kind)
             try:
                 if hasattr(fs, "_call_s3"):  # s3fs: one GET, streamed
                     sync(fs.loop, _stream_s3, fs, key, sink)
@@ -120,7 +124,7 @@ def fetch_verified(fs: Any, key: str, dest: Path, size: int, sha256: str,
     if sink.size != size:
         dest.unlink(missing_ok=True)
         raise on_fault(f"{sink.size} bytes arrived, the manifest says {size}")
-    if sink.digest.hexdigest() != sha256:
+    if sink.digest.hexdigest() != want:
         dest.unlink(missing_ok=True)
         raise on_fault("does not match its sha256 either")
 
