@@ -23,10 +23,14 @@ loaded machine. Every figure is min / median of REPEATS (at least 3).
              from the bucket.
 Then the goodput table: Daly's interval and the simulated goodput at several MTBFs, with and
 without a two-minute reclaim notice; and the offline plan figures (infra/plan/bench.py).
+
+To iterate on one figure: `python -m training.bench --size "~1 GB" --part checkpoint` (or
+`--part resume`, `--part plan`); without arguments everything, as `make bench` prints it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -51,6 +55,13 @@ NOTICE_S = 120.0
 TOPO = Topology(0, 0, 1, 0, 1, 1)
 # Targets from issue 34: durable within 2x of raw write + fsync, resume within 1.5x of import + read.
 TARGETS = {"durable": 2.0, "resume": 1.5}
+PARTS = ("checkpoint", "resume", "plan")
+
+
+def _state_bytes(width: int, dim: int = 32, classes: int = 10) -> int:
+    """Model + AdamW's two moments, float32: the bytes of TinyNet(dim, width)'s state."""
+    params = dim * width + width + width * width + width + width * classes + classes
+    return params * 4 * 3
 
 
 def _state(width: int) -> tuple[dict[str, object], int]:
@@ -301,44 +312,69 @@ def _read_limit(remote: str, env: dict[str, str]) -> float:
     return time.perf_counter() - started
 
 
-def main() -> int:
-    moto, url = _moto()
-    env = {"STORAGE_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-           "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_ADDRESSING_STYLE": "path"}
-    os.environ.update(env)
-    import boto3
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m training.bench", description="make bench's figures; "
+                                     "without arguments all of them (what `make bench` prints)")
+    parser.add_argument("--size", action="append", choices=list(SIZES), metavar="SIZE",
+                        help=f"only this state size ({', '.join(SIZES)}; repeatable)")
+    parser.add_argument("--part", action="append", choices=PARTS,
+                        help="only these figures: checkpoint (blocked, durable, in bucket, wall), resume, plan "
+                             "(repeatable); the goodput table needs checkpoint and resume")
+    args = parser.parse_args(argv)
+    args.size = args.size or list(SIZES)
+    args.part = args.part or list(PARTS)
+    return args
 
-    boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="bench")
-    rows = []
-    work = Path(tempfile.mkdtemp(prefix="gts-bench-"))
+
+def _checkpoint_figures(width: int, work: Path) -> Figures:
+    """Every method of one size, interleaved: ours, in line, async_save, memcpy, raw, sharded."""
+    state, _ = _state(width)
+    ck = Checkpoints(state, work / f"w{width}", f"s3://bench/{width}")
+    sharded = Sharded(width, work / f"w{width}", f"s3://bench/{width}")
     try:
-        for label, width in SIZES.items():
-            state, size = _state(width)
-            ck = Checkpoints(state, work / f"w{width}", f"s3://bench/{width}")
-            sharded = Sharded(width, work / f"w{width}", f"s3://bench/{width}")
-            try:
-                figures = interleaved({"ours": ck.run_ours, "inline": ck.run_inline, "dcp": ck.run_dcp,
-                                       "memcpy": ck.run_memcpy, "raw": ck.run_raw, "sharded": sharded.run})
-            finally:
-                ck.close()
-                sharded.close()
-            del sharded
-            del state, ck
-            def resume(rep: int, w: int = width) -> dict[str, float]:
-                return _resume_seconds(w, f"s3://bench/{w}", env, work, rep)
-
-            figures |= interleaved({"resume": resume})
-            if width == SIZES["~100 MB"]:
-                figures |= interleaved({"wall": _wall_per_checkpoint(width, work)})
-            rows.append((label, size / 1e6, figures))
+        figures = interleaved({"ours": ck.run_ours, "inline": ck.run_inline, "dcp": ck.run_dcp,
+                               "memcpy": ck.run_memcpy, "raw": ck.run_raw, "sharded": sharded.run})
     finally:
-        moto.terminate()
-        shutil.rmtree(work, ignore_errors=True)
-    _print_checkpoint_table(rows)
-    _print_goodput_table(rows)
-    from infra.plan import bench as plan_bench
+        ck.close()
+        sharded.close()
+    if width == SIZES["~100 MB"]:
+        figures |= interleaved({"wall": _wall_per_checkpoint(width, work)})
+    return figures
 
-    plan_bench.main()
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    rows = []
+    if {"checkpoint", "resume"} & set(args.part):
+        moto, url = _moto()
+        env = {"STORAGE_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+               "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_ADDRESSING_STYLE": "path"}
+        os.environ.update(env)
+        import boto3
+
+        boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="bench")
+        work = Path(tempfile.mkdtemp(prefix="gts-bench-"))
+        try:
+            for label in args.size:
+                width = SIZES[label]
+                figures: Figures = _checkpoint_figures(width, work) if "checkpoint" in args.part else {}
+                if "resume" in args.part:
+                    def resume(rep: int, w: int = width) -> dict[str, float]:
+                        return _resume_seconds(w, f"s3://bench/{w}", env, work, rep)
+
+                    figures |= interleaved({"resume": resume})
+                rows.append((label, _state_bytes(width) / 1e6, figures))
+        finally:
+            moto.terminate()
+            shutil.rmtree(work, ignore_errors=True)
+        print("load average " + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1 / 5 / 15 min, at the end)")
+        _print_checkpoint_table(rows)
+        if {"checkpoint", "resume"} <= set(args.part):
+            _print_goodput_table(rows)
+    if "plan" in args.part:
+        from infra.plan import bench as plan_bench
+
+        plan_bench.main()
     return 0
 
 
@@ -361,24 +397,30 @@ def _print_checkpoint_table(rows: list[tuple[str, float, Figures]]) -> None:
         print(f"{label:>8} {figure:>10} {method:>22} {_cell(values):>14} {lim:>16} {ratio:>7} {tgt:>7}")
 
     for label, _mb, f in rows:
-        memcpy, raw = f["memcpy"]["blocked"], f["raw"]["durable"]
-        line(label, "blocked", "ours", f["ours"]["blocked"], "memcpy", memcpy)
-        line(label, "blocked", "dcp async_save", f["dcp"]["blocked"], "memcpy", memcpy)
-        line(label, "blocked", "in line", f["inline"]["blocked"], "memcpy", memcpy)
-        line(label, "durable", "ours", f["ours"]["durable"], "write+fsync", raw, TARGETS["durable"])
-        line(label, "durable", "dcp (files written)", f["dcp"]["durable"], "write+fsync", raw)
-        line(label, "durable", "in line", f["inline"]["durable"], "write+fsync", raw)
-        line(label, "in bucket", "ours", f["ours"]["bucket"])
-        if "sharded" in f:  # FSDP / DTensor state: DCP's async_save + our commit, beside the bare async_save
-            line(label, "blocked", "sharded (dcp + commit)", f["sharded"]["blocked"], "async_save",
-                 f["dcp"]["blocked"])
-            line(label, "durable", "sharded (committed)", f["sharded"]["durable"], "dcp written",
-                 f["dcp"]["durable"])
-            line(label, "in bucket", "sharded", f["sharded"]["bucket"])
-        if "wall" in f:
-            line(label, "wall", "ours, per checkpoint", f["wall"]["wall"])
-            line(label, "blocked", "ours, in that loop", f["wall"]["blocked"])
-        line(label, "resume", "ours", f["resume"]["resume"], "import+read", f["resume"]["limit"], TARGETS["resume"])
+        if "memcpy" in f:
+            _print_checkpoint_lines(line, label, f)
+        if "resume" in f:
+            line(label, "resume", "ours", f["resume"]["resume"], "import+read", f["resume"]["limit"], TARGETS["resume"])
+
+
+def _print_checkpoint_lines(line: Callable[..., None], label: str, f: Figures) -> None:
+    memcpy, raw = f["memcpy"]["blocked"], f["raw"]["durable"]
+    line(label, "blocked", "ours", f["ours"]["blocked"], "memcpy", memcpy)
+    line(label, "blocked", "dcp async_save", f["dcp"]["blocked"], "memcpy", memcpy)
+    line(label, "blocked", "in line", f["inline"]["blocked"], "memcpy", memcpy)
+    line(label, "durable", "ours", f["ours"]["durable"], "write+fsync", raw, TARGETS["durable"])
+    line(label, "durable", "dcp (files written)", f["dcp"]["durable"], "write+fsync", raw)
+    line(label, "durable", "in line", f["inline"]["durable"], "write+fsync", raw)
+    line(label, "in bucket", "ours", f["ours"]["bucket"])
+    if "sharded" in f:  # FSDP / DTensor state: DCP's async_save + our commit, beside the bare async_save
+        line(label, "blocked", "sharded (dcp + commit)", f["sharded"]["blocked"], "async_save",
+             f["dcp"]["blocked"])
+        line(label, "durable", "sharded (committed)", f["sharded"]["durable"], "dcp written",
+             f["dcp"]["durable"])
+        line(label, "in bucket", "sharded", f["sharded"]["bucket"])
+    if "wall" in f:
+        line(label, "wall", "ours, per checkpoint", f["wall"]["wall"])
+        line(label, "blocked", "ours, in that loop", f["wall"]["blocked"])
 
 
 def _print_goodput_table(rows: list[tuple[str, float, Figures]]) -> None:
