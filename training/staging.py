@@ -135,8 +135,8 @@ def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
         with part.open("wb") as fh, HashingWriter(fh) as writer:
             torch.save(obj, writer)  # type: ignore[arg-type]  # a binary file-like object
             fh.flush()
+            os.fsync(fh.fileno())  # the disk's writeback overlaps the hashing of the last pieces
             hexdigest = writer.hexdigest()
-            os.fsync(fh.fileno())
     finally:
         torch.serialization.set_crc32_options(previous)
     os.replace(part, path)
