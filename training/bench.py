@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -43,18 +42,15 @@ from pathlib import Path
 
 import torch
 
+from training.bench_resume import resume_seconds
+from training.bench_tables import REPEATS as REPEATS  # explicit re-export: callers read bench.REPEATS
+from training.bench_tables import Figures, print_checkpoint_table, print_goodput_table
 from training.checkpoint import CheckpointManager, Topology
 from training.models import TinyNet
 from training.staging import Stager
 
 SIZES = {"~100 MB": 2900, "~1 GB": 9150}  # tiny_width: model + AdamW state = 12 bytes/parameter
-ROOT = Path(__file__).resolve().parents[1]
-REPEATS = 3
-MTBFS_H = (1, 6, 24)
-NOTICE_S = 120.0
 TOPO = Topology(0, 0, 1, 0, 1, 1)
-# Targets from issue 34: durable within 2x of raw write + fsync, resume within 1.5x of import + read.
-TARGETS = {"durable": 2.0, "resume": 1.5}
 PARTS = ("checkpoint", "resume", "plan")
 
 
@@ -102,12 +98,6 @@ def _moto() -> tuple[subprocess.Popen[bytes], str]:
         except OSError:  # not up yet
             time.sleep(0.1)
     return proc, url
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def interleaved(methods: dict[str, Callable[[int], dict[str, float]]], repeats: int = REPEATS
@@ -260,58 +250,6 @@ def _wall_per_checkpoint(width: int, work: Path, every: int = 5, steps: int = 30
     return run
 
 
-def _resume_seconds(width: int, remote: str, env: dict[str, str], work: Path, attempt: int) -> dict[str, float]:
-    """A fresh process (empty local disk) resumes `remote` and runs one more step; and the
-    limit: a fresh process that imports torch and reads the same checkpoint's bytes."""
-    cwd = work / f"resume-{width}-{attempt}"
-    cwd.mkdir()
-    remote = f"{remote}-trainer-{attempt}"
-    base = [sys.executable, "-m", "training.train", "--workload", "tiny", "--tiny-width", str(width),
-            "--checkpoint-dir", remote, "--log-every", "1"]
-    child_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
-    # A trainer-made checkpoint at step 1, uploaded; then the local disk is wiped.
-    subprocess.run([*base, "--steps", "1", "--checkpoint-every", "1", "--upload-deadline-s", "600"], cwd=cwd,
-                   env=child_env, check=True, capture_output=True, timeout=900)
-    shutil.rmtree(cwd / "out")
-    limit = _read_limit(remote, child_env)
-    cmd = [*base, "--steps", "2", "--checkpoint-every", "100", "--upload-deadline-s", "0", "--allow-config-change"]
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    resumed = False
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        resumed = resumed or "resumed from step" in line
-        if resumed and re.search(r"step 2 loss", line):
-            elapsed = time.perf_counter() - started
-            proc.wait(timeout=600)
-            shutil.rmtree(cwd, ignore_errors=True)
-            return {"resume": elapsed, "limit": limit}
-    proc.wait(timeout=600)
-    raise RuntimeError(f"resume run for width {width} did not reach step 2 after resuming:\n{''.join(seen[-20:])}")
-
-
-_READ = """
-import sys, time
-import boto3, torch
-s3 = boto3.client("s3", endpoint_url=sys.argv[1], region_name="us-east-1")
-bucket, _, prefix = sys.argv[2].partition("/")
-total = 0
-for item in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []):
-    total += len(s3.get_object(Bucket=bucket, Key=item["Key"])["Body"].read())
-print(total)
-"""
-
-
-def _read_limit(remote: str, env: dict[str, str]) -> float:
-    """Process start -> torch imported and every byte of the run's checkpoints read from the bucket."""
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", _READ, env["STORAGE_ENDPOINT_URL"], remote.removeprefix("s3://")],
-                   env=env, check=True, capture_output=True, timeout=900)
-    return time.perf_counter() - started
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m training.bench", description="make bench's figures; "
                                      "without arguments all of them (what `make bench` prints)")
@@ -360,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 figures: Figures = _checkpoint_figures(width, work) if "checkpoint" in args.part else {}
                 if "resume" in args.part:
                     def resume(rep: int, w: int = width) -> dict[str, float]:
-                        return _resume_seconds(w, f"s3://bench/{w}", env, work, rep)
+                        return resume_seconds(w, f"s3://bench/{w}", env, work, rep)
 
                     figures |= interleaved({"resume": resume})
                 rows.append((label, _state_bytes(width) / 1e6, figures))
@@ -368,82 +306,14 @@ def main(argv: list[str] | None = None) -> int:
             moto.terminate()
             shutil.rmtree(work, ignore_errors=True)
         print("load average " + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1 / 5 / 15 min, at the end)")
-        _print_checkpoint_table(rows)
+        print_checkpoint_table(rows)
         if {"checkpoint", "resume"} <= set(args.part):
-            _print_goodput_table(rows)
+            print_goodput_table(rows)
     if "plan" in args.part:
         from infra.plan import bench as plan_bench
 
         plan_bench.main()
     return 0
-
-
-def _cell(values: list[float]) -> str:
-    return f"{min(values):6.2f}/{_median(values):<6.2f}"
-
-
-Figures = dict[str, dict[str, list[float]]]
-
-
-def _print_checkpoint_table(rows: list[tuple[str, float, Figures]]) -> None:
-    print(f"checkpoint figures, seconds, min/median of {REPEATS}, interleaved; ratio = median / limit's median")
-    print(f"{'state':>8} {'figure':>10} {'method':>22} {'min/median':>14} {'limit':>16} {'ratio':>7} {'target':>7}")
-
-    def line(label: str, figure: str, method: str, values: list[float], limit_name: str = "",
-             limit: list[float] | None = None, target: float | None = None) -> None:
-        ratio = f"{_median(values) / max(_median(limit), 1e-9):6.2f}x" if limit else ""
-        tgt = f"<={target:.1f}x" if target else ""
-        lim = f"{limit_name} {_median(limit):.2f}" if limit else ""
-        print(f"{label:>8} {figure:>10} {method:>22} {_cell(values):>14} {lim:>16} {ratio:>7} {tgt:>7}")
-
-    for label, _mb, f in rows:
-        if "memcpy" in f:
-            _print_checkpoint_lines(line, label, f)
-        if "resume" in f:
-            line(label, "resume", "ours", f["resume"]["resume"], "import+read", f["resume"]["limit"], TARGETS["resume"])
-
-
-def _print_checkpoint_lines(line: Callable[..., None], label: str, f: Figures) -> None:
-    memcpy, raw = f["memcpy"]["blocked"], f["raw"]["durable"]
-    line(label, "blocked", "ours", f["ours"]["blocked"], "memcpy", memcpy)
-    line(label, "blocked", "dcp async_save", f["dcp"]["blocked"], "memcpy", memcpy)
-    line(label, "blocked", "in line", f["inline"]["blocked"], "memcpy", memcpy)
-    line(label, "durable", "ours", f["ours"]["durable"], "write+fsync", raw, TARGETS["durable"])
-    line(label, "durable", "dcp (files written)", f["dcp"]["durable"], "write+fsync", raw)
-    line(label, "durable", "in line", f["inline"]["durable"], "write+fsync", raw)
-    line(label, "in bucket", "ours", f["ours"]["bucket"])
-    if "sharded" in f:  # FSDP / DTensor state: DCP's async_save + our commit, beside the bare async_save
-        line(label, "blocked", "sharded (dcp + commit)", f["sharded"]["blocked"], "async_save",
-             f["dcp"]["blocked"])
-        line(label, "durable", "sharded (committed)", f["sharded"]["durable"], "dcp written",
-             f["dcp"]["durable"])
-        line(label, "in bucket", "sharded", f["sharded"]["bucket"])
-    if "wall" in f:
-        line(label, "wall", "ours, per checkpoint", f["wall"]["wall"])
-        line(label, "blocked", "ours, in that loop", f["wall"]["blocked"])
-
-
-def _print_goodput_table(rows: list[tuple[str, float, Figures]]) -> None:
-    from training import goodput
-
-    print(f"\ngoodput: δ = the median loop-blocked time above, R = the median resume, reclaims Poisson "
-          f"({goodput.HORIZON_FAILURES} per trace, seed 1), auto = Daly's interval")
-    print(f"{'state':>8} {'δ s':>6} {'MTBF':>5} {'auto, no notice':>22} {'auto, 2-min notice':>24} "
-          f"{'notice->durable':>16}")
-    for label, _mb, f in rows:
-        delta, restart = max(_median(f["ours"]["blocked"]), 1e-3), _median(f["resume"]["resume"])
-        durable = _median(f["ours"]["bucket"])
-        for hours in MTBFS_H:
-            mtbf = hours * 3600.0
-            times = goodput.trace_times(f"poisson:{mtbf}:1")
-            cells = []
-            for notice in (0.0, NOTICE_S):
-                found = goodput.plan(delta, mtbf, restart, notice, durable)
-                sim = goodput.simulate(times, found.interval_s, delta, restart, notice, durable)
-                every = "never" if found.interval_s == float("inf") else f"{found.interval_s:.0f} s"
-                cells.append(f"{every:>9} {sim:7.2%}")
-            fits = "fits" if durable <= NOTICE_S else "TOO LONG"
-            print(f"{label:>8} {delta:6.2f} {hours:4d}h {cells[0]:>22} {cells[1]:>24} {durable:8.1f} s {fits}")
 
 
 if __name__ == "__main__":
