@@ -1,5 +1,6 @@
 """A checkpoint file fetched from the bucket in one pass: one GET, each piece hashed and
-written as it arrives, the sha256 compared with the manifest's before the file is renamed into
+written as it arrives, the digest (training/digest.py: sha256 of the pieces, or the whole file's
+sha256 for a format-1 manifest) compared with the manifest's before the file is renamed into
 place (issue 34: resume at read speed).
 
 Why not `fs.get`: s3fs splits a large object into 50 MB ranges fetched ten at a time, and the
