@@ -144,7 +144,8 @@ def test_a_model_built_on_the_meta_device_resumes_the_same_numbers(tmp_path: Pat
     """The trainer's deferred init: no values until the checkpoint's, then exactly those; and
     without a checkpoint exactly the seed's values of a plain CPU build."""
     from training import config as config_mod
-    from training.train import Run, build_model
+    from training.build import build_model
+    from training.train import Run
 
     cfg = config_mod.parse(["--workload", "tiny", "--tiny-width", "48", "--checkpoint-dir", str(tmp_path / "c")])
     plain = build_model(cfg, 0)

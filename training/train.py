@@ -33,10 +33,10 @@ from training import config as config_mod
 from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadStatus
 from training.storage import StorageRefused
 from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, rng_state, set_rng_state
-from training.data import ImageFolder, ResumableSampler, SyntheticClassification, SyntheticTokens, derived_seed
+from training.build import build_data, build_model, fully_restored, lr_lambda
+from training.data import ResumableSampler, derived_seed
 from training.distributed import Comm
 from training.metrics import Metrics
-from training.models import ResNet50, TinyGPT, TinyNet
 from training.tracking import Tracker
 from training.wallcost import WallCost
 
@@ -69,50 +69,6 @@ def params_sha256(model: nn.Module) -> str:
     from training.sharded import state_sha256
 
     return state_sha256(model.state_dict())
-
-
-def build_data(cfg: config_mod.TrainConfig) -> SyntheticClassification | ImageFolder | SyntheticTokens:
-    """The dataset (its randomness comes from its own generators, never torch's global one)."""
-    if cfg.workload == "gpt-tiny":
-        return SyntheticTokens(cfg.tiny_samples, cfg.gpt_vocab, cfg.gpt_context, cfg.seed)
-    if cfg.workload == "tiny":
-        return SyntheticClassification(cfg.tiny_samples, cfg.tiny_dim, 10, cfg.seed)
-    return ImageFolder(cfg.data_dir, cfg.image_size, cfg.seed)
-
-
-def build_model(cfg: config_mod.TrainConfig, classes: int, device: torch.device | str = "cpu") -> nn.Module:
-    """The model, its weights initialised from cfg.seed (identical on every rank). On the meta
-    device it has shapes and no values (no initialisation: the resume path fills it)."""
-    if str(device) == "meta":
-        with torch.device("meta"):
-            return build_model(cfg, classes)
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    if cfg.workload == "gpt-tiny":
-        return TinyGPT(cfg.gpt_vocab, cfg.gpt_dim, cfg.gpt_layers, cfg.gpt_heads, cfg.gpt_context)
-    if cfg.workload == "tiny":
-        return TinyNet(cfg.tiny_dim, cfg.tiny_width)
-    model = ResNet50(classes, cfg.grad_checkpointing)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-    return model
-
-
-def fully_restored(model: nn.Module) -> bool:
-    """True when the model's state_dict holds every parameter and buffer: loading a checkpoint
-    then sets every value, so the model may be built without initialising them."""
-    named = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-    return named <= set(model.state_dict())
-
-
-def lr_lambda(cfg: config_mod.TrainConfig) -> Any:
-    import math
-
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return factor
 
 
 def config_drift(saved: dict[str, Any], cfg: config_mod.TrainConfig) -> list[str]:
