@@ -19,8 +19,8 @@ import torch
 from tests.conftest import TRAIN_ARGS as ARGS
 from tests.training_helpers import kill_tree, launch
 from training import checkpoint as ck
-from training.checkpoint import MODEL_FILE, CheckpointManager, Topology, sha256_of, step_dir
-from training import staging
+from training.checkpoint import MODEL_FILE, CheckpointManager, Topology, step_dir
+from training import digest, staging
 from training.staging import Stager
 
 TOPO = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
@@ -60,7 +60,7 @@ def test_the_manifest_hash_is_the_files_and_torch_crc_is_not_written(tmp_path: P
     folder = tmp_path / step_dir(5)
     manifest = __import__("json").loads((folder / "manifest-node000.json").read_text())
     entry = manifest["files"][MODEL_FILE]
-    assert entry["sha256"] == sha256_of(folder / MODEL_FILE) and entry["size"] == (folder / MODEL_FILE).stat().st_size
+    assert entry == digest.entry(folder / MODEL_FILE) and manifest["format"] == digest.FORMAT
     with zipfile.ZipFile(folder / MODEL_FILE) as archive:
         assert {info.CRC for info in archive.infolist() if info.file_size} == {0}
     assert torch.load(folder / MODEL_FILE, weights_only=True)["step"] == 5

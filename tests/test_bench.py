@@ -1,5 +1,5 @@
 """make bench's machinery on a tiny state: methods interleaved in rotated order, every figure
-measured for every method, the hashing writer equal to a plain sha256 of the bytes torch wrote.
+measured for every method, the hashing writer equal to the pieces' sha256 of the bytes torch wrote.
 No time is asserted: the figures are only printed by make bench."""
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ import io
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
+from training import digest
 from training.trainer import bench
 from training.staging import HashingWriter, save_hashed
 
@@ -43,18 +45,40 @@ def test_every_checkpoint_method_reports_its_figures(tmp_path: Path) -> None:
     assert (tmp_path / "bucket" / "ours").is_dir()  # ours really reached the bucket
 
 
-def test_the_pipelined_hash_is_the_hash_of_the_bytes_written(tmp_path: Path) -> None:
-    """Large writes are hashed piecewise on a helper thread while written: the digest must equal
-    sha256 of the file, for sizes around the piece boundaries."""
-    HashingWriter.PIECE = 1 << 16  # small pieces: many boundaries in a small state
-    try:
-        for numel in (1, (1 << 15) - 3, 1 << 15, (1 << 16) + 5, 300_001):
-            weights = torch.arange(numel, dtype=torch.float32)
-            state = {"w": weights, "step": numel}
-            size, digest = save_hashed(state, tmp_path / f"s{numel}.pt")
-            data = (tmp_path / f"s{numel}.pt").read_bytes()
-            assert (size, digest) == (len(data), hashlib.sha256(data).hexdigest())
-            loaded = torch.load(io.BytesIO(data), weights_only=True)
-            assert torch.equal(loaded["w"], weights)
-    finally:
-        HashingWriter.PIECE = 8 << 20
+def _pieces_digest(data: bytes, piece: int) -> str:
+    """sha256_pieces computed the plain way: the sha256 of each piece's sha256, in order."""
+    return hashlib.sha256(b"".join(hashlib.sha256(data[i:i + piece]).digest()
+                                   for i in range(0, len(data), piece))).hexdigest()
+
+
+def test_the_pipelined_hash_is_the_hash_of_the_bytes_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces are cut at every PIECE bytes of the file, whatever the writes torch makes, and
+    hashed on helper threads while written: the digest must equal the pieces' digest of the
+    file on disk, for sizes around the piece boundaries."""
+    monkeypatch.setattr(digest, "PIECE", 1 << 16)  # small pieces: many boundaries in a small state
+    for numel in (1, (1 << 15) - 3, 1 << 15, (1 << 16) + 5, 300_001):
+        weights = torch.arange(numel, dtype=torch.float32)
+        state = {"w": weights, "step": numel}
+        size, hexdigest = save_hashed(state, tmp_path / f"s{numel}.pt")
+        data = (tmp_path / f"s{numel}.pt").read_bytes()
+        assert (size, hexdigest) == (len(data), _pieces_digest(data, 1 << 16))
+        assert digest.hash_file(tmp_path / f"s{numel}.pt") == hexdigest
+        stream = digest.StreamHasher(digest.PIECES)
+        for start in range(0, len(data), 7777):  # a download's chunks never line up with the pieces
+            stream.update(data[start:start + 7777])
+        assert stream.hexdigest() == hexdigest
+        loaded = torch.load(io.BytesIO(data), weights_only=True)
+        assert torch.equal(loaded["w"], weights)
+
+
+def test_the_writer_hashes_small_and_straddling_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(digest, "PIECE", 64)
+    writes = [b"a" * 10, b"b" * 54, b"c" * 200, b"d", b"e" * 63, b"f" * 128, b""]
+    with (tmp_path / "f").open("wb") as fh, HashingWriter(fh) as writer:
+        for chunk in writes:
+            writer.write(chunk)
+        fh.flush()
+        hexdigest = writer.hexdigest()
+    data = b"".join(writes)
+    assert (tmp_path / "f").read_bytes() == data and writer.size == len(data)
+    assert hexdigest == _pieces_digest(data, 64) == digest.hash_file(tmp_path / "f")

@@ -41,239 +41,33 @@ other objects (a scheduler) and `extra` are written once, by rank 0, as for repl
 from __future__ import annotations
 
 import logging
-import os
-import random
-import signal
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from training import contract
-from training.checkpoint import CheckpointError, CheckpointManager, Topology, UploadStatus
+from training.checkpoint import CheckpointError
 from training.distributed import Comm
-from training.goodput import AutoInterval
 from training.loaders import LoaderState
+from training.run_control import (EXIT_PEER_STOPPED, Interval, Resumed, StopFlag, choose_checkpoint, exit_code,
+                                  finish, open_manager, rng_state, set_rng_state)
 
 if TYPE_CHECKING:
     from training.sharded import ShardedCheckpoints
 
 log = logging.getLogger("gts.checkpointing")
 
-# A rank that stopped because another node was told to (its spot notice): non-zero, so torchrun's
-# agent restarts the workers and re-rendezvouses with the nodes that remain (EX_TEMPFAIL).
-EXIT_PEER_STOPPED = 75
+# Importable from here as before (defined in training/run_control.py).
+__all__ = ["EXIT_PEER_STOPPED", "Checkpointer", "Interval", "Resumed", "Stateful", "StopFlag", "choose_checkpoint",
+           "exit_code", "finish", "open_manager", "rng_state", "set_rng_state"]
 
 
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
-
-
-class StopFlag:
-    """Signal handlers only set flags; the loop combines them across ranks after each step.
-    SIGTERM / SIGINT: checkpoint and stop. SIGUSR1 (a rebalance recommendation, or a person):
-    checkpoint now and go on."""
-
-    def __init__(self) -> None:
-        self.raised: str | None = None
-        self.checkpoint_requested = False
-        self.install()
-
-    def install(self) -> None:
-        """(Again) make these handlers the process's: after a framework installed its own."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-        signal.signal(signal.SIGUSR1, self._checkpoint)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.raised = signal.Signals(signum).name
-
-    def _checkpoint(self, signum: int, frame: Any) -> None:
-        self.checkpoint_requested = True
-
-    def take_checkpoint_request(self) -> bool:
-        asked, self.checkpoint_requested = self.checkpoint_requested, False
-        return asked
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG the step uses, as tensors and plain values only: checkpoints are read with
-    torch.load(weights_only=True), which refuses anything that could run code (a numpy array in
-    a pickle included)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": {"name": str(name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    saved = state["numpy"]
-    np.random.set_state((saved["name"], saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
-                         saved["cached"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-@dataclass
-class Resumed:
-    step: int
-    state: Any
-    rng: dict[str, Any] | None
-
-
-def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
-                      load: Callable[[int], tuple[Any, dict[str, Any] | None]] | None = None) -> Resumed | None:
-    """The newest step every rank can load, each file checked; a step that fails on any rank is
-    skipped with a log line naming the rank, file and fault, and the one before it is tried.
-    `load` reads one step (default: the model state and this rank's RNG state)."""
-    load = load or ckpt.load
-    common = set.intersection(*map(set, comm.all_gather_object(sorted(ckpt.loadable_steps()))))
-    if ckpt.remote_error and comm.local_rank == 0:
-        log.warning("the bucket %s cannot be listed (%s): starting from this node's own checkpoints; uploads "
-                    "are retried in the background", ckpt.remote.url if ckpt.remote else "", ckpt.remote_error)
-    for step in sorted(common, reverse=True):
-        state: Any = {}
-        rng = None
-        try:
-            state, rng = load(step)
-            fault = ""
-        except CheckpointError as exc:
-            fault = str(exc)
-        faults = [(rank, f) for rank, f in enumerate(comm.all_gather_object(fault)) if f]
-        if not faults:
-            return Resumed(step, state, rng)
-        if comm.rank == 0:
-            rank, first = faults[0]
-            log.warning("skipping checkpoint step %d: rank %d: %s%s", step, rank, first,
-                        f" (and {len(faults) - 1} more rank(s))" if len(faults) > 1 else "")
-    if common and comm.rank == 0:
-        log.warning("no usable checkpoint among steps %s: starting from scratch", sorted(common))
-    return None
-
-
-def exit_code(comm: Comm, raised: str | None) -> int:
-    """After an emergency checkpoint: 0 where a node was told to stop; 75 on the other nodes of
-    a multi-node run, whose agents then go on without it."""
-    if comm.nnodes > 1:
-        signalled = {node for node, signal_name in comm.all_gather_object((comm.node, raised)) if signal_name}
-        if comm.node not in signalled:
-            return EXIT_PEER_STOPPED
-    return 0
-
-
-def _setting(value: Any, var: contract.Var, default: Any) -> Any:
-    """An argument, else the contract's environment variable, else the default."""
-    if value is not None:
-        return value
-    raw = os.environ.get(var.name, "")
-    if not raw:
-        return default
-    try:
-        return type(default)(raw)
-    except ValueError:
-        raise ValueError(f"{var.name}={raw!r}: expected {type(default).__name__}") from None
-
-
-class Interval:
-    """When to checkpoint, the same in our trainer, the library and the Hugging Face callback:
-    every N steps, or `auto` (CHECKPOINT_EVERY=auto: Daly's interval from the measured
-    loop-blocked time, step time and time until a checkpoint is in the bucket, and MTBF_S /
-    NOTICE_S; training/goodput.py). Rank 0 decides; the caller combines the flag across ranks
-    in its per-step collective. `status` is the manager's on_status callback."""
-
-    def __init__(self, every: int | str | None, comm: Comm, mtbf_s: float | None = None,
-                 notice_s: float | None = None):
-        raw = every if every is not None else (os.environ.get(contract.CHECKPOINT_EVERY.name) or 500)
-        self.comm = comm
-        self.auto: AutoInterval | None = None
-        self.every = 0
-        self.last_step_at: float | None = None
-        self.started: dict[int, float] = {}  # step -> when its save began
-        if str(raw) == "auto":
-            self.auto = AutoInterval(_setting(mtbf_s, contract.MTBF_S, 0.0), _setting(notice_s, contract.NOTICE_S, 0.0),
-                                     log.info)
-        else:
-            try:
-                self.every = int(raw)
-            except ValueError:
-                raise ValueError(f"{contract.CHECKPOINT_EVERY.name}={raw!r}: a whole number of steps or auto") from None
-            if self.every <= 0:
-                raise ValueError(f"checkpoint interval {self.every}: must be a positive number of steps")
-
-    @property
-    def steps(self) -> int | None:
-        """Steps between checkpoints now (None until auto has measured a step)."""
-        return self.every if self.auto is None else self.auto.steps
-
-    def due(self, step: int, last_saved: int) -> bool:
-        """This rank's view after optimizer step `step` (wall time between calls is the step time)."""
-        if self.auto is None:
-            return step % self.every == 0
-        now = time.perf_counter()
-        if self.last_step_at is not None:
-            self.auto.observe_step(now - self.last_step_at)
-        self.last_step_at = now
-        return self.comm.rank == 0 and self.auto.due(step - max(last_saved, 0))
-
-    def saving(self, step: int) -> None:
-        self.started[step] = time.time()
-
-    def saved(self, blocked_s: float) -> None:
-        if self.auto is not None:
-            self.auto.observe_checkpoint(blocked_s)
-            self.last_step_at = None  # the checkpoint is not a step
-
-    def status(self, status: UploadStatus) -> None:
-        """The manager's report: the newest upload tells how long a checkpoint takes to be durable."""
-        if self.auto is not None and status.uploaded and status.uploaded[-1] in self.started:
-            self.auto.observe_durable(status.last_success - self.started.pop(status.uploaded[-1]))
-
-
-def finish(manager: CheckpointManager, comm: Comm, raised: str | None, stopped: bool, deadline: float,
-           step: int | None = None) -> int:
-    """Wait for the uploads (up to `deadline` s) and return the process's exit code: 0, 1 when
-    the run's last checkpoint (or the stop's own) could not be written or uploads are refused,
-    75 on the nodes of a multi-node run that stopped because another node was told to. `step`:
-    where the run is, for the messages. The trainer, the library, the Hugging Face and Lightning
-    callbacks all end here."""
-    status = manager.close(timeout=deadline)
-    at = f" at step {step}" if step is not None else ""
-    if status.pending and comm.rank == 0:
-        log.error("%d checkpoint(s) not uploaded yet; kept on local disk in %s", len(status.pending), manager.local)
-    if status.permanent_error:
-        log.error("checkpoints could not be uploaded: %s; they are kept in %s", status.permanent_error, manager.local)
-        return 1
-    if status.write_error:  # the run's last state is not on disk: a restart repeats work
-        what = "the emergency checkpoint" if stopped else "its checkpoint"
-        log.error("the run %s%s, but %s could not be written (%s): a restart resumes from the newest committed one",
-                  "stopped" if stopped else "reached its end", at, what, status.write_error)
-        return 1
-    return exit_code(comm, raised) if stopped else 0
-
-
-def open_manager(comm: Comm, url: str | None, local_dir: str | None, keep: int | None,
-                 on_status: Callable[[UploadStatus], None] | None = None) -> CheckpointManager:
-    """The run's checkpoint manager, configured from the arguments or the trainer contract."""
-    remote = _setting(url, contract.CHECKPOINT_URL, "")
-    folder = _setting(local_dir, contract.CHECKPOINT_DIR, "out/checkpoints")
-    if "://" in folder and not folder.startswith("file://"):
-        folder, remote = "out/checkpoint-cache", folder
-    topo = Topology(comm.rank, comm.local_rank, comm.world, comm.node, comm.nnodes, comm.local_world)
-    return CheckpointManager(folder.removeprefix("file://"), remote or None, topo,
-                             keep=_setting(keep, contract.KEEP_CHECKPOINTS, 3), on_status=on_status)
 
 
 class Checkpointer:

@@ -23,12 +23,15 @@ loaded machine. Every figure is min / median of REPEATS (at least 3).
              from the bucket.
 Then the goodput table: Daly's interval and the simulated goodput at several MTBFs, with and
 without a two-minute reclaim notice; and the offline plan figures (infra/plan/bench.py).
+
+To iterate on one figure: `python -m training.trainer.bench --size "~1 GB" --part checkpoint` (or
+`--part resume`, `--part plan`); without arguments everything, as `make bench` prints it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -39,18 +42,22 @@ from pathlib import Path
 
 import torch
 
+from training.trainer.bench_resume import resume_seconds
+from training.trainer.bench_tables import REPEATS as REPEATS  # explicit re-export: callers read bench.REPEATS
+from training.trainer.bench_tables import Figures, print_checkpoint_table, print_goodput_table
 from training.checkpoint import CheckpointManager, Topology
 from training.trainer.models import TinyNet
 from training.staging import Stager
 
 SIZES = {"~100 MB": 2900, "~1 GB": 9150}  # tiny_width: model + AdamW state = 12 bytes/parameter
-ROOT = Path(__file__).resolve().parents[1]
-REPEATS = 3
-MTBFS_H = (1, 6, 24)
-NOTICE_S = 120.0
 TOPO = Topology(0, 0, 1, 0, 1, 1)
-# Targets from issue 34: durable within 2x of raw write + fsync, resume within 1.5x of import + read.
-TARGETS = {"durable": 2.0, "resume": 1.5}
+PARTS = ("checkpoint", "resume", "plan")
+
+
+def _state_bytes(width: int, dim: int = 32, classes: int = 10) -> int:
+    """Model + AdamW's two moments, float32: the bytes of TinyNet(dim, width)'s state."""
+    params = dim * width + width + width * width + width + width * classes + classes
+    return params * 4 * 3
 
 
 def _state(width: int) -> tuple[dict[str, object], int]:
@@ -91,12 +98,6 @@ def _moto() -> tuple[subprocess.Popen[bytes], str]:
         except OSError:  # not up yet
             time.sleep(0.1)
     return proc, url
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def interleaved(methods: dict[str, Callable[[int], dict[str, float]]], repeats: int = REPEATS
@@ -249,159 +250,70 @@ def _wall_per_checkpoint(width: int, work: Path, every: int = 5, steps: int = 30
     return run
 
 
-def _resume_seconds(width: int, remote: str, env: dict[str, str], work: Path, attempt: int) -> dict[str, float]:
-    """A fresh process (empty local disk) resumes `remote` and runs one more step; and the
-    limit: a fresh process that imports torch and reads the same checkpoint's bytes."""
-    cwd = work / f"resume-{width}-{attempt}"
-    cwd.mkdir()
-    remote = f"{remote}-trainer-{attempt}"
-    base = [sys.executable, "-m", "training.trainer.train", "--workload", "tiny", "--tiny-width", str(width),
-            "--checkpoint-dir", remote, "--log-every", "1"]
-    child_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
-    # A trainer-made checkpoint at step 1, uploaded; then the local disk is wiped.
-    subprocess.run([*base, "--steps", "1", "--checkpoint-every", "1", "--upload-deadline-s", "600"], cwd=cwd,
-                   env=child_env, check=True, capture_output=True, timeout=900)
-    shutil.rmtree(cwd / "out")
-    limit = _read_limit(remote, child_env)
-    cmd = [*base, "--steps", "2", "--checkpoint-every", "100", "--upload-deadline-s", "0", "--allow-config-change"]
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    resumed = False
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        resumed = resumed or "resumed from step" in line
-        if resumed and re.search(r"step 2 loss", line):
-            elapsed = time.perf_counter() - started
-            proc.wait(timeout=600)
-            shutil.rmtree(cwd, ignore_errors=True)
-            return {"resume": elapsed, "limit": limit}
-    proc.wait(timeout=600)
-    raise RuntimeError(f"resume run for width {width} did not reach step 2 after resuming:\n{''.join(seen[-20:])}")
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m training.trainer.bench", description="make bench's figures; "
+                                     "without arguments all of them (what `make bench` prints)")
+    parser.add_argument("--size", action="append", choices=list(SIZES), metavar="SIZE",
+                        help=f"only this state size ({', '.join(SIZES)}; repeatable)")
+    parser.add_argument("--part", action="append", choices=PARTS,
+                        help="only these figures: checkpoint (blocked, durable, in bucket, wall), resume, plan "
+                             "(repeatable); the goodput table needs checkpoint and resume")
+    args = parser.parse_args(argv)
+    args.size = args.size or list(SIZES)
+    args.part = args.part or list(PARTS)
+    return args
 
 
-_READ = """
-import sys, time
-import boto3, torch
-s3 = boto3.client("s3", endpoint_url=sys.argv[1], region_name="us-east-1")
-bucket, _, prefix = sys.argv[2].partition("/")
-total = 0
-for item in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []):
-    total += len(s3.get_object(Bucket=bucket, Key=item["Key"])["Body"].read())
-print(total)
-"""
-
-
-def _read_limit(remote: str, env: dict[str, str]) -> float:
-    """Process start -> torch imported and every byte of the run's checkpoints read from the bucket."""
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", _READ, env["STORAGE_ENDPOINT_URL"], remote.removeprefix("s3://")],
-                   env=env, check=True, capture_output=True, timeout=900)
-    return time.perf_counter() - started
-
-
-def main() -> int:
-    moto, url = _moto()
-    env = {"STORAGE_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-           "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_ADDRESSING_STYLE": "path"}
-    os.environ.update(env)
-    import boto3
-
-    boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="bench")
-    rows = []
-    work = Path(tempfile.mkdtemp(prefix="gts-bench-"))
+def _checkpoint_figures(width: int, work: Path) -> Figures:
+    """Every method of one size, interleaved: ours, in line, async_save, memcpy, raw, sharded."""
+    state, _ = _state(width)
+    ck = Checkpoints(state, work / f"w{width}", f"s3://bench/{width}")
+    sharded = Sharded(width, work / f"w{width}", f"s3://bench/{width}")
     try:
-        for label, width in SIZES.items():
-            state, size = _state(width)
-            ck = Checkpoints(state, work / f"w{width}", f"s3://bench/{width}")
-            sharded = Sharded(width, work / f"w{width}", f"s3://bench/{width}")
-            try:
-                figures = interleaved({"ours": ck.run_ours, "inline": ck.run_inline, "dcp": ck.run_dcp,
-                                       "memcpy": ck.run_memcpy, "raw": ck.run_raw, "sharded": sharded.run})
-            finally:
-                ck.close()
-                sharded.close()
-            del sharded
-            del state, ck
-            def resume(rep: int, w: int = width) -> dict[str, float]:
-                return _resume_seconds(w, f"s3://bench/{w}", env, work, rep)
-
-            figures |= interleaved({"resume": resume})
-            if width == SIZES["~100 MB"]:
-                figures |= interleaved({"wall": _wall_per_checkpoint(width, work)})
-            rows.append((label, size / 1e6, figures))
+        figures = interleaved({"ours": ck.run_ours, "inline": ck.run_inline, "dcp": ck.run_dcp,
+                               "memcpy": ck.run_memcpy, "raw": ck.run_raw, "sharded": sharded.run})
     finally:
-        moto.terminate()
-        shutil.rmtree(work, ignore_errors=True)
-    _print_checkpoint_table(rows)
-    _print_goodput_table(rows)
-    from infra.plan import bench as plan_bench
+        ck.close()
+        sharded.close()
+    if width == SIZES["~100 MB"]:
+        figures |= interleaved({"wall": _wall_per_checkpoint(width, work)})
+    return figures
 
-    plan_bench.main()
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    rows = []
+    if {"checkpoint", "resume"} & set(args.part):
+        moto, url = _moto()
+        env = {"STORAGE_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+               "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_ADDRESSING_STYLE": "path"}
+        os.environ.update(env)
+        import boto3
+
+        boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="bench")
+        work = Path(tempfile.mkdtemp(prefix="gts-bench-"))
+        try:
+            for label in args.size:
+                width = SIZES[label]
+                figures: Figures = _checkpoint_figures(width, work) if "checkpoint" in args.part else {}
+                if "resume" in args.part:
+                    def resume(rep: int, w: int = width) -> dict[str, float]:
+                        return resume_seconds(w, f"s3://bench/{w}", env, work, rep)
+
+                    figures |= interleaved({"resume": resume})
+                rows.append((label, _state_bytes(width) / 1e6, figures))
+        finally:
+            moto.terminate()
+            shutil.rmtree(work, ignore_errors=True)
+        print("load average " + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1 / 5 / 15 min, at the end)")
+        print_checkpoint_table(rows)
+        if {"checkpoint", "resume"} <= set(args.part):
+            print_goodput_table(rows)
+    if "plan" in args.part:
+        from infra.plan import bench as plan_bench
+
+        plan_bench.main()
     return 0
-
-
-def _cell(values: list[float]) -> str:
-    return f"{min(values):6.2f}/{_median(values):<6.2f}"
-
-
-Figures = dict[str, dict[str, list[float]]]
-
-
-def _print_checkpoint_table(rows: list[tuple[str, float, Figures]]) -> None:
-    print(f"checkpoint figures, seconds, min/median of {REPEATS}, interleaved; ratio = median / limit's median")
-    print(f"{'state':>8} {'figure':>10} {'method':>22} {'min/median':>14} {'limit':>16} {'ratio':>7} {'target':>7}")
-
-    def line(label: str, figure: str, method: str, values: list[float], limit_name: str = "",
-             limit: list[float] | None = None, target: float | None = None) -> None:
-        ratio = f"{_median(values) / max(_median(limit), 1e-9):6.2f}x" if limit else ""
-        tgt = f"<={target:.1f}x" if target else ""
-        lim = f"{limit_name} {_median(limit):.2f}" if limit else ""
-        print(f"{label:>8} {figure:>10} {method:>22} {_cell(values):>14} {lim:>16} {ratio:>7} {tgt:>7}")
-
-    for label, _mb, f in rows:
-        memcpy, raw = f["memcpy"]["blocked"], f["raw"]["durable"]
-        line(label, "blocked", "ours", f["ours"]["blocked"], "memcpy", memcpy)
-        line(label, "blocked", "dcp async_save", f["dcp"]["blocked"], "memcpy", memcpy)
-        line(label, "blocked", "in line", f["inline"]["blocked"], "memcpy", memcpy)
-        line(label, "durable", "ours", f["ours"]["durable"], "write+fsync", raw, TARGETS["durable"])
-        line(label, "durable", "dcp (files written)", f["dcp"]["durable"], "write+fsync", raw)
-        line(label, "durable", "in line", f["inline"]["durable"], "write+fsync", raw)
-        line(label, "in bucket", "ours", f["ours"]["bucket"])
-        if "sharded" in f:  # FSDP / DTensor state: DCP's async_save + our commit, beside the bare async_save
-            line(label, "blocked", "sharded (dcp + commit)", f["sharded"]["blocked"], "async_save",
-                 f["dcp"]["blocked"])
-            line(label, "durable", "sharded (committed)", f["sharded"]["durable"], "dcp written",
-                 f["dcp"]["durable"])
-            line(label, "in bucket", "sharded", f["sharded"]["bucket"])
-        if "wall" in f:
-            line(label, "wall", "ours, per checkpoint", f["wall"]["wall"])
-            line(label, "blocked", "ours, in that loop", f["wall"]["blocked"])
-        line(label, "resume", "ours", f["resume"]["resume"], "import+read", f["resume"]["limit"], TARGETS["resume"])
-
-
-def _print_goodput_table(rows: list[tuple[str, float, Figures]]) -> None:
-    from training import goodput
-
-    print(f"\ngoodput: δ = the median loop-blocked time above, R = the median resume, reclaims Poisson "
-          f"({goodput.HORIZON_FAILURES} per trace, seed 1), auto = Daly's interval")
-    print(f"{'state':>8} {'δ s':>6} {'MTBF':>5} {'auto, no notice':>22} {'auto, 2-min notice':>24} "
-          f"{'notice->durable':>16}")
-    for label, _mb, f in rows:
-        delta, restart = max(_median(f["ours"]["blocked"]), 1e-3), _median(f["resume"]["resume"])
-        durable = _median(f["ours"]["bucket"])
-        for hours in MTBFS_H:
-            mtbf = hours * 3600.0
-            times = goodput.trace_times(f"poisson:{mtbf}:1")
-            cells = []
-            for notice in (0.0, NOTICE_S):
-                found = goodput.plan(delta, mtbf, restart, notice, durable)
-                sim = goodput.simulate(times, found.interval_s, delta, restart, notice, durable)
-                every = "never" if found.interval_s == float("inf") else f"{found.interval_s:.0f} s"
-                cells.append(f"{every:>9} {sim:7.2%}")
-            fits = "fits" if durable <= NOTICE_S else "TOO LONG"
-            print(f"{label:>8} {delta:6.2f} {hours:4d}h {cells[0]:>22} {cells[1]:>24} {durable:8.1f} s {fits}")
 
 
 if __name__ == "__main__":

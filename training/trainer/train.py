@@ -22,7 +22,7 @@ import os
 import random
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,13 +33,15 @@ from training.trainer import config as config_mod
 from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadStatus
 from training.storage import StorageRefused
 from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, rng_state, set_rng_state
-from training.trainer.data import ImageFolder, ResumableSampler, SyntheticClassification, SyntheticTokens, derived_seed
+from training.trainer.build import build_data, build_model, fully_restored, lr_lambda
+from training.trainer.data import ResumableSampler, derived_seed
 from training.distributed import Comm
 from training.trainer.metrics import Metrics
-from training.trainer.models import ResNet50, TinyGPT, TinyNet
-from training.sharded import ShardedCheckpoints, full_params_sha256, shard, state_sha256
 from training.trainer.tracking import Tracker
 from training.wallcost import WallCost
+
+if TYPE_CHECKING:
+    from training.sharded import ShardedCheckpoints
 
 log = logging.getLogger("gts.train")
 
@@ -64,33 +66,9 @@ def refuse(message: str) -> None:
 
 def params_sha256(model: nn.Module) -> str:
     """sha256 of a replicated model's state, as full_params_sha256 hashes a sharded one's."""
+    from training.sharded import state_sha256
+
     return state_sha256(model.state_dict())
-
-
-def build(cfg: config_mod.TrainConfig) -> tuple[SyntheticClassification | ImageFolder | SyntheticTokens, nn.Module]:
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    if cfg.workload == "gpt-tiny":
-        return (SyntheticTokens(cfg.tiny_samples, cfg.gpt_vocab, cfg.gpt_context, cfg.seed),
-                TinyGPT(cfg.gpt_vocab, cfg.gpt_dim, cfg.gpt_layers, cfg.gpt_heads, cfg.gpt_context))
-    if cfg.workload == "tiny":
-        return (SyntheticClassification(cfg.tiny_samples, cfg.tiny_dim, 10, cfg.seed),
-                TinyNet(cfg.tiny_dim, cfg.tiny_width))
-    data = ImageFolder(cfg.data_dir, cfg.image_size, cfg.seed)
-    model = ResNet50(len(data.classes), cfg.grad_checkpointing)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-    return data, model
-
-
-def lr_lambda(cfg: config_mod.TrainConfig) -> Any:
-    import math
-
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return factor
 
 
 def config_drift(saved: dict[str, Any], cfg: config_mod.TrainConfig) -> list[str]:
@@ -104,20 +82,10 @@ class Run:
     def __init__(self, cfg: config_mod.TrainConfig, comm: Comm):
         self.cfg, self.comm = cfg, comm
         self.stop = StopFlag()
-        self.dataset, self.model = build(cfg)
-        self.model.to(comm.device)
-        if cfg.sharding == "fsdp":  # before the optimizer: it must hold the sharded parameters
-            shard(self.model, list(getattr(self.model, "blocks", [])), comm)
+        self.dataset = build_data(cfg)
         self.sharded: ShardedCheckpoints | None = None  # the sharded path's checkpoints (open_checkpoints)
-        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
-                                                                  weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.deferred_init = False  # the model was built without initial values (build_model)
         self.use_scaler = cfg.precision == "fp16" and comm.device.type == "cuda"
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_scaler)
-        # Per-rank streams (dropout and the like) differ by rank; data order does not depend on them.
-        random.seed(derived_seed(cfg.seed, comm.rank))
-        np.random.seed(derived_seed(cfg.seed, comm.rank) % (1 << 32))
-        torch.manual_seed(derived_seed(cfg.seed, comm.rank, 1))
         self.metrics = Metrics(cfg.metrics_port if comm.local_rank == 0 else 0, cfg.node_hourly_usd,
                                {"node": str(comm.node), "workload": cfg.workload,
                                 # set by the node's env file or the Job; empty elsewhere
@@ -127,6 +95,42 @@ class Run:
         self.last_saved, self.last_loss = 0, float("nan")
         self.interval = Interval(cfg.checkpoint_every, comm, cfg.mtbf_s, cfg.notice_s)
         self.wall = WallCost()
+
+    def build_model(self) -> None:
+        """Model, optimizer, schedule and scaler, then the per-rank random streams. Replicated
+        models are built on the meta device and given memory without initial values when a
+        checkpoint will fill them (issue 34: initialising 83M parameters costs about as much as
+        reading them); `initialise` gives them the seed's values when no checkpoint did."""
+        cfg, comm = self.cfg, self.comm
+        classes = len(getattr(self.dataset, "classes", ()))
+        model = build_model(cfg, classes, "meta") if cfg.sharding != "fsdp" else None
+        if model is not None and fully_restored(model):
+            self.model, self.deferred_init = model.to_empty(device=comm.device), True
+        else:
+            self.model = build_model(cfg, classes).to(comm.device)
+        if cfg.sharding == "fsdp":  # before the optimizer: it must hold the sharded parameters
+            from training.sharded import shard  # torch's DCP and DTensor: imported only for sharded runs (0.7 s)
+
+            shard(self.model, list(getattr(self.model, "blocks", [])), comm)
+        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
+                                                                  weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_scaler)
+        self.seed_streams()
+
+    def seed_streams(self) -> None:
+        # Per-rank streams (dropout and the like) differ by rank; data order does not depend on them.
+        random.seed(derived_seed(self.cfg.seed, self.comm.rank))
+        np.random.seed(derived_seed(self.cfg.seed, self.comm.rank) % (1 << 32))
+        torch.manual_seed(derived_seed(self.cfg.seed, self.comm.rank, 1))
+
+    def initialise(self) -> None:
+        """No checkpoint was restored: the values a model built on the CPU from the seed has
+        (the same ones, bit for bit), then the per-rank streams seeded as after a plain build."""
+        if self.deferred_init:
+            self.model.load_state_dict(build_model(self.cfg, len(getattr(self.dataset, "classes", ()))).state_dict())
+            self.deferred_init = False
+            self.seed_streams()
 
     def open_checkpoints(self) -> CheckpointManager | None:
         """The run's checkpoint manager, or None on every rank when another trainer holds the run."""
@@ -142,6 +146,8 @@ class Run:
             ckpt, locked = None, True
         (anyone_locked,) = self.comm.any_true(locked)
         if ckpt is not None and not anyone_locked and self.cfg.sharding == "fsdp":
+            from training.sharded import ShardedCheckpoints
+
             self.sharded = ShardedCheckpoints(ckpt, self.comm)
         return None if anyone_locked else ckpt
 
@@ -158,6 +164,7 @@ class Run:
         complete, or its result-shaping config changed), or None to train."""
         found = self.sharded.choose() if self.sharded is not None else choose_checkpoint(ckpt, self.comm)
         if found is None:
+            self.initialise()
             return None
         state = found.state
         if self.cfg.steps <= found.step:
@@ -170,6 +177,8 @@ class Run:
         if drift and self.comm.rank == 0:
             log.warning("resuming step %d with changed settings (--allow-config-change): %s", found.step, ", ".join(drift))
         if self.sharded is not None:  # every rank reads the pieces of its own shard, whatever the saved world size
+            from training.sharded import full_params_sha256
+
             self.sharded.restore(found.step, self.model, self.optimizer)
             digest = full_params_sha256(self.model)
             if self.comm.rank == 0:
@@ -318,6 +327,9 @@ class Run:
         ckpt = self.open_checkpoints()
         if ckpt is None:
             return EXIT_USAGE
+        if self.sharded is None:
+            ckpt.prefetch()  # the newest step is fetched and checked while the model is built
+        self.build_model()
         try:
             verdict = self.resume(ckpt)
         except StorageRefused as exc:  # no such bucket, access denied: no retry or wait helps
@@ -350,6 +362,8 @@ class Run:
             log.warning("stopped by %s at step %d after an emergency checkpoint", interrupted, self.step)
         if interrupted is None and code == 0:
             # sharded: the full parameters, gathered (every rank takes part), so any sharding compares
+            from training.sharded import full_params_sha256
+
             digest = (full_params_sha256(self.model) if self.sharded is not None
                       else params_sha256(self.model) if self.comm.rank == 0 else "")
             if self.comm.rank == 0:

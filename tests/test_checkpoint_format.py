@@ -1,0 +1,165 @@
+"""Issue 34's fast paths keep every safety property: manifest format 2 (sha256 of 8 MiB pieces)
+is checked as strictly as format 1 was, format-1 checkpoints still resume, a newer format is
+refused by name, a download is hashed as it arrives and a flipped byte there still means the
+previous step, a bucket that sends more than the manifest says is cut off, and a model built
+on the meta device resumes to the very same numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.training_helpers import MotoServer, storage_env
+from training import digest
+from training.checkpoint import (MODEL_FILE, CheckpointError, CheckpointManager, Topology, manifest_name, sha256_of,
+                                 step_dir)
+from training.checkpointing import choose_checkpoint
+from training.distributed import Comm
+
+TOPO = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
+
+
+def _state(value: float) -> dict[str, Any]:
+    return {"w": torch.full((300, 300), value), "step": int(value)}
+
+
+def _saved(root: Path, url: str | None, steps: tuple[int, ...] = (1, 2)) -> CheckpointManager:
+    mgr = CheckpointManager(str(root), url, TOPO, keep=5)
+    for step in steps:
+        mgr.save(step, _state(float(step)), {"x": torch.ones(1)}, lambda: None)
+    assert mgr.wait_uploads(60)
+    return mgr
+
+
+def _flip(path: Path, offset: int = -100) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _edit_manifest(path: Path, change: Any) -> None:
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def test_a_flipped_byte_in_a_format_2_file_means_the_previous_step(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(digest, "PIECE", 4096)  # many pieces: the bad one is in the middle
+    mgr = _saved(tmp_path, None)
+    manifest = json.loads((tmp_path / step_dir(2) / manifest_name(0)).read_text())
+    assert manifest["format"] == 2 and digest.PIECES in manifest["files"][MODEL_FILE]
+    _flip(tmp_path / step_dir(2) / MODEL_FILE, 200_000)
+    with pytest.raises(CheckpointError, match="model.pt does not match its sha256"):
+        mgr.load(2)
+    found = choose_checkpoint(mgr, Comm("torchrun"))
+    assert found is not None and found.step == 1 and torch.equal(found.state["w"], torch.full((300, 300), 1.0))
+    mgr.close()
+
+
+def test_a_format_1_checkpoint_still_resumes_and_is_still_checked(tmp_path: Path) -> None:
+    """What earlier versions wrote: one whole-file sha256 per entry, no format field."""
+    mgr = _saved(tmp_path, None, (3,))
+    folder = tmp_path / step_dir(3)
+
+    def to_format_1(manifest: dict[str, Any]) -> None:
+        del manifest["format"]
+        manifest["files"] = {n: {"size": m["size"], "sha256": sha256_of(folder / n)} for n, m in manifest["files"].items()}
+    _edit_manifest(folder / manifest_name(0), to_format_1)
+    state, rng = mgr.load(3)
+    assert state["step"] == 3 and rng is not None
+    _flip(folder / MODEL_FILE)
+    with pytest.raises(CheckpointError, match="model.pt does not match its sha256"):
+        mgr.load(3)
+    mgr.close()
+
+
+def test_a_newer_manifest_format_is_refused_by_name(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    mgr = _saved(tmp_path, None, (4,))
+    _edit_manifest(tmp_path / step_dir(4) / manifest_name(0), lambda m: m.update(format=3))
+    assert mgr.local_steps() == []
+    assert "manifest format 3; this version of training/ reads formats 1 to 2" in caplog.text
+    mgr.close()
+
+
+@pytest.mark.parametrize("fault", ["flipped", "longer"])
+def test_a_bad_file_in_the_bucket_means_the_previous_step(tmp_path: Path, fault: str) -> None:
+    """file:// bucket: the fetch hashes what arrives; a flipped byte, or more bytes than the
+    manifest lists, leaves nothing under the file's name and the step before is used."""
+    bucket = tmp_path / "bucket"
+    _saved(tmp_path / "writer", f"file://{bucket}").close()
+    remote_file = next(bucket.glob(f"**/{step_dir(2)}/{MODEL_FILE}"))
+    if fault == "flipped":
+        _flip(remote_file)
+    else:
+        remote_file.write_bytes(remote_file.read_bytes() + b"x" * 10)
+    reader = CheckpointManager(str(tmp_path / "reader"), f"file://{bucket}", TOPO)
+    with pytest.raises(CheckpointError, match=f"{MODEL_FILE} in file://"):
+        reader.load(2)
+    assert not (reader.local / step_dir(2) / MODEL_FILE).exists()
+    found = choose_checkpoint(reader, Comm("torchrun"))
+    assert found is not None and found.step == 1
+    reader.close()
+
+
+def test_a_download_from_s3_is_one_pass_and_a_flipped_byte_is_caught(tmp_path: Path, moto: MotoServer,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in storage_env(moto.url).items():
+        monkeypatch.setenv(key, value)
+    url = f"s3://{moto.bucket}/format2"
+    _saved(tmp_path / "writer", url).close()
+    reader = CheckpointManager(str(tmp_path / "reader"), url, TOPO)
+    reader.prefetch()  # what the trainer does while it builds the model
+    state, _ = reader.load(2)
+    assert torch.equal(state["w"], torch.full((300, 300), 2.0))
+    reader.close()
+    client = moto.client()
+    key = f"format2/{step_dir(2)}/{MODEL_FILE}"
+    data = bytearray(client.get_object(Bucket=moto.bucket, Key=key)["Body"].read())
+    data[-100] ^= 0xFF
+    client.put_object(Bucket=moto.bucket, Key=key, Body=bytes(data))
+    other = CheckpointManager(str(tmp_path / "other"), url, TOPO)
+    other.prefetch()
+    found = choose_checkpoint(other, Comm("torchrun"))
+    assert found is not None and found.step == 1
+    other.close()
+
+
+@pytest.fixture
+def signal_handlers() -> Any:
+    """Run installs its stop handlers; the test process gets its own back."""
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_a_model_built_on_the_meta_device_resumes_the_same_numbers(tmp_path: Path, signal_handlers: None) -> None:
+    """The trainer's deferred init: no values until the checkpoint's, then exactly those; and
+    without a checkpoint exactly the seed's values of a plain CPU build."""
+    from training import config as config_mod
+    from training.trainer.build import build_model
+    from training.trainer.train import Run
+
+    cfg = config_mod.parse(["--workload", "tiny", "--tiny-width", "48", "--checkpoint-dir", str(tmp_path / "c")])
+    plain = build_model(cfg, 0)
+    run = Run(cfg, Comm("torchrun"))
+    run.build_model()
+    assert run.deferred_init
+    run.initialise()
+    assert all(torch.equal(a, b) for a, b in zip(run.model.state_dict().values(), plain.state_dict().values()))
+    after_plain_build = torch.rand(3)
+    run.seed_streams()
+    assert torch.equal(torch.rand(3), after_plain_build)  # initialise re-seeded the streams as a plain build does
+
+    trained = {k: v + 1.5 for k, v in plain.state_dict().items()}
+    resumed = Run(cfg, Comm("torchrun"))
+    resumed.build_model()
+    resumed.model.load_state_dict(trained)
+    assert all(torch.equal(resumed.model.state_dict()[k], v) for k, v in trained.items())

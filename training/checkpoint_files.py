@@ -1,0 +1,177 @@
+"""The names and rules of a checkpoint on disk and in the bucket (training/checkpoint.py's
+layout): step folders, manifests and the files they may list, the checks a manifest passes
+before it is used, and the topology a manager writes for."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from training import digest
+
+STEP_RE = re.compile(r"^step-(\d{8})$")
+MODEL_FILE = "model.pt"
+# A file name a manifest may list: a plain name inside the step's folder (no path, no '..', no
+# leading dot). Every name is checked before it is joined to a local path or a bucket key.
+FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+# Inside a subfolder a leaf may also be a dot file (DCP's `.metadata`), never `.` or `..`.
+DOT_LEAF = re.compile(r"^\.[A-Za-z0-9_][A-Za-z0-9._-]{0,198}$")
+MAX_DEPTH = 8  # components of one listed path (a Trainer's FSDP folder has 2)
+MAX_NODES = 4096
+
+
+def plain_path(name: object) -> bool:
+    """True for a name a manifest may list: a relative POSIX path (`pytorch_model_fsdp_0/__0_0.distcp`)
+    whose every component is a plain name (no '', '.', '..', leading '/', backslash or NUL; folders
+    never dot names), whose leaf may be a dot file only inside a subfolder, and which is never a
+    manifest. Checked before a name is joined to a local path or a bucket key; symbolic links on
+    disk are refused separately (`inside`)."""
+    if not isinstance(name, str) or "\\" in name or "\x00" in name:
+        return False
+    parts = name.split("/")
+    if not 1 <= len(parts) <= MAX_DEPTH or not all(FILE_NAME.fullmatch(p) for p in parts[:-1]):
+        return False
+    leaf = parts[-1]
+    if leaf.startswith("manifest-node"):
+        return False
+    return bool(FILE_NAME.fullmatch(leaf) or (len(parts) > 1 and DOT_LEAF.fullmatch(leaf)))
+
+
+def inside(folder: Path, name: str) -> Path:
+    """`folder/name` for a listed name, after checking that the name is a plain path and that no
+    component of it on disk (nor the folder) is a symbolic link and it resolves inside `folder`;
+    else CheckpointError."""
+    if not plain_path(name):
+        raise CheckpointError(f"{name!r} is not a plain file name inside the step's folder")
+    path = folder
+    for part in [None, *name.split("/")]:
+        path = path if part is None else path / part
+        if path.is_symlink():
+            raise CheckpointError(f"{folder.name}/{name} is a symbolic link: a checkpoint holds files only")
+    if folder.exists() and not path.resolve().is_relative_to(folder.resolve()):
+        raise CheckpointError(f"{folder.name}/{name} resolves outside the step's folder")
+    return path
+
+
+def tree_files(folder: Path) -> list[str]:
+    """The files under `folder` as relative POSIX paths, sorted; CheckpointError when one is a
+    symbolic link (file or folder) or neither a file nor a folder. Never follows a link."""
+    found = []
+    for here, dirs, names in os.walk(folder, followlinks=False):
+        base = Path(here)
+        for entry in sorted(dirs) + sorted(names):
+            path = base / entry
+            rel = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                raise CheckpointError(f"{folder}/{rel} is a symbolic link: a checkpoint holds files only")
+            if path.is_file():
+                found.append(rel)
+            elif not path.is_dir():
+                raise CheckpointError(f"{folder}/{rel} is not a file or a folder")
+    return sorted(found)
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def manifest_name(node: int) -> str:
+    return f"manifest-node{node:03d}.json"
+
+
+def rng_name(rank: int) -> str:
+    return f"rng-rank{rank:05d}.pt"
+
+
+def run_key(url: str) -> str:
+    """The local cache folder of a run: readable, and unique per checkpoint URL."""
+    readable = re.sub(r"[^A-Za-z0-9.-]+", "_", url.split("://", 1)[-1]).strip("_")[-60:]
+    return f"{readable}-{hashlib.sha256(url.encode()).hexdigest()[:10]}"
+
+
+class CheckpointError(Exception):
+    """A step that cannot be used (the message says which file and why)."""
+
+
+def check_manifest(manifest: Any, step: int, where: str) -> dict[str, Any]:
+    """`manifest` if it is one of `step` whose every file lies in the step's folder; else
+    CheckpointError naming what is wrong (a hostile or hand-edited manifest is never used)."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{where}: not a manifest")
+    if manifest.get("step") != step:
+        raise CheckpointError(f"{where} is the manifest of step {manifest.get('step')!r}, not of {step_dir(step)} "
+                              "(a renamed or copied folder): not used")
+    version = manifest.get("format", 1)
+    if not isinstance(version, int) or version > digest.FORMAT:
+        raise CheckpointError(f"{where} has manifest format {version!r}; this version of training/ reads formats "
+                              f"1 to {digest.FORMAT}: resume it with the version that wrote it, or a newer one")
+    nnodes = manifest.get("nnodes", 1)
+    if not isinstance(nnodes, int) or not 1 <= nnodes <= MAX_NODES:
+        raise CheckpointError(f"{where}: nnodes {nnodes!r} is not a node count")
+    for name, meta in manifest["files"].items():
+        if not plain_path(name):
+            raise CheckpointError(f"{where} lists {name!r}: not a plain file name inside the step's folder; "
+                                  "the step is not used")
+        if not digest.vouched(meta):
+            raise CheckpointError(f"{where}: the entry of {name!r} has no size and sha256")
+    return manifest
+
+
+class RunLocked(Exception):
+    """Another trainer holds this run's checkpoint folder."""
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def link_or_copy(src: str, dst: str) -> None:
+    """A hard link (no second copy of a large file) where the file system allows one."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    local_rank: int
+    world_size: int
+    node: int
+    nnodes: int
+    local_world_size: int
+
+    @property
+    def node_ranks(self) -> range:
+        return range(self.node * self.local_world_size, (self.node + 1) * self.local_world_size)
+
+
+@dataclass
+class UploadStatus:
+    pending: list[int] = field(default_factory=list)
+    last_success: float = 0.0
+    last_error: str = ""
+    uploaded: list[int] = field(default_factory=list)
+    last_commit: float = 0.0  # when the newest checkpoint was committed locally
+    write_error: str = ""  # why the last background write failed ("" when it did not)
+    permanent_error: str = ""  # the store's answer no retry changes (URL: Code: message), if any
+

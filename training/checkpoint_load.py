@@ -1,0 +1,280 @@
+"""Finding and loading committed steps (training/checkpoint.py's manager): the steps on this
+disk and in the bucket, every file checked against its manifest before it is unpickled (with
+weights_only), a bad or missing local copy fetched again from the bucket in one pass, and the
+newest step prefetched while the caller builds its model."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import pickle
+import threading
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training import digest
+from training.checkpoint_files import (MODEL_FILE, STEP_RE, CheckpointError, Topology, check_manifest, inside,
+                                       manifest_name, plain_path, rng_name, step_dir)
+from training.fetch import fetch_verified
+from training.storage import Location, StorageRefused, permanent_cause
+
+log = logging.getLogger("gts.checkpoint")
+
+
+class Loading:
+    """The manager's find / load half (mixed into CheckpointManager, which sets these)."""
+
+    local: Path
+    remote: Location | None
+    remote_error: str
+    topo: Topology
+    _told: set[str]
+    _prefetch: threading.Thread | None
+    _prefetched: tuple[int, tuple[dict[str, Any], dict[str, Any] | None]] | None
+
+    def wait_commit(self) -> None:
+        raise NotImplementedError
+
+    def _local_manifests(self, step: int) -> list[dict[str, Any]]:
+        """The step's manifests on this disk that are its own (see check_manifest); one that is
+        not is logged once and makes the step not committed here."""
+        folder = self.local / step_dir(step)
+        found = []
+        for path in sorted(folder.glob("manifest-node*.json")):
+            try:
+                manifest = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            try:
+                found.append(check_manifest(manifest, step, f"{folder.name}/{path.name}"))
+            except CheckpointError as exc:
+                if str(exc) not in self._told:
+                    self._told.add(str(exc))
+                    log.warning("%s", exc)
+                return []
+        return found
+
+    def local_steps(self) -> list[int]:
+        """Committed steps on this node's disk (a manifest of that step is in: the step is the
+        manifest's, never the folder name's; checked file by file on load)."""
+        self.wait_commit()
+        steps = [int(m.group(1)) for p in self.local.iterdir() if (m := STEP_RE.match(p.name)) and not p.is_symlink()]
+        return sorted(s for s in steps if self._local_manifests(s))
+
+    def remote_steps(self) -> list[int]:
+        """Steps whose every node's manifest is in the bucket. An unreachable bucket gives none
+        (and `remote_error` says why): the run goes on from its local steps."""
+        if self.remote is None:
+            return []
+        try:
+            names = [p.rsplit("/", 1)[-1] for p in self.remote.fs.ls(self.remote.root, detail=False)]
+        except Exception as exc:  # noqa: BLE001 (botocore / aiohttp errors are not all OSError)
+            cause = permanent_cause(exc)
+            if cause is not None:  # no retry helps: say so now, not after minutes of retries
+                raise StorageRefused(f"{self.remote.url}: {cause}") from None
+            if isinstance(exc, FileNotFoundError):
+                return []  # nothing under the prefix yet
+            self.remote_error = f"{type(exc).__name__}: {exc}"
+            return []
+        found = []
+        for name in names:
+            m = STEP_RE.match(name)
+            if not m:
+                continue
+            try:
+                listing = {p.rsplit("/", 1)[-1] for p in self.remote.fs.ls(self.remote.join(name), detail=False)}
+                first = json.loads(self.remote.fs.cat(self.remote.join(name, manifest_name(0))))
+            except Exception:  # noqa: BLE001 (a missing or damaged manifest: not a complete step)
+                continue
+            try:
+                check_manifest(first, int(m.group(1)), f"{self.remote.url}/{name}/{manifest_name(0)}")
+            except CheckpointError as exc:
+                if str(exc) not in self._told:
+                    self._told.add(str(exc))
+                    log.warning("%s", exc)
+                continue
+            if all(manifest_name(n) in listing for n in range(int(first["nnodes"]))):
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def loadable_steps(self) -> set[int]:
+        """Steps this node may restore, from its disk or the bucket (checked when loaded)."""
+        return set(self.local_steps()) | set(self.remote_steps())
+
+    def prefetch(self) -> None:
+        """Start loading the newest step (local or in the bucket: fetched, checked, mapped) on a
+        background thread, so that it overlaps what the caller does next (imports, building the
+        model). `load` of that step then returns its result; a fault found there is not kept:
+        `load` tries again and reports it as usual."""
+        if self._prefetch is None:
+            self._prefetch = threading.Thread(target=self._load_newest, name="checkpoint-prefetch", daemon=True)
+            self._prefetch.start()
+
+    def _load_newest(self) -> None:
+        try:
+            steps = sorted(self.loadable_steps())
+            if steps:
+                self._prefetched = (steps[-1], self.load(steps[-1]))
+        except Exception as exc:  # noqa: BLE001 (load, on the caller's thread, meets it again and says so)
+            log.debug("prefetch: %s", exc)
+
+    def _take_prefetched(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+        prefetch = self._prefetch
+        if prefetch is None or threading.current_thread() is prefetch:
+            return None
+        prefetch.join()
+        found, self._prefetched = self._prefetched, None
+        return found[1] if found is not None and found[0] == step else None
+
+    def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """(model state, this rank's RNG state or None when the step was saved with another
+        world size) for `step`: every file checked against its manifest first; a bad local copy
+        is fetched again from the bucket. Raises CheckpointError naming the file and the fault."""
+        prefetched = self._take_prefetched(step)
+        if prefetched is not None:
+            return prefetched
+        self.wait_commit()
+        folder = self.local / step_dir(step)
+        manifests = self._local_manifests(step)
+        try:
+            files, world = self._needed(manifests)
+            self._verify(folder, files)
+        except CheckpointError as local_fault:
+            if self.remote is None:
+                raise
+            if manifests:
+                log.warning("rank %d: local %s is damaged (%s); fetching it from %s", self.topo.rank,
+                            step_dir(step), local_fault, self.remote.url)
+            manifests = self._remote_manifests(step)
+            files, world = self._needed(manifests)
+            self._download(step, folder, files)  # each file checked there (fetched and hashed, or already good)
+        model = self._unpickle(folder / MODEL_FILE)
+        rng = self._unpickle(folder / rng_name(self.topo.rank)) if rng_name(self.topo.rank) in files else None
+        return model, rng
+
+    def load_folder(self, step: int) -> Path:
+        """A step saved with `save_folder`, every file of every node checked (fetched from the
+        bucket where missing or bad here): the local folder holding them."""
+        self.wait_commit()
+        folder = self.local / step_dir(step)
+        manifests = self._local_manifests(step)
+        try:
+            files = self._all_files(manifests)
+            self._verify(folder, files)
+        except CheckpointError:
+            if self.remote is None:
+                raise
+            manifests = self._remote_manifests(step)
+            files = self._all_files(manifests)
+            self._download(step, folder, files)  # each file checked there
+        return folder
+
+    def _all_files(self, manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        if not manifests or len(manifests) < int(manifests[0].get("nnodes", 1)):
+            raise CheckpointError("the manifests of some nodes are missing")
+        return {name: meta for m in manifests for name, meta in m.get("files", {}).items()}
+
+    def _needed(self, manifests: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], int]:
+        """The files this rank loads, with their manifest entries, and the step's world size."""
+        if not manifests:
+            raise CheckpointError("no manifest")
+        world = int(manifests[0].get("world_size", self.topo.world_size))
+        listed = {name: meta for m in manifests for name, meta in m.get("files", {}).items()}
+        wanted = [MODEL_FILE] + ([rng_name(self.topo.rank)] if world == self.topo.world_size else [])
+        missing = [name for name in wanted if name not in listed]
+        if missing:
+            raise CheckpointError(f"the manifest lists no {', '.join(missing)}")
+        return {name: listed[name] for name in wanted}, world
+
+    @staticmethod
+    def _verify(folder: Path, files: dict[str, dict[str, Any]]) -> None:
+        """Each file's size and sha256 against its manifest entry."""
+        for name, meta in files.items():
+            path = inside(folder, name)  # a plain relative path, no symbolic link on the way
+            try:
+                size = path.stat().st_size
+            except OSError:
+                raise CheckpointError(f"{name} is missing") from None
+            if size != meta["size"]:
+                raise CheckpointError(f"{name} has {size} bytes, the manifest says {meta['size']}")
+            if not digest.matches(path, meta):
+                raise CheckpointError(f"{name} does not match its sha256 in the manifest")
+
+    @staticmethod
+    def _unpickle(path: Path) -> dict[str, Any]:
+        # weights_only: a checkpoint in a shared bucket must not be able to run code when loaded;
+        # a damaged file and one carrying code both fail here, and neither is ever used. mmap: the
+        # tensors are the file's pages (just verified, so in the page cache), not a second copy of
+        # them; load_state_dict then copies them once into the model (issue 34: resume speed).
+        # A mapping is private (copy on write) and outlives the file's removal by keep-K.
+        try:
+            try:
+                return dict(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+                return dict(torch.load(path, map_location="cpu", weights_only=True))  # a legacy (non-zip) file
+        except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, TypeError) as exc:
+            text = str(exc)
+            detail = text.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0] if text.strip() else ""
+            raise CheckpointError(f"{path.name} cannot be read as tensors and plain values: {detail[:160]}") from None
+
+    def _remote_manifests(self, step: int) -> list[dict[str, Any]]:
+        assert self.remote is not None
+        try:
+            first = check_manifest(json.loads(self.remote.fs.cat(self.remote.join(step_dir(step), manifest_name(0)))),
+                                   step, f"{self.remote.url}/{step_dir(step)}/{manifest_name(0)}")
+            return [first] + [check_manifest(json.loads(self.remote.fs.cat(self.remote.join(step_dir(step),
+                                                                                           manifest_name(n)))),
+                                             step, f"{self.remote.url}/{step_dir(step)}/{manifest_name(n)}")
+                              for n in range(1, int(first["nnodes"]))]
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"its manifests cannot be read from {self.remote.url}: {exc}") from None
+
+    def _download(self, step: int, folder: Path, files: dict[str, dict[str, Any]]) -> None:
+        """Fetch the files that are missing or bad here; one rank of the node at a time (a lock
+        file), each file replaced atomically, so ranks reading it meanwhile keep a whole file."""
+        assert self.remote is not None
+        bad = [name for name in files if not plain_path(name)]
+        if bad or folder.is_symlink():
+            raise CheckpointError(f"{bad[0]!r} is not a plain file name inside the step's folder" if bad else
+                                  f"{folder} is a symbolic link: not written through")
+        folder.mkdir(parents=True, exist_ok=True)
+        with (folder.parent / f".{step_dir(step)}.fetch").open("a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            for name, meta in files.items():
+                target = inside(folder, name)  # a symbolic link on disk (say a linked subfolder) is refused
+                try:
+                    self._verify(folder, {name: meta})
+                    continue  # another rank fetched it already
+                except CheckpointError:
+                    pass
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)  # a subfolder of the step (FSDP's DCP folders)
+                except OSError as exc:
+                    raise CheckpointError(f"{folder.name}/{name}: its folder cannot be made: {exc}") from None
+                target = inside(folder, name)  # and still none after creating the subfolders
+                part = target.with_name(f"{target.name}.{self.topo.rank}.download")
+                url = self.remote.url
+
+                def fault(why: str, name: str = name) -> CheckpointError:
+                    return CheckpointError(f"{name} in {url} {why}")
+                try:  # one pass: hashed as it arrives (training/fetch.py), never read back
+                    fetch_verified(self.remote.fs, self.remote.join(step_dir(step), name), part, meta, fault)
+                except CheckpointError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    raise CheckpointError(f"{name} cannot be fetched from {self.remote.url}: {exc}") from None
+                os.replace(part, target)
+            for n, manifest in enumerate(self._remote_manifests(step)):
+                path = folder / manifest_name(n)
+                if not path.exists():
+                    path.write_text(json.dumps(manifest, indent=1))
+        log.info("rank %d fetched %s from %s", self.topo.rank, step_dir(step), self.remote.url)

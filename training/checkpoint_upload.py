@@ -1,0 +1,167 @@
+"""Uploading committed steps and keeping K (training/checkpoint.py's manager): a background
+thread uploads each node's files, manifest last, retrying transient faults with backoff and
+stopping at once on answers no retry changes; old steps are pruned locally and in the bucket."""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from training.checkpoint_files import MODEL_FILE, Topology, UploadStatus, check_manifest, inside, step_dir
+from training.storage import Location, StorageRefused, permanent_cause
+
+log = logging.getLogger("gts.checkpoint")
+
+
+class Uploading:
+    """The manager's upload / keep-K half (mixed into CheckpointManager, which sets these)."""
+
+    local: Path
+    remote: Location | None
+    remote_error: str
+    topo: Topology
+    keep: int
+    attempts: int
+    status: UploadStatus
+    on_status: Callable[[UploadStatus], None] | None
+    _queue: queue.Queue[int | None]
+    _lock: threading.Lock
+    _idle: threading.Event
+    _thread: threading.Thread | None
+
+    def wait_commit(self) -> None:
+        raise NotImplementedError
+
+    def local_steps(self) -> list[int]:
+        raise NotImplementedError
+
+    def remote_steps(self) -> list[int]:
+        raise NotImplementedError
+
+    def _uploader(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._upload_pending()
+            if self._queue.empty():
+                self._idle.set()
+
+    def _upload_pending(self) -> None:
+        with self._lock:
+            steps = sorted(self.status.pending)
+        for step in steps:
+            try:
+                # Transient faults (timeouts, 5xx, a dropped connection) are retried quietly; an
+                # answer no retry changes (no such bucket, access denied) stops at once.
+                for attempt in Retrying(stop=stop_after_attempt(self.attempts), reraise=False,
+                                        retry=retry_if_exception(lambda e: permanent_cause(e) is None),
+                                        wait=wait_exponential(multiplier=0.5, max=8)):
+                    with attempt:
+                        self._upload(step)
+            except RetryError as exc:
+                error = exc.last_attempt.exception()
+                assert error is not None
+                cause = permanent_cause(error)
+                with self._lock:
+                    self.status.last_error = f"{step_dir(step)}: {cause or error}"
+                    if cause:
+                        self.status.permanent_error = f"{self.remote.url if self.remote else ''}: {cause}"
+                if cause:
+                    log.error("upload of %s refused by %s (%s): not retried; kept locally", step_dir(step),
+                              self.remote.url if self.remote else "", cause)
+                else:
+                    log.warning("upload of %s failed (%s); kept locally, will retry", step_dir(step), error)
+                self._report()
+                return  # keep order: newer steps wait for older ones
+            with self._lock:
+                self.status.pending.remove(step)
+                self.status.uploaded.append(step)
+                self.status.last_success = time.time()
+                self.status.last_error = ""
+            log.info("uploaded %s to %s", step_dir(step), self.remote.url if self.remote else "")
+            self._prune_remote()
+            self._prune_local()
+            self._report()
+
+    def _upload(self, step: int) -> None:
+        """This node's files of `step`, then its manifest (the commit). A folder fetched from the
+        bucket on an earlier start may hold other nodes' manifests: their files are there already."""
+        assert self.remote is not None
+        folder = self.local / step_dir(step)
+        for path in sorted(folder.glob("manifest-node*.json")):
+            manifest = check_manifest(json.loads(path.read_text()), step, f"{folder.name}/{path.name}")
+            names = sorted(manifest["files"])
+            if self.topo.rank != 0:
+                names = [n for n in names if n != MODEL_FILE]  # global rank 0 uploads the shared file
+            for name in names:
+                local = inside(folder, name)  # each file under its relative key (subfolders as key prefixes)
+                if local.exists():
+                    self.remote.fs.put(str(local), self.remote.join(step_dir(step), name))
+            self.remote.fs.put(str(path), self.remote.join(step_dir(step), path.name))
+
+    def resync(self) -> None:
+        """Queue committed local steps the bucket lacks (an outage during an earlier run)."""
+        if self.remote is None or self.topo.local_rank != 0:
+            return
+        have = set(self.remote_steps())
+        if self.remote_error:
+            log.warning("cannot list %s (%s); training goes on from local state and uploads are retried "
+                        "in the background", self.remote.url, self.remote_error)
+        missing = [s for s in self.local_steps()[-self.keep:] if s not in have]
+        if missing:
+            log.info("uploading %d checkpoint(s) missing from the bucket: %s", len(missing), missing)
+            with self._lock:
+                self.status.pending = sorted(set(self.status.pending) | set(missing))
+            self._idle.clear()
+            self._queue.put(missing[-1])
+
+    def _prune_local(self) -> None:
+        steps = self.local_steps()
+        with self._lock:
+            pending = set(self.status.pending)
+        for step in steps[:-self.keep]:
+            if step not in pending:
+                shutil.rmtree(self.local / step_dir(step), ignore_errors=True)
+
+    def _prune_remote(self) -> None:
+        if self.remote is None or self.topo.rank != 0:
+            return
+        try:
+            steps = self.remote_steps()
+            for step in steps[:-self.keep]:
+                self.remote.fs.rm(self.remote.join(step_dir(step)), recursive=True)
+        except (OSError, StorageRefused) as exc:
+            log.warning("could not prune old checkpoints in %s: %s", self.remote.url, exc)
+
+    def _report(self) -> None:
+        if self.on_status is not None:
+            with self._lock:
+                snapshot = UploadStatus(list(self.status.pending), self.status.last_success,
+                                        self.status.last_error, list(self.status.uploaded), self.status.last_commit,
+                                        self.status.write_error, self.status.permanent_error)
+            self.on_status(snapshot)
+
+    def wait_uploads(self, timeout: float) -> bool:
+        """Block until the queue is drained (True) or `timeout` passes (False)."""
+        self.wait_commit()
+        if self._thread is None:
+            return True
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._idle.wait(timeout=0.5) and not self.status.pending:
+                return True
+            if self.status.permanent_error:
+                return False  # waiting changes nothing
+            if self._idle.is_set() and self.status.pending:
+                self._idle.clear()
+                self._queue.put(self.status.pending[-1])  # retry now
+        return not self.status.pending

@@ -1,0 +1,57 @@
+"""What a training run is made of: its dataset, its model (initialised from the seed, or on the
+meta device without values when a checkpoint will fill them) and its learning-rate schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from training.trainer import config as config_mod
+from training.trainer.data import ImageFolder, SyntheticClassification, SyntheticTokens
+from training.trainer.models import ResNet50, TinyGPT, TinyNet
+
+
+def build_data(cfg: config_mod.TrainConfig) -> SyntheticClassification | ImageFolder | SyntheticTokens:
+    """The dataset (its randomness comes from its own generators, never torch's global one)."""
+    if cfg.workload == "gpt-tiny":
+        return SyntheticTokens(cfg.tiny_samples, cfg.gpt_vocab, cfg.gpt_context, cfg.seed)
+    if cfg.workload == "tiny":
+        return SyntheticClassification(cfg.tiny_samples, cfg.tiny_dim, 10, cfg.seed)
+    return ImageFolder(cfg.data_dir, cfg.image_size, cfg.seed)
+
+
+def build_model(cfg: config_mod.TrainConfig, classes: int, device: torch.device | str = "cpu") -> nn.Module:
+    """The model, its weights initialised from cfg.seed (identical on every rank). On the meta
+    device it has shapes and no values (no initialisation: the resume path fills it)."""
+    if str(device) == "meta":
+        with torch.device("meta"):
+            return build_model(cfg, classes)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    if cfg.workload == "gpt-tiny":
+        return TinyGPT(cfg.gpt_vocab, cfg.gpt_dim, cfg.gpt_layers, cfg.gpt_heads, cfg.gpt_context)
+    if cfg.workload == "tiny":
+        return TinyNet(cfg.tiny_dim, cfg.tiny_width)
+    model = ResNet50(classes, cfg.grad_checkpointing)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    return model
+
+
+def fully_restored(model: nn.Module) -> bool:
+    """True when the model's state_dict holds every parameter and buffer: loading a checkpoint
+    then sets every value, so the model may be built without initialising them."""
+    named = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    return named <= set(model.state_dict())
+
+
+def lr_lambda(cfg: config_mod.TrainConfig) -> Any:
+    import math
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
