@@ -143,7 +143,7 @@ def signal_handlers() -> Any:
 def test_a_model_built_on_the_meta_device_resumes_the_same_numbers(tmp_path: Path, signal_handlers: None) -> None:
     """The trainer's deferred init: no values until the checkpoint's, then exactly those; and
     without a checkpoint exactly the seed's values of a plain CPU build."""
-    from training import config as config_mod
+    from training.trainer import config as config_mod
     from training.trainer.build import build_model
     from training.trainer.train import Run
 

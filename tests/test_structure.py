@@ -74,9 +74,6 @@ def test_no_import_cycle_between_the_projects_modules() -> None:
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
-@pytest.mark.xfail(strict=True, reason="training.checkpointing imports training.sharded under TYPE_CHECKING and "
-                                       "training.sharded imports training.checkpointing: training/ is being split "
-                                       "by its own change (issue 35); remove this mark when that lands")
 def test_no_import_cycle_in_training() -> None:
     graph = _graph(("training",))
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])

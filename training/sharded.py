@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from training.checkpoint import CheckpointError, CheckpointManager, rng_name, step_dir
-from training.checkpointing import Resumed, choose_checkpoint
+from training.run_control import Resumed, choose_checkpoint
 from training.distributed import Comm
 
 log = logging.getLogger("gts.sharded")
