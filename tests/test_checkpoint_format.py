@@ -163,3 +163,62 @@ def test_a_model_built_on_the_meta_device_resumes_the_same_numbers(tmp_path: Pat
     resumed.build_model()
     resumed.model.load_state_dict(trained)
     assert all(torch.equal(resumed.model.state_dict()[k], v) for k, v in trained.items())
+
+
+class _DroppingFs:
+    """An fsspec-like store whose first `drops` reads of a file break after half of it, as a
+    connection reset mid-stream does; later reads are whole. `answer` replaces the drop with
+    an S3 answer (a dict like botocore's error response) to check what is not retried."""
+
+    def __init__(self, data: bytes, drops: int, answer: dict[str, Any] | None = None):
+        self.data, self.drops, self.answer, self.opens = data, drops, answer, 0
+
+    def open(self, key: str, mode: str) -> Any:
+        import io
+
+        self.opens += 1
+        fs, data = self, self.data
+
+        class Reader(io.BytesIO):
+            def read(self, n: int | None = -1) -> bytes:
+                if fs.opens <= fs.drops and self.tell() >= len(data) // 2:
+                    if fs.answer is not None:
+                        err = OSError("refused")
+                        err.response = fs.answer  # type: ignore[attr-defined]
+                        raise err
+                    raise ConnectionResetError("connection reset by peer")
+                return super().read(n if n is not None and n >= 0 else -1)
+        return Reader(data)
+
+
+def _meta(data: bytes) -> dict[str, Any]:
+    import hashlib
+
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_a_download_that_drops_midway_is_fetched_again_and_a_bad_copy_is_not(tmp_path: Path) -> None:
+    from training.fetch import PIECE, fetch_retrying
+
+    data = bytes(range(256)) * ((3 * PIECE) // 256)  # three pieces: the drop is after the first
+    fs = _DroppingFs(data, drops=2)
+    dest = tmp_path / "model.pt.part"
+    fetch_retrying(fs, "b/k", dest, _meta(data), CheckpointError, wait_max_s=0)
+    assert fs.opens == 3 and dest.read_bytes() == data
+
+    always = _DroppingFs(data, drops=99)  # never whole: the last fault is raised, nothing is left
+    with pytest.raises(ConnectionResetError):
+        fetch_retrying(always, "b/k", dest, _meta(data), CheckpointError, attempts=3, wait_max_s=0)
+    assert always.opens == 3 and not dest.exists()
+
+    flipped = bytearray(data)
+    flipped[-1] ^= 0xFF
+    bad = _DroppingFs(bytes(flipped), drops=0)  # the bucket's copy is bad: once, not again
+    with pytest.raises(CheckpointError, match="sha256"):
+        fetch_retrying(bad, "b/k", dest, _meta(data), CheckpointError, wait_max_s=0)
+    assert bad.opens == 1 and not dest.exists()
+
+    denied = _DroppingFs(data, drops=9, answer={"Error": {"Code": "AccessDenied", "Message": "no"}})
+    with pytest.raises(OSError, match="refused"):  # an answer no retry changes: at once
+        fetch_retrying(denied, "b/k", dest, _meta(data), CheckpointError, wait_max_s=0)
+    assert denied.opens == 1

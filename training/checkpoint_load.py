@@ -20,7 +20,7 @@ import torch
 from training import digest
 from training.checkpoint_files import (MODEL_FILE, STEP_RE, CheckpointError, Topology, check_manifest, inside,
                                        manifest_name, plain_path, rng_name, step_dir)
-from training.fetch import fetch_verified
+from training.fetch import fetch_retrying
 from training.storage import Location, StorageRefused, permanent_cause
 
 log = logging.getLogger("gts.checkpoint")
@@ -266,8 +266,8 @@ class Loading:
 
                 def fault(why: str, name: str = name) -> CheckpointError:
                     return CheckpointError(f"{name} in {url} {why}")
-                try:  # one pass: hashed as it arrives (training/fetch.py), never read back
-                    fetch_verified(self.remote.fs, self.remote.join(step_dir(step), name), part, meta, fault)
+                try:  # one pass: hashed as it arrives (training/fetch.py), never read back; again on a drop
+                    fetch_retrying(self.remote.fs, self.remote.join(step_dir(step), name), part, meta, fault)
                 except CheckpointError:
                     raise
                 except Exception as exc:  # noqa: BLE001

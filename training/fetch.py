@@ -22,9 +22,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
 from training.digest import StreamHasher, expected
+from training.storage import permanent_cause
 
 PIECE = 8 << 20  # bytes handed to the hashing writer at once
+ATTEMPTS = 4  # a dropped connection or a 5xx mid-file: the whole file again, a few times
 
 
 class TooLong(Exception):
@@ -129,3 +133,24 @@ def fetch_verified(fs: Any, key: str, dest: Path, meta: dict[str, Any],
         dest.unlink(missing_ok=True)
         raise on_fault("does not match its sha256 either")
 
+
+
+def fetch_retrying(fs: Any, key: str, dest: Path, meta: dict[str, Any], on_fault: Callable[[str], Exception],
+                   attempts: int = ATTEMPTS, wait_max_s: float = 8.0) -> None:
+    """fetch_verified, again from the start after a transient fault (a connection dropped
+    mid-stream, a timeout, a 5xx: what s3fs's ranged reads retried), with backoff. Not again
+    after a fault of the bytes themselves (size, digest: the bucket's copy is bad, on_fault's
+    exception) or an answer no retry changes (storage.permanent_cause): those are raised at once."""
+    faults: list[Exception] = []
+
+    def fault(why: str) -> Exception:
+        faults.append(on_fault(why))
+        return faults[-1]
+
+    def transient(exc: BaseException) -> bool:
+        return not any(exc is f for f in faults) and permanent_cause(exc) is None
+
+    for attempt in Retrying(stop=stop_after_attempt(attempts), wait=wait_exponential(multiplier=0.5, max=wait_max_s),
+                            retry=retry_if_exception(transient), reraise=True):
+        with attempt:
+            fetch_verified(fs, key, dest, meta, fault)
