@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (training/trainer/ is two folders down)
 
 
 def resume_seconds(width: int, remote: str, env: dict[str, str], work: Path, attempt: int) -> dict[str, float]:
