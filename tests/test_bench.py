@@ -82,3 +82,11 @@ def test_the_writer_hashes_small_and_straddling_writes(tmp_path: Path, monkeypat
     data = b"".join(writes)
     assert (tmp_path / "f").read_bytes() == data and writer.size == len(data)
     assert hexdigest == _pieces_digest(data, 64) == digest.hash_file(tmp_path / "f")
+
+
+def test_the_resume_figure_runs_the_trainer_of_this_checkout() -> None:
+    """The fresh trainer process is started with PYTHONPATH=ROOT: ROOT must be the checkout."""
+    from training.trainer import bench_resume
+
+    assert (bench_resume.ROOT / "training" / "trainer" / "train.py").is_file()
+    assert (bench_resume.ROOT / "Makefile").is_file()
