@@ -8,7 +8,7 @@ checkov runs from its own virtualenv (.ci/checkov/venv, made by `make tools` fro
 No NetworkPolicy finding (CKV2_K8S_6: a pod no NetworkPolicy selects) and every other finding
 is listed in ACCEPTED with the reason it remains. CKV2_K8S_6 is namespace-blind (checkov's
 edge builder attaches a `podSelector: {}` policy to every pod of the scan, whatever its
-namespace), so the per-namespace default deny is tests/test_tenancy.py's
+namespace), so the per-namespace default deny is tests/test_tenancy_k8s.py's
 test_every_namespace_the_stack_creates_denies_by_default; here the check is shown live on the
 same manifests without their policies."""
 

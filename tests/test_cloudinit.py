@@ -146,7 +146,7 @@ def test_plan_gpu_resources_carry_the_user_data() -> None:
         if r.inputs.get("userData"):
             carried[r.name] = base64.b64decode(unwrap_secrets(r.inputs)["userData"]).decode()
     for r in by_type(res, "tencentcloud:As/scalingConfig:ScalingConfig") + by_type(res, "tencentcloud:Instance/instance:Instance"):
-        if "-rdzv-" not in r.name:  # the rendezvous store (tests/test_contract.py)
+        if "-rdzv-" not in r.name:  # the rendezvous store (tests/test_contract_handover.py)
             carried[r.name] = base64.b64decode(unwrap_secrets(r.inputs)["userData"]).decode()
     for r in by_type(res, "tencentcloud:Kubernetes/nodePool:NodePool"):
         if (r.inputs.get("nodeConfig") or {}).get("userData"):

@@ -70,7 +70,7 @@ def test_eks_nodes_keep_pods_off_the_node_role() -> None:
         assert options["httpPutResponseHopLimit"] == 1 and options["httpTokens"] == "required"
         assert options.get("instanceMetadataTags") != "enabled"  # EKS tags nodes with `/` keys
     addons = sorted(a.inputs["addonName"] for a in by_type(res, "aws:eks/addon:Addon"))
-    # EFS for the Jobs, vpc-cni for NetworkPolicy enforcement (issue 27; tests/test_tenancy.py), the
+    # EFS for the Jobs, vpc-cni for NetworkPolicy enforcement (issue 27; tests/test_tenancy_k8s.py), the
     # node monitoring agent for GPU node repair (issue 31)
     assert addons == ["aws-efs-csi-driver", "eks-node-monitoring-agent", "eks-pod-identity-agent", "vpc-cni"]
 

@@ -167,7 +167,7 @@ def test_every_trainer_metric_a_rule_reads_is_one_the_trainer_exports(stack: str
     from training.trainer.metrics import Metrics
 
     rules = monitoring.render(load_stack_spec(stack))
-    used = {n for n in re.findall(r"\bgts_[a-z_]+", rules) if not n.startswith(("gts_spot_", "gts_gpu_"))}  # gts_gpu_*: tests/test_gpu_health.py
+    used = {n for n in re.findall(r"\bgts_[a-z_]+", rules) if not n.startswith(("gts_spot_", "gts_gpu_"))}  # gts_gpu_*: tests/test_gpu_health_plan.py
     exported = {m.name for m in Metrics(0, 1.0, {"node": "0"}).registry.collect()}
     assert used and used <= exported, used - exported
     if stack == "dev":  # checkpointEvery: auto

@@ -23,7 +23,7 @@ from infra.plan.invokes import COMPUTED
 from tests.harness import parse_spec
 from tests.harness import ROOT, by_type, policy_hits, run_stack, spec_raw, stack_values
 from tests.nodes import lay_down, node_env
-from tests.test_contract import VM_NODES, container_env, job_containers, node_env_of
+from tests.contract_helpers import VM_NODES, container_env, job_containers, node_env_of
 
 NETS, GROUPS = "gpu-training-stack:networks", "gpu-training-stack:nodeGroups"
 TYPES = {"aws-train": "efs", "ali-train": "nas", "tc-train": "cfs"}

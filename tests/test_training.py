@@ -242,7 +242,7 @@ def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
         f"scrape_configs: [{{job_name: trainer, static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]}}]\n")
     # The identity a dev AWS node's env file gives its trainer (decoded from the node's user data):
     # the metrics' labels, which the showback rules sum by team.
-    from tests.test_contract import vm_env
+    from tests.contract_helpers import vm_env
 
     node = vm_env("dev", "aws", tmp_path)
     identity = {k: node[k] for k in ("GTS_CLOUD", "GTS_NODE_GROUP", "GTS_TEAM")}

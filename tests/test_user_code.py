@@ -19,7 +19,7 @@ from infra.errors import SpecError
 from infra.plan.engine import Registered
 from tests.harness import parse_spec
 from tests.harness import ROOT, by_type, run_stack, spec_raw, stack_values
-from tests.test_contract import JOBS, VM_NODES, container_env, job_containers, node_env_of
+from tests.contract_helpers import JOBS, VM_NODES, container_env, job_containers, node_env_of
 from tests.training_helpers import BIN, LAUNCH_TIMEOUT, MotoServer, Run, free_port, storage_env
 from training import contract
 
@@ -216,7 +216,7 @@ def test_the_library_reads_the_interval_a_dev_node_is_given(tmp_path: Path) -> N
     """The seam plan -> node env -> library: dev's AWS VM node env, decoded from its user data
     (checkpointEvery: auto, MTBF_S and NOTICE_S from infra/data/interruptions.yaml), given to a
     loop that uses only the library; only the bucket (out of reach here) and scratch are replaced."""
-    from tests.test_contract import vm_env
+    from tests.contract_helpers import vm_env
 
     env = vm_env("dev", "aws", tmp_path)
     assert env[contract.CHECKPOINT_EVERY.name] == "auto"

@@ -1,0 +1,166 @@
+"""Multi-node fabrics (#30) on the node: the trainer env each fabric's group renders (NCCL
+settings), and cloudinit/scripts/gts-fabric.sh run for real (check, install, nccl-test) against
+a laid-out sysfs and a stand-in docker / installer; an HCC group's fixed instances are
+quarantined, not handed back, on a GPU fault."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra import userdata
+from infra.groups import resolve
+from tests.fabric_helpers import fabric_values
+from tests.harness import parse_spec
+from tests.harness import ROOT, spec_raw
+
+SCRIPT = ROOT / "cloudinit" / "scripts" / "gts-fabric.sh"
+
+
+# ---------------------------------------------------------------------------- the node
+
+@pytest.fixture(scope="module")
+def fabric_stack() -> Any:
+    return resolve(parse_spec(spec_raw(fabric_values())))
+
+
+def test_trainer_env_carries_each_fabrics_nccl_settings(fabric_stack: Any) -> None:
+    efa = fabric_stack.group("aws-efa").trainer
+    assert (efa["FI_PROVIDER"], efa["FI_EFA_USE_DEVICE_RDMA"], efa["GTS_FABRIC_DEVICES"]) == ("efa", "1", "32")
+    erdma = fabric_stack.group("ali-erdma").trainer
+    assert erdma["NCCL_IB_HCA"] == "erdma" and erdma["NCCL_IB_GID_INDEX"] == "-1"
+    assert erdma["NCCL_IB_ADDR_RANGE"] == "10.40.0.0/16" and erdma["NCCL_NET_GDR_LEVEL"] == "SYS"
+    hcc = fabric_stack.group("tc-hcc").trainer
+    assert hcc["NCCL_IB_GID_INDEX"] == "3" and hcc["NCCL_IB_HCA"] == "mlx5_bond"
+    ctx = userdata.node_context(fabric_stack.spec, fabric_stack.group("aws-efa"), userdata.IMAGE_PLACEHOLDER)
+    env = userdata.render_env(ctx)
+    assert "FI_PROVIDER=efa" in env and "GTS_FABRIC=efa" in env and "NCCL_SOCKET_IFNAME=en\n" in env
+    assert "^lo,docker" not in env, "one NCCL_SOCKET_IFNAME: the fabric's"
+    plain = userdata.render_env(userdata.node_context(fabric_stack.spec, fabric_stack.group("ali-train"),
+                                                      userdata.IMAGE_PLACEHOLDER))
+    assert "NCCL_SOCKET_IFNAME=^lo,docker" in plain and "GTS_FABRIC" not in plain
+
+
+def lay_out(root: Path, fabric_name: str, names: list[str]) -> Path:
+    sysfs = root / "sys"
+    for name in names:
+        dev = sysfs / "class" / "infiniband" / name / "device"
+        if dev.exists():
+            continue
+        dev.mkdir(parents=True)
+        driver = root / "drivers" / ("efa" if fabric_name == "efa" else "other")
+        driver.mkdir(parents=True, exist_ok=True)
+        (dev / "driver").symlink_to(driver)
+    return sysfs
+
+
+def run_fabric(tmp: Path, fabric_name: str, devices: list[str], want: int, nccl_line: str,
+               *args: str) -> subprocess.CompletedProcess[str]:
+    env_file = tmp / "node.env"
+    env_file.write_text(f"GTS_FABRIC={fabric_name}\nGTS_FABRIC_DEVICES={want}\nGTS_IMAGE=trainer@sha256:0\n")
+    stubs = tmp / "bin"
+    stubs.mkdir(exist_ok=True)
+    # Stand-ins for what a real node has: docker (prints NCCL's selection line), the installers.
+    (stubs / "docker").write_text(f"#!/bin/sh\necho \"$*\" >> {tmp}/docker.args\necho '{nccl_line}'\n")
+    for tool in ("curl", "apt-get", "make", "sysctl", "lsmod", "logger"):
+        (stubs / tool).write_text(f"#!/bin/sh\necho \"{tool} $*\" >> {tmp}/calls\n")
+    # tar unpacks the EFA installer, git clones GDRCopy: each leaves the script the next step runs.
+    recorder = f"#!/bin/sh\necho \"$0 $*\" >> {tmp}/calls\n"
+    (stubs / "tar").write_text(recorder + 'while [ $# -gt 1 ]; do [ "$1" = -C ] && d=$2; shift; done\n'
+                               'mkdir -p "$d/aws-efa-installer"\n'
+                               f'printf "#!/bin/sh\\necho efa_installer.sh \\$* >> {tmp}/calls\\n" '
+                               '> "$d/aws-efa-installer/efa_installer.sh"\n'
+                               'chmod +x "$d/aws-efa-installer/efa_installer.sh"\n')
+    (stubs / "git").write_text(recorder + 'for a; do d=$a; done\nmkdir -p "$d"\n'
+                               f'printf "#!/bin/sh\\necho insmod.sh >> {tmp}/calls\\n" > "$d/insmod.sh"\n'
+                               'chmod +x "$d/insmod.sh"\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "GTS_ENV_FILE": str(env_file),
+           "GTS_SYSFS": str(lay_out(tmp, fabric_name, devices)), "GTS_RUN_DIR": str(tmp / "run"),
+           "GTS_ETC_DIR": str(tmp / "etc"), "GTS_DEV_DIR": str(tmp / "dev")}
+    return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_check_passes_devices_and_limits_to_the_container(tmp_path: Path) -> None:
+    proc = run_fabric(tmp_path, "erdma", ["erdma_0", "erdma_1"], 2, "NCCL INFO NET/IB : Using [0]erdma_0:1/RoCE",
+                      "check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    flags = (tmp_path / "run" / "fabric.args").read_text().split()
+    assert f"--device={tmp_path}/dev/infiniband" in flags and "--cap-add=IPC_LOCK" in flags
+    assert "--ulimit=memlock=-1:-1" in flags
+    assert (tmp_path / "run" / "fabric.env").read_text() == "NCCL_IB_HCA=erdma_0,erdma_1\n"
+    probe = (tmp_path / "docker.args").read_text()
+    assert "NCCL_DEBUG=INFO" in probe and "--cap-add=IPC_LOCK" in probe
+    assert not (tmp_path / "run" / "fabric-failed").exists()
+
+
+@pytest.mark.parametrize("devices, line, why", [
+    (["rdmap0", "rdmap1"], "NET/OFI Selected Provider is efa", "efa sees 2 of 4 devices"),
+    (["rdmap0", "rdmap1", "rdmap2", "rdmap3"], "NCCL INFO NET/Socket : Using [0]ens5:10.0.0.5<0>",
+     "NCCL did not select efa (NET/Socket : Using [0]ens5"),
+])
+def test_check_keeps_a_node_out_with_one_line(tmp_path: Path, devices: list[str], line: str, why: str) -> None:
+    proc = run_fabric(tmp_path, "efa", devices, 4, line, "check")
+    assert proc.returncode == 1
+    failed = (tmp_path / "run" / "fabric-failed").read_text()
+    assert why in failed and failed.count("\n") == 1
+    again = run_fabric(tmp_path, "efa", devices + ["rdmap8", "rdmap9"], 4, "NET/OFI Selected Provider is efa",
+                       "check")
+    assert again.returncode == 1, "a failed node stays out until it reboots"
+    unit = (ROOT / "cloudinit" / "units" / "gts-trainer.service").read_text()
+    assert "ConditionPathExists=!/run/gpu-training/fabric-failed" in unit
+    assert "ExecStartPre=/usr/local/sbin/gts-fabric.sh check" in unit
+
+
+def test_install_sets_up_efa_user_space_and_host_limits(tmp_path: Path) -> None:
+    proc = run_fabric(tmp_path, "efa", [], 4, "", "install")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = (tmp_path / "calls").read_text()
+    assert "efa-installer.amazonaws.com/aws-efa-installer-latest.tar.gz" in calls
+    assert "efa_installer.sh -y" in calls and "NVIDIA/gdrcopy" in calls and "insmod.sh" in calls
+    etc = tmp_path / "etc"
+    assert "memlock unlimited" in (etc / "security/limits.d/90-gts-fabric.conf").read_text()
+    assert "kernel.yama.ptrace_scope = 0" in (etc / "sysctl.d/90-gts-fabric.conf").read_text()
+    bootstrap = (ROOT / "cloudinit" / "scripts" / "gts-bootstrap.sh").read_text()
+    assert 'step fabric "$SBIN/gts-fabric.sh" install' in bootstrap
+
+
+def test_no_fabric_means_nothing_to_do(tmp_path: Path) -> None:
+    proc = run_fabric(tmp_path, "", [], 0, "", "check")
+    assert proc.returncode == 0 and "no fabric" in proc.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_hcc_group_is_fixed_instances_so_a_faulty_node_is_quarantined_not_handed_back(
+        fabric_stack: Any) -> None:
+    """HCC nodes are CVM instances in an HCC cluster, in no AS group (TencentGpuFleet): a GPU
+    fault must not make them ask a scaling group to replace them (GTS_REPLACE=none); the EFA and
+    eRDMA groups scale and hand a faulty node back (infra/gpu_health.py replace_mode)."""
+    from infra import gpu_health
+    from infra.clouds.tencentcloud.fleet import fixed_instances
+
+    hcc = fabric_stack.group("tc-hcc")
+    assert fixed_instances(hcc) == hcc.scaling.max and gpu_health.replace_mode(hcc) == "none"
+    ctx = userdata.node_context(fabric_stack.spec, hcc, "img")
+    assert "GTS_REPLACE=none" in userdata.render_env(ctx).splitlines()
+    for name in ("aws-efa", "ali-erdma"):
+        assert gpu_health.replace_mode(fabric_stack.group(name)) == "group", name
+
+
+def test_nccl_test_runs_one_process_per_gpu_on_each_host(tmp_path: Path) -> None:
+    proc = run_fabric(tmp_path, "efa", ["rdmap0s1"], 1, "", "nccl-test", "10.0.0.1,node-b.internal")
+    assert proc.returncode == 0, proc.stderr
+    args = (tmp_path / "docker.args").read_text().split()
+    assert args[-4:] == ["nccl-test", args[-3], "16", "10.0.0.1:8,node-b.internal:8"], args[-6:]
+
+
+@pytest.mark.parametrize("hosts", ["10.0.0.1;touch /tmp/x", "10.0.0.1 10.0.0.2", "$(id)", "a,,b", "-H x", ""])
+def test_nccl_test_refuses_a_host_list_that_is_not_one(hosts: str, tmp_path: Path) -> None:
+    """The hosts reach mpirun inside a privileged container: anything but names and addresses,
+    comma-separated, is refused before docker runs."""
+    proc = run_fabric(tmp_path, "efa", ["rdmap0s1"], 1, "", "nccl-test", hosts)
+    assert proc.returncode != 0 and not (tmp_path / "docker.args").exists(), proc.stderr
