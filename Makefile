@@ -106,7 +106,7 @@ test: typecheck unit
 
 ## boot-test: node kinds booted for real (systemd-nspawn, real cloud-init, the plan's user data; root; base image cached under $XDG_CACHE_HOME or ~/.cache, gts-boot/)
 boot-test: $(STAMP) tools
-	$(PY) -m pytest -q -m boot tests/test_boot.py
+	$(PY) -m pytest -q -m boot tests/test_boot_*.py
 
 typecheck: $(STAMP)
 	$(PY) -m mypy infra __main__.py tests policies training examples

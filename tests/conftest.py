@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The date the shipped prices are judged at in tests (infra/prices/age.py): they age with the
 # calendar, and their age is the pack's prices-fresh verdict (never an error); pinning it keeps
-# the verdicts' text stable. tests/test_hostile_input.py plans with the real date and years on.
+# the verdicts' text stable. tests/test_hostile_stackfile.py plans with the real date and years on.
 os.environ.setdefault("GTS_TODAY", "2026-11-30")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))

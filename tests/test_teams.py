@@ -1,57 +1,25 @@
 """Stacks for many teams: the registry (teams.yaml) with three teams — isolated, shared, shared
-with borrowing — its generated stacks, the Kueue objects the shared stack plans from it, `make
-teams` run as a user runs it on a project copy (good registry, hostile edits), the Automation API
-driver's own logic driven over the real offline plan, and per-team showback evaluated by promtool."""
+with borrowing — its generated stacks, the Kueue objects the shared stack plans from it, and
+per-team showback evaluated by promtool. `make teams` on a project copy is in
+tests/test_teams_make.py, the Automation API driver in tests/test_teams_driver.py."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import math
-import os
-import shutil
 import subprocess
-import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from rich.console import Console
 
 from infra.groups import resolve
 from infra.k8s.job import QUEUE_LABEL, pod_resources
-from infra.plan.__main__ import build_plan
 from infra.stackfile import load_stack_spec
 from infra.teams import generate, queues, registry
-from infra.teams import __main__ as driver
-from tests.harness import ROOT, by_type, project_copy, shipped
+from tests.harness import ROOT, by_type, shipped
+from tests.teams_helpers import CQ, LQ, RF
 from tests.test_monitoring import promtool
-
-CQ = "kubernetes:kueue.x-k8s.io/v1beta2:ClusterQueue"
-LQ = "kubernetes:kueue.x-k8s.io/v1beta2:LocalQueue"
-RF = "kubernetes:kueue.x-k8s.io/v1beta2:ResourceFlavor"
-
-
-def teams_project(tmp: Path, edit: Any = None) -> Path:
-    """A project copy with prod (the base and shared stack), the registry and its generated
-    stacks; `edit(registry_dict)` changes teams.yaml first."""
-    proj = project_copy(tmp)
-    for name in ("Pulumi.dev.yaml", "Pulumi.prod.yaml", "Pulumi.team-vision.yaml", "teams.yaml"):
-        shutil.copy(ROOT / name, proj / name)
-    if edit is not None:
-        data = yaml.safe_load((proj / "teams.yaml").read_text())
-        edit(data)
-        (proj / "teams.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
-    return proj
-
-
-def make_teams(proj: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """`make teams` as the Makefile runs it, in the project copy."""
-    env = {**os.environ, "PYTHONPATH": str(proj)}
-    return subprocess.run([sys.executable, "-m", "infra.teams.report", *args], cwd=proj, capture_output=True,
-                          text=True, timeout=300, env=env)
 
 
 # ---------------------------------------------------------------- the registry and its stacks
@@ -156,232 +124,6 @@ def test_each_stack_job_is_admitted_whole_by_its_own_queue() -> None:
                 assert pods * int(requests["nvidia.com/gpu"]) <= quota[queues.GPU]
                 assert pods * int(requests["cpu"]) <= quota["cpu"]
                 assert pods * int(requests["memory"].removesuffix("Gi")) <= quota["memory"]
-
-
-# ------------------------------------------------------------------------- make teams
-
-def test_make_teams_reports_every_team_and_the_org(tmp_path: Path) -> None:
-    proj = teams_project(tmp_path)
-    result = make_teams(proj, "--format", "json")
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
-    teams = {t["team"]: t for t in report["teams"]}
-    assert teams["vision"]["gpus"] == [{"cloud": "aws", "model": "A100", "used": 16, "granted": 16}]
-    assert teams["nlp"]["gpus"] == [{"cloud": "aws", "model": "H100", "used": 16, "granted": 16}]
-    assert teams["speech"]["resources"] >= 2 * 5  # namespace, role, binding, ClusterQueue, LocalQueue per cluster
-    plan = build_plan("prod")
-    assert report["org"]["monthly_usd"] == pytest.approx(teams["vision"]["monthly_usd"] + plan["cost"]["monthly_usd"])
-    # the shared teams' showback: their whole quota busy at the flavors' GPU-hour
-    flavor = queues.flavors(resolve(load_stack_spec("prod")), "aws")["aws-h100-spot"]
-    assert teams["nlp"]["hourly_usd"] == pytest.approx(16 * flavor.gpu_hourly_usd, rel=1e-3)
-    table = make_teams(proj, "--team", "nlp")
-    assert table.returncode == 0 and "nlp" in table.stdout and "vision" not in table.stdout
-
-
-def test_a_team_asking_more_than_the_org_has_is_refused(tmp_path: Path) -> None:
-    def greedy(data: dict[str, Any]) -> None:
-        data["teams"][1]["gpus"]["aws"]["H100"] = 40  # the org has 32
-
-    result = make_teams(teams_project(tmp_path, greedy))
-    assert result.returncode == 2
-    assert "org.gpus.aws.H100" in result.stderr and "nlp 40" in result.stderr and "Traceback" not in result.stderr
-
-
-def test_a_team_on_a_cloud_the_org_does_not_use_is_refused(tmp_path: Path) -> None:
-    def elsewhere(data: dict[str, Any]) -> None:
-        data["org"]["gpus"].pop("tencentcloud")
-
-    result = make_teams(teams_project(tmp_path, elsewhere))
-    assert result.returncode == 2
-    assert "teams[2].gpus.tencentcloud" in result.stderr and "speech" in result.stderr
-
-
-def test_quotas_the_shared_pools_cannot_hold_are_refused(tmp_path: Path) -> None:
-    def crowded(data: dict[str, Any]) -> None:
-        data["teams"][2]["gpus"]["tencentcloud"]["V100"] = 24  # spot pool: 3 nodes x 8, prod's Job holds 8
-
-    result = make_teams(teams_project(tmp_path, crowded))
-    assert result.returncode == 2
-    assert "kubernetes.queues" in result.stderr and "tencentcloud-v100-spot" in result.stderr
-    assert "teams[2].gpus.tencentcloud" in result.stderr
-
-
-def test_a_team_stack_over_its_budget_or_quota_fails_naming_the_team(tmp_path: Path) -> None:
-    def bigger(data: dict[str, Any]) -> None:
-        vision = data["teams"][0]
-        vision["monthlyBudgetUsd"] = 3000
-        vision["stack"]["nodeGroups"][0]["scaling"] = {"min": 0, "max": 3, "desired": 1}  # 24 A100 > 16
-
-    result = make_teams(teams_project(tmp_path, bigger), "--team", "vision", "--format", "json")
-    assert result.returncode == 1, result.stderr
-    assert "wrote Pulumi.team-vision.yaml" in result.stderr  # regenerated from the edited registry
-    [team] = json.loads(result.stdout)["teams"]
-    hits = {v["policy"]: v["message"] for v in team["violations"] if v["enforcement"] == "mandatory"}
-    assert "team vision" in hits["team-gpu-quota"] and "24 A100" in hits["team-gpu-quota"]
-    assert "budget" in hits["budget-covers-plan"]
-
-
-def test_a_team_stack_outside_its_regions_is_invalid(tmp_path: Path) -> None:
-    def moved(data: dict[str, Any]) -> None:
-        data["teams"][0]["stack"]["networks"][0]["region"] = "us-west-2"
-
-    result = make_teams(teams_project(tmp_path, moved), "--team", "vision")
-    assert result.returncode == 2
-    assert "networks[0]" in result.stderr and "team vision may use aws regions us-east-1" in result.stderr
-
-
-def test_check_mode_finds_drift_and_writes_nothing(tmp_path: Path) -> None:
-    def renamed(data: dict[str, Any]) -> None:
-        data["teams"][0]["costCenter"] = "cc-9999"
-
-    proj = teams_project(tmp_path, renamed)
-    before = (proj / "Pulumi.team-vision.yaml").read_text()
-    result = make_teams(proj, "--check")
-    assert result.returncode == 2 and "Pulumi.team-vision.yaml differs from the registry" in result.stderr
-    assert (proj / "Pulumi.team-vision.yaml").read_text() == before
-
-
-def test_bad_registry_shapes_name_the_key(tmp_path: Path) -> None:
-    def broken(data: dict[str, Any]) -> None:
-        data["teams"][1]["placment"] = "shared"
-        data["teams"][2]["stack"] = data["teams"][0]["stack"]
-
-    result = make_teams(teams_project(tmp_path, broken))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "teams[1].placment: unknown key; did you mean 'placement'?" in result.stderr
-    assert "teams[2]" in result.stderr and "shared team queues on the shared clusters" in result.stderr
-
-
-@pytest.mark.parametrize("what,edit,expected", [
-    ("a team named after a stack takes its buckets", lambda d: d["teams"][0].__setitem__("name", "dev"),
-     ["teams[0].name", "'gts-dev' is Pulumi.dev.yaml's"]),
-    ("a prefix too long for a bucket name", lambda d: d["org"].__setitem__("name", "a" * 28),
-     ["teams[0].name", "over 32 characters"]),
-    ("a network on a cloud the team has no region on", lambda d: d["teams"][0]["stack"]["networks"].append(
-        {"name": "vt-tc", "cloud": "tencentcloud", "cidr": "10.111.0.0/16",
-         "subnets": [{"zone": "ap-guangzhou-3", "cidr": "10.111.0.0/20"}]}),
-     ["teams[0].stack.networks[1].cloud", "no tencentcloud region"]),
-    ("an empty region list", lambda d: d["teams"][0]["regions"].__setitem__("aws", []),
-     ["teams[0].regions.aws", "at least 1 item"]),
-    ("a quota of 0, true or a string", lambda d: d["teams"][1]["gpus"]["aws"].update(H100=0) or
-     d["teams"][2]["gpus"]["alicloud"].update(V100=True) or d["teams"][2]["gpus"]["tencentcloud"].update(V100="8"),
-     ["teams[1].gpus.aws.H100", "teams[2].gpus.alicloud.V100", "teams[2].gpus.tencentcloud.V100"]),
-    ("an endless budget", lambda d: d["org"].__setitem__("monthlyBudgetUsd", float("inf")),
-     ["org.monthlyBudgetUsd", "finite"]),
-    ("a shared stack that shares nothing", lambda d: d["org"].__setitem__("sharedStack", "dev"),
-     ["org.sharedStack", "Pulumi.dev.yaml does not set kubernetes.queues: teams.yaml"]),
-    ("a schema version this tool does not read", lambda d: d.__setitem__("version", 2), ["version", "use one of 1"]),
-    ("an org GPU model the catalog does not have", lambda d: d["org"]["gpus"]["aws"].update(h100=8),
-     ["org.gpus.aws.h100", "use one of"]),
-    ("a shared team outside the shared cluster's region", lambda d: d["teams"][1]["regions"].__setitem__(
-        "aws", ["eu-west-1"]), ["teams[1].regions.aws", "cluster is in us-east-1"]),
-    ("an on-demand share the pools cannot hold", lambda d: d["teams"][1]["markets"].__setitem__("onDemandBaseMax", 1),
-     ["aws-h100-on-demand", "markets.onDemandBaseMax"]),
-    ("a generated stack that is not a valid stack", lambda d: d["teams"][0]["stack"]["nodeGroups"][0].__setitem__(
-        "sharedFs", True), ["teams[0].stack.nodeGroups[0].sharedFs"]),
-])
-def test_hostile_registries_are_refused_naming_the_key(tmp_path: Path, what: str, edit: Any,
-                                                       expected: list[str]) -> None:
-    proj = teams_project(tmp_path, edit)
-    before = (proj / "Pulumi.team-vision.yaml").read_text()
-    result = make_teams(proj)
-    assert result.returncode == 2, (what, result.stdout, result.stderr)
-    for text in expected:
-        assert text in result.stderr, (what, text, result.stderr)
-    assert "Traceback" not in result.stderr
-    assert (proj / "Pulumi.team-vision.yaml").read_text() == before, "nothing is written from a refused registry"
-
-
-def test_hand_written_stacks_and_repeated_keys(tmp_path: Path) -> None:
-    def claim(data: dict[str, Any]) -> None:
-        data["teams"][0]["name"] = "foo"
-
-    proj = teams_project(tmp_path, claim)
-    (proj / "Pulumi.team-foo.yaml").write_text("config: {}\n")  # a stack someone wrote by hand
-    result = make_teams(proj)
-    assert result.returncode == 2 and "Pulumi.team-foo.yaml exists and is hand-written" in result.stderr
-    assert (proj / "Pulumi.team-foo.yaml").read_text() == "config: {}\n"
-    (tmp_path / "b").mkdir()
-    proj2 = teams_project(tmp_path / "b")
-    text = (proj2 / "teams.yaml").read_text().replace("    gpus: {aws: {H100: 16}}\n",
-                                                     "    gpus: {aws: {H100: 16}}\n    gpus: {aws: {H100: 32}}\n")
-    (proj2 / "teams.yaml").write_text(text)
-    twice = make_teams(proj2)
-    assert twice.returncode == 2 and "'gpus' is given twice" in twice.stderr
-    (proj2 / "teams.yaml").write_text("- just a list\n")
-    assert "must be a mapping with version: 1, org and teams" in make_teams(proj2).stderr
-
-
-# ----------------------------------------------------------- the Automation API driver
-
-class OfflineRunner:
-    """Stands in for `pulumi.automation`: plans the stack it is handed offline, with the config
-    file and policy config the driver chose, and records the order. (The CLI runs each stack in a
-    process of its own; the mock engine is one per process, so plans here take turns.)"""
-
-    def __init__(self, fail: str = "") -> None:
-        self.calls: list[tuple[str, str]] = []
-        self.fail = fail
-        self.lock = threading.Lock()
-
-    def __call__(self, job: driver.Run, op: driver.Operation, on_output: Any, on_event: Any) -> driver.Outcome:
-        self.calls.append((op, job.stack))
-        assert job.config_file.name == f"Pulumi.{job.stack}.yaml" and job.config_file.exists()
-        policy = json.loads(job.policy_config.read_text())
-        if job.stack.startswith("team-"):
-            assert policy["team-gpu-quota"]["team"] == job.stack.removeprefix("team-")
-        with self.lock:
-            asyncio.set_event_loop(asyncio.new_event_loop())  # the driver's worker thread has none
-            plan = build_plan(job.stack)
-        on_output(f"{len(plan['resources'])} resources")
-        if job.stack == self.fail:
-            return driver.Outcome(job.stack, False, error="boom")
-        return driver.Outcome(job.stack, True, {"create": len(plan["resources"])})
-
-
-def test_driver_runs_the_shared_stack_first_then_the_teams(capsys: pytest.CaptureFixture[str]) -> None:
-    runner = OfflineRunner()
-    assert driver.main(["up", "--all", "--parallel", "2"], runner=runner) == 0
-    assert runner.calls[0] == ("up", "prod") and sorted(runner.calls[1:]) == [("up", "team-vision")]
-    out = capsys.readouterr().out
-    assert "pulumi up: 2 of 2 stacks succeeded" in out and "create" in out
-
-
-def test_driver_selection_rules() -> None:
-    reg = registry.load(ROOT)
-    assert driver.select(reg, "preview", ["nlp"], False) == [["prod"]]
-    assert driver.select(reg, "preview", ["vision"], False) == [["team-vision"]]
-    assert driver.select(reg, "destroy", [], True) == [["team-vision"]]  # never the shared stack
-    with pytest.raises(ValueError, match="queue.*on the shared stack"):
-        driver.select(reg, "destroy", ["nlp"], False)
-    with pytest.raises(ValueError, match="did you mean 'vision'"):
-        driver.select(reg, "up", ["visoin"], False)
-    with pytest.raises(ValueError, match="--team NAME"):
-        driver.select(reg, "up", [], False)
-
-
-def test_driver_stops_after_a_failed_shared_stack(capsys: pytest.CaptureFixture[str]) -> None:
-    runner = OfflineRunner(fail="prod")
-    assert driver.main(["preview", "--all"], runner=runner) == 1
-    assert runner.calls == [("preview", "prod")]
-    out = capsys.readouterr().out
-    assert "skipped: an earlier stack failed" in out and "boom" in out
-
-
-def test_driver_without_a_pulumi_cli_says_so_in_one_line(tmp_path: Path) -> None:
-    env = {**os.environ, "PATH": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "infra.teams", "preview", "--all"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120, env=env)
-    assert result.returncode == 2
-    assert result.stdout.strip().count("\n") == 0 and "make teams" in result.stdout
-
-
-def test_driver_summary_table() -> None:
-    console = Console(width=200, record=True)
-    console.print(driver.summary([driver.Outcome("team-a", True, {"create": 3}, 12.0),
-                                  driver.Outcome("team-b", False, error="quota")], "up"))
-    text = console.export_text()
-    assert "1 of 2 stacks succeeded" in text and "create 3" in text and "FAILED" in text and "quota" in text
 
 
 # --------------------------------------------------------------------------- showback
