@@ -27,6 +27,18 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from training.checkpointing import Checkpointer
 
 
+def make_loader(args: argparse.Namespace, data: TensorDataset,
+                distributed: bool) -> tuple[DistributedSampler[Any] | None, DataLoader[Any]]:
+    """A plain DataLoader (or torchdata's StatefulDataLoader), with a DistributedSampler under torchrun."""
+    sampler: DistributedSampler[Any] | None = DistributedSampler(data, shuffle=True, seed=3) if distributed else None
+    make: type[DataLoader[Any]] = DataLoader
+    if args.stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
+        make = StatefulDataLoader
+    return sampler, make(data, batch_size=args.batch_size, sampler=sampler, shuffle=sampler is None, drop_last=True,
+                         num_workers=args.workers)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps in all")
@@ -49,13 +61,7 @@ def main() -> int:
     distributed = "RANK" in os.environ  # under torchrun
     if distributed:
         dist.init_process_group("gloo")
-    sampler: DistributedSampler[Any] | None = DistributedSampler(data, shuffle=True, seed=3) if distributed else None
-    make: type[DataLoader[Any]] = DataLoader
-    if args.stateful:
-        from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
-        make = StatefulDataLoader
-    loader = make(data, batch_size=args.batch_size, sampler=sampler, shuffle=sampler is None, drop_last=True,
-                  num_workers=args.workers)
+    sampler, loader = make_loader(args, data, distributed)
     ddp = nn.parallel.DistributedDataParallel(model) if distributed else None
 
     # The rule: the loader is state like the model; the epoch loop starts at ckpt.epoch.

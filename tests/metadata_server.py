@@ -29,6 +29,88 @@ def _stamp(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """One request to a FakeMetadata (`owner`, set per server by FakeMetadata.__init__)."""
+
+    owner: FakeMetadata
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_PUT(self) -> None:  # noqa: N802 (http.server's method name)
+        headers = TOKEN_HEADERS.get(self.owner.cloud)
+        if self.path != "/latest/api/token" or headers is None or not self.headers.get(headers[0]):
+            self.send_error(400)
+            return
+        self._reply(200, self.owner.token)
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.headers.get("X-TC-Action"):
+            self._tencent_sts()
+            return
+        query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query))
+        if query.get("Action") != "AssumeRoleWithOIDC" or not query.get("OIDCToken"):
+            self.send_error(400)
+            return
+        self.owner.oidc_tokens.append(query["OIDCToken"])
+        doc = json.loads(self.owner.document())  # alicloud's credential fields
+        self._reply(200, json.dumps({"RequestId": "r-1", "Credentials": doc}))
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.owner.requests += 1
+        if self.path == POD_IDENTITY_PATH:
+            if self.headers.get("Authorization") != self.owner.pod_identity_token:
+                self.send_error(401)
+                return
+            self.owner.credential_requests += 1
+            self._reply(200, self.owner.document())
+            return
+        headers = TOKEN_HEADERS.get(self.owner.cloud)
+        if headers and self.headers.get(headers[1]) != self.owner.token:
+            self.send_error(401)
+            return
+        base = CREDENTIAL_PATHS[self.owner.cloud]
+        if self.path == base:
+            self._reply(200, ROLE)
+        elif self.path == base + ROLE:
+            self.owner.credential_requests += 1
+            if self.owner.mode == "404":
+                self.send_error(404)
+            else:
+                self._reply(200, "<html>oops</html>" if self.owner.mode == "garbage" else self.owner.document())
+        elif self.path == SPOT_PATHS[self.owner.cloud] and self.owner.spot_notice:
+            self._reply(200, self.owner.spot_notice)
+        elif self.path in self.owner.extra:
+            self._reply(200, self.owner.extra[self.path])
+        else:
+            self.send_error(404)
+
+    def _tencent_sts(self) -> None:
+        """Tencent STS's AssumeRoleWithWebIdentity: JSON in, {"Response": ...} out."""
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+        self.owner.web_identity_requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
+        if self.headers.get("X-TC-Action") != "AssumeRoleWithWebIdentity" or self.path != "/":
+            self.send_error(400)
+            return
+        if body.get("WebIdentityToken") != self.owner.web_identity_token:
+            self._reply(200, json.dumps({"Response": {"Error": {
+                "Code": "InvalidParameter.WebIdentityTokenError", "Message": "token invalid"},
+                "RequestId": "r-2"}}))
+            return
+        self.owner.credential_requests += 1
+        doc = json.loads(self.owner.document())  # tencentcloud's credential fields
+        self._reply(200, json.dumps({"Response": {
+            "Credentials": {k: doc[k] for k in ("Token", "TmpSecretId", "TmpSecretKey")},
+            "ExpiredTime": doc["ExpiredTime"], "Expiration": doc["Expiration"], "RequestId": "r-1"}}))
+
+    def _reply(self, code: int, body: str) -> None:
+        data = body.encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 class FakeMetadata:
     """Serves one cloud's metadata on 127.0.0.1 (start() / stop(), or as a context manager); the
     boot test binds it to 169.254.169.254:80 inside the booted node's network namespace."""
@@ -50,86 +132,8 @@ class FakeMetadata:
         # names) and JSON body; the token to accept (anything else is refused as Tencent refuses, HTTP 200 + Error)
         self.web_identity_requests: list[tuple[dict[str, str], dict[str, Any]]] = []
         self.web_identity_token = "tke-projected-token"
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_PUT(self) -> None:  # noqa: N802 (http.server's method name)
-                headers = TOKEN_HEADERS.get(owner.cloud)
-                if self.path != "/latest/api/token" or headers is None or not self.headers.get(headers[0]):
-                    self.send_error(400)
-                    return
-                self._reply(200, owner.token)
-
-            def do_POST(self) -> None:  # noqa: N802
-                if self.headers.get("X-TC-Action"):
-                    self._tencent_sts()
-                    return
-                query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query))
-                if query.get("Action") != "AssumeRoleWithOIDC" or not query.get("OIDCToken"):
-                    self.send_error(400)
-                    return
-                owner.oidc_tokens.append(query["OIDCToken"])
-                doc = json.loads(owner.document())  # alicloud's credential fields
-                self._reply(200, json.dumps({"RequestId": "r-1", "Credentials": doc}))
-
-            def do_GET(self) -> None:  # noqa: N802
-                owner.requests += 1
-                if self.path == POD_IDENTITY_PATH:
-                    if self.headers.get("Authorization") != owner.pod_identity_token:
-                        self.send_error(401)
-                        return
-                    owner.credential_requests += 1
-                    self._reply(200, owner.document())
-                    return
-                headers = TOKEN_HEADERS.get(owner.cloud)
-                if headers and self.headers.get(headers[1]) != owner.token:
-                    self.send_error(401)
-                    return
-                base = CREDENTIAL_PATHS[owner.cloud]
-                if self.path == base:
-                    self._reply(200, ROLE)
-                elif self.path == base + ROLE:
-                    owner.credential_requests += 1
-                    if owner.mode == "404":
-                        self.send_error(404)
-                    else:
-                        self._reply(200, "<html>oops</html>" if owner.mode == "garbage" else owner.document())
-                elif self.path == SPOT_PATHS[owner.cloud] and owner.spot_notice:
-                    self._reply(200, owner.spot_notice)
-                elif self.path in owner.extra:
-                    self._reply(200, owner.extra[self.path])
-                else:
-                    self.send_error(404)
-
-            def _tencent_sts(self) -> None:
-                """Tencent STS's AssumeRoleWithWebIdentity: JSON in, {"Response": ...} out."""
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
-                owner.web_identity_requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
-                if self.headers.get("X-TC-Action") != "AssumeRoleWithWebIdentity" or self.path != "/":
-                    self.send_error(400)
-                    return
-                if body.get("WebIdentityToken") != owner.web_identity_token:
-                    self._reply(200, json.dumps({"Response": {"Error": {
-                        "Code": "InvalidParameter.WebIdentityTokenError", "Message": "token invalid"},
-                        "RequestId": "r-2"}}))
-                    return
-                owner.credential_requests += 1
-                doc = json.loads(owner.document())  # tencentcloud's credential fields
-                self._reply(200, json.dumps({"Response": {
-                    "Credentials": {k: doc[k] for k in ("Token", "TmpSecretId", "TmpSecretKey")},
-                    "ExpiredTime": doc["ExpiredTime"], "Expiration": doc["Expiration"], "RequestId": "r-1"}}))
-
-            def _reply(self, code: int, body: str) -> None:
-                data = body.encode()
-                self.send_response(code)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
+        handler = type("Handler", (_Handler,), {"owner": self})
+        self.server = ThreadingHTTPServer((host, port), handler)
 
     @property
     def url(self) -> str:

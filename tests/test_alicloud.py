@@ -85,7 +85,7 @@ def test_no_ingress_from_anywhere_and_hardened_metadata() -> None:
 
 def test_peering_routes_both_ways_and_cross_region_bandwidth() -> None:
     res = ali("prod")
-    # The mock engine gives each VPC's system route table the id vtb-<vpc name> (infra/plan/invokes.py).
+    # The mock engine gives each VPC's system route table the id vtb-<vpc name> (infra/clouds/alicloud/mocks.py).
     table_of = {f"vtb-{r.name}": f"{r.name}-id" for r in by_type(res, "alicloud:vpc/network:Network")}
     peerings = by_type(res, "alicloud:vpc/peerConnection:PeerConnection")
     assert len(peerings) == 2

@@ -37,9 +37,6 @@ EXEMPT = {
 }
 # Names still written outside the profiles, with why, and how many: one more fails the test.
 KNOWN_LEFT = {
-    # The mocked answer of aws:index/getPartition: "aws" is AWS's partition id in the response,
-    # not the stack's cloud key (the per-cloud mocks go with infra/plan's own restructuring).
-    "infra/plan/invokes.py": 2,
     # The recorded price responses' folders, one per cloud, read by the shared Source's per-cloud
     # methods (next step: each cloud's Source methods beside its infra/clouds/<cloud>/prices.py).
     "infra/prices/sources.py": 5,
@@ -133,6 +130,9 @@ def test_each_answer_is_one_the_next_part_reads(cloud: str) -> None:
     assert cloudmeta.CLOUDS[cloud].base_url == p.metadata_url
     assert p.fabric_placement("vm", "reserved") and p.fabric in ("efa", "erdma", "hcc")
     assert p.provider == cloud and clouds.by_provider(p.provider) is p
+    mocks = importlib.import_module(p.mocks_module)  # the mock engine's answers for this provider
+    assert mocks.INVOKES and mocks.COMPUTED
+    assert {t.split(":")[0] for t in (*mocks.INVOKES, *mocks.COMPUTED)} == {p.provider}
 
 
 def test_a_cloud_that_leaves_a_question_out_cannot_be_made() -> None:

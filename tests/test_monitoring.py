@@ -42,10 +42,8 @@ def _alert(labels: dict[str, str], summary: str) -> dict[str, Any]:
     return {"exp_labels": labels, "exp_annotations": {"summary": summary}}
 
 
-def test_synthetic_series_fire_exactly_the_expected_alerts(tmp_path: Path) -> None:
-    spec = load_stack_spec("dev")  # budget 3000 USD, thresholds 50/80/100 %, checkpointEvery auto
-    assert spec.budget.monthly_limit_usd == 3000 and spec.training.checkpoint_every == "auto"
-    (tmp_path / "rules.yml").write_text(monitoring.render(spec), encoding="utf-8")
+def _synthetic_series() -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
+    """promtool input series: two nodes' prices, one node's, and the work and GPU series."""
     node = 'node="0",workload="tiny",cloud="aws",group="aws-train"'
     two_nodes = [
         # 2 nodes x 3.06 USD/h x 730 h = 4467.6 USD a month: over 50, 80 and 100 % of 3000.
@@ -70,6 +68,14 @@ def test_synthetic_series_fire_exactly_the_expected_alerts(tmp_path: Path) -> No
         {"series": 'DCGM_FI_DEV_GPU_UTIL{instance="a",gpu="1"}', "values": "3x40"},
         {"series": 'DCGM_FI_DEV_GPU_UTIL{instance="b",gpu="0"}', "values": "95x40"},
     ]
+    return two_nodes, one_node, work
+
+
+def test_synthetic_series_fire_exactly_the_expected_alerts(tmp_path: Path) -> None:
+    spec = load_stack_spec("dev")  # budget 3000 USD, thresholds 50/80/100 %, checkpointEvery auto
+    assert spec.budget.monthly_limit_usd == 3000 and spec.training.checkpoint_every == "auto"
+    (tmp_path / "rules.yml").write_text(monitoring.render(spec), encoding="utf-8")
+    two_nodes, one_node, work = _synthetic_series()
     labels = {"env": "dev", "node": "0", "workload": "tiny", "cloud": "aws", "group": "aws-train"}
 
     def pace(pct: int, severity: str, monthly: str) -> dict[str, Any]:

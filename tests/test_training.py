@@ -4,6 +4,7 @@ middle of a checkpoint, resume from the bucket, a storage outage, two accelerate
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -224,16 +225,68 @@ def test_resnet50_on_an_image_folder_with_bf16_and_grad_checkpointing(tmp_path: 
     assert sorted(p.name for p in (tmp_path / "ck").glob("step-*")) == ["step-00000002", "step-00000003"]
 
 
-def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
+def _prometheus_query(web_port: int, expr: str) -> list[dict[str, Any]]:
     import json as _json
+
+    url = f"http://127.0.0.1:{web_port}/api/v1/query?query={urllib.parse.quote(expr)}"
+    return list(_json.loads(urllib.request.urlopen(url, timeout=2).read())["data"]["result"])
+
+
+def _scrape_started(web_port: int) -> None:
+    """Prometheus has scraped a step from the trainer, and its cost-so-far grows from the node's price."""
+    def value(expr: str) -> float:
+        try:
+            result = _prometheus_query(web_port, expr)
+        except OSError:
+            return 0.0
+        return float(result[0]["value"][1]) if result else 0.0
+    assert retry_until(lambda: value("gts_train_step") > 0, 60), "Prometheus never saw gts_train_step"
+    assert retry_until(lambda: value("gts_node_cost_usd") > 0, 30), \
+        "the cost-so-far metric grows from the node's hourly price"
+
+
+def _rules_and_dashboard_hold(web_port: int, spec: Any, team: str) -> None:
+    """The stack's rules load and evaluate over the live series; showback gives the spend to the
+    team; every dashboard query runs, those over the trainer's metrics returning its series."""
+    import json as _json
+
+    from infra import monitoring
+
+    query = functools.partial(_prometheus_query, web_port)
+    # The budget-pace alert's expression over the live series: one node at 3.06 USD/h.
+    assert float(query(monitoring.SPEND_PACE)[0]["value"][1]) == pytest.approx(3.06 * 730)
+
+    def rules_evaluated() -> bool:
+        url = f"http://127.0.0.1:{web_port}/api/v1/rules"
+        groups = _json.loads(urllib.request.urlopen(url, timeout=2).read())["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        return len(rules) >= 7 and all(r["health"] == "ok" and r.get("lastEvaluation", "").startswith("2")
+                                       for r in rules)
+    assert retry_until(rules_evaluated, 30), "Prometheus did not load and evaluate the stack's rules"
+    # Showback: the recording rule gives the node's spend to the team its env names.
+    assert team == spec.team_name
+    assert retry_until(lambda: bool(query(monitoring.TEAM_NODE_SPEND)), 30), "the showback rule recorded nothing"
+    spend = query(monitoring.TEAM_NODE_SPEND)
+    assert [r["metric"].get("team") for r in spend] == [spec.team_name]
+    assert float(spend[0]["value"][1]) == pytest.approx(3.06 * 730)
+    # Every dashboard query runs; those over the trainer's metrics return its series (the spot
+    # and GPU-health series come from the node's textfile collector, not the trainer).
+    for panel in monitoring.dashboard(spec)["panels"]:
+        for target in panel["targets"]:
+            series = query(target["expr"])
+            if "gts_" in target["expr"] and not any(k in target["expr"] for k in ("gts_spot", "gts_gpu_")):
+                assert series, f"dashboard panel {panel['title']!r}: {target['expr']} returned nothing"
+
+
+def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
     import subprocess
     import sys
-    import time
 
     binary = debian_tool("prometheus", "prometheus")
     metrics_port, web_port = free_port(), free_port()
     from infra import monitoring
     from infra.stackfile import load_stack_spec
+    from tests.contract_helpers import vm_env
 
     spec = load_stack_spec("dev")
     (tmp_path / "rules.yml").write_text(monitoring.render(spec))  # the stack's alerting rules
@@ -242,62 +295,20 @@ def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
         f"scrape_configs: [{{job_name: trainer, static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]}}]\n")
     # The identity a dev AWS node's env file gives its trainer (decoded from the node's user data):
     # the metrics' labels, which the showback rules sum by team.
-    from tests.contract_helpers import vm_env
-
     node = vm_env("dev", "aws", tmp_path)
     identity = {k: node[k] for k in ("GTS_CLOUD", "GTS_NODE_GROUP", "GTS_TEAM")}
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **identity}
-    trainer = subprocess.Popen([sys.executable, "-m", "training.trainer.train", "--steps", "400", "--throttle-ms", "50",
-                                "--checkpoint-every", "100", "--checkpoint-dir", str(tmp_path / "ck"),
-                                "--metrics-port", str(metrics_port), "--node-hourly-usd", "3.06"],
+    # Steps enough to outlast any load: the trainer is stopped when the checks are done.
+    trainer = subprocess.Popen([sys.executable, "-m", "training.trainer.train", "--steps", "1000000",
+                                "--throttle-ms", "50", "--checkpoint-every", "100", "--checkpoint-dir",
+                                str(tmp_path / "ck"), "--metrics-port", str(metrics_port), "--node-hourly-usd", "3.06"],
                                cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     prom = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web_port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        def scraped() -> bool:
-            try:
-                url = f"http://127.0.0.1:{web_port}/api/v1/query?query=gts_train_step"
-                result = _json.loads(urllib.request.urlopen(url, timeout=2).read())["data"]["result"]
-                return bool(result) and float(result[0]["value"][1]) > 0
-            except OSError:
-                return False
-        assert retry_until(scraped, 60), "Prometheus never saw gts_train_step"
-        url = f"http://127.0.0.1:{web_port}/api/v1/query?query=gts_node_cost_usd"
-        deadline = time.monotonic() + 30
-        cost = 0.0
-        while time.monotonic() < deadline and cost <= 0:
-            result = _json.loads(urllib.request.urlopen(url, timeout=2).read())["data"]["result"]
-            cost = float(result[0]["value"][1]) if result else 0.0
-            time.sleep(0.5)
-        assert cost > 0, "the cost-so-far metric grows from the node's hourly price"
-
-        def query(expr: str) -> list[dict[str, Any]]:
-            url = f"http://127.0.0.1:{web_port}/api/v1/query?query={urllib.parse.quote(expr)}"
-            return list(_json.loads(urllib.request.urlopen(url, timeout=2).read())["data"]["result"])
-        # The budget-pace alert's expression over the live series: one node at 3.06 USD/h.
-        assert float(query(monitoring.SPEND_PACE)[0]["value"][1]) == pytest.approx(3.06 * 730)
-
-        def rules_evaluated() -> bool:
-            url = f"http://127.0.0.1:{web_port}/api/v1/rules"
-            groups = _json.loads(urllib.request.urlopen(url, timeout=2).read())["data"]["groups"]
-            rules = [r for g in groups for r in g["rules"]]
-            return len(rules) >= 7 and all(r["health"] == "ok" and r.get("lastEvaluation", "").startswith("2")
-                                           for r in rules)
-        assert retry_until(rules_evaluated, 30), "Prometheus did not load and evaluate the stack's rules"
-        # Showback: the recording rule gives the node's spend to the team its env names.
-        assert identity["GTS_TEAM"] == spec.team_name
-        assert retry_until(lambda: bool(query(monitoring.TEAM_NODE_SPEND)), 30), "the showback rule recorded nothing"
-        spend = query(monitoring.TEAM_NODE_SPEND)
-        assert [r["metric"].get("team") for r in spend] == [spec.team_name]
-        assert float(spend[0]["value"][1]) == pytest.approx(3.06 * 730)
-        # Every dashboard query runs; those over the trainer's metrics return its series (the spot
-        # and GPU-health series come from the node's textfile collector, not the trainer).
-        for panel in monitoring.dashboard(spec)["panels"]:
-            for target in panel["targets"]:
-                series = query(target["expr"])
-                if "gts_" in target["expr"] and not any(k in target["expr"] for k in ("gts_spot", "gts_gpu_")):
-                    assert series, f"dashboard panel {panel['title']!r}: {target['expr']} returned nothing"
+        _scrape_started(web_port)
+        _rules_and_dashboard_hold(web_port, spec, identity["GTS_TEAM"])
     finally:
         for proc in (trainer, prom):
             proc.terminate()

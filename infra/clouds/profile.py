@@ -53,6 +53,12 @@ class CloudProfile(abc.ABC):
     def fleet_module(self) -> str:
         """The module whose `fixed_instances(group)` says how many of a VM group's nodes are fixed."""
 
+    @property
+    @abc.abstractmethod
+    def mocks_module(self) -> str:
+        """The module whose INVOKES and COMPUTED answer the mock engine for this cloud's provider
+        (`make plan`, the tests; gathered by infra/plan/invokes.py)."""
+
     # -- object storage -------------------------------------------------------------
     @property
     @abc.abstractmethod

@@ -22,6 +22,7 @@ class AlicloudProfile(CloudProfile):
     sdk_package = "pulumi_alicloud"
     platform = "infra.clouds.alicloud.platform:AlicloudPlatform"
     fleet_module = "infra.clouds.alicloud.fleet"
+    mocks_module = "infra.clouds.alicloud.mocks"
 
     storage_scheme = "oss"
     app_id_missing = None

@@ -14,6 +14,7 @@ class AwsProfile(CloudProfile):
     sdk_package = "pulumi_aws"
     platform = "infra.clouds.aws.platform:AwsPlatform"
     fleet_module = "infra.clouds.aws.fleet"
+    mocks_module = "infra.clouds.aws.mocks"
 
     storage_scheme = "s3"
     app_id_missing = None

@@ -14,6 +14,7 @@ class TencentcloudProfile(CloudProfile):
     sdk_package = "tencentcloud_iac_pulumi"
     platform = "infra.clouds.tencentcloud.platform:TencentcloudPlatform"
     fleet_module = "infra.clouds.tencentcloud.fleet"
+    mocks_module = "infra.clouds.tencentcloud.mocks"
 
     storage_scheme = "cosn"
     app_id_missing = ("is required: COS bucket names end in -<APPID>; find it under Account Info in the Tencent "
