@@ -87,7 +87,7 @@ def make_sandbox(tmp_path: Path) -> dict[str, str]:
             shutil.copy(ROOT / source, sbin / Path(source).name)
     (tmp_path / "os-release").write_text('ID=ubuntu\nVERSION_ID="22.04"\n')
     # The driver / runtime path of a p4d node; its EFA step (gts-fabric.sh install, which fetches
-    # the EFA installer) runs for real against a fake sysfs in tests/test_fabric.py.
+    # the EFA installer) runs for real against a fake sysfs in tests/test_fabric_node.py.
     (tmp_path / "node.env").write_text(_node_env(GTS_NVSWITCH="true", GTS_FABRIC=""))
     (tmp_path / "etc/apt/sources.list.d").mkdir(parents=True)
     (tmp_path / "etc/apt/sources.list").write_text("deb http://archive.ubuntu.com/ubuntu jammy main\n")

@@ -1,7 +1,8 @@
 """The house rules a newcomer can rely on: no import cycle between the project's modules (every
 import counts: module level, typing-only under `if TYPE_CHECKING:`, and inside functions and
 classes — a cycle hidden in a function is still a cycle), and no function so long that it cannot
-be read top to bottom (60 lines, unless a `# long:` comment on the line above says why)."""
+be read top to bottom (60 lines, unless a `# long:` comment on the line above says why), nor a
+source file past 400 lines — in the packages, the tests, the examples and the node scripts alike."""
 
 from __future__ import annotations
 
@@ -100,17 +101,34 @@ def test_the_graph_sees_typing_only_and_function_local_imports(tmp_path: Path) -
     assert _cycle(graph) == ["infra.groups", "infra.mod", "infra.groups"]
 
 
+# Every source file of the checkout: the packages, the tests, the examples, the node scripts.
+SOURCE_DIRS = (*PACKAGES, "tests", "examples", "cloudinit")
+FILE_LIMIT = 400
+
+
+def _sources(suffixes: tuple[str, ...] = (".py",)) -> list[Path]:
+    skip = {"__pycache__", "venv", ".venv", "node_modules"}  # caches and installed packages (policies/venv)
+    return sorted(p for d in SOURCE_DIRS for p in (ROOT / d).rglob("*") if p.suffix in suffixes
+                  and not skip & set(p.relative_to(ROOT).parts) and p.is_file()) + [ROOT / "__main__.py"]
+
+
+def test_no_file_is_too_long_to_read() -> None:
+    """No source file over 400 lines (issue 35): a file is read top to bottom too."""
+    long = {str(p.relative_to(ROOT)): n for p in _sources((".py", ".sh"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > FILE_LIMIT}
+    assert long == {}
+
+
 def _long_functions() -> list[str]:
     out = []
-    for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
-            lines = path.read_text(encoding="utf-8").splitlines()
-            for node in ast.walk(ast.parse("\n".join(lines))):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    length = (node.end_lineno or node.lineno) - node.lineno + 1
-                    reason = lines[node.lineno - 2].strip().startswith("# long:") if node.lineno > 1 else False
-                    if length > LIMIT and not reason:
-                        out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    for path in _sources():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                reason = lines[node.lineno - 2].strip().startswith("# long:") if node.lineno > 1 else False
+                if length > LIMIT and not reason:
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
     return out
 
 

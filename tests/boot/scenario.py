@@ -35,6 +35,39 @@ def _env_of(raw: bytes, tmp: Path) -> dict[str, str]:
     return node_env(tmp)
 
 
+def _bare_packages(node: Node, env: dict[str, str]) -> None:
+    """A bare image's driver path: its packages in the mirrors the plan names (else Ubuntu's archive)."""
+    apt, nvidia = env["GTS_APT_MIRROR"], env["GTS_NVIDIA_MIRROR"]
+    bare = (repo.NFS_COMMON, repo.DOCKER_IO, *repo.driver_packages(os.uname().release, env["GTS_DRIVER_BRANCH"]))
+    if apt:
+        node.packages(*bare, root=node.mirror(urlhost(apt)) / urlpath(apt))
+    else:  # Ubuntu's own archive (the image's sources), over plain HTTP as Ubuntu serves it
+        node.packages(*bare, root=node.archive_dir / "ubuntu")
+        with open(node.upper / "etc/hosts", "a") as hosts:
+            hosts.write(f"{STORE_ADDRESS} archive.ubuntu.com\n")
+    if nvidia:
+        toolkit = node.mirror(urlhost(nvidia)) / urlpath(nvidia)
+        node.packages(repo.NVIDIA_CONTAINER_TOOLKIT, root=toolkit / f"stable/deb/{repo.dpkg_arch()}", flat=True)
+        (toolkit / "gpgkey").write_bytes(repo.armored_key(cache_dir()))
+
+
+def _store_bundle(node: Node, plan: tuple[Registered, ...], cloud: str, bucket: str, key: str, region: str) -> None:
+    """The plan's node bundle object, put in the node's store (moto) where its user data fetches it."""
+    (obj,) = [r for r in plan if r.type == BUNDLE_TYPES[cloud] and r.cloud == cloud and r.inputs["key"] == key]
+    body = obj.inputs["content"].encode()
+
+    def put() -> None:
+        s3 = node.store.client("s3", region)
+        try:
+            s3.create_bucket(Bucket=bucket) if region == "us-east-1" else s3.create_bucket(
+                Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": region})
+        except s3.exceptions.BucketAlreadyOwnedByYou:  # moto's state is the process's: an earlier node's
+            pass
+        s3.put_object(Bucket=bucket, Key=key, Body=body)
+
+    node.store.setup(put)
+
+
 def booted_nodes(tmp_path: Path) -> Iterator[Any]:
     """The boot tests' `booted` fixture: make(stack, type_token, name, …) boots that resource's node
     of the plan with its bundle in the store; every node made is closed when the test ends."""
@@ -68,35 +101,11 @@ def booted_nodes(tmp_path: Path) -> Iterator[Any]:
         node.meta.extra[REGION[cloud]] = region
         node.packages(repo.NFS_COMMON, repo.AMAZON_EFS_UTILS)  # the archive has the NFS / EFS clients (not the image)
         if image == "bare":  # the driver path's packages, from the mirrors the plan names
-            apt, nvidia = env["GTS_APT_MIRROR"], env["GTS_NVIDIA_MIRROR"]
-            bare = (repo.NFS_COMMON, repo.DOCKER_IO, *repo.driver_packages(os.uname().release, env["GTS_DRIVER_BRANCH"]))
-            if apt:
-                node.packages(*bare, root=node.mirror(urlhost(apt)) / urlpath(apt))
-            else:  # Ubuntu's own archive (the image's sources), over plain HTTP as Ubuntu serves it
-                node.packages(*bare, root=node.archive_dir / "ubuntu")
-                with open(node.upper / "etc/hosts", "a") as hosts:
-                    hosts.write(f"{STORE_ADDRESS} archive.ubuntu.com\n")
-            if nvidia:
-                toolkit = node.mirror(urlhost(nvidia)) / urlpath(nvidia)
-                node.packages(repo.NVIDIA_CONTAINER_TOOLKIT, root=toolkit / f"stable/deb/{repo.dpkg_arch()}", flat=True)
-                (toolkit / "gpgkey").write_bytes(repo.armored_key(cache_dir()))
+            _bare_packages(node, env)
         (node.nfs_export / "exported").touch()  # the shared file system is there (a scenario may take it away)
         # Healthy GPUs by default: as many as the type has (one worker per GPU), NVLinks all up.
         node.gpus(int(env.get("NPROC_PER_NODE", "0")), nvlinks=int(env.get("GTS_NVLINKS") or 0))
-        (obj,) = [r for r in plan if r.type == BUNDLE_TYPES[cloud] and r.cloud == cloud
-                  and r.inputs["key"] == key]
-        body = obj.inputs["content"].encode()
-
-        def put() -> None:
-            s3 = node.store.client("s3", region)
-            try:
-                s3.create_bucket(Bucket=bucket) if region == "us-east-1" else s3.create_bucket(
-                    Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": region})
-            except s3.exceptions.BucketAlreadyOwnedByYou:  # moto's state is the process's: an earlier node's
-                pass
-            s3.put_object(Bucket=bucket, Key=key, Body=body)
-
-        node.store.setup(put)
+        _store_bundle(node, plan, cloud, bucket, key, region)
         return node, env
 
     yield make
