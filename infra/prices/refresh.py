@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         missing: list[str] = []
         for cloud in clouds:
             mine = [p for p in asked if p.cloud == cloud]
-            got, skipped = refresher(cloud)(mine, source, args.today, args.site)
+            got, skipped = refresher(cloud)(mine, source.for_cloud(cloud), args.today, args.site)
             fresh += got
             missing += skipped
     except (PriceSourceError, OSError, cat.CatalogError) as exc:

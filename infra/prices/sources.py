@@ -174,6 +174,10 @@ def tencentcloud_price(body: dict[str, Any]) -> float:
 
 
 class Source(Protocol):
+    def for_cloud(self, cloud: str) -> Source:
+        """The source as one cloud's refresh asks it (a recorded folder: that cloud's subfolder)."""
+        ...
+
     def aws_offer_lines(self, region: str) -> Iterator[str]: ...
     def aws_spot_advisor(self) -> dict[str, Any]: ...
     def alicloud_describe_price(self, region: str, instance_type: str) -> dict[str, Any]: ...
@@ -183,13 +187,20 @@ class Source(Protocol):
 
 @dataclass(frozen=True)
 class Recorded:
-    """Responses recorded in each API's format: aws/offer-<region>.csv, aws/spot-advisor-data.json,
-    alicloud/<region>/<type>.json, tencentcloud/<region>/<type>.json."""
+    """Responses recorded in each API's format, one subfolder per cloud (its name): aws/offer-<region>.csv,
+    aws/spot-advisor-data.json, alicloud/<region>/<type>.json, tencentcloud/<region>/<type>.json.
+    `for_cloud(name)` is the view a cloud's refresh reads (infra/prices/refresh.py hands it on)."""
 
     folder: Path
+    cloud: str = ""
+
+    def for_cloud(self, cloud: str) -> Recorded:
+        return Recorded(self.folder, cloud)
 
     def _read(self, *parts: str) -> str:
-        path = self.folder.joinpath(*parts)
+        if not self.cloud:
+            raise NotRecorded(f"{self.folder}: no cloud chosen (Recorded.for_cloud)")
+        path = self.folder.joinpath(self.cloud, *parts)
         try:
             return path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -199,22 +210,22 @@ class Recorded:
         try:
             return dict(json.loads(self._read(*parts)))
         except (json.JSONDecodeError, TypeError, ValueError) as exc:
-            raise PriceSourceError(f"recorded response {'/'.join(parts)} is not a JSON object: {exc}") from None
+            raise PriceSourceError(f"recorded response {'/'.join((self.cloud, *parts))} is not a JSON object: {exc}") from None
 
     def aws_offer_lines(self, region: str) -> Iterator[str]:
-        return iter(self._read("aws", f"offer-{region}.csv").splitlines())
+        return iter(self._read(f"offer-{region}.csv").splitlines())
 
     def aws_spot_advisor(self) -> dict[str, Any]:
-        return self._json("aws", "spot-advisor-data.json")
+        return self._json("spot-advisor-data.json")
 
     def alicloud_describe_price(self, region: str, instance_type: str) -> dict[str, Any]:
-        return self._json("alicloud", region, f"{instance_type}.json")
+        return self._json(region, f"{instance_type}.json")
 
     def alicloud_spot_history(self, region: str, zone: str, instance_type: str) -> dict[str, Any]:
-        return self._json("alicloud", region, f"{instance_type}.spot.json")
+        return self._json(region, f"{instance_type}.spot.json")
 
     def tencentcloud_inquiry(self, region: str, zone: str, instance_type: str) -> dict[str, Any]:
-        return self._json("tencentcloud", region, f"{instance_type}.json")
+        return self._json(region, f"{instance_type}.json")
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -242,6 +253,9 @@ class Live:
     """The clouds themselves: AWS's public files over HTTPS; Alibaba and Tencent through their SDKs
     with the credentials in the environment (ALIBABA_CLOUD_ACCESS_KEY_ID / _SECRET,
     TENCENTCLOUD_SECRET_ID / _KEY)."""
+
+    def for_cloud(self, cloud: str) -> Live:
+        return self  # each method asks its own cloud
 
     def _get(self, url: str) -> Any:
         import urllib.request
