@@ -49,7 +49,6 @@ from training.checkpoint_files import (DOT_LEAF, FILE_NAME, MAX_DEPTH, MAX_NODES
                                        CheckpointError, RunLocked, Topology, UploadStatus, check_manifest,
                                        fsync_dir, inside, link_or_copy, manifest_name, plain_path, rng_name, run_key,
                                        sha256_of, step_dir, tree_files)
-from training.checkpoint_load import Loading
 from training.checkpoint_upload import Uploading
 from training.staging import Stager, save_hashed
 from training.storage import Location, location
@@ -92,7 +91,7 @@ def _lock(folder: Path) -> Any:
 
 
 
-class CheckpointManager(Loading, Uploading):
+class CheckpointManager(Uploading):
     """save / load / close. One per process; collectives stay in the caller. Finding and
     loading steps: training/checkpoint_load.py; uploads and keep-K: training/checkpoint_upload.py."""
 

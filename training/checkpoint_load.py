@@ -13,7 +13,7 @@ import pickle
 import threading
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,8 +37,8 @@ class Loading:
     _prefetch: threading.Thread | None
     _prefetched: tuple[int, tuple[dict[str, Any], dict[str, Any] | None]] | None
 
-    def wait_commit(self) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:
+        def wait_commit(self) -> None: ...  # CheckpointManager's (training/checkpoint.py)
 
     def _local_manifests(self, step: int) -> list[dict[str, Any]]:
         """The step's manifests on this disk that are its own (see check_manifest); one that is

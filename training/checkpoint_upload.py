@@ -11,23 +11,20 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from training.checkpoint_files import MODEL_FILE, Topology, UploadStatus, check_manifest, inside, step_dir
-from training.storage import Location, StorageRefused, permanent_cause
+from training.checkpoint_files import MODEL_FILE, UploadStatus, check_manifest, inside, step_dir
+from training.checkpoint_load import Loading
+from training.storage import StorageRefused, permanent_cause
 
 log = logging.getLogger("gts.checkpoint")
 
 
-class Uploading:
-    """The manager's upload / keep-K half (mixed into CheckpointManager, which sets these)."""
+class Uploading(Loading):
+    """The manager's upload / keep-K half, over its find half (local_steps, remote_steps); the
+    CheckpointManager sets the attributes."""
 
-    local: Path
-    remote: Location | None
-    remote_error: str
-    topo: Topology
     keep: int
     attempts: int
     status: UploadStatus
@@ -36,15 +33,6 @@ class Uploading:
     _lock: threading.Lock
     _idle: threading.Event
     _thread: threading.Thread | None
-
-    def wait_commit(self) -> None:
-        raise NotImplementedError
-
-    def local_steps(self) -> list[int]:
-        raise NotImplementedError
-
-    def remote_steps(self) -> list[int]:
-        raise NotImplementedError
 
     def _uploader(self) -> None:
         while True:
