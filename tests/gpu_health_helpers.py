@@ -190,23 +190,9 @@ class ScalingApi:
                 "token": headers.get("X-Amz-Security-Token")}
 
     def check(self, method: str, path: str, headers: dict[str, str], body: bytes) -> dict[str, Any]:
-        if self.cloud == "aws":
-            from botocore.auth import SigV4Auth
-            from botocore.awsrequest import AWSRequest
-            from botocore.credentials import Credentials
-
-            auth = re.match(r"AWS4-HMAC-SHA256 Credential=([^/]+)/\d{8}/([^/]+)/([^/]+)/aws4_request, "
-                            r"SignedHeaders=([^,]+), Signature=(\w+)", headers["Authorization"])
-            assert auth, headers
-            signed = {h: headers[next(k for k in headers if k.lower() == h)] for h in auth.group(4).split(";")}
-            req = AWSRequest(method=method, url=self.url + path, data=body, headers=signed)
-            req.context["timestamp"] = signed["x-amz-date"]
-            signer = SigV4Auth(Credentials(auth.group(1), self.secret(), headers.get("X-Amz-Security-Token")),
-                               auth.group(3), auth.group(2))
-            good = signer.signature(signer.string_to_sign(req, signer.canonical_request(req)), req) == auth.group(5)
-            form = dict(urllib.parse.parse_qsl(body.decode()))
-            return {"signed_by": auth.group(1), "signature_ok": good, "service": auth.group(3),
-                    "token": headers.get("X-Amz-Security-Token"), "params": form}
+        if self.cloud == "aws":  # the query API: SigV4 over the form body
+            return {**self.check_sigv4(method, path, headers, body),
+                    "params": dict(urllib.parse.parse_qsl(body.decode()))}
         if self.cloud == "alicloud":
             from alibabacloud_tea_openapi.utils import Utils
 

@@ -64,6 +64,17 @@ def test_dev_aws_fleet_boots_on_the_dlami_to_a_running_trainer_and_stops_on_a_sp
     assert len(_trainer_runs(node)) == 1  # never started again on a reclaimed node
 
 
+def _gate_failed_and_replaced(node: Any, region: str, instance: str) -> str:
+    """The GPU gate failed, and the replacement request (SetInstanceHealth signed with the role's
+    key, at moto's Auto Scaling over TLS) marked the instance Unhealthy; the API's host."""
+    node.wait_for(lambda: node.sh("systemctl is-failed gts-gpu-gate.service").stdout.strip() == "failed",
+                  "the GPU gate failed")
+    api = urlhost(api_url("aws", region, ""))
+    node.wait_for(lambda: any(s.startswith(f"POST {api}/") for s in node.store.served), "SetInstanceHealth")
+    assert _health(node, region, instance) == "Unhealthy"
+    return api
+
+
 def test_a_node_one_gpu_short_fails_its_gate_never_trains_and_its_group_replaces_it(booted: Any) -> None:
     """The prod AWS group (p4d: 8 GPUs, NVSwitch, 12 NVLinks each) on a node that sees 7."""
     node, env = booted("prod", "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
@@ -72,12 +83,7 @@ def test_a_node_one_gpu_short_fails_its_gate_never_trains_and_its_group_replaces
     assert _health(node, region, instance) == "Healthy"
     node.gpus(int(env["NPROC_PER_NODE"]) - 1, nvlinks=int(env["GTS_NVLINKS"]))  # one GPU fell off the bus
     node.boot()
-    node.wait_for(lambda: node.sh("systemctl is-failed gts-gpu-gate.service").stdout.strip() == "failed",
-                  "the GPU gate failed")
-    # The replacement request: SetInstanceHealth signed with the role's key, at moto's Auto Scaling over TLS.
-    api = urlhost(api_url("aws", region, ""))
-    node.wait_for(lambda: any(s.startswith(f"POST {api}/") for s in node.store.served), "SetInstanceHealth")
-    assert _health(node, region, instance) == "Unhealthy"
+    api = _gate_failed_and_replaced(node, region, instance)
     assert not [r for r in node.store.refused if api in r], node.store.refused
     journal = node.journal_text()
     failed = [line for line in journal.splitlines() if "GPU gate FAILED" in line]
@@ -138,11 +144,7 @@ def test_a_one_gpu_node_that_lost_its_gpu_keeps_its_driver_fails_its_gate_and_is
     instance = _moto_group(node, region)
     node.gpus(0)
     node.boot()
-    node.wait_for(lambda: node.sh("systemctl is-failed gts-gpu-gate.service").stdout.strip() == "failed",
-                  "the GPU gate failed")
-    api = urlhost(api_url("aws", region, ""))
-    node.wait_for(lambda: any(s.startswith(f"POST {api}/") for s in node.store.served), "SetInstanceHealth")
-    assert _health(node, region, instance) == "Unhealthy"
+    _gate_failed_and_replaced(node, region, instance)
     journal = node.journal_text()
     assert "gts-driver: nvidia-smi exits 6 with a driver loaded" in journal, journal[-4000:]
     assert "apt-get" not in journal and not node.archive_served  # no driver install was tried

@@ -43,9 +43,9 @@ def test_a_queued_stack_without_a_registry_handed_in_is_refused_not_read() -> No
         validation.parse(raw, "Pulumi.prod.yaml")
 
 
-def test_the_registry_a_stack_names_is_read_once_per_reader(monkeypatch: pytest.MonkeyPatch) -> None:
-    from infra.stackfile import teams_reader
-
+@pytest.fixture
+def registry_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names infra.teams.registry.load is asked for, in order, while the test runs."""
     reads: list[str] = []
     real = registry.load
 
@@ -54,8 +54,14 @@ def test_the_registry_a_stack_names_is_read_once_per_reader(monkeypatch: pytest.
         return real(root, name)
 
     monkeypatch.setattr(registry, "load", counted)
+    return reads
+
+
+def test_the_registry_a_stack_names_is_read_once_per_reader(registry_reads: list[str]) -> None:
+    from infra.stackfile import teams_reader
+
     teams = teams_reader(ROOT)
-    assert teams("teams.yaml") is teams("teams.yaml") and reads == ["teams.yaml"]
+    assert teams("teams.yaml") is teams("teams.yaml") and registry_reads == ["teams.yaml"]
 
 
 def _block_by_block(taken: list[ipaddress.IPv4Network], cidr: ipaddress.IPv4Network) -> str | None:
@@ -85,20 +91,12 @@ def test_own_subnet_skipping_past_taken_ranges_picks_what_the_block_by_block_sca
 
 
 def test_a_shared_stack_program_reads_its_team_registry_once_for_all_its_clusters(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        registry_reads: list[str]) -> None:
     """prod shares three clusters (EKS, ACK, TKE) through teams.yaml: the program reads it at its
     edge and every cluster's queues are built from that one read (the Stack's teams)."""
     from tests.harness import run_stack
 
-    reads: list[str] = []
-    real = registry.load
-
-    def counted(root: Path, name: str = registry.REGISTRY) -> registry.Registry:
-        reads.append(name)
-        return real(root, name)
-
-    monkeypatch.setattr(registry, "load", counted)
     registered = run_stack("prod")
     shared = [r for r in registered if r.type == "gpu-training-stack:k8s:SharedQueues"]
     assert len(shared) == 3  # one per cluster: EKS, ACK, TKE
-    assert reads == ["teams.yaml"]
+    assert registry_reads == ["teams.yaml"]
