@@ -58,9 +58,10 @@ policy-config: $(RUNTIME_STAMP)
 prices: $(STAMP)
 	@$(PY) -m infra.prices.refresh $(if $(CLOUD),--cloud $(call q,$(CLOUD))) $(if $(REGION),--region $(call q,$(REGION))) $(if $(ACCEPT),--accept) $(if $(THRESHOLD),--threshold $(call q,$(THRESHOLD))) $(if $(SITE),--site $(call q,$(SITE)))
 
-## policy-data: copy the data the policy pack ships (policies/data/) from infra/data/ (a test keeps them equal)
-policy-data:
+## policy-data: copy the data the policy pack ships (policies/data/) from infra/data/ and write its clouds.yaml from the profiles (tests keep them equal)
+policy-data: $(RUNTIME_STAMP)
 	@cp infra/data/gpu_catalog.csv infra/data/prices.csv infra/data/capabilities.yaml infra/data/stateful.yaml policies/data/
+	@$(PY) -m infra.clouds.packdata
 
 ## userdata: each node group's rendered cloud-config as $(OUT)/<cloud>-<group>.yaml (STACK=…)
 userdata: $(RUNTIME_STAMP)

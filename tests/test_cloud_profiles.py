@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from infra import buckets, clouds
+from infra.clouds import packdata
 from infra.clouds.aws.profile import AwsProfile
 from infra.clouds.base import CloudPlatform
 from infra.clouds.profile import CloudProfile
@@ -29,7 +30,6 @@ SCANNED = ("infra", "policies", "training")
 # Where a cloud's name may be written, and why.
 EXEMPT = {
     "infra/clouds/": "the clouds' own packages and the registry",
-    "policies/gts_policy/clouds.py": "the policy pack's one table of clouds (the pack cannot import infra)",
     "training/cloudmeta.py": "node-side: runs on the node without infra/ (its metadata and credential endpoints)",
     "training/credentials.py": "node-side: runs on the node without infra/",
     "training/node/node_replace.py": "node-side: each cloud's replace-this-node call, run by the node's GPU health watch",
@@ -111,7 +111,7 @@ def test_every_cloud_answers_every_question(cloud: str) -> None:
 
 
 OPTIONAL = {"app_id_missing", "operator_keys", "vpc_prefix_floor_192", "fabric_unbuildable",
-            "kubernetes_pool_marks_rule", "kubernetes_user_data_limit"}
+            "kubernetes_pool_marks_rule", "kubernetes_user_data_limit", "disk_encryption"}
 
 
 @pytest.mark.parametrize("cloud", clouds.NAMES)
@@ -160,7 +160,12 @@ def test_an_unknown_cloud_is_an_error_not_a_fallback() -> None:
 
 
 def test_the_packs_table_agrees_with_the_profiles() -> None:
+    """The pack reads policies/data/clouds.yaml (it cannot import infra); `make policy-data`
+    writes it from the profiles, and a stale copy fails here."""
+    assert packdata.PATH.read_text(encoding="utf-8") == packdata.render(), "stale: run `make policy-data`"
+    assert pack_clouds.load(packdata.render()) == pack_clouds.TABLE
     assert pack_clouds.CLOUDS == clouds.NAMES
+    assert pack_clouds.PASSWORD_CLOUDS == {p.name for p in clouds.profiles() if p.instance_passwords}
     assert pack_clouds.CLOUD_NAMES == {p.name: p.display_name for p in clouds.profiles()}
     assert pack_clouds.SDK_PACKAGES == {p.provider: p.sdk_package for p in clouds.profiles()}
     assert clouds.NAMES == tuple(clouds.Cloud.__args__)  # type: ignore[attr-defined]
@@ -174,3 +179,18 @@ def test_the_profiles_import_nothing_of_the_project_but_their_base() -> None:
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert {m for m in imported if m and m.split(".")[0] in SCANNED} == {"infra.clouds.profile"}, cloud
     assert Path(clouds.__file__).read_text(encoding="utf-8").count("import infra.") == 0
+
+
+def test_the_packs_disk_encryption_values_match_by_type() -> None:
+    """Encrypted means the documented value: the boolean true (and Alibaba's "true"), never a 1
+    that equals True in Python nor a string where the cloud takes a boolean."""
+    by_cloud = {p.name: p.disk_encryption for p in clouds.profiles()}
+    for name, disks in by_cloud.items():
+        dd = pack_clouds.data_disks(name)
+        assert (dd is None) == (disks is None), name
+        if dd is None or disks is None:
+            continue
+        assert dd.is_encrypted(True) and not dd.is_encrypted(False) and not dd.is_encrypted(None), name
+        assert not dd.is_encrypted(1) and not dd.is_encrypted("yes"), name
+        assert dd.is_encrypted("true") == ("true" in disks.encrypted), name
+    assert pack_clouds.data_disks("gcp") is None

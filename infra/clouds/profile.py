@@ -14,9 +14,22 @@ from __future__ import annotations
 
 import abc
 import ipaddress
+from dataclasses import dataclass
 from typing import Literal
 
 Counted = Literal["raw", "base64"]
+
+
+@dataclass(frozen=True)
+class DiskEncryption:
+    """How the policy pack tells that a dataDisks[] item of this cloud's instances, scaling
+    configurations and node pools is encrypted."""
+
+    key: str  # the item's key that encrypts the disk
+    encrypted: tuple[bool | str, ...]  # the values of it that count as encrypted (a bool by identity)
+    # The pinned SDK may lack the key for some resource types (data/capabilities.yaml sdkGaps
+    # "dataDiskEncryption"), and the disks may sit in autoScalingConfig.dataDisks instead.
+    sdk_gap_possible: bool
 
 
 class CloudProfile(abc.ABC):
@@ -220,3 +233,14 @@ class CloudProfile(abc.ABC):
     @abc.abstractmethod
     def price_refresh(self) -> str:
         """`module:function` refreshing this cloud's rows of infra/data/prices.csv from its price API."""
+
+    # -- the policy pack (it cannot import infra/: policies/data/clouds.yaml is written from these)
+    @property
+    @abc.abstractmethod
+    def instance_passwords(self) -> bool:
+        """Its instances take a login password argument (the pack refuses one being set)."""
+
+    @property
+    @abc.abstractmethod
+    def disk_encryption(self) -> DiskEncryption | None:
+        """How its data disks say they are encrypted; None: the pack checks each resource type."""

@@ -1,15 +1,21 @@
-"""The policy pack's one table of clouds: every cloud name the pack knows is here.
+"""The policy pack's table of clouds, as policies/data/clouds.yaml lists them.
 
 The pack runs in Pulumi's policy process with its own requirements and must not import the
-project (infra/), so it cannot ask infra/clouds/<cloud>/profile.py. It keeps this small table
-instead, and tests/test_cloud_profiles.py checks that it agrees with the profiles (names,
-display names, SDK packages): adding a cloud means a row here, not edits across the rules.
+project (infra/), so it cannot ask infra/clouds/<cloud>/profile.py. `make policy-data` writes
+that file from the profiles (infra/clouds/packdata.py) and tests/test_cloud_profiles.py fails
+when it is stale: adding a cloud means its profile, not edits across the rules. Read once, when
+the pack is imported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 
 
 @dataclass(frozen=True)
@@ -17,10 +23,15 @@ class DataDisks:
     """How a cloud's instances, scaling configurations and node pools encrypt their data disks."""
 
     key: str  # the dataDisks[] item's key that encrypts the disk
-    is_encrypted: Callable[[object], bool]  # which values of it count as encrypted
+    encrypted: tuple[bool | str, ...]  # the values of it that count as encrypted
     # The pinned SDK may lack the key for some resource types (data/capabilities.yaml sdkGaps
     # "dataDiskEncryption"), and the disks may sit in autoScalingConfig.dataDisks instead.
     sdk_gap_possible: bool
+
+    def is_encrypted(self, value: object) -> bool:
+        """`value` is one of `encrypted`: a bool by identity (1 is not true here), a string by equality."""
+        return any(value is v if isinstance(v, bool) else (isinstance(value, str) and value == v)
+                   for v in self.encrypted)
 
 
 @dataclass(frozen=True)
@@ -32,13 +43,18 @@ class PackCloud:
     data_disks: DataDisks | None  # None: disks are checked per resource type in rules.py
 
 
-TABLE: dict[str, PackCloud] = {c.name: c for c in (
-    PackCloud("aws", "AWS", "pulumi_aws", instance_passwords=False, data_disks=None),
-    PackCloud("alicloud", "Alibaba Cloud", "pulumi_alicloud", instance_passwords=True,
-              data_disks=DataDisks("encrypted", lambda v: v in (True, "true"), sdk_gap_possible=False)),
-    PackCloud("tencentcloud", "Tencent Cloud", "tencentcloud_iac_pulumi", instance_passwords=True,
-              data_disks=DataDisks("encrypt", lambda v: v is True, sdk_gap_possible=True)),
-)}
+def _row(row: dict[str, Any]) -> PackCloud:
+    disks = row["dataDisks"]
+    return PackCloud(str(row["name"]), str(row["displayName"]), str(row["sdkPackage"]), bool(row["instancePasswords"]),
+                     None if disks is None else DataDisks(str(disks["key"]), tuple(disks["encrypted"]),
+                                                          bool(disks["sdkGapPossible"])))
+
+
+def load(text: str) -> dict[str, PackCloud]:
+    return {c.name: c for c in map(_row, yaml.safe_load(text)["clouds"])}
+
+
+TABLE: dict[str, PackCloud] = load((DATA_DIR / "clouds.yaml").read_text(encoding="utf-8"))
 CLOUDS = tuple(TABLE)
 CLOUD_NAMES = {c.name: c.display_name for c in TABLE.values()}
 SDK_PACKAGES = {c.name: c.sdk_package for c in TABLE.values()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from infra.clouds.profile import CloudProfile, Counted
+from infra.clouds.profile import CloudProfile, Counted, DiskEncryption
 
 
 def pod_switch_cidrs(vpc: ipaddress.IPv4Network, subnets: list[ipaddress.IPv4Network]) -> list[ipaddress.IPv4Network]:
@@ -23,6 +23,8 @@ class AlicloudProfile(CloudProfile):
     platform = "infra.clouds.alicloud.platform:AlicloudPlatform"
     fleet_module = "infra.clouds.alicloud.fleet"
     mocks_module = "infra.clouds.alicloud.mocks"
+    instance_passwords = True
+    disk_encryption = DiskEncryption("encrypted", (True, "true"), sdk_gap_possible=False)
 
     storage_scheme = "oss"
     app_id_missing = None

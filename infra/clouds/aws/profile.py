@@ -15,6 +15,8 @@ class AwsProfile(CloudProfile):
     platform = "infra.clouds.aws.platform:AwsPlatform"
     fleet_module = "infra.clouds.aws.fleet"
     mocks_module = "infra.clouds.aws.mocks"
+    instance_passwords = False
+    disk_encryption = None
 
     storage_scheme = "s3"
     app_id_missing = None

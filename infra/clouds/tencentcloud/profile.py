@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from infra.clouds.profile import CloudProfile, Counted
+from infra.clouds.profile import CloudProfile, Counted, DiskEncryption
 
 
 class TencentcloudProfile(CloudProfile):
@@ -15,6 +15,8 @@ class TencentcloudProfile(CloudProfile):
     platform = "infra.clouds.tencentcloud.platform:TencentcloudPlatform"
     fleet_module = "infra.clouds.tencentcloud.fleet"
     mocks_module = "infra.clouds.tencentcloud.mocks"
+    instance_passwords = True
+    disk_encryption = DiskEncryption("encrypt", (True,), sdk_gap_possible=True)
 
     storage_scheme = "cosn"
     app_id_missing = ("is required: COS bucket names end in -<APPID>; find it under Account Info in the Tencent "
