@@ -126,7 +126,7 @@ def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
     records, hashing while writing. Returns (size, sha256_pieces).
 
     The format stays torch.save's zip archive (not DCP's or safetensors'): it is what the
-    resume path maps (torch.load mmap, weights_only), what every checkpoint written so far is,
+    resume path reads (torch.load, weights_only), what every checkpoint written so far is,
     and it holds the non-tensor state (step, schedule, config) beside the tensors; its cost was
     the single hash stream, not the serialiser."""
     part = path.with_suffix(path.suffix + ".part")
