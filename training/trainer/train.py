@@ -112,8 +112,12 @@ class Run:
             from training.sharded import shard  # torch's DCP and DTensor: imported only for sharded runs (0.7 s)
 
             shard(self.model, list(getattr(self.model, "blocks", [])), comm)
+        # Fused (one kernel over all parameters) where torch has it for the device: on the CPU it
+        # took AdamW's step over 83M parameters from about 0.4 s to 0.05 s here (issue 34); sharded
+        # (DTensor) parameters keep torch's default implementation.
+        fused = cfg.sharding != "fsdp" and comm.device.type in ("cpu", "cuda")
         self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
-                                                                  weight_decay=cfg.weight_decay)
+                                                                  weight_decay=cfg.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_scaler)
         self.seed_streams()
