@@ -43,14 +43,20 @@ TEMPLATE_DIR = ROOT / "cloudinit"
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT)),
                           undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
 
-# What the user data itself carries: the node's settings, the fetcher and the unit that runs
-# it. Everything else comes in the node bundle (infra/bundle.py).
+# What the user data itself carries: the node's settings, the fetcher, the node's own cloud
+# module (the fetcher's metadata paths and signing; the node scripts' cloud calls) and the unit
+# that runs the fetcher. Everything else comes in the node bundle (infra/bundle.py).
 # (path on the node, mode, source under the repository; .j2 sources are rendered)
 FILES = (
     ("/etc/gpu-training/node.env", "0644", "cloudinit/node.env.j2"),
     ("/usr/local/lib/gts/cloudmeta.py", "0755", "training/cloudmeta.py"),
     ("/etc/systemd/system/gts-fetch.service", "0644", "cloudinit/units/gts-fetch.service"),
 )
+
+
+def files_of(cloud: str) -> tuple[tuple[str, str, str], ...]:
+    """FILES and the cloud's node module, where training/cloudmeta.py cloud_node finds it on a node."""
+    return (*FILES, (f"/usr/local/lib/gts/clouds/{cloud}.py", "0644", f"infra/clouds/{profile(cloud).name}/node.py"))
 # Limits on the user data field: (bytes, counted on "raw" text or on its "base64" form), with
 # their sources in each cloud's profile (infra/clouds/<cloud>/profile.py user_data_limit); "eks":
 # the smaller one of pool nodes whose service merges its own NodeConfig part into the same field.
@@ -176,7 +182,7 @@ def pack(text: str) -> str:
 
 def _files(ctx: NodeContext) -> list[dict[str, str]]:
     out = []
-    for path, mode, source in FILES:
+    for path, mode, source in files_of(ctx.cloud):
         if source.endswith(".j2"):
             content = _ENV.get_template(source).render(**asdict(ctx))
         else:

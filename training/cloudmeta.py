@@ -1,11 +1,13 @@
-"""Each cloud's instance metadata service, the instance role's credentials, and signed reads
-from the cloud's object store — with the Python standard library only.
+"""The instance metadata service, the instance role's credentials, and signed reads from the
+object store — generic, with the Python standard library only; what is one cloud's comes from
+that cloud's node module (`CloudNode` below; `cloud_node(name)` finds it).
 
-The user data carries this module (nothing else of the node's code): GPU hosts have python3 but
-no cloud SDK, and `python3 cloudmeta.py fetch-bundle` downloads the node scripts from the
-stack's bucket. The spot watcher (the reclaim notice paths), the registry login (an ECR token)
-and the trainer (training/credentials.py, training/storage.py: refreshing botocore credentials
-for s3://, oss:// and cosn://) use it too. Keep it small: every byte is in every node's user data.
+The user data carries this module and the node's own cloud module (nothing else of the node's
+code): GPU hosts have python3 but no cloud SDK, and `python3 cloudmeta.py fetch-bundle` downloads
+the node scripts from the stack's bucket. The spot watcher, the registry login, the GPU health
+watch and the trainer (training/credentials.py, training/storage.py: refreshing botocore
+credentials for s3://, oss:// and cosn://) use it too. Keep it small: every byte is in every
+node's user data.
 
     python3 cloudmeta.py credentials --cloud tencentcloud        # print the role's credentials' expiry
     python3 cloudmeta.py fetch-bundle --env /etc/gpu-training/node.env --dest /
@@ -16,11 +18,14 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime as dt
+import glob
 import hashlib
 import hmac
+import importlib.util
 import io
 import json
 import os
+import re
 import sys
 import tarfile
 import time
@@ -28,37 +33,100 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
-
-BEIJING = dt.timezone(dt.timedelta(hours=8))
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Tuple, cast
 
 
-@dataclass(frozen=True)
-class CloudMetadata:
-    """Where one cloud's metadata service answers, as each cloud documents it."""
+class CloudNode(Protocol):
+    """What every cloud's node module (infra/clouds/<cloud>/node.py) defines: all that is one
+    cloud's on the node side. Standard library only, and it imports nothing: `cloud_node` hands it
+    this module as its global `cloudmeta` (Credentials, MetadataError, sign_v4, signed_get).
+    tests/test_cloud_profiles.py checks that every cloud's module answers all of it."""
 
-    base_url: str
-    spot_path: str  # reclaim notice; 404 while there is none
-    credentials_path: str  # + role name -> the role's temporary credentials
-    token_ttl_header: Optional[str] = None  # PUT /latest/api/token with this header (IMDSv2, hardened mode)
-    token_header: Optional[str] = None  # then send the token in this one
+    NAME: str  # the cloud's key (GTS_CLOUD, --cloud)
+    METADATA_URL: str  # the metadata service's base URL (the profile's metadata_url)
+    SPOT_PATH: str  # the reclaim notice; 404 while there is none
+    CREDENTIALS_PATH: str  # + role name -> the role's temporary credentials
+    TOKEN_TTL_HEADER: Optional[str]  # PUT /latest/api/token with this header first (IMDSv2, hardened mode)
+    TOKEN_HEADER: Optional[str]  # then send the token in this one
+    INSTANCE_ID_PATH: str
+    REGION_PATH: str
+    POD_IDENTITY: Optional[str]  # the STORAGE_CREDENTIALS source of its pods' own role (None: the SDK's chain)
+
+    def role_credentials(self, doc: Dict[str, object]) -> Credentials:
+        """The role-credentials document in the cloud's format (raises KeyError / ValueError)."""
+
+    def sign_object_get(self, url: str, bucket: str, region: str, creds: Credentials,
+                        now: dt.datetime) -> Dict[str, str]:
+        """The headers of a signed GET of one object from the cloud's S3-compatible API."""
+
+    def spot_deadline(self, body: str) -> Optional[dt.datetime]:
+        """When the instance goes, in UTC, from the body at SPOT_PATH (None: unreadable)."""
+
+    def other_notice(self, meta: Metadata) -> Tuple[Optional[str], Optional[str], Optional[dt.datetime]]:
+        """A notice besides the reclaim: (kind, body, when): "scale-in" (checkpoint and go) or
+        "rebalance" (checkpoint now, go on); (None, None, None) when there is none."""
+
+    def registry_login(self, meta: Metadata, region: str,
+                       endpoint: Optional[str]) -> Optional[Tuple[str, str, str]]:
+        """(registry, user, password) for `docker login`, or None: the registry needs no login."""
+
+    def replace_api_url(self, region: str) -> str:
+        """The endpoint of the API that replaces a node of the region's scaling groups."""
+
+    def replace_self(self, creds: Credentials, region: str, instance: str, url: str, group: str,
+                     group_id: str) -> str:
+        """Ask the node's scaling group to replace this instance; the cloud's answer. Raises
+        OSError / ValueError / KeyError / MetadataError (the caller retries)."""
+
+    def group_id_problem(self, group_id: str) -> Optional[str]:
+        """Why a scaling-group id given to the node is not one of this cloud's (None: fine)."""
+
+    def pod_identity_credentials(self, env: Mapping[str, str], timeout: float) -> Credentials:
+        """POD_IDENTITY's exchange: the pod's service-account token for its role's credentials."""
 
 
-CLOUDS: Dict[str, CloudMetadata] = {
-    # IMDSv2: docs.aws.amazon.com/AWSEC2/latest/UserGuide/configuring-instance-metadata-service.html,
-    # spot-instance-termination-notices.html, iam-roles-for-amazon-ec2.html
-    "aws": CloudMetadata("http://169.254.169.254", "/latest/meta-data/spot/instance-action",
-                         "/latest/meta-data/iam/security-credentials/",
-                         "X-aws-ec2-metadata-token-ttl-seconds", "X-aws-ec2-metadata-token"),
-    # Hardened mode and RAM role credentials: aliyun/credentials-python provider/ecs_ram_role.py;
-    # alibabacloud.com/help/en/ecs/user-guide/obtain-a-temporary-authorization-token
-    "alicloud": CloudMetadata("http://100.100.100.200", "/latest/meta-data/instance/spot/termination-time",
-                              "/latest/meta-data/ram/security-credentials/",
-                              "X-aliyun-ecs-metadata-token-ttl-seconds", "X-aliyun-ecs-metadata-token"),
-    # CAM role credentials: tencentcloud-sdk-go common/cvm_role_provider.go; cloud.tencent.com/document/product/213/4934
-    "tencentcloud": CloudMetadata("http://metadata.tencentyun.com", "/latest/meta-data/spot/termination-time",
-                                  "/latest/meta-data/cam/security-credentials/"),
-}
+NODE_INTERFACE = tuple(sorted({*CloudNode.__annotations__,
+                               *(n for n, v in vars(CloudNode).items() if callable(v) and not n.startswith("_"))}))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Where a cloud's node module is: on a node, beside this file (the user data writes
+# /usr/local/lib/gts/clouds/<cloud>.py); in a checkout and the trainer image (/opt/gts), in the
+# repository's own layout. Loaded by path: infra/'s packages (pulumi) are never imported.
+NODE_PLACES = (os.path.join(HERE, "clouds", "%s.py"), os.path.join(os.path.dirname(HERE), "infra", "clouds", "%s", "node.py"))
+CLOUD_NAME = re.compile(r"[a-z0-9]+")
+_NODES: Dict[str, CloudNode] = {}
+
+
+class UnknownCloud(ValueError):
+    """A cloud name with no node module here."""
+
+
+def known_clouds() -> List[str]:
+    """The clouds whose node module is here."""
+    found = {os.path.basename(os.path.dirname(p)) if p.endswith("node.py") else os.path.basename(p)[:-3]
+             for place in NODE_PLACES for p in glob.glob(place % "*")}
+    return sorted(n for n in found if CLOUD_NAME.fullmatch(n))
+
+
+def cloud_node(name: str) -> CloudNode:
+    """The cloud's node module (UnknownCloud for a name that has none here)."""
+    if name in _NODES:
+        return _NODES[name]
+    paths = [place % name for place in NODE_PLACES] if CLOUD_NAME.fullmatch(name) else []
+    path = next((p for p in paths if os.path.isfile(p)), None)
+    if path is None:
+        raise UnknownCloud("%r is not a cloud this node knows (known: %s; a cloud's node module is "
+                           "infra/clouds/<cloud>/node.py)" % (name, ", ".join(known_clouds()) or "none"))
+    spec = importlib.util.spec_from_file_location("gts_cloud_" + name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    setattr(module, "cloudmeta", sys.modules[__name__])  # its generic primitives, without an import
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    missing = [n for n in NODE_INTERFACE if not hasattr(module, n)]
+    if missing or getattr(module, "NAME", None) != name:
+        raise UnknownCloud("%s is not a whole node module of %r (missing: %s)" % (path, name, ", ".join(missing)))
+    _NODES[name] = cast(CloudNode, module)
+    return _NODES[name]
 
 
 class MetadataError(RuntimeError):
@@ -80,18 +148,16 @@ class Metadata:
     """Reads one cloud's metadata service (a token first where the cloud requires one)."""
 
     def __init__(self, cloud: str, base_url: Optional[str] = None, timeout: float = 2.0):
-        if cloud not in CLOUDS:
-            raise ValueError("unknown cloud %r: use one of %s" % (cloud, ", ".join(sorted(CLOUDS))))
         self.cloud = cloud
-        self.meta = CLOUDS[cloud]
-        self.base = (base_url or self.meta.base_url).rstrip("/")
+        self.node = cloud_node(cloud)
+        self.base = (base_url or self.node.METADATA_URL).rstrip("/")
         self.timeout = timeout
         self._token: Optional[str] = None
 
     def _new_token(self) -> str:
-        assert self.meta.token_ttl_header
+        assert self.node.TOKEN_TTL_HEADER
         req = urllib.request.Request(self.base + "/latest/api/token", method="PUT",
-                                     headers={self.meta.token_ttl_header: "21600"})
+                                     headers={self.node.TOKEN_TTL_HEADER: "21600"})
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
             return str(resp.read().decode().strip())
 
@@ -99,10 +165,10 @@ class Metadata:
         """The body at `path`; None for a 404 when `missing_ok`."""
         for attempt in (1, 2):
             headers = {}
-            if self.meta.token_header:
+            if self.node.TOKEN_HEADER:
                 if self._token is None:
                     self._token = self._new_token()
-                headers[self.meta.token_header] = self._token
+                headers[self.node.TOKEN_HEADER] = self._token
             req = urllib.request.Request(self.base + path, headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
@@ -110,25 +176,25 @@ class Metadata:
             except urllib.error.HTTPError as err:
                 if err.code == 404 and missing_ok:
                     return None
-                if err.code in (401, 403) and self.meta.token_header and attempt == 1:
+                if err.code in (401, 403) and self.node.TOKEN_HEADER and attempt == 1:
                     self._token = None  # expired or revoked: one fresh token, then give up
                     continue
                 raise MetadataError("%s metadata %s%s answered HTTP %d" % (self.cloud, self.base, path, err.code))
         raise MetadataError("%s metadata %s%s refused the token" % (self.cloud, self.base, path))
 
     def role_name(self) -> str:
-        listing = self.get(self.meta.credentials_path) or ""
+        listing = self.get(self.node.CREDENTIALS_PATH) or ""
         names = [line.strip().rstrip("/") for line in listing.splitlines() if line.strip()]
         if not names:
             raise MetadataError("%s metadata %s%s lists no role: is an instance role attached?"
-                                % (self.cloud, self.base, self.meta.credentials_path))
+                                % (self.cloud, self.base, self.node.CREDENTIALS_PATH))
         return names[0]
 
     def credentials(self, role: Optional[str] = None) -> Credentials:
-        path = self.meta.credentials_path + (role or self.role_name())
+        path = self.node.CREDENTIALS_PATH + (role or self.role_name())
         body = self.get(path) or ""
         try:
-            return parse_credentials(self.cloud, json.loads(body))
+            return self.node.role_credentials(json.loads(body))
         except (ValueError, KeyError, TypeError) as exc:
             raise MetadataError("%s metadata %s%s did not return role credentials in the documented format: %s"
                                 % (self.cloud, self.base, path, exc)) from None
@@ -138,26 +204,27 @@ def utc_seconds(stamp: str) -> float:
     return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
 
 
-def parse_credentials(cloud: str, doc: Dict[str, object]) -> Credentials:
-    """A role-credentials document in the cloud's format (raises KeyError / ValueError)."""
-    if cloud == "aws":  # {"Code": "Success", "AccessKeyId", "SecretAccessKey", "Token", "Expiration": "...Z"}
-        if doc.get("Code", "Success") != "Success":
-            raise ValueError("Code is %r" % doc.get("Code"))
-        return Credentials(str(doc["AccessKeyId"]), str(doc["SecretAccessKey"]), str(doc["Token"]),
-                           utc_seconds(str(doc["Expiration"])))
-    if cloud == "alicloud":  # {"Code", "AccessKeyId", "AccessKeySecret", "SecurityToken", "Expiration": "...Z"}
-        if doc.get("Code") != "Success":
-            raise ValueError("Code is %r" % doc.get("Code"))
-        return Credentials(str(doc["AccessKeyId"]), str(doc["AccessKeySecret"]), str(doc["SecurityToken"]),
-                           utc_seconds(str(doc["Expiration"])))
-    # tencentcloud: {"Code", "TmpSecretId", "TmpSecretKey", "Token", "ExpiredTime": unix seconds}
-    if doc.get("Code") != "Success":
-        raise ValueError("Code is %r" % doc.get("Code"))
-    return Credentials(str(doc["TmpSecretId"]), str(doc["TmpSecretKey"]), str(doc["Token"]),
-                       float(doc["ExpiredTime"]))  # type: ignore[arg-type]
-
-
 # ---------------------------------------------------------------------------- pod identities
+
+def service_account_token(env: Mapping[str, str], var: str) -> str:
+    """The pod's projected service-account token, from the file `var` names (read on every call:
+    Kubernetes rotates it)."""
+    try:
+        with open(env[var], encoding="utf-8") as fh:
+            return fh.read().strip()
+    except OSError as exc:
+        raise MetadataError("%s=%r: the pod's service-account token cannot be read (%s); the pod's identity "
+                            "webhook mounts it" % (var, env[var], exc.strerror)) from None
+
+
+def sts_url(endpoint: str, var: str) -> str:
+    """An STS endpoint the pod's token may be sent to: https, or plain http on loopback (tests)."""
+    url = endpoint if "://" in endpoint else "https://" + endpoint
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "https" and parts.hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise MetadataError("%s=%r: the pod's token goes to STS over https only" % (var, endpoint))
+    return url.rstrip("/")
+
 
 # ---------------------------------------------------------------------------- object store
 
@@ -199,29 +266,11 @@ def sign_v4(method: str, url: str, region: str, creds: Credentials, now: dt.date
     return headers
 
 
-def sign_v2(method: str, url: str, bucket: str, creds: Credentials, now: dt.datetime) -> Dict[str, str]:
-    """S3 signature version 2 (the one OSS's S3 API is reached with here, as botocore's
-    signature_version="s3"), for a request without body or content type."""
-    parts = urllib.parse.urlsplit(url)
-    date = now.strftime("%a, %d %b %Y %H:%M:%S GMT")
-    headers = {"Date": date}
-    amz = ""
-    if creds.token:
-        headers["x-amz-security-token"] = creds.token
-        amz = "x-amz-security-token:%s\n" % creds.token
-    # The resource is /<bucket>/<key> in either addressing style.
-    resource = "/" + bucket + parts.path if parts.netloc.startswith(bucket + ".") else parts.path
-    to_sign = "%s\n\n\n%s\n%s%s" % (method, date, amz, resource)
-    digest = hmac.new(creds.secret_key.encode(), to_sign.encode(), hashlib.sha1).digest()
-    headers["Authorization"] = "AWS %s:%s" % (creds.access_key, base64.b64encode(digest).decode())
-    return headers
-
-
 def signed_get(cloud: str, endpoint: str, region: str, bucket: str, key: str, creds: Credentials,
                style: str = "virtual", timeout: float = 30.0) -> bytes:
     url = object_url(endpoint, bucket, key, style)
     now = dt.datetime.now(dt.timezone.utc)
-    headers = sign_v2("GET", url, bucket, creds, now) if cloud == "alicloud" else sign_v4("GET", url, region, creds, now)
+    headers = cloud_node(cloud).sign_object_get(url, bucket, region, creds, now)
     headers.pop("host", None)
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
         return bytes(resp.read())
@@ -302,7 +351,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="cloud instance metadata, role credentials and the node bundle")
     sub = parser.add_subparsers(dest="command", required=True)
     creds = sub.add_parser("credentials", help="print the instance role's credential expiry (checks the path)")
-    creds.add_argument("--cloud", choices=sorted(CLOUDS), required=True)
+    creds.add_argument("--cloud", choices=known_clouds(), required=True)
     creds.add_argument("--metadata-url")
     fetch = sub.add_parser("fetch-bundle", help="download, verify and unpack the node scripts")
     fetch.add_argument("--env", default="/etc/gpu-training/node.env")
