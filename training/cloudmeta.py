@@ -1,9 +1,10 @@
 """The instance metadata service, the instance role's credentials, and signed reads from the
-object store — generic, with the Python standard library only; what is one cloud's comes from
-that cloud's node module (`CloudNode` below; `cloud_node(name)` finds it).
+object store — generic, with the Python standard library only. What is one cloud's comes from its
+modules, found by name (`cloud_metadata`, `cloud_node`; the interfaces: `CloudMetadata`,
+`CloudNode`): infra/clouds/<cloud>/metadata.py and node.py.
 
-The user data carries this module and the node's own cloud module (nothing else of the node's
-code): GPU hosts have python3 but no cloud SDK, and `python3 cloudmeta.py fetch-bundle` downloads
+The user data carries this module and the node's own cloud's metadata.py (nothing else of the
+node's code): GPU hosts have python3 but no cloud SDK, and `python3 cloudmeta.py fetch-bundle` downloads
 the node scripts from the stack's bucket. The spot watcher, the registry login, the GPU health
 watch and the trainer (training/credentials.py, training/storage.py: refreshing botocore
 credentials for s3://, oss:// and cosn://) use it too. Keep it small: every byte is in every
@@ -33,100 +34,114 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Protocol, Tuple, cast
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, cast
 
 
-class CloudNode(Protocol):
-    """What every cloud's node module (infra/clouds/<cloud>/node.py) defines: all that is one
-    cloud's on the node side. Standard library only, and it imports nothing: `cloud_node` hands it
-    this module as its global `cloudmeta` (Credentials, MetadataError, sign_v4, signed_get).
-    tests/test_cloud_profiles.py checks that every cloud's module answers all of it."""
+if TYPE_CHECKING:  # the interface each cloud answers; typing-only (the user data carries no typing code)
+    from typing import Mapping, Protocol, Tuple
 
-    NAME: str  # the cloud's key (GTS_CLOUD, --cloud)
-    METADATA_URL: str  # the metadata service's base URL (the profile's metadata_url)
-    SPOT_PATH: str  # the reclaim notice; 404 while there is none
-    CREDENTIALS_PATH: str  # + role name -> the role's temporary credentials
-    TOKEN_TTL_HEADER: Optional[str]  # PUT /latest/api/token with this header first (IMDSv2, hardened mode)
-    TOKEN_HEADER: Optional[str]  # then send the token in this one
-    INSTANCE_ID_PATH: str
-    REGION_PATH: str
-    POD_IDENTITY: Optional[str]  # the STORAGE_CREDENTIALS source of its pods' own role (None: the SDK's chain)
+    class CloudMetadata(Protocol):
+        """infra/clouds/<cloud>/metadata.py: the cloud's metadata service and object store as the
+        fetcher reads them. The user data carries the node's own (the bundle is fetched with it)."""
 
-    def role_credentials(self, doc: Dict[str, object]) -> Credentials:
-        """The role-credentials document in the cloud's format (raises KeyError / ValueError)."""
+        NAME: str  # the cloud's key (GTS_CLOUD, --cloud)
+        METADATA_URL: str  # the metadata service's base URL (the profile's metadata_url)
+        CREDENTIALS_PATH: str  # + role name -> the role's temporary credentials
+        TOKEN_TTL_HEADER: Optional[str]  # PUT /latest/api/token with this header first (IMDSv2, hardened mode)
+        TOKEN_HEADER: Optional[str]  # then send the token in this one
 
-    def sign_object_get(self, url: str, bucket: str, region: str, creds: Credentials,
-                        now: dt.datetime) -> Dict[str, str]:
-        """The headers of a signed GET of one object from the cloud's S3-compatible API."""
+        def role_credentials(self, doc: Dict[str, object]) -> Credentials:
+            """The role-credentials document in the cloud's format (raises KeyError / ValueError)."""
 
-    def spot_deadline(self, body: str) -> Optional[dt.datetime]:
-        """When the instance goes, in UTC, from the body at SPOT_PATH (None: unreadable)."""
+        def sign_object_get(self, url: str, bucket: str, region: str, creds: Credentials,
+                            now: dt.datetime) -> Dict[str, str]:
+            """The headers of a signed GET of one object from the cloud's S3-compatible API."""
 
-    def other_notice(self, meta: Metadata) -> Tuple[Optional[str], Optional[str], Optional[dt.datetime]]:
-        """A notice besides the reclaim: (kind, body, when): "scale-in" (checkpoint and go) or
-        "rebalance" (checkpoint now, go on); (None, None, None) when there is none."""
+    class CloudNode(Protocol):
+        """infra/clouds/<cloud>/node.py: the cloud's part of the node's tools (the spot watch, the
+        registry login, the GPU health watch) and of the trainer's credentials. The bundle
+        carries every cloud's; the trainer image too."""
 
-    def registry_login(self, meta: Metadata, region: str,
-                       endpoint: Optional[str]) -> Optional[Tuple[str, str, str]]:
-        """(registry, user, password) for `docker login`, or None: the registry needs no login."""
+        NAME: str
+        SPOT_PATH: str  # the reclaim notice; 404 while there is none
+        INSTANCE_ID_PATH: str
+        REGION_PATH: str
+        POD_IDENTITY: Optional[str]  # the STORAGE_CREDENTIALS source of its pods' own role (None: the SDK's chain)
 
-    def replace_api_url(self, region: str) -> str:
-        """The endpoint of the API that replaces a node of the region's scaling groups."""
+        def spot_deadline(self, body: str) -> Optional[dt.datetime]:
+            """When the instance goes, in UTC, from the body at SPOT_PATH (None: unreadable)."""
 
-    def replace_self(self, creds: Credentials, region: str, instance: str, url: str, group: str,
-                     group_id: str) -> str:
-        """Ask the node's scaling group to replace this instance; the cloud's answer. Raises
-        OSError / ValueError / KeyError / MetadataError (the caller retries)."""
+        def other_notice(self, meta: Metadata) -> Tuple[Optional[str], Optional[str], Optional[dt.datetime]]:
+            """A notice besides the reclaim: (kind, body, when): "scale-in" (checkpoint and go) or
+            "rebalance" (checkpoint now, go on); (None, None, None) when there is none."""
 
-    def group_id_problem(self, group_id: str) -> Optional[str]:
-        """Why a scaling-group id given to the node is not one of this cloud's (None: fine)."""
+        def registry_login(self, meta: Metadata, region: str,
+                           endpoint: Optional[str]) -> Optional[Tuple[str, str, str]]:
+            """(registry, user, password) for `docker login`, or None: the registry needs no login."""
 
-    def pod_identity_credentials(self, env: Mapping[str, str], timeout: float) -> Credentials:
-        """POD_IDENTITY's exchange: the pod's service-account token for its role's credentials."""
+        def replace_api_url(self, region: str) -> str:
+            """The endpoint of the API that replaces a node of the region's scaling groups."""
+
+        def replace_self(self, creds: Credentials, region: str, instance: str, url: str, group: str,
+                         group_id: str) -> str:
+            """Ask the node's scaling group to replace this instance; the cloud's answer. Raises
+            OSError / ValueError / KeyError / MetadataError (the caller retries)."""
+
+        def group_id_problem(self, group_id: str) -> Optional[str]:
+            """Why a scaling-group id given to the node is not one of this cloud's (None: fine)."""
+
+        def pod_identity_credentials(self, env: Mapping[str, str], token: Callable[[str], str],
+                                     sts_url: Callable[[str, str], str], timeout: float) -> Credentials:
+            """POD_IDENTITY's exchange of the pod's service-account token for its role's
+            credentials; `token(var)` reads the token from the file env[var] names, `sts_url(endpoint,
+            var)` checks the STS endpoint (training/credentials.py hands both in)."""
 
 
-NODE_INTERFACE = tuple(sorted({*CloudNode.__annotations__,
-                               *(n for n, v in vars(CloudNode).items() if callable(v) and not n.startswith("_"))}))
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Where a cloud's node module is: on a node, beside this file (the user data writes
-# /usr/local/lib/gts/clouds/<cloud>.py); in a checkout and the trainer image (/opt/gts), in the
-# repository's own layout. Loaded by path: infra/'s packages (pulumi) are never imported.
-NODE_PLACES = (os.path.join(HERE, "clouds", "%s.py"), os.path.join(os.path.dirname(HERE), "infra", "clouds", "%s", "node.py"))
+# Where a cloud's modules are: on a node beside this file, /usr/local/lib/gts/clouds/<cloud>/<part>.py
+# (the user data writes the metadata part, the bundle the node part); in a checkout and the
+# trainer image (/opt/gts) in the repository's layout. Loaded by path: the modules import nothing,
+# and infra/'s packages (pulumi) are never imported.
+PLACES = (os.path.join(HERE, "clouds"), os.path.join(os.path.dirname(HERE), "infra", "clouds"))
 CLOUD_NAME = re.compile(r"[a-z0-9]+")
-_NODES: Dict[str, CloudNode] = {}
+_LOADED: Dict[str, object] = {}
 
 
 class UnknownCloud(ValueError):
-    """A cloud name with no node module here."""
+    """A cloud name with no module here."""
 
 
-def known_clouds() -> List[str]:
-    """The clouds whose node module is here."""
-    found = {os.path.basename(os.path.dirname(p)) if p.endswith("node.py") else os.path.basename(p)[:-3]
-             for place in NODE_PLACES for p in glob.glob(place % "*")}
+def known_clouds(part: str = "metadata") -> List[str]:
+    """The clouds whose `part` module is here."""
+    found = {os.path.basename(os.path.dirname(p)) for place in PLACES for p in glob.glob(os.path.join(place, "*", part + ".py"))}
     return sorted(n for n in found if CLOUD_NAME.fullmatch(n))
+
+
+def _load(name: str, part: str) -> object:
+    """The cloud's `part` module, loaded once by path and handed this module as its `cloudmeta`."""
+    key = name + "." + part
+    if key not in _LOADED:
+        paths = [os.path.join(place, name, part + ".py") for place in PLACES] if CLOUD_NAME.fullmatch(name) else []
+        path = next((p for p in paths if os.path.isfile(p)), None)
+        if path is None:
+            raise UnknownCloud("%r is not a cloud known here (known: %s; its modules: infra/clouds/<cloud>/%s.py)"
+                               % (name, ", ".join(known_clouds(part)), part))
+        spec = importlib.util.spec_from_file_location("gts_clouds_%s_%s" % (name, part), path)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        setattr(module, "cloudmeta", sys.modules[__name__])  # its generic primitives, without an import
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        _LOADED[key] = module
+    return _LOADED[key]
+
+
+def cloud_metadata(name: str) -> CloudMetadata:
+    """The cloud's metadata module (UnknownCloud for a name that has none here)."""
+    return cast("CloudMetadata", _load(name, "metadata"))
 
 
 def cloud_node(name: str) -> CloudNode:
     """The cloud's node module (UnknownCloud for a name that has none here)."""
-    if name in _NODES:
-        return _NODES[name]
-    paths = [place % name for place in NODE_PLACES] if CLOUD_NAME.fullmatch(name) else []
-    path = next((p for p in paths if os.path.isfile(p)), None)
-    if path is None:
-        raise UnknownCloud("%r is not a cloud this node knows (known: %s; a cloud's node module is "
-                           "infra/clouds/<cloud>/node.py)" % (name, ", ".join(known_clouds()) or "none"))
-    spec = importlib.util.spec_from_file_location("gts_cloud_" + name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    setattr(module, "cloudmeta", sys.modules[__name__])  # its generic primitives, without an import
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    missing = [n for n in NODE_INTERFACE if not hasattr(module, n)]
-    if missing or getattr(module, "NAME", None) != name:
-        raise UnknownCloud("%s is not a whole node module of %r (missing: %s)" % (path, name, ", ".join(missing)))
-    _NODES[name] = cast(CloudNode, module)
-    return _NODES[name]
+    return cast("CloudNode", _load(name, "node"))
 
 
 class MetadataError(RuntimeError):
@@ -149,15 +164,15 @@ class Metadata:
 
     def __init__(self, cloud: str, base_url: Optional[str] = None, timeout: float = 2.0):
         self.cloud = cloud
-        self.node = cloud_node(cloud)
-        self.base = (base_url or self.node.METADATA_URL).rstrip("/")
+        self.cloud_meta = cloud_metadata(cloud)
+        self.base = (base_url or self.cloud_meta.METADATA_URL).rstrip("/")
         self.timeout = timeout
         self._token: Optional[str] = None
 
     def _new_token(self) -> str:
-        assert self.node.TOKEN_TTL_HEADER
+        assert self.cloud_meta.TOKEN_TTL_HEADER
         req = urllib.request.Request(self.base + "/latest/api/token", method="PUT",
-                                     headers={self.node.TOKEN_TTL_HEADER: "21600"})
+                                     headers={self.cloud_meta.TOKEN_TTL_HEADER: "21600"})
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
             return str(resp.read().decode().strip())
 
@@ -165,10 +180,10 @@ class Metadata:
         """The body at `path`; None for a 404 when `missing_ok`."""
         for attempt in (1, 2):
             headers = {}
-            if self.node.TOKEN_HEADER:
+            if self.cloud_meta.TOKEN_HEADER:
                 if self._token is None:
                     self._token = self._new_token()
-                headers[self.node.TOKEN_HEADER] = self._token
+                headers[self.cloud_meta.TOKEN_HEADER] = self._token
             req = urllib.request.Request(self.base + path, headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
@@ -176,25 +191,25 @@ class Metadata:
             except urllib.error.HTTPError as err:
                 if err.code == 404 and missing_ok:
                     return None
-                if err.code in (401, 403) and self.node.TOKEN_HEADER and attempt == 1:
+                if err.code in (401, 403) and self.cloud_meta.TOKEN_HEADER and attempt == 1:
                     self._token = None  # expired or revoked: one fresh token, then give up
                     continue
                 raise MetadataError("%s metadata %s%s answered HTTP %d" % (self.cloud, self.base, path, err.code))
         raise MetadataError("%s metadata %s%s refused the token" % (self.cloud, self.base, path))
 
     def role_name(self) -> str:
-        listing = self.get(self.node.CREDENTIALS_PATH) or ""
+        listing = self.get(self.cloud_meta.CREDENTIALS_PATH) or ""
         names = [line.strip().rstrip("/") for line in listing.splitlines() if line.strip()]
         if not names:
             raise MetadataError("%s metadata %s%s lists no role: is an instance role attached?"
-                                % (self.cloud, self.base, self.node.CREDENTIALS_PATH))
+                                % (self.cloud, self.base, self.cloud_meta.CREDENTIALS_PATH))
         return names[0]
 
     def credentials(self, role: Optional[str] = None) -> Credentials:
-        path = self.node.CREDENTIALS_PATH + (role or self.role_name())
+        path = self.cloud_meta.CREDENTIALS_PATH + (role or self.role_name())
         body = self.get(path) or ""
         try:
-            return self.node.role_credentials(json.loads(body))
+            return self.cloud_meta.role_credentials(json.loads(body))
         except (ValueError, KeyError, TypeError) as exc:
             raise MetadataError("%s metadata %s%s did not return role credentials in the documented format: %s"
                                 % (self.cloud, self.base, path, exc)) from None
@@ -202,28 +217,6 @@ class Metadata:
 
 def utc_seconds(stamp: str) -> float:
     return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
-
-
-# ---------------------------------------------------------------------------- pod identities
-
-def service_account_token(env: Mapping[str, str], var: str) -> str:
-    """The pod's projected service-account token, from the file `var` names (read on every call:
-    Kubernetes rotates it)."""
-    try:
-        with open(env[var], encoding="utf-8") as fh:
-            return fh.read().strip()
-    except OSError as exc:
-        raise MetadataError("%s=%r: the pod's service-account token cannot be read (%s); the pod's identity "
-                            "webhook mounts it" % (var, env[var], exc.strerror)) from None
-
-
-def sts_url(endpoint: str, var: str) -> str:
-    """An STS endpoint the pod's token may be sent to: https, or plain http on loopback (tests)."""
-    url = endpoint if "://" in endpoint else "https://" + endpoint
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme != "https" and parts.hostname not in ("127.0.0.1", "localhost", "::1"):
-        raise MetadataError("%s=%r: the pod's token goes to STS over https only" % (var, endpoint))
-    return url.rstrip("/")
 
 
 # ---------------------------------------------------------------------------- object store
@@ -270,7 +263,7 @@ def signed_get(cloud: str, endpoint: str, region: str, bucket: str, key: str, cr
                style: str = "virtual", timeout: float = 30.0) -> bytes:
     url = object_url(endpoint, bucket, key, style)
     now = dt.datetime.now(dt.timezone.utc)
-    headers = cloud_node(cloud).sign_object_get(url, bucket, region, creds, now)
+    headers = cloud_metadata(cloud).sign_object_get(url, bucket, region, creds, now)
     headers.pop("host", None)
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
         return bytes(resp.read())

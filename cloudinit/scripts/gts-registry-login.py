@@ -23,7 +23,7 @@ def registry_login(env: Dict[str, str], metadata_url: Optional[str] = None, endp
     cloud = env.get("GTS_CLOUD", "")
     meta = cloudmeta.Metadata(cloud, metadata_url or env.get("GTS_METADATA_URL") or None)
     # The repository lives in the cloud's default region, with the stack's bucket.
-    login = meta.node.registry_login(meta, env.get("STORAGE_REGION", ""), endpoint)
+    login = cloudmeta.cloud_node(cloud).registry_login(meta, env.get("STORAGE_REGION", ""), endpoint)
     if login is None:
         return "%s: the registry serves this VPC without a login" % cloud
     registry, user, password = login

@@ -125,14 +125,14 @@ def mark(run_dir):
         fh.write(f"{time.time():.0f}\n")
 
 
-def poll(meta):
+def poll(meta, node):
     """(kind, body, when) of the first notice the metadata service gives, or (None, None, None):
     the reclaim notice at the cloud's spot path, else the cloud's other notices (its node module's
     other_notice: a scale-in or a rebalance recommendation where the cloud gives them)."""
-    body = meta.get(meta.node.SPOT_PATH, missing_ok=True)
+    body = meta.get(node.SPOT_PATH, missing_ok=True)
     if body:
-        return "reclaim", body, meta.node.spot_deadline(body)
-    return meta.node.other_notice(meta)
+        return "reclaim", body, node.spot_deadline(body)
+    return node.other_notice(meta)
 
 
 def main(argv=None):
@@ -146,13 +146,13 @@ def main(argv=None):
     parser.add_argument("--once", action="store_true", help="exit after acting on a notice")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    meta = cloudmeta.Metadata(args.cloud, args.metadata_url)
+    meta, node = cloudmeta.Metadata(args.cloud, args.metadata_url), cloudmeta.cloud_node(args.cloud)
     trainer = Trainer(args.action)
     rebalanced = False
-    log.info("watching %s%s every %.0f s", meta.base, meta.node.SPOT_PATH, args.interval)
+    log.info("watching %s%s every %.0f s", meta.base, node.SPOT_PATH, args.interval)
     while True:
         try:
-            kind, body, when = poll(meta)
+            kind, body, when = poll(meta, node)
         except (OSError, cloudmeta.MetadataError) as exc:
             log.warning("metadata service unreachable: %s", exc)
             kind, body, when = None, None, None

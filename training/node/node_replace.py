@@ -27,7 +27,7 @@ def request_replacement(meta: cloudmeta.Metadata, region_override: Optional[str]
                         group: str, group_id: str) -> Tuple[str, str]:
     """Ask the node's group to replace this instance: (instance id, the cloud's answer). Raises
     OSError / ValueError / KeyError / cloudmeta.MetadataError on a failure (the caller retries)."""
-    node = meta.node
+    node = cloudmeta.cloud_node(meta.cloud)
     instance, region = meta.get(node.INSTANCE_ID_PATH), region_override or meta.get(node.REGION_PATH)
     if not (instance and region):
         raise ValueError(f"the metadata service names no instance id or region (instance {instance!r}, "

@@ -1,10 +1,10 @@
-"""AWS on the node: the instance metadata service (IMDSv2), the instance role's credentials, the
-spot, scale-in and rebalance notices, the ECR login and the Auto Scaling replace-me call.
+"""AWS on the node: the spot, scale-in and rebalance notices, the ECR login, the Auto Scaling
+replace-me call (and why a pod's own role needs nothing here).
 
-Node-side: standard library only, and it imports nothing — training/cloudmeta.py `cloud_node`
-loads it by path and hands it `cloudmeta` (the generic primitives). The user data of an AWS node
-writes it to /usr/local/lib/gts/clouds/aws.py; the trainer image has it at its repository path.
-The interface it answers: training/cloudmeta.py `CloudNode`.
+Node-side, standard library only, and it imports nothing: training/cloudmeta.py `cloud_node` loads
+it by path and hands it `cloudmeta` (the generic primitives). The node bundle carries it
+(/usr/local/lib/gts/clouds/aws/node.py), the trainer image too; the interface: cloudmeta
+`CloudNode`. The metadata service itself and S3 reads: metadata.py beside it.
 """
 
 from __future__ import annotations
@@ -14,19 +14,14 @@ import datetime as dt
 import json
 import urllib.parse
 import urllib.request
-from typing import TYPE_CHECKING, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Tuple
 
 if TYPE_CHECKING:  # handed in by cloud_node at load time
     from training import cloudmeta
 
 NAME = "aws"
-# IMDSv2: docs.aws.amazon.com/AWSEC2/latest/UserGuide/configuring-instance-metadata-service.html,
-# spot-instance-termination-notices.html, iam-roles-for-amazon-ec2.html, instancedata-data-categories.html
-METADATA_URL = "http://169.254.169.254"
+# docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-instance-termination-notices.html, instancedata-data-categories.html
 SPOT_PATH = "/latest/meta-data/spot/instance-action"
-CREDENTIALS_PATH = "/latest/meta-data/iam/security-credentials/"
-TOKEN_TTL_HEADER: Optional[str] = "X-aws-ec2-metadata-token-ttl-seconds"
-TOKEN_HEADER: Optional[str] = "X-aws-ec2-metadata-token"
 INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
 REGION_PATH = "/latest/meta-data/placement/region"
 POD_IDENTITY: Optional[str] = None  # EKS Pod Identity: the SDK's default chain finds it itself
@@ -36,19 +31,6 @@ LIFECYCLE_PATH = "/latest/meta-data/autoscaling/target-lifecycle-state"
 REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
 SCALE_IN_NOTICE_S = 120.0  # how long a scale-in gives the trainer, well inside the hook's timeout
 ECR_TARGET = "AmazonEC2ContainerRegistry_V20150921.GetAuthorizationToken"
-
-
-def role_credentials(doc: Dict[str, object]) -> cloudmeta.Credentials:
-    """{"Code": "Success", "AccessKeyId", "SecretAccessKey", "Token", "Expiration": "...Z"}"""
-    if doc.get("Code", "Success") != "Success":
-        raise ValueError("Code is %r" % doc.get("Code"))
-    return cloudmeta.Credentials(str(doc["AccessKeyId"]), str(doc["SecretAccessKey"]), str(doc["Token"]),
-                                 cloudmeta.utc_seconds(str(doc["Expiration"])))
-
-
-def sign_object_get(url: str, bucket: str, region: str, creds: cloudmeta.Credentials,
-                    now: dt.datetime) -> Dict[str, str]:
-    return cloudmeta.sign_v4("GET", url, region, creds, now)
 
 
 def spot_deadline(body: str) -> Optional[dt.datetime]:
@@ -110,6 +92,7 @@ def group_id_problem(group_id: str) -> Optional[str]:
     return None  # the node's group is its own (SetInstanceHealth names the instance only)
 
 
-def pod_identity_credentials(env: Mapping[str, str], timeout: float) -> cloudmeta.Credentials:
+def pod_identity_credentials(env: Mapping[str, str], token: Callable[[str], str], sts_url: Callable[[str, str], str],
+                             timeout: float) -> cloudmeta.Credentials:
     raise cloudmeta.MetadataError("an EKS pod's own role comes through EKS Pod Identity, which the SDK's default "
                                   "chain reads (STORAGE_CREDENTIALS=default)")

@@ -1,10 +1,10 @@
-"""Tencent Cloud on the node: the CVM metadata service, the CAM role's credentials, COS reads, the
-spot notice (in Beijing time), the AS replace-me call and a TKE pod's own CAM role.
+"""Tencent Cloud on the node: the spot notice (in Beijing time), the AS replace-me call and a TKE
+pod's own CAM role; its registry needs no login.
 
-Node-side: standard library only, and it imports nothing — training/cloudmeta.py `cloud_node`
-loads it by path and hands it `cloudmeta` (the generic primitives). The user data of a Tencent
-node writes it to /usr/local/lib/gts/clouds/tencentcloud.py; the trainer image has it at its
-repository path. The interface it answers: training/cloudmeta.py `CloudNode`.
+Node-side, standard library only, and it imports nothing: training/cloudmeta.py `cloud_node` loads
+it by path and hands it `cloudmeta` (the generic primitives). The node bundle carries it
+(/usr/local/lib/gts/clouds/tencentcloud/node.py), the trainer image too; the interface: cloudmeta
+`CloudNode`. The metadata service itself and COS reads: metadata.py beside it.
 
 Replacing a node: AS RemoveInstances(AutoScalingGroupId, InstanceIds), API 3.0 2018-04-19,
 TC3-HMAC-SHA256. The metadata service names no scaling group, and user data is rendered before
@@ -29,18 +29,14 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Any, Dict, Mapping, Optional, Tuple
 
 if TYPE_CHECKING:  # handed in by cloud_node at load time
     from training import cloudmeta
 
 NAME = "tencentcloud"
-# CAM role credentials: tencentcloud-sdk-go common/cvm_role_provider.go; cloud.tencent.com/document/product/213/4934
-METADATA_URL = "http://metadata.tencentyun.com"
+# cloud.tencent.com/document/product/213/4934 (spot/termination-time, placement/region)
 SPOT_PATH = "/latest/meta-data/spot/termination-time"
-CREDENTIALS_PATH = "/latest/meta-data/cam/security-credentials/"
-TOKEN_TTL_HEADER: Optional[str] = None
-TOKEN_HEADER: Optional[str] = None
 INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
 REGION_PATH = "/latest/meta-data/placement/region"
 POD_IDENTITY: Optional[str] = "tke-pod-identity"
@@ -52,19 +48,6 @@ STS = "https://sts.tencentcloudapi.com"
 # SDKs' DefaultTkeOIDCRoleArnProvider reads the same four).
 IDENTITY_VARS = ("TKE_REGION", "TKE_PROVIDER_ID", "TKE_ROLE_ARN", "TKE_WEB_IDENTITY_TOKEN_FILE")
 log = logging.getLogger("gts-gpu-health")
-
-
-def role_credentials(doc: Dict[str, object]) -> cloudmeta.Credentials:
-    """{"Code", "TmpSecretId", "TmpSecretKey", "Token", "ExpiredTime": unix seconds}"""
-    if doc.get("Code") != "Success":
-        raise ValueError("Code is %r" % doc.get("Code"))
-    return cloudmeta.Credentials(str(doc["TmpSecretId"]), str(doc["TmpSecretKey"]), str(doc["Token"]),
-                                 float(doc["ExpiredTime"]))  # type: ignore[arg-type]
-
-
-def sign_object_get(url: str, bucket: str, region: str, creds: cloudmeta.Credentials,
-                    now: dt.datetime) -> Dict[str, str]:
-    return cloudmeta.sign_v4("GET", url, region, creds, now)  # COS's S3 API
 
 
 def spot_deadline(body: str) -> Optional[dt.datetime]:
@@ -170,7 +153,8 @@ def group_id_problem(group_id: str) -> Optional[str]:
     return None if not group_id or GROUP_ID.fullmatch(group_id) else "must be an AS group id (asg-...)"
 
 
-def pod_identity_credentials(env: Mapping[str, str], timeout: float) -> cloudmeta.Credentials:
+def pod_identity_credentials(env: Mapping[str, str], token: Callable[[str], str], sts_url: Callable[[str, str], str],
+                             timeout: float) -> cloudmeta.Credentials:
     """TKE pod identity: exchange the pod's projected service-account token for its CAM role's
     credentials at Tencent STS AssumeRoleWithWebIdentity (version 2018-08-13). Not signed (the
     token is the proof): a TC3-style JSON POST with `Authorization: SKIP`, as the Tencent SDKs
@@ -181,11 +165,11 @@ def pod_identity_credentials(env: Mapping[str, str], timeout: float) -> cloudmet
         raise cloudmeta.MetadataError("tke-pod-identity credentials need %s (TKE's pod-identity webhook sets them in "
                                       "pods of a service account annotated tke.cloud.tencent.com/role-arn)"
                                       % ", ".join(missing))
-    token = cloudmeta.service_account_token(env, "TKE_WEB_IDENTITY_TOKEN_FILE")
-    body = json.dumps({"ProviderId": env["TKE_PROVIDER_ID"], "WebIdentityToken": token, "RoleArn": env["TKE_ROLE_ARN"],
+    proof = token("TKE_WEB_IDENTITY_TOKEN_FILE")
+    body = json.dumps({"ProviderId": env["TKE_PROVIDER_ID"], "WebIdentityToken": proof, "RoleArn": env["TKE_ROLE_ARN"],
                        "RoleSessionName": "gpu-training-stack", "DurationSeconds": 3600}).encode()
     endpoint = env.get("GTS_STS_ENDPOINT") or STS
-    url = cloudmeta.sts_url(endpoint, "GTS_STS_ENDPOINT") + "/"
+    url = sts_url(endpoint, "GTS_STS_ENDPOINT") + "/"
     headers = {"Content-Type": "application/json", "Authorization": "SKIP",
                "X-TC-Action": "AssumeRoleWithWebIdentity", "X-TC-Version": "2018-08-13",
                "X-TC-Region": env["TKE_REGION"], "X-TC-Timestamp": str(int(time.time()))}
