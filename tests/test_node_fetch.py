@@ -110,7 +110,7 @@ def test_role_credentials_in_each_clouds_format_and_clear_errors(cloud: str) -> 
 
 def test_signatures_match_botocores() -> None:
     """The fetcher signs as botocore does: SigV4 (S3, COS) and S3 V2 (OSS, as the trainer's
-    signature_version="s3"), on the same request and time."""
+    signature_version="s3": infra/clouds/alicloud/metadata.py), on the same request and time."""
     from botocore.auth import HmacV1Auth, S3SigV4Auth
     from botocore.awsrequest import AWSRequest
     from botocore.credentials import Credentials
@@ -129,7 +129,7 @@ def test_signatures_match_botocores() -> None:
         string_to_sign = signer.string_to_sign(request, canonical)
         assert ours["Authorization"].endswith("Signature=" + signer.signature(string_to_sign, request))
         bucket = "gts-b-1250000000" if "cos" in url else "bucket"
-        v2 = cloudmeta.sign_v2("GET", url, bucket, creds, now)
+        v2 = cloudmeta.cloud_metadata("alicloud").sign_object_get(url, bucket, "ap-guangzhou", creds, now)
         headers = AWSRequest(method="GET", url=url, headers={"Date": v2["Date"], "x-amz-security-token": creds.token})
         split = urllib.parse.urlsplit(url)
         # botocore's S3 layer passes the resource as /<bucket>/<key> whatever the addressing style.

@@ -48,8 +48,8 @@ def credential_source(source: str, env: Mapping[str, str]) -> Callable[[], Crede
             return Metadata(cloud, env.get("GTS_METADATA_URL") or None).credentials
         except UnknownCloud as exc:
             raise MetadataError(f"instance-role credentials need GTS_CLOUD: {exc}") from None
-    cloud = pod_identity(source) if source in CREDENTIAL_SOURCES else None
-    if cloud is None:
+    owner = pod_identity(source) if source in CREDENTIAL_SOURCES else None
+    if owner is None:
         raise ValueError(f"STORAGE_CREDENTIALS={source!r}: use one of {', '.join(CREDENTIAL_SOURCES)}")
-    exchange = cloud_node(cloud).pod_identity_credentials
+    exchange = cloud_node(owner).pod_identity_credentials
     return lambda: exchange(env, lambda var: service_account_token(env, var), sts_url, 10.0)
