@@ -47,6 +47,9 @@ def test_node_unpacks_the_user_data_and_fetches_the_pinned_bundle(type_token: st
     cloud = env["GTS_CLOUD"]
     assert (root / "etc/systemd/system/gts-fetch.service").exists()
     fetcher = root / "usr/local/lib/gts/cloudmeta.py"
+    # The user data carries the node's own cloud's metadata module (what the fetcher reads), no other's.
+    carried = sorted(p.relative_to(root / "usr/local/lib/gts").as_posix() for p in (root / "usr/local/lib/gts").rglob("*.py"))
+    assert carried == ["cloudmeta.py", f"clouds/{cloud}/metadata.py"]
     # The bundle object the plan stores in this cloud's bucket, byte for byte.
     (obj,) = [r for r in shipped("prod") if r.type in BUNDLE_TYPES and r.cloud == cloud
               and not r.name.endswith("-group-id")]  # Tencent also stores each AS group's id (GPU health)
