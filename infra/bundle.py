@@ -1,6 +1,7 @@
 """The node bundle: every script and systemd unit a GPU node runs, as one reproducible gzip tar
 that the stack stores in its bucket (`nodes/bundle-<sha>.tar.gz.b64`). The user data carries
-only the node's settings, the small fetcher (training/cloudmeta.py) and the bundle's sha256, so
+only the node's settings, the small fetcher (training/cloudmeta.py, with its cloud's
+metadata.py) and the bundle's sha256, so
 it stays far below every cloud's user-data limit however the scripts grow, and a node never
 runs scripts other than the ones the plan pinned."""
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.buckets import NODES_PREFIX
+from infra.clouds import NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 CLOUDINIT = ROOT / "cloudinit"
@@ -47,6 +49,9 @@ FILES = (
     ("/etc/systemd/system/gts-rdzv.service", 0o644, "cloudinit/units/gts-rdzv.service"),
     ("/etc/systemd/system/gts-gpu-gate.service", 0o644, "cloudinit/units/gts-gpu-gate.service"),
     ("/etc/systemd/system/gts-gpu-watch.service", 0o644, "cloudinit/units/gts-gpu-watch.service"),
+    # Every cloud's node module (the scripts' cloud calls; training/cloudmeta.py cloud_node): one
+    # bundle serves every cloud's nodes. Each node's metadata module comes in its user data.
+    *((f"/usr/local/lib/gts/clouds/{cloud}/node.py", 0o644, f"infra/clouds/{cloud}/node.py") for cloud in NAMES),
 )
 
 

@@ -15,18 +15,26 @@ import pulumi_docker_build as docker_build
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = "training/Dockerfile"
-SOURCES = ("training",)  # what the image carries besides its base
+# What the image carries besides its base (training/Dockerfile.dockerignore lets the same through).
+SOURCES = ("training", "infra/clouds/*/metadata.py", "infra/clouds/*/node.py")
+
+
+def _inputs(root: Path) -> list[Path]:
+    """The files SOURCES names: a file, every file under a folder, or a pattern's matches."""
+    found: list[Path] = []
+    for src in (DOCKERFILE, *SOURCES):
+        path = root / src
+        found += sorted(root.glob(src)) if "*" in src else [path] if path.is_file() else list(path.rglob("*"))
+    return sorted(p for p in found if p.is_file() and "__pycache__" not in p.parts)
 
 
 def content_tag(base_image: str, root: Path = ROOT) -> str:
     """A tag naming the image's inputs: the base image and every file copied into it. The same
     sources give the same tag, so an unchanged trainer is not pushed again."""
     digest = hashlib.sha256(base_image.encode())
-    for path in sorted(p for src in (DOCKERFILE, *SOURCES) for p in ([root / src] if (root / src).is_file()
-                                                                       else (root / src).rglob("*"))):
-        if path.is_file() and "__pycache__" not in path.parts:
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
+    for path in _inputs(root):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
     return "t-" + digest.hexdigest()[:16]
 
 

@@ -43,14 +43,21 @@ TEMPLATE_DIR = ROOT / "cloudinit"
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT)),
                           undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
 
-# What the user data itself carries: the node's settings, the fetcher and the unit that runs
-# it. Everything else comes in the node bundle (infra/bundle.py).
+# What the user data itself carries: the node's settings, the fetcher, the node's own cloud's
+# metadata module (its metadata service and object-store signing, which the fetcher reads) and
+# the unit that runs the fetcher. Everything else comes in the node bundle (infra/bundle.py).
 # (path on the node, mode, source under the repository; .j2 sources are rendered)
 FILES = (
     ("/etc/gpu-training/node.env", "0644", "cloudinit/node.env.j2"),
     ("/usr/local/lib/gts/cloudmeta.py", "0755", "training/cloudmeta.py"),
     ("/etc/systemd/system/gts-fetch.service", "0644", "cloudinit/units/gts-fetch.service"),
 )
+
+
+def files_of(cloud: str) -> tuple[tuple[str, str, str], ...]:
+    """FILES and the cloud's metadata module, where training/cloudmeta.py cloud_metadata finds it on a node."""
+    name = profile(cloud).name  # a known cloud's name, never a path
+    return (*FILES, (f"/usr/local/lib/gts/clouds/{name}/metadata.py", "0644", f"infra/clouds/{name}/metadata.py"))
 # Limits on the user data field: (bytes, counted on "raw" text or on its "base64" form), with
 # their sources in each cloud's profile (infra/clouds/<cloud>/profile.py user_data_limit); "eks":
 # the smaller one of pool nodes whose service merges its own NodeConfig part into the same field.
@@ -156,10 +163,23 @@ def node_context(spec: StackSpec, rg: ResolvedGroup, image: str, shared: SharedM
 
 @functools.lru_cache(maxsize=32)
 def compact_python(source: str) -> str:
-    """The same program without docstrings and comments (the user data carries it; the readable
-    source is in the repository)."""
+    """The same program without docstrings, comments and what only a type checker reads: blocks
+    under `if TYPE_CHECKING:`, function annotations and module-level variable annotations (never
+    evaluated: the shipped modules have `from __future__ import annotations`; class bodies keep
+    theirs, dataclasses read them). The user data carries it; the readable source is in the
+    repository."""
     tree = ast.parse(source)
+    tree.body = [ast.Assign(targets=[s.target], value=s.value, lineno=s.lineno)
+                 if isinstance(s, ast.AnnAssign) and s.value is not None and s.simple else s
+                 for s in tree.body if not (isinstance(s, ast.If) and isinstance(s.test, ast.Name)
+                                            and s.test.id == "TYPE_CHECKING" and not s.orelse)]
     for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node.returns = None
+            for arg in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg,
+                        node.args.kwarg):
+                if arg is not None:
+                    arg.annotation = None
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
                 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
@@ -176,7 +196,7 @@ def pack(text: str) -> str:
 
 def _files(ctx: NodeContext) -> list[dict[str, str]]:
     out = []
-    for path, mode, source in FILES:
+    for path, mode, source in files_of(ctx.cloud):
         if source.endswith(".j2"):
             content = _ENV.get_template(source).render(**asdict(ctx))
         else:

@@ -1,7 +1,9 @@
 """A cloud lives in one place: its profile (infra/clouds/<cloud>/profile.py), found through one
-registry (`infra.clouds.profile`). Outside infra/clouds/ no code names a cloud; every cloud in the
-registry answers every question the profile defines; a cloud that leaves a question (or a
-platform step) out cannot be instantiated; an unknown cloud is an error, never a fallback."""
+registry (`infra.clouds.profile`), and its node-side modules (metadata.py, node.py), found through
+one loader (training/cloudmeta.py). Outside infra/clouds/ no code names a cloud, the node's code
+included; every cloud in the registry answers every question the profile and the node-side
+interfaces define; a cloud that leaves a question (or a platform step) out cannot be
+instantiated; an unknown cloud is an error, never a fallback."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import ast
 import importlib
 import inspect
 import ipaddress
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from infra import buckets, clouds
+from infra import buckets, clouds, image
 from infra.clouds import packdata
 from infra.clouds.aws.profile import AwsProfile
 from infra.clouds.base import CloudPlatform
@@ -25,15 +29,14 @@ from tests.harness import ROOT
 from training import cloudmeta, storage
 from training.contract import CREDENTIAL_SOURCES
 
+if TYPE_CHECKING:
+    from training.cloudmeta import CloudMetadata, CloudNode
+
 NAMES = frozenset(clouds.NAMES)
-SCANNED = ("infra", "policies", "training")
+SCANNED = ("infra", "policies", "training", "cloudinit")  # cloudinit: the node scripts
 # Where a cloud's name may be written, and why.
 EXEMPT = {
-    "infra/clouds/": "the clouds' own packages and the registry",
-    "training/cloudmeta.py": "node-side: runs on the node without infra/ (its metadata and credential endpoints)",
-    "training/credentials.py": "node-side: runs on the node without infra/",
-    "training/node/node_replace.py": "node-side: each cloud's replace-this-node call, run by the node's GPU health watch",
-    # cloudinit/scripts/* are node-side too, and outside the scanned packages.
+    "infra/clouds/": "the clouds' own packages (node-side modules included) and the registry",
 }
 # Names still written outside the profiles, with why, and how many: one more fails the test.
 KNOWN_LEFT: dict[str, int] = {}
@@ -45,9 +48,9 @@ def cloud_names_in(source: str) -> list[tuple[int, str]]:
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in NAMES)
 
 
-def _named(exempt: tuple[str, ...] = tuple(EXEMPT)) -> dict[str, list[tuple[int, str]]]:
+def _named(exempt: tuple[str, ...] = tuple(EXEMPT), scanned: tuple[str, ...] = SCANNED) -> dict[str, list[tuple[int, str]]]:
     found = {}
-    for pkg in SCANNED:
+    for pkg in scanned:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             if "__pycache__" in path.parts or any(rel.startswith(e) for e in exempt):
@@ -71,6 +74,8 @@ def test_the_name_finder_finds_comparisons_tables_and_literals() -> None:
     assert cloud_names_in(source) == [(1, "tencentcloud"), (2, "aws"), (3, "alicloud")]
     walked = _named(exempt=())  # without the exemptions the scan sees the clouds' own packages
     assert any(path.startswith("infra/clouds/") for path in walked), "is the scan walking the packages?"
+    assert {p.relative_to(ROOT).as_posix() for p in (ROOT / "cloudinit").rglob("*.py")} >= {
+        "cloudinit/scripts/gts-spot-watch.py", "cloudinit/scripts/gts-gpu-health.py"}, "are the node scripts scanned?"
 
 
 def test_the_exempt_paths_exist() -> None:
@@ -124,7 +129,9 @@ def test_each_answer_is_one_the_next_part_reads(cloud: str) -> None:
     assert callable(refresh.refresher(cloud))
     assert p.storage_scheme in {*storage.ENDPOINTS, "s3"}
     assert {p.storage_credentials("vm"), p.storage_credentials("kubernetes")} <= set(CREDENTIAL_SOURCES)
-    assert cloudmeta.CLOUDS[cloud].base_url == p.metadata_url
+    assert cloudmeta.cloud_metadata(cloud).METADATA_URL == p.metadata_url
+    # a pod's own role: a source every cloud reads, or the one its node module exchanges a token for
+    assert p.storage_credentials("kubernetes") in {"default", "instance-role", cloudmeta.cloud_node(cloud).POD_IDENTITY}
     assert p.fabric_placement("vm", "reserved") and p.fabric in ("efa", "erdma", "hcc")
     assert p.provider == cloud and clouds.by_provider(p.provider) is p
     mocks = importlib.import_module(p.mocks_module)  # the mock engine's answers for this provider
@@ -194,3 +201,91 @@ def test_the_packs_disk_encryption_values_match_by_type() -> None:
         assert not dd.is_encrypted(1) and not dd.is_encrypted("yes"), name
         assert dd.is_encrypted("true") == ("true" in disks.encrypted), name
     assert pack_clouds.data_disks("gcp") is None
+
+
+# -- the node side: each cloud's metadata.py and node.py, through one loader ----------------------
+PARTS = ("metadata", "node")
+
+
+def _interface(protocol: str) -> set[str]:
+    """The members of a node-side interface, as training/cloudmeta.py writes it down (typing-only
+    there: the user data carries no typing code, so it is read from the source)."""
+    tree = ast.parse((ROOT / "training" / "cloudmeta.py").read_text(encoding="utf-8"))
+    (cls,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == protocol]
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)} | {
+        n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+
+
+@pytest.mark.parametrize("cloud", clouds.NAMES)
+def test_every_clouds_node_modules_answer_the_whole_interface(cloud: str) -> None:
+    """No silent fallback on the node either: each module defines every member of its interface."""
+    assert cloudmeta.known_clouds("metadata") == cloudmeta.known_clouds("node") == sorted(clouds.NAMES)
+    for part, protocol, module in (("metadata", "CloudMetadata", cloudmeta.cloud_metadata(cloud)),
+                                   ("node", "CloudNode", cloudmeta.cloud_node(cloud))):
+        wanted = _interface(protocol)
+        assert len(wanted) >= 5 and "NAME" in wanted, protocol
+        missing = sorted(m for m in wanted if not hasattr(module, m))
+        assert missing == [], f"infra/clouds/{cloud}/{part}.py lacks {missing}"
+        assert module.NAME == cloud
+        for member in wanted:
+            value = getattr(module, member)
+            assert callable(value) or value is None or isinstance(value, str), f"{cloud}.{part}.{member}"
+
+
+def test_mypy_checks_each_module_against_its_interface() -> None:
+    """The modules as the type checker sees them (module-as-protocol): `make typecheck` fails when a
+    signature drifts from training/cloudmeta.py's CloudMetadata / CloudNode."""
+    from infra.clouds.alicloud import metadata as ali_metadata, node as ali_node
+    from infra.clouds.aws import metadata as aws_metadata, node as aws_node
+    from infra.clouds.tencentcloud import metadata as tc_metadata, node as tc_node
+
+    answers: list[CloudMetadata] = [aws_metadata, ali_metadata, tc_metadata]
+    tools: list[CloudNode] = [aws_node, ali_node, tc_node]
+    assert len(answers) == len(tools) == len(clouds.NAMES)
+
+
+@pytest.mark.parametrize("name", ["", "gcp", "AWS", "../x", "aws/../x", "aws/../../infra/clouds/aws", "/etc/passwd",
+                                  "aws\x00", "aws.node", " aws"])
+def test_the_loader_refuses_an_unknown_or_hostile_cloud_name(name: str) -> None:
+    for load in (cloudmeta.cloud_metadata, cloudmeta.cloud_node):
+        with pytest.raises(cloudmeta.UnknownCloud, match=r"is not a cloud known here \(known: alicloud, aws, tencentcloud;"):
+            load(name)
+    with pytest.raises(cloudmeta.MetadataError, match="GTS_CLOUD.*not a cloud known here"):
+        from training.credentials import credential_source
+        credential_source("instance-role", {"GTS_CLOUD": name})
+
+
+def test_the_node_modules_are_standard_library_only_and_import_nothing_of_the_project() -> None:
+    """They ship to nodes alone (user data, bundle): their one project name, cloudmeta, is handed
+    in by the loader and imported for the type checker only."""
+    for cloud in clouds.NAMES:
+        for part in PARTS:
+            tree = ast.parse((ROOT / "infra" / "clouds" / cloud / f"{part}.py").read_text(encoding="utf-8"))
+            typing_only = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+            runtime = [n for n in tree.body if n not in typing_only]
+            imported = {a.name.split(".")[0] for top in runtime for n in ast.walk(top) if isinstance(n, ast.Import)
+                        for a in n.names} | {n.module.split(".")[0] for top in runtime for n in ast.walk(top)
+                                             if isinstance(n, ast.ImportFrom) and n.module}
+            assert imported <= set(sys.stdlib_module_names) | {"__future__"}, (cloud, part, imported)
+            assert [ast.unparse(n) for t in typing_only for n in t.body] == ["from training import cloudmeta"]
+
+
+def test_the_loader_imports_neither_infra_nor_pulumi() -> None:
+    """In a checkout and the trainer image the modules are read by path from infra/clouds/<cloud>/:
+    infra/'s packages (and so pulumi) stay unimported."""
+    code = ("import sys; sys.path.insert(0, 'training'); import cloudmeta\n"
+            "for c in cloudmeta.known_clouds(): cloudmeta.cloud_metadata(c); cloudmeta.cloud_node(c)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('infra', 'pulumi')), cloudmeta.known_clouds())")
+    out = subprocess.run([sys.executable, "-I", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] ['alicloud', 'aws', 'tencentcloud']"
+
+
+def test_the_image_carries_what_its_hash_reads() -> None:
+    """training/Dockerfile.dockerignore lets through what infra/image.py SOURCES hashes (the trainer
+    and each cloud's node-side modules): the content tag changes whenever the image would."""
+    ignore = (ROOT / "training" / "Dockerfile.dockerignore").read_text(encoding="utf-8").splitlines()
+    assert [line[1:].rstrip("/") for line in ignore if line.startswith("!")] == list(image.SOURCES)
+    hashed = {p.relative_to(ROOT).as_posix() for p in image._inputs(ROOT)}
+    assert {f"infra/clouds/{c}/{part}.py" for c in clouds.NAMES for part in PARTS} <= hashed
+    assert "training/cloudmeta.py" in hashed and not any(p.startswith("infra/clouds/aws/profile") for p in hashed)

@@ -110,10 +110,10 @@ def test_a_tencent_node_refuses_a_group_id_object_that_is_not_one(tmp_path: Path
     api.objects["/gts-bucket/nodes/scaling-groups/tc-train"] = "asg-x\"}, \"InstanceIds\": [\"ins-all\"]"
     try:
         creds = health.cloudmeta.Metadata("tencentcloud", meta.url).credentials()
-        args = type("Args", (), {"group_id": "", "group": "tc-train"})()
         os.environ.update(_bucket_env(api))
         with pytest.raises(ValueError, match="not a scaling-group id"):
-            health.tencent_group_id(args, creds)
+            health.cloudmeta.cloud_node("tencentcloud").replace_self(creds, "ap-guangzhou", INSTANCE["tencentcloud"],
+                                                                     api.url, "tc-train", "")
     finally:
         for key in _bucket_env(api):
             os.environ.pop(key, None)

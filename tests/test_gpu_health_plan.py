@@ -77,7 +77,7 @@ def test_each_node_role_may_replace_only_its_own_group_and_nothing_else() -> Non
     [obj] = [r for r in by_type(res, "tencentcloud:Cos/bucketObject:BucketObject") if r.name == "prod-tc-train-group-id"]
     assert obj.inputs["content"] == "tc-train-asg-id" and obj.inputs["key"] == "nodes/scaling-groups/tc-train"
     from infra.buckets import NODES_PREFIX
-    assert obj.inputs["key"].startswith(NODES_PREFIX) and health.node_replace.group_id_key("tc-train") == obj.inputs["key"]
+    assert obj.inputs["key"].startswith(NODES_PREFIX) and health.cloudmeta.cloud_node("tencentcloud").group_id_key("tc-train") == obj.inputs["key"]
     # Nothing else grants these actions (nor a wildcard over the scaling services).
     for r in res:
         text = json.dumps(r.inputs)

@@ -47,6 +47,9 @@ def test_node_unpacks_the_user_data_and_fetches_the_pinned_bundle(type_token: st
     cloud = env["GTS_CLOUD"]
     assert (root / "etc/systemd/system/gts-fetch.service").exists()
     fetcher = root / "usr/local/lib/gts/cloudmeta.py"
+    # The user data carries the node's own cloud's metadata module (what the fetcher reads), no other's.
+    carried = sorted(p.relative_to(root / "usr/local/lib/gts").as_posix() for p in (root / "usr/local/lib/gts").rglob("*.py"))
+    assert carried == ["cloudmeta.py", f"clouds/{cloud}/metadata.py"]
     # The bundle object the plan stores in this cloud's bucket, byte for byte.
     (obj,) = [r for r in shipped("prod") if r.type in BUNDLE_TYPES and r.cloud == cloud
               and not r.name.endswith("-group-id")]  # Tencent also stores each AS group's id (GPU health)
@@ -110,7 +113,7 @@ def test_role_credentials_in_each_clouds_format_and_clear_errors(cloud: str) -> 
 
 def test_signatures_match_botocores() -> None:
     """The fetcher signs as botocore does: SigV4 (S3, COS) and S3 V2 (OSS, as the trainer's
-    signature_version="s3"), on the same request and time."""
+    signature_version="s3": infra/clouds/alicloud/metadata.py), on the same request and time."""
     from botocore.auth import HmacV1Auth, S3SigV4Auth
     from botocore.awsrequest import AWSRequest
     from botocore.credentials import Credentials
@@ -129,7 +132,7 @@ def test_signatures_match_botocores() -> None:
         string_to_sign = signer.string_to_sign(request, canonical)
         assert ours["Authorization"].endswith("Signature=" + signer.signature(string_to_sign, request))
         bucket = "gts-b-1250000000" if "cos" in url else "bucket"
-        v2 = cloudmeta.sign_v2("GET", url, bucket, creds, now)
+        v2 = cloudmeta.cloud_metadata("alicloud").sign_object_get(url, bucket, "ap-guangzhou", creds, now)
         headers = AWSRequest(method="GET", url=url, headers={"Date": v2["Date"], "x-amz-security-token": creds.token})
         split = urllib.parse.urlsplit(url)
         # botocore's S3 layer passes the resource as /<bucket>/<key> whatever the addressing style.

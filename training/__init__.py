@@ -12,9 +12,11 @@ training/            THE LIBRARY: what you import into your own training code.
   loaders.py         a DataLoader's position and randomness as checkpointed state
   staging.py         the state copied into reused buffers, hashed while it is written
   storage.py         s3:// oss:// cosn:// file:// through fsspec
-  credentials.py     the bucket's credentials (instance role, ACK RRSA, TKE pod identity)
-  cloudmeta.py       each cloud's metadata service, standard library only (also the node's
-                     bundle fetcher, installed in /usr/local/lib/gts)
+  credentials.py     the bucket's credentials (instance role, a pod's own role)
+  cloudmeta.py       the metadata service and signed object reads, standard library only (also
+                     the node's bundle fetcher, installed in /usr/local/lib/gts); what is one
+                     cloud's comes from infra/clouds/<cloud>/metadata.py and node.py, which it
+                     loads by path (the image carries them)
   contract.py        the environment variables the stack hands a training container
   distributed.py     torchrun / accelerate / Horovod behind one interface
   goodput.py         the checkpoint interval under preemption (`python -m training.goodput`)

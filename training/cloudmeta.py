@@ -1,11 +1,14 @@
-"""Each cloud's instance metadata service, the instance role's credentials, and signed reads
-from the cloud's object store — with the Python standard library only.
+"""The instance metadata service, the instance role's credentials, and signed reads from the
+object store — generic, with the Python standard library only. What is one cloud's comes from its
+modules, found by name (`cloud_metadata`, `cloud_node`; the interfaces: `CloudMetadata`,
+`CloudNode`): infra/clouds/<cloud>/metadata.py and node.py.
 
-The user data carries this module (nothing else of the node's code): GPU hosts have python3 but
-no cloud SDK, and `python3 cloudmeta.py fetch-bundle` downloads the node scripts from the
-stack's bucket. The spot watcher (the reclaim notice paths), the registry login (an ECR token)
-and the trainer (training/credentials.py, training/storage.py: refreshing botocore credentials
-for s3://, oss:// and cosn://) use it too. Keep it small: every byte is in every node's user data.
+The user data carries this module and the node's own cloud's metadata.py (nothing else of the
+node's code): GPU hosts have python3 but no cloud SDK, and `python3 cloudmeta.py fetch-bundle`
+downloads the node scripts from the stack's bucket. The spot watcher, the registry login, the GPU health
+watch and the trainer (training/credentials.py, training/storage.py: refreshing botocore
+credentials for s3://, oss:// and cosn://) use it too. Keep it small: every byte is in every
+node's user data.
 
     python3 cloudmeta.py credentials --cloud tencentcloud        # print the role's credentials' expiry
     python3 cloudmeta.py fetch-bundle --env /etc/gpu-training/node.env --dest /
@@ -16,11 +19,14 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime as dt
+import glob
 import hashlib
 import hmac
+import importlib.util
 import io
 import json
 import os
+import re
 import sys
 import tarfile
 import time
@@ -28,37 +34,114 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
-
-BEIJING = dt.timezone(dt.timedelta(hours=8))
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, cast
 
 
-@dataclass(frozen=True)
-class CloudMetadata:
-    """Where one cloud's metadata service answers, as each cloud documents it."""
+if TYPE_CHECKING:  # the interface each cloud answers; typing-only (the user data carries no typing code)
+    from typing import Mapping, Protocol, Tuple
 
-    base_url: str
-    spot_path: str  # reclaim notice; 404 while there is none
-    credentials_path: str  # + role name -> the role's temporary credentials
-    token_ttl_header: Optional[str] = None  # PUT /latest/api/token with this header (IMDSv2, hardened mode)
-    token_header: Optional[str] = None  # then send the token in this one
+    class CloudMetadata(Protocol):
+        """infra/clouds/<cloud>/metadata.py: the cloud's metadata service and object store as the
+        fetcher reads them. The user data carries the node's own (the bundle is fetched with it)."""
+
+        NAME: str  # the cloud's key (GTS_CLOUD, --cloud)
+        METADATA_URL: str  # the metadata service's base URL (the profile's metadata_url)
+        CREDENTIALS_PATH: str  # + role name -> the role's temporary credentials
+        TOKEN_TTL_HEADER: Optional[str]  # PUT /latest/api/token with this header first (IMDSv2, hardened mode)
+        TOKEN_HEADER: Optional[str]  # then send the token in this one
+
+        def role_credentials(self, doc: Dict[str, object]) -> Credentials:
+            """The role-credentials document in the cloud's format (raises KeyError / ValueError)."""
+
+        def sign_object_get(self, url: str, bucket: str, region: str, creds: Credentials,
+                            now: dt.datetime) -> Dict[str, str]:
+            """The headers of a signed GET of one object from the cloud's S3-compatible API."""
+
+    class CloudNode(Protocol):
+        """infra/clouds/<cloud>/node.py: the cloud's part of the node's tools (the spot watch, the
+        registry login, the GPU health watch) and of the trainer's credentials. The bundle
+        carries every cloud's; the trainer image too."""
+
+        NAME: str
+        SPOT_PATH: str  # the reclaim notice; 404 while there is none
+        INSTANCE_ID_PATH: str
+        REGION_PATH: str
+        POD_IDENTITY: Optional[str]  # the STORAGE_CREDENTIALS source of its pods' own role (None: the SDK's chain)
+
+        def spot_deadline(self, body: str) -> Optional[dt.datetime]:
+            """When the instance goes, in UTC, from the body at SPOT_PATH (None: unreadable)."""
+
+        def other_notice(self, meta: Metadata) -> Tuple[Optional[str], Optional[str], Optional[dt.datetime]]:
+            """A notice besides the reclaim: (kind, body, when): "scale-in" (checkpoint and go) or
+            "rebalance" (checkpoint now, go on); (None, None, None) when there is none."""
+
+        def registry_login(self, meta: Metadata, region: str,
+                           endpoint: Optional[str]) -> Optional[Tuple[str, str, str]]:
+            """(registry, user, password) for `docker login`, or None: the registry needs no login."""
+
+        def replace_api_url(self, region: str) -> str:
+            """The endpoint of the API that replaces a node of the region's scaling groups."""
+
+        def replace_self(self, creds: Credentials, region: str, instance: str, url: str, group: str,
+                         group_id: str) -> str:
+            """Ask the node's scaling group to replace this instance; the cloud's answer. Raises
+            OSError / ValueError / KeyError / MetadataError (the caller retries)."""
+
+        def group_id_problem(self, group_id: str) -> Optional[str]:
+            """Why a scaling-group id given to the node is not one of this cloud's (None: fine)."""
+
+        def pod_identity_credentials(self, env: Mapping[str, str], token: Callable[[str], str],
+                                     sts_url: Callable[[str, str], str], timeout: float) -> Credentials:
+            """POD_IDENTITY's exchange of the pod's service-account token for its role's
+            credentials; `token(var)` reads the token from the file env[var] names, `sts_url(endpoint,
+            var)` checks the STS endpoint (training/credentials.py hands both in)."""
 
 
-CLOUDS: Dict[str, CloudMetadata] = {
-    # IMDSv2: docs.aws.amazon.com/AWSEC2/latest/UserGuide/configuring-instance-metadata-service.html,
-    # spot-instance-termination-notices.html, iam-roles-for-amazon-ec2.html
-    "aws": CloudMetadata("http://169.254.169.254", "/latest/meta-data/spot/instance-action",
-                         "/latest/meta-data/iam/security-credentials/",
-                         "X-aws-ec2-metadata-token-ttl-seconds", "X-aws-ec2-metadata-token"),
-    # Hardened mode and RAM role credentials: aliyun/credentials-python provider/ecs_ram_role.py;
-    # alibabacloud.com/help/en/ecs/user-guide/obtain-a-temporary-authorization-token
-    "alicloud": CloudMetadata("http://100.100.100.200", "/latest/meta-data/instance/spot/termination-time",
-                              "/latest/meta-data/ram/security-credentials/",
-                              "X-aliyun-ecs-metadata-token-ttl-seconds", "X-aliyun-ecs-metadata-token"),
-    # CAM role credentials: tencentcloud-sdk-go common/cvm_role_provider.go; cloud.tencent.com/document/product/213/4934
-    "tencentcloud": CloudMetadata("http://metadata.tencentyun.com", "/latest/meta-data/spot/termination-time",
-                                  "/latest/meta-data/cam/security-credentials/"),
-}
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Where a cloud's modules are: on a node beside this file, /usr/local/lib/gts/clouds/<cloud>/<part>.py
+# (the user data writes the metadata part, the bundle the node part); in a checkout and the
+# trainer image (/opt/gts) in the repository's layout. Loaded by path: the modules import nothing,
+# and infra/'s packages (pulumi) are never imported.
+PLACES = (os.path.join(HERE, "clouds"), os.path.join(os.path.dirname(HERE), "infra", "clouds"))
+CLOUD_NAME = re.compile(r"[a-z0-9]+")
+_LOADED: Dict[str, object] = {}
+
+
+class UnknownCloud(ValueError):
+    """A cloud name with no module here."""
+
+
+def known_clouds(part: str = "metadata") -> List[str]:
+    """The clouds whose `part` module is here."""
+    found = {os.path.basename(os.path.dirname(p)) for place in PLACES for p in glob.glob(os.path.join(place, "*", part + ".py"))}
+    return sorted(n for n in found if CLOUD_NAME.fullmatch(n))
+
+
+def _load(name: str, part: str) -> object:
+    """The cloud's `part` module, loaded once by path and handed this module as its `cloudmeta`."""
+    key = name + "." + part
+    if key not in _LOADED:
+        paths = [os.path.join(place, name, part + ".py") for place in PLACES] if CLOUD_NAME.fullmatch(name) else []
+        path = next((p for p in paths if os.path.isfile(p)), None)
+        if path is None:
+            raise UnknownCloud("%r is not a cloud known here (known: %s; its modules: infra/clouds/<cloud>/%s.py)"
+                               % (name, ", ".join(known_clouds(part)), part))
+        spec = importlib.util.spec_from_file_location("gts_clouds_%s_%s" % (name, part), path)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        setattr(module, "cloudmeta", sys.modules[__name__])  # its generic primitives, without an import
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        _LOADED[key] = module
+    return _LOADED[key]
+
+
+def cloud_metadata(name: str) -> CloudMetadata:
+    """The cloud's metadata module (UnknownCloud for a name that has none here)."""
+    return cast("CloudMetadata", _load(name, "metadata"))
+
+
+def cloud_node(name: str) -> CloudNode:
+    """The cloud's node module (UnknownCloud for a name that has none here)."""
+    return cast("CloudNode", _load(name, "node"))
 
 
 class MetadataError(RuntimeError):
@@ -80,18 +163,16 @@ class Metadata:
     """Reads one cloud's metadata service (a token first where the cloud requires one)."""
 
     def __init__(self, cloud: str, base_url: Optional[str] = None, timeout: float = 2.0):
-        if cloud not in CLOUDS:
-            raise ValueError("unknown cloud %r: use one of %s" % (cloud, ", ".join(sorted(CLOUDS))))
         self.cloud = cloud
-        self.meta = CLOUDS[cloud]
-        self.base = (base_url or self.meta.base_url).rstrip("/")
+        self.cloud_meta = cloud_metadata(cloud)
+        self.base = (base_url or self.cloud_meta.METADATA_URL).rstrip("/")
         self.timeout = timeout
         self._token: Optional[str] = None
 
     def _new_token(self) -> str:
-        assert self.meta.token_ttl_header
+        assert self.cloud_meta.TOKEN_TTL_HEADER
         req = urllib.request.Request(self.base + "/latest/api/token", method="PUT",
-                                     headers={self.meta.token_ttl_header: "21600"})
+                                     headers={self.cloud_meta.TOKEN_TTL_HEADER: "21600"})
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
             return str(resp.read().decode().strip())
 
@@ -99,10 +180,10 @@ class Metadata:
         """The body at `path`; None for a 404 when `missing_ok`."""
         for attempt in (1, 2):
             headers = {}
-            if self.meta.token_header:
+            if self.cloud_meta.TOKEN_HEADER:
                 if self._token is None:
                     self._token = self._new_token()
-                headers[self.meta.token_header] = self._token
+                headers[self.cloud_meta.TOKEN_HEADER] = self._token
             req = urllib.request.Request(self.base + path, headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
@@ -110,25 +191,25 @@ class Metadata:
             except urllib.error.HTTPError as err:
                 if err.code == 404 and missing_ok:
                     return None
-                if err.code in (401, 403) and self.meta.token_header and attempt == 1:
+                if err.code in (401, 403) and self.cloud_meta.TOKEN_HEADER and attempt == 1:
                     self._token = None  # expired or revoked: one fresh token, then give up
                     continue
                 raise MetadataError("%s metadata %s%s answered HTTP %d" % (self.cloud, self.base, path, err.code))
         raise MetadataError("%s metadata %s%s refused the token" % (self.cloud, self.base, path))
 
     def role_name(self) -> str:
-        listing = self.get(self.meta.credentials_path) or ""
+        listing = self.get(self.cloud_meta.CREDENTIALS_PATH) or ""
         names = [line.strip().rstrip("/") for line in listing.splitlines() if line.strip()]
         if not names:
             raise MetadataError("%s metadata %s%s lists no role: is an instance role attached?"
-                                % (self.cloud, self.base, self.meta.credentials_path))
+                                % (self.cloud, self.base, self.cloud_meta.CREDENTIALS_PATH))
         return names[0]
 
     def credentials(self, role: Optional[str] = None) -> Credentials:
-        path = self.meta.credentials_path + (role or self.role_name())
+        path = self.cloud_meta.CREDENTIALS_PATH + (role or self.role_name())
         body = self.get(path) or ""
         try:
-            return parse_credentials(self.cloud, json.loads(body))
+            return self.cloud_meta.role_credentials(json.loads(body))
         except (ValueError, KeyError, TypeError) as exc:
             raise MetadataError("%s metadata %s%s did not return role credentials in the documented format: %s"
                                 % (self.cloud, self.base, path, exc)) from None
@@ -137,27 +218,6 @@ class Metadata:
 def utc_seconds(stamp: str) -> float:
     return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
 
-
-def parse_credentials(cloud: str, doc: Dict[str, object]) -> Credentials:
-    """A role-credentials document in the cloud's format (raises KeyError / ValueError)."""
-    if cloud == "aws":  # {"Code": "Success", "AccessKeyId", "SecretAccessKey", "Token", "Expiration": "...Z"}
-        if doc.get("Code", "Success") != "Success":
-            raise ValueError("Code is %r" % doc.get("Code"))
-        return Credentials(str(doc["AccessKeyId"]), str(doc["SecretAccessKey"]), str(doc["Token"]),
-                           utc_seconds(str(doc["Expiration"])))
-    if cloud == "alicloud":  # {"Code", "AccessKeyId", "AccessKeySecret", "SecurityToken", "Expiration": "...Z"}
-        if doc.get("Code") != "Success":
-            raise ValueError("Code is %r" % doc.get("Code"))
-        return Credentials(str(doc["AccessKeyId"]), str(doc["AccessKeySecret"]), str(doc["SecurityToken"]),
-                           utc_seconds(str(doc["Expiration"])))
-    # tencentcloud: {"Code", "TmpSecretId", "TmpSecretKey", "Token", "ExpiredTime": unix seconds}
-    if doc.get("Code") != "Success":
-        raise ValueError("Code is %r" % doc.get("Code"))
-    return Credentials(str(doc["TmpSecretId"]), str(doc["TmpSecretKey"]), str(doc["Token"]),
-                       float(doc["ExpiredTime"]))  # type: ignore[arg-type]
-
-
-# ---------------------------------------------------------------------------- pod identities
 
 # ---------------------------------------------------------------------------- object store
 
@@ -199,29 +259,11 @@ def sign_v4(method: str, url: str, region: str, creds: Credentials, now: dt.date
     return headers
 
 
-def sign_v2(method: str, url: str, bucket: str, creds: Credentials, now: dt.datetime) -> Dict[str, str]:
-    """S3 signature version 2 (the one OSS's S3 API is reached with here, as botocore's
-    signature_version="s3"), for a request without body or content type."""
-    parts = urllib.parse.urlsplit(url)
-    date = now.strftime("%a, %d %b %Y %H:%M:%S GMT")
-    headers = {"Date": date}
-    amz = ""
-    if creds.token:
-        headers["x-amz-security-token"] = creds.token
-        amz = "x-amz-security-token:%s\n" % creds.token
-    # The resource is /<bucket>/<key> in either addressing style.
-    resource = "/" + bucket + parts.path if parts.netloc.startswith(bucket + ".") else parts.path
-    to_sign = "%s\n\n\n%s\n%s%s" % (method, date, amz, resource)
-    digest = hmac.new(creds.secret_key.encode(), to_sign.encode(), hashlib.sha1).digest()
-    headers["Authorization"] = "AWS %s:%s" % (creds.access_key, base64.b64encode(digest).decode())
-    return headers
-
-
 def signed_get(cloud: str, endpoint: str, region: str, bucket: str, key: str, creds: Credentials,
                style: str = "virtual", timeout: float = 30.0) -> bytes:
     url = object_url(endpoint, bucket, key, style)
     now = dt.datetime.now(dt.timezone.utc)
-    headers = sign_v2("GET", url, bucket, creds, now) if cloud == "alicloud" else sign_v4("GET", url, region, creds, now)
+    headers = cloud_metadata(cloud).sign_object_get(url, bucket, region, creds, now)
     headers.pop("host", None)
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
         return bytes(resp.read())
@@ -302,7 +344,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="cloud instance metadata, role credentials and the node bundle")
     sub = parser.add_subparsers(dest="command", required=True)
     creds = sub.add_parser("credentials", help="print the instance role's credential expiry (checks the path)")
-    creds.add_argument("--cloud", choices=sorted(CLOUDS), required=True)
+    creds.add_argument("--cloud", choices=known_clouds(), required=True)
     creds.add_argument("--metadata-url")
     fetch = sub.add_parser("fetch-bundle", help="download, verify and unpack the node scripts")
     fetch.add_argument("--env", default="/etc/gpu-training/node.env")

@@ -17,8 +17,8 @@ watch (gts-gpu-watch.service): follows the kernel log (`journalctl -k -f`, or a 
                  committed checkpoint (--max-restarts), the node stays;
       monitor -> a metric only (an unknown Xid is monitored too, and the journal says so).
 
-Handing the node back: training/node/node_replace.py (installed beside cloudmeta.py) says each cloud's
-call and why it is that one.
+Handing the node back: training/node/node_replace.py (installed beside cloudmeta.py) asks the
+cloud's node module (infra/clouds/<cloud>/node.py replace_self), which says the call and why.
 A node with no scaling group (GTS_REPLACE=none: reserved groups on Alibaba and Tencent are fixed
 instances), or whose group refuses the call, checkpoints and stops its trainer all the same,
 stays out of the run (quarantined: gts_gpu_quarantined 1, and the journal says why) and is left
@@ -44,8 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LIB = os.environ.get("GTS_LIB", "/usr/local/lib/gts")
 sys.path[:0] = [LIB, os.path.join(LIB, "node")]  # node_replace.py: flat in /usr/local/lib/gts on a VM, in training/node/ in the image
 import cloudmeta  # noqa: E402  (the node's copy of training/cloudmeta.py)
-import node_replace  # noqa: E402  (training/node/node_replace.py: each cloud's replace-this-node call)
-from node_replace import TENCENT_GROUP_ID, tencent_group_id  # noqa: E402
+import node_replace  # noqa: E402  (training/node/node_replace.py: the replace-this-node request)
 
 
 def _spot_watch():
@@ -229,8 +228,8 @@ def hand_back(args, attempts=5):
     meta = cloudmeta.Metadata(args.cloud, args.metadata_url)
     for attempt in range(1, attempts + 1):
         try:
-            instance, answer = node_replace.request_replacement(
-                args.cloud, meta, args.region, args.api_url, lambda creds: tencent_group_id(args, creds))
+            instance, answer = node_replace.request_replacement(meta, args.region, args.api_url, args.group,
+                                                                args.group_id)
             log.warning("asked the %s group to replace instance %s: %s", args.cloud, instance, answer.strip()[:300])
             return True
         except (OSError, ValueError, KeyError, cloudmeta.MetadataError) as exc:
@@ -333,10 +332,11 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("gate", "watch"):
         p = sub.add_parser(name)
-        p.add_argument("--cloud", choices=sorted(cloudmeta.CLOUDS), default=env("GTS_CLOUD"))
+        p.add_argument("--cloud", choices=cloudmeta.known_clouds(), default=env("GTS_CLOUD"))
         p.add_argument("--group", default=env("GTS_NODE_GROUP", ""))
         p.add_argument("--group-id", default=env("GTS_SCALING_GROUP_ID", ""),
-                       help="the scaling group's id (Tencent); default: the plan's object in the bucket")
+                       help="the scaling group's id, where the cloud's call needs one; default: the plan's object "
+                            "in the bucket")
         p.add_argument("--region", default="", help="default: the metadata service's")
         p.add_argument("--metadata-url", default=env("GTS_METADATA_URL") or None)
         p.add_argument("--api-url", default="", help="the scaling API's endpoint (tests)")
@@ -369,8 +369,12 @@ def main(argv=None):
         parser.error(f"--replace (GTS_REPLACE) must be one of {', '.join(REPLACE_MODES)}; got {args.replace!r}")
     if args.command == "gate" and args.diag_level not in DIAG_LEVELS:
         parser.error(f"--diag-level (GTS_GPU_DIAG_LEVEL) must be one of {DIAG_LEVELS}; got {args.diag_level!r}")
-    if args.cloud == "tencentcloud" and args.group_id and not TENCENT_GROUP_ID.fullmatch(args.group_id):
-        parser.error(f"--group-id (GTS_SCALING_GROUP_ID) must be an AS group id (asg-...); got {args.group_id[:60]!r}")
+    try:
+        problem = cloudmeta.cloud_node(args.cloud).group_id_problem(args.group_id)
+    except cloudmeta.UnknownCloud as exc:
+        parser.error(f"--cloud (GTS_CLOUD): {exc}")
+    if problem:
+        parser.error(f"--group-id (GTS_SCALING_GROUP_ID) {problem}; got {args.group_id[:60]!r}")
     if args.command == "gate":
         if args.gpus < 1:
             parser.error("--gpus (GTS_GPU_COUNT) must be the node type's GPU count")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Turn a reclaim notice into a checkpoint, with the whole notice for it.
 
-Polls the cloud's metadata service (every 5 s by default) for a spot reclaim notice (and on AWS
-an Auto Scaling scale-in, seen as the instance's target lifecycle state, and a rebalance
-recommendation). On a notice it:
+Polls the cloud's metadata service (every 5 s by default) for a spot reclaim notice, and for the
+other notices the cloud gives (its node module's other_notice: on AWS an Auto Scaling scale-in,
+seen as the instance's target lifecycle state, and a rebalance recommendation). On a notice it:
 
 1. marks the node (`/run/gpu-training/spot-notice`: the trainer unit is never started again);
 2. sends SIGTERM to the container's entrypoint (training/node/entrypoint.sh, PID 1), which passes it to
@@ -15,7 +15,7 @@ recommendation). On a notice it:
    logs how long the checkpoint took from the notice, and stops the trainer unit without a
    restart.
 
-A rebalance recommendation (AWS: an elevated risk of interruption) asks the workers for a
+A rebalance recommendation (an elevated risk of interruption) asks the workers for a
 checkpoint now (SIGUSR1) and lets them go on.
 
     gts-spot-watch.py --cloud aws --action docker:gts-trainer
@@ -24,8 +24,6 @@ checkpoint now (SIGUSR1) and lets them go on.
 """
 
 import argparse
-import datetime as dt
-import json
 import logging
 import os
 import signal
@@ -36,25 +34,9 @@ import time
 sys.path.insert(0, os.environ.get("GTS_LIB", "/usr/local/lib/gts"))
 import cloudmeta  # noqa: E402  (the node's copy of training/cloudmeta.py)
 
-AWS_LIFECYCLE = "/latest/meta-data/autoscaling/target-lifecycle-state"
-AWS_REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
 MARGIN_S = 10.0  # stop waiting this long before the node goes
 DEFAULT_NOTICE_S = 120.0  # when a notice carries no readable time
 log = logging.getLogger("gts-spot-watch")
-
-
-def deadline(cloud, body):
-    """When the instance goes, as a UTC datetime (None if the body cannot be read)."""
-    try:
-        if cloud == "aws":
-            stamp = json.loads(body)["time"]
-            return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
-        if cloud == "alicloud":
-            return dt.datetime.strptime(body, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
-        return dt.datetime.strptime(body, "%Y-%m-%d %H:%M:%S").replace(
-            tzinfo=cloudmeta.BEIJING).astimezone(dt.timezone.utc)
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def write_metric(directory, cloud, when):
@@ -143,25 +125,19 @@ def mark(run_dir):
         fh.write(f"{time.time():.0f}\n")
 
 
-def poll(meta, cloud):
-    """(kind, body) of the first notice the metadata service gives, or (None, None)."""
-    body = meta.get(meta.meta.spot_path, missing_ok=True)
+def poll(meta, node):
+    """(kind, body, when) of the first notice the metadata service gives, or (None, None, None):
+    the reclaim notice at the cloud's spot path, else the cloud's other notices (its node module's
+    other_notice: a scale-in or a rebalance recommendation where the cloud gives them)."""
+    body = meta.get(node.SPOT_PATH, missing_ok=True)
     if body:
-        return "reclaim", body
-    if cloud == "aws":
-        state = meta.get(AWS_LIFECYCLE, missing_ok=True)
-        if state and state.strip() == "Terminated":  # scale-in, held by the group's lifecycle hook
-            goes = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=DEFAULT_NOTICE_S)).strftime("%Y-%m-%dT%H:%M:%SZ")
-            return "scale-in", json.dumps({"action": "terminate", "time": goes})
-        rebalance = meta.get(AWS_REBALANCE, missing_ok=True)
-        if rebalance:
-            return "rebalance", rebalance
-    return None, None
+        return "reclaim", body, node.spot_deadline(body)
+    return node.other_notice(meta)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="reclaim notice -> emergency checkpoint")
-    parser.add_argument("--cloud", choices=sorted(cloudmeta.CLOUDS), required=True)
+    parser.add_argument("--cloud", choices=cloudmeta.known_clouds(), required=True)
     parser.add_argument("--action", required=True, help="pid:N | docker:CONTAINER | crictl:CONTAINER_NAME")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between polls")
     parser.add_argument("--metadata-url", default=os.environ.get("GTS_METADATA_URL") or None, help="override, for tests")
@@ -170,22 +146,21 @@ def main(argv=None):
     parser.add_argument("--once", action="store_true", help="exit after acting on a notice")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    meta = cloudmeta.Metadata(args.cloud, args.metadata_url)
+    meta, node = cloudmeta.Metadata(args.cloud, args.metadata_url), cloudmeta.cloud_node(args.cloud)
     trainer = Trainer(args.action)
     rebalanced = False
-    log.info("watching %s%s every %.0f s", meta.base, meta.meta.spot_path, args.interval)
+    log.info("watching %s%s every %.0f s", meta.base, node.SPOT_PATH, args.interval)
     while True:
         try:
-            kind, body = poll(meta, args.cloud)
+            kind, body, when = poll(meta, node)
         except (OSError, cloudmeta.MetadataError) as exc:
             log.warning("metadata service unreachable: %s", exc)
-            kind, body = None, None
+            kind, body, when = None, None, None
         if kind == "rebalance" and not rebalanced:
             log.warning("rebalance recommendation (%s): asking the trainer for a checkpoint now", body)
             trainer.signal_workers(signal.SIGUSR1)
             rebalanced = True
         elif kind in ("reclaim", "scale-in"):
-            when = deadline("aws" if kind == "scale-in" else args.cloud, body)
             log.warning("%s notice: %s (node goes at %s); checkpointing", kind, body, when)
             mark(args.run_dir)
             write_metric(args.textfile_dir, args.cloud, when)

@@ -19,7 +19,6 @@ from infra.plan.engine import Registered, unwrap_secrets
 from tests.harness import shipped
 from tests.nodes import lay_down, node_env
 
-REGION = gpu_health().node_replace.REGION  # the metadata path of the node's region, as the gate reads it
 BUNDLE_TYPES = {"aws": "aws:s3/bucketObject:BucketObject", "alicloud": "alicloud:oss/bucketObject:BucketObject",
                 "tencentcloud": "tencentcloud:Cos/bucketObject:BucketObject"}
 TRAINER_FLAGS = ("--gpus all", "--ipc=host", "--network host", "--ulimit memlock=-1", "--ulimit stack=67108864",
@@ -27,7 +26,13 @@ TRAINER_FLAGS = ("--gpus all", "--ipc=host", "--network host", "--ulimit memlock
 
 
 def api_url(cloud: str, region: str, override: str) -> str:
-    return gpu_health().node_replace.api_url(cloud, region, override)  # type: ignore[no-any-return]
+    health = gpu_health()
+    return health.node_replace.api_url(health.cloudmeta.cloud_node(cloud), region, override)  # type: ignore[no-any-return]
+
+
+def region_path(cloud: str) -> str:
+    """The metadata path of the node's region, as the gate reads it (the cloud's node module)."""
+    return gpu_health().cloudmeta.cloud_node(cloud).REGION_PATH  # type: ignore[no-any-return]
 
 
 def _env_of(raw: bytes, tmp: Path) -> dict[str, str]:
@@ -98,7 +103,7 @@ def booted_nodes(tmp_path: Path) -> Iterator[Any]:
         nodes.append(node)
         if env.get("GTS_FABRIC") == "efa":  # the fabric check reads the stand-in devices (efa_devices)
             node.drop_in("gts-trainer.service", f"[Service]\nEnvironment=GTS_SYSFS={EFA_SYSFS}\n")
-        node.meta.extra[REGION[cloud]] = region
+        node.meta.extra[region_path(cloud)] = region
         node.packages(repo.NFS_COMMON, repo.AMAZON_EFS_UTILS)  # the archive has the NFS / EFS clients (not the image)
         if image == "bare":  # the driver path's packages, from the mirrors the plan names
             _bare_packages(node, env)

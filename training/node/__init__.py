@@ -7,6 +7,7 @@ They use the library in training/ (never the reference trainer's modules):
   rdzv_launch.py   torchrun with the rendezvous state signed under the group's key
   rdzv_store.py    the rendezvous store of a multi-node run
   datasync.py      the dataset copy from the bucket to local disk (`make dataset` too)
-  node_replace.py  each cloud's replace-this-node call; installed flat beside cloudmeta.py in
+  node_replace.py  the replace-this-node request (the call itself: the cloud's node module,
+                   infra/clouds/<cloud>/node.py); installed flat beside cloudmeta.py in
                    /usr/local/lib/gts on a VM node, imported by cloudinit/scripts/gts-gpu-health.py
 """
