@@ -13,10 +13,16 @@ from pathlib import Path
 import pulumi
 import pulumi_docker_build as docker_build
 
+from infra import clouds
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = "training/Dockerfile"
-# What the image carries besides its base (training/Dockerfile.dockerignore lets the same through).
-SOURCES = ("training", "infra/clouds/*/metadata.py", "infra/clouds/*/node.py")
+# What the image carries besides its base: the trainer and each cloud's node-side modules.
+# training/Dockerfile.dockerignore lets exactly these through, each by its own name: a `!` line
+# with a wildcard makes BuildKit walk every excluded folder of the context (.git, .venv, ...) on
+# each build, and an old builder skipped the excluded folder instead (tests/test_cloud_profiles.py
+# keeps the two lists equal).
+SOURCES = ("training", *(f"infra/clouds/{cloud}/{part}.py" for cloud in clouds.NAMES for part in ("metadata", "node")))
 
 
 def _inputs(root: Path) -> list[Path]:

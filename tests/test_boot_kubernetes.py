@@ -37,7 +37,7 @@ NODE_POOLS = {
     "ack": ("alicloud:cs/nodePool:NodePool", "ali-ack-train-pool", ("userData",)),
     "tke": ("tencentcloud:Kubernetes/nodePool:NodePool", "tc-tke-train-spot", ("nodeConfig", "userData")),
 }
-# Each cloud's reclaim notice as its metadata service words it (training/cloudmeta.py).
+# Each cloud's reclaim notice as its metadata service words it (infra/clouds/<cloud>/node.py spot_deadline).
 # (the notice, when the node goes in unix time: Tencent's is Beijing time)
 SPOT_NOTICES = {"aws": ('{"action": "terminate", "time": "2030-01-01T00:00:00Z"}', 1893456000),
                 "alicloud": ("2030-01-01T00:00:00Z", 1893456000),

@@ -8,6 +8,7 @@ instantiated; an unknown cloud is an error, never a fallback."""
 from __future__ import annotations
 
 import ast
+import shutil
 import importlib
 import inspect
 import ipaddress
@@ -201,6 +202,9 @@ def test_the_packs_disk_encryption_values_match_by_type() -> None:
         assert not dd.is_encrypted(1) and not dd.is_encrypted("yes"), name
         assert dd.is_encrypted("true") == ("true" in disks.encrypted), name
     assert pack_clouds.data_disks("gcp") is None
+    hand_edited = packdata.render().replace("instancePasswords: false", "instancePasswords: 'false'", 1)
+    with pytest.raises(ValueError, match="instancePasswords is 'false', not true or false"):
+        pack_clouds.load(hand_edited)
 
 
 # -- the node side: each cloud's metadata.py and node.py, through one loader ----------------------
@@ -279,6 +283,32 @@ def test_the_loader_imports_neither_infra_nor_pulumi() -> None:
     out = subprocess.run([sys.executable, "-I", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[] ['alicloud', 'aws', 'tencentcloud']"
+
+
+def test_on_a_node_the_loader_reads_its_own_folder_and_nothing_else(tmp_path: Path) -> None:
+    """A node's /usr/local/lib/gts holds cloudmeta.py and clouds/<its cloud>/: another cloud is
+    unknown there, even where the folder the repository layout would name (../infra/clouds)
+    holds one; a loaded module is handed the cloudmeta that loaded it (one MetadataError class)."""
+    lib = tmp_path / "usr" / "local" / "lib" / "gts"
+    (lib / "clouds" / "aws").mkdir(parents=True)
+    shutil.copy(ROOT / "training" / "cloudmeta.py", lib / "cloudmeta.py")
+    shutil.copy(ROOT / "infra" / "clouds" / "aws" / "metadata.py", lib / "clouds" / "aws" / "metadata.py")
+    planted = tmp_path / "usr" / "local" / "lib" / "infra" / "clouds" / "alicloud"
+    planted.mkdir(parents=True)
+    (planted / "metadata.py").write_text("raise SystemExit('planted module ran')\n", encoding="utf-8")
+    driver = tmp_path / "driver.py"
+    driver.write_text(f"import sys\nsys.path.insert(0, {str(lib)!r})\nimport cloudmeta\n"
+                      "print(cloudmeta.known_clouds(), cloudmeta.cloud_metadata('aws').cloudmeta is cloudmeta)\n"
+                      "try:\n    cloudmeta.cloud_metadata('alicloud')\nexcept cloudmeta.UnknownCloud as exc:\n"
+                      "    print(exc)\n", encoding="utf-8")
+    out = subprocess.run([sys.executable, "-I", str(driver)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "['aws'] True"
+    assert "'alicloud' is not a cloud known here (known: aws;" in out.stdout
+    script = subprocess.run([sys.executable, "-I", str(lib / "cloudmeta.py"), "credentials", "--cloud", "alicloud"],
+                            capture_output=True, text=True, timeout=60)  # the fetcher as the node runs it
+    assert script.returncode == 2 and "invalid choice: 'alicloud' (choose from aws)" in script.stderr.replace("'aws'", "aws")
+    assert "planted" not in out.stdout + out.stderr + script.stdout + script.stderr
 
 
 def test_the_image_carries_what_its_hash_reads() -> None:

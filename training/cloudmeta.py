@@ -98,11 +98,14 @@ if TYPE_CHECKING:  # the interface each cloud answers; typing-only (the user dat
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Where a cloud's modules are: on a node beside this file, /usr/local/lib/gts/clouds/<cloud>/<part>.py
-# (the user data writes the metadata part, the bundle the node part); in a checkout and the
-# trainer image (/opt/gts) in the repository's layout. Loaded by path: the modules import nothing,
-# and infra/'s packages (pulumi) are never imported.
-PLACES = (os.path.join(HERE, "clouds"), os.path.join(os.path.dirname(HERE), "infra", "clouds"))
+# Where a cloud's modules are, one folder and never a second: on a node, beside this file,
+# /usr/local/lib/gts/clouds/<cloud>/<part>.py (the user data writes the node's own metadata part,
+# the bundle the node parts); in a checkout and the trainer image (/opt/gts), where no clouds/
+# folder is beside it, the repository's layout. A cloud missing from the one folder is unknown:
+# it is never looked for anywhere else. Loaded by path: the modules import nothing, and infra/'s
+# packages (pulumi) are never imported.
+PLACES = ((os.path.join(HERE, "clouds"),) if os.path.isdir(os.path.join(HERE, "clouds"))
+          else (os.path.join(os.path.dirname(HERE), "infra", "clouds"),))
 CLOUD_NAME = re.compile(r"[a-z0-9]+")
 _LOADED: Dict[str, object] = {}
 
@@ -117,6 +120,15 @@ def known_clouds(part: str = "metadata") -> List[str]:
     return sorted(n for n in found if CLOUD_NAME.fullmatch(n))
 
 
+def _this_module() -> object:
+    """This module's object (as __main__ when run as the node's fetcher, else imported): what the
+    loaded modules raise and catch must be this module's classes, not another copy's."""
+    me = sys.modules.get(__name__)
+    if me is None or vars(me) is not globals():
+        raise RuntimeError("cloudmeta: import it, or run it as a script")
+    return me
+
+
 def _load(name: str, part: str) -> object:
     """The cloud's `part` module, loaded once by path and handed this module as its `cloudmeta`."""
     key = name + "." + part
@@ -128,7 +140,7 @@ def _load(name: str, part: str) -> object:
                                % (name, ", ".join(known_clouds(part)), part))
         spec = importlib.util.spec_from_file_location("gts_clouds_%s_%s" % (name, part), path)
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        setattr(module, "cloudmeta", sys.modules[__name__])  # its generic primitives, without an import
+        setattr(module, "cloudmeta", _this_module())  # its generic primitives, without an import
         spec.loader.exec_module(module)  # type: ignore[union-attr]
         _LOADED[key] = module
     return _LOADED[key]

@@ -43,11 +43,19 @@ class PackCloud:
     data_disks: DataDisks | None  # None: disks are checked per resource type in rules.py
 
 
+def _flag(mapping: dict[str, Any], key: str) -> bool:
+    """A yes/no field: YAML's true or false, never a string ("false" would read as true)."""
+    value = mapping[key]
+    if not isinstance(value, bool):
+        raise ValueError(f"policies/data/clouds.yaml: {key} is {value!r}, not true or false (run `make policy-data`)")
+    return value
+
+
 def _row(row: dict[str, Any]) -> PackCloud:
     disks = row["dataDisks"]
-    return PackCloud(str(row["name"]), str(row["displayName"]), str(row["sdkPackage"]), bool(row["instancePasswords"]),
+    return PackCloud(str(row["name"]), str(row["displayName"]), str(row["sdkPackage"]), _flag(row, "instancePasswords"),
                      None if disks is None else DataDisks(str(disks["key"]), tuple(disks["encrypted"]),
-                                                          bool(disks["sdkGapPossible"])))
+                                                          _flag(disks, "sdkGapPossible")))
 
 
 def load(text: str) -> dict[str, PackCloud]:

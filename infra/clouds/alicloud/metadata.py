@@ -2,7 +2,8 @@
 the RAM role's credentials and a signed GET of the node bundle (S3 signature v2).
 
 Node-side, standard library only, and it imports nothing: training/cloudmeta.py `cloud_metadata`
-loads it by path and hands it `cloudmeta` (the generic primitives). The user data of an Alibaba
+loads it by path and hands it `cloudmeta` (the generic primitives). Imported the ordinary way it has
+no `cloudmeta`, and its calls fail (NameError). The user data of an Alibaba
 node carries it (/usr/local/lib/gts/clouds/alicloud/metadata.py); the interface: cloudmeta
 `CloudMetadata`.
 """

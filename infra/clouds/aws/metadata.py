@@ -2,7 +2,8 @@
 role's credentials and a signed GET of the node bundle.
 
 Node-side, standard library only, and it imports nothing: training/cloudmeta.py `cloud_metadata`
-loads it by path and hands it `cloudmeta` (the generic primitives). The user data of an AWS node
+loads it by path and hands it `cloudmeta` (the generic primitives). Imported the ordinary way it has
+no `cloudmeta`, and its calls fail (NameError). The user data of an AWS node
 carries it (/usr/local/lib/gts/clouds/aws/metadata.py); the interface: cloudmeta `CloudMetadata`.
 """
 

@@ -28,7 +28,7 @@ ACTIONS = ("as:DescribeAutoScalingGroups", "as:RemoveInstances", "as:ModifyDesir
 
 
 def group_id_key(group: str) -> str:
-    """The object holding a group's scaling-group id (the node's gts-gpu-health.py group_id_key)."""
+    """The object holding a group's scaling-group id (the node reads the same key: infra/clouds/tencentcloud/node.py)."""
     return f"{NODES_PREFIX}scaling-groups/{group}"
 
 

@@ -2,7 +2,8 @@
 credentials and a signed GET of the node bundle (COS's S3 API, Signature V4).
 
 Node-side, standard library only, and it imports nothing: training/cloudmeta.py `cloud_metadata`
-loads it by path and hands it `cloudmeta` (the generic primitives). The user data of a Tencent
+loads it by path and hands it `cloudmeta` (the generic primitives). Imported the ordinary way it has
+no `cloudmeta`, and its calls fail (NameError). The user data of a Tencent
 node carries it (/usr/local/lib/gts/clouds/tencentcloud/metadata.py); the interface: cloudmeta
 `CloudMetadata`.
 """

@@ -2,7 +2,8 @@
 pod's own CAM role; its registry needs no login.
 
 Node-side, standard library only, and it imports nothing: training/cloudmeta.py `cloud_node` loads
-it by path and hands it `cloudmeta` (the generic primitives). The node bundle carries it
+it by path and hands it `cloudmeta` (the generic primitives). Imported the ordinary way it has
+no `cloudmeta`, and its calls fail (NameError). The node bundle carries it
 (/usr/local/lib/gts/clouds/tencentcloud/node.py), the trainer image too; the interface: cloudmeta
 `CloudNode`. The metadata service itself and COS reads: metadata.py beside it.
 
