@@ -31,13 +31,14 @@ To iterate on one figure: `python -m training.trainer.bench --size "~1 GB" --par
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -280,30 +281,45 @@ def _checkpoint_figures(width: int, work: Path) -> Figures:
     return figures
 
 
+@contextlib.contextmanager
+def _store() -> Iterator[dict[str, str]]:
+    """A fresh S3 endpoint (moto on 127.0.0.1) with an empty bucket `bench`, stopped afterwards:
+    moto holds every object in memory, so each group of figures starts with none of the last
+    group's gigabytes (they pushed the page cache out and slowed the figures after them)."""
+    moto, url = _moto()
+    env = {"STORAGE_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+           "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_ADDRESSING_STYLE": "path"}
+    os.environ.update(env)
+    try:
+        import boto3
+
+        boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="bench")
+        yield env
+    finally:
+        moto.terminate()
+        moto.wait(timeout=60)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     rows = []
     if {"checkpoint", "resume"} & set(args.part):
-        moto, url = _moto()
-        env = {"STORAGE_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-               "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_ADDRESSING_STYLE": "path"}
-        os.environ.update(env)
-        import boto3
-
-        boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="bench")
         work = Path(tempfile.mkdtemp(prefix="gts-bench-"))
         try:
             for label in args.size:
                 width = SIZES[label]
-                figures: Figures = _checkpoint_figures(width, work) if "checkpoint" in args.part else {}
+                figures: Figures = {}
+                if "checkpoint" in args.part:
+                    with _store():
+                        figures = _checkpoint_figures(width, work)
                 if "resume" in args.part:
-                    def resume(rep: int, w: int = width) -> dict[str, float]:
-                        return resume_seconds(w, f"s3://bench/{w}", env, work, rep)
+                    with _store() as env:
+                        def resume(rep: int, w: int = width, env: dict[str, str] = env) -> dict[str, float]:
+                            return resume_seconds(w, f"s3://bench/{w}", env, work, rep)
 
-                    figures |= interleaved({"resume": resume})
+                        figures |= interleaved({"resume": resume})
                 rows.append((label, _state_bytes(width) / 1e6, figures))
         finally:
-            moto.terminate()
             shutil.rmtree(work, ignore_errors=True)
         print("load average " + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1 / 5 / 15 min, at the end)")
         print_checkpoint_table(rows)

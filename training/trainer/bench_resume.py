@@ -42,6 +42,7 @@ def resume_seconds(width: int, remote: str, env: dict[str, str], work: Path, att
             elapsed = time.perf_counter() - started
             proc.wait(timeout=600)
             shutil.rmtree(cwd, ignore_errors=True)
+            _forget(remote, child_env)  # the store keeps objects in memory: the next attempt starts as this one did
             return {"resume": elapsed, "limit": limit}
     proc.wait(timeout=600)
     raise RuntimeError(f"resume run for width {width} did not reach step 2 after resuming:\n{''.join(seen[-20:])}")
@@ -57,6 +58,18 @@ for item in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
     total += len(s3.get_object(Bucket=bucket, Key=item["Key"])["Body"].read())
 print(total)
 """
+
+
+def _forget(remote: str, env: dict[str, str]) -> None:
+    """Delete every object under `remote` (s3://bucket/prefix) from the bench's store."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=env["STORAGE_ENDPOINT_URL"], region_name="us-east-1")
+    bucket, _, prefix = remote.removeprefix("s3://").partition("/")
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+        if keys:
+            s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
 
 
 def _read_limit(remote: str, env: dict[str, str]) -> float:
