@@ -107,7 +107,7 @@ class Loading:
         return set(self.local_steps()) | set(self.remote_steps())
 
     def prefetch(self) -> None:
-        """Start loading the newest step (local or in the bucket: fetched, checked, mapped) on a
+        """Start loading the newest step (local or in the bucket: fetched, checked, read) on a
         background thread, so that it overlaps what the caller does next (imports, building the
         model). `load` of that step then returns its result; a fault found there is not kept:
         `load` tries again and reports it as usual."""
