@@ -8,7 +8,9 @@ import hashlib
 import io
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import blake3
 import pytest
 import torch
 
@@ -45,10 +47,10 @@ def test_every_checkpoint_method_reports_its_figures(tmp_path: Path) -> None:
     assert (tmp_path / "bucket" / "ours").is_dir()  # ours really reached the bucket
 
 
-def _pieces_digest(data: bytes, piece: int) -> str:
-    """sha256_pieces computed the plain way: the sha256 of each piece's sha256, in order."""
-    return hashlib.sha256(b"".join(hashlib.sha256(data[i:i + piece]).digest()
-                                   for i in range(0, len(data), piece))).hexdigest()
+def _pieces_digest(data: bytes, piece: int, new: Any = blake3.blake3) -> str:
+    """blake3_pieces (sha256_pieces with new=hashlib.sha256) computed the plain way: the hash of
+    each piece's hash, in order."""
+    return str(new(b"".join(new(data[i:i + piece]).digest() for i in range(0, len(data), piece))).hexdigest())
 
 
 def test_the_pipelined_hash_is_the_hash_of_the_bytes_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,6 +69,10 @@ def test_the_pipelined_hash_is_the_hash_of_the_bytes_written(tmp_path: Path, mon
         for start in range(0, len(data), 7777):  # a download's chunks never line up with the pieces
             stream.update(data[start:start + 7777])
         assert stream.hexdigest() == hexdigest
+        older = digest.StreamHasher(digest.SHA256_PIECES)  # format 2's kind, as a download checks it
+        older.update(data)
+        assert older.hexdigest() == _pieces_digest(data, 1 << 16, hashlib.sha256) != hexdigest
+        assert digest.hash_file(tmp_path / f"s{numel}.pt", digest.SHA256_PIECES) == older.hexdigest()
         loaded = torch.load(io.BytesIO(data), weights_only=True)
         assert torch.equal(loaded["w"], weights)
 

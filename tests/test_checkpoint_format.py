@@ -52,9 +52,9 @@ def test_a_flipped_byte_in_a_format_2_file_means_the_previous_step(tmp_path: Pat
     monkeypatch.setattr(digest, "PIECE", 4096)  # many pieces: the bad one is in the middle
     mgr = _saved(tmp_path, None)
     manifest = json.loads((tmp_path / step_dir(2) / manifest_name(0)).read_text())
-    assert manifest["format"] == 2 and digest.PIECES in manifest["files"][MODEL_FILE]
+    assert manifest["format"] == 3 and digest.PIECES in manifest["files"][MODEL_FILE]
     _flip(tmp_path / step_dir(2) / MODEL_FILE, 200_000)
-    with pytest.raises(CheckpointError, match="model.pt does not match its sha256"):
+    with pytest.raises(CheckpointError, match="model.pt does not match its digest"):
         mgr.load(2)
     found = choose_checkpoint(mgr, Comm("torchrun"))
     assert found is not None and found.step == 1 and torch.equal(found.state["w"], torch.full((300, 300), 1.0))
@@ -73,16 +73,35 @@ def test_a_format_1_checkpoint_still_resumes_and_is_still_checked(tmp_path: Path
     state, rng = mgr.load(3)
     assert state["step"] == 3 and rng is not None
     _flip(folder / MODEL_FILE)
-    with pytest.raises(CheckpointError, match="model.pt does not match its sha256"):
+    with pytest.raises(CheckpointError, match="model.pt does not match its digest"):
         mgr.load(3)
+    mgr.close()
+
+
+def test_a_format_2_checkpoint_still_resumes_and_is_still_checked(tmp_path: Path) -> None:
+    """What the versions before format 3 wrote: sha256_pieces per entry (training/digest.py)."""
+    mgr = _saved(tmp_path, None, (5,))
+    folder = tmp_path / step_dir(5)
+
+    def to_format_2(manifest: dict[str, Any]) -> None:
+        manifest["format"] = 2
+        manifest["files"] = {n: {"size": m["size"], digest.SHA256_PIECES: digest.hash_file(folder / n, digest.SHA256_PIECES)}
+                             for n, m in manifest["files"].items()}
+    _edit_manifest(folder / manifest_name(0), to_format_2)
+    assert digest.hash_file(folder / MODEL_FILE, digest.SHA256_PIECES) != digest.hash_file(folder / MODEL_FILE)
+    state, rng = mgr.load(5)
+    assert state["step"] == 5 and rng is not None
+    _flip(folder / MODEL_FILE)
+    with pytest.raises(CheckpointError, match="model.pt does not match its digest"):
+        mgr.load(5)
     mgr.close()
 
 
 def test_a_newer_manifest_format_is_refused_by_name(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     mgr = _saved(tmp_path, None, (4,))
-    _edit_manifest(tmp_path / step_dir(4) / manifest_name(0), lambda m: m.update(format=3))
+    _edit_manifest(tmp_path / step_dir(4) / manifest_name(0), lambda m: m.update(format=4))
     assert mgr.local_steps() == []
-    assert "manifest format 3; this version of training/ reads formats 1 to 2" in caplog.text
+    assert "manifest format 4; this version of training/ reads formats 1 to 3" in caplog.text
     mgr.close()
 
 
@@ -214,7 +233,7 @@ def test_a_download_that_drops_midway_is_fetched_again_and_a_bad_copy_is_not(tmp
     flipped = bytearray(data)
     flipped[-1] ^= 0xFF
     bad = _DroppingFs(bytes(flipped), drops=0)  # the bucket's copy is bad: once, not again
-    with pytest.raises(CheckpointError, match="sha256"):
+    with pytest.raises(CheckpointError, match="does not match its digest"):
         fetch_retrying(bad, "b/k", dest, _meta(data), CheckpointError, wait_max_s=0)
     assert bad.opens == 1 and not dest.exists()
 

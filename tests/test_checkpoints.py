@@ -60,7 +60,7 @@ def _wrong_manifest(folder: Path) -> None:
 
 
 DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
-    "byte flipped": (_flip_a_byte, "model.pt does not match its sha256"),
+    "byte flipped": (_flip_a_byte, "model.pt does not match its digest"),
     "truncated": (_truncate, "model.pt has 1000 bytes, the manifest says"),
     "broken header": (_break_the_header, "model.pt cannot be read"),
     "wrong manifest": (_wrong_manifest, "the manifest lists no rng-rank00001.pt"),
@@ -97,7 +97,7 @@ def test_a_bad_local_copy_is_fetched_again_from_the_bucket(reference: tuple[str,
     _flip_a_byte(local / LAST)
     again = launch(args, tmp_path, env)
     assert again.finish() == 0, again.output[-3000:]
-    again.wait_for(r"local step-00000060 is damaged \(model.pt does not match its sha256 in the manifest\); fetching it "
+    again.wait_for(r"local step-00000060 is damaged \(model.pt does not match its digest in the manifest\); fetching it "
                    r"from s3://")
     again.wait_for(r"run complete: checkpoint step 60 is at or past --steps 60")
     assert "final step=" not in again.output, "nothing is trained again"

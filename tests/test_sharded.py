@@ -59,7 +59,7 @@ def test_stopped_and_resumed_equals_uninterrupted_and_a_bad_shard_means_the_prev
     resumed = launch([*args, "--checkpoint-dir", str(folder)], tmp_path)
     assert resumed.finish() == 0, resumed.output[-3000:]
     skipped = resumed.wait_for(rf"skipping checkpoint step {at}: rank \d")
-    assert "__1_0.distcp does not match its sha256" in skipped and "1 more rank" in skipped, skipped
+    assert "__1_0.distcp does not match its digest" in skipped and "1 more rank" in skipped, skipped
     match = RESTORED.search(resumed.output)
     assert match, resumed.output[-3000:]
     assert int(match.group(1)) == steps[-2] and match.group(2) == match.group(3) == "2", match.group(0)

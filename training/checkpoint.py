@@ -274,7 +274,7 @@ class CheckpointManager(Uploading):
         self._queue.put(step)
 
     def _commit(self, step: int, tmp: Path, final: Path, known: dict[str, tuple[int, str]] | None = None) -> None:
-        """The manifest (sizes and sha256_pieces of the step's files, training/digest.py; `known`
+        """The manifest (sizes and blake3_pieces of the step's files, training/digest.py; `known`
         ones hashed while written) written last and fsync'd, then the folder renamed: the commit."""
         known = known or {}
         files = [n for n in tree_files(tmp) if not n.endswith(".part")]

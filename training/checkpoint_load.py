@@ -203,7 +203,7 @@ class Loading:
             if size != meta["size"]:
                 raise CheckpointError(f"{name} has {size} bytes, the manifest says {meta['size']}")
             if not digest.matches(path, meta):
-                raise CheckpointError(f"{name} does not match its sha256 in the manifest")
+                raise CheckpointError(f"{name} does not match its digest in the manifest")
 
     @staticmethod
     def _unpickle(path: Path) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """A checkpoint file fetched from the bucket in one pass: one GET, each piece hashed and
-written as it arrives, the digest (training/digest.py: sha256 of the pieces, or the whole file's
+written as it arrives, the digest (training/digest.py: the hash of the pieces, or the whole file's
 sha256 for a format-1 manifest) compared with the manifest's before the file is renamed into
 place (issue 34: resume at read speed).
 
@@ -131,7 +131,7 @@ def fetch_verified(fs: Any, key: str, dest: Path, meta: dict[str, Any],
         raise on_fault(f"{sink.size} bytes arrived, the manifest says {size}")
     if sink.digest.hexdigest() != want:
         dest.unlink(missing_ok=True)
-        raise on_fault("does not match its sha256 either")
+        raise on_fault("does not match its digest either")
 
 
 

@@ -63,7 +63,7 @@ class Stager:
 
 
 class HashingWriter(io.RawIOBase):
-    """A write-only file that hashes what passes through it as the manifest's `sha256_pieces`
+    """A write-only file that hashes what passes through it as the manifest's `blake3_pieces`
     (training/digest.py): the bytes are cut at every 8 MiB of the file, and each piece is hashed
     on a pool of helper threads while the caller's thread writes. sha256 and the write both
     release the GIL, so on N cores a checkpoint costs about the write, not one sha256 stream
@@ -108,7 +108,7 @@ class HashingWriter(io.RawIOBase):
         self._digests.append(self._pool.submit(digest.piece_digest, full))
 
     def hexdigest(self) -> str:
-        """The file's `sha256_pieces`, once everything is written."""
+        """The file's `blake3_pieces`, once everything is written."""
         if self._partial:
             self._flush_partial()
         return digest.combine([d.result() for d in self._digests])
@@ -123,7 +123,7 @@ class HashingWriter(io.RawIOBase):
 
 def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
     """torch.save `obj` to `path` (through `path.part`, fsync'd, renamed) without torch's CRC32
-    records, hashing while writing. Returns (size, sha256_pieces).
+    records, hashing while writing. Returns (size, blake3_pieces).
 
     The format stays torch.save's zip archive (not DCP's or safetensors'): it is what the
     resume path reads (torch.load, weights_only), what every checkpoint written so far is,
