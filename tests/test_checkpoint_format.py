@@ -61,39 +61,33 @@ def test_a_flipped_byte_in_a_format_2_file_means_the_previous_step(tmp_path: Pat
     mgr.close()
 
 
-def test_a_format_1_checkpoint_still_resumes_and_is_still_checked(tmp_path: Path) -> None:
-    """What earlier versions wrote: one whole-file sha256 per entry, no format field."""
+# What earlier versions wrote: format 1, one whole-file sha256 per entry and no format field;
+# format 2, sha256_pieces per entry (training/digest.py). (format, digest kind) of each.
+OLDER_FORMATS = {1: "sha256", 2: digest.SHA256_PIECES}
+
+
+@pytest.mark.parametrize("version", sorted(OLDER_FORMATS))
+def test_an_older_format_checkpoint_still_resumes_and_is_still_checked(tmp_path: Path, version: int) -> None:
     mgr = _saved(tmp_path, None, (3,))
     folder = tmp_path / step_dir(3)
+    kind = OLDER_FORMATS[version]
 
-    def to_format_1(manifest: dict[str, Any]) -> None:
-        del manifest["format"]
-        manifest["files"] = {n: {"size": m["size"], "sha256": sha256_of(folder / n)} for n, m in manifest["files"].items()}
-    _edit_manifest(folder / manifest_name(0), to_format_1)
+    def to_older(manifest: dict[str, Any]) -> None:
+        if version == 1:
+            del manifest["format"]
+        else:
+            manifest["format"] = version
+        manifest["files"] = {n: {"size": m["size"], kind: digest.hash_file(folder / n, kind)}
+                             for n, m in manifest["files"].items()}
+    _edit_manifest(folder / manifest_name(0), to_older)
+    assert digest.hash_file(folder / MODEL_FILE, kind) != digest.hash_file(folder / MODEL_FILE)
+    if version == 1:
+        assert digest.hash_file(folder / MODEL_FILE, kind) == sha256_of(folder / MODEL_FILE)
     state, rng = mgr.load(3)
     assert state["step"] == 3 and rng is not None
     _flip(folder / MODEL_FILE)
     with pytest.raises(CheckpointError, match="model.pt does not match its digest"):
         mgr.load(3)
-    mgr.close()
-
-
-def test_a_format_2_checkpoint_still_resumes_and_is_still_checked(tmp_path: Path) -> None:
-    """What the versions before format 3 wrote: sha256_pieces per entry (training/digest.py)."""
-    mgr = _saved(tmp_path, None, (5,))
-    folder = tmp_path / step_dir(5)
-
-    def to_format_2(manifest: dict[str, Any]) -> None:
-        manifest["format"] = 2
-        manifest["files"] = {n: {"size": m["size"], digest.SHA256_PIECES: digest.hash_file(folder / n, digest.SHA256_PIECES)}
-                             for n, m in manifest["files"].items()}
-    _edit_manifest(folder / manifest_name(0), to_format_2)
-    assert digest.hash_file(folder / MODEL_FILE, digest.SHA256_PIECES) != digest.hash_file(folder / MODEL_FILE)
-    state, rng = mgr.load(5)
-    assert state["step"] == 5 and rng is not None
-    _flip(folder / MODEL_FILE)
-    with pytest.raises(CheckpointError, match="model.pt does not match its digest"):
-        mgr.load(5)
     mgr.close()
 
 

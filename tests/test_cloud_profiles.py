@@ -311,6 +311,26 @@ def test_on_a_node_the_loader_reads_its_own_folder_and_nothing_else(tmp_path: Pa
     assert "planted" not in out.stdout + out.stderr + script.stdout + script.stderr
 
 
+def test_in_the_image_layout_the_trainer_finds_every_clouds_node_modules(tmp_path: Path) -> None:
+    """The image holds what infra/image.py hashes (and the .dockerignore lets through) under
+    /opt/gts: laid out alone, the trainer's credential code there finds each cloud's modules,
+    and nothing of infra/ beyond them is needed."""
+    opt = tmp_path / "opt" / "gts"
+    for path in image._inputs(ROOT):
+        dest = opt / path.relative_to(ROOT)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, dest)
+    assert not (opt / "infra" / "__init__.py").exists() and not (opt / "infra" / "clouds" / "aws" / "profile.py").exists()
+    code = ("import sys; from training import cloudmeta, credentials\n"
+            "print(cloudmeta.known_clouds(), [cloudmeta.cloud_node(c).NAME for c in cloudmeta.known_clouds()],"
+            " callable(credentials.credential_source('instance-role', {'GTS_CLOUD': 'tencentcloud'})),"
+            " sorted(m for m in sys.modules if m.split('.')[0] in ('infra', 'pulumi')))\n")
+    out = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(opt)!r}); " + code],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['alicloud', 'aws', 'tencentcloud'] ['alicloud', 'aws', 'tencentcloud'] True []"
+
+
 def test_the_image_carries_what_its_hash_reads() -> None:
     """training/Dockerfile.dockerignore lets through what infra/image.py SOURCES hashes (the trainer
     and each cloud's node-side modules): the content tag changes whenever the image would."""

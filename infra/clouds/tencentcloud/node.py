@@ -68,6 +68,7 @@ def registry_login(meta: cloudmeta.Metadata, region: str, endpoint: Optional[str
 
 
 def replace_api_url(region: str) -> str:
+    # One endpoint for every region (API 3.0): the region goes in the X-TC-Region header (`call`).
     return "https://as.tencentcloudapi.com/"
 
 
