@@ -96,18 +96,19 @@ class Run:
         return int(match.group(1)), match.group(2), match.group(3)
 
 
-def launch(args: list[str], cwd: Path, env: dict[str, str] | None = None, accelerate: bool = False) -> Run:
-    """torchrun (or accelerate) with two CPU processes; GTS_TEST_* faults in `env` run the trainer
-    through tests/faults.py, which injects them."""
+def launch(args: list[str], cwd: Path, env: dict[str, str] | None = None, accelerate: bool = False,
+           nproc: int = 2) -> Run:
+    """torchrun (or accelerate) with `nproc` CPU processes (two unless told); GTS_TEST_* faults in
+    `env` run the trainer through tests/faults.py, which injects them."""
     base = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     base.update(env or {})
     module = "tests.faults" if any(k.startswith("GTS_TEST_") for k in (env or {})) else "training.trainer.train"
     if accelerate:
         base["ACCELERATE_USE_CPU"] = "1"
-        cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1",
                "--main_process_port", str(free_port()), "-m", module, "--launcher", "accelerate", *args]
     else:
-        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", module, *args]
+        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), "-m", module, *args]
     proc = subprocess.Popen(cmd, cwd=cwd, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     run = Run(proc)

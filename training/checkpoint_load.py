@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import mmap
 import os
 import pickle
 import threading
@@ -24,6 +25,17 @@ from training.fetch import fetch_retrying
 from training.storage import Location, StorageRefused, permanent_cause
 
 log = logging.getLogger("gts.checkpoint")
+_MAP_SHARED = threading.Lock()
+
+
+def _in_memory(topo: Topology) -> bool:
+    """A step fetched for the only rank on its node goes to memory, not disk (_load_in_memory),
+    where the system has memory files and a /proc to open them by."""
+    return topo.local_world_size == 1 and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
+
+def _fd_path(fd: int) -> Path:
+    return Path(f"/proc/self/fd/{fd}")
 
 
 class Loading:
@@ -150,6 +162,10 @@ class Loading:
             if manifests:
                 log.warning("rank %d: local %s is damaged (%s); fetching it from %s", self.topo.rank,
                             step_dir(step), local_fault, self.remote.url)
+            if not manifests and _in_memory(self.topo):  # nothing of this step here, and no other rank to share it
+                loaded = self._load_in_memory(step, self._needed(self._remote_manifests(step))[0])
+                if loaded is not None:
+                    return loaded
             manifests = self._remote_manifests(step)
             files, world = self._needed(manifests)
             self._download(step, folder, files)  # each file checked there (fetched and hashed, or already good)
@@ -205,20 +221,70 @@ class Loading:
             if not digest.matches(path, meta):
                 raise CheckpointError(f"{name} does not match its digest in the manifest")
 
+    def _load_in_memory(self, step: int, files: dict[str, dict[str, Any]]
+                        ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+        """`load` of a step fetched for the only rank on this node (issue 34: resume at read
+        speed): each file received into a memory file (memfd), hashed as it arrives, and the
+        model file mapped shared, so its tensors are the received pages: no write to disk, no
+        read back, no copy on write when training updates them in place. The bytes are used by
+        this process alone (the mapping is shared with nothing but the memory file, closed here).
+        No disk copy is kept: the step is in the bucket, and this rank's next checkpoint is
+        written to disk as usual; a rank that restarts here before then fetches it again. None
+        where the system refuses a memory file (the caller fetches to disk instead)."""
+        assert self.remote is not None
+        bad = [name for name in files if not plain_path(name)]
+        if bad:
+            raise CheckpointError(f"{bad[0]!r} is not a plain file name inside the step's folder")
+        held: dict[str, int] = {}
+        try:
+            for name, meta in files.items():
+                try:
+                    held[name] = os.memfd_create(f"gts-{step_dir(step)}-{name}", os.MFD_CLOEXEC)
+                except OSError as exc:  # a sandbox without the call, or out of descriptors
+                    log.info("rank %d: no memory file (%s); fetching %s to disk", self.topo.rank, exc, step_dir(step))
+                    return None
+                url = self.remote.url
+
+                def fault(why: str, name: str = name) -> CheckpointError:
+                    return CheckpointError(f"{name} in {url} {why}")
+                with os.fdopen(held[name], "w+b", closefd=False) as fh:
+                    try:
+                        fetch_retrying(self.remote.fs, self.remote.join(step_dir(step), name), fh, meta, fault)
+                    except CheckpointError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001
+                        raise CheckpointError(f"{name} cannot be fetched from {self.remote.url}: {exc}") from None
+            model = self._unpickle(_fd_path(held[MODEL_FILE]), MODEL_FILE, mapped=True)
+            rng_file = rng_name(self.topo.rank)
+            rng = self._unpickle(_fd_path(held[rng_file]), rng_file) if rng_file in held else None
+        finally:
+            for fd in held.values():
+                os.close(fd)  # the model's mapping keeps its pages; nothing else does
+        log.info("rank %d fetched %s from %s (into memory: the only rank on this node)", self.topo.rank,
+                 step_dir(step), self.remote.url)
+        return model, rng
+
     @staticmethod
-    def _unpickle(path: Path) -> dict[str, Any]:
+    def _unpickle(path: Path, name: str | None = None, mapped: bool = False) -> dict[str, Any]:
         # weights_only: a checkpoint in a shared bucket must not be able to run code when loaded;
         # a damaged file and one carrying code both fail here, and neither is ever used. Read, not
         # mapped (issue 34): a private mapping costs nothing here but a copy-on-write fault per
         # page later, when the first steps write the parameters and the optimizer's moments in
         # place; for 1 GB of state that was about 1.3 s over the first two steps against 0.44 s
         # for this read, which the file's pages (just verified, so in the page cache) make a copy.
+        # `mapped`: a memory file of _load_in_memory, mapped shared (its own pages, written by no
+        # one else): no copy at all.
         try:
-            return dict(torch.load(path, map_location="cpu", weights_only=True))
+            if not mapped:
+                return dict(torch.load(path, map_location="cpu", weights_only=True))
+            with _MAP_SHARED:  # torch reads the flags from a global setting: one load at a time sets it
+                with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+                    return dict(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
         except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, TypeError) as exc:
             text = str(exc)
             detail = text.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0] if text.strip() else ""
-            raise CheckpointError(f"{path.name} cannot be read as tensors and plain values: {detail[:160]}") from None
+            raise CheckpointError(f"{name or path.name} cannot be read as tensors and plain values: "
+                                  f"{detail[:160]}") from None
 
     def _remote_manifests(self, step: int) -> list[dict[str, Any]]:
         assert self.remote is not None

@@ -17,6 +17,7 @@ pieces hashed in order, which this keeps simple by having one stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -101,17 +102,28 @@ def _stream_other(fs: Any, key: str, sink: _Sink) -> None:
             sink.put([piece])
 
 
-def fetch_verified(fs: Any, key: str, dest: Path, meta: dict[str, Any],
+def fetch_verified(fs: Any, key: str, dest: Path | BinaryIO, meta: dict[str, Any],
                    on_fault: Callable[[str], Exception]) -> None:
-    """Copy `key` from `fs` (an fsspec filesystem) to `dest` (a temporary name the caller
-    renames into place after this returns), hashing while writing. Raises `on_fault(reason)`,
-    and removes `dest`, when the bytes are not the manifest entry `meta`'s size or digest."""
+    """Copy `key` from `fs` (an fsspec filesystem) to `dest`, hashing while writing: a path (a
+    temporary name the caller renames into place after this returns) or an open file read and
+    written from its start (a memory file: training/checkpoint_load.py's lone rank). Raises
+    `on_fault(reason)`, and removes the path or empties the file, when the bytes are not the
+    manifest entry `meta`'s size or digest."""
     from fsspec.asyn import sync
 
     size = meta["size"]
     kind, want = expected(meta)
+
+    def discard() -> None:
+        if isinstance(dest, Path):
+            dest.unlink(missing_ok=True)
+        else:
+            dest.truncate(0)
+
     try:
-        with dest.open("wb") as fh:
+        with dest.open("wb") if isinstance(dest, Path) else contextlib.nullcontext(dest) as fh:
+            fh.seek(0)
+            fh.truncate(0)  # an open file: what an earlier attempt wrote goes
             sink = _Sink(fh, size, kind)
             try:
                 if hasattr(fs, "_call_s3"):  # s3fs: one GET, streamed
@@ -120,22 +132,22 @@ def fetch_verified(fs: Any, key: str, dest: Path, meta: dict[str, Any],
                     _stream_other(fs, key, sink)
             finally:
                 sink.close()
+            fh.flush()
     except TooLong as exc:
-        dest.unlink(missing_ok=True)
+        discard()
         raise on_fault(str(exc)) from None
     except BaseException:
-        dest.unlink(missing_ok=True)
+        discard()
         raise
     if sink.size != size:
-        dest.unlink(missing_ok=True)
+        discard()
         raise on_fault(f"{sink.size} bytes arrived, the manifest says {size}")
     if sink.digest.hexdigest() != want:
-        dest.unlink(missing_ok=True)
+        discard()
         raise on_fault("does not match its digest either")
 
 
-
-def fetch_retrying(fs: Any, key: str, dest: Path, meta: dict[str, Any], on_fault: Callable[[str], Exception],
+def fetch_retrying(fs: Any, key: str, dest: Path | BinaryIO, meta: dict[str, Any], on_fault: Callable[[str], Exception],
                    attempts: int = ATTEMPTS, wait_max_s: float = 8.0) -> None:
     """fetch_verified, again from the start after a transient fault (a connection dropped
     mid-stream, a timeout, a 5xx: what s3fs's ranged reads retried), with backoff. Not again

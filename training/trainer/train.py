@@ -189,7 +189,7 @@ class Run:
                 log.info("restored step %d saved by %d ranks into %d: params_sha256=%s", found.step,
                          int(state.get("world_size", 0)), self.comm.world, digest)
         else:
-            self.model.load_state_dict(state["model"])
+            self._restore_model(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.use_scaler and state.get("scaler"):
@@ -206,6 +206,25 @@ class Run:
         self.last_saved = self.step
         log.info("resumed from step %d (epoch %d, batch %d of the epoch)", self.step, self.epoch, self.offset)
         return None
+
+    def _restore_model(self, saved: dict[str, Any]) -> None:
+        """The saved parameters into the model. A replicated model on the CPU built without values
+        (build_model) takes the loaded tensors themselves (issue 34: no copy of the weights; the
+        optimizer, built over the empty ones, is pointed at them before its state is loaded). Not
+        for a model whose modules share a parameter (assigning would give each its own) or whose
+        saved values have other types."""
+        empty = dict(self.model.named_parameters())
+        tied = len(empty) != len(list(self.model.named_parameters(remove_duplicate=False)))
+        same = all(isinstance(saved.get(k), torch.Tensor) and saved[k].dtype == v.dtype
+                   for k, v in self.model.state_dict().items())
+        if tied or not same or not (self.deferred_init and self.comm.device.type == "cpu"):
+            self.model.load_state_dict(saved)  # a copy: ties kept, values cast to the model's types
+            return
+        self.model.load_state_dict(saved, assign=True)  # checks names and shapes as a copy does
+        loaded = {id(empty[name]): param for name, param in self.model.named_parameters()}
+        for group in self.optimizer.param_groups:
+            group["params"] = [loaded[id(param)] for param in group["params"]]
+        self.deferred_init = False
 
     def save(self, ckpt: CheckpointManager, tracker: Tracker) -> None:
         state = None
