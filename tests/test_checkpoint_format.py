@@ -348,3 +348,32 @@ def test_a_lone_rank_resumes_from_the_bucket_into_memory_and_a_node_of_ranks_to_
     found = choose_checkpoint(damaged, Comm("torchrun"))
     assert found is not None and found.step == 1
     damaged.close()
+
+
+def test_a_state_bound_for_an_accelerator_is_mapped_from_the_disk_not_read(tmp_path: Path) -> None:
+    """`for_device` (the trainer on a GPU): a step on disk is checked, then its model file mapped
+    privately, so the copy to the device is the only copy; a CPU run reads it (its steps write
+    the tensors in place, which a mapping would pay for page by page)."""
+    import gc
+
+    _saved(tmp_path, None).close()
+    model_file = str(tmp_path / step_dir(2) / MODEL_FILE)
+
+    def mappings() -> list[str]:
+        return [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(model_file)]
+
+    gpu = CheckpointManager(str(tmp_path), None, TOPO, for_device=True)
+    state, _ = gpu.load(2)
+    assert torch.equal(state["w"], torch.full((300, 300), 2.0))
+    assert mappings() and all(" r--p " in line or " rw-p " in line for line in mappings()), mappings()
+    del state
+    gc.collect()
+    assert mappings() == []
+    gpu.close()
+    del gpu  # its lock on the run goes with it
+    gc.collect()
+
+    cpu = CheckpointManager(str(tmp_path), None, TOPO)
+    state, _ = cpu.load(2)
+    assert torch.equal(state["w"], torch.full((300, 300), 2.0)) and mappings() == []
+    cpu.close()

@@ -97,12 +97,13 @@ class CheckpointManager(Uploading):
 
     def __init__(self, local_dir: str, remote_url: str | None, topo: Topology, keep: int = 3,
                  upload_attempts: int = 4, on_status: Callable[[UploadStatus], None] | None = None,
-                 background: bool = True):
+                 background: bool = True, for_device: bool = False):
         self.local = Path(local_dir) / run_key(remote_url) if remote_url else Path(local_dir)
         self.remote: Location | None = location(remote_url) if remote_url else None
         self.remote_error = ""  # why the bucket could not be listed at start, if it could not
         self._told: set[str] = set()  # warnings already logged (a bad folder is named once)
         self.topo = topo
+        self.for_device = for_device  # loads map the model file (training/checkpoint_load.py's _unpickle)
         self.keep = keep
         self.attempts = upload_attempts
         self.status = UploadStatus()

@@ -25,7 +25,7 @@ from training.fetch import fetch_retrying
 from training.storage import Location, StorageRefused, permanent_cause
 
 log = logging.getLogger("gts.checkpoint")
-_MAP_SHARED = threading.Lock()
+_MAP_FLAGS = threading.Lock()
 
 
 def _in_memory(topo: Topology) -> bool:
@@ -45,6 +45,7 @@ class Loading:
     remote: Location | None
     remote_error: str
     topo: Topology
+    for_device: bool  # the loaded state is copied to an accelerator: map the model file, do not read it
     _told: set[str]
     _prefetch: threading.Thread | None
     _prefetched: tuple[int, tuple[dict[str, Any], dict[str, Any] | None]] | None
@@ -169,7 +170,7 @@ class Loading:
             manifests = self._remote_manifests(step)
             files, world = self._needed(manifests)
             self._download(step, folder, files)  # each file checked there (fetched and hashed, or already good)
-        model = self._unpickle(folder / MODEL_FILE)
+        model = self._unpickle(folder / MODEL_FILE, mapped=mmap.MAP_PRIVATE if self.for_device else None)
         rng = self._unpickle(folder / rng_name(self.topo.rank)) if rng_name(self.topo.rank) in files else None
         return model, rng
 
@@ -254,7 +255,7 @@ class Loading:
                         raise
                     except Exception as exc:  # noqa: BLE001
                         raise CheckpointError(f"{name} cannot be fetched from {self.remote.url}: {exc}") from None
-            model = self._unpickle(_fd_path(held[MODEL_FILE]), MODEL_FILE, mapped=True)
+            model = self._unpickle(_fd_path(held[MODEL_FILE]), MODEL_FILE, mapped=mmap.MAP_SHARED)
             rng_file = rng_name(self.topo.rank)
             rng = self._unpickle(_fd_path(held[rng_file]), rng_file) if rng_file in held else None
         finally:
@@ -265,20 +266,23 @@ class Loading:
         return model, rng
 
     @staticmethod
-    def _unpickle(path: Path, name: str | None = None, mapped: bool = False) -> dict[str, Any]:
+    def _unpickle(path: Path, name: str | None = None, mapped: int | None = None) -> dict[str, Any]:
         # weights_only: a checkpoint in a shared bucket must not be able to run code when loaded;
         # a damaged file and one carrying code both fail here, and neither is ever used. Read, not
         # mapped (issue 34): a private mapping costs nothing here but a copy-on-write fault per
         # page later, when the first steps write the parameters and the optimizer's moments in
         # place; for 1 GB of state that was about 1.3 s over the first two steps against 0.44 s
         # for this read, which the file's pages (just verified, so in the page cache) make a copy.
-        # `mapped`: a memory file of _load_in_memory, mapped shared (its own pages, written by no
-        # one else): no copy at all.
+        # `mapped`: the mmap flags, or None to read. MAP_SHARED for a memory file of
+        # _load_in_memory (its own pages, written by no one else: no copy at all); MAP_PRIVATE for
+        # a file on disk whose tensors go to an accelerator (`for_device`): the copy to the device
+        # reads the page cache, nothing writes the mapped pages, and the file is replaced only by
+        # rename and removed only by unlink, which a mapping outlives.
         try:
-            if not mapped:
+            if mapped is None:
                 return dict(torch.load(path, map_location="cpu", weights_only=True))
-            with _MAP_SHARED:  # torch reads the flags from a global setting: one load at a time sets it
-                with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+            with _MAP_FLAGS:  # torch reads the flags from a global setting: one load at a time sets it
+                with torch.serialization.set_default_mmap_options(mapped):
                     return dict(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
         except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, TypeError) as exc:
             text = str(exc)

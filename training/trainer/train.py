@@ -143,7 +143,8 @@ class Run:
                         self.comm.local_world)
         try:
             ckpt: CheckpointManager | None = CheckpointManager(local_dir, remote or None, topo, keep=self.cfg.keep,
-                                                               on_status=self._on_status)
+                                                               on_status=self._on_status,
+                                                               for_device=self.comm.device.type != "cpu")
             locked = False
         except RunLocked as exc:
             refuse(str(exc))
