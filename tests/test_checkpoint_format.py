@@ -207,6 +207,15 @@ def test_a_model_with_a_shared_parameter_resumes_by_copy_and_keeps_it_shared(tmp
     assert shared[1].weight is square.weight and torch.equal(square.weight, torch.full((8, 8), 2.0))
     assert square.weight.data_ptr() != saved["0.weight"].data_ptr()  # copied, not assigned
 
+    conv = torch.nn.Conv2d(4, 8, 3)
+    run.model, run.deferred_init = conv, True
+    run.optimizer = torch.optim.AdamW(conv.parameters())
+    other_layout = {k: torch.ones_like(v).contiguous(memory_format=torch.channels_last) if v.dim() == 4
+                    else torch.ones_like(v) for k, v in conv.state_dict().items()}
+    assert other_layout["weight"].stride() != conv.weight.stride()
+    run._restore_model(other_layout)
+    assert conv.weight.is_contiguous() and torch.equal(conv.weight, torch.ones_like(conv.weight))
+
     plain = torch.nn.Linear(8, 8)
     run.model, run.deferred_init = plain, True
     run.optimizer = torch.optim.AdamW(plain.parameters())
@@ -267,6 +276,18 @@ def test_a_download_that_drops_midway_is_fetched_again_and_a_bad_copy_is_not(tmp
     with pytest.raises(CheckpointError, match="does not match its digest"):
         fetch_retrying(bad, "b/k", dest, _meta(data), CheckpointError, wait_max_s=0)
     assert bad.opens == 1 and not dest.exists()
+
+    import tempfile  # an open file as the destination (the lone rank's memory file): each attempt from its start
+    with tempfile.TemporaryFile() as held:
+        dropping = _DroppingFs(data, drops=2)
+        fetch_retrying(dropping, "b/k", held, _meta(data), CheckpointError, wait_max_s=0)
+        held.seek(0)
+        assert dropping.opens == 3 and held.read() == data
+        longer = _DroppingFs(data + b"x" * 10, drops=0)
+        with pytest.raises(CheckpointError, match="more than the"):
+            fetch_retrying(longer, "b/k", held, _meta(data), CheckpointError, wait_max_s=0)
+        held.seek(0, 2)
+        assert held.tell() == 0  # emptied
 
     denied = _DroppingFs(data, drops=9, answer={"Error": {"Code": "AccessDenied", "Message": "no"}})
     with pytest.raises(OSError, match="refused"):  # an answer no retry changes: at once
@@ -332,7 +353,36 @@ def test_a_lone_rank_resumes_from_the_bucket_into_memory_and_a_node_of_ranks_to_
     assert torch.equal(state["w"], torch.full((300, 300), 2.0))
     assert (sandboxed.local / step_dir(2) / MODEL_FILE).exists()
     sandboxed.close()
+    monkeypatch.undo()  # (the storage settings too: set again)
+    for key, value in storage_env(moto.url).items():
+        monkeypatch.setenv(key, value)
+
+    from training import checkpoint_load
+
+    monkeypatch.setattr(checkpoint_load, "memory_room", lambda: 100_000)  # less than twice the step: disk
+    crowded = CheckpointManager(str(tmp_path / "crowded"), url, TOPO)
+    state, _ = crowded.load(2)
+    assert torch.equal(state["w"], torch.full((300, 300), 2.0)) and (crowded.local / step_dir(2) / MODEL_FILE).exists()
+    crowded.close()
     monkeypatch.undo()
+    for key, value in storage_env(moto.url).items():
+        monkeypatch.setenv(key, value)
+
+    real_load = torch.load
+
+    def no_mapping(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("mmap"):
+            raise RuntimeError("unable to mmap 360000 bytes: Cannot allocate memory (12)")
+        return real_load(*args, **kwargs)
+    monkeypatch.setattr(torch, "load", no_mapping)  # the bytes are checked: read them instead
+    unmapped = CheckpointManager(str(tmp_path / "unmapped"), url, TOPO)
+    state, _ = unmapped.load(2)
+    assert torch.equal(state["w"], torch.full((300, 300), 2.0)) and _memory_files() == ([], [])
+    assert not (unmapped.local / step_dir(2)).exists()
+    unmapped.close()
+    monkeypatch.undo()
+    for key, value in storage_env(moto.url).items():
+        monkeypatch.setenv(key, value)
 
     client = moto.client()
     key = f"in-memory/{step_dir(2)}/{MODEL_FILE}"
@@ -377,3 +427,39 @@ def test_a_state_bound_for_an_accelerator_is_mapped_from_the_disk_not_read(tmp_p
     state, _ = cpu.load(2)
     assert torch.equal(state["w"], torch.full((300, 300), 2.0)) and mappings() == []
     cpu.close()
+
+
+def test_moments_restored_by_copy_own_their_storage_and_an_unchosen_prefetch_is_dropped(
+        tmp_path: Path, signal_handlers: None) -> None:
+    """When the model copies its weights, the optimizer's moments must not stay slices of one
+    mapped checkpoint (they would keep the weights' part of it resident); and a prefetched step
+    the ranks did not choose is not held once the run has resumed."""
+    from training.trainer import config as config_mod
+    from training.trainer.train import Run
+
+    cfg = config_mod.parse(["--workload", "tiny", "--tiny-width", "48", "--checkpoint-dir", str(tmp_path / "c")])
+    run = Run(cfg, Comm("torchrun"))
+    run.build_model()
+    params = list(run.model.parameters())
+    whole = torch.zeros(sum(2 * p.numel() for p in params))  # one storage, as a mapped load gives
+    offset = 0
+    for param in params:
+        moments = []
+        for _ in range(2):
+            moments.append(whole[offset:offset + param.numel()].view_as(param))
+            offset += param.numel()
+        run.optimizer.state[param] = {"step": torch.tensor(3.0), "exp_avg": moments[0], "exp_avg_sq": moments[1]}
+    run._own_moments()
+    for values in run.optimizer.state.values():
+        for value in values.values():
+            assert value.untyped_storage().nbytes() == value.nbytes
+            assert value.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr() or value.dim() == 0
+
+    _saved(tmp_path / "steps", None).close()
+    mgr = CheckpointManager(str(tmp_path / "steps"), None, TOPO)
+    mgr.prefetch()
+    mgr.end_prefetch()
+    assert mgr._prefetch is not None
+    mgr._prefetch.join()
+    assert mgr._prefetched is None
+    mgr.close()

@@ -124,6 +124,8 @@ class CheckpointManager(Uploading):
         self._thread: threading.Thread | None = None
         self._prefetch: threading.Thread | None = None
         self._prefetched: tuple[int, tuple[dict[str, Any], dict[str, Any] | None]] | None = None
+        self._prefetch_lock = threading.Lock()
+        self._prefetch_ended = False
         if self.remote is not None and topo.local_rank == 0:
             self._thread = threading.Thread(target=self._uploader, name="checkpoint-upload", daemon=True)
             self._thread.start()

@@ -34,6 +34,35 @@ def _in_memory(topo: Topology) -> bool:
     return topo.local_world_size == 1 and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
+def memory_room() -> int:
+    """Bytes this process may still take: the system's available memory, or less where its
+    cgroup (a Kubernetes pod, a systemd unit) has a limit (cgroup v2's memory.max - current)."""
+    room = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                room = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    try:
+        groups = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().splitlines())
+    except (OSError, ValueError):
+        groups = {}
+    for key, root, limit_file, used_file in (("", "/sys/fs/cgroup", "memory.max", "memory.current"),  # v2
+                                              ("memory", "/sys/fs/cgroup/memory", "memory.limit_in_bytes",
+                                               "memory.usage_in_bytes")):  # v1
+        if key not in groups:
+            continue
+        folder = Path(root) / groups[key].lstrip("/")
+        try:
+            limit = (folder / limit_file).read_text().strip()
+            if limit != "max":
+                room = min(room, int(limit) - int((folder / used_file).read_text()))
+        except (OSError, ValueError):
+            continue  # no such controller here: the system's figure
+    return max(room, 0)
+
+
 def _fd_path(fd: int) -> Path:
     return Path(f"/proc/self/fd/{fd}")
 
@@ -49,6 +78,8 @@ class Loading:
     _told: set[str]
     _prefetch: threading.Thread | None
     _prefetched: tuple[int, tuple[dict[str, Any], dict[str, Any] | None]] | None
+    _prefetch_lock: threading.Lock
+    _prefetch_ended: bool
 
     if TYPE_CHECKING:
         def wait_commit(self) -> None: ...  # CheckpointManager's (training/checkpoint.py)
@@ -128,11 +159,20 @@ class Loading:
             self._prefetch = threading.Thread(target=self._load_newest, name="checkpoint-prefetch", daemon=True)
             self._prefetch.start()
 
+    def end_prefetch(self) -> None:
+        """The caller has resumed (or chose no step): a prefetched state nobody took, now or when
+        the thread finishes, is dropped instead of being held (a whole state's memory) for the run."""
+        with self._prefetch_lock:
+            self._prefetch_ended, self._prefetched = True, None
+
     def _load_newest(self) -> None:
         try:
             steps = sorted(self.loadable_steps())
             if steps:
-                self._prefetched = (steps[-1], self.load(steps[-1]))
+                found = (steps[-1], self.load(steps[-1]))
+                with self._prefetch_lock:
+                    if not self._prefetch_ended:
+                        self._prefetched = found
         except Exception as exc:  # noqa: BLE001 (load, on the caller's thread, meets it again and says so)
             log.debug("prefetch: %s", exc)
 
@@ -227,23 +267,30 @@ class Loading:
         """`load` of a step fetched for the only rank on this node (issue 34: resume at read
         speed): each file received into a memory file (memfd), hashed as it arrives, and the
         model file mapped shared, so its tensors are the received pages: no write to disk, no
-        read back, no copy on write when training updates them in place. The bytes are used by
-        this process alone (the mapping is shared with nothing but the memory file, closed here).
-        No disk copy is kept: the step is in the bucket, and this rank's next checkpoint is
-        written to disk as usual; a rank that restarts here before then fetches it again. None
-        where the system refuses a memory file (the caller fetches to disk instead)."""
+        read back, no copy on write when training updates them in place. The pages belong to
+        this process (and the DataLoader workers it forks, which inherit the mapping and never
+        write it); the memory file's descriptor is closed here. No disk copy is kept: the step is
+        in the bucket, and this rank's next checkpoint is written to disk as usual; a rank that
+        restarts here before then fetches it again. None where the step would take more than
+        half the memory free or the system refuses a memory file: the caller fetches to disk."""
         assert self.remote is not None
         bad = [name for name in files if not plain_path(name)]
         if bad:
             raise CheckpointError(f"{bad[0]!r} is not a plain file name inside the step's folder")
+        need, room = sum(int(meta["size"]) for meta in files.values()), memory_room()
+        if need > room // 2:  # a state (or a manifest's claim) too big for memory: the disk's ENOSPC is a fault, OOM is not
+            log.info("rank %d: %s needs %d MB, half of the %d MB of memory free is less; fetching it to disk",
+                     self.topo.rank, step_dir(step), need >> 20, room >> 20)
+            return None
         held: dict[str, int] = {}
         try:
-            for name, meta in files.items():
-                try:
+            try:
+                for name in files:
                     held[name] = os.memfd_create(f"gts-{step_dir(step)}-{name}", os.MFD_CLOEXEC)
-                except OSError as exc:  # a sandbox without the call, or out of descriptors
-                    log.info("rank %d: no memory file (%s); fetching %s to disk", self.topo.rank, exc, step_dir(step))
-                    return None
+            except OSError as exc:  # a sandbox without the call, or out of descriptors: before any GET
+                log.info("rank %d: no memory file (%s); fetching %s to disk", self.topo.rank, exc, step_dir(step))
+                return None
+            for name, meta in files.items():
                 url = self.remote.url
 
                 def fault(why: str, name: str = name) -> CheckpointError:
@@ -255,9 +302,15 @@ class Loading:
                         raise
                     except Exception as exc:  # noqa: BLE001
                         raise CheckpointError(f"{name} cannot be fetched from {self.remote.url}: {exc}") from None
-            model = self._unpickle(_fd_path(held[MODEL_FILE]), MODEL_FILE, mapped=mmap.MAP_SHARED)
+            try:
+                model = self._unpickle(_fd_path(held[MODEL_FILE]), MODEL_FILE, mapped=mmap.MAP_SHARED)
+            except CheckpointError:  # the checked bytes, but no mapping of them (or they are not tensors):
+                model = self._unpickle(_fd_path(held[MODEL_FILE]), MODEL_FILE)  # read; a bad file fails again
             rng_file = rng_name(self.topo.rank)
             rng = self._unpickle(_fd_path(held[rng_file]), rng_file) if rng_file in held else None
+        except OSError as exc:  # no /proc/self/fd to open them by, after all
+            log.info("rank %d: memory file unreadable (%s); fetching %s to disk", self.topo.rank, exc, step_dir(step))
+            return None
         finally:
             for fd in held.values():
                 os.close(fd)  # the model's mapping keeps its pages; nothing else does
@@ -281,7 +334,9 @@ class Loading:
         try:
             if mapped is None:
                 return dict(torch.load(path, map_location="cpu", weights_only=True))
-            with _MAP_FLAGS:  # torch reads the flags from a global setting: one load at a time sets it
+            # torch reads the flags from a process-wide setting: one load of ours at a time sets it,
+            # and nothing else here loads with mmap=True meanwhile.
+            with _MAP_FLAGS:
                 with torch.serialization.set_default_mmap_options(mapped):
                     return dict(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
         except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, TypeError) as exc:

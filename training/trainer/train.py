@@ -190,8 +190,10 @@ class Run:
                 log.info("restored step %d saved by %d ranks into %d: params_sha256=%s", found.step,
                          int(state.get("world_size", 0)), self.comm.world, digest)
         else:
-            self._restore_model(state["model"])
+            assigned = self._restore_model(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+            if not assigned:
+                self._own_moments()
         self.scheduler.load_state_dict(state["scheduler"])
         if self.use_scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -208,24 +210,36 @@ class Run:
         log.info("resumed from step %d (epoch %d, batch %d of the epoch)", self.step, self.epoch, self.offset)
         return None
 
-    def _restore_model(self, saved: dict[str, Any]) -> None:
+    def _own_moments(self) -> None:
+        """The optimizer's state in storages of its own. A mapped checkpoint (training/
+        checkpoint_load.py) gives every tensor a slice of one mapping: once the model has copied
+        its weights, moments that are still such slices would keep the weights' part of the
+        mapping (a third of an AdamW state) resident for the whole run. A read checkpoint's
+        tensors own their storage already; tensors the optimizer moved to a GPU too."""
+        for values in self.optimizer.state.values():
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.nbytes:
+                    values[key] = value.clone()
+
+    def _restore_model(self, saved: dict[str, Any]) -> bool:
         """The saved parameters into the model. A replicated model on the CPU built without values
         (build_model) takes the loaded tensors themselves (issue 34: no copy of the weights; the
         optimizer, built over the empty ones, is pointed at them before its state is loaded). Not
         for a model whose modules share a parameter (assigning would give each its own) or whose
-        saved values have other types."""
+        saved values have other types or layouts. True when the model took them."""
         empty = dict(self.model.named_parameters())
         tied = len(empty) != len(list(self.model.named_parameters(remove_duplicate=False)))
-        same = all(isinstance(saved.get(k), torch.Tensor) and saved[k].dtype == v.dtype
+        same = all(isinstance(saved.get(k), torch.Tensor) and saved[k].dtype == v.dtype and saved[k].stride() == v.stride()
                    for k, v in self.model.state_dict().items())
         if tied or not same or not (self.deferred_init and self.comm.device.type == "cpu"):
-            self.model.load_state_dict(saved)  # a copy: ties kept, values cast to the model's types
-            return
+            self.model.load_state_dict(saved)  # a copy: ties kept, values cast to the model's types and layout
+            return False
         self.model.load_state_dict(saved, assign=True)  # checks names and shapes as a copy does
         loaded = {id(empty[name]): param for name, param in self.model.named_parameters()}
         for group in self.optimizer.param_groups:
             group["params"] = [loaded[id(param)] for param in group["params"]]
         self.deferred_init = False
+        return True
 
     def save(self, ckpt: CheckpointManager, tracker: Tracker) -> None:
         state = None
@@ -361,6 +375,7 @@ class Run:
                 refuse(f"refused: checkpoint storage {exc}")
             ckpt.close(timeout=0)
             return EXIT_USAGE
+        ckpt.end_prefetch()  # a prefetched step the ranks did not choose is not held for the run
         ckpt.resync()  # committed steps the bucket lacks (an outage before this start) go up now
         if verdict is not None:
             ckpt.close(timeout=self.cfg.upload_deadline_s)
