@@ -44,3 +44,14 @@ def moto() -> Iterator[MotoServer]:
     server = MotoServer()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def signal_handlers() -> Iterator[None]:
+    """Run installs its stop handlers; the test process gets its own back."""
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)

@@ -142,22 +142,12 @@ def test_a_download_from_s3_is_one_pass_and_a_flipped_byte_is_caught(tmp_path: P
     other.close()
 
 
-@pytest.fixture
-def signal_handlers() -> Any:
-    """Run installs its stop handlers; the test process gets its own back."""
-    import signal
-
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 def test_a_model_built_on_the_meta_device_resumes_the_same_numbers(tmp_path: Path, signal_handlers: None) -> None:
     """The trainer's deferred init: no values until the checkpoint's, then exactly those; and
     without a checkpoint exactly the seed's values of a plain CPU build."""
     from training.trainer import config as config_mod
     from training.trainer.build import build_model
+    from training.trainer.restore import restore_model
     from training.trainer.train import Run
 
     cfg = config_mod.parse(["--workload", "tiny", "--tiny-width", "48", "--checkpoint-dir", str(tmp_path / "c")])
@@ -174,7 +164,7 @@ def test_a_model_built_on_the_meta_device_resumes_the_same_numbers(tmp_path: Pat
     trained = {k: v + 1.5 for k, v in plain.state_dict().items()}
     resumed = Run(cfg, Comm("torchrun"))
     resumed.build_model()
-    resumed._restore_model(trained)
+    assert restore_model(resumed.model, resumed.optimizer, trained, resumed.deferred_init)
     assert all(torch.equal(resumed.model.state_dict()[k], v) for k, v in trained.items())
     # The loaded tensors themselves (no copy), and the optimizer steps them, not the empty ones.
     assert all(resumed.model.state_dict()[k].data_ptr() == v.data_ptr() for k, v in trained.items())
@@ -184,44 +174,6 @@ def test_a_model_built_on_the_meta_device_resumes_the_same_numbers(tmp_path: Pat
     resumed.model(torch.randn(4, cfg.tiny_dim)).sum().backward()
     resumed.optimizer.step()
     assert all(not torch.equal(v, before[k]) for k, v in resumed.model.named_parameters())
-
-
-def test_a_model_with_a_shared_parameter_resumes_by_copy_and_keeps_it_shared(tmp_path: Path,
-                                                                             signal_handlers: None) -> None:
-    """Assigning the loaded tensors would give each of two modules sharing a parameter its own
-    copy (and the optimizer one of them): such a model, or saved values of another type, are
-    copied into the model instead."""
-    from training.trainer import config as config_mod
-    from training.trainer.train import Run
-
-    cfg = config_mod.parse(["--workload", "tiny", "--tiny-width", "48", "--checkpoint-dir", str(tmp_path / "c")])
-    run = Run(cfg, Comm("torchrun"))
-    run.build_model()
-    square = torch.nn.Linear(8, 8)
-    shared = torch.nn.Sequential(square, torch.nn.Linear(8, 8))
-    shared[1].weight = square.weight
-    run.model, run.deferred_init = shared, True
-    run.optimizer = torch.optim.AdamW(shared.parameters())
-    saved = {k: torch.full_like(v, 2.0) for k, v in shared.state_dict().items()}
-    run._restore_model(saved)
-    assert shared[1].weight is square.weight and torch.equal(square.weight, torch.full((8, 8), 2.0))
-    assert square.weight.data_ptr() != saved["0.weight"].data_ptr()  # copied, not assigned
-
-    conv = torch.nn.Conv2d(4, 8, 3)
-    run.model, run.deferred_init = conv, True
-    run.optimizer = torch.optim.AdamW(conv.parameters())
-    other_layout = {k: torch.ones_like(v).contiguous(memory_format=torch.channels_last) if v.dim() == 4
-                    else torch.ones_like(v) for k, v in conv.state_dict().items()}
-    assert other_layout["weight"].stride() != conv.weight.stride()
-    run._restore_model(other_layout)
-    assert conv.weight.is_contiguous() and torch.equal(conv.weight, torch.ones_like(conv.weight))
-
-    plain = torch.nn.Linear(8, 8)
-    run.model, run.deferred_init = plain, True
-    run.optimizer = torch.optim.AdamW(plain.parameters())
-    doubles = {k: torch.full_like(v, 3.0, dtype=torch.float64) for k, v in plain.state_dict().items()}
-    run._restore_model(doubles)
-    assert plain.weight.dtype == torch.float32 and torch.equal(plain.weight, torch.full((8, 8), 3.0))
 
 
 class _DroppingFs:
@@ -293,173 +245,3 @@ def test_a_download_that_drops_midway_is_fetched_again_and_a_bad_copy_is_not(tmp
     with pytest.raises(OSError, match="refused"):  # an answer no retry changes: at once
         fetch_retrying(denied, "b/k", dest, _meta(data), CheckpointError, wait_max_s=0)
     assert denied.opens == 1
-
-
-def _memory_files() -> tuple[list[str], list[str]]:
-    """This process's memory files from the checkpoint loader: (open descriptors, mappings)."""
-    import os
-
-    opened = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            opened.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            continue
-    mapped = Path("/proc/self/maps").read_text().splitlines()
-    return [f for f in opened if "memfd:gts-" in f], [f for f in mapped if "memfd:gts-" in f]
-
-
-def test_a_lone_rank_resumes_from_the_bucket_into_memory_and_a_node_of_ranks_to_disk(
-        tmp_path: Path, moto: MotoServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """The only rank on its node fetches a step it lacks into a memory file and maps it: the
-    tensors are the received pages (a shared mapping of the memory file, gone with the state),
-    nothing is written to its disk. A node of two ranks fetches to disk (they share the copy);
-    so does a lone rank where the system refuses a memory file. A bad copy in the bucket leaves
-    no memory file behind."""
-    import gc
-    import os
-
-    for key, value in storage_env(moto.url).items():
-        monkeypatch.setenv(key, value)
-    url = f"s3://{moto.bucket}/in-memory"
-    _saved(tmp_path / "writer", url).close()
-    caplog.set_level("INFO", logger="gts.checkpoint")
-
-    lone = CheckpointManager(str(tmp_path / "lone"), url, TOPO)
-    state, rng = lone.load(2)
-    assert torch.equal(state["w"], torch.full((300, 300), 2.0)) and rng is not None and torch.equal(rng["x"], torch.ones(1))
-    opened, mapped = _memory_files()
-    assert opened == [], opened  # the descriptors are closed: the mapping alone holds the pages
-    assert mapped and all("memfd:gts-step-00000002-model.pt" in line and " rw-s " in line for line in mapped), mapped
-    assert not (lone.local / step_dir(2)).exists()
-    assert "fetched step-00000002 from s3://" in caplog.text and "into memory" in caplog.text
-    state["w"].add_(1.0)  # training writes the loaded tensors in place: its own pages, no one else's
-    del state, rng
-    gc.collect()
-    assert _memory_files() == ([], [])  # nothing held once the state is dropped
-    lone.close()
-
-    pair = CheckpointManager(str(tmp_path / "pair"), url, Topology(0, 0, 2, 0, 1, 2))
-    state, _ = pair.load(2)
-    assert torch.equal(state["w"], torch.full((300, 300), 2.0))
-    assert (pair.local / step_dir(2) / MODEL_FILE).stat().st_size > 0 and _memory_files() == ([], [])
-    pair.close()
-
-    def refused(name: str, flags: int = 0) -> int:
-        raise OSError(38, "Function not implemented")
-    monkeypatch.setattr(os, "memfd_create", refused)
-    sandboxed = CheckpointManager(str(tmp_path / "sandboxed"), url, TOPO)
-    state, _ = sandboxed.load(2)
-    assert torch.equal(state["w"], torch.full((300, 300), 2.0))
-    assert (sandboxed.local / step_dir(2) / MODEL_FILE).exists()
-    sandboxed.close()
-    monkeypatch.undo()  # (the storage settings too: set again)
-    for key, value in storage_env(moto.url).items():
-        monkeypatch.setenv(key, value)
-
-    from training import checkpoint_load
-
-    monkeypatch.setattr(checkpoint_load, "memory_room", lambda: 100_000)  # less than twice the step: disk
-    crowded = CheckpointManager(str(tmp_path / "crowded"), url, TOPO)
-    state, _ = crowded.load(2)
-    assert torch.equal(state["w"], torch.full((300, 300), 2.0)) and (crowded.local / step_dir(2) / MODEL_FILE).exists()
-    crowded.close()
-    monkeypatch.undo()
-    for key, value in storage_env(moto.url).items():
-        monkeypatch.setenv(key, value)
-
-    real_load = torch.load
-
-    def no_mapping(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("mmap"):
-            raise RuntimeError("unable to mmap 360000 bytes: Cannot allocate memory (12)")
-        return real_load(*args, **kwargs)
-    monkeypatch.setattr(torch, "load", no_mapping)  # the bytes are checked: read them instead
-    unmapped = CheckpointManager(str(tmp_path / "unmapped"), url, TOPO)
-    state, _ = unmapped.load(2)
-    assert torch.equal(state["w"], torch.full((300, 300), 2.0)) and _memory_files() == ([], [])
-    assert not (unmapped.local / step_dir(2)).exists()
-    unmapped.close()
-    monkeypatch.undo()
-    for key, value in storage_env(moto.url).items():
-        monkeypatch.setenv(key, value)
-
-    client = moto.client()
-    key = f"in-memory/{step_dir(2)}/{MODEL_FILE}"
-    data = bytearray(client.get_object(Bucket=moto.bucket, Key=key)["Body"].read())
-    data[len(data) // 2] ^= 0xFF
-    client.put_object(Bucket=moto.bucket, Key=key, Body=bytes(data))
-    for key, value in storage_env(moto.url).items():
-        monkeypatch.setenv(key, value)
-    damaged = CheckpointManager(str(tmp_path / "damaged"), url, TOPO)
-    with pytest.raises(CheckpointError, match="model.pt in s3://.* does not match its digest either"):
-        damaged.load(2)
-    assert _memory_files() == ([], []) and not (damaged.local / step_dir(2)).exists()
-    found = choose_checkpoint(damaged, Comm("torchrun"))
-    assert found is not None and found.step == 1
-    damaged.close()
-
-
-def test_a_state_bound_for_an_accelerator_is_mapped_from_the_disk_not_read(tmp_path: Path) -> None:
-    """`for_device` (the trainer on a GPU): a step on disk is checked, then its model file mapped
-    privately, so the copy to the device is the only copy; a CPU run reads it (its steps write
-    the tensors in place, which a mapping would pay for page by page)."""
-    import gc
-
-    _saved(tmp_path, None).close()
-    model_file = str(tmp_path / step_dir(2) / MODEL_FILE)
-
-    def mappings() -> list[str]:
-        return [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(model_file)]
-
-    gpu = CheckpointManager(str(tmp_path), None, TOPO, for_device=True)
-    state, _ = gpu.load(2)
-    assert torch.equal(state["w"], torch.full((300, 300), 2.0))
-    assert mappings() and all(" r--p " in line or " rw-p " in line for line in mappings()), mappings()
-    del state
-    gc.collect()
-    assert mappings() == []
-    gpu.close()
-    del gpu  # its lock on the run goes with it
-    gc.collect()
-
-    cpu = CheckpointManager(str(tmp_path), None, TOPO)
-    state, _ = cpu.load(2)
-    assert torch.equal(state["w"], torch.full((300, 300), 2.0)) and mappings() == []
-    cpu.close()
-
-
-def test_moments_restored_by_copy_own_their_storage_and_an_unchosen_prefetch_is_dropped(
-        tmp_path: Path, signal_handlers: None) -> None:
-    """When the model copies its weights, the optimizer's moments must not stay slices of one
-    mapped checkpoint (they would keep the weights' part of it resident); and a prefetched step
-    the ranks did not choose is not held once the run has resumed."""
-    from training.trainer import config as config_mod
-    from training.trainer.train import Run
-
-    cfg = config_mod.parse(["--workload", "tiny", "--tiny-width", "48", "--checkpoint-dir", str(tmp_path / "c")])
-    run = Run(cfg, Comm("torchrun"))
-    run.build_model()
-    params = list(run.model.parameters())
-    whole = torch.zeros(sum(2 * p.numel() for p in params))  # one storage, as a mapped load gives
-    offset = 0
-    for param in params:
-        moments = []
-        for _ in range(2):
-            moments.append(whole[offset:offset + param.numel()].view_as(param))
-            offset += param.numel()
-        run.optimizer.state[param] = {"step": torch.tensor(3.0), "exp_avg": moments[0], "exp_avg_sq": moments[1]}
-    run._own_moments()
-    for values in run.optimizer.state.values():
-        for value in values.values():
-            assert value.untyped_storage().nbytes() == value.nbytes
-            assert value.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr() or value.dim() == 0
-
-    _saved(tmp_path / "steps", None).close()
-    mgr = CheckpointManager(str(tmp_path / "steps"), None, TOPO)
-    mgr.prefetch()
-    mgr.end_prefetch()
-    assert mgr._prefetch is not None
-    mgr._prefetch.join()
-    assert mgr._prefetched is None
-    mgr.close()

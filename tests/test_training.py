@@ -131,30 +131,6 @@ def test_checkpoints_reach_the_bucket_and_resume_from_it(reference: tuple[str, P
     assert again.final()[2] == digest
 
 
-def test_a_lone_process_resumes_from_the_bucket_through_memory_bit_identically(moto: MotoServer,
-                                                                               tmp_path: Path) -> None:
-    """One process on its node (a one-GPU node): the step it resumes is fetched into memory and
-    mapped (no disk copy), the model takes the loaded tensors, and the run ends with the very
-    parameters of an uninterrupted one-process run."""
-    env = storage_env(moto.url)
-    (tmp_path / "whole").mkdir()
-    whole = launch([*ARGS, "--checkpoint-dir", str(tmp_path / "whole" / "ck")], tmp_path / "whole", nproc=1)
-    assert whole.finish() == 0, whole.output[-3000:]
-    args = [*ARGS, "--checkpoint-dir", f"s3://{moto.bucket}/run-lone"]
-    run = launch([*args, "--throttle-ms", "100"], tmp_path, env, nproc=1)
-    run.wait_for(r"uploaded step-00000020 ")
-    os.kill(run.proc.pid, signal.SIGTERM)
-    run.finish()
-    stopped = int(run.wait_for(r"stopped by SIGTERM at step \d+").split("at step ")[1].split()[0])
-    shutil.rmtree(tmp_path / "out")  # a new node
-    again = launch(args, tmp_path, env, nproc=1)
-    assert again.finish() == 0, again.output[-3000:]
-    again.wait_for(rf"fetched step-{stopped:08d} from s3://\S+ \(into memory")
-    assert again.final()[2] == whole.final()[2]
-    local = {p.name for p in (tmp_path / "out").rglob("step-*")}
-    assert f"step-{stopped:08d}" not in local and "step-00000060" in local, local
-
-
 def test_storage_outage_does_not_stop_training(moto: MotoServer, tmp_path: Path) -> None:
     proxy = Proxy(moto.port)
     env = storage_env(f"http://127.0.0.1:{proxy.port}")

@@ -21,50 +21,12 @@ import torch
 from training import digest
 from training.checkpoint_files import (MODEL_FILE, STEP_RE, CheckpointError, Topology, check_manifest, inside,
                                        manifest_name, plain_path, rng_name, step_dir)
+from training.checkpoint_memory import in_memory, memory_files
 from training.fetch import fetch_retrying
 from training.storage import Location, StorageRefused, permanent_cause
 
 log = logging.getLogger("gts.checkpoint")
 _MAP_FLAGS = threading.Lock()
-
-
-def _in_memory(topo: Topology) -> bool:
-    """A step fetched for the only rank on its node goes to memory, not disk (_load_in_memory),
-    where the system has memory files and a /proc to open them by."""
-    return topo.local_world_size == 1 and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
-
-
-def memory_room() -> int:
-    """Bytes this process may still take: the system's available memory, or less where its
-    cgroup (a Kubernetes pod, a systemd unit) has a limit (cgroup v2's memory.max - current)."""
-    room = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                room = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return 0
-    try:
-        groups = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().splitlines())
-    except (OSError, ValueError):
-        groups = {}
-    for key, root, limit_file, used_file in (("", "/sys/fs/cgroup", "memory.max", "memory.current"),  # v2
-                                              ("memory", "/sys/fs/cgroup/memory", "memory.limit_in_bytes",
-                                               "memory.usage_in_bytes")):  # v1
-        if key not in groups:
-            continue
-        folder = Path(root) / groups[key].lstrip("/")
-        try:
-            limit = (folder / limit_file).read_text().strip()
-            if limit != "max":
-                room = min(room, int(limit) - int((folder / used_file).read_text()))
-        except (OSError, ValueError):
-            continue  # no such controller here: the system's figure
-    return max(room, 0)
-
-
-def _fd_path(fd: int) -> Path:
-    return Path(f"/proc/self/fd/{fd}")
 
 
 class Loading:
@@ -203,7 +165,7 @@ class Loading:
             if manifests:
                 log.warning("rank %d: local %s is damaged (%s); fetching it from %s", self.topo.rank,
                             step_dir(step), local_fault, self.remote.url)
-            if not manifests and _in_memory(self.topo):  # nothing of this step here, and no other rank to share it
+            if not manifests and in_memory(self.topo):  # nothing of this step here, and no other rank to share it
                 loaded = self._load_in_memory(step, self._needed(self._remote_manifests(step))[0])
                 if loaded is not None:
                     return loaded
@@ -264,56 +226,23 @@ class Loading:
 
     def _load_in_memory(self, step: int, files: dict[str, dict[str, Any]]
                         ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
-        """`load` of a step fetched for the only rank on this node (issue 34: resume at read
-        speed): each file received into a memory file (memfd), hashed as it arrives, and the
-        model file mapped shared, so its tensors are the received pages: no write to disk, no
-        read back, no copy on write when training updates them in place. The pages belong to
-        this process (and the DataLoader workers it forks, which inherit the mapping and never
-        write it); the memory file's descriptor is closed here. No disk copy is kept: the step is
-        in the bucket, and this rank's next checkpoint is written to disk as usual; a rank that
-        restarts here before then fetches it again. None where the step would take more than
-        half the memory free or the system refuses a memory file: the caller fetches to disk."""
+        """`load` of a step fetched for the only rank on this node into memory files
+        (training/checkpoint_memory.py), the model file mapped shared: its tensors are the
+        received pages. None where the step goes to disk instead."""
         assert self.remote is not None
-        bad = [name for name in files if not plain_path(name)]
-        if bad:
-            raise CheckpointError(f"{bad[0]!r} is not a plain file name inside the step's folder")
-        need, room = sum(int(meta["size"]) for meta in files.values()), memory_room()
-        if need > room // 2:  # a state (or a manifest's claim) too big for memory: the disk's ENOSPC is a fault, OOM is not
-            log.info("rank %d: %s needs %d MB, half of the %d MB of memory free is less; fetching it to disk",
-                     self.topo.rank, step_dir(step), need >> 20, room >> 20)
-            return None
-        held: dict[str, int] = {}
         try:
-            try:
-                for name in files:
-                    held[name] = os.memfd_create(f"gts-{step_dir(step)}-{name}", os.MFD_CLOEXEC)
-            except OSError as exc:  # a sandbox without the call, or out of descriptors: before any GET
-                log.info("rank %d: no memory file (%s); fetching %s to disk", self.topo.rank, exc, step_dir(step))
-                return None
-            for name, meta in files.items():
-                url = self.remote.url
-
-                def fault(why: str, name: str = name) -> CheckpointError:
-                    return CheckpointError(f"{name} in {url} {why}")
-                with os.fdopen(held[name], "w+b", closefd=False) as fh:
-                    try:
-                        fetch_retrying(self.remote.fs, self.remote.join(step_dir(step), name), fh, meta, fault)
-                    except CheckpointError:
-                        raise
-                    except Exception as exc:  # noqa: BLE001
-                        raise CheckpointError(f"{name} cannot be fetched from {self.remote.url}: {exc}") from None
-            try:
-                model = self._unpickle(_fd_path(held[MODEL_FILE]), MODEL_FILE, mapped=mmap.MAP_SHARED)
-            except CheckpointError:  # the checked bytes, but no mapping of them (or they are not tensors):
-                model = self._unpickle(_fd_path(held[MODEL_FILE]), MODEL_FILE)  # read; a bad file fails again
-            rng_file = rng_name(self.topo.rank)
-            rng = self._unpickle(_fd_path(held[rng_file]), rng_file) if rng_file in held else None
+            with memory_files(self.remote, step, files, self.topo.rank) as paths:
+                if paths is None:
+                    return None
+                try:
+                    model = self._unpickle(paths[MODEL_FILE], MODEL_FILE, mapped=mmap.MAP_SHARED)
+                except CheckpointError:  # the checked bytes, but no mapping of them (or they are not tensors):
+                    model = self._unpickle(paths[MODEL_FILE], MODEL_FILE)  # read; a bad file fails again
+                rng_file = rng_name(self.topo.rank)
+                rng = self._unpickle(paths[rng_file], rng_file) if rng_file in paths else None
         except OSError as exc:  # no /proc/self/fd to open them by, after all
             log.info("rank %d: memory file unreadable (%s); fetching %s to disk", self.topo.rank, exc, step_dir(step))
             return None
-        finally:
-            for fd in held.values():
-                os.close(fd)  # the model's mapping keeps its pages; nothing else does
         log.info("rank %d fetched %s from %s (into memory: the only rank on this node)", self.topo.rank,
                  step_dir(step), self.remote.url)
         return model, rng
@@ -327,7 +256,7 @@ class Loading:
         # place; for 1 GB of state that was about 1.3 s over the first two steps against 0.44 s
         # for this read, which the file's pages (just verified, so in the page cache) make a copy.
         # `mapped`: the mmap flags, or None to read. MAP_SHARED for a memory file of
-        # _load_in_memory (its own pages, written by no one else: no copy at all); MAP_PRIVATE for
+        # training/checkpoint_memory.py (its own pages, written by no one else: no copy at all); MAP_PRIVATE for
         # a file on disk whose tensors go to an accelerator (`for_device`): the copy to the device
         # reads the page cache, nothing writes the mapped pages, and the file is replaced only by
         # rename and removed only by unlink, which a mapping outlives.

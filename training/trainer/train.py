@@ -34,6 +34,7 @@ from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadSt
 from training.storage import StorageRefused
 from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, rng_state, set_rng_state
 from training.trainer.build import build_data, build_model, fully_restored, lr_lambda
+from training.trainer.restore import own_moments, restore_model
 from training.trainer.data import ResumableSampler, derived_seed
 from training.distributed import Comm
 from training.trainer.metrics import Metrics
@@ -190,10 +191,11 @@ class Run:
                 log.info("restored step %d saved by %d ranks into %d: params_sha256=%s", found.step,
                          int(state.get("world_size", 0)), self.comm.world, digest)
         else:
-            assigned = self._restore_model(state["model"])
+            assigned = restore_model(self.model, self.optimizer, state["model"],
+                                     self.deferred_init and self.comm.device.type == "cpu")
             self.optimizer.load_state_dict(state["optimizer"])
             if not assigned:
-                self._own_moments()
+                own_moments(self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         if self.use_scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -209,37 +211,6 @@ class Run:
         self.last_saved = self.step
         log.info("resumed from step %d (epoch %d, batch %d of the epoch)", self.step, self.epoch, self.offset)
         return None
-
-    def _own_moments(self) -> None:
-        """The optimizer's state in storages of its own. A mapped checkpoint (training/
-        checkpoint_load.py) gives every tensor a slice of one mapping: once the model has copied
-        its weights, moments that are still such slices would keep the weights' part of the
-        mapping (a third of an AdamW state) resident for the whole run. A read checkpoint's
-        tensors own their storage already; tensors the optimizer moved to a GPU too."""
-        for values in self.optimizer.state.values():
-            for key, value in values.items():
-                if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.nbytes:
-                    values[key] = value.clone()
-
-    def _restore_model(self, saved: dict[str, Any]) -> bool:
-        """The saved parameters into the model. A replicated model on the CPU built without values
-        (build_model) takes the loaded tensors themselves (issue 34: no copy of the weights; the
-        optimizer, built over the empty ones, is pointed at them before its state is loaded). Not
-        for a model whose modules share a parameter (assigning would give each its own) or whose
-        saved values have other types or layouts. True when the model took them."""
-        empty = dict(self.model.named_parameters())
-        tied = len(empty) != len(list(self.model.named_parameters(remove_duplicate=False)))
-        same = all(isinstance(saved.get(k), torch.Tensor) and saved[k].dtype == v.dtype and saved[k].stride() == v.stride()
-                   for k, v in self.model.state_dict().items())
-        if tied or not same or not (self.deferred_init and self.comm.device.type == "cpu"):
-            self.model.load_state_dict(saved)  # a copy: ties kept, values cast to the model's types and layout
-            return False
-        self.model.load_state_dict(saved, assign=True)  # checks names and shapes as a copy does
-        loaded = {id(empty[name]): param for name, param in self.model.named_parameters()}
-        for group in self.optimizer.param_groups:
-            group["params"] = [loaded[id(param)] for param in group["params"]]
-        self.deferred_init = False
-        return True
 
     def save(self, ckpt: CheckpointManager, tracker: Tracker) -> None:
         state = None
