@@ -165,12 +165,12 @@ class Loading:
             if manifests:
                 log.warning("rank %d: local %s is damaged (%s); fetching it from %s", self.topo.rank,
                             step_dir(step), local_fault, self.remote.url)
-            if not manifests and in_memory(self.topo):  # nothing of this step here, and no other rank to share it
-                loaded = self._load_in_memory(step, self._needed(self._remote_manifests(step))[0])
+            here, manifests = bool(manifests), self._remote_manifests(step)
+            files, world = self._needed(manifests)
+            if not here and in_memory(self.topo):  # nothing of this step here, and no other rank to share it
+                loaded = self._load_in_memory(step, files)
                 if loaded is not None:
                     return loaded
-            manifests = self._remote_manifests(step)
-            files, world = self._needed(manifests)
             self._download(step, folder, files)  # each file checked there (fetched and hashed, or already good)
         model = self._unpickle(folder / MODEL_FILE, mapped=mmap.MAP_PRIVATE if self.for_device else None)
         rng = self._unpickle(folder / rng_name(self.topo.rank)) if rng_name(self.topo.rank) in files else None
