@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from tests.conftest import TRAIN_ARGS
-from tests.test_checkpoint_format import TOPO, _saved
+from tests.test_checkpoint_format import TOPO, _edit_manifest, _saved
 from tests.training_helpers import MotoServer, launch, storage_env
-from training import checkpoint_memory
-from training.checkpoint import MODEL_FILE, CheckpointError, CheckpointManager, Topology, step_dir
+from training import checkpoint_memory, digest
+from training.checkpoint import MODEL_FILE, CheckpointError, CheckpointManager, Topology, manifest_name, step_dir
 from training.checkpointing import choose_checkpoint
 from training.distributed import Comm
 from training.trainer.restore import own_moments, restore_model
@@ -133,6 +133,29 @@ def test_a_mapping_that_fails_reads_the_checked_bytes_and_a_bad_copy_leaves_no_m
     damaged.close()
 
 
+def test_a_manifest_claiming_more_than_memory_holds_cannot_fill_it(bucket: str, moto: MotoServer, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A hostile (or damaged) manifest in the bucket says model.pt is a petabyte: the lone rank
+    does not take that into memory (it would be OOM-killed on every restart); the disk path
+    stops at what the store really sends, the step is refused and the one before is used."""
+    import json
+
+    client = moto.client()
+    key = f"{tmp_path.name}/{step_dir(2)}/{manifest_name(0)}"
+    manifest = json.loads(client.get_object(Bucket=moto.bucket, Key=key)["Body"].read())
+    manifest["files"][MODEL_FILE]["size"] = 1 << 50
+    client.put_object(Bucket=moto.bucket, Key=key, Body=json.dumps(manifest).encode())
+    caplog.set_level("INFO", logger="gts.checkpoint")
+    reader = CheckpointManager(str(tmp_path / "reader"), bucket, TOPO)
+    with pytest.raises(CheckpointError, match=f"model.pt in s3://.* bytes arrived, the manifest says {1 << 50}"):
+        reader.load(2)
+    assert "needs 1073741824 MB, half of the" in caplog.text and "fetching it to disk" in caplog.text
+    assert _memory_files() == ([], [])
+    found = choose_checkpoint(reader, Comm("torchrun"))
+    assert found is not None and found.step == 1
+    reader.close()
+
+
 def test_a_state_bound_for_an_accelerator_is_mapped_from_the_disk_not_read(tmp_path: Path) -> None:
     """`for_device` (the trainer on a GPU): a step on disk is checked, then its model file mapped
     privately, so the copy to the device is the only copy; a CPU run reads it (its steps write
@@ -158,6 +181,17 @@ def test_a_state_bound_for_an_accelerator_is_mapped_from_the_disk_not_read(tmp_p
     state, _ = cpu.load(2)
     assert torch.equal(state["w"], torch.full((300, 300), 2.0)) and mappings() == []
     cpu.close()
+    del cpu
+    gc.collect()
+
+    # A file torch cannot map (the old non-zip format, checked by its manifest all the same) is read.
+    torch.save({"w": torch.full((300, 300), 2.0), "step": 2}, model_file, _use_new_zipfile_serialization=False)
+    _edit_manifest(tmp_path / step_dir(2) / manifest_name(0),
+                   lambda m: m["files"].update({MODEL_FILE: digest.entry(Path(model_file))}))
+    old = CheckpointManager(str(tmp_path), None, TOPO, for_device=True)
+    state, _ = old.load(2)
+    assert torch.equal(state["w"], torch.full((300, 300), 2.0)) and mappings() == []
+    old.close()
 
 
 def test_a_model_with_a_shared_parameter_resumes_by_copy_and_keeps_it_shared(tmp_path: Path,

@@ -113,7 +113,7 @@ class Loading:
         return set(self.local_steps()) | set(self.remote_steps())
 
     def prefetch(self) -> None:
-        """Start loading the newest step (local or in the bucket: fetched, checked, read) on a
+        """Start loading the newest step (local or in the bucket: fetched, checked, loaded) on a
         background thread, so that it overlaps what the caller does next (imports, building the
         model). `load` of that step then returns its result; a fault found there is not kept:
         `load` tries again and reports it as usual."""
@@ -234,10 +234,7 @@ class Loading:
             with memory_files(self.remote, step, files, self.topo.rank) as paths:
                 if paths is None:
                     return None
-                try:
-                    model = self._unpickle(paths[MODEL_FILE], MODEL_FILE, mapped=mmap.MAP_SHARED)
-                except CheckpointError:  # the checked bytes, but no mapping of them (or they are not tensors):
-                    model = self._unpickle(paths[MODEL_FILE], MODEL_FILE)  # read; a bad file fails again
+                model = self._unpickle(paths[MODEL_FILE], MODEL_FILE, mapped=mmap.MAP_SHARED)
                 rng_file = rng_name(self.topo.rank)
                 rng = self._unpickle(paths[rng_file], rng_file) if rng_file in paths else None
         except OSError as exc:  # no /proc/self/fd to open them by, after all
@@ -249,25 +246,28 @@ class Loading:
 
     @staticmethod
     def _unpickle(path: Path, name: str | None = None, mapped: int | None = None) -> dict[str, Any]:
-        # weights_only: a checkpoint in a shared bucket must not be able to run code when loaded;
-        # a damaged file and one carrying code both fail here, and neither is ever used. Read, not
-        # mapped (issue 34): a private mapping costs nothing here but a copy-on-write fault per
-        # page later, when the first steps write the parameters and the optimizer's moments in
-        # place; for 1 GB of state that was about 1.3 s over the first two steps against 0.44 s
-        # for this read, which the file's pages (just verified, so in the page cache) make a copy.
-        # `mapped`: the mmap flags, or None to read. MAP_SHARED for a memory file of
-        # training/checkpoint_memory.py (its own pages, written by no one else: no copy at all); MAP_PRIVATE for
-        # a file on disk whose tensors go to an accelerator (`for_device`): the copy to the device
-        # reads the page cache, nothing writes the mapped pages, and the file is replaced only by
-        # rename and removed only by unlink, which a mapping outlives.
-        try:
-            if mapped is None:
-                return dict(torch.load(path, map_location="cpu", weights_only=True))
-            # torch reads the flags from a process-wide setting: one load of ours at a time sets it,
-            # and nothing else here loads with mmap=True meanwhile.
-            with _MAP_FLAGS:
-                with torch.serialization.set_default_mmap_options(mapped):
+        """The file's tensors and plain values, with weights_only: a checkpoint in a shared bucket
+        must not be able to run code when loaded; a damaged file and one carrying code both fail
+        here (CheckpointError), and neither is ever used.
+
+        `mapped` (mmap flags) maps the file instead of reading it: MAP_SHARED for a memory file
+        of training/checkpoint_memory.py (its own pages: no copy at all), MAP_PRIVATE for a file
+        on disk whose tensors go to an accelerator (`for_device`: the copy to the device reads the
+        page cache, and the file is only ever replaced by rename or removed, which a mapping
+        outlives). A file torch cannot map (an old non-zip one, or no mapping to be had) is read.
+        Otherwise read (issue 34): a private mapping costs a copy-on-write fault per page when the
+        first steps write the parameters and moments in place, about 1.3 s per GB over two steps
+        against 0.44 s for the read."""
+        if mapped is not None:
+            try:
+                # torch reads the flags from a process-wide setting: one load of ours at a time
+                # sets it, and nothing else here loads with mmap=True meanwhile.
+                with _MAP_FLAGS, torch.serialization.set_default_mmap_options(mapped):
                     return dict(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, TypeError):
+                pass  # read below: a bad file fails there too, and says why
+        try:
+            return dict(torch.load(path, map_location="cpu", weights_only=True))
         except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, TypeError) as exc:
             text = str(exc)
             detail = text.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0] if text.strip() else ""

@@ -65,7 +65,7 @@ class Stager:
 class HashingWriter(io.RawIOBase):
     """A write-only file that hashes what passes through it as the manifest's `blake3_pieces`
     (training/digest.py): the bytes are cut at every 8 MiB of the file, and each piece is hashed
-    on a pool of helper threads while the caller's thread writes. sha256 and the write both
+    on a pool of helper threads while the caller's thread writes. The hash and the write both
     release the GIL, so on N cores a checkpoint costs about the write, not one sha256 stream
     (1 GB/s here, twice the disk's write + fsync). A large write (torch hands over a tensor's
     whole storage in one call) is hashed in place; the pieces of it are hashed before `write`
@@ -126,7 +126,7 @@ def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
     records, hashing while writing. Returns (size, blake3_pieces).
 
     The format stays torch.save's zip archive (not DCP's or safetensors'): it is what the
-    resume path reads (torch.load, weights_only), what every checkpoint written so far is,
+    resume path loads (torch.load, weights_only), what every checkpoint written so far is,
     and it holds the non-tensor state (step, schedule, config) beside the tensors; its cost was
     the single hash stream, not the serialiser."""
     part = path.with_suffix(path.suffix + ".part")
