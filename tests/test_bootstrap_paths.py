@@ -168,3 +168,20 @@ def test_the_docs_name_the_signal_the_spot_watcher_sends() -> None:
     assert '["docker", "kill", "--signal", name, self.target]' in watcher
     assert "`docker kill --signal TERM gts-trainer`" in section, section
     assert "pkill" not in section and "docker exec" not in section, section
+
+
+def test_the_docker_stand_in_records_each_call_whole_when_units_call_it_at_once(tmp_path: Path) -> None:
+    """Units call docker at the same time at boot (the GPU gate's diag beside the bootstrap's pull
+    and login). The stand-in's record is what the boot tests read: each call must be one whole
+    line, never cut into by another's (it printed an argument at a time, and a real boot's gate
+    line was once found broken)."""
+    log = tmp_path / "calls"
+    env = {**os.environ, "GTS_DOCKER_LOG": str(log), "GTS_DOCKER_STATE": str(tmp_path / "state")}
+    args = " ".join("abcdefghijklmnopqrst")  # a write per argument in the old record: many chances to be cut
+    at_once = f'for n in $(seq 1 100); do bash "$0" login "call $n with spaces" "a&&b" {args} & done; wait'
+    subprocess.run(["bash", "-c", at_once, str(DOCKER_STUB)], env=env, stdin=subprocess.DEVNULL, check=True,
+                   timeout=300)
+    lines = log.read_text().splitlines()
+    pattern = r"docker login call\\ \d+\\ with\\ spaces a\\&\\&b " + re.escape(args)
+    whole = [line for line in lines if re.fullmatch(pattern, line)]
+    assert len(lines) == 100 and len(whole) == 100, [line for line in lines if line not in whole]
