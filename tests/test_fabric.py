@@ -62,10 +62,11 @@ def test_p5_launch_template_has_one_efa_interface_per_card(planned: dict[str, An
     assert [n["deviceIndex"] for n in nics] == [0] + [1] * 31
     assert [n["interfaceType"] for n in nics] == ["efa" if i % 4 == 0 else "efa-only" for i in range(32)]
     groups = {tuple(n["securityGroups"]) for n in nics}
-    # The same groups on every interface: the training group and (a multi-node group) its
-    # rendezvous store's client group (issue 27), nothing at the template's top level.
-    assert len(groups) == 1 and next(iter(groups))[0] == "aws-train-training-sg-id", groups
-    assert list(next(iter(groups))[1:]) == ["prod-rdzv-aws-efa-clients-id"], groups
+    # The same groups on every interface: the network's VM group, (a multi-node group) its
+    # rendezvous store's client group (issue 27) and its run's own group (issue 41), nothing at
+    # the template's top level.
+    assert len(groups) == 1 and next(iter(groups))[0] == "aws-train-vm-sg-id", groups
+    assert list(next(iter(groups))[1:]) == ["prod-rdzv-aws-efa-clients-id", "aws-efa-run-sg-id"], groups
     assert not lt.get("vpcSecurityGroupIds")
     assert not lt.get("vpcSecurityGroupIds"), "interfaces carry the groups; the template must not"
     assert not any(n.get("associatePublicIpAddress") for n in nics) and not any(n.get("subnetId") for n in nics)
@@ -75,17 +76,18 @@ def test_p5_launch_template_has_one_efa_interface_per_card(planned: dict[str, An
     assert pg and pg[0]["inputs"]["strategy"] == "cluster"
 
 
-def test_prod_p4d_group_gets_efa_by_auto_and_the_network_admits_it(planned: dict[str, Any]) -> None:
+def test_prod_p4d_group_gets_efa_by_auto_and_its_run_group_admits_it(planned: dict[str, Any]) -> None:
     lt = resource(planned, "aws:ec2/launchTemplate:LaunchTemplate", "aws-train-lt")
     assert [n["interfaceType"] for n in lt["networkInterfaces"]] == ["efa", "efa-only", "efa-only", "efa-only"]
-    ingress = resource(planned, "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule", "aws-train-training-self")
-    egress = resource(planned, "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule",
-                      "aws-train-training-self-egress")
+    ingress = resource(planned, "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule", "aws-train-run-self")
+    egress = resource(planned, "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule", "aws-train-run-self-egress")
     for rule in (ingress, egress):
         assert rule["ipProtocol"] == "-1" and rule["referencedSecurityGroupId"] == rule["securityGroupId"]
-    # The west network has no fabric group: its security group is unchanged.
+        assert rule["securityGroupId"] == "aws-train-run-sg-id"
+    assert "aws-train-run-sg-id" in lt["networkInterfaces"][0]["securityGroups"]
+    # No other group's rule to itself goes both ways: the network's groups carry no EFA egress.
     names = [r["name"] for r in of_type(planned, "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule")]
-    assert "aws-train-west-training-self-egress" not in names
+    assert not [n for n in names if n.endswith("-self-egress") and "-run-" not in n], names
 
 
 def test_single_node_and_inference_groups_keep_one_plain_interface(planned: dict[str, Any]) -> None:
@@ -168,8 +170,9 @@ def test_erdma_group_is_a_scaling_configuration_with_a_high_performance_primary_
     config = resource(planned, "alicloud:ess/scalingConfiguration:ScalingConfiguration", "ali-erdma-config")
     (nic,) = config["networkInterfaces"]
     assert (nic["instanceType"], nic["networkInterfaceTrafficMode"]) == ("Primary", "HighPerformance")
-    # the training group and its rendezvous store's client group (issue 27), as on the other paths
-    assert nic["securityGroupIds"] == ["ali-train-training-sg-id", "prod-rdzv-ali-erdma-clients-id"]
+    # the network's VM group, its rendezvous store's client group (issue 27) and its run's own
+    # group (issue 41), as on the other paths
+    assert nic["securityGroupIds"] == ["ali-train-vm-sg-id", "prod-rdzv-ali-erdma-clients-id", "ali-erdma-run-sg-id"]
     assert "securityGroupId" not in config and "securityGroupIds" not in config, "the ENIs carry the group"
     assert config["active"] is True and config["systemDiskEncrypted"] is True
     group = resource(planned, "alicloud:ess/scalingGroup:ScalingGroup", "ali-erdma-ess")

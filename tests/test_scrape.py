@@ -1,7 +1,8 @@
 """VM nodes' exporters (9100 node, 9400 DCGM, the trainer's 9401) admitted only from the
 monitoring source (networks[].scrapeCidrs, default the network's own CIDR): every rule of
 every training security group that opens one of those ports comes from the source or the
-group itself, never a peered network or a pod range; peers still reach every other port."""
+group itself, never a peered network or a pod range; peers still reach every other port of a
+cluster's nodes (VM nodes: none, tests/test_tenancy_ports.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def opened_exporters(resources: list[Any], stack_sources: dict[str, list[str]]) 
     """Per training security group: the rules that open an exporter port, with the group's own
     name and its network's sources."""
     found = {}
-    for sg in [r for r in resources if r.name.endswith("-training-sg")]:
+    for sg in [r for r in resources if r.name.endswith(("-training-sg", "-vm-sg"))]:
         cloud = sg.type.split(":")[0]
         rules = ingress_rules(resources, f"{sg.name}-id")
         assert rules and not any("unknown" in r for r in rules), (sg.name, rules)
@@ -49,7 +50,7 @@ def opened_exporters(resources: list[Any], stack_sources: dict[str, list[str]]) 
 
 def check(resources: list[Any], sources: dict[str, list[str]]) -> None:
     for sg_name, rules in opened_exporters(resources, sources).items():
-        net = sg_name.removesuffix("-training-sg")
+        net = sg_name.removesuffix("-training-sg").removesuffix("-vm-sg")
         for r in rules:
             assert r["source"] == f"{sg_name}-id" or r["cidr"] in sources[net], (sg_name, r)
         # Each exporter port is admitted from each source, by its own rule.
@@ -67,6 +68,7 @@ def test_exporters_are_admitted_from_the_networks_own_cidr_alone(stack: str) -> 
     vpcs = {r.name.removesuffix("-vpc"): unwrap_secrets(r.inputs).get("cidrBlock") for r in resources
             if r.name.endswith("-vpc") and "cidrBlock" in unwrap_secrets(r.inputs)}
     check(resources, {n: [c] for n, c in vpcs.items()})
+    assert any(r.name.endswith("-vm-sg") for r in resources), "the VM nodes' groups are checked too"
     if stack == "prod":
         # Peers and the TKE pod range still reach every other port (NCCL, the stores' clients, SSH...).
         for sg in [r for r in resources if r.name.endswith("-training-sg")]:

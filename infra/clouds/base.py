@@ -185,9 +185,20 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
                 found.setdefault(g.network, []).append(g)
         return found
 
-    def fabric_networks(self) -> set[str]:
-        """This cloud's networks that hold a group with a multi-node fabric (infra/fabric.py)."""
-        return {g.network for g in self.node_groups() if g.fabric is not None}
+    def fabric_networks(self, kind: str = "") -> set[str]:
+        """This cloud's networks that hold a group (of `kind`, "vm" or "kubernetes", if given)
+        with a multi-node fabric (infra/fabric.py)."""
+        return {g.network for g in self.node_groups() if g.fabric is not None and kind in ("", g.kind)}
+
+    def vm_networks(self) -> set[str]:
+        """This cloud's networks that hold VM groups (they get the network's VM security group)."""
+        return {g.network for g in self.vm_groups()}
+
+    @staticmethod
+    def spans_nodes(group: ResolvedGroup) -> bool:
+        """A VM group whose run may span nodes: it gets a security group of its own that admits
+        its own nodes alone, on every port (the collectives, torch's worker store)."""
+        return rendezvous.multi_node_vm(group)
 
     def node_networks(self) -> list[Network]:
         """This cloud's networks that hold node groups."""

@@ -20,6 +20,7 @@ class AlicloudNetworkArgs:
     peer_cidrs: list[str] = field(default_factory=list)
     pod_switches: bool = False  # an ACK cluster lives here: Terway's pod vSwitches, one per zone
     store_cidr: str = ""  # the rendezvous stores' own vSwitch (infra/rendezvous.py own_subnet); "" for none
+    vm_nodes: bool = False  # it holds VM groups: their nodes get the VM group, never the cluster's
 
 
 def pod_switch_cidr(net: Network, index: int) -> str:
@@ -32,7 +33,8 @@ class AlicloudNetwork(pulumi.ComponentResource):
     switches: list[alicloud.vpc.Switch]
     pod_switches: list[alicloud.vpc.Switch]  # Terway's (empty without an ACK cluster)
     store_switch: alicloud.vpc.Switch | None  # the rendezvous stores' alone (None without stores)
-    security_group: alicloud.ecs.SecurityGroup
+    security_group: alicloud.ecs.SecurityGroup | None  # the ACK cluster's (None without one)
+    vm_security_group: alicloud.ecs.SecurityGroup | None  # the VM nodes' (None without VM groups)
 
     def __init__(self, name: str, args: AlicloudNetworkArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:alicloud:Network", name, None, opts)
@@ -58,42 +60,98 @@ class AlicloudNetwork(pulumi.ComponentResource):
         if net.nat:
             self._nat(name, net, tags, child)
 
-        self.security_group = alicloud.ecs.SecurityGroup(
+        # ACK's nodes and (with Terway) its pods' ENIs carry the cluster's group; VM nodes never do.
+        self.security_group = self._cluster_group(name, args, tags, child) if args.pod_switches else None
+        self.vm_security_group = self._vm_group(name, args, tags, child) if args.vm_nodes else None
+        groups = {k: g.id for k, g in (("securityGroupId", self.security_group),
+                                        ("vmSecurityGroupId", self.vm_security_group)) if g is not None}
+        self.register_outputs({"vpcId": self.vpc.id, **groups})
+
+    def _cluster_group(self, name: str, args: AlicloudNetworkArgs, tags: dict[str, str],
+                       child: pulumi.ResourceOptions) -> alicloud.ecs.SecurityGroup:
+        """The ACK cluster's group: all traffic among members, SSH from the listed CIDRs, the
+        exporters from the monitoring source, every other port from peered VPCs (pods are fenced
+        by NetworkPolicies, infra/k8s/netpol.py)."""
+        net = args.network
+        group = alicloud.ecs.SecurityGroup(
             f"{name}-training-sg", vpc_id=self.vpc.id, security_group_name=f"{name}-training",
             security_group_type="normal",
             description="GPU training nodes: all traffic among members (NCCL), SSH only from listed CIDRs",
             tags=tags, opts=child)
-        sg = pulumi.ResourceOptions(parent=self.security_group)
+        sg = pulumi.ResourceOptions(parent=group)
         alicloud.ecs.SecurityGroupRule(f"{name}-training-self", type="ingress", ip_protocol="all",
-                                       port_range="-1/-1", security_group_id=self.security_group.id,
-                                       source_security_group_id=self.security_group.id, policy="accept",
+                                       port_range="-1/-1", security_group_id=group.id,
+                                       source_security_group_id=group.id, policy="accept",
                                        description="NCCL / rendezvous among training nodes", opts=sg)
-        for i, cidr in enumerate(net.ssh_cidrs):
-            alicloud.ecs.SecurityGroupRule(f"{name}-ssh-{i}", type="ingress", ip_protocol="tcp", port_range="22/22",
-                                           security_group_id=self.security_group.id, cidr_ip=str(cidr),
-                                           policy="accept", description="SSH from an allowed CIDR", opts=sg)
+        self._ssh_and_scrape(name, group, net, sg)
         # The exporters' ports (infra/scrape.py) from the monitoring source alone; peered VPCs get
         # every other port.
-        for i, source in enumerate(scrape.sources(net)):
-            for port in scrape.EXPORTER_PORTS:
-                alicloud.ecs.SecurityGroupRule(f"{name}-scrape-{i}-{port}", type="ingress", ip_protocol="tcp",
-                                               port_range=f"{port}/{port}", security_group_id=self.security_group.id,
-                                               cidr_ip=source, policy="accept",
-                                               description="metrics from the monitoring source", opts=sg)
         for i, peer in enumerate(args.peer_cidrs):
             peer_rules = [("tcp", f"{lo}/{hi}") for lo, hi in scrape.other_tcp_ranges()] + [("udp", "1/65535"),
                                                                                             ("icmp", "-1/-1")]
             for proto, ports in peer_rules:
                 suffix = f"{proto}-{ports.split('/')[0]}" if proto == "tcp" else proto
                 alicloud.ecs.SecurityGroupRule(f"{name}-peer-{i}-{suffix}", type="ingress", ip_protocol=proto,
-                                               port_range=ports, security_group_id=self.security_group.id, cidr_ip=peer,
+                                               port_range=ports, security_group_id=group.id, cidr_ip=peer,
                                                policy="accept",
                                                description="traffic from a peered VPC (not the exporters' ports)",
                                                opts=sg)
-        alicloud.ecs.SecurityGroupRule(f"{name}-egress", type="egress", ip_protocol="all", port_range="-1/-1",
-                                       security_group_id=self.security_group.id, cidr_ip="0.0.0.0/0",
+        self._egress(name, group, sg)
+        return group
+
+    def _vm_group(self, name: str, args: AlicloudNetworkArgs, tags: dict[str, str],
+                  child: pulumi.ResourceOptions) -> alicloud.ecs.SecurityGroup:
+        """The VM nodes' group: SSH from the listed CIDRs and the exporters from the monitoring
+        source, nothing else. A basic ("normal") group lets its own members talk on every port
+        unless its internal access policy is Drop (ECS "Basic security groups and advanced
+        security groups"; pulumi_alicloud ecs/security_group.py inner_access_policy Accept |
+        Drop): Drop here, so the nodes of one run reach each other through their run's group
+        alone (run_group), and no other run, team, peered VPC or ACK pod reaches a node's
+        collective or worker-store ports."""
+        group = alicloud.ecs.SecurityGroup(
+            f"{name}-vm-sg", vpc_id=self.vpc.id, security_group_name=f"{name}-vm", security_group_type="normal",
+            inner_access_policy="Drop",
+            description="GPU VM nodes: SSH from listed CIDRs, metrics from the monitoring source, nothing else",
+            tags=tags, opts=child)
+        sg = pulumi.ResourceOptions(parent=group)
+        self._ssh_and_scrape(f"{name}-vm", group, args.network, sg)
+        self._egress(f"{name}-vm", group, sg)
+        return group
+
+    def run_group(self, group: str, fabric: bool, tags: dict[str, str]) -> pulumi.Output[str]:
+        """A multi-node VM group's own security group: all traffic among its nodes (the
+        collectives, eRDMA, torch's worker store), by reference to itself, from nothing else."""
+        del fabric  # eRDMA traffic follows the same rule (Alibaba "Configure eRDMA": the group's rules)
+        run = alicloud.ecs.SecurityGroup(
+            f"{group}-run-sg", vpc_id=self.vpc.id, security_group_name=f"{group}-run", security_group_type="normal",
+            inner_access_policy="Accept",
+            description=f"Nodes of {group}: all traffic among them (collectives, worker store), from nothing else",
+            tags=tags, opts=pulumi.ResourceOptions(parent=self))
+        alicloud.ecs.SecurityGroupRule(f"{group}-run-self", type="ingress", ip_protocol="all", port_range="-1/-1",
+                                       security_group_id=run.id, source_security_group_id=run.id, policy="accept",
+                                       description=f"collectives among the nodes of {group}",
+                                       opts=pulumi.ResourceOptions(parent=run))
+        return run.id
+
+    @staticmethod
+    def _ssh_and_scrape(prefix: str, group: alicloud.ecs.SecurityGroup, net: Network,
+                        sg: pulumi.ResourceOptions) -> None:
+        for i, cidr in enumerate(net.ssh_cidrs):
+            alicloud.ecs.SecurityGroupRule(f"{prefix}-ssh-{i}", type="ingress", ip_protocol="tcp", port_range="22/22",
+                                           security_group_id=group.id, cidr_ip=str(cidr),
+                                           policy="accept", description="SSH from an allowed CIDR", opts=sg)
+        for i, source in enumerate(scrape.sources(net)):
+            for port in scrape.EXPORTER_PORTS:
+                alicloud.ecs.SecurityGroupRule(f"{prefix}-scrape-{i}-{port}", type="ingress", ip_protocol="tcp",
+                                               port_range=f"{port}/{port}", security_group_id=group.id,
+                                               cidr_ip=source, policy="accept",
+                                               description="metrics from the monitoring source", opts=sg)
+
+    @staticmethod
+    def _egress(prefix: str, group: alicloud.ecs.SecurityGroup, sg: pulumi.ResourceOptions) -> None:
+        alicloud.ecs.SecurityGroupRule(f"{prefix}-egress", type="egress", ip_protocol="all", port_range="-1/-1",
+                                       security_group_id=group.id, cidr_ip="0.0.0.0/0",
                                        policy="accept", description="egress", opts=sg)
-        self.register_outputs({"vpcId": self.vpc.id, "securityGroupId": self.security_group.id})
 
     def _nat(self, name: str, net: Network, tags: dict[str, str], child: pulumi.ResourceOptions) -> None:
         # An enhanced NAT gateway adds the 0.0.0.0/0 route to the VPC's system route table

@@ -39,7 +39,8 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
         stores = next((s.subnet for s in self.rendezvous_sites() if s.network == net.name), "")
         return AlicloudNetwork(net.name, AlicloudNetworkArgs(net, self.tags, self.peer_cidrs()[net.name],
                                                              pod_switches=net.name in self.kubernetes_groups(),
-                                                             store_cidr=stores),
+                                                             store_cidr=stores,
+                                                             vm_nodes=net.name in self.vm_networks()),
                                opts=self.provider_opts(self.region_of(net)))
 
     def vpc_id(self, net: AlicloudNetwork) -> pulumi.Output[str]:
@@ -97,12 +98,14 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
     def make_fleet(self, group: ResolvedGroup, net: AlicloudNetwork, access: AlicloudAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
         spec_net = self.spec.network(group.network)
+        assert net.vm_security_group is not None  # made for every network with VM groups
+        runs = [net.run_group(group.name, group.fabric is not None, self.tags)] if self.spans_nodes(group) else []
         fleet = AlicloudGpuFleet(group.name, AlicloudGpuFleetArgs(
             group=group, vpc_id=net.vpc.id, switch_ids=[s.id for s in net.switches],
-            zones=[s.zone for s in spec_net.subnets], security_group_id=net.security_group.id,
+            zones=[s.zone for s in spec_net.subnets], security_group_id=net.vm_security_group.id,
             role_name=access.roles[group.name].role_name, user_data=self.user_data(group, image),
             provider=self.provider(group.region), tags=self.tags, env=self.spec.env, after=self.after_store(group),
-            store_clients=self.clients_of(group)),
+            store_clients=[*self.clients_of(group), *runs]),
             opts=pulumi.ResourceOptions(parent=self))
         if hasattr(fleet, "group"):  # a reserved group is fixed instances: no group to hand a node back to
             grant_replace_self(f"{self.spec.env}-{group.name}", access.roles[group.name].role_name, group.region, fleet.group, self.tags,
@@ -112,7 +115,7 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: AlicloudNetwork,
                      access: AlicloudAccess, storage: AlicloudStorage, images: Mapping[str, pulumi.Output[str]]) -> Cluster:
-        assert access.ack_node_role is not None
+        assert access.ack_node_role is not None and built.security_group is not None
         ack = AlicloudAck(f"{self.spec.env}-{net.name}", AlicloudAckArgs(
             spec=self.spec, groups=groups, teams=self.stack.teams, switch_ids=[s.id for s in built.switches],
             pod_switch_ids=[s.id for s in built.pod_switches],

@@ -58,9 +58,10 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
         region = self.region_of(net)
         stores = any(s.network == net.name for s in self.rendezvous_sites())
         return AwsNetwork(net.name, AwsNetworkArgs(net, region, self.tags, self.peer_cidrs()[net.name],
-                                                   fabric=net.name in self.fabric_networks(),
+                                                   fabric=net.name in self.fabric_networks("kubernetes"),
                                                    store_range=rendezvous.store_range(str(net.subnets[0].cidr))
-                                                   if stores else ""),
+                                                   if stores else "", cluster=net.name in self.kubernetes_groups(),
+                                                   vm_nodes=net.name in self.vm_networks()),
                           opts=self.provider_opts(region))
 
     def vpc_id(self, net: AwsNetwork) -> pulumi.Output[str]:
@@ -137,11 +138,14 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
     def make_fleet(self, group: ResolvedGroup, net: AwsNetwork, access: AwsAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
         spec_net = self.spec.network(group.network)
+        assert net.vm_security_group is not None  # made for every network with VM groups
+        runs = [net.run_group(group.name, group.fabric is not None, self.tags)] if self.spans_nodes(group) else []
         fleet = AwsGpuFleet(group.name, AwsGpuFleetArgs(
             group=group, subnet_ids=[s.id for s in net.private_subnets], zones=[s.zone for s in spec_net.subnets],
-            security_group_id=net.security_group.id, instance_profile_arn=access.profiles[group.name].arn,
+            security_group_id=net.vm_security_group.id, instance_profile_arn=access.profiles[group.name].arn,
             user_data=self.user_data(group, image), provider=self.provider(group.region), tags=self.tags,
-            after=self.after_store(group), store_clients=self.clients_of(group)), opts=pulumi.ResourceOptions(parent=self))
+            after=self.after_store(group), store_clients=[*self.clients_of(group), *runs]),
+            opts=pulumi.ResourceOptions(parent=self))
         # A node with a failed GPU hands itself back (gts-gpu-health.py): that one call, on its own group.
         grant_replace_self(group.name, access.profiles[group.name].role.apply(str), fleet.group,
                            pulumi.ResourceOptions(parent=fleet, provider=self.provider(group.region),
@@ -152,6 +156,7 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
                      storage: AwsStorage, images: Mapping[str, pulumi.Output[str]]) -> Cluster:
         assert access.eks_cluster_role is not None and access.eks_node_role is not None
         region = self.region_of(net)
+        assert built.security_group is not None  # made for every network with a cluster
         eks = AwsEks(f"{self.spec.env}-{net.name}", AwsEksArgs(
             spec=self.spec, groups=groups, teams=self.stack.teams, region=region, subnet_ids=[s.id for s in built.private_subnets],
             security_group_id=built.security_group.id, cluster_role_arn=access.eks_cluster_role.arn,

@@ -19,6 +19,8 @@ class TencentNetworkArgs:
     peer_cidrs: list[str] = field(default_factory=list)
     pod_cidrs: list[str] = field(default_factory=list)  # TKE clusters' pod ranges in this VPC
     store_cidr: str = ""  # the rendezvous stores' own subnet (infra/rendezvous.py own_subnet); "" for none
+    cluster: bool = True  # it holds a TKE cluster: the cluster's nodes get the training group
+    vm_nodes: bool = False  # it holds VM groups: their nodes get the VM group, never the cluster's
 
 
 class TencentNetwork(pulumi.ComponentResource):
@@ -26,7 +28,8 @@ class TencentNetwork(pulumi.ComponentResource):
     route_table: tencentcloud.route.Table
     subnets: list[tencentcloud.subnet.Instance]
     store_subnet: tencentcloud.subnet.Instance | None  # the rendezvous stores' alone (None without stores)
-    security_group: tencentcloud.security.Group
+    security_group: tencentcloud.security.Group | None  # the TKE cluster's (None without one)
+    vm_security_group: tencentcloud.security.Group | None  # the VM nodes' (None without VM groups)
 
     def __init__(self, name: str, args: TencentNetworkArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpu-training-stack:tencentcloud:Network", name, None, opts)
@@ -52,20 +55,41 @@ class TencentNetwork(pulumi.ComponentResource):
         if net.nat:
             self._nat(name, tags, child)
 
-        self.security_group = tencentcloud.security.Group(
+        self.security_group = self._cluster_group(name, args, tags, child) if args.cluster else None
+        self.vm_security_group = self._vm_group(name, args, tags, child) if args.vm_nodes else None
+        groups = {k: g.id for k, g in (("securityGroupId", self.security_group),
+                                        ("vmSecurityGroupId", self.vm_security_group)) if g is not None}
+        self.register_outputs({"vpcId": self.vpc.id, **groups})
+
+    @staticmethod
+    def _ssh_and_scrape(net: Network) -> list[tencentcloud.security.GroupRuleSetIngressArgs]:
+        rule = tencentcloud.security.GroupRuleSetIngressArgs
+        ingresses = [rule(action="ACCEPT", cidr_block=str(c), protocol="TCP", port="22",
+                          description="SSH from an allowed CIDR") for c in net.ssh_cidrs]
+        # The exporters' ports (infra/scrape.py) from the monitoring source alone.
+        return ingresses + [rule(action="ACCEPT", cidr_block=c, protocol="TCP", port=str(port),
+                                 description="metrics from the monitoring source")
+                            for c in scrape.sources(net) for port in scrape.EXPORTER_PORTS]
+
+    @staticmethod
+    def _egress() -> list[tencentcloud.security.GroupRuleSetEgressArgs]:
+        return [tencentcloud.security.GroupRuleSetEgressArgs(action="ACCEPT", cidr_block="0.0.0.0/0",
+                                                             protocol="ALL", description="egress")]
+
+    def _cluster_group(self, name: str, args: TencentNetworkArgs, tags: dict[str, str],
+                       child: pulumi.ResourceOptions) -> tencentcloud.security.Group:
+        """The TKE cluster's nodes' group: all traffic among members, SSH, the exporters from the
+        monitoring source, every other port from peered VPCs and the pod range (pods are fenced
+        by NetworkPolicies, infra/k8s/netpol.py). VM nodes never carry it (_vm_group)."""
+        net = args.network
+        group = tencentcloud.security.Group(
             f"{name}-training-sg", name=f"{name}-training",
             description="GPU training nodes: all traffic among members (NCCL), SSH only from listed CIDRs",
             tags=tags, opts=child)
         rule = tencentcloud.security.GroupRuleSetIngressArgs
-        ingresses = [rule(action="ACCEPT", source_security_id=self.security_group.id, protocol="ALL",
+        ingresses = [rule(action="ACCEPT", source_security_id=group.id, protocol="ALL",
                           description="NCCL / rendezvous among training nodes")]
-        ingresses += [rule(action="ACCEPT", cidr_block=str(c), protocol="TCP", port="22",
-                           description="SSH from an allowed CIDR") for c in net.ssh_cidrs]
-        # The exporters' ports (infra/scrape.py) from the monitoring source alone; peered VPCs and
-        # the pod range get every other port.
-        ingresses += [rule(action="ACCEPT", cidr_block=c, protocol="TCP", port=str(port),
-                           description="metrics from the monitoring source")
-                      for c in scrape.sources(net) for port in scrape.EXPORTER_PORTS]
+        ingresses += self._ssh_and_scrape(net)
 
         def all_but_exporters(cidr: str, what: str) -> list[tencentcloud.security.GroupRuleSetIngressArgs]:
             tcp = [rule(action="ACCEPT", cidr_block=cidr, protocol="TCP", port=f"{lo}-{hi}", description=what)
@@ -82,11 +106,41 @@ class TencentNetwork(pulumi.ComponentResource):
         for c in args.pod_cidrs:
             ingresses += all_but_exporters(c, "TKE pod network (not the exporters' ports)")
         tencentcloud.security.GroupRuleSet(
-            f"{name}-training-rules", security_group_id=self.security_group.id, ingresses=ingresses,
-            egresses=[tencentcloud.security.GroupRuleSetEgressArgs(action="ACCEPT", cidr_block="0.0.0.0/0",
-                                                                   protocol="ALL", description="egress")],
-            opts=pulumi.ResourceOptions(parent=self.security_group))
-        self.register_outputs({"vpcId": self.vpc.id, "securityGroupId": self.security_group.id})
+            f"{name}-training-rules", security_group_id=group.id, ingresses=ingresses, egresses=self._egress(),
+            opts=pulumi.ResourceOptions(parent=group))
+        return group
+
+    def _vm_group(self, name: str, args: TencentNetworkArgs, tags: dict[str, str],
+                  child: pulumi.ResourceOptions) -> tencentcloud.security.Group:
+        """The VM nodes' group: SSH from the listed CIDRs and the exporters from the monitoring
+        source, nothing else — not its own members, not the TKE pod range, not a peered VPC: the
+        nodes of one run reach each other through their run's group alone (run_group)."""
+        group = tencentcloud.security.Group(
+            f"{name}-vm-sg", name=f"{name}-vm",
+            description="GPU VM nodes: SSH from listed CIDRs, metrics from the monitoring source, nothing else",
+            tags=tags, opts=child)
+        tencentcloud.security.GroupRuleSet(
+            f"{name}-vm-rules", security_group_id=group.id, ingresses=self._ssh_and_scrape(args.network),
+            egresses=self._egress(), opts=pulumi.ResourceOptions(parent=group))
+        return group
+
+    def run_group(self, group: str, fabric: bool, tags: dict[str, str]) -> pulumi.Output[str]:
+        """A multi-node VM group's own security group: all traffic among its nodes (the
+        collectives, torch's worker store), by reference to itself, from nothing else. Its egress
+        is the VM group's (orderly groups: a packet no rule of this group matches goes on to the
+        next group's rules, CVM "Security group overview")."""
+        del fabric  # HCC's RDMA network is not governed by security groups (shared/FABRIC_AND_HEALTH.md)
+        run = tencentcloud.security.Group(
+            f"{group}-run-sg", name=f"{group}-run",
+            description=f"Nodes of {group}: all traffic among them (collectives, worker store), from nothing else",
+            tags=tags, opts=pulumi.ResourceOptions(parent=self))
+        tencentcloud.security.GroupRuleSet(
+            f"{group}-run-rules", security_group_id=run.id,
+            ingresses=[tencentcloud.security.GroupRuleSetIngressArgs(
+                action="ACCEPT", source_security_id=run.id, protocol="ALL",
+                description=f"collectives among the nodes of {group}")],
+            opts=pulumi.ResourceOptions(parent=run))
+        return run.id
 
     def _nat(self, name: str, tags: dict[str, str], child: pulumi.ResourceOptions) -> None:
         """A NAT gateway with its EIP and the private route table's default route through it."""

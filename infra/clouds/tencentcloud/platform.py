@@ -45,7 +45,8 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
         stores = next((s.subnet for s in self.rendezvous_sites() if s.network == net.name), "")
         pods = [str(POD_CIDR)] if net.name in self.kubernetes_groups() else []
         return TencentNetwork(net.name, TencentNetworkArgs(net, self.tags, self.peer_cidrs()[net.name], pods,
-                                                           store_cidr=stores),
+                                                           store_cidr=stores, cluster=net.name in self.kubernetes_groups(),
+                                                           vm_nodes=net.name in self.vm_networks()),
                               opts=self.provider_opts(self.region_of(net)))
 
     def vpc_id(self, net: TencentNetwork) -> pulumi.Output[str]:
@@ -113,12 +114,14 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
     def make_fleet(self, group: ResolvedGroup, net: TencentNetwork, access: TencentAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
         spec_net = self.spec.network(group.network)
+        assert net.vm_security_group is not None  # made for every network with VM groups
+        runs = [net.run_group(group.name, group.fabric is not None, self.tags)] if self.spans_nodes(group) else []
         fleet = TencentGpuFleet(group.name, TencentGpuFleetArgs(
             group=group, vpc_id=net.vpc.id, subnet_ids=[s.id for s in net.subnets],
-            zones=[s.zone for s in spec_net.subnets], security_group_id=net.security_group.id,
+            zones=[s.zone for s in spec_net.subnets], security_group_id=net.vm_security_group.id,
             role_name=access.roles[group.name].name, user_data=self.user_data(group, image),
             provider=self.provider(group.region), tags=self.tags, after=self.after_store(group),
-            store_clients=self.clients_of(group)),
+            store_clients=[*self.clients_of(group), *runs]),
             opts=pulumi.ResourceOptions(parent=self))
         if hasattr(fleet, "group"):  # fixed instances only: no group to hand a node back to
             grant_replace_self(f"{self.spec.env}-{group.name}", access.roles[group.name].id, group.region, fleet.group,
@@ -132,6 +135,7 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
 
     def make_cluster(self, net: Network, groups: list[ResolvedGroup], built: TencentNetwork,
                      access: TencentAccess, storage: TencentStorage, images: Mapping[str, pulumi.Output[str]]) -> Cluster:
+        assert built.security_group is not None  # made for every network with a cluster
         tke = TencentTke(f"{self.spec.env}-{net.name}", TencentTkeArgs(
             spec=self.spec, groups=groups, teams=self.stack.teams, vpc_id=built.vpc.id, subnet_ids=[s.id for s in built.subnets],
             security_group_id=built.security_group.id, role_names={g.name: access.roles[g.name].name for g in groups},
