@@ -70,8 +70,12 @@ def test_each_node_role_may_replace_only_its_own_group_and_nothing_else() -> Non
     assert found["ali-train"][:2] == ("ess:SetInstanceHealth", "acs:ess:cn-hangzhou:*:scalinggroup/ali-train-ess-id")
     assert "prod-ali-train-node" in str(found["ali-train"][2])
     # Tencent: the call, and reading / setting back the desired capacity, on its own group only.
-    assert found["tc-train"][:2] == ("as:DescribeAutoScalingGroups,as:RemoveInstances,as:ModifyDesiredCapacity",
-                                     "qcs::as:ap-guangzhou:uin/*:autoscalinggroup/tc-train-asg-id")
+    # CAM's action prefix `name/` and AS's resource type `auto-scaling-group` in its owner's
+    # account (issue 41: `autoscalinggroup` names no resource type, so the node was refused).
+    uin = "100000000001"  # the mock engine's Tencent account (infra/clouds/tencentcloud/mocks.py)
+    assert found["tc-train"][:2] == (
+        "name/as:DescribeAutoScalingGroups,name/as:RemoveInstances,name/as:ModifyDesiredCapacity",
+        f"qcs::as:ap-guangzhou:uin/{uin}:auto-scaling-group/tc-train-asg-id")
     # The group's nodes learn its id from the object the plan writes once the group exists, under
     # the prefix their role reads already (no new grant).
     [obj] = [r for r in by_type(res, "tencentcloud:Cos/bucketObject:BucketObject") if r.name == "prod-tc-train-group-id"]

@@ -22,7 +22,9 @@ COS_WRITE = ["name/cos:PutObject", "name/cos:DeleteObject", "name/cos:InitiateMu
 def bucket_policy(bucket: str, region: str, app_id: str, grants: Grants) -> str:
     resource = f"qcs::cos:{region}:uid/{app_id}:{bucket}"
     statements: list[dict[str, object]] = [
-        {"effect": "allow", "action": ["name/cos:GetBucket"], "resource": [f"{resource}/"],
+        # Listing under a prefix: the bucket's objects as the resource, the prefix as a condition
+        # (COS "Granting a sub-account access to a specific directory", cloud.tencent.com/document/product/436/46206).
+        {"effect": "allow", "action": ["name/cos:GetBucket"], "resource": [f"{resource}/*"],
          "condition": {"string_like": {"cos:prefix": [f"{p}*" for p in grants.prefixes]}}},
         {"effect": "allow", "action": COS_READ, "resource": [f"{resource}/{p}*" for p in grants.prefixes]}]
     if grants.writes:

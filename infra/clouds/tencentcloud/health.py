@@ -1,7 +1,12 @@
 """What a Tencent GPU VM node needs to hand itself back after a GPU fault
-(cloudinit/scripts/gts-gpu-health.py), on its own scaling group only (resource
-qcs::as:{region}:uin/*:autoscalinggroup/{id}; CAM's resource description format,
-cloud.tencent.com/document/product/598/10606 — the AS resource-level support is unverified):
+(cloudinit/scripts/gts-gpu-health.py), on its own scaling group only: resource
+qcs::as:{region}:uin/{owner uin}:auto-scaling-group/{id}, actions name/as:… (Auto Scaling's CAM
+page, intl.cloud.tencent.com/document/product/377/34548, lists RemoveInstances,
+ModifyDesiredCapacity and DescribeAutoScalingGroups as resource-level on
+`auto-scaling-group/<id>`; CAM's resource description format and its `uin/<uin>` account
+segment, cloud.tencent.com/document/product/598/10606; actions are "described using the prefix
+name", 598/10603). No CAM condition names the calling instance (the AS table lists tag
+authorization and qcs:ip only), so the grant covers the node's own group, not the node alone.
 
 - as:RemoveInstances, the call that takes the node out ("instances created by AS are terminated",
   cloud.tencent.com/document/api/377/20431);
@@ -24,7 +29,7 @@ import tencentcloud_iac_pulumi as tencentcloud
 
 from infra.buckets import NODES_PREFIX
 
-ACTIONS = ("as:DescribeAutoScalingGroups", "as:RemoveInstances", "as:ModifyDesiredCapacity")
+ACTIONS = ("name/as:DescribeAutoScalingGroups", "name/as:RemoveInstances", "name/as:ModifyDesiredCapacity")
 
 
 def group_id_key(group: str) -> str:
@@ -32,15 +37,22 @@ def group_id_key(group: str) -> str:
     return f"{NODES_PREFIX}scaling-groups/{group}"
 
 
-def replace_self_policy(region: str, group_id: str) -> str:
+def group_resource(region: str, owner_uin: str, group_id: str) -> str:
+    """A scaling group as CAM names it (377/34548: `qcs::as:$region:$account:auto-scaling-group/$id`)."""
+    return f"qcs::as:{region}:uin/{owner_uin}:auto-scaling-group/{group_id}"
+
+
+def replace_self_policy(region: str, owner_uin: str, group_id: str) -> str:
     return json.dumps({"version": "2.0", "statement": [
-        {"effect": "allow", "action": list(ACTIONS), "resource": [f"qcs::as:{region}:uin/*:autoscalinggroup/{group_id}"]}]})
+        {"effect": "allow", "action": list(ACTIONS), "resource": [group_resource(region, owner_uin, group_id)]}]})
 
 
 def grant_replace_self(name: str, role_id: pulumi.Input[str], region: str, group: tencentcloud.as_.ScalingGroup,
                        opts: pulumi.ResourceOptions) -> tencentcloud.cam.RolePolicyAttachment:
-    policy = tencentcloud.cam.Policy(f"{name}-replace-self", name=f"{name}-replace-self",
-                                     document=group.id.apply(lambda i: replace_self_policy(region, i)),
+    owner = tencentcloud.user.get_info_output(opts=pulumi.InvokeOutputOptions(
+        provider=opts.provider, parent=opts.parent)).owner_uin
+    document = pulumi.Output.all(owner, group.id).apply(lambda got: replace_self_policy(region, str(got[0]), str(got[1])))
+    policy = tencentcloud.cam.Policy(f"{name}-replace-self", name=f"{name}-replace-self", document=document,
                                      description=f"{name}: a node removes itself after a GPU fault", opts=opts)
     return tencentcloud.cam.RolePolicyAttachment(f"{name}-replace-self", role_id=role_id, policy_id=policy.id, opts=opts)
 
