@@ -89,9 +89,8 @@ case "$LAUNCHER" in
       # The store runs apart from the nodes (is_host=false), so any node may go; a run's id
       # comes from its checkpoint URL and length, so a new run never meets a finished one.
       id=${RDZV_ID:-${GTS_NODE_GROUP:-gts}-$(printf '%s %s' "${CHECKPOINT_URL:-}" "${TRAIN_STEPS:-}" | sha256sum | cut -c1-12)}
-      # Rebuild the store's view every round: a joining node otherwise waits forever
-      # (pytorch/pytorch#135712).
-      export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+      # The workers' store: hosted by the rank-0 node's agent on its private address, anew
+      # every round (training/node/rdzv_launch.py PrivateWorkerStoreHandler).
       # torchrun with the rendezvous state signed under the group's RDZV_KEY: the agents
       # unpickle it, and the store has no authentication (training/node/rdzv_launch.py).
       cmd=(python -m training.node.rdzv_launch --nnodes "$MIN_NNODES:$NNODES" --nproc-per-node "$NPROC_PER_NODE"

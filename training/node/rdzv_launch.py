@@ -12,6 +12,14 @@ node's agent. Here a state without this run's signature is refused before it is 
 A group without the key can still disturb the store (delete keys, fill it); that is kept out by
 the network (the store admits its own group's nodes only).
 
+The workers' own store (the one `init_process_group` meets at, MASTER_ADDR:MASTER_PORT) is
+hosted by the rank-0 node's agent, bound to that node's private address (`--local-addr`), never
+the wildcard, and made anew every rendezvous round on a fresh port, so a new world never reads
+an earlier round's keys (what made a joining node wait forever, pytorch/pytorch#135712, when
+torch kept one agent store across rounds). torch's TCPStore has no authentication to turn on:
+who reaches that port and the collectives' ports is the network's to decide (each multi-node
+group's run security group admits its own nodes alone, docs/tenancy.md).
+
     RDZV_KEY=... python -m training.node.rdzv_launch --nnodes 2:4 --rdzv-backend gts-c10d \\
         --rdzv-endpoint 10.0.0.10:29400 --rdzv-id run-1 -m training.trainer.train
 """
@@ -27,7 +35,9 @@ from typing import Any
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, _create_tcp_store
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
+
+from training.node.rdzv_store import listen
 
 BACKEND = "gts-c10d"
 KEY_VAR = "RDZV_KEY"
@@ -76,6 +86,31 @@ class SignedC10dBackend(C10dRendezvousBackend):
         return current, new_token, current == state
 
 
+class PrivateWorkerStoreHandler(DynamicRendezvousHandler):
+    """torch's handler with the workers' store hosted by the agent on this node's address alone,
+    made anew each round (see the module docstring)."""
+
+    def next_rendezvous(self) -> Any:
+        # torch builds the bootstrap store when it has none (rendezvous.api RendezvousStoreInfo):
+        # forget last round's, so rank 0 hosts a new one and every rank reads its address anew.
+        self._bootstrap_store_info = None
+        self._shared_tcp_store_server = None
+        return super().next_rendezvous()
+
+    def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from torch._C
+
+        sock = listen(master_addr, master_port)
+        try:
+            server = TCPStore(master_addr, sock.getsockname()[1], is_master=True, multi_tenant=True,
+                              wait_for_workers=False, master_listen_fd=sock.fileno(), use_libuv=True)
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store's server owns the descriptor now and closes it with the store
+        return server
+
+
 def run_key(env: dict[str, str] | None = None) -> bytes:
     """The run's key from the environment, or an error naming the variable."""
     value = (env if env is not None else dict(os.environ)).get(KEY_VAR, "")
@@ -87,11 +122,18 @@ def run_key(env: dict[str, str] | None = None) -> bytes:
 
 def create_signed_handler(params: RendezvousParameters) -> RendezvousHandler:
     store = _create_tcp_store(params)
-    return create_handler(store, SignedC10dBackend(store, params.run_id, run_key()), params)
+    handler = create_handler(store, SignedC10dBackend(store, params.run_id, run_key()), params)
+    # torch's factory parses the rendezvous settings and builds its own class; ours only adds
+    # the two methods above (no state of its own), so the built handler becomes one.
+    handler.__class__ = PrivateWorkerStoreHandler
+    return handler
 
 
 def main(argv: list[str] | None = None) -> None:
     run_key()  # no key, no start: the run never falls back to an unsigned rendezvous
+    # The agent hosts the workers' store (PrivateWorkerStoreHandler); torch's opt-out would have
+    # the rank-0 worker host one on every interface instead.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0"
     rendezvous_handler_registry.register(BACKEND, create_signed_handler)
     from torch.distributed.run import main as torchrun
 
