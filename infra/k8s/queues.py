@@ -12,6 +12,15 @@ are all covered; a flavor's nodeLabels and tolerations are injected into the adm
 waitForPodsReady evicts and requeues a Job whose pods do not all start in time, so a multi-node
 run never holds half its GPUs idle; the manager's config is one YAML string that replaces the
 chart's default, so the whole of it is here.
+
+Quota cannot be skipped (issue 41): `manageJobsWithoutQueueName` has Kueue manage (suspend until
+admitted) every Job of a labelled namespace, with or without the queue label (Kueue
+configuration_types.go: unlabelled Jobs are otherwise "not managed" and start at once); a
+ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1, GA in Kubernetes 1.30; EKS 1.35,
+TKE 1.30, ACK the newest) refuses such a Job at creation with one line; and each team's namespace
+carries a ResourceQuota on `requests.nvidia.com/gpu` (extended resources take the `requests.`
+prefix only, Kubernetes "Resource Quotas") at what its queue may ever be admitted — its nominal
+GPUs, or the cohort's when it may borrow — so not even a Job that Kueue never saw runs past it.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from infra.groups import LABEL_CAPACITY, LABEL_GPU_MODEL, LABEL_POOL
 from infra.images import pulled
 from infra.k8s.job import NAMESPACE as TRAINING_NAMESPACE
 from infra.k8s import netpol
-from infra.k8s.job import QUEUES_MANAGED
+from infra.k8s.job import QUEUE_LABEL, QUEUES_MANAGED
 from infra.spec import Mirrors
 from infra.teams.queues import GPU, Flavor, Queue
 
@@ -60,6 +69,7 @@ def manager_config() -> str:
                              "requeuingStrategy": {"timestamp": "Eviction", "backoffBaseSeconds": 60,
                                                    "backoffMaxSeconds": 3600}},
         "managedJobsNamespaceSelector": {"matchLabels": {MANAGED: "true"}},
+        "manageJobsWithoutQueueName": True,  # confined to the namespaces above
         "integrations": {"frameworks": ["batch/job"]},
     }, sort_keys=False)
 
@@ -76,6 +86,37 @@ def chart_values(mirrors: Mirrors) -> dict[str, Any]:
         },
         "managerConfig": {"controllerManagerConfigYaml": manager_config()},
     }
+
+
+QUEUE_POLICY = "gts-jobs-need-a-queue"
+QUEUE_RULE = (f"has(object.metadata.labels) && '{QUEUE_LABEL}' in object.metadata.labels"
+              f" && object.metadata.labels['{QUEUE_LABEL}'] != ''")
+
+
+def queue_policy(name: str, opts: pulumi.ResourceOptions) -> None:
+    """Jobs in a Kueue-managed namespace must name their LocalQueue (refused at creation otherwise)."""
+    policy = k8s.admissionregistration.v1.ValidatingAdmissionPolicy(
+        f"{name}-queue-policy", metadata=k8s.meta.v1.ObjectMetaArgs(name=QUEUE_POLICY),
+        spec=k8s.admissionregistration.v1.ValidatingAdmissionPolicySpecArgs(
+            failure_policy="Fail",
+            match_constraints=k8s.admissionregistration.v1.MatchResourcesArgs(
+                namespace_selector=k8s.meta.v1.LabelSelectorArgs(match_labels={MANAGED: "true"}),
+                resource_rules=[k8s.admissionregistration.v1.NamedRuleWithOperationsArgs(
+                    api_groups=["batch"], api_versions=["v1"], operations=["CREATE", "UPDATE"], resources=["jobs"])]),
+            validations=[k8s.admissionregistration.v1.ValidationArgs(
+                expression=QUEUE_RULE, reason="Forbidden",
+                message=f"a Job here must carry the label {QUEUE_LABEL}: <its team's LocalQueue> (docs/teams.md)")]),
+        opts=opts)
+    k8s.admissionregistration.v1.ValidatingAdmissionPolicyBinding(
+        f"{name}-queue-policy", metadata=k8s.meta.v1.ObjectMetaArgs(name=QUEUE_POLICY),
+        spec=k8s.admissionregistration.v1.ValidatingAdmissionPolicyBindingSpecArgs(
+            policy_name=QUEUE_POLICY, validation_actions=["Deny"]),
+        opts=pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[policy])))
+
+
+def gpu_cap(queue: Queue, queues: list[Queue]) -> int:
+    """The most GPUs a queue can ever be admitted: its nominal quota, or the cohort's with borrowing."""
+    return sum(sum(q.gpus.values()) for q in (queues if queue.borrowing else [queue]))
 
 
 def _flavor_spec(flavor: Flavor) -> dict[str, Any]:
@@ -117,6 +158,7 @@ class SharedQueues(pulumi.ComponentResource):
             metadata=k8s.meta.v1.ObjectMetaArgs(name=f.name), spec=_flavor_spec(f), opts=after)
             for f in flavors.values()]
         after_flavors = pulumi.ResourceOptions(parent=self, depends_on=[self.release, *made])
+        queue_policy(name, child)
         self.local_queues: list[pulumi.Resource] = []
         for queue in queues:
             cluster_queue = k8s.apiextensions.CustomResource(
@@ -125,7 +167,7 @@ class SharedQueues(pulumi.ComponentResource):
                 spec=_queue_spec(queue, flavors, cohort=name), opts=after_flavors)
             namespace: pulumi.Input[str] = queue.namespace
             if queue.namespace != TRAINING_NAMESPACE:  # the stack's own namespace exists already (infra/k8s/job.py)
-                namespace = self._team_namespace(name, cloud, queue, child).metadata.name
+                namespace = self._team_namespace(name, cloud, queue, gpu_cap(queue, queues), child).metadata.name
             self.local_queues.append(k8s.apiextensions.CustomResource(
                 f"{name}-lq-{queue.name}", api_version=API, kind="LocalQueue",
                 metadata=k8s.meta.v1.ObjectMetaArgs(name=queue.local_queue, namespace=namespace,
@@ -135,12 +177,16 @@ class SharedQueues(pulumi.ComponentResource):
         self.register_outputs({"queues": [q.name for q in queues]})
 
     @staticmethod
-    def _team_namespace(name: str, cloud: str, queue: Queue, child: pulumi.ResourceOptions) -> k8s.core.v1.Namespace:
+    def _team_namespace(name: str, cloud: str, queue: Queue, gpus: int,
+                        child: pulumi.ResourceOptions) -> k8s.core.v1.Namespace:
         labels = {MANAGED: "true", LABEL_TEAM: queue.team,
                   **{f"pod-security.kubernetes.io/{m}": "restricted" for m in ("enforce", "audit", "warn")}}
         ns = k8s.core.v1.Namespace(f"{name}-ns-{queue.team}", metadata=k8s.meta.v1.ObjectMetaArgs(
             name=queue.namespace, labels=labels), opts=child)
         ns_opts = pulumi.ResourceOptions(parent=ns)
+        k8s.core.v1.ResourceQuota(f"{name}-quota-{queue.team}", metadata=k8s.meta.v1.ObjectMetaArgs(
+            name="gpu-quota", namespace=ns.metadata.name, labels={LABEL_TEAM: queue.team}),
+            spec=k8s.core.v1.ResourceQuotaSpecArgs(hard={f"requests.{GPU}": str(gpus)}), opts=ns_opts)
         # A team's pods: each other, DNS and out, never the metadata service (its node's role is
         # the GPU pool's, not the team's) nor another namespace (docs/tenancy.md).
         netpol.namespace_baseline(f"{name}-{queue.team}", ns.metadata.name, {LABEL_TEAM: queue.team}, ns_opts,
