@@ -57,6 +57,7 @@ def test_a_job_without_a_queue_is_refused_and_the_plans_own_jobs_pass(prod: list
         expression = rule["expression"]
         jobs = [i for t, _, i in prod if t == "kubernetes:batch/v1:Job"]
         assert jobs and all(admitted(expression, job) for job in jobs), "the stack's own Jobs name their queue"
+        hostile: dict[str, Any]
         for hostile in ({"metadata": {"name": "skip"}}, {"metadata": {"labels": {}}},
                         {"metadata": {"labels": {"app": "x"}}},
                         {"metadata": {"labels": {"kueue.x-k8s.io/queue-name": ""}}}):
