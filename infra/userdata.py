@@ -48,7 +48,7 @@ _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT)),
 # the unit that runs the fetcher. Everything else comes in the node bundle (infra/bundle.py).
 # (path on the node, mode, source under the repository; .j2 sources are rendered)
 FILES = (
-    ("/etc/gpu-training/node.env", "0644", "cloudinit/node.env.j2"),
+    ("/etc/gpu-training/node.env", "0600", "cloudinit/node.env.j2"),  # root's alone: every reader runs as root
     ("/usr/local/lib/gts/cloudmeta.py", "0755", "training/cloudmeta.py"),
     ("/etc/systemd/system/gts-fetch.service", "0644", "cloudinit/units/gts-fetch.service"),
 )
@@ -65,7 +65,7 @@ LIMITS: dict[str, tuple[int, str]] = {p.name: p.user_data_limit for p in profile
 for _p in profiles():
     if _p.kubernetes_nodeadm and _p.kubernetes_user_data_limit is not None:
         LIMITS["eks"] = _p.kubernetes_user_data_limit
-PLAIN_FILES = ("cloudinit/node.env.j2", "cloudinit/units/gts-fetch.service")  # readable in the user data
+PLAIN_FILES = ("cloudinit/node.env.j2",)  # readable in the user data
 DRIVER_BRANCH = "535"
 METADATA_URLS = {p.name: p.metadata_url for p in profiles()}
 
@@ -75,7 +75,8 @@ NODE_VARS = frozenset(v.name for v in (c.GTS_CLOUD, c.GTS_NODE_GROUP, c.STORAGE_
                                        c.STORAGE_ADDRESSING_STYLE, c.STORAGE_CREDENTIALS))
 
 STORE_HOST = "GTS_RDZV_HOST"  # gts-rdzv.service: the address the store binds
-RDZV_KEY = "RDZV_KEY"  # a multi-node VM group's rendezvous key (training/node/rdzv_launch.py)
+RDZV_KEY = "RDZV_KEY"  # a multi-node group's rendezvous key (training/node/rdzv_launch.py): Jobs get it from a Secret
+RDZV_KEY_REF = "GTS_RDZV_KEY_REF"  # a VM node's: where its cloud's secret store holds it (infra/clouds/*/secrets.py)
 
 # As long as any digest reference: the user data is sized with it before the image exists.
 IMAGE_PLACEHOLDER = "registry.example/gpu-training-stack/trainer@sha256:" + "0" * 64
@@ -282,7 +283,7 @@ def for_group(spec: StackSpec, rg: ResolvedGroup, image: str = IMAGE_PLACEHOLDER
               shared: SharedMount | None = None, secrets: dict[str, str] | None = None) -> str:
     """The user data field value of a group's nodes, in the shape its kind of node takes; a
     group that mounts a shared file system whose address is not known yet gets a placeholder.
-    `secrets` join a VM node's trainer env (its rendezvous key); the caller keeps the result secret."""
+    `secrets` join a VM node's trainer env (where its rendezvous key is kept, never the key)."""
     fs = spec.shared_fs_of(rg.group)
     ctx = node_context(spec, rg, image, shared or (placeholder(fs) if fs else None), secrets)
     if rg.kind == "vm":

@@ -168,7 +168,10 @@ def test_a_vm_node_trains_and_resumes_with_the_env_its_user_data_gives_it(stack:
                 port = free_port()
                 store = subprocess.Popen([str(BIN / "python"), "-m", "training.node.rdzv_store", "--port", str(port)],
                                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                container.update(RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_LAST_CALL_S="1")
+                # Its key: where node.env says the cloud's secret store holds it, the value the plan
+                # puts there (gts-rdzv-key.py reads it so at boot: tests/test_rdzv_key_fetch.py).
+                container.update(RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_LAST_CALL_S="1",
+                                 RDZV_KEY=_stored_key(stack, env["GTS_RDZV_KEY_REF"]))
             train_and_resume(container, proxy, meta, tmp_path)
             assert meta.credential_requests >= 1
         keys = _checkpoint_keys(server, env["CHECKPOINT_URL"])
@@ -179,6 +182,21 @@ def test_a_vm_node_trains_and_resumes_with_the_env_its_user_data_gives_it(stack:
             store.wait(timeout=10)
         proxy.down()
         server.stop()
+
+
+SECRET_VALUES = {"aws:ssm/parameter:Parameter": ("name", "value"),
+                 "alicloud:oos/secretParameter:SecretParameter": ("secretParameterName", "value"),
+                 "tencentcloud:Ssm/secretVersion:SecretVersion": ("secretName", "secretString")}
+
+
+def _stored_key(stack: str, ref: str) -> str:
+    """The value of the plan's secret named `ref` (an SSM parameter, OOS secret parameter or SSM secret)."""
+    from infra.plan.engine import unwrap_secrets
+
+    found = [unwrap_secrets(r.inputs)[SECRET_VALUES[r.type][1]] for r in shipped(stack)
+             if r.type in SECRET_VALUES and unwrap_secrets(r.inputs)[SECRET_VALUES[r.type][0]] == ref]
+    assert len(found) == 1, (ref, found)
+    return str(found[0])
 
 
 def _store_endpoints(stack: str) -> set[str]:

@@ -56,10 +56,13 @@ def test_each_store_admits_its_own_groups_nodes_and_nothing_else(stack: str) -> 
 
 
 def test_a_stores_address_is_in_its_reserved_range_and_the_group_holds_the_key(tmp_path: Path) -> None:
+    """The node's user data names its store and where its key is kept (issue 41: never the key,
+    which DescribeLaunchTemplateVersions would show to anyone with read access to the account)."""
     import ipaddress
+    import json
 
     from infra.plan.engine import unwrap_secrets
-    from infra.userdata import RDZV_KEY
+    from infra.userdata import RDZV_KEY, RDZV_KEY_REF
     from tests.harness import shipped
     from tests.nodes import lay_down, node_env
 
@@ -70,15 +73,26 @@ def test_a_stores_address_is_in_its_reserved_range_and_the_group_holds_the_key(t
     assert ipaddress.ip_address(store.inputs["privateIp"]) in ipaddress.ip_network(reservation.inputs["cidrBlock"])
     assert store.options["dependencies"] and any(reservation.urn == d for d in store.options["dependencies"])
     (template,) = [r for r in resources if r.type == "aws:ec2/launchTemplate:LaunchTemplate" and r.name == "aws-train-lt"]
-    assert not isinstance(template.inputs["userData"], str), "a user data with a key must be a secret"
     root = tmp_path / "node"
     lay_down(base64.b64decode(unwrap_secrets(template.inputs["userData"])), root)
     env = node_env(root)
-    assert len(env[RDZV_KEY]) >= 32 and env["RDZV_ENDPOINT"] == f"{store.inputs['privateIp']}:29400"
-    # The node's own env file into the launcher's key reader: the key it signs with is the plan's.
+    assert RDZV_KEY not in env and env["RDZV_ENDPOINT"] == f"{store.inputs['privateIp']}:29400"
+    (parameter,) = [r for r in resources if r.type == "aws:ssm/parameter:Parameter"]
+    assert env[RDZV_KEY_REF] == parameter.inputs["name"] and parameter.inputs["type"] == "SecureString"
+    assert not isinstance(parameter.inputs["value"], str), "the key is a secret in the state"
+    key = unwrap_secrets(parameter.inputs["value"])
+    # The node's key reader takes it; and it is in no node's user data or launch settings.
     from training.node import rdzv_launch
 
-    assert rdzv_launch.run_key(env) == env[RDZV_KEY].encode()
+    assert rdzv_launch.run_key({RDZV_KEY: key}) == key.encode()
+    for r in resources:
+        if r.type in ("aws:ssm/parameter:Parameter", "random:index/randomPassword:RandomPassword") or \
+                r.type.endswith(("ssm/secretVersion:SecretVersion", "oos/secretParameter:SecretParameter")):
+            continue
+        text = json.dumps(unwrap_secrets(r.inputs), default=str)
+        decoded = [base64.b64decode(v).decode(errors="replace") for k, v in unwrap_secrets(r.inputs).items()
+                   if k in ("userData", "userDataBase64", "userDataRaw") and isinstance(v, str)]
+        assert key not in text and not any(key in d for d in decoded), r.name
 
 
 def test_every_aws_store_of_a_network_waits_for_the_networks_reservation(tmp_path: Path) -> None:

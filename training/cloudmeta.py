@@ -79,6 +79,10 @@ if TYPE_CHECKING:  # the interface each cloud answers; typing-only (the user dat
                            endpoint: Optional[str]) -> Optional[Tuple[str, str, str]]:
             """(registry, user, password) for `docker login`, or None: the registry needs no login."""
 
+        def rendezvous_key(self, meta: Metadata, region: str, ref: str, endpoint: Optional[str] = None) -> str:
+            """The group's rendezvous key from the cloud's secret store (`ref`: node.env's
+            GTS_RDZV_KEY_REF, infra/clouds/<cloud>/secrets.py), read with the instance role."""
+
         def replace_api_url(self, region: str) -> str:
             """The endpoint of the API that replaces a node of the region's scaling groups."""
 

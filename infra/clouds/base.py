@@ -78,6 +78,10 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
         # fleet starts nodes in that subnet.
         self.stores = {site.group: self.make_rendezvous(site, nets[site.network], access, image)
                        for site in self.rendezvous_sites()}
+        # Each multi-node group's rendezvous key in the cloud's secret store, readable by its
+        # nodes alone: the user data names it, the node fetches it at boot.
+        self.rdzv_key_refs = {g.name: self.make_key_secret(g, self.rdzv_keys[g.name], access)
+                              for g in self.vm_groups() if g.name in self.rdzv_keys}
         fleets = {g.name: self.make_fleet(g, nets[g.network], access, of_group[g.name]) for g in self.vm_groups()}
         clusters: dict[str, Cluster] = {}
         for net_name, groups in self.kubernetes_groups().items():
@@ -145,6 +149,11 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
     @abc.abstractmethod
     def make_rendezvous(self, site: Site, net: NetT, access: AccessT, image: pulumi.Output[str]) -> pulumi.Resource:
         """The group's store instance; records its client security group in store_clients."""
+
+    @abc.abstractmethod
+    def make_key_secret(self, group: ResolvedGroup, key: pulumi.Output[str], access: AccessT) -> str:
+        """The group's rendezvous key in the cloud's secret store, readable by the group's node
+        role alone; returns what a node asks the store for (userdata.RDZV_KEY_REF)."""
 
     @abc.abstractmethod
     def make_fleet(self, group: ResolvedGroup, net: NetT, access: AccessT,
@@ -226,8 +235,8 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
     def rendezvous_keys(self) -> dict[str, pulumi.Output[str]]:
         """Each multi-node VM group's rendezvous key (training/node/rdzv_launch.py signs the rendezvous
         state with it): drawn once, kept as a secret in the state, and given to that group's
-        nodes alone, in their user data (a secret too). The stacks disable default providers:
-        the random provider is explicit, like the clouds'."""
+        nodes alone, through the cloud's secret store (make_key_secret). The stacks disable
+        default providers: the random provider is explicit, like the clouds'."""
         groups = [g for g in self.vm_groups() if rendezvous.multi_node_vm(g)]
         if not groups:
             return {}
@@ -246,15 +255,15 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
         """The group's user data, once the image's digest (and the shared file system's address,
         where the group mounts one) is known; a secret when it carries an MLflow URI (they often
         hold a token: `pulumi config set --secret --path training.mlflowTrackingUri`), so that it
-        never shows in previews or the state in clear."""
+        never shows in previews or the state in clear. It names the group's rendezvous key in
+        the secret store, never the key itself."""
         shared = self.shared.get(group.network) if group.group.shared_fs else None
-        key = self.rdzv_keys.get(group.name)
+        ref = getattr(self, "rdzv_key_refs", {}).get(group.name)
         mount = shared.mount() if shared is not None else None
-        rendered = pulumi.Output.all(image, mount, key).apply(
+        rendered = pulumi.Output.all(image, mount).apply(
             lambda got: userdata.for_group(self.spec, group, got[0], got[1],
-                                           {userdata.RDZV_KEY: got[2]} if got[2] else None))
-        secret = self.spec.training.mlflow_tracking_uri or key is not None
-        return pulumi.Output.secret(rendered) if secret else rendered
+                                           {userdata.RDZV_KEY_REF: ref} if ref else None))
+        return pulumi.Output.secret(rendered) if self.spec.training.mlflow_tracking_uri else rendered
 
     def regions(self) -> list[str]:
         found = [self.account.region] + [self.spec.region_of(n) for n in self.networks()]

@@ -61,8 +61,14 @@ def _percent(text: object) -> str:
 def set_unhealthy(creds: cloudmeta.Credentials, region: str, instance: str, url: str,
                   now: dt.datetime) -> urllib.request.Request:
     """ESS SetInstanceHealth(InstanceId, Unhealthy), RPC API 2014-08-28, signature v1 (HMAC-SHA1)."""
-    params = {"Action": "SetInstanceHealth", "Version": "2014-08-28", "RegionId": region, "InstanceId": instance,
-              "HealthStatus": "Unhealthy", "Format": "JSON", "AccessKeyId": creds.access_key,
+    return rpc_request(creds, url, now, {"Action": "SetInstanceHealth", "Version": "2014-08-28", "RegionId": region,
+                                         "InstanceId": instance, "HealthStatus": "Unhealthy"})
+
+
+def rpc_request(creds: cloudmeta.Credentials, url: str, now: dt.datetime,
+                call: Mapping[str, str]) -> urllib.request.Request:
+    """A GET of one RPC-style API call (Action, Version and its parameters), signature v1 (HMAC-SHA1)."""
+    params = {**call, "Format": "JSON", "AccessKeyId": creds.access_key,
               "SecurityToken": creds.token, "SignatureMethod": "HMAC-SHA1", "SignatureVersion": "1.0",
               "SignatureNonce": uuid.uuid4().hex, "Timestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ")}
     query = "&".join("%s=%s" % (_percent(k), _percent(v)) for k, v in sorted(params.items()))
@@ -70,6 +76,17 @@ def set_unhealthy(creds: cloudmeta.Credentials, region: str, instance: str, url:
     digest = hmac.new((creds.secret_key + "&").encode(), to_sign.encode(), hashlib.sha1).digest()
     signature = _percent(base64.b64encode(digest).decode())
     return urllib.request.Request("%s/?%s&Signature=%s" % (url.rstrip("/"), query, signature), method="GET")
+
+
+def rendezvous_key(meta: cloudmeta.Metadata, region: str, ref: str, endpoint: Optional[str] = None) -> str:
+    """The group's rendezvous key: OOS GetSecretParameter(Name, WithDecryption), RPC API 2019-06-01
+    (infra/clouds/alicloud/secrets.py puts it there, readable by this group's role alone)."""
+    url = endpoint or "https://oos.%s.aliyuncs.com/" % region
+    request = rpc_request(meta.credentials(), url, dt.datetime.now(dt.timezone.utc),
+                          {"Action": "GetSecretParameter", "Version": "2019-06-01", "RegionId": region,
+                           "Name": ref, "WithDecryption": "true"})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        return str(json.loads(resp.read().decode())["Parameter"]["Value"])
 
 
 def replace_self(creds: cloudmeta.Credentials, region: str, instance: str, url: str, group: str,

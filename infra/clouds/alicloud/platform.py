@@ -19,6 +19,7 @@ from infra.clouds.alicloud.peering import AlicloudPeering, AlicloudPeeringArgs
 from infra.clouds.alicloud.sharedfs import AlicloudSharedFs, AlicloudSharedFsArgs
 from infra.clouds.alicloud.registry import AlicloudRegistry, AlicloudRegistryArgs
 from infra.clouds.alicloud.rendezvous import AlicloudRendezvous, AlicloudRendezvousArgs
+from infra.clouds.alicloud import secrets
 from infra.rendezvous import Site
 from infra.clouds.alicloud.storage import AlicloudStorage, AlicloudStorageArgs
 from infra.clouds.base import CloudPlatform, Cluster
@@ -94,6 +95,10 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
             tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
         self.store_clients[site.group] = store.clients.id
         return store.instance
+
+    def make_key_secret(self, group: ResolvedGroup, key: pulumi.Output[str], access: AlicloudAccess) -> str:
+        return secrets.rendezvous_key(self.spec.env, group.name, group.region, key, access.roles[group.name].role_name,
+                                      self.tags, pulumi.ResourceOptions(parent=self, provider=self.provider(group.region)))
 
     def make_fleet(self, group: ResolvedGroup, net: AlicloudNetwork, access: AlicloudAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:

@@ -99,6 +99,12 @@ def _efs_access_point(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
     return {"id": ap_id, "arn": f"arn:aws:elasticfilesystem:us-east-1:123456789012:access-point/{ap_id}"}
 
 
+def _ssm_parameter(name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    # arn:aws:ssm:<region>:<account>:parameter/<name without its leading slash> (SSM's ARN format)
+    path = str(inputs.get("name") or name).lstrip("/")
+    return {"id": f"/{path}", "arn": f"arn:aws:ssm:us-east-1:123456789012:parameter/{path}"}
+
+
 INVOKES = {
     "aws:ssm/getParameter:getParameter": _aws_ssm_parameter,
     "aws:index/getCallerIdentity:getCallerIdentity": _aws_caller_identity,
@@ -118,4 +124,5 @@ COMPUTED = {
     "aws:kms/key:Key": _kms_key,
     "aws:iam/role:Role": _iam_role,
     "aws:efs/accessPoint:AccessPoint": _efs_access_point,
+    "aws:ssm/parameter:Parameter": _ssm_parameter,
 }

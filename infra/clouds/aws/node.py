@@ -69,6 +69,20 @@ def registry_login(meta: cloudmeta.Metadata, region: str, endpoint: Optional[str
     return str(data["proxyEndpoint"]), user, password
 
 
+def rendezvous_key(meta: cloudmeta.Metadata, region: str, ref: str, endpoint: Optional[str] = None) -> str:
+    """The group's rendezvous key: SSM GetParameter(Name, WithDecryption) signed by the instance
+    role (infra/clouds/aws/secrets.py puts it there, readable by this group's role alone)."""
+    creds = meta.credentials()
+    url = (endpoint or "https://ssm.%s.amazonaws.com" % region).rstrip("/") + "/"
+    body = json.dumps({"Name": ref, "WithDecryption": True}).encode()
+    extra = {"Content-Type": "application/x-amz-json-1.1", "X-Amz-Target": "AmazonSSM.GetParameter"}
+    headers = cloudmeta.sign_v4("POST", url, region, creds, dt.datetime.now(dt.timezone.utc), "ssm", body, extra)
+    headers.pop("host", None)
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        return str(json.loads(resp.read().decode())["Parameter"]["Value"])
+
+
 def replace_api_url(region: str) -> str:
     return "https://autoscaling.%s.amazonaws.com/" % region
 

@@ -20,6 +20,7 @@ from infra.clouds.aws.network import AwsNetwork, AwsNetworkArgs
 from infra.clouds.aws.peering import AwsPeering, AwsPeeringArgs
 from infra.clouds.aws.registry import AwsRegistry, AwsRegistryArgs
 from infra.clouds.aws.rendezvous import AwsRendezvous, AwsRendezvousArgs
+from infra.clouds.aws import secrets
 from infra import rendezvous
 from infra.rendezvous import Site
 from infra.clouds.aws.sharedfs import AwsSharedFs, AwsSharedFsArgs
@@ -134,6 +135,10 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
             tags=self.tags, reservation=net.store_reservation), opts=pulumi.ResourceOptions(parent=self))
         self.store_clients[site.group] = store.clients.id
         return store.instance
+
+    def make_key_secret(self, group: ResolvedGroup, key: pulumi.Output[str], access: AwsAccess) -> str:
+        return secrets.rendezvous_key(self.spec.env, group.name, key, access.profiles[group.name].role.apply(str),
+                                      self.tags, pulumi.ResourceOptions(parent=self, provider=self.provider(group.region)))
 
     def make_fleet(self, group: ResolvedGroup, net: AwsNetwork, access: AwsAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:

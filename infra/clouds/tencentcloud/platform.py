@@ -21,6 +21,7 @@ from infra.clouds.tencentcloud.peering import TencentPeering, TencentPeeringArgs
 from infra.clouds.tencentcloud.sharedfs import TencentSharedFs, TencentSharedFsArgs
 from infra.clouds.tencentcloud.registry import TencentRegistry, TencentRegistryArgs
 from infra.clouds.tencentcloud.rendezvous import TencentRendezvous, TencentRendezvousArgs
+from infra.clouds.tencentcloud import secrets
 from infra.rendezvous import Site
 from infra.clouds.tencentcloud.storage import TencentStorage, TencentStorageArgs
 from infra.access import CLUSTER_NODE, node_grants
@@ -110,6 +111,10 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
             tags=self.tags), opts=pulumi.ResourceOptions(parent=self))
         self.store_clients[site.group] = store.clients.id
         return store.instance
+
+    def make_key_secret(self, group: ResolvedGroup, key: pulumi.Output[str], access: TencentAccess) -> str:
+        return secrets.rendezvous_key(self.spec.env, group.name, group.region, key, access.roles[group.name].id,
+                                      self.tags, pulumi.ResourceOptions(parent=self, provider=self.provider(group.region)))
 
     def make_fleet(self, group: ResolvedGroup, net: TencentNetwork, access: TencentAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
