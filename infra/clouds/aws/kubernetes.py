@@ -107,11 +107,16 @@ class AwsEks(pulumi.ComponentResource):
         self.pod_identity = aws.eks.Addon(f"{name}-pod-identity", cluster_name=self.cluster.name,
                                           addon_name="eks-pod-identity-agent", resolve_conflicts_on_create="OVERWRITE",
                                           resolve_conflicts_on_update="OVERWRITE", tags=tags, opts=child)
-        self._addons(name, args, child)
+        self._network_addon(name, args, child)
         self.system = self._system_group(name, args, child)
         self.node_groups: list[aws.eks.NodeGroup] = []
         for g in args.groups:
             self.node_groups += self._node_groups(g, args, child)
+        # The add-ons whose pods need nodes wait for them: before any node exists they stay
+        # DEGRADED and a slow first `up` times out (terraform-aws-eks creates only the
+        # `before_compute` add-ons, the VPC CNI and Pod Identity's agent, ahead of the node groups).
+        self._addons(name, args, pulumi.ResourceOptions.merge(
+            child, pulumi.ResourceOptions(depends_on=[self.system, *self.node_groups])))
 
         self.kubeconfig = pulumi.Output.secret(pulumi.Output.all(
             self.cluster.endpoint, self.cluster.certificate_authority.data).apply(
@@ -128,17 +133,20 @@ class AwsEks(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self))
         self.register_outputs({"clusterName": self.cluster.name})
 
-    def _addons(self, name: str, args: AwsEksArgs, child: pulumi.ResourceOptions) -> None:
-        """The add-ons besides Pod Identity's agent: NetworkPolicy enforcement, GPU node health,
-        and the EFS CSI driver where pods mount the shared file system."""
-        tags = args.tags
-        # NetworkPolicy is enforced on EKS by the VPC CNI's network policy agent, off until the
-        # add-on's configuration turns it on (EKS user guide, "Restrict Pod network traffic with
-        # Kubernetes network policies": enableNetworkPolicy on the vpc-cni add-on, v1.14 or later).
+    def _network_addon(self, name: str, args: AwsEksArgs, child: pulumi.ResourceOptions) -> None:
+        """The VPC CNI, before the node groups (their nodes need it to become Ready).
+        NetworkPolicy is enforced on EKS by the VPC CNI's network policy agent, off until the
+        add-on's configuration turns it on (EKS user guide, "Restrict Pod network traffic with
+        Kubernetes network policies": enableNetworkPolicy on the vpc-cni add-on, v1.14 or later)."""
         aws.eks.Addon(f"{name}-vpc-cni", cluster_name=self.cluster.name, addon_name="vpc-cni",
                       configuration_values=json.dumps({"enableNetworkPolicy": "true"}),
-                      resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="OVERWRITE", tags=tags,
+                      resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="OVERWRITE", tags=args.tags,
                       opts=child)
+
+    def _addons(self, name: str, args: AwsEksArgs, child: pulumi.ResourceOptions) -> None:
+        """The add-ons that run on the nodes, once node groups exist: GPU node health, and the
+        EFS CSI driver where pods mount the shared file system."""
+        tags = args.tags
         # GPU node health for EKS node repair: the node monitoring agent reports the DCGM / Xid
         # conditions (AcceleratedHardwareReady) that node_repair_config acts on (EKS user guide
         # node-health and node-repair; FABRIC_AND_HEALTH.md 4.4).
