@@ -47,6 +47,13 @@ def bucket(spec: StackSpec, cloud: str) -> Bucket:
 NODES_PREFIX = "nodes/"  # the node bundle (scripts and units the user data fetches)
 
 
+def image_key(group: str) -> str:
+    """Where a VM group's current trainer image is (cloudinit/scripts/gts-image.py reads it at each
+    trainer start): a node whose user data cannot change, such as a fixed instance, still gets a
+    new image."""
+    return f"{NODES_PREFIX}images/{group}"
+
+
 def endpoint(cloud: str, bucket_region: str, node_region: str) -> str:
     """The S3-compatible endpoint a node in `node_region` reads the bucket through (each cloud's
     profile, infra/clouds/<cloud>/profile.py storage_endpoint; an unknown cloud is an error).

@@ -52,7 +52,7 @@ def test_node_unpacks_the_user_data_and_fetches_the_pinned_bundle(type_token: st
     assert carried == ["cloudmeta.py", f"clouds/{cloud}/metadata.py"]
     # The bundle object the plan stores in this cloud's bucket, byte for byte.
     (obj,) = [r for r in shipped("prod") if r.type in BUNDLE_TYPES and r.cloud == cloud
-              and not r.name.endswith("-group-id")]  # Tencent also stores each AS group's id (GPU health)
+              and r.name.endswith("-node-bundle")]  # besides: each group's image, Tencent's AS group ids
     url = urllib.parse.urlsplit(env["GTS_BUNDLE_URL"])
     assert obj.inputs["key"] == url.path.lstrip("/") == bundle.build().key
     assert hashlib.sha256(obj.inputs["content"].encode()).hexdigest() == env["GTS_BUNDLE_SHA256"]

@@ -7,14 +7,14 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import pulumi
 import pulumi_random as random
 
 from infra import rendezvous, userdata
 from infra.access import CLUSTER_NODE, Grants, node_grants
-from infra.buckets import bucket
+from infra.buckets import bucket, image_key
 from infra.groups import ResolvedGroup, Stack
 from infra.image import Registry, TrainerImage, TrainerImageArgs, build_provider, image_resource_name
 from infra.rendezvous import Site
@@ -22,8 +22,15 @@ from infra.sharedfs import SharedFsOutputs
 from infra.spec import CloudAccount, Network, Peering
 from infra.tags import stack_tags
 
+class TextStore(Protocol):
+    """What every cloud's storage component offers the platform beyond its bucket."""
+
+    def put_text(self, name: str, key: str, content: pulumi.Input[str], tags: dict[str, str]) -> pulumi.Resource:
+        ...
+
+
 NetT = TypeVar("NetT")
-StoreT = TypeVar("StoreT")
+StoreT = TypeVar("StoreT", bound=TextStore)
 AccessT = TypeVar("AccessT")
 
 
@@ -83,6 +90,10 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
         self.rdzv_key_refs = {g.name: self.make_key_secret(g, self.rdzv_keys[g.name], access)
                               for g in self.vm_groups() if g.name in self.rdzv_keys}
         fleets = {g.name: self.make_fleet(g, nets[g.network], access, of_group[g.name]) for g in self.vm_groups()}
+        # Each VM group's current image where its nodes read it at every trainer start: the way a
+        # new image reaches a node whose user data is never read again (a fixed instance).
+        for g in self.vm_groups():
+            storage.put_text(f"{self.spec.env}-{g.name}-image", image_key(g.name), of_group[g.name], self.tags)
         clusters: dict[str, Cluster] = {}
         for net_name, groups in self.kubernetes_groups().items():
             clusters[net_name] = self.make_cluster(self.spec.network(net_name), groups, nets[net_name], access,

@@ -80,6 +80,11 @@ class AwsStorage(pulumi.ComponentResource):
                                                  opts=pulumi.ResourceOptions(parent=self.bucket))
         self.register_outputs({"bucket": self.bucket.bucket, "kmsKeyArn": self.key.arn})
 
+    def put_text(self, name: str, key: str, content: pulumi.Input[str], tags: dict[str, str]) -> pulumi.Resource:
+        """A small text object in the stack's bucket (e.g. a group's current trainer image)."""
+        return aws.s3.BucketObject(name, bucket=self.bucket.id, key=key, content=content, content_type="text/plain",
+                                   tags=tags, opts=pulumi.ResourceOptions(parent=self.bucket))
+
 
 def _tls_only_policy(arn: str) -> str:
     return json.dumps({"Version": "2012-10-17", "Statement": [{

@@ -59,3 +59,9 @@ class TencentStorage(pulumi.ComponentResource):
                                                            content_type="text/plain", tags=args.tags,
                                                            opts=pulumi.ResourceOptions(parent=self.bucket))
         self.register_outputs({"bucket": self.bucket.bucket})
+
+    def put_text(self, name: str, key: str, content: pulumi.Input[str], tags: dict[str, str]) -> pulumi.Resource:
+        """A small text object in the stack's bucket (e.g. a group's current trainer image)."""
+        return tencentcloud.cos.BucketObject(name, bucket=self.bucket.bucket, key=key, content=content,
+                                             content_type="text/plain", tags=tags,
+                                             opts=pulumi.ResourceOptions(parent=self.bucket))
