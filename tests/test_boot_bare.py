@@ -57,7 +57,7 @@ def _trains_after_the_driver_reboot(node: Node, env: dict[str, str]) -> None:
     node.wait_for(lambda: bool(_trainer_runs(node)), "the trainer's docker run after the reboot", timeout=600)
     node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "active"), "gts-trainer active")
     (run,) = _trainer_runs(node)
-    _check_trainer_run(run, env)
+    _check_trainer_run(run, env, node)
     order = _started(node)  # this boot's and the first's: the driver step ran once, before the reboot
     _no_failed_units(node)
     _gate_passed(node, order, env)

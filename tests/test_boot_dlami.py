@@ -36,7 +36,7 @@ def test_dev_aws_fleet_boots_on_the_dlami_to_a_running_trainer_and_stops_on_a_sp
     node.wait_for(lambda: bool(_trainer_runs(node)), "the trainer's docker run")
     node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "active"), "gts-trainer active")
     (run,) = _trainer_runs(node)
-    _check_trainer_run(run, env)
+    _check_trainer_run(run, env, node)
     order = _started(node)
     assert order.index("gts-fetch.service") < order.index("gts-bootstrap.service") < order.index("gts-trainer.service")
     assert order.index("gts-scratch.service") < order.index("gts-trainer.service")
@@ -121,7 +121,7 @@ def test_prod_aws_group_caches_its_dataset_then_trains_also_when_the_copy_fails_
     calls = node.docker_calls()
     assert calls.index(copies[-1]) < calls.index(_trainer_runs(node)[0])
     (run,) = _trainer_runs(node)
-    _check_trainer_run(run, env)
+    _check_trainer_run(run, env, node)
     # The RAM copy (GTS_TMPFS_GB) is what the trainer reads, mounted into the container.
     data_dir = node.sh(". /etc/gpu-training/node.env; echo $DATA_DIR").stdout.strip()
     assert f"-v {data_dir}:{data_dir}:ro" in run, (data_dir, run)
@@ -184,7 +184,7 @@ def test_prod_aws_node_whose_shared_file_system_mounts_late_waits_then_trains(bo
     node.wait_for(lambda: bool(_trainer_runs(node)), "the trainer's docker run after the late mount")
     node.wait_for(lambda: _unit_is(node, "gts-trainer.service", "active"), "gts-trainer active")
     (run,) = _trainer_runs(node)
-    _check_trainer_run(run, env)
+    _check_trainer_run(run, env, node)
     assert "-v /shared:/shared" in run and node.sh("findmnt -n /shared").returncode == 0, run
     calls = node.file("/var/log/gts-mount-efs.calls").read_text().splitlines()
     assert len(calls) >= 2 and all(c.startswith(f"mount.efs {env['GTS_SHARED_SOURCE']} /shared") for c in calls)

@@ -112,6 +112,7 @@ class Store:
         self.refused: list[str] = []
         self.served: list[str] = []
         self.static = static or {}
+        self.secrets: dict[str, str] = {}  # Alibaba OOS / Tencent SSM: name -> value (AWS SSM: moto)
         moto_app = DomainDispatcherApplication(create_backend_app)
         owner = self
 
@@ -121,6 +122,8 @@ class Store:
             host = str(environ.get("HTTP_HOST", "")).split(":")[0]
             if host in owner.static:
                 return owner.serve_static(owner.static[host], environ, start_response, what)
+            if host.startswith("oos.") and host.endswith(".aliyuncs.com") or host == "ssm.tencentcloudapi.com":
+                return owner.serve_secret(host, environ, start_response, what)
             if f"Credential={SETUP_KEY}/" not in auth and owner.meta.access_key() not in auth:
                 owner.refused.append(what)
                 start_response("403 Forbidden", [("Content-Type", "text/plain")])
@@ -144,6 +147,37 @@ class Store:
         data = path.read_bytes()
         start_response("200 OK", [("Content-Type", "application/octet-stream"), ("Content-Length", str(len(data)))])
         return [b"" if environ["REQUEST_METHOD"] == "HEAD" else data]
+
+    def serve_secret(self, host: str, environ: dict[str, Any], start_response: Callable[..., Any],
+                     what: str) -> list[bytes]:
+        """Alibaba's OOS GetSecretParameter (RPC, the key id in the query) and Tencent's SSM
+        GetSecretValue (API 3.0, the key id in the Authorization header), as their references
+        document the answers; only the node role's current key is served."""
+        import json
+        import urllib.parse
+
+        if host.endswith(".aliyuncs.com"):
+            query = dict(urllib.parse.parse_qsl(str(environ.get("QUERY_STRING", ""))))
+            signer, action, name = query.get("AccessKeyId", ""), query.get("Action"), query.get("Name", "")
+            body = {"RequestId": "r-1", "Parameter": {"Name": name, "Type": "Secret", "Value": self.secrets.get(name)}}
+        else:
+            size = int(environ.get("CONTENT_LENGTH") or 0)
+            params = json.loads(environ["wsgi.input"].read(size) or b"{}")
+            signer, action, name = str(environ.get("HTTP_AUTHORIZATION", "")), environ.get("HTTP_X_TC_ACTION"), \
+                params.get("SecretName", "")
+            body = {"Response": {"SecretName": name, "VersionId": "v1", "SecretString": self.secrets.get(name),
+                                 "RequestId": "r-1"}}
+        if self.meta.access_key() not in signer:
+            self.refused.append(what)
+            start_response("403 Forbidden", [("Content-Type", "text/plain")])
+            return [b"AccessDenied: not signed with the node role's credentials\n"]
+        if action not in ("GetSecretParameter", "GetSecretValue") or name not in self.secrets:
+            self.served.append(what + " 404")
+            start_response("404 Not Found", [("Content-Type", "application/json")])
+            return [b'{"Code": "EntityNotExists"}']
+        self.served.append(what + " 200")
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [json.dumps(body).encode()]
 
     def setup(self, fn: Callable[[], T]) -> T:
         """Run the test's own calls (setup_client) from inside the namespace."""
@@ -187,6 +221,7 @@ class Node:
         self.mirrors = workdir / "mirrors"
         hosts = (*hosts, *mirrors)
         self.store = Store(self.netns, workdir, self.meta, hosts, {m: self.mirrors / m for m in mirrors})
+        self.rdzv_key = ""  # a multi-node group's key, where the scenario put it (tests/boot/scenario.py _store_key)
         self.archive_dir = workdir / "archive"
         self.archive_dir.mkdir(exist_ok=True)
         self.archive_served: list[str] = []

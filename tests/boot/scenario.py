@@ -15,6 +15,7 @@ from typing import Any, Iterator
 from tests.boot import repo
 from tests.boot.image import EFA_SYSFS, cache_dir, efa_devices
 from tests.boot.node import STORE_ADDRESS, Node, bucket_host, gpu_health
+from infra.buckets import image_key
 from infra.plan.engine import Registered, unwrap_secrets
 from tests.harness import shipped
 from tests.nodes import lay_down, node_env
@@ -22,7 +23,15 @@ from tests.nodes import lay_down, node_env
 BUNDLE_TYPES = {"aws": "aws:s3/bucketObject:BucketObject", "alicloud": "alicloud:oss/bucketObject:BucketObject",
                 "tencentcloud": "tencentcloud:Cos/bucketObject:BucketObject"}
 TRAINER_FLAGS = ("--gpus all", "--ipc=host", "--network host", "--ulimit memlock=-1", "--ulimit stack=67108864",
-                 "--stop-timeout 110", "--env-file /etc/gpu-training/node.env")
+                 "--stop-timeout 110", "--env-file /etc/gpu-training/node.env", "--security-opt no-new-privileges",
+                 "--cap-drop NET_RAW")
+# Where each cloud's node reads its group's rendezvous key (infra/clouds/<cloud>/node.py rendezvous_key),
+# and the plan's resource holding it (name field, value field).
+SECRET_HOSTS = {"aws": "ssm.{region}.amazonaws.com", "alicloud": "oos.{region}.aliyuncs.com",
+                "tencentcloud": "ssm.tencentcloudapi.com"}
+SECRET_VALUES = {"aws:ssm/parameter:Parameter": ("name", "value"),
+                 "alicloud:oos/secretParameter:SecretParameter": ("secretParameterName", "value"),
+                 "tencentcloud:Ssm/secretVersion:SecretVersion": ("secretName", "secretString")}
 
 
 def api_url(cloud: str, region: str, override: str) -> str:
@@ -56,6 +65,12 @@ def _bare_packages(node: Node, env: dict[str, str]) -> None:
         (toolkit / "gpgkey").write_bytes(repo.armored_key(cache_dir()))
 
 
+def _store_object(node: Node, plan: tuple[Registered, ...], cloud: str, bucket: str, key: str, region: str) -> None:
+    """The plan's object at `key` (the group's current image), put in the node's store, if the plan has one."""
+    if any(r.type == BUNDLE_TYPES[cloud] and r.cloud == cloud and r.inputs["key"] == key for r in plan):
+        _store_bundle(node, plan, cloud, bucket, key, region)
+
+
 def _store_bundle(node: Node, plan: tuple[Registered, ...], cloud: str, bucket: str, key: str, region: str) -> None:
     """The plan's node bundle object, put in the node's store (moto) where its user data fetches it."""
     (obj,) = [r for r in plan if r.type == BUNDLE_TYPES[cloud] and r.cloud == cloud and r.inputs["key"] == key]
@@ -71,6 +86,31 @@ def _store_bundle(node: Node, plan: tuple[Registered, ...], cloud: str, bucket: 
         s3.put_object(Bucket=bucket, Key=key, Body=body)
 
     node.store.setup(put)
+
+
+def _store_key(node: Node, plan: tuple[Registered, ...], cloud: str, ref: str, region: str) -> None:
+    """The group's rendezvous key where the plan keeps it: moto's SSM (AWS), else the store's
+    OOS / SSM stand-in; node.rdzv_key is what the node must hand its trainer."""
+    values = [unwrap_secrets(r.inputs) for r in plan if r.type in SECRET_VALUES]
+    (key,) = [str(v[SECRET_VALUES[t][1]]) for t, v in zip([r.type for r in plan if r.type in SECRET_VALUES], values)
+              if v[SECRET_VALUES[t][0]] == ref]
+    node.rdzv_key = key
+    if cloud == "aws":
+        node.store.setup(lambda: node.store.client("ssm", region).put_parameter(Name=ref, Value=key, Type="SecureString",
+                                                                                Overwrite=True))
+    else:
+        node.store.secrets[ref] = key
+
+
+def _rdzv_key_delivered(node: Node, env: dict[str, str], run: str) -> None:
+    """A multi-node group's key: fetched at boot with the node's role into a 0600 file, handed to the container."""
+    if not env.get("GTS_RDZV_KEY_REF"):
+        assert "/run/gpu-training/rdzv.env" not in run, run
+        return
+    assert "--env-file /run/gpu-training/rdzv.env" in run, run
+    got = node.sh("stat -c %a /run/gpu-training/rdzv.env && cat /run/gpu-training/rdzv.env").stdout.split()
+    assert got == ["600", f"RDZV_KEY={node.rdzv_key}"], got
+    assert "RDZV_KEY=" not in node.file("/etc/gpu-training/node.env").read_text()
 
 
 def booted_nodes(tmp_path: Path) -> Iterator[Any]:
@@ -92,7 +132,8 @@ def booted_nodes(tmp_path: Path) -> Iterator[Any]:
         mirrors = tuple(urlhost(env[k]) for k in ("GTS_APT_MIRROR", "GTS_NVIDIA_MIRROR") if image == "bare" and env[k])
         node = Node(tmp_path / "node", cloud, raw,
                     (host, urlhost(env["STORAGE_ENDPOINT_URL"]), f"api.ecr.{region}.amazonaws.com",
-                     urlhost(api_url(cloud, region, "")), *([shared_host] if shared_host else [])),
+                     urlhost(api_url(cloud, region, "")), SECRET_HOSTS[cloud].format(region=region),
+                     *([shared_host] if shared_host else [])),
                     # The DLAMI has assembled the instance store at /opt/dlami/nvme (a mount). Elsewhere
                     # scratch is a mount already: the node must never see (and format) the host's disks.
                     nspawn_args=(("--tmpfs=/opt/dlami/nvme",) if image == "dlami" else ("--tmpfs=/scratch",))
@@ -111,6 +152,9 @@ def booted_nodes(tmp_path: Path) -> Iterator[Any]:
         # Healthy GPUs by default: as many as the type has (one worker per GPU), NVLinks all up.
         node.gpus(int(env.get("NPROC_PER_NODE", "0")), nvlinks=int(env.get("GTS_NVLINKS") or 0))
         _store_bundle(node, plan, cloud, bucket, key, region)
+        _store_object(node, plan, cloud, bucket, image_key(env["GTS_NODE_GROUP"]), region)  # gts-image.py reads it
+        if env.get("GTS_RDZV_KEY_REF"):
+            _store_key(node, plan, cloud, env["GTS_RDZV_KEY_REF"], region)
         return node, env
 
     yield make
@@ -152,13 +196,15 @@ def _started(node: Node) -> list[str]:
     return order
 
 
-def _check_trainer_run(run: str, env: dict[str, str]) -> None:
+def _check_trainer_run(run: str, env: dict[str, str], node: Node | None = None) -> None:
     assert re.search(r" \S+@sha256:[0-9a-f]{64}$", run), run  # the image by digest, no arguments
     for flag in TRAINER_FLAGS:
         assert flag in run, (flag, run)
     scratch = env["GTS_SCRATCH_DIR"]
     assert f"-v {scratch}:{scratch}" in run, run
     assert re.search(r"-v \S+:\S+:ro", run), run  # the dataset directory, read-only
+    if node is not None:
+        _rdzv_key_delivered(node, env, run)
 
 
 def _no_failed_units(node: Node) -> None:
