@@ -14,7 +14,7 @@ from croniter import croniter
 from pydantic import ValidationError
 
 from infra import catalog as cat
-from infra import cloud_rules, resolved_checks, sharedfs
+from infra import cloud_rules, resolved_checks, sharedfs, value_checks
 from infra.clouds import profile
 from infra.errors import Problem, SpecError, suggest
 from infra.groups import Stack, requirement, schedule_bounds
@@ -86,7 +86,7 @@ def checked(spec: StackSpec, teams: TeamsReader | None = None) -> tuple[Stack | 
     problems += _check_team(spec)
     nets = _check_networks(spec, problems)
     problems += _check_peerings(spec, nets)
-    problems += _check_node_groups(spec, nets)
+    problems += _check_node_groups(spec, nets) + value_checks.check(spec)
     if not problems:  # the provider limits assume a spec that is whole
         problems += cloud_rules.check(spec)
         problems += sharedfs.check(spec)

@@ -20,7 +20,7 @@ import yaml
 
 from infra import validation
 from infra.errors import Problem, SpecError
-from infra.stacktext import GENERATED, is_generated, load_yaml, project_name, read_stack_text
+from infra.stacktext import GENERATED, is_generated, load_yaml, project_name, read_stack_text, read_text
 from infra.teams.registry import REGISTRY, STACK_PREFIX, Registry, RegistryError, Team, bucket_prefix, load
 
 HEADER = GENERATED + " from {registry} (team {team}) and Pulumi.{base}.yaml. Do not edit:\n" \
@@ -37,7 +37,7 @@ def stack_config(team: Team, registry: Registry, root: Path) -> dict[str, Any]:
     """The team stack's `config:` mapping, in the documented key order."""
     project = project_name(root)
     base_path = root / f"Pulumi.{registry.org.base_stack}.yaml"  # read as strictly as any stack file
-    base = (load_yaml(base_path.read_text(encoding="utf-8"), base_path.name) or {}).get("config") or {}
+    base = (load_yaml(read_text(base_path), base_path.name) or {}).get("config") or {}
     own = {k.split(":", 1)[1]: v for k, v in base.items() if k.startswith(f"{project}:")}
     assert team.stack is not None  # an isolated team (the registry checks)
     env = f"{STACK_PREFIX}{team.name}"
@@ -169,7 +169,7 @@ def stack_drift(path: Path, root: Path) -> list[str]:
         return [f"{path.name} is generated, but no isolated team in {REGISTRY} generates it: remove it, or add the "
                 f"team to {REGISTRY} and run `make teams`"]
     want = yaml.safe_load(render(team, registry, root))["config"]
-    have = (load_yaml(path.read_text(encoding="utf-8"), path.name) or {}).get("config") or {}
+    have = (load_yaml(read_text(path), path.name) or {}).get("config") or {}
     out = []
     for key in _differences(have, want, ""):
         out.append(f"{key} differs from {REGISTRY} (team {team.name}) and Pulumi.{registry.org.base_stack}.yaml; "

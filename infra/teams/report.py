@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     root = project_root()
     try:
         reg = registry.load(root)
+        for why in registry.unreadable_stacks(root):
+            err.print(f"[yellow]warning:[/] {escape(why)} (make teams goes on without it: its bucket prefix is not "
+                      "checked against the teams')", highlight=False)
         if args.team and args.team not in {t.name for t in reg.teams}:
             from infra.errors import suggest
 
