@@ -209,6 +209,7 @@ def load(text: str) -> Any:
         raise YamlError(None, f"nests deeper than {MAX_DEPTH} levels") from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
-        raise YamlError(mark.line + 1 if mark else None, f"is not valid YAML: {exc.problem or exc}") from None
+        said = "; ".join(part for part in (exc.context, exc.problem) if part) or str(exc)
+        raise YamlError(mark.line + 1 if mark else None, f"is not valid YAML: {said}") from None
     except yaml.YAMLError as exc:
         raise YamlError(None, f"is not valid YAML: {exc}") from None
