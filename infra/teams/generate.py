@@ -20,7 +20,8 @@ import yaml
 
 from infra import validation
 from infra.errors import Problem, SpecError
-from infra.stacktext import GENERATED, is_generated, load_yaml, project_name, read_stack_text, read_text
+from infra.stacktext import (GENERATED, StackFileError, is_generated, load_yaml, project_name, read_stack_text,
+                             read_text)
 from infra.teams.registry import REGISTRY, STACK_PREFIX, Registry, RegistryError, Team, bucket_prefix, load
 
 HEADER = GENERATED + " from {registry} (team {team}) and Pulumi.{base}.yaml. Do not edit:\n" \
@@ -124,11 +125,14 @@ def write(registry: Registry, root: Path) -> tuple[list[Path], list[Path]]:
     files = stack_files(registry, root)
     validate(registry, root, files)
     written = [p for p, text in files.items() if not p.exists() or p.read_text(encoding="utf-8") != text]
-    for path in written:
-        path.write_text(files[path], encoding="utf-8")
     stale = [p for p in sorted(root.glob(f"Pulumi.{STACK_PREFIX}*.yaml")) if p not in files and is_generated(p)]
-    for path in stale:
-        path.unlink()
+    for path in [*written, *stale]:
+        try:
+            path.write_text(files[path], encoding="utf-8") if path in files else path.unlink()
+        except OSError as exc:
+            raise StackFileError(f"{path.name}: cannot be {'written' if path in files else 'removed'} "
+                                 f"({exc.strerror}); make teams keeps the team stacks in the checkout: run it where "
+                                 "you can write (CI: `python -m infra.teams.report --check` compares only)") from None
     return written, stale
 
 

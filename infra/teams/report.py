@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from infra import catalog as cat
-from infra.errors import CatalogError, SpecError
+from infra.errors import CatalogError, InputError, SpecError
 from infra.plan.__main__ import build_plan
 from infra.stackfile import StackFileError, load_stack, project_root
 from infra.teams import generate, queues, registry
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             for path in removed:
                 err.print(f"removed {path.name} (its team left teams.yaml)", highlight=False)
         report = build(reg, root, args.team)
-    except (RegistryError, SpecError, StackFileError, CatalogError, pulumi.RunError) as exc:
+    except (RegistryError, SpecError, StackFileError, CatalogError, pulumi.RunError, InputError) as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return 2
     except Exception as exc:  # noqa: BLE001 (a bug here, not the registry's: exit 3, one line, as make plan)

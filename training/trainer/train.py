@@ -65,6 +65,16 @@ def refuse(message: str) -> None:
             fh.write(message.replace("\n", " ") + "\n")
 
 
+def failed(exc: BaseException) -> None:
+    """A worker's fault as one line where the entrypoint asked (GTS_FAILURE_FILE): it says it last,
+    below the launcher's report of the failed worker (torchrun's ChildFailedError), which names
+    no cause. The traceback stays in the worker's log above."""
+    path = os.environ.get("GTS_FAILURE_FILE")
+    if path:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(f"{type(exc).__name__}: {exc}".replace("\n", " ")[:500] + "\n")
+
+
 def params_sha256(model: nn.Module) -> str:
     """sha256 of a replicated model's state, as full_params_sha256 hashes a sharded one's."""
     from training.sharded import state_sha256
@@ -389,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
              comm.launcher, comm.device)
     try:
         code = Run(cfg, comm).execute()
+    except Exception as exc:
+        failed(exc)
+        raise
     finally:
         comm.close()
     if code == EXIT_USAGE and os.environ.get("GTS_REFUSAL_FILE"):
