@@ -23,6 +23,7 @@ if __name__ == "__main__":
 import argparse
 import asyncio
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.format == "json":
         sys.stdout.write(json.dumps(plan, indent=2, sort_keys=False) + "\n")
     else:
-        report.print_plan(plan, Console(width=None if sys.stdout.isatty() else 180))
+        report.print_plan(plan, Console(width=report.width(sys.stdout.isatty(), dict(os.environ))))
     mandatory = [v for v in plan["violations"] if v["enforcement"] == "mandatory"]
     return 1 if mandatory else 0
 

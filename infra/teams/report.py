@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
             names = [t.name for t in reg.teams]
             err.print(f"[bold red]error:[/] TEAM={escape(args.team)}: no such team in teams.yaml"
-                      f"{escape(suggest(args.team, names))} Teams: {', '.join(names)}", highlight=False)
+                      f"{escape(suggest(args.team, names))} (teams: {', '.join(names)})", highlight=False)
             return 2
         if args.check:
             drift = generate.drift(reg, root)

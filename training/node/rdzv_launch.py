@@ -91,6 +91,10 @@ def create_signed_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = argv if argv is not None else sys.argv[1:]
+    if args[:1] in (["-h"], ["--help"]):  # asking how it works needs no key
+        print(__doc__.strip() + "\n\nThe rest of its arguments are torchrun's (`torchrun --help`).")
+        return
     run_key()  # no key, no start: the run never falls back to an unsigned rendezvous
     rendezvous_handler_registry.register(BACKEND, create_signed_handler)
     from torch.distributed.run import main as torchrun
