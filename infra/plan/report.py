@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
@@ -42,7 +43,7 @@ def key_inputs(inputs: dict[str, Any], limit: int = 4) -> str:
 NARROW = 100  # columns: under this, each table keeps the columns that identify a row and its cost
 
 
-def table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], console: Console,
+def table(title: str, columns: tuple[str, ...], rows: Sequence[Sequence[str]], console: Console,
           narrow: tuple[str, ...] | None = None, left: tuple[str, ...] | None = None) -> Table:
     """A table of `columns`, only the `narrow` ones on a console under NARROW columns wide; the
     `left` columns aligned left and the others (figures) right (all left when not given)."""
