@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from training.trainer import config as config_mod
+from training.trainer import config as config_mod, failure
 from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadStatus
 from training.storage import StorageRefused
 from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, rng_state, set_rng_state
@@ -63,16 +63,6 @@ def refuse(message: str) -> None:
     if path:
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(message.replace("\n", " ") + "\n")
-
-
-def failed(exc: BaseException) -> None:
-    """A worker's fault as one line where the entrypoint asked (GTS_FAILURE_FILE): it says it last,
-    below the launcher's report of the failed worker (torchrun's ChildFailedError), which names
-    no cause. The traceback stays in the worker's log above."""
-    path = os.environ.get("GTS_FAILURE_FILE")
-    if path:
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(f"{type(exc).__name__}: {exc}".replace("\n", " ")[:500] + "\n")
 
 
 def params_sha256(model: nn.Module) -> str:
@@ -399,9 +389,6 @@ def main(argv: list[str] | None = None) -> int:
              comm.launcher, comm.device)
     try:
         code = Run(cfg, comm).execute()
-    except Exception as exc:
-        failed(exc)
-        raise
     finally:
         comm.close()
     if code == EXIT_USAGE and os.environ.get("GTS_REFUSAL_FILE"):
@@ -410,4 +397,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(failure.noted(main))
