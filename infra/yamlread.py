@@ -109,7 +109,9 @@ for _loader in (_CLoader, _PyLoader):
             (list("-+."), FLOAT, _INF_NAN),
             (["<"], MERGE, re.compile(r"^<<$"))):
         _loader.add_implicit_resolver(_tag, _pattern, _first)
-    _loader.yaml_constructors = {tag: f for tag, f in _loader.yaml_constructors.items() if tag in _SCALAR_TAGS | {MAP, SEQ}}
+    # The core schema's; None: SafeConstructor's "could not determine a constructor" for any other tag.
+    _loader.yaml_constructors = {tag: f for tag, f in _loader.yaml_constructors.items()
+                                 if tag in _SCALAR_TAGS | {MAP, SEQ, None}}
     _loader.yaml_constructors[INT] = _Rules.construct_v3_int
     _loader.yaml_constructors[FLOAT] = _Rules.construct_v3_float
 
