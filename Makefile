@@ -20,7 +20,8 @@ THROTTLE_MS ?= 50
 # (refused) stack name, never a command; CKPT_DIR may hold spaces.
 q = '$(subst ','"'"',$(1))'
 
-.PHONY: plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench docs test boot-test typecheck unit tools venv clean
+.DEFAULT_GOAL := help
+.PHONY: help plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench docs test boot-test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -36,6 +37,10 @@ $(STAMP): $(RUNTIME_STAMP) requirements-dev.txt training/requirements.txt
 	@touch $@
 
 venv: $(STAMP)
+
+## help: every target with its `## name: what` line (the default goal: a bare `make`)
+help:
+	@awk '/^## [a-z-]+: / { sub(/^## /, ""); gsub(/\$$\$$/, "$$"); i = index($$0, ": "); printf "  %-14s %s\n", substr($$0, 1, i - 1), substr($$0, i + 2) }' $(firstword $(MAKEFILE_LIST))
 
 ## plan: the stack offline — resources, cost, policy verdicts (STACK=dev|prod|<name>, FORMAT=table|json, AGAINST=<earlier plan json>)
 plan: $(RUNTIME_STAMP)

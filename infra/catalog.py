@@ -187,6 +187,35 @@ def meets(item: InstanceType, req: Requirement) -> bool:
     )
 
 
+def near_misses(catalog: Catalog, cloud: str, req: Requirement) -> str:
+    """For a requirement no type meets: the types with its GPU model and what each lacks, the ones
+    a change of `count` alone would make fit first (g5.xlarge's 16 GiB of RAM is under 1.5 x its
+    A10G's 24 GB; g5.12xlarge would do with count: 4). '' when the cloud has no such GPU."""
+    missed = []
+    for item in catalog.of_cloud(cloud):
+        if req.gpu_model is not None and item.gpu_model.lower() != req.gpu_model.lower():
+            continue
+        lacks = [f"{item.gpu_count} GPUs, not {req.gpu_count}"] if item.gpu_count != req.gpu_count else []
+        if item.gpu_vram_gb < req.min_vram_gb:
+            lacks.append(f"{item.gpu_vram_gb} GB per GPU")
+        if not item.ram_ok:
+            lacks.append(f"{item.ram_gib:g} GiB RAM, under {RAM_PER_VRAM:g} x {item.total_vram_gb} GB of GPU memory")
+        if scratch_disk_gb(item, req.scratch_gb, req.scratch_source) is None:
+            lacks.append(f"no room for {req.scratch_gb} GB of scratch ({req.scratch_source})")
+        fix = f" — would do with count: {item.gpu_count}" if lacks and lacks[0].endswith(
+            f"not {req.gpu_count}") and len(lacks) == 1 else ""
+        missed.append((len(lacks) - bool(fix), f"{item.instance_type} ({'; '.join(lacks)}{fix})"))
+    return "; near misses: " + ", ".join(text for _, text in sorted(missed)[:4]) if missed else ""
+
+
+def roomier(catalog: Catalog, item: InstanceType) -> str:
+    """The types with the same GPU whose host RAM meets the rule, for a type that does not: ''
+    when there is none (then a gpu requirement on another model)."""
+    fit = [f"{t.instance_type} ({t.gpu_count} x {t.gpu_model}, {t.ram_gib:g} GiB)" for t in catalog.of_cloud(item.cloud)
+           if t.gpu_model == item.gpu_model and t.ram_ok]
+    return f" such as {', '.join(fit)}" if fit else ""
+
+
 def select(catalog: Catalog, clouds: Iterable[str], req: Requirement,
            cny_per_usd: float, region: str | None = None) -> list[Candidate]:
     """Every type on `clouds` that meets `req`, cheapest first (node price + scratch disk), at

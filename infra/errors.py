@@ -36,6 +36,17 @@ class SpecError(Exception):
         super().__init__("\n".join(lines))
 
 
+class InputError(Exception):
+    """A flag, a make variable or an environment variable that cannot be used: exit 2, one line
+    naming it, the bad value and the fix."""
+
+
+def out_error(flag: str, path: object, exc: OSError) -> InputError:
+    """OUT=<folder> that cannot be created or written (read-only, a file on the way, no such device)."""
+    return InputError(f"{flag}={path}: cannot write there ({exc.strerror or exc}); pass {flag}=<a folder you can "
+                      "write>")
+
+
 # Raised by the catalog reader, which the policy pack owns (policies/gts_policy/catalog.py).
 from policies.gts_policy import catalog as _pack  # noqa: E402
 

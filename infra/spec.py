@@ -11,14 +11,27 @@ from __future__ import annotations
 from ipaddress import IPv4Network
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictInt, model_validator
 from pydantic.alias_generators import to_camel
 
 from infra import catalog as cat
 from infra.clouds import Cloud as Cloud  # the stack file's cloud names: infra/clouds/__init__.py
-from infra.spec_patterns import IMAGE_REF, MIRROR_URL, NAME_PATTERN, NO_NUL, REGISTRY_HOST, TRACKING_URI
+from infra.spec_patterns import (EMAIL, IMAGE_REF, MIRROR_URL, NAME_PATTERN, NO_NUL, PROJECT_YAML, REGISTRY_HOST,
+                                 TRACKING_URI)
 
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+# An amount: a finite number as written (YAML's true, "5" or .inf are refused, not read as 1, 5 or no limit).
+Amount = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+
+
+def _with_prefix(value: object) -> object:
+    """A CIDR says its prefix length: `10.0.0.0` alone would be read as the /32 of one address."""
+    if isinstance(value, str) and "/" not in value:
+        raise ValueError(f"has no prefix length; write the network as a CIDR, e.g. {value}/16")
+    return value
+
+
+Cidr = Annotated[IPv4Network, BeforeValidator(_with_prefix)]
 # The top-level Pulumi config keys (namespace gpu-training-stack), in the order documented.
 CONFIG_KEYS = ("env", "protectStateful", "team", "tags", "clouds", "networks", "peerings", "nodeGroups", "kubernetes", "storage",
                "training", "budget", "pricing")
@@ -63,7 +76,7 @@ class CloudAccount(SpecModel):
 
 class Subnet(SpecModel):
     zone: str = Field(description="Availability zone, e.g. us-east-1a, cn-hangzhou-h, ap-guangzhou-3.")
-    cidr: IPv4Network = Field(description="Subnet CIDR, inside the network's CIDR.")
+    cidr: Cidr = Field(description="Subnet CIDR, inside the network's CIDR.")
 
 
 SharedFsType = Literal["efs", "fsx-lustre", "nas", "cfs"]
@@ -90,14 +103,14 @@ class Network(SpecModel):
     cloud: Cloud = Field(description="Cloud the VPC lives in.")
     region: str | None = Field(None, description="Region; defaults to the cloud's region.")
     purpose: Literal["training", "data", "inference"] = Field("training", description="What the VPC holds.")
-    cidr: IPv4Network = Field(description="VPC CIDR.")
+    cidr: Cidr = Field(description="VPC CIDR.")
     subnets: list[Subnet] = Field(min_length=1, description="Private subnets, one per zone.")
     nat: bool = Field(False, description="Create a NAT gateway for egress.")
-    ssh_cidrs: list[IPv4Network] = Field(default_factory=list,
+    ssh_cidrs: list[Cidr] = Field(default_factory=list,
                                          description="CIDRs allowed to SSH in; empty = no SSH (use SSM / cloud shell).")
     shared_fs: SharedFs | None = Field(None, description="A shared file system in this network; groups set "
                                                          "sharedFs: true to mount it.")
-    scrape_cidrs: list[IPv4Network] = Field(
+    scrape_cidrs: list[Cidr] = Field(
         default_factory=list, description="Where the monitoring scrapes the VM nodes' exporters from (ports 9100, "
                                           "9400 and the trainer's 9401); empty = this network's own CIDR.")
 
@@ -136,8 +149,8 @@ class Market(SpecModel):
 
     type: Literal["spot", "on-demand", "reserved"] = Field(description="Purchase market.")
     on_demand_base: StrictInt = Field(0, ge=0, description="With spot: nodes kept on-demand; the rest are spot.")
-    spot_max_price_usd: float | None = Field(None, gt=0, description="With spot: price cap per node-hour; none = up to on-demand.")
-    observed_mtbf_hours: float | None = Field(
+    spot_max_price_usd: Amount | None = Field(None, gt=0, description="With spot: price cap per node-hour; none = up to on-demand.")
+    observed_mtbf_hours: Amount | None = Field(
         None, gt=0, description="Mean hours between the reclaims this group has actually seen; overrides the "
                                 "estimate checkpointEvery: auto uses (infra/data/interruptions.yaml).")
 
@@ -215,11 +228,11 @@ class KubernetesAccess(SpecModel):
     """How the managed clusters' API servers are reached by whoever runs `pulumi up`, and whether
     they are shared by the teams of a registry."""
 
-    api_access_cidrs: list[IPv4Network] = Field(
+    api_access_cidrs: list[Cidr] = Field(
         default_factory=list,
         description="Public API endpoint open only to these CIDRs (operators, CI runners); empty = private only.")
     queues: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9._/-]+\.ya?ml$",
+        None, pattern=PROJECT_YAML,
         description="A team registry (teams.yaml, relative to the project): the clusters become shared ones — Kueue, "
                     "a ResourceFlavor per GPU model and market, a ClusterQueue with each shared team's GPU quota, "
                     "and a namespace, LocalQueue and RBAC per team; this stack's own Jobs queue too.")
@@ -291,8 +304,8 @@ class Training(SpecModel):
 
 
 class Budget(SpecModel):
-    monthly_limit_usd: float = Field(gt=0, description="Monthly spending limit, USD.")
-    alert_emails: list[Annotated[str, Field(pattern=r"^[^@\s]+@[^@\s]+\.[^@\s]+$")]] = Field(
+    monthly_limit_usd: Amount = Field(gt=0, description="Monthly spending limit, USD.")
+    alert_emails: list[Annotated[str, Field(pattern=EMAIL)]] = Field(
         min_length=1, description="Who gets budget alerts.")
     thresholds_percent: list[Annotated[StrictInt, Field(gt=0, le=200)]] = Field(
         default_factory=lambda: [50, 80, 100], min_length=1,
@@ -304,11 +317,11 @@ class PriceOverride(SpecModel):
     instance_type: str = Field(description="Instance type of the catalog row the price replaces.")
     region: str | None = Field(None, description="The region the price is for; none: every region the catalog "
                                                  "prices the type in (give one to price a new region).")
-    on_demand_hourly: float = Field(gt=0, description="Price per node-hour in the catalog row's currency.")
+    on_demand_hourly: Amount = Field(gt=0, description="Price per node-hour in the catalog row's currency.")
 
 
 class Pricing(SpecModel):
-    cny_per_usd: float = Field(7.2, gt=0, description="Exchange rate for CNY catalog prices.")
+    cny_per_usd: Amount = Field(7.2, gt=0, description="Exchange rate for CNY catalog prices.")
     overrides: list[PriceOverride] = Field(default_factory=list, description="Negotiated or current prices.")
     allow_stale_prices: bool = Field(False, description="No prices-fresh verdict on the age of the catalog prices "
                                                         "(otherwise the policy pack's, advisory by default: run "

@@ -24,7 +24,14 @@ URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s:]*:[^/?#@\s]+@")
 REGISTRY_HOST = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*$"
 # A container image reference (docker/distribution reference grammar, lowercase repository).
 IMAGE_REF = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*(:[A-Za-z0-9_.-]{1,128})?(@sha256:[0-9a-f]{64})?$"
+# A mail address a cloud's budget service takes and no shell or template reads otherwise (it reaches
+# budget notifications and tags): RFC 5321's common dot-atom local part, a dotted host.
+EMAIL = r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}$"
+# A file of the project: relative, no `..` (no part starts with a dot), no leading `/` (kubernetes.queues).
+PROJECT_YAML = r"^([A-Za-z0-9_-][A-Za-z0-9._-]*/)*[A-Za-z0-9_-][A-Za-z0-9._-]*\.ya?ml$"
 PATTERN_HELP = {
+    EMAIL: "use a plain address such as ml-team@example.com (letters, digits, . _ % + - before the @)",
+    PROJECT_YAML: "use a path relative to the project (e.g. teams.yaml), without `..`, a leading / or a part starting with a dot",
     MIRROR_URL: "use an http(s) URL: scheme, host, optional port and path, without credentials or characters a "
                 "shell would read (the value is written to the nodes' env file)",
     TRACKING_URI: "use databricks or scheme://host[:port]/path without credentials (MLflow reads "

@@ -4,6 +4,7 @@ region check every reader of a region shares (the stack spec, the team registry)
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -79,8 +80,13 @@ def _problem(err: Any, root: type[BaseModel] = StackSpec) -> Problem:
             return Problem(_path(loc), f"{value!r} is an IPv6 network; this key takes an IPv4 CIDR such as 10.0.0.0/16")
         if network is not None and "/" in value and str(network) != value:
             return Problem(_path(loc), f"{value!r} has host bits set; the network is {network} (write that)")
-    if kind in ("int_type", "int_from_float", "int_parsing") and isinstance(value, bool):
-        return Problem(_path(loc), f"{str(value).lower()} is a YAML boolean, not a number; write a whole number")
+    if kind in ("int_type", "int_from_float", "int_parsing", "float_type") and isinstance(value, bool):
+        return Problem(_path(loc), f"{str(value).lower()} is a YAML boolean, not a number; write a "
+                                   f"{'number' if kind == 'float_type' else 'whole number'}")
+    if kind in ("int_type", "float_type") and isinstance(value, str):
+        return Problem(_path(loc), f"{value!r} is text, not a number; {number_fix(value)}")
+    if kind == "finite_number":
+        return Problem(_path(loc), f"{value} is not a finite number; write the amount (a number such as 100)")
     if kind == "string_pattern_mismatch":
         pattern = str(err.get("ctx", {}).get("pattern", ""))
         msg = f"is not a valid value; {PATTERN_HELP.get(pattern, msg)}"
@@ -88,6 +94,28 @@ def _problem(err: Any, root: type[BaseModel] = StackSpec) -> Problem:
     if isinstance(value, str) and URL_PASSWORD.search(value):  # a decrypted secret: never echoed
         shown = "(a URL with a password, not shown): "
     return Problem(_path(loc), f"{shown}{msg}")
+
+
+def number_fix(text: str) -> str:
+    """What to write instead of a number the Pulumi CLI reads as text (its YAML is 1.2: no base-60
+    `50:00`, and `1_000` is not a number in YAML 1.2's core schema) or a quoted number."""
+    plain = text.strip()
+    if re.fullmatch(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9]*)?", plain):
+        head, *rest = plain.replace("_", "").split(":")
+        total = float(head.lstrip("+-") or 0)
+        for part in rest:
+            total = total * 60 + float(part)
+        shown = f"{'-' if plain.startswith('-') else ''}{total:g}"
+        return f"YAML 1.2 (the Pulumi CLI's) has no base-60 numbers: write {shown} if that is what it means"
+    if "_" in plain and re.fullmatch(r"[-+]?[0-9][0-9_]*(\.[0-9_]*)?", plain):
+        return f"write it without underscores ({plain.replace('_', '')}): YAML readers disagree on 1_000"
+    try:
+        number = float(plain)
+    except ValueError:
+        return "write a number, unquoted"
+    if not math.isfinite(number):
+        return "write a finite amount (a number such as 100)"
+    return f"write it unquoted ({plain}) so YAML reads a number"
 
 
 def problems_of(exc: ValidationError, root: type[BaseModel]) -> list[Problem]:

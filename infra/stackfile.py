@@ -17,7 +17,7 @@ from infra.groups import Stack
 from infra.stacktext import (CREDENTIAL_KEYS, PROVIDER_NAMESPACES, SCALAR_KEYS, SECRET_MASK, STACK_NAME,
                              URL_PASSWORD, StackConfig, StackFileError, available_stacks, check_stack_name, decode,
                              is_generated, load_yaml, project_name, project_root, read_stack_file, read_stack_text,
-                             secrets_in_clear, stray_keys)
+                             read_text, secrets_in_clear, stray_keys)
 from infra.teams import registry
 from infra.teams.generate import stack_drift
 
@@ -31,6 +31,8 @@ def stack_path(stack: str, root: Path | None = None) -> Path:
     """`Pulumi.<stack>.yaml`, or a StackFileError naming the stacks that exist."""
     root = root or project_root()
     path = root / f"Pulumi.{check_stack_name(stack)}.yaml"
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        read_text(path)  # a link to nothing, a directory, a FIFO: refused by its kind, never opened
     if not path.exists():
         raise StackFileError(f"no stack file {path.name}; stacks here: {', '.join(available_stacks(root))} "
                              f"(create Pulumi.{stack}.yaml or pass STACK=<one of them>)")

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import re
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,29 +19,8 @@ from typing import Any
 
 import yaml
 
-from infra import clouds, spec_patterns
+from infra import clouds, spec_patterns, yamlread
 from infra.errors import Problem
-
-class _UniqueKeys(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
-    """YAML that refuses a key given twice in one mapping: in a reviewed file, the line a reviewer
-    reads must be the one that applies. libyaml's parser where PyYAML has it (the plan reads a
-    dozen stack files: the pure-Python parser was a fifth of its time); the same constructor."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
-                                                        key_node.start_mark)
-            seen.add(key)
-        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
-        return mapping
-
-
-UniqueKeyLoader = _UniqueKeys  # teams.yaml is read with it too (infra/teams/registry.py)
-
-
 
 SECRET_MASK = spec_patterns.SECRET_MASK
 # Keys whose values the program receives as plain strings; the others are JSON.
@@ -92,7 +72,8 @@ def project_name(root: Path | None = None) -> str:
 
 
 def available_stacks(root: Path | None = None) -> list[str]:
-    return sorted(p.name[len("Pulumi."):-len(".yaml")] for p in (root or project_root()).glob("Pulumi.*.yaml"))
+    return sorted(p.name[len("Pulumi."):-len(".yaml")] for p in (root or project_root()).glob("Pulumi.*.yaml")
+                  if p.is_file())
 
 
 
@@ -119,20 +100,45 @@ def _mask(value: Any) -> Any:
 
 def read_stack_file(path: Path, project: str) -> StackConfig:
     """Turn `Pulumi.<stack>.yaml` into the config map the Pulumi CLI hands the program."""
-    return read_stack_text(path.read_text(encoding="utf-8"), path.name, project)
+    return read_stack_text(read_text(path), path.name, project)
+
+
+def read_text(path: Path) -> str:
+    """A stack file's (or teams.yaml's) text, or a StackFileError naming it: only a regular file
+    is opened (a directory, a FIFO or /dev/zero is refused by its kind, never read), at most
+    yamlread.MAX_BYTES of it, and UTF-8 (as the Pulumi CLI reads it)."""
+    try:
+        info = path.stat()
+    except OSError as exc:
+        dangling = path.is_symlink()
+        raise StackFileError(f"{path.name}: " + ("is a link to a missing file" if dangling else
+                             f"cannot be read ({exc.strerror})") + "; point it at a stack file or remove it") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise StackFileError(f"{path.name} is {kind}; a stack file is a YAML file (remove or rename it)")
+    if info.st_size > yamlread.MAX_BYTES:
+        raise StackFileError(f"{path.name} is larger than {yamlread.MAX_BYTES // 1024} KiB; a stack file is a few KB")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise StackFileError(f"{path.name}: cannot be read ({exc.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise StackFileError(f"{path.name}, line {line}: byte 0x{data[exc.start]:02x} is not UTF-8; save the file as "
+                             "UTF-8 (the Pulumi CLI reads it so)") from None
 
 
 def load_yaml(text: str, name: str) -> Any:
-    """A stack file's YAML, read with the loader that refuses a key given twice (the one
-    teams.yaml is read with): `scaling: {max: 50, max: 2}` would otherwise plan with the last."""
+    """A stack file's YAML as the Pulumi CLI reads it, bounded in work, refusing a key given
+    twice (infra/yamlread.py; teams.yaml is read the same way): `scaling: {max: 50, max: 2}`
+    would otherwise plan with the last."""
     try:
-        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
-    except yaml.constructor.ConstructorError as exc:
-        mark = exc.problem_mark
-        at = f", line {mark.line + 1}" if mark is not None else ""
-        raise StackFileError(f"{name}{at}: {exc.problem}; keep one (the file must say one thing once)") from None
-    except yaml.YAMLError as exc:
-        raise StackFileError(f"{name} is not valid YAML: {exc}") from None
+        return yamlread.load(text)
+    except yamlread.YamlError as exc:
+        at = f", line {exc.line}:" if exc.line is not None else "" if str(exc).startswith("is ") else ":"
+        raise StackFileError(f"{name}{at} {exc}") from None
 
 
 # Provider settings that are credentials: in a stack file only as `secure:` values.
@@ -245,6 +251,6 @@ GENERATED = "# GENERATED by `make teams`"  # the first line of a team's generate
 
 def is_generated(path: Path) -> bool:
     try:
-        return path.read_text(encoding="utf-8").startswith(GENERATED)
-    except OSError:
+        return read_text(path).startswith(GENERATED)
+    except StackFileError:
         return False

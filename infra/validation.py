@@ -14,7 +14,7 @@ from croniter import croniter
 from pydantic import ValidationError
 
 from infra import catalog as cat
-from infra import cloud_rules, resolved_checks, sharedfs
+from infra import cloud_rules, resolved_checks, sharedfs, value_checks
 from infra.clouds import profile
 from infra.errors import Problem, SpecError, suggest
 from infra.groups import Stack, requirement, schedule_bounds
@@ -86,7 +86,7 @@ def checked(spec: StackSpec, teams: TeamsReader | None = None) -> tuple[Stack | 
     problems += _check_team(spec)
     nets = _check_networks(spec, problems)
     problems += _check_peerings(spec, nets)
-    problems += _check_node_groups(spec, nets)
+    problems += _check_node_groups(spec, nets) + value_checks.check(spec)
     if not problems:  # the provider limits assume a spec that is whole
         problems += cloud_rules.check(spec)
         problems += sharedfs.check(spec)
@@ -237,6 +237,7 @@ def _check_node_groups(spec: StackSpec, nets: Mapping[str, Network]) -> list[Pro
         out += _check_scaling(group, path)
         out += _check_market(spec, group, path)
         region = spec.region_of(net) if net is not None and net.cloud == group.cloud else None
+        region = region if region in cat.load_regions()[group.cloud] else None  # a typo is named at its key
         hardware = _check_hardware(spec, catalog, group, path, region)
         out += hardware
         if not hardware and region is not None:
@@ -366,7 +367,8 @@ def _check_hardware(spec: StackSpec, catalog: cat.Catalog, group: NodeGroup, pat
             return [Problem(f"{path}.gpu", f"no {cat.CLOUD_NAMES[group.cloud]} type in the catalog has "
                                            f"{req.gpu_count} x {req.gpu_model or 'any'} GPU(s) with >= {req.min_vram_gb} GB each, "
                                            f"RAM >= {cat.RAM_PER_VRAM} x GPU memory and {req.scratch_gb} GB scratch "
-                                           f"({req.scratch_source}); relax the requirement")]
+                                           f"({req.scratch_source}); relax the requirement"
+                                           f"{cat.near_misses(catalog, group.cloud, req)}")]
         if region is not None and not cat.select(catalog, [group.cloud], req, spec.pricing.cny_per_usd, region):
             fits = [c.type.instance_type for c in cat.select(catalog, [group.cloud], req, spec.pricing.cny_per_usd)]
             return [Problem(f"{path}.gpu", f"node group {group.name}: none of the types that meet it ({', '.join(fits)}) "
@@ -381,7 +383,7 @@ def _check_hardware(spec: StackSpec, catalog: cat.Catalog, group: NodeGroup, pat
         if group.workload == "training" and not item.ram_ok:
             out.append(Problem(where, f"{name} has {item.ram_gib} GiB RAM for {item.total_vram_gb} GB of GPU memory; "
                                       f"training nodes need >= {cat.RAM_PER_VRAM} x ({item.total_vram_gb * cat.RAM_PER_VRAM:g} GiB); "
-                                      "pick a larger type or give a gpu requirement"))
+                                      f"pick a larger type{cat.roomier(catalog, item)} or give a gpu requirement"))
         if item.gpu_vram_gb < req.min_vram_gb:
             out.append(Problem(where, f"{name} has {item.gpu_vram_gb} GB per GPU; the workload needs "
                                       f">= {req.min_vram_gb} GB (minGpuMemoryGb)"))

@@ -327,8 +327,6 @@ def test_no_data_file_says_one_thing_twice(name: str) -> None:
     """A key given twice in a data file would silently drop the first entry (what a merge of two
     branches that both add a type's provider checks leaves behind): read with the loader that
     refuses duplicates."""
-    import yaml
+    from infra import yamlread
 
-    from infra.teams.registry import UniqueKeyLoader
-
-    yaml.load((ROOT / "infra/data" / name).read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # noqa: S506
+    yamlread.load((ROOT / "infra/data" / name).read_text(encoding="utf-8"))

@@ -107,7 +107,7 @@ def test_a_large_change_is_refused_without_accept(tmp_path: Path) -> None:
     before = path.read_text()
     folder = _moved_prices(tmp_path, 1.4)
     result = run("--recorded", str(folder), "--file", str(path), "--cloud", "aws")
-    assert result.returncode == 1 and "refused" in result.stdout
+    assert result.returncode == 1 and "refused" in result.stderr and "refused" not in result.stdout
     assert "p4d.24xlarge" in result.stdout and "+40.0" in result.stdout
     assert path.read_text() == before
     accepted = run("--recorded", str(folder), "--file", str(path), "--cloud", "aws", "--accept")
@@ -128,7 +128,7 @@ def test_a_new_region_is_priced_from_its_offer_file(tmp_path: Path) -> None:
     assert got[("aws", "p5.48xlarge", "us-west-2")][2:4] == (0.46, "5-10%")  # the Advisor's figures for us-west-2
     assert ("aws", "p3.2xlarge", "us-west-2") not in got  # not in that offer file: no row, said so
     bad = run("--recorded", str(RECORDED), "--file", str(path), "--region", "us-west-2")
-    assert bad.returncode == 2 and "needs one CLOUD" in bad.stdout
+    assert bad.returncode == 2 and "needs one CLOUD" in bad.stderr and bad.stdout == ""
 
 
 # -------------------------------------------------------------- every figure, its region
@@ -240,13 +240,13 @@ def test_bad_answers_write_nothing_and_exit_2(tmp_path: Path) -> None:
     offer = folder / "aws" / "offer-us-east-1.csv"
     offer.write_text(offer.read_text().replace('"Publication Date","2026-09-10T19:55:14Z"', '"Publication Date","Sept 10"'))
     dated = run("--recorded", str(folder), "--file", str(path), "--cloud", "aws")
-    assert dated.returncode == 2 and "is not a date" in dated.stdout and "Traceback" not in dated.stderr
+    assert dated.returncode == 2 and "is not a date" in dated.stderr and "Traceback" not in dated.stderr
     offer.write_text((RECORDED / "aws" / "offer-us-east-1.csv").read_text().replace('"0.5260000000"', '"n/a"'))
     garbled = run("--recorded", str(folder), "--file", str(path), "--cloud", "aws")
-    assert garbled.returncode == 2 and "is not a number" in garbled.stdout
+    assert garbled.returncode == 2 and "is not a number" in garbled.stderr
     (folder / "alicloud" / "cn-hangzhou" / "ecs.gn7i-c8g1.2xlarge.json").write_text("{not json")
     broken = run("--recorded", str(folder), "--file", str(path), "--cloud", "alicloud")
-    assert broken.returncode == 2 and "not a JSON object" in broken.stdout
+    assert broken.returncode == 2 and "not a JSON object" in broken.stderr
     assert path.read_text() == before
 
 

@@ -184,6 +184,13 @@ def table() -> str:
     return "\n".join(rows)
 
 
+USAGE = """usage: python -m training.contract check|table|command
+  check    the trainer contract's variables in this environment: one line per problem, exit 2 (the
+           entrypoint's first step, before any launcher starts)
+  table    docs/contract.md's table of the variables
+  command  TRAIN_COMMAND decoded, with ${NAME} expanded, NUL-separated (what the entrypoint runs)"""
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m training.contract check`: the entrypoint's first step (one line per problem,
     exit 2, before any launcher starts); `table`: docs/contract.md's table."""
@@ -191,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     args = sys.argv[1:] if argv is None else argv
+    if args in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
     if args == ["table"]:
         print(table())
         return 0
@@ -199,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("".join(a + "\0" for a in expand(decode_command(env[TRAIN_COMMAND.name]), env)))
         return 0
     if args != ["check"]:
-        print("usage: python -m training.contract check|table|command", file=sys.stderr)
+        print(USAGE.splitlines()[0] + " (--help says what each does)", file=sys.stderr)
         return 2
     found = problems()
     for problem in found:

@@ -25,9 +25,14 @@ class DiffError(Exception):
 
 
 def _git(*args: str, cwd: Path) -> str:
-    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise DiffError("git is not installed: make diff plans the stacks at a git ref (BASE=); install git, or "
+                        "compare two `make plan FORMAT=json` files with make plan AGAINST=<earlier plan>") from None
     if proc.returncode != 0:
-        raise DiffError(f"git {' '.join(args)}: {proc.stderr.strip()}")
+        said = "; ".join(line for line in proc.stderr.strip().splitlines() if line.strip())
+        raise DiffError(f"git {' '.join(args)}: {said or f'exit {proc.returncode}'}")
     return proc.stdout
 
 

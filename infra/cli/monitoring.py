@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from infra import monitoring
-from infra.errors import SpecError
+from infra.errors import SpecError, out_error
 from infra.stackfile import StackFileError, load_stack_spec
 
 
@@ -22,7 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, StackFileError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for path in monitoring.write_all(spec, args.stack, args.out):
+    try:
+        written = monitoring.write_all(spec, args.stack, args.out)
+    except OSError as exc:
+        print(f"error: {out_error('OUT', args.out, exc)}", file=sys.stderr)
+        return 2
+    for path in written:
         print(path)
     return 0
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from infra import policy_config
-from infra.errors import CatalogError, SpecError
+from infra.errors import CatalogError, InputError, SpecError, out_error
 from infra.stackfile import StackFileError, load_stack
 
 
@@ -24,12 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = policy_config.for_stack(args.stack, load_stack(args.stack))
-    except (SpecError, StackFileError, CatalogError) as exc:
+    except (SpecError, StackFileError, CatalogError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"policy-config-{args.stack}.json"
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    except OSError as exc:
+        print(f"error: {out_error('OUT', args.out, exc)}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 

@@ -7,21 +7,23 @@ import sys
 from pathlib import Path
 
 from infra import userdata
-from infra.errors import SpecError
+from infra.errors import InputError, SpecError, out_error
 from infra.stackfile import StackFileError, load_stack
 
 
 def write_all(stack: str, out: Path) -> list[Path]:
     stack_ = load_stack(stack)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for group in stack_.groups:
-        # The trainer image is known by digest only once `pulumi up` has pushed it.
-        ctx = userdata.node_context(stack_.spec, group, userdata.IMAGE_PLACEHOLDER)
-        target = out / f"{group.cloud}-{group.name}.yaml"
-        target.write_text(userdata.render(ctx), encoding="utf-8")
-        written.append(target)
-    return written
+    # The trainer image is known by digest only once `pulumi up` has pushed it.
+    files = {out / f"{group.cloud}-{group.name}.yaml":
+             userdata.render(userdata.node_context(stack_.spec, group, userdata.IMAGE_PLACEHOLDER))
+             for group in stack_.groups}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for target, text in files.items():
+            target.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise out_error("OUT", out, exc) from None
+    return list(files)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for path in write_all(args.stack, args.out):
             print(path)
-    except (SpecError, StackFileError, ValueError) as exc:
+    except (SpecError, StackFileError, ValueError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

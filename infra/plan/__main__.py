@@ -23,6 +23,7 @@ if __name__ == "__main__":
 import argparse
 import asyncio
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -34,7 +35,7 @@ from rich.markup import escape
 
 from infra import fabric_plan, gpu_health, policy_config, protection
 from infra.cost import stack_cost
-from infra.errors import CatalogError, SpecError
+from infra.errors import CatalogError, InputError, SpecError
 from infra import program
 from infra.groups import Stack
 from infra.plan import report
@@ -77,11 +78,31 @@ def build_plan(stack: str, against: Path | None = None) -> dict[str, Any]:
     plan = {"stack": stack, "project": project, "resources": rendered, "cost": cost,
             "violations": violations + fabric_plan.advisories(resolved) + gpu_health.advisories(resolved.groups)}
     if against is not None:
-        base = json.loads(against.read_text(encoding="utf-8"))
+        base = earlier_plan(against)
         kinds = protection.stateful_types()
         plan["replacements"] = replacements(base["resources"], rendered, {t: k.why for t, k in kinds.items()},
                                             {t: k.replace_on for t, k in kinds.items()})
     return plan
+
+
+def earlier_plan(path: Path) -> dict[str, Any]:
+    """An earlier `--format json` plan, or an InputError naming --against and what it is instead."""
+    def refuse(why: str) -> InputError:
+        return InputError(f"--against {path}: {why}; pass a plan written by `make plan FORMAT=json > plan.json`")
+
+    try:
+        if not path.is_file():
+            raise refuse("is not a file" if path.exists() else "does not exist")
+        data: Any = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise refuse(f"cannot be read ({exc.strerror})") from None
+    except ValueError as exc:  # not JSON, not UTF-8
+        raise refuse(f"is not JSON ({str(exc).splitlines()[0]})") from None
+    resources = data.get("resources") if isinstance(data, dict) else None
+    if not isinstance(resources, list) or not all(isinstance(r, dict) and {"urn", "type", "inputs"} <= set(r)
+                                                  for r in resources):
+        raise refuse("is JSON but not a plan (no resources list with urn, type and inputs)")
+    return dict(data)
 
 
 REPORT = "report it with the command and the stack file (docs/not-proven.md lists known gaps)"
@@ -109,21 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True, soft_wrap=True)
     try:
         plan = build_plan(args.stack, args.against)
-    except (SpecError, StackFileError, CatalogError, DuplicateUrn, pulumi.RunError) as exc:
+    except (SpecError, StackFileError, CatalogError, DuplicateUrn, pulumi.RunError, InputError) as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
         return 2
-    except OSError as exc:
-        if args.against is not None and exc.filename == str(args.against):
-            err.print(f"[bold red]error:[/] --against {escape(str(args.against))}: {escape(exc.strerror or str(exc))}",
-                      markup=True, highlight=False)
-            return 2
-        return internal_error(exc, args.debug, err)
     except Exception as exc:  # noqa: BLE001 (a bug here, not the user's: exit 3, one line)
         return internal_error(exc, args.debug, err)
     if args.format == "json":
         sys.stdout.write(json.dumps(plan, indent=2, sort_keys=False) + "\n")
     else:
-        report.print_plan(plan, Console(width=None if sys.stdout.isatty() else 180))
+        report.print_plan(plan, Console(width=report.width(sys.stdout.isatty(), dict(os.environ))))
     mandatory = [v for v in plan["violations"] if v["enforcement"] == "mandatory"]
     return 1 if mandatory else 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
@@ -39,6 +40,30 @@ def key_inputs(inputs: dict[str, Any], limit: int = 4) -> str:
     return " ".join(parts)
 
 
+NARROW = 100  # columns: under this, each table keeps the columns that identify a row and its cost
+
+
+def table(title: str, columns: tuple[str, ...], rows: Sequence[Sequence[str]], console: Console,
+          narrow: tuple[str, ...] | None = None, left: tuple[str, ...] | None = None) -> Table:
+    """A table of `columns`, only the `narrow` ones on a console under NARROW columns wide; the
+    `left` columns aligned left and the others (figures) right (all left when not given)."""
+    keep = [i for i, c in enumerate(columns) if narrow is None or console.width >= NARROW or c in narrow]
+    out = Table(title=title)
+    for i in keep:
+        out.add_column(columns[i], overflow="fold", justify="left" if left is None or columns[i] in left else "right")
+    for row in rows:
+        out.add_row(*(row[i] for i in keep))
+    return out
+
+
+def width(isatty: bool, environ: dict[str, str]) -> int | None:
+    """The table width: the terminal's (rich measures it), COLUMNS when set, else 180 for a pipe."""
+    if isatty:
+        return None
+    columns = environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and int(columns) > 0 else 180
+
+
 def print_plan(plan: dict[str, Any], console: Console) -> None:
     _resources(plan, console)
     _cost(plan["cost"], console)
@@ -46,14 +71,13 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
 
 
 def _resources(plan: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"stack {plan['stack']}: {len(plan['resources'])} resources", show_lines=False)
-    for column in ("cloud", "type", "name", "protected", "key inputs"):
-        table.add_column(column, overflow="fold")
+    rows = []
     for res in sorted(plan["resources"], key=lambda r: (cloud_of(r["type"]), r["type"], r["name"])):
         guard = ("protect+retain" if res.get("retainOnDelete") else "protect") if res.get("protect") else ""
-        table.add_row(cloud_of(res["type"]), res["type"], escape(res["name"]), guard,
-                      escape(key_inputs(res["inputs"])))
-    console.print(table)
+        rows.append((cloud_of(res["type"]), res["type"], escape(res["name"]), guard, escape(key_inputs(res["inputs"]))))
+    console.print(table(f"stack {plan['stack']}: {len(plan['resources'])} resources",
+                        ("cloud", "type", "name", "protected", "key inputs"), rows, console,
+                        narrow=("type", "name", "protected")))
     if "replacements" in plan:
         if plan["replacements"]:
             rt = Table(title="[bold red]stateful resources this change would replace or delete[/]")
@@ -67,10 +91,7 @@ def _resources(plan: dict[str, Any], console: Console) -> None:
 
 
 def _cost(cost: dict[str, Any], console: Console) -> None:
-    groups = Table(title="cost by node group (USD)")
-    for column in ("node group", "cloud", "region", "type", "market", "fabric", "spot cap /node-h", "avg nodes",
-                   "$/h", "$/month", "on-demand $/month"):
-        groups.add_column(column, justify="right" if column[0] in "a$os" else "left")
+    rows = []
     for g in cost["node_groups"]:
         flag = "*" if g["price_estimate"] else ""
         cap = "" if g["spot_max_price"] is None else (
@@ -79,33 +100,38 @@ def _cost(cost: dict[str, Any], console: Console) -> None:
         fabric = "" if g["fabric"] == "none" else (
             f"{g['fabric']} x{g['fabric_devices']} ({g['fabric_interfaces']} NICs), {g['placement']} "
             f"${g['placement_monthly_usd']:,.0f}")
-        groups.add_row(g["name"], g["cloud"], g["region"], g["instance_type"] + flag, g["market"], fabric, cap,
-                       f"{g['average_nodes']:.2f}", f"{g['hourly_usd']:,.2f}", f"{g['monthly_usd']:,.0f}",
-                       f"{g['on_demand_monthly_usd']:,.0f}")
-    console.print(groups)
-
-    clouds = Table(title="cost by cloud (USD; node groups, object storage, clusters, NAT, image registry, "
-                         "rendezvous stores, shared file systems)")
-    for column in ("cloud", "$/h", "$/month", "storage", "clusters", "NAT", "registry", "rdzv", "shared FS",
-                   "peak $/h", "on-demand $/month"):
-        clouds.add_column(column, justify="right" if column != "cloud" else "left")
+        rows.append((g["name"], g["cloud"], g["region"], g["instance_type"] + flag, g["market"], fabric, cap,
+                     f"{g['average_nodes']:.2f}", f"{g['hourly_usd']:,.2f}", f"{g['monthly_usd']:,.0f}",
+                     f"{g['on_demand_monthly_usd']:,.0f}"))
+    console.print(table("cost by node group (USD)", ("node group", "cloud", "region", "type", "market", "fabric",
+                                                     "spot cap /node-h", "avg nodes", "$/h", "$/month",
+                                                     "on-demand $/month"), rows, console,
+                        narrow=("node group", "type", "market", "$/month"),
+                        left=("node group", "cloud", "region", "type", "market", "fabric")))
+    rows = []
     for name, c in cost["by_cloud"].items():
-        clouds.add_row(name, f"{c['hourly_usd']:,.2f}", f"{c['monthly_usd']:,.0f}", f"{c['storage_monthly_usd']:,.0f}",
-                       f"{c['clusters_monthly_usd']:,.0f}", f"{c['nat_monthly_usd']:,.0f}",
-                       f"{c['registry_monthly_usd']:,.0f}", f"{c['rendezvous_monthly_usd']:,.0f}",
-                       f"{c['shared_fs_monthly_usd']:,.0f}", f"{c['peak_hourly_usd']:,.2f}",
-                       f"{c['on_demand_monthly_usd']:,.0f}")
-    clouds.add_row("[bold]total[/]", f"{cost['hourly_usd']:,.2f}", f"{cost['monthly_usd']:,.0f}", "", "", "", "", "", "",
-                   f"{cost['peak_hourly_usd']:,.2f}", f"{cost['on_demand_monthly_usd']:,.0f}")
-    console.print(clouds)
+        rows.append((name, f"{c['hourly_usd']:,.2f}", f"{c['monthly_usd']:,.0f}", f"{c['storage_monthly_usd']:,.0f}",
+                     f"{c['clusters_monthly_usd']:,.0f}", f"{c['nat_monthly_usd']:,.0f}",
+                     f"{c['registry_monthly_usd']:,.0f}", f"{c['rendezvous_monthly_usd']:,.0f}",
+                     f"{c['shared_fs_monthly_usd']:,.0f}", f"{c['peak_hourly_usd']:,.2f}",
+                     f"{c['on_demand_monthly_usd']:,.0f}"))
+    rows.append(("[bold]total[/]", f"{cost['hourly_usd']:,.2f}", f"{cost['monthly_usd']:,.0f}", "", "", "", "", "", "",
+                 f"{cost['peak_hourly_usd']:,.2f}", f"{cost['on_demand_monthly_usd']:,.0f}"))
+    console.print(table("cost by cloud (USD; node groups, object storage, clusters, NAT, image registry, rendezvous "
+                        "stores, shared file systems)", ("cloud", "$/h", "$/month", "storage", "clusters", "NAT",
+                                                          "registry", "rdzv", "shared FS", "peak $/h",
+                                                          "on-demand $/month"), rows, console,
+                        narrow=("cloud", "$/h", "$/month", "on-demand $/month"), left=("cloud",)))
     console.print(f"saving vs on-demand: {cost['savings_vs_on_demand_pct']}%   "
                   f"budget: ${cost['budget_monthly_usd']:,.0f}/month"
                   + ("   (* price is an estimate; override in pricing.overrides)" if cost["includes_estimates"] else ""))
     prices = cost.get("prices")
     if prices and prices["oldest"]:
         oldest = prices["oldest"]
+        age = (f"{prices['age_days']} days" if prices["age_days"] >= 0 else
+               f"dated {-prices['age_days']} days after today: the clock or GTS_TODAY is behind")
         console.print(f"prices: each group's region (infra/data/prices.csv); oldest used {oldest['date']} "
-                      f"({prices['age_days']} days: {escape(oldest['type'])} in {oldest['region']}, "
+                      f"({age}: {escape(oldest['type'])} in {oldest['region']}, "
                       f"{escape(str(oldest['source']))})", highlight=False)
 
 

@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--today", default=datetime.date.today().isoformat(), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     console = Console(soft_wrap=True)
+    err = Console(soft_wrap=True, stderr=True)  # errors and refusals on stderr, as every command's
     clouds = args.cloud or list(cat.CLOUDS)
     source: Source = Recorded(args.recorded) if args.recorded else Live()
     try:
@@ -170,19 +171,19 @@ def main(argv: list[str] | None = None) -> int:
             fresh += got
             missing += skipped
     except (PriceSourceError, OSError, cat.CatalogError) as exc:
-        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return 2
     merged, changes = merge(rows, fresh)
     show(changes, missing, args.threshold, console)
     big = [c for c in changes if abs(c.pct) > args.threshold]
     if big and not args.accept:
-        console.print(f"[bold red]refused:[/] {len(big)} price(s) moved more than {args.threshold:g} %; check them, "
+        err.print(f"[bold red]refused:[/] {len(big)} price(s) moved more than {args.threshold:g} %; check them, "
                       "then run again with ACCEPT=1 (nothing was written)", highlight=False)
         return 1
     try:
         write(args.file, render(header, merged))
     except cat.CatalogError as exc:
-        console.print(f"[bold red]error:[/] the refreshed prices do not pass the catalog's checks, nothing written: "
+        err.print(f"[bold red]error:[/] the refreshed prices do not pass the catalog's checks, nothing written: "
                       f"{escape(str(exc))}", highlight=False)
         return 2
     console.print(f"wrote {args.file} ({len(changes)} price change(s))", highlight=False)

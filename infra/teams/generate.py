@@ -20,7 +20,8 @@ import yaml
 
 from infra import validation
 from infra.errors import Problem, SpecError
-from infra.stacktext import GENERATED, is_generated, load_yaml, project_name, read_stack_text
+from infra.stacktext import (GENERATED, StackFileError, is_generated, load_yaml, project_name, read_stack_text,
+                             read_text)
 from infra.teams.registry import REGISTRY, STACK_PREFIX, Registry, RegistryError, Team, bucket_prefix, load
 
 HEADER = GENERATED + " from {registry} (team {team}) and Pulumi.{base}.yaml. Do not edit:\n" \
@@ -37,7 +38,7 @@ def stack_config(team: Team, registry: Registry, root: Path) -> dict[str, Any]:
     """The team stack's `config:` mapping, in the documented key order."""
     project = project_name(root)
     base_path = root / f"Pulumi.{registry.org.base_stack}.yaml"  # read as strictly as any stack file
-    base = (load_yaml(base_path.read_text(encoding="utf-8"), base_path.name) or {}).get("config") or {}
+    base = (load_yaml(read_text(base_path), base_path.name) or {}).get("config") or {}
     own = {k.split(":", 1)[1]: v for k, v in base.items() if k.startswith(f"{project}:")}
     assert team.stack is not None  # an isolated team (the registry checks)
     env = f"{STACK_PREFIX}{team.name}"
@@ -124,11 +125,14 @@ def write(registry: Registry, root: Path) -> tuple[list[Path], list[Path]]:
     files = stack_files(registry, root)
     validate(registry, root, files)
     written = [p for p, text in files.items() if not p.exists() or p.read_text(encoding="utf-8") != text]
-    for path in written:
-        path.write_text(files[path], encoding="utf-8")
     stale = [p for p in sorted(root.glob(f"Pulumi.{STACK_PREFIX}*.yaml")) if p not in files and is_generated(p)]
-    for path in stale:
-        path.unlink()
+    for path in [*written, *stale]:
+        try:
+            path.write_text(files[path], encoding="utf-8") if path in files else path.unlink()
+        except OSError as exc:
+            raise StackFileError(f"{path.name}: cannot be {'written' if path in files else 'removed'} "
+                                 f"({exc.strerror}); make teams keeps the team stacks in the checkout: run it where "
+                                 "you can write (CI: `python -m infra.teams.report --check` compares only)") from None
     return written, stale
 
 
@@ -169,7 +173,7 @@ def stack_drift(path: Path, root: Path) -> list[str]:
         return [f"{path.name} is generated, but no isolated team in {REGISTRY} generates it: remove it, or add the "
                 f"team to {REGISTRY} and run `make teams`"]
     want = yaml.safe_load(render(team, registry, root))["config"]
-    have = (load_yaml(path.read_text(encoding="utf-8"), path.name) or {}).get("config") or {}
+    have = (load_yaml(read_text(path), path.name) or {}).get("config") or {}
     out = []
     for key in _differences(have, want, ""):
         out.append(f"{key} differs from {REGISTRY} (team {team.name}) and Pulumi.{registry.org.base_stack}.yaml; "

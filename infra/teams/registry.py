@@ -18,20 +18,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from infra import catalog as cat
+from infra import yamlread
 from infra.errors import Problem, SpecError
 from infra.spec import Cloud, Name, NodeGroup, Network, Peering, SpecModel, quota_of
+from infra.spec_patterns import EMAIL
 from infra.spec_problems import check_region, problems_of
-from infra.stacktext import StackFileError, decode, is_generated, project_name, read_stack_file
-from infra.stacktext import UniqueKeyLoader as UniqueKeyLoader  # the loader stack files and teams.yaml are read with
+from infra.stacktext import StackFileError, decode, is_generated, project_name, read_stack_file, read_text
 
 REGISTRY = "teams.yaml"
 STACK_PREFIX = "team-"  # a team's generated stack (and env) is team-<name>
 TeamName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,25}[a-z0-9]$")]  # team-<name> is a Name
-Email = Annotated[str, Field(pattern=r"^[^@\s]+@[^@\s]+\.[^@\s]+$")]
+Email = Annotated[str, Field(pattern=EMAIL)]  # the owners become the team stack's budget alert addresses
 GpuModel = Annotated[str, Field(pattern=r"^[A-Za-z0-9]+$")]
 # GPUs per cloud and model: whole numbers above 0 (YAML's true or "16" are refused, not read as 1 or 16)
 Quota = dict[Cloud, dict[GpuModel, Annotated[int, Field(gt=0, strict=True)]]]
@@ -119,12 +119,18 @@ def load(root: Path, name: str = REGISTRY) -> Registry:
     RegistryError lists every problem. Read at the edge (`make teams`, the program, the plan) and
     handed down."""
     path = root / name
+    if not path.resolve().is_relative_to(root.resolve()):  # a link out of the project (kubernetes.queues)
+        raise RegistryError([Problem(name, f"leads out of the project (to {path.resolve()}); keep the registry in "
+                                           "the project")], name)
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
-    except OSError as exc:
-        raise RegistryError([Problem(name, f"cannot be read ({exc.strerror}); create it (docs/teams.md)")], name) from None
-    except yaml.YAMLError as exc:
-        raise RegistryError([Problem(name, f"is not valid YAML: {exc}")], name) from None
+        data = yamlread.load(read_text(path))  # as stack files are read: merge keys, no key twice, bounded
+    except StackFileError as exc:
+        missing = not path.exists() and not path.is_symlink()
+        raise RegistryError([Problem(name, "cannot be read (No such file or directory); create it (docs/teams.md)"
+                                     if missing else str(exc).removeprefix(name).lstrip(": "))], name) from None
+    except yamlread.YamlError as exc:
+        at = f"line {exc.line}: " if exc.line is not None else ""
+        raise RegistryError([Problem(name, f"{at}{exc}")], name) from None
     if not isinstance(data, dict):
         raise RegistryError([Problem(name, "must be a mapping with version: 1, org and teams (docs/teams.md)")], name)
     try:
@@ -200,6 +206,18 @@ def _check_buckets(registry: Registry, root: Path, project: Callable[[], str]) -
             yield Problem(f"teams[{i}].name", f"the team's bucket prefix {prefix!r} is {taken[prefix]}'s; rename "
                                               "the team")
         taken.setdefault(prefix, f"team {team.name}")
+
+
+def unreadable_stacks(root: Path) -> list[str]:
+    """Why each stack file here cannot be read (a tag, a bad byte, a directory by that name):
+    `make teams` goes on without them, as the bucket check above does, and says which."""
+    out = []
+    for path in sorted(root.glob("Pulumi.*.yaml")):
+        try:
+            read_stack_file(path, project_name(root))
+        except StackFileError as exc:
+            out.append(str(exc))
+    return out
 
 
 def bucket_prefix(registry: Registry, team: Team) -> str:

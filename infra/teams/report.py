@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from infra import catalog as cat
-from infra.errors import CatalogError, SpecError
+from infra.errors import CatalogError, InputError, SpecError
 from infra.plan.__main__ import build_plan
 from infra.stackfile import StackFileError, load_stack, project_root
 from infra.teams import generate, queues, registry
@@ -194,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     root = project_root()
     try:
         reg = registry.load(root)
+        for why in registry.unreadable_stacks(root):
+            err.print(f"[yellow]warning:[/] {escape(why)} (make teams goes on without it: its bucket prefix is not "
+                      "checked against the teams')", highlight=False)
         if args.team and args.team not in {t.name for t in reg.teams}:
             from infra.errors import suggest
 
             names = [t.name for t in reg.teams]
             err.print(f"[bold red]error:[/] TEAM={escape(args.team)}: no such team in teams.yaml"
-                      f"{escape(suggest(args.team, names))} Teams: {', '.join(names)}", highlight=False)
+                      f"{escape(suggest(args.team, names))} (teams: {', '.join(names)})", highlight=False)
             return 2
         if args.check:
             drift = generate.drift(reg, root)
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             for path in removed:
                 err.print(f"removed {path.name} (its team left teams.yaml)", highlight=False)
         report = build(reg, root, args.team)
-    except (RegistryError, SpecError, StackFileError, CatalogError, pulumi.RunError) as exc:
+    except (RegistryError, SpecError, StackFileError, CatalogError, pulumi.RunError, InputError) as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return 2
     except Exception as exc:  # noqa: BLE001 (a bug here, not the registry's: exit 3, one line, as make plan)

@@ -72,8 +72,11 @@ fi
 # A refusal (the run's lock, changed settings, too little data) is written here by the trainer,
 # which then exits 0 so that the launcher stays quiet; this script says it last and exits 2.
 GTS_REFUSAL_FILE=$(mktemp "${TMPDIR:-/tmp}/gts-refusal.XXXXXX")
-export GTS_REFUSAL_FILE
-trap 'rm -f "$GTS_REFUSAL_FILE"' EXIT
+# A worker's fault, one line (training/trainer/train.py failed()): said last, below the launcher's
+# report of the failed worker, which names no cause.
+GTS_FAILURE_FILE=$(mktemp "${TMPDIR:-/tmp}/gts-failure.XXXXXX")
+export GTS_REFUSAL_FILE GTS_FAILURE_FILE
+trap 'rm -f "$GTS_REFUSAL_FILE" "$GTS_FAILURE_FILE"' EXIT
 
 # The address this node reaches the store from: other nodes reach its workers there.
 local_address() {
@@ -163,6 +166,9 @@ done
 if [ -s "$GTS_REFUSAL_FILE" ]; then
   echo "entrypoint: $(head -n 1 "$GTS_REFUSAL_FILE")" >&2
   exit 2
+fi
+if [ "$status" -ne 0 ] && [ -s "$GTS_FAILURE_FILE" ]; then
+  echo "entrypoint: the trainer failed (exit $status): $(head -n 1 "$GTS_FAILURE_FILE") (the worker's traceback is above)" >&2
 fi
 # After a stop the trainer's rank 0 has said where the run stopped; a real failure is non-zero.
 exit "$status"

@@ -130,6 +130,10 @@ def create_signed_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = argv if argv is not None else sys.argv[1:]
+    if args[:1] in (["-h"], ["--help"]):  # asking how it works needs no key
+        print(__doc__.strip() + "\n\nThe rest of its arguments are torchrun's (`torchrun --help`).")
+        return
     run_key()  # no key, no start: the run never falls back to an unsigned rendezvous
     # The agent hosts the workers' store (PrivateWorkerStoreHandler); torch's opt-out would have
     # the rank-0 worker host one on every interface instead.

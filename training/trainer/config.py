@@ -115,6 +115,46 @@ def _coerce(name: str, value: Any) -> Any:
     return str(value)
 
 
+STORES = ("s3", "oss", "cosn", "file")  # the schemes training/storage.py writes to
+
+
+def storage_problem(value: str, empty_ok: bool) -> str:
+    """Why a checkpoint folder or URL cannot be used ('' when it can): an empty value would be the
+    current directory (the checkout, for make train-local), a scheme the storage does not write
+    would fail at the first save, and `s3://` alone names no bucket."""
+    if not value.strip():
+        return "" if empty_ok else ("is empty, which would be the current directory: name a folder (e.g. "
+                                    "out/checkpoints) or a bucket URL (s3://<bucket>/<path>)")
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        return ("holds ':' but is not a URL (scheme://bucket/path): name a folder without ':', or a URL"
+                if ":" in value else "")
+    if scheme not in STORES:
+        return f"{scheme}:// is not a storage the trainer writes; use {', '.join(s + '://' for s in STORES)} or a path"
+    if scheme != "file" and not rest.split("/")[0]:
+        return f"names no bucket; write {scheme}://<bucket>/<path>"
+    if scheme == "file" and not rest.strip("/"):
+        return "names no folder; write file:///<absolute path>"
+    return ""
+
+
+def _check_places(parser: argparse.ArgumentParser, cfg: TrainConfig, origin: dict[str, str]) -> None:
+    """The checkpoint folder and URL: usable (storage_problem), and the local folder creatable."""
+    for name in ("checkpoint_dir", "checkpoint_url"):
+        why = storage_problem(getattr(cfg, name), empty_ok=name == "checkpoint_url")
+        if why:
+            _refuse(parser, f"{origin.get(name, '--' + name.replace('_', '-'))}={getattr(cfg, name)!r}: {why}")
+    local, _ = cfg.local_and_remote()
+    blocking = next((p for p in [Path(local), *Path(local).parents] if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        _refuse(parser, f"{origin.get('checkpoint_dir', '--checkpoint-dir')}={cfg.checkpoint_dir!r}: {blocking} is a "
+                "file, not a folder: name a folder (it is created if missing)")
+    nearest = next(p for p in [Path(local).absolute(), *Path(local).absolute().parents] if p.exists())
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        _refuse(parser, f"{origin.get('checkpoint_dir', '--checkpoint-dir')}={cfg.checkpoint_dir!r}: {nearest} cannot "
+                "be written: name a folder you can write (it is created if missing)")
+
+
 def _refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     """A bad value: one line naming it (the usage text would bury it in every rank's log)."""
     parser.exit(2, f"{parser.prog}: error: {message}\n")
@@ -197,11 +237,7 @@ def parse(argv: list[str] | None = None, environ: dict[str, str] | None = None) 
                     f"{least:g}")
     if cfg.metrics_port > 65535:
         _refuse(parser, f"{origin['metrics_port']}={cfg.metrics_port}: a TCP port (0 = off, at most 65535)")
-    local, _ = cfg.local_and_remote()
-    blocking = next((p for p in [Path(local), *Path(local).parents] if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        _refuse(parser, f"{origin.get('checkpoint_dir', '--checkpoint-dir')}={cfg.checkpoint_dir!r}: {blocking} is a "
-                "file, not a folder: name a folder (it is created if missing)")
+    _check_places(parser, cfg, origin)
     if cfg.workload == "gpt-tiny" and cfg.gpt_dim % cfg.gpt_heads:
         _refuse(parser, f"--gpt-dim {cfg.gpt_dim} is not a multiple of --gpt-heads {cfg.gpt_heads}")
     if cfg.workload == "resnet50" and not cfg.data_dir:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from training.trainer import config as config_mod
+from training.trainer import config as config_mod, failure
 from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadStatus
 from training.storage import StorageRefused
 from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, rng_state, set_rng_state
@@ -397,4 +397,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(failure.noted(main))
