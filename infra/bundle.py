@@ -38,6 +38,7 @@ FILES = (
     ("/usr/local/sbin/gts-rdzv-key.py", 0o755, "cloudinit/scripts/gts-rdzv-key.py"),
     ("/usr/local/sbin/gts-image.py", 0o755, "cloudinit/scripts/gts-image.py"),
     ("/usr/local/sbin/gts-gpu-health.py", 0o755, "cloudinit/scripts/gts-gpu-health.py"),
+    ("/usr/local/sbin/gts-gpu-gate-checks.py", 0o755, "cloudinit/scripts/gts-gpu-gate-checks.py"),
     ("/usr/local/lib/gts/node_replace.py", 0o644, "training/node/node_replace.py"),
     ("/usr/local/lib/gts/gpu_health.yaml", 0o644, "infra/data/gpu_health.yaml"),
     ("/etc/gpu-training/dcgm-counters.csv", 0o644, "cloudinit/dcgm-counters.csv"),

@@ -45,8 +45,10 @@ def _watch_module() -> Any:
 # ---------------------------------------------------------------------------- fake tools
 
 def _fake_tools(tmp: Path, gpus: int, persistence: str = "Enabled", diag_rc: int = 0, links: int = 12,
-                fabric: str = "active") -> Path:
-    """nvidia-smi, dcgmi and systemctl as the gate calls them, answering like the real ones."""
+                fabric: str = "active", dcgm: str = "running") -> Path:
+    """nvidia-smi, dcgmi and systemctl as the gate calls them, answering like the real ones.
+    `dcgm`: the host's nvidia-dcgm service is "running", "stopped" (starts when asked) or
+    "absent" (no such unit: dcgmi finds no host engine)."""
     bin_ = tmp / "bin"
     bin_.mkdir(exist_ok=True)
     rows = "\n".join(f"{i}, {persistence}" for i in range(gpus))
@@ -63,14 +65,26 @@ esac
 """,
         "dcgmi": f"""#!/bin/bash
 echo "dcgmi $*" >> "{tmp}/calls"
+if [ ! -e "{tmp}/dcgm-running" ]; then
+  echo "Error: unable to establish a connection to the specified host: localhost"
+  echo "Error: Unable to connect to host engine. Host engine connection invalid/disconnected."
+  exit 255
+fi
+[ "$1" = discovery ] && {{ echo "8 GPUs found."; exit 0; }}
 echo "| Diagnostic                | {'Pass' if diag_rc == 0 else 'Fail - GPU 3'} |"
 exit {diag_rc}
 """,
         "systemctl": f"""#!/bin/bash
 echo "systemctl $*" >> "{tmp}/calls"
+if [ "$1 $2" = "start nvidia-dcgm" ]; then
+  [ "{dcgm}" = absent ] && {{ echo "Failed to start nvidia-dcgm.service: Unit nvidia-dcgm.service not found." >&2; exit 5; }}
+  touch "{tmp}/dcgm-running"; exit 0
+fi
 echo {fabric}
 """,
     }
+    if dcgm == "running":
+        (tmp / "dcgm-running").touch()
     for name, body in tools.items():
         path = bin_ / name
         path.write_text(body)

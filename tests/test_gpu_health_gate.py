@@ -62,6 +62,45 @@ def test_a_failing_gate_keeps_the_trainer_from_starting_and_asks_for_a_replaceme
     assert call["params"]["InstanceId"] == INSTANCE["alicloud"] and call["params"]["HealthStatus"] == "Unhealthy"
 
 
+def test_the_gate_starts_the_hosts_dcgm_engine_before_it_asks_dcgmi(tmp_path: Path) -> None:
+    """An image that ships dcgmi without enabling nvidia-dcgm (issue 46): the gate starts the
+    service, waits for its engine, and the healthy node passes."""
+    tools = _fake_tools(tmp_path, gpus=8, dcgm="stopped")
+    with _metadata("alicloud", INSTANCE["alicloud"]) as meta:
+        api = ScalingApi("alicloud", meta)
+        done = _gate(tmp_path, tools, meta, api, "--gpus", "8", "--diag-level", "1")
+        api.stop()
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls.index("systemctl start nvidia-dcgm") < calls.index("dcgmi diag -r 1"), calls
+    assert not api.calls
+
+
+def test_a_gate_without_its_tool_keeps_the_trainer_off_but_never_condemns_the_node(tmp_path: Path) -> None:
+    """dcgmi on the host, no DCGM host engine anywhere and no way to run the exporter's: the gate
+    cannot judge the GPUs. Before, the node asked for its replacement — and every new node the
+    same, draining the group; now it stays out (quarantined, for the operator) and asks nothing."""
+    tools = _fake_tools(tmp_path, gpus=8, dcgm="absent")
+    with _metadata("alicloud", INSTANCE["alicloud"]) as meta:
+        api = ScalingApi("alicloud", meta)
+        done = _gate(tmp_path, tools, meta, api, "--gpus", "8", "--diag-level", "1",
+                     env={"PATH": str(tools)})  # no docker: the exporter image's engine cannot run either
+        api.stop()
+    assert done.returncode == 1
+    [line] = [ln for ln in done.stderr.splitlines() if "GPU gate" in ln]
+    assert "could not run" in line and "NOT replaced" in line and "dcgm_diag" in line, done.stderr
+    assert not api.calls, api.calls
+    assert (tmp_path / "run" / "spot-notice").exists()  # the trainer stays off
+    metrics = (tmp_path / "tf" / "gts_gpu_gate.prom").read_text()
+    assert 'gts_gpu_quarantined{cloud="alicloud",group="ali-train",why="gate_tool:dcgm_diag"} 1' in metrics
+
+
+def test_the_gate_runs_after_the_host_services_it_asks() -> None:
+    unit = (ROOT / "cloudinit/units/gts-gpu-gate.service").read_text()
+    after = " ".join(line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("After="))
+    assert "nvidia-fabricmanager.service" in after.split() and "nvidia-dcgm.service" in after.split()
+
+
 def test_the_trainer_unit_requires_the_gate_and_the_node_gets_the_types_expectations() -> None:
     from infra import userdata
     from infra.groups import resolve

@@ -47,15 +47,17 @@ import cloudmeta  # noqa: E402  (the node's copy of training/cloudmeta.py)
 import node_replace  # noqa: E402  (training/node/node_replace.py: the replace-this-node request)
 
 
-def _spot_watch():
-    """gts-spot-watch.py beside this script: its trainer signalling, node mark and bounded wait."""
-    spec = importlib.util.spec_from_file_location("gts_spot_watch", os.path.join(HERE, "gts-spot-watch.py"))
+def _beside(name, script):
+    """A node script beside this one, as a module: gts-spot-watch.py (its trainer signalling, node
+    mark and bounded wait), gts-gpu-gate-checks.py (the boot gate's checks)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, script))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-spot = _spot_watch()
+spot = _beside("gts_spot_watch", "gts-spot-watch.py")
+checks = _beside("gts_gpu_gate_checks", "gts-gpu-gate-checks.py")
 log = logging.getLogger("gts-gpu-health")
 XID = re.compile(r"NVRM: Xid \((?P<pci>[^)]*)\): (?P<code>\d+)(?:, (?P<text>.*))?")
 ACTIONS = ("replace", "restart", "monitor")
@@ -104,80 +106,30 @@ def _labels(**kv):
 
 # ---------------------------------------------------------------------------- the gate
 
-def _run(cmd, timeout):
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
-                              timeout=timeout)
-        return proc.returncode, proc.stdout
-    except FileNotFoundError:
-        return 127, f"{cmd[0]}: not found"
-    except subprocess.TimeoutExpired:
-        return 124, f"{' '.join(cmd)}: no answer in {timeout} s"
-
-
-def dcgmi_command(level, image):
-    """`dcgmi diag` on the host, else in the DCGM exporter's image (the DCGM it ships, with a host
-    engine of its own) — the stack's images carry no DCGM on the host."""
-    diag = ["dcgmi", "diag", "-r", str(level)]
-    if any(os.access(os.path.join(d, "dcgmi"), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep)):
-        return diag
-    return ["docker", "run", "--rm", "--gpus", "all", "--cap-add", "SYS_ADMIN", "--entrypoint", "sh", image,
-            "-c", "nv-hostengine && exec " + " ".join(diag)]
-
-
-def gate_checks(args):
-    """[(check, ok, detail)] in order; the first failures do not stop the others (one run says all)."""
-    results = []
-    code, out = _run(["nvidia-smi", "--query-gpu=index,persistence_mode", "--format=csv,noheader"], 60)
-    rows = [r.split(",") for r in out.strip().splitlines() if r.strip()] if code == 0 else []
-    results.append(("gpu_count", code == 0 and len(rows) == args.gpus,
-                    f"nvidia-smi sees {len(rows)} GPUs, the type has {args.gpus}" if code == 0 else out.strip()))
-    off = [r[0].strip() for r in rows if len(r) > 1 and r[1].strip().lower() != "enabled"]
-    if off:  # ParallelCluster's health check turns it on before DCGM; so do we, then look again
-        _run(["nvidia-smi", "-pm", "1"], 60)
-        code, out = _run(["nvidia-smi", "--query-gpu=index,persistence_mode", "--format=csv,noheader"], 60)
-        off = [r.split(",")[0].strip() for r in out.strip().splitlines()
-               if r.strip() and r.split(",")[-1].strip().lower() != "enabled"]
-    results.append(("persistence_mode", not off, f"persistence mode off on GPUs {','.join(off)}" if off else "on"))
-    if args.nvswitch:
-        code, out = _run(["systemctl", "is-active", "nvidia-fabricmanager"], 30)
-        results.append(("fabric_manager", out.strip() == "active", f"nvidia-fabricmanager is {out.strip() or code}"))
-    if args.diag_level:
-        code, out = _run(dcgmi_command(args.diag_level, args.dcgm_image), args.diag_timeout)
-        failed = [line.strip() for line in out.splitlines() if re.search(r"\bFail", line)]
-        ok = code == 0 and not failed
-        results.append(("dcgm_diag", ok, f"dcgmi diag -r {args.diag_level}: " +
-                        ("passed" if ok else (failed[0] if failed else f"exit {code}: {out.strip()[-200:]}"))))
-    if args.nvlinks:
-        code, out = _run(["nvidia-smi", "nvlink", "-s"], 60)
-        per_gpu, gpu = {}, None
-        for line in out.splitlines():
-            head = re.match(r"GPU (\d+):", line)
-            if head:
-                gpu = int(head.group(1))
-                per_gpu[gpu] = 0
-            elif gpu is not None and re.search(r"Link \d+: [\d.]+ GB/s", line):
-                per_gpu[gpu] += 1
-        short = {g: n for g, n in per_gpu.items() if n != args.nvlinks}
-        ok = code == 0 and len(per_gpu) == args.gpus and not short
-        results.append(("nvlink", ok, "all up" if ok else
-                        f"NVLinks up per GPU {per_gpu or out.strip()[-120:]}, expected {args.nvlinks} on each of {args.gpus}"))
-    return results
-
-
 def gate(args):
-    results = gate_checks(args)
-    failed = [(c, d) for c, ok, d in results if not ok]
+    results = checks.gate_checks(args)
+    failed = [(c, d) for c, ok, d, tool in results if not ok and not tool]
+    missing = [(c, d) for c, ok, d, tool in results if not ok and tool]
     labels = dict(cloud=args.cloud, group=args.group)
     lines = ["# HELP gts_gpu_gate_ok 1 when the node passed its GPU boot gate; 0 keeps its trainer from starting.",
              "# TYPE gts_gpu_gate_ok gauge", f"gts_gpu_gate_ok{_labels(**labels)} {0 if failed else 1}",
              "# HELP gts_gpu_gate_check_ok Each boot-gate check (gpu_count, persistence_mode, fabric_manager, "
              "dcgm_diag, nvlink).", "# TYPE gts_gpu_gate_check_ok gauge"]
-    lines += [f"gts_gpu_gate_check_ok{_labels(check=c, **labels)} {int(ok)}" for c, ok, _ in results]
-    if not failed:
+    lines += [f"gts_gpu_gate_check_ok{_labels(check=c, **labels)} {int(ok)}" for c, ok, _, _ in results]
+    if not failed and not missing:
         write_textfile(args.textfile_dir, "gts_gpu_gate", lines)
-        log.info("GPU gate passed: %s", "; ".join(f"{c}: {d}" for c, _, d in results))
+        log.info("GPU gate passed: %s", "; ".join(f"{c}: {d}" for c, _, d, _ in results))
         return 0
+    if not failed:
+        # The gate could not judge this node: the trainer stays off, but the node is not handed
+        # back — a new one boots the same image and would fail the same way, draining the group.
+        reason = "; ".join(f"{c}: {d}" for c, d in missing)
+        log.error("GPU gate could not run (a tool of the gate, not this node, is missing): the trainer does not "
+                  "start and the node is NOT replaced; fix the image or the node's services: %s", reason)
+        spot.mark(args.run_dir)
+        lines += quarantine_metric(labels, "gate_tool:" + missing[0][0])
+        write_textfile(args.textfile_dir, "gts_gpu_gate", lines)
+        return 1
     reason = "; ".join(f"{c}: {d}" for c, d in failed)
     log.error("GPU gate FAILED, the trainer does not start and the node asks for its replacement: %s", reason)
     spot.mark(args.run_dir)  # the trainer unit's ConditionPathExists: never started on this node

@@ -330,7 +330,7 @@ def _volumes(args: TrainingJobArgs, shm_gb: int) -> tuple[list[k8s.core.v1.Volum
     return mounts, volumes
 
 
-GATE_SCRIPTS = ("gts-gpu-health.py", "gts-spot-watch.py")  # the gate imports the spot watcher's helpers
+GATE_SCRIPTS = ("gts-gpu-health.py", "gts-spot-watch.py", "gts-gpu-gate-checks.py")  # the gate loads the other two
 GATE_DIR = "/opt/gts/gpu-gate"
 
 
