@@ -79,6 +79,8 @@ def test_a_stores_address_is_in_its_reserved_range_and_the_group_holds_the_key(t
     assert RDZV_KEY not in env and env["RDZV_ENDPOINT"] == f"{store.inputs['privateIp']}:29400"
     (parameter,) = [r for r in resources if r.type == "aws:ssm/parameter:Parameter"]
     assert env[RDZV_KEY_REF] == parameter.inputs["name"] and parameter.inputs["type"] == "SecureString"
+    # In the region the node asks (its bucket's: gts-rdzv-key.py calls SSM in STORAGE_REGION).
+    assert f"-{env['STORAGE_REGION']}::" in parameter.provider, (parameter.provider, env["STORAGE_REGION"])
     assert not isinstance(parameter.inputs["value"], str), "the key is a secret in the state"
     key = unwrap_secrets(parameter.inputs["value"])
     # The node's key reader takes it; and it is in no node's user data or launch settings.

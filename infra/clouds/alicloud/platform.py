@@ -97,8 +97,9 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
         return store.instance
 
     def make_key_secret(self, group: ResolvedGroup, key: pulumi.Output[str], access: AlicloudAccess) -> str:
-        return secrets.rendezvous_key(self.spec.env, group.name, group.region, key, access.roles[group.name].role_name,
-                                      self.tags, pulumi.ResourceOptions(parent=self, provider=self.provider(group.region)))
+        # In the stack's default region, with its bucket: the node asks there (STORAGE_REGION).
+        return secrets.rendezvous_key(self.spec.env, group.name, self.account.region, key, access.roles[group.name].role_name,
+                                      self.tags, pulumi.ResourceOptions(parent=self, provider=self.provider()))
 
     def make_fleet(self, group: ResolvedGroup, net: AlicloudNetwork, access: AlicloudAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:

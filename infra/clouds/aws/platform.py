@@ -137,8 +137,9 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
         return store.instance
 
     def make_key_secret(self, group: ResolvedGroup, key: pulumi.Output[str], access: AwsAccess) -> str:
+        # In the stack's default region, with its bucket: the node asks there (STORAGE_REGION).
         return secrets.rendezvous_key(self.spec.env, group.name, key, access.profiles[group.name].role.apply(str),
-                                      self.tags, pulumi.ResourceOptions(parent=self, provider=self.provider(group.region)))
+                                      self.tags, pulumi.ResourceOptions(parent=self, provider=self.provider()))
 
     def make_fleet(self, group: ResolvedGroup, net: AwsNetwork, access: AwsAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:

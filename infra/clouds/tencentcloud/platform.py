@@ -113,8 +113,9 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
         return store.instance
 
     def make_key_secret(self, group: ResolvedGroup, key: pulumi.Output[str], access: TencentAccess) -> str:
-        return secrets.rendezvous_key(self.spec.env, group.name, group.region, key, access.roles[group.name].id,
-                                      self.tags, pulumi.ResourceOptions(parent=self, provider=self.provider(group.region)))
+        # In the stack's default region, with its bucket: the node asks there (STORAGE_REGION).
+        return secrets.rendezvous_key(self.spec.env, group.name, self.account.region, key, access.roles[group.name].id,
+                                      self.tags, pulumi.ResourceOptions(parent=self, provider=self.provider()))
 
     def make_fleet(self, group: ResolvedGroup, net: TencentNetwork, access: TencentAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
