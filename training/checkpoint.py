@@ -213,6 +213,13 @@ class CheckpointManager(Uploading):
         return self.status.write_error
 
     @property
+    def refused(self) -> str:
+        """`URL: Code: message` once the store refused an upload for good (no such bucket, access
+        denied), else "": the training loop stops (training/run_control.py's say_refused)."""
+        with self._lock:
+            return self.status.permanent_error
+
+    @property
     def writing(self) -> bool:
         """A checkpoint is being written in the background now (the loop's wall-cost accounting,
         training/wallcost.py)."""

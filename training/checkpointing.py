@@ -52,7 +52,7 @@ from training.checkpoint import CheckpointError
 from training.distributed import Comm
 from training.loaders import LoaderState
 from training.run_control import (EXIT_PEER_STOPPED, Interval, Resumed, StopFlag, choose_checkpoint, exit_code,
-                                  finish, open_manager, rng_state, set_rng_state)
+                                  finish, open_manager, process_exit, rng_state, say_refused, set_rng_state)
 
 if TYPE_CHECKING:
     from training.sharded import ShardedCheckpoints
@@ -88,6 +88,7 @@ class Checkpointer:
         self.manager = open_manager(self.comm, url, local_dir, keep, on_status=self.interval.status)
         self.last_saved = -1
         self.stopped: str | None = None
+        self.refused = False  # the store refused the uploads for good: the run stopped (close() says why)
         self.exit_code = 0  # set when the `with` block ends (close())
         self.sharded: ShardedCheckpoints | None = None
         self._open_sharded(sharded)
@@ -159,11 +160,18 @@ class Checkpointer:
 
     def step(self, step: int, **extra: Any) -> bool:
         """After each optimizer step, with the number of steps done: saves every `every` steps,
-        on SIGUSR1, and on SIGTERM / SIGINT on any rank — then returns True: leave the loop."""
-        stopping, asked, due = self.comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request(),
-                                                  self.interval.due(step, self.last_saved))
-        if due or stopping or asked:
+        on SIGUSR1, and on SIGTERM / SIGINT on any rank — then returns True: leave the loop. It
+        also returns True (after saving locally) once the store refused the uploads for good (the
+        bucket is gone, access denied): the `with` block's exit code is then non-zero."""
+        stopping, asked, due, refused = self.comm.any_true(
+            self.stop.raised is not None, self.stop.take_checkpoint_request(),
+            self.interval.due(step, self.last_saved), bool(self.manager.refused))
+        if due or stopping or asked or refused:
             self.save(step, **extra)
+        if refused:
+            self.refused = True
+            say_refused(self.manager, self.comm, step)
+            return True
         if stopping:
             self.stopped = self.stop.raised or "a signal on another rank"
             if self.comm.rank == 0:
@@ -198,10 +206,14 @@ class Checkpointer:
         return next(iter(self.loaders.values())).epoch if self.loaders else 0
 
     def close(self) -> int:
-        """Wait for the uploads (up to the deadline) and return the process's exit code (finish)."""
+        """Wait for the uploads (up to the deadline) and return the process's exit code (finish):
+        non-zero when the store refused the checkpoints or the last one could not be written.
+        Under the image's entrypoint a refusal is its last line and exit 2 (this returns 0 then,
+        so that the launcher adds no traceback of its own)."""
         if self.sharded is not None:
             self.sharded.close()  # this rank's shard of the last checkpoint is written
-        return finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline)
+        return process_exit(finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline,
+                                   self.last_saved if self.refused else None))
 
     def __enter__(self) -> Checkpointer:
         return self

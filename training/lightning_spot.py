@@ -32,6 +32,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, open_manager
+from training.run_control import process_exit, say_refused
 from training.distributed import Comm
 
 log = logging.getLogger("gts.lightning")
@@ -50,6 +51,7 @@ class SpotCheckpoint(pl.Callback):
         self.deadline = upload_deadline_s
         self.last_saved = 0
         self.stopped: str | None = None
+        self.refused = False  # the store refused the uploads for good
         self.resumed_step = 0
 
     # -- resume / fit / close ---------------------------------------------------------------
@@ -80,7 +82,8 @@ class SpotCheckpoint(pl.Callback):
         return self.close()
 
     def close(self) -> int:
-        return finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline)
+        return process_exit(finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline,
+                                   self.last_saved if self.refused else None))
 
     # -- Callback hooks ---------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -90,10 +93,16 @@ class SpotCheckpoint(pl.Callback):
                            batch_idx: int) -> None:
         step = trainer.global_step
         fresh = step != self.last_saved
-        stopping, asked, due = self.comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request(),
-                                                  fresh and self.interval.due(step, self.last_saved))
-        if due or stopping or asked:
+        stopping, asked, due, refused = self.comm.any_true(
+            self.stop.raised is not None, self.stop.take_checkpoint_request(),
+            fresh and self.interval.due(step, self.last_saved), bool(self.manager.refused))
+        if due or stopping or asked or refused:
             self.save(trainer)
+        if refused:  # the bucket is gone or refuses writes: saved locally, then close() says so (exit 2)
+            self.refused = True
+            trainer.should_stop = True
+            say_refused(self.manager, self.comm, step)
+            return
         if stopping:
             self.stopped = self.stop.raised or "a signal on another rank"
             trainer.should_stop = True
