@@ -50,6 +50,7 @@ from training.checkpoint_files import (DOT_LEAF, FILE_NAME, MAX_DEPTH, MAX_NODES
                                        fsync_dir, inside, link_or_copy, manifest_name, plain_path, rng_name, run_key,
                                        sha256_of, step_dir, tree_files)
 from training.checkpoint_upload import Uploading
+from training.lease import Lease, take
 from training.staging import Stager, save_hashed
 from training.storage import Location, location
 
@@ -126,9 +127,16 @@ class CheckpointManager(Uploading):
         self._prefetched: tuple[int, tuple[dict[str, Any], dict[str, Any] | None]] | None = None
         self._prefetch_lock = threading.Lock()
         self._prefetch_ended = False
+        # One run per checkpoint prefix (training/lease.py): global rank 0 holds the bucket's lease.
+        self.lease: Lease | None = take(self.remote, self._lease_lost) if self.remote and topo.rank == 0 else None
         if self.remote is not None and topo.local_rank == 0:
             self._thread = threading.Thread(target=self._uploader, name="checkpoint-upload", daemon=True)
             self._thread.start()
+
+    def _lease_lost(self, why: str) -> None:
+        """Another run took the prefix: the loop stops as for a refused upload (manager.refused)."""
+        with self._lock:
+            self.status.permanent_error = why
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, model_state: dict[str, Any] | None, rng_state: dict[str, Any],
@@ -316,6 +324,8 @@ class CheckpointManager(Uploading):
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=5)
+        if self.lease is not None:
+            self.lease.release()  # a restart of this run (or the next run) takes the prefix at once
         if not ok:
             log.error("%d checkpoint(s) could not be uploaded to %s: %s (last error: %s); they are kept "
                       "in %s and will be uploaded when a run starts again with the store reachable",

@@ -46,6 +46,8 @@ class Uploading(Loading):
     def _upload_pending(self) -> None:
         with self._lock:
             steps = sorted(self.status.pending)
+            if self.status.permanent_error:  # refused, or another run took the prefix: write nothing there
+                return
         for step in steps:
             try:
                 # Transient faults (timeouts, 5xx, a dropped connection) are retried quietly; an

@@ -51,8 +51,10 @@ from torch.utils.data import DataLoader
 from training.checkpoint import CheckpointError
 from training.distributed import Comm
 from training.loaders import LoaderState
-from training.run_control import (EXIT_PEER_STOPPED, Interval, Resumed, StopFlag, choose_checkpoint, exit_code,
-                                  finish, open_manager, process_exit, rng_state, say_refused, set_rng_state)
+from training.run_control import (EXIT_PEER_STOPPED, EXIT_REFUSED, Interval, Resumed, StopFlag, choose_checkpoint,
+                                  exit_code, finish, open_manager, process_exit, refuse, rng_state, say_refused,
+                                  set_rng_state)
+from training.storage import StorageRefused
 
 if TYPE_CHECKING:
     from training.sharded import ShardedCheckpoints
@@ -123,7 +125,13 @@ class Checkpointer:
     def resume(self) -> int:
         """Restore the newest checkpoint every rank can load (checked file by file); returns its
         step, or 0 when there is none. Committed steps the bucket lacks are uploaded now."""
-        found = self.sharded.choose() if self.sharded is not None else choose_checkpoint(self.manager, self.comm)
+        try:
+            found = self.sharded.choose() if self.sharded is not None else choose_checkpoint(self.manager, self.comm)
+        except StorageRefused as exc:  # no such bucket, access denied (every rank lists it): one line, no traceback
+            if self.comm.rank == 0:
+                refuse(f"refused: checkpoint storage {exc}")
+            self.manager.close(timeout=0)
+            raise SystemExit(process_exit(EXIT_REFUSED)) from None
         self.manager.resync()
         if found is None:
             return 0

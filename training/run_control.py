@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from training import contract
-from training.checkpoint import CheckpointError, CheckpointManager, Topology, UploadStatus
+from training.checkpoint import CheckpointError, CheckpointManager, RunLocked, Topology, UploadStatus
 from training.distributed import Comm
 from training.goodput import AutoInterval
 
@@ -256,5 +256,15 @@ def open_manager(comm: Comm, url: str | None, local_dir: str | None, keep: int |
     if "://" in folder and not folder.startswith("file://"):
         folder, remote = "out/checkpoint-cache", folder
     topo = Topology(comm.rank, comm.local_rank, comm.world, comm.node, comm.nnodes, comm.local_world)
-    return CheckpointManager(folder.removeprefix("file://"), remote or None, topo,
-                             keep=_setting(keep, contract.KEEP_CHECKPOINTS, 3), on_status=on_status)
+    manager: CheckpointManager | None = None
+    try:
+        manager = CheckpointManager(folder.removeprefix("file://"), remote or None, topo,
+                                    keep=_setting(keep, contract.KEEP_CHECKPOINTS, 3), on_status=on_status)
+    except RunLocked as exc:  # this node's folder, or the bucket's prefix (training/lease.py), is another run's
+        refuse(f"refused: {exc}")
+    (locked,) = comm.any_true(manager is None)
+    if manager is None or locked:
+        if manager is not None:
+            manager.close(timeout=0)  # gives back a lease this rank took
+        raise SystemExit(process_exit(EXIT_REFUSED))  # every rank: one line, no traceback
+    return manager
