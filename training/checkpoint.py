@@ -48,7 +48,7 @@ from training import digest
 from training.checkpoint_files import (DOT_LEAF, FILE_NAME, MAX_DEPTH, MAX_NODES, MODEL_FILE, STEP_RE,
                                        CheckpointError, RunLocked, Topology, UploadStatus, check_manifest,
                                        fsync_dir, inside, link_or_copy, manifest_name, plain_path, rng_name, run_key,
-                                       sha256_of, step_dir, tree_files)
+                                       sha256_of, state_bytes, step_dir, tree_files, write_failure)
 from training.checkpoint_upload import Uploading
 from training.lease import Lease, take
 from training.staging import Stager, save_hashed
@@ -155,7 +155,12 @@ class CheckpointManager(Uploading):
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        _save(rng_state, tmp / rng_name(self.topo.rank))
+        try:
+            _save(rng_state, tmp / rng_name(self.topo.rank))
+        except (OSError, RuntimeError) as exc:  # torch reports a full disk as its own RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {step_dir(step)} could not be written: "
+                                  f"{write_failure(exc, self.local, state_bytes(rng_state))}") from None
         barrier()
         if self.topo.local_rank == 0:
             assert model_state is not None
@@ -180,7 +185,7 @@ class CheckpointManager(Uploading):
         def write() -> None:
             size, digest = save_hashed(staged, tmp / MODEL_FILE)
             self._commit(step, tmp, final, known={MODEL_FILE: (size, digest)})
-        self._written(step, tmp, write)
+        self._written(step, tmp, write, needed=state_bytes(staged))
 
     def start_writer(self, step: int, write: Callable[[], None], wait: bool = False) -> None:
         """Run `write` (it writes and commits `step`, e.g. training/sharded.py's) on the writer
@@ -199,15 +204,16 @@ class CheckpointManager(Uploading):
         """Hash the files in `tmp`, write this node's manifest, rename: for writers of our format."""
         self._commit(step, tmp, final)
 
-    def _written(self, step: int, tmp: Path, write: Callable[[], None]) -> None:
+    def _written(self, step: int, tmp: Path, write: Callable[[], None], needed: int | None = None) -> None:
         try:
             write()
         except Exception as exc:  # noqa: BLE001 (disk full, I/O error): the step is not committed
             shutil.rmtree(tmp, ignore_errors=True)  # do not leave a partial step on a full disk
+            why = write_failure(exc, self.local, needed)
             with self._lock:
-                self.status.write_error = f"{step_dir(step)}: {type(exc).__name__}: {exc}"
+                self.status.write_error = f"{step_dir(step)}: {why}"
             log.error("checkpoint %s could not be written: %s; the newest committed one stays the resume point",
-                      step_dir(step), exc)
+                      step_dir(step), why)
             self._report()
             return
         with self._lock:

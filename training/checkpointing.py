@@ -175,7 +175,7 @@ class Checkpointer:
             self.stop.raised is not None, self.stop.take_checkpoint_request(),
             self.interval.due(step, self.last_saved), bool(self.manager.refused))
         if due or stopping or asked or refused:
-            self.save(step, **extra)
+            self._save(step, **extra)
         if refused:
             self.refused = True
             say_refused(self.manager, self.comm, step)
@@ -187,7 +187,21 @@ class Checkpointer:
         return stopping
 
     def save(self, step: int, **extra: Any) -> float:
-        """Checkpoint now (every rank calls it); returns the seconds the loop was blocked."""
+        """Checkpoint now and wait until it is committed on this node's disk (every rank calls
+        it); returns the seconds the loop was blocked. Raises CheckpointError on every rank when
+        the step could not be written (a full disk: which one, and how much the step needed), so
+        that a loop's own "done" after its last save never runs on a checkpoint that is not there.
+        The saves `step()` makes are written in the background and do not wait."""
+        blocked = self._save(step, **extra)
+        if self.sharded is not None:
+            self.sharded.wait()  # this rank's shard is written
+        self.manager.wait_commit()
+        failures = [f for f in self.comm.all_gather_object(self.manager.write_error) if f]
+        if failures:
+            raise CheckpointError(f"checkpoint step {step} could not be written: {failures[0]}")
+        return blocked
+
+    def _save(self, step: int, **extra: Any) -> float:
         if step == self.last_saved:
             return 0.0
         payload = None
