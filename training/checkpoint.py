@@ -164,6 +164,8 @@ class CheckpointManager(Uploading):
         barrier()
         if self.topo.local_rank == 0:
             assert model_state is not None
+            if final.exists() and not self._local_manifests(step):
+                shutil.rmtree(final)  # a damaged copy (its manifest unreadable): written again
             if final.exists():  # committed before (the caller normally skips this)
                 shutil.rmtree(tmp, ignore_errors=True)
             elif not self.background:
