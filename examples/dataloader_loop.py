@@ -56,7 +56,7 @@ def make_loader(args: argparse.Namespace, data: Dataset[Any],
                          num_workers=args.workers)
 
 
-def main() -> int:
+def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps in all")
     parser.add_argument("--accumulate", type=int, default=2, help="batches per optimizer step")
@@ -70,7 +70,11 @@ def main() -> int:
     parser.add_argument("--sleep-ms", type=int, default=0, help="slow each step down (lets a test interrupt it)")
     parser.add_argument("--pause-at", type=int, default=0,
                         help="after this step, wait for a stop signal (lets a test stop it at a known step)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.manual_seed(0)
     features = torch.randn(args.samples, 16)
