@@ -32,11 +32,26 @@ from typing import Any
 import lightning.pytorch as pl
 
 from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, open_manager
-from training.run_control import process_exit, say_refused
+from training.run_control import EXIT_REFUSED, process_exit, refuse, say_refused
 from training.distributed import Comm
 
 log = logging.getLogger("gts.lightning")
 CKPT_FILE = "lightning.ckpt"
+
+
+def _loaders(data: dict[str, Any]) -> list[Any]:
+    """The loaders in fit's data arguments (a loader, or lists / dicts of them)."""
+    found: list[Any] = []
+    pending = list(data.values())
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif item is not None and hasattr(item, "dataset"):
+            found.append(item)
+    return found
 
 
 class SpotCheckpoint(pl.Callback):
@@ -70,6 +85,15 @@ class SpotCheckpoint(pl.Callback):
     def fit(self, trainer: pl.Trainer, model: pl.LightningModule, **data: Any) -> int:
         """Resume `trainer` from the newest good checkpoint, fit `model` to max_steps or a stop
         signal, wait for the uploads. Returns the exit code (training.checkpointing.finish)."""
+        stateful = [type(x).__name__ for x in _loaders(data) if callable(getattr(x, "load_state_dict", None))]
+        if stateful:
+            if self.comm.rank == 0:
+                refuse(f"refused: Lightning with {stateful[0]} does not resume exactly here: after a resume no step "
+                       "trained on the samples an uninterrupted run trains on (issue 42). Pass a plain DataLoader "
+                       "(Lightning replays the interrupted epoch from its start), or use training.checkpointing's "
+                       "Checkpointer in your own loop, which resumes both loaders exactly")
+            self.manager.close(timeout=0)
+            return process_exit(EXIT_REFUSED)
         path = self.resume()
         if path is not None and 0 < trainer.max_steps <= self.resumed_step:
             if self.comm.rank == 0:
