@@ -225,9 +225,11 @@ def finish(manager: CheckpointManager, comm: Comm, raised: str | None, stopped: 
     at = f" at step {step}" if step is not None else ""
     if status.permanent_error:
         kept = [p.name for p in sorted(manager.local.glob("step-*")) if not p.name.endswith(".tmp")]
+        taken = manager.lease is not None and bool(manager.lease.lost)  # another run holds the prefix now
+        advice = ("give this run another checkpoint URL" if taken
+                  else "fix the bucket (or copy them there), then start the run again")
         refuse(f"stopped: checkpoint storage {status.permanent_error}: the run stopped{at}; its checkpoints are kept on "
-               f"this node in {manager.local} ({', '.join(kept) or 'none'}), not in the bucket: copy them there "
-               "or fix the bucket, then start the run again")
+               f"this node in {manager.local} ({', '.join(kept) or 'none'}), not in the bucket: {advice}")
         return EXIT_REFUSED
     if status.pending and comm.rank == 0:
         log.error("%d checkpoint(s) not uploaded yet; kept on local disk in %s", len(status.pending), manager.local)
