@@ -50,12 +50,16 @@ def main() -> int:
     parser.add_argument("--sleep-ms", type=int, default=0, help="slow each step down (lets a test interrupt it)")
     parser.add_argument("--pause-at", type=int, default=0,
                         help="at this step, wait for a stop signal (lets a test stop it at a known step)")
+    parser.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader (refused)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     pl.seed_everything(0, workers=True)
     features = torch.randn(256, 16)
-    data = DataLoader(TensorDataset(features, (features.sum(dim=1, keepdim=True) > 0).float()), batch_size=8,
-                      shuffle=True)
+    make: type[DataLoader[Any]] = DataLoader
+    if args.stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
+        make = StatefulDataLoader
+    data = make(TensorDataset(features, (features.sum(dim=1, keepdim=True) > 0).float()), batch_size=8, shuffle=True)
 
     spot = SpotCheckpoint()  # before the Trainer: it joins the process group torchrun describes
     trainer = pl.Trainer(accelerator="auto", devices=spot.comm.local_world, num_nodes=spot.comm.nnodes, strategy="ddp",

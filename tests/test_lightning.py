@@ -49,3 +49,16 @@ def test_lightning_ddp_stops_with_a_checkpoint_and_resumes_from_the_bucket(tmp_p
     again = start(ENTRYPOINT, node(tmp_path, "node-b"), tmp_path)
     assert again.finish() == 0, again.output[-3000:]
     again.wait_for(r"run complete: checkpoint step 30 is at max_steps; nothing to train")
+
+
+def test_lightning_with_a_stateful_dataloader_is_refused_with_one_line(tmp_path: Path) -> None:
+    """Lightning resumes a StatefulDataLoader on other samples than an uninterrupted run's (issue
+    42): the callback refuses the combination before training, naming it and the way out."""
+    env = node(tmp_path, "node-a")
+    env[contract.TRAIN_COMMAND.name] = contract.encode_command([str(EXAMPLE), "--max-steps", "30", "--stateful"])
+    run = start(ENTRYPOINT, env, tmp_path)
+    assert run.finish() == 2, run.output[-3000:]
+    line = [x for x in run.output.splitlines() if x.strip()][-1]
+    assert line.startswith("entrypoint: refused: Lightning with StatefulDataLoader does not resume exactly here: "), line
+    assert "Pass a plain DataLoader" in line and "Traceback" not in run.output, run.output[-3000:]
+    assert "step 1 loss" not in run.output and not list((tmp_path / "node-a").glob("**/step-*"))

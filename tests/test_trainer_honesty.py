@@ -179,8 +179,9 @@ def test_a_final_checkpoint_that_cannot_be_written_fails_the_run(tmp_path: Path)
                  env={"GTS_TEST_DISK_FULL_STEP": "60"})
     assert run.finish() == 1, run.output[-3000:]
     assert "final step=" not in run.output
-    run.wait_for(r"the run reached its end at step 60, but its checkpoint could not be written \(step-00000060: OSError: "
-                 r"\[Errno 28\] No space left on device\)")
+    run.wait_for(r"the run reached its end at step 60, but its checkpoint could not be written \(step-00000060: the disk "
+                 rf"holding {tmp_path / 'ck'} \(the file system mounted at /\S*\) is full: the step needed about "
+                 r"\d+\.\d [KM]iB, .* free \(OSError: \[Errno 28\] No space left on device\)")
     assert sorted(p.name for p in (tmp_path / "ck").glob("step-*")) == ["step-00000020", "step-00000040"]
 
 

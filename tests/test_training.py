@@ -133,7 +133,9 @@ def test_checkpoints_reach_the_bucket_and_resume_from_it(reference: tuple[str, P
 
 def test_storage_outage_does_not_stop_training(moto: MotoServer, tmp_path: Path) -> None:
     proxy = Proxy(moto.port)
-    env = storage_env(f"http://127.0.0.1:{proxy.port}")
+    # One run started twice: its lease on the prefix (training/lease.py), which the first start
+    # could not give back through the outage, is its own (a stack's node gets GTS_NODE_GROUP).
+    env = {**storage_env(f"http://127.0.0.1:{proxy.port}"), "GTS_RUN_ID": "outage-run"}
     args = ["--workload", "tiny", "--steps", "60", "--checkpoint-every", "10", "--log-every", "5",
             "--checkpoint-dir", f"s3://{moto.bucket}/run-e", "--upload-deadline-s", "4", "--throttle-ms", "50"]
     port = free_port()

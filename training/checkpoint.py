@@ -48,8 +48,9 @@ from training import digest
 from training.checkpoint_files import (DOT_LEAF, FILE_NAME, MAX_DEPTH, MAX_NODES, MODEL_FILE, STEP_RE,
                                        CheckpointError, RunLocked, Topology, UploadStatus, check_manifest,
                                        fsync_dir, inside, link_or_copy, manifest_name, plain_path, rng_name, run_key,
-                                       sha256_of, step_dir, tree_files)
+                                       sha256_of, state_bytes, step_dir, tree_files, write_failure)
 from training.checkpoint_upload import Uploading
+from training.lease import Lease, take
 from training.staging import Stager, save_hashed
 from training.storage import Location, location
 
@@ -126,9 +127,16 @@ class CheckpointManager(Uploading):
         self._prefetched: tuple[int, tuple[dict[str, Any], dict[str, Any] | None]] | None = None
         self._prefetch_lock = threading.Lock()
         self._prefetch_ended = False
+        # One run per checkpoint prefix (training/lease.py): global rank 0 holds the bucket's lease.
+        self.lease: Lease | None = take(self.remote, self._lease_lost) if self.remote and topo.rank == 0 else None
         if self.remote is not None and topo.local_rank == 0:
             self._thread = threading.Thread(target=self._uploader, name="checkpoint-upload", daemon=True)
             self._thread.start()
+
+    def _lease_lost(self, why: str) -> None:
+        """Another run took the prefix: the loop stops as for a refused upload (manager.refused)."""
+        with self._lock:
+            self.status.permanent_error = why
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, model_state: dict[str, Any] | None, rng_state: dict[str, Any],
@@ -147,10 +155,17 @@ class CheckpointManager(Uploading):
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        _save(rng_state, tmp / rng_name(self.topo.rank))
+        try:
+            _save(rng_state, tmp / rng_name(self.topo.rank))
+        except (OSError, RuntimeError) as exc:  # torch reports a full disk as its own RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {step_dir(step)} could not be written: "
+                                  f"{write_failure(exc, self.local, state_bytes(rng_state))}") from None
         barrier()
         if self.topo.local_rank == 0:
             assert model_state is not None
+            if final.exists() and not self._local_manifests(step):
+                shutil.rmtree(final)  # a damaged copy (its manifest unreadable): written again
             if final.exists():  # committed before (the caller normally skips this)
                 shutil.rmtree(tmp, ignore_errors=True)
             elif not self.background:
@@ -172,7 +187,7 @@ class CheckpointManager(Uploading):
         def write() -> None:
             size, digest = save_hashed(staged, tmp / MODEL_FILE)
             self._commit(step, tmp, final, known={MODEL_FILE: (size, digest)})
-        self._written(step, tmp, write)
+        self._written(step, tmp, write, needed=state_bytes(staged))
 
     def start_writer(self, step: int, write: Callable[[], None], wait: bool = False) -> None:
         """Run `write` (it writes and commits `step`, e.g. training/sharded.py's) on the writer
@@ -191,15 +206,16 @@ class CheckpointManager(Uploading):
         """Hash the files in `tmp`, write this node's manifest, rename: for writers of our format."""
         self._commit(step, tmp, final)
 
-    def _written(self, step: int, tmp: Path, write: Callable[[], None]) -> None:
+    def _written(self, step: int, tmp: Path, write: Callable[[], None], needed: int | None = None) -> None:
         try:
             write()
         except Exception as exc:  # noqa: BLE001 (disk full, I/O error): the step is not committed
             shutil.rmtree(tmp, ignore_errors=True)  # do not leave a partial step on a full disk
+            why = write_failure(exc, self.local, needed)
             with self._lock:
-                self.status.write_error = f"{step_dir(step)}: {type(exc).__name__}: {exc}"
+                self.status.write_error = f"{step_dir(step)}: {why}"
             log.error("checkpoint %s could not be written: %s; the newest committed one stays the resume point",
-                      step_dir(step), exc)
+                      step_dir(step), why)
             self._report()
             return
         with self._lock:
@@ -211,6 +227,13 @@ class CheckpointManager(Uploading):
     @property
     def write_error(self) -> str:
         return self.status.write_error
+
+    @property
+    def refused(self) -> str:
+        """`URL: Code: message` once the store refused an upload for good (no such bucket, access
+        denied), else "": the training loop stops (training/run_control.py's say_refused)."""
+        with self._lock:
+            return self.status.permanent_error
 
     @property
     def writing(self) -> bool:
@@ -309,6 +332,8 @@ class CheckpointManager(Uploading):
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=5)
+        if self.lease is not None:
+            self.lease.release()  # a restart of this run (or the next run) takes the prefix at once
         if not ok:
             log.error("%d checkpoint(s) could not be uploaded to %s: %s (last error: %s); they are kept "
                       "in %s and will be uploaded when a run starts again with the store reachable",

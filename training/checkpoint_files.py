@@ -4,6 +4,7 @@ before it is used, and the topology a manager writes for."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -11,6 +12,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from training import digest
 
@@ -124,6 +127,52 @@ def check_manifest(manifest: Any, step: int, where: str) -> dict[str, Any]:
 
 class RunLocked(Exception):
     """Another trainer holds this run's checkpoint folder."""
+
+
+def state_bytes(state: Any) -> int:
+    """The bytes of the tensors in `state` (nested dicts, lists): about what its file takes."""
+    if isinstance(state, torch.Tensor):
+        return state.nelement() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def mount_of(path: Path) -> Path:
+    """The mount point of the file system `path` is on."""
+    path = path.resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 19 else f"{n / 1024:.1f} KiB"
+
+
+def write_failure(exc: BaseException, folder: Path, needed: int | None) -> str:
+    """Why a step could not be written, for a person: a full disk is named as such (torch's
+    serialiser reports ENOSPC as its own `file write failed`), with the mount point, what the
+    step needed and what is free."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    nospace = False
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        nospace = nospace or getattr(current, "errno", None) == errno.ENOSPC
+        current = current.__cause__ or current.__context__
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = -1
+    if nospace or (needed is not None and 0 <= free < needed + (1 << 20)):
+        need = f"about {_size(needed)}" if needed is not None else "more than that"
+        return (f"the disk holding {folder} (the file system mounted at {mount_of(folder)}) is full: the step needed "
+                f"{need}, {_size(max(free, 0))} free ({type(exc).__name__}: {exc}); free space there, "
+                "lower KEEP_CHECKPOINTS or point CHECKPOINT_DIR at a larger disk")
+    return f"{type(exc).__name__}: {exc}"
 
 
 def sha256_of(path: Path) -> str:

@@ -54,7 +54,8 @@ class Loading:
         for path in sorted(folder.glob("manifest-node*.json")):
             try:
                 manifest = json.loads(path.read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError) as exc:
+                self._damaged(step, f"{folder.name}/{path.name} on this node", exc)
                 continue
             try:
                 found.append(check_manifest(manifest, step, f"{folder.name}/{path.name}"))
@@ -64,6 +65,16 @@ class Loading:
                     log.warning("%s", exc)
                 return []
         return found
+
+    def _damaged(self, step: int, where: str, exc: Exception) -> None:
+        """One line, once, for a manifest that cannot be read: the step is not used from there."""
+        fault = f"not JSON ({exc})" if isinstance(exc, ValueError) else f"unreadable ({exc})"
+        then = ("the bucket's copy of the step is used if it is good, else the step before it"
+                if self.remote is not None and "on this node" in where else "the step before it is used")
+        line = f"skipping checkpoint step {step}: its manifest {where} is damaged: {fault}; {then}"
+        if line not in self._told:
+            self._told.add(line)
+            log.warning("%s", line)
 
     def local_steps(self) -> list[int]:
         """Committed steps on this node's disk (a manifest of that step is in: the step is the
@@ -94,8 +105,13 @@ class Loading:
                 continue
             try:
                 listing = {p.rsplit("/", 1)[-1] for p in self.remote.fs.ls(self.remote.join(name), detail=False)}
-                first = json.loads(self.remote.fs.cat(self.remote.join(name, manifest_name(0))))
-            except Exception:  # noqa: BLE001 (a missing or damaged manifest: not a complete step)
+                raw = self.remote.fs.cat(self.remote.join(name, manifest_name(0)))
+            except Exception:  # noqa: BLE001 (a missing manifest: not a complete step)
+                continue
+            try:
+                first = json.loads(raw)
+            except ValueError as exc:
+                self._damaged(int(m.group(1)), f"{self.remote.url}/{name}/{manifest_name(0)}", exc)
                 continue
             try:
                 check_manifest(first, int(m.group(1)), f"{self.remote.url}/{name}/{manifest_name(0)}")

@@ -46,29 +46,22 @@ class Uploading(Loading):
     def _upload_pending(self) -> None:
         with self._lock:
             steps = sorted(self.status.pending)
+            if self.status.permanent_error:  # refused, or another run took the prefix: write nothing there
+                return
         for step in steps:
             try:
                 # Transient faults (timeouts, 5xx, a dropped connection) are retried quietly; an
-                # answer no retry changes (no such bucket, access denied) stops at once.
+                # answer no retry changes (no such bucket, access denied) stops at once: tenacity
+                # then raises it as it is (no RetryError), so both are caught here, and nothing
+                # leaves this thread as a traceback.
                 for attempt in Retrying(stop=stop_after_attempt(self.attempts), reraise=False,
                                         retry=retry_if_exception(lambda e: permanent_cause(e) is None),
                                         wait=wait_exponential(multiplier=0.5, max=8)):
                     with attempt:
                         self._upload(step)
-            except RetryError as exc:
-                error = exc.last_attempt.exception()
-                assert error is not None
-                cause = permanent_cause(error)
-                with self._lock:
-                    self.status.last_error = f"{step_dir(step)}: {cause or error}"
-                    if cause:
-                        self.status.permanent_error = f"{self.remote.url if self.remote else ''}: {cause}"
-                if cause:
-                    log.error("upload of %s refused by %s (%s): not retried; kept locally", step_dir(step),
-                              self.remote.url if self.remote else "", cause)
-                else:
-                    log.warning("upload of %s failed (%s); kept locally, will retry", step_dir(step), error)
-                self._report()
+            except Exception as exc:  # noqa: BLE001 (the loop learns of it through status; see _failed)
+                error = exc.last_attempt.exception() if isinstance(exc, RetryError) else exc
+                self._failed(step, error or exc)
                 return  # keep order: newer steps wait for older ones
             with self._lock:
                 self.status.pending.remove(step)
@@ -79,6 +72,23 @@ class Uploading(Loading):
             self._prune_remote()
             self._prune_local()
             self._report()
+
+    def _failed(self, step: int, error: BaseException) -> None:
+        """Note why `step` could not be uploaded: a permanent answer stops the run (the loop reads
+        status.permanent_error after each step); anything else is retried later."""
+        cause = permanent_cause(error)
+        url = self.remote.url if self.remote else ""
+        with self._lock:
+            self.status.last_error = f"{step_dir(step)}: {cause or f'{type(error).__name__}: {error}'}"
+            if cause:
+                self.status.permanent_error = f"{url}: {cause}"
+        if cause:
+            log.error("upload of %s refused by %s (%s): not retried; kept locally in %s", step_dir(step), url, cause,
+                      self.local / step_dir(step))
+        else:
+            log.warning("upload of %s failed (%s: %s); kept locally, will retry", step_dir(step),
+                        type(error).__name__, error)
+        self._report()
 
     def _upload(self, step: int) -> None:
         """This node's files of `step`, then its manifest (the commit). A folder fetched from the

@@ -51,8 +51,10 @@ from torch.utils.data import DataLoader
 from training.checkpoint import CheckpointError
 from training.distributed import Comm
 from training.loaders import LoaderState
-from training.run_control import (EXIT_PEER_STOPPED, Interval, Resumed, StopFlag, choose_checkpoint, exit_code,
-                                  finish, open_manager, rng_state, set_rng_state)
+from training.run_control import (EXIT_PEER_STOPPED, EXIT_REFUSED, Interval, Resumed, StopFlag, choose_checkpoint,
+                                  exit_code, finish, open_manager, process_exit, refuse, rng_state, say_refused,
+                                  set_rng_state)
+from training.storage import StorageRefused
 
 if TYPE_CHECKING:
     from training.sharded import ShardedCheckpoints
@@ -88,6 +90,7 @@ class Checkpointer:
         self.manager = open_manager(self.comm, url, local_dir, keep, on_status=self.interval.status)
         self.last_saved = -1
         self.stopped: str | None = None
+        self.refused = False  # the store refused the uploads for good: the run stopped (close() says why)
         self.exit_code = 0  # set when the `with` block ends (close())
         self.sharded: ShardedCheckpoints | None = None
         self._open_sharded(sharded)
@@ -122,7 +125,13 @@ class Checkpointer:
     def resume(self) -> int:
         """Restore the newest checkpoint every rank can load (checked file by file); returns its
         step, or 0 when there is none. Committed steps the bucket lacks are uploaded now."""
-        found = self.sharded.choose() if self.sharded is not None else choose_checkpoint(self.manager, self.comm)
+        try:
+            found = self.sharded.choose() if self.sharded is not None else choose_checkpoint(self.manager, self.comm)
+        except StorageRefused as exc:  # no such bucket, access denied (every rank lists it): one line, no traceback
+            if self.comm.rank == 0:
+                refuse(f"refused: checkpoint storage {exc}")
+            self.manager.close(timeout=0)
+            raise SystemExit(process_exit(EXIT_REFUSED)) from None
         self.manager.resync()
         if found is None:
             return 0
@@ -159,11 +168,18 @@ class Checkpointer:
 
     def step(self, step: int, **extra: Any) -> bool:
         """After each optimizer step, with the number of steps done: saves every `every` steps,
-        on SIGUSR1, and on SIGTERM / SIGINT on any rank — then returns True: leave the loop."""
-        stopping, asked, due = self.comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request(),
-                                                  self.interval.due(step, self.last_saved))
-        if due or stopping or asked:
-            self.save(step, **extra)
+        on SIGUSR1, and on SIGTERM / SIGINT on any rank — then returns True: leave the loop. It
+        also returns True (after saving locally) once the store refused the uploads for good (the
+        bucket is gone, access denied): the `with` block's exit code is then non-zero."""
+        stopping, asked, due, refused = self.comm.any_true(
+            self.stop.raised is not None, self.stop.take_checkpoint_request(),
+            self.interval.due(step, self.last_saved), bool(self.manager.refused))
+        if due or stopping or asked or refused:
+            self._save(step, **extra)
+        if refused:
+            self.refused = True
+            say_refused(self.manager, self.comm, step)
+            return True
         if stopping:
             self.stopped = self.stop.raised or "a signal on another rank"
             if self.comm.rank == 0:
@@ -171,7 +187,21 @@ class Checkpointer:
         return stopping
 
     def save(self, step: int, **extra: Any) -> float:
-        """Checkpoint now (every rank calls it); returns the seconds the loop was blocked."""
+        """Checkpoint now and wait until it is committed on this node's disk (every rank calls
+        it); returns the seconds the loop was blocked. Raises CheckpointError on every rank when
+        the step could not be written (a full disk: which one, and how much the step needed), so
+        that a loop's own "done" after its last save never runs on a checkpoint that is not there.
+        The saves `step()` makes are written in the background and do not wait."""
+        blocked = self._save(step, **extra)
+        if self.sharded is not None:
+            self.sharded.wait()  # this rank's shard is written
+        self.manager.wait_commit()
+        failures = [f for f in self.comm.all_gather_object(self.manager.write_error) if f]
+        if failures:
+            raise CheckpointError(f"checkpoint step {step} could not be written: {failures[0]}")
+        return blocked
+
+    def _save(self, step: int, **extra: Any) -> float:
         if step == self.last_saved:
             return 0.0
         payload = None
@@ -198,10 +228,14 @@ class Checkpointer:
         return next(iter(self.loaders.values())).epoch if self.loaders else 0
 
     def close(self) -> int:
-        """Wait for the uploads (up to the deadline) and return the process's exit code (finish)."""
+        """Wait for the uploads (up to the deadline) and return the process's exit code (finish):
+        non-zero when the store refused the checkpoints or the last one could not be written.
+        Under the image's entrypoint a refusal is its last line and exit 2 (this returns 0 then,
+        so that the launcher adds no traceback of its own)."""
         if self.sharded is not None:
             self.sharded.close()  # this rank's shard of the last checkpoint is written
-        return finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline)
+        return process_exit(finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline,
+                                   self.last_saved if self.refused else None))
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -29,6 +29,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, open_manager
+from training.run_control import process_exit, say_refused
 from training.distributed import Comm
 
 log = logging.getLogger("gts.hf")
@@ -46,6 +47,7 @@ class SpotCheckpointCallback(TrainerCallback):
         self.manager = open_manager(self.comm, url, local_dir, keep, on_status=self.interval.status)
         self.deadline = upload_deadline_s
         self.stopped: str | None = None
+        self.refused = False  # the store refused the uploads for good
         self.resumed_step = 0
         self.done = False  # the run was complete before this start
 
@@ -89,10 +91,16 @@ class SpotCheckpointCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
-        stopping, asked, due = self.comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request(),
-                                                  self.interval.due(state.global_step, self.last_saved))
-        if due or stopping or asked or state.global_step >= state.max_steps:
+        stopping, asked, due, refused = self.comm.any_true(
+            self.stop.raised is not None, self.stop.take_checkpoint_request(),
+            self.interval.due(state.global_step, self.last_saved), bool(self.manager.refused))
+        if due or stopping or asked or refused or state.global_step >= state.max_steps:
             control.should_save = True
+        if refused:  # the bucket is gone or refuses writes: saved locally, then close() says so (exit 2)
+            self.refused = True
+            control.should_training_stop = True
+            say_refused(self.manager, self.comm, state.global_step)
+            return control
         if stopping:
             self.stopped = self.stop.raised or "a signal on another rank"
             control.should_training_stop = True
@@ -116,4 +124,5 @@ class SpotCheckpointCallback(TrainerCallback):
 
     def close(self) -> int:
         """Wait for the uploads and return the exit code (training.checkpointing.finish)."""
-        return finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline)
+        return process_exit(finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline,
+                                   self.last_saved if self.refused else None))

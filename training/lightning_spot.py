@@ -32,10 +32,26 @@ from typing import Any
 import lightning.pytorch as pl
 
 from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, open_manager
+from training.run_control import EXIT_REFUSED, process_exit, refuse, say_refused
 from training.distributed import Comm
 
 log = logging.getLogger("gts.lightning")
 CKPT_FILE = "lightning.ckpt"
+
+
+def _loaders(data: dict[str, Any]) -> list[Any]:
+    """The loaders in fit's data arguments (a loader, or lists / dicts of them)."""
+    found: list[Any] = []
+    pending = list(data.values())
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif item is not None and hasattr(item, "dataset"):
+            found.append(item)
+    return found
 
 
 class SpotCheckpoint(pl.Callback):
@@ -50,6 +66,7 @@ class SpotCheckpoint(pl.Callback):
         self.deadline = upload_deadline_s
         self.last_saved = 0
         self.stopped: str | None = None
+        self.refused = False  # the store refused the uploads for good
         self.resumed_step = 0
 
     # -- resume / fit / close ---------------------------------------------------------------
@@ -68,6 +85,15 @@ class SpotCheckpoint(pl.Callback):
     def fit(self, trainer: pl.Trainer, model: pl.LightningModule, **data: Any) -> int:
         """Resume `trainer` from the newest good checkpoint, fit `model` to max_steps or a stop
         signal, wait for the uploads. Returns the exit code (training.checkpointing.finish)."""
+        stateful = [type(x).__name__ for x in _loaders(data) if callable(getattr(x, "load_state_dict", None))]
+        if stateful:
+            if self.comm.rank == 0:
+                refuse(f"refused: Lightning with {stateful[0]} does not resume exactly here: after a resume no step "
+                       "trained on the samples an uninterrupted run trains on (issue 42). Pass a plain DataLoader "
+                       "(Lightning replays the interrupted epoch from its start), or use training.checkpointing's "
+                       "Checkpointer in your own loop, which resumes both loaders exactly")
+            self.manager.close(timeout=0)
+            return process_exit(EXIT_REFUSED)
         path = self.resume()
         if path is not None and 0 < trainer.max_steps <= self.resumed_step:
             if self.comm.rank == 0:
@@ -80,7 +106,8 @@ class SpotCheckpoint(pl.Callback):
         return self.close()
 
     def close(self) -> int:
-        return finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline)
+        return process_exit(finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline,
+                                   self.last_saved if self.refused else None))
 
     # -- Callback hooks ---------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -90,10 +117,16 @@ class SpotCheckpoint(pl.Callback):
                            batch_idx: int) -> None:
         step = trainer.global_step
         fresh = step != self.last_saved
-        stopping, asked, due = self.comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request(),
-                                                  fresh and self.interval.due(step, self.last_saved))
-        if due or stopping or asked:
+        stopping, asked, due, refused = self.comm.any_true(
+            self.stop.raised is not None, self.stop.take_checkpoint_request(),
+            fresh and self.interval.due(step, self.last_saved), bool(self.manager.refused))
+        if due or stopping or asked or refused:
             self.save(trainer)
+        if refused:  # the bucket is gone or refuses writes: saved locally, then close() says so (exit 2)
+            self.refused = True
+            trainer.should_stop = True
+            say_refused(self.manager, self.comm, step)
+            return
         if stopping:
             self.stopped = self.stop.raised or "a signal on another rank"
             trainer.should_stop = True

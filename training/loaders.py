@@ -53,18 +53,22 @@ class LoaderState:
 
     def __init__(self, name: str, loader: DataLoader[Any], set_rng: Any):
         self.name, self.loader, self._set_rng = name, loader, set_rng
-        self.stateful = _stateful(loader)
+        # torchdata's StatefulDataLoader is replayed like a DataLoader: its own state_dict restores
+        # the position but re-seeds each worker at the epoch's start, so the augmentation workers
+        # draw after a resume would differ (read only from checkpoints written before).
+        self.stateful = False
         self._iterator: Any = None
         self._pre_seed: torch.Tensor | None = None  # the RNG state the current iterator drew its seed from
+        self._pre_sampler: torch.Tensor | None = None  # the sampler's own generator then (torchdata's has one)
         self._pending: dict[str, Any] | None = None  # a restored position, applied at the next iterator
         self._rng_after: dict[str, Any] | None = None  # the checkpoint's RNG, put back after that iterator
         self.epoch = 0  # the epoch the restored position is in (ckpt.epoch)
-        if not self.stateful:
-            sampler = _sampler_of(loader)
-            if loader.generator is None:  # its own stream: the seed draw never moves the global RNG
-                loader.generator = torch.Generator().manual_seed(torch.initial_seed())
-                if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None:
-                    sampler.generator = loader.generator
+        self._iterators = 0  # iterators (epochs) begun since the start or the restore
+        sampler = _sampler_of(loader)
+        if loader.generator is None:  # its own stream: the seed draw never moves the global RNG
+            loader.generator = torch.Generator().manual_seed(torch.initial_seed())
+            if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None:
+                sampler.generator = loader.generator
         original = loader._get_iterator
 
         def tracked() -> Any:
@@ -74,17 +78,27 @@ class LoaderState:
     def _seed_source(self) -> torch.Generator:
         return self.loader.generator if self.loader.generator is not None else torch.default_generator
 
+    def _sampler_generator(self) -> torch.Generator | None:
+        generator = getattr(_sampler_of(self.loader), "generator", None)
+        return generator if isinstance(generator, torch.Generator) and generator is not self.loader.generator else None
+
     def _new_iterator(self, original: Any) -> Any:
         pending, self._pending = self._pending, None
         epoch = _epoch_of(self.loader)
-        if pending is not None and not self.stateful and pending["epoch"] is not None and epoch != pending["epoch"]:
+        if pending is not None and not self.stateful and pending["epoch"] is not None and epoch is not None \
+                and epoch != pending["epoch"]:
             raise LoaderMisuse(
                 f"loader {self.name!r} was in epoch {pending['epoch']} (batch {pending['batches']}) at the checkpoint, "
                 f"but the loop started epoch {epoch}: start the epoch loop at ckpt.epoch "
                 f"(for epoch in range(ckpt.epoch, epochs): sampler.set_epoch(epoch) ...)")
         if pending is not None and not self.stateful and pending.get("seed_state") is not None:
             self._seed_source().set_state(pending["seed_state"])
+        own = self._sampler_generator()
+        if pending is not None and own is not None and pending.get("sampler_state") is not None:
+            own.set_state(pending["sampler_state"])
         self._pre_seed = self._seed_source().get_state()
+        self._pre_sampler = own.get_state() if own is not None else None
+        self._iterators += 1
         iterator = original()
         self._iterator = iterator
         if pending is not None and not self.stateful and pending["batches"]:
@@ -106,20 +120,28 @@ class LoaderState:
         log.info("loader %r: skipped the %d batch(es) epoch %s had consumed", self.name, batches, self.epoch)
 
     # -- checkpointed state ------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def current_epoch(self) -> int:
+        """The epoch the loop is in: the sampler's (set_epoch), else the loader's iterators
+        counted from the restored epoch (a plain shuffling loader, torchdata's loader)."""
         epoch = _epoch_of(self.loader)
-        if self.stateful:
-            return {"epoch": epoch, "stateful": self.loader.state_dict()}  # type: ignore[attr-defined]
+        if epoch is not None and callable(getattr(_sampler_of(self.loader), "set_epoch", None)):
+            return epoch
+        return self.epoch + max(self._iterators - 1, 0)
+
+    def state_dict(self) -> dict[str, Any]:
         batches = int(getattr(self._iterator, "_num_yielded", 0)) if self._iterator is not None else 0
-        return {"epoch": epoch, "batches": batches, "seed_state": self._pre_seed}
+        return {"epoch": self.current_epoch(), "batches": batches, "seed_state": self._pre_seed,
+                "sampler_state": self._pre_sampler}
 
     def load_state_dict(self, state: dict[str, Any], rng: dict[str, Any] | None) -> None:
         epoch = state.get("epoch")
         self.epoch = int(epoch) if epoch is not None else 0
+        self._iterators = 0
         sampler = _sampler_of(self.loader)
         if epoch is not None and callable(getattr(sampler, "set_epoch", None)):
             sampler.set_epoch(int(epoch))
-        if self.stateful:
+        if "stateful" in state and _stateful(self.loader):  # written before: its own state (epoch start seeds)
+            self.stateful = True
             self.loader.load_state_dict(state["stateful"])  # type: ignore[attr-defined]
         self._pending = dict(state)
         self._rng_after = rng

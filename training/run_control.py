@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from training import contract
-from training.checkpoint import CheckpointError, CheckpointManager, Topology, UploadStatus
+from training.checkpoint import CheckpointError, CheckpointManager, RunLocked, Topology, UploadStatus
 from training.distributed import Comm
 from training.goodput import AutoInterval
 
@@ -27,6 +27,25 @@ log = logging.getLogger("gts.checkpointing")
 # A rank that stopped because another node was told to (its spot notice): non-zero, so torchrun's
 # agent restarts the workers and re-rendezvouses with the nodes that remain (EX_TEMPFAIL).
 EXIT_PEER_STOPPED = 75
+# A refusal the user must act on (the store refused the checkpoints, the run's lock, changed settings).
+EXIT_REFUSED = 2
+
+
+def refuse(message: str) -> None:
+    """A refusal the user must act on: logged, and written where the entrypoint asked
+    (GTS_REFUSAL_FILE), which repeats it as its own last line (and exits 2) instead of the
+    launcher's traceback of a failed worker."""
+    log.error("%s", message)
+    path = os.environ.get("GTS_REFUSAL_FILE")
+    if path:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(message.replace("\n", " ") + "\n")
+
+
+def process_exit(code: int) -> int:
+    """The code a worker exits with: a refusal the entrypoint repeats (GTS_REFUSAL_FILE) exits 0,
+    so that the launcher stays quiet and the entrypoint's last line is the refusal (exit 2)."""
+    return 0 if code == EXIT_REFUSED and os.environ.get("GTS_REFUSAL_FILE") else code
 
 
 class StopFlag:
@@ -196,24 +215,39 @@ class Interval:
 
 def finish(manager: CheckpointManager, comm: Comm, raised: str | None, stopped: bool, deadline: float,
            step: int | None = None) -> int:
-    """Wait for the uploads (up to `deadline` s) and return the process's exit code: 0, 1 when
-    the run's last checkpoint (or the stop's own) could not be written or uploads are refused,
-    75 on the nodes of a multi-node run that stopped because another node was told to. `step`:
-    where the run is, for the messages. The trainer, the library, the Hugging Face and Lightning
-    callbacks all end here."""
+    """Wait for the uploads (up to `deadline` s) and return the process's exit code: 0; 2 (a
+    refusal: refuse()) when the store refused the checkpoints (no such bucket, access denied);
+    1 when the run's last checkpoint (or the stop's own) could not be written; 75 on the nodes
+    of a multi-node run that stopped because another node was told to. `step`: where the run
+    is, for the messages. The trainer, the library, the Hugging Face and Lightning callbacks all
+    end here (callers exit with process_exit(code))."""
     status = manager.close(timeout=deadline)
     at = f" at step {step}" if step is not None else ""
+    if status.permanent_error:
+        kept = [p.name for p in sorted(manager.local.glob("step-*")) if not p.name.endswith(".tmp")]
+        taken = manager.lease is not None and bool(manager.lease.lost)  # another run holds the prefix now
+        advice = ("give this run another checkpoint URL" if taken
+                  else "fix the bucket (or copy them there), then start the run again")
+        refuse(f"stopped: checkpoint storage {status.permanent_error}: the run stopped{at}; its checkpoints are kept on "
+               f"this node in {manager.local} ({', '.join(kept) or 'none'}), not in the bucket: {advice}")
+        return EXIT_REFUSED
     if status.pending and comm.rank == 0:
         log.error("%d checkpoint(s) not uploaded yet; kept on local disk in %s", len(status.pending), manager.local)
-    if status.permanent_error:
-        log.error("checkpoints could not be uploaded: %s; they are kept in %s", status.permanent_error, manager.local)
-        return 1
     if status.write_error:  # the run's last state is not on disk: a restart repeats work
         what = "the emergency checkpoint" if stopped else "its checkpoint"
         log.error("the run %s%s, but %s could not be written (%s): a restart resumes from the newest committed one",
                   "stopped" if stopped else "reached its end", at, what, status.write_error)
         return 1
     return exit_code(comm, raised) if stopped else 0
+
+
+def say_refused(manager: CheckpointManager, comm: Comm, step: int) -> None:
+    """The loop learnt (in its per-step collective, from `manager.refused` on any rank) that the
+    store refused the uploads for good (the bucket is gone, the credentials lost the right): it
+    saves this step locally and leaves; finish() then names the URL, the cause and the folder."""
+    if comm.rank == 0:
+        log.error("checkpoint storage refused the uploads (%s): stopping at step %d", manager.refused or "on another node",
+                  step)
 
 
 def open_manager(comm: Comm, url: str | None, local_dir: str | None, keep: int | None,
@@ -224,5 +258,15 @@ def open_manager(comm: Comm, url: str | None, local_dir: str | None, keep: int |
     if "://" in folder and not folder.startswith("file://"):
         folder, remote = "out/checkpoint-cache", folder
     topo = Topology(comm.rank, comm.local_rank, comm.world, comm.node, comm.nnodes, comm.local_world)
-    return CheckpointManager(folder.removeprefix("file://"), remote or None, topo,
-                             keep=_setting(keep, contract.KEEP_CHECKPOINTS, 3), on_status=on_status)
+    manager: CheckpointManager | None = None
+    try:
+        manager = CheckpointManager(folder.removeprefix("file://"), remote or None, topo,
+                                    keep=_setting(keep, contract.KEEP_CHECKPOINTS, 3), on_status=on_status)
+    except RunLocked as exc:  # this node's folder, or the bucket's prefix (training/lease.py), is another run's
+        refuse(f"refused: {exc}")
+    (locked,) = comm.any_true(manager is None)
+    if manager is None or locked:
+        if manager is not None:
+            manager.close(timeout=0)  # gives back a lease this rank took
+        raise SystemExit(process_exit(EXIT_REFUSED))  # every rank: one line, no traceback
+    return manager

@@ -32,19 +32,28 @@ PERMANENT = frozenset({"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "Si
                        "AccessForbidden", "UserDisable"})
 
 
-def permanent_cause(exc: BaseException) -> str | None:
-    """`Code: message` when `exc` (or what it wraps: s3fs turns botocore's errors into OSErrors)
-    is an answer no retry changes, else None (a timeout, a 5xx, a dropped connection)."""
+def store_answer(exc: BaseException) -> tuple[str, str] | None:
+    """(code, message) of the store's answer inside `exc` (s3fs turns botocore's ClientErrors
+    into OSErrors caused by them), or None when the store never answered (a timeout, a dropped
+    connection)."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         error = getattr(current, "response", None)
-        if isinstance(error, dict):
-            code = str(error.get("Error", {}).get("Code", ""))
-            if code in PERMANENT:
-                return f"{code}: {error.get('Error', {}).get('Message', '') or code}"
+        if isinstance(error, dict) and error.get("Error", {}).get("Code"):
+            code = str(error["Error"]["Code"])
+            return code, str(error["Error"].get("Message", "") or code)
         current = current.__cause__ or current.__context__
+    return None
+
+
+def permanent_cause(exc: BaseException) -> str | None:
+    """`Code: message` when `exc` (or what it wraps) is an answer no retry changes, else None
+    (a timeout, a 5xx, a dropped connection)."""
+    answer = store_answer(exc)
+    if answer is not None and answer[0] in PERMANENT:
+        return f"{answer[0]}: {answer[1]}"
     return None
 
 

@@ -33,6 +33,7 @@ from training.trainer import config as config_mod, failure
 from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadStatus
 from training.storage import StorageRefused
 from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, rng_state, set_rng_state
+from training.run_control import refuse, say_refused
 from training.trainer.build import build_data, build_model, fully_restored, lr_lambda
 from training.trainer.restore import own_moments, restore_model
 from training.trainer.data import ResumableSampler, derived_seed
@@ -52,17 +53,7 @@ SHAPING = ("workload", "steps", "batch_size", "lr", "weight_decay", "warmup_step
            "tiny_dim", "tiny_width", "tiny_samples", "precision", "gpt_vocab", "gpt_dim", "gpt_layers", "gpt_heads",
            "gpt_context")
 EXIT_USAGE = 2
-
-
-def refuse(message: str) -> None:
-    """A refusal the user must act on: logged, and written where the entrypoint asked
-    (GTS_REFUSAL_FILE), which repeats it as its own last line instead of the launcher's
-    traceback of a failed worker."""
-    log.error("%s", message)
-    path = os.environ.get("GTS_REFUSAL_FILE")
-    if path:
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(message.replace("\n", " ") + "\n")
+REFUSED = "the checkpoint storage's refusal"  # the loop's answer when the store refused the uploads
 
 
 def params_sha256(model: nn.Module) -> str:
@@ -308,10 +299,14 @@ class Run:
                     tracker.log(self.step, {"loss": self.last_loss, "lr": float(self.scheduler.get_last_lr()[0])})
                     if comm.rank == 0:
                         log.info("step %d loss %.5f", self.step, self.last_loss)
-                stopping, asked, due = comm.any_true(self.stop.raised is not None, self.stop.take_checkpoint_request(),
-                                                     self.checkpoint_due())
-                if due or stopping or asked or self.step >= cfg.steps:
+                stopping, asked, due, refused = comm.any_true(
+                    self.stop.raised is not None, self.stop.take_checkpoint_request(), self.checkpoint_due(),
+                    bool(ckpt.refused))
+                if due or stopping or asked or refused or self.step >= cfg.steps:
                     self.save(ckpt, tracker)
+                if refused:  # the bucket is gone or refuses writes: finish() names it, exit 2
+                    say_refused(ckpt, comm, self.step)
+                    return REFUSED
                 if stopping:
                     return self.stop.raised or "a signal on another rank"
                 if self.step >= cfg.steps:
@@ -366,9 +361,10 @@ class Run:
             self.save(ckpt, tracker)
         if self.sharded is not None:
             self.sharded.close()  # this rank's shard of the last checkpoint is written
-        code = finish(ckpt, self.comm, self.stop.raised, interrupted is not None, self.cfg.upload_deadline_s, self.step)
+        stopped = interrupted is not None and interrupted != REFUSED
+        code = finish(ckpt, self.comm, self.stop.raised, stopped, self.cfg.upload_deadline_s, self.step)
         tracker.close(interrupted=interrupted is not None)
-        if interrupted is not None and code != 1 and self.comm.rank == 0:
+        if stopped and code not in (1, EXIT_USAGE) and self.comm.rank == 0:
             log.warning("stopped by %s at step %d after an emergency checkpoint", interrupted, self.step)
         if interrupted is None and code == 0:
             # sharded: the full parameters, gathered (every rank takes part), so any sharding compares
