@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ROOT, project_copy
+from training.trainer.config import storage_problem
 from tests.teams_helpers import make_teams, teams_project
 from tests.test_hostile_input import _plan
 
@@ -134,13 +135,25 @@ def test_make_diff_without_git_says_so(tmp_path: Path) -> None:
     ("--checkpoint-url", "gs://bucket/x", "gs:// is not a storage the trainer writes"),
     ("--checkpoint-url", "s3://", "names no bucket; write s3://<bucket>/<path>"),
     ("--checkpoint-dir", "oss:///x", "names no bucket"),
-    ("--checkpoint-dir", "file://", "names no folder")])
+    ("--checkpoint-dir", "file://", "names no folder"),
+    ("--checkpoint-url", "file://ckpts", "names the host 'ckpts', which a file:// URL cannot reach"),
+    ("--checkpoint-url", "file://host/p", "names the host 'host'"),
+    ("--checkpoint-dir", "ftp:x", "ftp:// is not a storage the trainer writes"),
+    ("--checkpoint-dir", "run:3", "run:// is not a storage the trainer writes; use s3://, oss://, cosn://, file:// or "
+                                "a path (for a folder write ./run:3)"),
+    ("--checkpoint-dir", "s3:bucket", "is not a URL: write s3://<bucket>/<path>")])
 def test_checkpoint_places_that_cannot_work_are_refused(tmp_path: Path, flag: str, value: str, says: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "training.trainer.config", "--workload", "tiny", flag, value],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2 and f"{flag}={value!r}: {says}" in _one_line(proc.stderr)
     assert not list(tmp_path.iterdir())  # nothing written in the current directory
+
+
+@pytest.mark.parametrize("value", ["/mnt/nvme/ckpt/run-2026-01-01T10:00", "out/run:3", "./run:3", "S3://bucket/p",
+                                   "file:///tmp/x", "file://localhost/tmp/x"])
+def test_checkpoint_places_with_a_colon_or_capitals_that_work_are_taken(value: str) -> None:
+    assert storage_problem(value, empty_ok=False) == ""
 
 
 def test_make_train_local_with_an_empty_checkpoint_dir_writes_nothing(tmp_path: Path) -> None:
