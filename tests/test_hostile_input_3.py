@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ROOT, project_copy
+from training.trainer import failure
 from training.trainer.config import storage_problem
 from tests.teams_helpers import make_teams, teams_project
 from tests.test_hostile_input import _plan
@@ -176,3 +177,34 @@ def test_a_workers_fault_is_the_entrypoints_last_line(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "ChildFailedError" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("entrypoint: the trainer failed (exit 1): ValueError: oss:// needs STORAGE_REGION"), last
+
+
+def test_the_failure_line_is_the_last_attempts_not_a_restarted_ones(tmp_path: Path) -> None:
+    """The failure file outlives torchrun's restarts: the first attempt's fault was printed."""
+    (tmp_path / "flaky.py").write_text(
+        "import os\nfrom training.trainer import failure\n"
+        "def main() -> int:\n"
+        "    raise RuntimeError('attempt ' + os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        "failure.noted(main)\n")
+    # torchrun restarts as the multi-node launch does (--max-restarts); the entrypoint reads the
+    # file with this module (its own last line is test_a_workers_fault_is_the_entrypoints_last_line).
+    faults = tmp_path / "faults"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{tmp_path}", "GTS_FAILURE_FILE": str(faults)}
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "-m", "flaky"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "attempt 0" in faults.read_text()  # the first attempt did fail
+    said = subprocess.run([sys.executable, "-m", "training.trainer.failure", str(faults)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert said.stdout.strip() == "RuntimeError: attempt 1", said
+
+
+def test_a_failure_file_that_cannot_be_written_leaves_the_workers_error(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GTS_FAILURE_FILE", str(tmp_path))  # a folder: open() raises IsADirectoryError
+
+    def main() -> int:
+        raise ValueError("the real fault")
+
+    with pytest.raises(ValueError, match="the real fault"):
+        failure.noted(main)
