@@ -299,3 +299,11 @@ def test_shipped_stacks_read_the_same_with_pyyaml_safe_load() -> None:
     for path in [*sorted(ROOT.glob("Pulumi.*.yaml")), ROOT / "teams.yaml"]:
         text = path.read_text(encoding="utf-8")
         assert yamlread.load(text) == yaml.safe_load(text), path.name
+
+
+def test_a_punycode_address_and_a_dot_slash_registry_are_taken() -> None:
+    config = stack_values("prod")  # the stack that queues on teams.yaml
+    config[key("budget")]["alertEmails"] = ["ml-team@example.xn--p1ai"]
+    config[key("kubernetes")]["queues"] = "./teams.yaml"
+    assert _problems_or_none(config) == []
+    assert parse(spec_raw(config)).kubernetes.queues == "teams.yaml"
