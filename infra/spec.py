@@ -224,6 +224,13 @@ class NodeGroup(SpecModel):
         return self
 
 
+def _without_dot_slash(value: object) -> object:
+    """`./teams.yaml` is teams.yaml (PROJECT_YAML refuses a part that starts with a dot)."""
+    while isinstance(value, str) and value.startswith("./"):
+        value = value[2:]
+    return value
+
+
 class KubernetesAccess(SpecModel):
     """How the managed clusters' API servers are reached by whoever runs `pulumi up`, and whether
     they are shared by the teams of a registry."""
@@ -231,7 +238,7 @@ class KubernetesAccess(SpecModel):
     api_access_cidrs: list[Cidr] = Field(
         default_factory=list,
         description="Public API endpoint open only to these CIDRs (operators, CI runners); empty = private only.")
-    queues: str | None = Field(
+    queues: Annotated[str | None, BeforeValidator(_without_dot_slash)] = Field(
         None, pattern=PROJECT_YAML,
         description="A team registry (teams.yaml, relative to the project): the clusters become shared ones — Kueue, "
                     "a ResourceFlavor per GPU model and market, a ClusterQueue with each shared team's GPU quota, "

@@ -26,7 +26,7 @@ REGISTRY_HOST = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*$"
 IMAGE_REF = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9._-]+)*(:[A-Za-z0-9_.-]{1,128})?(@sha256:[0-9a-f]{64})?$"
 # A mail address a cloud's budget service takes and no shell or template reads otherwise (it reaches
 # budget notifications and tags): RFC 5321's common dot-atom local part, a dotted host.
-EMAIL = r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}$"
+EMAIL = r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.([A-Za-z]{2,}|xn--[A-Za-z0-9-]+)$"  # xn--: punycode
 # A file of the project: relative, no `..` (no part starts with a dot), no leading `/` (kubernetes.queues).
 PROJECT_YAML = r"^([A-Za-z0-9_-][A-Za-z0-9._-]*/)*[A-Za-z0-9_-][A-Za-z0-9._-]*\.ya?ml$"
 PATTERN_HELP = {

@@ -195,6 +195,10 @@ def _read_stack_text(text: str, name: str, project: str) -> StackConfig:
     data = load_yaml(text, name) or {}
     if not isinstance(data, dict) or not isinstance(data.get("config", {}), dict):
         raise StackFileError(f"{name}: expected a mapping with a 'config:' mapping")
+    odd = next((k for k in (data.get("config") or {}) if not isinstance(k, str)), "")
+    if odd != "":
+        raise StackFileError(f"{name}: config key {json.dumps(odd)} is not text; config keys are names such as "
+                             f"{project}:budget")
     clear = secrets_in_clear(data.get("config") or {}, project)
     if clear:
         raise StackFileError(f"{name}: " + "; ".join(clear))

@@ -5,21 +5,33 @@ from __future__ import annotations
 
 from ipaddress import IPv4Network
 
+from infra import catalog as cat
 from infra.errors import Problem
 from infra.spec import StackSpec
 
-# RFC 1918's private ranges: a VPC on any other range hides the internet hosts at those addresses
-# from its own nodes (their traffic stays in the VPC), and no cloud routes them.
-RFC1918 = tuple(IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"))
+
+def _cidr_problem(cloud: str, cidr: IPv4Network) -> str:
+    """Why `cidr` cannot be a VPC on `cloud` ('' when it can): the ranges and their sources are
+    data (data/constraints.yaml, vpcRanges)."""
+    rule = dict(cat.load_constraints()["vpcRanges"])[cloud]
+    allowed = [IPv4Network(r) for r in rule["allowed"]]
+    if any(cidr.subnet_of(r) for r in allowed):
+        return ""
+    ranges = ", ".join(map(str, allowed))
+    reserved = rule.get("reserved")
+    if reserved and cidr.overlaps(IPv4Network(reserved["range"])):
+        return f"{cidr} is in {reserved['range']}, which {cloud} does not take: {reserved['why']}; pick one of " \
+               f"{ranges}, e.g. 10.0.0.0/16"
+    return (f"{cidr} is not a private range for {cloud} ({ranges}); the internet hosts at those addresses would be "
+            "unreachable from the nodes: pick a private range, e.g. 10.0.0.0/16")
 
 
 def check(spec: StackSpec) -> list[Problem]:
     problems = []
     for i, net in enumerate(spec.networks):
-        if not any(net.cidr.subnet_of(r) for r in RFC1918):
-            problems.append(Problem(f"networks[{i}].cidr", f"{net.cidr} is not a private range (RFC 1918: "
-                                    f"{', '.join(map(str, RFC1918))}); the internet hosts at those addresses would "
-                                    "be unreachable from the nodes: pick a private range, e.g. 10.0.0.0/16"))
+        why = _cidr_problem(str(net.cloud), net.cidr)
+        if why:
+            problems.append(Problem(f"networks[{i}].cidr", why))
     every, steps = spec.training.checkpoint_every, spec.training.steps
     if isinstance(every, int) and every > steps:
         problems.append(Problem("training.checkpointEvery", f"{every} is above training.steps ({steps}): the run "

@@ -13,9 +13,14 @@ teams.yaml are read with `load` (infra/stacktext.py, infra/teams/registry.py).
 - Tags: only the core schema's (!!str, !!int, !!float, !!bool, !!null, !!map, !!seq) and the
   merge key; `!!binary`, `!!set`, `!!timestamp`, `!!python/...` and local tags are refused
   naming the key.
-- Work is bounded before anything is built: at most MAX_NODES nodes counting every alias
-  expansion (a billion-laughs file stops at once), nesting at most MAX_DEPTH levels, and the
-  text at most MAX_BYTES.
+- Work is bounded before anything is built: at most MAX_NODES nodes and MAX_TEXT characters
+  of scalars counting every alias expansion (a billion-laughs file stops at once, and so does
+  a long value aliased thousands of times), nesting at most MAX_DEPTH levels, and the text at
+  most MAX_BYTES. Each node's tag is checked once however often an alias repeats it, and key
+  paths are links built into text only for a message, each key cut to 40 characters.
+- Numbers as yaml.v3 decodes them: an integer beyond 64 bits is a float when decimal (text
+  when beyond a float too), text when hex, octal or binary; `!!float 0x10` is 16.0. A value no
+  constructor can read is still a YamlError, never a ValueError.
 
 Every refusal is a YamlError with the line and the key path; nothing here reads a file.
 """
@@ -32,6 +37,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 MAX_NODES = 100_000  # nodes after alias expansion: the shipped stack files hold under 2,000
 MAX_DEPTH = 64  # levels of nesting: the spec's deepest key is six
 MAX_BYTES = 1 << 20  # a stack file is a few KB
+MAX_TEXT = 4 * MAX_BYTES  # characters of keys and values once aliases are expanded
 
 _CORE = "tag:yaml.org,2002:"
 STR, INT, FLOAT, BOOL, NULL, MAP, SEQ, MERGE = (_CORE + t for t in
@@ -42,6 +48,26 @@ _SCALAR_TAGS = {STR, INT, FLOAT, BOOL, NULL}
 _INT = re.compile(r"^[-+]?(?:0[bB][01]+|0[oO][0-7]+|0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)$")
 _FLOAT = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$")
 _INF_NAN = re.compile(r"^(?:[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+
+
+def _number(text: str) -> int | float | str:
+    """An int or float scalar as yaml.v3 decodes it into an untyped value: an integer that fits
+    64 bits (int64, or uint64 when positive) is an int; a decimal one beyond that is Go's
+    ParseFloat of it (a float, or the text when out of a float's range); a hex, octal or binary
+    one beyond 64 bits stays text. No int() ever sees more than 64 bits (Python's 4,300-digit
+    limit is a ValueError)."""
+    sign, digits = (-1, text[1:]) if text[:1] == "-" else (1, text[1:] if text[:1] == "+" else text)
+    if _INT.match(text) and len(digits) <= 66:  # '0b' and 64 binary digits at most
+        if digits[:2].lower() in ("0b", "0o", "0x"):
+            value = sign * int(digits, 0)
+        else:
+            value = sign * (int(digits, 8) if len(digits) > 1 and digits[0] == "0" else int(digits, 10))
+        if -(1 << 63) <= value < (1 << 64):
+            return value
+    if _FLOAT.match(text):
+        number = float(text)
+        return number if math.isfinite(number) else text  # out of a float's range: yaml.v3 keeps the text
+    return text
 
 
 class YamlError(Exception):
@@ -55,19 +81,15 @@ class YamlError(Exception):
 class _Rules:
     """yaml.v3's implicit types and a checked, bounded document, for either of PyYAML's parsers."""
 
-    def construct_v3_int(self, node: ScalarNode) -> int:
-        text = str(self.construct_scalar(node))  # type: ignore[attr-defined]
-        sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
-        if digits[:2].lower() in ("0b", "0o", "0x"):
-            return sign * int(digits, 0)
-        return sign * (int(digits, 8) if len(digits) > 1 and digits[0] == "0" else int(digits))
+    def construct_v3_int(self, node: ScalarNode) -> int | float | str:
+        return _number(str(self.construct_scalar(node)))  # type: ignore[attr-defined]
 
-    def construct_v3_float(self, node: ScalarNode) -> float | str:
+    def construct_v3_float(self, node: ScalarNode) -> int | float | str:
         text = str(self.construct_scalar(node))  # type: ignore[attr-defined]
         if _INF_NAN.match(text):
             return math.nan if "nan" in text.lower() else (-math.inf if text[0] == "-" else math.inf)
-        value = float(text)
-        return value if math.isfinite(value) else text  # out of a float's range: yaml.v3 keeps the text
+        value = _number(text)  # `!!float 0x10` is the integer's value as a float
+        return float(value) if isinstance(value, int) else value
 
     def get_single_data(self) -> Any:
         node = self.get_single_node()  # type: ignore[attr-defined]
@@ -120,78 +142,123 @@ def _short(tag: str) -> str:
     return "!!" + tag[len(_CORE):] if tag.startswith(_CORE) else tag
 
 
+# A key path as links, (parent link, part): built into text only for a message (a path string per
+# value cost tens of GB for a 500 KB key over a list of 100,000 values).
+_Link = tuple[Any, str] | None
+_PLAIN = re.compile(r"^[A-Za-z0-9_:/@<>+-][A-Za-z0-9_:./@<>+-]*$")
+
+
+def _shown(value: Any, width: int = 40, quoted: bool = False, tag_ok: bool = False) -> str:
+    """A key or value for a one-line message: plain keys as written, others quoted with escapes
+    (a newline is \\n), cut to `width` characters."""
+    plain = isinstance(value, str) and (_PLAIN.match(value) or tag_ok and value.isprintable() and " " not in value)
+    text = value if plain and not quoted else repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _where(link: _Link) -> str:
+    parts: list[str] = []
+    while link is not None:
+        link, part = link
+        parts.append(part)
+    path = "".join(p if p.startswith("[") else "." + p for p in reversed(parts)).lstrip(".")
+    return (path if len(path) <= 120 else "..." + path[-117:]) or "the document"
+
+
 class _Checker:
     """One walk over the composed document before anything is built: tags, keys given twice,
-    merge values, nesting and the expanded size (every alias counted where it is used)."""
+    merge values, nesting and the expanded size (every alias counted where it is used; each node
+    checked once however often an alias repeats it)."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
         self.seen: set[int] = set()  # mappings whose keys are checked (an alias is checked once)
+        self.tagged: set[int] = set()  # nodes whose tag is checked
         self.count = 0
+        self.chars = 0
 
     def check(self, root: Node) -> None:
-        stack: list[tuple[Node, str, int]] = [(root, "", 0)]
+        stack: list[tuple[Node, _Link, int]] = [(root, None, 0)]
         while stack:
-            node, path, depth = stack.pop()
+            node, link, depth = stack.pop()
             self.count += 1
-            where = (path if len(path) <= 80 else path[:77] + "...") or "the document"
             if self.count > MAX_NODES:
-                raise YamlError(_line(node), f"{where}: more than {MAX_NODES:,} values once aliases are expanded "
-                                             "(nested aliases that multiply); write the values out")
+                raise YamlError(_line(node), f"{_where(link)}: more than {MAX_NODES:,} values once aliases are "
+                                             "expanded (nested aliases that multiply); write the values out")
             if depth > MAX_DEPTH:
-                raise YamlError(_line(node), f"{where}: nested deeper than {MAX_DEPTH} levels (or an alias used "
-                                             "inside its own anchor)")
-            self._tag(node, where)
+                raise YamlError(_line(node), f"{_where(link)}: nested deeper than {MAX_DEPTH} levels (or an alias "
+                                             "used inside its own anchor)")
+            if isinstance(node, ScalarNode):
+                self.chars += len(node.value)
+                if self.chars > MAX_TEXT:
+                    raise YamlError(_line(node), f"{_where(link)}: more than {MAX_TEXT >> 20} MiB of text once "
+                                                 "aliases are expanded (a long value aliased many times); write the "
+                                                 "values out")
+            if id(node) not in self.tagged:
+                self._tag(node, link)
+                self.tagged.add(id(node))
             if isinstance(node, SequenceNode):
-                stack.extend((child, f"{path}[{i}]", depth + 1) for i, child in reversed(list(enumerate(node.value))))
+                stack.extend((child, (link, f"[{i}]"), depth + 1) for i, child in reversed(list(enumerate(node.value))))
             elif isinstance(node, MappingNode):
-                stack.extend(reversed(self._mapping(node, path, depth)))
+                stack.extend(reversed(self._mapping(node, link, depth)))
 
-    def _tag(self, node: Node, where: str) -> None:
+    def _tag(self, node: Node, link: _Link, what: str = "") -> None:
         tag = node.tag
         if isinstance(node, ScalarNode) and tag in _SCALAR_TAGS:
             implicit = self.loader.resolve(ScalarNode, node.value, (True, False))
             if tag in (STR, implicit) or (tag == FLOAT and implicit == INT):
                 return
-            raise YamlError(_line(node), f"{where}: {node.value!r} is not a {_short(tag)}; remove the tag")
+            raise YamlError(_line(node), f"{_where(link)}{what}: {_shown(node.value)} is not a {_short(tag)}; "
+                                         "remove the tag")
         if (isinstance(node, MappingNode) and tag == MAP) or (isinstance(node, SequenceNode) and tag == SEQ):
             return
         if tag == MERGE:
-            raise YamlError(_line(node), f"{where}: '<<' (a merge key) is only a key; quote it for the text '<<'")
-        raise YamlError(_line(node), f"{where}: the tag {_short(tag)} is not read in a stack file (Pulumi's config "
-                                     "holds text, numbers, true/false, lists and mappings); remove the tag and write "
-                                     "the value as plain text")
+            raise YamlError(_line(node), f"{_where(link)}{what}: '<<' (a merge key) is only a key; quote it for the "
+                                         "text '<<'")
+        raise YamlError(_line(node), f"{_where(link)}{what}: the tag {_shown(_short(tag), 60, tag_ok=True)} is not read in a stack "
+                                     "file (Pulumi's config holds text, numbers, true/false, lists and mappings); "
+                                     "remove the tag and write the value as plain text")
 
-    def _mapping(self, node: MappingNode, path: str, depth: int) -> list[tuple[Node, str, int]]:
-        children: list[tuple[Node, str, int]] = []
-        keys: dict[tuple[str, Any], int] = {}
+    def _mapping(self, node: MappingNode, link: _Link, depth: int) -> list[tuple[Node, _Link, int]]:
+        children: list[tuple[Node, _Link, int]] = []
+        keys: dict[tuple[str, Any], str] = {}
         for key_node, value_node in node.value:
             if key_node.tag == MERGE:
-                self._merge(value_node, f"{path}.<<" if path else "<<")
-                key = ("merge", "<<")
-                children.append((value_node, f"{path}.<<" if path else "<<", depth + 1))
+                self._merge(value_node, link)
+                key: tuple[str, Any] = ("merge", "<<")
+                children.append((value_node, (link, "<<"), depth + 1))
             else:
                 if not isinstance(key_node, ScalarNode):
-                    raise YamlError(_line(key_node), f"{path or 'the document'}: a key is a "
+                    raise YamlError(_line(key_node), f"{_where(link)}: a key is a "
                                     f"{'list' if isinstance(key_node, SequenceNode) else 'mapping'}; keys are plain text")
-                self._tag(key_node, f"{path or 'the document'}: key {key_node.value!r}")
+                if id(key_node) not in self.tagged:
+                    self._tag(key_node, link, f": key {_shown(key_node.value)}")
+                    self.tagged.add(id(key_node))
                 value = self.loader.construct_object(key_node)
-                key = (type(value).__name__, value)
-                children.append((value_node, f"{path}.{value}" if path else str(value), depth + 1))
+                # Normalised as the built dict compares keys: 1, 1.0 and true are one key there.
+                key = ("value", value)
+                children.append((value_node, (link, _shown(value)), depth + 1))
             if id(node) not in self.seen and key in keys:
-                shown = "<<" if key[0] == "merge" else key[1]
-                fix = "; merge several with `<<: [*a, *b]`" if key[0] == "merge" else ""
-                raise YamlError(_line(key_node), f"key {shown!r} is given twice; keep one (the file must say one "
-                                                 f"thing once){fix}")
-            keys[key] = _line(key_node) or 0
+                raise YamlError(_line(key_node), self._twice(key, key_node.value, keys[key]))
+            keys.setdefault(key, key_node.value)
         self.seen.add(id(node))
         return children
 
-    def _merge(self, value: Node, where: str) -> None:
+    @staticmethod
+    def _twice(key: tuple[str, Any], written: str, first: str) -> str:
+        if key[0] == "merge":
+            return "key '<<' is given twice; keep one (the file must say one thing once); merge several with " \
+                   "`<<: [*a, *b]`"
+        if written != first:
+            return (f"key {_shown(written, quoted=True)} is the same key as {_shown(first, quoted=True)} once "
+                    f"read (both are {_shown(key[1])}); keep one (the file must say one thing once)")
+        return f"key {_shown(key[1], quoted=True)} is given twice; keep one (the file must say one thing once)"
+
+    def _merge(self, value: Node, link: _Link) -> None:
         maps = value.value if isinstance(value, SequenceNode) else [value]
         if not all(isinstance(m, MappingNode) for m in maps):
-            raise YamlError(_line(value), f"{where}: a merge key takes a mapping or a list of mappings "
-                                          "(`<<: *base` where `base: &base {...}`)")
+            raise YamlError(_line(value), f"{_where((link, '<<'))}: a merge key takes a mapping or a list of "
+                                          "mappings (`<<: *base` where `base: &base {...}`)")
 
 
 def _line(node: Node) -> int | None:
@@ -214,4 +281,7 @@ def load(text: str) -> Any:
         said = "; ".join(part for part in (exc.context, exc.problem) if part) or str(exc)
         raise YamlError(mark.line + 1 if mark else None, f"is not valid YAML: {said}") from None
     except yaml.YAMLError as exc:
-        raise YamlError(None, f"is not valid YAML: {exc}") from None
+        raise YamlError(None, f"is not valid YAML: {' '.join(str(exc).split())}") from None
+    except (ValueError, OverflowError) as exc:  # a scalar no constructor above reads: still one line
+        raise YamlError(None, f"holds a value that cannot be read ({_shown(str(exc), 120)}); write it as plain "
+                              "text in quotes") from None

@@ -8,6 +8,7 @@ config or one line naming the file (tests/test_hostile_yaml_fuzz.py)."""
 from __future__ import annotations
 
 import json
+from ipaddress import IPv4Network
 import threading
 from pathlib import Path
 from typing import Any
@@ -226,7 +227,11 @@ VALUES = [
     ("storage.datasetTmpfsGb", _section("storage", "datasetTmpfsGb", "1_0"), "without underscores (10)"),
     ("training.checkpointEvery", lambda c: c[key("training")].update(steps=100, checkpointEvery=500),
      "500 is above training.steps (100)"),
-    ("networks[0].cidr", _net0("cidr", "8.8.0.0/16"), "is not a private range (RFC 1918"),
+    ("networks[0].cidr", _net0("cidr", "8.8.0.0/16"), "is not a private range for aws (10.0.0.0/8"),
+    ("networks[1].cidr", lambda c: c[key("networks")][1].__setitem__("cidr", "100.64.0.0/16"),
+     "100.64.0.0/16 is in 100.64.0.0/10, which alicloud does not take: Alibaba Cloud reserves it"),
+    ("networks[2].cidr", lambda c: c[key("networks")][2].__setitem__("cidr", "100.64.0.0/16"),
+     "which tencentcloud does not take: Tencent Cloud's CreateVpc takes only the RFC 1918 ranges"),
     ("networks[0].cidr", _net0("cidr", "10.0.0.0"), "'10.0.0.0': has no prefix length; write the network as a CIDR"),
     ("budget.alertEmails[0]", _section("budget", "alertEmails", ["$(touch PWNED)@example.com"]), "plain address"),
     ("budget.alertEmails[0]", _section("budget", "alertEmails", ["a;b@example.com"]), "plain address"),
@@ -238,6 +243,27 @@ VALUES = [
 def test_values_that_cannot_work_are_refused_with_the_fix(where: str, edit: Any, says: str) -> None:
     problems = _problems(edit)
     assert any(p.startswith(f"{where}: ") and says in p for p in problems), problems
+
+
+@pytest.mark.parametrize("cidr", ["100.64.0.0/16", "198.19.0.0/16"])
+def test_aws_takes_the_ranges_its_vpc_guide_lists_beyond_rfc_1918(cidr: str) -> None:
+    config = stack_values("dev")
+    net = config[key("networks")][0]
+    assert net["cloud"] == "aws"
+    old = IPv4Network(net["cidr"])
+    net["cidr"] = cidr
+    for group in config[key("networks")][0].get("subnets", []):  # the subnets move with it
+        group["cidr"] = str(IPv4Network(group["cidr"]).network_address - int(old.network_address)
+                            + int(IPv4Network(cidr).network_address)) + "/" + group["cidr"].split("/")[1]
+    assert not [p for p in _problems_or_none(config) if p.startswith("networks[0].cidr")]
+
+
+def _problems_or_none(config: dict[str, Any]) -> list[str]:
+    try:
+        parse(spec_raw(config))
+    except SpecError as exc:
+        return [str(p) for p in exc.problems]
+    return []
 
 
 def test_a_cidr_without_its_prefix_is_named_not_its_subnets() -> None:
@@ -273,3 +299,11 @@ def test_shipped_stacks_read_the_same_with_pyyaml_safe_load() -> None:
     for path in [*sorted(ROOT.glob("Pulumi.*.yaml")), ROOT / "teams.yaml"]:
         text = path.read_text(encoding="utf-8")
         assert yamlread.load(text) == yaml.safe_load(text), path.name
+
+
+def test_a_punycode_address_and_a_dot_slash_registry_are_taken() -> None:
+    config = stack_values("prod")  # the stack that queues on teams.yaml
+    config[key("budget")]["alertEmails"] = ["ml-team@example.xn--p1ai"]
+    config[key("kubernetes")]["queues"] = "./teams.yaml"
+    assert _problems_or_none(config) == []
+    assert parse(spec_raw(config)).kubernetes.queues == "teams.yaml"

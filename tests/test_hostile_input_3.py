@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ROOT, project_copy
+from training.trainer import failure
+from training.trainer.config import storage_problem
 from tests.teams_helpers import make_teams, teams_project
 from tests.test_hostile_input import _plan
 
@@ -134,13 +136,25 @@ def test_make_diff_without_git_says_so(tmp_path: Path) -> None:
     ("--checkpoint-url", "gs://bucket/x", "gs:// is not a storage the trainer writes"),
     ("--checkpoint-url", "s3://", "names no bucket; write s3://<bucket>/<path>"),
     ("--checkpoint-dir", "oss:///x", "names no bucket"),
-    ("--checkpoint-dir", "file://", "names no folder")])
+    ("--checkpoint-dir", "file://", "names no folder"),
+    ("--checkpoint-url", "file://ckpts", "names the host 'ckpts', which a file:// URL cannot reach"),
+    ("--checkpoint-url", "file://host/p", "names the host 'host'"),
+    ("--checkpoint-dir", "ftp:x", "ftp:// is not a storage the trainer writes"),
+    ("--checkpoint-dir", "run:3", "run:// is not a storage the trainer writes; use s3://, oss://, cosn://, file:// or "
+                                "a path (for a folder write ./run:3)"),
+    ("--checkpoint-dir", "s3:bucket", "is not a URL: write s3://<bucket>/<path>")])
 def test_checkpoint_places_that_cannot_work_are_refused(tmp_path: Path, flag: str, value: str, says: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "training.trainer.config", "--workload", "tiny", flag, value],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2 and f"{flag}={value!r}: {says}" in _one_line(proc.stderr)
     assert not list(tmp_path.iterdir())  # nothing written in the current directory
+
+
+@pytest.mark.parametrize("value", ["/mnt/nvme/ckpt/run-2026-01-01T10:00", "out/run:3", "./run:3", "S3://bucket/p",
+                                   "file:///tmp/x", "file://localhost/tmp/x"])
+def test_checkpoint_places_with_a_colon_or_capitals_that_work_are_taken(value: str) -> None:
+    assert storage_problem(value, empty_ok=False) == ""
 
 
 def test_make_train_local_with_an_empty_checkpoint_dir_writes_nothing(tmp_path: Path) -> None:
@@ -163,3 +177,34 @@ def test_a_workers_fault_is_the_entrypoints_last_line(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "ChildFailedError" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("entrypoint: the trainer failed (exit 1): ValueError: oss:// needs STORAGE_REGION"), last
+
+
+def test_the_failure_line_is_the_last_attempts_not_a_restarted_ones(tmp_path: Path) -> None:
+    """The failure file outlives torchrun's restarts: the first attempt's fault was printed."""
+    (tmp_path / "flaky.py").write_text(
+        "import os\nfrom training.trainer import failure\n"
+        "def main() -> int:\n"
+        "    raise RuntimeError('attempt ' + os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        "failure.noted(main)\n")
+    # torchrun restarts as the multi-node launch does (--max-restarts); the entrypoint reads the
+    # file with this module (its own last line is test_a_workers_fault_is_the_entrypoints_last_line).
+    faults = tmp_path / "faults"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{tmp_path}", "GTS_FAILURE_FILE": str(faults)}
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "-m", "flaky"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "attempt 0" in faults.read_text()  # the first attempt did fail
+    said = subprocess.run([sys.executable, "-m", "training.trainer.failure", str(faults)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert said.stdout.strip() == "RuntimeError: attempt 1", said
+
+
+def test_a_failure_file_that_cannot_be_written_leaves_the_workers_error(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GTS_FAILURE_FILE", str(tmp_path))  # a folder: open() raises IsADirectoryError
+
+    def main() -> int:
+        raise ValueError("the real fault")
+
+    with pytest.raises(ValueError, match="the real fault"):
+        failure.noted(main)

@@ -26,11 +26,12 @@ SCALARS = ["50:00", "1_0", "yes", "on", "No", "2026-01-01", "2026-02-30", "1.0e+
            "!!bool maybe", "!foo x", "!!timestamp 2001-12-14", "!!python/name:os.system", "!!omap [{a: 1}]",
            "!!null x", "<<", "'<<'", '"$(touch PWNED)"', "10.0.0.0", "8.8.0.0/16", "a@b.c", "x;y@e.com",
            "../../etc/passwd.yaml", "1", "0", "-1", "3.5", "100000000000000000000000", "é", "'\\x00'", "*nowhere",
-           "&a1 7", "[", "{", "- x", "? x", "@x", "`x`", "%x", "|\n    text", ">-\n    folded"]
+           "&a1 7", "[", "{", "- x", "? x", "@x", "`x`", "%x", "|\n    text", ">-\n    folded",
+           "!!float 0x10", "!!float 0o7", "!!float 0b1", "1" * 5000, "0x" + "F" * 20, "18446744073709551616"]
 KEYS = ["env", "tags", "budget", "training", "storage", "networks", "nodeGroups", "kubernetes", "pricing", "clouds",
         "team", "protectStateful", "peerings", "x", "<<"]
 SUBKEYS = ["owner", "monthlyLimitUsd", "alertEmails", "steps", "checkpointEvery", "cidr", "queues", "spotMaxPriceUsd",
-           "min", "max", "name", "cloud", "<<", "a", "a", "1", "true", "~"]
+           "min", "max", "name", "cloud", "<<", "a", "a", "1", "1.0", "true", "~", '"a\\nb"']
 
 
 class _Doc:

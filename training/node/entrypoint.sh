@@ -168,7 +168,8 @@ if [ -s "$GTS_REFUSAL_FILE" ]; then
   exit 2
 fi
 if [ "$status" -ne 0 ] && [ -s "$GTS_FAILURE_FILE" ]; then
-  echo "entrypoint: the trainer failed (exit $status): $(head -n 1 "$GTS_FAILURE_FILE") (the worker's traceback is above)" >&2
+  # The last attempt's first fault: the file holds every restart's (training/trainer/failure.py).
+  echo "entrypoint: the trainer failed (exit $status): $(python -m training.trainer.failure "$GTS_FAILURE_FILE") (the worker's traceback is above)" >&2
 fi
 # After a stop the trainer's rank 0 has said where the run stopped; a real failure is non-zero.
 exit "$status"

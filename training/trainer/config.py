@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, NoReturn, get_args
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -125,17 +126,24 @@ def storage_problem(value: str, empty_ok: bool) -> str:
     if not value.strip():
         return "" if empty_ok else ("is empty, which would be the current directory: name a folder (e.g. "
                                     "out/checkpoints) or a bucket URL (s3://<bucket>/<path>)")
-    scheme, sep, rest = value.partition("://")
-    if not sep:
-        return ("holds ':' but is not a URL (scheme://bucket/path): name a folder without ':', or a URL"
-                if ":" in value else "")
+    parts = urlsplit(value)
+    scheme = parts.scheme.lower()  # S3://bucket/p is s3:// (urlsplit and training/storage.py read it so)
+    if not scheme:  # a folder: ':' further on is a file name's (run-2026-01-01T10:00, out/run:3)
+        first = value.split("/", 1)[0]
+        return (f"holds ':' but is not a URL (scheme://bucket/path): for a folder write ./{value}" if ":" in first
+                else "")
+    folder = "" if "://" in value else f" (for a folder write ./{value})"
     if scheme not in STORES:
-        return f"{scheme}:// is not a storage the trainer writes; use {', '.join(s + '://' for s in STORES)} or a path"
-    if scheme != "file" and not rest.split("/")[0]:
-        return f"names no bucket; write {scheme}://<bucket>/<path>"
-    if scheme == "file" and not rest.strip("/"):
-        return "names no folder; write file:///<absolute path>"
-    return ""
+        return (f"{scheme}:// is not a storage the trainer writes; use {', '.join(s + '://' for s in STORES)} or a "
+                f"path{folder}")
+    if folder:
+        return f"is not a URL: write {scheme}://<bucket>/<path>{folder}"
+    if scheme != "file":
+        return "" if parts.netloc else f"names no bucket; write {scheme}://<bucket>/<path>"
+    if parts.netloc not in ("", "localhost"):
+        return (f"names the host {parts.netloc!r}, which a file:// URL cannot reach (file://{parts.netloc}/... is "
+                "not a folder here): write file:///<absolute path>, three slashes")
+    return "" if parts.path.strip("/") else "names no folder; write file:///<absolute path>"
 
 
 def _check_places(parser: argparse.ArgumentParser, cfg: TrainConfig, origin: dict[str, str]) -> None:
