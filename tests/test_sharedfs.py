@@ -189,7 +189,11 @@ def _trainer_command(env: dict[str, str], tmp: Path) -> list[str]:
     fake = tmp / "docker"
     fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
     fake.chmod(0o755)
-    script = words[2].replace("/usr/bin/docker", str(fake))
+    current = tmp / "gts-image"  # gts-image.py with nothing published: the user data's image
+    current.write_text('#!/bin/sh\necho "$GTS_IMAGE"\n')
+    current.chmod(0o755)
+    script = words[2].replace("/usr/bin/docker", str(fake)).replace("/usr/bin/python3 /usr/local/sbin/gts-image.py",
+                                                                     str(current))
     out = subprocess.run(["sh", "-c", script], env={**env, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
                          timeout=30, check=True)
     return out.stdout.splitlines()
