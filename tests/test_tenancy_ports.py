@@ -113,3 +113,23 @@ def test_the_walk_catches_the_old_layout() -> None:
                           "", {"securityGroupId": "aws-train-vm-sg-id", **bad})
         with pytest.raises(AssertionError):
             check_run([*resources, fake], carried, nets, run_sg)
+
+
+def test_a_run_group_of_a_32_character_group_fits_tencents_limits(tmp_path: Any) -> None:
+    """Tencent takes a security group name of 1-60 characters and a description of 1-100
+    (resource_tc_security_group.go); group names may have 32."""
+    from infra.plan.engine import unwrap_secrets
+    from tests.harness import key, run_stack
+
+    long_name = "tc-" + "x" * 29
+
+    def edit(values: dict[str, Any]) -> None:
+        for g in values[key("nodeGroups")]:
+            if g["name"] == "tc-train":
+                g["name"] = long_name
+
+    groups = [unwrap_secrets(r.inputs) for r in run_stack("prod", edit, tmp_path)
+              if r.type == "tencentcloud:Security/group:Group"]
+    assert any(long_name in g["name"] for g in groups)
+    for g in groups:
+        assert 1 <= len(g["name"]) <= 60 and 1 <= len(g["description"]) <= 100, g

@@ -125,7 +125,7 @@ class AlicloudNetwork(pulumi.ComponentResource):
         run = alicloud.ecs.SecurityGroup(
             f"{group}-run-sg", vpc_id=self.vpc.id, security_group_name=f"{group}-run", security_group_type="normal",
             inner_access_policy="Accept",
-            description=f"Nodes of {group}: all traffic among them (collectives, worker store), from nothing else",
+            description=scrape.run_group_description(group),
             tags=tags, opts=pulumi.ResourceOptions(parent=self))
         alicloud.ecs.SecurityGroupRule(f"{group}-run-self", type="ingress", ip_protocol="all", port_range="-1/-1",
                                        security_group_id=run.id, source_security_group_id=run.id, policy="accept",

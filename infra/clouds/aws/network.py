@@ -107,7 +107,7 @@ class AwsNetwork(pulumi.ComponentResource):
         both ways (the EFA docs ask for all traffic to and from the group itself)."""
         run = aws.ec2.SecurityGroup(
             f"{group}-run-sg", vpc_id=self.vpc.id,
-            description=f"Nodes of {group}: all traffic among them (collectives, worker store), from nothing else",
+            description=scrape.run_group_description(group),
             tags={**tags, "Name": f"{group}-run-sg"}, opts=pulumi.ResourceOptions(parent=self))
         opts = pulumi.ResourceOptions(parent=run)
         aws.vpc.SecurityGroupIngressRule(f"{group}-run-self", security_group_id=run.id, referenced_security_group_id=run.id,

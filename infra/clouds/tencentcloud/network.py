@@ -132,7 +132,7 @@ class TencentNetwork(pulumi.ComponentResource):
         del fabric  # HCC's RDMA network is not governed by security groups (shared/FABRIC_AND_HEALTH.md)
         run = tencentcloud.security.Group(
             f"{group}-run-sg", name=f"{group}-run",
-            description=f"Nodes of {group}: all traffic among them (collectives, worker store), from nothing else",
+            description=scrape.run_group_description(group),
             tags=tags, opts=pulumi.ResourceOptions(parent=self))
         tencentcloud.security.GroupRuleSet(
             f"{group}-run-rules", security_group_id=run.id,
