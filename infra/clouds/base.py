@@ -66,6 +66,7 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
         for region in self.regions():
             self.providers[region] = self.make_provider(region)
         self.rdzv_keys = self.rendezvous_keys()
+        self.rdzv_key_refs: dict[str, str] = {}  # group -> where its key is kept (make_key_secret)
         self.build()
         self.register_outputs(self.exports)
 
@@ -269,7 +270,7 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
         never shows in previews or the state in clear. It names the group's rendezvous key in
         the secret store, never the key itself."""
         shared = self.shared.get(group.network) if group.group.shared_fs else None
-        ref = getattr(self, "rdzv_key_refs", {}).get(group.name)
+        ref = self.rdzv_key_refs.get(group.name)
         mount = shared.mount() if shared is not None else None
         rendered = pulumi.Output.all(image, mount).apply(
             lambda got: userdata.for_group(self.spec, group, got[0], got[1],
