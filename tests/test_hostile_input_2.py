@@ -22,6 +22,7 @@ from infra.teams import registry
 from tests.harness import parse_spec as parse
 from tests.harness import ROOT, key, project_copy, spec_raw, stack_values
 from tests.test_hostile_input import _plan
+from tests.test_hostile_stackfile import _problems
 
 PROJECT = "gpu-training-stack"
 
@@ -197,12 +198,6 @@ def test_scalars_resolve_as_yaml_1_2_does(written: str, read: Any) -> None:
     assert _read(f"config:\n  gpu-training-stack:v: {{x: {written}}}\n")[f"{PROJECT}:v"]["x"] == read
 
 
-def _problems(edit: Any) -> list[str]:
-    config = stack_values("dev")
-    edit(config)
-    with pytest.raises(SpecError) as caught:
-        parse(spec_raw(config))
-    return [str(p) for p in caught.value.problems]
 
 
 def _group0(name: str, value: Any) -> Any:
