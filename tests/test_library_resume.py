@@ -1,0 +1,104 @@
+"""The library's fast resume (issue 44): a Checkpointer made before the model fetches the newest
+step while the model is built (`track` then names the objects), and `resume(assign=True)` gives a
+model built on the meta device the loaded tensors themselves, the optimizer pointed at them. The
+result must be the same training as the documented copying path, step for step."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from training.checkpointing import Checkpointer
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(32, 8, generator=g)
+        loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+        opt.zero_grad()
+        torch.autograd.backward(loss)
+        opt.step()
+
+
+def _first_run(tmp_path: Path) -> tuple[str, dict[str, torch.Tensor]]:
+    """Five steps, a checkpoint at step 5 in a file:// bucket; the local disk then deleted.
+    Returns the bucket's URL and the parameters after five more steps, uninterrupted."""
+    url = f"file://{tmp_path / 'bucket'}"
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(url=url, local_dir=str(tmp_path / "disk1"), model=model, optimizer=opt) as ckpt:
+        assert ckpt.resume() == 0
+        _train(model, opt, range(0, 5))
+        ckpt.save(5)
+    _train(model, opt, range(5, 10))
+    return url, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_made_before_the_model_it_prefetches_and_assign_takes_the_tensors(tmp_path: Path) -> None:
+    url, uninterrupted = _first_run(tmp_path)
+    ckpt = Checkpointer(url=url, local_dir=str(tmp_path / "disk2"))
+    prefetch = ckpt.manager._prefetch
+    assert isinstance(prefetch, threading.Thread)  # the fetch started before any model exists
+    with torch.device("meta"):
+        model = _net()
+    model = model.to_empty(device="cpu")  # memory, no initial values: the checkpoint fills it
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [id(p) for p in model.parameters()]
+    with ckpt.track(model=model, optimizer=opt):
+        assert ckpt.resume(assign=True) == 5
+        after = list(model.parameters())
+        assert [id(p) for p in after] != before  # the model took the loaded tensors themselves ...
+        assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in after]  # ... the optimizer too
+        assert ckpt.manager._prefetched is None  # nothing held once resumed
+        _train(model, opt, range(5, 10))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, uninterrupted[name]), name
+
+
+def test_the_copying_path_trains_the_same(tmp_path: Path) -> None:
+    url, uninterrupted = _first_run(tmp_path)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = [id(p) for p in model.parameters()]
+    with Checkpointer(url=url, local_dir=str(tmp_path / "disk2"), model=model, optimizer=opt) as ckpt:
+        assert ckpt.resume() == 5
+        assert [id(p) for p in model.parameters()] == ids  # copied into the model's own tensors
+        _train(model, opt, range(5, 10))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, uninterrupted[name]), name
+
+
+def test_tied_parameters_are_copied_not_assigned(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'bucket'}"
+    tied = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    tied[1].weight = tied[0].weight
+    with Checkpointer(url=url, local_dir=str(tmp_path / "a"), model=tied) as ckpt:
+        ckpt.save(1)
+    again = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    again[1].weight = again[0].weight
+    with Checkpointer(url=url, local_dir=str(tmp_path / "b")).track(model=again) as ckpt:
+        assert ckpt.resume(assign=True) == 1
+    assert again[0].weight is again[1].weight  # the tie kept
+    assert torch.equal(again[0].weight, tied[0].weight)
+
+
+def test_track_misuse_is_one_clear_error(tmp_path: Path) -> None:
+    with Checkpointer(local_dir=str(tmp_path / "c")) as ckpt:
+        with pytest.raises(ValueError, match="call track"):
+            ckpt.resume()
+        with pytest.raises(ValueError, match="name the objects"):
+            ckpt.track()
+        ckpt.track(model=_net())
+        with pytest.raises(ValueError, match="already has its objects"):
+            ckpt.track(model=_net())
+        assert ckpt.resume() == 0
