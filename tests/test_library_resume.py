@@ -80,16 +80,18 @@ def test_the_copying_path_trains_the_same(tmp_path: Path) -> None:
 
 def test_tied_parameters_are_copied_not_assigned(tmp_path: Path) -> None:
     url = f"file://{tmp_path / 'bucket'}"
-    tied = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
-    tied[1].weight = tied[0].weight
+    first, second = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+    second.weight = first.weight
+    tied = nn.Sequential(first, second)
     with Checkpointer(url=url, local_dir=str(tmp_path / "a"), model=tied) as ckpt:
         ckpt.save(1)
-    again = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
-    again[1].weight = again[0].weight
+    one, two = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+    two.weight = one.weight
+    again = nn.Sequential(one, two)
     with Checkpointer(url=url, local_dir=str(tmp_path / "b")).track(model=again) as ckpt:
         assert ckpt.resume(assign=True) == 1
-    assert again[0].weight is again[1].weight  # the tie kept
-    assert torch.equal(again[0].weight, tied[0].weight)
+    assert one.weight is two.weight  # the tie kept
+    assert torch.equal(one.weight, first.weight)
 
 
 def test_track_misuse_is_one_clear_error(tmp_path: Path) -> None:

@@ -180,7 +180,7 @@ class Checkpoints:
         """The limit of durable: the state's bytes written to one file with os.write straight
         from the tensors' memory (no Python file object, no copy) and fsync'd."""
         path = self.work / f"raw-{rep}"
-        views = [memoryview(t.detach().cpu().contiguous().numpy()).cast("B") for t in _tensors(self.state)]
+        views = [t.detach().cpu().contiguous().numpy().data.cast("B") for t in _tensors(self.state)]
         started = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
