@@ -131,3 +131,28 @@ def test_a_limit_slower_than_the_work_it_bounds_is_flagged(capsys: pytest.Captur
              if " resume " in line}
     assert "1.30x" in lines["trainer"] and "2.00x" in lines["library, 3 lines"]
     assert "LIMIT SUSPECT" in lines["library, fast path"] and "0.50x" not in lines["library, fast path"]
+
+
+def test_the_plan_group_scales_the_stack_and_rotates_every_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-resource figure plans the stack at 2x its node groups (copies renamed, in a scratch
+    folder) and fits slopes; every run of the group is interleaved and rotated."""
+    import yaml
+
+    from infra.plan import bench as plan_bench
+
+    name = plan_bench.scaled_stack("dev", 2, tmp_path)
+    key = "gpu-training-stack:nodeGroups"
+    groups = yaml.safe_load((plan_bench.ROOT / "Pulumi.dev.yaml").read_text())["config"][key]
+    doubled = yaml.safe_load((tmp_path / f"Pulumi.{name}.yaml").read_text())["config"][key]
+    names = [g["name"] for g in doubled]
+    assert len(doubled) == 2 * len(groups) and len(set(names)) == len(names)
+    assert len(plan_bench._plan(name, tmp_path)) > len(plan_bench._plan("dev", plan_bench.ROOT))
+    assert plan_bench.slope([(100, 1.0), (200, 1.5), (400, 2.5)]) == pytest.approx(0.005)
+
+    order: list[str] = []
+    runs = {n: ([n], plan_bench.ROOT) for n in ("plan@1", "plan@2", "floor@1", "floor@2", "floor_gc@1", "imports")}
+    monkeypatch.setattr(plan_bench, "_runs", lambda *a: (runs, {1: 10, 2: 20}, [], []))
+    monkeypatch.setattr(plan_bench, "_timed", lambda cmd, cwd: order.append(cmd[0]) or 1.0)
+    found = plan_bench.measure("dev", 3, (1, 2))
+    assert order[:6] == list(runs) and order[6:12] == list(runs)[1:] + list(runs)[:1]
+    assert all(len(v) == 3 for v in found["times"].values())  # type: ignore[attr-defined]

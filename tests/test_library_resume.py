@@ -104,3 +104,42 @@ def test_track_misuse_is_one_clear_error(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="already has its objects"):
             ckpt.track(model=_net())
         assert ckpt.resume() == 0
+
+
+def test_a_model_on_the_meta_device_is_filled_or_initialised(tmp_path: Path) -> None:
+    """No to_empty needed: a meta model takes the checkpoint's tensors; with no checkpoint it
+    gets memory and its modules' own initial values; a tied meta model is copied into memory."""
+    url, uninterrupted = _first_run(tmp_path)
+    with torch.device("meta"):
+        model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(url=url, local_dir=str(tmp_path / "d2")).track(model=model, optimizer=opt) as ckpt:
+        assert ckpt.resume(assign=True) == 5
+        assert not any(p.is_meta for p in model.parameters())
+        _train(model, opt, range(5, 10))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, uninterrupted[name]), name
+
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        fresh = _net()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    with Checkpointer(local_dir=str(tmp_path / "empty")).track(model=fresh, optimizer=fresh_opt) as ckpt:
+        assert ckpt.resume(assign=True) == 0
+    params = list(fresh.parameters())
+    assert not any(p.is_meta for p in params) and all(torch.isfinite(p).all() for p in params)
+    assert [id(p) for p in fresh_opt.param_groups[0]["params"]] == [id(p) for p in params]
+    assert float(params[0].detach().abs().sum()) > 0  # initialised by reset_parameters, not left empty
+    _train(fresh, fresh_opt, range(0, 2))  # it trains
+
+    first, second = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+    second.weight = first.weight
+    with Checkpointer(url=url, local_dir=str(tmp_path / "t1"), model=nn.Sequential(first, second)) as ckpt:
+        ckpt.save(7)
+    with torch.device("meta"):
+        one, two = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+    two.weight = one.weight
+    with Checkpointer(url=url, local_dir=str(tmp_path / "t2")).track(model=nn.Sequential(one, two)) as ckpt:
+        with pytest.raises(ValueError, match="tied .* meta device: give it memory"):
+            ckpt.resume(assign=True)  # torch's to_empty would untie them: said, never trained untied
+    assert one.weight is two.weight

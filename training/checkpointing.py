@@ -1,5 +1,5 @@
-"""Checkpoints for your own training code: the manager our trainer uses (atomic commit, sha256
-checked on load, background upload with retries, keep-K, a lock per run), the emergency
+"""Checkpoints for your own training code: the manager our trainer uses (atomic commit, a BLAKE3
+digest checked on load, background upload with retries, keep-K, a lock per run), the emergency
 checkpoint on SIGTERM / SIGINT / the spot notice, and exact resume, behind three lines.
 
     from training.checkpointing import Checkpointer
@@ -24,6 +24,10 @@ loop at `ckpt.epoch` (training/loaders.py keeps its position and randomness per 
 StatefulDataLoader is taken too). Without a loader, make the data order a function of the step
 (or of values kept in `extra`).
 The checkpoints are read with weights_only: tensors and plain values only.
+
+Faster resume of a large model: make the Checkpointer first (the newest step is fetched while the
+model is built), build the model on the meta device, name the objects with `track`, and
+`resume(assign=True)` (the model takes the loaded tensors; docs/trainer-and-library.md).
 
 Sharded state (FSDP2's `fully_shard`, or any model whose parameters are DTensors) is taken the
 same way, found by itself (or `sharded=True`: a one-process run of an FSDP loop holds a plain
@@ -51,7 +55,7 @@ from torch.utils.data import DataLoader
 from training.checkpoint import CheckpointError
 from training.distributed import Comm
 from training.loaders import LoaderState
-from training.restore import own_moments, restore_model
+from training.restore import materialize, own_moments, restore_model
 from training.run_control import (EXIT_PEER_STOPPED, EXIT_REFUSED, Interval, Resumed, StopFlag, choose_checkpoint,
                                   exit_code, finish, open_manager, process_exit, refuse, rng_state, say_refused,
                                   set_rng_state)
@@ -155,16 +159,25 @@ class Checkpointer:
 
         `assign=True`: the models take the loaded tensors themselves instead of copying them
         into their own (no second copy of the weights in memory, none of the copy's time), and
-        the optimizers are pointed at them. For models whose values the checkpoint replaces
-        (built on the meta device, then `to_empty`); a model with tied parameters, or whose
-        saved tensors differ in type, layout or device, is copied as without it."""
+        the optimizers are pointed at them. For models whose values the checkpoint replaces: a
+        model built on the meta device (its optimizer built over it) takes them as they are;
+        when there is no checkpoint it gets memory on the CPU and its modules' own initial values
+        (`reset_parameters`). A model with tied parameters, or whose saved tensors differ in type
+        or layout, is copied as without `assign`."""
         if not self._tracking:
             raise ValueError("Checkpointer.resume: no objects to restore; call track(model=..., optimizer=...) "
                              "first")
         try:
-            return self._resume(assign)
+            step = self._resume(assign)
         finally:
             self.manager.end_prefetch()  # a prefetched step nobody chose is not held for the run
+        if step == 0:  # nothing restored: a model built on the meta device gets memory and its own initial values
+            optimizers = [obj for obj in self.state.values() if isinstance(obj, torch.optim.Optimizer)]
+            for obj in self.state.values():
+                if isinstance(obj, nn.Module) and materialize(obj, optimizers):
+                    log.info("no checkpoint: the model built on the meta device was given memory on the CPU and "
+                             "its modules' initial values (reset_parameters)")
+        return step
 
     def _resume(self, assign: bool) -> int:
         try:
