@@ -152,7 +152,11 @@ def test_the_plan_group_scales_the_stack_and_rotates_every_run(tmp_path: Path, m
     order: list[str] = []
     runs = {n: ([n], plan_bench.ROOT) for n in ("plan@1", "plan@2", "floor@1", "floor@2", "floor_gc@1", "imports")}
     monkeypatch.setattr(plan_bench, "_runs", lambda *a: (runs, {1: 10, 2: 20}, [], []))
-    monkeypatch.setattr(plan_bench, "_timed", lambda cmd, cwd: order.append(cmd[0]) or 1.0)
+    def timed(cmd: list[str], cwd: Path) -> float:
+        order.append(cmd[0])
+        return 1.0
+
+    monkeypatch.setattr(plan_bench, "_timed", timed)
     found = plan_bench.measure("dev", 3, (1, 2))
     assert order[:6] == list(runs) and order[6:12] == list(runs)[1:] + list(runs)[:1]
     assert all(len(v) == 3 for v in found["times"].values())  # type: ignore[attr-defined]
