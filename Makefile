@@ -99,7 +99,7 @@ example-hf: $(STAMP)
 	    -m training.trainer.workloads.bert_finetune --output_dir '$${CHECKPOINT_DIR}/hf-out' --max_steps $(call q,$(STEPS))) \
 	  bash training/node/entrypoint.sh
 
-## bench: checkpoint (ours, in line, async_save) and resume figures for ~100 MB and ~1 GB states beside their limits (memcpy, write+fsync, import+read; interleaved; S3 endpoint on 127.0.0.1), goodput, and the prod plan beside SDK imports + the mock engine (~12 min)
+## bench: checkpoint (ours, in line, async_save) and resume (trainer, library) figures for ~100 MB and ~1 GB states beside their limits (memcpy, write+fsync, import+read; interleaved and rotated; S3 endpoint on 127.0.0.1), goodput, and the prod plan at 1x/2x/4x its groups beside SDK imports + the mock engine (~20 min)
 bench: $(STAMP)
 	@$(PY) -m training.trainer.bench
 

@@ -96,3 +96,67 @@ def test_the_resume_figure_runs_the_trainer_of_this_checkout() -> None:
 
     assert (bench_resume.ROOT / "training" / "trainer" / "train.py").is_file()
     assert (bench_resume.ROOT / "Makefile").is_file()
+
+
+def test_the_resume_group_interleaves_every_method_on_its_own_copy(tmp_path: Path) -> None:
+    """The trainer, the library's two paths and the limit each resume (or read) their own copy of
+    a checkpoint written once before the group; the copies are gone afterwards and the bases stay."""
+    from tests.training_helpers import MotoServer, storage_env
+    from training.trainer.bench_resume import METHODS, ResumeGroup
+
+    moto = MotoServer("bench")
+    try:
+        group = ResumeGroup(64, "bench", storage_env(moto.url), tmp_path)
+        group.prepare()
+        bases = moto.keys("resume-64/")
+        assert any(k.startswith("resume-64/trainer-base/") for k in bases)
+        assert any(k.startswith("resume-64/library-base/") for k in bases)
+        figures = bench.interleaved(group.methods(), repeats=1)
+        assert set(figures) == set(METHODS) == {"limit", "trainer", "library", "library_plain"}
+        assert all(len(f["resume"]) == 1 and min(f["resume"]) > 0 for f in figures.values())
+        assert moto.keys("resume-64/") == bases  # every method's copy deleted, the bases kept
+    finally:
+        moto.stop()
+
+
+def test_a_limit_slower_than_the_work_it_bounds_is_flagged(capsys: pytest.CaptureFixture[str]) -> None:
+    from training.trainer import bench_tables
+
+    assert bench_tables.limit_suspect([3.0, 3.2, 3.4], [2.0, 2.1, 2.2])
+    assert not bench_tables.limit_suspect([1.0, 1.1, 1.2], [2.0, 2.1, 2.2])
+    resume = {"limit": {"resume": [2.0, 2.0, 2.0]}, "trainer": {"resume": [2.6, 2.6, 2.6]},
+              "library": {"resume": [1.0, 1.0, 1.0]}, "library_plain": {"resume": [4.0, 4.0, 4.0]}}
+    bench_tables.print_checkpoint_table([("~1 GB", 1000.0, resume)])
+    lines = {line.split("resume")[1].strip().split("  ")[0]: line for line in capsys.readouterr().out.splitlines()
+             if " resume " in line}
+    assert "1.30x" in lines["trainer"] and "2.00x" in lines["library, 3 lines"]
+    assert "LIMIT SUSPECT" in lines["library, fast path"] and "0.50x" not in lines["library, fast path"]
+
+
+def test_the_plan_group_scales_the_stack_and_rotates_every_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-resource figure plans the stack at 2x its node groups (copies renamed, in a scratch
+    folder) and fits slopes; every run of the group is interleaved and rotated."""
+    import yaml
+
+    from infra.plan import bench as plan_bench
+
+    name = plan_bench.scaled_stack("dev", 2, tmp_path)
+    key = "gpu-training-stack:nodeGroups"
+    groups = yaml.safe_load((plan_bench.ROOT / "Pulumi.dev.yaml").read_text())["config"][key]
+    doubled = yaml.safe_load((tmp_path / f"Pulumi.{name}.yaml").read_text())["config"][key]
+    names = [g["name"] for g in doubled]
+    assert len(doubled) == 2 * len(groups) and len(set(names)) == len(names)
+    assert len(plan_bench._plan(name, tmp_path)) > len(plan_bench._plan("dev", plan_bench.ROOT))
+    assert plan_bench.slope([(100, 1.0), (200, 1.5), (400, 2.5)]) == pytest.approx(0.005)
+
+    order: list[str] = []
+    runs = {n: ([n], plan_bench.ROOT) for n in ("plan@1", "plan@2", "floor@1", "floor@2", "floor_gc@1", "imports")}
+    monkeypatch.setattr(plan_bench, "_runs", lambda *a: (runs, {1: 10, 2: 20}, [], []))
+    def timed(cmd: list[str], cwd: Path) -> float:
+        order.append(cmd[0])
+        return 1.0
+
+    monkeypatch.setattr(plan_bench, "_timed", timed)
+    found = plan_bench.measure("dev", 3, (1, 2))
+    assert order[:6] == list(runs) and order[6:12] == list(runs)[1:] + list(runs)[:1]
+    assert all(len(v) == 3 for v in found["times"].values())  # type: ignore[attr-defined]

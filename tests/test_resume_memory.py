@@ -29,6 +29,9 @@ from training.trainer.restore import own_moments, restore_model
 
 def _memory_files() -> tuple[list[str], list[str]]:
     """This process's memory files from the checkpoint loader: (open descriptors, mappings)."""
+    import gc
+
+    gc.collect()  # what only unreachable cycles hold (an earlier test's objects) is not the loader's
     opened = []
     for fd in os.listdir("/proc/self/fd"):
         try:

@@ -1,5 +1,5 @@
-"""Checkpoints for your own training code: the manager our trainer uses (atomic commit, sha256
-checked on load, background upload with retries, keep-K, a lock per run), the emergency
+"""Checkpoints for your own training code: the manager our trainer uses (atomic commit, a BLAKE3
+digest checked on load, background upload with retries, keep-K, a lock per run), the emergency
 checkpoint on SIGTERM / SIGINT / the spot notice, and exact resume, behind three lines.
 
     from training.checkpointing import Checkpointer
@@ -24,6 +24,10 @@ loop at `ckpt.epoch` (training/loaders.py keeps its position and randomness per 
 StatefulDataLoader is taken too). Without a loader, make the data order a function of the step
 (or of values kept in `extra`).
 The checkpoints are read with weights_only: tensors and plain values only.
+
+Faster resume of a large model: make the Checkpointer first (the newest step is fetched while the
+model is built), build the model on the meta device, name the objects with `track`, and
+`resume(assign=True)` (the model takes the loaded tensors; docs/trainer-and-library.md).
 
 Sharded state (FSDP2's `fully_shard`, or any model whose parameters are DTensors) is taken the
 same way, found by itself (or `sharded=True`: a one-process run of an FSDP loop holds a plain
@@ -51,6 +55,7 @@ from torch.utils.data import DataLoader
 from training.checkpoint import CheckpointError
 from training.distributed import Comm
 from training.loaders import LoaderState
+from training.restore import materialize, own_moments, restore_model
 from training.run_control import (EXIT_PEER_STOPPED, EXIT_REFUSED, Interval, Resumed, StopFlag, choose_checkpoint,
                                   exit_code, finish, open_manager, process_exit, refuse, rng_state, say_refused,
                                   set_rng_state)
@@ -93,7 +98,33 @@ class Checkpointer:
         self.refused = False  # the store refused the uploads for good: the run stopped (close() says why)
         self.exit_code = 0  # set when the `with` block ends (close())
         self.sharded: ShardedCheckpoints | None = None
-        self._open_sharded(sharded)
+        self._sharded_arg = sharded
+        self._tracking = bool(state)
+        if state:
+            self._open_sharded(sharded)
+        elif sharded is not True:
+            # Made before the model (the fast resume): the newest step is fetched, checked and
+            # loaded on a background thread while the caller builds the model; `track` then
+            # names the objects and `resume` takes what was loaded.
+            self.manager.prefetch()
+
+    def track(self, **state: Stateful | DataLoader[Any]) -> Checkpointer:
+        """The objects to save and restore, for a Checkpointer made before them (so that the
+        newest checkpoint is fetched while they are built). Once, before `resume`."""
+        if self._tracking:
+            raise ValueError("Checkpointer.track: this Checkpointer already has its objects (pass them either "
+                             "to the constructor or to track, once)")
+        if not state:
+            raise ValueError("Checkpointer.track: name the objects to checkpoint, e.g. track(model=model, "
+                             "optimizer=optimizer)")
+        self._tracking = True
+        self.loaders = {name: LoaderState(name, obj, set_rng_state) for name, obj in state.items()
+                        if isinstance(obj, DataLoader)}
+        self.state = {name: obj for name, obj in state.items() if not isinstance(obj, DataLoader)}
+        self._open_sharded(self._sharded_arg)
+        if self.sharded is not None:
+            self.manager.end_prefetch()  # a sharded state is read shard by shard, not as one file
+        return self
 
     def _open_sharded(self, sharded: bool | None) -> None:
         """The sharded path when asked for, or when the state holds DTensors (FSDP2): the one
@@ -122,9 +153,33 @@ class Checkpointer:
         return {name: obj for name, obj in self.state.items()
                 if name != self.model_name and name not in self.optimizers}
 
-    def resume(self) -> int:
+    def resume(self, assign: bool = False) -> int:
         """Restore the newest checkpoint every rank can load (checked file by file); returns its
-        step, or 0 when there is none. Committed steps the bucket lacks are uploaded now."""
+        step, or 0 when there is none. Committed steps the bucket lacks are uploaded now.
+
+        `assign=True`: the models take the loaded tensors themselves instead of copying them
+        into their own (no second copy of the weights in memory, none of the copy's time), and
+        the optimizers are pointed at them. For models whose values the checkpoint replaces: a
+        model built on the meta device (its optimizer built over it) takes them as they are;
+        when there is no checkpoint it gets memory on the CPU and its modules' own initial values
+        (`reset_parameters`). A model with tied parameters, or whose saved tensors differ in type
+        or layout, is copied as without `assign`."""
+        if not self._tracking:
+            raise ValueError("Checkpointer.resume: no objects to restore; call track(model=..., optimizer=...) "
+                             "first")
+        try:
+            step = self._resume(assign)
+        finally:
+            self.manager.end_prefetch()  # a prefetched step nobody chose is not held for the run
+        if step == 0:  # nothing restored: a model built on the meta device gets memory and its own initial values
+            optimizers = [obj for obj in self.state.values() if isinstance(obj, torch.optim.Optimizer)]
+            for obj in self.state.values():
+                if isinstance(obj, nn.Module) and materialize(obj, optimizers):
+                    log.info("no checkpoint: the model built on the meta device was given memory on the CPU and "
+                             "its modules' initial values (reset_parameters)")
+        return step
+
+    def _resume(self, assign: bool) -> int:
         try:
             found = self.sharded.choose() if self.sharded is not None else choose_checkpoint(self.manager, self.comm)
         except StorageRefused as exc:  # no such bucket, access denied (every rank lists it): one line, no traceback
@@ -146,8 +201,7 @@ class Checkpointer:
             if self.comm.rank == 0:
                 log.info("restored sharded step %d saved by %d ranks into %d", found.step,
                          int(found.state.get("world_size", 0)), self.comm.world)
-        for name, obj in plain.items():
-            obj.load_state_dict(saved[name])
+        self._load_plain(plain, saved, assign)
         self.extra = dict(found.state.get("extra", {}))
         if found.rng is not None:
             set_rng_state(found.rng)
@@ -165,6 +219,27 @@ class Checkpointer:
         if self.comm.rank == 0:
             log.info("resumed from checkpoint step %d", found.step)
         return found.step
+
+    @staticmethod
+    def _load_plain(plain: dict[str, Stateful], saved: dict[str, Any], assign: bool) -> None:
+        """Models first (with `assign`, they take the loaded tensors and the optimizers are
+        pointed at them), then everything else in the order given."""
+        optimizers = [obj for obj in plain.values() if isinstance(obj, torch.optim.Optimizer)]
+        done, copied = set(), False
+        if assign:
+            for name, obj in plain.items():
+                if isinstance(obj, nn.Module):
+                    if not restore_model(obj, optimizers, saved[name], empty=True):
+                        copied = True
+                        log.info("resume(assign=True): %s copied (tied parameters, or saved values of another "
+                                 "type, layout or device)", name)
+                    done.add(name)
+        for name, obj in plain.items():
+            if name not in done:
+                obj.load_state_dict(saved[name])
+        if copied:  # as the trainer does: moments in storages of their own once the weights were copied
+            for opt in optimizers:
+                own_moments(opt)
 
     def step(self, step: int, **extra: Any) -> bool:
         """After each optimizer step, with the number of steps done: saves every `every` steps,
@@ -232,6 +307,7 @@ class Checkpointer:
         non-zero when the store refused the checkpoints or the last one could not be written.
         Under the image's entrypoint a refusal is its last line and exit 2 (this returns 0 then,
         so that the launcher adds no traceback of its own)."""
+        self.manager.end_prefetch()  # made before the model and never resumed: nothing is held
         if self.sharded is not None:
             self.sharded.close()  # this rank's shard of the last checkpoint is written
         return process_exit(finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline,

@@ -19,8 +19,12 @@ loaded machine. Every figure is min / median of REPEATS (at least 3).
              background writer shares the cores): a loop with a checkpoint every few steps minus
              the same loop without, per checkpoint. Next to it the loop-blocked time.
   resume     seconds from process start to the first step after a resume from the bucket (empty
-             local disk). Limit: a fresh process that imports torch and reads the same bytes
-             from the bucket.
+             local disk): the reference trainer, the library on its documented fast path and on
+             its three-line path (training/trainer/bench_resume.py). Limit: a fresh process that
+             imports torch and reads the same bytes from the bucket; every method interleaved
+             and rotated with the limit, each on its own copy of the checkpoint.
+A limit that comes out slower than a method doing the same work and more (raw write + fsync
+slower than the in-line save of the same bytes) is flagged and its ratios not reported.
 Then the goodput table: Daly's interval and the simulated goodput at several MTBFs, with and
 without a two-minute reclaim notice; and the offline plan figures (infra/plan/bench.py).
 
@@ -43,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from training.trainer.bench_resume import resume_seconds
+from training.trainer.bench_resume import ResumeGroup
 from training.trainer.bench_tables import REPEATS as REPEATS  # explicit re-export: callers read bench.REPEATS
 from training.trainer.bench_tables import Figures, print_checkpoint_table, print_goodput_table
 from training.checkpoint import CheckpointManager, Topology
@@ -173,14 +177,19 @@ class Checkpoints:
         return {"blocked": time.perf_counter() - started}
 
     def run_raw(self, rep: int) -> dict[str, float]:
-        """The limit of durable: the state's bytes written to one file and fsync'd."""
+        """The limit of durable: the state's bytes written to one file with os.write straight
+        from the tensors' memory (no Python file object, no copy) and fsync'd."""
         path = self.work / f"raw-{rep}"
+        views = [t.detach().cpu().contiguous().numpy().data.cast("B") for t in _tensors(self.state)]
         started = time.perf_counter()
-        with path.open("wb") as fh:
-            for tensor in _tensors(self.state):
-                fh.write(tensor.detach().cpu().contiguous().numpy().data.cast("B"))
-            fh.flush()
-            os.fsync(fh.fileno())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for view in views:
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         took = time.perf_counter() - started
         path.unlink()
         return {"durable": took}
@@ -314,10 +323,9 @@ def main(argv: list[str] | None = None) -> int:
                         figures = _checkpoint_figures(width, work)
                 if "resume" in args.part:
                     with _store() as env:
-                        def resume(rep: int, w: int = width, env: dict[str, str] = env) -> dict[str, float]:
-                            return resume_seconds(w, f"s3://bench/{w}", env, work, rep)
-
-                        figures |= interleaved({"resume": resume})
+                        group = ResumeGroup(width, "bench", env, work)
+                        group.prepare()
+                        figures |= interleaved(group.methods())
                 rows.append((label, _state_bytes(width) / 1e6, figures))
         finally:
             shutil.rmtree(work, ignore_errors=True)

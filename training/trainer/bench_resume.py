@@ -1,6 +1,14 @@
-"""make bench's resume figure (training/trainer/bench.py): a fresh trainer process that resumes a 1-step
-checkpoint from the bucket with an empty local disk, timed from process start to its first step,
-beside the limit: a fresh process that imports torch and reads the same bytes from the bucket."""
+"""make bench's resume figures (training/trainer/bench.py): a fresh process resumes a step-1
+checkpoint from the bucket with an empty local disk, timed from process start to its first step.
+
+The methods of one group run interleaved and rotated like every other group's (bench.interleaved):
+  limit          a fresh process that imports torch and GETs the library checkpoint's bytes
+  trainer        the reference trainer (training/trainer/train.py)
+  library        the checkpoint library on the fast path its docs give (training/trainer/bench_library.py)
+  library_plain  the library's three-line path (the model built and initialised first)
+Each method reads its own server-side copy of a checkpoint written once before the group
+(untimed), so none of them runs "right after the upload" more often than another, and each copy
+is deleted after its run (the store keeps objects in memory)."""
 
 from __future__ import annotations
 
@@ -10,71 +18,118 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (training/trainer/ is two folders down)
+METHODS = ("limit", "trainer", "library", "library_plain")
 
 
-def resume_seconds(width: int, remote: str, env: dict[str, str], work: Path, attempt: int) -> dict[str, float]:
-    """A fresh process (empty local disk) resumes `remote` and runs one more step; and the
-    limit: a fresh process that imports torch and reads the same checkpoint's bytes."""
-    cwd = work / f"resume-{width}-{attempt}"
-    cwd.mkdir()
-    remote = f"{remote}-trainer-{attempt}"
-    base = [sys.executable, "-m", "training.trainer.train", "--workload", "tiny", "--tiny-width", str(width),
-            "--checkpoint-dir", remote, "--log-every", "1"]
-    child_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
-    # A trainer-made checkpoint at step 1, uploaded; then the local disk is wiped.
-    subprocess.run([*base, "--steps", "1", "--checkpoint-every", "1", "--upload-deadline-s", "600"], cwd=cwd,
-                   env=child_env, check=True, capture_output=True, timeout=900)
-    shutil.rmtree(cwd / "out")
-    limit = _read_limit(remote, child_env)
-    cmd = [*base, "--steps", "2", "--checkpoint-every", "100", "--upload-deadline-s", "0", "--allow-config-change"]
+class ResumeGroup:
+    """One state size's resume methods; `prepare` writes the two base checkpoints (untimed)."""
+
+    def __init__(self, width: int, bucket: str, env: dict[str, str], work: Path):
+        self.width, self.bucket, self.work = width, bucket, work
+        self.env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+        self.trainer_base, self.library_base = f"resume-{width}/trainer-base", f"resume-{width}/library-base"
+
+    def _trainer_cmd(self, remote: str) -> list[str]:
+        return [sys.executable, "-m", "training.trainer.train", "--workload", "tiny", "--tiny-width", str(self.width),
+                "--checkpoint-dir", remote, "--log-every", "1"]
+
+    def prepare(self) -> None:
+        cwd = self.work / f"resume-{self.width}-prepare"
+        cwd.mkdir(parents=True, exist_ok=True)
+        subprocess.run([*self._trainer_cmd(f"s3://{self.bucket}/{self.trainer_base}"), "--steps", "1",
+                        "--checkpoint-every", "1", "--upload-deadline-s", "600"], cwd=cwd, env=self.env, check=True,
+                       capture_output=True, timeout=900)
+        subprocess.run([sys.executable, "-m", "training.trainer.bench_library", "write", "--url",
+                        f"s3://{self.bucket}/{self.library_base}", "--width", str(self.width)], cwd=cwd, env=self.env,
+                       check=True, capture_output=True, timeout=900)
+        shutil.rmtree(cwd, ignore_errors=True)
+
+    def methods(self) -> dict[str, Callable[[int], dict[str, float]]]:
+        return {name: self._method(name) for name in METHODS}
+
+    def _method(self, name: str) -> Callable[[int], dict[str, float]]:
+        def run(rep: int) -> dict[str, float]:
+            base = self.trainer_base if name == "trainer" else self.library_base
+            prefix = f"resume-{self.width}/{name}-{rep}"
+            _copy(self.env, self.bucket, base, prefix)
+            remote = f"s3://{self.bucket}/{prefix}"
+            cwd = self.work / f"resume-{self.width}-{name}-{rep}"
+            cwd.mkdir(parents=True)
+            try:
+                if name == "limit":
+                    return {"resume": _timed([sys.executable, "-c", _READ, self.env["STORAGE_ENDPOINT_URL"],
+                                              f"{self.bucket}/{prefix}"], cwd, self.env, None)}
+                if name == "trainer":
+                    cmd = [*self._trainer_cmd(remote), "--steps", "2", "--checkpoint-every", "100",
+                           "--upload-deadline-s", "0", "--allow-config-change"]
+                else:
+                    cmd = [sys.executable, "-m", "training.trainer.bench_library", "resume", "--url", remote, "--width",
+                           str(self.width), *(["--plain"] if name == "library_plain" else [])]
+                return {"resume": _timed(cmd, cwd, self.env, r"step 2 loss")}
+            finally:
+                shutil.rmtree(cwd, ignore_errors=True)
+                _forget(self.env, self.bucket, prefix)
+        return run
+
+
+def _timed(cmd: list[str], cwd: Path, env: dict[str, str], until: str | None) -> float:
+    """Seconds from starting `cmd` to its line matching `until` after "resumed from step" (or to
+    its exit, for None); an error with its last lines when it never gets there."""
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
-    resumed = False
-    seen = []
+    resumed, seen = until is None, []
     for line in proc.stdout:
         seen.append(line)
         resumed = resumed or "resumed from step" in line
-        if resumed and re.search(r"step 2 loss", line):
+        if resumed and until is not None and re.search(until, line):
             elapsed = time.perf_counter() - started
             proc.wait(timeout=600)
-            shutil.rmtree(cwd, ignore_errors=True)
-            _forget(remote, child_env)  # the store keeps objects in memory: the next attempt starts as this one did
-            return {"resume": elapsed, "limit": limit}
-    proc.wait(timeout=600)
-    raise RuntimeError(f"resume run for width {width} did not reach step 2 after resuming:\n{''.join(seen[-20:])}")
+            return elapsed
+    code = proc.wait(timeout=600)
+    if until is None and code == 0:
+        return time.perf_counter() - started
+    raise RuntimeError(f"{' '.join(cmd[:4])} ... did not reach its first step after resuming:\n{''.join(seen[-20:])}")
 
 
 _READ = """
-import sys, time
+import sys
 import boto3, torch
 s3 = boto3.client("s3", endpoint_url=sys.argv[1], region_name="us-east-1")
 bucket, _, prefix = sys.argv[2].partition("/")
 total = 0
-for item in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []):
+for item in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):
     total += len(s3.get_object(Bucket=bucket, Key=item["Key"])["Body"].read())
+assert total > 0, "nothing to read"
 print(total)
 """
 
 
-def _forget(remote: str, env: dict[str, str]) -> None:
-    """Delete every object under `remote` (s3://bucket/prefix) from the bench's store."""
+def _s3(env: dict[str, str]) -> Any:
     import boto3
 
-    s3 = boto3.client("s3", endpoint_url=env["STORAGE_ENDPOINT_URL"], region_name="us-east-1")
-    bucket, _, prefix = remote.removeprefix("s3://").partition("/")
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+    return boto3.client("s3", endpoint_url=env["STORAGE_ENDPOINT_URL"], region_name="us-east-1",
+                        aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"), aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"))
+
+
+def _copy(env: dict[str, str], bucket: str, source: str, dest: str) -> None:
+    """Every object under `source`/ copied to `dest`/ inside the store (untimed)."""
+    s3 = _s3(env)
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=source + "/"):
+        for item in page.get("Contents", []):
+            key = dest + item["Key"][len(source):]
+            s3.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": item["Key"]})
+
+
+def _forget(env: dict[str, str], bucket: str, prefix: str) -> None:
+    """Delete every object under `prefix`/ from the bench's store."""
+    s3 = _s3(env)
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
         keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
         if keys:
             s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
-
-
-def _read_limit(remote: str, env: dict[str, str]) -> float:
-    """Process start -> torch imported and every byte of the run's checkpoints read from the bucket."""
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", _READ, env["STORAGE_ENDPOINT_URL"], remote.removeprefix("s3://")],
-                   env=env, check=True, capture_output=True, timeout=900)
-    return time.perf_counter() - started

@@ -8,8 +8,10 @@ from collections.abc import Callable
 REPEATS = 3
 MTBFS_H = (1, 6, 24)
 NOTICE_S = 120.0
-# Targets from issue 34: durable within 2x of raw write + fsync, resume within 1.5x of import + read.
-TARGETS = {"durable": 2.0, "resume": 1.5}
+# Targets from issue 44: durable within 1.5x of raw write + fsync, the library's resume within 1.5x
+# of import + read (issue 34's were 2x and the trainer's resume).
+TARGETS = {"durable": 1.5, "resume": 1.5}
+RESUME_ROWS = (("trainer", "trainer"), ("library", "library, fast path"), ("library_plain", "library, 3 lines"))
 Figures = dict[str, dict[str, list[float]]]
 
 
@@ -28,27 +30,41 @@ def print_checkpoint_table(rows: list[tuple[str, float, Figures]]) -> None:
     print(f"{'state':>8} {'figure':>10} {'method':>22} {'min/median':>14} {'limit':>16} {'ratio':>7} {'target':>7}")
 
     def line(label: str, figure: str, method: str, values: list[float], limit_name: str = "",
-             limit: list[float] | None = None, target: float | None = None) -> None:
-        ratio = f"{median(values) / max(median(limit), 1e-9):6.2f}x" if limit else ""
+             limit: list[float] | None = None, target: float | None = None, suspect: str = "") -> None:
+        ratio = f"{median(values) / max(median(limit), 1e-9):6.2f}x" if limit and not suspect else ""
         tgt = f"<={target:.1f}x" if target else ""
         lim = f"{limit_name} {median(limit):.2f}" if limit else ""
-        print(f"{label:>8} {figure:>10} {method:>22} {_cell(values):>14} {lim:>16} {ratio:>7} {tgt:>7}")
+        print(f"{label:>8} {figure:>10} {method:>22} {_cell(values):>14} {lim:>16} {ratio:>7} {tgt:>7}{suspect}")
 
     for label, _mb, f in rows:
         if "memcpy" in f:
             _print_checkpoint_lines(line, label, f)
-        if "resume" in f:
-            line(label, "resume", "ours", f["resume"]["resume"], "import+read", f["resume"]["limit"], TARGETS["resume"])
+        if "limit" in f:
+            limit = f["limit"]["resume"]
+            for method, name in RESUME_ROWS:
+                if method in f:
+                    line(label, "resume", name, f[method]["resume"], "import+read", limit,
+                         TARGETS["resume"] if method == "library" else None, limit_suspect(limit, f[method]["resume"]))
+
+
+def limit_suspect(limit: list[float], doing_more: list[float]) -> str:
+    """A flag when the limit's median is slower than a method that does the same work and more:
+    such a limit is broken (measured unlike the work it bounds), its ratios are not reported."""
+    return "  LIMIT SUSPECT: slower than a method doing more; ratio not reported" \
+        if median(limit) > median(doing_more) else ""
 
 
 def _print_checkpoint_lines(line: Callable[..., None], label: str, f: Figures) -> None:
     memcpy, raw = f["memcpy"]["blocked"], f["raw"]["durable"]
+    # The in-line save writes the same bytes and more (a manifest, a hash) and fsyncs them: a raw
+    # write + fsync slower than it bounds nothing.
+    raw_suspect = limit_suspect(raw, f["inline"]["durable"])
     line(label, "blocked", "ours", f["ours"]["blocked"], "memcpy", memcpy)
     line(label, "blocked", "dcp async_save", f["dcp"]["blocked"], "memcpy", memcpy)
     line(label, "blocked", "in line", f["inline"]["blocked"], "memcpy", memcpy)
-    line(label, "durable", "ours", f["ours"]["durable"], "write+fsync", raw, TARGETS["durable"])
-    line(label, "durable", "dcp (files written)", f["dcp"]["durable"], "write+fsync", raw)
-    line(label, "durable", "in line", f["inline"]["durable"], "write+fsync", raw)
+    line(label, "durable", "ours", f["ours"]["durable"], "write+fsync", raw, TARGETS["durable"], raw_suspect)
+    line(label, "durable", "dcp (files written)", f["dcp"]["durable"], "write+fsync", raw, suspect=raw_suspect)
+    line(label, "durable", "in line", f["inline"]["durable"], "write+fsync", raw, suspect=raw_suspect)
     line(label, "in bucket", "ours", f["ours"]["bucket"])
     if "sharded" in f:  # FSDP / DTensor state: DCP's async_save + our commit, beside the bare async_save
         line(label, "blocked", "sharded (dcp + commit)", f["sharded"]["blocked"], "async_save",
@@ -69,7 +85,7 @@ def print_goodput_table(rows: list[tuple[str, float, Figures]]) -> None:
     print(f"{'state':>8} {'δ s':>6} {'MTBF':>5} {'auto, no notice':>22} {'auto, 2-min notice':>24} "
           f"{'notice->durable':>16}")
     for label, _mb, f in rows:
-        delta, restart = max(median(f["ours"]["blocked"]), 1e-3), median(f["resume"]["resume"])
+        delta, restart = max(median(f["ours"]["blocked"]), 1e-3), median(f["trainer"]["resume"])
         durable = median(f["ours"]["bucket"])
         for hours in MTBFS_H:
             mtbf = hours * 3600.0

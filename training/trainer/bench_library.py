@@ -1,0 +1,78 @@
+"""make bench's library resume (training/trainer/bench_resume.py): the checkpoint library on the
+path its docs give a user's own loop, timed from process start to the first step after a resume
+from the bucket with an empty local disk.
+
+    python -m training.trainer.bench_library write  --url s3://bench/lib --width 2900
+    python -m training.trainer.bench_library resume --url s3://bench/lib --width 2900 [--plain]
+
+`resume` is the fast path of docs/trainer-and-library.md: the Checkpointer made before the model
+(the newest step is fetched, checked and loaded while the model is built), the model built on the
+meta device and given memory without initial values, `resume(assign=True)`. `--plain` is the
+three-line path: the model built and initialised first, then `Checkpointer(model=..., ...)`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+
+import torch
+
+from training.checkpointing import Checkpointer
+from training.trainer.models import TinyNet
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+    x, y = torch.randn(64, 32, generator=torch.Generator().manual_seed(1)), torch.randint(0, 10, (64,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    torch.autograd.backward(loss)
+    opt.step()
+    return float(loss)
+
+
+def write(url: str, width: int) -> None:
+    torch.manual_seed(0)
+    model = TinyNet(32, width)
+    opt = torch.optim.AdamW(model.parameters())
+    with Checkpointer(url=url, local_dir=tempfile.mkdtemp(prefix="gts-bench-lib-"), upload_deadline_s=600,
+                      model=model, optimizer=opt) as ckpt:
+        _step(model, opt)
+        ckpt.save(1)
+
+
+def resume(url: str, width: int, plain: bool) -> int:
+    disk = tempfile.mkdtemp(prefix="gts-bench-lib-")
+    if plain:
+        model = TinyNet(32, width)
+        opt = torch.optim.AdamW(model.parameters())
+        ckpt = Checkpointer(url=url, local_dir=disk, upload_deadline_s=0, model=model, optimizer=opt)
+        step = ckpt.resume()
+    else:
+        ckpt = Checkpointer(url=url, local_dir=disk, upload_deadline_s=0)  # fetching starts now
+        with torch.device("meta"):
+            model = TinyNet(32, width)
+        model = model.to_empty(device="cpu")  # memory without initial values: the checkpoint fills it
+        opt = torch.optim.AdamW(model.parameters())
+        step = ckpt.track(model=model, optimizer=opt).resume(assign=True)
+    print(f"resumed from step {step}", flush=True)
+    print(f"step {step + 1} loss {_step(model, opt):.4f}", flush=True)
+    ckpt.close()
+    return 0 if step == 1 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.trainer.bench_library")
+    parser.add_argument("action", choices=("write", "resume"))
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--width", type=int, required=True)
+    parser.add_argument("--plain", action="store_true", help="the three-line path (model built first)")
+    args = parser.parse_args(argv)
+    if args.action == "write":
+        write(args.url, args.width)
+        return 0
+    return resume(args.url, args.width, args.plain)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
