@@ -25,6 +25,7 @@ CLOUDINIT = ROOT / "cloudinit"
 # (path on the node, mode, source under the repository)
 FILES = (
     ("/usr/local/sbin/gts-bootstrap.sh", 0o755, "cloudinit/scripts/gts-bootstrap.sh"),
+    ("/usr/local/sbin/gts-lib.sh", 0o644, "cloudinit/scripts/gts-lib.sh"),  # sourced by the scripts beside it
     ("/usr/local/sbin/gts-driver.sh", 0o755, "cloudinit/scripts/gts-driver.sh"),
     ("/usr/local/sbin/gts-fabric.sh", 0o755, "cloudinit/scripts/gts-fabric.sh"),
     ("/usr/local/sbin/gts-node-addr.sh", 0o755, "cloudinit/scripts/gts-node-addr.sh"),

@@ -122,6 +122,11 @@ def test_install_sets_up_efa_user_space_and_host_limits(tmp_path: Path) -> None:
     calls = (tmp_path / "calls").read_text()
     assert "efa-installer.amazonaws.com/aws-efa-installer-latest.tar.gz" in calls
     assert "efa_installer.sh -y" in calls and "NVIDIA/gdrcopy" in calls and "insmod.sh" in calls
+    installs = [line for line in calls.splitlines() if line.startswith("apt-get") and " install " in line]
+    assert installs, calls  # GDRCopy's build tools come from apt ...
+    # ... through the node scripts' shared apt (cloudinit/scripts/gts-lib.sh), which waits for the
+    # dpkg lock instead of failing beside another install at boot.
+    assert all("DPkg::Lock::Timeout=600" in line for line in installs), installs
     etc = tmp_path / "etc"
     assert "memlock unlimited" in (etc / "security/limits.d/90-gts-fabric.conf").read_text()
     assert "kernel.yama.ptrace_scope = 0" in (etc / "sysctl.d/90-gts-fabric.conf").read_text()

@@ -71,7 +71,9 @@ def test_exporters_are_admitted_from_the_networks_own_cidr_alone(stack: str) -> 
     assert any(r.name.endswith("-vm-sg") for r in resources), "the VM nodes' groups are checked too"
     if stack == "prod":
         # Peers and the TKE pod range still reach every other port (NCCL, the stores' clients, SSH...).
-        for sg in [r for r in resources if r.name.endswith("-training-sg")]:
+        training = [r for r in resources if r.name.endswith("-training-sg")]
+        assert training, "prod's clusters have training groups: the loop below must check something"
+        for sg in training:
             others = [r for r in ingress_rules(resources, f"{sg.name}-id")
                       if r["cidr"] and r["cidr"] != vpcs[sg.name.removesuffix("-training-sg")]]
             assert others, sg.name

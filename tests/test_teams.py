@@ -119,7 +119,9 @@ def test_each_stack_job_is_admitted_whole_by_its_own_queue() -> None:
             requests = job["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
             assert requests == pod_resources(rg)[0]
             pods = job["spec"]["parallelism"]
-            for name in [n for n in own.gpus if here[n].model == rg.primary.gpu_model]:
+            flavors = [n for n in own.gpus if here[n].model == rg.primary.gpu_model]
+            assert flavors, (cloud, rg.name, "no flavor of the pool's GPU: the quota check below would pass on nothing")
+            for name in flavors:
                 quota = own.resources(here[name])
                 assert pods * int(requests["nvidia.com/gpu"]) <= quota[queues.GPU]
                 assert pods * int(requests["cpu"]) <= quota["cpu"]

@@ -28,20 +28,9 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   esac
 fi
 
-# Wait for the dpkg lock (unattended-upgrades holds it on a first boot) instead of failing.
-apt_get() { apt-get -o DPkg::Lock::Timeout=600 -o Dpkg::Options::=--force-confold "$@"; }
-apt_update() {
-  # DPkg::Lock::Timeout does not cover the lists lock `update` takes: retry it. --error-on=any
-  # (apt >= 2.1.16; Ubuntu 22.04 has 2.4): without it an unreachable mirror exits 0, the retry
-  # never retries and the install fails later with "Unable to locate package".
-  local try
-  for try in 1 2 3 4 5 6; do
-    if apt_get update -q --error-on=any; then return 0; fi
-    echo "gts-driver: apt-get update failed (try $try); retrying" >&2
-    sleep $((try * 10))
-  done
-  return 1
-}
+# apt_get (waits for the dpkg lock) and apt_update (retried): the node scripts' shared shell.
+# shellcheck source-path=SCRIPTDIR source=gts-lib.sh
+. "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/gts-lib.sh"
 
 # shellcheck source=/dev/null
 . "$OS_RELEASE"

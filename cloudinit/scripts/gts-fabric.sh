@@ -27,6 +27,9 @@ RUN=${GTS_RUN_DIR:-/run/gpu-training}
 ETC=${GTS_ETC_DIR:-/etc}
 # shellcheck source=/dev/null
 [ -r "$ENV_FILE" ] && . "$ENV_FILE"
+# apt_get (waits for the dpkg lock, as the driver's and runtime's installs do): the shared shell.
+# shellcheck source-path=SCRIPTDIR source=gts-lib.sh
+. "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/gts-lib.sh"
 FABRIC=${GTS_FABRIC:-}
 WANT=${GTS_FABRIC_DEVICES:-0}
 EFA_INSTALLER_URL=${GTS_EFA_INSTALLER_URL:-https://efa-installer.amazonaws.com/aws-efa-installer-latest.tar.gz}
@@ -81,7 +84,7 @@ install_efa() {
   else
     local dir
     dir=$(mktemp -d)
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q build-essential devscripts debhelper dkms git >/dev/null
+    apt_get install -y -q build-essential devscripts debhelper dkms git >/dev/null
     git clone -q --depth 1 --branch "$GDRCOPY_TAG" https://github.com/NVIDIA/gdrcopy.git "$dir/gdrcopy"
     make -C "$dir/gdrcopy" -s prefix=/opt/gdrcopy install
     (cd "$dir/gdrcopy" && ./insmod.sh)
@@ -96,7 +99,7 @@ install_erdma() {
   fi
   local dir
   dir=$(mktemp -d)
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q debhelper autotools-dev dkms libnl-3-dev \
+  apt_get install -y -q debhelper autotools-dev dkms libnl-3-dev \
     libnl-route-3-dev cmake >/dev/null
   curl -fsSL --retry 5 "$ERDMA_INSTALLER_URL" | tar -xz -C "$dir"
   # The installer's OFED-compatible user space (rdma-core providers NCCL loads); the ACK eRDMA
@@ -108,7 +111,7 @@ install_erdma() {
 install_hcc() {
   # The HCC GPU images carry the Mellanox driver; the verbs tools are what the check reads.
   command -v ibv_devinfo >/dev/null || \
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q rdma-core ibverbs-utils >/dev/null
+    apt_get install -y -q rdma-core ibverbs-utils >/dev/null
 }
 
 # What NCCL must print when it selects the fabric (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET).

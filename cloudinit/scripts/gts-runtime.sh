@@ -9,16 +9,9 @@ ETC=${GTS_ETC:-/etc}
 # shellcheck source=/dev/null
 . "$OS_RELEASE"
 
-apt_get() { apt-get -o DPkg::Lock::Timeout=600 -o Dpkg::Options::=--force-confold "$@"; }
-apt_update() {
-  local try
-  for try in 1 2 3 4 5 6; do
-    if apt_get update -q --error-on=any; then return 0; fi
-    echo "gts-runtime: apt-get update failed (try $try); retrying" >&2
-    sleep $((try * 10))
-  done
-  return 1
-}
+# apt_get (waits for the dpkg lock) and apt_update (retried): the node scripts' shared shell.
+# shellcheck source-path=SCRIPTDIR source=gts-lib.sh
+. "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/gts-lib.sh"
 
 case "${ID:-unknown}" in
   ubuntu|debian) ;;

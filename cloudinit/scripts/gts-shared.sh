@@ -23,7 +23,9 @@ if [ -z "${GTS_SHARED_FS:-}" ]; then
 fi
 : "${GTS_SHARED_SOURCE:?}" "${GTS_SHARED_DIR:?}" "${GTS_SHARED_OPTIONS:?}"
 
-apt_get() { apt-get -o DPkg::Lock::Timeout=600 -o Dpkg::Options::=--force-confold "$@"; }
+# apt_get (waits for the dpkg lock) and apt_update (retried): the node scripts' shared shell.
+# shellcheck source-path=SCRIPTDIR source=gts-lib.sh
+. "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/gts-lib.sh"
 
 client() {
   export DEBIAN_FRONTEND=noninteractive
@@ -31,7 +33,7 @@ client() {
     nfs|nfs4)
       command -v mount.nfs >/dev/null 2>&1 && return 0
       if command -v apt-get >/dev/null 2>&1; then
-        apt_get update -q --error-on=any && apt_get install -y -q nfs-common
+        apt_update && apt_get install -y -q nfs-common
       else
         yum install -y -q nfs-utils  # EKS AL2023 (dnf), TKE tlinux / ACK Alibaba Cloud Linux (yum)
       fi
@@ -58,7 +60,7 @@ client() {
         | gpg --dearmor --yes -o "$key"
       echo "deb [signed-by=$key] https://fsx-lustre-client-repo.s3.amazonaws.com/ubuntu jammy main" \
         > /etc/apt/sources.list.d/fsxlustreclientrepo.list
-      apt_get update -q --error-on=any && apt_get install -y -q "lustre-client-modules-$(uname -r)"
+      apt_update && apt_get install -y -q "lustre-client-modules-$(uname -r)"
       ;;
     *) log "unknown shared file system type '$GTS_SHARED_FS'"; exit 2 ;;
   esac
