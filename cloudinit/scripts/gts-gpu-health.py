@@ -310,6 +310,14 @@ REPLACE_MODES = ("group", "none")
 DIAG_LEVELS = (0, 1, 2)
 
 
+def _per_hour(parser, value):
+    try:
+        return replace_budget.per_hour_setting(value)
+    except ValueError as exc:
+        parser.error(f"--replacements-per-hour (GTS_REPLACEMENTS_PER_HOUR) must be a whole number, 0 (no bound) or "
+                     f"more; got {value!r} ({exc})")
+
+
 def main(argv=None):
     env = os.environ.get
     parser = argparse.ArgumentParser(description="GPU boot gate and Xid watch")
@@ -354,11 +362,7 @@ def main(argv=None):
     # argparse checks `choices` on what the command line gives, not on defaults (node.env's values).
     if args.replace not in REPLACE_MODES:
         parser.error(f"--replace (GTS_REPLACE) must be one of {', '.join(REPLACE_MODES)}; got {args.replace!r}")
-    try:
-        args.replacements_per_hour = replace_budget.per_hour_setting(args.replacements_per_hour)
-    except ValueError as exc:
-        parser.error(f"--replacements-per-hour (GTS_REPLACEMENTS_PER_HOUR) must be a whole number, 0 (no bound) or "
-                     f"more; got {args.replacements_per_hour!r} ({exc})")
+    args.replacements_per_hour = _per_hour(parser, args.replacements_per_hour)
     if args.command == "gate" and args.diag_level not in DIAG_LEVELS:
         parser.error(f"--diag-level (GTS_GPU_DIAG_LEVEL) must be one of {DIAG_LEVELS}; got {args.diag_level!r}")
     try:
