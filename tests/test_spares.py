@@ -16,14 +16,14 @@ STEPS = 240
 WORLD = re.compile(r"rank \d of (\d) ")
 
 
-def _node(index: int, port: int, moto: MotoServer, tmp: Path) -> Run:
+def _node(index: int, port: int, moto: MotoServer, tmp: Path, nnodes: int = 3, steps: int = STEPS) -> Run:
     """One node, in a folder of its own with its checkpoints at the same relative path on every
     node, as real nodes have them (one path on each node's own disk): the spare's disk is empty."""
     (tmp / f"host{index}").mkdir()
     return elastic_node(tmp / f"host{index}", index, port, moto, ["--workload", "tiny", "--checkpoint-every", "20", "--log-every", "10",
                                                  "--throttle-ms", "60"],
-                        NNODES="3", MIN_NNODES="2", NPROC_PER_NODE="1", RDZV_LAST_CALL_S="3", CHECKPOINT_DIR="ckpt",
-                        CHECKPOINT_URL=f"s3://{moto.bucket}/spares/", TRAIN_STEPS=str(STEPS))
+                        NNODES=str(nnodes), MIN_NNODES="2", NPROC_PER_NODE="1", RDZV_LAST_CALL_S="3", CHECKPOINT_DIR="ckpt",
+                        CHECKPOINT_URL=f"s3://{moto.bucket}/spares/", TRAIN_STEPS=str(steps))
 
 
 def _worlds(run: Run, start: int = 0) -> list[str]:
@@ -70,6 +70,29 @@ def test_a_spare_waits_outside_the_world_and_takes_a_lost_members_place(tmp_path
                 assert "world size 3 -> 2" not in nodes[i].output
             finals = [line for run in nodes for line in run.lines if line.startswith("final step=")]
             assert len(finals) == 1 and finals[0].startswith(f"final step={STEPS} "), finals
+        finally:
+            for run in nodes:
+                if run.proc.poll() is None:
+                    kill_tree(run.proc.pid)
+            moto.stop()
+
+
+def test_a_spare_still_waiting_when_the_run_ends_exits_cleanly(tmp_path: Path) -> None:
+    moto = MotoServer()
+    nodes: list[Run] = []
+    with rendezvous_store() as port:
+        try:
+            nodes = [_node(i, port, moto, tmp_path, nnodes=2, steps=80) for i in range(2)]
+            wait_any(nodes, r"rank 0 of 2 ", timeout=120)
+            nodes.append(_node(2, port, moto, tmp_path, nnodes=2, steps=80))
+            wait_any([nodes[2]], r"rdzv_launch: held as a spare", timeout=120)
+            for run in nodes[:2]:
+                assert run.finish(timeout=300) == 0, run.output[-3000:]
+            # The run closed its rendezvous: the spare is told so (torch's RendezvousGracefulExitError)
+            # and its launcher ends with 0, not a failure its unit or its Job would retry.
+            assert nodes[2].finish(timeout=120) == 0, nodes[2].output[-3000:]
+            assert "rdzv_launch: the run ended while this node waited as a spare; nothing to do" in nodes[2].output
+            assert _worlds(nodes[2]) == [] and "Traceback" not in nodes[2].output
         finally:
             for run in nodes:
                 if run.proc.poll() is None:

@@ -49,7 +49,7 @@ import sys
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, _create_tcp_store
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRendezvousHandler,
                                                                      _DistributedRendezvousOpExecutor, create_handler)
@@ -112,7 +112,16 @@ class PrivateWorkerStoreHandler(DynamicRendezvousHandler):
         # forget last round's, so rank 0 hosts a new one and every rank reads its address anew.
         self._bootstrap_store_info = None
         self._shared_tcp_store_server = None
-        return super().next_rendezvous()
+        try:
+            return super().next_rendezvous()
+        except RendezvousGracefulExitError:
+            # A spare still waiting when the run ends: torch tells it the rendezvous closed
+            # (dynamic_rendezvous.py `_RendezvousJoinOp.__call__`, 876-881), its agent logs that and
+            # returns no result, which torch's launcher then reads as a crash (launcher/api.py 374-378:
+            # `result.is_failed()` on None). Nothing ran here: the node ends with 0, as its members did.
+            print("rdzv_launch: the run ended while this node waited as a spare; nothing to do", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(0) from None
 
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from torch._C
