@@ -134,6 +134,11 @@ class ResolvedGroup:
         return self.group.scaling.baseline + self.group.scaling.spares
 
     @property
+    def job_pods(self) -> int:
+        """A Kubernetes group's Job: one pod per node of the run, and one per warm spare."""
+        return self.nnodes + self.group.scaling.spares
+
+    @property
     def bid_cap(self) -> float:
         """The most a spot node may cost, in the catalog row's currency: spotMaxPriceUsd, or the
         on-demand price where the spec gives no cap (clouds that need a cap get this one)."""

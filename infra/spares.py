@@ -5,9 +5,10 @@ image and wait outside the run until a member is lost (training/node/rdzv_launch
 torch's rendezvous holds them). Here: where spares can work (the checks), and what they cost
 against the failures they are for (the plan's cost and the policy pack's spare cap).
 
-Only a multi-node VM training group whose world is full (desired = max) and whose nodes an
-autoscaling group replaces has spares; anywhere else the key is refused with the reason.
-Kubernetes Jobs: docs/recovery-kubernetes.md."""
+Spares wait in torchrun's elastic rendezvous: a multi-node training group (such runs are
+torchrun's already: infra/cloud_rules.py). A VM group's world must be full (desired = max) and its nodes replaced by a scaling
+group; a Kubernetes group's Job gets one more pod per spare (ResolvedGroup.job_pods), which its
+pool must have room for. Anywhere else the key is refused with the reason."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ def problems(rg: ResolvedGroup) -> list[Problem]:
     if not s.spares:
         return []
     key, k = f"{rg.path}.scaling.spares", s.spares
-    if rg.kind != "vm":
-        why = ("a Kubernetes group's run is a Job of a fixed number of pods; the cluster's autoscaler "
-               "replaces a lost node (docs/recovery-kubernetes.md)")
-    elif rg.workload != "training" or s.max <= 1:
-        why = "only a multi-node training run (scaling.max above 1) has a world for a spare to wait outside of"
+    if rg.workload != "training" or rg.max_nodes <= 1:
+        why = ("only a multi-node training run (scaling.max above 1; a Kubernetes group's desired nodes above 1) "
+               "has a world for a spare to wait outside of")
+    elif rg.kind == "kubernetes":
+        if rg.job_pods <= s.max:
+            return []
+        why = (f"the pool holds at most {s.max} nodes (scaling.max) and the Job asks for {rg.nnodes} + {k} pods, "
+               f"one node each; raise scaling.max to {rg.job_pods}")
     elif s.baseline != s.max:
         why = (f"the run's world is not full (desired {s.baseline} < max {s.max}): a node it can still take joins "
                f"it as a member, not as a spare; set scaling.desired to {s.max}")

@@ -70,8 +70,9 @@ def _group(config: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name,scaling,why", [
-    ("aws-eks-train", {"min": 0, "max": 4, "desired": 4, "spares": 1}, "a Kubernetes group's run is a Job"),
-    ("aws-eks-infer", {"min": 1, "max": 6, "desired": 1, "spares": 1}, "a Kubernetes group's run is a Job"),
+    ("aws-eks-train", {"min": 0, "max": 4, "desired": 4, "spares": 1},
+     "the pool holds at most 4 nodes (scaling.max) and the Job asks for 4 + 1 pods, one node each; raise scaling.max to 5"),
+    ("aws-eks-infer", {"min": 1, "max": 6, "desired": 1, "spares": 1}, "only a multi-node training run"),
     ("aws-train", {"min": 1, "max": 8, "desired": 2, "spares": 1}, "the run's world is not full (desired 2 < max 8)"),
     ("aws-train", {"min": 1, "max": 1, "spares": 1}, "only a multi-node training run"),
 ])
@@ -137,3 +138,15 @@ def test_the_pack_caps_the_spares_share_and_weighs_their_cost(tmp_path: Path) ->
     [(_, message)] = spares_share([Res(r.type, r.name, r.inputs) for r in res], settings)
     assert "keeps 2 warm spares for a run of 4 nodes, over the cap of 1 (one per 8 nodes)" in message
     assert f"${figures['monthlyUsd']:,.0f}/month against {figures['lossesPerMonth']:.1f} expected member losses" in message
+
+
+def test_a_kubernetes_jobs_spares_are_pods_beyond_its_world(tmp_path: Path) -> None:
+    def edit(config: dict[str, Any]) -> None:
+        _group(config, "ali-ack-train")["scaling"] = {"min": 0, "max": 5, "desired": 2, "spares": 1}
+
+    res = run_stack("prod", edit, tmp_path)
+    [job] = [r for r in by_type(res, "kubernetes:batch/v1:Job") if r.name.startswith("ali-ack-train")]
+    spec = job.inputs["spec"]
+    assert (spec["completions"], spec["parallelism"], spec["completionMode"]) == (3, 3, "Indexed")
+    env = {e["name"]: e.get("value") for e in spec["template"]["spec"]["containers"][0]["env"]}
+    assert env["NNODES"] == "2"  # the world; the third pod waits as a spare
