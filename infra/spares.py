@@ -1,14 +1,15 @@
-"""Warm spares (nodeGroups[].scaling.spares: k): the group's autoscaling capacity is the run's
-nodes plus k (ResolvedGroup.fleet_min / fleet_max / fleet_desired) while the run's world stays
-scaling.max (NNODES); the k extra nodes boot, pass the GPU gate and the fabric check, pull the
-image and wait outside the run until a member is lost (training/node/rdzv_launch.py says how
-torch's rendezvous holds them). Here: where spares can work (the checks), and what they cost
-against the failures they are for (the plan's cost and the policy pack's spare cap).
+"""Warm spares (nodeGroups[].scaling.spares: k): k nodes beyond the run's world that boot, pass
+the GPU gate and the fabric check, pull the image and wait outside the run until a member is
+lost (training/node/rdzv_launch.py says how torch's rendezvous holds them). A VM group's scaling
+group holds the run's nodes plus k (ResolvedGroup.fleet_min / fleet_max / fleet_desired) while
+its world stays scaling.max (NNODES); a Kubernetes group's Job gets one more pod per spare
+(ResolvedGroup.job_pods), which its pool must have room for. Here: where spares can work (the
+checks), and what they cost against the failures they are for (the plan's cost and the policy
+pack's spare cap).
 
 Spares wait in torchrun's elastic rendezvous: a multi-node training group (such runs are
-torchrun's already: infra/cloud_rules.py). A VM group's world must be full (desired = max) and its nodes replaced by a scaling
-group; a Kubernetes group's Job gets one more pod per spare (ResolvedGroup.job_pods), which its
-pool must have room for. Anywhere else the key is refused with the reason."""
+torchrun's already: infra/cloud_rules.py). A VM group's world must be full (desired = max) and
+its nodes replaced by a scaling group. Anywhere else the key is refused with the reason."""
 
 from __future__ import annotations
 
