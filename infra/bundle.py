@@ -41,6 +41,7 @@ FILES = (
     ("/usr/local/sbin/gts-gpu-health.py", 0o755, "cloudinit/scripts/gts-gpu-health.py"),
     ("/usr/local/sbin/gts-gpu-gate-checks.py", 0o755, "cloudinit/scripts/gts-gpu-gate-checks.py"),
     ("/usr/local/lib/gts/node_replace.py", 0o644, "training/node/node_replace.py"),
+    ("/usr/local/lib/gts/replace_budget.py", 0o644, "training/node/replace_budget.py"),
     ("/usr/local/lib/gts/gpu_health.yaml", 0o644, "infra/data/gpu_health.yaml"),
     ("/etc/gpu-training/dcgm-counters.csv", 0o644, "cloudinit/dcgm-counters.csv"),
     ("/etc/systemd/system/gts-bootstrap.service", 0o644, "cloudinit/units/gts-bootstrap.service"),

@@ -15,7 +15,7 @@ from typing import Any
 from croniter import croniter
 
 from infra import catalog as cat
-from infra import fabric_plan, rendezvous, sharedfs
+from infra import fabric_plan, rendezvous, sharedfs, spares
 from infra.groups import ResolvedGroup, Stack
 from infra.spec import NodeGroup, StackSpec
 
@@ -48,7 +48,7 @@ def occupancy(group: NodeGroup) -> Occupancy:
         while (when := it.get_next(datetime)) < end:
             events.append((when, action.desired))
     events.sort(key=lambda e: e[0])
-    count = group.scaling.baseline
+    count = group.scaling.baseline + group.scaling.spares  # spares run around the clock (no schedule)
     t = start - WEEK
     node_h = base_h = 0.0
     peak = 0
@@ -91,6 +91,9 @@ class GroupCost:
     fabric_gbps: int = 0
     placement: str = ""  # the group's placement resource (placement group, deployment set, HCC cluster)
     placement_monthly_usd: float = 0.0  # what it costs (all three: nothing)
+    spares: int = 0  # warm spares (scaling.spares), counted in the figures above too
+    spares_monthly_usd: float = 0.0  # what they cost, of monthly_usd
+    losses_per_month: float = 0.0  # the run's expected member losses, the spares' use (infra/spares.py)
 
 
 def group_cost(rg: ResolvedGroup) -> GroupCost:
@@ -129,8 +132,15 @@ def group_cost(rg: ResolvedGroup) -> GroupCost:
         spot_max_price=round(rg.bid_cap, 4) if rg.spot else None, currency=item.currency,
         spot_max_price_basis=("" if not rg.spot else "spotMaxPriceUsd" if rg.price_cap is not None
                               else "on-demand price (no cap given)"),
-        **fabric_plan.summary(rg),
+        **fabric_plan.summary(rg), **_spares(rg),
     )
+
+
+def _spares(rg: ResolvedGroup) -> dict[str, Any]:
+    if not rg.group.scaling.spares:
+        return {}
+    f = spares.figures(rg)
+    return {"spares": f.spares, "spares_monthly_usd": f.monthly_usd, "losses_per_month": f.losses_per_month}
 
 
 def storage_monthly_usd(spec: StackSpec, cloud: str) -> float:

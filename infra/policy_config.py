@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from infra.catalog import to_usd
+from infra import spares
 from infra.cost import stack_cost
 from infra.groups import Stack
 from infra.prices import age
@@ -36,6 +37,16 @@ def group_prices(stack: Stack) -> dict[str, dict[str, float]]:
     return out
 
 
+def group_spares(stack: Stack) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for g in stack.groups:
+        if g.group.scaling.spares:
+            f = spares.figures(g)
+            out[g.name] = {"spares": f.spares, "world": f.world, "monthlyUsd": f.monthly_usd,
+                           "lossesPerMonth": f.losses_per_month}
+    return out
+
+
 def for_stack(stack_name: str, stack: Stack) -> dict[str, Any]:
     spec = stack.spec
     planned = stack_cost(stack)["monthly_usd"]
@@ -45,6 +56,8 @@ def for_stack(stack_name: str, stack: Stack) -> dict[str, Any]:
         # each node group's types at their price in its region, overrides included (USD per node-hour):
         # the pack prices capacity where it runs, as the plan does
         "groupPrices": group_prices(stack),
+        # each group's warm spares, their cost and the run's expected member losses (the spares-share rule)
+        **({"groupSpares": group_spares(stack)} if group_spares(stack) else {}),
         # the date of the oldest price the stack is planned with (the prices-fresh rule)
         **age.verdict_config(stack)}
     team = spec.team

@@ -119,6 +119,25 @@ class ResolvedGroup:
         """The fewest nodes an elastic run goes on with (a reclaim takes it down to them)."""
         return min(self.max_nodes, max(1, self.group.scaling.min))
 
+    # The group's autoscaling capacity: the run's nodes plus its warm spares (scaling.spares),
+    # which boot, pass the gate and wait outside the run (training/node/rdzv_launch.py).
+    @property
+    def fleet_min(self) -> int:
+        return self.group.scaling.min + self.group.scaling.spares
+
+    @property
+    def fleet_max(self) -> int:
+        return self.group.scaling.max + self.group.scaling.spares
+
+    @property
+    def fleet_desired(self) -> int:
+        return self.group.scaling.baseline + self.group.scaling.spares
+
+    @property
+    def job_pods(self) -> int:
+        """A Kubernetes group's Job: one pod per node of the run, and one per warm spare."""
+        return self.nnodes + self.group.scaling.spares
+
     @property
     def bid_cap(self) -> float:
         """The most a spot node may cost, in the catalog row's currency: spotMaxPriceUsd, or the

@@ -1,6 +1,6 @@
 """The checks that need the node groups resolved (instance types picked, priced, their fabric
 and trainer contract set): a spot cap far under the market, a RAM cache the nodes cannot hold,
-each group's fabric, the commands against the trainer contract, and a shared stack's teams'
+warm spares where they cannot work (infra/spares.py), each group's fabric, the commands against the trainer contract, and a shared stack's teams'
 queues against its pools. The groups are resolved once here and the stack handed back to the
 caller (infra/validation.py parse_stack), which hands it on."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from infra import commands, fabric_plan
+from infra import commands, fabric_plan, spares
 from infra.catalog import to_usd
 from infra.errors import Problem
 from infra.groups import Stack, resolve
@@ -72,6 +72,7 @@ def _check_workable(stack: Stack) -> list[Problem]:
     tmpfs = spec.storage.dataset_tmpfs_gb
     catalog = spec.catalog()
     for rg in stack.groups:
+        out += spares.problems(rg)
         cap = rg.market.spot_max_price_usd
         if rg.spot and cap is not None:
             item = rg.primary

@@ -138,6 +138,8 @@ class Scaling(SpecModel):
     min: StrictInt = Field(ge=0, description="Fewest nodes.")
     max: StrictInt = Field(ge=1, description="Most nodes.")
     desired: StrictInt | None = Field(None, ge=0, description="Nodes at rest; defaults to min.")
+    spares: StrictInt = Field(0, ge=0, description="Warm spares beyond the run's world: booted, gated, waiting to "
+                                                   "take a lost member's place (multi-node training; docs/spec.md).")
 
     @property
     def baseline(self) -> int:

@@ -28,6 +28,9 @@ from tests.training_helpers import BIN, LAUNCH_TIMEOUT, MotoServer, Run
 SCRIPT = ROOT / "cloudinit" / "scripts" / "gts-gpu-health.py"
 XID79 = "[ 1234.567] NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.\n"
 XID94 = "[ 99.1] NVRM: Xid (PCI:0000:3b:00): 94, pid=4242, name=python, Contained: SM (0x1). RST: No, D-RST: No\n"
+# The replace calls' own tests run without the group's replacement budget (no bucket here);
+# tests/test_replace_budget.py runs it.
+NO_BUDGET = {"GTS_REPLACEMENTS_PER_HOUR": "0"}
 INSTANCE = {"aws": "", "alicloud": "i-bp1ap6bro51a7fsa0001", "tencentcloud": "ins-cri8d02t"}
 GROUP = {"alicloud": "asg-bp1fdwe2y0z4hle", "tencentcloud": "asg-boz1qhnk"}
 
@@ -305,7 +308,7 @@ def _watch(cloud: str, meta: FakeMetadata, api: ScalingApi, trainer_pid: int, tm
          "--kernel-log", str(kmsg), "--textfile-dir", str(tmp / "tf"), "--run-dir", str(tmp / "run"),
          "--table", str(ROOT / "infra/data/gpu_health.yaml"), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "GTS_LIB": str(ROOT / "training"), **(env or {})})
+        env={**os.environ, "GTS_LIB": str(ROOT / "training"), **NO_BUDGET, **(env or {})})
 
 
 def _watching(tmp: Path, watcher: subprocess.Popen[str]) -> None:
@@ -328,4 +331,5 @@ def _gate(tmp: Path, tools: Path, meta: FakeMetadata, api: ScalingApi, *args: st
         [sys.executable, str(SCRIPT), "gate", "--cloud", meta.cloud, "--group", "ali-train", "--metadata-url", meta.url,
          "--api-url", api.url, "--textfile-dir", str(tmp / "tf"), "--run-dir", str(tmp / "run"), *args],
         capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
-        env={**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "GTS_LIB": str(ROOT / "training"), **(env or {})})
+        env={**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "GTS_LIB": str(ROOT / "training"), **NO_BUDGET,
+             **(env or {})})

@@ -90,6 +90,8 @@ def test_a_node_one_gpu_short_fails_its_gate_never_trains_and_its_group_replaces
     assert len(failed) == 1 and "gpu_count: nvidia-smi sees 7 GPUs, the type has 8" in failed[0], failed  # one line
     assert "fabric_manager" not in failed[0] and "dcgm_diag" not in failed[0], failed  # those passed
     assert "asked the aws group to replace instance " + instance in journal
+    # first a slot of the group's replacement budget, in the run's bucket (training/node/replace_budget.py)
+    assert re.search(r"gate:gpu_count: took replacement slot checkpoints/[^ ]+/replacements/\d{10}/slot-0", journal)
     metrics = node.file("/var/lib/node_exporter/textfile/gts_gpu_gate.prom").read_text()
     assert re.search(r'^gts_gpu_gate_ok\{[^}]*\} 0$', metrics, re.M), metrics
     assert re.search(r'^gts_gpu_gate_check_ok\{check="gpu_count",[^}]*\} 0$', metrics, re.M), metrics

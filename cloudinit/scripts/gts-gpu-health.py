@@ -45,6 +45,7 @@ LIB = os.environ.get("GTS_LIB", "/usr/local/lib/gts")
 sys.path[:0] = [LIB, os.path.join(LIB, "node")]  # node_replace.py: flat in /usr/local/lib/gts on a VM, in training/node/ in the image
 import cloudmeta  # noqa: E402  (the node's copy of training/cloudmeta.py)
 import node_replace  # noqa: E402  (training/node/node_replace.py: the replace-this-node request)
+import replace_budget  # noqa: E402  (training/node/replace_budget.py: the group's replacement budget)
 
 
 def _beside(name, script):
@@ -153,11 +154,42 @@ def leave(args, labels, reason):
         log.error("%s: this node has no scaling group (a fixed instance: GTS_REPLACE=none); it stays out of the "
                   "run, quarantined, for the operator to repair or replace", reason)
         return quarantine_metric(labels, "no_scaling_group")
+    spent = over_budget(args, labels, reason)
+    if spent:
+        return spent
     if hand_back(args):
         return []
     log.error("%s: the scaling group did not take the node back; it stays out of the run, quarantined, for the "
               "operator to repair or replace", reason)
     return quarantine_metric(labels, "hand_back_failed")
+
+
+def over_budget(args, labels, reason):
+    """Take a slot of the group's replacement budget (training/node/replace_budget.py) before the
+    node asks to be replaced: [] when it holds one (or the bound is off), else the quarantine's
+    metric lines — over budget, or the budget unreachable (fail safe: never replace unbudgeted)."""
+    if args.replacements_per_hour == 0:
+        return []
+    meta = cloudmeta.Metadata(args.cloud, args.metadata_url)
+    try:
+        try:
+            creds = meta.credentials()
+            instance = meta.get(cloudmeta.cloud_node(args.cloud).INSTANCE_ID_PATH) or "unknown"
+        except (OSError, ValueError, KeyError, cloudmeta.MetadataError) as exc:
+            raise replace_budget.Unreachable("the instance role's credentials: %s" % exc) from None
+        taken, detail = replace_budget.take(os.environ, args.replacements_per_hour, instance, reason, creds)
+    except replace_budget.Unreachable as exc:
+        log.error("%s: the group's replacement budget could not be read (%s); this node is NOT replaced (fail "
+                  "safe) and stays out of the run, quarantined, for the operator", reason, exc)
+        return quarantine_metric(labels, "replace_budget_unreachable")
+    if not taken:
+        log.error("%s: replacement budget spent for group %s (%d an hour: %s); this node is NOT replaced and stays "
+                  "out of the run, quarantined: many nodes failing at once is more likely our fault (image, gate, "
+                  "driver) than theirs; see docs/gpu-health.md", reason, args.group, args.replacements_per_hour,
+                  detail)
+        return quarantine_metric(labels, "replace_budget_spent")
+    log.warning("%s: took replacement slot %s", reason, detail)
+    return []
 
 
 def quarantine_metric(labels, why):
@@ -278,6 +310,14 @@ REPLACE_MODES = ("group", "none")
 DIAG_LEVELS = (0, 1, 2)
 
 
+def _per_hour(parser, value):
+    try:
+        return replace_budget.per_hour_setting(value)
+    except ValueError as exc:
+        parser.error(f"--replacements-per-hour (GTS_REPLACEMENTS_PER_HOUR) must be a whole number, 0 (no bound) or "
+                     f"more; got {value!r} ({exc})")
+
+
 def main(argv=None):
     env = os.environ.get
     parser = argparse.ArgumentParser(description="GPU boot gate and Xid watch")
@@ -297,6 +337,9 @@ def main(argv=None):
         p.add_argument("--no-replace", action="store_true", help="report only (Kubernetes: the cloud's repair acts)")
         p.add_argument("--replace", choices=REPLACE_MODES, default=env("GTS_REPLACE") or "group",
                        help="none: the node has no scaling group (fixed instances); it is quarantined instead")
+        p.add_argument("--replacements-per-hour", default=env("GTS_REPLACEMENTS_PER_HOUR"),
+                       help="the group's replacement requests per clock hour, all nodes together (default "
+                            f"{replace_budget.DEFAULT_PER_HOUR}; 0: no bound); over it a node is quarantined")
     g = sub.choices["gate"]
     # String defaults from node.env go through `type` like a typed flag (a bad one is a usage error).
     g.add_argument("--gpus", type=int, default=env("GTS_GPU_COUNT") or env("NPROC_PER_NODE") or "0",
@@ -319,6 +362,7 @@ def main(argv=None):
     # argparse checks `choices` on what the command line gives, not on defaults (node.env's values).
     if args.replace not in REPLACE_MODES:
         parser.error(f"--replace (GTS_REPLACE) must be one of {', '.join(REPLACE_MODES)}; got {args.replace!r}")
+    args.replacements_per_hour = _per_hour(parser, args.replacements_per_hour)
     if args.command == "gate" and args.diag_level not in DIAG_LEVELS:
         parser.error(f"--diag-level (GTS_GPU_DIAG_LEVEL) must be one of {DIAG_LEVELS}; got {args.diag_level!r}")
     try:

@@ -251,7 +251,9 @@ class TrainingJob(pulumi.ComponentResource):
             metadata=k8s.meta.v1.ObjectMetaArgs(name=job, namespace=args.namespace, labels={**labels, **queued},
                                                 annotations={SKIP_AWAIT: "true"}),
             spec=k8s.batch.v1.JobSpecArgs(
-                completion_mode="Indexed", completions=rg.nnodes, parallelism=rg.nnodes,
+                # One pod per node, and one per warm spare (scaling.spares): NNODES stays the run's
+                # world, so a spare's pod waits outside it (training/node/rdzv_launch.py).
+                completion_mode="Indexed", completions=rg.job_pods, parallelism=rg.job_pods,
                 backoff_limit=args.backoff_limit,
                 template=k8s.core.v1.PodTemplateSpecArgs(metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
                                                          spec=pod)),

@@ -91,7 +91,7 @@ def _resources(plan: dict[str, Any], console: Console) -> None:
 
 
 def _cost(cost: dict[str, Any], console: Console) -> None:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for g in cost["node_groups"]:
         flag = "*" if g["price_estimate"] else ""
         cap = "" if g["spot_max_price"] is None else (
@@ -100,14 +100,16 @@ def _cost(cost: dict[str, Any], console: Console) -> None:
         fabric = "" if g["fabric"] == "none" else (
             f"{g['fabric']} x{g['fabric_devices']} ({g['fabric_interfaces']} NICs), {g['placement']} "
             f"${g['placement_monthly_usd']:,.0f}")
-        rows.append((g["name"], g["cloud"], g["region"], g["instance_type"] + flag, g["market"], fabric, cap,
+        spare = "" if not g["spares"] else (f"{g['spares']}: ${g['spares_monthly_usd']:,.0f} "
+                                            f"({g['losses_per_month']:.1f} losses/month)")
+        rows.append((g["name"], g["cloud"], g["region"], g["instance_type"] + flag, g["market"], fabric, cap, spare,
                      f"{g['average_nodes']:.2f}", f"{g['hourly_usd']:,.2f}", f"{g['monthly_usd']:,.0f}",
                      f"{g['on_demand_monthly_usd']:,.0f}"))
     console.print(table("cost by node group (USD)", ("node group", "cloud", "region", "type", "market", "fabric",
-                                                     "spot cap /node-h", "avg nodes", "$/h", "$/month",
+                                                     "spot cap /node-h", "spares $/month", "avg nodes", "$/h", "$/month",
                                                      "on-demand $/month"), rows, console,
                         narrow=("node group", "type", "market", "$/month"),
-                        left=("node group", "cloud", "region", "type", "market", "fabric")))
+                        left=("node group", "cloud", "region", "type", "market", "fabric", "spares $/month")))
     rows = []
     for name, c in cost["by_cloud"].items():
         rows.append((name, f"{c['hourly_usd']:,.2f}", f"{c['monthly_usd']:,.0f}", f"{c['storage_monthly_usd']:,.0f}",

@@ -112,7 +112,7 @@ def own_queue(stack: Stack, cloud: str) -> Queue:
     for rg in training_pools(stack, cloud):
         for market, _ in _part_markets(rg):
             name = flavor_name(cloud, rg.primary.gpu_model, market)
-            gpus[name] = gpus.get(name, 0) + rg.nnodes * rg.gpus
+            gpus[name] = gpus.get(name, 0) + rg.job_pods * rg.gpus
     return Queue(f"stack-{stack.spec.env}", stack.spec.team_name, NAMESPACE, OWN_QUEUE, False, gpus,
                  "nodeGroups (this stack's Jobs)")
 

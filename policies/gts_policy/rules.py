@@ -17,7 +17,8 @@ from .resources import Res, tags_of, taggable
 from .rules_cost import (
     RAM_PER_VRAM, SCHEDULES, stack_cost_cap, group_cost_cap, BUDGET_SCHEMA, budget_covers_plan, budget_headroom,
     PRICES_SCHEMA, prices_fresh, spot_only, allowed_families, max_nodes, gpu_usage, team_gpu_quota, team_markets,
-    reserve_always_on, host_ram, dataset_disk, gpu_memory, INFERENCE_GPUS, inference_class)
+    reserve_always_on, host_ram, dataset_disk, gpu_memory, INFERENCE_GPUS, inference_class, SPARES_SCHEMA,
+    spares_share)
 from .rules_security import (
     sdk_gap, no_public_ingress, public_ingress_rule, AWS_METADATA, ALI_METADATA, metadata_hardened, harden_metadata,
     PASSWORD_KEYS, no_passwords, buckets_safe, disks_encrypted, encrypt_disks, known_sdk_gaps,
@@ -27,7 +28,7 @@ __all__ = ["Violation", "Rule", "RULES", "configured", "evaluate", "OFFLINE_ADVI
            "required_tags", "stateful_protected", "RAM_PER_VRAM", "SCHEDULES", "stack_cost_cap", "group_cost_cap", "BUDGET_SCHEMA", "budget_covers_plan",
            "budget_headroom", "PRICES_SCHEMA", "prices_fresh", "spot_only", "allowed_families", "max_nodes",
            "gpu_usage", "team_gpu_quota", "team_markets", "reserve_always_on", "host_ram", "dataset_disk",
-           "gpu_memory", "INFERENCE_GPUS", "inference_class", "sdk_gap", "no_public_ingress", "public_ingress_rule",
+           "gpu_memory", "INFERENCE_GPUS", "inference_class", "SPARES_SCHEMA", "spares_share", "sdk_gap", "no_public_ingress", "public_ingress_rule",
            "AWS_METADATA", "ALI_METADATA", "metadata_hardened", "harden_metadata", "PASSWORD_KEYS", "no_passwords",
            "buckets_safe", "disks_encrypted", "encrypt_disks", "known_sdk_gaps", "private_kubernetes_api",
            "UNROUTABLE_SOURCES", "api_sources_routable"]
@@ -116,6 +117,9 @@ RULES: list[Rule] = [
          schema={"families": {"type": "array", "items": {"type": "string"}}}, per_resource=allowed_families),
     Rule("gpu-max-nodes", "Node groups cannot grow past a cap.", "mandatory", max_nodes,
          {"maxNodesPerGroup": {"type": "integer"}}),
+    Rule("gpu-spares-share", "Warm spares (scaling.spares) stay within one per nodesPerSpare (8) nodes of the run; "
+         "the message weighs their cost against the run's expected member losses.", "mandatory", spares_share,
+         SPARES_SCHEMA),
     Rule("team-gpu-quota", "A team stack's GPUs at their maximum stay within the team's quota per cloud and model "
          "(teams.yaml).", "mandatory", team_gpu_quota,
          {"team": {"type": "string"}, "gpuQuota": {"type": "object"}}),

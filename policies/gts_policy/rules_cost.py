@@ -289,3 +289,32 @@ def inference_class(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[
     return [(r.name, f"inference group {c.group} runs on {item.gpu_model} ({t}); "
                      f"{'/'.join(INFERENCE_GPUS)} serve for less")
             for r, c, t, item in _types_of(resources, "inference") if item.gpu_model not in INFERENCE_GPUS]
+
+
+SPARES_SCHEMA = {"nodesPerSpare": {"type": "integer"}, "groupSpares": {"type": "object"}}
+
+
+def spares_share(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Warm spares (scaling.spares) at most one per `nodesPerSpare` nodes of the run (8 unless
+    configured), rounded up; the message weighs what they cost against the member losses they
+    cover. The stack's figures come in its policy config (groupSpares, infra/policy_config.py)."""
+    per = max(1, int(cfg.get("nodesPerSpare", 8)))
+    wanted: Mapping[str, Any] = cfg.get("groupSpares") or {}
+    out: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for r, c in _capacities(resources):
+        info = wanted.get(c.group)
+        if not isinstance(info, Mapping) or c.group in seen:
+            continue
+        seen.add(c.group)
+        k, world = int(info.get("spares", 0)), int(info.get("world", 1))
+        allowed = -(-world // per)
+        if k <= allowed:
+            continue
+        monthly, losses = float(info.get("monthlyUsd", 0)), float(info.get("lossesPerMonth", 0))
+        cover = f"${monthly / losses:,.0f} per loss" if losses else "no loss expected"
+        out.append((r.name, f"node group {c.group} keeps {k} warm spares for a run of {world} nodes, over the cap of "
+                            f"{allowed} (one per {per} nodes): they cost ${monthly:,.0f}/month against "
+                            f"{losses:.1f} expected member losses a month ({cover}); lower scaling.spares to "
+                            f"{allowed}, or raise nodesPerSpare's share in the pack's config"))
+    return out

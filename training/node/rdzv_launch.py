@@ -20,6 +20,22 @@ torch kept one agent store across rounds). torch's TCPStore has no authenticatio
 who reaches that port and the collectives' ports is the network's to decide (each multi-node
 group's run security group admits its own nodes alone, docs/tenancy.md).
 
+Warm spares (nodeGroups[].scaling.spares): the group runs k nodes more than the run's world
+(NNODES, the rendezvous' max_nodes). What torch 2.13's dynamic rendezvous does with them, read
+in torch/distributed/elastic/rendezvous/dynamic_rendezvous.py and checked with real processes
+(tests/test_spares.py): a node that arrives when the round is complete with max_nodes
+participants is put on the round's redundancy list (`_RendezvousJoinOp.__call__`, lines
+925-936; `_add_to_redundancy_list`, 765-773); `num_nodes_waiting` counts the wait list only
+(1265-1271), and the running agents restart their workers only when it is above 0
+(agent/server/api.py 959-970), so a spare disturbs no running world. When a member is lost (its
+agent's heartbeat expires, `_BackendRendezvousStateHolder._sanitize`, 480-512, or the survivors
+leave the round to restart) the participants drop below max_nodes and the spare leaves the
+redundancy list (878-899, its join deadline renewed) and joins the next round, so the world comes
+back at max_nodes without a shrink; the group's autoscaling replaces the lost instance, which
+comes up as the next spare. A world below max_nodes (a shrink with no spare) takes a newcomer
+as a member (the wait list), as before. torch logs none of this above debug level, so
+`SpareEvents` says it on the node's log.
+
     RDZV_KEY=... python -m training.node.rdzv_launch --nnodes 2:4 --rdzv-backend gts-c10d \\
         --rdzv-endpoint 10.0.0.10:29400 --rdzv-id run-1 -m training.trainer.train
 """
@@ -33,9 +49,10 @@ import sys
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, _create_tcp_store
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRendezvousHandler,
+                                                                     _DistributedRendezvousOpExecutor, create_handler)
 
 from training.node.rdzv_store import listen
 
@@ -95,7 +112,16 @@ class PrivateWorkerStoreHandler(DynamicRendezvousHandler):
         # forget last round's, so rank 0 hosts a new one and every rank reads its address anew.
         self._bootstrap_store_info = None
         self._shared_tcp_store_server = None
-        return super().next_rendezvous()
+        try:
+            return super().next_rendezvous()
+        except RendezvousGracefulExitError:
+            # A spare still waiting when the run ends: torch tells it the rendezvous closed
+            # (dynamic_rendezvous.py `_RendezvousJoinOp.__call__`, 876-881), its agent logs that and
+            # returns no result, which torch's launcher then reads as a crash (launcher/api.py 374-378:
+            # `result.is_failed()` on None). Nothing ran here: the node ends with 0, as its members did.
+            print("rdzv_launch: the run ended while this node waited as a spare; nothing to do", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(0) from None
 
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from torch._C
@@ -109,6 +135,23 @@ class PrivateWorkerStoreHandler(DynamicRendezvousHandler):
             raise
         sock.detach()  # the store's server owns the descriptor now and closes it with the store
         return server
+
+
+class SpareEvents(_DistributedRendezvousOpExecutor):
+    """torch's executor of rendezvous actions, saying on the node's log when this node is held
+    as a spare (the round is full) and when it leaves that list to take a lost member's place
+    (see the module docstring); the actions themselves are torch's, unchanged."""
+
+    def _add_to_redundancy_list(self) -> None:
+        super()._add_to_redundancy_list()
+        print(f"rdzv_launch: held as a spare: round {self._state.round} of the run is full "
+              f"({len(self._state.participants)} of {self._settings.max_nodes} nodes); this node waits "
+              "outside the run and takes the place of the first member lost", file=sys.stderr, flush=True)
+
+    def _remove_from_redundancy_list(self) -> None:
+        super()._remove_from_redundancy_list()
+        print(f"rdzv_launch: the spare leaves the redundancy list: the run has {len(self._state.participants)} "
+              f"of {self._settings.max_nodes} nodes; joining its next round", file=sys.stderr, flush=True)
 
 
 def run_key(env: dict[str, str] | None = None) -> bytes:
@@ -126,6 +169,7 @@ def create_signed_handler(params: RendezvousParameters) -> RendezvousHandler:
     # torch's factory parses the rendezvous settings and builds its own class; ours only adds
     # the two methods above (no state of its own), so the built handler becomes one.
     handler.__class__ = PrivateWorkerStoreHandler
+    handler._op_executor.__class__ = SpareEvents  # same for the executor: two methods say more
     return handler
 
 

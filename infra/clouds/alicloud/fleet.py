@@ -150,14 +150,14 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
                child: pulumi.ResourceOptions, template: bool = True) -> alicloud.ess.ScalingGroup:
         spot = g.spot
         return alicloud.ess.ScalingGroup(
-            f"{name}-ess", scaling_group_name=name, min_size=g.scaling.min, max_size=g.scaling.max,
-            desired_capacity=g.scaling.baseline, vswitch_ids=switch_ids,
+            f"{name}-ess", scaling_group_name=name, min_size=g.fleet_min, max_size=g.fleet_max,
+            desired_capacity=g.fleet_desired, vswitch_ids=switch_ids,
             launch_template_id=self.launch_template.id if template else None,
             launch_template_version="Latest" if template else None,
             launch_template_overrides=[alicloud.ess.ScalingGroupLaunchTemplateOverrideArgs(
                 instance_type=t, spot_price_limit=g.price_cap) for t in g.types] if template else None,
             multi_az_policy="COST_OPTIMIZED" if spot else "BALANCE",
-            on_demand_base_capacity=g.market.on_demand_base if spot else g.scaling.max,
+            on_demand_base_capacity=g.market.on_demand_base if spot else g.fleet_max,
             on_demand_percentage_above_base_capacity=0 if spot else 100,
             spot_instance_pools=min(len(g.types), 10) if spot else None,
             # Replace a spot node that gets its reclaim notice before it goes.

@@ -94,7 +94,7 @@ class AwsGpuFleet(pulumi.ComponentResource):
             # Reserved capacity: an On-Demand Capacity Reservation at the group's maximum, which
             # the launch template targets ("open"). Savings Plans / RIs are bought outside IaC.
             aws.ec2.CapacityReservation(f"{name}-odcr", instance_type=g.types[0], instance_platform="Linux/UNIX",
-                                        availability_zone=args.zones[0], instance_count=g.scaling.max,
+                                        availability_zone=args.zones[0], instance_count=g.fleet_max,
                                         tags=tags, opts=child)
         self.group = self._group(name, g, subnets, placement, tags, child)
         self._drain_and_schedules(name, g, child)
@@ -132,7 +132,7 @@ class AwsGpuFleet(pulumi.ComponentResource):
     def _group(self, name: str, g: ResolvedGroup, subnets: list[pulumi.Output[str]],
                placement: aws.ec2.PlacementGroup | None, tags: dict[str, str],
                child: pulumi.ResourceOptions) -> aws.autoscaling.Group:
-        on_demand_base = g.scaling.max if g.market.type != "spot" else g.market.on_demand_base
+        on_demand_base = g.fleet_max if g.market.type != "spot" else g.market.on_demand_base
         distribution = aws.autoscaling.GroupMixedInstancesPolicyInstancesDistributionArgs(
             on_demand_base_capacity=on_demand_base,
             on_demand_percentage_above_base_capacity=0 if g.market.type == "spot" else 100,
@@ -142,8 +142,8 @@ class AwsGpuFleet(pulumi.ComponentResource):
         template = aws.autoscaling.GroupMixedInstancesPolicyLaunchTemplateLaunchTemplateSpecificationArgs(
             launch_template_id=self.launch_template.id, version="$Latest")
         return aws.autoscaling.Group(
-            f"{name}-asg", min_size=g.scaling.min, max_size=g.scaling.max,
-            desired_capacity=g.scaling.baseline, vpc_zone_identifiers=subnets,
+            f"{name}-asg", min_size=g.fleet_min, max_size=g.fleet_max,
+            desired_capacity=g.fleet_desired, vpc_zone_identifiers=subnets,
             capacity_rebalance=g.market.type == "spot",
             placement_group=placement.id if placement else None,
             mixed_instances_policy=aws.autoscaling.GroupMixedInstancesPolicyArgs(

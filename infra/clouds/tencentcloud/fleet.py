@@ -75,7 +75,7 @@ class TencentGpuFleet(pulumi.ComponentResource):
                                                    remark="gpu-training-stack HCC group", opts=child)
         self.instances = [self._instance(f"{name}-{i}", i, args, image_id, tags, child, self.hpc)
                           for i in range(fixed)]
-        if g.scaling.max - fixed <= 0:
+        if g.fleet_max - fixed <= 0:
             self.capacity: pulumi.Output[list[str]] = pulumi.Output.all(*[i.id for i in self.instances])
             self.register_outputs({"instanceIds": self.capacity})
             return
@@ -135,8 +135,8 @@ class TencentGpuFleet(pulumi.ComponentResource):
             instance_tags=tags, tags=tags, opts=child)
         return tencentcloud.as_.ScalingGroup(
             f"{name}-asg", scaling_group_name=name, configuration_id=config.id, vpc_id=args.vpc_id,
-            subnet_ids=args.subnet_ids, min_size=max(0, g.scaling.min - fixed), max_size=g.scaling.max - fixed,
-            desired_capacity=max(0, g.scaling.baseline - fixed), multi_zone_subnet_policy="EQUALITY",
+            subnet_ids=args.subnet_ids, min_size=max(0, g.fleet_min - fixed), max_size=g.fleet_max - fixed,
+            desired_capacity=max(0, g.fleet_desired - fixed), multi_zone_subnet_policy="EQUALITY",
             retry_policy="INCREMENTAL_INTERVALS", termination_policies="NEWEST_INSTANCE",
             tags=tags, opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
                 ignore_changes=["desiredCapacity"])))

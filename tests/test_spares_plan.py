@@ -1,0 +1,152 @@
+"""Warm spares in the plan (nodeGroups[].scaling.spares, infra/spares.py): each cloud's scaling
+group holds the run's nodes plus the spares while the run's world (NNODES) stays scaling.max;
+the key is refused where spares cannot work; the plan prices them on a line of their own; the
+policy pack caps their share and weighs their cost against the run's expected losses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra import catalog as cat
+from infra.cost import group_cost
+from infra.errors import SpecError
+from infra.groups import resolve
+from infra.policy_config import for_stack
+from infra.stackfile import teams_reader
+from infra.validation import parse_stack
+from tests.harness import ROOT, by_type, key, parse_spec, policy_hits, run_stack, spec_raw, stack_values
+from training import contract as c
+
+VM_TRAINING = ("aws-train", "ali-train", "tc-train")
+
+
+def _with_spares(config: dict[str, Any], spares: int = 1, names: tuple[str, ...] = VM_TRAINING) -> None:
+    for group in config[key("nodeGroups")]:
+        if group["name"] in names:
+            group["scaling"] = {"min": 2, "max": 4, "desired": 4, "spares": spares}
+            group.pop("schedule", None)
+
+
+def _edited(spares: int = 1, names: tuple[str, ...] = VM_TRAINING) -> dict[str, Any]:
+    config = stack_values("prod")
+    _with_spares(config, spares, names)
+    return config
+
+
+def test_each_clouds_scaling_group_holds_the_world_plus_the_spares_and_the_world_stays(tmp_path: Path) -> None:
+    res = run_stack("prod", lambda cfg: _with_spares(cfg), tmp_path)
+    [asg] = [r for r in by_type(res, "aws:autoscaling/group:Group") if r.name == "aws-train-asg"]
+    assert (asg.inputs["minSize"], asg.inputs["maxSize"], asg.inputs["desiredCapacity"]) == (3, 5, 5)
+    [ess] = [r for r in by_type(res, "alicloud:ess/scalingGroup:ScalingGroup") if r.name == "ali-train-ess"]
+    assert (ess.inputs["minSize"], ess.inputs["maxSize"], ess.inputs["desiredCapacity"]) == (3, 5, 5)
+    # Tencent: the spot group's on-demand base (1) is a fixed instance; the AS group has the rest.
+    [tas] = [r for r in by_type(res, "tencentcloud:As/scalingGroup:ScalingGroup") if r.name == "tc-train-asg"]
+    assert (tas.inputs["minSize"], tas.inputs["maxSize"], tas.inputs["desiredCapacity"]) == (2, 4, 4)
+    stack = parse_stack(spec_raw(_edited()), teams=teams_reader(ROOT))
+    for name in VM_TRAINING:
+        env = stack.group(name).trainer
+        assert (env[c.NNODES.name], env[c.MIN_NNODES.name]) == ("4", "2"), name
+
+
+def test_without_spares_the_groups_are_as_before(tmp_path: Path) -> None:
+    res = run_stack("prod", lambda cfg: _with_spares(cfg, 0), tmp_path)
+    [asg] = [r for r in by_type(res, "aws:autoscaling/group:Group") if r.name == "aws-train-asg"]
+    assert (asg.inputs["minSize"], asg.inputs["maxSize"], asg.inputs["desiredCapacity"]) == (2, 4, 4)
+
+
+def _refused(edit: Any) -> list[str]:
+    config = stack_values("prod")
+    edit(config)
+    with pytest.raises(SpecError) as caught:
+        parse_spec(spec_raw(config))
+    return [str(p) for p in caught.value.problems]
+
+
+def _group(config: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(g for g in config[key("nodeGroups")] if g["name"] == name)
+
+
+@pytest.mark.parametrize("name,scaling,why", [
+    ("aws-eks-train", {"min": 0, "max": 4, "desired": 4, "spares": 1},
+     "the pool holds at most 4 nodes (scaling.max) and the Job asks for 4 + 1 pods, one node each; raise scaling.max to 5"),
+    ("aws-eks-infer", {"min": 1, "max": 6, "desired": 1, "spares": 1}, "only a multi-node training run"),
+    ("aws-train", {"min": 1, "max": 8, "desired": 2, "spares": 1}, "the run's world is not full (desired 2 < max 8)"),
+    ("aws-train", {"min": 1, "max": 1, "spares": 1}, "only a multi-node training run"),
+])
+def test_spares_where_they_cannot_work_are_refused_by_key(name: str, scaling: dict[str, int], why: str) -> None:
+    def edit(config: dict[str, Any]) -> None:
+        group = _group(config, name)
+        group["scaling"] = scaling
+        if name == "aws-train" and scaling["max"] == 1:
+            group.pop("schedule", None)
+            group["market"] = {"type": "spot"}
+        elif name != "aws-train":
+            group.pop("schedule", None)
+
+    problems = _refused(edit)
+    index = [g["name"] for g in stack_values("prod")[key("nodeGroups")]].index(name)
+    assert any(p.startswith(f"nodeGroups[{index}].scaling.spares: 1: ") and why in p and p.endswith("or set 0")
+               for p in problems), problems
+
+
+def test_spares_with_a_schedule_and_on_fixed_instances_are_refused() -> None:
+    def scheduled(config: dict[str, Any]) -> None:
+        _group(config, "aws-train")["scaling"] = {"min": 1, "max": 2, "desired": 2, "spares": 1}
+
+    assert any("scaling.spares: 1: a schedule changes the group's size" in p for p in _refused(scheduled))
+
+    def reserved(config: dict[str, Any]) -> None:
+        _with_spares(config, 1, ("ali-train",))
+        _group(config, "ali-train")["market"] = {"type": "reserved"}
+
+    assert any("scaling.spares: 1: the group's nodes are fixed instances" in p for p in _refused(reserved))
+
+
+def test_a_negative_count_is_refused_by_the_schema() -> None:
+    problems = _refused(lambda cfg: _group(cfg, "aws-train").__setitem__("scaling", {"min": 1, "max": 2, "spares": -1}))
+    assert any("spares" in p and "greater than or equal to 0" in p for p in problems), problems
+
+
+def test_the_plan_prices_the_spares_on_their_own_line_and_counts_them_in_the_group() -> None:
+    with_spares = resolve(parse_spec(spec_raw(_edited(2, ("aws-train",)))))
+    without = resolve(parse_spec(spec_raw(_edited(0, ("aws-train",)))))
+    rg = with_spares.group("aws-train")
+    cost, base = group_cost(rg), group_cost(without.group("aws-train"))
+    spot_node = rg.prices.spot + rg.prices.disk  # the spares are above the on-demand base: spot
+    assert cost.spares == 2
+    assert cost.spares_monthly_usd == pytest.approx(2 * spot_node * cat.HOURS_PER_MONTH, abs=0.01)
+    assert cost.monthly_usd - base.monthly_usd == pytest.approx(cost.spares_monthly_usd, abs=0.05)
+    assert cost.peak_nodes == 6 and base.spares == 0 and base.spares_monthly_usd == 0
+    assert cost.losses_per_month > 0  # four spot nodes of a 10-15 % band type lose members every month
+
+
+def test_the_pack_caps_the_spares_share_and_weighs_their_cost(tmp_path: Path) -> None:
+    edited = _edited(2, ("aws-train",))
+    config = for_stack("prod", resolve(parse_spec(spec_raw(edited))))
+    figures = config["gpu-spares-share"]["groupSpares"]["aws-train"]
+    assert (figures["spares"], figures["world"]) == (2, 4)
+    res = run_stack("prod", lambda cfg: _with_spares(cfg, 2, ("aws-train",)), tmp_path)
+    settings = {"groupSpares": config["gpu-spares-share"]["groupSpares"]}
+    assert policy_hits(res, "gpu-spares-share", settings) == ["aws-train-asg"]  # 2 spares for 4 nodes: 1 allowed
+    assert policy_hits(res, "gpu-spares-share", {**settings, "nodesPerSpare": 2}) == []  # configurable
+    from policies.gts_policy.resources import Res
+    from policies.gts_policy.rules import spares_share
+
+    [(_, message)] = spares_share([Res(r.type, r.name, r.inputs) for r in res], settings)
+    assert "keeps 2 warm spares for a run of 4 nodes, over the cap of 1 (one per 8 nodes)" in message
+    assert f"${figures['monthlyUsd']:,.0f}/month against {figures['lossesPerMonth']:.1f} expected member losses" in message
+
+
+def test_a_kubernetes_jobs_spares_are_pods_beyond_its_world(tmp_path: Path) -> None:
+    def edit(config: dict[str, Any]) -> None:
+        _group(config, "ali-ack-train")["scaling"] = {"min": 0, "max": 5, "desired": 2, "spares": 1}
+
+    res = run_stack("prod", edit, tmp_path)
+    [job] = [r for r in by_type(res, "kubernetes:batch/v1:Job") if r.name.startswith("ali-ack-train")]
+    spec = job.inputs["spec"]
+    assert (spec["completions"], spec["parallelism"], spec["completionMode"]) == (3, 3, "Indexed")
+    env = {e["name"]: e.get("value") for e in spec["template"]["spec"]["containers"][0]["env"]}
+    assert env["NNODES"] == "2"  # the world; the third pod waits as a spare
