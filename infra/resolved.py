@@ -159,6 +159,10 @@ class Stack:
     # The team registry kubernetes.queues names, read once at the edge (infra/stackfile.py
     # teams_reader) and checked; None for a stack without queues.
     teams: Registry | None = field(default=None, compare=False)
+    # The spec as declared, before each group was placed at its activeCandidate (infra/capacity/places.py):
+    # where the candidates are read from; None = `spec`.
+    declared: StackSpec | None = field(default=None, compare=False)
+
     def group(self, name: str) -> ResolvedGroup:
         return next(g for g in self.groups if g.name == name)
 
