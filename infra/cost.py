@@ -16,6 +16,7 @@ from croniter import croniter
 
 from infra import catalog as cat
 from infra import fabric_plan, rendezvous, sharedfs
+from infra.capacity.pricing import place_prices
 from infra.groups import ResolvedGroup, Stack
 from infra.spec import NodeGroup, StackSpec
 
@@ -219,4 +220,6 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
         "includes_estimates": any(g.price_estimate for g in groups),
         "by_cloud": by_cloud,
         "node_groups": [asdict(g) for g in groups],
+        # each group's places, as declared then its capacity candidates, at the maximum size (docs/capacity.md)
+        "capacity_places": [asdict(p) for p in place_prices(stack)],
     }

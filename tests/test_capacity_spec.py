@@ -107,3 +107,41 @@ def test_hostile_capacity_values_are_refused(edit: Any, expected: str) -> None:
     edit(config[key("nodeGroups")][0])
     problems = _problems(config)
     assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+# -- pricing and the pack's cap ---------------------------------------------------------------------
+
+def _pack_verdicts(config: dict[str, Any], **settings: Any) -> list[str]:
+    from infra.policy_config import for_stack
+    from policies.gts_policy.rules import evaluate
+
+    cfg = for_stack("dev", parse_stack(spec_raw(config)))
+    cfg["capacity-candidates-capped"] = {**cfg["capacity-candidates-capped"], **settings}
+    return [f"{v['resource']}: {v['message']}" for v in evaluate([], cfg) if v["policy"] == "capacity-candidates-capped"]
+
+
+def test_the_plan_prices_every_place_and_what_a_move_copies() -> None:
+    from infra.cost import stack_cost
+
+    rows = stack_cost(parse_stack(spec_raw(_config(TENCENT_T4, {"market": {"type": "on-demand"}}))))["capacity_places"]
+    assert [(r["index"], r["place"], r["market"]) for r in rows] == [
+        (0, "aws us-east-1 g4dn.2xlarge spot", "spot"), (1, "tencentcloud ap-guangzhou GN7.2XLARGE32 spot", "spot"),
+        (2, "aws us-east-1 g4dn.2xlarge on-demand", "on-demand")]
+    # max 2 nodes (infra/data/prices.csv, 0.70 typical spot discount): 2 x 0.752 x 0.3, 2 x 8.68 CNY / 7.2 x 0.3, 2 x 0.752
+    assert [r["hourly_usd"] for r in rows] == [pytest.approx(2 * 0.752 * 0.3, abs=1e-4),
+                                               pytest.approx(2 * 8.68 / 7.2 * 0.3, abs=1e-4), 1.504]
+    # moving to Tencent copies at most storage.expectedGb (200) out of the AWS bucket at $0.09/GB; within AWS nothing
+    assert [(r["move_gb"], r["move_usd"]) for r in rows] == [(0.0, 0.0), (200.0, 18.0), (0.0, 0.0)]
+
+
+def test_the_pack_refuses_a_candidate_over_the_cap_or_on_demand_unless_allowed() -> None:
+    config = _config(TENCENT_T4, {"market": {"type": "on-demand"}})
+    verdicts = _pack_verdicts(config)
+    # Tencent spot: $0.72/h > 1.5 x $0.45/h; AWS on-demand: $1.50/h, over the cap and on-demand
+    assert [v.split(":")[0] for v in verdicts] == ["aws-train capacity[0]", "aws-train capacity[1]",
+                                                   "aws-train capacity[1]"]
+    assert "$0.72/h at the group's maximum size, over 1.5 x the declared place's $0.45/h ($0.68/h)" in verdicts[0]
+    assert verdicts[2].endswith("buys 2 node(s) on-demand: use a spot market there, or set capacity-candidates-capped "
+                                "allowOnDemand: true")
+    assert _pack_verdicts(config, maxRatio=5, allowOnDemand=True) == []
+    assert _pack_verdicts(_config()) == []  # no candidates: nothing to judge
