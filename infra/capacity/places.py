@@ -49,7 +49,7 @@ def places(spec: StackSpec, group: NodeGroup) -> list[Place]:
     out = [Place(0, group.cloud, own_region, None, declared_types(group), group.market, own)]
     for k, cand in enumerate(group.capacity, start=1):
         cloud = cand.cloud or group.cloud
-        account = spec.clouds.get(cloud)  # type: ignore[call-overload]  # a Cloud literal
+        account = spec.clouds.get(cloud)
         region = cand.region or (own_region if cloud == group.cloud or account is None else account.region)
         types = tuple(cand.types) or (declared_types(group) if cloud == group.cloud else ())
         out.append(Place(k, cloud, region, cand.zone, types, cand.market or group.market,

@@ -46,9 +46,14 @@ def egress_usd_per_gb(spec: StackSpec, source_cloud: str, target_cloud: str) -> 
     return cat.to_usd(float(row["internetPerGb"]), str(row["currency"]), spec.pricing.cny_per_usd)
 
 
+def types_at(spec: StackSpec, group: NodeGroup, place: Place) -> tuple[str, ...]:
+    """The place's types: its own, else what the group's GPU requirement picks there."""
+    return place.types or instance_types(spec, at(spec, group, place.index), spec.catalog())
+
+
 def price_place(spec: StackSpec, group: NodeGroup, place: Place, running_on: str) -> PlacePrice | None:
     """The place's row; None when its first type has no price there (the spec checks refuse that)."""
-    types = place.types or instance_types(spec, at(spec, group, place.index), spec.catalog())
+    types = types_at(spec, group, place)
     prices = node_prices(spec, place.cloud, types[0], place.region) if types else None
     if prices is None:
         return None

@@ -93,9 +93,9 @@ def _status(answer: dict[str, Any], itype: str, zone: str | None) -> str:
 
 
 def open_api(region: str, creds: cloudmeta.Credentials | None = None, send: Send = _send) -> AlicloudStock:
-    """The region's API with the operator's keys (ALIBABA_CLOUD_ACCESS_KEY_ID / _SECRET, and
-    ALIBABA_CLOUD_SECURITY_TOKEN for STS keys), or the ones given."""
-    creds = creds or cloudmeta.Credentials(os.environ.get("ALIBABA_CLOUD_ACCESS_KEY_ID", ""),
-                                           os.environ.get("ALIBABA_CLOUD_ACCESS_KEY_SECRET", ""),
-                                           os.environ.get("ALIBABA_CLOUD_SECURITY_TOKEN", ""), 0.0)
+    """The region's API with the operator's keys, the ones the Pulumi provider uses (ALICLOUD_ACCESS_KEY,
+    ALICLOUD_SECRET_KEY, and ALICLOUD_SECURITY_TOKEN for STS keys), or the ones given."""
+    creds = creds or cloudmeta.Credentials(os.environ.get("ALICLOUD_ACCESS_KEY", ""),
+                                           os.environ.get("ALICLOUD_SECRET_KEY", ""),
+                                           os.environ.get("ALICLOUD_SECURITY_TOKEN", ""), 0.0)
     return AlicloudStock(region, creds, send)

@@ -88,7 +88,8 @@ class TencentcloudStock:
 
 
 def open_api(region: str, creds: cloudmeta.Credentials | None = None, send: Send = _send) -> TencentcloudStock:
-    """The region's API with the operator's keys (TENCENTCLOUD_SECRET_ID / _SECRET_KEY, and
+    """The region's API with the operator's keys, the ones the Pulumi provider uses (TENCENTCLOUD_SECRET_ID,
+    TENCENTCLOUD_SECRET_KEY, and
     TENCENTCLOUD_SECURITY_TOKEN for STS keys), or the ones given."""
     creds = creds or cloudmeta.Credentials(os.environ.get("TENCENTCLOUD_SECRET_ID", ""),
                                            os.environ.get("TENCENTCLOUD_SECRET_KEY", ""),
