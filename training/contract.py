@@ -40,6 +40,10 @@ CHECKPOINT_EVERY = Var("CHECKPOINT_EVERY", "steps between checkpoints (and one o
 MTBF_S = Var("MTBF_S", "mean seconds between interruptions of one run of this group (for CHECKPOINT_EVERY=auto)",
              STACK, "mtbf_s")
 NOTICE_S = Var("NOTICE_S", "seconds of notice before a reclaim (0: none)", STACK, "notice_s")
+RESERVATION_END = Var("RESERVATION_END", "when the group's reservation ends, ISO 8601 UTC (empty: none): the trainer "
+                      "stops with a checkpoint in the bucket RESERVATION_NOTICE_S before it", STACK)
+RESERVATION_NOTICE_S = Var("RESERVATION_NOTICE_S", "seconds before RESERVATION_END the cloud starts taking the "
+                           "nodes back (EC2 Capacity Blocks: 1800)", STACK)
 KEEP_CHECKPOINTS = Var("KEEP_CHECKPOINTS", "newest checkpoints kept locally and in the bucket", STACK, "keep")
 LAUNCHER = Var("LAUNCHER", "torchrun | accelerate | horovod", STACK, "launcher")
 TRAIN_MODULE = Var("TRAIN_MODULE", "the Python module every training process runs (when TRAIN_COMMAND is empty)",
@@ -74,6 +78,7 @@ GTS_TEAM = Var("GTS_TEAM", "the team the node's cost is shown back to (metrics l
                STACK)
 
 VARS = (WORKLOAD, TRAIN_STEPS, DATA_DIR, DATASET_URL, CHECKPOINT_URL, CHECKPOINT_DIR, CHECKPOINT_EVERY, MTBF_S, NOTICE_S,
+        RESERVATION_END, RESERVATION_NOTICE_S,
         KEEP_CHECKPOINTS, LAUNCHER, TRAIN_MODULE, TRAIN_COMMAND, NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK, RDZV_ENDPOINT, SHARED_DIR, METRICS_PORT,
         NODE_HOURLY_USD, MLFLOW_TRACKING_URI, STORAGE_ENDPOINT_URL, STORAGE_REGION, STORAGE_ADDRESSING_STYLE,
         STORAGE_CREDENTIALS, AWS_REGION, GTS_CLOUD, GTS_NODE_GROUP, GTS_TEAM)
@@ -174,6 +179,22 @@ def problems(env: dict[str, str] | None = None) -> list[str]:
     launcher = env.get(LAUNCHER.name) or "torchrun"
     if launcher not in LAUNCHERS:
         found.append(f"{LAUNCHER.name}={launcher!r}: use one of {', '.join(LAUNCHERS)}")
+    return found + _reservation_problems(env)
+
+
+def _reservation_problems(env: dict[str, str]) -> list[str]:
+    from datetime import datetime
+
+    found = []
+    end = env.get(RESERVATION_END.name, "")
+    try:
+        if end and datetime.fromisoformat(end.replace("Z", "+00:00")).tzinfo is None:
+            raise ValueError(end)
+    except ValueError:
+        found.append(f"{RESERVATION_END.name}={end!r}: an ISO 8601 time with its offset, e.g. 2026-12-24T08:00:00Z")
+    notice = env.get(RESERVATION_NOTICE_S.name, "")
+    if notice and not notice.isdigit():
+        found.append(f"{RESERVATION_NOTICE_S.name}={notice!r}: whole seconds, e.g. 1800")
     return found
 
 
