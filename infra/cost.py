@@ -92,6 +92,7 @@ class GroupCost:
     fabric_gbps: int = 0
     placement: str = ""  # the group's placement resource (placement group, deployment set, HCC cluster)
     placement_monthly_usd: float = 0.0  # what it costs (all three: nothing)
+    reserved_total_usd: float = 0.0  # a reservation market: every reserved node-hour from start to end, used or not
 
 
 def group_cost(rg: ResolvedGroup) -> GroupCost:
@@ -105,6 +106,12 @@ def group_cost(rg: ResolvedGroup) -> GroupCost:
         spend_avg = occ.peak * reserved  # prepaid: paid every hour at the peak count
         nodes_avg = float(occ.peak)
         peak_hourly = occ.peak * reserved
+    elif group.market.reservation:  # reserved node-hours are paid used or not, at the on-demand rate (an estimate
+        # for a Capacity Block, priced per block when bought); an overflow market above them
+        held, over = group.market.reserved_of(group.scaling.max), spot if group.market.overflow else on_demand
+        spend_avg = held * on_demand + max(occ.average - held, 0.0) * over
+        nodes_avg = max(occ.average, float(held))
+        peak_hourly = held * on_demand + max(occ.peak - held, 0) * over
     elif group.market.type == "on-demand":
         spend_avg = occ.average * on_demand
         nodes_avg = occ.average
@@ -130,8 +137,17 @@ def group_cost(rg: ResolvedGroup) -> GroupCost:
         spot_max_price=round(rg.bid_cap, 4) if rg.spot else None, currency=item.currency,
         spot_max_price_basis=("" if not rg.spot else "spotMaxPriceUsd" if rg.price_cap is not None
                               else "on-demand price (no cap given)"),
-        **fabric_plan.summary(rg),
+        **fabric_plan.summary(rg), reserved_total_usd=reserved_total_usd(rg),
     )
+
+
+def reserved_total_usd(rg: ResolvedGroup) -> float:
+    """A reservation market's whole price: every reserved node-hour from start to end, used or not."""
+    market = rg.market
+    if not market.reservation or market.start is None or market.end is None:
+        return 0.0
+    hours = (market.end - market.start).total_seconds() / 3600
+    return round(market.reserved_of(rg.scaling.max) * hours * rg.prices.on_demand, 2)
 
 
 def storage_monthly_usd(spec: StackSpec, cloud: str) -> float:

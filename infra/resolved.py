@@ -136,6 +136,8 @@ class ResolvedGroup:
         tell which it is, so it reports the on-demand price: the alert errs towards warning early."""
         p = self.prices
         node = {"reserved": p.reserved, "on-demand": p.on_demand}.get(self.market.type)
+        if node is None and self.market.reservation:  # reserved hours are paid at the on-demand rate (infra/cost.py)
+            node = p.on_demand
         if node is None:
             node = p.spot if self.market.on_demand_base == 0 else p.on_demand
         return node + p.disk

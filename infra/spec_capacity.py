@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, StrictInt
+from pydantic import AwareDatetime, Field, StrictInt
 
 from infra.clouds import Cloud
 from infra.spec_base import Amount, SpecModel
@@ -16,15 +16,42 @@ from infra.spec_base import Amount, SpecModel
 Place = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9.-]{0,62}$")]
 
 
+# Capacity bought for a time, as a market (docs/capacity.md): an EC2 Capacity Block for ML, an EC2
+# On-Demand Capacity Reservation, an Alibaba ECS elasticity assurance. Which cloud sells which is
+# data (infra/data/capabilities.yaml markets); the checks are infra/capacity/reservations.py.
+RESERVATIONS = ("capacity-block", "capacity-reservation", "elasticity-assurance")
+
+
 class Market(SpecModel):
     """How the nodes are bought."""
 
-    type: Literal["spot", "on-demand", "reserved"] = Field(description="Purchase market.")
+    type: Literal["spot", "on-demand", "reserved", "capacity-block", "capacity-reservation", "elasticity-assurance"] = \
+        Field(description="Purchase market: spot, on-demand, reserved (prepaid), or capacity bought for a time "
+                          "(capacity-block, capacity-reservation, elasticity-assurance: with start and end).")
     on_demand_base: StrictInt = Field(0, ge=0, description="With spot: nodes kept on-demand; the rest are spot.")
     spot_max_price_usd: Amount | None = Field(None, gt=0, description="With spot: price cap per node-hour; none = up to on-demand.")
     observed_mtbf_hours: Amount | None = Field(
         None, gt=0, description="Mean hours between the reclaims this group has actually seen; overrides the "
                                 "estimate checkpointEvery: auto uses (infra/data/interruptions.yaml).")
+    start: AwareDatetime | None = Field(None, description="Reservation markets: when the reserved capacity starts "
+                                                          "(ISO 8601 with its offset).")
+    end: AwareDatetime | None = Field(None, description="Reservation markets: when it ends; the trainer stops with "
+                                                        "a checkpoint in the bucket before the cloud takes the nodes.")
+    reservation_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")] | None = Field(
+        None, description="capacity-block: the purchased block's id (cr-...; bought outside the stack). "
+                          "capacity-reservation: an existing reservation to target; none: the stack creates one.")
+    reserved_nodes: StrictInt | None = Field(None, ge=1, description="Reservation markets: nodes reserved; default "
+                                                                     "scaling.max.")
+    overflow: Literal["spot"] | None = Field(None, description="Reservation markets: nodes above reservedNodes are "
+                                                               "bought in this market (a reserved baseline that bursts).")
+
+    @property
+    def reservation(self) -> bool:
+        return self.type in RESERVATIONS
+
+    def reserved_of(self, most: int) -> int:
+        """Nodes the reservation holds, of a group of at most `most`."""
+        return min(self.reserved_nodes or most, most) if self.reservation else 0
 
 
 class Candidate(SpecModel):

@@ -27,15 +27,18 @@ from tests.training_helpers import MotoServer, launch, storage_env
 from training import cloudmeta
 from training.storage import location
 
-CANDIDATES = [{"types": ["g5.xlarge"]},
+CANDIDATES = [{"types": ["g5.xlarge"], "market": {"type": "spot"}},
               {"cloud": "alicloud", "types": ["ecs.gn6i-c4g1.xlarge"], "market": {"type": "spot"}},
               {"cloud": "tencentcloud", "types": ["GN7.2XLARGE32"], "market": {"type": "spot"}}]
 CREDS = cloudmeta.Credentials("AKIDEXAMPLE", "secret-example", "", 0.0)
 
 
-def _values() -> dict[str, str]:
+def _values(market: str = "on-demand") -> dict[str, str]:
+    """The dev stack with the AWS group's candidates; declared on-demand, the spot candidates are
+    within the policy pack's cap (1.5 x its $/h), declared spot they are not."""
     config = stack_values("dev")
     config[key("nodeGroups")][0]["capacity"] = CANDIDATES
+    config[key("nodeGroups")][0]["market"] = {"type": market}
     return {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
 
 
@@ -148,6 +151,20 @@ def test_no_failure_stays_and_a_checkpoint_being_written_waits(moto: MotoServer,
         moto.client().delete_object(Bucket=aws_bucket.name, Key=partial)
     assert decision.action == "wait" and "step 80 is being written" in decision.reason
     assert workspace.changes == [] and world.aws.calls == ["DescribeScalingActivities"]
+
+
+def test_a_candidate_over_the_packs_cap_is_never_asked_nor_moved_to(moto: MotoServer, monkeypatch: pytest.MonkeyPatch
+                                                                     ) -> None:
+    world = World(moto, monkeypatch)
+    env = storage_env(moto.url)
+    workspace = RecordingWorkspace(_values("spot"), {"aws": {"fleets": {"aws-train": [world.asg]}}})
+    (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, env)).once()
+    assert (decision.action, decision.at) == ("stay", 0)
+    assert [(s["index"], s["calls"]) for s in decision.skipped] == [(1, 0), (2, 0), (3, 0)]
+    assert all(str(s["why"]).startswith("refused by the policy pack: ") for s in decision.skipped)
+    assert "over 1.5 x the declared place's $0.45/h" in str(decision.skipped[2]["why"])
+    assert world.aws.calls == ["DescribeScalingActivities"] and not world.ali.asked and not world.tc.asked
+    assert workspace.changes == [] and workspace.ups == []
 
 
 @pytest.mark.parametrize(("args", "line"), [

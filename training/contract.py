@@ -40,10 +40,6 @@ CHECKPOINT_EVERY = Var("CHECKPOINT_EVERY", "steps between checkpoints (and one o
 MTBF_S = Var("MTBF_S", "mean seconds between interruptions of one run of this group (for CHECKPOINT_EVERY=auto)",
              STACK, "mtbf_s")
 NOTICE_S = Var("NOTICE_S", "seconds of notice before a reclaim (0: none)", STACK, "notice_s")
-RESERVATION_END = Var("RESERVATION_END", "when the group's reservation ends, ISO 8601 UTC (empty: none): the trainer "
-                      "stops with a checkpoint in the bucket RESERVATION_NOTICE_S before it", STACK)
-RESERVATION_NOTICE_S = Var("RESERVATION_NOTICE_S", "seconds before RESERVATION_END the cloud starts taking the "
-                           "nodes back (EC2 Capacity Blocks: 1800)", STACK)
 KEEP_CHECKPOINTS = Var("KEEP_CHECKPOINTS", "newest checkpoints kept locally and in the bucket", STACK, "keep")
 LAUNCHER = Var("LAUNCHER", "torchrun | accelerate | horovod", STACK, "launcher")
 TRAIN_MODULE = Var("TRAIN_MODULE", "the Python module every training process runs (when TRAIN_COMMAND is empty)",
@@ -78,7 +74,6 @@ GTS_TEAM = Var("GTS_TEAM", "the team the node's cost is shown back to (metrics l
                STACK)
 
 VARS = (WORKLOAD, TRAIN_STEPS, DATA_DIR, DATASET_URL, CHECKPOINT_URL, CHECKPOINT_DIR, CHECKPOINT_EVERY, MTBF_S, NOTICE_S,
-        RESERVATION_END, RESERVATION_NOTICE_S,
         KEEP_CHECKPOINTS, LAUNCHER, TRAIN_MODULE, TRAIN_COMMAND, NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK, RDZV_ENDPOINT, SHARED_DIR, METRICS_PORT,
         NODE_HOURLY_USD, MLFLOW_TRACKING_URI, STORAGE_ENDPOINT_URL, STORAGE_REGION, STORAGE_ADDRESSING_STYLE,
         STORAGE_CREDENTIALS, AWS_REGION, GTS_CLOUD, GTS_NODE_GROUP, GTS_TEAM)
@@ -112,6 +107,14 @@ FABRIC_VARS = (GTS_FABRIC, GTS_FABRIC_DEVICES, NCCL_DEBUG, NCCL_SOCKET_IFNAME, F
                FI_EFA_USE_HUGE_PAGE, NCCL_IB_HCA, NCCL_IB_GID_INDEX, NCCL_IB_ADDR_FAMILY, NCCL_IB_ROCE_VERSION_NUM,
                NCCL_IB_ADDR_RANGE, NCCL_IB_TC, NCCL_IB_SL, NCCL_NET_GDR_LEVEL)
 FABRIC_NAMES = frozenset(v.name for v in FABRIC_VARS)
+# The end of a reservation that takes the nodes back (an EC2 Capacity Block; infra/data/reservations.yaml),
+# set only for such a group: the trainer stops with a checkpoint in the bucket before (training/reservation.py).
+RESERVED = "the stack, for a group whose reservation's end takes its nodes (market.type: capacity-block)"
+RESERVATION_END = Var("RESERVATION_END", "when the group's reservation ends, ISO 8601 UTC: the trainer stops with a "
+                      "checkpoint in the bucket RESERVATION_NOTICE_S (and its upload deadline) before it", RESERVED)
+RESERVATION_NOTICE_S = Var("RESERVATION_NOTICE_S", "seconds before RESERVATION_END the cloud starts taking the "
+                           "nodes back (EC2 Capacity Blocks: 1800)", RESERVED)
+RESERVATION_VARS = (RESERVATION_END, RESERVATION_NOTICE_S)
 # environment variable -> TrainConfig field, for the trainer's config parser
 CONFIG_FIELDS = {v.name: v.field for v in VARS if v.field}
 CREDENTIAL_SOURCES = ("default", "instance-role", "ack-rrsa", "tke-pod-identity")
@@ -201,7 +204,7 @@ def _reservation_problems(env: dict[str, str]) -> list[str]:
 def table() -> str:
     """The contract as docs/contract.md's Markdown table."""
     rows = ["| variable | meaning | set by |", "|---|---|---|"]
-    rows += [f"| `{v.name}` | {v.meaning} | {v.set_by} |" for v in VARS + FABRIC_VARS]
+    rows += [f"| `{v.name}` | {v.meaning} | {v.set_by} |" for v in VARS + FABRIC_VARS + RESERVATION_VARS]
     return "\n".join(rows)
 
 

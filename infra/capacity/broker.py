@@ -18,13 +18,16 @@ from datetime import datetime, timezone
 
 from infra.buckets import Bucket, bucket
 from infra.capacity.places import Place, places
-from infra.capacity.pricing import types_at
+from infra.capacity.pricing import pack_config, types_at
 from infra.capacity.stock import Ask, Failure, StockApi, stock_api
 from infra.capacity.transfer import Copied, copy_dataset, copy_step, progress
 from infra.capacity.workspace import Workspace
+from infra.groups import Stack
+from infra.policy_config import base_config
 from infra.spec import NodeGroup, StackSpec
 from infra.stacktext import project_name
 from infra.validation import parse_values
+from policies.gts_policy.rules_capacity import candidates_capped
 from training.storage import Location, location
 
 RECORDS = "records/capacity"
@@ -42,6 +45,20 @@ class Decision:
     copied: Copied | None = None
 
 
+def capped(stack: Stack) -> dict[tuple[str, int], str]:
+    """(group, place) -> why the policy pack's capacity-candidates-capped rule refuses it, with the
+    settings of the stack's environment (policies/<env>.json); the rule's own defaults otherwise."""
+    entry = base_config(stack.spec.env, stack.spec.env).get("capacity-candidates-capped", {})
+    settings = dict(entry) if isinstance(entry, dict) else {"enforcementLevel": entry}
+    if settings.pop("enforcementLevel", "mandatory") in ("disabled", "advisory"):
+        return {}
+    out: dict[tuple[str, int], str] = {}
+    for resource, message in candidates_capped([], {**settings, "capacityPlaces": pack_config(stack)}):
+        group, _, rest = resource.partition(" capacity[")
+        out.setdefault((group, int(rest.rstrip("]")) + 1), f"refused by the policy pack: {message}")
+    return out
+
+
 def _when(text: str) -> datetime:
     when = datetime.fromisoformat(text.replace("Z", "+00:00"))
     return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
@@ -56,6 +73,7 @@ class Broker:
         self.workspace, self.stock, self.storage, self.move_back, self.now = workspace, stock, storage, move_back, now
         self.project = project_name()
         self._apis: dict[tuple[str, str], StockApi] = {}
+        self.capped: dict[tuple[str, int], str] = {}
 
     def api(self, cloud: str, region: str) -> StockApi:
         if (cloud, region) not in self._apis:
@@ -67,6 +85,7 @@ class Broker:
         stack = parse_values(self.workspace.config(), self.project, "the stack's config")
         spec = stack.declared or stack.spec
         outputs = self.workspace.outputs()
+        self.capped = capped(stack)
         return [self._group(spec, i, g, outputs) for i, g in enumerate(spec.node_groups) if g.capacity]
 
     def _group(self, spec: StackSpec, index: int, group: NodeGroup, outputs: Mapping[str, object]) -> Decision:
@@ -88,6 +107,10 @@ class Broker:
                                                 "is committed", here.index)
         decision = Decision(group.name, "stay", f"{reason}; no other place has stock", here.index)
         for place in order:
+            why = self.capped.get((group.name, place.index))
+            if why is not None:  # the policy pack's cap: never a move it would refuse (no call made)
+                decision.skipped.append({"index": place.index, "place": place.label, "why": why, "calls": 0})
+                continue
             verdict = self.api(place.cloud, place.region).ask(self._ask(spec, group, place))
             if not verdict.ok:
                 decision.skipped.append({"index": place.index, "place": place.label, "why": verdict.why,

@@ -8,6 +8,7 @@ declared (before the groups are placed at their activeCandidate)."""
 from __future__ import annotations
 
 from infra import catalog as cat
+from infra.capacity import reservations
 from infra.capacity.places import Place, places
 from infra.errors import Problem, suggest
 from infra.spec import NodeGroup, StackSpec
@@ -15,7 +16,7 @@ from infra.spec_problems import check_region
 
 
 def check(spec: StackSpec) -> list[Problem]:
-    out: list[Problem] = []
+    out: list[Problem] = reservations.check(spec)
     for i, group in enumerate(spec.node_groups):
         path = f"nodeGroups[{i}]"
         if group.active_candidate > len(group.capacity):
