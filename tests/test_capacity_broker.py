@@ -184,3 +184,28 @@ def test_the_command_refuses_bad_input_in_one_line(args: list[str], line: str, t
     out = subprocess.run([sys.executable, "-m", "infra.capacity", *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert (out.returncode, out.stdout, out.stderr) == (2, "", line + "\n")
+
+
+def test_it_moves_back_only_when_asked_and_the_declared_place_has_stock(moto: MotoServer,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    world = World(moto, monkeypatch)
+    env = storage_env(moto.url)
+    spec = parse_stack(spec_raw(stack_values("dev"))).spec
+    for b in (bucket(spec, "aws"), bucket(spec, "tencentcloud")):
+        moto.client().create_bucket(Bucket=b.name)
+    values = _values()
+    groups = json.loads(values[key("nodeGroups")])
+    groups[0]["activeCandidate"] = 3  # on Tencent now
+    values[key("nodeGroups")] = json.dumps(groups)
+    outputs = {"tencentcloud": {"fleets": {"aws-train": ["asg-kiju7yt5"]}}}
+    quiet = {"Response": {"RequestId": "r", "TotalCount": 0, "ActivitySet": []}}
+    for move_back, expected in ((False, ("stay", 3)), (True, ("move", 0))):
+        world.tc.answers["DescribeAutoScalingActivities"] = [quiet]
+        world.aws.calls.clear()
+        workspace = RecordingWorkspace(dict(values), outputs)
+        (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, env),
+                             move_back=move_back).once()
+        assert (decision.action, decision.at) == expected, decision
+    # the declared place (on-demand) asked in two calls: offered there, and the on-demand quota
+    assert world.aws.calls == ["DescribeInstanceTypeOfferings", "GetServiceQuota"]
+    assert workspace.changes == [("gpu-training-stack:nodeGroups[0].activeCandidate", "0")]
