@@ -5,8 +5,11 @@ training/contract.py names, which the trainer reads."""
 
 from __future__ import annotations
 
+from datetime import timezone
+
 from infra import catalog as cat
 from infra import rendezvous
+from infra.capacity import reservations
 from infra.buckets import DATASET_PREFIX, endpoint
 from infra.clouds import profile
 from infra.resolved import ResolvedGroup
@@ -79,7 +82,19 @@ def trainer_env(spec: StackSpec, rg: ResolvedGroup) -> dict[str, str]:
         c.GTS_CLOUD: rg.cloud, c.GTS_NODE_GROUP: rg.name, c.GTS_TEAM: spec.team_name,
     }
     env.update(fabric_env(spec, rg))
+    env.update(reservation_env(rg))
     return {var.name: value for var, value in env.items()}
+
+
+def reservation_env(rg: ResolvedGroup) -> dict[c.Var, str]:
+    """A reservation whose end takes the nodes (infra/data/reservations.yaml noticeS): its end and
+    notice, for the trainer to stop with a checkpoint in the bucket before (training/reservation.py)."""
+    market = rg.market
+    notice = reservations.notice_s(rg.cloud, market.type) if market.reservation else 0
+    if not notice or market.end is None:
+        return {}
+    end = market.end.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {c.RESERVATION_END: end, c.RESERVATION_NOTICE_S: str(notice)}
 
 
 def fabric_env(spec: StackSpec, rg: ResolvedGroup) -> dict[c.Var, str]:

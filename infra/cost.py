@@ -16,6 +16,7 @@ from croniter import croniter
 
 from infra import catalog as cat
 from infra import fabric_plan, rendezvous, sharedfs, spares
+from infra.capacity.pricing import place_prices
 from infra.groups import ResolvedGroup, Stack
 from infra.spec import NodeGroup, StackSpec
 
@@ -94,6 +95,7 @@ class GroupCost:
     spares: int = 0  # warm spares (scaling.spares), counted in the figures above too
     spares_monthly_usd: float = 0.0  # what they cost, of monthly_usd
     losses_per_month: float = 0.0  # the run's expected member losses, the spares' use (infra/spares.py)
+    reserved_total_usd: float = 0.0  # a reservation market: every reserved node-hour from start to end, used or not
 
 
 def group_cost(rg: ResolvedGroup) -> GroupCost:
@@ -107,6 +109,12 @@ def group_cost(rg: ResolvedGroup) -> GroupCost:
         spend_avg = occ.peak * reserved  # prepaid: paid every hour at the peak count
         nodes_avg = float(occ.peak)
         peak_hourly = occ.peak * reserved
+    elif group.market.reservation:  # reserved node-hours are paid used or not, at the on-demand rate (an estimate
+        # for a Capacity Block, priced per block when bought); an overflow market above them
+        held, over = group.market.reserved_of(group.scaling.max), spot if group.market.overflow else on_demand
+        spend_avg = held * on_demand + max(occ.average - held, 0.0) * over
+        nodes_avg = max(occ.average, float(held))
+        peak_hourly = held * on_demand + max(occ.peak - held, 0) * over
     elif group.market.type == "on-demand":
         spend_avg = occ.average * on_demand
         nodes_avg = occ.average
@@ -132,7 +140,7 @@ def group_cost(rg: ResolvedGroup) -> GroupCost:
         spot_max_price=round(rg.bid_cap, 4) if rg.spot else None, currency=item.currency,
         spot_max_price_basis=("" if not rg.spot else "spotMaxPriceUsd" if rg.price_cap is not None
                               else "on-demand price (no cap given)"),
-        **fabric_plan.summary(rg), **_spares(rg),
+        **fabric_plan.summary(rg), **_spares(rg), reserved_total_usd=reserved_total_usd(rg),
     )
 
 
@@ -141,6 +149,15 @@ def _spares(rg: ResolvedGroup) -> dict[str, Any]:
         return {}
     f = spares.figures(rg)
     return {"spares": f.spares, "spares_monthly_usd": f.monthly_usd, "losses_per_month": f.losses_per_month}
+
+
+def reserved_total_usd(rg: ResolvedGroup) -> float:
+    """A reservation market's whole price: every reserved node-hour from start to end, used or not."""
+    market = rg.market
+    if not market.reservation or market.start is None or market.end is None:
+        return 0.0
+    hours = (market.end - market.start).total_seconds() / 3600
+    return round(market.reserved_of(rg.scaling.max) * hours * rg.prices.on_demand, 2)
 
 
 def storage_monthly_usd(spec: StackSpec, cloud: str) -> float:
@@ -229,4 +246,6 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
         "includes_estimates": any(g.price_estimate for g in groups),
         "by_cloud": by_cloud,
         "node_groups": [asdict(g) for g in groups],
+        # each group's places, as declared then its capacity candidates, at the maximum size (docs/capacity.md)
+        "capacity_places": [asdict(p) for p in place_prices(stack)],
     }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from infra.capacity import pricing
 from infra.catalog import to_usd
 from infra import spares
 from infra.cost import stack_cost
@@ -59,7 +60,9 @@ def for_stack(stack_name: str, stack: Stack) -> dict[str, Any]:
         # each group's warm spares, their cost and the run's expected member losses (the spares-share rule)
         **({"groupSpares": group_spares(stack)} if group_spares(stack) else {}),
         # the date of the oldest price the stack is planned with (the prices-fresh rule)
-        **age.verdict_config(stack)}
+        **age.verdict_config(stack),
+        # each group's places (as declared, then its capacity candidates) priced at the maximum size
+        "capacityPlaces": pricing.pack_config(stack)}
     team = spec.team
     if team is not None:  # the registry's quota and markets (teams.yaml, through `make teams`)
         derived |= {"team": team.name, "gpuQuota": {c: dict(q) for c, q in team.gpus.items()},

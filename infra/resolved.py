@@ -155,6 +155,8 @@ class ResolvedGroup:
         tell which it is, so it reports the on-demand price: the alert errs towards warning early."""
         p = self.prices
         node = {"reserved": p.reserved, "on-demand": p.on_demand}.get(self.market.type)
+        if node is None and self.market.reservation:  # reserved hours are paid at the on-demand rate (infra/cost.py)
+            node = p.on_demand
         if node is None:
             node = p.spot if self.market.on_demand_base == 0 else p.on_demand
         return node + p.disk
@@ -178,6 +180,10 @@ class Stack:
     # The team registry kubernetes.queues names, read once at the edge (infra/stackfile.py
     # teams_reader) and checked; None for a stack without queues.
     teams: Registry | None = field(default=None, compare=False)
+    # The spec as declared, before each group was placed at its activeCandidate (infra/capacity/places.py):
+    # where the candidates are read from; None = `spec`.
+    declared: StackSpec | None = field(default=None, compare=False)
+
     def group(self, name: str) -> ResolvedGroup:
         return next(g for g in self.groups if g.name == name)
 

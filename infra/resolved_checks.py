@@ -22,9 +22,11 @@ from infra.teams.registry import Registry, RegistryError
 TeamsReader = Callable[[str], Registry]
 
 
-def check(spec: StackSpec, teams: TeamsReader | None) -> tuple[Stack, list[Problem]]:
-    """The spec's groups resolved, and their problems (each step only when the ones before found none)."""
-    stack = resolve(spec)
+def check(spec: StackSpec, teams: TeamsReader | None,
+          declared: StackSpec | None = None) -> tuple[Stack, list[Problem]]:
+    """The spec's groups resolved, and their problems (each step only when the ones before found none).
+    `declared`: the spec before its groups were placed at their activeCandidate (infra/capacity)."""
+    stack = replace(resolve(spec), declared=declared or spec)
     problems = _check_workable(stack)
     if not problems:  # each group's fabric against its resolved types (infra/fabric.py)
         problems += fabric_plan.check(spec)

@@ -11,17 +11,16 @@ from __future__ import annotations
 from ipaddress import IPv4Network
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictInt, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import BeforeValidator, Field, PlainValidator, StrictInt, model_validator
 
 from infra import catalog as cat
 from infra.clouds import Cloud as Cloud  # the stack file's cloud names: infra/clouds/__init__.py
-from infra.spec_patterns import (EMAIL, IMAGE_REF, MIRROR_URL, NAME_PATTERN, NO_NUL, PROJECT_YAML, REGISTRY_HOST,
-                                 TRACKING_URI)
+from infra.spec_base import Amount, Name, SpecModel
+from infra.spec_capacity import Candidate, Market
+from infra.spec_patterns import EMAIL, IMAGE_REF, MIRROR_URL, NO_NUL, PROJECT_YAML, REGISTRY_HOST, TRACKING_URI
 
-Name = Annotated[str, Field(pattern=NAME_PATTERN)]
-# An amount: a finite number as written (YAML's true, "5" or .inf are refused, not read as 1, 5 or no limit).
-Amount = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+__all__ = ["Amount", "Candidate", "Market", "Name", "SpecModel"]  # read from here by the rest of infra/
+
 
 
 def _with_prefix(value: object) -> object:
@@ -36,13 +35,6 @@ Cidr = Annotated[IPv4Network, BeforeValidator(_with_prefix)]
 CONFIG_KEYS = ("env", "protectStateful", "team", "tags", "clouds", "networks", "peerings", "nodeGroups", "kubernetes", "storage",
                "training", "budget", "pricing")
 REQUIRED_TAGS = ("owner", "cost-center", "env")
-
-
-class SpecModel(BaseModel):
-    """Base of every spec model: unknown keys are errors, values are frozen, keys are camelCase."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel,
-                              populate_by_name=True)
 
 
 class Mirrors(SpecModel):
@@ -146,17 +138,6 @@ class Scaling(SpecModel):
         return self.min if self.desired is None else self.desired
 
 
-class Market(SpecModel):
-    """How the nodes are bought."""
-
-    type: Literal["spot", "on-demand", "reserved"] = Field(description="Purchase market.")
-    on_demand_base: StrictInt = Field(0, ge=0, description="With spot: nodes kept on-demand; the rest are spot.")
-    spot_max_price_usd: Amount | None = Field(None, gt=0, description="With spot: price cap per node-hour; none = up to on-demand.")
-    observed_mtbf_hours: Amount | None = Field(
-        None, gt=0, description="Mean hours between the reclaims this group has actually seen; overrides the "
-                                "estimate checkpointEvery: auto uses (infra/data/interruptions.yaml).")
-
-
 class ScheduleAction(SpecModel):
     """A recurring scaling action (UTC cron), e.g. training pools down at night."""
 
@@ -218,6 +199,10 @@ class NodeGroup(SpecModel):
                             "one (infra/data/fabric.csv); auto: on for a multi-node training group on such a type; "
                             "none: NCCL over the ordinary network.")
     gpu_health: GpuHealth = Field(default_factory=GpuHealth, description="The GPU boot gate's DCGM diagnostic level.")
+    capacity: list[Candidate] = Field(default_factory=list, max_length=16, description="Where else the group may run, in "
+                                      "order (docs/capacity.md): the capacity broker moves it to the next with stock.")
+    active_candidate: StrictInt = Field(0, ge=0, description="Where the group runs now: 0 = as declared above, k = "
+                                        "capacity[k-1]. Set by the capacity broker (python -m infra.capacity).")
 
     @model_validator(mode="after")
     def _type_or_requirement(self) -> NodeGroup:

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from infra import catalog as cat
 from infra import cloud_rules, resolved_checks, sharedfs, value_checks
+from infra.capacity import checks as capacity_checks, places
 from infra.clouds import profile
 from infra.errors import Problem, SpecError, suggest
 from infra.groups import Stack, requirement, schedule_bounds
@@ -81,6 +82,8 @@ def checked(spec: StackSpec, teams: TeamsReader | None = None) -> tuple[Stack | 
     problems += _check_pricing(spec)
     if problems:  # the catalog with the overrides applied is what the other checks read
         return None, problems
+    problems += capacity_checks.check(spec)  # the candidates as declared; the rest at the active place
+    declared, spec = spec, places.placed(spec)
     problems += _check_tags(spec)
     problems += _check_clouds(spec)
     problems += _check_team(spec)
@@ -92,7 +95,7 @@ def checked(spec: StackSpec, teams: TeamsReader | None = None) -> tuple[Stack | 
         problems += sharedfs.check(spec)
     if problems:
         return None, problems
-    return resolved_checks.check(spec, teams)  # resolving the groups needs every provider limit met
+    return resolved_checks.check(spec, teams, declared)  # resolving the groups needs every provider limit met
 
 
 def _check_tags(spec: StackSpec) -> list[Problem]:
@@ -278,7 +281,6 @@ def _check_pricing(spec: StackSpec) -> list[Problem]:
 
 def _never_fires(cron: str) -> bool:
     from datetime import datetime, timezone
-
     from croniter import CroniterBadDateError
 
     try:

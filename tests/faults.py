@@ -6,6 +6,9 @@ code carries no fault hooks. Launch it where the trainer would be launched:
 GTS_TEST_SLOW_COMMIT_S=<s> [GTS_TEST_SLOW_COMMIT_STEP=<n>]: pause between a checkpoint's data
 files and its commit (a slow disk, or a kill in the middle of a checkpoint).
 GTS_TEST_DISK_FULL_STEP=<n>: the write of step n's checkpoint fails with ENOSPC (-1: every one).
+GTS_TEST_CLOCK_START=<unix time> GTS_TEST_CLOCK_STEP_S=<s>: the reservation's clock
+(training/reservation.py CLOCK) starts there and moves on by <s> each time the loop reads it (once
+per step, on every rank alike).
 """
 
 from __future__ import annotations
@@ -50,7 +53,21 @@ def _full_disk(at_step: int) -> None:
     setattr(checkpoint, "save_hashed", full)
 
 
+def _fake_clock(start: float, step_s: float) -> None:
+    from training import reservation
+
+    now = [start - step_s]
+
+    def tick() -> float:
+        now[0] += step_s
+        return now[0]
+
+    reservation.CLOCK = tick
+
+
 def install() -> None:
+    if os.environ.get("GTS_TEST_CLOCK_START"):
+        _fake_clock(float(os.environ["GTS_TEST_CLOCK_START"]), float(os.environ.get("GTS_TEST_CLOCK_STEP_S", "60")))
     if os.environ.get("GTS_TEST_DISK_FULL_STEP"):
         _full_disk(int(os.environ["GTS_TEST_DISK_FULL_STEP"]))
     slow = float(os.environ.get("GTS_TEST_SLOW_COMMIT_S", "0"))

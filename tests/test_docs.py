@@ -32,6 +32,8 @@ ALLOWED: dict[str, tuple[str, str]] = {
                                   "SIGUSR1"),
     r"python - <<'PY'$": ("tests/test_checkpoints.py::test_a_damaged_newest_step_falls_back_to_the_previous_one",
                           "_flip_a_byte"),
+    r"python -m infra\.capacity watch ": ("tests/test_capacity_broker.py::test_the_command_refuses_bad_input_in_one_line",
+                                         '"infra.capacity"'),
     r"python -m training\.goodput ": ("tests/test_goodput.py::test_the_command_prints_the_interval_and_simulates_a_file",
                                       '"training.goodput"'),
     r"python -m training\.node\.rdzv_store ": ("tests/test_elastic.py::test_three_nodes_lose_one_go_on_and_take_it_back",

@@ -107,6 +107,14 @@ FABRIC_VARS = (GTS_FABRIC, GTS_FABRIC_DEVICES, NCCL_DEBUG, NCCL_SOCKET_IFNAME, F
                FI_EFA_USE_HUGE_PAGE, NCCL_IB_HCA, NCCL_IB_GID_INDEX, NCCL_IB_ADDR_FAMILY, NCCL_IB_ROCE_VERSION_NUM,
                NCCL_IB_ADDR_RANGE, NCCL_IB_TC, NCCL_IB_SL, NCCL_NET_GDR_LEVEL)
 FABRIC_NAMES = frozenset(v.name for v in FABRIC_VARS)
+# The end of a reservation that takes the nodes back (an EC2 Capacity Block; infra/data/reservations.yaml),
+# set only for such a group: the trainer stops with a checkpoint in the bucket before (training/reservation.py).
+RESERVED = "the stack, for a group whose reservation's end takes its nodes (market.type: capacity-block)"
+RESERVATION_END = Var("RESERVATION_END", "when the group's reservation ends, ISO 8601 UTC: the trainer stops with a "
+                      "checkpoint in the bucket RESERVATION_NOTICE_S (and its upload deadline) before it", RESERVED)
+RESERVATION_NOTICE_S = Var("RESERVATION_NOTICE_S", "seconds before RESERVATION_END the cloud starts taking the "
+                           "nodes back (EC2 Capacity Blocks: 1800)", RESERVED)
+RESERVATION_VARS = (RESERVATION_END, RESERVATION_NOTICE_S)
 # environment variable -> TrainConfig field, for the trainer's config parser
 CONFIG_FIELDS = {v.name: v.field for v in VARS if v.field}
 CREDENTIAL_SOURCES = ("default", "instance-role", "ack-rrsa", "tke-pod-identity")
@@ -174,13 +182,29 @@ def problems(env: dict[str, str] | None = None) -> list[str]:
     launcher = env.get(LAUNCHER.name) or "torchrun"
     if launcher not in LAUNCHERS:
         found.append(f"{LAUNCHER.name}={launcher!r}: use one of {', '.join(LAUNCHERS)}")
+    return found + _reservation_problems(env)
+
+
+def _reservation_problems(env: dict[str, str]) -> list[str]:
+    from datetime import datetime
+
+    found = []
+    end = env.get(RESERVATION_END.name, "")
+    try:
+        if end and datetime.fromisoformat(end.replace("Z", "+00:00")).tzinfo is None:
+            raise ValueError(end)
+    except ValueError:
+        found.append(f"{RESERVATION_END.name}={end!r}: an ISO 8601 time with its offset, e.g. 2026-12-24T08:00:00Z")
+    notice = env.get(RESERVATION_NOTICE_S.name, "")
+    if notice and not notice.isdigit():
+        found.append(f"{RESERVATION_NOTICE_S.name}={notice!r}: whole seconds, e.g. 1800")
     return found
 
 
 def table() -> str:
     """The contract as docs/contract.md's Markdown table."""
     rows = ["| variable | meaning | set by |", "|---|---|---|"]
-    rows += [f"| `{v.name}` | {v.meaning} | {v.set_by} |" for v in VARS + FABRIC_VARS]
+    rows += [f"| `{v.name}` | {v.meaning} | {v.set_by} |" for v in VARS + FABRIC_VARS + RESERVATION_VARS]
     return "\n".join(rows)
 
 

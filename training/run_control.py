@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from training import contract
+from training import contract, reservation
 from training.checkpoint import CheckpointError, CheckpointManager, RunLocked, Topology, UploadStatus
 from training.distributed import Comm
 from training.goodput import AutoInterval
@@ -53,10 +53,18 @@ class StopFlag:
     SIGTERM / SIGINT: checkpoint and stop. SIGUSR1 (a rebalance recommendation, or a person):
     checkpoint now and go on."""
 
-    def __init__(self) -> None:
+    def __init__(self, upload_s: float = 0.0) -> None:
         self.raised: str | None = None
         self.checkpoint_requested = False
+        # the end of the nodes' reservation (RESERVATION_END): stop, like a signal, in time for the upload
+        self.reservation = reservation.Deadline.from_env(dict(os.environ), upload_s)
         self.install()
+
+    def poll(self) -> str | None:
+        """Why the run must stop now, if it must: a signal, or its reservation's end coming."""
+        if self.raised is None and self.reservation.due():
+            self.raised = reservation.REASON
+        return self.raised
 
     def install(self) -> None:
         """(Again) make these handlers the process's: after a framework installed its own."""

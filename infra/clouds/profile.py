@@ -67,6 +67,12 @@ class CloudProfile(abc.ABC):
         """The module whose `fixed_instances(group)` says how many of a VM group's nodes are fixed."""
 
     @property
+    def stock_module(self) -> str:
+        """The module asking the cloud's own API for stock, quota and launch failures
+        (infra/clouds/<cloud>/stock.py; the interface: infra/capacity/stock.py)."""
+        return f"infra.clouds.{self.name}.stock"
+
+    @property
     @abc.abstractmethod
     def mocks_module(self) -> str:
         """The module whose INVOKES and COMPUTED answer the mock engine for this cloud's provider

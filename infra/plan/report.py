@@ -127,6 +127,7 @@ def _cost(cost: dict[str, Any], console: Console) -> None:
     console.print(f"saving vs on-demand: {cost['savings_vs_on_demand_pct']}%   "
                   f"budget: ${cost['budget_monthly_usd']:,.0f}/month"
                   + ("   (* price is an estimate; override in pricing.overrides)" if cost["includes_estimates"] else ""))
+    _places(cost.get("capacity_places") or [], console)
     prices = cost.get("prices")
     if prices and prices["oldest"]:
         oldest = prices["oldest"]
@@ -135,6 +136,19 @@ def _cost(cost: dict[str, Any], console: Console) -> None:
         console.print(f"prices: each group's region (infra/data/prices.csv); oldest used {oldest['date']} "
                       f"({age}: {escape(oldest['type'])} in {oldest['region']}, "
                       f"{escape(str(oldest['source']))})", highlight=False)
+
+
+def _places(places: list[dict[str, Any]], console: Console) -> None:
+    """Each group's places (docs/capacity.md): worst case at its maximum size, and what a move copies."""
+    if not places:
+        return
+    rows = [(p["group"], "declared" if p["index"] == 0 else f"capacity[{p['index'] - 1}]", p["place"] + (
+        "*" if p["estimate"] else ""), f"{p['hourly_usd']:,.2f}", f"{p['move_gb']:,.0f}", f"{p['move_usd']:,.2f}")
+            for p in places]
+    console.print(table("capacity candidates (USD; worst case at the group's maximum size; a move copies the newest "
+                        "checkpoint and the dataset)", ("node group", "place", "where", "max $/h", "move GB",
+                                                        "move $"), rows, console, narrow=("node group", "max $/h"),
+                        left=("node group", "place", "where")))
 
 
 def _violations(violations: list[dict[str, str]], console: Console) -> None:

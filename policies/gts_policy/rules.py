@@ -193,3 +193,11 @@ RULES.append(Rule(
     "kubernetes-api-sources-routable", "Kubernetes API and registry push endpoints admit real public sources, not "
     "documentation or private-use ranges (kubernetes.apiAccessCidrs).", "mandatory",
     per_resource=api_sources_routable))
+
+
+from .rules_capacity import SCHEMA as CAPACITY_SCHEMA, candidates_capped  # noqa: E402
+
+RULES.append(Rule(
+    "capacity-candidates-capped", "A node group's capacity candidates cost at most maxRatio (1.5) x its declared "
+    "place at its maximum size, and buy no on-demand nodes unless allowOnDemand.", "mandatory", candidates_capped,
+    CAPACITY_SCHEMA))

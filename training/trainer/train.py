@@ -73,7 +73,7 @@ class Run:
 
     def __init__(self, cfg: config_mod.TrainConfig, comm: Comm):
         self.cfg, self.comm = cfg, comm
-        self.stop = StopFlag()
+        self.stop = StopFlag(cfg.upload_deadline_s)
         self.dataset = build_data(cfg)
         self.sharded: ShardedCheckpoints | None = None  # the sharded path's checkpoints (open_checkpoints)
         self.deferred_init = False  # the model was built without initial values (build_model)
@@ -300,7 +300,7 @@ class Run:
                     if comm.rank == 0:
                         log.info("step %d loss %.5f", self.step, self.last_loss)
                 stopping, asked, due, refused = comm.any_true(
-                    self.stop.raised is not None, self.stop.take_checkpoint_request(), self.checkpoint_due(),
+                    self.stop.poll() is not None, self.stop.take_checkpoint_request(), self.checkpoint_due(),
                     bool(ckpt.refused))
                 if due or stopping or asked or refused or self.step >= cfg.steps:
                     self.save(ckpt, tracker)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_alicloud as alicloud
 
+from infra.clouds.alicloud import reservation
 from infra.names import fit
 from infra.schedule import RENEW_REPLACE, recurrence_window
 from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
@@ -19,7 +20,7 @@ ESSD = "cloud_essd"
 
 
 def spot_strategy(group: ResolvedGroup) -> str:
-    if not group.spot:
+    if not group.spot and not reservation.bursts(group):
         return "NoSpot"
     return "SpotWithPriceLimit" if group.price_cap else "SpotAsPriceGo"
 
@@ -72,6 +73,8 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
         else:
             self.launch_template = self._launch_template(name, args, image_id, tags, child)
             self.group = self._group(name, g, args.switch_ids, tags, child)
+        # elasticity-assurance: the reserved capacity the group's instances use (infra/clouds/alicloud/reservation.py)
+        self.assurance = reservation.create(name, g, args.zones[0], tags, child)
         self._schedules(name, g, args.env, child)
         self.capacity = self.group.id.apply(lambda i: [i])
         self.register_outputs({"scalingGroupId": self.group.id})
@@ -148,7 +151,8 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
 
     def _group(self, name: str, g: ResolvedGroup, switch_ids: list[pulumi.Output[str]], tags: dict[str, str],
                child: pulumi.ResourceOptions, template: bool = True) -> alicloud.ess.ScalingGroup:
-        spot = g.spot
+        spot = g.spot or reservation.bursts(g)
+        base = g.market.on_demand_base if g.spot else g.market.reserved_of(g.scaling.max) if spot else g.fleet_max
         return alicloud.ess.ScalingGroup(
             f"{name}-ess", scaling_group_name=name, min_size=g.fleet_min, max_size=g.fleet_max,
             desired_capacity=g.fleet_desired, vswitch_ids=switch_ids,
@@ -157,7 +161,7 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
             launch_template_overrides=[alicloud.ess.ScalingGroupLaunchTemplateOverrideArgs(
                 instance_type=t, spot_price_limit=g.price_cap) for t in g.types] if template else None,
             multi_az_policy="COST_OPTIMIZED" if spot else "BALANCE",
-            on_demand_base_capacity=g.market.on_demand_base if spot else g.fleet_max,
+            on_demand_base_capacity=base,
             on_demand_percentage_above_base_capacity=0 if spot else 100,
             spot_instance_pools=min(len(g.types), 10) if spot else None,
             # Replace a spot node that gets its reclaim notice before it goes.

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_aws as aws
 
+from infra.clouds.aws import reservation
 from infra.fabric import TypeFabric
 from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 
@@ -81,7 +82,6 @@ class AwsGpuFleet(pulumi.ComponentResource):
         g = args.group
         tags = g.tags(args.tags)
         child = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.after)
-        self.launch_template = self._launch_template(name, args, tags, child)
         # Multi-node training wants the nodes close together: a cluster placement group, which
         # AWS confines to one zone.
         # EFA works within one zone only (ParallelCluster efa-v3) and wants the same group.
@@ -90,12 +90,11 @@ class AwsGpuFleet(pulumi.ComponentResource):
         if (g.workload == "training" and g.scaling.max > 1) or g.fabric is not None:
             placement = aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", tags=tags, opts=child)
             subnets = subnets[:1]
-        if g.market.type == "reserved":
-            # Reserved capacity: an On-Demand Capacity Reservation at the group's maximum, which
-            # the launch template targets ("open"). Savings Plans / RIs are bought outside IaC.
-            aws.ec2.CapacityReservation(f"{name}-odcr", instance_type=g.types[0], instance_platform="Linux/UNIX",
-                                        availability_zone=args.zones[0], instance_count=g.fleet_max,
-                                        tags=tags, opts=child)
+        # Reserved capacity: an On-Demand Capacity Reservation the launch template uses (reserved:
+        # at the group's maximum; capacity-reservation without an id: its reservedNodes until its end).
+        # Savings Plans / RIs and Capacity Blocks are bought outside IaC (infra/clouds/aws/reservation.py).
+        self.reservation = reservation.create(name, g, args.zones[0], tags, child)
+        self.launch_template = self._launch_template(name, args, tags, child)
         self.group = self._group(name, g, subnets, placement, tags, child)
         self._drain_and_schedules(name, g, child)
         self.capacity: pulumi.Output[list[str]] = self.group.name.apply(lambda n: [n])
@@ -106,7 +105,6 @@ class AwsGpuFleet(pulumi.ComponentResource):
                          child: pulumi.ResourceOptions) -> aws.ec2.LaunchTemplate:
         ami = aws.ssm.get_parameter_output(name=DLAMI_PARAMETER,
                                            opts=pulumi.InvokeOutputOptions(provider=args.provider, parent=self))
-        reserved = args.group.market.type == "reserved"
         fabric = args.group.fabric
         return aws.ec2.LaunchTemplate(
             f"{name}-lt", image_id=ami.value, update_default_version=True,
@@ -122,9 +120,8 @@ class AwsGpuFleet(pulumi.ComponentResource):
                 instance_metadata_tags="enabled"),
             block_device_mappings=block_devices(args.group.scratch_disk_gb),
             user_data=args.user_data,
-            capacity_reservation_specification=(
-                aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs(capacity_reservation_preference="open")
-                if reserved else None),
+            capacity_reservation_specification=reservation.reservation_spec(args.group, self.reservation),
+            instance_market_options=reservation.market_options(args.group),
             tag_specifications=[aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=kind, tags=tags)
                                 for kind in ("instance", "volume", "network-interface")],
             tags=tags, opts=child)
@@ -132,10 +129,10 @@ class AwsGpuFleet(pulumi.ComponentResource):
     def _group(self, name: str, g: ResolvedGroup, subnets: list[pulumi.Output[str]],
                placement: aws.ec2.PlacementGroup | None, tags: dict[str, str],
                child: pulumi.ResourceOptions) -> aws.autoscaling.Group:
-        on_demand_base = g.fleet_max if g.market.type != "spot" else g.market.on_demand_base
+        on_demand_base, above_base = reservation.on_demand_base(g)
         distribution = aws.autoscaling.GroupMixedInstancesPolicyInstancesDistributionArgs(
             on_demand_base_capacity=on_demand_base,
-            on_demand_percentage_above_base_capacity=0 if g.market.type == "spot" else 100,
+            on_demand_percentage_above_base_capacity=above_base,
             on_demand_allocation_strategy="prioritized",
             spot_allocation_strategy="price-capacity-optimized",
             spot_max_price=(f"{g.market.spot_max_price_usd:.4f}" if g.market.spot_max_price_usd else None))

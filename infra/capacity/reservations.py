@@ -1,0 +1,70 @@
+"""The rules for reservation markets (`market.type: capacity-block | capacity-reservation |
+elasticity-assurance`, docs/capacity.md), each a one-line problem naming the key: start and end
+given, in order, and within what the cloud sells (EC2 Capacity Blocks: 1 to 182 days; Alibaba
+elasticity assurance: 1 month to 5 years — infra/data/reservations.yaml, with sources); a
+Capacity Block's id; reservedNodes within scaling.max; an overflow market only above a reserved
+baseline; and the reservation fields only with a reservation market. Which cloud sells which
+market is data (infra/data/capabilities.yaml markets), checked with every market."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from infra import catalog as cat
+from infra.errors import Problem
+from infra.spec import Market, NodeGroup, StackSpec
+
+
+def notice_s(cloud: str, market: str) -> int:
+    """Seconds before a reservation's end the cloud starts taking its nodes back."""
+    return int(cat.load_yaml("reservations.yaml")["markets"].get(market, {}).get("noticeS", 0))
+
+
+def _length(market: str) -> tuple[timedelta, timedelta]:
+    row = cat.load_yaml("reservations.yaml")["markets"][market]
+    return timedelta(days=float(row["minDays"])), timedelta(days=float(row["maxDays"]))
+
+
+def check_market(group: NodeGroup, market: Market, path: str) -> list[Problem]:
+    extra = [k for k in ("start", "end", "reservation_id", "reserved_nodes", "overflow")
+             if getattr(market, k) is not None]
+    if not market.reservation:
+        return [Problem(f"{path}.{extra[0].split('_')[0] + ''.join(w.title() for w in extra[0].split('_')[1:])}",
+                        f"applies only to a reservation market (capacity-block, capacity-reservation, "
+                        f"elasticity-assurance), not {market.type}")] if extra else []
+    if group.kind != "vm":
+        return [Problem(f"{path}.type", f"{market.type} is built for VM fleets (kind: vm); a kubernetes pool buys "
+                                        "spot, on-demand or reserved")]
+    if market.start is None or market.end is None:
+        return [Problem(path, f"{market.type} needs start and end (ISO 8601 with the offset, e.g. start: "
+                              "2026-12-20T08:00:00Z, end: 2026-12-24T08:00:00Z)")]
+    out = []
+    least, most = _length(market.type)
+    if market.end <= market.start:
+        out.append(Problem(f"{path}.end", f"{market.end.isoformat()} is not after start {market.start.isoformat()}"))
+    elif not least <= market.end - market.start <= most:
+        out.append(Problem(f"{path}.end", f"a {market.type} lasts {least.days} to {most.days} days; this one lasts "
+                                          f"{(market.end - market.start).total_seconds() / 86400:g} (infra/data/"
+                                          "reservations.yaml)"))
+    if market.type == "capacity-block" and market.reservation_id is None:
+        out.append(Problem(f"{path}.reservationId", "a Capacity Block is bought outside the stack (EC2 "
+                                                    "PurchaseCapacityBlock): give its id, e.g. cr-0123456789abcdef0"))
+    if market.reserved_nodes is not None and market.reserved_nodes > group.scaling.max:
+        out.append(Problem(f"{path}.reservedNodes", f"{market.reserved_nodes} exceeds scaling.max ({group.scaling.max})"))
+    elif market.overflow is not None and market.reserved_of(group.scaling.max) >= group.scaling.max:
+        out.append(Problem(f"{path}.overflow", f"nothing overflows: reservedNodes ({market.reserved_of(group.scaling.max)}) "
+                                               f"is scaling.max; lower reservedNodes or raise scaling.max"))
+    if market.overflow is not None and market.type == "capacity-block":
+        out.append(Problem(f"{path}.overflow", "a Capacity Block's launch template buys only from the block: use "
+                                               "capacity-reservation for a baseline that bursts to spot"))
+    return out
+
+
+def check(spec: StackSpec) -> list[Problem]:
+    out: list[Problem] = []
+    for i, group in enumerate(spec.node_groups):
+        out += check_market(group, group.market, f"nodeGroups[{i}].market")
+        for k, cand in enumerate(group.capacity):
+            if cand.market is not None:
+                out += check_market(group, cand.market, f"nodeGroups[{i}].capacity[{k}].market")
+    return out

@@ -1,0 +1,52 @@
+"""What the broker asks each cloud before it moves a group, and how it reads a group's launch
+failures: one interface, one module per cloud (infra/clouds/<cloud>/stock.py, found through the
+cloud's profile). Each module asks the cloud's own API — the names and parameters are cited
+there — and answers in a few calls, so a candidate without stock or quota is skipped in
+seconds, never launched."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from infra.clouds import profile
+
+
+@dataclass(frozen=True)
+class Ask:
+    """Room for a group's nodes at one place."""
+
+    region: str
+    zone: str | None
+    types: tuple[str, ...]
+    market: str  # spot | on-demand | reserved | capacity-block | ...
+    nodes: int  # the group's size to place (its desired size, at least 1)
+    vcpus: int  # per node of the first type (quotas are counted in vCPUs on EC2)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    why: str  # what the cloud answered, in one line
+    calls: int  # API calls it took
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One launch the group's scaling service could not make for lack of capacity."""
+
+    at: str  # ISO 8601, as the cloud wrote it
+    message: str
+
+
+class StockApi(Protocol):
+    def ask(self, ask: Ask) -> Verdict: ...
+
+    def failures(self, group_id: str, since: str | None = None) -> list[Failure]: ...
+
+
+def stock_api(cloud: str, region: str, **clients: Any) -> StockApi:
+    """The cloud's stock module for a region (its own clients or transport when given: tests)."""
+    module = importlib.import_module(profile(cloud).stock_module)
+    return module.open_api(region, **clients)  # type: ignore[no-any-return]

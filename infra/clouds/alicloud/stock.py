@@ -1,0 +1,101 @@
+"""Stock and launch failures on Alibaba Cloud, asked of the cloud's own RPC API, signed with the
+node's own signer (infra/clouds/alicloud/node.py rpc_request, signature v1); the interface is
+infra/capacity/stock.py:
+
+- ECS DescribeAvailableResource (2014-05-26): RegionId, DestinationResource=InstanceType,
+  InstanceType, ZoneId, InstanceChargeType=PostPaid | PrePaid, SpotStrategy=SpotAsPriceGo | NoSpot,
+  IoOptimized=optimized; each zone's AvailableResources.AvailableResource[].SupportedResources
+  .SupportedResource[] says Status (Available | SoldOut) and StatusCategory (WithStock |
+  ClosedWithStock | WithoutStock | ClosedWithoutStock) per type (ECS API reference,
+  help.aliyun.com/document_detail/66186). One call per type, stopping at the first in stock.
+- ESS DescribeScalingActivities (2014-08-28): RegionId, ScalingGroupId, PageSize; a Failed or
+  Warning activity whose StatusMessage names NoStock is a capacity failure (Auto Scaling API
+  reference, DescribeScalingActivities).
+
+No quota call: the account's instance quota is not asked here (ECS DescribeAccountAttributes has
+it; not wired). The tests answer with recorded responses written from the documented response
+shapes (tests/data/capacity/alicloud/), not captured from a live account.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from infra.capacity.stock import Ask, Failure, Verdict
+from training import cloudmeta
+
+Send = Callable[[urllib.request.Request], dict[str, Any]]
+IN_STOCK = ("WithStock", "ClosedWithStock")
+CAPACITY_MARKERS = ("NoStock", "Zone.NotOnSale", "InvalidInstanceType.NotSupported", "QuotaExceed")
+
+
+def _send(request: urllib.request.Request) -> dict[str, Any]:
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return dict(json.loads(resp.read().decode()))
+
+
+class AlicloudStock:
+    def __init__(self, region: str, creds: cloudmeta.Credentials, send: Send = _send):
+        self.region, self.creds, self.send = region, creds, send
+        self.node: Any = cloudmeta.cloud_node("alicloud")
+
+    def _call(self, service: str, params: dict[str, str]) -> dict[str, Any]:
+        url = f"https://{service}.{self.region}.aliyuncs.com/"
+        return self.send(self.node.rpc_request(self.creds, url, dt.datetime.now(dt.timezone.utc),
+                                               {**params, "RegionId": self.region}))
+
+    def ask(self, ask: Ask) -> Verdict:
+        charge = {"spot": ("PostPaid", "SpotAsPriceGo"), "on-demand": ("PostPaid", "NoSpot")}.get(
+            ask.market, ("PrePaid", "NoSpot"))
+        calls, seen = 0, []
+        for itype in ask.types:
+            params = {"Action": "DescribeAvailableResource", "Version": "2014-05-26", "DestinationResource":
+                      "InstanceType", "InstanceType": itype, "InstanceChargeType": charge[0], "IoOptimized": "optimized"}
+            if charge[0] == "PostPaid":
+                params["SpotStrategy"] = charge[1]
+            if ask.zone:
+                params["ZoneId"] = ask.zone
+            answer, calls = self._call("ecs", params), calls + 1
+            status = _status(answer, itype, ask.zone)
+            if status in IN_STOCK:
+                return Verdict(True, f"{itype} {status} in {ask.zone or ask.region} (DescribeAvailableResource)", calls)
+            seen.append(f"{itype} {status or 'not offered'}")
+        return Verdict(False, f"{', '.join(seen)} in {ask.zone or ask.region} (DescribeAvailableResource)", calls)
+
+    def failures(self, group_id: str, since: str | None = None) -> list[Failure]:
+        answer = self._call("ess", {"Action": "DescribeScalingActivities", "Version": "2014-08-28",
+                                    "ScalingGroupId": group_id, "PageSize": "50"})
+        out = []
+        for act in answer.get("ScalingActivities", {}).get("ScalingActivity", []):
+            message, at = str(act.get("StatusMessage", "")), str(act.get("StartTime", ""))
+            if act.get("StatusCode") in ("Failed", "Warning") and any(m in message for m in CAPACITY_MARKERS):
+                if since is None or at >= since:
+                    out.append(Failure(at, message))
+        return out
+
+
+def _status(answer: dict[str, Any], itype: str, zone: str | None) -> str:
+    """The best StatusCategory of `itype` in the answer's zones ('' when no zone sells it)."""
+    found = []
+    for z in answer.get("AvailableZones", {}).get("AvailableZone", []):
+        if zone and z.get("ZoneId") != zone:
+            continue
+        for res in z.get("AvailableResources", {}).get("AvailableResource", []):
+            for sup in res.get("SupportedResources", {}).get("SupportedResource", []):
+                if sup.get("Value") == itype:
+                    found.append(str(sup.get("StatusCategory", "")))
+    return next((s for s in found if s in IN_STOCK), found[0] if found else "")
+
+
+def open_api(region: str, creds: cloudmeta.Credentials | None = None, send: Send = _send) -> AlicloudStock:
+    """The region's API with the operator's keys, the ones the Pulumi provider uses (ALICLOUD_ACCESS_KEY,
+    ALICLOUD_SECRET_KEY, and ALICLOUD_SECURITY_TOKEN for STS keys), or the ones given."""
+    creds = creds or cloudmeta.Credentials(os.environ.get("ALICLOUD_ACCESS_KEY", ""),
+                                           os.environ.get("ALICLOUD_SECRET_KEY", ""),
+                                           os.environ.get("ALICLOUD_SECURITY_TOKEN", ""), 0.0)
+    return AlicloudStock(region, creds, send)

@@ -1,0 +1,97 @@
+"""Stock and launch failures on Tencent Cloud, asked of the cloud's own API 3.0, signed with the
+node's own TC3-HMAC-SHA256 signer (infra/clouds/tencentcloud/node.py call); the interface is
+infra/capacity/stock.py:
+
+- CVM DescribeZoneInstanceConfigInfos (2017-03-12): Filters zone, instance-type,
+  instance-charge-type (SPOTPAID | POSTPAID_BY_HOUR | PREPAID); each InstanceTypeQuotaSet item says
+  Status (SELL | SOLD_OUT) and StatusCategory (EnoughStock | NormalStock | UnderStock |
+  WithoutStock) (CVM API reference, tencentcloud.com/document/api/213/33254; 40 requests/s). One call for up to
+  five types (a filter takes five values).
+- AS DescribeAutoScalingActivities (2018-04-19): Filters auto-scaling-group-id, Limit; a FAILED or
+  PARTIALLY_SUCCESSFUL activity whose StatusMessage says the type is sold out or the resources
+  are insufficient is a capacity failure (AS API reference, cloud.tencent.com/document/api/377/31735; "Scaling
+  Activity Failed", document/product/377/32527: "The CVM is sold out").
+
+No quota call (CVM DescribeInstancesCount / the account's quota is not wired). The tests answer
+with recorded responses written from the documented response shapes
+(tests/data/capacity/tencentcloud/), not captured from a live account.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from infra.capacity.stock import Ask, Failure, Verdict
+from training import cloudmeta
+
+Send = Callable[[urllib.request.Request], dict[str, Any]]
+IN_STOCK = ("EnoughStock", "NormalStock", "UnderStock")
+CHARGE = {"spot": "SPOTPAID", "on-demand": "POSTPAID_BY_HOUR", "reserved": "PREPAID"}
+CAPACITY_MARKERS = ("ResourceInsufficient", "SoldOut", "SOLD_OUT", "sold out", "InsufficientInventory",
+                    "NoAvailableZone")
+
+
+def _send(request: urllib.request.Request) -> dict[str, Any]:
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return dict(json.loads(resp.read().decode()))
+
+
+class TencentcloudStock:
+    def __init__(self, region: str, creds: cloudmeta.Credentials, send: Send = _send):
+        self.region, self.creds, self.send = region, creds, send
+        self.node: Any = cloudmeta.cloud_node("tencentcloud")
+
+    def _call(self, service: str, version: str, action: str, params: dict[str, Any]) -> dict[str, Any]:
+        request = self.node.call(self.creds, self.region, action, params, f"https://{service}.tencentcloudapi.com/",
+                                 dt.datetime.now(dt.timezone.utc), service=service, version=version)
+        found = self.send(request).get("Response", {})
+        if "Error" in found:
+            raise RuntimeError(f"{action} answered {found['Error']}")
+        return dict(found)
+
+    def ask(self, ask: Ask) -> Verdict:
+        calls, items = 0, []
+        for start in range(0, len(ask.types), 5):
+            filters = [{"Name": "instance-type", "Values": list(ask.types[start:start + 5])},
+                       {"Name": "instance-charge-type", "Values": [CHARGE.get(ask.market, "PREPAID")]}]
+            if ask.zone:
+                filters.append({"Name": "zone", "Values": [ask.zone]})
+            answer = self._call("cvm", "2017-03-12", "DescribeZoneInstanceConfigInfos", {"Filters": filters})
+            calls += 1
+            items += answer.get("InstanceTypeQuotaSet", [])
+        where = ask.zone or ask.region
+        for itype in ask.types:
+            mine = [i for i in items if i.get("InstanceType") == itype]
+            good = next((i for i in mine if i.get("Status") == "SELL" and i.get("StatusCategory") in IN_STOCK), None)
+            if good is not None:
+                return Verdict(True, f"{itype} {good['StatusCategory']} in {good.get('Zone', where)} "
+                                     "(DescribeZoneInstanceConfigInfos)", calls)
+        said = ", ".join(f"{i.get('InstanceType')} {i.get('Status')}/{i.get('StatusCategory')}" for i in items)
+        return Verdict(False, f"{said or '/'.join(ask.types) + ' not offered'} in {where} "
+                              "(DescribeZoneInstanceConfigInfos)", calls)
+
+    def failures(self, group_id: str, since: str | None = None) -> list[Failure]:
+        answer = self._call("as", "2018-04-19", "DescribeAutoScalingActivities",
+                            {"Filters": [{"Name": "auto-scaling-group-id", "Values": [group_id]}], "Limit": 20})
+        out = []
+        for act in answer.get("ActivitySet", []):
+            message, at = str(act.get("StatusMessage", "")), str(act.get("StartTime", ""))
+            if act.get("StatusCode") in ("FAILED", "PARTIALLY_SUCCESSFUL") and any(m in message for m in CAPACITY_MARKERS):
+                if since is None or at >= since:
+                    out.append(Failure(at, message))
+        return out
+
+
+def open_api(region: str, creds: cloudmeta.Credentials | None = None, send: Send = _send) -> TencentcloudStock:
+    """The region's API with the operator's keys, the ones the Pulumi provider uses (TENCENTCLOUD_SECRET_ID,
+    TENCENTCLOUD_SECRET_KEY, and
+    TENCENTCLOUD_SECURITY_TOKEN for STS keys), or the ones given."""
+    creds = creds or cloudmeta.Credentials(os.environ.get("TENCENTCLOUD_SECRET_ID", ""),
+                                           os.environ.get("TENCENTCLOUD_SECRET_KEY", ""),
+                                           os.environ.get("TENCENTCLOUD_SECURITY_TOKEN", ""), 0.0)
+    return TencentcloudStock(region, creds, send)

@@ -1,0 +1,119 @@
+"""Stock and launch failures asked of each cloud's own API (infra/clouds/<cloud>/stock.py): AWS
+through boto3 against moto (with recorded answers for what moto lacks), Alibaba and Tencent
+through the project's own signers against recorded responses. A candidate without stock is
+refused in a few calls; capacity failures are read from the scaling service's activities."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from infra.capacity.stock import Ask, stock_api
+from tests.capacity_helpers import AwsCalls, Replay, moto_aws, recorded
+from training import cloudmeta
+
+CREDS = cloudmeta.Credentials("AKIDEXAMPLE", "secret-example", "token-example", 0.0)
+
+
+@pytest.fixture(autouse=True)
+def _aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SECURITY_TOKEN", "AWS_SESSION_TOKEN"):
+        monkeypatch.setenv(name, "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
+def _aws(region: str) -> tuple[AwsCalls, Any]:
+    calls = AwsCalls(region)
+    return calls, stock_api("aws", region, ec2=calls.ec2, autoscaling=calls.autoscaling, quotas=calls.quotas)
+
+
+def test_aws_a_low_spot_score_is_no_stock_in_three_calls() -> None:
+    with moto_aws():
+        calls, api = _aws("us-east-1")
+        calls.answer(calls.quotas, "GetServiceQuota", recorded("aws", "service_quota_g_spot"))
+        calls.answer(calls.ec2, "GetSpotPlacementScores", recorded("aws", "spot_placement_scores_low"))
+        verdict = api.ask(Ask("us-east-1", None, ("g4dn.xlarge",), "spot", 2, 4))
+    assert not verdict.ok and verdict.why.startswith("spot placement score 2 of 10 in us-east-1")
+    assert calls.calls == ["DescribeInstanceTypeOfferings", "GetServiceQuota", "GetSpotPlacementScores"]
+    assert verdict.calls == 3
+
+
+def test_aws_a_type_not_sold_or_over_quota_stops_before_the_score() -> None:
+    with moto_aws():
+        calls, api = _aws("us-east-1")
+        verdict = api.ask(Ask("us-east-1", None, ("p9.nonexistent",), "spot", 1, 8))
+        assert (verdict.ok, verdict.calls) == (False, 1) and "not offered in us-east-1" in verdict.why
+        calls.answer(calls.quotas, "GetServiceQuota", recorded("aws", "service_quota_g_spot"))  # 64 vCPUs
+        verdict = api.ask(Ask("us-east-1", None, ("g4dn.12xlarge",), "spot", 2, 48))
+    assert (verdict.ok, verdict.calls) == (False, 2)
+    assert verdict.why == "vCPU quota 64 for g4dn.12xlarge (spot) is under the 96 the nodes need (GetServiceQuota)"
+
+
+def test_aws_a_good_score_in_the_zone_is_stock() -> None:
+    with moto_aws():
+        calls, api = _aws("us-west-2")
+        zone_id = calls.ec2.describe_availability_zones(ZoneNames=["us-west-2a"])["AvailabilityZones"][0]["ZoneId"]
+        calls.calls.clear()
+        calls.answer(calls.quotas, "GetServiceQuota", recorded("aws", "service_quota_g_spot"))
+        calls.answer(calls.ec2, "GetSpotPlacementScores",
+                     recorded("aws", "spot_placement_scores_high", **{"usw2-az1": zone_id}))
+        verdict = api.ask(Ask("us-west-2", "us-west-2a", ("g4dn.xlarge",), "spot", 2, 4))
+    assert verdict.ok and verdict.why == "spot placement score 9 of 10 in us-west-2a"
+    assert verdict.calls == 4 == len(calls.calls)
+
+
+def test_aws_launch_failures_are_the_groups_capacity_activities() -> None:
+    with moto_aws():
+        calls, api = _aws("us-east-1")
+        calls.answer(calls.autoscaling, "DescribeScalingActivities",
+                     recorded("aws", "scaling_activities_insufficient", GROUP="gts-dev-aws-train"))
+        found = api.failures("gts-dev-aws-train")
+        assert api.failures("gts-dev-aws-train", since="2026-12-02T00:00:01") == []
+    assert [f.message.split(" - ")[0] for f in found] == ["Could not launch Spot Instances. InsufficientInstanceCapacity"]
+
+
+def test_alicloud_asks_each_type_signed_and_stops_at_the_first_in_stock() -> None:
+    replay = Replay({"DescribeAvailableResource": [recorded("alicloud", "available_resource_sold_out"),
+                                                   recorded("alicloud", "available_resource_with_stock")]})
+    api = stock_api("alicloud", "cn-hangzhou", creds=CREDS, send=replay)
+    verdict = api.ask(Ask("cn-hangzhou", "cn-hangzhou-h", ("ecs.gn7i-c8g1.2xlarge", "ecs.gn6i-c4g1.xlarge"), "spot", 2, 8))
+    assert verdict.ok and verdict.calls == 2
+    assert verdict.why == "ecs.gn6i-c4g1.xlarge WithStock in cn-hangzhou-h (DescribeAvailableResource)"
+    action, params, _ = replay.asked[0]
+    assert action == "DescribeAvailableResource" and params["DestinationResource"] == "InstanceType"
+    assert (params["InstanceType"], params["ZoneId"], params["InstanceChargeType"], params["SpotStrategy"]) == (
+        "ecs.gn7i-c8g1.2xlarge", "cn-hangzhou-h", "PostPaid", "SpotAsPriceGo")
+    assert params["AccessKeyId"] == "AKIDEXAMPLE" and params["Signature"] and params["SignatureMethod"] == "HMAC-SHA1"
+
+
+def test_alicloud_sold_out_is_no_stock_and_no_stock_activities_are_failures() -> None:
+    replay = Replay({"DescribeAvailableResource": [recorded("alicloud", "available_resource_sold_out")],
+                     "DescribeScalingActivities": [recorded("alicloud", "scaling_activities_no_stock")]})
+    api = stock_api("alicloud", "cn-hangzhou", creds=CREDS, send=replay)
+    verdict = api.ask(Ask("cn-hangzhou", None, ("ecs.gn7i-c8g1.2xlarge",), "on-demand", 1, 8))
+    assert (verdict.ok, verdict.calls) == (False, 1)
+    assert verdict.why == "ecs.gn7i-c8g1.2xlarge WithoutStock in cn-hangzhou (DescribeAvailableResource)"
+    assert replay.asked[0][1]["SpotStrategy"] == "NoSpot"
+    found = api.failures("asg-bp18p2yfxow2dloqabcd")
+    assert len(found) == 1 and "OperationDenied.NoStock" in found[0].message
+    assert replay.asked[1][1]["ScalingGroupId"] == "asg-bp18p2yfxow2dloqabcd"
+
+
+def test_tencentcloud_asks_the_zone_configuration_signed_tc3() -> None:
+    replay = Replay({"DescribeZoneInstanceConfigInfos": [recorded("tencentcloud", "zone_config_sold_out"),
+                                                         recorded("tencentcloud", "zone_config_in_stock")],
+                     "DescribeAutoScalingActivities": [recorded("tencentcloud", "activities_sold_out")]})
+    api = stock_api("tencentcloud", "ap-guangzhou", creds=CREDS, send=replay)
+    ask = Ask("ap-guangzhou", "ap-guangzhou-3", ("GN7.2XLARGE32",), "spot", 2, 8)
+    sold = api.ask(ask)
+    assert (sold.ok, sold.calls) == (False, 1)
+    assert sold.why == "GN7.2XLARGE32 SOLD_OUT/WithoutStock in ap-guangzhou-3 (DescribeZoneInstanceConfigInfos)"
+    assert api.ask(ask).ok
+    action, params, headers = replay.asked[0]
+    assert action == "DescribeZoneInstanceConfigInfos" and headers["X-tc-version"] == "2017-03-12"
+    assert {f["Name"]: f["Values"] for f in params["Filters"]} == {
+        "instance-type": ["GN7.2XLARGE32"], "instance-charge-type": ["SPOTPAID"], "zone": ["ap-guangzhou-3"]}
+    assert headers["Authorization"].startswith("TC3-HMAC-SHA256 Credential=AKIDEXAMPLE/")
+    found = api.failures("asg-kiju7yt5")
+    assert len(found) == 1 and found[0].message.startswith("ResourceInsufficient.SpecifiedInstanceType")

@@ -1,0 +1,109 @@
+"""Reservations as markets (issue 43): capacity-block and capacity-reservation on AWS,
+elasticity-assurance on Alibaba, refused on Tencent in one line; the checks of their keys; the
+plan prices the reserved hours, used or not; the launch template, the reservation resources and
+the trainer contract (RESERVATION_END) the program declares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra.cost import stack_cost
+from infra.errors import SpecError
+from infra.validation import parse_stack
+from tests.harness import by_type, key, run_stack, spec_raw, stack_values
+
+BLOCK = {"type": "capacity-block", "start": "2026-12-20T08:00:00Z", "end": "2026-12-24T08:00:00Z",
+         "reservationId": "cr-0123456789abcdef0"}
+ODCR = {"type": "capacity-reservation", "start": "2026-12-20T08:00:00Z", "end": "2027-01-20T08:00:00Z",
+        "reservedNodes": 1, "overflow": "spot"}
+ASSURANCE = {"type": "elasticity-assurance", "start": "2026-12-20T00:00:00Z", "end": "2027-03-20T00:00:00Z",
+             "reservedNodes": 1, "overflow": "spot"}
+
+
+def _with(market: dict[str, Any], group: int = 0) -> Any:
+    def edit(config: dict[str, Any]) -> None:
+        config[key("nodeGroups")][group]["market"] = dict(market)
+        config[key("nodeGroups")][group].pop("schedule", None)
+    return edit
+
+
+def _problems(market: dict[str, Any], group: int = 0) -> list[str]:
+    config = stack_values("dev")
+    _with(market, group)(config)
+    with pytest.raises(SpecError) as caught:
+        parse_stack(spec_raw(config))
+    return [str(p) for p in caught.value.problems]
+
+
+@pytest.mark.parametrize(("market", "group", "expected"), [
+    ({**BLOCK, "reservationId": None}, 0, "nodeGroups[0].market.reservationId: a Capacity Block is bought outside the "
+                                          "stack (EC2 PurchaseCapacityBlock): give its id"),
+    ({**BLOCK, "end": "2026-12-19T08:00:00Z"}, 0, "nodeGroups[0].market.end: 2026-12-19T08:00:00+00:00 is not after "
+                                                  "start 2026-12-20T08:00:00+00:00"),
+    ({**BLOCK, "end": "2027-12-19T08:00:00Z"}, 0, "nodeGroups[0].market.end: a capacity-block lasts 1 to 182 days; "
+                                                  "this one lasts 364"),
+    ({**BLOCK, "end": "2026-12-24T08:00:00"}, 0, "nodeGroups[0].market.end: '2026-12-24T08:00:00'"),
+    ({"type": "capacity-block"}, 0, "nodeGroups[0].market: capacity-block needs start and end"),
+    ({**BLOCK, "overflow": "spot", "reservedNodes": 1}, 0, "nodeGroups[0].market.overflow: a Capacity Block's launch "
+                                                            "template buys only from the block"),
+    ({**ODCR, "reservedNodes": 9}, 0, "nodeGroups[0].market.reservedNodes: 9 exceeds scaling.max (2)"),
+    ({**ODCR, "reservedNodes": 2}, 0, "nodeGroups[0].market.overflow: nothing overflows"),
+    ({"type": "spot", "end": "2026-12-24T08:00:00Z"}, 0, "nodeGroups[0].market.end: applies only to a reservation "
+                                                         "market"),
+    ({**BLOCK, "reservationId": "cr-1; rm -rf /"}, 0, "nodeGroups[0].market.reservationId: 'cr-1; rm -rf /'"),
+    (ASSURANCE, 0, "nodeGroups[0].market.type: 'elasticity-assurance' cannot be bought on an international-site "
+                   "AWS account: elasticity assurance is Alibaba Cloud's"),
+    (BLOCK, 1, "nodeGroups[1].market.type: 'capacity-block' cannot be bought on a china-site Alibaba Cloud account: "
+               "Capacity Blocks are EC2's"),
+    (ODCR, 2, "nodeGroups[2].market.type: 'capacity-reservation' cannot be bought on a china-site Tencent Cloud "
+              "account: Tencent Cloud CVM offers no capacity reservation for GPU instances"),
+])
+def test_a_bad_reservation_is_one_line_naming_its_key(market: dict[str, Any], group: int, expected: str) -> None:
+    problems = _problems(market, group)
+    assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+def test_the_plan_prices_the_reserved_hours_used_or_not() -> None:
+    config = stack_values("dev")
+    _with(BLOCK)(config)
+    stack = parse_stack(spec_raw(config))
+    (row,) = [g for g in stack_cost(stack)["node_groups"] if g["name"] == "aws-train"]
+    on_demand = stack.group("aws-train").prices.on_demand
+    # 2 nodes (scaling.max) x 96 hours, paid whether they run or not; every hour of the month at both nodes
+    assert row["reserved_total_usd"] == pytest.approx(2 * 96 * on_demand, abs=0.01)
+    assert row["hourly_usd"] == pytest.approx(2 * on_demand + 2 * stack.group("aws-train").prices.disk, abs=1e-3)
+    assert stack.group("aws-train").trainer["RESERVATION_END"] == "2026-12-24T08:00:00Z"
+    assert stack.group("aws-train").trainer["RESERVATION_NOTICE_S"] == "1800"
+
+
+def test_a_capacity_block_launch_template_targets_the_block(tmp_path: Path) -> None:
+    res = run_stack("dev", _with(BLOCK), tmp_path)
+    (lt,) = [t for t in by_type(res, "aws:ec2/launchTemplate:LaunchTemplate") if t.name == "aws-train-lt"]
+    assert lt.inputs["instanceMarketOptions"] == {"marketType": "capacity-block"}
+    assert lt.inputs["capacityReservationSpecification"] == {
+        "capacityReservationTarget": {"capacityReservationId": "cr-0123456789abcdef0"}}
+    assert not by_type(res, "aws:ec2/capacityReservation:CapacityReservation")  # bought outside the stack
+    (asg,) = [g for g in by_type(res, "aws:autoscaling/group:Group") if g.name == "aws-train-asg"]
+    dist = asg.inputs["mixedInstancesPolicy"]["instancesDistribution"]
+    assert (dist["onDemandBaseCapacity"], dist["onDemandPercentageAboveBaseCapacity"]) == (2, 100)
+
+
+def test_a_reserved_baseline_bursts_to_spot_on_aws_and_alibaba(tmp_path: Path) -> None:
+    def edit(config: dict[str, Any]) -> None:
+        _with(ODCR, 0)(config)
+        _with(ASSURANCE, 1)(config)
+    res = run_stack("dev", edit, tmp_path)
+    (odcr,) = by_type(res, "aws:ec2/capacityReservation:CapacityReservation")
+    assert (odcr.inputs["instanceCount"], odcr.inputs["endDate"], odcr.inputs["endDateType"]) == (
+        1, "2027-01-20T08:00:00Z", "limited")
+    (asg,) = [g for g in by_type(res, "aws:autoscaling/group:Group") if g.name == "aws-train-asg"]
+    dist = asg.inputs["mixedInstancesPolicy"]["instancesDistribution"]
+    assert (dist["onDemandBaseCapacity"], dist["onDemandPercentageAboveBaseCapacity"]) == (1, 0)
+    (ea,) = by_type(res, "alicloud:ecs/elasticityAssurance:ElasticityAssurance")
+    assert (ea.inputs["instanceAmount"], ea.inputs["period"], ea.inputs["periodUnit"], ea.inputs["zoneIds"],
+            ea.inputs["privatePoolOptionsMatchCriteria"]) == (1, 3, "Month", ["cn-hangzhou-h"], "Open")
+    (ess,) = by_type(res, "alicloud:ess/scalingGroup:ScalingGroup")
+    assert (ess.inputs["onDemandBaseCapacity"], ess.inputs["onDemandPercentageAboveBaseCapacity"]) == (1, 0)
