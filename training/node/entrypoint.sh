@@ -92,13 +92,20 @@ case "$LAUNCHER" in
       # The store runs apart from the nodes (is_host=false), so any node may go; a run's id
       # comes from its checkpoint URL and length, so a new run never meets a finished one.
       id=${RDZV_ID:-${GTS_NODE_GROUP:-gts}-$(printf '%s %s' "${CHECKPOINT_URL:-}" "${TRAIN_STEPS:-}" | sha256sum | cut -c1-12)}
+      # How fast the survivors of a lost node form a world (docs/recovery.md; the defaults are
+      # training/contract.py's RECOVERY_DEFAULTS): torch drops a node whose agent missed
+      # keep_alive_max_attempt heartbeats keep_alive_interval apart (dynamic_rendezvous.py
+      # _RendezvousStateHolder._sanitize), then completes the round last_call_timeout after
+      # MIN_NNODES are in (_RendezvousJoinOp). torch's 5 s x 3 made a shrink take 15 s.
+      rdzv_conf="is_host=false,read_timeout=300,last_call_timeout=${RDZV_LAST_CALL_S:-3}"
+      rdzv_conf+=",keep_alive_interval=${RDZV_KEEPALIVE_S:-1},keep_alive_max_attempt=${RDZV_KEEPALIVE_MISSES:-4}"
       # The workers' store: hosted by the rank-0 node's agent on its private address, anew
       # every round (training/node/rdzv_launch.py PrivateWorkerStoreHandler).
       # torchrun with the rendezvous state signed under the group's RDZV_KEY: the agents
       # unpickle it, and the store has no authentication (training/node/rdzv_launch.py).
       cmd=(python -m training.node.rdzv_launch --nnodes "$MIN_NNODES:$NNODES" --nproc-per-node "$NPROC_PER_NODE"
            --rdzv-backend gts-c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$id"
-           --rdzv-conf "is_host=false,read_timeout=300,last_call_timeout=${RDZV_LAST_CALL_S:-30}" --max-restarts "${MAX_RESTARTS:-100}"
+           --rdzv-conf "$rdzv_conf" --max-restarts "${MAX_RESTARTS:-100}"
            --local-addr "$(local_address "${RDZV_ENDPOINT%:*}")" "${no_python[@]}" "${target[@]}" "$@")
     else
       cmd=(torchrun --standalone --nproc-per-node "$NPROC_PER_NODE" "${no_python[@]}" "${target[@]}" "$@")
