@@ -112,13 +112,15 @@ class Resumed:
 
 
 def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
-                      load: Callable[[int], tuple[Any, dict[str, Any] | None]] | None = None) -> Resumed | None:
+                      load: Callable[[int], tuple[Any, dict[str, Any] | None]] | None = None,
+                      extra: set[int] | None = None) -> Resumed | None:
     """The newest step every rank can load, each file checked; a step that fails on any rank is
     skipped with a log line naming the rank, file and fault, and the one before it is tried.
-    `load` reads one step (default: the model state and this rank's RNG state)."""
+    `load` reads one step (default: the model state and this rank's RNG state); `extra`: steps
+    this rank can get elsewhere too (the peer tier's, training/peer/tier.py)."""
     load = load or ckpt.load
     local, remote = set(ckpt.local_steps()), set(ckpt.remote_steps())
-    listed = comm.all_gather_object((sorted(local | remote), sorted(remote)))
+    listed = comm.all_gather_object((sorted(local | remote | (extra or set())), sorted(remote)))
     common = set.intersection(*(set(mine) for mine, _ in listed))
     in_bucket = sorted(set().union(*(set(theirs) for _, theirs in listed)))
     if ckpt.remote_error and comm.local_rank == 0:

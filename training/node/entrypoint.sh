@@ -76,7 +76,13 @@ GTS_REFUSAL_FILE=$(mktemp "${TMPDIR:-/tmp}/gts-refusal.XXXXXX")
 # report of the failed worker, which names no cause.
 GTS_FAILURE_FILE=$(mktemp "${TMPDIR:-/tmp}/gts-failure.XXXXXX")
 export GTS_REFUSAL_FILE GTS_FAILURE_FILE
-trap 'rm -f "$GTS_REFUSAL_FILE" "$GTS_FAILURE_FILE"' EXIT
+PEER_STORE=""
+# shellcheck disable=SC2329  # called by the trap
+on_exit() {
+  rm -f "$GTS_REFUSAL_FILE" "$GTS_FAILURE_FILE"
+  if [ -n "$PEER_STORE" ]; then kill "$PEER_STORE" 2>/dev/null || true; fi
+}
+trap on_exit EXIT
 
 # The address this node reaches the store from: other nodes reach its workers there.
 local_address() {
@@ -103,10 +109,18 @@ case "$LAUNCHER" in
       # every round (training/node/rdzv_launch.py PrivateWorkerStoreHandler).
       # torchrun with the rendezvous state signed under the group's RDZV_KEY: the agents
       # unpickle it, and the store has no authentication (training/node/rdzv_launch.py).
+      addr=$(local_address "${RDZV_ENDPOINT%:*}")
+      if [ "${PEER_EVERY:-0}" -gt 0 ]; then
+        # The node's peer store (training/peer/store.py): other nodes' newest states in host
+        # memory, beside the agent (it outlives the workers), on this node's address alone.
+        python -m training.peer.store --addr "$addr" --port "${PEER_PORT:-29600}" &
+        PEER_STORE=$!
+        export GTS_PEER_STORE="$addr:${PEER_PORT:-29600}"
+      fi
       cmd=(python -m training.node.rdzv_launch --nnodes "$MIN_NNODES:$NNODES" --nproc-per-node "$NPROC_PER_NODE"
            --rdzv-backend gts-c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$id"
            --rdzv-conf "$rdzv_conf" --max-restarts "${MAX_RESTARTS:-100}"
-           --local-addr "$(local_address "${RDZV_ENDPOINT%:*}")" "${no_python[@]}" "${target[@]}" "$@")
+           --local-addr "$addr" "${no_python[@]}" "${target[@]}" "$@")
     else
       cmd=(torchrun --standalone --nproc-per-node "$NPROC_PER_NODE" "${no_python[@]}" "${target[@]}" "$@")
     fi
