@@ -94,3 +94,33 @@ def test_the_buddy_ring_prefers_another_zone_and_never_the_node_itself() -> None
     assert [buddy(n, ["a", "a", "a"]) for n in range(3)] == [1, 2, 0]
     assert [buddy(n, ["a", "a", "b", "b"]) for n in range(4)] == [2, 2, 0, 0]
     assert [buddy(n, ["a", "b"]) for n in range(2)] == [1, 0]
+
+
+def test_two_nodes_lost_at_once_the_newest_step_still_held_else_the_disk(tmp_path: object) -> None:
+    """Four nodes, each one's copies on the next (the ring); nodes 1 and 2 lost at once (2 holds
+    1's copies): the newest step a surviving store still holds whole is restored; with every store
+    gone, the disk's step. Never a step newer than one every rank can get, never another's state."""
+    from pathlib import Path
+
+    from training.checkpoint import CheckpointManager, Topology
+    from training.peer.tier import choose
+
+    assert isinstance(tmp_path, Path)
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(_store()) for _ in range(4)]
+        link = Link(KEY)
+        for node in range(4):
+            for step in (40, 50) + ((55,) if node == 1 else ()):  # node 1's step 55 reached store 2 alone
+                data = _copy(step, float(step))
+                link.put(procs[buddy(node, ["a"] * 4)], 4, node, step, "full", data, wire.payload_digest(data))
+        manager = CheckpointManager(str(tmp_path / "disk"), None, Topology(0, 0, 1, 0, 1, 1), keep=5)
+        manager.save(30, {"w": torch.full((8,), 3.0), "step": 30}, {"r": torch.tensor([7])}, lambda: None)
+        manager.wait_commit()
+        tier = PeerTier(Comm("torchrun"), 10, KEY, procs[0], "")
+        tier.stores = [procs[0], procs[3]]  # the survivors' stores
+        found = choose(manager, Comm("torchrun"), tier)
+        assert found is not None and found.step == 50 and float(found.state["w"][0]) == 50.0
+        tier.stores = ["127.0.0.1:1"]  # every store gone: nothing answers
+        found = choose(manager, Comm("torchrun"), tier)
+        assert found is not None and found.step == 30 and float(found.state["w"][0]) == 3.0
+        manager.close()
