@@ -135,7 +135,7 @@ class Handler(BaseHTTPRequestHandler):
         data = self.rfile.read(size)
         world, rank, step, kind = match.groups()
         self.server.copies.put(int(world), int(rank), int(step), kind, self.headers.get(wire.DIGEST, ""), data)
-        log.info("holding step %d of rank %d/%d (%.1f MiB; %.1f MiB held)", step, rank, world, size / 2**20,
+        log.info("holding step %s of rank %s/%s (%.1f MiB; %.1f MiB held)", step, rank, world, size / 2**20,
                  self.server.copies.size / 2**20)
         self._answer(200, b"")
 

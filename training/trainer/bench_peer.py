@@ -1,7 +1,8 @@
 """make bench's recovery rows (issue 46): a 3-node run on loopback (each node the image's
 entrypoint with its own torchrun agent in its own process group, scratch and peer store; one
 rendezvous store; checkpoints in an S3 endpoint on 127.0.0.1), one node SIGKILLed mid-run, and
-the survivors timed from the loss detected (their agent's "Worker group FAILED") to their first
+the survivors timed from the loss detected (their agent's "failed (exitcode: ...)" line for the
+worker whose collective broke) to their first
 resumed step, with the steps lost; the peer tier (PEER_EVERY=K) and today's path (PEER_EVERY=0:
 the newest durable step, from disk or the bucket) interleaved, min/median beside the limits; and
 the loop's blocked time per peer copy as a share of K steps' time.
@@ -87,8 +88,10 @@ def _first(nodes: list[Node], pattern: str, after: float, timeout: float = 300) 
                        "\n---\n".join("\n".join(line for _, line in n.lines[-15:]) for n in nodes))
 
 
-def one_run(every: int, width: int, kill_at: int, moto_url: str, work: Path) -> dict[str, float]:
-    """A 3-node run with PEER_EVERY=`every`; node 2 SIGKILLed once a step >= `kill_at` is logged."""
+def one_run(every: int, width: int, kill_at: int, moto_url: str, work: Path, spare: bool = False) -> dict[str, float]:
+    """A 3-node run with PEER_EVERY=`every`; node 2 SIGKILLed once a step >= `kill_at` is logged.
+    `spare`: a 4th agent with the same --nnodes 2:3 started once the world is full (torch keeps it
+    on the rendezvous' redundancy list) takes the lost node's place: the world stays at 3."""
     store_port = _port()
     store = subprocess.Popen([sys.executable, "-m", "training.node.rdzv_store", "--port", str(store_port)], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -103,15 +106,19 @@ def one_run(every: int, width: int, kill_at: int, moto_url: str, work: Path) -> 
     nodes = [Node(i, env, work, args) for i in range(3)]
     try:
         _first(nodes, r"rank 0 of 3 ", 0)
+        if spare:
+            nodes.append(Node(3, env, work, args))
         _, at = _first(nodes, rf"step ({kill_at}|[1-9]\d{{{len(str(kill_at))}}}) loss", 0)
         nodes[2].kill()
         killed = time.monotonic()
+        survivors = [n for i, n in enumerate(nodes) if i != 2]
         last = max(int(m.group(1)) for n in nodes[:2] for _, line in list(n.lines) if (m := re.search(r"step (\d+) loss",
                                                                                                         line)))
-        detected, _ = _first(nodes[:2], r"Worker group FAILED", killed)
-        _, resumed = _first(nodes[:2], r"resumed from step (\d+)", killed)
-        stepped, _ = _first(nodes[:2], rf"step {int(resumed.group(1)) + 1} loss", killed)
-        found = {"to_step": stepped - detected, "detect": detected - killed,
+        detected, _ = _first(survivors, r"failed \(exitcode", killed)
+        _, world = _first(survivors, r"rank \d+ of (\d+) ", killed)
+        _, resumed = _first(survivors, r"resumed from step (\d+)", killed)
+        stepped, _ = _first(survivors, rf"step {int(resumed.group(1)) + 1} loss", killed)
+        found = {"to_step": stepped - detected, "detect": detected - killed, "world": float(world.group(1)),
                  "lost": float(max(last, int(at.group(1))) - int(resumed.group(1)))}
         if every:
             found["blocked_share"] = _blocked_share(nodes, every)
@@ -138,20 +145,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=4096, help="TinyNet width: 4096 is about 200 MB with AdamW")
     parser.add_argument("--every", type=int, default=20, help="PEER_EVERY, steps")
     parser.add_argument("--kill-at", type=int, default=150, help="the step after which a node is killed")
+    parser.add_argument("--cases", default="peer,bucket,peer+spare", help="which of peer, bucket, peer+spare")
     args = parser.parse_args(argv)
     moto, url = _moto()
     import boto3
 
     boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
                  aws_secret_access_key="testing").create_bucket(Bucket="bench")
-    figures: dict[str, dict[str, list[float]]] = {"peer": {}, "bucket": {}}
+    figures: dict[str, dict[str, list[float]]] = {"peer": {}, "bucket": {}, "peer+spare": {}}
+    cases = [(name, every, spare) for name, every, spare in (("peer", args.every, False), ("bucket", 0, False),
+                                                             ("peer+spare", args.every, True))
+             if name in args.cases.split(",")]
     try:
         with tempfile.TemporaryDirectory(prefix="gts-bench-peer-") as tmp:
             for rep in range(args.repeats):  # interleaved: peer, bucket, peer, bucket ...
-                for name, every in (("peer", args.every), ("bucket", 0)):
+                for name, every, spare in cases:
                     work = Path(tmp) / f"{name}-{rep}"
                     work.mkdir()
-                    for key, value in one_run(every, args.width, args.kill_at, url, work).items():
+                    for key, value in one_run(every, args.width, args.kill_at, url, work, spare).items():
                         figures[name].setdefault(key, []).append(value)
     finally:
         moto.terminate()
@@ -165,11 +176,13 @@ def _print(figures: dict[str, dict[str, list[float]]], args: argparse.Namespace)
 
     print(f"\nrecovery after a SIGKILLed node (3 nodes, TinyNet width {args.width}, checkpoints every 100 steps, "
           f"PEER_EVERY={args.every}; min/median of {args.repeats}, interleaved)")
-    print(f"{'path':>8} {'kill->detected s':>17} {'detected->first step s':>23} {'limit':>7} {'steps lost':>14}")
-    for name in ("peer", "bucket"):
-        f = figures[name]
-        print(f"{name:>8} {cell(f['detect']):>17} {cell(f['to_step']):>23} {LIMIT_TO_STEP_S:>6.0f}s "
-              f"{cell(f['lost'], '5.0f'):>14}")
+    print(f"{'path':>10} {'kill->detected s':>17} {'detected->first step s':>23} {'limit':>7} {'steps lost':>14} "
+          f"{'limit':>6} {'world':>6}")
+    for name, f in figures.items():
+        if f:
+            lost_limit = f"{args.every}" if name.startswith("peer") else "-"
+            print(f"{name:>10} {cell(f['detect']):>17} {cell(f['to_step']):>23} {LIMIT_TO_STEP_S:>6.0f}s "
+                  f"{cell(f['lost'], '5.0f'):>14} {lost_limit:>6} {max(f['world']):6.0f}")
     share = figures["peer"].get("blocked_share", [])
     if share:
         print(f"peer copies: loop blocked {min(share):.2%}/{median(share):.2%} of step time at K={args.every} "

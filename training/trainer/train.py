@@ -323,7 +323,7 @@ class Run:
         if ckpt is None:
             return EXIT_USAGE
         self.peer = open_tier(self.comm) if self.sharded is None else None
-        if self.sharded is None:
+        if self.sharded is None and (self.peer is None or not self.peer.steps()):  # peers hold newer: no prefetch
             ckpt.prefetch()  # the newest step is fetched and checked while the model is built
         self.build_model()
         try:
