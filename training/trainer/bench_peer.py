@@ -112,8 +112,8 @@ def one_run(every: int, width: int, kill_at: int, moto_url: str, work: Path, spa
         nodes[2].kill()
         killed = time.monotonic()
         survivors = [n for i, n in enumerate(nodes) if i != 2]
-        last = max(int(m.group(1)) for n in nodes[:2] for _, line in list(n.lines) if (m := re.search(r"step (\d+) loss",
-                                                                                                        line)))
+        # the newest step rank 0 logged before the kill (it may have been on the node killed)
+        last = max(int(m.group(1)) for n in nodes for _, line in list(n.lines) if (m := re.search(r"step (\d+) loss", line)))
         detected, _ = _first(survivors, r"failed \(exitcode", killed)
         _, world = _first(survivors, r"rank \d+ of (\d+) ", killed)
         _, resumed = _first(survivors, r"resumed from step (\d+)", killed)
@@ -162,7 +162,12 @@ def main(argv: list[str] | None = None) -> int:
                 for name, every, spare in cases:
                     work = Path(tmp) / f"{name}-{rep}"
                     work.mkdir()
-                    for key, value in one_run(every, args.width, args.kill_at, url, work, spare).items():
+                    try:
+                        found = one_run(every, args.width, args.kill_at, url, work, spare)
+                    except RuntimeError as exc:  # a case that did not resume: said, and the others go on
+                        print(f"{name}, repeat {rep}: {str(exc)[:3000]}", file=sys.stderr)
+                        continue
+                    for key, value in found.items():
                         figures[name].setdefault(key, []).append(value)
     finally:
         moto.terminate()
