@@ -121,16 +121,13 @@ class PeerTier:
         return full, mine
 
     def steps(self) -> set[int]:
-        """Steps this rank can restore from the stores: a full copy, and its own state where the
-        step was saved by a world of this size (else, as the durable path, no per-rank state)."""
+        """Steps this rank can restore from the stores: those with a full copy in some store. Its
+        own per-rank state comes back where a store still holds it (`load`); where the step was
+        saved by a world of another size, or the copy was on the lost node, the rank goes on with
+        re-seeded streams, as the durable path does when the world size changed: a step lost is
+        worse than a random stream restarted."""
         held = self._held()
-        found = set()
-        for step in {e[2] for _, e in held}:
-            full, mine = self._sources(step, held)
-            same_world = any(e[0] == self.comm.world for _, e in held if e[2] == step)
-            if full and (mine or not same_world):
-                found.add(step)
-        return found
+        return {step for step in {e[2] for _, e in held} if self._sources(step, held)[0]}
 
     def _fetch(self, step: int, copies: list[Any]) -> dict[str, Any] | None:
         """The first of `copies` whose bytes match the digest its sender named; the others refused by name."""
@@ -158,10 +155,11 @@ class PeerTier:
         model = self._fetch(step, full)
         if model is None:
             return None
-        if not mine:
-            return model["state"], None
-        own = self._fetch(step, mine)
-        return (model["state"], own["rng"]) if own is not None else None
+        own = self._fetch(step, mine) if mine else None
+        if own is None and any(e[0] == self.comm.world for _, e in held if e[2] == step):
+            log.warning("rank %d: no store holds its own state of step %d (it was on the lost node): its random "
+                        "streams are re-seeded", self.comm.rank, step)
+        return model["state"], own["rng"] if own is not None else None
 
     def forget_after(self, step: int) -> None:
         """Copies of later steps are another history now (this world restored `step`): every
