@@ -21,7 +21,7 @@ THROTTLE_MS ?= 50
 q = '$(subst ','"'"',$(1))'
 
 .DEFAULT_GOAL := help
-.PHONY: help plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench docs test boot-test typecheck unit tools venv clean
+.PHONY: help plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench bench-recovery docs test boot-test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -102,6 +102,11 @@ example-hf: $(STAMP)
 ## bench: checkpoint (ours, in line, async_save) and resume (trainer, library) figures for ~100 MB and ~1 GB states beside their limits (memcpy, write+fsync, import+read; interleaved and rotated; S3 endpoint on 127.0.0.1), goodput, and the prod plan at 1x/2x/4x its groups beside SDK imports + the mock engine (~20 min)
 bench: $(STAMP)
 	@$(PY) -m training.trainer.bench
+	@$(PY) -m training.trainer.bench_peer
+
+## bench-recovery: make bench's recovery rows alone (a 3-node run on loopback, one node SIGKILLed: peer tier beside the bucket path; docs/recovery.md; ~8 min)
+bench-recovery: $(STAMP)
+	@$(PY) -m training.trainer.bench_peer
 
 ## docs: regenerate the stack-spec reference (docs/spec.md, Pulumi.yaml's config block) from infra/spec.py; a test fails when they are stale
 docs: $(RUNTIME_STAMP)

@@ -2,7 +2,8 @@
 entrypoint with its own torchrun and its own scratch), one rendezvous store apart from them
 (training/node/rdzv_store.py, as the stack runs it), checkpoints in one S3 bucket on 127.0.0.1.
 One node is killed outright mid-run (a reclaim without notice); the other two re-rendezvous,
-resume from the last checkpoint and go on; the node started again joins; the run finishes."""
+resume from the last checkpoint and go on; a replacement node with an empty disk joins and
+resumes from the bucket (never step 0: issue 46); the run finishes."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ STEPS = 240
 
 
 def _node(index: int, port: int, moto: MotoServer, tmp: Path) -> Run:
+    """Node `index` with its own checkpoint folder (tmp/node<index>): the nodes' folders differ."""
     return elastic_node(tmp, index, port, moto, ["--workload", "tiny", "--checkpoint-every", "20", "--log-every", "10",
                                                  "--throttle-ms", "60"],
                         NNODES="3", MIN_NNODES="2", NPROC_PER_NODE="1", RDZV_LAST_CALL_S="3",
@@ -39,12 +41,23 @@ def test_three_nodes_lose_one_go_on_and_take_it_back(tmp_path: Path) -> None:
             _, resumed = wait_any(nodes[:2], r"resumed from step \d+", timeout=120)
             assert int(resumed.split("resumed from step ")[1].split()[0]) >= 40, resumed
             wait_any(nodes[:2], r"world size 3 -> 2 since step", timeout=30)
-            nodes[2] = _node(2, port, moto, tmp_path)  # a replacement node
+            survivors_at = int(resumed.split("resumed from step ")[1].split()[0])
+            # A replacement node with an empty disk (a folder no node used): it restores from the
+            # bucket, files checked against the manifest of the node that wrote them (issue 46).
+            nodes[2] = _node(3, port, moto, tmp_path)
             wait_any([nodes[2]], r"rank \d of 3 ", timeout=180)
+            _, joined = wait_any([nodes[2]], r"resumed from step \d+", timeout=120)
+            assert int(joined.split("resumed from step ")[1].split()[0]) >= survivors_at, joined
             for run in nodes:
                 assert run.finish(timeout=300) == 0, run.output[-3000:]
             finals = [line for run in nodes for line in run.lines if line.startswith("final step=")]
             assert len(finals) == 1 and finals[0].startswith(f"final step={STEPS} "), finals
+            # Never a step refused for another node's digest, never a restart from step 0 over the
+            # bucket's history: every resume is at or past the one before it.
+            assert not [line for run in nodes for line in run.lines if "skipping checkpoint step" in line]
+            resumes = [int(line.split("resumed from step ")[1].split()[0]) for run in nodes for line in run.lines
+                       if "resumed from step " in line]
+            assert resumes and min(resumes) >= 40, resumes
             keys = moto.keys("elastic/")
             assert f"elastic/step-{STEPS:08d}/manifest-node000.json" in keys
         finally:

@@ -29,6 +29,20 @@ log = logging.getLogger("gts.checkpoint")
 _MAP_FLAGS = threading.Lock()
 
 
+def owner_entries(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each listed file's entry in the manifest of the node that wrote it. Every node lists its
+    own `model.pt` (its local rank 0 writes one), but the bucket holds global rank 0's, node 0's
+    (training/checkpoint_upload.py); a folder fetched from the bucket holds that one too, and a
+    folder a node wrote itself holds its own manifest alone. So the first manifest in node order
+    that lists a name is its writer's: a file is never checked against another node's entry
+    (which differs wherever anything per node is inside the file: issue 46)."""
+    owners: dict[str, dict[str, Any]] = {}
+    for manifest in manifests:  # in node order, as both readers below list them
+        for name, meta in manifest.get("files", {}).items():
+            owners.setdefault(name, meta)
+    return owners
+
+
 class Loading:
     """The manager's find / load half (mixed into CheckpointManager, which sets these)."""
 
@@ -219,7 +233,7 @@ class Loading:
         if not manifests:
             raise CheckpointError("no manifest")
         world = int(manifests[0].get("world_size", self.topo.world_size))
-        listed = {name: meta for m in manifests for name, meta in m.get("files", {}).items()}
+        listed = owner_entries(manifests)
         wanted = [MODEL_FILE] + ([rng_name(self.topo.rank)] if world == self.topo.world_size else [])
         missing = [name for name in wanted if name not in listed]
         if missing:

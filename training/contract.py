@@ -115,6 +115,33 @@ RESERVATION_END = Var("RESERVATION_END", "when the group's reservation ends, ISO
 RESERVATION_NOTICE_S = Var("RESERVATION_NOTICE_S", "seconds before RESERVATION_END the cloud starts taking the "
                            "nodes back (EC2 Capacity Blocks: 1800)", RESERVED)
 RESERVATION_VARS = (RESERVATION_END, RESERVATION_NOTICE_S)
+# Recovery after a lost node (docs/recovery.md): the image's defaults (RECOVERY_DEFAULTS, which
+# training/node/entrypoint.sh repeats), which a node's env file or the Job may override.
+IMAGE = "the image's default (a node's env file or the Job may set it)"
+RDZV_LAST_CALL_S = Var("RDZV_LAST_CALL_S", "seconds a rendezvous waits for more nodes once MIN_NNODES are in "
+                       "(torch's last_call_timeout; default 3)", IMAGE)
+RDZV_KEEPALIVE_S = Var("RDZV_KEEPALIVE_S", "seconds between a node agent's rendezvous heartbeats (torch's "
+                       "keep_alive_interval; default 1)", IMAGE)
+RDZV_KEEPALIVE_MISSES = Var("RDZV_KEEPALIVE_MISSES", "heartbeats a node may miss before the others drop it from the "
+                            "rendezvous (torch's keep_alive_max_attempt; default 4)", IMAGE)
+PEER_EVERY = Var("PEER_EVERY", "steps between in-memory copies of each rank's state on another node of the run "
+                 "(0: off; default 0; docs/recovery.md)", IMAGE)
+PEER_PORT = Var("PEER_PORT", "port of the node's peer store, on its private address (default 29600)", IMAGE)
+RECOVERY_VARS = (RDZV_LAST_CALL_S, RDZV_KEEPALIVE_S, RDZV_KEEPALIVE_MISSES, PEER_EVERY, PEER_PORT)
+RECOVERY_DEFAULTS = {RDZV_LAST_CALL_S.name: 3, RDZV_KEEPALIVE_S.name: 1, RDZV_KEEPALIVE_MISSES.name: 4,
+                     PEER_EVERY.name: 0, PEER_PORT.name: 29600}
+RECOVERY_LEAST = {RDZV_LAST_CALL_S.name: 0, RDZV_KEEPALIVE_S.name: 1, RDZV_KEEPALIVE_MISSES.name: 2,
+                  PEER_EVERY.name: 0, PEER_PORT.name: 1}
+
+
+def recovery(name: str, env: dict[str, str] | None = None) -> int:
+    """A recovery setting from the environment, else its default."""
+    import os
+
+    raw = (os.environ if env is None else env).get(name, "")
+    return int(raw) if raw.isdigit() else RECOVERY_DEFAULTS[name]
+
+
 # environment variable -> TrainConfig field, for the trainer's config parser
 CONFIG_FIELDS = {v.name: v.field for v in VARS if v.field}
 CREDENTIAL_SOURCES = ("default", "instance-role", "ack-rrsa", "tke-pod-identity")
@@ -179,6 +206,11 @@ def problems(env: dict[str, str] | None = None) -> list[str]:
             decode_command(env[TRAIN_COMMAND.name])
         except ValueError as exc:
             found.append(str(exc))
+    for var in RECOVERY_VARS:
+        setting, fewest = env.get(var.name, ""), RECOVERY_LEAST[var.name]
+        if setting and not (setting.isdigit() and fewest <= int(setting) <= (65535 if var is PEER_PORT else 86400)):
+            found.append(f"{var.name}={setting!r}: a whole number of at least {fewest} (default "
+                         f"{RECOVERY_DEFAULTS[var.name]})")
     launcher = env.get(LAUNCHER.name) or "torchrun"
     if launcher not in LAUNCHERS:
         found.append(f"{LAUNCHER.name}={launcher!r}: use one of {', '.join(LAUNCHERS)}")
@@ -204,7 +236,7 @@ def _reservation_problems(env: dict[str, str]) -> list[str]:
 def table() -> str:
     """The contract as docs/contract.md's Markdown table."""
     rows = ["| variable | meaning | set by |", "|---|---|---|"]
-    rows += [f"| `{v.name}` | {v.meaning} | {v.set_by} |" for v in VARS + FABRIC_VARS + RESERVATION_VARS]
+    rows += [f"| `{v.name}` | {v.meaning} | {v.set_by} |" for v in VARS + FABRIC_VARS + RESERVATION_VARS + RECOVERY_VARS]
     return "\n".join(rows)
 
 

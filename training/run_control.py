@@ -21,6 +21,7 @@ from training import contract, reservation
 from training.checkpoint import CheckpointError, CheckpointManager, RunLocked, Topology, UploadStatus
 from training.distributed import Comm
 from training.goodput import AutoInterval
+from training.storage import StorageRefused
 
 log = logging.getLogger("gts.checkpointing")
 
@@ -106,6 +107,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class HistoryAtRisk(StorageRefused):
+    """The bucket holds committed steps of this run but none can be restored: the run stops
+    (exit 2, as for a refused store) instead of starting again from step 0 over them."""
+
+
 @dataclass
 class Resumed:
     step: int
@@ -114,12 +120,17 @@ class Resumed:
 
 
 def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
-                      load: Callable[[int], tuple[Any, dict[str, Any] | None]] | None = None) -> Resumed | None:
+                      load: Callable[[int], tuple[Any, dict[str, Any] | None]] | None = None,
+                      extra: set[int] | None = None) -> Resumed | None:
     """The newest step every rank can load, each file checked; a step that fails on any rank is
     skipped with a log line naming the rank, file and fault, and the one before it is tried.
-    `load` reads one step (default: the model state and this rank's RNG state)."""
+    `load` reads one step (default: the model state and this rank's RNG state); `extra`: steps
+    this rank can get elsewhere too (the peer tier's, training/peer/tier.py)."""
     load = load or ckpt.load
-    common = set.intersection(*map(set, comm.all_gather_object(sorted(ckpt.loadable_steps()))))
+    local, remote = set(ckpt.local_steps()), set(ckpt.remote_steps())
+    listed = comm.all_gather_object((sorted(local | remote | (extra or set())), sorted(remote)))
+    common = set.intersection(*(set(mine) for mine, _ in listed))
+    in_bucket = sorted(set().union(*(set(theirs) for _, theirs in listed)))
     if ckpt.remote_error and comm.local_rank == 0:
         log.warning("the bucket %s cannot be listed (%s): starting from this node's own checkpoints; uploads "
                     "are retried in the background", ckpt.remote.url if ckpt.remote else "", ckpt.remote_error)
@@ -138,6 +149,10 @@ def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
             rank, first = faults[0]
             log.warning("skipping checkpoint step %d: rank %d: %s%s", step, rank, first,
                         f" (and {len(faults) - 1} more rank(s))" if len(faults) > 1 else "")
+    if in_bucket:  # starting from nothing would write new steps over the run's history there
+        raise HistoryAtRisk(f"{ckpt.remote.url if ckpt.remote else ''}: holds committed steps {in_bucket} but no "
+                            "step every rank can load (the lines above say why): starting from step 0 would write "
+                            "over them; fix what the lines above name, or give this run a new checkpoint URL")
     if common and comm.rank == 0:
         log.warning("no usable checkpoint among steps %s: starting from scratch", sorted(common))
     return None

@@ -76,7 +76,13 @@ GTS_REFUSAL_FILE=$(mktemp "${TMPDIR:-/tmp}/gts-refusal.XXXXXX")
 # report of the failed worker, which names no cause.
 GTS_FAILURE_FILE=$(mktemp "${TMPDIR:-/tmp}/gts-failure.XXXXXX")
 export GTS_REFUSAL_FILE GTS_FAILURE_FILE
-trap 'rm -f "$GTS_REFUSAL_FILE" "$GTS_FAILURE_FILE"' EXIT
+PEER_STORE=""
+# shellcheck disable=SC2329  # called by the trap
+on_exit() {
+  rm -f "$GTS_REFUSAL_FILE" "$GTS_FAILURE_FILE"
+  if [ -n "$PEER_STORE" ]; then kill "$PEER_STORE" 2>/dev/null || true; fi
+}
+trap on_exit EXIT
 
 # The address this node reaches the store from: other nodes reach its workers there.
 local_address() {
@@ -92,14 +98,29 @@ case "$LAUNCHER" in
       # The store runs apart from the nodes (is_host=false), so any node may go; a run's id
       # comes from its checkpoint URL and length, so a new run never meets a finished one.
       id=${RDZV_ID:-${GTS_NODE_GROUP:-gts}-$(printf '%s %s' "${CHECKPOINT_URL:-}" "${TRAIN_STEPS:-}" | sha256sum | cut -c1-12)}
+      # How fast the survivors of a lost node form a world (docs/recovery.md; the defaults are
+      # training/contract.py's RECOVERY_DEFAULTS): torch drops a node whose agent missed
+      # keep_alive_max_attempt heartbeats keep_alive_interval apart (dynamic_rendezvous.py
+      # _RendezvousStateHolder._sanitize), then completes the round last_call_timeout after
+      # MIN_NNODES are in (_RendezvousJoinOp). torch's 5 s x 3 made a shrink take 15 s.
+      rdzv_conf="is_host=false,read_timeout=300,last_call_timeout=${RDZV_LAST_CALL_S:-3}"
+      rdzv_conf+=",keep_alive_interval=${RDZV_KEEPALIVE_S:-1},keep_alive_max_attempt=${RDZV_KEEPALIVE_MISSES:-4}"
       # The workers' store: hosted by the rank-0 node's agent on its private address, anew
       # every round (training/node/rdzv_launch.py PrivateWorkerStoreHandler).
       # torchrun with the rendezvous state signed under the group's RDZV_KEY: the agents
       # unpickle it, and the store has no authentication (training/node/rdzv_launch.py).
+      addr=$(local_address "${RDZV_ENDPOINT%:*}")
+      if [ "${PEER_EVERY:-0}" -gt 0 ]; then
+        # The node's peer store (training/peer/store.py): other nodes' newest states in host
+        # memory, beside the agent (it outlives the workers), on this node's address alone.
+        python -m training.peer.store --addr "$addr" --port "${PEER_PORT:-29600}" &
+        PEER_STORE=$!
+        export GTS_PEER_STORE="$addr:${PEER_PORT:-29600}"
+      fi
       cmd=(python -m training.node.rdzv_launch --nnodes "$MIN_NNODES:$NNODES" --nproc-per-node "$NPROC_PER_NODE"
            --rdzv-backend gts-c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$id"
-           --rdzv-conf "is_host=false,read_timeout=300,last_call_timeout=${RDZV_LAST_CALL_S:-30}" --max-restarts "${MAX_RESTARTS:-100}"
-           --local-addr "$(local_address "${RDZV_ENDPOINT%:*}")" "${no_python[@]}" "${target[@]}" "$@")
+           --rdzv-conf "$rdzv_conf" --max-restarts "${MAX_RESTARTS:-100}"
+           --local-addr "$addr" "${no_python[@]}" "${target[@]}" "$@")
     else
       cmd=(torchrun --standalone --nproc-per-node "$NPROC_PER_NODE" "${no_python[@]}" "${target[@]}" "$@")
     fi

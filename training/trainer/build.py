@@ -55,3 +55,22 @@ def lr_lambda(cfg: config_mod.TrainConfig) -> Any:
         progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return factor
+
+
+# The settings that shape the result: resuming a checkpoint under other values is refused
+# (--allow-config-change resumes anyway). The world size may change (elastic runs).
+SHAPING = ("workload", "steps", "batch_size", "lr", "weight_decay", "warmup_steps", "seed", "image_size",
+           "tiny_dim", "tiny_width", "tiny_samples", "precision", "gpt_vocab", "gpt_dim", "gpt_layers", "gpt_heads",
+           "gpt_context")
+
+
+def params_sha256(model: nn.Module) -> str:
+    """sha256 of a replicated model's state, as full_params_sha256 hashes a sharded one's."""
+    from training.sharded import state_sha256
+
+    return state_sha256(model.state_dict())
+
+
+def config_drift(saved: dict[str, Any], cfg: config_mod.TrainConfig) -> list[str]:
+    now = config_mod.as_dict(cfg)
+    return [f"{k}={saved[k]!r} -> {now[k]!r}" for k in SHAPING if k in saved and saved[k] != now[k]]

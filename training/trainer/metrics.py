@@ -27,6 +27,7 @@ class Metrics:
         self.step_seconds = gauge("gts_train_step_seconds", "Wall time of the last step.")
         self.loss = gauge("gts_train_loss", "Mean loss over ranks of the last step.")
         self.checkpoint_seconds = gauge("gts_checkpoint_seconds", "Time the loop was blocked by the last checkpoint.")
+        self.peer_blocked = gauge("gts_peer_copy_blocked_seconds", "Time the loop was blocked by the last peer copy.")
         self.checkpoint_wall_seconds = gauge(
             "gts_checkpoint_wall_seconds", "Wall time the last finished checkpoint cost the loop: its blocked time plus "
             "the extra time of the steps that ran while it was written (training/wallcost.py).")

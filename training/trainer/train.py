@@ -32,9 +32,11 @@ from torch.utils.data import DataLoader
 from training.trainer import config as config_mod, failure
 from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadStatus
 from training.storage import StorageRefused
-from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, rng_state, set_rng_state
+from training.checkpointing import Interval, StopFlag, finish, rng_state, set_rng_state
+from training.peer.tier import PeerTier, choose, open_tier
 from training.run_control import refuse, say_refused
-from training.trainer.build import build_data, build_model, fully_restored, lr_lambda
+from training.trainer.build import (build_data, build_model, config_drift, fully_restored, lr_lambda,
+                                    params_sha256)
 from training.trainer.restore import own_moments, restore_model
 from training.trainer.data import ResumableSampler, derived_seed
 from training.distributed import Comm
@@ -47,25 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gts.train")
 
-# The settings that shape the result: resuming a checkpoint under other values is refused
-# (--allow-config-change resumes anyway). The world size may change (elastic runs).
-SHAPING = ("workload", "steps", "batch_size", "lr", "weight_decay", "warmup_steps", "seed", "image_size",
-           "tiny_dim", "tiny_width", "tiny_samples", "precision", "gpt_vocab", "gpt_dim", "gpt_layers", "gpt_heads",
-           "gpt_context")
 EXIT_USAGE = 2
 REFUSED = "the checkpoint storage's refusal"  # the loop's answer when the store refused the uploads
-
-
-def params_sha256(model: nn.Module) -> str:
-    """sha256 of a replicated model's state, as full_params_sha256 hashes a sharded one's."""
-    from training.sharded import state_sha256
-
-    return state_sha256(model.state_dict())
-
-
-def config_drift(saved: dict[str, Any], cfg: config_mod.TrainConfig) -> list[str]:
-    now = config_mod.as_dict(cfg)
-    return [f"{k}={saved[k]!r} -> {now[k]!r}" for k in SHAPING if k in saved and saved[k] != now[k]]
 
 
 class Run:
@@ -76,6 +61,7 @@ class Run:
         self.stop = StopFlag(cfg.upload_deadline_s)
         self.dataset = build_data(cfg)
         self.sharded: ShardedCheckpoints | None = None  # the sharded path's checkpoints (open_checkpoints)
+        self.peer: PeerTier | None = None  # copies in other nodes' memory (PEER_EVERY; replicated state only)
         self.deferred_init = False  # the model was built without initial values (build_model)
         self.use_scaler = cfg.precision == "fp16" and comm.device.type == "cuda"
         self.metrics = Metrics(cfg.metrics_port if comm.local_rank == 0 else 0, cfg.node_hourly_usd,
@@ -159,7 +145,7 @@ class Run:
     def resume(self, ckpt: CheckpointManager) -> str | None:
         """Restore the newest usable checkpoint. Returns why the run must not go on (already
         complete, or its result-shaping config changed), or None to train."""
-        found = self.sharded.choose() if self.sharded is not None else choose_checkpoint(ckpt, self.comm)
+        found = self.sharded.choose() if self.sharded is not None else choose(ckpt, self.comm, self.peer)
         if found is None:
             self.initialise()
             return None
@@ -203,18 +189,21 @@ class Run:
         log.info("resumed from step %d (epoch %d, batch %d of the epoch)", self.step, self.epoch, self.offset)
         return None
 
+    def state(self, tracker: Tracker) -> dict[str, Any] | None:
+        """What a checkpoint holds besides the RNG streams: all of it (replicated, on a node's local
+        rank 0), the rest beside the shards (sharded), or None (replicated, other ranks)."""
+        if self.sharded is None and self.comm.local_rank != 0:
+            return None
+        state = {"scheduler": self.scheduler.state_dict(), "step": self.step, "epoch": self.epoch,
+                 "offset": self.offset, "mlflow_run_id": tracker.run_id, "config": config_mod.as_dict(self.cfg),
+                 "world_size": self.comm.world}
+        if self.sharded is None:
+            state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
+                         scaler=self.scaler.state_dict() if self.use_scaler else None)
+        return state
+
     def save(self, ckpt: CheckpointManager, tracker: Tracker) -> None:
-        state = None
-        if self.sharded is not None:  # each rank writes its shard; rank 0 the rest
-            state = {"scheduler": self.scheduler.state_dict(), "step": self.step, "epoch": self.epoch,
-                     "offset": self.offset, "mlflow_run_id": tracker.run_id, "config": config_mod.as_dict(self.cfg),
-                     "world_size": self.comm.world}
-        elif self.comm.local_rank == 0:
-            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "scheduler": self.scheduler.state_dict(),
-                     "scaler": self.scaler.state_dict() if self.use_scaler else None,
-                     "step": self.step, "epoch": self.epoch, "offset": self.offset, "mlflow_run_id": tracker.run_id,
-                     "config": config_mod.as_dict(self.cfg), "world_size": self.comm.world}
+        state = self.state(tracker)
         self.interval.saving(self.step)
         if self.sharded is not None:
             assert state is not None
@@ -302,6 +291,8 @@ class Run:
                 stopping, asked, due, refused = comm.any_true(
                     self.stop.poll() is not None, self.stop.take_checkpoint_request(), self.checkpoint_due(),
                     bool(ckpt.refused))
+                if self.peer is not None and (stopping or self.peer.due(self.step)):  # a stop's state is sent first
+                    self.metrics.peer_blocked.set(self.peer.copy(self.step, self.state(tracker), rng_state(), stopping))
                 if due or stopping or asked or refused or self.step >= cfg.steps:
                     self.save(ckpt, tracker)
                 if refused:  # the bucket is gone or refuses writes: finish() names it, exit 2
@@ -331,7 +322,8 @@ class Run:
         ckpt = self.open_checkpoints()
         if ckpt is None:
             return EXIT_USAGE
-        if self.sharded is None:
+        self.peer = open_tier(self.comm) if self.sharded is None else None
+        if self.sharded is None and (self.peer is None or not self.peer.steps()):  # peers hold newer: no prefetch
             ckpt.prefetch()  # the newest step is fetched and checked while the model is built
         self.build_model()
         try:
@@ -361,6 +353,8 @@ class Run:
             self.save(ckpt, tracker)
         if self.sharded is not None:
             self.sharded.close()  # this rank's shard of the last checkpoint is written
+        if self.peer is not None:
+            self.peer.close()
         stopped = interrupted is not None and interrupted != REFUSED
         code = finish(ckpt, self.comm, self.stop.raised, stopped, self.cfg.upload_deadline_s, self.step)
         tracker.close(interrupted=interrupted is not None)

@@ -1,0 +1,47 @@
+"""The settings of recovery after a lost node (training/contract.py's RECOVERY_VARS): checked
+with the rest of the contract, and the entrypoint's defaults are the contract's (issue 46: torch's
+own 5 s x 3 keep-alive made the survivors' world form 15 s after a loss)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.training_helpers import ROOT
+from training import contract
+
+
+def test_the_entrypoint_s_defaults_are_the_contract_s() -> None:
+    script = (ROOT / "training/node/entrypoint.sh").read_text()
+    found = {name: int(value) for name, value in re.findall(r"\$\{([A-Z_]+):-(\d+)\}", script)
+             if name in contract.RECOVERY_DEFAULTS}
+    assert found == {name: contract.RECOVERY_DEFAULTS[name] for name in found}, found
+    assert {"RDZV_LAST_CALL_S", "RDZV_KEEPALIVE_S", "RDZV_KEEPALIVE_MISSES"} <= set(found), found
+    assert "keep_alive_interval=${RDZV_KEEPALIVE_S" in script and "keep_alive_max_attempt=${RDZV_KEEPALIVE_MISSES" in script
+    # torch reads these rendezvous settings by these names (dynamic_rendezvous.create_handler)
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    source = open(dynamic_rendezvous.__file__, encoding="utf-8").read()
+    for name in ('"keep_alive_interval"', '"keep_alive_max_attempt"', '"last_call"'):
+        assert name in source, name
+
+
+@pytest.mark.parametrize("name,value", [("RDZV_KEEPALIVE_S", "0"), ("RDZV_KEEPALIVE_MISSES", "1"), ("PEER_EVERY", "-5"),
+                                        ("PEER_PORT", "70000"), ("RDZV_LAST_CALL_S", "soon")])
+def test_a_bad_recovery_setting_stops_the_node_with_one_line(name: str, value: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), name: value}
+    proc = subprocess.run([sys.executable, "-m", "training.contract", "check"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    least = contract.RECOVERY_LEAST[name]
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"trainer contract: {name}={value!r}: a whole number of at least {least} (default "
+        f"{contract.RECOVERY_DEFAULTS[name]})"], proc.stderr
+
+
+def test_unset_settings_take_the_defaults() -> None:
+    assert contract.recovery("PEER_EVERY", {}) == 0 and contract.recovery("RDZV_KEEPALIVE_S", {}) == 1
+    assert contract.recovery("PEER_EVERY", {"PEER_EVERY": "25"}) == 25

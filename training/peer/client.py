@@ -1,0 +1,61 @@
+"""Talking to the peer stores (training/peer/store.py): signed requests, signed answers."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from typing import Any
+
+from training.peer import wire
+
+
+class PeerRefused(Exception):
+    """A store answered other than expected, or unsigned (the message names the store and why)."""
+
+
+class Link:
+    """Requests to the stores of one run, signed with its key."""
+
+    def __init__(self, key: bytes, timeout_s: float = 60.0):
+        self.key = key
+        self.timeout_s = timeout_s
+
+    def _request(self, store: str, method: str, path: str, body: bytes | memoryview = b"",
+                 payload_digest: str = "") -> tuple[int, bytes, Any]:
+        host, _, port = store.rpartition(":")
+        conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=self.timeout_s)
+        try:
+            conn.request(method, path, body=body if body else None,
+                         headers=wire.headers(self.key, method, path, payload_digest, len(body)))
+            answer = conn.getresponse()
+            data = answer.read()
+        except OSError as exc:
+            raise PeerRefused(f"peer store {store}: {type(exc).__name__}: {exc}") from None
+        finally:
+            conn.close()
+        why = wire.check(self.key, "ANSWER", path, answer.headers, len(data))
+        if why:
+            raise PeerRefused(f"peer store {store} answered {path} {why}")
+        return answer.status, data, answer.headers
+
+    def put(self, store: str, world: int, rank: int, step: int, kind: str, data: bytes | memoryview,
+            payload_digest: str) -> None:
+        status, body, _ = self._request(store, "PUT", f"/v1/copy/{world}/{rank}/{step}/{kind}", data, payload_digest)
+        if status != 200:
+            raise PeerRefused(f"peer store {store} refused step {step} of rank {rank}: {status} {body[:200]!r}")
+
+    def listing(self, store: str) -> list[list[Any]]:
+        status, body, _ = self._request(store, "GET", wire.LIST)
+        if status != 200:
+            raise PeerRefused(f"peer store {store}: {status} {body[:200]!r}")
+        return list(json.loads(body))
+
+    def get(self, store: str, world: int, rank: int, step: int, kind: str) -> tuple[str, bytes]:
+        """(the digest the sender named, the bytes)."""
+        status, body, headers = self._request(store, "GET", f"/v1/copy/{world}/{rank}/{step}/{kind}")
+        if status != 200:
+            raise PeerRefused(f"peer store {store} holds no {kind} copy of step {step} of rank {rank}/{world}")
+        return str(headers.get(wire.DIGEST, "")), body
+
+    def forget_after(self, store: str, step: int) -> None:
+        self._request(store, "DELETE", f"/v1/after/{step}")

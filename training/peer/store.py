@@ -1,0 +1,172 @@
+"""A node's peer store: host memory, beside the node's agent, that holds other nodes' newest
+training states (training/peer/tier.py sends them). It outlives the workers (torchrun restarts
+those on a failure, and host memory a worker held dies with it) and dies with the node.
+
+    RDZV_KEY=... python -m training.peer.store --addr 10.0.1.12 --port 29600
+
+Bound to the node's private address only (never the wildcard); every request and answer signed
+with the run's key (training/peer/wire.py); bounded: the newest KEEP steps per source (a rank of
+one world size), at most MAX_SOURCES sources. It checks no payload: the receiver hashes what it
+gets against the digest the sender named, and refuses a copy that does not match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from training.peer import wire
+
+log = logging.getLogger("gts.peer.store")
+KEEP = 2
+MAX_SOURCES = 512
+MAX_BYTES = 1 << 40  # one copy's most (a sanity bound on Content-Length, not a memory budget)
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+class Copies:
+    """(world, rank) -> {step: (kind, digest, bytes)}, the newest KEEP steps of each source."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[tuple[int, int], dict[int, tuple[str, str, bytes]]] = {}
+
+    def put(self, world: int, rank: int, step: int, kind: str, payload_digest: str, data: bytes) -> None:
+        with self._lock:
+            steps = self._held.setdefault((world, rank), {})
+            steps[step] = (kind, payload_digest, data)
+            for old in sorted(steps)[:-KEEP]:
+                del steps[old]
+            while len(self._held) > MAX_SOURCES:  # the source with the oldest newest step goes
+                del self._held[min(self._held, key=lambda s: max(self._held[s]))]
+
+    def get(self, world: int, rank: int, step: int, kind: str) -> tuple[str, bytes] | None:
+        with self._lock:
+            found = self._held.get((world, rank), {}).get(step)
+        return (found[1], found[2]) if found is not None and found[0] == kind else None
+
+    def forget_after(self, step: int) -> int:
+        with self._lock:
+            later = [(source, s) for source, steps in self._held.items() for s in steps if s > step]
+            for source, s in later:
+                del self._held[source][s]
+            return len(later)
+
+    def listing(self) -> list[list[Any]]:
+        """[world, rank, step, kind, digest, size] of every copy held."""
+        with self._lock:
+            return [[world, rank, step, kind, found, len(data)] for (world, rank), steps in sorted(self._held.items())
+                    for step, (kind, found, data) in sorted(steps.items())]
+
+    @property
+    def size(self) -> int:
+        with self._lock:
+            return sum(len(d) for steps in self._held.values() for _, _, d in steps.values())
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: PeerServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
+        log.debug(format, *args)
+
+    def _answer(self, code: int, body: bytes, payload_digest: str = "") -> None:
+        self.send_response(code)
+        for name, value in wire.headers(self.server.key, "ANSWER", self.path, payload_digest, len(body)).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _refused(self, size: int) -> bool:
+        why = wire.check(self.server.key, self.command, self.path, self.headers, size)
+        if why:
+            log.warning("refused %s %s from %s: %s", self.command, self.path, self.client_address[0], why)
+            self.close_connection = True
+            self._answer(403, why.encode())
+        return bool(why)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self._refused(0):
+            return
+        if self.path == wire.LIST:
+            self._answer(200, json.dumps(self.server.copies.listing()).encode())
+            return
+        match = wire.COPY.match(self.path)
+        found = None
+        if match:
+            world, rank, step, kind = match.groups()
+            found = self.server.copies.get(int(world), int(rank), int(step), kind)
+        if found is None:
+            self._answer(404, b"no such copy")
+            return
+        self._answer(200, found[1], found[0])
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        if self._refused(0):
+            return
+        match = wire.AFTER.match(self.path)
+        if not match:
+            self._answer(400, b"DELETE /v1/after/<step>")
+            return
+        dropped = self.server.copies.forget_after(int(match.group(1)))
+        if dropped:
+            log.info("forgot %d copies of steps after %s (the run restored that step)", dropped, match.group(1))
+        self._answer(200, b"")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        try:
+            size = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            size = -1
+        match = wire.COPY.match(self.path)
+        if not match or not 0 <= size <= MAX_BYTES:
+            self.close_connection = True
+            self._answer(400, b"PUT /v1/copy/<world>/<rank>/<step>/<kind> with a Content-Length")
+            return
+        if self._refused(size):
+            return
+        data = self.rfile.read(size)
+        world, rank, step, kind = match.groups()
+        self.server.copies.put(int(world), int(rank), int(step), kind, self.headers.get(wire.DIGEST, ""), data)
+        log.info("holding step %s of rank %s/%s (%.1f MiB; %.1f MiB held)", step, rank, world, size / 2**20,
+                 self.server.copies.size / 2**20)
+        self._answer(200, b"")
+
+
+class PeerServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, addr: str, port: int, key: bytes):
+        if addr.strip() in WILDCARDS:
+            raise ValueError(f"--addr {addr!r}: the node's private address, never the wildcard")
+        self.key = key
+        self.copies = Copies()
+        super().__init__((addr, port), Handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.peer.store", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--addr", required=True, help="this node's private address (never 0.0.0.0)")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s peer-store %(message)s")
+    try:
+        server = PeerServer(args.addr, args.port, wire.run_key())
+    except (ValueError, OSError) as exc:
+        print(f"peer store: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    log.info("peer store listening on %s:%d", args.addr, server.server_address[1])
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,212 @@
+"""The peer tier in a training process: every PEER_EVERY steps this rank's state is staged into
+host memory (the loop's only wait) and sent, on a background thread, to the peer store of its
+buddy node (training/peer/store.py); after a loss, `steps` and `load` give what the surviving
+stores hold, for training/run_control.py's choose_checkpoint (peer first, then disk, then bucket).
+
+The buddy ring: node n's copies go to the next node after it (n+1, n+2, ... mod nnodes) in
+another zone (GTS_ZONE) when the run spans zones, else to node n+1; never to node n itself.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from training import contract
+from training.checkpoint import CheckpointManager
+from training.checkpoint_files import CheckpointError
+from training.distributed import Comm
+from training.peer import wire
+from training.peer.client import Link, PeerRefused
+from training.run_control import Resumed, choose_checkpoint
+from training.staging import Stager
+
+log = logging.getLogger("gts.peer")
+ADDR_VAR = "GTS_PEER_STORE"  # host:port of this node's store (training/node/entrypoint.sh exports it)
+ZONE_VAR = "GTS_ZONE"
+
+
+def buddy(node: int, zones: list[str]) -> int:
+    """The node that holds node `node`'s copies: the next one in another zone, else the next one."""
+    count = len(zones)
+    after = [(node + i) % count for i in range(1, count)]
+    other = [n for n in after if zones[n] != zones[node]]
+    return (other or after)[0]
+
+
+class PeerTier:
+    """One rank's side of the tier (every rank makes one; collectives in __init__)."""
+
+    def __init__(self, comm: Comm, every: int, key: bytes, store: str, zone: str):
+        self.comm, self.every = comm, every
+        self.link = Link(key)
+        nodes = {node: (addr, z) for node, addr, z in comm.all_gather_object((comm.node, store, zone))}
+        self.stores = [nodes[n][0] for n in range(comm.nnodes)]
+        self.buddy = buddy(comm.node, [nodes[n][1] for n in range(comm.nnodes)]) if comm.nnodes > 1 else None
+        self._stager = Stager()
+        self._sender: threading.Thread | None = None
+        self.blocked_s = 0.0  # the loop's wait for the copies, all of them
+        self.sent: list[int] = []
+        self.skipped = 0
+        self.error = ""
+        self.refusals: list[str] = []  # peer copies refused (digest), by name
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and self.buddy is not None and step % self.every == 0
+
+    def copy(self, step: int, state: dict[str, Any] | None, rng: dict[str, Any], wait: bool = False) -> float:
+        """Stage this rank's state (`state` on a node's local rank 0, else None) and send it to the
+        buddy in the background; `wait`: until it is there (a stop). Returns the seconds blocked."""
+        start = time.perf_counter()
+        if self._sender is not None and self._sender.is_alive():
+            if not wait:
+                self.skipped += 1  # the previous copy is still on its way: this one is left out
+                log.info("peer copy of step %d skipped: the one before is still being sent", step)
+                return 0.0
+            self._sender.join()
+        staged = self._stager.stage({"state": state, "rng": rng, "step": step})
+        self._sender = threading.Thread(target=self._send, args=(step, staged), name="peer-copy", daemon=True)
+        self._sender.start()
+        if wait:
+            self._sender.join()
+        blocked = time.perf_counter() - start
+        self.blocked_s += blocked
+        if self.comm.rank == 0:
+            log.info("peer copy of step %d: loop blocked %.3f s", step, blocked)
+        return blocked
+
+    def _send(self, step: int, staged: dict[str, Any]) -> None:
+        assert self.buddy is not None
+        buffer = io.BytesIO()
+        torch.save(staged, buffer)
+        data = buffer.getbuffer()
+        kind = "full" if staged["state"] is not None else "rank"
+        try:
+            self.link.put(self.stores[self.buddy], self.comm.world, self.comm.rank, step, kind, data,
+                          wire.payload_digest(data))
+        except PeerRefused as exc:
+            self.error = str(exc)
+            log.warning("peer copy of step %d not sent: %s", step, exc)
+            return
+        self.sent.append(step)
+        if self.comm.rank == 0:
+            log.info("peer copy of step %d on node %d (%.1f MiB)", step, self.buddy, len(data) / 2**20)
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.join()
+
+    # ------------------------------------------------------------------ recovery
+    def _held(self) -> list[tuple[str, list[Any]]]:
+        """(store, [world, rank, step, kind, digest, size]) of every copy this world's stores hold."""
+        found = []
+        for store in self.stores:
+            try:
+                found += [(store, entry) for entry in self.link.listing(store)]
+            except (PeerRefused, ValueError) as exc:
+                log.warning("peer store %s not listed: %s", store, exc)
+        return found
+
+    def _sources(self, step: int, held: list[tuple[str, list[Any]]]) -> tuple[list[Any], list[Any]]:
+        """(full copies of `step`, copies of this rank's own state at `step` in this world)."""
+        at = [(store, e) for store, e in held if e[2] == step]
+        full = [(store, e) for store, e in at if e[3] == "full"]
+        mine = [(store, e) for store, e in at if e[0] == self.comm.world and e[1] == self.comm.rank]
+        return full, mine
+
+    def steps(self) -> set[int]:
+        """Steps this rank can restore from the stores: those with a full copy in some store. Its
+        own per-rank state comes back where a store still holds it (`load`); where the step was
+        saved by a world of another size, or the copy was on the lost node, the rank goes on with
+        re-seeded streams, as the durable path does when the world size changed: a step lost is
+        worse than a random stream restarted."""
+        held = self._held()
+        return {step for step in {e[2] for _, e in held} if self._sources(step, held)[0]}
+
+    def _fetch(self, step: int, copies: list[Any]) -> dict[str, Any] | None:
+        """The first of `copies` whose bytes match the digest its sender named; the others refused by name."""
+        for store, (world, rank, _, kind, _, _) in copies:
+            try:
+                named, data = self.link.get(store, world, rank, step, kind)
+            except PeerRefused as exc:
+                log.warning("%s", exc)
+                continue
+            if wire.payload_digest(data) != named:
+                why = (f"peer copy of step {step} of rank {rank}/{world} ({kind}) held by {store} does not match its "
+                       "digest: refused")
+                self.refusals.append(why)
+                log.warning("%s", why)
+                continue
+            loaded = dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+            if loaded.get("step") == step:
+                return loaded
+        return None
+
+    def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+        """(training state, this rank's per-rank state or None) of `step` from the stores, else None."""
+        held = self._held()
+        full, mine = self._sources(step, held)
+        model = self._fetch(step, full)
+        if model is None:
+            return None
+        own = self._fetch(step, mine) if mine else None
+        if own is None and any(e[0] == self.comm.world for _, e in held if e[2] == step):
+            log.warning("rank %d: no store holds its own state of step %d (it was on the lost node): its random "
+                        "streams are re-seeded", self.comm.rank, step)
+        return model["state"], own["rng"] if own is not None else None
+
+    def forget_after(self, step: int) -> None:
+        """Copies of later steps are another history now (this world restored `step`): every
+        store drops them, so that no later restore mixes them with this one's."""
+        if self.comm.local_rank == 0:
+            try:
+                self.link.forget_after(self.stores[self.comm.node], step)
+            except PeerRefused as exc:
+                log.warning("%s", exc)
+        self.comm.barrier()
+
+
+def open_tier(comm: Comm) -> PeerTier | None:
+    """The tier, when PEER_EVERY > 0 and the entrypoint started a store on this node; else None
+    (on every rank alike: the decision is combined)."""
+    every = contract.recovery(contract.PEER_EVERY.name)
+    store = os.environ.get(ADDR_VAR, "")
+    key = os.environ.get(wire.KEY_VAR, "")
+    (missing,) = comm.any_true(not (every > 0 and store and len(key) >= wire.MIN_KEY_CHARS and comm.nnodes > 1))
+    if missing:
+        return None
+    return PeerTier(comm, every, key.encode(), store, os.environ.get(ZONE_VAR, ""))
+
+
+def choose(ckpt: CheckpointManager, comm: Comm, tier: PeerTier | None) -> Resumed | None:
+    """run_control.choose_checkpoint with the peer tier first (when there is one): the newest
+    step every rank can get from a peer store, its disk or the bucket, in that order; then the
+    stores forget later steps (another history once this world goes on from the chosen one)."""
+    found = choose_checkpoint(ckpt, comm, **_restore_from(tier, ckpt.load))
+    if tier is not None:
+        tier.forget_after(found.step if found is not None else 0)
+    return found
+
+
+def _restore_from(tier: PeerTier | None, load: Any) -> dict[str, Any]:
+    """choose_checkpoint's arguments that put the peer tier first: `extra` steps and a `load`
+    trying the stores before the disk and the bucket (`load`, the manager's)."""
+    if tier is None:
+        return {}
+
+    def load_step(step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        found = tier.load(step)
+        if found is not None:
+            log.info("rank %d restores step %d from peer memory", tier.comm.rank, step)
+            return found
+        try:
+            return load(step)  # type: ignore[no-any-return]
+        except CheckpointError as exc:
+            raise CheckpointError(f"no peer copy of step {step}, and {exc}") from None
+    return {"extra": tier.steps(), "load": load_step}

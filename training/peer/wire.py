@@ -1,0 +1,68 @@
+"""What the peer stores and their clients say to each other: requests and answers signed with
+an HMAC-SHA256 under the run's key (RDZV_KEY, as training/node/rdzv_launch.py signs the
+rendezvous state), payloads named by the digest the manifests use (training/digest.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import time
+from typing import Any
+
+from training import digest
+
+MAC = "X-Gts-Mac"
+STAMP = "X-Gts-Time"
+DIGEST = "X-Gts-Digest"
+MAX_SKEW_S = 120  # a signed request older (or newer) than this is refused: no replay of an old one
+# /v1/copy/<world size>/<rank>/<step>/<kind>: one source's copy of one step (source = (world, rank));
+# kind `full`: the replicated training state and the rank's own (a node's local rank 0), `rank`:
+# the rank's own alone (RNG streams, data position).
+COPY = re.compile(r"^/v1/copy/(\d{1,6})/(\d{1,6})/(\d{1,12})/(full|rank)$")
+# /v1/after/<step>: forget every copy of a later step (a world that restored <step> abandoned them)
+AFTER = re.compile(r"^/v1/after/(\d{1,12})$")
+LIST = "/v1/list"
+KEY_VAR = "RDZV_KEY"  # the run's key (training/node/rdzv_launch.py signs the rendezvous with it)
+MIN_KEY_CHARS = 32
+
+
+def run_key() -> bytes:
+    """The run's key from the environment, or SystemExit naming the variable."""
+    value = os.environ.get(KEY_VAR, "")
+    if len(value) < MIN_KEY_CHARS:
+        raise SystemExit(f"peer store: {KEY_VAR} must hold the run's key (at least {MIN_KEY_CHARS} characters)")
+    return value.encode()
+
+
+def sign(key: bytes, method: str, path: str, stamp: str, payload_digest: str, size: int) -> str:
+    message = "\n".join((method, path, stamp, payload_digest, str(size))).encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def headers(key: bytes, method: str, path: str, payload_digest: str = "", size: int = 0) -> dict[str, str]:
+    stamp = f"{time.time():.3f}"
+    return {STAMP: stamp, DIGEST: payload_digest, MAC: sign(key, method, path, stamp, payload_digest, size),
+            "Content-Length": str(size)}
+
+
+def check(key: bytes, method: str, path: str, got: Any, size: int) -> str:
+    """"" when `got` (the headers) carry this run's signature over this request, fresh; else why not."""
+    stamp, payload_digest, mac = got.get(STAMP, ""), got.get(DIGEST, ""), got.get(MAC, "")
+    try:
+        age = abs(time.time() - float(stamp))
+    except ValueError:
+        return "no time stamp"
+    if age > MAX_SKEW_S:
+        return f"signed {age:.0f} s away from now"
+    if not hmac.compare_digest(sign(key, method, path, stamp, payload_digest, size), str(mac)):
+        return "not signed with this run's key (RDZV_KEY)"
+    return ""
+
+
+def payload_digest(data: bytes | memoryview) -> str:
+    """The digest the manifests use for a file (blake3 of 8 MiB pieces), of bytes in memory."""
+    hasher = digest.StreamHasher(digest.PIECES)
+    hasher.update(data)
+    return hasher.hexdigest()
