@@ -6,6 +6,9 @@ code carries no fault hooks. Launch it where the trainer would be launched:
 GTS_TEST_SLOW_COMMIT_S=<s> [GTS_TEST_SLOW_COMMIT_STEP=<n>]: pause between a checkpoint's data
 files and its commit (a slow disk, or a kill in the middle of a checkpoint).
 GTS_TEST_DISK_FULL_STEP=<n>: the write of step n's checkpoint fails with ENOSPC (-1: every one).
+GTS_TEST_COMPUTE_MS=<ms> [GTS_TEST_SLOW_RANK=<r> GTS_TEST_SLOW_FACTOR=<x>]: every forward pass takes
+<ms> more (a steady stand-in for a GPU's kernels: a 2-core machine's own timing is noise), rank r's
+x times that (a straggler).
 """
 
 from __future__ import annotations
@@ -50,7 +53,23 @@ def _full_disk(at_step: int) -> None:
     setattr(checkpoint, "save_hashed", full)
 
 
+def _compute(ms: float, slow_rank: int, factor: float) -> None:
+    original = train.build_model
+    rank = int(os.environ.get("RANK", "0"))
+    pause = ms / 1000 * (factor if rank == slow_rank else 1.0)
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        model = original(*args, **kwargs)
+        model.register_forward_hook(lambda *_: time.sleep(pause))
+        return model
+
+    train.build_model = build  # type: ignore[assignment]
+
+
 def install() -> None:
+    if os.environ.get("GTS_TEST_COMPUTE_MS"):
+        _compute(float(os.environ["GTS_TEST_COMPUTE_MS"]), int(os.environ.get("GTS_TEST_SLOW_RANK", "-1")),
+                 float(os.environ.get("GTS_TEST_SLOW_FACTOR", "1")))
     if os.environ.get("GTS_TEST_DISK_FULL_STEP"):
         _full_disk(int(os.environ["GTS_TEST_DISK_FULL_STEP"]))
     slow = float(os.environ.get("GTS_TEST_SLOW_COMMIT_S", "0"))

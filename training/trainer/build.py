@@ -55,3 +55,10 @@ def lr_lambda(cfg: config_mod.TrainConfig) -> Any:
         progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return factor
+
+
+def params_sha256(model: nn.Module) -> str:
+    """sha256 of a replicated model's state, as full_params_sha256 hashes a sharded one's."""
+    from training.sharded import state_sha256
+
+    return state_sha256(model.state_dict())
