@@ -23,6 +23,7 @@ could still compute until the reclaim is not kept) and a restart each.
 
     python -m training.goodput --checkpoint-cost 20 --mtbf 3600 [--restart-cost 60] [--notice 120]
     python -m training.goodput ... --simulate poisson:3600:7        # or weibull:0.7:3600:7, or a file
+    python -m training.goodput report --records s3://bucket/run/     # a run's ETTR (training/goodput_report.py)
 """
 
 from __future__ import annotations
@@ -246,6 +247,11 @@ def sweep(times: list[float], delta: float, restart: float, notice: float, fixed
 # ------------------------------------------------------------------ command line
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["report"]:  # a run's ETTR from its records (training/goodput_report.py)
+        from training import goodput_report
+
+        return goodput_report.main(args_in[1:])
     parser = argparse.ArgumentParser(prog="python -m training.goodput", description=__doc__.split("\n\n")[0],
                                      allow_abbrev=False)
     parser.add_argument("--checkpoint-cost", type=float, required=True, help="δ: seconds the loop is blocked")
@@ -259,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             "or weibull:SHAPE:SCALE[:SEED]")
     parser.add_argument("--fixed", default="60,300,600,1800,3600", help="fixed intervals (s) to compare")
     parser.add_argument("--format", choices=("text", "json"), default="text")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_in)
     problems = [f"--{name.replace('_', '-')} {value}: {rule}" for name, value, ok, rule in (
         ("checkpoint_cost", args.checkpoint_cost, args.checkpoint_cost > 0, "must be above 0"),
         ("mtbf", args.mtbf, args.mtbf > 0, "must be above 0"),
