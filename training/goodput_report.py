@@ -142,7 +142,8 @@ def report_run(events: list[Event], hourly_override: float | None = None) -> Run
     _attempts(report, events, seconds, end)
     for s in (e for e in events if e.kind == "straggler"):
         seconds["straggler"] += s.excess_s or 0.0
-        report.stragglers.append(f"rank {s.rank} ({s.detail}): run waited {s.excess_s or 0:.1f} s, step {s.step}")
+        where = f" ({s.detail})" if s.detail else ""
+        report.stragglers.append(f"rank {s.rank}{where}: the run waited {s.excess_s or 0:.1f} s for it by step {s.step}")
     total = max(end - start, 1e-9)
     productive = max(0.0, total - sum(seconds.values()))
     report.total_hours, report.productive_hours = total / 3600, productive / 3600
@@ -181,7 +182,8 @@ def render(found: dict[str, object]) -> str:
                      f"{'' if r['finished'] else ', not finished'}): ETTR {r['ettr']:.1%} of "
                      f"{r['total_hours']:.2f} h ({r['total_hours'] * r['hourly_usd']:.2f} USD)")
         for cat in CATEGORIES:
-            lines.append(f"  {cat:22} {r['badput_hours'][cat]:9.3f} h {r['badput_usd'][cat]:10.2f} USD")
+            hours = r["badput_hours"][cat]
+            lines.append(f"  {cat:22} {hours:9.3f} h {hours * 3600:9.0f} s {r['badput_usd'][cat]:10.2f} USD")
         lines += [f"  - {x}" for x in r["failures"] + r["hangs"] + r["stragglers"]]
     teams = found["teams"]
     assert isinstance(teams, dict)
