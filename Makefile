@@ -21,7 +21,7 @@ THROTTLE_MS ?= 50
 q = '$(subst ','"'"',$(1))'
 
 .DEFAULT_GOAL := help
-.PHONY: help plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench docs test boot-test typecheck unit tools venv clean
+.PHONY: help plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench goodput docs test boot-test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -102,6 +102,10 @@ example-hf: $(STAMP)
 ## bench: checkpoint (ours, in line, async_save) and resume figures for ~100 MB and ~1 GB states beside their limits (memcpy, write+fsync, import+read; interleaved; S3 endpoint on 127.0.0.1), goodput, and the prod plan beside SDK imports + the mock engine (~12 min)
 bench: $(STAMP)
 	@$(PY) -m training.trainer.bench
+
+## goodput: a run's effective training time ratio (ETTR) and its badput in hours and dollars, per run and team, from its records (RECORDS=<the run's CHECKPOINT_URL>, FORMAT=text|json)
+goodput: $(STAMP)
+	@$(PY) -m training.goodput report --records $(call q,$(RECORDS)) --format $(if $(filter json,$(FORMAT)),json,text)
 
 ## docs: regenerate the stack-spec reference (docs/spec.md, Pulumi.yaml's config block) from infra/spec.py; a test fails when they are stale
 docs: $(RUNTIME_STAMP)

@@ -101,3 +101,33 @@ def test_records_off_the_schema_are_refused_in_one_line(tmp_path: Path) -> None:
     assert "c-1-trainer-9.jsonl line 1" in out.stderr and "blocked_s" in out.stderr, out.stderr
     missing = report("report", "--records", str(tmp_path / "nothing"))
     assert missing.returncode == 2 and "no records/ folder" in missing.stderr
+
+
+def test_the_live_ettr_rules_compute_it_per_run_and_team(tmp_path: Path) -> None:
+    """promtool evaluates the stack's recording rules on synthetic trainer series: run r1 (two nodes
+    export it) kept 864 s of its 960 s, r2 384 of 480; the team's ETTR is over both (rules run each minute)."""
+    import yaml
+
+    from infra import monitoring
+    from infra.stackfile import load_stack_spec
+    from tests.system_tools import debian_tool
+
+    (tmp_path / "rules.yml").write_text(monitoring.render(load_stack_spec("dev")), encoding="utf-8")
+    series = []
+    for node, run, kept, started in (("0", "r1", 864, 0), ("1", "r1", 850, 0), ("2", "r2", 384, 480)):
+        labels = f'node="{node}",run="{run}",team="vision"'
+        series += [{"series": f"gts_run_productive_seconds{{{labels}}}", "values": f"{kept}x20"},
+                   {"series": f"gts_run_started_timestamp_seconds{{{labels}}}", "values": f"{started}x20"}]
+    tests = [{"interval": "1m", "input_series": series, "promql_expr_test": [
+        {"expr": monitoring.RUN_ETTR, "eval_time": "16m", "exp_samples": [
+            {"labels": f'{monitoring.RUN_ETTR}{{run="r1",team="vision"}}', "value": 0.9},
+            {"labels": f'{monitoring.RUN_ETTR}{{run="r2",team="vision"}}', "value": 0.8}]},
+        {"expr": monitoring.TEAM_ETTR, "eval_time": "16m", "exp_samples": [
+            {"labels": f'{monitoring.TEAM_ETTR}{{team="vision"}}', "value": 1248 / 1440}]}]}]
+    (tmp_path / "t.yml").write_text(yaml.safe_dump({"rule_files": ["rules.yml"], "tests": tests}))
+    done = subprocess.run([debian_tool("promtool", "prometheus"), "test", "rules", "t.yml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    panels = {p["title"]: p for p in monitoring.dashboard(load_stack_spec("dev"))["panels"]}
+    ettr = panels["Effective training time ratio (ETTR) by run and team"]
+    assert [t["expr"] for t in ettr["targets"]] == [monitoring.RUN_ETTR, monitoring.TEAM_ETTR]

@@ -207,6 +207,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hourly-usd", type=float, help="the run's price per hour (default: its nodes' records)")
     parser.add_argument("--format", choices=("text", "json"), default="text")
     args = parser.parse_args(argv)
+    if not args.records.strip():
+        print("error: --records is empty: give the run's CHECKPOINT_URL (make goodput RECORDS=<url>)", file=sys.stderr)
+        return 2
     if args.hourly_usd is not None and not args.hourly_usd >= 0:
         print(f"error: --hourly-usd {args.hourly_usd}: must not be negative", file=sys.stderr)
         return 2
