@@ -131,3 +131,38 @@ def test_the_live_ettr_rules_compute_it_per_run_and_team(tmp_path: Path) -> None
     panels = {p["title"]: p for p in monitoring.dashboard(load_stack_spec("dev"))["panels"]}
     ettr = panels["Effective training time ratio (ETTR) by run and team"]
     assert [t["expr"] for t in ettr["targets"]] == [monitoring.RUN_ETTR, monitoring.TEAM_ETTR]
+
+
+def test_the_daly_interval_takes_the_runs_measured_rates(tmp_path: Path) -> None:
+    """δ, M and R from the records above: 6 checkpoints, 3 failures in 8000 s, restarts of 200, 600, 200 s."""
+    from training import goodput
+
+    out = report("--records", str(write_records(tmp_path)), "--format", "json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    delta, mtbf, restart = (10 + 10 + 12 + 8 + 5 + 6) / 6, 8000 / 3, (200 + 600 + 200) / 3
+    assert data["measured"]["checkpoint_cost_s"] == pytest.approx(delta)
+    assert data["measured"]["mtbf_s"] == pytest.approx(mtbf)
+    assert data["interval_s"] == pytest.approx(goodput.plan(delta, mtbf, restart).interval_s)
+    flag = report("--records", str(tmp_path / "run"), "--mtbf", "3600", "--format", "json")
+    assert json.loads(flag.stdout)["interval_s"] == pytest.approx(goodput.plan(delta, 3600, restart).interval_s)
+    neither = report("--checkpoint-cost", "20")
+    assert neither.returncode == 2 and "--mtbf is required (or --records URL" in neither.stderr
+
+
+def test_the_peer_tier_on_the_spot_trace_keeps_95_percent() -> None:
+    """tests/data/reclaims-spot-256-nodes.txt (synthesized from the published spot band, see its
+    header): a bucket-only tier (60 s blocked, 15 min restart) stays under 95 % without notice;
+    the peer tier (a copy every 50 steps of 2 s, 0.5 s, restart in 30 s) reaches it."""
+    trace = str(ROOT / "tests/data/reclaims-spot-256-nodes.txt")
+    args = ["--checkpoint-cost", "60", "--mtbf", "40500", "--restart-cost", "900", "--notice", "120", "--simulate",
+            trace, "--peer", "50:2:0.5:30"]
+    out = report(*args, "--format", "json")
+    assert out.returncode == 0, out.stderr
+    sim = json.loads(out.stdout)["simulation"]
+    assert sim["reclaims"] == 300 and sim["without_notice"]["auto"] < 0.95
+    assert sim["peer_tier"]["with_notice"] >= 0.95 and sim["peer_tier"]["without_notice"] >= 0.95
+    text = report(*args)
+    assert "assumptions: a copy in a peer's memory every 50 steps of 2 s" in text.stdout
+    bad = report(*args[:-1], "50:2")
+    assert bad.returncode == 2 and "--peer 50:2: STEPS:STEP_S:COST_S:RESTART_S" in bad.stderr

@@ -173,6 +173,26 @@ def report_all(events: list[Event], hourly_override: float | None = None) -> dic
     return {"runs": {k: asdict(v) for k, v in runs.items()}, "teams": {k: dict(v) for k, v in teams.items()}}
 
 
+def measure(events: list[Event]) -> dict[str, float]:
+    """What the Daly interval needs, measured over the records' runs: the mean checkpoint blocked
+    time δ, the mean wall time between failures M (inf: none) and the mean restart R."""
+    if not events:
+        raise ValueError("no events in the records")
+    by_run: dict[str, list[Event]] = defaultdict(list)
+    for e in events:
+        by_run[e.run].append(e)
+    runs = [report_run(evs).measured for evs in by_run.values()]
+    failures = sum(r["failures"] for r in runs)
+    blocked = [e.blocked_s or 0.0 for e in events if e.kind == "checkpoint"]
+    restarts = [r["restart_cost_s"] for r in runs if r["failures"]]
+    if not blocked:
+        raise ValueError("no checkpoint recorded: give --checkpoint-cost")
+    return {"runs": float(len(runs)), "failures": failures, "wall_s": sum(r["wall_s"] for r in runs),
+            "checkpoint_cost_s": statistics.mean(blocked),
+            "mtbf_s": sum(r["wall_s"] for r in runs) / failures if failures else float("inf"),
+            "restart_cost_s": statistics.mean(restarts) if restarts else 0.0}
+
+
 def render(found: dict[str, object]) -> str:
     lines: list[str] = []
     runs = found["runs"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -24,6 +25,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 log = logging.getLogger("gts.records")
+# The hang watchdog's "dump your Python stacks" to the trainer (faulthandler runs in C, GIL or not).
+STACKS_SIGNAL = signal.SIGRTMIN + 2
 
 SCHEMA_VERSION: Literal[1] = 1
 Kind = Literal["capacity_requested", "node_booted", "gate_passed", "first_step", "checkpoint", "failure",

@@ -6,7 +6,7 @@ step and its pid). When no local rank has finished a step for max(3 x the p99 st
 HANG_TIMEOUT_S) — NCCL's own watchdog waits 10 minutes, gloo's 30 — the watchdog:
 
 1. has every worker dump its Python stacks (faulthandler, registered by the trainer on
-   STACKS_SIGNAL; a stopped process is continued after the signal is queued, so the dump shows
+   records.STACKS_SIGNAL; a stopped process is continued after the signal is queued, so the dump shows
    the frame it stopped in) and saves them, with NCCL's flight recorder dumps where NCCL wrote
    any, to `<CHECKPOINT_URL>/records/hangs/<node>-<time>.txt`;
 2. records the hang (training/records.py): the suspect rank (a stopped or uninterruptible
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training import records
-from training.trainer.progress import STACKS_SIGNAL
+from training.records import STACKS_SIGNAL
 
 log = logging.getLogger("gts.watchdog")
 HANG_REPLACE_AFTER = 2

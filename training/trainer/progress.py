@@ -16,7 +16,6 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import signal
 import statistics
 import threading
 import time
@@ -28,7 +27,7 @@ from training import records
 from training.distributed import Comm
 
 log = logging.getLogger("gts.progress")
-STACKS_SIGNAL = signal.SIGRTMIN + 2  # the watchdog's "dump your stacks" (faulthandler runs in C, GIL or not)
+STACKS_SIGNAL = records.STACKS_SIGNAL
 PERSISTENT_WINDOWS = 3  # a rank flagged this many windows in a row is a persistent straggler
 
 
