@@ -75,3 +75,62 @@ def test_a_stopped_rank_is_found_its_stacks_saved_and_the_run_resumes(tmp_path: 
     assert run["team"] == "vision" and run["badput_hours"]["hang"] > 0
     assert any(f"rank {rank}" in h and "node2" in h for h in run["hangs"]), run["hangs"]
     assert 0 < run["ettr"] < 1 and run["finished"]
+
+
+WORKER = """
+import faulthandler, os, sys, time
+from training.records import STACKS_SIGNAL
+folder, rank = sys.argv[1], sys.argv[2]
+faulthandler.register(STACKS_SIGNAL, file=open(f"{folder}/stacks-rank{rank}.txt", "a"), all_threads=True)
+def train_step():
+    time.sleep(0.05)
+step = 0
+while True:
+    train_step()
+    step += 1
+    with open(f"{folder}/rank-{rank}.tmp", "w") as fh:
+        fh.write(f"{step} {time.time()} 0.05 {step - step % 10} {os.getpid()} node-x")
+    os.replace(f"{folder}/rank-{rank}.tmp", f"{folder}/rank-{rank}")
+"""
+
+
+def test_a_node_that_hangs_twice_asks_for_its_replacement(tmp_path: Path) -> None:
+    """The watchdog as the entrypoint runs it, over a stand-in worker that heartbeats like the
+    trainer: stopped once, it is killed and nothing is replaced; stopped again (a new worker, as
+    the launcher restarts it), the node asks its group for its replacement (Alibaba's
+    SetInstanceHealth, signed with the instance role, tests/gpu_health_helpers.py's endpoint)."""
+    from tests.gpu_health_helpers import INSTANCE, ScalingApi, _metadata
+    from tests.training_helpers import retry_until
+    from training import records
+
+    progress, ckpt = tmp_path / "progress", tmp_path / "ck"
+    progress.mkdir()
+    meta = _metadata("alicloud", INSTANCE["alicloud"]).start()
+    api = ScalingApi("alicloud", meta)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_PROGRESS_DIR": str(progress), "CHECKPOINT_DIR": str(ckpt),
+           "HANG_TIMEOUT_S": "1", "GTS_CLOUD": "alicloud", "GTS_METADATA_URL": meta.url, "GTS_REPLACE_API_URL": api.url,
+           "GTS_NODE_NAME": "node-x", "GTS_NODE_GROUP": "ali-train", "GTS_RUN_ID": "twice"}
+    dog = subprocess.Popen([sys.executable, "-m", "training.node.watchdog", "--parent", str(os.getpid())], env=env,
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for attempt in (1, 2):
+            worker = subprocess.Popen([sys.executable, "-c", WORKER, str(progress), "0"], env=env, cwd=ROOT)
+            assert retry_until(lambda: (progress / "rank-0").exists() and
+                               (progress / "rank-0").read_text().split()[4] == str(worker.pid), 60)
+            os.kill(worker.pid, signal.SIGSTOP)
+            assert worker.wait(timeout=60) == -signal.SIGKILL
+            if attempt == 1:
+                assert not api.calls
+        assert api.event.wait(timeout=60)
+    finally:
+        dog.kill()
+        out, _ = dog.communicate(timeout=30)
+        api.stop()
+        meta.stop()
+    assert [c["params"]["Action"] for c in api.calls] == ["SetInstanceHealth"], api.calls
+    assert "asking for this node's replacement: 2 hangs on this node" in out, out
+    hangs = [e for e in records.read(str(ckpt)) if e.kind == "failure"]
+    assert [(e.failure, e.rank, e.detail.split(":")[0]) for e in hangs] == [("hang", 0, "suspect")] * 2
+    stacks = sorted((ckpt / "records" / "hangs").iterdir())
+    # the frame each stopped worker was in (its training step, or the heartbeat after it)
+    assert len(stacks) == 2 and all('File "<string>", line ' in p.read_text() for p in stacks), stacks[0].read_text()
