@@ -54,7 +54,7 @@ def _full_disk(at_step: int) -> None:
 
 
 def _compute(ms: float, slow_rank: int, factor: float) -> None:
-    original = train.build_model
+    original: Callable[..., Any] = getattr(train, "build_model")
     rank = int(os.environ.get("RANK", "0"))
     pause = ms / 1000 * (factor if rank == slow_rank else 1.0)
 
@@ -63,7 +63,7 @@ def _compute(ms: float, slow_rank: int, factor: float) -> None:
         model.register_forward_hook(lambda *_: time.sleep(pause))
         return model
 
-    train.build_model = build  # type: ignore[assignment]
+    setattr(train, "build_model", build)
 
 
 def install() -> None:

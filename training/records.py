@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Literal
@@ -99,27 +100,62 @@ def _boot_id() -> str:
 
 class Writer:
     """Appends events to this process's own object under `<url>/records/`. A failed upload is
-    logged and retried with the next event: records never stop training."""
+    logged and retried with the next event: records never stop training. `background`: uploads
+    in a thread of their own (the training loop does not wait for the bucket); flush() at the end."""
 
-    def __init__(self, url: str | None, role: str):
+    def __init__(self, url: str | None, role: str, background: bool = False):
         self.url = url
         self.lines: list[str] = []
         self.name = f"{node_name()}-{_boot_id()}-{role}-{os.getpid()}.jsonl"
         self.base = {"run": run_id(), "team": os.environ.get("GTS_TEAM", ""), "node": node_name()}
+        self.written = 0  # lines in the bucket
+        self.lock, self.uploading = threading.Lock(), threading.Lock()
+        self.wake = threading.Event()
+        if url and background:
+            threading.Thread(target=self._uploads, daemon=True, name="gts-records").start()
+        self.background = bool(url and background)
 
-    def emit(self, kind: str, **fields: object) -> Event | None:
+    def emit(self, kind: str, **fields: object) -> Event:
         event = Event.model_validate({"t": time.time(), "kind": kind, **self.base, **fields})
-        self.lines.append(event.model_dump_json(exclude_none=True))
-        if not self.url:
-            return event
-        try:
-            from training.storage import location
-
-            where = location(self.url)
-            where.fs.pipe(where.join("records", self.name), ("\n".join(self.lines) + "\n").encode())
-        except Exception as exc:  # noqa: BLE001 - an unreachable bucket must not stop the run
-            log.warning("run record %s not written to %s: %s", kind, self.url, exc)
+        with self.lock:
+            self.lines.append(event.model_dump_json(exclude_none=True))
+        if self.background:
+            self.wake.set()
+        else:
+            self.upload()
         return event
+
+    def upload(self) -> bool:
+        """The whole object, as it is now; True once the bucket has every line."""
+        if not self.url:
+            return True
+        with self.uploading:  # one upload at a time: an older copy never lands after a newer one
+            with self.lock:
+                lines = list(self.lines)
+            if len(lines) == self.written:
+                return True
+            try:
+                from training.storage import location
+
+                where = location(self.url)
+                where.fs.pipe(where.join("records", self.name), ("\n".join(lines) + "\n").encode())
+            except Exception as exc:  # noqa: BLE001 - an unreachable bucket must not stop the run
+                log.warning("run records not written to %s: %s", self.url, exc)
+                return False
+            self.written = len(lines)
+            return True
+
+    def _uploads(self) -> None:
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            self.upload()
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Every event in the bucket, or `timeout` s tried."""
+        deadline = time.monotonic() + timeout
+        while not self.upload() and time.monotonic() < deadline:
+            time.sleep(1.0)
 
 
 class BadRecords(ValueError):

@@ -40,7 +40,7 @@ class Progress:
     def __init__(self, comm: Comm, records_url: str | None, metrics: Any):
         self.comm, self.metrics = comm, metrics
         self.dir = Path(os.environ["GTS_PROGRESS_DIR"]) if os.environ.get("GTS_PROGRESS_DIR") else None
-        self.writer = records.Writer(records_url, "trainer") if comm.rank == 0 else None
+        self.writer = records.Writer(records_url, "trainer", background=True) if comm.rank == 0 else None
         self.times: deque[float] = deque(maxlen=500)
         self.window = int(_setting("STRAGGLER_WINDOW_STEPS", 50))
         self.factor = _setting("STRAGGLER_FACTOR", 1.2)
@@ -127,6 +127,12 @@ class Progress:
                                                       f"{PERSISTENT_WINDOWS} windows at step {step}\n")
         log.warning("persistent straggler: rank %d on node %s asks for its node's replacement", self.comm.rank, node)
 
+    def crashed(self, exc: BaseException, committed: int) -> None:
+        """The process is going down with an exception: its record goes to the bucket first."""
+        self.record("failure", failure="crash", committed_step=committed, detail=repr(exc)[:300])
+        if self.writer is not None:
+            self.writer.flush(timeout=10.0)
+
     def ended(self, interrupted: str | None, code: int, step: int) -> None:
         """The attempt's end: the run finished, or a signal stopped it after an emergency checkpoint
         (a reclaim notice, or a person: nothing is lost either way)."""
@@ -137,6 +143,8 @@ class Progress:
         self.close()
 
     def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
         if self._stacks is not None:
             faulthandler.unregister(STACKS_SIGNAL)
             self._stacks.close()

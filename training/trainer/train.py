@@ -354,7 +354,7 @@ class Run:
         try:
             interrupted = self.loop(ckpt, tracker)
         except BaseException as exc:
-            self.progress.record("failure", failure="crash", committed_step=self.last_saved, detail=repr(exc)[:300])
+            self.progress.crashed(exc, self.last_saved)
             ckpt.wait_commit()  # a checkpoint already reported is committed before the process goes
             raise
         if self.last_saved != self.step:
