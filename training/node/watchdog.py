@@ -1,8 +1,8 @@
 """The node's hang watchdog, run beside the launcher by training/node/entrypoint.sh.
 
 Every training process writes a heartbeat after each step (training/trainer/progress.py:
-`$GTS_PROGRESS_DIR/rank-<rank>` with its step, the time, its p99 step time, its newest saved
-step and its pid). When no local rank has finished a step for max(3 x the p99 step time,
+`$GTS_PROGRESS_DIR/rank-<rank>` with its step, the time, its p99 step time (or its longest
+checkpoint's blocked time, if longer: a save is no hang), its newest saved step and its pid). When no local rank has finished a step for max(3 x the p99 step time,
 HANG_TIMEOUT_S) — NCCL's own watchdog waits 10 minutes, gloo's 30 — the watchdog:
 
 1. has every worker dump its Python stacks (faulthandler, registered by the trainer on

@@ -48,7 +48,7 @@ class Progress:
         self.compute = self.waited = 0.0
         self.flagged: dict[int, int] = {}  # rank -> windows in a row
         self.first_done = False
-        self.saved = -1
+        self.saved, self.blocked = -1, 0.0
         self._stacks: IO[str] | None = None
         if self.dir is not None:
             self._stacks = open(self.dir / f"stacks-rank{comm.rank}.txt", "w", encoding="utf-8")  # noqa: SIM115
@@ -81,7 +81,8 @@ class Progress:
         self.compute += compute
         self.waited += max(0.0, elapsed - compute)
         if self.dir is not None:
-            p99 = sorted(self.times)[int(0.99 * (len(self.times) - 1))]
+            # a checkpoint blocks the loop too: the watchdog's limit is 3x the longer of the two
+            p99 = max(sorted(self.times)[int(0.99 * (len(self.times) - 1))], self.blocked)
             beat = self.dir / f"rank-{self.comm.rank}"
             tmp = beat.with_suffix(".tmp")
             tmp.write_text(f"{step} {now:.3f} {p99:.4f} {self.saved} {os.getpid()} {records.node_name()}\n")
@@ -90,7 +91,7 @@ class Progress:
             self.compare(step)
 
     def saved_checkpoint(self, step: int, blocked: float) -> None:
-        self.saved = step
+        self.saved, self.blocked = step, max(self.blocked, blocked)
         if self.metrics is not None and self.times:
             self.metrics.productive.set(step * statistics.median(self.times))
         self.record("checkpoint", step=step, blocked_s=blocked)
@@ -138,7 +139,7 @@ class Progress:
         (a reclaim notice, or a person: nothing is lost either way)."""
         if interrupted is None and code == 0:
             self.record("run_finished", step=step)
-        elif interrupted is not None and interrupted.startswith("SIG"):
+        elif interrupted is not None and code in (0, 75):  # 75: another node was told to stop (run_control.finish)
             self.record("failure", failure="reclaim", committed_step=self.saved, detail=f"{interrupted} at step {step}")
         self.close()
 
