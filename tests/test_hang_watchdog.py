@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.training_helpers import ROOT, MotoServer, Run, elastic_node, kill_tree, rendezvous_store, wait_any
@@ -20,12 +21,13 @@ from tests.training_helpers import ROOT, MotoServer, Run, elastic_node, kill_tre
 STEPS = 160
 
 
-def _node(index: int, port: int, moto: MotoServer, tmp: Path) -> Run:
+def _node(index: int, port: int, moto: MotoServer, tmp: Path, boot: str) -> Run:
+    # GTS_BOOT_TIME: this host booted hours ago; the "node" boots when its test starts
     return elastic_node(tmp, index, port, moto, ["--workload", "tiny", "--checkpoint-every", "20", "--log-every", "10",
                                                  "--throttle-ms", "60"],
                         NNODES="3", MIN_NNODES="3", NPROC_PER_NODE="1", RDZV_LAST_CALL_S="3", HANG_TIMEOUT_S="10",
                         GTS_NODE_NAME=f"node{index}", GTS_PROGRESS_DIR=str(tmp / f"progress{index}"),
-                        GTS_TEAM="vision", NODE_HOURLY_USD="2.5", GTS_RUN_ID="hang-run",
+                        GTS_TEAM="vision", NODE_HOURLY_USD="2.5", GTS_RUN_ID="hang-run", GTS_BOOT_TIME=boot,
                         CHECKPOINT_URL=f"s3://{moto.bucket}/hang/", TRAIN_STEPS=str(STEPS))
 
 
@@ -42,7 +44,8 @@ def test_a_stopped_rank_is_found_its_stacks_saved_and_the_run_resumes(tmp_path: 
         (tmp_path / f"progress{i}").mkdir()
     with rendezvous_store() as port:
         try:
-            nodes = [_node(i, port, moto, tmp_path) for i in range(3)]
+            boot = f"{time.time():.0f}"
+            nodes = [_node(i, port, moto, tmp_path, boot) for i in range(3)]
             wait_any(nodes, r"checkpoint step 40:", timeout=180)
             rank, pid = _worker(tmp_path / "progress2")
             os.kill(pid, signal.SIGSTOP)  # inside or before its next collective: the others wait there
@@ -74,6 +77,7 @@ def test_a_stopped_rank_is_found_its_stacks_saved_and_the_run_resumes(tmp_path: 
     run = json.loads(report.stdout)["runs"]["hang-run"]
     assert run["team"] == "vision" and run["badput_hours"]["hang"] > 0
     assert any(f"rank {rank}" in h and "node2" in h for h in run["hangs"]), run["hangs"]
+    print("report:", run["hangs"], f"ETTR {run['ettr']:.3f}", run["badput_hours"])  # the figures, with -s
     assert 0 < run["ettr"] < 1 and run["finished"]
 
 

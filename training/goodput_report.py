@@ -7,7 +7,7 @@ The run's wall time runs from its first capacity request to its end (`run_finish
 last record) and is cut into:
 
 - waiting for capacity: from the first request to the last first-round node's boot;
-- boot and gate: from that boot to the last GPU gate passed;
+- boot and gate: from that boot to the last GPU gate passed or node agent (entrypoint) started;
 - restart: from the gate (or a failure) to the first step of the attempt that follows (launch,
   rendezvous, restore; a replacement node's wait for capacity falls here too);
 - hang: from the last step any rank finished to the watchdog's detection;
@@ -85,7 +85,7 @@ def _stalls(checkpoints: list[Event], start: float, end: float) -> float:
 
 def _start_segments(events: list[Event], start: float, first: float) -> dict[str, float]:
     booted = [e.t for e in events if e.kind == "node_booted" and e.t <= first]
-    gates = [e.t for e in events if e.kind == "gate_passed" and e.t <= first]
+    gates = [e.t for e in events if e.kind in ("gate_passed", "agent_started") and e.t <= first]
     boot = min(max(max(booted, default=start), start), first)
     gate = min(max(max(gates, default=boot), boot), first)
     return {"waiting for capacity": boot - start, "boot and gate": gate - boot, "restart": first - gate}

@@ -6,7 +6,7 @@ Each writer (one node agent boot, one trainer process, one watchdog) owns one ob
 stores cannot append, and no two processes ever write the same object. One JSON line per event,
 its schema versioned (`v`) and checked with pydantic when read:
 
-    python -m training.records node-start          # the entrypoint: capacity requested, booted, gate passed
+    python -m training.records node-start          # the entrypoint: capacity requested, booted, gate passed, started
     python -m training.records emit failure --failure xid --detail "Xid 79"
 """
 
@@ -30,7 +30,7 @@ log = logging.getLogger("gts.records")
 STACKS_SIGNAL = signal.SIGRTMIN + 2
 
 SCHEMA_VERSION: Literal[1] = 1
-Kind = Literal["capacity_requested", "node_booted", "gate_passed", "first_step", "checkpoint", "failure",
+Kind = Literal["capacity_requested", "node_booted", "gate_passed", "agent_started", "first_step", "checkpoint", "failure",
                "straggler", "run_finished"]
 FailureKind = Literal["reclaim", "xid", "hang", "crash", "straggler_replacement"]
 # What each kind of event must carry besides its time, run and node.
@@ -81,7 +81,10 @@ def node_name() -> str:
 
 
 def boot_time() -> float:
-    """When this machine booted (/proc/stat btime); the process start elsewhere."""
+    """When this machine booted: GTS_BOOT_TIME where the bootstrap (or a test) knows better, else
+    /proc/stat's btime; the process start elsewhere."""
+    if os.environ.get("GTS_BOOT_TIME"):
+        return float(os.environ["GTS_BOOT_TIME"])
     try:
         for line in Path("/proc/stat").read_text().splitlines():
             if line.startswith("btime "):
@@ -203,6 +206,7 @@ def _node_start(writer: Writer) -> None:
     marker = Path(os.environ.get("GTS_GATE_MARKER") or "/nonexistent")
     if marker.is_file():
         writer.emit("gate_passed", t=marker.stat().st_mtime)
+    writer.emit("agent_started")  # the entrypoint: what follows until the first step is start-up
 
 
 def main(argv: list[str] | None = None) -> int:
