@@ -21,7 +21,7 @@ THROTTLE_MS ?= 50
 q = '$(subst ','"'"',$(1))'
 
 .DEFAULT_GOAL := help
-.PHONY: help plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench bench-recovery docs test boot-test typecheck unit tools venv clean
+.PHONY: help plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench bench-recovery goodput docs test boot-test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -107,6 +107,10 @@ bench: $(STAMP)
 ## bench-recovery: make bench's recovery rows alone (a 3-node run on loopback, one node SIGKILLed: peer tier beside the bucket path; docs/recovery.md; ~8 min)
 bench-recovery: $(STAMP)
 	@$(PY) -m training.trainer.bench_peer
+
+## goodput: a run's effective training time ratio (ETTR) and its badput in hours and dollars, per run and team, from its records (RECORDS=<the run's CHECKPOINT_URL>, FORMAT=text|json)
+goodput: $(STAMP)
+	@$(PY) -m training.goodput report --records $(call q,$(RECORDS)) --format $(if $(filter json,$(FORMAT)),json,text)
 
 ## docs: regenerate the stack-spec reference (docs/spec.md, Pulumi.yaml's config block) from infra/spec.py; a test fails when they are stale
 docs: $(RUNTIME_STAMP)

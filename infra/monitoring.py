@@ -77,6 +77,7 @@ def rules(spec: StackSpec, stack: Stack | None = None) -> dict[str, Any]:
               "an emergency checkpoint"),
     ]
     return {"groups": [{"name": f"gts-{env}-cost", "rules": cost},
+                       {"name": f"gts-{env}-goodput", "rules": goodput_rules()},
                        {"name": f"gts-{env}-work-at-risk", "rules": work},
                        {"name": f"gts-{env}-gpu-health", "rules": gpu_health_rules(env)},
                        {"name": f"gts-{env}-showback", "rules": showback(spec, stack)}]}
@@ -103,6 +104,21 @@ def gpu_health_rules(env: str) -> list[dict[str, Any]]:
         _rule("GtsGpuDoubleBitEcc", "increase(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL[10m]) > 0", "0s", "warning", env,
               "double-bit ECC errors on GPU {{ $labels.gpu }} of {{ $labels.instance }}"),
     ]
+
+
+RUN_ETTR = "gts:run_ettr"
+TEAM_ETTR = "gts:team_ettr"
+# One value per run (its nodes' trainers all export it): the largest, by run and team.
+_KEPT = "max by (run, team) (gts_run_productive_seconds)"
+_WALL = "max by (run, team) (time() - gts_run_started_timestamp_seconds)"
+
+
+def goodput_rules() -> list[dict[str, Any]]:
+    """ETTR live, per run and per team: the training time a run keeps (its newest committed step
+    at the median step time, training/trainer/progress.py) over its wall time since it first
+    asked for capacity (its records). `make goodput` gives the full breakdown from the records."""
+    return [{"record": RUN_ETTR, "expr": f"{_KEPT} / {_WALL}"},
+            {"record": TEAM_ETTR, "expr": f"sum by (team) ({_KEPT}) / sum by (team) ({_WALL})"}]
 
 
 TEAM_NODE_SPEND = "gts:team_node_spend_usd_per_month"
@@ -147,6 +163,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
       (f"sum by (cloud) (gts_node_hourly_usd) * {cat.HOURS_PER_MONTH:g}", "{{cloud}}")]),
     ("Spending pace by team (USD a month)", "currencyUSD",
      [(TEAM_NODE_SPEND, "{{team}} nodes"), (TEAM_QUEUE_SPEND, "{{team}} queued on shared clusters")]),
+    ("Effective training time ratio (ETTR) by run and team", "percentunit",
+     [(RUN_ETTR, "run {{run}} ({{team}})"), (TEAM_ETTR, "team {{team}}")]),
     ("Running nodes by group", "short", [("count by (cloud, group) (gts_node_hourly_usd)", "{{cloud}}/{{group}}")]),
     ("Cost since start by group (USD)", "currencyUSD",
      [("sum by (cloud, group) (gts_node_cost_usd)", "{{cloud}}/{{group}}")]),

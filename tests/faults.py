@@ -9,6 +9,9 @@ GTS_TEST_DISK_FULL_STEP=<n>: the write of step n's checkpoint fails with ENOSPC 
 GTS_TEST_CLOCK_START=<unix time> GTS_TEST_CLOCK_STEP_S=<s>: the reservation's clock
 (training/reservation.py CLOCK) starts there and moves on by <s> each time the loop reads it (once
 per step, on every rank alike).
+GTS_TEST_COMPUTE_MS=<ms> [GTS_TEST_SLOW_RANK=<r> GTS_TEST_SLOW_FACTOR=<x>]: every forward pass takes
+<ms> more (a steady stand-in for a GPU's kernels: a 2-core machine's own timing is noise), rank r's
+x times that (a straggler).
 """
 
 from __future__ import annotations
@@ -65,9 +68,25 @@ def _fake_clock(start: float, step_s: float) -> None:
     reservation.CLOCK = tick
 
 
+def _compute(ms: float, slow_rank: int, factor: float) -> None:
+    original: Callable[..., Any] = getattr(train, "build_model")
+    rank = int(os.environ.get("RANK", "0"))
+    pause = ms / 1000 * (factor if rank == slow_rank else 1.0)
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        model = original(*args, **kwargs)
+        model.register_forward_hook(lambda *_: time.sleep(pause))
+        return model
+
+    setattr(train, "build_model", build)
+
+
 def install() -> None:
     if os.environ.get("GTS_TEST_CLOCK_START"):
         _fake_clock(float(os.environ["GTS_TEST_CLOCK_START"]), float(os.environ.get("GTS_TEST_CLOCK_STEP_S", "60")))
+    if os.environ.get("GTS_TEST_COMPUTE_MS"):
+        _compute(float(os.environ["GTS_TEST_COMPUTE_MS"]), int(os.environ.get("GTS_TEST_SLOW_RANK", "-1")),
+                 float(os.environ.get("GTS_TEST_SLOW_FACTOR", "1")))
     if os.environ.get("GTS_TEST_DISK_FULL_STEP"):
         _full_disk(int(os.environ["GTS_TEST_DISK_FULL_STEP"]))
     slow = float(os.environ.get("GTS_TEST_SLOW_COMMIT_S", "0"))

@@ -142,6 +142,21 @@ def recovery(name: str, env: dict[str, str] | None = None) -> int:
     return int(raw) if raw.isdigit() else RECOVERY_DEFAULTS[name]
 
 
+# Hang and straggler settings (training/node/watchdog.py, training/trainer/progress.py): optional,
+# their defaults in the meaning; set in the container's environment to change them.
+OPTIONAL = "optional (default in the meaning)"
+HANG_TIMEOUT_S = Var("HANG_TIMEOUT_S", "seconds without a step on every rank of a node before the hang watchdog "
+                     "saves the stacks and restarts the workers: max(3 x the p99 step time, this); default 60",
+                     OPTIONAL)
+HANG_REPLACE = Var("HANG_REPLACE", "true: a node that hangs twice (or a persistent straggler's, with "
+                   "STRAGGLER_REPLACE) asks its group for its replacement; default true", OPTIONAL)
+STRAGGLER_WINDOW_STEPS = Var("STRAGGLER_WINDOW_STEPS", "steps over which the ranks' compute times are compared "
+                             "(0: off); default 50", OPTIONAL)
+STRAGGLER_FACTOR = Var("STRAGGLER_FACTOR", "a rank slower than this x the median rank over a window is flagged; "
+                       "default 1.2", OPTIONAL)
+STRAGGLER_REPLACE = Var("STRAGGLER_REPLACE", "true: a rank flagged 3 windows in a row has its node replaced; "
+                        "default false", OPTIONAL)
+WATCH_VARS = (HANG_TIMEOUT_S, HANG_REPLACE, STRAGGLER_WINDOW_STEPS, STRAGGLER_FACTOR, STRAGGLER_REPLACE)
 # environment variable -> TrainConfig field, for the trainer's config parser
 CONFIG_FIELDS = {v.name: v.field for v in VARS if v.field}
 CREDENTIAL_SOURCES = ("default", "instance-role", "ack-rrsa", "tke-pod-identity")
@@ -236,7 +251,7 @@ def _reservation_problems(env: dict[str, str]) -> list[str]:
 def table() -> str:
     """The contract as docs/contract.md's Markdown table."""
     rows = ["| variable | meaning | set by |", "|---|---|---|"]
-    rows += [f"| `{v.name}` | {v.meaning} | {v.set_by} |" for v in VARS + FABRIC_VARS + RESERVATION_VARS + RECOVERY_VARS]
+    rows += [f"| `{v.name}` | {v.meaning} | {v.set_by} |" for v in VARS + FABRIC_VARS + RESERVATION_VARS + RECOVERY_VARS + WATCH_VARS]
     return "\n".join(rows)
 
 

@@ -23,6 +23,7 @@ could still compute until the reclaim is not kept) and a restart each.
 
     python -m training.goodput --checkpoint-cost 20 --mtbf 3600 [--restart-cost 60] [--notice 120]
     python -m training.goodput ... --simulate poisson:3600:7        # or weibull:0.7:3600:7, or a file
+    python -m training.goodput report --records s3://bucket/run/     # a run's ETTR (training/goodput_report.py)
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class AutoInterval:
 
 def trace_times(spec: str) -> list[float]:
     """Reclaim times in seconds from the start: a file (one number of seconds or one ISO 8601
-    time per line), or `poisson:MTBF[:SEED[:COUNT]]`, or `weibull:SHAPE:SCALE[:SEED[:COUNT]]`."""
+    time per line; '#' lines are comments), or `poisson:MTBF[:SEED[:COUNT]]`, or `weibull:SHAPE:SCALE[:SEED[:COUNT]]`."""
     kind, _, rest = spec.partition(":")
     if kind in ("poisson", "weibull"):
         parts = [float(p) for p in rest.split(":") if p]
@@ -190,7 +191,8 @@ def trace_times(spec: str) -> list[float]:
             t += rng.expovariate(1 / parts[0]) if kind == "poisson" else rng.weibullvariate(parts[1], parts[0])
             times.append(t)
         return times
-    lines = [line.strip() for line in Path(spec).read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line.strip() for line in Path(spec).read_text(encoding="utf-8").splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]  # '#': a comment (where the trace came from)
     try:
         values = [float(line) for line in lines]
     except ValueError:
@@ -245,12 +247,15 @@ def sweep(times: list[float], delta: float, restart: float, notice: float, fixed
 
 # ------------------------------------------------------------------ command line
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m training.goodput", description=__doc__.split("\n\n")[0],
                                      allow_abbrev=False)
-    parser.add_argument("--checkpoint-cost", type=float, required=True, help="δ: seconds the loop is blocked")
-    parser.add_argument("--mtbf", type=float, required=True, help="M: mean seconds between reclaims")
-    parser.add_argument("--restart-cost", type=float, default=0.0, help="R: seconds from a reclaim to training")
+    parser.add_argument("--checkpoint-cost", type=float, help="δ: seconds the loop is blocked (default: --records')")
+    parser.add_argument("--mtbf", type=float, help="M: mean seconds between reclaims (default: --records')")
+    parser.add_argument("--restart-cost", type=float, help="R: seconds from a reclaim to training (default 0, or "
+                                                           "--records')")
+    parser.add_argument("--records", metavar="URL", help="a run's CHECKPOINT_URL: δ, M and R measured from its records "
+                                                         "(training/records.py) instead of the market's rates")
     parser.add_argument("--notice", type=float, default=0.0, help="seconds of reclaim notice (AWS, Tencent: 120)")
     parser.add_argument("--durable", type=float, default=None, help="seconds until a checkpoint is in the bucket")
     parser.add_argument("--unannounced", type=float, default=UNANNOUNCED_SHARE,
@@ -258,8 +263,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--simulate", metavar="TRACE", help="a file of reclaim times, poisson:MTBF[:SEED], "
                                                             "or weibull:SHAPE:SCALE[:SEED]")
     parser.add_argument("--fixed", default="60,300,600,1800,3600", help="fixed intervals (s) to compare")
+    parser.add_argument("--peer", metavar="STEPS:STEP_S:COST_S:RESTART_S",
+                        help="with --simulate, also the in-memory peer tier: a copy every STEPS steps of STEP_S s "
+                             "costing COST_S s, a restart from it in RESTART_S s (lost work <= STEPS steps)")
     parser.add_argument("--format", choices=("text", "json"), default="text")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _measured(args: argparse.Namespace) -> list[str]:
+    """Fill δ, M and R from the run's records where the flags leave them; the problems found."""
+    if not args.records:
+        args.restart_cost = args.restart_cost or 0.0
+        return [f"--{n} is required (or --records URL, to measure it)" for n, v in
+                (("checkpoint-cost", args.checkpoint_cost), ("mtbf", args.mtbf)) if v is None]
+    from training import goodput_report, records
+
+    try:
+        found = goodput_report.measure(records.read(args.records))
+    except (records.BadRecords, ValueError, OSError) as exc:
+        return [f"--records {args.records}: {exc}"]
+    args.measured = found
+    for flag, key in (("checkpoint_cost", "checkpoint_cost_s"), ("mtbf", "mtbf_s"), ("restart_cost", "restart_cost_s")):
+        if getattr(args, flag) is None:
+            setattr(args, flag, found[key])
+    return [] if args.mtbf != math.inf else [f"--records {args.records}: no failure recorded: give --mtbf"]
+
+
+def _problems(args: argparse.Namespace) -> tuple[list[str], list[float], list[float]]:
+    problems = _measured(args)
+    if problems:
+        return problems, [], []
     problems = [f"--{name.replace('_', '-')} {value}: {rule}" for name, value, ok, rule in (
         ("checkpoint_cost", args.checkpoint_cost, args.checkpoint_cost > 0, "must be above 0"),
         ("mtbf", args.mtbf, args.mtbf > 0, "must be above 0"),
@@ -273,29 +306,41 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         fixed_values, problems = [], [*problems, f"--fixed {args.fixed}: comma-separated seconds"]
     problems += [f"--fixed {v:g}: intervals must be above 0" for v in fixed_values if not v > 0]
-    for problem in problems:
-        print(f"error: {problem}", file=sys.stderr)
-    if problems:
-        return 2
-    try:
-        result = plan(args.checkpoint_cost, args.mtbf, args.restart_cost, args.notice, args.durable, args.unannounced)
-        report: dict[str, object] = {**asdict(result)}
-        if args.simulate:
-            times = trace_times(args.simulate)
-            fixed = fixed_values
-            report["simulation"] = {
-                "reclaims": len(times), "trace_mtbf_s": times[-1] / len(times),
-                "with_notice": sweep(times, args.checkpoint_cost, args.restart_cost, args.notice or 120, fixed,
-                                     args.durable, args.unannounced),
-                "without_notice": sweep(times, args.checkpoint_cost, args.restart_cost, 0.0, fixed, args.durable)}
-    except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.format == "json":
-        print(json.dumps(report, indent=2, default=lambda v: None if isinstance(v, float) and math.isinf(v) else v))
-        return 0
+    peer: list[float] = []
+    if args.peer:
+        try:
+            peer = [float(x) for x in args.peer.split(":")]
+        except ValueError:
+            peer = []
+        if len(peer) != 4 or not all(math.isfinite(v) and v >= 0 for v in peer) or not peer[0] * peer[1] > 0:
+            problems.append(f"--peer {args.peer}: STEPS:STEP_S:COST_S:RESTART_S, e.g. 50:1.0:0.5:30")
+    return problems, fixed_values, peer
+
+
+def _simulation(args: argparse.Namespace, fixed: list[float], peer: list[float]) -> dict[str, object]:
+    times = trace_times(args.simulate)
+    out: dict[str, object] = {
+        "reclaims": len(times), "trace_mtbf_s": times[-1] / len(times),
+        "with_notice": sweep(times, args.checkpoint_cost, args.restart_cost, args.notice or 120, fixed,
+                             args.durable, args.unannounced),
+        "without_notice": sweep(times, args.checkpoint_cost, args.restart_cost, 0.0, fixed, args.durable)}
+    if peer:
+        steps, step_s, cost, restart = peer
+        interval = steps * step_s
+        out["peer_tier"] = {
+            "assumptions": f"a copy in a peer's memory every {steps:g} steps of {step_s:g} s ({interval:g} s) "
+                           f"blocking {cost:g} s; after a reclaim the run restarts from it in {restart:g} s and loses "
+                           f"at most {steps:g} steps; {args.unannounced:.0%} of reclaims come without a usable notice",
+            "with_notice": simulate(times, interval, cost, restart, args.notice or 120, cost, args.unannounced),
+            "without_notice": simulate(times, interval, cost, restart, 0.0, cost)}
+    return out
+
+
+def _print_text(result: Plan, report: dict[str, object]) -> None:
     interval = "never (every reclaim is announced in time)" if math.isinf(result.interval_s) else \
         f"{result.interval_s:.0f} s"
+    if "measured" in report:
+        print("from the run's records: " + ", ".join(f"{k} {v:.1f}" for k, v in report["measured"].items()))  # type: ignore[attr-defined]
     print(f"interval_s        {interval}\ngoodput           {result.goodput:.2%}\n"
           f"lost per reclaim  {result.lost_work_per_reclaim_s:.0f} s of work\nwhy               {result.why}")
     sim = report.get("simulation")
@@ -304,6 +349,38 @@ def main(argv: list[str] | None = None) -> int:
         for label in ("with_notice", "without_notice"):
             rows = sim[label]
             print(f"  {label.replace('_', ' '):15} " + "  ".join(f"{k}: {v:.2%}" for k, v in rows.items()))
+        if "peer_tier" in sim:
+            tier = sim["peer_tier"]
+            print(f"  peer tier       with notice: {tier['with_notice']:.2%}  without notice: "
+                  f"{tier['without_notice']:.2%}\n  assumptions: {tier['assumptions']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["report"]:  # a run's ETTR from its records (training/goodput_report.py)
+        from training import goodput_report
+
+        return goodput_report.main(args_in[1:])
+    args = _parser().parse_args(args_in)
+    problems, fixed, peer = _problems(args)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    try:
+        result = plan(args.checkpoint_cost, args.mtbf, args.restart_cost, args.notice, args.durable, args.unannounced)
+        report: dict[str, object] = {**asdict(result)}
+        if args.records:
+            report["measured"] = args.measured
+        if args.simulate:
+            report["simulation"] = _simulation(args, fixed, peer)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        print(json.dumps(report, indent=2, default=lambda v: None if isinstance(v, float) and math.isinf(v) else v))
+    else:
+        _print_text(result, report)
     return 0
 
 

@@ -119,6 +119,13 @@ def gate(args):
     lines += [f"gts_gpu_gate_check_ok{_labels(check=c, **labels)} {int(ok)}" for c, ok, _, _ in results]
     if not failed and not missing:
         write_textfile(args.textfile_dir, "gts_gpu_gate", lines)
+        # the trainer's entrypoint records when the gate passed (training/records.py): a marker on scratch
+        marker = os.path.join(os.environ.get("GTS_SCRATCH_DIR", "/scratch"), ".gts-gate-passed")
+        try:
+            with open(marker, "w", encoding="utf-8") as fh:
+                fh.write(f"{time.time():.0f}\n")
+        except OSError as exc:
+            log.warning("gate marker %s not written: %s", marker, exc)
         log.info("GPU gate passed: %s", "; ".join(f"{c}: {d}" for c, _, d, _ in results))
         return 0
     if not failed:

@@ -76,11 +76,21 @@ GTS_REFUSAL_FILE=$(mktemp "${TMPDIR:-/tmp}/gts-refusal.XXXXXX")
 # report of the failed worker, which names no cause.
 GTS_FAILURE_FILE=$(mktemp "${TMPDIR:-/tmp}/gts-failure.XXXXXX")
 export GTS_REFUSAL_FILE GTS_FAILURE_FILE
+# The run's records (training/records.py): this node's capacity request, boot and GPU gate (the
+# gate's marker on scratch); the trainer adds its own. Heartbeats and stacks for the hang watchdog
+# (training/node/watchdog.py) go to GTS_PROGRESS_DIR; NCCL's flight recorder dumps there too.
+GTS_PROGRESS_DIR=${GTS_PROGRESS_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/gts-progress.XXXXXX")}
+export GTS_PROGRESS_DIR GTS_GATE_MARKER=${GTS_GATE_MARKER:-${GTS_SCRATCH_DIR:-/scratch}/.gts-gate-passed}
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000} TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$GTS_PROGRESS_DIR/nccl_trace_rank_}
+python -m training.records node-start || true
 PEER_STORE=""
+WATCHDOG=""
 # shellcheck disable=SC2329  # called by the trap
 on_exit() {
   rm -f "$GTS_REFUSAL_FILE" "$GTS_FAILURE_FILE"
   if [ -n "$PEER_STORE" ]; then kill "$PEER_STORE" 2>/dev/null || true; fi
+  if [ -n "$WATCHDOG" ]; then kill "$WATCHDOG" 2>/dev/null || true; fi
 }
 trap on_exit EXIT
 
@@ -163,7 +173,7 @@ trap 'forward USR1' USR1
 # checkpoint (a GPU fault of the restart class, cloudinit/scripts/gts-gpu-health.py): only this
 # script knows which processes are the workers (it runs the launcher under the guard).
 # shellcheck disable=SC2046,SC2329  # one pid per word; called by the trap
-restart_workers() { kill -KILL $(workers) 2>/dev/null || true; }
+restart_workers() { kill -KILL $(workers) 2>/dev/null || true; python -m training.records emit failure --failure xid || true; }
 trap 'restart_workers' USR2
 
 # The launcher under the guard, in a session of its own: a terminal's Ctrl-C or a process-group
@@ -171,6 +181,10 @@ trap 'restart_workers' USR2
 # killed, the guard kills the launcher and the workers.
 python -m training.node.guard "${cmd[@]}" &
 LAUNCHED=$!
+if [ "$LAUNCHER" = torchrun ] && [ "$NNODES" -gt 1 ]; then  # the launcher restarts what the watchdog stops
+  python -m training.node.watchdog --parent $$ &
+  WATCHDOG=$!
+fi
 echo "entrypoint: pid $$ (kill -TERM $$: checkpoint and stop; kill -USR1 $$: checkpoint now; kill -USR2 $$: restart the workers)" >&2
 status=0
 while true; do

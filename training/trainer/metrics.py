@@ -10,6 +10,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from training import records
+
 log = logging.getLogger("gts.metrics")
 
 
@@ -39,6 +41,15 @@ class Metrics:
         self.cost = gauge("gts_node_cost_usd", "This node's cost since the process started, at its hourly price.")
         self.hourly_price = gauge("gts_node_hourly_usd", "This node's price per hour (USD), for budget alerts.")
         self.hourly_price.set(node_hourly_usd)
+        self.straggler = Gauge("gts_train_straggler_ratio", "Each rank's compute time over the last straggler window "
+                               "against the median rank's (training/trainer/progress.py); above STRAGGLER_FACTOR: "
+                               "flagged.", names + ["rank"], registry=self.registry)
+        run = {**labels, "run": records.run_id()}
+        self.productive = Gauge("gts_run_productive_seconds", "Training time the run keeps: its newest committed step "
+                                "times the median step time.", [*run], registry=self.registry).labels(**run)
+        self.run_started = Gauge("gts_run_started_timestamp_seconds", "When the run first asked for capacity (its "
+                                 "records), else when this process started.", [*run], registry=self.registry).labels(**run)
+        self.run_started.set(time.time())
         self.gpu_util = Gauge("gts_gpu_utilization_percent", "GPU utilisation.", names + ["gpu"], registry=self.registry)
         self.gpu_mem = Gauge("gts_gpu_memory_used_bytes", "GPU memory in use.", names + ["gpu"], registry=self.registry)
         self.started = time.time()

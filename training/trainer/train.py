@@ -41,6 +41,7 @@ from training.trainer.restore import own_moments, restore_model
 from training.trainer.data import ResumableSampler, derived_seed
 from training.distributed import Comm
 from training.trainer.metrics import Metrics
+from training.trainer.progress import Progress
 from training.trainer.tracking import Tracker
 from training.wallcost import WallCost
 
@@ -73,6 +74,7 @@ class Run:
         self.last_saved, self.last_loss = 0, float("nan")
         self.interval = Interval(cfg.checkpoint_every, comm, cfg.mtbf_s, cfg.notice_s)
         self.wall = WallCost()
+        self.progress = Progress(comm, cfg.local_and_remote()[1] or cfg.local_and_remote()[0], self.metrics)
 
     def build_model(self) -> None:
         """Model, optimizer, schedule and scaler, then the per-rank random streams. Replicated
@@ -212,6 +214,7 @@ class Run:
             blocked = ckpt.save(self.step, state, rng_state(), self.comm.barrier)
         self.last_saved = self.step
         self.interval.saved(blocked)
+        self.progress.saved_checkpoint(self.step, blocked)
         self.metrics.checkpoint_seconds.set(blocked)
         if self.comm.rank == 0:
             log.info("checkpoint step %d: loop blocked %.3f s", self.step, blocked)
@@ -246,8 +249,10 @@ class Run:
             out = ddp_model(inputs)
             loss: torch.Tensor = nn.functional.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out,
                                                              labels.flatten())
+        forwarded = time.perf_counter()
         scaled: torch.Tensor = self.scaler.scale(loss)
         torch.autograd.backward(scaled)
+        waited = time.perf_counter() - forwarded  # the backward pass: DDP's all-reduce waits for the slowest rank here
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
@@ -258,6 +263,7 @@ class Run:
         self.metrics.step.set(self.step)
         self.metrics.loss.set(self.last_loss)
         self.metrics.step_seconds.set(elapsed)
+        self.progress.stepped(self.step, elapsed, elapsed - waited)
         self.metrics.samples_per_second.set(cfg.batch_size * comm.world / max(elapsed, 1e-9))
         if cfg.throttle_ms:
             time.sleep(cfg.throttle_ms / 1000)
@@ -346,7 +352,8 @@ class Run:
         tracker = Tracker(self.comm.rank == 0, self.run_id, config_mod.as_dict(self.cfg))
         try:
             interrupted = self.loop(ckpt, tracker)
-        except BaseException:
+        except BaseException as exc:
+            self.progress.crashed(exc, self.last_saved)
             ckpt.wait_commit()  # a checkpoint already reported is committed before the process goes
             raise
         if self.last_saved != self.step:
@@ -358,6 +365,7 @@ class Run:
         stopped = interrupted is not None and interrupted != REFUSED
         code = finish(ckpt, self.comm, self.stop.raised, stopped, self.cfg.upload_deadline_s, self.step)
         tracker.close(interrupted=interrupted is not None)
+        self.progress.ended(interrupted, code, self.step)
         if stopped and code not in (1, EXIT_USAGE) and self.comm.rank == 0:
             log.warning("stopped by %s at step %d after an emergency checkpoint", interrupted, self.step)
         if interrupted is None and code == 0:

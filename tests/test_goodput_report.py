@@ -1,0 +1,168 @@
+"""`python -m training.goodput report`: a run with two reclaims, a hang and a straggler, written
+as the writers write them (one object per writer, under the run's records/), gives the ETTR a
+hand computation from the same timestamps gives; bad records are refused in one line; the
+Daly interval and the simulator take the run's measured failure rate and checkpoint cost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import ROOT
+
+A, B = {"run": "r1", "team": "vision", "node": "a"}, {"run": "r1", "team": "vision", "node": "b"}
+AGENT_A = [  # node a's entrypoint: capacity asked at 1000, booted 1100, gate passed 1200
+    {**A, "t": 1000, "kind": "capacity_requested"}, {**A, "t": 1100, "kind": "node_booted", "node_hourly_usd": 2.0},
+    {**A, "t": 1200, "kind": "gate_passed"}]
+AGENT_B = [
+    {**B, "t": 1000, "kind": "capacity_requested"}, {**B, "t": 1150, "kind": "node_booted", "node_hourly_usd": 3.0},
+    {**B, "t": 1260, "kind": "gate_passed"}]
+
+
+def _ckpt(t: float, step: int, blocked: float) -> dict[str, object]:
+    return {**A, "t": t, "kind": "checkpoint", "step": step, "blocked_s": blocked}
+
+
+TRAINER = [
+    {**A, "t": 1300, "kind": "first_step", "step": 0},
+    _ckpt(2300, 100, 10), _ckpt(3300, 200, 10),
+    {**B, "t": 3800, "kind": "failure", "failure": "reclaim", "committed_step": 200},  # no notice: 3300-3800 lost
+    {**A, "t": 4000, "kind": "first_step", "step": 200},
+    _ckpt(5000, 300, 12),
+    {**A, "t": 6500, "kind": "straggler", "rank": 1, "excess_s": 50.0, "step": 350},
+    {**A, "t": 6700, "kind": "first_step", "step": 300},  # after the hang below (written by the watchdogs)
+    _ckpt(7200, 400, 8), _ckpt(7290, 410, 5),  # the emergency checkpoint of a reclaim notice
+    {**A, "t": 7300, "kind": "failure", "failure": "reclaim", "committed_step": 410},
+    {**A, "t": 7500, "kind": "first_step", "step": 410},
+    _ckpt(8990, 500, 6), {**A, "t": 9000, "kind": "run_finished", "step": 500}]
+WATCHDOGS = [  # both nodes' watchdogs saw no step since 6000 and acted at 6100 and 6103
+    {**B, "t": 6100, "kind": "failure", "failure": "hang", "rank": 1, "committed_step": 300, "last_progress_t": 6000,
+     "detail": "suspect: node b rank 1"},
+    {**A, "t": 6103, "kind": "failure", "failure": "hang", "rank": 0, "committed_step": 300, "last_progress_t": 6001,
+     "detail": "peer: node a rank 0"}]
+
+
+def by_hand() -> dict[str, float]:
+    """The same timestamps, cut by hand into the report's categories (seconds)."""
+    return {
+        "waiting for capacity": 1150 - 1000,  # until the last first-round node booted
+        "boot and gate": 1260 - 1150,
+        "restart": (1300 - 1260) + (4000 - 3800) + (6700 - 6100) + (7500 - 7300),
+        "hang": 6100 - 6000,
+        "lost work": (3800 - 3300) + (6000 - 5000) + (7300 - 7290),
+        "checkpoint stall": 10 + 10 + 12 + 8 + 5 + 6,
+        "straggler": 50,
+    }
+
+
+def write_records(root: Path) -> Path:
+    folder = root / "run" / "records"
+    folder.mkdir(parents=True)
+    for name, events in (("a-1-agent-1", AGENT_A), ("b-1-agent-1", AGENT_B), ("a-1-trainer-2", TRAINER),
+                         ("b-1-watchdog-3", WATCHDOGS[:1]), ("a-1-watchdog-3", WATCHDOGS[1:])):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return root / "run"
+
+
+def report(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "training.goodput", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_the_reports_ettr_is_the_hand_computed_one(tmp_path: Path) -> None:
+    out = report("report", "--records", str(write_records(tmp_path)), "--format", "json")
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout)
+    run = found["runs"]["r1"]
+    hand = by_hand()
+    total = 9000 - 1000
+    ettr = (total - sum(hand.values())) / total
+    assert run["ettr"] == pytest.approx(ettr, rel=0.01)
+    for category, seconds in hand.items():
+        assert run["badput_hours"][category] * 3600 == pytest.approx(seconds, abs=0.5), category
+    assert run["hourly_usd"] == 5.0 and run["badput_usd"]["hang"] == pytest.approx(100 / 3600 * 5.0)
+    assert run["hangs"] == ["hang of rank 1 on node b: 100 s without a step until detected"]
+    assert len(run["failures"]) == 3 and run["stragglers"][0].startswith("rank 1: the run waited 50.0 s")
+    assert found["teams"]["vision"]["ettr"] == pytest.approx(ettr, rel=0.01)
+    text = report("report", "--records", str(tmp_path / "run"))
+    assert text.returncode == 0 and "ETTR 62.4%" in text.stdout and "team vision" in text.stdout, text.stdout
+
+
+def test_records_off_the_schema_are_refused_in_one_line(tmp_path: Path) -> None:
+    root = write_records(tmp_path)
+    (root / "records" / "c-1-trainer-9.jsonl").write_text(json.dumps({**A, "t": 5, "kind": "checkpoint", "step": 3})
+                                                         + "\n")
+    out = report("report", "--records", str(root))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "c-1-trainer-9.jsonl line 1" in out.stderr and "blocked_s" in out.stderr, out.stderr
+    missing = report("report", "--records", str(tmp_path / "nothing"))
+    assert missing.returncode == 2 and "no records/ folder" in missing.stderr
+
+
+def test_the_live_ettr_rules_compute_it_per_run_and_team(tmp_path: Path) -> None:
+    """promtool evaluates the stack's recording rules on synthetic trainer series: run r1 (two nodes
+    export it) kept 864 s of its 960 s, r2 384 of 480; the team's ETTR is over both (rules run each minute)."""
+    import yaml
+
+    from infra import monitoring
+    from infra.stackfile import load_stack_spec
+    from tests.system_tools import debian_tool
+
+    (tmp_path / "rules.yml").write_text(monitoring.render(load_stack_spec("dev")), encoding="utf-8")
+    series = []
+    for node, run, kept, started in (("0", "r1", 864, 0), ("1", "r1", 850, 0), ("2", "r2", 384, 480)):
+        labels = f'node="{node}",run="{run}",team="vision"'
+        series += [{"series": f"gts_run_productive_seconds{{{labels}}}", "values": f"{kept}x20"},
+                   {"series": f"gts_run_started_timestamp_seconds{{{labels}}}", "values": f"{started}x20"}]
+    tests = [{"interval": "1m", "input_series": series, "promql_expr_test": [
+        {"expr": monitoring.RUN_ETTR, "eval_time": "16m", "exp_samples": [
+            {"labels": f'{monitoring.RUN_ETTR}{{run="r1",team="vision"}}', "value": 0.9},
+            {"labels": f'{monitoring.RUN_ETTR}{{run="r2",team="vision"}}', "value": 0.8}]},
+        {"expr": monitoring.TEAM_ETTR, "eval_time": "16m", "exp_samples": [
+            {"labels": f'{monitoring.TEAM_ETTR}{{team="vision"}}', "value": 1248 / 1440}]}]}]
+    (tmp_path / "t.yml").write_text(yaml.safe_dump({"rule_files": ["rules.yml"], "tests": tests}))
+    done = subprocess.run([debian_tool("promtool", "prometheus"), "test", "rules", "t.yml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    panels = {p["title"]: p for p in monitoring.dashboard(load_stack_spec("dev"))["panels"]}
+    ettr = panels["Effective training time ratio (ETTR) by run and team"]
+    assert [t["expr"] for t in ettr["targets"]] == [monitoring.RUN_ETTR, monitoring.TEAM_ETTR]
+
+
+def test_the_daly_interval_takes_the_runs_measured_rates(tmp_path: Path) -> None:
+    """δ, M and R from the records above: 6 checkpoints, 3 failures in 8000 s, restarts of 200, 600, 200 s."""
+    from training import goodput
+
+    out = report("--records", str(write_records(tmp_path)), "--format", "json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    delta, mtbf, restart = (10 + 10 + 12 + 8 + 5 + 6) / 6, 8000 / 3, (200 + 600 + 200) / 3
+    assert data["measured"]["checkpoint_cost_s"] == pytest.approx(delta)
+    assert data["measured"]["mtbf_s"] == pytest.approx(mtbf)
+    assert data["interval_s"] == pytest.approx(goodput.plan(delta, mtbf, restart).interval_s)
+    flag = report("--records", str(tmp_path / "run"), "--mtbf", "3600", "--format", "json")
+    assert json.loads(flag.stdout)["interval_s"] == pytest.approx(goodput.plan(delta, 3600, restart).interval_s)
+    neither = report("--checkpoint-cost", "20")
+    assert neither.returncode == 2 and "--mtbf is required (or --records URL" in neither.stderr
+
+
+def test_the_peer_tier_on_the_spot_trace_keeps_95_percent() -> None:
+    """tests/data/reclaims-spot-256-nodes.txt (synthesized from the published spot band, see its
+    header): a bucket-only tier (60 s blocked, 15 min restart) stays under 95 % without notice;
+    the peer tier (a copy every 50 steps of 2 s, 0.5 s, restart in 30 s) reaches it."""
+    trace = str(ROOT / "tests/data/reclaims-spot-256-nodes.txt")
+    args = ["--checkpoint-cost", "60", "--mtbf", "40500", "--restart-cost", "900", "--notice", "120", "--simulate",
+            trace, "--peer", "50:2:0.5:30"]
+    out = report(*args, "--format", "json")
+    assert out.returncode == 0, out.stderr
+    sim = json.loads(out.stdout)["simulation"]
+    assert sim["reclaims"] == 300 and sim["without_notice"]["auto"] < 0.95
+    assert sim["peer_tier"]["with_notice"] >= 0.95 and sim["peer_tier"]["without_notice"] >= 0.95
+    text = report(*args)
+    assert "assumptions: a copy in a peer's memory every 50 steps of 2 s" in text.stdout
+    bad = report(*args[:-1], "50:2")
+    assert bad.returncode == 2 and "--peer 50:2: STEPS:STEP_S:COST_S:RESTART_S" in bad.stderr

@@ -1,0 +1,140 @@
+"""A rank that hangs inside a multi-node run is found by the node's watchdog, not after the
+process group's 10-minute timeout: three local "nodes" (the image's entrypoint each, one store,
+one S3 bucket on 127.0.0.1, as tests/test_elastic.py runs them); one node's worker is stopped
+(SIGSTOP) mid-run, so every other rank waits in its next collective. The watchdogs save every
+rank's stacks to the bucket (the stopped rank's naming its frame), stop the workers, the
+launchers restart them from the newest checkpoint, the run finishes, and the report shows the
+hang as badput naming the rank and node."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.training_helpers import ROOT, MotoServer, Run, elastic_node, kill_tree, rendezvous_store, wait_any
+
+STEPS = 160
+
+
+def _node(index: int, port: int, moto: MotoServer, tmp: Path, boot: str) -> Run:
+    # GTS_BOOT_TIME: this host booted hours ago; the "node" boots when its test starts
+    return elastic_node(tmp, index, port, moto, ["--workload", "tiny", "--checkpoint-every", "20", "--log-every", "10",
+                                                 "--throttle-ms", "60"],
+                        NNODES="3", MIN_NNODES="3", NPROC_PER_NODE="1", RDZV_LAST_CALL_S="3", HANG_TIMEOUT_S="10",
+                        GTS_NODE_NAME=f"node{index}", GTS_PROGRESS_DIR=str(tmp / f"progress{index}"),
+                        GTS_TEAM="vision", NODE_HOURLY_USD="2.5", GTS_RUN_ID="hang-run", GTS_BOOT_TIME=boot,
+                        CHECKPOINT_URL=f"s3://{moto.bucket}/hang/", TRAIN_STEPS=str(STEPS))
+
+
+def _worker(progress: Path) -> tuple[int, int]:
+    """(global rank, pid) of the node's worker, from its heartbeat."""
+    beat = next(progress.glob("rank-*"))
+    return int(beat.name.split("-")[1]), int(beat.read_text().split()[4])
+
+
+def test_a_stopped_rank_is_found_its_stacks_saved_and_the_run_resumes(tmp_path: Path) -> None:
+    moto = MotoServer()
+    nodes: list[Run] = []
+    for i in range(3):
+        (tmp_path / f"progress{i}").mkdir()
+    with rendezvous_store() as port:
+        try:
+            boot = f"{time.time():.0f}"
+            nodes = [_node(i, port, moto, tmp_path, boot) for i in range(3)]
+            wait_any(nodes, r"checkpoint step 40:", timeout=180)
+            rank, pid = _worker(tmp_path / "progress2")
+            os.kill(pid, signal.SIGSTOP)  # inside or before its next collective: the others wait there
+            _, line = wait_any([nodes[2]], r"hang: no step on ranks", timeout=120)
+            assert f"suspect rank {rank} (stopped)" in line, line
+            wait_any(nodes, r"resumed from step \d+", timeout=180)
+            for run in nodes:
+                assert run.finish(timeout=400) == 0, run.output[-3000:]
+            finals = [x for run in nodes for x in run.lines if x.startswith("final step=")]
+            assert len(finals) == 1 and finals[0].startswith(f"final step={STEPS} "), finals
+            hangs = [k for k in moto.keys("hang/records/hangs/")]
+            ours = [k for k in hangs if k.startswith("hang/records/hangs/node2-")]
+            assert ours, hangs
+            text = moto.client().get_object(Bucket=moto.bucket, Key=ours[0])["Body"].read().decode()
+            assert f"suspect rank {rank} (stopped)" in text
+            section = text.split(f"== rank {rank} ")[1]
+            assert 'File "' in section and "training/trainer/" in section, section[:2000]
+        finally:
+            for run in nodes:
+                if run.proc.poll() is None:
+                    kill_tree(run.proc.pid)
+        report = subprocess.run([sys.executable, "-m", "training.goodput", "report", "--records",
+                                 f"s3://{moto.bucket}/hang/", "--format", "json"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=120,
+                                env={**os.environ, "STORAGE_ENDPOINT_URL": moto.url, "AWS_ACCESS_KEY_ID": "testing",
+                                     "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+        moto.stop()
+    assert report.returncode == 0, report.stderr
+    run = json.loads(report.stdout)["runs"]["hang-run"]
+    assert run["team"] == "vision" and run["badput_hours"]["hang"] > 0
+    assert any(f"rank {rank}" in h and "node2" in h for h in run["hangs"]), run["hangs"]
+    print("report:", run["hangs"], f"ETTR {run['ettr']:.3f}", run["badput_hours"])  # the figures, with -s
+    assert 0 < run["ettr"] < 1 and run["finished"]
+
+
+WORKER = """
+import faulthandler, os, sys, time
+from training.records import STACKS_SIGNAL
+folder, rank = sys.argv[1], sys.argv[2]
+faulthandler.register(STACKS_SIGNAL, file=open(f"{folder}/stacks-rank{rank}.txt", "a"), all_threads=True)
+def train_step():
+    time.sleep(0.05)
+step = 0
+while True:
+    train_step()
+    step += 1
+    with open(f"{folder}/rank-{rank}.tmp", "w") as fh:
+        fh.write(f"{step} {time.time()} 0.05 {step - step % 10} {os.getpid()} node-x")
+    os.replace(f"{folder}/rank-{rank}.tmp", f"{folder}/rank-{rank}")
+"""
+
+
+def test_a_node_that_hangs_twice_asks_for_its_replacement(tmp_path: Path) -> None:
+    """The watchdog as the entrypoint runs it, over a stand-in worker that heartbeats like the
+    trainer: stopped once, it is killed and nothing is replaced; stopped again (a new worker, as
+    the launcher restarts it), the node asks its group for its replacement (Alibaba's
+    SetInstanceHealth, signed with the instance role, tests/gpu_health_helpers.py's endpoint)."""
+    from tests.gpu_health_helpers import INSTANCE, ScalingApi, _metadata
+    from tests.training_helpers import retry_until
+    from training import records
+
+    progress, ckpt = tmp_path / "progress", tmp_path / "ck"
+    progress.mkdir()
+    meta = _metadata("alicloud", INSTANCE["alicloud"]).start()
+    api = ScalingApi("alicloud", meta)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_PROGRESS_DIR": str(progress), "CHECKPOINT_DIR": str(ckpt),
+           "HANG_TIMEOUT_S": "1", "GTS_CLOUD": "alicloud", "GTS_METADATA_URL": meta.url, "GTS_REPLACE_API_URL": api.url,
+           "GTS_NODE_NAME": "node-x", "GTS_NODE_GROUP": "ali-train", "GTS_RUN_ID": "twice"}
+    dog = subprocess.Popen([sys.executable, "-m", "training.node.watchdog", "--parent", str(os.getpid())], env=env,
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for attempt in (1, 2):
+            worker = subprocess.Popen([sys.executable, "-c", WORKER, str(progress), "0"], env=env, cwd=ROOT)
+            assert retry_until(lambda: (progress / "rank-0").exists() and
+                               (progress / "rank-0").read_text().split()[4] == str(worker.pid), 60)
+            os.kill(worker.pid, signal.SIGSTOP)
+            assert worker.wait(timeout=60) == -signal.SIGKILL
+            if attempt == 1:
+                assert not api.calls
+        assert api.event.wait(timeout=60)
+    finally:
+        dog.kill()
+        out, _ = dog.communicate(timeout=30)
+        api.stop()
+        meta.stop()
+    assert [c["params"]["Action"] for c in api.calls] == ["SetInstanceHealth"], api.calls
+    assert "asking for this node's replacement: 2 hangs on this node" in out, out
+    hangs = [e for e in records.read(str(ckpt)) if e.kind == "failure"]
+    assert [(e.failure, e.rank, e.detail.split(":")[0]) for e in hangs] == [("hang", 0, "suspect")] * 2
+    stacks = sorted((ckpt / "records" / "hangs").iterdir())
+    # the frame each stopped worker was in (its training step, or the heartbeat after it)
+    assert len(stacks) == 2 and all('File "<string>", line ' in p.read_text() for p in stacks), stacks[0].read_text()

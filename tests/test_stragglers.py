@@ -1,0 +1,67 @@
+"""Straggler detection with real ranks (torchrun, three CPU processes): every forward pass takes a
+steady 20 ms more (tests/faults.py: a stand-in for a GPU's kernels, since a shared 2-core
+machine's own timing is noise), one rank's 1.5x that. The slow rank is flagged within 100 steps
+with its node, in the log and the run's records; a clean run of 1,000 steps flags no one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from training import records
+from tests.training_helpers import launch
+
+COMPUTE = {"GTS_TEST_COMPUTE_MS": "20", "STRAGGLER_WINDOW_STEPS": "50", "GTS_NODE_NAME": "box"}
+
+
+def test_a_rank_slowed_1_5x_is_flagged_within_100_steps(tmp_path: Path) -> None:
+    run = launch(["--workload", "tiny", "--steps", "100", "--checkpoint-dir", str(tmp_path / "ck"),
+                  "--checkpoint-every", "100"], tmp_path,
+                 {**COMPUTE, "GTS_TEST_SLOW_RANK": "1", "GTS_TEST_SLOW_FACTOR": "1.5"}, nproc=3)
+    assert run.finish() == 0, run.output[-3000:]
+    flagged = [line for line in run.lines if "straggler: rank" in line]
+    assert flagged and all("straggler: rank 1 on node box" in line for line in flagged), flagged
+    found = [e for e in records.read(str(tmp_path / "ck")) if e.kind == "straggler"]
+    assert found and {e.rank for e in found} == {1} and all(e.step is not None and e.step <= 100 for e in found)
+
+
+def test_a_clean_run_of_1000_steps_flags_no_one(tmp_path: Path) -> None:
+    run = launch(["--workload", "tiny", "--steps", "1000", "--checkpoint-dir", str(tmp_path / "ck"),
+                  "--checkpoint-every", "1000", "--log-every", "100"], tmp_path, COMPUTE, nproc=3)
+    assert run.finish(timeout=600) == 0, run.output[-3000:]
+    assert run.final()[0] == 1000
+    assert not [line for line in run.lines if "straggler" in line]
+    assert not [e for e in records.read(str(tmp_path / "ck")) if e.kind == "straggler"]
+
+
+class Ranks:
+    """Three ranks' window times as the collective would return them (this process is rank 1)."""
+
+    rank, world, local_rank = 1, 3, 0
+
+    def __init__(self, windows: list[list[float]]):
+        self.windows = windows
+
+    def all_gather_object(self, mine: object) -> list[object]:
+        return [(c, 0.0, f"node{r}") for r, c in enumerate(self.windows.pop(0))]
+
+
+@pytest.mark.parametrize("replace", ["false", "true"])
+def test_a_persistent_straggler_asks_for_its_node_only_when_set(replace: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """STRAGGLER_REPLACE (off by default): rank 1 slow in three windows in a row writes the request
+    its node's watchdog acts on; slow in two, then not, then slow again, it does not."""
+    from training.trainer.progress import Progress
+
+    monkeypatch.setenv("GTS_PROGRESS_DIR", str(tmp_path))
+    monkeypatch.setenv("STRAGGLER_REPLACE", replace)
+    slow, fine = [1.0, 1.5, 1.0], [1.0, 1.05, 1.0]
+    progress = Progress(Ranks([slow, slow, fine, slow, slow]), None, None)  # type: ignore[arg-type]
+    for step in range(50, 300, 50):
+        progress.compare(step)
+    assert not (tmp_path / "replace-request").exists()
+    progress.comm = Ranks([slow])  # type: ignore[assignment]
+    progress.compare(300)
+    progress.close()
+    assert (tmp_path / "replace-request").exists() == (replace == "true")

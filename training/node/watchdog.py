@@ -1,0 +1,197 @@
+"""The node's hang watchdog, run beside the launcher by training/node/entrypoint.sh.
+
+Every training process writes a heartbeat after each step (training/trainer/progress.py:
+`$GTS_PROGRESS_DIR/rank-<rank>` with its step, the time, its p99 step time (or its longest
+checkpoint's blocked time, if longer: a save is no hang), its newest saved step and its pid). When no local rank has finished a step for max(3 x the p99 step time,
+HANG_TIMEOUT_S) — NCCL's own watchdog waits 10 minutes, gloo's 30 — the watchdog:
+
+1. has every worker dump its Python stacks (faulthandler, registered by the trainer on
+   records.STACKS_SIGNAL; a stopped process is continued after the signal is queued, so the dump shows
+   the frame it stopped in) and saves them, with NCCL's flight recorder dumps where NCCL wrote
+   any, to `<CHECKPOINT_URL>/records/hangs/<node>-<time>.txt`;
+2. records the hang (training/records.py): the suspect rank (a stopped or uninterruptible
+   process here, else the rank whose heartbeat is oldest) and its node, the newest saved step;
+3. kills the workers: the launcher restarts the worker group (--max-restarts) from the newest
+   checkpoint, and the other nodes' workers, their collective broken, restart with them.
+
+A node that is the suspect of HANG_REPLACE_AFTER hangs (2) asks its group for its replacement
+through the replace-me path (training/node/node_replace.py), as does a node whose rank asked for
+it as a persistent straggler (`replace-request` in the progress folder; STRAGGLER_REPLACE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from training import records
+from training.records import STACKS_SIGNAL
+
+log = logging.getLogger("gts.watchdog")
+HANG_REPLACE_AFTER = 2
+STACKS_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Beat:
+    rank: int
+    step: int
+    t: float
+    p99: float
+    saved: int
+    pid: int
+
+
+def beats(folder: Path) -> list[Beat]:
+    """The heartbeats of the workers alive now (a restarted group's old files are skipped)."""
+    found = []
+    for path in folder.glob("rank-*"):
+        try:
+            step, t, p99, saved, pid = path.read_text().split()[:5]
+            beat = Beat(int(path.name.split("-")[1]), int(step), float(t), float(p99), int(saved), int(pid))
+        except (OSError, ValueError):
+            continue
+        if _state(beat.pid):
+            found.append(beat)
+    return found
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (R, S, D, T, t, Z...), '' when it is gone."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return "" if state in ("Z", "X") else state
+
+
+def limit(found: list[Beat], floor: float) -> float:
+    return max(3 * max(b.p99 for b in found), floor)
+
+
+class Watchdog:
+    def __init__(self, folder: Path, url: str | None, floor: float, replace: bool):
+        self.folder, self.url, self.floor, self.replace = folder, url, floor, replace
+        self.writer = records.Writer(url, "watchdog")
+        self.handled: set[int] = set()  # pids of worker groups already stopped for a hang
+        self.own_hangs = 0
+        self.replaced = False
+
+    def check(self, now: float) -> bool:
+        """One look; True when it found a hang and acted."""
+        found = [b for b in beats(self.folder) if b.pid not in self.handled]
+        if self.replace and not self.replaced and (self.folder / "replace-request").is_file():
+            self.ask_replacement((self.folder / "replace-request").read_text().strip(), "straggler_replacement")
+        if not found or now - max(b.t for b in found) <= limit(found, self.floor):
+            return False
+        self.act(found, now)
+        return True
+
+    def act(self, found: list[Beat], now: float) -> None:
+        last = max(b.t for b in found)
+        stuck = [b for b in found if _state(b.pid) in ("T", "t", "D")]
+        suspect = stuck[0] if stuck else min(found, key=lambda b: (b.t, b.rank))
+        log.error("hang: no step on ranks %s of node %s for %.0f s (limit %.0f s); suspect rank %d (%s); saving "
+                  "stacks and restarting the workers", sorted(b.rank for b in found), records.node_name(), now - last,
+                  limit(found, self.floor), suspect.rank, "stopped" if stuck else "oldest heartbeat")
+        where = self.save_stacks(found, suspect, bool(stuck))
+        self.writer.emit("failure", failure="hang", rank=suspect.rank, committed_step=max(b.saved for b in found),
+                         last_progress_t=last, detail=f"{'suspect' if stuck else 'peer'}: node {records.node_name()} "
+                         f"rank {suspect.rank}; stacks {where}")
+        for beat in found:
+            self.handled.add(beat.pid)
+            _signal(beat.pid, signal.SIGKILL)
+        if stuck:
+            self.own_hangs += 1
+            if self.own_hangs >= HANG_REPLACE_AFTER and self.replace:
+                self.ask_replacement(f"{self.own_hangs} hangs on this node", "hang")
+
+    def save_stacks(self, found: list[Beat], suspect: Beat, stopped: bool) -> str:
+        """Every worker's Python stacks (and NCCL flight recorder dumps) as one object; its URL."""
+        files = {b.rank: self.folder / f"stacks-rank{b.rank}.txt" for b in found}
+        before = {r: (p.stat().st_size if p.exists() else 0) for r, p in files.items()}
+        for beat in found:
+            _signal(beat.pid, STACKS_SIGNAL)
+            _signal(beat.pid, signal.SIGCONT)  # a stopped process runs the handler once continued
+        deadline = time.monotonic() + STACKS_WAIT_S
+        while time.monotonic() < deadline and any(_size(p) <= before[r] for r, p in files.items()):
+            time.sleep(0.1)
+        time.sleep(0.2)  # the dump of the last thread
+        parts = [f"hang on node {records.node_name()} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; "
+                 f"suspect rank {suspect.rank} ({'stopped' if stopped else 'oldest heartbeat'})"]
+        for beat in found:
+            text = files[beat.rank].read_text(errors="replace")[before[beat.rank]:] if files[beat.rank].exists() else ""
+            parts.append(f"== rank {beat.rank} pid {beat.pid} last step {beat.step}\n{text or '(no stacks dumped)'}")
+        parts += [f"== {p.name}\n{p.read_bytes()[:200000]!r}" for p in sorted(self.folder.glob("nccl_trace_rank_*"))]
+        name = f"hangs/{records.node_name()}-{int(time.time())}.txt"
+        if not self.url:
+            return "(no bucket)"
+        try:
+            from training.storage import location
+
+            where = location(self.url)
+            where.fs.pipe(where.join("records", name), "\n".join(parts).encode())
+            return f"{self.url.rstrip('/')}/records/{name}"
+        except Exception as exc:  # noqa: BLE001 - the restart matters more than the stacks
+            log.error("stacks not saved to %s: %s", self.url, exc)
+            return "(not saved)"
+
+    def ask_replacement(self, why: str, kind: str) -> None:
+        """The node's replace-me request (training/node/node_replace.py), as the GPU health watch makes it."""
+        self.replaced = True
+        log.error("asking for this node's replacement: %s", why)
+        if kind != "hang":  # a hang's replacement follows its own hang record
+            self.writer.emit("failure", failure="straggler_replacement", detail=f"replacement asked: {why}")
+        try:
+            import sys
+
+            from training import cloudmeta
+            sys.modules.setdefault("cloudmeta", cloudmeta)  # node_replace imports it as the node installs it
+            from training.node import node_replace
+
+            meta = cloudmeta.Metadata(os.environ.get("GTS_CLOUD", ""), os.environ.get("GTS_METADATA_URL") or None)
+            instance, answer = node_replace.request_replacement(
+                meta, None, os.environ.get("GTS_REPLACE_API_URL") or None, os.environ.get("GTS_NODE_GROUP", ""),
+                os.environ.get("GTS_SCALING_GROUP_ID", ""))
+            log.warning("asked the group to replace instance %s: %s", instance, answer.strip()[:300])
+        except Exception as exc:  # noqa: BLE001 - the node stays; the hang records name it for the operator
+            log.error("replacement request failed: %s", exc)
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.node.watchdog", allow_abbrev=False)
+    parser.add_argument("--progress-dir", default=os.environ.get("GTS_PROGRESS_DIR", ""))
+    parser.add_argument("--parent", type=int, default=os.getppid(), help="exit when this process is gone")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from training.contract import HANG_TIMEOUT_S, HANG_REPLACE
+
+    floor = float(os.environ.get(HANG_TIMEOUT_S.name) or 60)
+    replace = (os.environ.get(HANG_REPLACE.name) or "true").lower() == "true"
+    dog = Watchdog(Path(args.progress_dir), os.environ.get("CHECKPOINT_URL") or os.environ.get("CHECKPOINT_DIR"),
+                   floor, replace)
+    log.info("hang watchdog on %s: a hang is max(3 x p99 step time, %.0f s) without a step", args.progress_dir, floor)
+    while _state(args.parent):
+        dog.check(time.time())
+        time.sleep(1.0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

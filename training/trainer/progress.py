@@ -1,0 +1,152 @@
+"""What a training process tells the rest of the node and the run's records about its progress:
+
+- a heartbeat per rank (`$GTS_PROGRESS_DIR/rank-<rank>`: step, time, p99 step time, the newest
+  saved step, pid) that the node's hang watchdog reads (training/node/watchdog.py), and Python
+  stacks dumped by faulthandler to `stacks-rank<rank>.txt` when the watchdog sends STACKS_SIGNAL;
+- global rank 0's run records (training/records.py): the attempt's first step, each checkpoint's
+  blocked time, a crash, the run's end;
+- straggler detection: every STRAGGLER_WINDOW_STEPS steps the ranks gather their compute time
+  (forward and optimizer; the backward pass is where DDP waits for the others' gradients, so it
+  is kept apart as collective wait) and a rank slower than STRAGGLER_FACTOR x the median is
+  flagged with its node: a log line, the gts_train_straggler metric and a record.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import IO, Any
+
+from training import records
+from training.distributed import Comm
+
+log = logging.getLogger("gts.progress")
+STACKS_SIGNAL = records.STACKS_SIGNAL
+PERSISTENT_WINDOWS = 3  # a rank flagged this many windows in a row is a persistent straggler
+
+
+def _setting(name: str, default: float) -> float:
+    value = os.environ.get(name, "")
+    return float(value) if value else default
+
+
+class Progress:
+    def __init__(self, comm: Comm, records_url: str | None, metrics: Any):
+        self.comm, self.metrics = comm, metrics
+        self.dir = Path(os.environ["GTS_PROGRESS_DIR"]) if os.environ.get("GTS_PROGRESS_DIR") else None
+        self.writer = records.Writer(records_url, "trainer", background=True) if comm.rank == 0 else None
+        self.times: deque[float] = deque(maxlen=500)
+        self.window = int(_setting("STRAGGLER_WINDOW_STEPS", 50))
+        self.factor = _setting("STRAGGLER_FACTOR", 1.2)
+        self.replace = os.environ.get("STRAGGLER_REPLACE", "false").lower() == "true"
+        self.compute = self.waited = 0.0
+        self.flagged: dict[int, int] = {}  # rank -> windows in a row
+        self.first_done = False
+        self.saved, self.blocked = -1, 0.0
+        self._stacks: IO[str] | None = None
+        if self.dir is not None:
+            self._stacks = open(self.dir / f"stacks-rank{comm.rank}.txt", "w", encoding="utf-8")  # noqa: SIM115
+            faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
+
+        if comm.local_rank == 0 and records_url and metrics is not None:
+            threading.Thread(target=self._run_started, args=(records_url,), daemon=True).start()
+
+    def _run_started(self, url: str) -> None:
+        """The live ETTR's denominator starts when the run first asked for capacity (its records)."""
+        try:
+            found = [e.t for e in records.read(url) if e.run == records.run_id()]
+        except Exception as exc:  # noqa: BLE001 - no records yet, or the bucket unreachable: this process's start
+            log.info("no run records read from %s (%s): ETTR counted from this process's start", url, exc)
+            return
+        if found:
+            self.metrics.run_started.set(min(found))
+
+    def record(self, kind: str, **fields: object) -> None:
+        if self.writer is not None:
+            self.writer.emit(kind, **fields)
+
+    def stepped(self, step: int, elapsed: float, compute: float) -> None:
+        """After every optimizer step, on every rank."""
+        now = time.time()
+        if not self.first_done:
+            self.first_done = True
+            self.record("first_step", step=step - 1, detail=f"world {self.comm.world}")
+        self.times.append(elapsed)
+        self.compute += compute
+        self.waited += max(0.0, elapsed - compute)
+        if self.dir is not None:
+            # a checkpoint blocks the loop too: the watchdog's limit is 3x the longer of the two
+            p99 = max(sorted(self.times)[int(0.99 * (len(self.times) - 1))], self.blocked)
+            beat = self.dir / f"rank-{self.comm.rank}"
+            tmp = beat.with_suffix(".tmp")
+            tmp.write_text(f"{step} {now:.3f} {p99:.4f} {self.saved} {os.getpid()} {records.node_name()}\n")
+            os.replace(tmp, beat)
+        if self.window and step % self.window == 0:
+            self.compare(step)
+
+    def saved_checkpoint(self, step: int, blocked: float) -> None:
+        self.saved, self.blocked = step, max(self.blocked, blocked)
+        if self.metrics is not None and self.times:
+            self.metrics.productive.set(step * statistics.median(self.times))
+        self.record("checkpoint", step=step, blocked_s=blocked)
+
+    def compare(self, step: int) -> None:
+        """Every rank: gather the window's compute times and flag the slow ones (one collective)."""
+        mine = (self.compute, self.waited, records.node_name())
+        self.compute = self.waited = 0.0
+        gathered = self.comm.all_gather_object(mine)
+        if len(gathered) < 2:
+            return
+        median = statistics.median_low(c for c, _, _ in gathered)
+        for rank, (compute, waited, node) in enumerate(gathered):
+            slow = median > 0 and compute > self.factor * median
+            self.flagged[rank] = self.flagged.get(rank, 0) + 1 if slow else 0
+            if self.metrics is not None:
+                self.metrics.straggler.labels(**self.metrics.labels, rank=str(rank)).set(
+                    compute / median if median > 0 else 0)
+            if not slow:
+                continue
+            if self.comm.rank == 0:
+                log.warning("straggler: rank %d on node %s computed %.3f s over steps %d-%d, %.2fx the median "
+                            "rank's %.3f s (collective wait %.3f s)", rank, node, compute, step - self.window + 1,
+                            step, compute / median, median, waited)
+                self.record("straggler", rank=rank, excess_s=compute - median, step=step,
+                            detail=f"node {node}: {compute / median:.2f}x the median over {self.window} steps")
+            if self.replace and self.flagged[rank] >= PERSISTENT_WINDOWS and rank == self.comm.rank:
+                self.ask_replacement(node, step)
+
+    def ask_replacement(self, node: str, step: int) -> None:
+        """This rank is a persistent straggler: its node's watchdog asks for the node's replacement."""
+        if self.dir is not None:
+            (self.dir / "replace-request").write_text(f"straggler: rank {self.comm.rank} slow for "
+                                                      f"{PERSISTENT_WINDOWS} windows at step {step}\n")
+        log.warning("persistent straggler: rank %d on node %s asks for its node's replacement", self.comm.rank, node)
+
+    def crashed(self, exc: BaseException, committed: int) -> None:
+        """The process is going down with an exception: its record goes to the bucket first."""
+        self.record("failure", failure="crash", committed_step=committed, detail=repr(exc)[:300])
+        if self.writer is not None:
+            self.writer.flush(timeout=10.0)
+
+    def ended(self, interrupted: str | None, code: int, step: int) -> None:
+        """The attempt's end: the run finished, or a signal stopped it after an emergency checkpoint
+        (a reclaim notice, or a person: nothing is lost either way)."""
+        if interrupted is None and code == 0:
+            self.record("run_finished", step=step)
+        elif interrupted is not None and code in (0, 75):  # 75: another node was told to stop (run_control.finish)
+            self.record("failure", failure="reclaim", committed_step=self.saved, detail=f"{interrupted} at step {step}")
+        self.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+        if self._stacks is not None:
+            faulthandler.unregister(STACKS_SIGNAL)
+            self._stacks.close()
+            self._stacks = None
