@@ -17,6 +17,7 @@ from infra.groups import resolve
 from infra.policy_config import for_stack
 from infra.stackfile import teams_reader
 from infra.validation import parse_stack
+from tests.contract_helpers import container_env, job_containers
 from tests.harness import ROOT, by_type, key, parse_spec, policy_hits, run_stack, spec_raw, stack_values
 from training import contract as c
 
@@ -150,3 +151,8 @@ def test_a_kubernetes_jobs_spares_are_pods_beyond_its_world(tmp_path: Path) -> N
     assert (spec["completions"], spec["parallelism"], spec["completionMode"]) == (3, 3, "Indexed")
     env = {e["name"]: e.get("value") for e in spec["template"]["spec"]["containers"][0]["env"]}
     assert env["NNODES"] == "2"  # the world; the third pod waits as a spare
+    # Each pod's NODE_RANK is its completion index: the spare's (2) passes the container's first
+    # check (`python -m training.contract check`, training/node/entrypoint.sh), one beyond does not.
+    trainer = job_containers(job)["trainer"]
+    assert c.problems(container_env(trainer, completion_index=2)) == []
+    assert c.problems(container_env(trainer, completion_index=3)) == ["NODE_RANK=3 is not below NNODES=2 + SPARES=1"]

@@ -106,7 +106,9 @@ def job_env(rg: ResolvedGroup, job: str) -> dict[str, str]:
     """The contract's values on Kubernetes: the node group's own (scratch is the pod's node-local
     volume at the same path); a multi-node Job's pods meet at its rendezvous store's Service."""
     endpoint = f"{store_name(job)}.{NAMESPACE}.svc.cluster.local:{contract.RDZV_PORT}" if rg.max_nodes > 1 else ""
-    return {**rg.trainer, c.RDZV_ENDPOINT.name: endpoint}
+    # The pods beyond NNODES are the warm spares (scaling.spares): their completion indexes
+    # (NODE_RANK) are NNODES.., which the contract's check admits below NNODES + SPARES.
+    return {**rg.trainer, c.RDZV_ENDPOINT.name: endpoint, c.SPARES.name: str(rg.group.scaling.spares)}
 
 
 def rendezvous_store(name: str, image: pulumi.Input[str], namespace: pulumi.Input[str], labels: dict[str, str],
