@@ -27,6 +27,9 @@ def problems(rg: ResolvedGroup) -> list[Problem]:
     if not s.spares:
         return []
     key, k = f"{rg.path}.scaling.spares", s.spares
+    if k > s.max:  # a typo (40 for 4) would otherwise buy a fleet of idle nodes
+        return [Problem(key, f"{k}: more warm spares than the run has nodes (scaling.max {s.max}); "
+                             f"set at most {s.max}")]
     if rg.workload != "training" or rg.max_nodes <= 1:
         why = ("only a multi-node training run (scaling.max above 1; a Kubernetes group's desired nodes above 1) "
                "has a world for a spare to wait outside of")

@@ -106,6 +106,13 @@ def test_spares_with_a_schedule_and_on_fixed_instances_are_refused() -> None:
     assert any("scaling.spares: 1: the group's nodes are fixed instances" in p for p in _refused(reserved))
 
 
+def test_more_spares_than_the_runs_nodes_are_refused_by_key() -> None:
+    problems = _refused(lambda cfg: _with_spares(cfg, 5, ("aws-train",)))
+    index = [g["name"] for g in stack_values("prod")[key("nodeGroups")]].index("aws-train")
+    assert (f"nodeGroups[{index}].scaling.spares: 5: more warm spares than the run has nodes (scaling.max 4); "
+            "set at most 4") in problems, problems
+
+
 def test_a_negative_count_is_refused_by_the_schema() -> None:
     problems = _refused(lambda cfg: _group(cfg, "aws-train").__setitem__("scaling", {"min": 1, "max": 2, "spares": -1}))
     assert any("spares" in p and "greater than or equal to 0" in p for p in problems), problems
