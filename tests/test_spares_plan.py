@@ -163,3 +163,20 @@ def test_a_kubernetes_jobs_spares_are_pods_beyond_its_world(tmp_path: Path) -> N
     trainer = job_containers(job)["trainer"]
     assert c.problems(container_env(trainer, completion_index=2)) == []
     assert c.problems(container_env(trainer, completion_index=3)) == ["NODE_RANK=3 is not below NNODES=2 + SPARES=1"]
+
+
+@pytest.mark.parametrize("bad", [0, -2, None, "abc", 1.5])
+def test_a_bad_nodes_per_spare_is_refused_by_the_rules_config_schema(bad: Any) -> None:
+    """The engine checks a rule's config against its schema before the pack runs (`pulumi policy
+    validate-config`, `--policy-pack-config`): a share of 0 or less, or not a whole number, is
+    refused by name there instead of becoming one spare per node or a crash in the rule."""
+    import jsonschema
+
+    from policies.gts_policy.rules import RULES
+
+    [rule] = [r for r in RULES if r.name == "gpu-spares-share"]
+    schema = {"type": "object", "properties": rule.schema}
+    jsonschema.validate({"nodesPerSpare": 4}, schema)
+    with pytest.raises(jsonschema.ValidationError) as caught:
+        jsonschema.validate({"nodesPerSpare": bad}, schema)
+    assert list(caught.value.absolute_path) == ["nodesPerSpare"]
