@@ -73,14 +73,22 @@ def test_an_unreachable_budget_quarantines_and_asks_nothing(tmp_path: Path) -> N
     assert 'gts_gpu_quarantined{cloud="alicloud",group="ali-train",why="replace_budget_unreachable"} 1' in metrics
 
 
-def test_a_node_without_a_run_bucket_is_quarantined_and_a_bad_setting_is_a_usage_error(tmp_path: Path) -> None:
+def test_a_node_without_a_run_bucket_is_quarantined_and_a_bad_setting_falls_back_to_the_default(
+        tmp_path: Path) -> None:
+    """A typo in GTS_REPLACEMENTS_PER_HOUR must not stop every node of the group (a usage error
+    exits before the gate and the watch run): the line names it and the default bound applies."""
     tools = _fake_tools(tmp_path, gpus=7)
     with _metadata("alicloud", INSTANCE["alicloud"]) as meta:
         api = ScalingApi("alicloud", meta)
         done = _gate(tmp_path, tools, meta, api, "--gpus", "8", env={"GTS_REPLACEMENTS_PER_HOUR": "2"})
-        bad = _gate(tmp_path, tools, meta, api, "--gpus", "8", env={"GTS_REPLACEMENTS_PER_HOUR": "-1"})
+        bad = [_gate(tmp_path, tools, meta, api, "--gpus", "8", env={"GTS_REPLACEMENTS_PER_HOUR": value})
+               for value in ("-1", "three")]
         api.stop()
     assert done.returncode == 1 and not _replace_calls(api)
     assert "the node has no run bucket to keep the budget in" in done.stderr
-    assert bad.returncode == 2 and "--replacements-per-hour (GTS_REPLACEMENTS_PER_HOUR)" in bad.stderr
-    assert "Traceback" not in bad.stderr
+    for value, run in zip(("-1", "three"), bad):
+        assert run.returncode == 1 and "Traceback" not in run.stderr  # the gate ran and judged the node
+        [line] = [x for x in run.stderr.splitlines() if "GTS_REPLACEMENTS_PER_HOUR" in x]
+        assert f"{value!r} is not a whole number of 0 (no bound) or more" in line
+        assert "the default applies: 3 an hour" in line
+        assert "the node has no run bucket to keep the budget in" in run.stderr  # bounded, not unbounded

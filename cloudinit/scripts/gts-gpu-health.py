@@ -310,12 +310,16 @@ REPLACE_MODES = ("group", "none")
 DIAG_LEVELS = (0, 1, 2)
 
 
-def _per_hour(parser, value):
+def _per_hour(value):
+    """The bound, or the default when node.env's value is not one: a typo there must not stop the
+    gate and the watch on every node of the group (each would exit 2, no trainer anywhere)."""
     try:
         return replace_budget.per_hour_setting(value)
     except ValueError as exc:
-        parser.error(f"--replacements-per-hour (GTS_REPLACEMENTS_PER_HOUR) must be a whole number, 0 (no bound) or "
-                     f"more; got {value!r} ({exc})")
+        log.error("--replacements-per-hour (GTS_REPLACEMENTS_PER_HOUR) %r is not a whole number of 0 (no bound) "
+                  "or more (%s); the default applies: %d an hour; fix the value in node.env", value, exc,
+                  replace_budget.DEFAULT_PER_HOUR)
+        return replace_budget.DEFAULT_PER_HOUR
 
 
 def main(argv=None):
@@ -362,7 +366,7 @@ def main(argv=None):
     # argparse checks `choices` on what the command line gives, not on defaults (node.env's values).
     if args.replace not in REPLACE_MODES:
         parser.error(f"--replace (GTS_REPLACE) must be one of {', '.join(REPLACE_MODES)}; got {args.replace!r}")
-    args.replacements_per_hour = _per_hour(parser, args.replacements_per_hour)
+    args.replacements_per_hour = _per_hour(args.replacements_per_hour)
     if args.command == "gate" and args.diag_level not in DIAG_LEVELS:
         parser.error(f"--diag-level (GTS_GPU_DIAG_LEVEL) must be one of {DIAG_LEVELS}; got {args.diag_level!r}")
     try:
