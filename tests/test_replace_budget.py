@@ -247,3 +247,21 @@ def test_the_node_roles_may_list_and_read_the_versions_on_oss_and_cos() -> None:
     assert {"oss:ListObjectVersions", "oss:GetObjectVersion", "oss:PutObject"} <= set(oss)
     cos = [a for st in json.loads(cos_policy("gts-run", "ap-guangzhou", "125", grants))["statement"] for a in st["action"]]
     assert {"name/cos:GetBucketObjectVersions", "name/cos:GetObject", "name/cos:PutObject"} <= set(cos)
+
+
+def test_a_node_that_asks_twice_holds_one_slot(tmp_path: Path) -> None:
+    """The gate condemns the node and takes a slot; the Xid watch (or a second gate run) asks
+    again before the node is gone: the slot it holds, recorded in its run dir, is reused."""
+    moto = MotoServer()
+    tools = _fake_tools(tmp_path, gpus=7)
+    try:
+        with _metadata("alicloud", INSTANCE["alicloud"]) as meta:
+            api = ScalingApi("alicloud", meta)
+            env = _budget_env(moto.url, moto.bucket)
+            first, again = [_gate(tmp_path, tools, meta, api, "--gpus", "8", env=env) for _ in range(2)]
+            api.stop()
+        assert "took replacement slot" in first.stderr
+        assert "already holds replacement slot" in again.stderr and "took replacement slot" not in again.stderr
+        assert len(moto.keys(PREFIX)) == 1  # one slot of the group's two, not both
+    finally:
+        moto.stop()

@@ -164,11 +164,18 @@ def leave(args, labels, reason):
     return quarantine_metric(labels, "hand_back_failed")
 
 
+HELD_SLOT = "replace-slot"  # in the run dir (/run: gone with the instance): the slot this node holds
+
+
 def over_budget(args, labels, reason):
     """Take a slot of the group's replacement budget (training/node/replace_budget.py) before the
     node asks to be replaced: [] when it holds one (or the bound is off), else the quarantine's
     metric lines — over budget, or the budget unreachable (fail safe: never replace unbudgeted)."""
     if args.replacements_per_hour == 0:
+        return []
+    held = os.path.join(args.run_dir, HELD_SLOT)  # one node, one slot: the gate's, then the watch's ask
+    if os.path.exists(held):
+        log.warning("%s: this node already holds replacement slot %s", reason, open(held, encoding="utf-8").read())
         return []
     meta = cloudmeta.Metadata(args.cloud, args.metadata_url)
     try:
@@ -189,6 +196,9 @@ def over_budget(args, labels, reason):
                   detail)
         return quarantine_metric(labels, "replace_budget_spent")
     log.warning("%s: took replacement slot %s", reason, detail)
+    os.makedirs(args.run_dir, exist_ok=True)
+    with open(held, "w", encoding="utf-8") as fh:
+        fh.write(detail)
     return []
 
 
