@@ -163,6 +163,8 @@ def test_a_kubernetes_jobs_spares_are_pods_beyond_its_world(tmp_path: Path) -> N
     assert (spec["completions"], spec["parallelism"], spec["completionMode"]) == (3, 3, "Indexed")
     env = {e["name"]: e.get("value") for e in spec["template"]["spec"]["containers"][0]["env"]}
     assert env["NNODES"] == "2"  # the world; the third pod waits as a spare
+    # The Job succeeds when the run's pods have (a spare still waiting need not end first).
+    assert spec["successPolicy"] == {"rules": [{"succeededIndexes": "0-1", "succeededCount": 2}]}
     # Each pod's NODE_RANK is its completion index: the spare's (2) passes the container's first
     # check (`python -m training.contract check`, training/node/entrypoint.sh), one beyond does not.
     trainer = job_containers(job)["trainer"]
@@ -175,7 +177,7 @@ def test_a_bad_nodes_per_spare_is_refused_by_the_rules_config_schema(bad: Any) -
     """The engine checks a rule's config against its schema before the pack runs (`pulumi policy
     validate-config`, `--policy-pack-config`): a share of 0 or less, or not a whole number, is
     refused by name there instead of becoming one spare per node or a crash in the rule."""
-    import jsonschema
+    import jsonschema  # type: ignore[import-untyped]  # no stubs installed; the engine validates alike
 
     from policies.gts_policy.rules import RULES
 
@@ -185,3 +187,31 @@ def test_a_bad_nodes_per_spare_is_refused_by_the_rules_config_schema(bad: Any) -
     with pytest.raises(jsonschema.ValidationError) as caught:
         jsonschema.validate({"nodesPerSpare": bad}, schema)
     assert list(caught.value.absolute_path) == ["nodesPerSpare"]
+
+
+def test_the_success_policy_goes_where_the_clusters_kubernetes_has_it() -> None:
+    """GA in Kubernetes 1.33 (KEP-3998): EKS's version has it, TKE's 1.30 has it behind a gate
+    that is off, where the field would be dropped; without spares no Job gets one."""
+    from infra.clouds.aws.kubernetes import EKS_VERSION
+    from infra.clouds.tencentcloud.kubernetes import TKE_VERSION
+    from infra.k8s.job import SUCCESS_POLICY, success_policy
+
+    def minor(version: str) -> tuple[int, int]:
+        major, rest = version.split(".", 1)
+        return int(major), int(rest.split(".")[0])
+
+    assert SUCCESS_POLICY["aws"] == (minor(EKS_VERSION) >= (1, 33))
+    assert SUCCESS_POLICY["tencentcloud"] == (minor(TKE_VERSION) >= (1, 33))
+
+    from dataclasses import replace
+
+    config = stack_values("prod")
+    _group(config, "ali-ack-train")["scaling"] = {"min": 0, "max": 5, "desired": 2, "spares": 1}
+    stack = resolve(parse_spec(spec_raw(config)))
+    rg = stack.group("ali-ack-train")
+    on = {cloud: success_policy(replace(rg, group=rg.group.model_copy(update={"cloud": cloud})))
+          for cloud in SUCCESS_POLICY}  # the same group on each cloud's cluster
+    assert [cloud for cloud, policy in on.items() if policy is not None] == ["aws", "alicloud"]
+    assert success_policy(stack.group("aws-eks-train")) is None  # no spares, no policy
+    rules = on["alicloud"].rules  # type: ignore[union-attr]
+    assert [(r.succeeded_indexes, r.succeeded_count) for r in rules] == [("0-1", 2)]  # type: ignore[union-attr]

@@ -31,6 +31,12 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # Kueue's label naming a Job's LocalQ
 QUEUES_MANAGED = "gpu-training-stack/queues"  # namespaces whose Jobs Kueue manages (infra/k8s/queues.py)
 SECRET_VARS = frozenset({c.MLFLOW_TRACKING_URI.name})
 NAMESPACE = "training"
+# Clusters whose Kubernetes has the Job success policy on: KEP-3998 (alpha 1.30 behind the
+# JobSuccessPolicy gate, off; beta 1.31; GA 1.33; Kubernetes docs concepts/workloads/controllers/
+# job, "Success policy"). EKS runs EKS_VERSION 1.35 and ACK its newest; TKE's TKE_VERSION 1.30 has
+# the gate off, so there a Job's spares rely on rdzv_launch ending a late pod with 0 alone
+# (tests/test_spares_plan.py keeps this table and those versions in step).
+SUCCESS_POLICY = {"aws": True, "alicloud": True, "tencentcloud": False}
 TRAINER_UID = 1000  # the image's USER (training/Dockerfile)
 # What the node keeps for itself and its daemons (kubelet, runtime, exporters, device plugin).
 CPU_SHARE, MEMORY_SHARE, SHM_SHARE = 0.85, 0.80, 0.25
@@ -96,6 +102,16 @@ def restricted() -> k8s.core.v1.SecurityContextArgs:
         run_as_non_root=True, run_as_user=TRAINER_UID, allow_privilege_escalation=False,
         capabilities=k8s.core.v1.CapabilitiesArgs(drop=["ALL"]),
         seccomp_profile=k8s.core.v1.SeccompProfileArgs(type="RuntimeDefault"))
+
+
+def success_policy(rg: ResolvedGroup) -> k8s.batch.v1.SuccessPolicyArgs | None:
+    """A Job with warm spares succeeds when the run's pods (indexes 0..NNODES-1) have: the spares'
+    indexes need not, and the controller then removes their lingering pods."""
+    if not rg.group.scaling.spares or not SUCCESS_POLICY[rg.cloud]:
+        return None
+    members = f"0-{rg.nnodes - 1}" if rg.nnodes > 1 else "0"
+    return k8s.batch.v1.SuccessPolicyArgs(rules=[k8s.batch.v1.SuccessPolicyRuleArgs(
+        succeeded_indexes=members, succeeded_count=rg.nnodes)])
 
 
 def store_name(job: str) -> str:
@@ -256,7 +272,7 @@ class TrainingJob(pulumi.ComponentResource):
                 # One pod per node, and one per warm spare (scaling.spares): NNODES stays the run's
                 # world, so a spare's pod waits outside it (training/node/rdzv_launch.py).
                 completion_mode="Indexed", completions=rg.job_pods, parallelism=rg.job_pods,
-                backoff_limit=args.backoff_limit,
+                backoff_limit=args.backoff_limit, success_policy=success_policy(rg),
                 template=k8s.core.v1.PodTemplateSpecArgs(metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
                                                          spec=pod)),
             opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(depends_on=args.after)))
