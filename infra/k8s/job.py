@@ -31,11 +31,7 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # Kueue's label naming a Job's LocalQ
 QUEUES_MANAGED = "gpu-training-stack/queues"  # namespaces whose Jobs Kueue manages (infra/k8s/queues.py)
 SECRET_VARS = frozenset({c.MLFLOW_TRACKING_URI.name})
 NAMESPACE = "training"
-# Clusters whose Kubernetes has the Job success policy on: KEP-3998 (alpha 1.30 behind the
-# JobSuccessPolicy gate, off; beta 1.31; GA 1.33; Kubernetes docs concepts/workloads/controllers/
-# job, "Success policy"). EKS runs EKS_VERSION 1.35 and ACK its newest; TKE's TKE_VERSION 1.30 has
-# the gate off, so there a Job's spares rely on rdzv_launch ending a late pod with 0 alone
-# (tests/test_spares_plan.py keeps this table and those versions in step).
+# Clusters with the Job success policy (KEP-3998, GA 1.33): EKS 1.35, ACK's newest; not TKE 1.30 (gate off).
 SUCCESS_POLICY = {"aws": True, "alicloud": True, "tencentcloud": False}
 TRAINER_UID = 1000  # the image's USER (training/Dockerfile)
 # What the node keeps for itself and its daemons (kubelet, runtime, exporters, device plugin).
@@ -105,13 +101,11 @@ def restricted() -> k8s.core.v1.SecurityContextArgs:
 
 
 def success_policy(rg: ResolvedGroup) -> k8s.batch.v1.SuccessPolicyArgs | None:
-    """A Job with warm spares succeeds when the run's pods (indexes 0..NNODES-1) have: the spares'
-    indexes need not, and the controller then removes their lingering pods."""
+    """A Job with spares is done when its run's pods (indexes 0..NNODES-1) are; the spares' are removed."""
     if not rg.group.scaling.spares or not SUCCESS_POLICY[rg.cloud]:
         return None
-    members = f"0-{rg.nnodes - 1}" if rg.nnodes > 1 else "0"
     return k8s.batch.v1.SuccessPolicyArgs(rules=[k8s.batch.v1.SuccessPolicyRuleArgs(
-        succeeded_indexes=members, succeeded_count=rg.nnodes)])
+        succeeded_indexes=f"0-{rg.nnodes - 1}", succeeded_count=rg.nnodes)])  # spares: nnodes >= 2
 
 
 def store_name(job: str) -> str:
@@ -122,8 +116,7 @@ def job_env(rg: ResolvedGroup, job: str) -> dict[str, str]:
     """The contract's values on Kubernetes: the node group's own (scratch is the pod's node-local
     volume at the same path); a multi-node Job's pods meet at its rendezvous store's Service."""
     endpoint = f"{store_name(job)}.{NAMESPACE}.svc.cluster.local:{contract.RDZV_PORT}" if rg.max_nodes > 1 else ""
-    # The pods beyond NNODES are the warm spares (scaling.spares): their completion indexes
-    # (NODE_RANK) are NNODES.., which the contract's check admits below NNODES + SPARES.
+    # The spares' completion indexes (NODE_RANK) are NNODES..: the contract admits < NNODES + SPARES.
     return {**rg.trainer, c.RDZV_ENDPOINT.name: endpoint, c.SPARES.name: str(rg.group.scaling.spares)}
 
 
@@ -269,8 +262,7 @@ class TrainingJob(pulumi.ComponentResource):
             metadata=k8s.meta.v1.ObjectMetaArgs(name=job, namespace=args.namespace, labels={**labels, **queued},
                                                 annotations={SKIP_AWAIT: "true"}),
             spec=k8s.batch.v1.JobSpecArgs(
-                # One pod per node, and one per warm spare (scaling.spares): NNODES stays the run's
-                # world, so a spare's pod waits outside it (training/node/rdzv_launch.py).
+                # One pod per node and per warm spare: a spare's pod waits outside NNODES (rdzv_launch.py).
                 completion_mode="Indexed", completions=rg.job_pods, parallelism=rg.job_pods,
                 backoff_limit=args.backoff_limit, success_policy=success_policy(rg),
                 template=k8s.core.v1.PodTemplateSpecArgs(metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
