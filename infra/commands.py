@@ -23,6 +23,7 @@ FILLED_BY = {
     c.AWS_REGION.name: "an AWS node group (it is empty on other clouds)",
     c.SHARED_DIR.name: "sharedFs: true on the group and a sharedFs on its network",
     c.NODE_RANK.name: "a Kubernetes group (the Job sets it; on VMs torchrun assigns ranks itself)",
+    c.SPARES.name: "a Kubernetes group (the Job sets it)",
 }
 
 
@@ -52,7 +53,7 @@ def _command(spec: StackSpec, rg: ResolvedGroup) -> Iterator[Problem]:
 
 
 def _left_empty(spec: StackSpec, rg: ResolvedGroup, name: str) -> bool:
-    if name == c.NODE_RANK.name:  # the Job's completion index
+    if name in (c.NODE_RANK.name, c.SPARES.name):  # the Job's completion index, its spare pods
         return rg.kind != "kubernetes"
     if name == c.RDZV_ENDPOINT.name:  # VMs: the network's store; Kubernetes: the Job's own store Service
         return rg.max_nodes <= 1

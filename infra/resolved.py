@@ -123,7 +123,12 @@ class ResolvedGroup:
     # which boot, pass the gate and wait outside the run (training/node/rdzv_launch.py).
     @property
     def fleet_min(self) -> int:
-        return self.group.scaling.min + self.group.scaling.spares
+        # With spares the world is full and fixed (desired = max, infra/spares.py), so the minimum
+        # is the whole fleet: each cloud's group ignores later changes of its desired capacity
+        # (the cloud's scaling moves it), and spares added to a running stack come from the raised
+        # minimum, which the group fills by itself.
+        s = self.group.scaling
+        return s.max + s.spares if s.spares else s.min
 
     @property
     def fleet_max(self) -> int:

@@ -1,8 +1,8 @@
 """Warm spares (nodeGroups[].scaling.spares: k): k nodes beyond the run's world that boot, pass
 the GPU gate and the fabric check, pull the image and wait outside the run until a member is
 lost (training/node/rdzv_launch.py says how torch's rendezvous holds them). A VM group's scaling
-group holds the run's nodes plus k (ResolvedGroup.fleet_min / fleet_max / fleet_desired) while
-its world stays scaling.max (NNODES); a Kubernetes group's Job gets one more pod per spare
+group holds the run's nodes plus k (ResolvedGroup.fleet_min / fleet_max / fleet_desired, all
+max + k) while its world stays scaling.max (NNODES); a Kubernetes group's Job gets one more pod per spare
 (ResolvedGroup.job_pods), which its pool must have room for. Here: where spares can work (the
 checks), and what they cost against the failures they are for (the plan's cost and the policy
 pack's spare cap).
@@ -27,6 +27,9 @@ def problems(rg: ResolvedGroup) -> list[Problem]:
     if not s.spares:
         return []
     key, k = f"{rg.path}.scaling.spares", s.spares
+    if k > s.max:  # a typo (40 for 4) would otherwise buy a fleet of idle nodes
+        return [Problem(key, f"{k}: more warm spares than the run has nodes (scaling.max {s.max}); "
+                             f"set at most {s.max}")]
     if rg.workload != "training" or rg.max_nodes <= 1:
         why = ("only a multi-node training run (scaling.max above 1; a Kubernetes group's desired nodes above 1) "
                "has a world for a spare to wait outside of")

@@ -49,11 +49,14 @@ def job_containers(job: Registered) -> dict[str, dict[str, Any]]:
 
 
 def container_env(container: dict[str, Any], completion_index: int = 0) -> dict[str, str]:
-    """A container's env as the kubelet sets it (the completion index from the pod's annotation)."""
+    """A container's env as the kubelet sets it (the completion index from the pod's annotation;
+    values from Secrets left out)."""
     env = {}
     for item in container["env"]:
         if "value" in item:
             env[item["name"]] = item["value"]
+        elif "secretKeyRef" in item["valueFrom"]:  # a Secret's value (RDZV_KEY): not the contract's
+            continue
         else:
             path = item["valueFrom"]["fieldRef"]["fieldPath"]
             if path == "status.podIP":  # the pod's address (METRICS_ADDR): here, this machine's loopback

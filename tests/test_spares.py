@@ -98,3 +98,25 @@ def test_a_spare_still_waiting_when_the_run_ends_exits_cleanly(tmp_path: Path) -
                 if run.proc.poll() is None:
                     kill_tree(run.proc.pid)
             moto.stop()
+
+
+def test_a_node_that_comes_after_the_run_ended_exits_cleanly(tmp_path: Path) -> None:
+    """A spare or a recreated Job pod that was Pending until the run ended: it never joined the
+    run, so torch's RendezvousClosedError is not its failure; it ends with 0 (an Indexed Job
+    needs every index to succeed) and says why."""
+    moto = MotoServer()
+    nodes: list[Run] = []
+    with rendezvous_store() as port:
+        try:
+            nodes = [_node(i, port, moto, tmp_path, nnodes=2, steps=40) for i in range(2)]
+            for run in nodes:
+                assert run.finish(timeout=300) == 0, run.output[-3000:]
+            nodes.append(_node(2, port, moto, tmp_path, nnodes=2, steps=40))
+            assert nodes[2].finish(timeout=120) == 0, nodes[2].output[-3000:]
+            assert "rdzv_launch: the run's rendezvous was already closed when this node came" in nodes[2].output
+            assert _worlds(nodes[2]) == [] and "Traceback" not in nodes[2].output
+        finally:
+            for run in nodes:
+                if run.proc.poll() is None:
+                    kill_tree(run.proc.pid)
+            moto.stop()

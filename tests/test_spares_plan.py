@@ -17,6 +17,7 @@ from infra.groups import resolve
 from infra.policy_config import for_stack
 from infra.stackfile import teams_reader
 from infra.validation import parse_stack
+from tests.contract_helpers import container_env, job_containers
 from tests.harness import ROOT, by_type, key, parse_spec, policy_hits, run_stack, spec_raw, stack_values
 from training import contract as c
 
@@ -37,14 +38,19 @@ def _edited(spares: int = 1, names: tuple[str, ...] = VM_TRAINING) -> dict[str, 
 
 
 def test_each_clouds_scaling_group_holds_the_world_plus_the_spares_and_the_world_stays(tmp_path: Path) -> None:
+    """min = max = desired = the world plus the spares: every group ignores later changes of its
+    desired capacity (the cloud's own scaling moves it), so spares added to a running stack come
+    only from the raised minimum, which the cloud's group then fills by itself."""
     res = run_stack("prod", lambda cfg: _with_spares(cfg), tmp_path)
     [asg] = [r for r in by_type(res, "aws:autoscaling/group:Group") if r.name == "aws-train-asg"]
-    assert (asg.inputs["minSize"], asg.inputs["maxSize"], asg.inputs["desiredCapacity"]) == (3, 5, 5)
+    assert (asg.inputs["minSize"], asg.inputs["maxSize"], asg.inputs["desiredCapacity"]) == (5, 5, 5)
     [ess] = [r for r in by_type(res, "alicloud:ess/scalingGroup:ScalingGroup") if r.name == "ali-train-ess"]
-    assert (ess.inputs["minSize"], ess.inputs["maxSize"], ess.inputs["desiredCapacity"]) == (3, 5, 5)
+    assert (ess.inputs["minSize"], ess.inputs["maxSize"], ess.inputs["desiredCapacity"]) == (5, 5, 5)
     # Tencent: the spot group's on-demand base (1) is a fixed instance; the AS group has the rest.
     [tas] = [r for r in by_type(res, "tencentcloud:As/scalingGroup:ScalingGroup") if r.name == "tc-train-asg"]
-    assert (tas.inputs["minSize"], tas.inputs["maxSize"], tas.inputs["desiredCapacity"]) == (2, 4, 4)
+    assert (tas.inputs["minSize"], tas.inputs["maxSize"], tas.inputs["desiredCapacity"]) == (4, 4, 4)
+    for group in (asg, ess, tas):  # why the minimum must carry the spares
+        assert "desiredCapacity" in group.options["ignoreChanges"], group.options
     stack = parse_stack(spec_raw(_edited()), teams=teams_reader(ROOT))
     for name in VM_TRAINING:
         env = stack.group(name).trainer
@@ -105,6 +111,13 @@ def test_spares_with_a_schedule_and_on_fixed_instances_are_refused() -> None:
     assert any("scaling.spares: 1: the group's nodes are fixed instances" in p for p in _refused(reserved))
 
 
+def test_more_spares_than_the_runs_nodes_are_refused_by_key() -> None:
+    problems = _refused(lambda cfg: _with_spares(cfg, 5, ("aws-train",)))
+    index = [g["name"] for g in stack_values("prod")[key("nodeGroups")]].index("aws-train")
+    assert (f"nodeGroups[{index}].scaling.spares: 5: more warm spares than the run has nodes (scaling.max 4); "
+            "set at most 4") in problems, problems
+
+
 def test_a_negative_count_is_refused_by_the_schema() -> None:
     problems = _refused(lambda cfg: _group(cfg, "aws-train").__setitem__("scaling", {"min": 1, "max": 2, "spares": -1}))
     assert any("spares" in p and "greater than or equal to 0" in p for p in problems), problems
@@ -150,3 +163,55 @@ def test_a_kubernetes_jobs_spares_are_pods_beyond_its_world(tmp_path: Path) -> N
     assert (spec["completions"], spec["parallelism"], spec["completionMode"]) == (3, 3, "Indexed")
     env = {e["name"]: e.get("value") for e in spec["template"]["spec"]["containers"][0]["env"]}
     assert env["NNODES"] == "2"  # the world; the third pod waits as a spare
+    # The Job succeeds when the run's pods have (a spare still waiting need not end first).
+    assert spec["successPolicy"] == {"rules": [{"succeededIndexes": "0-1", "succeededCount": 2}]}
+    # Each pod's NODE_RANK is its completion index: the spare's (2) passes the container's first
+    # check (`python -m training.contract check`, training/node/entrypoint.sh), one beyond does not.
+    trainer = job_containers(job)["trainer"]
+    assert c.problems(container_env(trainer, completion_index=2)) == []
+    assert c.problems(container_env(trainer, completion_index=3)) == ["NODE_RANK=3 is not below NNODES=2 + SPARES=1"]
+
+
+@pytest.mark.parametrize("bad", [0, -2, None, "abc", 1.5])
+def test_a_bad_nodes_per_spare_is_refused_by_the_rules_config_schema(bad: Any) -> None:
+    """The engine checks a rule's config against its schema before the pack runs (`pulumi policy
+    validate-config`, `--policy-pack-config`): a share of 0 or less, or not a whole number, is
+    refused by name there instead of becoming one spare per node or a crash in the rule."""
+    import jsonschema  # type: ignore[import-untyped]  # no stubs installed; the engine validates alike
+
+    from policies.gts_policy.rules import RULES
+
+    [rule] = [r for r in RULES if r.name == "gpu-spares-share"]
+    schema = {"type": "object", "properties": rule.schema}
+    jsonschema.validate({"nodesPerSpare": 4}, schema)
+    with pytest.raises(jsonschema.ValidationError) as caught:
+        jsonschema.validate({"nodesPerSpare": bad}, schema)
+    assert list(caught.value.absolute_path) == ["nodesPerSpare"]
+
+
+def test_the_success_policy_goes_where_the_clusters_kubernetes_has_it() -> None:
+    """GA in Kubernetes 1.33 (KEP-3998): EKS's version has it, TKE's 1.30 has it behind a gate
+    that is off, where the field would be dropped; without spares no Job gets one."""
+    from infra.clouds.aws.kubernetes import EKS_VERSION
+    from infra.clouds.tencentcloud.kubernetes import TKE_VERSION
+    from infra.k8s.job import SUCCESS_POLICY, success_policy
+
+    def minor(version: str) -> tuple[int, int]:
+        major, rest = version.split(".", 1)
+        return int(major), int(rest.split(".")[0])
+
+    assert SUCCESS_POLICY["aws"] == (minor(EKS_VERSION) >= (1, 33))
+    assert SUCCESS_POLICY["tencentcloud"] == (minor(TKE_VERSION) >= (1, 33))
+
+    from dataclasses import replace
+
+    config = stack_values("prod")
+    _group(config, "ali-ack-train")["scaling"] = {"min": 0, "max": 5, "desired": 2, "spares": 1}
+    stack = resolve(parse_spec(spec_raw(config)))
+    rg = stack.group("ali-ack-train")
+    on = {cloud: success_policy(replace(rg, group=rg.group.model_copy(update={"cloud": cloud})))
+          for cloud in SUCCESS_POLICY}  # the same group on each cloud's cluster
+    assert [cloud for cloud, policy in on.items() if policy is not None] == ["aws", "alicloud"]
+    assert success_policy(stack.group("aws-eks-train")) is None  # no spares, no policy
+    rules = on["alicloud"].rules  # type: ignore[union-attr]
+    assert [(r.succeeded_indexes, r.succeeded_count) for r in rules] == [("0-1", 2)]  # type: ignore[union-attr]

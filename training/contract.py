@@ -50,6 +50,8 @@ NNODES = Var("NNODES", "most nodes of one training run (elastic: torchrun --nnod
 MIN_NNODES = Var("MIN_NNODES", "fewest nodes the run goes on with after losing some", STACK)
 NPROC_PER_NODE = Var("NPROC_PER_NODE", "training processes per node (its GPUs)", STACK)
 NODE_RANK = Var("NODE_RANK", "this node's index (Kubernetes: the Job completion index)", K8S)
+SPARES = Var("SPARES", "warm spares beside the run (scaling.spares): a Job's pods NNODES.. are spares that wait "
+             "outside the run's world (NODE_RANK below NNODES + SPARES)", "the stack, for a Kubernetes Job")
 RDZV_ENDPOINT = Var("RDZV_ENDPOINT", "host:port of the rendezvous store of a multi-node run (VMs: the stack's "
                     "store instance; Kubernetes: the Job's store Service)", STACK)
 SHARED_DIR = Var("SHARED_DIR", "the network's shared file system, mounted here (empty: none; nodeGroups[].sharedFs)",
@@ -74,7 +76,8 @@ GTS_TEAM = Var("GTS_TEAM", "the team the node's cost is shown back to (metrics l
                STACK)
 
 VARS = (WORKLOAD, TRAIN_STEPS, DATA_DIR, DATASET_URL, CHECKPOINT_URL, CHECKPOINT_DIR, CHECKPOINT_EVERY, MTBF_S, NOTICE_S,
-        KEEP_CHECKPOINTS, LAUNCHER, TRAIN_MODULE, TRAIN_COMMAND, NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK, RDZV_ENDPOINT, SHARED_DIR, METRICS_PORT,
+        KEEP_CHECKPOINTS, LAUNCHER, TRAIN_MODULE, TRAIN_COMMAND, NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK, SPARES,
+        RDZV_ENDPOINT, SHARED_DIR, METRICS_PORT,
         NODE_HOURLY_USD, MLFLOW_TRACKING_URI, STORAGE_ENDPOINT_URL, STORAGE_REGION, STORAGE_ADDRESSING_STYLE,
         STORAGE_CREDENTIALS, AWS_REGION, GTS_CLOUD, GTS_NODE_GROUP, GTS_TEAM)
 NAMES = frozenset(v.name for v in VARS)
@@ -202,10 +205,10 @@ def problems(env: dict[str, str] | None = None) -> list[str]:
     source = env.get(STORAGE_CREDENTIALS.name) or "default"
     if source not in CREDENTIAL_SOURCES:
         found.append(f"{STORAGE_CREDENTIALS.name}={source!r}: use one of {', '.join(CREDENTIAL_SOURCES)}")
-    for var in (NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK):
-        value = env.get(var.name, "")
-        if value and not (value.isdigit() and (var is NODE_RANK or int(value) >= 1)):
-            found.append(f"{var.name}={value!r}: a whole number{'' if var is NODE_RANK else ' of at least 1'}")
+    for var in (NNODES, MIN_NNODES, NPROC_PER_NODE, NODE_RANK, SPARES):
+        value, counts_from_0 = env.get(var.name, ""), var in (NODE_RANK, SPARES)
+        if value and not (value.isdigit() and (counts_from_0 or int(value) >= 1)):
+            found.append(f"{var.name}={value!r}: a whole number{'' if counts_from_0 else ' of at least 1'}")
     nnodes = env.get(NNODES.name, "1")
     if nnodes.isdigit() and int(nnodes) > 1 and not env.get(RDZV_ENDPOINT.name):
         found.append(f"{NNODES.name}={nnodes} needs {RDZV_ENDPOINT.name} (host:port of the rendezvous store): "
@@ -213,9 +216,10 @@ def problems(env: dict[str, str] | None = None) -> list[str]:
     least = env.get(MIN_NNODES.name, "")
     if least.isdigit() and nnodes.isdigit() and int(least) > int(nnodes):
         found.append(f"{MIN_NNODES.name}={least} is more than {NNODES.name}={nnodes}")
-    rank = env.get(NODE_RANK.name, "0")
-    if rank.isdigit() and nnodes.isdigit() and int(rank) >= max(int(nnodes), 1):
-        found.append(f"{NODE_RANK.name}={rank} is not below {NNODES.name}={nnodes}")
+    rank, spares = env.get(NODE_RANK.name, "0"), env.get(SPARES.name) or "0"
+    if rank.isdigit() and nnodes.isdigit() and spares.isdigit() and int(rank) >= max(int(nnodes), 1) + int(spares):
+        beside = f" + {SPARES.name}={spares}" if int(spares) else ""  # a Job's spare pods: ranks NNODES..
+        found.append(f"{NODE_RANK.name}={rank} is not below {NNODES.name}={nnodes}{beside}")
     if env.get(TRAIN_COMMAND.name):
         try:
             decode_command(env[TRAIN_COMMAND.name])

@@ -171,11 +171,18 @@ def leave(args, labels, reason):
     return quarantine_metric(labels, "hand_back_failed")
 
 
+HELD_SLOT = "replace-slot"  # in the run dir (/run: gone with the instance): the slot this node holds
+
+
 def over_budget(args, labels, reason):
     """Take a slot of the group's replacement budget (training/node/replace_budget.py) before the
     node asks to be replaced: [] when it holds one (or the bound is off), else the quarantine's
     metric lines — over budget, or the budget unreachable (fail safe: never replace unbudgeted)."""
     if args.replacements_per_hour == 0:
+        return []
+    held = os.path.join(args.run_dir, HELD_SLOT)  # one node, one slot: the gate's, then the watch's ask
+    if os.path.exists(held):
+        log.warning("%s: this node already holds replacement slot %s", reason, open(held, encoding="utf-8").read())
         return []
     meta = cloudmeta.Metadata(args.cloud, args.metadata_url)
     try:
@@ -196,6 +203,9 @@ def over_budget(args, labels, reason):
                   detail)
         return quarantine_metric(labels, "replace_budget_spent")
     log.warning("%s: took replacement slot %s", reason, detail)
+    os.makedirs(args.run_dir, exist_ok=True)
+    with open(held, "w", encoding="utf-8") as fh:
+        fh.write(detail)
     return []
 
 
@@ -317,12 +327,16 @@ REPLACE_MODES = ("group", "none")
 DIAG_LEVELS = (0, 1, 2)
 
 
-def _per_hour(parser, value):
+def _per_hour(value):
+    """The bound, or the default when node.env's value is not one: a typo there must not stop the
+    gate and the watch on every node of the group (each would exit 2, no trainer anywhere)."""
     try:
         return replace_budget.per_hour_setting(value)
     except ValueError as exc:
-        parser.error(f"--replacements-per-hour (GTS_REPLACEMENTS_PER_HOUR) must be a whole number, 0 (no bound) or "
-                     f"more; got {value!r} ({exc})")
+        log.error("--replacements-per-hour (GTS_REPLACEMENTS_PER_HOUR) %r is not a whole number of 0 (no bound) "
+                  "or more (%s); the default applies: %d an hour; fix the value in node.env", value, exc,
+                  replace_budget.DEFAULT_PER_HOUR)
+        return replace_budget.DEFAULT_PER_HOUR
 
 
 def main(argv=None):
@@ -369,7 +383,7 @@ def main(argv=None):
     # argparse checks `choices` on what the command line gives, not on defaults (node.env's values).
     if args.replace not in REPLACE_MODES:
         parser.error(f"--replace (GTS_REPLACE) must be one of {', '.join(REPLACE_MODES)}; got {args.replace!r}")
-    args.replacements_per_hour = _per_hour(parser, args.replacements_per_hour)
+    args.replacements_per_hour = _per_hour(args.replacements_per_hour)
     if args.command == "gate" and args.diag_level not in DIAG_LEVELS:
         parser.error(f"--diag-level (GTS_GPU_DIAG_LEVEL) must be one of {DIAG_LEVELS}; got {args.diag_level!r}")
     try:

@@ -31,6 +31,8 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # Kueue's label naming a Job's LocalQ
 QUEUES_MANAGED = "gpu-training-stack/queues"  # namespaces whose Jobs Kueue manages (infra/k8s/queues.py)
 SECRET_VARS = frozenset({c.MLFLOW_TRACKING_URI.name})
 NAMESPACE = "training"
+# Clusters with the Job success policy (KEP-3998, GA 1.33): EKS 1.35, ACK's newest; not TKE 1.30 (gate off).
+SUCCESS_POLICY = {"aws": True, "alicloud": True, "tencentcloud": False}
 TRAINER_UID = 1000  # the image's USER (training/Dockerfile)
 # What the node keeps for itself and its daemons (kubelet, runtime, exporters, device plugin).
 CPU_SHARE, MEMORY_SHARE, SHM_SHARE = 0.85, 0.80, 0.25
@@ -98,6 +100,14 @@ def restricted() -> k8s.core.v1.SecurityContextArgs:
         seccomp_profile=k8s.core.v1.SeccompProfileArgs(type="RuntimeDefault"))
 
 
+def success_policy(rg: ResolvedGroup) -> k8s.batch.v1.SuccessPolicyArgs | None:
+    """A Job with spares is done when its run's pods (indexes 0..NNODES-1) are; the spares' are removed."""
+    if not rg.group.scaling.spares or not SUCCESS_POLICY[rg.cloud]:
+        return None
+    return k8s.batch.v1.SuccessPolicyArgs(rules=[k8s.batch.v1.SuccessPolicyRuleArgs(
+        succeeded_indexes=f"0-{rg.nnodes - 1}", succeeded_count=rg.nnodes)])  # spares: nnodes >= 2
+
+
 def store_name(job: str) -> str:
     return f"{job}-rdzv"
 
@@ -106,7 +116,8 @@ def job_env(rg: ResolvedGroup, job: str) -> dict[str, str]:
     """The contract's values on Kubernetes: the node group's own (scratch is the pod's node-local
     volume at the same path); a multi-node Job's pods meet at its rendezvous store's Service."""
     endpoint = f"{store_name(job)}.{NAMESPACE}.svc.cluster.local:{contract.RDZV_PORT}" if rg.max_nodes > 1 else ""
-    return {**rg.trainer, c.RDZV_ENDPOINT.name: endpoint}
+    # The spares' completion indexes (NODE_RANK) are NNODES..: the contract admits < NNODES + SPARES.
+    return {**rg.trainer, c.RDZV_ENDPOINT.name: endpoint, c.SPARES.name: str(rg.group.scaling.spares)}
 
 
 def rendezvous_store(name: str, image: pulumi.Input[str], namespace: pulumi.Input[str], labels: dict[str, str],
@@ -251,10 +262,9 @@ class TrainingJob(pulumi.ComponentResource):
             metadata=k8s.meta.v1.ObjectMetaArgs(name=job, namespace=args.namespace, labels={**labels, **queued},
                                                 annotations={SKIP_AWAIT: "true"}),
             spec=k8s.batch.v1.JobSpecArgs(
-                # One pod per node, and one per warm spare (scaling.spares): NNODES stays the run's
-                # world, so a spare's pod waits outside it (training/node/rdzv_launch.py).
+                # One pod per node and per warm spare: a spare's pod waits outside NNODES (rdzv_launch.py).
                 completion_mode="Indexed", completions=rg.job_pods, parallelism=rg.job_pods,
-                backoff_limit=args.backoff_limit,
+                backoff_limit=args.backoff_limit, success_policy=success_policy(rg),
                 template=k8s.core.v1.PodTemplateSpecArgs(metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
                                                          spec=pod)),
             opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(depends_on=args.after)))

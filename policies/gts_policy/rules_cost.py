@@ -291,7 +291,9 @@ def inference_class(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[
             for r, c, t, item in _types_of(resources, "inference") if item.gpu_model not in INFERENCE_GPUS]
 
 
-SPARES_SCHEMA = {"nodesPerSpare": {"type": "integer"}, "groupSpares": {"type": "object"}}
+# minimum 1: the engine refuses a share of 0 or less by name (it would otherwise read as one spare per node)
+SPARES_SCHEMA: dict[str, dict[str, Any]] = {"nodesPerSpare": {"type": "integer", "minimum": 1},
+                                             "groupSpares": {"type": "object"}}
 
 
 def spares_share(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:

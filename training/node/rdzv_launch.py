@@ -49,7 +49,8 @@ import sys
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError, RendezvousStateError
+from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousGracefulExitError,
+                                                     RendezvousStateError)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, _create_tcp_store
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRendezvousHandler,
                                                                      _DistributedRendezvousOpExecutor, create_handler)
@@ -113,7 +114,17 @@ class PrivateWorkerStoreHandler(DynamicRendezvousHandler):
         self._bootstrap_store_info = None
         self._shared_tcp_store_server = None
         try:
-            return super().next_rendezvous()
+            info = super().next_rendezvous()
+        except RendezvousClosedError:
+            if getattr(self, "_gts_joined", False):  # a member of this run: its failure is its own to report
+                raise
+            # A node that never joined this run's world (a spare or a recreated Job pod scheduled
+            # after the run ended): torch refuses it with RendezvousClosedError (dynamic_rendezvous.py
+            # `_RendezvousJoinOp.__call__` 876-881, ERROR_CLOSED, raised at 676-677), which would fail
+            # the unit or the Job's index after a run that succeeded. Nothing ran here.
+            print("rdzv_launch: the run's rendezvous was already closed when this node came (it never joined "
+                  "the run); nothing to do", file=sys.stderr, flush=True)
+            raise SystemExit(0) from None
         except RendezvousGracefulExitError:
             # A spare still waiting when the run ends: torch tells it the rendezvous closed
             # (dynamic_rendezvous.py `_RendezvousJoinOp.__call__`, 876-881), its agent logs that and
@@ -122,6 +133,8 @@ class PrivateWorkerStoreHandler(DynamicRendezvousHandler):
             print("rdzv_launch: the run ended while this node waited as a spare; nothing to do", file=sys.stderr,
                   flush=True)
             raise SystemExit(0) from None
+        self._gts_joined = True
+        return info
 
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from torch._C

@@ -18,10 +18,14 @@ AUTOSCALER_ROLE = "AliyunCSManagedAutoScalerRole"  # the name ACK looks for
 
 
 def bucket_policy(bucket: str, grants: Grants) -> str:
+    # The versions too: the replacement budget's slots on this versioned bucket go to their oldest
+    # version's writer (training/node/replace_budget.py); OSS RAM actions oss:ListObjectVersions,
+    # oss:GetObjectVersion (help/en/oss/user-guide/authorization-syntax-and-elements).
     statements: list[dict[str, object]] = [
-        {"Effect": "Allow", "Action": ["oss:ListObjects"], "Resource": [f"acs:oss:*:*:{bucket}"],
+        {"Effect": "Allow", "Action": ["oss:ListObjects", "oss:ListObjectVersions"], "Resource": [f"acs:oss:*:*:{bucket}"],
          "Condition": {"StringLike": {"oss:Prefix": [f"{p}*" for p in grants.prefixes]}}},
-        {"Effect": "Allow", "Action": ["oss:GetObject"], "Resource": [f"acs:oss:*:*:{bucket}/{p}*" for p in grants.prefixes]}]
+        {"Effect": "Allow", "Action": ["oss:GetObject", "oss:GetObjectVersion"],
+         "Resource": [f"acs:oss:*:*:{bucket}/{p}*" for p in grants.prefixes]}]
     if grants.writes:
         statements.append({"Effect": "Allow", "Action": ["oss:PutObject", "oss:DeleteObject", "oss:AbortMultipartUpload",
                                                          "oss:ListParts"],

@@ -24,7 +24,9 @@ def bucket_policy(bucket: str, region: str, app_id: str, grants: Grants) -> str:
     statements: list[dict[str, object]] = [
         # Listing under a prefix: the bucket's objects as the resource, the prefix as a condition
         # (COS "Granting a sub-account access to a specific directory", cloud.tencent.com/document/product/436/46206).
-        {"effect": "allow", "action": ["name/cos:GetBucket"], "resource": [f"{resource}/*"],
+        # GetBucketObjectVersions: the replacement budget's slots on this versioned bucket go to
+        # their oldest version's writer (training/node/replace_budget.py; COS API 436/35521).
+        {"effect": "allow", "action": ["name/cos:GetBucket", "name/cos:GetBucketObjectVersions"], "resource": [f"{resource}/*"],
          "condition": {"string_like": {"cos:prefix": [f"{p}*" for p in grants.prefixes]}}},
         {"effect": "allow", "action": COS_READ, "resource": [f"{resource}/{p}*" for p in grants.prefixes]}]
     if grants.writes:
