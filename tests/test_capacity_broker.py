@@ -45,14 +45,14 @@ def _values(market: str = "on-demand") -> dict[str, str]:
 class World:
     """The clouds as the broker sees them: AWS on the moto server, Alibaba and Tencent replayed."""
 
-    def __init__(self, moto: MotoServer, monkeypatch: pytest.MonkeyPatch):
+    def __init__(self, moto: MotoServer, monkeypatch: pytest.MonkeyPatch, short: bool = True,
+                 activities: str = "scaling_activities_insufficient"):
         for name, value in storage_env(moto.url).items():
             monkeypatch.setenv(name, value)
         monkeypatch.setenv("AWS_ENDPOINT_URL", moto.url)  # boto3's own setting: every client to the moto server
         self.aws = AwsCalls("us-east-1")
-        self.asg = self._asg()
-        self.aws.answer(self.aws.autoscaling, "DescribeScalingActivities",
-                        recorded("aws", "scaling_activities_insufficient", GROUP=self.asg))
+        self.asg = self._asg(short)
+        self.aws.answer(self.aws.autoscaling, "DescribeScalingActivities", recorded("aws", activities, GROUP=self.asg))
         self.aws.answer(self.aws.quotas, "GetServiceQuota", recorded("aws", "service_quota_g_spot"))
         self.aws.answer(self.aws.ec2, "GetSpotPlacementScores", recorded("aws", "spot_placement_scores_low"))
         self.ali = Replay({"DescribeAvailableResource": [recorded("alicloud", "available_resource_sold_out",
@@ -61,7 +61,9 @@ class World:
 
     made = 0
 
-    def _asg(self) -> str:
+    def _asg(self, short: bool) -> str:
+        """moto's group of two nodes, both in service (moto launches whatever is desired); a short one
+        is a recorded answer: one of its two nodes in service (a launch that found no capacity)."""
         World.made += 1  # one moto server per module: each world its own group
         name = f"gts-dev-aws-train-{World.made}"
         ec2 = self.aws.ec2
@@ -70,9 +72,13 @@ class World:
         ec2.create_launch_template(LaunchTemplateName=name,
                                    LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "g4dn.2xlarge"})
         self.aws.autoscaling.create_auto_scaling_group(
-            AutoScalingGroupName=name, MinSize=0, MaxSize=2, DesiredCapacity=0,
+            AutoScalingGroupName=name, MinSize=0, MaxSize=2, DesiredCapacity=2,
             LaunchTemplate={"LaunchTemplateName": name}, VPCZoneIdentifier=subnet)
-        assert self.aws.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"]
+        (found,) = self.aws.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"]
+        assert [i["LifecycleState"] for i in found["Instances"]] == ["InService", "InService"]
+        if short:
+            self.aws.answer(self.aws.autoscaling, "DescribeAutoScalingGroups",
+                            recorded("aws", "auto_scaling_groups_short", GROUP=name))
         self.aws.calls.clear()
         return name
 
@@ -108,8 +114,8 @@ def test_insufficient_capacity_moves_the_group_and_the_run_resumes_bit_exact_els
     # each rejected candidate in a few calls: AWS g5 (offerings, quota, score), Alibaba (one type), and the
     # one read of the group's activities
     assert [(s["index"], s["calls"]) for s in decision.skipped] == [(1, 3), (2, 1)]
-    assert world.aws.calls == ["DescribeScalingActivities", "DescribeInstanceTypeOfferings", "GetServiceQuota",
-                               "GetSpotPlacementScores"]
+    assert world.aws.calls == ["DescribeScalingActivities", "DescribeAutoScalingGroups",
+                               "DescribeInstanceTypeOfferings", "GetServiceQuota", "GetSpotPlacementScores"]
     assert [a[0] for a in world.ali.asked] == ["DescribeAvailableResource"]
     assert [a[0] for a in world.tc.asked] == ["DescribeZoneInstanceConfigInfos"]
     assert workspace.changes == [("gpu-training-stack:nodeGroups[0].activeCandidate", "3")]
@@ -150,7 +156,7 @@ def test_no_failure_stays_and_a_checkpoint_being_written_waits(moto: MotoServer,
     finally:
         moto.client().delete_object(Bucket=aws_bucket.name, Key=partial)
     assert decision.action == "wait" and "step 80 is being written" in decision.reason
-    assert workspace.changes == [] and world.aws.calls == ["DescribeScalingActivities"]
+    assert workspace.changes == [] and world.aws.calls == ["DescribeScalingActivities", "DescribeAutoScalingGroups"]
 
 
 def test_a_candidate_over_the_packs_cap_is_never_asked_nor_moved_to(moto: MotoServer, monkeypatch: pytest.MonkeyPatch
@@ -163,8 +169,23 @@ def test_a_candidate_over_the_packs_cap_is_never_asked_nor_moved_to(moto: MotoSe
     assert [(s["index"], s["calls"]) for s in decision.skipped] == [(1, 0), (2, 0), (3, 0)]
     assert all(str(s["why"]).startswith("refused by the policy pack: ") for s in decision.skipped)
     assert "over 1.5 x the declared place's $0.45/h" in str(decision.skipped[2]["why"])
-    assert world.aws.calls == ["DescribeScalingActivities"] and not world.ali.asked and not world.tc.asked
+    assert world.aws.calls == ["DescribeScalingActivities", "DescribeAutoScalingGroups"]
+    assert not world.ali.asked and not world.tc.asked
     assert workspace.changes == [] and workspace.ups == []
+
+
+@pytest.mark.parametrize(("short", "activities", "why"), [
+    (False, "scaling_activities_insufficient", "the group has all its nodes in service"),
+    (True, "scaling_activities_recovered", "a launch succeeded after the failure"),
+])
+def test_a_healthy_group_is_not_moved_for_an_old_failure(moto: MotoServer, monkeypatch: pytest.MonkeyPatch,
+                                                         short: bool, activities: str, why: str) -> None:
+    world = World(moto, monkeypatch, short=short, activities=activities)
+    env = storage_env(moto.url)
+    workspace = RecordingWorkspace(_values(), {"aws": {"fleets": {"aws-train": [world.asg]}}})
+    (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, env)).once()
+    assert (decision.action, decision.at) == ("stay", 0), why
+    assert workspace.changes == [] and "DescribeInstanceTypeOfferings" not in world.aws.calls, why
 
 
 @pytest.mark.parametrize(("args", "line"), [

@@ -92,7 +92,7 @@ class Broker:
         every = places(spec, group)
         here = every[group.active_candidate]
         arrived = self._arrived(spec, group.name, here)
-        failures = [f for f in self._failures(here, group.name, outputs) if arrived is None or _when(f.at) > arrived]
+        failures = self._failures(here, group.name, outputs, arrived)
         if failures:
             order = every[here.index + 1:] + [p for p in every[:here.index]]
             reason = f"{len(failures)} launch failure(s) at {here.label}: {failures[0].message[:160]}"
@@ -125,10 +125,18 @@ class Broker:
             break
         return decision
 
-    def _failures(self, here: Place, group: str, outputs: Mapping[str, object]) -> list[Failure]:
+    def _failures(self, here: Place, group: str, outputs: Mapping[str, object],
+                  arrived: datetime | None) -> list[Failure]:
+        """The group's capacity failures here that still stand: newer than its arrival and than its last
+        successful launch (the cloud module's filter), and only while the group is short of nodes now."""
         fleets = outputs.get(here.cloud, {})
         ids = fleets.get("fleets", {}).get(group, []) if isinstance(fleets, dict) else []
-        return [f for gid in ids[:1] for f in self.api(here.cloud, here.region).failures(str(gid))]
+        if not ids:
+            return []
+        api = self.api(here.cloud, here.region)
+        since = arrived.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if arrived else None
+        found = api.failures(str(ids[0]), since=since)
+        return found if found and api.short(str(ids[0])) else []
 
     def _ask(self, spec: StackSpec, group: NodeGroup, place: Place) -> Ask:
         types = types_at(spec, group, place)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from infra.clouds import profile
@@ -43,7 +44,25 @@ class Failure:
 class StockApi(Protocol):
     def ask(self, ask: Ask) -> Verdict: ...
 
-    def failures(self, group_id: str, since: str | None = None) -> list[Failure]: ...
+    def failures(self, group_id: str, since: str | None = None) -> list[Failure]:
+        """The group's capacity failures newer than its last successful launch (and than `since`,
+        UTC ISO 8601)."""
+
+    def short(self, group_id: str) -> bool:
+        """Whether the group runs fewer nodes in service than it wants now."""
+
+
+def stamp(text: str) -> datetime:
+    """An activity's time as a UTC datetime (the clouds write ISO 8601 with Z, some without seconds)."""
+    when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
+def newer(failed: list[Failure], launched: str, since: str | None) -> list[Failure]:
+    """The failures after the newest successful launch and after `since`: a capacity failure a later
+    launch has outlived, or one from before the group came here, is not a reason to move."""
+    floor = [stamp(t) for t in (launched, since or "") if t]
+    return [f for f in failed if f.at and all(stamp(f.at) > t for t in floor)]
 
 
 def stock_api(cloud: str, region: str, **clients: Any) -> StockApi:
