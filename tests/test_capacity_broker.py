@@ -142,12 +142,12 @@ def test_no_failure_stays_and_a_checkpoint_being_written_waits(moto: MotoServer,
                                                                tmp_path: Path) -> None:
     world = World(moto, monkeypatch)
     env = storage_env(moto.url)
-    workspace = RecordingWorkspace(_values(), {"aws": {"fleets": {"aws-train": []}}})  # no group id: no failures read
-    (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, env)).once()
-    assert (decision.action, decision.at) == ("stay", 0) and world.aws.calls == []
     spec = parse_stack(spec_raw(stack_values("dev"))).spec
     aws_bucket = bucket(spec, "aws")
     moto.client().create_bucket(Bucket=aws_bucket.name)
+    workspace = RecordingWorkspace(_values(), {"aws": {"fleets": {"aws-train": []}}})  # no group id: no failures read
+    (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, env)).once()
+    assert (decision.action, decision.at) == ("stay", 0) and world.aws.calls == []
     partial = "checkpoints/aws-train/step-00000080/model.pt"
     moto.client().put_object(Bucket=aws_bucket.name, Key=partial, Body=b"x")
     workspace = RecordingWorkspace(_values(), {"aws": {"fleets": {"aws-train": [world.asg]}}})
@@ -163,6 +163,7 @@ def test_a_candidate_over_the_packs_cap_is_never_asked_nor_moved_to(moto: MotoSe
                                                                      ) -> None:
     world = World(moto, monkeypatch)
     env = storage_env(moto.url)
+    moto.client().create_bucket(Bucket=bucket(parse_stack(spec_raw(stack_values("dev"))).spec, "aws").name)
     workspace = RecordingWorkspace(_values("spot"), {"aws": {"fleets": {"aws-train": [world.asg]}}})
     (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, env)).once()
     assert (decision.action, decision.at) == ("stay", 0)
@@ -182,6 +183,7 @@ def test_a_healthy_group_is_not_moved_for_an_old_failure(moto: MotoServer, monke
                                                          short: bool, activities: str, why: str) -> None:
     world = World(moto, monkeypatch, short=short, activities=activities)
     env = storage_env(moto.url)
+    moto.client().create_bucket(Bucket=bucket(parse_stack(spec_raw(stack_values("dev"))).spec, "aws").name)
     workspace = RecordingWorkspace(_values(), {"aws": {"fleets": {"aws-train": [world.asg]}}})
     (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, env)).once()
     assert (decision.action, decision.at) == ("stay", 0), why

@@ -2,7 +2,9 @@
 capacity broker (infra/capacity/broker.py) over one stack, through Pulumi's Automation API
 (needs the Pulumi CLI and the stack's backend, and the operator's keys of each cloud: the ones
 `pulumi up` uses). Prints one line per group and watch; exit 0, 1 when a watch failed (the
-next run tries again), 2 on bad input. docs/capacity.md: from CI's schedule, a cron on a small
+next run tries again; an `up` that failed mid-move, set back and recorded; a group whose fleet the
+stack's outputs show elsewhere), 2 on bad input; a watch that finds another watch of the stack
+running says so and exits 0. docs/capacity.md: from CI's schedule, a cron on a small
 node, or a CronJob."""
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from typing import Any
 
 from infra.buckets import Bucket, endpoint
-from infra.capacity.broker import Broker, Decision
+from infra.capacity.broker import Broker, Busy, Decision, MoveFailed
 from infra.cli.dataset import DatasetError, operator_keys
 from infra.errors import SpecError
 from infra.stacktext import STACK_NAME, project_root
@@ -80,15 +82,22 @@ def _workspace(stack: str) -> Any:
 
 def _watch(broker: Broker) -> int:
     try:
-        for decision in broker.once():
-            print(_line(decision), flush=True)
+        decisions = broker.once()
+    except Busy as exc:
+        print(f"skipped: {exc}", flush=True)
+        return 0
+    except MoveFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except (SpecError, DatasetError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 (a cloud API or storage error: the next watch tries again)
         print(f"error: the watch stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    return 0
+    for decision in decisions:
+        print(_line(decision), flush=True)
+    return 1 if any(d.action == "mismatch" for d in decisions) else 0
 
 
 if __name__ == "__main__":

@@ -5,13 +5,19 @@ other place in order for stock (a few calls each, never a launch), and move the 
 first that has it: copy the newest committed checkpoint (and the dataset, if absent) to that
 cloud's bucket, verified; set nodeGroups[i].activeCandidate in the stack's config and run `up`
 (infra/capacity/workspace.py); record the move in the destination bucket
-(records/capacity/<group>/). It never moves while a checkpoint is being written, and moves back
+(records/capacity/<group>/). A failed `up` sets the config back, records the failed attempt and
+stops the watch (MoveFailed); each watch first checks that the stack's outputs show the group's
+fleet at its active place. One watch at a time: a lease in the declared bucket
+(records/capacity-lock/run.lease, training/lease.py's conditional write). It never moves while a
+checkpoint is being written, and moves back
 to the declared place only when asked to (--move-back) and the declared place has stock again.
 docs/capacity.md says how to run it (CI schedule, cron, CronJob)."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -28,9 +34,20 @@ from infra.spec import NodeGroup, StackSpec
 from infra.stacktext import project_name
 from infra.validation import parse_values
 from policies.gts_policy.rules_capacity import candidates_capped
+from training.lease import Lease, LeaseHeld
 from training.storage import Location, location
 
 RECORDS = "records/capacity"
+LOCK = "records/capacity-lock"  # its run.lease: one watch of the stack at a time
+LOCK_TTL_S = 1800.0  # a watch's lock not renewed for this long is taken over (a broker that died mid-move)
+
+
+class MoveFailed(RuntimeError):
+    """`up` failed during a move: the config was set back, the attempt recorded (the message says all)."""
+
+
+class Busy(RuntimeError):
+    """Another watch of this stack holds the lock (the message names it)."""
 
 
 @dataclass
@@ -38,7 +55,7 @@ class Decision:
     """What the broker did for one group in one watch."""
 
     group: str
-    action: str  # stay | wait | move
+    action: str  # stay | wait | move | mismatch
     reason: str
     at: int  # the place it runs at afterwards
     skipped: list[dict[str, object]] = field(default_factory=list)  # places without stock: index, why, calls
@@ -86,11 +103,37 @@ class Broker:
         spec = stack.declared or stack.spec
         outputs = self.workspace.outputs()
         self.capped = capped(stack)
-        return [self._group(spec, i, g, outputs) for i, g in enumerate(spec.node_groups) if g.capacity]
+        groups = [(i, g) for i, g in enumerate(spec.node_groups) if g.capacity]
+        if not groups:
+            return []
+        lease = self._lock(spec, groups[0][1])
+        try:
+            return [self._group(spec, i, g, outputs) for i, g in groups]
+        finally:
+            lease.release()
+
+    def _lock(self, spec: StackSpec, first: NodeGroup) -> Lease:
+        """This watch's lock: a lease object in the declared place's bucket, taken by a conditional
+        create (training/lease.py), renewed while the watch runs; Busy when another watch holds it."""
+        where = bucket(spec, places(spec, first)[0].cloud)
+        lease = Lease(self.storage(where, f"{where.url}{LOCK}"),
+                      f"capacity broker pid {os.getpid()} on {socket.gethostname()} ({id(self):x})", ttl_s=LOCK_TTL_S)
+        try:
+            lease.acquire()
+        except LeaseHeld as exc:
+            raise Busy(f"another capacity watch of this stack is running ({exc}); this one moved nothing") from None
+        lease.keep(lambda why: None)  # a lost lock shows in the next watch's acquire
+        return lease
 
     def _group(self, spec: StackSpec, index: int, group: NodeGroup, outputs: Mapping[str, object]) -> Decision:
         every = places(spec, group)
         here = every[group.active_candidate]
+        elsewhere = self._mismatch(group.name, here, outputs)
+        if elsewhere:
+            return Decision(group.name, "mismatch", f"activeCandidate {here.index} puts it at {here.label}, but the "
+                                                    f"stack's outputs show its fleet on {elsewhere}: the last `up` did "
+                                                    "not finish; run `pulumi up` (or set activeCandidate back) before "
+                                                    "the broker moves it again", here.index)
         arrived = self._arrived(spec, group.name, here)
         failures = self._failures(here, group.name, outputs, arrived)
         if failures:
@@ -117,13 +160,38 @@ class Broker:
                                          "calls": verdict.calls})
                 continue
             decision.copied = self._copy(spec, group.name, here, place, now.committed)
-            decision.action, decision.at = "move", place.index
             decision.reason = f"{reason}; {place.label}: {verdict.why}"
-            self.workspace.set_config(f"{self.project}:nodeGroups[{index}].activeCandidate", str(place.index))
-            self.workspace.up(f"capacity broker: {group.name} to {place.label}")
-            self._record(spec, group.name, here, place, decision)
+            self._move(spec, index, group.name, here, place, decision)
+            decision.action, decision.at = "move", place.index
             break
         return decision
+
+    def _move(self, spec: StackSpec, index: int, group: str, here: Place, to: Place, decision: Decision) -> None:
+        """Set activeCandidate and run `up`; on a failed `up`, set it back, record the attempt and
+        raise MoveFailed (the stack may be half-changed: the next watch's output check says so)."""
+        key = f"{self.project}:nodeGroups[{index}].activeCandidate"
+        self.workspace.set_config(key, str(to.index))
+        try:
+            self.workspace.up(f"capacity broker: {group} to {to.label}")
+        except Exception as exc:  # noqa: BLE001 (the Automation API's CommandError and its kin)
+            self.workspace.set_config(key, str(here.index))
+            lines = str(exc).strip().splitlines()
+            failed = lines[-1][:300] if lines else type(exc).__name__
+            self._record(spec, group, here, to, decision, failed=failed)
+            raise MoveFailed(f"{group}: `up` to {to.label} failed ({failed}); activeCandidate set back to "
+                             f"{here.index}; the stack may be half-changed: check it with `pulumi preview` and run "
+                             "`pulumi up`") from None
+        self._record(spec, group, here, to, decision)
+
+    def _mismatch(self, group: str, here: Place, outputs: Mapping[str, object]) -> str:
+        """The clouds whose outputs hold the group's fleet when the active place's cloud does not."""
+        def ids(cloud: str) -> list[object]:
+            found = outputs.get(cloud, {})
+            fleets = found.get("fleets", {}) if isinstance(found, dict) else {}
+            return list(fleets.get(group, []) or []) if isinstance(fleets, dict) else []
+        if ids(here.cloud):
+            return ""
+        return ", ".join(c for c in sorted(outputs) if c != here.cloud and ids(c))
 
     def _failures(self, here: Place, group: str, outputs: Mapping[str, object],
                   arrived: datetime | None) -> list[Failure]:
@@ -171,13 +239,15 @@ class Broker:
             return None
         for name in reversed(names):
             record = json.loads(loc.fs.cat(name))
-            if record.get("to") == here.index:
+            if record.get("to") == here.index and not record.get("failed"):
                 return _when(str(record["at"]))
         return None
 
-    def _record(self, spec: StackSpec, group: str, here: Place, to: Place, decision: Decision) -> None:
+    def _record(self, spec: StackSpec, group: str, here: Place, to: Place, decision: Decision,
+                failed: str = "") -> None:
         stamp = self.now()
-        record = {"at": stamp.isoformat(), "group": group, "from": here.index, "to": to.index, "fromPlace": here.label,
+        record = {"at": stamp.isoformat(), "group": group, "from": here.index, "to": to.index, "failed": failed,
+                  "fromPlace": here.label,
                   "toPlace": to.label, "reason": decision.reason, "skipped": decision.skipped,
                   "copied": asdict(decision.copied) if decision.copied else None}
         loc = self._records(spec, group, to)

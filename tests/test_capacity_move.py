@@ -1,0 +1,98 @@
+"""A move that goes wrong, and two watches at once (infra/capacity/broker.py): a failed `up` sets
+the config back, records the attempt and stops the watch with one line (exit 1); a stack whose
+outputs show the group's fleet on another cloud than its activeCandidate is said so and not
+moved; a second watch of the stack finds the first one's lock in the bucket and moves nothing.
+The clouds are tests/test_capacity_broker.py's World (moto's server, recorded answers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infra.buckets import bucket
+from infra.capacity.__main__ import _watch
+from infra.capacity.broker import LOCK, Broker, Busy, MoveFailed
+from infra.capacity.workspace import RecordingWorkspace
+from infra.validation import parse_stack
+from tests.harness import key, spec_raw, stack_values
+from tests.test_capacity_broker import World, _values
+from tests.training_helpers import MotoServer, storage_env
+from training.lease import Lease
+from training.storage import location
+
+ACTIVE = "gpu-training-stack:nodeGroups[0].activeCandidate"
+
+
+class FailingUp(RecordingWorkspace):
+    def up(self, message: str) -> None:
+        super().up(message)
+        raise RuntimeError("code: 255\n stderr: error: update failed: creating Auto Scaling group: quota exceeded")
+
+
+def _buckets(moto: MotoServer) -> tuple[str, str]:
+    spec = parse_stack(spec_raw(stack_values("dev"))).spec
+    names = bucket(spec, "aws").name, bucket(spec, "tencentcloud").name
+    for name in names:
+        moto.client().create_bucket(Bucket=name)
+    return names
+
+
+def test_a_failed_up_sets_the_config_back_records_it_and_exits_1(moto: MotoServer, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    world = World(moto, monkeypatch)
+    env = storage_env(moto.url)
+    _, tc = _buckets(moto)
+    before = moto.keys_in(tc, "records/capacity/aws-train/")
+    workspace = FailingUp(_values(), {"aws": {"fleets": {"aws-train": [world.asg]}}})
+    broker = Broker(workspace, world.stock, storage=lambda where, url: location(url, env))
+    assert _watch(broker) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1
+    assert out.err.startswith("error: aws-train: `up` to tencentcloud ap-guangzhou GN7.2XLARGE32 spot failed (")
+    assert "activeCandidate set back to 0" in out.err
+    assert workspace.changes == [(ACTIVE, "3"), (ACTIVE, "0")]
+    assert json.loads(workspace.values[key("nodeGroups")])[0]["activeCandidate"] == 0
+    (record,) = [k for k in moto.keys_in(tc, "records/capacity/aws-train/") if k not in before]
+    body = json.loads(moto.client().get_object(Bucket=tc, Key=record)["Body"].read())
+    assert (body["from"], body["to"]) == (0, 3) and "quota exceeded" in body["failed"]
+    again = World(moto, monkeypatch)
+    with pytest.raises(MoveFailed):  # and the broker itself raises, never a half-done decision
+        Broker(FailingUp(_values(), {"aws": {"fleets": {"aws-train": [again.asg]}}}), again.stock,
+               storage=lambda where, url: location(url, env)).once()
+
+
+def test_outputs_elsewhere_than_the_active_place_are_said_and_not_moved(moto: MotoServer,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    world = World(moto, monkeypatch)
+    env = storage_env(moto.url)
+    _buckets(moto)
+    values = _values()
+    groups = json.loads(values[key("nodeGroups")])
+    groups[0]["activeCandidate"] = 3  # the config says Tencent; the outputs still show the AWS group
+    values[key("nodeGroups")] = json.dumps(groups)
+    workspace = RecordingWorkspace(values, {"aws": {"fleets": {"aws-train": [world.asg]}},
+                                            "tencentcloud": {"fleets": {}}})
+    (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, env)).once()
+    assert decision.action == "mismatch" and "outputs show its fleet on aws" in decision.reason
+    assert workspace.changes == [] and world.aws.calls == [] and not world.tc.asked
+
+
+def test_a_second_watch_finds_the_lock_and_moves_nothing(moto: MotoServer, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    world = World(moto, monkeypatch)
+    env = storage_env(moto.url)
+    aws, _ = _buckets(moto)
+    spec = parse_stack(spec_raw(stack_values("dev"))).spec
+    other = Lease(location(f"{bucket(spec, 'aws').url}{LOCK}", env), "capacity broker on another runner")
+    other.acquire()
+    try:
+        workspace = RecordingWorkspace(_values(), {"aws": {"fleets": {"aws-train": [world.asg]}}})
+        broker = Broker(workspace, world.stock, storage=lambda where, url: location(url, env))
+        with pytest.raises(Busy, match="another capacity watch of this stack is running"):
+            broker.once()
+        assert _watch(broker) == 0 and capsys.readouterr().out.startswith("skipped: another capacity watch")
+        assert workspace.changes == [] and workspace.ups == [] and world.aws.calls == []
+    finally:
+        other.release()
+    assert moto.keys_in(aws, LOCK) == []
