@@ -7,12 +7,15 @@ The clouds are tests/test_capacity_broker.py's World (moto's server, recorded an
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 
 from infra.buckets import bucket
 from infra.capacity.__main__ import _watch
-from infra.capacity.broker import LOCK, Broker, Busy, MoveFailed
+from infra.capacity.broker import LOCK, STALE_AFTER_S, Broker, Busy, MoveFailed
+from infra.capacity.transfer import progress
 from infra.capacity.workspace import RecordingWorkspace
 from infra.validation import parse_stack
 from tests.harness import key, spec_raw, stack_values
@@ -96,3 +99,35 @@ def test_a_second_watch_finds_the_lock_and_moves_nothing(moto: MotoServer, monke
     finally:
         other.release()
     assert moto.keys_in(aws, LOCK) == []
+
+
+def test_a_half_written_step_nobody_writes_any_more_does_not_block_a_move(
+        moto: MotoServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    world = World(moto, monkeypatch)
+    env = storage_env(moto.url)
+    aws, _ = _buckets(moto)
+    partial = "checkpoints/aws-train/step-00000090/model.pt"
+    moto.client().put_object(Bucket=aws, Key=partial, Body=b"x")
+    later = datetime.now(timezone.utc) + timedelta(seconds=STALE_AFTER_S + 60)
+    try:
+        workspace = RecordingWorkspace(_values(), {"aws": {"fleets": {"aws-train": [world.asg]}}})
+        (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, env),
+                             now=lambda: later).once()
+    finally:
+        moto.client().delete_object(Bucket=aws, Key=partial)
+    assert (decision.action, decision.at) == ("move", 3), decision
+    assert "step(s) 90 abandoned half-written" in decision.reason
+    # no node of the group running: abandoned at once, however fresh (file://, the same reader)
+    loc = location(f"file://{tmp_path}/ckpt")
+    loc.fs.pipe(f"{tmp_path}/ckpt/step-00000010/model.pt", b"x")
+    assert progress(loc, datetime.now(timezone.utc), STALE_AFTER_S).writing == 10
+    assert progress(loc, datetime.now(timezone.utc), STALE_AFTER_S, writers=False).abandoned == [10]
+
+
+def test_the_command_refuses_a_stale_after_under_the_trainers_upload_deadline(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from infra.capacity.__main__ import main
+
+    assert main(["watch", "--stack", "dev", "--stale-after", "5"]) == 2
+    assert capsys.readouterr().err == ("error: --stale-after 5: at least the trainer's --upload-deadline-s default "
+                                       "(90 s), above the longest one-file upload\n")

@@ -114,7 +114,7 @@ def test_alicloud_a_later_successful_activity_clears_a_failure_and_the_group_is_
     api = stock_api("alicloud", "cn-hangzhou", creds=CREDS, send=replay)
     assert api.failures("asg-bp18p2yfxow2dloqabcd") == []
     assert api.failures("asg-bp18p2yfxow2dloqabcd", since="2026-12-02T00:00:30Z") == []
-    assert api.short("asg-bp18p2yfxow2dloqabcd")
+    assert api.nodes("asg-bp18p2yfxow2dloqabcd") == (1, 2)
     assert replay.asked[2][1]["ScalingGroupIds.1"] == "asg-bp18p2yfxow2dloqabcd"
 
 
@@ -143,5 +143,5 @@ def test_tencentcloud_failures_since_go_as_start_time_and_a_full_group_is_not_sh
     api = stock_api("tencentcloud", "ap-guangzhou", creds=CREDS, send=replay)
     assert api.failures("asg-kiju7yt5", since="2026-12-02T08:00:00+08:00") == []  # 00:00Z: not after it
     assert replay.asked[0][1]["StartTime"] == "2026-12-02T00:00:00Z"
-    assert not api.short("asg-kiju7yt5")
+    assert api.nodes("asg-kiju7yt5") == (2, 2)
     assert replay.asked[1][1]["Filters"] == [{"Name": "auto-scaling-group-id", "Values": ["asg-kiju7yt5"]}]

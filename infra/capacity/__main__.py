@@ -16,11 +16,14 @@ import time
 from typing import Any
 
 from infra.buckets import Bucket, endpoint
-from infra.capacity.broker import Broker, Busy, Decision, MoveFailed
+from infra.capacity.broker import STALE_AFTER_S, Broker, Busy, Decision, MoveFailed
 from infra.cli.dataset import DatasetError, operator_keys
 from infra.errors import SpecError
 from infra.stacktext import STACK_NAME, project_root
 from training.storage import Location, location
+from training.trainer.config import TrainConfig
+
+UPLOAD_DEADLINE_S = TrainConfig.upload_deadline_s  # the trainer's default wait for its uploads on exit
 
 
 def storage_for(where: Bucket, url: str) -> Location:
@@ -47,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     watch.add_argument("--every", type=int, default=60, help="seconds between watches (default 60)")
     watch.add_argument("--move-back", action="store_true", help="move a group back where it is declared once it "
                                                                 "has stock there again")
+    watch.add_argument("--stale-after", type=float, default=STALE_AFTER_S,
+                       help="seconds after which a half-written checkpoint step whose newest object is older is "
+                            f"abandoned, not waited for (default {STALE_AFTER_S:g})")
     args = parser.parse_args(argv)
     if not STACK_NAME.fullmatch(args.stack):
         print(f"error: --stack {args.stack!r} is not a stack name (letters, digits, . _ -)", file=sys.stderr)
@@ -55,8 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --every {args.every}: watch at most every 10 seconds (the clouds' API rate limits)",
               file=sys.stderr)
         return 2
+    if args.stale_after < UPLOAD_DEADLINE_S:
+        print(f"error: --stale-after {args.stale_after:g}: at least the trainer's --upload-deadline-s default "
+              f"({UPLOAD_DEADLINE_S:g} s), above the longest one-file upload", file=sys.stderr)
+        return 2
     try:
-        broker = Broker(_workspace(args.stack), storage=storage_for, move_back=args.move_back)
+        broker = Broker(_workspace(args.stack), storage=storage_for, move_back=args.move_back,
+                        stale_after_s=args.stale_after)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -39,6 +39,9 @@ from training.storage import Location, location
 
 RECORDS = "records/capacity"
 LOCK = "records/capacity-lock"  # its run.lease: one watch of the stack at a time
+# An incomplete step whose newest object is older than this was abandoned (a crash mid-upload). Above
+# the trainer's own exit deadline (--upload-deadline-s, 90 s) and any one file's upload time.
+STALE_AFTER_S = 900.0
 LOCK_TTL_S = 1800.0  # a watch's lock not renewed for this long is taken over (a broker that died mid-move)
 
 
@@ -84,10 +87,12 @@ def _when(text: str) -> datetime:
 class Broker:
     def __init__(self, workspace: Workspace, stock: Callable[[str, str], StockApi] = stock_api,
                  storage: Callable[[Bucket, str], Location] = lambda where, url: location(url), move_back: bool = False,
-                 now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)):
+                 now: Callable[[], datetime] = lambda: datetime.now(timezone.utc), stale_after_s: float = STALE_AFTER_S):
         """`stock(cloud, region)`: the cloud's stock API; `storage(bucket, url)`: a URL in one of the
-        stack's buckets, opened with the operator's access to it (infra/capacity/__main__.py builds both)."""
+        stack's buckets, opened with the operator's access to it (infra/capacity/__main__.py builds both);
+        `stale_after_s`: an incomplete step whose newest object is older is abandoned, not being written."""
         self.workspace, self.stock, self.storage, self.move_back, self.now = workspace, stock, storage, move_back, now
+        self.stale_after_s = stale_after_s
         self.project = project_name()
         self._apis: dict[tuple[str, str], StockApi] = {}
         self.capped: dict[tuple[str, int], str] = {}
@@ -135,7 +140,7 @@ class Broker:
                                                     "not finish; run `pulumi up` (or set activeCandidate back) before "
                                                     "the broker moves it again", here.index)
         arrived = self._arrived(spec, group.name, here)
-        failures = self._failures(here, group.name, outputs, arrived)
+        failures, running = self._failures(here, group.name, outputs, arrived)
         if failures:
             order = every[here.index + 1:] + [p for p in every[:here.index]]
             reason = f"{len(failures)} launch failure(s) at {here.label}: {failures[0].message[:160]}"
@@ -144,10 +149,13 @@ class Broker:
         else:
             return Decision(group.name, "stay", f"no launch failure at {here.label}", here.index)
         source = self.storage(bucket(spec, here.cloud), bucket(spec, here.cloud).checkpoint_url(group.name))
-        now = progress(source)
+        now = progress(source, self.now(), self.stale_after_s, writers=running != 0)
         if now.writing is not None:
             return Decision(group.name, "wait", f"{reason}; step {now.writing} is being written: moving after it "
                                                 "is committed", here.index)
+        if now.abandoned:
+            reason += (f"; step(s) {', '.join(map(str, now.abandoned))} abandoned half-written (no node running, or "
+                       f"nothing written for {self.stale_after_s:g} s): moving from step {now.committed}")
         decision = Decision(group.name, "stay", f"{reason}; no other place has stock", here.index)
         for place in order:
             why = self.capped.get((group.name, place.index))
@@ -194,17 +202,21 @@ class Broker:
         return ", ".join(c for c in sorted(outputs) if c != here.cloud and ids(c))
 
     def _failures(self, here: Place, group: str, outputs: Mapping[str, object],
-                  arrived: datetime | None) -> list[Failure]:
-        """The group's capacity failures here that still stand: newer than its arrival and than its last
-        successful launch (the cloud module's filter), and only while the group is short of nodes now."""
+                  arrived: datetime | None) -> tuple[list[Failure], int | None]:
+        """The group's capacity failures here that still stand — newer than its arrival and than its
+        last successful launch (the cloud module's filter), and only while the group is short of
+        nodes now — and its nodes in service (None when not asked)."""
         fleets = outputs.get(here.cloud, {})
         ids = fleets.get("fleets", {}).get(group, []) if isinstance(fleets, dict) else []
         if not ids:
-            return []
+            return [], None
         api = self.api(here.cloud, here.region)
         since = arrived.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if arrived else None
         found = api.failures(str(ids[0]), since=since)
-        return found if found and api.short(str(ids[0])) else []
+        if not found:
+            return [], None
+        running, wanted = api.nodes(str(ids[0]))
+        return (found if running < wanted else []), running
 
     def _ask(self, spec: StackSpec, group: NodeGroup, place: Place) -> Ask:
         types = types_at(spec, group, place)

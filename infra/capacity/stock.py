@@ -48,8 +48,8 @@ class StockApi(Protocol):
         """The group's capacity failures newer than its last successful launch (and than `since`,
         UTC ISO 8601)."""
 
-    def short(self, group_id: str) -> bool:
-        """Whether the group runs fewer nodes in service than it wants now."""
+    def nodes(self, group_id: str) -> tuple[int, int]:
+        """(nodes in service, nodes desired) of the group now; it is short when the first is smaller."""
 
 
 def stamp(text: str) -> datetime:

@@ -83,14 +83,14 @@ class AlicloudStock:
                 failed.append(Failure(at, message))
         return newer(failed, launched, since)
 
-    def short(self, group_id: str) -> bool:
+    def nodes(self, group_id: str) -> tuple[int, int]:
         answer = self._call("ess", {"Action": "DescribeScalingGroups", "Version": "2014-08-28",
                                     "ScalingGroupIds.1": group_id})
         groups = answer.get("ScalingGroups", {}).get("ScalingGroup", [])
         if not groups:
-            return False
+            return 0, 0
         want = groups[0].get("DesiredCapacity", groups[0].get("MinSize", 0))
-        return int(groups[0].get("ActiveCapacity", 0)) < int(want or 0)
+        return int(groups[0].get("ActiveCapacity", 0)), int(want or 0)
 
 def _status(answer: dict[str, Any], itype: str, zone: str | None) -> str:
     """The best StatusCategory of `itype` in the answer's zones ('' when no zone sells it)."""

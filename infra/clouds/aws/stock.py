@@ -107,12 +107,12 @@ class AwsStock:
                 failed.append(Failure(stamp, message))
         return newer(failed, launched, since)
 
-    def short(self, group_id: str) -> bool:
+    def nodes(self, group_id: str) -> tuple[int, int]:
         groups = self.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[group_id])["AutoScalingGroups"]
         if not groups:
-            return False
+            return 0, 0
         running = sum(1 for i in groups[0].get("Instances", []) if i.get("LifecycleState") == "InService")
-        return running < int(groups[0].get("DesiredCapacity", 0))
+        return running, int(groups[0].get("DesiredCapacity", 0))
 
 
 def _iso(at: Any) -> str:

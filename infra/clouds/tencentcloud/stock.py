@@ -92,13 +92,13 @@ class TencentcloudStock:
                 failed.append(Failure(at, message))
         return newer(failed, launched, since)
 
-    def short(self, group_id: str) -> bool:
+    def nodes(self, group_id: str) -> tuple[int, int]:
         answer = self._call("as", "2018-04-19", "DescribeAutoScalingGroups",
                             {"Filters": [{"Name": "auto-scaling-group-id", "Values": [group_id]}]})
         groups = answer.get("AutoScalingGroupSet", [])
         if not groups:
-            return False
-        return int(groups[0].get("InServiceInstanceCount", 0)) < int(groups[0].get("DesiredCapacity", 0))
+            return 0, 0
+        return int(groups[0].get("InServiceInstanceCount", 0)), int(groups[0].get("DesiredCapacity", 0))
 
 def open_api(region: str, creds: cloudmeta.Credentials | None = None, send: Send = _send) -> TencentcloudStock:
     """The region's API with the operator's keys, the ones the Pulumi provider uses (TENCENTCLOUD_SECRET_ID,
