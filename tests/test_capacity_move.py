@@ -7,6 +7,8 @@ The clouds are tests/test_capacity_broker.py's World (moto's server, recorded an
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -131,3 +133,20 @@ def test_the_command_refuses_a_stale_after_under_the_trainers_upload_deadline(
     assert main(["watch", "--stack", "dev", "--stale-after", "5"]) == 2
     assert capsys.readouterr().err == ("error: --stale-after 5: at least the trainer's --upload-deadline-s default "
                                        "(90 s), above the longest one-file upload\n")
+
+
+def test_one_candidates_api_error_skips_it_and_the_next_is_asked(moto: MotoServer,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    world = World(moto, monkeypatch)
+    env = storage_env(moto.url)
+    _buckets(moto)
+
+    def down(request: urllib.request.Request) -> dict[str, object]:
+        raise urllib.error.URLError("[Errno 111] Connection refused")
+
+    world.ali = down  # type: ignore[assignment]
+    workspace = RecordingWorkspace(_values(), {"aws": {"fleets": {"aws-train": [world.asg]}}})
+    (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, env)).once()
+    assert (decision.action, decision.at) == ("move", 3), decision
+    assert decision.skipped[1] == {"index": 2, "place": "alicloud cn-hangzhou ecs.gn6i-c4g1.xlarge spot", "calls": 1,
+                                   "why": "its API failed: URLError: <urlopen error [Errno 111] Connection refused>"}

@@ -162,7 +162,12 @@ class Broker:
             if why is not None:  # the policy pack's cap: never a move it would refuse (no call made)
                 decision.skipped.append({"index": place.index, "place": place.label, "why": why, "calls": 0})
                 continue
-            verdict = self.api(place.cloud, place.region).ask(self._ask(spec, group, place))
+            try:
+                verdict = self.api(place.cloud, place.region).ask(self._ask(spec, group, place))
+            except Exception as exc:  # noqa: BLE001 (one cloud's API error or outage: the next place is asked)
+                decision.skipped.append({"index": place.index, "place": place.label, "calls": 1,
+                                         "why": f"its API failed: {type(exc).__name__}: {str(exc)[:200]}"})
+                continue
             if not verdict.ok:
                 decision.skipped.append({"index": place.index, "place": place.label, "why": verdict.why,
                                          "calls": verdict.calls})
