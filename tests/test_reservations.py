@@ -107,3 +107,14 @@ def test_a_reserved_baseline_bursts_to_spot_on_aws_and_alibaba(tmp_path: Path) -
             ea.inputs["privatePoolOptionsMatchCriteria"]) == (1, 3, "Month", ["cn-hangzhou-h"], "Open")
     (ess,) = by_type(res, "alicloud:ess/scalingGroup:ScalingGroup")
     assert (ess.inputs["onDemandBaseCapacity"], ess.inputs["onDemandPercentageAboveBaseCapacity"]) == (1, 0)
+
+
+def test_offsets_other_than_utc_reach_the_clouds_as_utc(tmp_path: Path) -> None:
+    def edit(config: dict[str, Any]) -> None:
+        _with({**ODCR, "end": "2027-01-20T16:00:00+08:00"}, 0)(config)
+        _with({**ASSURANCE, "start": "2026-12-20T08:00:00+08:00", "end": "2027-03-20T08:00:00+08:00"}, 1)(config)
+    res = run_stack("dev", edit, tmp_path)
+    (odcr,) = by_type(res, "aws:ec2/capacityReservation:CapacityReservation")
+    assert odcr.inputs["endDate"] == "2027-01-20T08:00:00Z"
+    (ea,) = by_type(res, "alicloud:ecs/elasticityAssurance:ElasticityAssurance")
+    assert ea.inputs["startTime"] == "2026-12-20T00:00:00Z"

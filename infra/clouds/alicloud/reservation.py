@@ -10,6 +10,7 @@ market (spot) in the same ESS group.
 from __future__ import annotations
 
 import math
+from datetime import timezone
 
 import pulumi
 import pulumi_alicloud as alicloud
@@ -39,6 +40,7 @@ def create(name: str, g: ResolvedGroup, zone: str, tags: dict[str, str],
     return alicloud.ecs.ElasticityAssurance(
         f"{name}-ea", instance_amount=market.reserved_of(g.scaling.max), instance_type=g.types[0],
         zone_ids=[zone], period=length, period_unit=unit,
-        start_time=market.start.strftime("%Y-%m-%dT%H:%M:%SZ"), private_pool_options_match_criteria="Open",
+        start_time=market.start.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        private_pool_options_match_criteria="Open",
         description=f"{g.name}: reserved GPU capacity (gpu-training-stack)",
         tags=tags, opts=opts)

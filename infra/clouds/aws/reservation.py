@@ -16,6 +16,8 @@ The ASG's on-demand base is the reserved nodes (all of them without an overflow)
 
 from __future__ import annotations
 
+from datetime import timezone
+
 import pulumi
 import pulumi_aws as aws
 
@@ -53,7 +55,7 @@ def create(name: str, g: ResolvedGroup, zone: str, tags: dict[str, str],
                                            availability_zone=zone, instance_count=g.fleet_max, tags=tags, opts=opts)
     if market.type != "capacity-reservation" or market.reservation_id is not None:
         return None
-    end = market.end.strftime("%Y-%m-%dT%H:%M:%SZ") if market.end else None
+    end = market.end.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if market.end else None
     return aws.ec2.CapacityReservation(f"{name}-odcr", instance_type=g.types[0], instance_platform="Linux/UNIX",
                                        availability_zone=zone, instance_count=market.reserved_of(g.scaling.max),
                                        end_date=end, end_date_type="limited" if end else "unlimited", tags=tags,
