@@ -150,3 +150,23 @@ def test_one_candidates_api_error_skips_it_and_the_next_is_asked(moto: MotoServe
     assert (decision.action, decision.at) == ("move", 3), decision
     assert decision.skipped[1] == {"index": 2, "place": "alicloud cn-hangzhou ecs.gn6i-c4g1.xlarge spot", "calls": 1,
                                    "why": "its API failed: URLError: <urlopen error [Errno 111] Connection refused>"}
+
+
+def test_a_reservation_candidate_outside_its_window_is_skipped_without_a_call(
+        moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    world = World(moto, monkeypatch)
+    env = storage_env(moto.url)
+    _buckets(moto)
+    values = _values()
+    groups = json.loads(values[key("nodeGroups")])
+    groups[0]["capacity"][0]["market"] = {"type": "capacity-block", "start": "2026-12-20T08:00:00Z",
+                                          "end": "2026-12-24T08:00:00Z", "reservationId": "cr-0123456789abcdef0"}
+    values[key("nodeGroups")] = json.dumps(groups)
+    workspace = RecordingWorkspace(values, {"aws": {"fleets": {"aws-train": [world.asg]}}})
+    at = datetime(2026, 12, 2, tzinfo=timezone.utc)
+    (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, env), now=lambda: at).once()
+    assert (decision.action, decision.at) == ("move", 3), decision
+    assert decision.skipped[0] == {"index": 1, "place": "aws us-east-1 g5.xlarge capacity-block", "calls": 0,
+                                   "why": "its capacity-block window 2026-12-20T08:00:00+00:00 to "
+                                          "2026-12-24T08:00:00+00:00 (less 1800 s notice) is not open now"}
+    assert world.aws.calls == ["DescribeScalingActivities", "DescribeAutoScalingGroups"]  # g5 never asked

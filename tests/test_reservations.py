@@ -47,6 +47,9 @@ def _problems(market: dict[str, Any], group: int = 0) -> list[str]:
                                                   "this one lasts 364"),
     ({**BLOCK, "end": "2026-12-24T08:00:00"}, 0, "nodeGroups[0].market.end: '2026-12-24T08:00:00'"),
     ({"type": "capacity-block"}, 0, "nodeGroups[0].market: capacity-block needs start and end"),
+    ({**BLOCK, "start": "2026-11-20T08:00:00Z", "end": "2026-11-29T08:00:00+08:00"}, 0,
+     "nodeGroups[0].market.end: 2026-11-29T08:00:00+08:00 has passed (now 2026-11-30T00:00:00+00:00): the "
+     "reservation is over"),
     ({**BLOCK, "overflow": "spot", "reservedNodes": 1}, 0, "nodeGroups[0].market.overflow: a Capacity Block's launch "
                                                             "template buys only from the block"),
     ({**ODCR, "reservedNodes": 9}, 0, "nodeGroups[0].market.reservedNodes: 9 exceeds scaling.max (2)"),

@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from infra.buckets import Bucket, bucket
 from infra.capacity.places import Place, places
 from infra.capacity.pricing import pack_config, types_at
+from infra.capacity.reservations import notice_s, open_now
 from infra.capacity.stock import Ask, Failure, StockApi, stock_api
 from infra.capacity.transfer import Copied, copy_dataset, copy_step, progress
 from infra.capacity.workspace import Workspace
@@ -159,6 +160,11 @@ class Broker:
         decision = Decision(group.name, "stay", f"{reason}; no other place has stock", here.index)
         for place in order:
             why = self.capped.get((group.name, place.index))
+            market = place.market
+            if not open_now(market, place.cloud, self.now()):  # a reservation not (or no longer) ours now
+                why = (f"its {market.type} window {market.start.isoformat() if market.start else '?'} to "
+                       f"{market.end.isoformat() if market.end else '?'} (less {notice_s(place.cloud, market.type)} s "
+                       "notice) is not open now")
             if why is not None:  # the policy pack's cap: never a move it would refuse (no call made)
                 decision.skipped.append({"index": place.index, "place": place.label, "why": why, "calls": 0})
                 continue

@@ -8,11 +8,31 @@ market is data (infra/data/capabilities.yaml markets), checked with every market
 
 from __future__ import annotations
 
-from datetime import timedelta
+import os
+from datetime import datetime, time, timedelta, timezone
 
 from infra import catalog as cat
 from infra.errors import Problem
 from infra.spec import Market, NodeGroup, StackSpec
+
+
+def now() -> datetime:
+    """The one clock the reservation checks and the broker's windows read: midnight UTC of
+    GTS_TODAY when it is set (the plan's pinned date, infra/prices/age.py: a reproducible plan, the
+    tests), else the system's time in UTC."""
+    if os.environ.get("GTS_TODAY"):
+        from infra.prices.age import judged_on
+
+        return datetime.combine(judged_on(), time(0), tzinfo=timezone.utc)
+    return datetime.now(timezone.utc)
+
+
+def open_now(market: Market, cloud: str, at: datetime) -> bool:
+    """Whether a reservation market's window [start, end - the cloud's notice) holds `at` (any other
+    market: always)."""
+    if not market.reservation or market.start is None or market.end is None:
+        return True
+    return market.start <= at < market.end - timedelta(seconds=notice_s(cloud, market.type))
 
 
 def notice_s(cloud: str, market: str) -> int:
@@ -42,6 +62,9 @@ def check_market(group: NodeGroup, market: Market, path: str) -> list[Problem]:
     least, most = _length(market.type)
     if market.end <= market.start:
         out.append(Problem(f"{path}.end", f"{market.end.isoformat()} is not after start {market.start.isoformat()}"))
+    elif market.end <= (today := now()):
+        out.append(Problem(f"{path}.end", f"{market.end.isoformat()} has passed (now {today.isoformat()}): the "
+                                          "reservation is over; give this group a new window or another market"))
     elif not least <= market.end - market.start <= most:
         out.append(Problem(f"{path}.end", f"a {market.type} lasts {least.days} to {most.days} days; this one lasts "
                                           f"{(market.end - market.start).total_seconds() / 86400:g} (infra/data/"
