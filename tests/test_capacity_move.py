@@ -16,11 +16,12 @@ import pytest
 
 from infra.buckets import bucket
 from infra.capacity.__main__ import _watch
-from infra.capacity.broker import LOCK, STALE_AFTER_S, Broker, Busy, MoveFailed
-from infra.capacity.transfer import progress
+from infra.capacity.broker import LOCK, STALE_AFTER_S, Broker, Busy, Decision, MoveFailed
+from infra.capacity.transfer import copy_step, progress
 from infra.capacity.workspace import RecordingWorkspace
 from infra.validation import parse_stack
 from tests.harness import key, spec_raw, stack_values
+from tests.capacity_helpers import recorded
 from tests.test_capacity_broker import World, _values
 from tests.training_helpers import MotoServer, storage_env
 from training.lease import Lease
@@ -170,3 +171,41 @@ def test_a_reservation_candidate_outside_its_window_is_skipped_without_a_call(
                                    "why": "its capacity-block window 2026-12-20T08:00:00+00:00 to "
                                           "2026-12-24T08:00:00+00:00 (less 1800 s notice) is not open now"}
     assert world.aws.calls == ["DescribeScalingActivities", "DescribeAutoScalingGroups"]  # g5 never asked
+
+
+def test_it_moves_back_only_after_a_step_is_committed_where_it_arrived(
+        reference: tuple[str, Path], moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, ck = reference  # a real run's committed steps 20, 40, 60
+    high = recorded("aws", "spot_placement_scores_high", **{"us-west-2": "us-east-1"})
+    world = World(moto, monkeypatch, score=high)
+    env = storage_env(moto.url)
+    _, tc = _buckets(moto)
+    spec = parse_stack(spec_raw(stack_values("dev"))).spec
+    there = location(bucket(spec, "tencentcloud").checkpoint_url("aws-train"), env)
+    copy_step(location(f"file://{ck}"), there, 20)
+    for old in moto.keys_in(tc, "records/capacity/aws-train/"):  # the other tests' moves: this one arrived last
+        moto.client().delete_object(Bucket=tc, Key=old)
+    arrival = {"at": "2026-12-02T00:00:00+00:00", "group": "aws-train", "from": 0, "to": 3, "failed": "", "step": 20}
+    moto.client().put_object(Bucket=tc, Key="records/capacity/aws-train/20261202T000000000000Z.json",
+                             Body=json.dumps(arrival).encode())
+    values = _values("spot")  # declared spot: a placement score is a stock answer
+    groups = json.loads(values[key("nodeGroups")])
+    groups[0]["activeCandidate"] = 3
+    values[key("nodeGroups")] = json.dumps(groups)
+    quiet = {"Response": {"RequestId": "r", "TotalCount": 0, "ActivitySet": []}}
+
+    def watch() -> tuple[RecordingWorkspace, Decision]:
+        world.tc.answers["DescribeAutoScalingActivities"] = [quiet]
+        workspace = RecordingWorkspace(dict(values), {"tencentcloud": {"fleets": {"aws-train": ["asg-kiju7yt5"]}}})
+        (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, env),
+                             move_back=True).once()
+        return workspace, decision
+
+    workspace, decision = watch()  # only the step it arrived with: its nodes may still be starting
+    assert (decision.action, decision.at) == ("stay", 3) and "no step committed" in decision.reason, decision
+    assert workspace.changes == [] and world.aws.calls == []
+    copy_step(location(f"file://{ck}"), there, 40)  # the run made progress there
+    workspace, decision = watch()
+    assert (decision.action, decision.at) == ("move", 0), decision
+    assert world.aws.calls == ["DescribeInstanceTypeOfferings", "GetServiceQuota", "GetSpotPlacementScores"]
+    assert decision.copied is not None and decision.copied.step == 40

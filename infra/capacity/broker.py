@@ -26,7 +26,7 @@ from infra.buckets import Bucket, bucket
 from infra.capacity.places import Place, places
 from infra.capacity.pricing import pack_config, types_at
 from infra.capacity.reservations import notice_s, open_now
-from infra.capacity.stock import Ask, Failure, StockApi, stock_api
+from infra.capacity.stock import Ask, Failure, StockApi, Verdict, stock_api
 from infra.capacity.transfer import Copied, copy_dataset, copy_step, progress
 from infra.capacity.workspace import Workspace
 from infra.groups import Stack
@@ -140,7 +140,7 @@ class Broker:
                                                     f"stack's outputs show its fleet on {elsewhere}: the last `up` did "
                                                     "not finish; run `pulumi up` (or set activeCandidate back) before "
                                                     "the broker moves it again", here.index)
-        arrived = self._arrived(spec, group.name, here)
+        arrived, arrival_step = self._arrived(spec, group.name, here)
         failures, running = self._failures(here, group.name, outputs, arrived)
         if failures:
             order = every[here.index + 1:] + [p for p in every[:here.index]]
@@ -154,38 +154,55 @@ class Broker:
         if now.writing is not None:
             return Decision(group.name, "wait", f"{reason}; step {now.writing} is being written: moving after it "
                                                 "is committed", here.index)
+        if not failures and arrived is not None and (now.committed or -1) <= (arrival_step or -1):
+            return Decision(group.name, "stay", f"{reason}: not yet, no step committed at {here.label} since it "
+                                                f"arrived (step {arrival_step}): its nodes may still be starting",
+                            here.index)
         if now.abandoned:
             reason += (f"; step(s) {', '.join(map(str, now.abandoned))} abandoned half-written (no node running, or "
                        f"nothing written for {self.stale_after_s:g} s): moving from step {now.committed}")
         decision = Decision(group.name, "stay", f"{reason}; no other place has stock", here.index)
         for place in order:
-            why = self.capped.get((group.name, place.index))
-            market = place.market
-            if not open_now(market, place.cloud, self.now()):  # a reservation not (or no longer) ours now
-                why = (f"its {market.type} window {market.start.isoformat() if market.start else '?'} to "
-                       f"{market.end.isoformat() if market.end else '?'} (less {notice_s(place.cloud, market.type)} s "
-                       "notice) is not open now")
-            if why is not None:  # the policy pack's cap: never a move it would refuse (no call made)
-                decision.skipped.append({"index": place.index, "place": place.label, "why": why, "calls": 0})
-                continue
-            try:
-                verdict = self.api(place.cloud, place.region).ask(self._ask(spec, group, place))
-            except Exception as exc:  # noqa: BLE001 (one cloud's API error or outage: the next place is asked)
-                decision.skipped.append({"index": place.index, "place": place.label, "calls": 1,
-                                         "why": f"its API failed: {type(exc).__name__}: {str(exc)[:200]}"})
-                continue
-            if not verdict.ok:
-                decision.skipped.append({"index": place.index, "place": place.label, "why": verdict.why,
-                                         "calls": verdict.calls})
+            verdict = self._verdict(spec, group, place, decision, known=not failures)
+            if verdict is None:
                 continue
             decision.copied = self._copy(spec, group.name, here, place, now.committed)
             decision.reason = f"{reason}; {place.label}: {verdict.why}"
-            self._move(spec, index, group.name, here, place, decision)
+            self._move(spec, index, group.name, here, place, decision, now.committed)
             decision.action, decision.at = "move", place.index
             break
         return decision
 
-    def _move(self, spec: StackSpec, index: int, group: str, here: Place, to: Place, decision: Decision) -> None:
+    def _verdict(self, spec: StackSpec, group: NodeGroup, place: Place, decision: Decision,
+                 known: bool) -> Verdict | None:
+        """The place's stock verdict when it may be moved to; None (and the place in
+        decision.skipped, with why and the calls made) when not. `known`: only a stock the cloud
+        vouches for (a move back), not a type merely offered within quota."""
+        why = self.capped.get((group.name, place.index))  # the policy pack's cap: never a move it would refuse
+        market = place.market
+        if not open_now(market, place.cloud, self.now()):  # a reservation not (or no longer) ours now
+            why = (f"its {market.type} window {market.start.isoformat() if market.start else '?'} to "
+                   f"{market.end.isoformat() if market.end else '?'} (less {notice_s(place.cloud, market.type)} s "
+                   "notice) is not open now")
+        if why is not None:  # no call made
+            decision.skipped.append({"index": place.index, "place": place.label, "why": why, "calls": 0})
+            return None
+        try:
+            verdict = self.api(place.cloud, place.region).ask(self._ask(spec, group, place))
+        except Exception as exc:  # noqa: BLE001 (one cloud's API error or outage: the next place is asked)
+            decision.skipped.append({"index": place.index, "place": place.label, "calls": 1,
+                                     "why": f"its API failed: {type(exc).__name__}: {str(exc)[:200]}"})
+            return None
+        if verdict.ok and known and not verdict.known:
+            verdict = Verdict(False, f"{verdict.why}: stock unknown, not moved back on a guess", verdict.calls)
+        if not verdict.ok:
+            decision.skipped.append({"index": place.index, "place": place.label, "why": verdict.why,
+                                     "calls": verdict.calls})
+            return None
+        return verdict
+
+    def _move(self, spec: StackSpec, index: int, group: str, here: Place, to: Place, decision: Decision,
+              step: int | None) -> None:
         """Set activeCandidate and run `up`; on a failed `up`, set it back, record the attempt and
         raise MoveFailed (the stack may be half-changed: the next watch's output check says so)."""
         key = f"{self.project}:nodeGroups[{index}].activeCandidate"
@@ -196,11 +213,11 @@ class Broker:
             self.workspace.set_config(key, str(here.index))
             lines = str(exc).strip().splitlines()
             failed = lines[-1][:300] if lines else type(exc).__name__
-            self._record(spec, group, here, to, decision, failed=failed)
+            self._record(spec, group, here, to, decision, step, failed=failed)
             raise MoveFailed(f"{group}: `up` to {to.label} failed ({failed}); activeCandidate set back to "
                              f"{here.index}; the stack may be half-changed: check it with `pulumi preview` and run "
                              "`pulumi up`") from None
-        self._record(spec, group, here, to, decision)
+        self._record(spec, group, here, to, decision, step)
 
     def _mismatch(self, group: str, here: Place, outputs: Mapping[str, object]) -> str:
         """The clouds whose outputs hold the group's fleet when the active place's cloud does not."""
@@ -253,23 +270,26 @@ class Broker:
         where = bucket(spec, place.cloud)
         return self.storage(where, f"{where.url}{RECORDS}/{group}")
 
-    def _arrived(self, spec: StackSpec, group: str, here: Place) -> datetime | None:
-        """When the group last moved here (the newest record in this place's bucket), if ever."""
+    def _arrived(self, spec: StackSpec, group: str, here: Place) -> tuple[datetime | None, int | None]:
+        """When the group last moved here (the newest record in this place's bucket), if ever, and
+        the committed step it moved with."""
         loc = self._records(spec, group, here)
         try:
             names = sorted(loc.fs.ls(loc.root, detail=False))
         except FileNotFoundError:
-            return None
+            return None, None
         for name in reversed(names):
             record = json.loads(loc.fs.cat(name))
             if record.get("to") == here.index and not record.get("failed"):
-                return _when(str(record["at"]))
-        return None
+                step = record.get("step", (record.get("copied") or {}).get("step"))
+                return _when(str(record["at"])), (int(step) if step is not None else None)
+        return None, None
 
-    def _record(self, spec: StackSpec, group: str, here: Place, to: Place, decision: Decision,
+    def _record(self, spec: StackSpec, group: str, here: Place, to: Place, decision: Decision, step: int | None,
                 failed: str = "") -> None:
         stamp = self.now()
         record = {"at": stamp.isoformat(), "group": group, "from": here.index, "to": to.index, "failed": failed,
+                  "step": step,
                   "fromPlace": here.label,
                   "toPlace": to.label, "reason": decision.reason, "skipped": decision.skipped,
                   "copied": asdict(decision.copied) if decision.copied else None}

@@ -31,6 +31,7 @@ class Verdict:
     ok: bool
     why: str  # what the cloud answered, in one line
     calls: int  # API calls it took
+    known: bool = True  # False: the cloud has no stock answer (only offered, within quota): a launch would tell
 
 
 @dataclass(frozen=True)

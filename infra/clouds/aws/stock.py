@@ -55,9 +55,9 @@ class AwsStock:
         if quota is not None and quota < need:
             return Verdict(False, f"vCPU quota {quota:g} for {offered[0]} ({ask.market}) is under the {need} the "
                                   "nodes need (GetServiceQuota)", calls)
-        if ask.market != "spot":
-            return Verdict(True, f"{offered[0]} offered in {where}, quota {quota if quota is not None else 'unknown'}",
-                           calls)
+        if ask.market != "spot":  # EC2 has no on-demand stock API: offered within quota is not stock
+            return Verdict(True, f"{offered[0]} offered in {where}, quota {quota if quota is not None else 'unknown'} "
+                                 "(on-demand stock unknown)", calls, known=False)
         score, used = self._score(ask, offered)
         calls += used
         if score < MIN_SPOT_SCORE:
