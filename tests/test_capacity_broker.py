@@ -121,6 +121,10 @@ def test_insufficient_capacity_moves_the_group_and_the_run_resumes_bit_exact_els
     assert [a[0] for a in world.tc.asked] == ["DescribeZoneInstanceConfigInfos"]
     assert workspace.changes == [("gpu-training-stack:nodeGroups[0].activeCandidate", "3")]
     assert workspace.ups == ["capacity broker: aws-train to tencentcloud ap-guangzhou GN7.2XLARGE32 spot"]
+    # `up` judged by the whole pack, with the pack config of the stack as moved (the group priced at Tencent)
+    (pack,) = workspace.packs
+    assert list(pack["stack-cost-cap"]["groupPrices"]["aws-train"]) == ["GN7.2XLARGE32"]
+    assert pack["gpu-spot-only"] == "mandatory" and "capacityPlaces" in pack["capacity-candidates-capped"]
     assert decision.copied is not None and decision.copied.step == stopped and decision.copied.files == 3
     # The stack as changed: the group is declared on Tencent now, its checkpoints in the Tencent bucket.
     moved = parse_stack(spec_raw({k: json.loads(v) if k.endswith(("nodeGroups",)) else v

@@ -18,7 +18,7 @@ from infra.buckets import bucket
 from infra.capacity.__main__ import _watch
 from infra.capacity.broker import LOCK, STALE_AFTER_S, Broker, Busy, Decision, MoveFailed
 from infra.capacity.transfer import copy_step, progress
-from infra.capacity.workspace import RecordingWorkspace
+from infra.capacity.workspace import RecordingWorkspace, uncommitted
 from infra.validation import parse_stack
 from tests.harness import key, spec_raw, stack_values
 from tests.capacity_helpers import recorded
@@ -31,8 +31,8 @@ ACTIVE = "gpu-training-stack:nodeGroups[0].activeCandidate"
 
 
 class FailingUp(RecordingWorkspace):
-    def up(self, message: str) -> None:
-        super().up(message)
+    def up(self, message: str, pack_config: dict[str, object]) -> None:
+        super().up(message, pack_config)
         raise RuntimeError("code: 255\n stderr: error: update failed: creating Auto Scaling group: quota exceeded")
 
 
@@ -209,3 +209,21 @@ def test_it_moves_back_only_after_a_step_is_committed_where_it_arrived(
     assert (decision.action, decision.at) == ("move", 0), decision
     assert world.aws.calls == ["DescribeInstanceTypeOfferings", "GetServiceQuota", "GetSpotPlacementScores"]
     assert decision.copied is not None and decision.copied.step == 40
+
+
+def test_the_broker_runs_only_on_the_committed_stack_file(tmp_path: Path) -> None:
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+    git("init", "-q")
+    stack_file = tmp_path / "Pulumi.prod.yaml"
+    stack_file.write_text("config: {}\n")
+    assert uncommitted(tmp_path, "prod") == f"Pulumi.prod.yaml is not committed in {tmp_path}: commit it first"
+    git("add", "Pulumi.prod.yaml")
+    git("commit", "-q", "-m", "stack")
+    assert uncommitted(tmp_path, "prod") == ""
+    stack_file.write_text("config: {gpu-training-stack:env: prod}\n")
+    assert uncommitted(tmp_path, "prod") == ("Pulumi.prod.yaml differs from the committed one: commit (or discard) "
+                                             "the change first")

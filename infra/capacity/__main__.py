@@ -17,6 +17,7 @@ from typing import Any
 
 from infra.buckets import Bucket, endpoint
 from infra.capacity.broker import STALE_AFTER_S, Broker, Busy, Decision, MoveFailed
+from infra.capacity.workspace import uncommitted
 from infra.cli.dataset import DatasetError, operator_keys
 from infra.errors import SpecError
 from infra.stacktext import STACK_NAME, project_root
@@ -66,16 +67,24 @@ def main(argv: list[str] | None = None) -> int:
               f"({UPLOAD_DEADLINE_S:g} s), above the longest one-file upload", file=sys.stderr)
         return 2
     try:
-        broker = Broker(_workspace(args.stack), storage=storage_for, move_back=args.move_back,
-                        stale_after_s=args.stale_after)
+        workspace = _workspace(args.stack)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    dirty = uncommitted(project_root(), args.stack)
+    if dirty:
+        print(f"error: --stack {args.stack}: {dirty} (a move lands in the stack file; the next deploy from the "
+              "repository would undo a move made on another file: docs/capacity.md)", file=sys.stderr)
+        return 2
+    broker = Broker(workspace, storage=storage_for, move_back=args.move_back, stale_after_s=args.stale_after)
     while True:
         code = _watch(broker)
         if args.once:
             return code
         time.sleep(args.every)
+        while dirty := uncommitted(project_root(), args.stack):  # a move to commit: no watch on a changed file
+            print(f"waiting: {dirty} (the last move)", file=sys.stderr, flush=True)
+            time.sleep(args.every)
 
 
 def _workspace(stack: str) -> Any:

@@ -30,7 +30,7 @@ from infra.capacity.stock import Ask, Failure, StockApi, Verdict, stock_api
 from infra.capacity.transfer import Copied, copy_dataset, copy_step, progress
 from infra.capacity.workspace import Workspace
 from infra.groups import Stack
-from infra.policy_config import base_config
+from infra.policy_config import base_config, for_stack
 from infra.spec import NodeGroup, StackSpec
 from infra.stacktext import project_name
 from infra.validation import parse_values
@@ -208,7 +208,8 @@ class Broker:
         key = f"{self.project}:nodeGroups[{index}].activeCandidate"
         self.workspace.set_config(key, str(to.index))
         try:
-            self.workspace.up(f"capacity broker: {group} to {to.label}")
+            moved = parse_values(self.workspace.config(), self.project, "the stack's config")
+            self.workspace.up(f"capacity broker: {group} to {to.label}", for_stack(self.workspace.name, moved))
         except Exception as exc:  # noqa: BLE001 (the Automation API's CommandError and its kin)
             self.workspace.set_config(key, str(here.index))
             lines = str(exc).strip().splitlines()
