@@ -17,7 +17,7 @@ from tests.harness import by_type, key, run_stack, spec_raw, stack_values
 
 BLOCK = {"type": "capacity-block", "start": "2026-12-20T08:00:00Z", "end": "2026-12-24T08:00:00Z",
          "reservationId": "cr-0123456789abcdef0"}
-ODCR = {"type": "capacity-reservation", "start": "2026-12-20T08:00:00Z", "end": "2027-01-20T08:00:00Z",
+ODCR = {"type": "capacity-reservation", "start": "2026-11-20T08:00:00Z", "end": "2027-01-20T08:00:00Z",
         "reservedNodes": 1, "overflow": "spot"}
 ASSURANCE = {"type": "elasticity-assurance", "start": "2026-12-20T00:00:00Z", "end": "2027-03-20T00:00:00Z",
              "reservedNodes": 1, "overflow": "spot"}
@@ -47,6 +47,12 @@ def _problems(market: dict[str, Any], group: int = 0) -> list[str]:
                                                   "this one lasts 364"),
     ({**BLOCK, "end": "2026-12-24T08:00:00"}, 0, "nodeGroups[0].market.end: '2026-12-24T08:00:00'"),
     ({"type": "capacity-block"}, 0, "nodeGroups[0].market: capacity-block needs start and end"),
+    ({**ODCR, "start": "2026-12-20T08:00:00Z"}, 0, "nodeGroups[0].market.start: 2026-12-20T08:00:00+00:00 is after "
+                                                    "now: EC2 has no start date for an On-Demand Capacity Reservation"),
+    ({**ASSURANCE, "end": "2027-03-25T00:00:00Z"}, 1, "nodeGroups[1].market.end: an elasticity assurance is sold for "
+                                                      "1 to 9 whole months or 1 to 5 whole years from its start"),
+    ({**ASSURANCE, "end": "2028-02-20T00:00:00Z"}, 1, "nodeGroups[1].market.end: an elasticity assurance is sold for "
+                                                      "1 to 9 whole months or 1 to 5 whole years"),
     ({**BLOCK, "start": "2026-11-20T08:00:00Z", "end": "2026-11-29T08:00:00+08:00"}, 0,
      "nodeGroups[0].market.end: 2026-11-29T08:00:00+08:00 has passed (now 2026-11-30T00:00:00+00:00): the "
      "reservation is over"),
@@ -121,3 +127,13 @@ def test_offsets_other_than_utc_reach_the_clouds_as_utc(tmp_path: Path) -> None:
     assert odcr.inputs["endDate"] == "2027-01-20T08:00:00Z"
     (ea,) = by_type(res, "alicloud:ecs/elasticityAssurance:ElasticityAssurance")
     assert ea.inputs["startTime"] == "2026-12-20T00:00:00Z"
+
+
+def test_an_elasticity_assurance_buys_exactly_the_calendar_months_priced(tmp_path: Path) -> None:
+    # January 1 to February 1 is one month (31 days), not two; a year is sold as a year
+    for end, bought in (("2027-02-01T00:00:00+08:00", (1, "Month")), ("2028-01-01T00:00:00+08:00", (1, "Year"))):
+        market = {**ASSURANCE, "start": "2027-01-01T00:00:00+08:00", "end": end}
+        (tmp_path / end[:4]).mkdir()
+        res = run_stack("dev", _with(market, 1), tmp_path / end[:4])
+        (ea,) = by_type(res, "alicloud:ecs/elasticityAssurance:ElasticityAssurance")
+        assert (ea.inputs["period"], ea.inputs["periodUnit"]) == bought

@@ -35,6 +35,48 @@ def open_now(market: Market, cloud: str, at: datetime) -> bool:
     return market.start <= at < market.end - timedelta(seconds=notice_s(cloud, market.type))
 
 
+def add_months(when: datetime, months: int) -> datetime | None:
+    """`when` that many calendar months on (None when that day does not exist: Jan 31 + 1)."""
+    year, month = divmod(when.month - 1 + months, 12)
+    try:
+        return when.replace(year=when.year + year, month=month + 1)
+    except ValueError:
+        return None
+
+
+def whole_months(start: datetime, end: datetime) -> int | None:
+    """The calendar months from start to end when end is exactly that many months on, else None."""
+    start = start.astimezone(timezone.utc)
+    months = (end.astimezone(timezone.utc).year - start.year) * 12 + end.astimezone(timezone.utc).month - start.month
+    return next((m for m in (months, months - 1) if m >= 1 and add_months(start, m) == end), None)
+
+
+def assurance_period(start: datetime, end: datetime) -> tuple[int, str] | None:
+    """The elasticity assurance Alibaba sells for exactly [start, end): (1-9, Month) or (1-5, Year)."""
+    months = whole_months(start, end)
+    if months is not None and months <= 9:
+        return months, "Month"
+    if months is not None and months % 12 == 0 and months <= 60:
+        return months // 12, "Year"
+    return None
+
+
+def _bought(market: Market, path: str) -> list[Problem]:
+    """What the cloud sells for exactly the window given: an elasticity assurance in whole months
+    or years; a stack-created ODCR (no start date: it exists, and is billed, from `up`) from now."""
+    assert market.start is not None and market.end is not None
+    if market.type == "elasticity-assurance" and assurance_period(market.start, market.end) is None:
+        return [Problem(f"{path}.end", f"an elasticity assurance is sold for 1 to 9 whole months or 1 to 5 whole "
+                                       f"years from its start: {market.start.isoformat()} to {market.end.isoformat()} "
+                                       "is neither; give an end that many calendar months after start")]
+    if market.type == "capacity-reservation" and market.reservation_id is None and market.start > now():
+        return [Problem(f"{path}.start", f"{market.start.isoformat()} is after now: EC2 has no start date for an "
+                                         "On-Demand Capacity Reservation; the stack creates it (and it is billed) when "
+                                         "`up` runs. Run `up` at the start with start set then, give the reservationId "
+                                         "of one you made, or use capacity-block for a future window")]
+    return []
+
+
 def notice_s(cloud: str, market: str) -> int:
     """Seconds before a reservation's end the cloud starts taking its nodes back."""
     return int(cat.load_yaml("reservations.yaml")["markets"].get(market, {}).get("noticeS", 0))
@@ -69,6 +111,8 @@ def check_market(group: NodeGroup, market: Market, path: str) -> list[Problem]:
         out.append(Problem(f"{path}.end", f"a {market.type} lasts {least.days} to {most.days} days; this one lasts "
                                           f"{(market.end - market.start).total_seconds() / 86400:g} (infra/data/"
                                           "reservations.yaml)"))
+    if not out:
+        out += _bought(market, path)
     if market.type == "capacity-block" and market.reservation_id is None:
         out.append(Problem(f"{path}.reservationId", "a Capacity Block is bought outside the stack (EC2 "
                                                     "PurchaseCapacityBlock): give its id, e.g. cr-0123456789abcdef0"))
