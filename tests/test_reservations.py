@@ -23,11 +23,23 @@ ASSURANCE = {"type": "elasticity-assurance", "start": "2026-12-20T00:00:00Z", "e
              "reservedNodes": 1, "overflow": "spot"}
 
 
-def _with(market: dict[str, Any], group: int = 0) -> Any:
+def _with(market: dict[str, Any], group: int = 0, itype: str | None = "g4dn.2xlarge") -> Any:
+    """The group on `market`; a reservation targeted by id holds one type: the group names it."""
     def edit(config: dict[str, Any]) -> None:
         config[key("nodeGroups")][group]["market"] = dict(market)
         config[key("nodeGroups")][group].pop("schedule", None)
+        if market.get("reservationId") and itype and group == 0:  # the AWS group
+            config[key("nodeGroups")][group].pop("gpu", None)
+            config[key("nodeGroups")][group]["instanceType"] = itype
     return edit
+
+
+def _problems_of(edit: Any) -> list[str]:
+    config = stack_values("dev")
+    edit(config)
+    with pytest.raises(SpecError) as caught:
+        parse_stack(spec_raw(config))
+    return [str(p) for p in caught.value.problems]
 
 
 def _problems(market: dict[str, Any], group: int = 0) -> list[str]:
@@ -137,3 +149,23 @@ def test_an_elasticity_assurance_buys_exactly_the_calendar_months_priced(tmp_pat
         res = run_stack("dev", _with(market, 1), tmp_path / end[:4])
         (ea,) = by_type(res, "alicloud:ecs/elasticityAssurance:ElasticityAssurance")
         assert (ea.inputs["period"], ea.inputs["periodUnit"]) == bought
+
+
+def test_a_created_odcr_is_used_open_and_a_targeted_one_only_by_a_group_it_can_serve(tmp_path: Path) -> None:
+    res = run_stack("dev", _with({**ODCR, "reservedNodes": 1}), tmp_path)
+    (lt,) = [t for t in by_type(res, "aws:ec2/launchTemplate:LaunchTemplate") if t.name == "aws-train-lt"]
+    assert lt.inputs["capacityReservationSpecification"] == {"capacityReservationPreference": "open"}
+    given = {**ODCR, "reservationId": "cr-0123456789abcdef0"}
+    assert _problems_of(_with(given, itype=None)) == [
+        "nodeGroups[0].market.reservationId: cr-0123456789abcdef0 holds one instance type: give the group "
+        "instanceType (the reservation's) and no fallbackTypes"]
+
+    def two_zones(config: dict[str, Any]) -> None:
+        _with(given)(config)
+        config[key("networks")][0]["subnets"].append({"zone": "us-east-1b", "cidr": "10.10.16.0/20"})
+    (line,) = _problems_of(two_zones)
+    assert line.startswith("nodeGroups[0].market.reservationId: cr-0123456789abcdef0 is in one zone, but network "
+                           "aws-train's subnets span us-east-1a, us-east-1b")
+    assert _problems_of(_with({**ODCR, "reservedNodes": 1, "overflow": None})) == [
+        "nodeGroups[0].market.reservedNodes: 1 is under scaling.max (2) with no overflow: the nodes above it would "
+        "launch outside the reservation at on-demand; raise reservedNodes or set overflow: spot"]

@@ -118,6 +118,11 @@ def check_market(group: NodeGroup, market: Market, path: str) -> list[Problem]:
                                                     "PurchaseCapacityBlock): give its id, e.g. cr-0123456789abcdef0"))
     if market.reserved_nodes is not None and market.reserved_nodes > group.scaling.max:
         out.append(Problem(f"{path}.reservedNodes", f"{market.reserved_nodes} exceeds scaling.max ({group.scaling.max})"))
+    elif market.overflow is None and market.reserved_nodes is not None and market.reserved_nodes < group.scaling.max:
+        out.append(Problem(f"{path}.reservedNodes", f"{market.reserved_nodes} is under scaling.max "
+                                                    f"({group.scaling.max}) with no overflow: the nodes above it would "
+                                                    "launch outside the reservation at on-demand; raise reservedNodes "
+                                                    "or set overflow: spot"))
     elif market.overflow is not None and market.reserved_of(group.scaling.max) >= group.scaling.max:
         out.append(Problem(f"{path}.overflow", f"nothing overflows: reservedNodes ({market.reserved_of(group.scaling.max)}) "
                                                f"is scaling.max; lower reservedNodes or raise scaling.max"))
@@ -127,10 +132,29 @@ def check_market(group: NodeGroup, market: Market, path: str) -> list[Problem]:
     return out
 
 
+def targeted(spec: StackSpec, group: NodeGroup, market: Market, path: str) -> list[Problem]:
+    """A reservation targeted by id (a Capacity Block, a given ODCR) holds one type in one zone: a
+    group whose other types or zones it cannot serve would launch them outside it."""
+    if market.reservation_id is None or market.type not in ("capacity-block", "capacity-reservation") or \
+            group.cloud != "aws":  # EC2's markets: elsewhere the markets check says so
+        return []
+    if group.instance_type is None or group.fallback_types:
+        return [Problem(f"{path}.reservationId", f"{market.reservation_id} holds one instance type: give the group "
+                                                 "instanceType (the reservation's) and no fallbackTypes")]
+    net = next((n for n in spec.networks if n.name == group.network), None)
+    zones = sorted({s.zone for s in net.subnets}) if net is not None else []
+    if len(zones) > 1:
+        return [Problem(f"{path}.reservationId", f"{market.reservation_id} is in one zone, but network "
+                                                 f"{group.network}'s subnets span {', '.join(zones)}: give the group a "
+                                                 "network whose subnets are in the reservation's zone only")]
+    return []
+
+
 def check(spec: StackSpec) -> list[Problem]:
     out: list[Problem] = []
     for i, group in enumerate(spec.node_groups):
-        out += check_market(group, group.market, f"nodeGroups[{i}].market")
+        out += check_market(group, group.market, f"nodeGroups[{i}].market") or targeted(
+            spec, group, group.market, f"nodeGroups[{i}].market")
         for k, cand in enumerate(group.capacity):
             if cand.market is not None:
                 out += check_market(group, cand.market, f"nodeGroups[{i}].capacity[{k}].market")
