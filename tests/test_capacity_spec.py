@@ -138,11 +138,16 @@ def test_the_plan_prices_every_place_and_what_a_move_copies() -> None:
 def test_the_pack_refuses_a_candidate_over_the_cap_or_on_demand_unless_allowed() -> None:
     config = _config(TENCENT_T4, {"market": {"type": "on-demand"}})
     verdicts = _pack_verdicts(config)
-    # Tencent spot: $0.72/h > 1.5 x $0.45/h; AWS on-demand: $1.50/h, over the cap and on-demand
+    # Tencent spot without a cap: at on-demand, $2.41/h > 1.5 x $0.45/h; AWS on-demand: $1.50/h, over the cap and
+    # on-demand
     assert [v.split(":")[0] for v in verdicts] == ["aws-train capacity[0]", "aws-train capacity[1]",
                                                    "aws-train capacity[1]"]
-    assert "$0.72/h at the group's maximum size, over 1.5 x the declared place's $0.45/h ($0.68/h)" in verdicts[0]
+    assert ("$2.41/h at the group's maximum size (spot at its cap, or at on-demand without one), over 1.5 x the "
+            "declared place's $0.45/h ($0.68/h)") in verdicts[0]
     assert verdicts[2].endswith("buys 2 node(s) on-demand: use a spot market there, or set capacity-candidates-capped "
                                 "allowOnDemand: true")
-    assert _pack_verdicts(config, maxRatio=5, allowOnDemand=True) == []
+    assert _pack_verdicts(config, maxRatio=6, allowOnDemand=True) == []
+    # a spot cap is the worst case: Tencent capped at $0.30 per node-hour is 2 x $0.30 = $0.60/h, under $0.68/h
+    capped = _config({**TENCENT_T4, "market": {"type": "spot", "spotMaxPriceUsd": 0.3}})
+    assert _pack_verdicts(capped) == []
     assert _pack_verdicts(_config()) == []  # no candidates: nothing to judge
