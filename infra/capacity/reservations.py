@@ -12,6 +12,7 @@ import os
 from datetime import datetime, time, timedelta, timezone
 
 from infra import catalog as cat
+from infra.clock import judged_on
 from infra.errors import Problem
 from infra.spec import Market, NodeGroup, StackSpec
 
@@ -21,8 +22,6 @@ def now() -> datetime:
     GTS_TODAY when it is set (the plan's pinned date, infra/prices/age.py: a reproducible plan, the
     tests), else the system's time in UTC."""
     if os.environ.get("GTS_TODAY"):
-        from infra.prices.age import judged_on
-
         return datetime.combine(judged_on(), time(0), tzinfo=timezone.utc)
     return datetime.now(timezone.utc)
 
