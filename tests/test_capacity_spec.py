@@ -31,7 +31,7 @@ def _problems(config: dict[str, Any]) -> list[str]:
 
 
 def test_candidates_in_another_region_and_cloud_are_read_in_order() -> None:
-    stack = parse_stack(spec_raw(_config({"zone": "us-east-1a", "market": {"type": "on-demand"}}, TENCENT_T4)))
+    stack = parse_stack(spec_raw(_config({"market": {"type": "on-demand"}}, TENCENT_T4)))
     assert stack.declared is not None
     group = stack.declared.node_groups[0]
     found = places.places(stack.declared, group)
@@ -60,8 +60,9 @@ def test_the_group_runs_at_its_active_candidate() -> None:
     ({"region": "us-west-2", "types": ["g4dn.xlarge"]}, "nodeGroups[0].capacity[0]: the stack has no network on aws "
                                                         "in us-west-2: add networks[] {name: ..., cloud: aws, "
                                                         "region: us-west-2"),
-    ({"zone": "us-east-1b", "types": ["g4dn.xlarge"]}, "nodeGroups[0].capacity[0]: the stack has no network on aws in "
-                                                       "us-east-1 with a subnet in us-east-1b: add networks[]"),
+    ({"zone": "us-east-1a", "types": ["g4dn.xlarge"]}, "nodeGroups[0].capacity[0].zone: 'us-east-1a': a zone "
+                                                       "candidate is not supported yet: the group launches into every "
+                                                       "subnet of its network"),
     ({"types": ["g4dn.xlarge; rm -rf /"]}, "nodeGroups[0].capacity[0].types[0]: 'g4dn.xlarge; rm -rf /': is not a valid value"),
     ({"region": "\x00"}, "nodeGroups[0].capacity[0].region: '\\x00': is not a valid value"),
     ({"market": {"type": "bid"}}, "nodeGroups[0].capacity[0].market.type: 'bid' is not allowed"),
@@ -137,11 +138,16 @@ def test_the_plan_prices_every_place_and_what_a_move_copies() -> None:
 def test_the_pack_refuses_a_candidate_over_the_cap_or_on_demand_unless_allowed() -> None:
     config = _config(TENCENT_T4, {"market": {"type": "on-demand"}})
     verdicts = _pack_verdicts(config)
-    # Tencent spot: $0.72/h > 1.5 x $0.45/h; AWS on-demand: $1.50/h, over the cap and on-demand
+    # Tencent spot without a cap: at on-demand, $2.41/h > 1.5 x $0.45/h; AWS on-demand: $1.50/h, over the cap and
+    # on-demand
     assert [v.split(":")[0] for v in verdicts] == ["aws-train capacity[0]", "aws-train capacity[1]",
                                                    "aws-train capacity[1]"]
-    assert "$0.72/h at the group's maximum size, over 1.5 x the declared place's $0.45/h ($0.68/h)" in verdicts[0]
+    assert ("$2.41/h at the group's maximum size (spot at its cap, or at on-demand without one), over 1.5 x the "
+            "declared place's $0.45/h ($0.68/h)") in verdicts[0]
     assert verdicts[2].endswith("buys 2 node(s) on-demand: use a spot market there, or set capacity-candidates-capped "
                                 "allowOnDemand: true")
-    assert _pack_verdicts(config, maxRatio=5, allowOnDemand=True) == []
+    assert _pack_verdicts(config, maxRatio=6, allowOnDemand=True) == []
+    # a spot cap is the worst case: Tencent capped at $0.30 per node-hour is 2 x $0.30 = $0.60/h, under $0.68/h
+    capped = _config({**TENCENT_T4, "market": {"type": "spot", "spotMaxPriceUsd": 0.3}})
+    assert _pack_verdicts(capped) == []
     assert _pack_verdicts(_config()) == []  # no candidates: nothing to judge

@@ -70,6 +70,10 @@ def test_aws_launch_failures_are_the_groups_capacity_activities() -> None:
                      recorded("aws", "scaling_activities_insufficient", GROUP="gts-dev-aws-train"))
         found = api.failures("gts-dev-aws-train")
         assert api.failures("gts-dev-aws-train", since="2026-12-02T00:00:01") == []
+        calls, api = _aws("us-east-1")
+        calls.answer(calls.autoscaling, "DescribeScalingActivities",
+                     recorded("aws", "scaling_activities_recovered", GROUP="gts-dev-aws-train"))
+        assert api.failures("gts-dev-aws-train") == []  # a launch succeeded after it
     assert [f.message.split(" - ")[0] for f in found] == ["Could not launch Spot Instances. InsufficientInstanceCapacity"]
 
 
@@ -100,6 +104,20 @@ def test_alicloud_sold_out_is_no_stock_and_no_stock_activities_are_failures() ->
     assert replay.asked[1][1]["ScalingGroupId"] == "asg-bp18p2yfxow2dloqabcd"
 
 
+def test_alicloud_a_later_successful_activity_clears_a_failure_and_the_group_is_short() -> None:
+    failed = recorded("alicloud", "scaling_activities_no_stock")
+    later = {"ScalingActivityId": "asa-later", "StartTime": "2026-12-02T00:05Z", "StatusCode": "Successful",
+             "StatusMessage": "", "Description": "Add \"1\" ECS instances"}
+    recovered = {**failed, "ScalingActivities": {"ScalingActivity": [later, *failed["ScalingActivities"]["ScalingActivity"]]}}
+    replay = Replay({"DescribeScalingActivities": [recovered, failed], "DescribeScalingGroups":
+                     [recorded("alicloud", "scaling_groups_short")]})
+    api = stock_api("alicloud", "cn-hangzhou", creds=CREDS, send=replay)
+    assert api.failures("asg-bp18p2yfxow2dloqabcd") == []
+    assert api.failures("asg-bp18p2yfxow2dloqabcd", since="2026-12-02T00:00:30Z") == []
+    assert api.nodes("asg-bp18p2yfxow2dloqabcd") == (1, 2)
+    assert replay.asked[2][1]["ScalingGroupIds.1"] == "asg-bp18p2yfxow2dloqabcd"
+
+
 def test_tencentcloud_asks_the_zone_configuration_signed_tc3() -> None:
     replay = Replay({"DescribeZoneInstanceConfigInfos": [recorded("tencentcloud", "zone_config_sold_out"),
                                                          recorded("tencentcloud", "zone_config_in_stock")],
@@ -117,3 +135,13 @@ def test_tencentcloud_asks_the_zone_configuration_signed_tc3() -> None:
     assert headers["Authorization"].startswith("TC3-HMAC-SHA256 Credential=AKIDEXAMPLE/")
     found = api.failures("asg-kiju7yt5")
     assert len(found) == 1 and found[0].message.startswith("ResourceInsufficient.SpecifiedInstanceType")
+
+
+def test_tencentcloud_failures_since_go_as_start_time_and_a_full_group_is_not_short() -> None:
+    replay = Replay({"DescribeAutoScalingActivities": [recorded("tencentcloud", "activities_sold_out")],
+                     "DescribeAutoScalingGroups": [recorded("tencentcloud", "groups_full")]})
+    api = stock_api("tencentcloud", "ap-guangzhou", creds=CREDS, send=replay)
+    assert api.failures("asg-kiju7yt5", since="2026-12-02T08:00:00+08:00") == []  # 00:00Z: not after it
+    assert replay.asked[0][1]["StartTime"] == "2026-12-02T00:00:00Z"
+    assert api.nodes("asg-kiju7yt5") == (2, 2)
+    assert replay.asked[1][1]["Filters"] == [{"Name": "auto-scaling-group-id", "Values": ["asg-kiju7yt5"]}]

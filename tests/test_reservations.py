@@ -17,17 +17,29 @@ from tests.harness import by_type, key, run_stack, spec_raw, stack_values
 
 BLOCK = {"type": "capacity-block", "start": "2026-12-20T08:00:00Z", "end": "2026-12-24T08:00:00Z",
          "reservationId": "cr-0123456789abcdef0"}
-ODCR = {"type": "capacity-reservation", "start": "2026-12-20T08:00:00Z", "end": "2027-01-20T08:00:00Z",
+ODCR = {"type": "capacity-reservation", "start": "2026-11-20T08:00:00Z", "end": "2027-01-20T08:00:00Z",
         "reservedNodes": 1, "overflow": "spot"}
 ASSURANCE = {"type": "elasticity-assurance", "start": "2026-12-20T00:00:00Z", "end": "2027-03-20T00:00:00Z",
              "reservedNodes": 1, "overflow": "spot"}
 
 
-def _with(market: dict[str, Any], group: int = 0) -> Any:
+def _with(market: dict[str, Any], group: int = 0, itype: str | None = "g4dn.2xlarge") -> Any:
+    """The group on `market`; a reservation targeted by id holds one type: the group names it."""
     def edit(config: dict[str, Any]) -> None:
         config[key("nodeGroups")][group]["market"] = dict(market)
         config[key("nodeGroups")][group].pop("schedule", None)
+        if market.get("reservationId") and itype and group == 0:  # the AWS group
+            config[key("nodeGroups")][group].pop("gpu", None)
+            config[key("nodeGroups")][group]["instanceType"] = itype
     return edit
+
+
+def _problems_of(edit: Any) -> list[str]:
+    config = stack_values("dev")
+    edit(config)
+    with pytest.raises(SpecError) as caught:
+        parse_stack(spec_raw(config))
+    return [str(p) for p in caught.value.problems]
 
 
 def _problems(market: dict[str, Any], group: int = 0) -> list[str]:
@@ -47,6 +59,15 @@ def _problems(market: dict[str, Any], group: int = 0) -> list[str]:
                                                   "this one lasts 364"),
     ({**BLOCK, "end": "2026-12-24T08:00:00"}, 0, "nodeGroups[0].market.end: '2026-12-24T08:00:00'"),
     ({"type": "capacity-block"}, 0, "nodeGroups[0].market: capacity-block needs start and end"),
+    ({**ODCR, "start": "2026-12-20T08:00:00Z"}, 0, "nodeGroups[0].market.start: 2026-12-20T08:00:00+00:00 is after "
+                                                    "now: EC2 has no start date for an On-Demand Capacity Reservation"),
+    ({**ASSURANCE, "end": "2027-03-25T00:00:00Z"}, 1, "nodeGroups[1].market.end: an elasticity assurance is sold for "
+                                                      "1 to 9 whole months or 1 to 5 whole years from its start"),
+    ({**ASSURANCE, "end": "2028-02-20T00:00:00Z"}, 1, "nodeGroups[1].market.end: an elasticity assurance is sold for "
+                                                      "1 to 9 whole months or 1 to 5 whole years"),
+    ({**BLOCK, "start": "2026-11-20T08:00:00Z", "end": "2026-11-29T08:00:00+08:00"}, 0,
+     "nodeGroups[0].market.end: 2026-11-29T08:00:00+08:00 has passed (now 2026-11-30T00:00:00+00:00): the "
+     "reservation is over"),
     ({**BLOCK, "overflow": "spot", "reservedNodes": 1}, 0, "nodeGroups[0].market.overflow: a Capacity Block's launch "
                                                             "template buys only from the block"),
     ({**ODCR, "reservedNodes": 9}, 0, "nodeGroups[0].market.reservedNodes: 9 exceeds scaling.max (2)"),
@@ -107,3 +128,44 @@ def test_a_reserved_baseline_bursts_to_spot_on_aws_and_alibaba(tmp_path: Path) -
             ea.inputs["privatePoolOptionsMatchCriteria"]) == (1, 3, "Month", ["cn-hangzhou-h"], "Open")
     (ess,) = by_type(res, "alicloud:ess/scalingGroup:ScalingGroup")
     assert (ess.inputs["onDemandBaseCapacity"], ess.inputs["onDemandPercentageAboveBaseCapacity"]) == (1, 0)
+
+
+def test_offsets_other_than_utc_reach_the_clouds_as_utc(tmp_path: Path) -> None:
+    def edit(config: dict[str, Any]) -> None:
+        _with({**ODCR, "end": "2027-01-20T16:00:00+08:00"}, 0)(config)
+        _with({**ASSURANCE, "start": "2026-12-20T08:00:00+08:00", "end": "2027-03-20T08:00:00+08:00"}, 1)(config)
+    res = run_stack("dev", edit, tmp_path)
+    (odcr,) = by_type(res, "aws:ec2/capacityReservation:CapacityReservation")
+    assert odcr.inputs["endDate"] == "2027-01-20T08:00:00Z"
+    (ea,) = by_type(res, "alicloud:ecs/elasticityAssurance:ElasticityAssurance")
+    assert ea.inputs["startTime"] == "2026-12-20T00:00:00Z"
+
+
+def test_an_elasticity_assurance_buys_exactly_the_calendar_months_priced(tmp_path: Path) -> None:
+    # January 1 to February 1 is one month (31 days), not two; a year is sold as a year
+    for end, bought in (("2027-02-01T00:00:00+08:00", (1, "Month")), ("2028-01-01T00:00:00+08:00", (1, "Year"))):
+        market = {**ASSURANCE, "start": "2027-01-01T00:00:00+08:00", "end": end}
+        (tmp_path / end[:4]).mkdir()
+        res = run_stack("dev", _with(market, 1), tmp_path / end[:4])
+        (ea,) = by_type(res, "alicloud:ecs/elasticityAssurance:ElasticityAssurance")
+        assert (ea.inputs["period"], ea.inputs["periodUnit"]) == bought
+
+
+def test_a_created_odcr_is_used_open_and_a_targeted_one_only_by_a_group_it_can_serve(tmp_path: Path) -> None:
+    res = run_stack("dev", _with({**ODCR, "reservedNodes": 1}), tmp_path)
+    (lt,) = [t for t in by_type(res, "aws:ec2/launchTemplate:LaunchTemplate") if t.name == "aws-train-lt"]
+    assert lt.inputs["capacityReservationSpecification"] == {"capacityReservationPreference": "open"}
+    given = {**ODCR, "reservationId": "cr-0123456789abcdef0"}
+    assert _problems_of(_with(given, itype=None)) == [
+        "nodeGroups[0].market.reservationId: cr-0123456789abcdef0 holds one instance type: give the group "
+        "instanceType (the reservation's) and no fallbackTypes"]
+
+    def two_zones(config: dict[str, Any]) -> None:
+        _with(given)(config)
+        config[key("networks")][0]["subnets"].append({"zone": "us-east-1b", "cidr": "10.10.16.0/20"})
+    (line,) = _problems_of(two_zones)
+    assert line.startswith("nodeGroups[0].market.reservationId: cr-0123456789abcdef0 is in one zone, but network "
+                           "aws-train's subnets span us-east-1a, us-east-1b")
+    assert _problems_of(_with({**ODCR, "reservedNodes": 1, "overflow": None})) == [
+        "nodeGroups[0].market.reservedNodes: 1 is under scaling.max (2) with no overflow: the nodes above it would "
+        "launch outside the reservation at on-demand; raise reservedNodes or set overflow: spot"]

@@ -2,7 +2,9 @@
 capacity broker (infra/capacity/broker.py) over one stack, through Pulumi's Automation API
 (needs the Pulumi CLI and the stack's backend, and the operator's keys of each cloud: the ones
 `pulumi up` uses). Prints one line per group and watch; exit 0, 1 when a watch failed (the
-next run tries again), 2 on bad input. docs/capacity.md: from CI's schedule, a cron on a small
+next run tries again; an `up` that failed mid-move, set back and recorded; a group whose fleet the
+stack's outputs show elsewhere), 2 on bad input; a watch that finds another watch of the stack
+running says so and exits 0. docs/capacity.md: from CI's schedule, a cron on a small
 node, or a CronJob."""
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ import time
 from typing import Any
 
 from infra.buckets import Bucket, endpoint
-from infra.capacity.broker import Broker, Decision
+from infra.capacity.broker import STALE_AFTER_S, Broker, Busy, Decision, MoveFailed
+from infra.capacity.workspace import uncommitted
 from infra.cli.dataset import DatasetError, operator_keys
 from infra.errors import SpecError
 from infra.stacktext import STACK_NAME, project_root
 from training.storage import Location, location
+from training.trainer.config import TrainConfig
+
+UPLOAD_DEADLINE_S = TrainConfig.upload_deadline_s  # the trainer's default wait for its uploads on exit
 
 
 def storage_for(where: Bucket, url: str) -> Location:
@@ -45,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     watch.add_argument("--every", type=int, default=60, help="seconds between watches (default 60)")
     watch.add_argument("--move-back", action="store_true", help="move a group back where it is declared once it "
                                                                 "has stock there again")
+    watch.add_argument("--stale-after", type=float, default=STALE_AFTER_S,
+                       help="seconds after which a half-written checkpoint step whose newest object is older is "
+                            f"abandoned, not waited for (default {STALE_AFTER_S:g})")
     args = parser.parse_args(argv)
     if not STACK_NAME.fullmatch(args.stack):
         print(f"error: --stack {args.stack!r} is not a stack name (letters, digits, . _ -)", file=sys.stderr)
@@ -53,16 +62,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --every {args.every}: watch at most every 10 seconds (the clouds' API rate limits)",
               file=sys.stderr)
         return 2
+    if args.stale_after < UPLOAD_DEADLINE_S:
+        print(f"error: --stale-after {args.stale_after:g}: at least the trainer's --upload-deadline-s default "
+              f"({UPLOAD_DEADLINE_S:g} s), above the longest one-file upload", file=sys.stderr)
+        return 2
     try:
-        broker = Broker(_workspace(args.stack), storage=storage_for, move_back=args.move_back)
+        workspace = _workspace(args.stack)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    dirty = uncommitted(project_root(), args.stack)
+    if dirty:
+        print(f"error: --stack {args.stack}: {dirty} (a move lands in the stack file; the next deploy from the "
+              "repository would undo a move made on another file: docs/capacity.md)", file=sys.stderr)
+        return 2
+    broker = Broker(workspace, storage=storage_for, move_back=args.move_back, stale_after_s=args.stale_after)
     while True:
         code = _watch(broker)
         if args.once:
             return code
         time.sleep(args.every)
+        while dirty := uncommitted(project_root(), args.stack):  # a move to commit: no watch on a changed file
+            print(f"waiting: {dirty} (the last move)", file=sys.stderr, flush=True)
+            time.sleep(args.every)
 
 
 def _workspace(stack: str) -> Any:
@@ -80,15 +102,22 @@ def _workspace(stack: str) -> Any:
 
 def _watch(broker: Broker) -> int:
     try:
-        for decision in broker.once():
-            print(_line(decision), flush=True)
+        decisions = broker.once()
+    except Busy as exc:
+        print(f"skipped: {exc}", flush=True)
+        return 0
+    except MoveFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except (SpecError, DatasetError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 (a cloud API or storage error: the next watch tries again)
         print(f"error: the watch stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    return 0
+    for decision in decisions:
+        print(_line(decision), flush=True)
+    return 1 if any(d.action == "mismatch" for d in decisions) else 0
 
 
 if __name__ == "__main__":

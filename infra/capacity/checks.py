@@ -50,6 +50,10 @@ def _check_place(spec: StackSpec, group: NodeGroup, place: Place, path: str, eve
     if place.zone is not None and zones and place.zone not in zones:
         return [Problem(f"{path}.zone", f"{place.zone!r} is not a zone of {place.region}{suggest(place.zone, zones)} "
                                         f"Zones: {', '.join(zones)}.")]
+    if place.zone is not None:  # places.at() keeps the group on its network's every subnet
+        return [Problem(f"{path}.zone", f"{place.zone!r}: a zone candidate is not supported yet: the group launches "
+                                        "into every subnet of its network, so the stock asked in one zone would not "
+                                        "be where it launches; leave zone out (the region is asked)")]
     twin = next((p for p in every if p.index < place.index and _same(p, place)), None)
     if twin is not None:
         where = "the group as declared" if twin.index == 0 else f"capacity[{twin.index - 1}]"

@@ -23,7 +23,8 @@ class PlacePrice:
     place: str
     market: str
     on_demand_nodes: int  # nodes bought on-demand at the maximum size
-    hourly_usd: float  # every node at the group's maximum size
+    hourly_usd: float  # every node at the group's maximum size (spot at its expected price)
+    worst_hourly_usd: float  # the same with spot at its cap, or at on-demand without one (the pack's cap)
     move_gb: float  # what a move there copies at most
     move_usd: float  # its egress
     estimate: bool  # a price in the row is an estimate
@@ -64,12 +65,14 @@ def price_place(spec: StackSpec, group: NodeGroup, place: Place, running_on: str
         spot = min(spot, cap) if cap is not None else spot
         base = min(market.on_demand_base, most)
         hourly = base * on_demand + (most - base) * spot
+        worst = base * on_demand + (most - base) * (min(cap, on_demand) if cap is not None else on_demand)
     else:
         base = most
-        hourly = most * (reserved if market.type == "reserved" else on_demand)
+        hourly = worst = most * (reserved if market.type == "reserved" else on_demand)
     gb = float(spec.storage.expected_gb) if place.cloud != running_on else 0.0
     return PlacePrice(group.name, place.index, replace(place, types=tuple(types)).label, market.type, base if market.type != "reserved" else 0,
-                      round(hourly, 4), gb, round(gb * egress_usd_per_gb(spec, running_on, place.cloud), 2), estimate)
+                      round(hourly, 4), round(worst, 4), gb, round(gb * egress_usd_per_gb(spec, running_on, place.cloud), 2),
+                      estimate)
 
 
 def place_prices(stack: Stack) -> list[PlacePrice]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from infra.clouds import profile
@@ -30,6 +31,7 @@ class Verdict:
     ok: bool
     why: str  # what the cloud answered, in one line
     calls: int  # API calls it took
+    known: bool = True  # False: the cloud has no stock answer (only offered, within quota): a launch would tell
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,25 @@ class Failure:
 class StockApi(Protocol):
     def ask(self, ask: Ask) -> Verdict: ...
 
-    def failures(self, group_id: str, since: str | None = None) -> list[Failure]: ...
+    def failures(self, group_id: str, since: str | None = None) -> list[Failure]:
+        """The group's capacity failures newer than its last successful launch (and than `since`,
+        UTC ISO 8601)."""
+
+    def nodes(self, group_id: str) -> tuple[int, int]:
+        """(nodes in service, nodes desired) of the group now; it is short when the first is smaller."""
+
+
+def stamp(text: str) -> datetime:
+    """An activity's time as a UTC datetime (the clouds write ISO 8601 with Z, some without seconds)."""
+    when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
+def newer(failed: list[Failure], launched: str, since: str | None) -> list[Failure]:
+    """The failures after the newest successful launch and after `since`: a capacity failure a later
+    launch has outlived, or one from before the group came here, is not a reason to move."""
+    floor = [stamp(t) for t in (launched, since or "") if t]
+    return [f for f in failed if f.at and all(stamp(f.at) > t for t in floor)]
 
 
 def stock_api(cloud: str, region: str, **clients: Any) -> StockApi:

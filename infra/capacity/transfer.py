@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from training import digest
@@ -25,6 +26,7 @@ class Progress:
 
     committed: int | None  # the newest step whose every node's manifest is in
     writing: int | None  # a newer step folder without all its manifests: a checkpoint being written
+    abandoned: list[int] = field(default_factory=list)  # newer incomplete steps nobody writes any more
 
 
 @dataclass(frozen=True)
@@ -52,15 +54,42 @@ def _manifests(loc: Location, step: int) -> list[dict[str, Any]] | None:
     return [first, *rest]
 
 
-def progress(loc: Location) -> Progress:
+def _newest(loc: Location, step: int) -> datetime | None:
+    """When the newest object of a step folder was written (S3's LastModified, a file's mtime)."""
+    try:
+        found = loc.fs.find(loc.join(step_dir(step)), detail=True)
+    except FileNotFoundError:
+        return None
+    stamps = []
+    for info in found.values():
+        when = info.get("LastModified") or info.get("mtime") or info.get("last_modified")
+        if isinstance(when, datetime):
+            stamps.append(when if when.tzinfo else when.replace(tzinfo=timezone.utc))
+        elif isinstance(when, (int, float)):
+            stamps.append(datetime.fromtimestamp(when, timezone.utc))
+    return max(stamps, default=None)
+
+
+def progress(loc: Location, now: datetime | None = None, stale_after_s: float | None = None,
+             writers: bool = True) -> Progress:
+    """The newest committed step, and a newer incomplete one being written. An incomplete step is
+    abandoned (a crash mid-upload), not being written, when no node of the group runs
+    (`writers` False) or its newest object is older than `stale_after_s` at `now`."""
     try:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in loc.fs.ls(loc.root, detail=False)]
     except FileNotFoundError:
         return Progress(None, None)
     steps = sorted((int(m.group(1)) for n in names if (m := STEP_RE.match(n))), reverse=True)
     newest = next((s for s in steps if _manifests(loc, s) is not None), None)
-    writing = next((s for s in steps if newest is None or s > newest), None)
-    return Progress(newest, writing)
+    writing, abandoned = None, []
+    for step in (s for s in steps if newest is None or s > newest):
+        last = _newest(loc, step) if writers and now is not None and stale_after_s is not None else None
+        if not writers or (last is not None and now is not None and stale_after_s is not None
+                           and (now - last).total_seconds() > stale_after_s):
+            abandoned.append(step)
+        elif writing is None:
+            writing = step
+    return Progress(newest, writing, abandoned)
 
 
 def _stream(src: Location, src_path: str, dst: Location, dst_path: str, meta: dict[str, Any]) -> int:

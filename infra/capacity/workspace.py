@@ -4,7 +4,9 @@ config value, run `up`. The stack stays the one truth: a move is a config change
 
 `AutomationWorkspace` is Pulumi's Automation API (pulumi.automation: `select_stack`,
 `Stack.get_all_config`, `Stack.set_config(key, ConfigValue, path=True)`, `Stack.up`,
-`Stack.outputs`). The Automation API drives the Pulumi CLI, which cannot be installed here, so
+`Stack.outputs`). `up` runs with the policy pack (`policy_packs=["policies"]`) and the stack's
+pack config for the changed stack (infra/policy_config.py, as `make policy-config` writes it), so a
+move is judged by the whole pack as the deploy's `up` is. The Automation API drives the Pulumi CLI, which cannot be installed here, so
 this class is type-checked but never run in the tests: they drive the broker with
 `RecordingWorkspace`, which keeps the config in memory and records each change and `up`.
 With --path, "integers are treated as numbers" (`pulumi config set` reference), so
@@ -14,21 +16,42 @@ activeCandidate stays a number in the stack file.
 from __future__ import annotations
 
 import json
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 
 class Workspace(Protocol):
+    name: str  # the stack's name
+
     def config(self) -> dict[str, str]:
         """The stack's config as the CLI hands it to a program: `<project>:<key>` -> string."""
 
     def set_config(self, key: str, value: str) -> None:
         """Set one value by path (`<project>:nodeGroups[0].activeCandidate`)."""
 
-    def up(self, message: str) -> None: ...
+    def up(self, message: str, pack_config: dict[str, Any]) -> None:
+        """`up` with the policy pack and this pack config (infra/policy_config.py for_stack)."""
 
     def outputs(self) -> dict[str, Any]: ...
+
+
+def uncommitted(root: Path, stack: str) -> str:
+    """Why Pulumi.<stack>.yaml is not the repository's committed file ("" when it is): a move made
+    on a changed or untracked file would be undone by the next deploy from the repository."""
+    name = f"Pulumi.{stack}.yaml"
+    try:
+        tracked = subprocess.run(["git", "ls-files", "--error-unmatch", name], cwd=root, capture_output=True,
+                                 timeout=30).returncode == 0
+        if not tracked:
+            return f"{name} is not committed in {root}: commit it first"
+        clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", name], cwd=root, capture_output=True,
+                               timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot ask git whether {name} is committed ({exc})"
+    return "" if clean else f"{name} differs from the committed one: commit (or discard) the change first"
 
 
 class AutomationWorkspace:
@@ -38,6 +61,7 @@ class AutomationWorkspace:
         from pulumi import automation as auto
 
         self._auto = auto
+        self.name, self.work_dir = stack, work_dir
         self.stack = auto.select_stack(stack_name=stack, work_dir=str(work_dir))
 
     def config(self) -> dict[str, str]:
@@ -46,8 +70,12 @@ class AutomationWorkspace:
     def set_config(self, key: str, value: str) -> None:
         self.stack.set_config(key, self._auto.ConfigValue(value=value), path=True)
 
-    def up(self, message: str) -> None:
-        self.stack.up(message=message, on_output=print)
+    def up(self, message: str, pack_config: dict[str, Any]) -> None:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix=f"policy-config-{self.name}-") as fh:
+            json.dump(pack_config, fh)
+            fh.flush()
+            self.stack.up(message=message, on_output=print, policy_packs=[str(self.work_dir / "policies")],
+                          policy_pack_configs=[fh.name])
 
     def outputs(self) -> dict[str, Any]:
         return {k: v.value for k, v in self.stack.outputs().items()}
@@ -62,6 +90,8 @@ class RecordingWorkspace:
     stack_outputs: dict[str, Any] = field(default_factory=dict)
     changes: list[tuple[str, str]] = field(default_factory=list)
     ups: list[str] = field(default_factory=list)
+    packs: list[dict[str, Any]] = field(default_factory=list)  # the pack config each `up` ran with
+    name: str = "dev"
 
     def config(self) -> dict[str, str]:
         return dict(self.values)
@@ -78,8 +108,9 @@ class RecordingWorkspace:
         target[leaf] = int(value) if value.lstrip("-").isdigit() else value
         self.values[top] = json.dumps(data)
 
-    def up(self, message: str) -> None:
+    def up(self, message: str, pack_config: dict[str, Any]) -> None:
         self.ups.append(message)
+        self.packs.append(pack_config)
 
     def outputs(self) -> dict[str, Any]:
         return dict(self.stack_outputs)

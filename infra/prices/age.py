@@ -6,32 +6,15 @@ refresh command, `make prices`; the calendar alone never stops a plan, a preview
 from __future__ import annotations
 
 import datetime
-import os
-import re
 from typing import Any
 
-from infra.errors import InputError
+from infra.clock import judged_on
 from infra.groups import Stack
 
 ADVISORY_DAYS = 90  # the pack's default maxAgeDays (policies/gts_policy/rules.py prices_fresh)
 
 
 OVERRIDE = "stack override"  # pricing.overrides: the stack's own figure, dated by nobody but the stack
-
-
-def judged_on() -> datetime.date:
-    """The date prices are judged at: GTS_TODAY (YYYY-MM-DD, for a reproducible plan of an old
-    change, and the tests) or today."""
-    pinned = os.environ.get("GTS_TODAY")
-    if not pinned:
-        return datetime.date.today()
-    try:
-        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", pinned):
-            raise ValueError("not YYYY-MM-DD")
-        return datetime.date.fromisoformat(pinned)
-    except ValueError as exc:
-        raise InputError(f"GTS_TODAY={pinned!r} is not a date ({exc}); write YYYY-MM-DD (e.g. 2026-11-30), or unset "
-                         "it for today") from None
 
 
 def parse(text: str) -> datetime.date:

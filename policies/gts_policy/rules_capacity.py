@@ -24,9 +24,11 @@ def candidates_capped(resources: list[Res], cfg: Mapping[str, Any]) -> list[tupl
         if int(row.get("index", 0)) == 0:
             continue
         name = f"{row['group']} capacity[{int(row['index']) - 1}]"
-        hourly, primary = float(row["hourly_usd"]), float(row["primaryHourlyUsd"])
+        # the worst case: spot at its cap, or at on-demand without one (a spot price is no ceiling)
+        hourly, primary = float(row.get("worst_hourly_usd", row["hourly_usd"])), float(row["primaryHourlyUsd"])
         if primary > 0 and hourly > ratio * primary:
-            out.append((name, f"{row['place']} can reach ${hourly:,.2f}/h at the group's maximum size, over "
+            out.append((name, f"{row['place']} can reach ${hourly:,.2f}/h at the group's maximum size (spot at its "
+                              "cap, or at on-demand without one), over "
                               f"{ratio:g} x the declared place's ${primary:,.2f}/h (${ratio * primary:,.2f}/h): pick "
                               "cheaper types or a spot market there, or raise capacity-candidates-capped maxRatio"))
         if int(row.get("on_demand_nodes", 0)) > 0 and not on_demand_ok:

@@ -9,11 +9,12 @@ market (spot) in the same ESS group.
 
 from __future__ import annotations
 
-import math
+from datetime import timezone
 
 import pulumi
 import pulumi_alicloud as alicloud
 
+from infra.capacity.reservations import assurance_period
 from infra.groups import ResolvedGroup
 
 
@@ -23,11 +24,13 @@ def bursts(g: ResolvedGroup) -> bool:
 
 
 def period(g: ResolvedGroup) -> tuple[int, str]:
-    """The assurance's length as Alibaba sells it: months up to 9, else whole years (rounded up)."""
+    """The assurance's length as Alibaba sells it, exactly the window given: 1-9 calendar months or
+    1-5 years (infra/capacity/reservations.py refuses any other window)."""
     market = g.market
     assert market.start is not None and market.end is not None  # the spec checks require both
-    months = max(1, math.ceil((market.end - market.start).days / 30))
-    return (months, "Month") if months <= 9 else (min(5, math.ceil(months / 12)), "Year")
+    found = assurance_period(market.start, market.end)
+    assert found is not None, "the spec checks refuse a window Alibaba cannot sell exactly"
+    return found
 
 
 def create(name: str, g: ResolvedGroup, zone: str, tags: dict[str, str],
@@ -39,6 +42,7 @@ def create(name: str, g: ResolvedGroup, zone: str, tags: dict[str, str],
     return alicloud.ecs.ElasticityAssurance(
         f"{name}-ea", instance_amount=market.reserved_of(g.scaling.max), instance_type=g.types[0],
         zone_ids=[zone], period=length, period_unit=unit,
-        start_time=market.start.strftime("%Y-%m-%dT%H:%M:%SZ"), private_pool_options_match_criteria="Open",
+        start_time=market.start.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        private_pool_options_match_criteria="Open",
         description=f"{g.name}: reserved GPU capacity (gpu-training-stack)",
         tags=tags, opts=opts)

@@ -10,7 +10,11 @@ infra/capacity/stock.py:
   help.aliyun.com/document_detail/66186). One call per type, stopping at the first in stock.
 - ESS DescribeScalingActivities (2014-08-28): RegionId, ScalingGroupId, PageSize; a Failed or
   Warning activity whose StatusMessage names NoStock is a capacity failure (Auto Scaling API
-  reference, DescribeScalingActivities).
+  reference, DescribeScalingActivities), unless a later activity succeeded (Successful: the
+  group launched after it). The call has no time filter: `since` is applied to the answer.
+- ESS DescribeScalingGroups (2014-08-28): RegionId, ScalingGroupIds.1; the group is short when
+  its ActiveCapacity (instances In Service) is under its DesiredCapacity (MinSize when the group
+  has no desired capacity).
 
 No quota call: the account's instance quota is not asked here (ECS DescribeAccountAttributes has
 it; not wired). The tests answer with recorded responses written from the documented response
@@ -26,7 +30,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from infra.capacity.stock import Ask, Failure, Verdict
+from infra.capacity.stock import Ask, Failure, Verdict, newer, stamp
 from training import cloudmeta
 
 Send = Callable[[urllib.request.Request], dict[str, Any]]
@@ -70,14 +74,23 @@ class AlicloudStock:
     def failures(self, group_id: str, since: str | None = None) -> list[Failure]:
         answer = self._call("ess", {"Action": "DescribeScalingActivities", "Version": "2014-08-28",
                                     "ScalingGroupId": group_id, "PageSize": "50"})
-        out = []
+        failed, launched = [], ""
         for act in answer.get("ScalingActivities", {}).get("ScalingActivity", []):
             message, at = str(act.get("StatusMessage", "")), str(act.get("StartTime", ""))
-            if act.get("StatusCode") in ("Failed", "Warning") and any(m in message for m in CAPACITY_MARKERS):
-                if since is None or at >= since:
-                    out.append(Failure(at, message))
-        return out
+            if act.get("StatusCode") == "Successful" and at:
+                launched = max(launched, at, key=lambda t: stamp(t).timestamp() if t else 0.0)
+            elif act.get("StatusCode") in ("Failed", "Warning") and any(m in message for m in CAPACITY_MARKERS):
+                failed.append(Failure(at, message))
+        return newer(failed, launched, since)
 
+    def nodes(self, group_id: str) -> tuple[int, int]:
+        answer = self._call("ess", {"Action": "DescribeScalingGroups", "Version": "2014-08-28",
+                                    "ScalingGroupIds.1": group_id})
+        groups = answer.get("ScalingGroups", {}).get("ScalingGroup", [])
+        if not groups:
+            return 0, 0
+        want = groups[0].get("DesiredCapacity", groups[0].get("MinSize", 0))
+        return int(groups[0].get("ActiveCapacity", 0)), int(want or 0)
 
 def _status(answer: dict[str, Any], itype: str, zone: str | None) -> str:
     """The best StatusCategory of `itype` in the answer's zones ('' when no zone sells it)."""

@@ -10,11 +10,14 @@
 - capacity-reservation: an On-Demand Capacity Reservation, the given one targeted by id, else one
   the stack creates (ec2.CapacityReservation, reservedNodes instances of the first type in the
   group's first zone, end_date_type limited at the market's end) that the template uses
-  ("open"). Nodes above reservedNodes: the overflow market (spot) in the same group.
+  ("open": not targeted, so the group's other types and zones still launch; a targeted one
+  needs a group of one type in one zone, infra/capacity/reservations.py). Nodes above reservedNodes: the overflow market (spot) in the same group.
 The ASG's on-demand base is the reserved nodes (all of them without an overflow).
 """
 
 from __future__ import annotations
+
+from datetime import timezone
 
 import pulumi
 import pulumi_aws as aws
@@ -32,7 +35,7 @@ def reservation_spec(g: ResolvedGroup, created: aws.ec2.CapacityReservation | No
                      ) -> aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs | None:
     """The template's capacity reservation: the group's reservation, or open ones (`reserved`)."""
     market = g.market
-    target = market.reservation_id or (created.id if created is not None and market.type != "reserved" else None)
+    target = market.reservation_id  # a created ODCR is used "open": the group's other types and zones still launch
     if market.type in ("capacity-block", "capacity-reservation") and target is not None:
         # one option at a time: the target alone (CloudFormation LaunchTemplate CapacityReservationSpecification)
         return aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs(
@@ -53,7 +56,7 @@ def create(name: str, g: ResolvedGroup, zone: str, tags: dict[str, str],
                                            availability_zone=zone, instance_count=g.fleet_max, tags=tags, opts=opts)
     if market.type != "capacity-reservation" or market.reservation_id is not None:
         return None
-    end = market.end.strftime("%Y-%m-%dT%H:%M:%SZ") if market.end else None
+    end = market.end.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if market.end else None
     return aws.ec2.CapacityReservation(f"{name}-odcr", instance_type=g.types[0], instance_platform="Linux/UNIX",
                                        availability_zone=zone, instance_count=market.reserved_of(g.scaling.max),
                                        end_date=end, end_date_type="limited" if end else "unlimited", tags=tags,

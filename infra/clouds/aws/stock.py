@@ -13,18 +13,24 @@
   with DescribeAvailabilityZones(ZoneNames)).
 - EC2 Auto Scaling DescribeScalingActivities(AutoScalingGroupName, MaxRecords): the group's
   launches; a failed one whose StatusMessage names InsufficientInstanceCapacity is a capacity
-  failure (EC2 Auto Scaling API reference; "Troubleshoot Amazon EC2 Auto Scaling").
+  failure (EC2 Auto Scaling API reference; "Troubleshoot Amazon EC2 Auto Scaling"), unless a
+  launch succeeded after it (a Successful activity whose Description starts "Launching"). The
+  call has no time filter: `since` is applied to the answer.
+- EC2 Auto Scaling DescribeAutoScalingGroups(AutoScalingGroupNames): the group is short when its
+  InService instances are fewer than its DesiredCapacity; a full group is never moved.
 
 At most four calls per candidate. moto (the tests' AWS) serves DescribeInstanceTypeOfferings and
 DescribeAvailabilityZones; it has no GetSpotPlacementScores, no EC2 quotas and records no scaling
-activities, so the tests answer those three with recorded responses (tests/data/capacity/aws/).
+activities, so the tests answer those three with recorded responses (tests/data/capacity/aws/);
+DescribeAutoScalingGroups is moto's own.
 """
 
 from __future__ import annotations
 
+from datetime import timezone
 from typing import Any
 
-from infra.capacity.stock import Ask, Failure, Verdict
+from infra.capacity.stock import Ask, Failure, Verdict, newer
 
 # A placement score under this (of 10) is "no stock": AWS calls low scores unlikely to be fulfilled.
 MIN_SPOT_SCORE = 3
@@ -49,9 +55,9 @@ class AwsStock:
         if quota is not None and quota < need:
             return Verdict(False, f"vCPU quota {quota:g} for {offered[0]} ({ask.market}) is under the {need} the "
                                   "nodes need (GetServiceQuota)", calls)
-        if ask.market != "spot":
-            return Verdict(True, f"{offered[0]} offered in {where}, quota {quota if quota is not None else 'unknown'}",
-                           calls)
+        if ask.market != "spot":  # EC2 has no on-demand stock API: offered within quota is not stock
+            return Verdict(True, f"{offered[0]} offered in {where}, quota {quota if quota is not None else 'unknown'} "
+                                 "(on-demand stock unknown)", calls, known=False)
         score, used = self._score(ask, offered)
         calls += used
         if score < MIN_SPOT_SCORE:
@@ -90,16 +96,30 @@ class AwsStock:
 
     def failures(self, group_id: str, since: str | None = None) -> list[Failure]:
         answer = self.autoscaling.describe_scaling_activities(AutoScalingGroupName=group_id, MaxRecords=20)
-        out = []
+        failed, launched = [], ""
         for act in answer.get("Activities", []):
             message = str(act.get("StatusMessage", ""))
             at = act.get("StartTime")
-            stamp = at.isoformat() if hasattr(at, "isoformat") else str(at or "")
-            if act.get("StatusCode") in ("Failed", "Cancelled") and any(m in message for m in CAPACITY_MARKERS):
-                if since is None or stamp >= since:
-                    out.append(Failure(stamp, message))
-        return out
+            stamp = _iso(at)
+            if act.get("StatusCode") == "Successful" and str(act.get("Description", "")).startswith("Launching"):
+                launched = max(launched, stamp)
+            elif act.get("StatusCode") in ("Failed", "Cancelled") and any(m in message for m in CAPACITY_MARKERS):
+                failed.append(Failure(stamp, message))
+        return newer(failed, launched, since)
 
+    def nodes(self, group_id: str) -> tuple[int, int]:
+        groups = self.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[group_id])["AutoScalingGroups"]
+        if not groups:
+            return 0, 0
+        running = sum(1 for i in groups[0].get("Instances", []) if i.get("LifecycleState") == "InService")
+        return running, int(groups[0].get("DesiredCapacity", 0))
+
+
+def _iso(at: Any) -> str:
+    """A UTC ISO 8601 stamp of botocore's datetime (or the text as given)."""
+    if hasattr(at, "astimezone"):
+        return str(at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    return str(at or "")
 
 def open_api(region: str, ec2: Any = None, autoscaling: Any = None, quotas: Any = None) -> AwsStock:
     """The region's clients (boto3's own credential chain), or the ones given."""

@@ -10,7 +10,10 @@ infra/capacity/stock.py:
 - AS DescribeAutoScalingActivities (2018-04-19): Filters auto-scaling-group-id, Limit; a FAILED or
   PARTIALLY_SUCCESSFUL activity whose StatusMessage says the type is sold out or the resources
   are insufficient is a capacity failure (AS API reference, cloud.tencent.com/document/api/377/31735; "Scaling
-  Activity Failed", document/product/377/32527: "The CVM is sold out").
+  Activity Failed", document/product/377/32527: "The CVM is sold out"), unless a later activity
+  SUCCESSFUL; `since` goes as the call's StartTime (UTC, YYYY-MM-DDThh:mm:ssZ).
+- AS DescribeAutoScalingGroups (2018-04-19): Filters auto-scaling-group-id; the group is short
+  when its InServiceInstanceCount is under its DesiredCapacity.
 
 No quota call (CVM DescribeInstancesCount / the account's quota is not wired). The tests answer
 with recorded responses written from the documented response shapes
@@ -26,7 +29,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from infra.capacity.stock import Ask, Failure, Verdict
+from infra.capacity.stock import Ask, Failure, Verdict, newer, stamp
 from training import cloudmeta
 
 Send = Callable[[urllib.request.Request], dict[str, Any]]
@@ -76,16 +79,26 @@ class TencentcloudStock:
                               "(DescribeZoneInstanceConfigInfos)", calls)
 
     def failures(self, group_id: str, since: str | None = None) -> list[Failure]:
-        answer = self._call("as", "2018-04-19", "DescribeAutoScalingActivities",
-                            {"Filters": [{"Name": "auto-scaling-group-id", "Values": [group_id]}], "Limit": 20})
-        out = []
+        params: dict[str, Any] = {"Filters": [{"Name": "auto-scaling-group-id", "Values": [group_id]}], "Limit": 20}
+        if since:
+            params["StartTime"] = stamp(since).astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        answer = self._call("as", "2018-04-19", "DescribeAutoScalingActivities", params)
+        failed, launched = [], ""
         for act in answer.get("ActivitySet", []):
             message, at = str(act.get("StatusMessage", "")), str(act.get("StartTime", ""))
-            if act.get("StatusCode") in ("FAILED", "PARTIALLY_SUCCESSFUL") and any(m in message for m in CAPACITY_MARKERS):
-                if since is None or at >= since:
-                    out.append(Failure(at, message))
-        return out
+            if act.get("StatusCode") == "SUCCESSFUL" and at:
+                launched = max(launched, at, key=lambda t: stamp(t).timestamp() if t else 0.0)
+            elif act.get("StatusCode") in ("FAILED", "PARTIALLY_SUCCESSFUL") and any(m in message for m in CAPACITY_MARKERS):
+                failed.append(Failure(at, message))
+        return newer(failed, launched, since)
 
+    def nodes(self, group_id: str) -> tuple[int, int]:
+        answer = self._call("as", "2018-04-19", "DescribeAutoScalingGroups",
+                            {"Filters": [{"Name": "auto-scaling-group-id", "Values": [group_id]}]})
+        groups = answer.get("AutoScalingGroupSet", [])
+        if not groups:
+            return 0, 0
+        return int(groups[0].get("InServiceInstanceCount", 0)), int(groups[0].get("DesiredCapacity", 0))
 
 def open_api(region: str, creds: cloudmeta.Credentials | None = None, send: Send = _send) -> TencentcloudStock:
     """The region's API with the operator's keys, the ones the Pulumi provider uses (TENCENTCLOUD_SECRET_ID,
