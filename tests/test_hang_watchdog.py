@@ -138,3 +138,57 @@ def test_a_node_that_hangs_twice_asks_for_its_replacement(tmp_path: Path) -> Non
     stacks = sorted((ckpt / "records" / "hangs").iterdir())
     # the frame each stopped worker was in (its training step, or the heartbeat after it)
     assert len(stacks) == 2 and all('File "<string>", line ' in p.read_text() for p in stacks), stacks[0].read_text()
+
+
+def _watchdog(progress: Path, ckpt: Path, **env: str) -> subprocess.Popen[str]:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_PROGRESS_DIR": str(progress), "CHECKPOINT_DIR": str(ckpt),
+            "HANG_TIMEOUT_S": "1", "GTS_NODE_NAME": "node-x", "GTS_RUN_ID": "busy", **env}
+    return subprocess.Popen([sys.executable, "-m", "training.node.watchdog", "--parent", str(os.getpid())], env=full,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_slow_final_checkpoint_and_upload_is_no_hang(tmp_path: Path) -> None:
+    """The real trainer whose last checkpoint's commit is slow (tests/faults.py), watched with a
+    1-second floor: the ranks say "busy until" before the save and before finish(), so the
+    watchdog leaves them alone, the run finishes and records its end."""
+    from tests.training_helpers import launch
+    from training import records
+
+    progress, ckpt = tmp_path / "progress", tmp_path / "ck"
+    progress.mkdir(mode=0o700)
+    dog = _watchdog(progress, ckpt)
+    try:
+        run = launch(["--workload", "tiny", "--steps", "30", "--checkpoint-dir", str(ckpt), "--checkpoint-every",
+                      "1000"], tmp_path, {"GTS_PROGRESS_DIR": str(progress), "GTS_RUN_ID": "busy",
+                                          "GTS_TEST_SLOW_COMMIT_S": "8", "GTS_TEST_SLOW_COMMIT_STEP": "30"})
+        assert run.finish() == 0, run.output[-3000:]
+        assert run.final()[0] == 30
+    finally:
+        dog.kill()
+        out, _ = dog.communicate(timeout=30)
+    assert "hang:" not in out, out
+    assert [e.step for e in records.read(str(ckpt)) if e.kind == "run_finished"] == [30]
+
+
+def test_the_watchdog_stands_down_while_the_entrypoint_stops(tmp_path: Path) -> None:
+    """`stopping` in the progress folder (the entrypoint's TERM / INT: emergency checkpoints and
+    uploads follow): the watchdog exits without touching the workers, even a silent one."""
+    from tests.training_helpers import retry_until
+
+    progress, ckpt = tmp_path / "progress", tmp_path / "ck"
+    progress.mkdir(mode=0o700)
+    dog = _watchdog(progress, ckpt)
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, str(progress), "0"], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert retry_until(lambda: (progress / "rank-0").exists(), 60)
+        (progress / "stopping").touch()
+        os.kill(worker.pid, signal.SIGSTOP)  # silent from now on, as a rank writing its emergency checkpoint
+        assert dog.wait(timeout=120) == 0
+        assert worker.poll() is None
+    finally:
+        dog.kill()
+        worker.kill()
+        worker.wait(timeout=30)
+    out = dog.communicate(timeout=30)[0]
+    assert "entrypoint is stopping" in out and "hang:" not in out, out

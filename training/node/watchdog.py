@@ -2,7 +2,11 @@
 
 Every training process writes a heartbeat after each step (training/trainer/progress.py:
 `$GTS_PROGRESS_DIR/rank-<rank>` with its step, the time, its p99 step time (or its longest
-checkpoint's blocked time, if longer: a save is no hang), its newest saved step and its pid). When no local rank has finished a step for max(3 x the p99 step time,
+checkpoint's blocked time, if longer), its newest saved step, its pid, and until when it is busy
+outside its steps: a rank writes "busy until now + its upload deadline" before each save and
+before its final uploads, and the watchdog leaves the node alone until then; it stands down too
+once the entrypoint is stopping (`stopping` in the progress folder: the workers are writing their
+emergency checkpoint). When no local rank has finished a step for max(3 x the p99 step time,
 HANG_TIMEOUT_S) — NCCL's own watchdog waits 10 minutes, gloo's 30 — the watchdog:
 
 1. has every worker dump its Python stacks (faulthandler, registered by the trainer on
@@ -45,6 +49,7 @@ class Beat:
     p99: float
     saved: int
     pid: int
+    until: float = 0.0  # busy outside the steps (a save, the final uploads) until then
 
 
 def beats(folder: Path) -> list[Beat]:
@@ -52,8 +57,10 @@ def beats(folder: Path) -> list[Beat]:
     found = []
     for path in folder.glob("rank-*"):
         try:
-            step, t, p99, saved, pid = path.read_text().split()[:5]
-            beat = Beat(int(path.name.split("-")[1]), int(step), float(t), float(p99), int(saved), int(pid))
+            fields = path.read_text().split()
+            step, t, p99, saved, pid = fields[:5]
+            until = float(fields[6]) if len(fields) > 6 else 0.0
+            beat = Beat(int(path.name.split("-")[1]), int(step), float(t), float(p99), int(saved), int(pid), until)
         except (OSError, ValueError):
             continue
         if _state(beat.pid):
@@ -88,6 +95,8 @@ class Watchdog:
         if self.replace and not self.replaced and (self.folder / "replace-request").is_file():
             self.ask_replacement((self.folder / "replace-request").read_text().strip(), "straggler_replacement")
         if not found or now - max(b.t for b in found) <= limit(found, self.floor):
+            return False
+        if any(b.until > now for b in found):  # a rank saves or uploads: the others wait for it in a collective
             return False
         self.act(found, now)
         return True
@@ -188,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                    floor, replace)
     log.info("hang watchdog on %s: a hang is max(3 x p99 step time, %.0f s) without a step", args.progress_dir, floor)
     while _state(args.parent):
+        if (dog.folder / "stopping").exists():  # TERM / INT: the workers write their emergency checkpoints
+            log.info("the entrypoint is stopping: the hang watchdog stands down")
+            return 0
         dog.check(time.time())
         time.sleep(1.0)
     return 0

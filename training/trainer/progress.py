@@ -1,7 +1,8 @@
 """What a training process tells the rest of the node and the run's records about its progress:
 
 - a heartbeat per rank (`$GTS_PROGRESS_DIR/rank-<rank>`: step, time, p99 step time, the newest
-  saved step, pid) that the node's hang watchdog reads (training/node/watchdog.py), and Python
+  saved step, pid, node, and until when the rank is busy outside its steps: a save, the final
+  uploads) that the node's hang watchdog reads (training/node/watchdog.py), and Python
   stacks dumped by faulthandler to `stacks-rank<rank>.txt` when the watchdog sends STACKS_SIGNAL;
 - global rank 0's run records (training/records.py): the attempt's first step, each checkpoint's
   blocked time, a crash, the run's end;
@@ -49,6 +50,7 @@ class Progress:
         self.flagged: dict[int, int] = {}  # rank -> windows in a row
         self.first_done = False
         self.saved, self.blocked = -1, 0.0
+        self.step = -1  # the newest step finished
         self._stacks: IO[str] | None = None
         if self.dir is not None:
             self._stacks = open(self.dir / f"stacks-rank{comm.rank}.txt", "w", encoding="utf-8")  # noqa: SIM115
@@ -80,15 +82,28 @@ class Progress:
         self.times.append(elapsed)
         self.compute += compute
         self.waited += max(0.0, elapsed - compute)
-        if self.dir is not None:
-            # a checkpoint blocks the loop too: the watchdog's limit is 3x the longer of the two
-            p99 = max(sorted(self.times)[int(0.99 * (len(self.times) - 1))], self.blocked)
-            beat = self.dir / f"rank-{self.comm.rank}"
-            tmp = beat.with_suffix(".tmp")
-            tmp.write_text(f"{step} {now:.3f} {p99:.4f} {self.saved} {os.getpid()} {records.node_name()}\n")
-            os.replace(tmp, beat)
+        self.step = step
+        self._beat(now)
         if self.window and step % self.window == 0:
             self.compare(step)
+
+    def _beat(self, now: float, until: float = 0.0) -> None:
+        if self.dir is None:
+            return
+        # a checkpoint blocks the loop too: the watchdog's limit is 3x the longer of the two
+        p99 = max(sorted(self.times)[int(0.99 * (len(self.times) - 1))], self.blocked) if self.times else self.blocked
+        beat = self.dir / f"rank-{self.comm.rank}"
+        tmp = beat.with_suffix(".tmp")
+        tmp.write_text(f"{self.step} {now:.3f} {p99:.4f} {self.saved} {os.getpid()} {records.node_name()} "
+                       f"{until:.3f}\n")
+        os.replace(tmp, beat)
+
+    def busy(self, seconds: float) -> None:
+        """Before work outside the steps (a save, the final uploads): the watchdog leaves this rank
+        alone until now + seconds. The next step's heartbeat ends it."""
+        if self.step >= 0:  # before the first step there is no heartbeat: nothing is watched yet
+            now = time.time()
+            self._beat(now, now + seconds)
 
     def saved_checkpoint(self, step: int, blocked: float) -> None:
         self.saved, self.blocked = step, max(self.blocked, blocked)
