@@ -133,6 +133,8 @@ def test_a_node_that_hangs_twice_asks_for_its_replacement(tmp_path: Path) -> Non
         meta.stop()
     assert [c["params"]["Action"] for c in api.calls] == ["SetInstanceHealth"], api.calls
     assert "asking for this node's replacement: 2 hangs on this node" in out, out
+    assert retry_until(lambda: len([e for e in records.read(str(ckpt)) if e.kind == "failure"]) == 2 and
+                       len(list((ckpt / "records" / "hangs").iterdir())) == 2, 30)  # written in threads
     hangs = [e for e in records.read(str(ckpt)) if e.kind == "failure"]
     assert [(e.failure, e.rank, e.detail.split(":")[0]) for e in hangs] == [("hang", 0, "suspect")] * 2
     stacks = sorted((ckpt / "records" / "hangs").iterdir())
@@ -192,3 +194,31 @@ def test_the_watchdog_stands_down_while_the_entrypoint_stops(tmp_path: Path) -> 
         worker.wait(timeout=30)
     out = dog.communicate(timeout=30)[0]
     assert "entrypoint is stopping" in out and "hang:" not in out, out
+
+
+def test_an_unreachable_bucket_does_not_hold_the_restart(tmp_path: Path) -> None:
+    """The bucket's endpoint takes connections and never answers: the silent worker is killed
+    all the same (while the bucket still has not answered), its stacks kept in the progress folder."""
+    import socket
+
+    from tests.training_helpers import retry_until, storage_env
+
+    progress = tmp_path / "progress"
+    progress.mkdir(mode=0o700)
+    with socket.socket() as blackhole:
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(64)  # the kernel completes the handshakes; nothing ever reads or answers
+        endpoint = f"http://127.0.0.1:{blackhole.getsockname()[1]}"
+        dog = _watchdog(progress, tmp_path / "unused", CHECKPOINT_URL="s3://bucket/run/", **storage_env(endpoint))
+        worker = subprocess.Popen([sys.executable, "-c", WORKER, str(progress), "0"], cwd=ROOT,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            assert retry_until(lambda: (progress / "rank-0").exists(), 60)
+            os.kill(worker.pid, signal.SIGSTOP)
+            assert worker.wait(timeout=60) == -signal.SIGKILL
+            kept = list((progress / "hangs").glob("node-x-*.txt"))
+            assert len(kept) == 1 and 'File "<string>", line ' in kept[0].read_text()
+        finally:
+            dog.kill()
+            worker.kill()
+            dog.communicate(timeout=30)

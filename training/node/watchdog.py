@@ -11,12 +11,13 @@ HANG_TIMEOUT_S) — NCCL's own watchdog waits 10 minutes, gloo's 30 — the watc
 
 1. has every worker dump its Python stacks (faulthandler, registered by the trainer on
    records.STACKS_SIGNAL; a stopped process is continued after the signal is queued, so the dump shows
-   the frame it stopped in) and saves them, with NCCL's flight recorder dumps where NCCL wrote
-   any, to `<CHECKPOINT_URL>/records/hangs/<node>-<time>.txt`;
-2. records the hang (training/records.py): the suspect rank (a stopped or uninterruptible
-   process here, else the rank whose heartbeat is oldest) and its node, the newest saved step;
-3. kills the workers: the launcher restarts the worker group (--max-restarts) from the newest
-   checkpoint, and the other nodes' workers, their collective broken, restart with them.
+   the frame it stopped in), with NCCL's flight recorder dumps where NCCL wrote any;
+2. kills the workers: the launcher restarts the worker group (--max-restarts) from the newest
+   checkpoint, and the other nodes' workers, their collective broken, restart with them;
+3. keeps the dump in `<progress dir>/hangs/` and, in threads (an unreachable bucket must not
+   hold the restart), copies it to `<CHECKPOINT_URL>/records/hangs/<node>-<time>.txt` and
+   records the hang (training/records.py): the suspect rank (a stopped or uninterruptible
+   process here, else the rank whose heartbeat is oldest) and its node, the newest saved step.
 
 A node that is the suspect of HANG_REPLACE_AFTER hangs (2) asks its group for its replacement
 through the replace-me path (training/node/node_replace.py), as does a node whose rank asked for
@@ -29,6 +30,7 @@ import argparse
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ from training.records import STACKS_SIGNAL
 log = logging.getLogger("gts.watchdog")
 HANG_REPLACE_AFTER = 2
 STACKS_WAIT_S = 5.0
+UPLOAD_WAIT_S = 30.0  # at exit, for uploads still in flight
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,8 @@ def limit(found: list[Beat], floor: float) -> float:
 class Watchdog:
     def __init__(self, folder: Path, url: str | None, floor: float, replace: bool):
         self.folder, self.url, self.floor, self.replace = folder, url, floor, replace
-        self.writer = records.Writer(url, "watchdog")
+        self.writer = records.Writer(url, "watchdog", background=True)  # the bucket never holds a restart
+        self.uploads: list[threading.Thread] = []
         self.handled: set[int] = set()  # pids of worker groups already stopped for a hang
         self.own_hangs = 0
         self.replaced = False
@@ -102,26 +106,36 @@ class Watchdog:
         return True
 
     def act(self, found: list[Beat], now: float) -> None:
+        """Stacks dumped here first, the workers killed next, the bucket last (in a thread: an
+        unreachable bucket must not hold the restart)."""
         last = max(b.t for b in found)
         stuck = [b for b in found if _state(b.pid) in ("T", "t", "D")]
         suspect = stuck[0] if stuck else min(found, key=lambda b: (b.t, b.rank))
         log.error("hang: no step on ranks %s of node %s for %.0f s (limit %.0f s); suspect rank %d (%s); saving "
                   "stacks and restarting the workers", sorted(b.rank for b in found), records.node_name(), now - last,
                   limit(found, self.floor), suspect.rank, "stopped" if stuck else "oldest heartbeat")
-        where = self.save_stacks(found, suspect, bool(stuck))
-        self.writer.emit("failure", failure="hang", rank=suspect.rank, committed_step=max(b.saved for b in found),
-                         last_progress_t=last, detail=f"{'suspect' if stuck else 'peer'}: node {records.node_name()} "
-                         f"rank {suspect.rank}; stacks {where}")
+        text = self.dump_stacks(found, suspect, bool(stuck))
         for beat in found:
             self.handled.add(beat.pid)
             _signal(beat.pid, signal.SIGKILL)
+        name = f"{records.node_name()}-{int(time.time())}.txt"
+        kept = self.folder / "hangs" / name
+        kept.parent.mkdir(exist_ok=True)
+        kept.write_text(text)
+        where = f"{self.url.rstrip('/')}/records/hangs/{name} (kept at {kept})" if self.url else str(kept)
+        self.writer.emit("failure", failure="hang", rank=suspect.rank, committed_step=max(b.saved for b in found),
+                         last_progress_t=last, detail=f"{'suspect' if stuck else 'peer'}: node {records.node_name()} "
+                         f"rank {suspect.rank}; stacks {where}")
+        upload = threading.Thread(target=self.upload_stacks, args=(kept,), daemon=True, name="gts-hang-stacks")
+        upload.start()
+        self.uploads.append(upload)
         if stuck:
             self.own_hangs += 1
             if self.own_hangs >= HANG_REPLACE_AFTER and self.replace:
                 self.ask_replacement(f"{self.own_hangs} hangs on this node", "hang")
 
-    def save_stacks(self, found: list[Beat], suspect: Beat, stopped: bool) -> str:
-        """Every worker's Python stacks (and NCCL flight recorder dumps) as one object; its URL."""
+    def dump_stacks(self, found: list[Beat], suspect: Beat, stopped: bool) -> str:
+        """Every worker's Python stacks (and NCCL flight recorder dumps), as one text."""
         files = {b.rank: self.folder / f"stacks-rank{b.rank}.txt" for b in found}
         before = {r: (p.stat().st_size if p.exists() else 0) for r, p in files.items()}
         for beat in found:
@@ -137,18 +151,26 @@ class Watchdog:
             text = files[beat.rank].read_text(errors="replace")[before[beat.rank]:] if files[beat.rank].exists() else ""
             parts.append(f"== rank {beat.rank} pid {beat.pid} last step {beat.step}\n{text or '(no stacks dumped)'}")
         parts += [f"== {p.name}\n{p.read_bytes()[:200000]!r}" for p in sorted(self.folder.glob("nccl_trace_rank_*"))]
-        name = f"hangs/{records.node_name()}-{int(time.time())}.txt"
+        return "\n".join(parts)
+
+    def upload_stacks(self, kept: Path) -> None:
+        """The dump to `<url>/records/hangs/`; the local copy stays either way."""
         if not self.url:
-            return "(no bucket)"
+            return
         try:
             from training.storage import location
 
             where = location(self.url)
-            where.fs.pipe(where.join("records", name), "\n".join(parts).encode())
-            return f"{self.url.rstrip('/')}/records/{name}"
-        except Exception as exc:  # noqa: BLE001 - the restart matters more than the stacks
-            log.error("stacks not saved to %s: %s", self.url, exc)
-            return "(not saved)"
+            where.fs.pipe(where.join("records", "hangs", kept.name), kept.read_bytes())
+        except Exception as exc:  # noqa: BLE001 - the copy in the progress folder is kept
+            log.error("stacks not saved to %s (kept at %s): %s", self.url, kept, exc)
+
+    def drain(self, timeout: float = UPLOAD_WAIT_S) -> None:
+        """At exit: the uploads in flight get `timeout` s more, then are left (their dumps stay here)."""
+        deadline = time.monotonic() + timeout
+        for upload in self.uploads:
+            upload.join(max(0.0, deadline - time.monotonic()))
+        self.writer.flush(timeout=max(0.0, deadline - time.monotonic()))
 
     def ask_replacement(self, why: str, kind: str) -> None:
         """The node's replace-me request (training/node/node_replace.py), as the GPU health watch makes it."""
@@ -199,9 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     while _state(args.parent):
         if (dog.folder / "stopping").exists():  # TERM / INT: the workers write their emergency checkpoints
             log.info("the entrypoint is stopping: the hang watchdog stands down")
-            return 0
+            break
         dog.check(time.time())
         time.sleep(1.0)
+    dog.drain()
     return 0
 
 
