@@ -41,7 +41,7 @@ def test_a_stopped_rank_is_found_its_stacks_saved_and_the_run_resumes(tmp_path: 
     moto = MotoServer()
     nodes: list[Run] = []
     for i in range(3):
-        (tmp_path / f"progress{i}").mkdir()
+        (tmp_path / f"progress{i}").mkdir(mode=0o700)
     with rendezvous_store() as port:
         try:
             boot = f"{time.time():.0f}"
@@ -83,7 +83,7 @@ def test_a_stopped_rank_is_found_its_stacks_saved_and_the_run_resumes(tmp_path: 
 
 WORKER = """
 import faulthandler, os, sys, time
-from training.records import STACKS_SIGNAL
+from training.records import STACKS_SIGNAL, proc_start
 folder, rank = sys.argv[1], sys.argv[2]
 faulthandler.register(STACKS_SIGNAL, file=open(f"{folder}/stacks-rank{rank}.txt", "a"), all_threads=True)
 def train_step():
@@ -93,7 +93,7 @@ while True:
     train_step()
     step += 1
     with open(f"{folder}/rank-{rank}.tmp", "w") as fh:
-        fh.write(f"{step} {time.time()} 0.05 {step - step % 10} {os.getpid()} node-x")
+        fh.write(f"{step} {time.time()} 0.05 {step - step % 10} {os.getpid()} node-x 0 {proc_start(os.getpid())}")
     os.replace(f"{folder}/rank-{rank}.tmp", f"{folder}/rank-{rank}")
 """
 
@@ -108,7 +108,7 @@ def test_a_node_that_hangs_twice_asks_for_its_replacement(tmp_path: Path) -> Non
     from training import records
 
     progress, ckpt = tmp_path / "progress", tmp_path / "ck"
-    progress.mkdir()
+    progress.mkdir(mode=0o700)
     meta = _metadata("alicloud", INSTANCE["alicloud"]).start()
     api = ScalingApi("alicloud", meta)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_PROGRESS_DIR": str(progress), "CHECKPOINT_DIR": str(ckpt),
@@ -222,3 +222,51 @@ def test_an_unreachable_bucket_does_not_hold_the_restart(tmp_path: Path) -> None
             dog.kill()
             worker.kill()
             dog.communicate(timeout=30)
+
+
+def test_a_stale_heartbeat_never_gets_an_unrelated_process_signalled(tmp_path: Path) -> None:
+    """Heartbeats left behind (an earlier container's, a pid since reused) name an unrelated
+    `sleep`: one with its true start time but not below the launcher, one below it with another
+    start time. Both are old enough to be a hang; the watchdog removes them and signals nothing."""
+    from tests.training_helpers import retry_until
+    from training.records import proc_start
+
+    progress = tmp_path / "progress"
+    progress.mkdir(mode=0o700)
+    launcher = subprocess.Popen(["sleep", "600"])  # the watched launcher: it has no workers
+    unrelated = subprocess.Popen(["sleep", "600"])  # this test's child, below --parent but not the launcher
+    old = time.time() - 3600
+    (progress / "rank-0").write_text(f"5 {old} 0.05 0 {unrelated.pid} node-x 0 {proc_start(unrelated.pid)}\n")
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_PROGRESS_DIR": str(progress), "HANG_TIMEOUT_S": "1",
+            "CHECKPOINT_DIR": str(tmp_path / "ck"), "GTS_NODE_NAME": "node-x", "GTS_RUN_ID": "stale"}
+    dog = subprocess.Popen([sys.executable, "-m", "training.node.watchdog", "--parent", str(os.getpid()),
+                            "--launcher", str(launcher.pid)], env=full, cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        assert retry_until(lambda: not (progress / "rank-0").exists(), 60)
+        (progress / "rank-1").write_text(f"5 {old} 0.05 0 {unrelated.pid} node-x 0 {proc_start(launcher.pid)}\n")
+        assert retry_until(lambda: not (progress / "rank-1").exists(), 60)
+        assert unrelated.poll() is None and _state_of(unrelated.pid) == "S"
+    finally:
+        dog.kill()
+        for proc in (launcher, unrelated):
+            proc.kill()
+            proc.wait(timeout=30)
+    out = dog.communicate(timeout=30)[0]
+    assert "hang:" not in out, out
+
+
+def _state_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_progress_folder_others_can_write_is_refused(tmp_path: Path) -> None:
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    progress.chmod(0o777)
+    done = subprocess.run([sys.executable, "-m", "training.node.watchdog", "--progress-dir", str(progress)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (f"watchdog: GTS_PROGRESS_DIR='{progress}' has mode 0o777; the watchdog signals "
+                                   "the pids named there, so it must be a folder of this user's alone: chmod 700 it "
+                                   "or leave GTS_PROGRESS_DIR unset")

@@ -94,6 +94,15 @@ def boot_time() -> float:
     return time.time()
 
 
+def proc_start(pid: int) -> int | None:
+    """The process's start time (/proc/<pid>/stat field 22, clock ticks since boot): with the pid,
+    it names one process, whatever pid reuse or a new pid namespace does; None when it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]

@@ -186,7 +186,7 @@ trap 'restart_workers' USR2
 python -m training.node.guard "${cmd[@]}" &
 LAUNCHED=$!
 if [ "$LAUNCHER" = torchrun ] && [ "$NNODES" -gt 1 ]; then  # the launcher restarts what the watchdog stops
-  python -m training.node.watchdog --parent $$ &
+  python -m training.node.watchdog --parent $$ --launcher "$LAUNCHED" &
   WATCHDOG=$!
 fi
 echo "entrypoint: pid $$ (kill -TERM $$: checkpoint and stop; kill -USR1 $$: checkpoint now; kill -USR2 $$: restart the workers)" >&2

@@ -30,6 +30,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -55,20 +56,39 @@ class Beat:
     until: float = 0.0  # busy outside the steps (a save, the final uploads) until then
 
 
-def beats(folder: Path) -> list[Beat]:
-    """The heartbeats of the workers alive now (a restarted group's old files are skipped)."""
+def beats(folder: Path, launcher: int) -> list[Beat]:
+    """The heartbeats of the launcher's workers alive now. Any other file (a restarted group's, a
+    stale one naming a pid now reused, one left by an earlier container) is removed unread: only a
+    process below the launcher whose start time is the heartbeat's is ever signalled."""
     found = []
     for path in folder.glob("rank-*"):
         try:
             fields = path.read_text().split()
             step, t, p99, saved, pid = fields[:5]
-            until = float(fields[6]) if len(fields) > 6 else 0.0
+            until, started = float(fields[6]), int(fields[7])
             beat = Beat(int(path.name.split("-")[1]), int(step), float(t), float(p99), int(saved), int(pid), until)
-        except (OSError, ValueError):
-            continue
-        if _state(beat.pid):
+        except (OSError, ValueError, IndexError):
+            beat, started = None, -1
+        if beat is not None and _state(beat.pid) and records.proc_start(beat.pid) == started and \
+                _below(beat.pid, launcher):
             found.append(beat)
+        else:
+            path.unlink(missing_ok=True)
     return found
+
+
+def _below(pid: int, ancestor: int) -> bool:
+    """Whether `pid` descends from `ancestor` (its parents' chain, from /proc)."""
+    for _ in range(64):
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+    return False
 
 
 def _state(pid: int) -> str:
@@ -85,8 +105,8 @@ def limit(found: list[Beat], floor: float) -> float:
 
 
 class Watchdog:
-    def __init__(self, folder: Path, url: str | None, floor: float, replace: bool):
-        self.folder, self.url, self.floor, self.replace = folder, url, floor, replace
+    def __init__(self, folder: Path, url: str | None, floor: float, replace: bool, launcher: int):
+        self.folder, self.url, self.floor, self.replace, self.launcher = folder, url, floor, replace, launcher
         self.writer = records.Writer(url, "watchdog", background=True)  # the bucket never holds a restart
         self.uploads: list[threading.Thread] = []
         self.handled: set[int] = set()  # pids of worker groups already stopped for a hang
@@ -95,7 +115,7 @@ class Watchdog:
 
     def check(self, now: float) -> bool:
         """One look; True when it found a hang and acted."""
-        found = [b for b in beats(self.folder) if b.pid not in self.handled]
+        found = [b for b in beats(self.folder, self.launcher) if b.pid not in self.handled]
         if self.replace and not self.replaced and (self.folder / "replace-request").is_file():
             self.ask_replacement((self.folder / "replace-request").read_text().strip(), "straggler_replacement")
         if not found or now - max(b.t for b in found) <= limit(found, self.floor):
@@ -179,8 +199,6 @@ class Watchdog:
         if kind != "hang":  # a hang's replacement follows its own hang record
             self.writer.emit("failure", failure="straggler_replacement", detail=f"replacement asked: {why}")
         try:
-            import sys
-
             from training import cloudmeta
             sys.modules.setdefault("cloudmeta", cloudmeta)  # node_replace imports it as the node installs it
             from training.node import node_replace
@@ -205,18 +223,38 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def _unsafe(folder: Path) -> str:
+    """Why the progress folder cannot be trusted ('' when it can): not ours, or open to others."""
+    try:
+        st = folder.stat()
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not {os.getuid()}"
+    if st.st_mode & 0o077:
+        return f"has mode {oct(st.st_mode & 0o777)}"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.node.watchdog", allow_abbrev=False)
     parser.add_argument("--progress-dir", default=os.environ.get("GTS_PROGRESS_DIR", ""))
     parser.add_argument("--parent", type=int, default=os.getppid(), help="exit when this process is gone")
+    parser.add_argument("--launcher", type=int, help="only processes below this one are watched (default: --parent)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    unsafe = _unsafe(Path(args.progress_dir))
+    if unsafe:
+        print(f"watchdog: GTS_PROGRESS_DIR={args.progress_dir!r} {unsafe}; the watchdog signals the pids named "
+              "there, so it must be a folder of this user's alone: chmod 700 it or leave GTS_PROGRESS_DIR unset",
+              file=sys.stderr)
+        return 2
     from training.contract import HANG_TIMEOUT_S, HANG_REPLACE
 
     floor = float(os.environ.get(HANG_TIMEOUT_S.name) or 60)
     replace = (os.environ.get(HANG_REPLACE.name) or "true").lower() == "true"
     dog = Watchdog(Path(args.progress_dir), os.environ.get("CHECKPOINT_URL") or os.environ.get("CHECKPOINT_DIR"),
-                   floor, replace)
+                   floor, replace, args.launcher or args.parent)
     log.info("hang watchdog on %s: a hang is max(3 x p99 step time, %.0f s) without a step", args.progress_dir, floor)
     while _state(args.parent):
         if (dog.folder / "stopping").exists():  # TERM / INT: the workers write their emergency checkpoints

@@ -1,8 +1,8 @@
 """What a training process tells the rest of the node and the run's records about its progress:
 
 - a heartbeat per rank (`$GTS_PROGRESS_DIR/rank-<rank>`: step, time, p99 step time, the newest
-  saved step, pid, node, and until when the rank is busy outside its steps: a save, the final
-  uploads) that the node's hang watchdog reads (training/node/watchdog.py), and Python
+  saved step, pid, node, until when the rank is busy outside its steps (a save, the final
+  uploads), and the process's start time) that the node's hang watchdog reads (training/node/watchdog.py), and Python
   stacks dumped by faulthandler to `stacks-rank<rank>.txt` when the watchdog sends STACKS_SIGNAL;
 - global rank 0's run records (training/records.py): the attempt's first step, each checkpoint's
   blocked time, a crash, the run's end;
@@ -51,6 +51,7 @@ class Progress:
         self.first_done = False
         self.saved, self.blocked = -1, 0.0
         self.step = -1  # the newest step finished
+        self.started = records.proc_start(os.getpid())  # with the pid, names this process to the watchdog
         self._stacks: IO[str] | None = None
         if self.dir is not None:
             self._stacks = open(self.dir / f"stacks-rank{comm.rank}.txt", "w", encoding="utf-8")  # noqa: SIM115
@@ -95,7 +96,7 @@ class Progress:
         beat = self.dir / f"rank-{self.comm.rank}"
         tmp = beat.with_suffix(".tmp")
         tmp.write_text(f"{self.step} {now:.3f} {p99:.4f} {self.saved} {os.getpid()} {records.node_name()} "
-                       f"{until:.3f}\n")
+                       f"{until:.3f} {self.started}\n")
         os.replace(tmp, beat)
 
     def busy(self, seconds: float) -> None:
