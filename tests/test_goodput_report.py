@@ -166,3 +166,18 @@ def test_the_peer_tier_on_the_spot_trace_keeps_95_percent() -> None:
     assert "assumptions: a copy in a peer's memory every 50 steps of 2 s" in text.stdout
     bad = report(*args[:-1], "50:2")
     assert bad.returncode == 2 and "--peer 50:2: STEPS:STEP_S:COST_S:RESTART_S" in bad.stderr
+
+
+def test_two_writers_with_the_same_pid_and_boot_write_two_objects(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted container: its new pid namespace gives the trainer the pid the last one had,
+    on the same boot. Each writer keeps its own object; no event is overwritten."""
+    from training import records
+
+    monkeypatch.setattr(records.os, "getpid", lambda: 7)
+    monkeypatch.setattr(records, "_boot_id", lambda: "b00t")
+    monkeypatch.setenv("GTS_NODE_NAME", "node-a")
+    for step in (0, 40):
+        records.Writer(str(tmp_path), "trainer").emit("first_step", step=step)
+    assert len(list((tmp_path / "records").iterdir())) == 2
+    assert sorted(e.step or 0 for e in records.read(str(tmp_path))) == [0, 40]

@@ -2,8 +2,9 @@
 bucket, read back by `python -m training.goodput report` (training/goodput_report.py).
 
 Each writer (one node agent boot, one trainer process, one watchdog) owns one object,
-`<CHECKPOINT_URL>/records/<node>-<boot>-<role>-<pid>.jsonl`, and rewrites only that one: object
-stores cannot append, and no two processes ever write the same object. One JSON line per event,
+`<CHECKPOINT_URL>/records/<node>-<boot>-<role>-<pid>-<random>.jsonl`, and rewrites only that one:
+object stores cannot append, and no two processes ever write the same object (the random part: a
+restarted container's processes get the same pids again). One JSON line per event,
 its schema versioned (`v`) and checked with pydantic when read:
 
     python -m training.records node-start          # the entrypoint: capacity requested, booted, gate passed, started
@@ -20,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Literal
 
@@ -118,7 +120,8 @@ class Writer:
     def __init__(self, url: str | None, role: str, background: bool = False):
         self.url = url
         self.lines: list[str] = []
-        self.name = f"{node_name()}-{_boot_id()}-{role}-{os.getpid()}.jsonl"
+        # the random part: pids repeat in a restarted container's new pid namespace, the boot id with it
+        self.name = f"{node_name()}-{_boot_id()}-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
         self.base = {"run": run_id(), "team": os.environ.get("GTS_TEAM", ""), "node": node_name()}
         self.written = 0  # lines in the bucket
         self.lock, self.uploading = threading.Lock(), threading.Lock()
