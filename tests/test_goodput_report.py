@@ -59,12 +59,21 @@ def by_hand() -> dict[str, float]:
     }
 
 
+T0 = 1_780_000_000  # the times above are seconds after this one (2026)
+
+
+def lines(events: list[dict[str, object]]) -> str:
+    """Events as a writer writes them, their times moved to T0 + t."""
+    return "".join(json.dumps({**e, **{k: T0 + e[k] for k in ("t", "last_progress_t") if k in e}}) + "\n"  # type: ignore[operator]
+                   for e in events)
+
+
 def write_records(root: Path) -> Path:
     folder = root / "run" / "records"
     folder.mkdir(parents=True)
     for name, events in (("a-1-agent-1", AGENT_A), ("b-1-agent-1", AGENT_B), ("a-1-trainer-2", TRAINER),
                          ("b-1-watchdog-3", WATCHDOGS[:1]), ("a-1-watchdog-3", WATCHDOGS[1:])):
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        (folder / f"{name}.jsonl").write_text(lines(events))
     return root / "run"
 
 
@@ -94,8 +103,7 @@ def test_the_reports_ettr_is_the_hand_computed_one(tmp_path: Path) -> None:
 
 def test_records_off_the_schema_are_refused_in_one_line(tmp_path: Path) -> None:
     root = write_records(tmp_path)
-    (root / "records" / "c-1-trainer-9.jsonl").write_text(json.dumps({**A, "t": 5, "kind": "checkpoint", "step": 3})
-                                                         + "\n")
+    (root / "records" / "c-1-trainer-9.jsonl").write_text(lines([{**A, "t": 5, "kind": "checkpoint", "step": 3}]))
     out = report("report", "--records", str(root))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "c-1-trainer-9.jsonl line 1" in out.stderr and "blocked_s" in out.stderr, out.stderr
@@ -181,3 +189,19 @@ def test_two_writers_with_the_same_pid_and_boot_write_two_objects(tmp_path: Path
         records.Writer(str(tmp_path), "trainer").emit("first_step", step=step)
     assert len(list((tmp_path / "records").iterdir())) == 2
     assert sorted(e.step or 0 for e in records.read(str(tmp_path))) == [0, 40]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("blocked_s", float("nan"), "blocked_s: Input should be a finite number"),
+    ("blocked_s", -3.0, "blocked_s: Input should be greater than or equal to 0"),
+    ("step", -1, "step: Input should be greater than or equal to 0"),
+    ("t", 1e12, "t: Value error, 1000000000000.0 is not a time between 2020-01-01 and a day from now"),
+    ("t", 5, "t: Value error, 5.0 is not a time between 2020-01-01"),
+])
+def test_a_hostile_line_is_refused_by_name(field: str, value: float, message: str, tmp_path: Path) -> None:
+    root = write_records(tmp_path)
+    event = {**A, "t": T0 + 5, "kind": "checkpoint", "step": 3, "blocked_s": 1.0, field: value}
+    (root / "records" / "c-1-trainer-9.jsonl").write_text(json.dumps(event) + "\n")  # NaN as json writes it
+    out = report("report", "--records", str(root))
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert f"c-1-trainer-9.jsonl line 1: {message}" in out.stderr, out.stderr

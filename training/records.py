@@ -23,9 +23,9 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 log = logging.getLogger("gts.records")
 # The hang watchdog's "dump your Python stacks" to the trainer (faulthandler runs in C, GIL or not).
@@ -40,10 +40,16 @@ NEEDS: dict[str, tuple[str, ...]] = {"first_step": ("step",), "checkpoint": ("st
                                      "failure": ("failure",), "straggler": ("rank", "excess_s")}
 
 
-class Event(BaseModel):
-    """One event of a run (schema version 1)."""
+EARLIEST = 1577836800.0  # 2020-01-01: no run's event is older
+NonNegative = Annotated[float, Field(ge=0)]
+Count = Annotated[int, Field(ge=0)]
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+class Event(BaseModel):
+    """One event of a run (schema version 1). No NaN or infinity, no negative duration or step, no
+    time before 2020 or over a day ahead: one bad line would bend every figure of the report."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     v: Literal[1] = SCHEMA_VERSION  # the schema version
     t: float  # unix time, seconds
@@ -51,15 +57,22 @@ class Event(BaseModel):
     run: str  # the run's id (records.run_id)
     team: str = ""  # GTS_TEAM: whom the run's cost is shown back to
     node: str = ""  # the node (GTS_NODE_NAME, else the host name)
-    rank: int | None = None  # a rank the event is about (hang, straggler)
-    step: int | None = None  # first_step: the step the attempt resumed from; checkpoint: its step
-    blocked_s: float | None = None  # checkpoint: seconds the training loop was blocked
+    rank: Count | None = None  # a rank the event is about (hang, straggler)
+    step: Count | None = None  # first_step: the step the attempt resumed from; checkpoint: its step
+    blocked_s: NonNegative | None = None  # checkpoint: seconds the training loop was blocked
     failure: FailureKind | None = None
-    committed_step: int | None = None  # failure: the newest committed checkpoint step then
+    committed_step: Annotated[int, Field(ge=-1)] | None = None  # failure: the newest committed step then (-1: none)
     last_progress_t: float | None = None  # hang: when any rank last finished a step
-    excess_s: float | None = None  # straggler: seconds the run waited for the slow rank over the window
-    node_hourly_usd: float | None = None  # node_booted: the node's price (the plan's, from the catalog)
+    excess_s: NonNegative | None = None  # straggler: seconds the run waited for the slow rank over the window
+    node_hourly_usd: NonNegative | None = None  # node_booted: the node's price (the plan's, from the catalog)
     detail: str = ""
+
+    @field_validator("t", "last_progress_t")
+    @classmethod
+    def _a_real_time(cls, value: float | None) -> float | None:
+        if value is not None and not EARLIEST <= value <= time.time() + 86400:
+            raise ValueError(f"{value} is not a time between 2020-01-01 and a day from now (unix seconds)")
+        return value
 
     @model_validator(mode="after")
     def _complete(self) -> Event:
