@@ -182,7 +182,7 @@ def test_two_writers_with_the_same_pid_and_boot_write_two_objects(tmp_path: Path
     on the same boot. Each writer keeps its own object; no event is overwritten."""
     from training import records
 
-    monkeypatch.setattr(records.os, "getpid", lambda: 7)
+    monkeypatch.setattr("os.getpid", lambda: 7)
     monkeypatch.setattr(records, "_boot_id", lambda: "b00t")
     monkeypatch.setenv("GTS_NODE_NAME", "node-a")
     for step in (0, 40):
