@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ROOT
+from training.records import Event
 
 A, B = {"run": "r1", "team": "vision", "node": "a"}, {"run": "r1", "team": "vision", "node": "b"}
 AGENT_A = [  # node a's entrypoint: capacity asked at 1000, booted 1100, gate passed 1200
@@ -205,3 +206,65 @@ def test_a_hostile_line_is_refused_by_name(field: str, value: float, message: st
     out = report("report", "--records", str(root))
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert f"c-1-trainer-9.jsonl line 1: {message}" in out.stderr, out.stderr
+
+
+def _events(*rows: dict[str, object]) -> list[Event]:
+
+    return [Event.model_validate({**A, **row, "t": T0 + float(row["t"])}) for row in rows]  # type: ignore[arg-type]
+
+
+START = ({"t": 0, "kind": "capacity_requested"}, {"t": 0, "kind": "node_booted", "node_hourly_usd": 1.0},
+         {"t": 100, "kind": "agent_started"}, {"t": 200, "kind": "first_step", "step": 0})
+
+
+def test_a_last_attempt_that_failed_loses_its_work_and_one_straggler_per_window_counts() -> None:
+    """Never resumed after a crash at 1700: the work since the checkpoint at 1200 is lost (not
+    productive). Ranks 1 and 2 flagged in the same window wait 50 s, not 80; a straggler inside the
+    lost span is not counted twice."""
+    from training.goodput_report import report_run
+
+    run = report_run(_events(*START, {"t": 1100, "kind": "straggler", "rank": 1, "excess_s": 50.0, "step": 90},
+                             {"t": 1100, "kind": "straggler", "rank": 2, "excess_s": 30.0, "step": 90},
+                             {"t": 1200, "kind": "checkpoint", "step": 100, "blocked_s": 10},
+                             {"t": 1500, "kind": "straggler", "rank": 1, "excess_s": 40.0, "step": 130},
+                             {"t": 1700, "kind": "failure", "failure": "crash", "committed_step": 100}))
+    hand = {"boot and gate": 100, "restart": 100, "checkpoint stall": 10, "lost work": 1700 - 1200, "straggler": 50}
+    for category, seconds in hand.items():
+        assert run.badput_hours[category] * 3600 == pytest.approx(seconds), category
+    assert run.productive_hours * 3600 == pytest.approx(1700 - sum(hand.values()))
+
+
+def test_a_resume_from_a_peer_copy_loses_only_the_work_after_it() -> None:
+    """A bucket checkpoint at step 100 (1200), a peer copy at step 150 (1500, 1 s blocked), a reclaim
+    at 1700, resumed from the peer copy's step: 200 s lost, not 500."""
+    from training.goodput_report import report_run
+
+    run = report_run(_events(*START, {"t": 1200, "kind": "checkpoint", "step": 100, "blocked_s": 10},
+                             {"t": 1500, "kind": "checkpoint", "step": 150, "blocked_s": 1, "tier": "peer"},
+                             {"t": 1700, "kind": "failure", "failure": "reclaim", "committed_step": 100},
+                             {"t": 1800, "kind": "first_step", "step": 150},
+                             {"t": 2800, "kind": "run_finished", "step": 300}))
+    assert run.badput_hours["lost work"] * 3600 == pytest.approx(1700 - 1500)
+    assert run.badput_hours["restart"] * 3600 == pytest.approx(100 + 100)
+
+
+def test_the_trainer_records_its_peer_copies_as_checkpoints(tmp_path: Path) -> None:
+    from training import records
+    from training.trainer.progress import Progress
+
+    class Rank0:
+        rank, world, local_rank = 0, 1, 0
+
+    class Peer:
+        skipped = 0
+
+        def copy(self, step: int, state: object, rng: object, wait: bool) -> float:
+            self.skipped += step == 20  # the second copy finds the first still on its way
+            return 0.25
+
+    progress = Progress(Rank0(), str(tmp_path), None)  # type: ignore[arg-type]
+    for step in (10, 20):
+        progress.peer_copy(Peer(), step, None, {}, False)
+    progress.close()
+    found = [(e.kind, e.step, e.tier, e.blocked_s) for e in records.read(str(tmp_path))]
+    assert found == [("checkpoint", 10, "peer", 0.25)]

@@ -65,6 +65,7 @@ class Event(BaseModel):
     last_progress_t: float | None = None  # hang: when any rank last finished a step
     excess_s: NonNegative | None = None  # straggler: seconds the run waited for the slow rank over the window
     node_hourly_usd: NonNegative | None = None  # node_booted: the node's price (the plan's, from the catalog)
+    tier: Literal["peer"] | None = None  # checkpoint: "peer" for a copy to the peer tier, else the checkpoint's own
     detail: str = ""
 
     @field_validator("t", "last_progress_t")

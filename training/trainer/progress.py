@@ -112,6 +112,16 @@ class Progress:
             self.metrics.productive.set(step * statistics.median(self.times))
         self.record("checkpoint", step=step, blocked_s=blocked)
 
+    def peer_copy(self, peer: Any, step: int, state: dict[str, Any] | None, rng: dict[str, Any], wait: bool) -> None:
+        """A copy to the peer tier (training/peer/tier.py), recorded as a checkpoint of tier "peer":
+        an attempt resumed from it lost only the work after it."""
+        skipped = peer.skipped
+        blocked = peer.copy(step, state, rng, wait)
+        if self.metrics is not None:
+            self.metrics.peer_blocked.set(blocked)
+        if peer.skipped == skipped:  # sent (a copy still on its way when the next is due is skipped)
+            self.record("checkpoint", step=step, blocked_s=blocked, tier="peer")
+
     def compare(self, step: int) -> None:
         """Every rank: gather the window's compute times and flag the slow ones (one collective)."""
         mine = (self.compute, self.waited, records.node_name())

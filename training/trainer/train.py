@@ -299,7 +299,7 @@ class Run:
                     self.stop.poll() is not None, self.stop.take_checkpoint_request(), self.checkpoint_due(),
                     bool(ckpt.refused))
                 if self.peer is not None and (stopping or self.peer.due(self.step)):  # a stop's state is sent first
-                    self.metrics.peer_blocked.set(self.peer.copy(self.step, self.state(tracker), rng_state(), stopping))
+                    self.progress.peer_copy(self.peer, self.step, self.state(tracker), rng_state(), stopping)
                 if due or stopping or asked or refused or self.step >= cfg.steps:
                     self.save(ckpt, tracker)
                 if refused:  # the bucket is gone or refuses writes: finish() names it, exit 2
