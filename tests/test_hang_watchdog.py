@@ -270,3 +270,47 @@ def test_a_progress_folder_others_can_write_is_refused(tmp_path: Path) -> None:
     assert done.stderr.strip() == (f"watchdog: GTS_PROGRESS_DIR='{progress}' has mode 0o777; the watchdog signals "
                                    "the pids named there, so it must be a folder of this user's alone: chmod 700 it "
                                    "or leave GTS_PROGRESS_DIR unset")
+
+
+HANGER = WORKER.replace("    train_step()\n", "    train_step()\n    if step == 3:\n        time.sleep(600)\n")
+LAUNCHER = """
+import signal, subprocess, sys
+child = None
+def stop(*_):
+    child.kill()
+    sys.exit(1)
+signal.signal(signal.SIGTERM, stop)
+while True:  # restarts its worker whenever it dies, as torchrun's --max-restarts
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], "0"])
+    child.wait()
+"""
+
+
+def test_a_hang_every_restart_meets_again_stops_the_restarts(tmp_path: Path) -> None:
+    """A worker that hangs at the same step every time it is restarted: after HANG_RESTARTS (3)
+    hangs with no step past it, the watchdog stops the launcher instead of restarting again, says
+    so in one line and records it."""
+    from training import records
+
+    progress, ckpt = tmp_path / "progress", tmp_path / "ck"
+    progress.mkdir(mode=0o700)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, HANGER, str(progress)], cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_PROGRESS_DIR": str(progress), "HANG_TIMEOUT_S": "1",
+            "CHECKPOINT_DIR": str(ckpt), "GTS_NODE_NAME": "node-x", "GTS_RUN_ID": "again", "HANG_REPLACE": "false"}
+    dog = subprocess.Popen([sys.executable, "-m", "training.node.watchdog", "--parent", str(os.getpid()),
+                            "--launcher", str(launcher.pid)], env=full, cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        assert launcher.wait(timeout=180) == 1
+    finally:
+        launcher.kill()
+        dog.kill()
+    out = dog.communicate(timeout=30)[0]
+    gave_up = [line for line in out.splitlines() if "hangs in a row" in line]
+    assert len(gave_up) == 1 and "3 hangs in a row with no step past 3 between them (HANG_RESTARTS=3)" in gave_up[0]
+    from tests.training_helpers import retry_until
+
+    assert retry_until(lambda: len([e for e in records.read(str(ckpt)) if e.kind == "failure"]) == 3, 30)
+    hangs = [e for e in records.read(str(ckpt)) if e.kind == "failure"]
+    assert [e.detail.endswith("not restarted") for e in hangs] == [False, False, True]

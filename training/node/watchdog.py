@@ -19,6 +19,10 @@ HANG_TIMEOUT_S) — NCCL's own watchdog waits 10 minutes, gloo's 30 — the watc
    records the hang (training/records.py): the suspect rank (a stopped or uninterruptible
    process here, else the rank whose heartbeat is oldest) and its node, the newest saved step.
 
+HANG_RESTARTS (3) hangs in a row with no step finished between them (a hang that every restart
+meets again) stop the restarts: the watchdog stops the node's launcher (exit non-zero), says so in
+one line and records it.
+
 A node that is the suspect of HANG_REPLACE_AFTER hangs (2) asks its group for its replacement
 through the replace-me path (training/node/node_replace.py), as does a node whose rank asked for
 it as a persistent straggler (`replace-request` in the progress folder; STRAGGLER_REPLACE).
@@ -111,6 +115,8 @@ class Watchdog:
         self.uploads: list[threading.Thread] = []
         self.handled: set[int] = set()  # pids of worker groups already stopped for a hang
         self.own_hangs = 0
+        self.budget = 3  # hangs in a row with no step between them before the workers stay down (HANG_RESTARTS)
+        self.in_a_row, self.hung_at = 0, -1  # such hangs so far; the newest step at the last one
         self.replaced = False
 
     def check(self, now: float) -> bool:
@@ -135,6 +141,15 @@ class Watchdog:
                   "stacks and restarting the workers", sorted(b.rank for b in found), records.node_name(), now - last,
                   limit(found, self.floor), suspect.rank, "stopped" if stuck else "oldest heartbeat")
         text = self.dump_stacks(found, suspect, bool(stuck))
+        newest = max(b.step for b in found)
+        self.in_a_row = self.in_a_row + 1 if newest <= self.hung_at else 1
+        self.hung_at = max(self.hung_at, newest)
+        give_up = self.in_a_row >= self.budget
+        if give_up:  # the launcher first: it must not start the workers again
+            log.error("watchdog: %d hangs in a row with no step past %d between them (HANG_RESTARTS=%d): not "
+                      "restarting the workers; the node's launcher is stopped, read the stacks in %s/hangs/",
+                      self.in_a_row, newest, self.budget, self.folder)
+            _signal(self.launcher, signal.SIGTERM)
         for beat in found:
             self.handled.add(beat.pid)
             _signal(beat.pid, signal.SIGKILL)
@@ -145,7 +160,8 @@ class Watchdog:
         where = f"{self.url.rstrip('/')}/records/hangs/{name} (kept at {kept})" if self.url else str(kept)
         self.writer.emit("failure", failure="hang", rank=suspect.rank, committed_step=max(b.saved for b in found),
                          last_progress_t=last, detail=f"{'suspect' if stuck else 'peer'}: node {records.node_name()} "
-                         f"rank {suspect.rank}; stacks {where}")
+                         f"rank {suspect.rank}; stacks {where}" + (f"; {self.in_a_row} hangs in a row without a step "
+                                                                    "between them: not restarted" if give_up else ""))
         upload = threading.Thread(target=self.upload_stacks, args=(kept,), daemon=True, name="gts-hang-stacks")
         upload.start()
         self.uploads.append(upload)
@@ -249,12 +265,17 @@ def main(argv: list[str] | None = None) -> int:
               "there, so it must be a folder of this user's alone: chmod 700 it or leave GTS_PROGRESS_DIR unset",
               file=sys.stderr)
         return 2
-    from training.contract import HANG_TIMEOUT_S, HANG_REPLACE
+    from training.contract import HANG_RESTARTS, HANG_TIMEOUT_S, HANG_REPLACE
 
     floor = float(os.environ.get(HANG_TIMEOUT_S.name) or 60)
     replace = (os.environ.get(HANG_REPLACE.name) or "true").lower() == "true"
     dog = Watchdog(Path(args.progress_dir), os.environ.get("CHECKPOINT_URL") or os.environ.get("CHECKPOINT_DIR"),
                    floor, replace, args.launcher or args.parent)
+    budget = os.environ.get(HANG_RESTARTS.name) or "3"
+    if not budget.isdigit() or int(budget) < 1:
+        print(f"watchdog: HANG_RESTARTS={budget!r} is not a whole number of hangs >= 1 (default 3)", file=sys.stderr)
+        return 2
+    dog.budget = int(budget)
     log.info("hang watchdog on %s: a hang is max(3 x p99 step time, %.0f s) without a step", args.progress_dir, floor)
     while _state(args.parent):
         if (dog.folder / "stopping").exists():  # TERM / INT: the workers write their emergency checkpoints
