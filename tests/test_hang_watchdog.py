@@ -113,7 +113,8 @@ def test_a_node_that_hangs_twice_asks_for_its_replacement(tmp_path: Path) -> Non
     api = ScalingApi("alicloud", meta)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_PROGRESS_DIR": str(progress), "CHECKPOINT_DIR": str(ckpt),
            "HANG_TIMEOUT_S": "1", "GTS_CLOUD": "alicloud", "GTS_METADATA_URL": meta.url, "GTS_REPLACE_API_URL": api.url,
-           "GTS_NODE_NAME": "node-x", "GTS_NODE_GROUP": "ali-train", "GTS_RUN_ID": "twice"}
+           "GTS_NODE_NAME": "node-x", "GTS_NODE_GROUP": "ali-train", "GTS_RUN_ID": "twice",
+           "GTS_REPLACEMENTS_PER_HOUR": "0"}  # no group budget here: tests/test_replace_budget.py has it
     dog = subprocess.Popen([sys.executable, "-m", "training.node.watchdog", "--parent", str(os.getpid())], env=env,
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -314,3 +315,29 @@ def test_a_hang_every_restart_meets_again_stops_the_restarts(tmp_path: Path) -> 
     assert retry_until(lambda: len([e for e in records.read(str(ckpt)) if e.kind == "failure"]) == 3, 30)
     hangs = [e for e in records.read(str(ckpt)) if e.kind == "failure"]
     assert [e.detail.endswith("not restarted") for e in hangs] == [False, False, True]
+
+
+def test_the_watchdogs_replacement_takes_a_slot_of_the_group_budget(tmp_path: Path) -> None:
+    """A persistent straggler's request with the group's replacement budget on
+    (GTS_REPLACEMENTS_PER_HOUR) and no run bucket to keep it in: as the GPU watch does, the node
+    is not replaced (fail safe), and the group's API is never called."""
+    from tests.gpu_health_helpers import INSTANCE, ScalingApi, _metadata
+    from tests.training_helpers import Run
+
+    progress = tmp_path / "progress"
+    progress.mkdir(mode=0o700)
+    (progress / "replace-request").write_text("straggler: rank 0 slow for 3 windows at step 150\n")
+    meta = _metadata("alicloud", INSTANCE["alicloud"]).start()
+    api = ScalingApi("alicloud", meta)
+    dog = Run(_watchdog(progress, tmp_path / "ck", GTS_CLOUD="alicloud", GTS_METADATA_URL=meta.url,
+                        GTS_REPLACE_API_URL=api.url, GTS_NODE_GROUP="ali-train", GTS_REPLACEMENTS_PER_HOUR="2"))
+    dog.start_reader()
+    try:
+        line = dog.wait_for(r"NOT replaced", timeout=60)
+    finally:
+        dog.proc.kill()
+        dog.finish(timeout=30)
+        api.stop()
+        meta.stop()
+    assert "the group's replacement budget could not be read" in line and "no run bucket" in line, line
+    assert not api.calls

@@ -24,7 +24,8 @@ meets again) stop the restarts: the watchdog stops the node's launcher (exit non
 one line and records it.
 
 A node that is the suspect of HANG_REPLACE_AFTER hangs (2) asks its group for its replacement
-through the replace-me path (training/node/node_replace.py), as does a node whose rank asked for
+through the replace-me path (training/node/node_replace.py), after a slot of the group's
+replacement budget (training/node/replace_budget.py, as the GPU watch takes one), as does a node whose rank asked for
 it as a persistent straggler (`replace-request` in the progress folder; STRAGGLER_REPLACE).
 """
 
@@ -39,6 +40,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from training import records
 from training.records import STACKS_SIGNAL
@@ -220,12 +222,38 @@ class Watchdog:
             from training.node import node_replace
 
             meta = cloudmeta.Metadata(os.environ.get("GTS_CLOUD", ""), os.environ.get("GTS_METADATA_URL") or None)
+            if not self.budgeted(meta, why):
+                return
             instance, answer = node_replace.request_replacement(
                 meta, None, os.environ.get("GTS_REPLACE_API_URL") or None, os.environ.get("GTS_NODE_GROUP", ""),
                 os.environ.get("GTS_SCALING_GROUP_ID", ""))
             log.warning("asked the group to replace instance %s: %s", instance, answer.strip()[:300])
         except Exception as exc:  # noqa: BLE001 - the node stays; the hang records name it for the operator
             log.error("replacement request failed: %s", exc)
+
+
+    def budgeted(self, meta: Any, why: str) -> bool:
+        """A slot of the group's replacement budget (training/node/replace_budget.py, as the GPU
+        watch's replacements take): over budget or unreadable, the node is not replaced (fail safe)."""
+        from training import cloudmeta
+        from training.node import replace_budget
+
+        try:
+            per_hour = replace_budget.per_hour_setting(os.environ.get("GTS_REPLACEMENTS_PER_HOUR"))
+            if per_hour == 0:  # no bound
+                return True
+            try:
+                creds = meta.credentials()
+                instance = meta.get(cloudmeta.cloud_node(meta.cloud).INSTANCE_ID_PATH) or "unknown"
+            except (OSError, ValueError, KeyError, cloudmeta.MetadataError) as exc:
+                raise replace_budget.Unreachable(f"the instance role's credentials: {exc}") from None
+            taken, detail = replace_budget.take(os.environ, per_hour, instance, why, creds)
+        except (replace_budget.Unreachable, ValueError) as exc:
+            log.error("%s: the group's replacement budget could not be read (%s); this node is NOT replaced", why, exc)
+            return False
+        if not taken:
+            log.error("%s: the group's replacement budget is spent (%s); this node is NOT replaced", why, detail)
+        return taken
 
 
 def _size(path: Path) -> int:
