@@ -123,15 +123,18 @@ def test_the_live_ettr_rules_compute_it_per_run_and_team(tmp_path: Path) -> None
 
     (tmp_path / "rules.yml").write_text(monitoring.render(load_stack_spec("dev")), encoding="utf-8")
     series = []
-    for node, run, kept, started in (("0", "r1", 864, 0), ("1", "r1", 850, 0), ("2", "r2", 384, 480)):
-        labels = f'node="{node}",run="{run}",team="vision"'
+    for node, run, kept, started, team in (("0", "r1", 864, 0, "vision"), ("1", "r1", 850, 0, "vision"),
+                                           ("2", "r2", 384, 480, "vision"), ("3", "r3", 600, 480, "audio")):
+        labels = f'node="{node}",run="{run}",team="{team}"'
         series += [{"series": f"gts_run_productive_seconds{{{labels}}}", "values": f"{kept}x20"},
                    {"series": f"gts_run_started_timestamp_seconds{{{labels}}}", "values": f"{started}x20"}]
     tests = [{"interval": "1m", "input_series": series, "promql_expr_test": [
         {"expr": monitoring.RUN_ETTR, "eval_time": "16m", "exp_samples": [
             {"labels": f'{monitoring.RUN_ETTR}{{run="r1",team="vision"}}', "value": 0.9},
-            {"labels": f'{monitoring.RUN_ETTR}{{run="r2",team="vision"}}', "value": 0.8}]},
+            {"labels": f'{monitoring.RUN_ETTR}{{run="r2",team="vision"}}', "value": 0.8},
+            {"labels": f'{monitoring.RUN_ETTR}{{run="r3",team="audio"}}', "value": 1}]},  # 600 s kept of 480: clamped
         {"expr": monitoring.TEAM_ETTR, "eval_time": "16m", "exp_samples": [
+            {"labels": f'{monitoring.TEAM_ETTR}{{team="audio"}}', "value": 1},
             {"labels": f'{monitoring.TEAM_ETTR}{{team="vision"}}', "value": 1248 / 1440}]}]}]
     (tmp_path / "t.yml").write_text(yaml.safe_dump({"rule_files": ["rules.yml"], "tests": tests}))
     done = subprocess.run([debian_tool("promtool", "prometheus"), "test", "rules", "t.yml"], cwd=tmp_path,

@@ -133,7 +133,7 @@ class Progress:
         for rank, (compute, waited, node) in enumerate(gathered):
             slow = median > 0 and compute > self.factor * median
             self.flagged[rank] = self.flagged.get(rank, 0) + 1 if slow else 0
-            if self.metrics is not None:
+            if self.metrics is not None and rank == self.comm.rank:  # each process its own: no other node's ranks
                 self.metrics.straggler.labels(**self.metrics.labels, rank=str(rank)).set(
                     compute / median if median > 0 else 0)
             if not slow:
