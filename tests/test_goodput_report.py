@@ -271,3 +271,27 @@ def test_the_trainer_records_its_peer_copies_as_checkpoints(tmp_path: Path) -> N
     progress.close()
     found = [(e.kind, e.step, e.tier, e.blocked_s) for e in records.read(str(tmp_path))]
     assert found == [("checkpoint", 10, "peer", 0.25)]
+
+
+def test_a_run_on_a_reused_node_starts_at_its_own_node_start(tmp_path: Path) -> None:
+    """Nothing sets GTS_LAUNCH_TIME or GTS_BOOT_TIME and the machine booted long ago: its first run
+    counts from the boot, a second run on the same boot from its own node-start, not the boot."""
+    import os
+    import time
+
+    from training import records
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GTS_LAUNCH_TIME", "GTS_BOOT_TIME")}
+    env.update(PYTHONPATH=str(ROOT), GTS_SCRATCH_DIR=str(tmp_path / "scratch"), GTS_NODE_NAME="n")
+    (tmp_path / "scratch").mkdir()
+    booted = records.boot_time()
+    for run in ("first", "second"):
+        before = time.time()
+        done = subprocess.run([sys.executable, "-m", "training.records", "node-start"], cwd=ROOT, timeout=60,
+                              env={**env, "GTS_RUN_ID": run, "CHECKPOINT_DIR": str(tmp_path / run)})
+        assert done.returncode == 0
+        starts = [e.t for e in records.read(str(tmp_path / run)) if e.kind in ("capacity_requested", "node_booted")]
+        if run == "first":
+            assert starts == [booted, booted]
+        else:
+            assert len(starts) == 2 and min(starts) >= before > booted

@@ -221,9 +221,29 @@ def read(url: str) -> list[Event]:
     return sorted(events, key=lambda e: e.t)
 
 
+def _served_another_run() -> bool:
+    """Whether this boot of the machine already served another run (a long-lived or reused node):
+    then its boot says nothing about this run. A marker per boot on the node's scratch disk
+    (which outlives containers) names the first run the boot served."""
+    marker = Path(os.environ.get("GTS_SCRATCH_DIR") or "/scratch") / f".gts-boot-{_boot_id()}"
+    try:
+        if marker.is_file():
+            return marker.read_text().strip() != run_id()
+        marker.write_text(run_id() + "\n")
+    except OSError:
+        pass
+    return False
+
+
 def _node_start(writer: Writer) -> None:
     """The entrypoint's events: capacity requested (GTS_LAUNCH_TIME, the instance's launch time
-    where the bootstrap knows it, else the boot), booted, and the GPU gate passed (its marker)."""
+    where the bootstrap knows it, else the boot), booted, and the GPU gate passed (its marker).
+    On a machine whose boot already served another run, this run starts now, not at the boot."""
+    if os.environ.get("GTS_LAUNCH_TIME") is None and os.environ.get("GTS_BOOT_TIME") is None and _served_another_run():
+        writer.emit("capacity_requested")
+        writer.emit("node_booted", node_hourly_usd=float(os.environ.get("NODE_HOURLY_USD") or 0))
+        writer.emit("agent_started")
+        return
     booted = boot_time()
     launched = float(os.environ.get("GTS_LAUNCH_TIME") or booted)
     price = float(os.environ.get("NODE_HOURLY_USD") or 0)
