@@ -117,8 +117,9 @@ def goodput_rules() -> list[dict[str, Any]]:
     """ETTR live, per run and per team: the training time a run keeps (its newest committed step
     at the median step time, training/trainer/progress.py) over its wall time since it first
     asked for capacity (its records). `make goodput` gives the full breakdown from the records."""
-    return [{"record": RUN_ETTR, "expr": f"{_KEPT} / {_WALL}"},
-            {"record": TEAM_ETTR, "expr": f"sum by (team) ({_KEPT}) / sum by (team) ({_WALL})"}]
+    # clamped to 1: the productive estimate (newest step x median step time) can run ahead of the wall
+    return [{"record": RUN_ETTR, "expr": f"clamp_max({_KEPT} / {_WALL}, 1)"},
+            {"record": TEAM_ETTR, "expr": f"clamp_max(sum by (team) ({_KEPT}) / sum by (team) ({_WALL}), 1)"}]
 
 
 TEAM_NODE_SPEND = "gts:team_node_spend_usd_per_month"

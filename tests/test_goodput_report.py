@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ROOT
+from training.records import Event
 
 A, B = {"run": "r1", "team": "vision", "node": "a"}, {"run": "r1", "team": "vision", "node": "b"}
 AGENT_A = [  # node a's entrypoint: capacity asked at 1000, booted 1100, gate passed 1200
@@ -59,12 +60,21 @@ def by_hand() -> dict[str, float]:
     }
 
 
+T0 = 1_780_000_000  # the times above are seconds after this one (2026)
+
+
+def lines(events: list[dict[str, object]]) -> str:
+    """Events as a writer writes them, their times moved to T0 + t."""
+    return "".join(json.dumps({**e, **{k: T0 + e[k] for k in ("t", "last_progress_t") if k in e}}) + "\n"  # type: ignore[operator]
+                   for e in events)
+
+
 def write_records(root: Path) -> Path:
     folder = root / "run" / "records"
     folder.mkdir(parents=True)
     for name, events in (("a-1-agent-1", AGENT_A), ("b-1-agent-1", AGENT_B), ("a-1-trainer-2", TRAINER),
                          ("b-1-watchdog-3", WATCHDOGS[:1]), ("a-1-watchdog-3", WATCHDOGS[1:])):
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        (folder / f"{name}.jsonl").write_text(lines(events))
     return root / "run"
 
 
@@ -94,8 +104,7 @@ def test_the_reports_ettr_is_the_hand_computed_one(tmp_path: Path) -> None:
 
 def test_records_off_the_schema_are_refused_in_one_line(tmp_path: Path) -> None:
     root = write_records(tmp_path)
-    (root / "records" / "c-1-trainer-9.jsonl").write_text(json.dumps({**A, "t": 5, "kind": "checkpoint", "step": 3})
-                                                         + "\n")
+    (root / "records" / "c-1-trainer-9.jsonl").write_text(lines([{**A, "t": 5, "kind": "checkpoint", "step": 3}]))
     out = report("report", "--records", str(root))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "c-1-trainer-9.jsonl line 1" in out.stderr and "blocked_s" in out.stderr, out.stderr
@@ -114,15 +123,18 @@ def test_the_live_ettr_rules_compute_it_per_run_and_team(tmp_path: Path) -> None
 
     (tmp_path / "rules.yml").write_text(monitoring.render(load_stack_spec("dev")), encoding="utf-8")
     series = []
-    for node, run, kept, started in (("0", "r1", 864, 0), ("1", "r1", 850, 0), ("2", "r2", 384, 480)):
-        labels = f'node="{node}",run="{run}",team="vision"'
+    for node, run, kept, started, team in (("0", "r1", 864, 0, "vision"), ("1", "r1", 850, 0, "vision"),
+                                           ("2", "r2", 384, 480, "vision"), ("3", "r3", 600, 480, "audio")):
+        labels = f'node="{node}",run="{run}",team="{team}"'
         series += [{"series": f"gts_run_productive_seconds{{{labels}}}", "values": f"{kept}x20"},
                    {"series": f"gts_run_started_timestamp_seconds{{{labels}}}", "values": f"{started}x20"}]
     tests = [{"interval": "1m", "input_series": series, "promql_expr_test": [
         {"expr": monitoring.RUN_ETTR, "eval_time": "16m", "exp_samples": [
             {"labels": f'{monitoring.RUN_ETTR}{{run="r1",team="vision"}}', "value": 0.9},
-            {"labels": f'{monitoring.RUN_ETTR}{{run="r2",team="vision"}}', "value": 0.8}]},
+            {"labels": f'{monitoring.RUN_ETTR}{{run="r2",team="vision"}}', "value": 0.8},
+            {"labels": f'{monitoring.RUN_ETTR}{{run="r3",team="audio"}}', "value": 1}]},  # 600 s kept of 480: clamped
         {"expr": monitoring.TEAM_ETTR, "eval_time": "16m", "exp_samples": [
+            {"labels": f'{monitoring.TEAM_ETTR}{{team="audio"}}', "value": 1},
             {"labels": f'{monitoring.TEAM_ETTR}{{team="vision"}}', "value": 1248 / 1440}]}]}]
     (tmp_path / "t.yml").write_text(yaml.safe_dump({"rule_files": ["rules.yml"], "tests": tests}))
     done = subprocess.run([debian_tool("promtool", "prometheus"), "test", "rules", "t.yml"], cwd=tmp_path,
@@ -166,3 +178,120 @@ def test_the_peer_tier_on_the_spot_trace_keeps_95_percent() -> None:
     assert "assumptions: a copy in a peer's memory every 50 steps of 2 s" in text.stdout
     bad = report(*args[:-1], "50:2")
     assert bad.returncode == 2 and "--peer 50:2: STEPS:STEP_S:COST_S:RESTART_S" in bad.stderr
+
+
+def test_two_writers_with_the_same_pid_and_boot_write_two_objects(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted container: its new pid namespace gives the trainer the pid the last one had,
+    on the same boot. Each writer keeps its own object; no event is overwritten."""
+    from training import records
+
+    monkeypatch.setattr("os.getpid", lambda: 7)
+    monkeypatch.setattr(records, "_boot_id", lambda: "b00t")
+    monkeypatch.setenv("GTS_NODE_NAME", "node-a")
+    for step in (0, 40):
+        records.Writer(str(tmp_path), "trainer").emit("first_step", step=step)
+    assert len(list((tmp_path / "records").iterdir())) == 2
+    assert sorted(e.step or 0 for e in records.read(str(tmp_path))) == [0, 40]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("blocked_s", float("nan"), "blocked_s: Input should be a finite number"),
+    ("blocked_s", -3.0, "blocked_s: Input should be greater than or equal to 0"),
+    ("step", -1, "step: Input should be greater than or equal to 0"),
+    ("t", 1e12, "t: Value error, 1000000000000.0 is not a time between 2020-01-01 and a day from now"),
+    ("t", 5, "t: Value error, 5.0 is not a time between 2020-01-01"),
+])
+def test_a_hostile_line_is_refused_by_name(field: str, value: float, message: str, tmp_path: Path) -> None:
+    root = write_records(tmp_path)
+    event = {**A, "t": T0 + 5, "kind": "checkpoint", "step": 3, "blocked_s": 1.0, field: value}
+    (root / "records" / "c-1-trainer-9.jsonl").write_text(json.dumps(event) + "\n")  # NaN as json writes it
+    out = report("report", "--records", str(root))
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert f"c-1-trainer-9.jsonl line 1: {message}" in out.stderr, out.stderr
+
+
+def _events(*rows: dict[str, object]) -> list[Event]:
+
+    return [Event.model_validate({**A, **row, "t": T0 + float(row["t"])}) for row in rows]  # type: ignore[arg-type]
+
+
+START = ({"t": 0, "kind": "capacity_requested"}, {"t": 0, "kind": "node_booted", "node_hourly_usd": 1.0},
+         {"t": 100, "kind": "agent_started"}, {"t": 200, "kind": "first_step", "step": 0})
+
+
+def test_a_last_attempt_that_failed_loses_its_work_and_one_straggler_per_window_counts() -> None:
+    """Never resumed after a crash at 1700: the work since the checkpoint at 1200 is lost (not
+    productive). Ranks 1 and 2 flagged in the same window wait 50 s, not 80; a straggler inside the
+    lost span is not counted twice."""
+    from training.goodput_report import report_run
+
+    run = report_run(_events(*START, {"t": 1100, "kind": "straggler", "rank": 1, "excess_s": 50.0, "step": 90},
+                             {"t": 1100, "kind": "straggler", "rank": 2, "excess_s": 30.0, "step": 90},
+                             {"t": 1200, "kind": "checkpoint", "step": 100, "blocked_s": 10},
+                             {"t": 1500, "kind": "straggler", "rank": 1, "excess_s": 40.0, "step": 130},
+                             {"t": 1700, "kind": "failure", "failure": "crash", "committed_step": 100}))
+    hand = {"boot and gate": 100, "restart": 100, "checkpoint stall": 10, "lost work": 1700 - 1200, "straggler": 50}
+    for category, seconds in hand.items():
+        assert run.badput_hours[category] * 3600 == pytest.approx(seconds), category
+    assert run.productive_hours * 3600 == pytest.approx(1700 - sum(hand.values()))
+
+
+def test_a_resume_from_a_peer_copy_loses_only_the_work_after_it() -> None:
+    """A bucket checkpoint at step 100 (1200), a peer copy at step 150 (1500, 1 s blocked), a reclaim
+    at 1700, resumed from the peer copy's step: 200 s lost, not 500."""
+    from training.goodput_report import report_run
+
+    run = report_run(_events(*START, {"t": 1200, "kind": "checkpoint", "step": 100, "blocked_s": 10},
+                             {"t": 1500, "kind": "checkpoint", "step": 150, "blocked_s": 1, "tier": "peer"},
+                             {"t": 1700, "kind": "failure", "failure": "reclaim", "committed_step": 100},
+                             {"t": 1800, "kind": "first_step", "step": 150},
+                             {"t": 2800, "kind": "run_finished", "step": 300}))
+    assert run.badput_hours["lost work"] * 3600 == pytest.approx(1700 - 1500)
+    assert run.badput_hours["restart"] * 3600 == pytest.approx(100 + 100)
+
+
+def test_the_trainer_records_its_peer_copies_as_checkpoints(tmp_path: Path) -> None:
+    from training import records
+    from training.trainer.progress import Progress
+
+    class Rank0:
+        rank, world, local_rank = 0, 1, 0
+
+    class Peer:
+        skipped = 0
+
+        def copy(self, step: int, state: object, rng: object, wait: bool) -> float:
+            self.skipped += step == 20  # the second copy finds the first still on its way
+            return 0.25
+
+    progress = Progress(Rank0(), str(tmp_path), None)  # type: ignore[arg-type]
+    for step in (10, 20):
+        progress.peer_copy(Peer(), step, None, {}, False)
+    progress.close()
+    found = [(e.kind, e.step, e.tier, e.blocked_s) for e in records.read(str(tmp_path))]
+    assert found == [("checkpoint", 10, "peer", 0.25)]
+
+
+def test_a_run_on_a_reused_node_starts_at_its_own_node_start(tmp_path: Path) -> None:
+    """Nothing sets GTS_LAUNCH_TIME or GTS_BOOT_TIME and the machine booted long ago: its first run
+    counts from the boot, a second run on the same boot from its own node-start, not the boot."""
+    import os
+    import time
+
+    from training import records
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GTS_LAUNCH_TIME", "GTS_BOOT_TIME")}
+    env.update(PYTHONPATH=str(ROOT), GTS_SCRATCH_DIR=str(tmp_path / "scratch"), GTS_NODE_NAME="n")
+    (tmp_path / "scratch").mkdir()
+    booted = records.boot_time()
+    for run in ("first", "second"):
+        before = time.time()
+        done = subprocess.run([sys.executable, "-m", "training.records", "node-start"], cwd=ROOT, timeout=60,
+                              env={**env, "GTS_RUN_ID": run, "CHECKPOINT_DIR": str(tmp_path / run)})
+        assert done.returncode == 0
+        starts = [e.t for e in records.read(str(tmp_path / run)) if e.kind in ("capacity_requested", "node_booted")]
+        if run == "first":
+            assert starts == [booted, booted]
+        else:
+            assert len(starts) == 2 and min(starts) >= before > booted

@@ -41,7 +41,7 @@ def test_a_stopped_rank_is_found_its_stacks_saved_and_the_run_resumes(tmp_path: 
     moto = MotoServer()
     nodes: list[Run] = []
     for i in range(3):
-        (tmp_path / f"progress{i}").mkdir()
+        (tmp_path / f"progress{i}").mkdir(mode=0o700)
     with rendezvous_store() as port:
         try:
             boot = f"{time.time():.0f}"
@@ -83,7 +83,7 @@ def test_a_stopped_rank_is_found_its_stacks_saved_and_the_run_resumes(tmp_path: 
 
 WORKER = """
 import faulthandler, os, sys, time
-from training.records import STACKS_SIGNAL
+from training.records import STACKS_SIGNAL, proc_start
 folder, rank = sys.argv[1], sys.argv[2]
 faulthandler.register(STACKS_SIGNAL, file=open(f"{folder}/stacks-rank{rank}.txt", "a"), all_threads=True)
 def train_step():
@@ -93,7 +93,7 @@ while True:
     train_step()
     step += 1
     with open(f"{folder}/rank-{rank}.tmp", "w") as fh:
-        fh.write(f"{step} {time.time()} 0.05 {step - step % 10} {os.getpid()} node-x")
+        fh.write(f"{step} {time.time()} 0.05 {step - step % 10} {os.getpid()} node-x 0 {proc_start(os.getpid())}")
     os.replace(f"{folder}/rank-{rank}.tmp", f"{folder}/rank-{rank}")
 """
 
@@ -108,12 +108,13 @@ def test_a_node_that_hangs_twice_asks_for_its_replacement(tmp_path: Path) -> Non
     from training import records
 
     progress, ckpt = tmp_path / "progress", tmp_path / "ck"
-    progress.mkdir()
+    progress.mkdir(mode=0o700)
     meta = _metadata("alicloud", INSTANCE["alicloud"]).start()
     api = ScalingApi("alicloud", meta)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_PROGRESS_DIR": str(progress), "CHECKPOINT_DIR": str(ckpt),
            "HANG_TIMEOUT_S": "1", "GTS_CLOUD": "alicloud", "GTS_METADATA_URL": meta.url, "GTS_REPLACE_API_URL": api.url,
-           "GTS_NODE_NAME": "node-x", "GTS_NODE_GROUP": "ali-train", "GTS_RUN_ID": "twice"}
+           "GTS_NODE_NAME": "node-x", "GTS_NODE_GROUP": "ali-train", "GTS_RUN_ID": "twice",
+           "GTS_REPLACEMENTS_PER_HOUR": "0"}  # no group budget here: tests/test_replace_budget.py has it
     dog = subprocess.Popen([sys.executable, "-m", "training.node.watchdog", "--parent", str(os.getpid())], env=env,
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -133,8 +134,210 @@ def test_a_node_that_hangs_twice_asks_for_its_replacement(tmp_path: Path) -> Non
         meta.stop()
     assert [c["params"]["Action"] for c in api.calls] == ["SetInstanceHealth"], api.calls
     assert "asking for this node's replacement: 2 hangs on this node" in out, out
+    assert retry_until(lambda: len([e for e in records.read(str(ckpt)) if e.kind == "failure"]) == 2 and
+                       len(list((ckpt / "records" / "hangs").iterdir())) == 2, 30)  # written in threads
     hangs = [e for e in records.read(str(ckpt)) if e.kind == "failure"]
     assert [(e.failure, e.rank, e.detail.split(":")[0]) for e in hangs] == [("hang", 0, "suspect")] * 2
     stacks = sorted((ckpt / "records" / "hangs").iterdir())
     # the frame each stopped worker was in (its training step, or the heartbeat after it)
     assert len(stacks) == 2 and all('File "<string>", line ' in p.read_text() for p in stacks), stacks[0].read_text()
+
+
+def _watchdog(progress: Path, ckpt: Path, **env: str) -> subprocess.Popen[str]:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_PROGRESS_DIR": str(progress), "CHECKPOINT_DIR": str(ckpt),
+            "HANG_TIMEOUT_S": "1", "GTS_NODE_NAME": "node-x", "GTS_RUN_ID": "busy", **env}
+    return subprocess.Popen([sys.executable, "-m", "training.node.watchdog", "--parent", str(os.getpid())], env=full,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_slow_final_checkpoint_and_upload_is_no_hang(tmp_path: Path) -> None:
+    """The real trainer whose last checkpoint's commit is slow (tests/faults.py), watched with a
+    1-second floor: the ranks say "busy until" before the save and before finish(), so the
+    watchdog leaves them alone, the run finishes and records its end."""
+    from tests.training_helpers import launch
+    from training import records
+
+    progress, ckpt = tmp_path / "progress", tmp_path / "ck"
+    progress.mkdir(mode=0o700)
+    dog = _watchdog(progress, ckpt)
+    try:
+        run = launch(["--workload", "tiny", "--steps", "30", "--checkpoint-dir", str(ckpt), "--checkpoint-every",
+                      "1000"], tmp_path, {"GTS_PROGRESS_DIR": str(progress), "GTS_RUN_ID": "busy",
+                                          "GTS_TEST_SLOW_COMMIT_S": "8", "GTS_TEST_SLOW_COMMIT_STEP": "30"})
+        assert run.finish() == 0, run.output[-3000:]
+        assert run.final()[0] == 30
+    finally:
+        dog.kill()
+        out, _ = dog.communicate(timeout=30)
+    assert "hang:" not in out, out
+    assert [e.step for e in records.read(str(ckpt)) if e.kind == "run_finished"] == [30]
+
+
+def test_the_watchdog_stands_down_while_the_entrypoint_stops(tmp_path: Path) -> None:
+    """`stopping` in the progress folder (the entrypoint's TERM / INT: emergency checkpoints and
+    uploads follow): the watchdog exits without touching the workers, even a silent one."""
+    from tests.training_helpers import retry_until
+
+    progress, ckpt = tmp_path / "progress", tmp_path / "ck"
+    progress.mkdir(mode=0o700)
+    dog = _watchdog(progress, ckpt)
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, str(progress), "0"], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert retry_until(lambda: (progress / "rank-0").exists(), 60)
+        (progress / "stopping").touch()
+        os.kill(worker.pid, signal.SIGSTOP)  # silent from now on, as a rank writing its emergency checkpoint
+        assert dog.wait(timeout=120) == 0
+        assert worker.poll() is None
+    finally:
+        dog.kill()
+        worker.kill()
+        worker.wait(timeout=30)
+    out = dog.communicate(timeout=30)[0]
+    assert "entrypoint is stopping" in out and "hang:" not in out, out
+
+
+def test_an_unreachable_bucket_does_not_hold_the_restart(tmp_path: Path) -> None:
+    """The bucket's endpoint takes connections and never answers: the silent worker is killed
+    all the same (while the bucket still has not answered), its stacks kept in the progress folder."""
+    import socket
+
+    from tests.training_helpers import retry_until, storage_env
+
+    progress = tmp_path / "progress"
+    progress.mkdir(mode=0o700)
+    with socket.socket() as blackhole:
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(64)  # the kernel completes the handshakes; nothing ever reads or answers
+        endpoint = f"http://127.0.0.1:{blackhole.getsockname()[1]}"
+        dog = _watchdog(progress, tmp_path / "unused", CHECKPOINT_URL="s3://bucket/run/", **storage_env(endpoint))
+        worker = subprocess.Popen([sys.executable, "-c", WORKER, str(progress), "0"], cwd=ROOT,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            assert retry_until(lambda: (progress / "rank-0").exists(), 60)
+            os.kill(worker.pid, signal.SIGSTOP)
+            assert worker.wait(timeout=60) == -signal.SIGKILL
+            kept = list((progress / "hangs").glob("node-x-*.txt"))
+            assert len(kept) == 1 and 'File "<string>", line ' in kept[0].read_text()
+        finally:
+            dog.kill()
+            worker.kill()
+            dog.communicate(timeout=30)
+
+
+def test_a_stale_heartbeat_never_gets_an_unrelated_process_signalled(tmp_path: Path) -> None:
+    """Heartbeats left behind (an earlier container's, a pid since reused) name an unrelated
+    `sleep`: one with its true start time but not below the launcher, one below it with another
+    start time. Both are old enough to be a hang; the watchdog removes them and signals nothing."""
+    from tests.training_helpers import retry_until
+    from training.records import proc_start
+
+    progress = tmp_path / "progress"
+    progress.mkdir(mode=0o700)
+    launcher = subprocess.Popen(["sleep", "600"])  # the watched launcher: it has no workers
+    unrelated = subprocess.Popen(["sleep", "600"])  # this test's child, below --parent but not the launcher
+    old = time.time() - 3600
+    (progress / "rank-0").write_text(f"5 {old} 0.05 0 {unrelated.pid} node-x 0 {proc_start(unrelated.pid)}\n")
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_PROGRESS_DIR": str(progress), "HANG_TIMEOUT_S": "1",
+            "CHECKPOINT_DIR": str(tmp_path / "ck"), "GTS_NODE_NAME": "node-x", "GTS_RUN_ID": "stale"}
+    dog = subprocess.Popen([sys.executable, "-m", "training.node.watchdog", "--parent", str(os.getpid()),
+                            "--launcher", str(launcher.pid)], env=full, cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        assert retry_until(lambda: not (progress / "rank-0").exists(), 60)
+        (progress / "rank-1").write_text(f"5 {old} 0.05 0 {unrelated.pid} node-x 0 {proc_start(launcher.pid)}\n")
+        assert retry_until(lambda: not (progress / "rank-1").exists(), 60)
+        assert unrelated.poll() is None and _state_of(unrelated.pid) == "S"
+    finally:
+        dog.kill()
+        for proc in (launcher, unrelated):
+            proc.kill()
+            proc.wait(timeout=30)
+    out = dog.communicate(timeout=30)[0]
+    assert "hang:" not in out, out
+
+
+def _state_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_progress_folder_others_can_write_is_refused(tmp_path: Path) -> None:
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    progress.chmod(0o777)
+    done = subprocess.run([sys.executable, "-m", "training.node.watchdog", "--progress-dir", str(progress)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (f"watchdog: GTS_PROGRESS_DIR='{progress}' has mode 0o777; the watchdog signals "
+                                   "the pids named there, so it must be a folder of this user's alone: chmod 700 it "
+                                   "or leave GTS_PROGRESS_DIR unset")
+
+
+HANGER = WORKER.replace("    train_step()\n", "    train_step()\n    if step == 3:\n        time.sleep(600)\n")
+LAUNCHER = """
+import signal, subprocess, sys
+child = None
+def stop(*_):
+    child.kill()
+    sys.exit(1)
+signal.signal(signal.SIGTERM, stop)
+while True:  # restarts its worker whenever it dies, as torchrun's --max-restarts
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], "0"])
+    child.wait()
+"""
+
+
+def test_a_hang_every_restart_meets_again_stops_the_restarts(tmp_path: Path) -> None:
+    """A worker that hangs at the same step every time it is restarted: after HANG_RESTARTS (3)
+    hangs with no step past it, the watchdog stops the launcher instead of restarting again, says
+    so in one line and records it."""
+    from training import records
+
+    progress, ckpt = tmp_path / "progress", tmp_path / "ck"
+    progress.mkdir(mode=0o700)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, HANGER, str(progress)], cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_PROGRESS_DIR": str(progress), "HANG_TIMEOUT_S": "1",
+            "CHECKPOINT_DIR": str(ckpt), "GTS_NODE_NAME": "node-x", "GTS_RUN_ID": "again", "HANG_REPLACE": "false"}
+    dog = subprocess.Popen([sys.executable, "-m", "training.node.watchdog", "--parent", str(os.getpid()),
+                            "--launcher", str(launcher.pid)], env=full, cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        assert launcher.wait(timeout=180) == 1
+    finally:
+        launcher.kill()
+        dog.kill()
+    out = dog.communicate(timeout=30)[0]
+    gave_up = [line for line in out.splitlines() if "hangs in a row" in line]
+    assert len(gave_up) == 1 and "3 hangs in a row with no step past 3 between them (HANG_RESTARTS=3)" in gave_up[0]
+    from tests.training_helpers import retry_until
+
+    assert retry_until(lambda: len([e for e in records.read(str(ckpt)) if e.kind == "failure"]) == 3, 30)
+    hangs = [e for e in records.read(str(ckpt)) if e.kind == "failure"]
+    assert [e.detail.endswith("not restarted") for e in hangs] == [False, False, True]
+
+
+def test_the_watchdogs_replacement_takes_a_slot_of_the_group_budget(tmp_path: Path) -> None:
+    """A persistent straggler's request with the group's replacement budget on
+    (GTS_REPLACEMENTS_PER_HOUR) and no run bucket to keep it in: as the GPU watch does, the node
+    is not replaced (fail safe), and the group's API is never called."""
+    from tests.gpu_health_helpers import INSTANCE, ScalingApi, _metadata
+    from tests.training_helpers import Run
+
+    progress = tmp_path / "progress"
+    progress.mkdir(mode=0o700)
+    (progress / "replace-request").write_text("straggler: rank 0 slow for 3 windows at step 150\n")
+    meta = _metadata("alicloud", INSTANCE["alicloud"]).start()
+    api = ScalingApi("alicloud", meta)
+    dog = Run(_watchdog(progress, tmp_path / "ck", GTS_CLOUD="alicloud", GTS_METADATA_URL=meta.url,
+                        GTS_REPLACE_API_URL=api.url, GTS_NODE_GROUP="ali-train", GTS_REPLACEMENTS_PER_HOUR="2"))
+    dog.start_reader()
+    try:
+        line = dog.wait_for(r"NOT replaced", timeout=60)
+    finally:
+        dog.proc.kill()
+        dog.finish(timeout=30)
+        api.stop()
+        meta.stop()
+    assert "the group's replacement budget could not be read" in line and "no run bucket" in line, line
+    assert not api.calls

@@ -65,3 +65,27 @@ def test_a_persistent_straggler_asks_for_its_node_only_when_set(replace: str, tm
     progress.compare(300)
     progress.close()
     assert (tmp_path / "replace-request").exists() == (replace == "true")
+
+
+def test_a_process_exports_only_its_own_ranks_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 of three: its gauge, not the other ranks' (another node exports those: two series per
+    rank, one stale, otherwise)."""
+    from training.trainer.progress import Progress
+
+    set_for: list[str] = []
+
+    class Gauge:
+        def labels(self, **labels: str) -> Gauge:
+            set_for.append(labels["rank"])
+            return self
+
+        def set(self, value: float) -> None:
+            pass
+
+    class Metrics:
+        labels: dict[str, str] = {}
+        straggler = Gauge()
+
+    monkeypatch.delenv("GTS_PROGRESS_DIR", raising=False)
+    Progress(Ranks([[1.0, 1.5, 1.0]]), None, Metrics()).compare(50)  # type: ignore[arg-type]
+    assert set_for == ["1"]

@@ -153,13 +153,15 @@ HANG_TIMEOUT_S = Var("HANG_TIMEOUT_S", "seconds without a step on every rank of 
                      OPTIONAL)
 HANG_REPLACE = Var("HANG_REPLACE", "true: a node that hangs twice (or a persistent straggler's, with "
                    "STRAGGLER_REPLACE) asks its group for its replacement; default true", OPTIONAL)
+HANG_RESTARTS = Var("HANG_RESTARTS", "hangs in a row with no step finished between them after which the "
+                    "node's watchdog stops restarting the workers and fails the node's launcher; default 3", OPTIONAL)
 STRAGGLER_WINDOW_STEPS = Var("STRAGGLER_WINDOW_STEPS", "steps over which the ranks' compute times are compared "
                              "(0: off); default 50", OPTIONAL)
 STRAGGLER_FACTOR = Var("STRAGGLER_FACTOR", "a rank slower than this x the median rank over a window is flagged; "
                        "default 1.2", OPTIONAL)
 STRAGGLER_REPLACE = Var("STRAGGLER_REPLACE", "true: a rank flagged 3 windows in a row has its node replaced; "
                         "default false", OPTIONAL)
-WATCH_VARS = (HANG_TIMEOUT_S, HANG_REPLACE, STRAGGLER_WINDOW_STEPS, STRAGGLER_FACTOR, STRAGGLER_REPLACE)
+WATCH_VARS = (HANG_TIMEOUT_S, HANG_REPLACE, HANG_RESTARTS, STRAGGLER_WINDOW_STEPS, STRAGGLER_FACTOR, STRAGGLER_REPLACE)
 # environment variable -> TrainConfig field, for the trainer's config parser
 CONFIG_FIELDS = {v.name: v.field for v in VARS if v.field}
 CREDENTIAL_SOURCES = ("default", "instance-role", "ack-rrsa", "tke-pod-identity")

@@ -11,10 +11,13 @@ last record) and is cut into:
 - restart: from the gate (or a failure) to the first step of the attempt that follows (launch,
   rendezvous, restore; a replacement node's wait for capacity falls here too);
 - hang: from the last step any rank finished to the watchdog's detection;
-- lost work: from the checkpoint the next attempt resumed from to the failure (for a hang: to
-  the last step), less the checkpoint stalls in it;
+- lost work: from the checkpoint the next attempt resumed from (a bucket checkpoint or a peer
+  copy) to the failure (for a hang: to the last step), less the checkpoint stalls in it; a last
+  attempt that failed and never resumed: from its newest checkpoint, and what follows the failure
+  until the end counts as restart;
 - checkpoint stall: each checkpoint's loop-blocked time;
-- straggler: the time the run waited for a flagged slow rank (its excess compute over the median);
+- straggler: the time the run waited for flagged slow ranks (per window the largest excess
+  compute over the median, none inside lost work);
 
 productive time is what is left, and ETTR = productive / wall. Dollars are those hours at the
 run's hourly price: the sum of its first-round nodes' NODE_HOURLY_USD (the plan's price from the
@@ -91,37 +94,61 @@ def _start_segments(events: list[Event], start: float, first: float) -> dict[str
     return {"waiting for capacity": boot - start, "boot and gate": gate - boot, "restart": first - gate}
 
 
-def _attempts(report: RunReport, events: list[Event], seconds: dict[str, float], end: float) -> None:
-    """Badput of the attempts: stalls, lost work, hangs and restarts."""
+def _last_incident(failures: list[Event], begin: Event, end: float) -> Incident | None:
+    """The failure that ended the last attempt, which nothing resumed (None: it ran to the end)."""
+    after = [f for f in failures if begin.t < f.t <= end]
+    return incidents(after, [begin, Event(t=end, kind="first_step", run=begin.run, step=0)], after)[0] if after else None
+
+
+def _attempts(report: RunReport, events: list[Event], seconds: dict[str, float], end: float) -> list[tuple[float, float]]:
+    """Badput of the attempts: stalls, lost work, hangs and restarts; the lost spans."""
     firsts = [e for e in events if e.kind == "first_step"]
     checkpoints = [e for e in events if e.kind == "checkpoint"]
     failures = [e for e in events if e.kind == "failure"]
     ends = incidents(failures, firsts, events)
-    restarts = []
+    if firsts and not report.finished:  # the last attempt's failure, never resumed: its work is lost too
+        ends.append(_last_incident(failures, firsts[-1], end))
+    restarts, spans = [], []
     for i, begin in enumerate(firsts):
         incident = ends[i] if i < len(ends) else None
         stop = incident.t if incident else end
         seconds["checkpoint stall"] += _stalls(checkpoints, begin.t, stop)
         if incident is None:
             continue
-        resumed = firsts[i + 1].step
-        commits = [c.t for c in checkpoints if c.step == resumed and c.t <= incident.work_end]
+        resumed = firsts[i + 1].step if i + 1 < len(firsts) else None
+        # what the next attempt resumed from (a bucket or a peer copy); the last one: the newest saved
+        commits = [c.t for c in checkpoints if resumed in (c.step, None) and begin.t < c.t <= incident.work_end]
         kept_until = max(max(commits, default=begin.t), begin.t)
         lost = max(0.0, incident.work_end - kept_until - _stalls(checkpoints, kept_until, incident.work_end))
+        spans.append((kept_until, incident.work_end))
         seconds["lost work"] += lost
         seconds["hang"] += incident.t - incident.work_end
-        restart = firsts[i + 1].t - incident.t
+        restart = (firsts[i + 1].t if i + 1 < len(firsts) else end) - incident.t
         seconds["restart"] += restart
         restarts.append(restart)
         line = (f"{incident.kind} at +{(incident.t - events[0].t) / 3600:.3f} h: {lost:.0f} s of work lost, "
-                f"restart {restart:.0f} s, resumed from step {resumed}")
+                + (f"restart {restart:.0f} s, resumed from step {resumed}" if resumed is not None else "not resumed"))
         report.failures.append(line + (f" ({incident.who})" if incident.who else ""))
         if incident.kind == "hang":
             report.hangs.append(f"hang of {incident.who}: {incident.t - incident.work_end:.0f} s without a step "
                                 f"until detected")
     blocked = [c.blocked_s or 0.0 for c in checkpoints]
-    report.measured = {"failures": float(len(ends)), "checkpoint_cost_s": statistics.mean(blocked) if blocked else 0.0,
+    report.measured = {"failures": float(len([e for e in ends if e is not None])),
+                       "checkpoint_cost_s": statistics.mean(blocked) if blocked else 0.0,
                        "restart_cost_s": statistics.mean(restarts) if restarts else 0.0}
+    return spans
+
+
+def _stragglers(report: RunReport, events: list[Event], lost: list[tuple[float, float]]) -> float:
+    """The run waited for its slowest flagged rank of each window (not their sum), outside lost work."""
+    worst: dict[int | None, Event] = {}
+    for s in (e for e in events if e.kind == "straggler"):
+        where = f" ({s.detail})" if s.detail else ""
+        report.stragglers.append(f"rank {s.rank}{where}: the run waited {s.excess_s or 0:.1f} s for it by step {s.step}")
+        if not any(a < s.t <= b for a, b in lost) and (s.step not in worst or
+                                                       (s.excess_s or 0) > (worst[s.step].excess_s or 0)):
+            worst[s.step] = s
+    return sum(s.excess_s or 0.0 for s in worst.values())
 
 
 def report_run(events: list[Event], hourly_override: float | None = None) -> RunReport:
@@ -139,11 +166,7 @@ def report_run(events: list[Event], hourly_override: float | None = None) -> Run
     report = RunReport(events[0].run, team, len(prices), hourly, finished=bool(finished))
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     seconds.update(_start_segments(events, start, first))
-    _attempts(report, events, seconds, end)
-    for s in (e for e in events if e.kind == "straggler"):
-        seconds["straggler"] += s.excess_s or 0.0
-        where = f" ({s.detail})" if s.detail else ""
-        report.stragglers.append(f"rank {s.rank}{where}: the run waited {s.excess_s or 0:.1f} s for it by step {s.step}")
+    seconds["straggler"] = _stragglers(report, events, _attempts(report, events, seconds, end))
     total = max(end - start, 1e-9)
     productive = max(0.0, total - sum(seconds.values()))
     report.total_hours, report.productive_hours = total / 3600, productive / 3600

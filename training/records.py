@@ -2,8 +2,9 @@
 bucket, read back by `python -m training.goodput report` (training/goodput_report.py).
 
 Each writer (one node agent boot, one trainer process, one watchdog) owns one object,
-`<CHECKPOINT_URL>/records/<node>-<boot>-<role>-<pid>.jsonl`, and rewrites only that one: object
-stores cannot append, and no two processes ever write the same object. One JSON line per event,
+`<CHECKPOINT_URL>/records/<node>-<boot>-<role>-<pid>-<random>.jsonl`, and rewrites only that one:
+object stores cannot append, and no two processes ever write the same object (the random part: a
+restarted container's processes get the same pids again). One JSON line per event,
 its schema versioned (`v`) and checked with pydantic when read:
 
     python -m training.records node-start          # the entrypoint: capacity requested, booted, gate passed, started
@@ -20,10 +21,11 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 log = logging.getLogger("gts.records")
 # The hang watchdog's "dump your Python stacks" to the trainer (faulthandler runs in C, GIL or not).
@@ -38,10 +40,16 @@ NEEDS: dict[str, tuple[str, ...]] = {"first_step": ("step",), "checkpoint": ("st
                                      "failure": ("failure",), "straggler": ("rank", "excess_s")}
 
 
-class Event(BaseModel):
-    """One event of a run (schema version 1)."""
+EARLIEST = 1577836800.0  # 2020-01-01: no run's event is older
+NonNegative = Annotated[float, Field(ge=0)]
+Count = Annotated[int, Field(ge=0)]
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+class Event(BaseModel):
+    """One event of a run (schema version 1). No NaN or infinity, no negative duration or step, no
+    time before 2020 or over a day ahead: one bad line would bend every figure of the report."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     v: Literal[1] = SCHEMA_VERSION  # the schema version
     t: float  # unix time, seconds
@@ -49,15 +57,23 @@ class Event(BaseModel):
     run: str  # the run's id (records.run_id)
     team: str = ""  # GTS_TEAM: whom the run's cost is shown back to
     node: str = ""  # the node (GTS_NODE_NAME, else the host name)
-    rank: int | None = None  # a rank the event is about (hang, straggler)
-    step: int | None = None  # first_step: the step the attempt resumed from; checkpoint: its step
-    blocked_s: float | None = None  # checkpoint: seconds the training loop was blocked
+    rank: Count | None = None  # a rank the event is about (hang, straggler)
+    step: Count | None = None  # first_step: the step the attempt resumed from; checkpoint: its step
+    blocked_s: NonNegative | None = None  # checkpoint: seconds the training loop was blocked
     failure: FailureKind | None = None
-    committed_step: int | None = None  # failure: the newest committed checkpoint step then
+    committed_step: Annotated[int, Field(ge=-1)] | None = None  # failure: the newest committed step then (-1: none)
     last_progress_t: float | None = None  # hang: when any rank last finished a step
-    excess_s: float | None = None  # straggler: seconds the run waited for the slow rank over the window
-    node_hourly_usd: float | None = None  # node_booted: the node's price (the plan's, from the catalog)
+    excess_s: NonNegative | None = None  # straggler: seconds the run waited for the slow rank over the window
+    node_hourly_usd: NonNegative | None = None  # node_booted: the node's price (the plan's, from the catalog)
+    tier: Literal["peer"] | None = None  # checkpoint: "peer" for a copy to the peer tier, else the checkpoint's own
     detail: str = ""
+
+    @field_validator("t", "last_progress_t")
+    @classmethod
+    def _a_real_time(cls, value: float | None) -> float | None:
+        if value is not None and not EARLIEST <= value <= time.time() + 86400:
+            raise ValueError(f"{value} is not a time between 2020-01-01 and a day from now (unix seconds)")
+        return value
 
     @model_validator(mode="after")
     def _complete(self) -> Event:
@@ -94,6 +110,15 @@ def boot_time() -> float:
     return time.time()
 
 
+def proc_start(pid: int) -> int | None:
+    """The process's start time (/proc/<pid>/stat field 22, clock ticks since boot): with the pid,
+    it names one process, whatever pid reuse or a new pid namespace does; None when it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
@@ -109,7 +134,8 @@ class Writer:
     def __init__(self, url: str | None, role: str, background: bool = False):
         self.url = url
         self.lines: list[str] = []
-        self.name = f"{node_name()}-{_boot_id()}-{role}-{os.getpid()}.jsonl"
+        # the random part: pids repeat in a restarted container's new pid namespace, the boot id with it
+        self.name = f"{node_name()}-{_boot_id()}-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
         self.base = {"run": run_id(), "team": os.environ.get("GTS_TEAM", ""), "node": node_name()}
         self.written = 0  # lines in the bucket
         self.lock, self.uploading = threading.Lock(), threading.Lock()
@@ -195,9 +221,29 @@ def read(url: str) -> list[Event]:
     return sorted(events, key=lambda e: e.t)
 
 
+def _served_another_run() -> bool:
+    """Whether this boot of the machine already served another run (a long-lived or reused node):
+    then its boot says nothing about this run. A marker per boot on the node's scratch disk
+    (which outlives containers) names the first run the boot served."""
+    marker = Path(os.environ.get("GTS_SCRATCH_DIR") or "/scratch") / f".gts-boot-{_boot_id()}"
+    try:
+        if marker.is_file():
+            return marker.read_text().strip() != run_id()
+        marker.write_text(run_id() + "\n")
+    except OSError:
+        pass
+    return False
+
+
 def _node_start(writer: Writer) -> None:
     """The entrypoint's events: capacity requested (GTS_LAUNCH_TIME, the instance's launch time
-    where the bootstrap knows it, else the boot), booted, and the GPU gate passed (its marker)."""
+    where the bootstrap knows it, else the boot), booted, and the GPU gate passed (its marker).
+    On a machine whose boot already served another run, this run starts now, not at the boot."""
+    if os.environ.get("GTS_LAUNCH_TIME") is None and os.environ.get("GTS_BOOT_TIME") is None and _served_another_run():
+        writer.emit("capacity_requested")
+        writer.emit("node_booted", node_hourly_usd=float(os.environ.get("NODE_HOURLY_USD") or 0))
+        writer.emit("agent_started")
+        return
     booted = boot_time()
     launched = float(os.environ.get("GTS_LAUNCH_TIME") or booted)
     price = float(os.environ.get("NODE_HOURLY_USD") or 0)

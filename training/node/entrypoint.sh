@@ -83,6 +83,7 @@ GTS_PROGRESS_DIR=${GTS_PROGRESS_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/gts-progress.X
 export GTS_PROGRESS_DIR GTS_GATE_MARKER=${GTS_GATE_MARKER:-${GTS_SCRATCH_DIR:-/scratch}/.gts-gate-passed}
 export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000} TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$GTS_PROGRESS_DIR/nccl_trace_rank_}
+rm -f "$GTS_PROGRESS_DIR/stopping"
 python -m training.records node-start || true
 PEER_STORE=""
 WATCHDOG=""
@@ -162,7 +163,10 @@ workers() {
 STOPPING=""
 # shellcheck disable=SC2329  # called by the traps below
 forward() {
-  if [ "$1" != USR1 ]; then STOPPING=$1; fi
+  if [ "$1" != USR1 ]; then
+    STOPPING=$1
+    : >"$GTS_PROGRESS_DIR/stopping"  # the hang watchdog stands down: the workers' emergency checkpoints
+  fi
   # shellcheck disable=SC2046  # one pid per word
   kill -s "$([ "$1" = USR1 ] && echo USR1 || echo TERM)" $(workers) 2>/dev/null || true
 }
@@ -182,7 +186,7 @@ trap 'restart_workers' USR2
 python -m training.node.guard "${cmd[@]}" &
 LAUNCHED=$!
 if [ "$LAUNCHER" = torchrun ] && [ "$NNODES" -gt 1 ]; then  # the launcher restarts what the watchdog stops
-  python -m training.node.watchdog --parent $$ &
+  python -m training.node.watchdog --parent $$ --launcher "$LAUNCHED" &
   WATCHDOG=$!
 fi
 echo "entrypoint: pid $$ (kill -TERM $$: checkpoint and stop; kill -USR1 $$: checkpoint now; kill -USR2 $$: restart the workers)" >&2

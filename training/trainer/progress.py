@@ -1,7 +1,8 @@
 """What a training process tells the rest of the node and the run's records about its progress:
 
 - a heartbeat per rank (`$GTS_PROGRESS_DIR/rank-<rank>`: step, time, p99 step time, the newest
-  saved step, pid) that the node's hang watchdog reads (training/node/watchdog.py), and Python
+  saved step, pid, node, until when the rank is busy outside its steps (a save, the final
+  uploads), and the process's start time) that the node's hang watchdog reads (training/node/watchdog.py), and Python
   stacks dumped by faulthandler to `stacks-rank<rank>.txt` when the watchdog sends STACKS_SIGNAL;
 - global rank 0's run records (training/records.py): the attempt's first step, each checkpoint's
   blocked time, a crash, the run's end;
@@ -49,6 +50,8 @@ class Progress:
         self.flagged: dict[int, int] = {}  # rank -> windows in a row
         self.first_done = False
         self.saved, self.blocked = -1, 0.0
+        self.step = -1  # the newest step finished
+        self.started = records.proc_start(os.getpid())  # with the pid, names this process to the watchdog
         self._stacks: IO[str] | None = None
         if self.dir is not None:
             self._stacks = open(self.dir / f"stacks-rank{comm.rank}.txt", "w", encoding="utf-8")  # noqa: SIM115
@@ -80,21 +83,44 @@ class Progress:
         self.times.append(elapsed)
         self.compute += compute
         self.waited += max(0.0, elapsed - compute)
-        if self.dir is not None:
-            # a checkpoint blocks the loop too: the watchdog's limit is 3x the longer of the two
-            p99 = max(sorted(self.times)[int(0.99 * (len(self.times) - 1))], self.blocked)
-            beat = self.dir / f"rank-{self.comm.rank}"
-            tmp = beat.with_suffix(".tmp")
-            tmp.write_text(f"{step} {now:.3f} {p99:.4f} {self.saved} {os.getpid()} {records.node_name()}\n")
-            os.replace(tmp, beat)
+        self.step = step
+        self._beat(now)
         if self.window and step % self.window == 0:
             self.compare(step)
+
+    def _beat(self, now: float, until: float = 0.0) -> None:
+        if self.dir is None:
+            return
+        # a checkpoint blocks the loop too: the watchdog's limit is 3x the longer of the two
+        p99 = max(sorted(self.times)[int(0.99 * (len(self.times) - 1))], self.blocked) if self.times else self.blocked
+        beat = self.dir / f"rank-{self.comm.rank}"
+        tmp = beat.with_suffix(".tmp")
+        tmp.write_text(f"{self.step} {now:.3f} {p99:.4f} {self.saved} {os.getpid()} {records.node_name()} "
+                       f"{until:.3f} {self.started}\n")
+        os.replace(tmp, beat)
+
+    def busy(self, seconds: float) -> None:
+        """Before work outside the steps (a save, the final uploads): the watchdog leaves this rank
+        alone until now + seconds. The next step's heartbeat ends it."""
+        if self.step >= 0:  # before the first step there is no heartbeat: nothing is watched yet
+            now = time.time()
+            self._beat(now, now + seconds)
 
     def saved_checkpoint(self, step: int, blocked: float) -> None:
         self.saved, self.blocked = step, max(self.blocked, blocked)
         if self.metrics is not None and self.times:
             self.metrics.productive.set(step * statistics.median(self.times))
         self.record("checkpoint", step=step, blocked_s=blocked)
+
+    def peer_copy(self, peer: Any, step: int, state: dict[str, Any] | None, rng: dict[str, Any], wait: bool) -> None:
+        """A copy to the peer tier (training/peer/tier.py), recorded as a checkpoint of tier "peer":
+        an attempt resumed from it lost only the work after it."""
+        skipped = peer.skipped
+        blocked = peer.copy(step, state, rng, wait)
+        if self.metrics is not None:
+            self.metrics.peer_blocked.set(blocked)
+        if peer.skipped == skipped:  # sent (a copy still on its way when the next is due is skipped)
+            self.record("checkpoint", step=step, blocked_s=blocked, tier="peer")
 
     def compare(self, step: int) -> None:
         """Every rank: gather the window's compute times and flag the slow ones (one collective)."""
@@ -107,7 +133,7 @@ class Progress:
         for rank, (compute, waited, node) in enumerate(gathered):
             slow = median > 0 and compute > self.factor * median
             self.flagged[rank] = self.flagged.get(rank, 0) + 1 if slow else 0
-            if self.metrics is not None:
+            if self.metrics is not None and rank == self.comm.rank:  # each process its own: no other node's ranks
                 self.metrics.straggler.labels(**self.metrics.labels, rank=str(rank)).set(
                     compute / median if median > 0 else 0)
             if not slow:

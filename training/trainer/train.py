@@ -205,6 +205,7 @@ class Run:
         return state
 
     def save(self, ckpt: CheckpointManager, tracker: Tracker) -> None:
+        self.progress.busy(self.cfg.upload_deadline_s + 3 * self.progress.blocked)  # the watchdog waits
         state = self.state(tracker)
         self.interval.saving(self.step)
         if self.sharded is not None:
@@ -298,7 +299,7 @@ class Run:
                     self.stop.poll() is not None, self.stop.take_checkpoint_request(), self.checkpoint_due(),
                     bool(ckpt.refused))
                 if self.peer is not None and (stopping or self.peer.due(self.step)):  # a stop's state is sent first
-                    self.metrics.peer_blocked.set(self.peer.copy(self.step, self.state(tracker), rng_state(), stopping))
+                    self.progress.peer_copy(self.peer, self.step, self.state(tracker), rng_state(), stopping)
                 if due or stopping or asked or refused or self.step >= cfg.steps:
                     self.save(ckpt, tracker)
                 if refused:  # the bucket is gone or refuses writes: finish() names it, exit 2
@@ -344,8 +345,9 @@ class Run:
         if verdict is not None:
             ckpt.close(timeout=self.cfg.upload_deadline_s)
             if self.comm.rank == 0:
-                if verdict.startswith("complete"):
+                if verdict.startswith("complete"):  # e.g. killed in finish() after the last commit
                     log.info("run %s", verdict)
+                    self.progress.ended(None, 0, self.cfg.steps)
                 else:
                     refuse(f"run {verdict}")
             return 0 if verdict.startswith("complete") else EXIT_USAGE
@@ -358,10 +360,10 @@ class Run:
             raise
         if self.last_saved != self.step:
             self.save(ckpt, tracker)
-        if self.sharded is not None:
-            self.sharded.close()  # this rank's shard of the last checkpoint is written
-        if self.peer is not None:
-            self.peer.close()
+        self.progress.busy(self.cfg.upload_deadline_s + 30)  # finish() waits up to the deadline, then a barrier
+        for closing in (self.sharded, self.peer):  # the last shard written; the peer tier closed
+            if closing is not None:
+                closing.close()
         stopped = interrupted is not None and interrupted != REFUSED
         code = finish(ckpt, self.comm, self.stop.raised, stopped, self.cfg.upload_deadline_s, self.step)
         tracker.close(interrupted=interrupted is not None)
