@@ -98,10 +98,12 @@ class Loading:
         return sorted(s for s in steps if self._local_manifests(s))
 
     def remote_steps(self) -> list[int]:
-        """Steps whose every node's manifest is in the bucket. An unreachable bucket gives none
-        (and `remote_error` says why): the run goes on from its local steps."""
+        """Steps whose every node's manifest is in the bucket. An unreachable bucket gives none,
+        and a listed step whose manifest cannot be read (other than missing) is left out: both set
+        `remote_error` (why), so that choose_checkpoint never takes "none listed" for "none there"."""
         if self.remote is None:
             return []
+        self.remote_error = ""
         try:
             names = [p.rsplit("/", 1)[-1] for p in self.remote.fs.ls(self.remote.root, detail=False)]
         except Exception as exc:  # noqa: BLE001 (botocore / aiohttp errors are not all OSError)
@@ -120,7 +122,10 @@ class Loading:
             try:
                 listing = {p.rsplit("/", 1)[-1] for p in self.remote.fs.ls(self.remote.join(name), detail=False)}
                 raw = self.remote.fs.cat(self.remote.join(name, manifest_name(0)))
-            except Exception:  # noqa: BLE001 (a missing manifest: not a complete step)
+            except FileNotFoundError:  # a missing manifest: not a complete step
+                continue
+            except Exception as exc:  # noqa: BLE001 (a 503, a dropped connection: the step may well be there)
+                self.remote_error = f"{name}/{manifest_name(0)}: {type(exc).__name__}: {exc}"
                 continue
             try:
                 first = json.loads(raw)

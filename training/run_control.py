@@ -30,6 +30,9 @@ log = logging.getLogger("gts.checkpointing")
 EXIT_PEER_STOPPED = 75
 # A refusal the user must act on (the store refused the checkpoints, the run's lock, changed settings).
 EXIT_REFUSED = 2
+# The run's history could not be read (the bucket did not answer): every rank exits with it, and
+# torchrun's agent (then systemd, once its restarts are spent) starts the workers again (EX_TEMPFAIL).
+EXIT_RETRY = 75
 
 
 def refuse(message: str) -> None:
@@ -112,6 +115,24 @@ class HistoryAtRisk(StorageRefused):
     (exit 2, as for a refused store) instead of starting again from step 0 over them."""
 
 
+class HistoryUnknown(Exception):
+    """No step could be restored and the bucket could not be read whole (its listing or a listed
+    step's manifest failed on some rank): it may hold steps, so the run must not start from step 0
+    (it would upload over them, and pruning would then delete them). Every rank exits EXIT_RETRY."""
+
+
+def say_storage(comm: Comm, exc: StorageRefused | HistoryUnknown) -> int:
+    """One line (rank 0) for a refused store (exit 2: refuse()) or HistoryUnknown (EXIT_RETRY, on
+    every rank: a restart); the code the ranks return."""
+    if isinstance(exc, HistoryUnknown):
+        if comm.rank == 0:
+            log.error("stopped before step 1: %s; exiting %d so that the run is started again", exc, EXIT_RETRY)
+        return EXIT_RETRY
+    if comm.rank == 0:
+        refuse(f"refused: checkpoint storage {exc}")
+    return EXIT_REFUSED
+
+
 @dataclass
 class Resumed:
     step: int
@@ -128,9 +149,10 @@ def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
     this rank can get elsewhere too (the peer tier's, training/peer/tier.py)."""
     load = load or ckpt.load
     local, remote = set(ckpt.local_steps()), set(ckpt.remote_steps())
-    listed = comm.all_gather_object((sorted(local | remote | (extra or set())), sorted(remote)))
-    common = set.intersection(*(set(mine) for mine, _ in listed))
-    in_bucket = sorted(set().union(*(set(theirs) for _, theirs in listed)))
+    listed = comm.all_gather_object((sorted(local | remote | (extra or set())), sorted(remote), ckpt.remote_error))
+    common = set.intersection(*(set(mine) for mine, _, _ in listed))
+    in_bucket = sorted(set().union(*(set(theirs) for _, theirs, _ in listed)))
+    unread = next((why for _, _, why in listed if why), "")
     if ckpt.remote_error and comm.local_rank == 0:
         log.warning("the bucket %s cannot be listed (%s): starting from this node's own checkpoints; uploads "
                     "are retried in the background", ckpt.remote.url if ckpt.remote else "", ckpt.remote_error)
@@ -149,6 +171,9 @@ def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
             rank, first = faults[0]
             log.warning("skipping checkpoint step %d: rank %d: %s%s", step, rank, first,
                         f" (and {len(faults) - 1} more rank(s))" if len(faults) > 1 else "")
+    if unread:  # the bucket may hold steps no rank could see: starting from nothing would write over them
+        raise HistoryUnknown(f"{ckpt.remote.url if ckpt.remote else ''} could not be read ({unread}) and no step "
+                             "every rank can load was found: starting from step 0 could write over the run's history")
     if in_bucket:  # starting from nothing would write new steps over the run's history there
         raise HistoryAtRisk(f"{ckpt.remote.url if ckpt.remote else ''}: holds committed steps {in_bucket} but no "
                             "step every rank can load (the lines above say why): starting from step 0 would write "

@@ -34,7 +34,7 @@ from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadSt
 from training.storage import StorageRefused
 from training.checkpointing import Interval, StopFlag, finish, rng_state, set_rng_state
 from training.peer.tier import PeerTier, choose, open_tier
-from training.run_control import refuse, say_refused
+from training.run_control import HistoryUnknown, refuse, say_refused, say_storage
 from training.trainer.build import (build_data, build_model, config_drift, fully_restored, lr_lambda,
                                     params_sha256)
 from training.trainer.restore import own_moments, restore_model
@@ -334,11 +334,9 @@ class Run:
         self.build_model()
         try:
             verdict = self.resume(ckpt)
-        except StorageRefused as exc:  # no such bucket, access denied: no retry or wait helps
-            if self.comm.rank == 0:
-                refuse(f"refused: checkpoint storage {exc}")
+        except (StorageRefused, HistoryUnknown) as exc:  # no such bucket, access denied: exit 2; unread: a restart
             ckpt.close(timeout=0)
-            return EXIT_USAGE
+            return say_storage(self.comm, exc)
         ckpt.end_prefetch()  # a prefetched step the ranks did not choose is not held for the run
         ckpt.resync()  # committed steps the bucket lacks (an outage before this start) go up now
         if verdict is not None:
