@@ -61,3 +61,19 @@ def test_a_bucket_with_nothing_under_the_prefix_still_starts_from_zero(tmp_path:
         assert choose_checkpoint(fresh, Comm("torchrun")) is None
     finally:
         fresh.close()
+
+
+def test_a_step_restored_from_peer_memory_is_not_counted_as_durable(tmp_path: Path) -> None:
+    """checkpointEvery auto counts steps since the last durable save: a peer copy (step 30 here,
+    never in the bucket) must leave that at the bucket's newest step, 20, or under churn the
+    durable tier may never be written again."""
+    url = _two_nodes_saved(tmp_path, (10, 20))
+    fresh = CheckpointManager(str(tmp_path / "replacement"), url, _topo(1), keep=5)
+    try:
+        found = choose_checkpoint(fresh, Comm("torchrun"), extra={30},
+                                  load=lambda step: ({"step": step}, None) if step == 30 else fresh.load(step))
+        assert found is not None and (found.step, found.durable) == (30, 20)
+        found = choose_checkpoint(fresh, Comm("torchrun"))
+        assert found is not None and (found.step, found.durable) == (20, 20)
+    finally:
+        fresh.close()

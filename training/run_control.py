@@ -138,6 +138,9 @@ class Resumed:
     step: int
     state: Any
     rng: dict[str, Any] | None
+    # the newest step at or before `step` that every rank holds on disk or in the bucket (0: none):
+    # `step` itself unless it came from the peer tier, whose copies are never durable
+    durable: int = 0
 
 
 def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
@@ -149,10 +152,12 @@ def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
     this rank can get elsewhere too (the peer tier's, training/peer/tier.py)."""
     load = load or ckpt.load
     local, remote = set(ckpt.local_steps()), set(ckpt.remote_steps())
-    listed = comm.all_gather_object((sorted(local | remote | (extra or set())), sorted(remote), ckpt.remote_error))
-    common = set.intersection(*(set(mine) for mine, _, _ in listed))
-    in_bucket = sorted(set().union(*(set(theirs) for _, theirs, _ in listed)))
-    unread = next((why for _, _, why in listed if why), "")
+    listed = comm.all_gather_object((sorted(local | remote | (extra or set())), sorted(remote), ckpt.remote_error,
+                                     sorted(local | remote)))
+    common = set.intersection(*(set(mine) for mine, _, _, _ in listed))
+    in_bucket = sorted(set().union(*(set(theirs) for _, theirs, _, _ in listed)))
+    unread = next((why for _, _, why, _ in listed if why), "")
+    durable = set.intersection(*(set(kept) for _, _, _, kept in listed))
     if ckpt.remote_error and comm.local_rank == 0:
         log.warning("the bucket %s cannot be listed (%s): starting from this node's own checkpoints; uploads "
                     "are retried in the background", ckpt.remote.url if ckpt.remote else "", ckpt.remote_error)
@@ -166,7 +171,7 @@ def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
             fault = str(exc)
         faults = [(rank, f) for rank, f in enumerate(comm.all_gather_object(fault)) if f]
         if not faults:
-            return Resumed(step, state, rng)
+            return Resumed(step, state, rng, max((s for s in durable if s <= step), default=0))
         if comm.rank == 0:
             rank, first = faults[0]
             log.warning("skipping checkpoint step %d: rank %d: %s%s", step, rank, first,

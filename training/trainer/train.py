@@ -187,7 +187,7 @@ class Run:
         elif self.comm.rank == 0:
             log.warning("world size %d -> %d since step %d: data position kept, per-rank RNG streams re-seeded",
                         saved_world, self.comm.world, found.step)
-        self.last_saved = self.step
+        self.last_saved = found.durable  # a peer copy is not durable: auto's clock runs from the bucket's step
         log.info("resumed from step %d (epoch %d, batch %d of the epoch)", self.step, self.epoch, self.offset)
         return None
 
