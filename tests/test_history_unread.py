@@ -11,7 +11,7 @@ import pytest
 
 from training.checkpoint import CheckpointManager, step_dir
 from training.distributed import Comm
-from training.run_control import HistoryUnknown, choose_checkpoint
+from training.run_control import EXIT_RETRY, HistoryUnknown, choose_checkpoint, say_storage
 from tests.test_checkpoint_owners import _topo, _two_nodes_saved
 
 
@@ -75,5 +75,52 @@ def test_a_step_restored_from_peer_memory_is_not_counted_as_durable(tmp_path: Pa
         assert found is not None and (found.step, found.durable) == (30, 20)
         found = choose_checkpoint(fresh, Comm("torchrun"))
         assert found is not None and (found.step, found.durable) == (20, 20)
+    finally:
+        fresh.close()
+
+
+def _blip(monkeypatch: pytest.MonkeyPatch, fresh: CheckpointManager, failures: int) -> list[str]:
+    """Step 20's manifests answer 503 `failures` times once the bucket is listed (the load's reads)."""
+    assert fresh.remote is not None
+    fs, real_cat, real_steps = fresh.remote.fs, fresh.remote.fs.cat, fresh.remote_steps
+    armed, failed = [False], []
+
+    def cat(path: str, *args: Any, **kwargs: Any) -> Any:
+        if armed[0] and step_dir(20) in path and len(failed) < failures:
+            failed.append(path)
+            raise Unavailable("503 Service Unavailable")
+        return real_cat(path, *args, **kwargs)
+
+    def steps() -> list[int]:
+        found = real_steps()
+        armed[0] = True
+        return found
+    monkeypatch.setattr(fs, "cat", cat)
+    monkeypatch.setattr(fresh, "remote_steps", steps)
+    monkeypatch.setattr("training.run_control.LOAD_WAIT_S", (0.0, 0.0))
+    return failed
+
+
+def test_a_storage_blip_while_loading_is_retried_not_taken_for_a_bad_step(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    url = _two_nodes_saved(tmp_path, (10, 20))
+    fresh = CheckpointManager(str(tmp_path / "replacement"), url, _topo(1), keep=5)
+    try:
+        failed = _blip(monkeypatch, fresh, failures=2)
+        found = choose_checkpoint(fresh, Comm("torchrun"))
+        assert found is not None and found.step == 20 and len(failed) == 2
+    finally:
+        fresh.close()
+
+
+def test_a_store_that_stays_down_exits_for_a_retry_never_falls_back_or_refuses(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    url = _two_nodes_saved(tmp_path, (10, 20))
+    fresh = CheckpointManager(str(tmp_path / "replacement"), url, _topo(1), keep=5)
+    try:
+        _blip(monkeypatch, fresh, failures=1000)
+        with pytest.raises(HistoryUnknown, match=r"step 20 could not be read after 4 tries: .*503") as raised:
+            choose_checkpoint(fresh, Comm("torchrun"))
+        assert say_storage(Comm("torchrun"), raised.value) == EXIT_RETRY
     finally:
         fresh.close()

@@ -23,7 +23,7 @@ from training.checkpoint_files import (MODEL_FILE, STEP_RE, CheckpointError, Top
                                        manifest_name, plain_path, rng_name, step_dir)
 from training.checkpoint_memory import in_memory, memory_files
 from training.fetch import fetch_retrying
-from training.storage import Location, StorageRefused, permanent_cause
+from training.storage import Location, StorageRefused, StorageUnavailable, permanent_cause
 
 log = logging.getLogger("gts.checkpoint")
 _MAP_FLAGS = threading.Lock()
@@ -320,8 +320,18 @@ class Loading:
                               for n in range(1, int(first["nnodes"]))]
         except CheckpointError:
             raise
-        except Exception as exc:  # noqa: BLE001
+        except (FileNotFoundError, ValueError) as exc:  # a manifest missing or not JSON: the step is not whole
             raise CheckpointError(f"its manifests cannot be read from {self.remote.url}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 (botocore / aiohttp errors are not all OSError)
+            raise self._io_fault(exc, "its manifests cannot be read") from None
+
+    def _io_fault(self, exc: Exception, what: str) -> StorageRefused | StorageUnavailable:
+        """The bucket's answer that is no fault of the step: refused for good, or unavailable now."""
+        assert self.remote is not None
+        cause = permanent_cause(exc)
+        if cause is not None:
+            return StorageRefused(f"{self.remote.url}: {cause}")
+        return StorageUnavailable(f"{what} from {self.remote.url}: {type(exc).__name__}: {exc}")
 
     def _download(self, step: int, folder: Path, files: dict[str, dict[str, Any]]) -> None:
         """Fetch the files that are missing or bad here; one rank of the node at a time (a lock
@@ -355,8 +365,10 @@ class Loading:
                     fetch_retrying(self.remote.fs, self.remote.join(step_dir(step), name), part, meta, fault)
                 except CheckpointError:
                     raise
-                except Exception as exc:  # noqa: BLE001
+                except FileNotFoundError as exc:
                     raise CheckpointError(f"{name} cannot be fetched from {self.remote.url}: {exc}") from None
+                except Exception as exc:  # noqa: BLE001 (retried in fetch_retrying already)
+                    raise self._io_fault(exc, f"{name} cannot be fetched") from None
                 os.replace(part, target)
             for n, manifest in enumerate(self._remote_manifests(step)):
                 path = folder / manifest_name(n)

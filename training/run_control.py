@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from training import contract, reservation
 from training.checkpoint import CheckpointError, CheckpointManager, RunLocked, Topology, UploadStatus
 from training.distributed import Comm
 from training.goodput import AutoInterval
-from training.storage import StorageRefused
+from training.storage import StorageRefused, StorageUnavailable
 
 log = logging.getLogger("gts.checkpointing")
 
@@ -33,6 +34,8 @@ EXIT_REFUSED = 2
 # The run's history could not be read (the bucket did not answer): every rank exits with it, and
 # torchrun's agent (then systemd, once its restarts are spent) starts the workers again (EX_TEMPFAIL).
 EXIT_RETRY = 75
+LOAD_ATTEMPTS = 4  # a step's load that meets a store not answering: tries, then EXIT_RETRY
+LOAD_WAIT_S = (2.0, 20.0)  # the first wait between them, and the longest
 
 
 def refuse(message: str) -> None:
@@ -128,7 +131,7 @@ def say_storage(comm: Comm, exc: StorageRefused | HistoryUnknown) -> int:
         if comm.rank == 0:
             log.error("stopped before step 1: %s; exiting %d so that the run is started again", exc, EXIT_RETRY)
         return EXIT_RETRY
-    if comm.rank == 0:
+    if comm.local_rank == 0:  # every node's entrypoint repeats it and exits 2 (not 0: a node restarted over it)
         refuse(f"refused: checkpoint storage {exc}")
     return EXIT_REFUSED
 
@@ -162,16 +165,15 @@ def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
         log.warning("the bucket %s cannot be listed (%s): starting from this node's own checkpoints; uploads "
                     "are retried in the background", ckpt.remote.url if ckpt.remote else "", ckpt.remote_error)
     for step in sorted(common, reverse=True):
-        state: Any = {}
-        rng = None
-        try:
-            state, rng = load(step)
-            fault = ""
-        except CheckpointError as exc:
-            fault = str(exc)
-        faults = [(rank, f) for rank, f in enumerate(comm.all_gather_object(fault)) if f]
+        state, rng, fault, down = _load_step(load, step)
+        gathered = comm.all_gather_object((fault, down))
+        faults = [(rank, f) for rank, (f, _) in enumerate(gathered) if f]
         if not faults:
             return Resumed(step, state, rng, max((s for s in durable if s <= step), default=0))
+        unavailable = [f for f, was_down in gathered if was_down]
+        if unavailable:  # no fault of the step's: skipping it (or starting over) would lose work to a blip
+            raise HistoryUnknown(f"checkpoint step {step} could not be read after {LOAD_ATTEMPTS} tries: "
+                                 f"{unavailable[0]}")
         if comm.rank == 0:
             rank, first = faults[0]
             log.warning("skipping checkpoint step %d: rank %d: %s%s", step, rank, first,
@@ -186,6 +188,24 @@ def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
     if common and comm.rank == 0:
         log.warning("no usable checkpoint among steps %s: starting from scratch", sorted(common))
     return None
+
+
+def _load_step(load: Callable[[int], tuple[Any, dict[str, Any] | None]], step: int
+               ) -> tuple[Any, dict[str, Any] | None, str, bool]:
+    """(state, rng, fault, unavailable) of `step`: a fault of the step's own (digest, size, manifest:
+    CheckpointError) at once; a store that does not answer (StorageUnavailable) after
+    LOAD_ATTEMPTS tries, LOAD_WAIT_S apart and doubling."""
+    try:
+        for attempt in Retrying(stop=stop_after_attempt(LOAD_ATTEMPTS), reraise=True,
+                                wait=wait_exponential(multiplier=LOAD_WAIT_S[0], max=LOAD_WAIT_S[1]),
+                                retry=retry_if_exception_type(StorageUnavailable)):
+            with attempt:
+                state, rng = load(step)
+        return state, rng, "", False
+    except CheckpointError as exc:
+        return {}, None, str(exc), False
+    except StorageUnavailable as exc:
+        return {}, None, str(exc), True
 
 
 def exit_code(comm: Comm, raised: str | None) -> int:
