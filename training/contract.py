@@ -127,11 +127,13 @@ RDZV_KEEPALIVE_MISSES = Var("RDZV_KEEPALIVE_MISSES", "heartbeats a node may miss
 PEER_EVERY = Var("PEER_EVERY", "steps between in-memory copies of each rank's state on another node of the run "
                  "(0: off; default 0; docs/recovery.md)", IMAGE)
 PEER_PORT = Var("PEER_PORT", "port of the node's peer store, on its private address (default 29600)", IMAGE)
-RECOVERY_VARS = (RDZV_LAST_CALL_S, RDZV_KEEPALIVE_S, RDZV_KEEPALIVE_MISSES, PEER_EVERY, PEER_PORT)
+PEER_STORE_GIB = Var("PEER_STORE_GIB", "GiB of host memory the node's peer store may hold; a copy over it is refused "
+                     "(507) and the sender says so (0: half the node's memory; default 0)", IMAGE)
+RECOVERY_VARS = (RDZV_LAST_CALL_S, RDZV_KEEPALIVE_S, RDZV_KEEPALIVE_MISSES, PEER_EVERY, PEER_PORT, PEER_STORE_GIB)
 RECOVERY_DEFAULTS = {RDZV_LAST_CALL_S.name: 3, RDZV_KEEPALIVE_S.name: 1, RDZV_KEEPALIVE_MISSES.name: 4,
-                     PEER_EVERY.name: 0, PEER_PORT.name: 29600}
+                     PEER_EVERY.name: 0, PEER_PORT.name: 29600, PEER_STORE_GIB.name: 0}
 RECOVERY_LEAST = {RDZV_LAST_CALL_S.name: 0, RDZV_KEEPALIVE_S.name: 1, RDZV_KEEPALIVE_MISSES.name: 2,
-                  PEER_EVERY.name: 0, PEER_PORT.name: 1}
+                  PEER_EVERY.name: 0, PEER_PORT.name: 1, PEER_STORE_GIB.name: 0}
 
 
 def recovery(name: str, env: dict[str, str] | None = None) -> int:

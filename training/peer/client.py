@@ -57,5 +57,8 @@ class Link:
             raise PeerRefused(f"peer store {store} holds no {kind} copy of step {step} of rank {rank}/{world}")
         return str(headers.get(wire.DIGEST, "")), body
 
-    def forget_after(self, store: str, step: int) -> None:
-        self._request(store, "DELETE", f"/v1/after/{step}")
+    def keep_only(self, store: str, world: int, step: int) -> None:
+        """The store forgets every copy but those of `step` saved by world size `world` (0: any)."""
+        status, body, _ = self._request(store, "DELETE", f"/v1/keep/{world}/{step}")
+        if status != 200:
+            raise PeerRefused(f"peer store {store} did not forget: {status} {body[:200]!r}")

@@ -6,7 +6,7 @@ those on a failure, and host memory a worker held dies with it) and dies with th
 
 Bound to the node's private address only (never the wildcard); every request and answer signed
 with the run's key (training/peer/wire.py); bounded: the newest KEEP steps per source (a rank of
-one world size), at most MAX_SOURCES sources. It checks no payload: the receiver hashes what it
+one world size), at most MAX_SOURCES sources and PEER_STORE_GIB (default half the node's memory). It checks no payload: the receiver hashes what it
 gets against the digest the sender named, and refuses a copy that does not match.
 """
 
@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from training import contract
 from training.peer import wire
 
 log = logging.getLogger("gts.peer.store")
@@ -31,32 +33,48 @@ WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
 
 class Copies:
-    """(world, rank) -> {step: (kind, digest, bytes)}, the newest KEEP steps of each source."""
+    """(world, rank) -> {step: (kind, digest, bytes)}, the newest KEEP steps of each source, at most
+    `budget` bytes in all (a copy that would pass it is refused, never another one dropped for it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int = 1 << 62) -> None:
         self._lock = threading.Lock()
         self._held: dict[tuple[int, int], dict[int, tuple[str, str, bytes]]] = {}
+        self.budget = budget
 
-    def put(self, world: int, rank: int, step: int, kind: str, payload_digest: str, data: bytes) -> None:
+    def put(self, world: int, rank: int, step: int, kind: str, payload_digest: str, data: bytes) -> bool:
+        """Hold the copy (True), or refuse it (False) when the store would then pass its budget."""
         with self._lock:
-            steps = self._held.setdefault((world, rank), {})
+            steps = dict(self._held.get((world, rank), {}))
             steps[step] = (kind, payload_digest, data)
-            for old in sorted(steps)[:-KEEP]:
-                del steps[old]
+            kept = {s: steps[s] for s in sorted(steps)[-KEEP:]}
+            others = sum(len(d) for source, held in self._held.items() if source != (world, rank)
+                         for _, _, d in held.values())
+            if others + sum(len(d) for _, _, d in kept.values()) > self.budget:
+                return False
+            self._held[(world, rank)] = kept
             while len(self._held) > MAX_SOURCES:  # the source with the oldest newest step goes
                 del self._held[min(self._held, key=lambda s: max(self._held[s]))]
+            return True
 
     def get(self, world: int, rank: int, step: int, kind: str) -> tuple[str, bytes] | None:
         with self._lock:
             found = self._held.get((world, rank), {}).get(step)
         return (found[1], found[2]) if found is not None and found[0] == kind else None
 
-    def forget_after(self, step: int) -> int:
+    def keep_only(self, step: int, world: int | None = None) -> int:
+        """Drop every copy but those of `step` (and of world size `world`, when given): a world that
+        restored `step` abandoned later steps, needs no older one, and never another world's."""
         with self._lock:
-            later = [(source, s) for source, steps in self._held.items() for s in steps if s > step]
-            for source, s in later:
-                del self._held[source][s]
-            return len(later)
+            dropped = 0
+            for source in list(self._held):
+                steps = self._held[source]
+                gone = [s for s in steps if s != step or (world is not None and source[0] != world)]
+                for s in gone:
+                    del steps[s]
+                dropped += len(gone)
+                if not steps:  # no empty source is kept (eviction takes the newest step of each)
+                    del self._held[source]
+            return dropped
 
     def listing(self) -> list[list[Any]]:
         """[world, rank, step, kind, digest, size] of every copy held."""
@@ -68,6 +86,12 @@ class Copies:
     def size(self) -> int:
         with self._lock:
             return sum(len(d) for steps in self._held.values() for _, _, d in steps.values())
+
+
+def default_budget(env: dict[str, str] | None = None) -> int:
+    """PEER_STORE_GIB in bytes, else half the node's memory."""
+    gib = contract.recovery(contract.PEER_STORE_GIB.name, env)
+    return gib << 30 if gib else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -111,13 +135,14 @@ class Handler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:  # noqa: N802
         if self._refused(0):
             return
-        match = wire.AFTER.match(self.path)
+        match = wire.KEEP_ONLY.match(self.path)
         if not match:
-            self._answer(400, b"DELETE /v1/after/<step>")
+            self._answer(400, b"DELETE /v1/keep/<world or 0: any>/<step>")
             return
-        dropped = self.server.copies.forget_after(int(match.group(1)))
+        world, step = int(match.group(1)), int(match.group(2))
+        dropped = self.server.copies.keep_only(step, world or None)
         if dropped:
-            log.info("forgot %d copies of steps after %s (the run restored that step)", dropped, match.group(1))
+            log.info("forgot %d copies (the run restored step %d)", dropped, step)
         self._answer(200, b"")
 
     def do_PUT(self) -> None:  # noqa: N802
@@ -134,7 +159,12 @@ class Handler(BaseHTTPRequestHandler):
             return
         data = self.rfile.read(size)
         world, rank, step, kind = match.groups()
-        self.server.copies.put(int(world), int(rank), int(step), kind, self.headers.get(wire.DIGEST, ""), data)
+        if not self.server.copies.put(int(world), int(rank), int(step), kind, self.headers.get(wire.DIGEST, ""), data):
+            log.warning("refused step %s of rank %s/%s: %d bytes would pass the store's budget of %d (%s)", step,
+                        rank, world, size, self.server.copies.budget, contract.PEER_STORE_GIB.name)
+            self._answer(507, f"over the store's budget of {self.server.copies.budget} bytes "
+                              f"({contract.PEER_STORE_GIB.name})".encode())
+            return
         log.info("holding step %s of rank %s/%s (%.1f MiB; %.1f MiB held)", step, rank, world, size / 2**20,
                  self.server.copies.size / 2**20)
         self._answer(200, b"")
@@ -143,11 +173,11 @@ class Handler(BaseHTTPRequestHandler):
 class PeerServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, addr: str, port: int, key: bytes):
+    def __init__(self, addr: str, port: int, key: bytes, budget: int | None = None):
         if addr.strip() in WILDCARDS:
             raise ValueError(f"--addr {addr!r}: the node's private address, never the wildcard")
         self.key = key
-        self.copies = Copies()
+        self.copies = Copies(budget if budget is not None else default_budget())
         super().__init__((addr, port), Handler)
 
 

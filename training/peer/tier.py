@@ -3,8 +3,9 @@ host memory (the loop's only wait) and sent, on a background thread, to the peer
 buddy node (training/peer/store.py); after a loss, `steps` and `load` give what the surviving
 stores hold, for training/run_control.py's choose_checkpoint (peer first, then disk, then bucket).
 
-The buddy ring: node n's copies go to the next node after it (n+1, n+2, ... mod nnodes) in
-another zone (GTS_ZONE) when the run spans zones, else to node n+1; never to node n itself.
+The buddies: node n's copies go to a node in another zone (GTS_ZONE) when the run spans zones,
+dealt so that each node holds about as many as it sends (buddy()), else to node n+1; never to
+node n itself.
 """
 
 from __future__ import annotations
@@ -33,11 +34,19 @@ ZONE_VAR = "GTS_ZONE"
 
 
 def buddy(node: int, zones: list[str]) -> int:
-    """The node that holds node `node`'s copies: the next one in another zone, else the next one."""
+    """The node that holds node `node`'s copies: one in another zone when the run spans zones,
+    else the next node. The nodes in zone order, each sends to the one `m` places on (m: the
+    largest zone's count): every node then holds one node's copies, each from another zone.
+    Where one zone holds more than half the nodes, its nodes deal theirs to the others in turn."""
     count = len(zones)
-    after = [(node + i) % count for i in range(1, count)]
-    other = [n for n in after if zones[n] != zones[node]]
-    return (other or after)[0]
+    other = [n for n in range(count) if zones[n] != zones[node]]
+    if not other:
+        return (node + 1) % count
+    largest = max(zones.count(z) for z in set(zones))
+    if 2 * largest <= count:
+        ring = sorted(range(count), key=lambda n: (zones[n], n))
+        return ring[(ring.index(node) + largest) % count]
+    return other[sum(1 for n in range(node) if zones[n] == zones[node]) % len(other)]
 
 
 class PeerTier:
@@ -161,12 +170,14 @@ class PeerTier:
                         "streams are re-seeded", self.comm.rank, step)
         return model["state"], own["rng"] if own is not None else None
 
-    def forget_after(self, step: int) -> None:
-        """Copies of later steps are another history now (this world restored `step`): every
-        store drops them, so that no later restore mixes them with this one's."""
+    def keep_only(self, step: int) -> None:
+        """This world restored `step` (0: none): every store forgets the copies of other steps
+        (later ones are another history now, older ones are of no use) and of other world sizes'
+        at that step, so that no later restore mixes them with this one's."""
+        full = sorted(e[0] for _, e in self._held() if e[2] == step and e[3] == "full") if step else []
         if self.comm.local_rank == 0:
             try:
-                self.link.forget_after(self.stores[self.comm.node], step)
+                self.link.keep_only(self.stores[self.comm.node], full[0] if full else 0, step)
             except PeerRefused as exc:
                 log.warning("%s", exc)
         self.comm.barrier()
@@ -190,7 +201,7 @@ def choose(ckpt: CheckpointManager, comm: Comm, tier: PeerTier | None) -> Resume
     stores forget later steps (another history once this world goes on from the chosen one)."""
     found = choose_checkpoint(ckpt, comm, **_restore_from(tier, ckpt.load))
     if tier is not None:
-        tier.forget_after(found.step if found is not None else 0)
+        tier.keep_only(found.step if found is not None else 0)
     return found
 
 

@@ -21,8 +21,9 @@ MAX_SKEW_S = 120  # a signed request older (or newer) than this is refused: no r
 # kind `full`: the replicated training state and the rank's own (a node's local rank 0), `rank`:
 # the rank's own alone (RNG streams, data position).
 COPY = re.compile(r"^/v1/copy/(\d{1,6})/(\d{1,6})/(\d{1,12})/(full|rank)$")
-# /v1/after/<step>: forget every copy of a later step (a world that restored <step> abandoned them)
-AFTER = re.compile(r"^/v1/after/(\d{1,12})$")
+# /v1/keep/<world>/<step>: forget every copy but those of <step> saved by world size <world> (0: any);
+# a world that restored <step> abandoned later steps and needs no older one
+KEEP_ONLY = re.compile(r"^/v1/keep/(\d{1,6})/(\d{1,12})$")
 LIST = "/v1/list"
 KEY_VAR = "RDZV_KEY"  # the run's key (training/node/rdzv_launch.py signs the rendezvous with it)
 MIN_KEY_CHARS = 32
