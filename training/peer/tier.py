@@ -69,21 +69,27 @@ class PeerTier:
     def due(self, step: int) -> bool:
         return self.every > 0 and self.buddy is not None and step % self.every == 0
 
-    def copy(self, step: int, state: dict[str, Any] | None, rng: dict[str, Any], wait: bool = False) -> float:
+    def copy(self, step: int, state: dict[str, Any] | None, rng: dict[str, Any], budget_s: float | None = None
+             ) -> float:
         """Stage this rank's state (`state` on a node's local rank 0, else None) and send it to the
-        buddy in the background; `wait`: until it is there (a stop). Returns the seconds blocked."""
+        buddy in the background; `budget_s` (a stop, after its durable checkpoint): wait for it, for
+        the one before it too, at most that long in all. Returns the seconds blocked."""
         start = time.perf_counter()
         if self._sender is not None and self._sender.is_alive():
-            if not wait:
+            if budget_s is not None:
+                self._sender.join(budget_s)
+            if self._sender.is_alive():
                 self.skipped += 1  # the previous copy is still on its way: this one is left out
                 log.info("peer copy of step %d skipped: the one before is still being sent", step)
-                return 0.0
-            self._sender.join()
+                return time.perf_counter() - start
         staged = self._stager.stage({"state": state, "rng": rng, "step": step})
         self._sender = threading.Thread(target=self._send, args=(step, staged), name="peer-copy", daemon=True)
         self._sender.start()
-        if wait:
-            self._sender.join()
+        if budget_s is not None:
+            self._sender.join(max(0.0, budget_s - (time.perf_counter() - start)))
+            if self._sender.is_alive():
+                log.warning("peer copy of step %d not confirmed within %.0f s of the stop: left to finish on its own",
+                            step, budget_s)
         blocked = time.perf_counter() - start
         self.blocked_s += blocked
         if self.comm.rank == 0:
@@ -107,9 +113,9 @@ class PeerTier:
         if self.comm.rank == 0:
             log.info("peer copy of step %d on node %d (%.1f MiB)", step, self.buddy, len(data) / 2**20)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         if self._sender is not None:
-            self._sender.join()
+            self._sender.join(timeout_s)
 
     # ------------------------------------------------------------------ recovery
     def _held(self) -> list[tuple[str, list[Any]]]:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gts.train")
 
 EXIT_USAGE = 2
+STOP_PEER_S = 5.0  # a stop's peer copy, sent after its durable checkpoint, waits at most this long
 REFUSED = "the checkpoint storage's refusal"  # the loop's answer when the store refused the uploads
 
 
@@ -297,10 +298,12 @@ class Run:
                 stopping, asked, due, refused = comm.any_true(
                     self.stop.poll() is not None, self.stop.take_checkpoint_request(), self.checkpoint_due(),
                     bool(ckpt.refused))
-                if self.peer is not None and (stopping or self.peer.due(self.step)):  # a stop's state is sent first
-                    self.metrics.peer_blocked.set(self.peer.copy(self.step, self.state(tracker), rng_state(), stopping))
+                if self.peer is not None and not stopping and self.peer.due(self.step):
+                    self.metrics.peer_blocked.set(self.peer.copy(self.step, self.state(tracker), rng_state()))
                 if due or stopping or asked or refused or self.step >= cfg.steps:
                     self.save(ckpt, tracker)
+                if stopping and self.peer is not None:  # after the durable save: a buddy gone costs seconds
+                    self.peer.copy(self.step, self.state(tracker), rng_state(), budget_s=STOP_PEER_S)
                 if refused:  # the bucket is gone or refuses writes: finish() names it, exit 2
                     say_refused(ckpt, comm, self.step)
                     return REFUSED
@@ -359,7 +362,7 @@ class Run:
         if self.sharded is not None:
             self.sharded.close()  # this rank's shard of the last checkpoint is written
         if self.peer is not None:
-            self.peer.close()
+            self.peer.close(STOP_PEER_S if interrupted is not None else None)
         stopped = interrupted is not None and interrupted != REFUSED
         code = finish(ckpt, self.comm, self.stop.raised, stopped, self.cfg.upload_deadline_s, self.step)
         tracker.close(interrupted=interrupted is not None)
