@@ -39,8 +39,9 @@ class Link:
         return answer.status, data, answer.headers
 
     def put(self, store: str, world: int, rank: int, step: int, kind: str, data: bytes | memoryview,
-            payload_digest: str) -> None:
-        status, body, _ = self._request(store, "PUT", f"/v1/copy/{world}/{rank}/{step}/{kind}", data, payload_digest)
+            payload_digest: str, generation: str = "0-0") -> None:
+        status, body, _ = self._request(store, "PUT", f"/v1/copy/{world}/{rank}/{step}/{kind}/{generation}", data,
+                                        payload_digest)
         if status != 200:
             raise PeerRefused(f"peer store {store} refused step {step} of rank {rank}: {status} {body[:200]!r}")
 
@@ -50,9 +51,10 @@ class Link:
             raise PeerRefused(f"peer store {store}: {status} {body[:200]!r}")
         return list(json.loads(body))
 
-    def get(self, store: str, world: int, rank: int, step: int, kind: str) -> tuple[str, bytes]:
+    def get(self, store: str, world: int, rank: int, step: int, kind: str, generation: str = "0-0"
+            ) -> tuple[str, bytes]:
         """(the digest the sender named, the bytes)."""
-        status, body, headers = self._request(store, "GET", f"/v1/copy/{world}/{rank}/{step}/{kind}")
+        status, body, headers = self._request(store, "GET", f"/v1/copy/{world}/{rank}/{step}/{kind}/{generation}")
         if status != 200:
             raise PeerRefused(f"peer store {store} holds no {kind} copy of step {step} of rank {rank}/{world}")
         return str(headers.get(wire.DIGEST, "")), body

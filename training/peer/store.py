@@ -33,33 +33,34 @@ WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
 
 class Copies:
-    """(world, rank) -> {step: (kind, digest, bytes)}, the newest KEEP steps of each source, at most
+    """(world, rank) -> {step: (kind, digest, bytes, generation)}, the newest KEEP steps of each source, at most
     `budget` bytes in all (a copy that would pass it is refused, never another one dropped for it)."""
 
     def __init__(self, budget: int = 1 << 62) -> None:
         self._lock = threading.Lock()
-        self._held: dict[tuple[int, int], dict[int, tuple[str, str, bytes]]] = {}
+        self._held: dict[tuple[int, int], dict[int, tuple[str, str, bytes, str]]] = {}
         self.budget = budget
 
-    def put(self, world: int, rank: int, step: int, kind: str, payload_digest: str, data: bytes) -> bool:
+    def put(self, world: int, rank: int, step: int, kind: str, payload_digest: str, data: bytes,
+            generation: str = "0-0") -> bool:
         """Hold the copy (True), or refuse it (False) when the store would then pass its budget."""
         with self._lock:
             steps = dict(self._held.get((world, rank), {}))
-            steps[step] = (kind, payload_digest, data)
+            steps[step] = (kind, payload_digest, data, generation)
             kept = {s: steps[s] for s in sorted(steps)[-KEEP:]}
             others = sum(len(d) for source, held in self._held.items() if source != (world, rank)
-                         for _, _, d in held.values())
-            if others + sum(len(d) for _, _, d in kept.values()) > self.budget:
+                         for _, _, d, _ in held.values())
+            if others + sum(len(d) for _, _, d, _ in kept.values()) > self.budget:
                 return False
             self._held[(world, rank)] = kept
             while len(self._held) > MAX_SOURCES:  # the source with the oldest newest step goes
                 del self._held[min(self._held, key=lambda s: max(self._held[s]))]
             return True
 
-    def get(self, world: int, rank: int, step: int, kind: str) -> tuple[str, bytes] | None:
+    def get(self, world: int, rank: int, step: int, kind: str, generation: str) -> tuple[str, bytes] | None:
         with self._lock:
             found = self._held.get((world, rank), {}).get(step)
-        return (found[1], found[2]) if found is not None and found[0] == kind else None
+        return (found[1], found[2]) if found is not None and (found[0], found[3]) == (kind, generation) else None
 
     def keep_only(self, step: int, world: int | None = None) -> int:
         """Drop every copy but those of `step` (and of world size `world`, when given): a world that
@@ -77,15 +78,15 @@ class Copies:
             return dropped
 
     def listing(self) -> list[list[Any]]:
-        """[world, rank, step, kind, digest, size] of every copy held."""
+        """[world, rank, step, kind, digest, size, generation] of every copy held."""
         with self._lock:
-            return [[world, rank, step, kind, found, len(data)] for (world, rank), steps in sorted(self._held.items())
-                    for step, (kind, found, data) in sorted(steps.items())]
+            return [[world, rank, step, kind, found, len(data), gen] for (world, rank), steps in sorted(self._held.items())
+                    for step, (kind, found, data, gen) in sorted(steps.items())]
 
     @property
     def size(self) -> int:
         with self._lock:
-            return sum(len(d) for steps in self._held.values() for _, _, d in steps.values())
+            return sum(len(d) for steps in self._held.values() for _, _, d, _ in steps.values())
 
 
 def default_budget(env: dict[str, str] | None = None) -> int:
@@ -125,8 +126,8 @@ class Handler(BaseHTTPRequestHandler):
         match = wire.COPY.match(self.path)
         found = None
         if match:
-            world, rank, step, kind = match.groups()
-            found = self.server.copies.get(int(world), int(rank), int(step), kind)
+            world, rank, step, kind, gen = match.groups()
+            found = self.server.copies.get(int(world), int(rank), int(step), kind, gen)
         if found is None:
             self._answer(404, b"no such copy")
             return
@@ -153,13 +154,14 @@ class Handler(BaseHTTPRequestHandler):
         match = wire.COPY.match(self.path)
         if not match or not 0 <= size <= MAX_BYTES:
             self.close_connection = True
-            self._answer(400, b"PUT /v1/copy/<world>/<rank>/<step>/<kind> with a Content-Length")
+            self._answer(400, b"PUT /v1/copy/<world>/<rank>/<step>/<kind>/<generation> with a Content-Length")
             return
         if self._refused(size):
             return
         data = self.rfile.read(size)
-        world, rank, step, kind = match.groups()
-        if not self.server.copies.put(int(world), int(rank), int(step), kind, self.headers.get(wire.DIGEST, ""), data):
+        world, rank, step, kind, gen = match.groups()
+        if not self.server.copies.put(int(world), int(rank), int(step), kind, self.headers.get(wire.DIGEST, ""), data,
+                                      gen):
             log.warning("refused step %s of rank %s/%s: %d bytes would pass the store's budget of %d (%s)", step,
                         rank, world, size, self.server.copies.budget, contract.PEER_STORE_GIB.name)
             self._answer(507, f"over the store's budget of {self.server.copies.budget} bytes "

@@ -65,6 +65,8 @@ class PeerTier:
         self.skipped = 0
         self.error = ""
         self.refusals: list[str] = []  # peer copies refused (digest), by name
+        # <agent restart count>-<restored step>: the history this world's copies belong to (keep_only sets it)
+        self.generation = f"{int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') or 0)}-0"
 
     def due(self, step: int) -> bool:
         return self.every > 0 and self.buddy is not None and step % self.every == 0
@@ -104,7 +106,7 @@ class PeerTier:
         kind = "full" if staged["state"] is not None else "rank"
         try:
             self.link.put(self.stores[self.buddy], self.comm.world, self.comm.rank, step, kind, data,
-                          wire.payload_digest(data))
+                          wire.payload_digest(data), self.generation)
         except PeerRefused as exc:
             self.error = str(exc)
             log.warning("peer copy of step %d not sent: %s", step, exc)
@@ -119,7 +121,7 @@ class PeerTier:
 
     # ------------------------------------------------------------------ recovery
     def _held(self) -> list[tuple[str, list[Any]]]:
-        """(store, [world, rank, step, kind, digest, size]) of every copy this world's stores hold."""
+        """(store, [world, rank, step, kind, digest, size, generation]) of every copy the stores hold."""
         found = []
         for store in self.stores:
             try:
@@ -128,59 +130,61 @@ class PeerTier:
                 log.warning("peer store %s not listed: %s", store, exc)
         return found
 
-    def _sources(self, step: int, held: list[tuple[str, list[Any]]]) -> tuple[list[Any], list[Any]]:
-        """(full copies of `step`, copies of this rank's own state at `step` in this world)."""
-        at = [(store, e) for store, e in held if e[2] == step]
-        full = [(store, e) for store, e in at if e[3] == "full"]
-        mine = [(store, e) for store, e in at if e[0] == self.comm.world and e[1] == self.comm.rank]
-        return full, mine
-
     def steps(self) -> set[int]:
         """Steps this rank can restore from the stores: those with a full copy in some store. Its
         own per-rank state comes back where a store still holds it (`load`); where the step was
         saved by a world of another size, or the copy was on the lost node, the rank goes on with
         re-seeded streams, as the durable path does when the world size changed: a step lost is
         worse than a random stream restarted."""
-        held = self._held()
-        return {step for step in {e[2] for _, e in held} if self._sources(step, held)[0]}
+        return {e[2] for _, e in self._held() if e[3] == "full"}
 
-    def _fetch(self, step: int, copies: list[Any]) -> dict[str, Any] | None:
-        """The first of `copies` whose bytes match the digest its sender named; the others refused by name."""
-        for store, (world, rank, _, kind, _, _) in copies:
-            try:
-                named, data = self.link.get(store, world, rank, step, kind)
-            except PeerRefused as exc:
-                log.warning("%s", exc)
-                continue
-            if wire.payload_digest(data) != named:
-                why = (f"peer copy of step {step} of rank {rank}/{world} ({kind}) held by {store} does not match its "
-                       "digest: refused")
-                self.refusals.append(why)
-                log.warning("%s", why)
-                continue
-            loaded = dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
-            if loaded.get("step") == step:
-                return loaded
-        return None
+    def _fetch(self, step: int, store: str, entry: list[Any]) -> dict[str, Any] | None:
+        """The copy `entry` of `store` when its bytes match the digest listed and named; else None
+        (refused by name)."""
+        world, rank, _, kind, listed, _, gen = entry
+        try:
+            named, data = self.link.get(store, world, rank, step, kind, gen)
+        except PeerRefused as exc:
+            log.warning("%s", exc)
+            return None
+        if wire.payload_digest(data) != named or named != listed:
+            why = (f"peer copy of step {step} of rank {rank}/{world} ({kind}) held by {store} does not match its "
+                   "digest: refused")
+            self.refusals.append(why)
+            log.warning("%s", why)
+            return None
+        loaded = dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+        return loaded if loaded.get("step") == step else None
 
     def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
-        """(training state, this rank's per-rank state or None) of `step` from the stores, else None."""
+        """(training state, this rank's per-rank state or None) of `step` from the stores, else None
+        on every rank alike (collective). Rank 0 lists the full copies (newest generation first)
+        for every rank; the ranks try them in that order together and take the first that every
+        rank got, so that no two ranks ever restore different copies; none: the durable tiers."""
         held = self._held()
-        full, mine = self._sources(step, held)
-        model = self._fetch(step, full)
-        if model is None:
-            return None
-        own = self._fetch(step, mine) if mine else None
-        if own is None and any(e[0] == self.comm.world for _, e in held if e[2] == step):
-            log.warning("rank %d: no store holds its own state of step %d (it was on the lost node): its random "
-                        "streams are re-seeded", self.comm.rank, step)
-        return model["state"], own["rng"] if own is not None else None
+        full = sorted(((store, e) for store, e in held if e[2] == step and e[3] == "full"),
+                      key=lambda c: -int(str(c[1][6]).split("-")[0]))
+        for store, entry in self.comm.all_gather_object(full if self.comm.rank == 0 else None)[0]:
+            model = self._fetch(step, store, entry)
+            (missed,) = self.comm.any_true(model is None)
+            if missed:
+                continue
+            assert model is not None
+            mine = [(s, e) for s, e in held  # this rank's own copy (either kind) of the chosen copy's history
+                    if e[2] == step and (e[0], e[1], e[6]) == (self.comm.world, self.comm.rank, entry[6])]
+            own = next((o for o in (self._fetch(step, s, e) for s, e in mine) if o is not None), None)
+            if own is None and entry[0] == self.comm.world:
+                log.warning("rank %d: no store holds its own state of step %d (it was on the lost node): its random "
+                            "streams are re-seeded", self.comm.rank, step)
+            return model["state"], own["rng"] if own is not None else None
+        return None
 
     def keep_only(self, step: int) -> None:
         """This world restored `step` (0: none): every store forgets the copies of other steps
         (later ones are another history now, older ones are of no use) and of other world sizes'
         at that step, so that no later restore mixes them with this one's."""
         full = sorted(e[0] for _, e in self._held() if e[2] == step and e[3] == "full") if step else []
+        self.generation = f"{self.generation.split('-')[0]}-{step}"
         if self.comm.local_rank == 0:
             try:
                 self.link.keep_only(self.stores[self.comm.node], full[0] if full else 0, step)
@@ -218,7 +222,7 @@ def _restore_from(tier: PeerTier | None, load: Any) -> dict[str, Any]:
         return {}
 
     def load_step(step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        found = tier.load(step)
+        found = tier.load(step)  # collective: None on every rank alike, never a mix of tiers
         if found is not None:
             log.info("rank %d restores step %d from peer memory", tier.comm.rank, step)
             return found
