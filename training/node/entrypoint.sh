@@ -123,8 +123,17 @@ case "$LAUNCHER" in
       if [ "${PEER_EVERY:-0}" -gt 0 ]; then
         # The node's peer store (training/peer/store.py): other nodes' newest states in host
         # memory, beside the agent (it outlives the workers), on this node's address alone.
-        python -m training.peer.store --addr "$addr" --port "${PEER_PORT:-29600}" &
+        # The agent starts once the store listens (its --ready-file): a worker's first copy or
+        # listing must not meet a port not yet open.
+        ready=$(mktemp)
+        python -m training.peer.store --addr "$addr" --port "${PEER_PORT:-29600}" --ready-file "$ready" &
         PEER_STORE=$!
+        for _ in $(seq 600); do
+          [ -s "$ready" ] && break
+          kill -0 "$PEER_STORE" 2>/dev/null || { echo "entrypoint: the peer store did not start (above)" >&2; exit 2; }
+          sleep 0.05
+        done
+        rm -f "$ready"
         export GTS_PEER_STORE="$addr:${PEER_PORT:-29600}"
       fi
       cmd=(python -m training.node.rdzv_launch --nnodes "$MIN_NNODES:$NNODES" --nproc-per-node "$NPROC_PER_NODE"

@@ -23,17 +23,23 @@ class Link:
     def _request(self, store: str, method: str, path: str, body: bytes | memoryview = b"",
                  payload_digest: str = "") -> tuple[int, bytes, Any]:
         host, _, port = store.rpartition(":")
+        signed_as = wire.store_name(host, port)
         conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=self.timeout_s)
         try:
             conn.request(method, path, body=body if body else None,
-                         headers=wire.headers(self.key, method, path, payload_digest, len(body)))
+                         headers=wire.headers(self.key, method, path, payload_digest, len(body), signed_as))
             answer = conn.getresponse()
             data = answer.read()
         except OSError as exc:
             raise PeerRefused(f"peer store {store}: {type(exc).__name__}: {exc}") from None
         finally:
             conn.close()
-        why = wire.check(self.key, "ANSWER", path, answer.headers, len(data))
+        why = wire.check(self.key, f"ANSWER {answer.status}", path, answer.headers, len(data), signed_as)
+        named = str(answer.headers.get(wire.DIGEST, ""))
+        if not why and named.startswith("sha256:") and named != wire.body_digest(data):
+            why = "with a body that does not match its signed digest"
+        elif not why and not named.startswith("sha256:") and not wire.COPY.match(path):
+            why = "with no signed digest of its body"
         if why:
             raise PeerRefused(f"peer store {store} answered {path} {why}")
         return answer.status, data, answer.headers

@@ -30,6 +30,8 @@ KEEP = 2
 MAX_SOURCES = 512
 MAX_BYTES = 1 << 40  # one copy's most (a sanity bound on Content-Length, not a memory budget)
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+TIMEOUT_S = 60.0  # a connection silent this long is closed
+MAX_CONNECTIONS = 64  # open at once (a node's ranks send and fetch a few each)
 
 
 class Copies:
@@ -98,19 +100,24 @@ def default_budget(env: dict[str, str] | None = None) -> int:
 class Handler(BaseHTTPRequestHandler):
     server: PeerServer
     protocol_version = "HTTP/1.1"
+    timeout = TIMEOUT_S  # each socket read and write: a stalled client frees its thread
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
         log.debug(format, *args)
 
     def _answer(self, code: int, body: bytes, payload_digest: str = "") -> None:
+        """A signed answer: its status, its store and its body's digest (a copy's: the digest its
+        sender named, which the receiver checks the bytes against; else sha256 of the body)."""
+        named = payload_digest if code == 200 and payload_digest else wire.body_digest(body)
         self.send_response(code)
-        for name, value in wire.headers(self.server.key, "ANSWER", self.path, payload_digest, len(body)).items():
+        for name, value in wire.headers(self.server.key, f"ANSWER {code}", self.path, named, len(body),
+                                        self.server.name).items():
             self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
     def _refused(self, size: int) -> bool:
-        why = wire.check(self.server.key, self.command, self.path, self.headers, size)
+        why = wire.check(self.server.key, self.command, self.path, self.headers, size, self.server.name)
         if why:
             log.warning("refused %s %s from %s: %s", self.command, self.path, self.client_address[0], why)
             self.close_connection = True
@@ -159,6 +166,10 @@ class Handler(BaseHTTPRequestHandler):
         if self._refused(size):
             return
         data = self.rfile.read(size)
+        if len(data) != size:  # the sender died mid-send (or lied): nothing of it is kept
+            self.close_connection = True
+            self._answer(400, f"a body of {len(data)} bytes, {size} declared: not kept".encode())
+            return
         world, rank, step, kind, gen = match.groups()
         if not self.server.copies.put(int(world), int(rank), int(step), kind, self.headers.get(wire.DIGEST, ""), data,
                                       gen):
@@ -180,13 +191,30 @@ class PeerServer(ThreadingHTTPServer):
             raise ValueError(f"--addr {addr!r}: the node's private address, never the wildcard")
         self.key = key
         self.copies = Copies(budget if budget is not None else default_budget())
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         super().__init__((addr, port), Handler)
+        self.name = wire.store_name(str(self.server_address[0]), self.server_address[1])
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """At most MAX_CONNECTIONS at once; one more is closed at once (its sender says so)."""
+        if not self._slots.acquire(blocking=False):
+            log.warning("refused a connection from %s: %d open already", client_address[0], MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.peer.store", description=__doc__.split("\n\n")[0])
     parser.add_argument("--addr", required=True, help="this node's private address (never 0.0.0.0)")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ready-file", help="a file to write the store's address into once it listens")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s peer-store %(message)s")
     try:
@@ -195,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peer store: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    if args.ready_file:
+        with open(args.ready_file, "w", encoding="utf-8") as fh:
+            fh.write(f"{server.name}\n")
     log.info("peer store listening on %s:%d", args.addr, server.server_address[1])
     server.serve_forever()
     return 0

@@ -39,18 +39,31 @@ def run_key() -> bytes:
     return value.encode()
 
 
-def sign(key: bytes, method: str, path: str, stamp: str, payload_digest: str, size: int) -> str:
-    message = "\n".join((method, path, stamp, payload_digest, str(size))).encode()
+def sign(key: bytes, method: str, path: str, stamp: str, payload_digest: str, size: int, store: str) -> str:
+    """The MAC over a request (or an answer: method `ANSWER <status>`) to or from `store`
+    (host:port): a request or answer replayed to or from another store does not match."""
+    message = "\n".join((method, path, stamp, payload_digest, str(size), store)).encode()
     return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
-def headers(key: bytes, method: str, path: str, payload_digest: str = "", size: int = 0) -> dict[str, str]:
-    stamp = f"{time.time():.3f}"
-    return {STAMP: stamp, DIGEST: payload_digest, MAC: sign(key, method, path, stamp, payload_digest, size),
+def store_name(host: str, port: int | str) -> str:
+    """The store's address as both sides sign it."""
+    return f"{host.strip('[]')}:{port}"
+
+
+def body_digest(body: bytes) -> str:
+    """An answer's digest when it is no copy (a listing, a refusal): sha256 of its bytes."""
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def headers(key: bytes, method: str, path: str, payload_digest: str = "", size: int = 0, store: str = ""
+            ) -> dict[str, str]:
+    stamp = f"{time.time():.6f}"
+    return {STAMP: stamp, DIGEST: payload_digest, MAC: sign(key, method, path, stamp, payload_digest, size, store),
             "Content-Length": str(size)}
 
 
-def check(key: bytes, method: str, path: str, got: Any, size: int) -> str:
+def check(key: bytes, method: str, path: str, got: Any, size: int, store: str = "") -> str:
     """"" when `got` (the headers) carry this run's signature over this request, fresh; else why not."""
     stamp, payload_digest, mac = got.get(STAMP, ""), got.get(DIGEST, ""), got.get(MAC, "")
     try:
@@ -59,7 +72,7 @@ def check(key: bytes, method: str, path: str, got: Any, size: int) -> str:
         return "no time stamp"
     if age > MAX_SKEW_S:
         return f"signed {age:.0f} s away from now"
-    if not hmac.compare_digest(sign(key, method, path, stamp, payload_digest, size), str(mac)):
+    if not hmac.compare_digest(sign(key, method, path, stamp, payload_digest, size, store), str(mac)):
         return "not signed with this run's key (RDZV_KEY)"
     return ""
 
