@@ -41,8 +41,8 @@ def _forger(status: int, body: bytes, signed_body: bytes, signed_status: int, si
     key) over `signed_body`, `signed_status` and `signed_store` (None: its own address)."""
     class Forged(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
-            host, port = self.server.server_address[:2]
-            name = signed_store or wire.store_name(str(host), str(port))
+            address: Any = self.server.server_address
+            name = signed_store or wire.store_name(str(address[0]), str(address[1]))
             self.send_response(status)
             for key, value in wire.headers(KEY, f"ANSWER {signed_status}", self.path, wire.body_digest(signed_body),
                                            len(body), name).items():
