@@ -64,3 +64,19 @@ def test_a_stop_s_peer_copy_to_a_store_that_never_answers_gives_up_within_its_bu
         assert tier._sender is not None and tier._sender.is_alive() and tier.sent == []  # returned, still sending
         tier.copy(30, {"w": 1}, {"r": 2}, budget_s=0.2)
         assert tier.skipped == 1  # the one before still on its way: this one is left out, not waited for
+
+
+def test_every_node_s_copy_names_rank_0_s_mlflow_run(tmp_path: Path, signal_handlers: None) -> None:
+    """A peer copy rank 0 restores may be another node's: its state must carry the run's MLflow
+    id (rank 0's, gathered to every rank once the tracker is open), not that node's own tracker's
+    (None on a node that started fresh), or each peer restore forks the MLflow run."""
+    from training.trainer import config as config_mod
+    from training.trainer.train import Run
+
+    cfg = config_mod.parse(["--workload", "tiny", "--tiny-width", "48", "--checkpoint-dir", str(tmp_path / "c")])
+    run = Run(cfg, Comm("torchrun"))
+    run.build_model()
+    run.initialise()
+    run.run_id = "rank-0-run"  # as gathered from global rank 0
+    state = run.state(Tracker(False, None, {}))  # this node's tracker is off and knows no run
+    assert state is not None and state["mlflow_run_id"] == "rank-0-run"

@@ -198,7 +198,7 @@ class Run:
         if self.sharded is None and self.comm.local_rank != 0:
             return None
         state = {"scheduler": self.scheduler.state_dict(), "step": self.step, "epoch": self.epoch,
-                 "offset": self.offset, "mlflow_run_id": tracker.run_id, "config": config_mod.as_dict(self.cfg),
+                 "offset": self.offset, "mlflow_run_id": self.run_id, "config": config_mod.as_dict(self.cfg),
                  "world_size": self.comm.world}
         if self.sharded is None:
             state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
@@ -351,6 +351,7 @@ class Run:
                     refuse(f"run {verdict}")
             return 0 if verdict.startswith("complete") else EXIT_USAGE
         tracker = Tracker(self.comm.rank == 0, self.run_id, config_mod.as_dict(self.cfg))
+        self.run_id = self.comm.all_gather_object(tracker.run_id)[0]  # every node's copies name rank 0's run
         try:
             interrupted = self.loop(ckpt, tracker)
         except BaseException as exc:
