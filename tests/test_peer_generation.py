@@ -63,3 +63,18 @@ def test_copies_are_sent_under_the_generation_of_the_restore(monkeypatch: pytest
         tier.copy(50, {"w": torch.ones(2)}, {"r": torch.tensor([1])}, budget_s=60)
         entries: list[Any] = Link(KEY).listing(store)
         assert [(e[2], e[6]) for e in entries] == [(50, "3-40")]
+
+
+def test_a_run_shrunk_to_one_node_still_restores_from_its_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.training_helpers import RDZV_TEST_KEY
+    from training.peer.tier import open_tier
+
+    with _store() as store:
+        _put(Link(KEY), store, 50, 5.0, 1, "0-40")
+        monkeypatch.setenv("GTS_PEER_STORE", store)
+        monkeypatch.setenv("RDZV_KEY", RDZV_TEST_KEY)
+        monkeypatch.setenv("PEER_EVERY", "10")
+        tier = open_tier(Comm("torchrun"))  # one node: nobody to send to, its own store to read
+        assert tier is not None and tier.buddy is None and not tier.due(60)
+        loaded = tier.load(50)
+        assert tier.steps() == {50} and loaded is not None and float(loaded[0]["w"][0]) == 5.0

@@ -194,12 +194,13 @@ class PeerTier:
 
 
 def open_tier(comm: Comm) -> PeerTier | None:
-    """The tier, when PEER_EVERY > 0 and the entrypoint started a store on this node; else None
-    (on every rank alike: the decision is combined)."""
+    """The tier, when the entrypoint started a store on this node; else None (on every rank alike:
+    the decision is combined). A world of one node (a run shrunk to it) still lists, loads and
+    forgets the copies its store holds; it sends none (no buddy: `due` is never true)."""
     every = contract.recovery(contract.PEER_EVERY.name)
     store = os.environ.get(ADDR_VAR, "")
     key = os.environ.get(wire.KEY_VAR, "")
-    (missing,) = comm.any_true(not (every > 0 and store and len(key) >= wire.MIN_KEY_CHARS and comm.nnodes > 1))
+    (missing,) = comm.any_true(not (store and len(key) >= wire.MIN_KEY_CHARS))
     if missing:
         return None
     return PeerTier(comm, every, key.encode(), store, os.environ.get(ZONE_VAR, ""))
