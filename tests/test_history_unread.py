@@ -83,7 +83,7 @@ def _blip(monkeypatch: pytest.MonkeyPatch, fresh: CheckpointManager, failures: i
     """Step 20's manifests answer 503 `failures` times once the bucket is listed (the load's reads)."""
     assert fresh.remote is not None
     fs, real_cat, real_steps = fresh.remote.fs, fresh.remote.fs.cat, fresh.remote_steps
-    armed, failed = [False], []
+    armed, failed = [False], list[str]()
 
     def cat(path: str, *args: Any, **kwargs: Any) -> Any:
         if armed[0] and step_dir(20) in path and len(failed) < failures:

@@ -71,8 +71,8 @@ class Run:
                                 # set by the node's env file or the Job; empty elsewhere
                                 "cloud": os.environ.get("GTS_CLOUD", ""), "group": os.environ.get("GTS_NODE_GROUP", ""),
                                 "team": os.environ.get("GTS_TEAM", "")})
-        self.step, self.epoch, self.offset, self.run_id = 0, 0, 0, None
-        self.last_saved, self.last_loss = 0, float("nan")
+        self.step, self.epoch, self.offset, self.last_saved, self.last_loss = 0, 0, 0, 0, float("nan")
+        self.run_id: str | None = None  # the MLflow run, as global rank 0 opened it
         self.interval = Interval(cfg.checkpoint_every, comm, cfg.mtbf_s, cfg.notice_s)
         self.wall = WallCost()
         self.progress = Progress(comm, cfg.local_and_remote()[1] or cfg.local_and_remote()[0], self.metrics)
