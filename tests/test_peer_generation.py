@@ -1,5 +1,5 @@
 """Ranks restore one copy, not merely one step (issue 46's review): copies carry the history they
-belong to (a generation: the agent's restart count and the step the world restored), rank 0
+belong to (a generation: when rank 0 restored, and the step it restored), rank 0
 lists the copies every rank tries in order, and a copy that any rank could not get is dropped
 by every rank together (an all-reduce), so no two ranks ever mix copies or tiers."""
 
@@ -54,15 +54,16 @@ def test_a_copy_one_rank_could_not_get_is_dropped_by_every_rank(monkeypatch: pyt
         assert tier.load(50) is None and votes == [(False,)]  # this rank had it, and still falls back
 
 
-def test_copies_are_sent_under_the_generation_of_the_restore(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+def test_copies_are_sent_under_the_generation_of_the_restore() -> None:
     with _store() as store:
         tier = PeerTier(Comm("torchrun"), 10, KEY, store, "")
         tier.keep_only(40)
         tier.buddy = 0
         tier.copy(50, {"w": torch.ones(2)}, {"r": torch.tensor([1])}, budget_s=60)
         entries: list[Any] = Link(KEY).listing(store)
-        assert [(e[2], e[6]) for e in entries] == [(50, "3-40")]
+        assert [(e[2], e[6]) for e in entries] == [(50, tier.generation)]
+        when, step = tier.generation.split("-")
+        assert step == "40" and int(when) > 0  # rank 0's clock at the restore, and the step restored
 
 
 def test_a_run_shrunk_to_one_node_still_restores_from_its_store(monkeypatch: pytest.MonkeyPatch) -> None:

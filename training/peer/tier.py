@@ -65,8 +65,9 @@ class PeerTier:
         self.skipped = 0
         self.error = ""
         self.refusals: list[str] = []  # peer copies refused (digest), by name
-        # <agent restart count>-<restored step>: the history this world's copies belong to (keep_only sets it)
-        self.generation = f"{int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') or 0)}-0"
+        # <when>-<restored step>: the history this world's copies belong to (keep_only sets it, from rank 0)
+        self.generation = "0-0"
+        self.restored_world = 0  # the world size of the peer copy this world restored (0: none)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and self.buddy is not None and step % self.every == 0
@@ -153,7 +154,11 @@ class PeerTier:
             self.refusals.append(why)
             log.warning("%s", why)
             return None
-        loaded = dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+        try:
+            loaded = dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+        except Exception as exc:  # noqa: BLE001 (the sender's own bytes, not loadable: every rank must go on)
+            log.warning("peer copy of step %d held by %s cannot be loaded: %s", step, store, exc)
+            return None
         return loaded if loaded.get("step") == step else None
 
     def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
@@ -163,7 +168,7 @@ class PeerTier:
         rank got, so that no two ranks ever restore different copies; none: the durable tiers."""
         held = self._held()
         full = sorted(((store, e) for store, e in held if e[2] == step and e[3] == "full"),
-                      key=lambda c: -int(str(c[1][6]).split("-")[0]))
+                      key=lambda c: -int(str(c[1][6]).split("-")[0]))  # the latest restore's history first
         for store, entry in self.comm.all_gather_object(full if self.comm.rank == 0 else None)[0]:
             model = self._fetch(step, store, entry)
             (missed,) = self.comm.any_true(model is None)
@@ -176,6 +181,7 @@ class PeerTier:
             if own is None and entry[0] == self.comm.world:
                 log.warning("rank %d: no store holds its own state of step %d (it was on the lost node): its random "
                             "streams are re-seeded", self.comm.rank, step)
+            self.restored_world = int(entry[0])
             return model["state"], own["rng"] if own is not None else None
         return None
 
@@ -183,11 +189,10 @@ class PeerTier:
         """This world restored `step` (0: none): every store forgets the copies of other steps
         (later ones are another history now, older ones are of no use) and of other world sizes'
         at that step, so that no later restore mixes them with this one's."""
-        full = sorted(e[0] for _, e in self._held() if e[2] == step and e[3] == "full") if step else []
-        self.generation = f"{self.generation.split('-')[0]}-{step}"
+        self.generation = self.comm.all_gather_object(f"{int(time.time())}-{step}")[0]  # rank 0's: one per world
         if self.comm.local_rank == 0:
             try:
-                self.link.keep_only(self.stores[self.comm.node], full[0] if full else 0, step)
+                self.link.keep_only(self.stores[self.comm.node], self.restored_world if step else 0, step)
             except PeerRefused as exc:
                 log.warning("%s", exc)
         self.comm.barrier()

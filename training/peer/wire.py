@@ -20,9 +20,9 @@ MAX_SKEW_S = 120  # a signed request older (or newer) than this is refused: no r
 # /v1/copy/<world size>/<rank>/<step>/<kind>/<generation>: one source's copy of one step (source = (world, rank));
 # kind `full`: the replicated training state and the rank's own (a node's local rank 0), `rank`:
 # the rank's own alone (RNG streams, data position).
-# <generation>: <restart>-<step>, the agent's restart count and the step the sending world restored
+# <generation>: <when>-<step>, when (Unix seconds, rank 0's clock) the sending world restored <step>
 # (training/peer/tier.py), so that copies of two histories that reached one step are told apart.
-COPY = re.compile(r"^/v1/copy/(\d{1,6})/(\d{1,6})/(\d{1,12})/(full|rank)/(\d{1,6}-\d{1,12})$")
+COPY = re.compile(r"^/v1/copy/(\d{1,6})/(\d{1,6})/(\d{1,12})/(full|rank)/(\d{1,12}-\d{1,12})$")
 # /v1/keep/<world>/<step>: forget every copy but those of <step> saved by world size <world> (0: any);
 # a world that restored <step> abandoned later steps and needs no older one
 KEEP_ONLY = re.compile(r"^/v1/keep/(\d{1,6})/(\d{1,12})$")
