@@ -261,13 +261,13 @@ def test_the_trainer_records_its_peer_copies_as_checkpoints(tmp_path: Path) -> N
     class Peer:
         skipped = 0
 
-        def copy(self, step: int, state: object, rng: object, wait: bool) -> float:
+        def copy(self, step: int, state: object, rng: object, budget_s: float | None = None) -> float:
             self.skipped += step == 20  # the second copy finds the first still on its way
             return 0.25
 
     progress = Progress(Rank0(), str(tmp_path), None)  # type: ignore[arg-type]
     for step in (10, 20):
-        progress.peer_copy(Peer(), step, None, {}, False)
+        progress.peer_copy(Peer(), step, None, {})
     progress.close()
     found = [(e.kind, e.step, e.tier, e.blocked_s) for e in records.read(str(tmp_path))]
     assert found == [("checkpoint", 10, "peer", 0.25)]

@@ -24,10 +24,10 @@ KEY = RDZV_TEST_KEY.encode()
 
 
 @contextlib.contextmanager
-def _store() -> Iterator[str]:
+def _store(**env: str) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "training.peer.store", "--addr", "127.0.0.1", "--port", str(port)],
-                            cwd=ROOT, env={**os.environ, "RDZV_KEY": RDZV_TEST_KEY, "PYTHONPATH": str(ROOT)},
+                            cwd=ROOT, env={**os.environ, "RDZV_KEY": RDZV_TEST_KEY, "PYTHONPATH": str(ROOT), **env},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_port(port)
@@ -86,13 +86,15 @@ def test_a_flipped_byte_is_refused_by_name_and_the_next_copy_used() -> None:
         assert loaded[1] is not None and int(loaded[1]["r"]) == 7
         link.put(first, 1, 0, 50, "full", _copy(50, 5.0), wire.payload_digest(_copy(50, 5.0)))
         assert tier.steps() == {40, 50}
-        tier.forget_after(40)  # this world restored step 40: step 50 is another history now (each node tells its own store)
+        tier.keep_only(40)  # this world restored step 40: step 50 is another history now (each node tells its own store)
         assert tier.steps() == {40}
 
 
 def test_the_buddy_ring_prefers_another_zone_and_never_the_node_itself() -> None:
     assert [buddy(n, ["a", "a", "a"]) for n in range(3)] == [1, 2, 0]
-    assert [buddy(n, ["a", "a", "b", "b"]) for n in range(4)] == [2, 2, 0, 0]
+    assert [buddy(n, ["a", "a", "b", "b"]) for n in range(4)] == [2, 3, 0, 1]  # each node holds one node's copies
+    assert [buddy(n, ["a", "b", "a", "b"]) for n in range(4)] == [1, 0, 3, 2]
+    assert [buddy(n, list("aabbcc")) for n in range(6)] == [2, 3, 4, 5, 0, 1]
     assert [buddy(n, ["a", "b"]) for n in range(2)] == [1, 0]
 
 

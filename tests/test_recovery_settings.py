@@ -20,7 +20,12 @@ def test_the_entrypoint_s_defaults_are_the_contract_s() -> None:
     found = {name: int(value) for name, value in re.findall(r"\$\{([A-Z_]+):-(\d+)\}", script)
              if name in contract.RECOVERY_DEFAULTS}
     assert found == {name: contract.RECOVERY_DEFAULTS[name] for name in found}, found
-    assert {"RDZV_LAST_CALL_S", "RDZV_KEEPALIVE_S", "RDZV_KEEPALIVE_MISSES"} <= set(found), found
+    assert {"RDZV_KEEPALIVE_S", "RDZV_KEEPALIVE_MISSES"} <= set(found), found
+    assert found["RDZV_KEEPALIVE_S"] * found["RDZV_KEEPALIVE_MISSES"] >= 10  # a loaded node's agent and clock skew
+    # the last call: torch's 30 s, the peer tier's 3 s when PEER_EVERY > 0
+    assert "last_call_timeout=${RDZV_LAST_CALL_S:-$last_call}" in script
+    assert f"last_call={contract.RECOVERY_DEFAULTS['RDZV_LAST_CALL_S']}\n" in script
+    assert f'if [ "${{PEER_EVERY:-0}}" -gt 0 ]; then last_call={contract.LAST_CALL_PEER_S}; fi' in script
     assert "keep_alive_interval=${RDZV_KEEPALIVE_S" in script and "keep_alive_max_attempt=${RDZV_KEEPALIVE_MISSES" in script
     # torch reads these rendezvous settings by these names (dynamic_rendezvous.create_handler)
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
@@ -43,5 +48,5 @@ def test_a_bad_recovery_setting_stops_the_node_with_one_line(name: str, value: s
 
 
 def test_unset_settings_take_the_defaults() -> None:
-    assert contract.recovery("PEER_EVERY", {}) == 0 and contract.recovery("RDZV_KEEPALIVE_S", {}) == 1
+    assert contract.recovery("PEER_EVERY", {}) == 0 and contract.recovery("RDZV_KEEPALIVE_S", {}) == 2
     assert contract.recovery("PEER_EVERY", {"PEER_EVERY": "25"}) == 25

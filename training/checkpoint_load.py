@@ -23,7 +23,7 @@ from training.checkpoint_files import (MODEL_FILE, STEP_RE, CheckpointError, Top
                                        manifest_name, plain_path, rng_name, step_dir)
 from training.checkpoint_memory import in_memory, memory_files
 from training.fetch import fetch_retrying
-from training.storage import Location, StorageRefused, permanent_cause
+from training.storage import Location, StorageRefused, StorageUnavailable, permanent_cause
 
 log = logging.getLogger("gts.checkpoint")
 _MAP_FLAGS = threading.Lock()
@@ -98,10 +98,12 @@ class Loading:
         return sorted(s for s in steps if self._local_manifests(s))
 
     def remote_steps(self) -> list[int]:
-        """Steps whose every node's manifest is in the bucket. An unreachable bucket gives none
-        (and `remote_error` says why): the run goes on from its local steps."""
+        """Steps whose every node's manifest is in the bucket. An unreachable bucket gives none,
+        and a listed step whose manifest cannot be read (other than missing) is left out: both set
+        `remote_error` (why), so that choose_checkpoint never takes "none listed" for "none there"."""
         if self.remote is None:
             return []
+        self.remote_error = ""
         try:
             names = [p.rsplit("/", 1)[-1] for p in self.remote.fs.ls(self.remote.root, detail=False)]
         except Exception as exc:  # noqa: BLE001 (botocore / aiohttp errors are not all OSError)
@@ -120,7 +122,10 @@ class Loading:
             try:
                 listing = {p.rsplit("/", 1)[-1] for p in self.remote.fs.ls(self.remote.join(name), detail=False)}
                 raw = self.remote.fs.cat(self.remote.join(name, manifest_name(0)))
-            except Exception:  # noqa: BLE001 (a missing manifest: not a complete step)
+            except FileNotFoundError:  # a missing manifest: not a complete step
+                continue
+            except Exception as exc:  # noqa: BLE001 (a 503, a dropped connection: the step may well be there)
+                self.remote_error = f"{name}/{manifest_name(0)}: {type(exc).__name__}: {exc}"
                 continue
             try:
                 first = json.loads(raw)
@@ -315,8 +320,18 @@ class Loading:
                               for n in range(1, int(first["nnodes"]))]
         except CheckpointError:
             raise
-        except Exception as exc:  # noqa: BLE001
+        except (FileNotFoundError, ValueError) as exc:  # a manifest missing or not JSON: the step is not whole
             raise CheckpointError(f"its manifests cannot be read from {self.remote.url}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 (botocore / aiohttp errors are not all OSError)
+            raise self._io_fault(exc, "its manifests cannot be read") from None
+
+    def _io_fault(self, exc: Exception, what: str) -> StorageRefused | StorageUnavailable:
+        """The bucket's answer that is no fault of the step: refused for good, or unavailable now."""
+        assert self.remote is not None
+        cause = permanent_cause(exc)
+        if cause is not None:
+            return StorageRefused(f"{self.remote.url}: {cause}")
+        return StorageUnavailable(f"{what} from {self.remote.url}: {type(exc).__name__}: {exc}")
 
     def _download(self, step: int, folder: Path, files: dict[str, dict[str, Any]]) -> None:
         """Fetch the files that are missing or bad here; one rank of the node at a time (a lock
@@ -350,8 +365,10 @@ class Loading:
                     fetch_retrying(self.remote.fs, self.remote.join(step_dir(step), name), part, meta, fault)
                 except CheckpointError:
                     raise
-                except Exception as exc:  # noqa: BLE001
+                except FileNotFoundError as exc:
                     raise CheckpointError(f"{name} cannot be fetched from {self.remote.url}: {exc}") from None
+                except Exception as exc:  # noqa: BLE001 (retried in fetch_retrying already)
+                    raise self._io_fault(exc, f"{name} cannot be fetched") from None
                 os.replace(part, target)
             for n, manifest in enumerate(self._remote_manifests(step)):
                 path = folder / manifest_name(n)

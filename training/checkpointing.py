@@ -56,9 +56,9 @@ from training.checkpoint import CheckpointError
 from training.distributed import Comm
 from training.loaders import LoaderState
 from training.restore import materialize, own_moments, restore_model
-from training.run_control import (EXIT_PEER_STOPPED, EXIT_REFUSED, Interval, Resumed, StopFlag, choose_checkpoint,
-                                  exit_code, finish, open_manager, process_exit, refuse, rng_state, say_refused,
-                                  set_rng_state)
+from training.run_control import (EXIT_PEER_STOPPED, HistoryUnknown, Interval, Resumed, StopFlag,
+                                  choose_checkpoint, exit_code, finish, open_manager, process_exit, rng_state,
+                                  say_refused, say_storage, set_rng_state)
 from training.storage import StorageRefused
 
 if TYPE_CHECKING:
@@ -182,11 +182,9 @@ class Checkpointer:
     def _resume(self, assign: bool) -> int:
         try:
             found = self.sharded.choose() if self.sharded is not None else choose_checkpoint(self.manager, self.comm)
-        except StorageRefused as exc:  # no such bucket, access denied (every rank lists it): one line, no traceback
-            if self.comm.rank == 0:
-                refuse(f"refused: checkpoint storage {exc}")
+        except (StorageRefused, HistoryUnknown) as exc:  # no such bucket, access denied: exit 2; unread: a restart
             self.manager.close(timeout=0)
-            raise SystemExit(process_exit(EXIT_REFUSED)) from None
+            raise SystemExit(process_exit(say_storage(self.comm, exc))) from None
         self.manager.resync()
         if found is None:
             return 0

@@ -122,19 +122,22 @@ RESERVATION_VARS = (RESERVATION_END, RESERVATION_NOTICE_S)
 # training/node/entrypoint.sh repeats), which a node's env file or the Job may override.
 IMAGE = "the image's default (a node's env file or the Job may set it)"
 RDZV_LAST_CALL_S = Var("RDZV_LAST_CALL_S", "seconds a rendezvous waits for more nodes once MIN_NNODES are in "
-                       "(torch's last_call_timeout; default 3)", IMAGE)
+                       "(torch's last_call_timeout; default 30, 3 with PEER_EVERY > 0)", IMAGE)
 RDZV_KEEPALIVE_S = Var("RDZV_KEEPALIVE_S", "seconds between a node agent's rendezvous heartbeats (torch's "
-                       "keep_alive_interval; default 1)", IMAGE)
+                       "keep_alive_interval; default 2)", IMAGE)
 RDZV_KEEPALIVE_MISSES = Var("RDZV_KEEPALIVE_MISSES", "heartbeats a node may miss before the others drop it from the "
-                            "rendezvous (torch's keep_alive_max_attempt; default 4)", IMAGE)
+                            "rendezvous (torch's keep_alive_max_attempt; default 5)", IMAGE)
 PEER_EVERY = Var("PEER_EVERY", "steps between in-memory copies of each rank's state on another node of the run "
                  "(0: off; default 0; docs/recovery.md)", IMAGE)
 PEER_PORT = Var("PEER_PORT", "port of the node's peer store, on its private address (default 29600)", IMAGE)
-RECOVERY_VARS = (RDZV_LAST_CALL_S, RDZV_KEEPALIVE_S, RDZV_KEEPALIVE_MISSES, PEER_EVERY, PEER_PORT)
-RECOVERY_DEFAULTS = {RDZV_LAST_CALL_S.name: 3, RDZV_KEEPALIVE_S.name: 1, RDZV_KEEPALIVE_MISSES.name: 4,
-                     PEER_EVERY.name: 0, PEER_PORT.name: 29600}
+PEER_STORE_GIB = Var("PEER_STORE_GIB", "GiB of host memory the node's peer store may hold; a copy over it is refused "
+                     "(507) and the sender says so (0: half the node's memory; default 0)", IMAGE)
+RECOVERY_VARS = (RDZV_LAST_CALL_S, RDZV_KEEPALIVE_S, RDZV_KEEPALIVE_MISSES, PEER_EVERY, PEER_PORT, PEER_STORE_GIB)
+RECOVERY_DEFAULTS = {RDZV_LAST_CALL_S.name: 30, RDZV_KEEPALIVE_S.name: 2, RDZV_KEEPALIVE_MISSES.name: 5,
+                     PEER_EVERY.name: 0, PEER_PORT.name: 29600, PEER_STORE_GIB.name: 0}
+LAST_CALL_PEER_S = 3  # RDZV_LAST_CALL_S's default with PEER_EVERY > 0 (the entrypoint's)
 RECOVERY_LEAST = {RDZV_LAST_CALL_S.name: 0, RDZV_KEEPALIVE_S.name: 1, RDZV_KEEPALIVE_MISSES.name: 2,
-                  PEER_EVERY.name: 0, PEER_PORT.name: 1}
+                  PEER_EVERY.name: 0, PEER_PORT.name: 1, PEER_STORE_GIB.name: 0}
 
 
 def recovery(name: str, env: dict[str, str] | None = None) -> int:

@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from training import contract, reservation
 from training.checkpoint import CheckpointError, CheckpointManager, RunLocked, Topology, UploadStatus
 from training.distributed import Comm
 from training.goodput import AutoInterval
-from training.storage import StorageRefused
+from training.storage import StorageRefused, StorageUnavailable
 
 log = logging.getLogger("gts.checkpointing")
 
@@ -30,6 +31,11 @@ log = logging.getLogger("gts.checkpointing")
 EXIT_PEER_STOPPED = 75
 # A refusal the user must act on (the store refused the checkpoints, the run's lock, changed settings).
 EXIT_REFUSED = 2
+# The run's history could not be read (the bucket did not answer): every rank exits with it, and
+# torchrun's agent (then systemd, once its restarts are spent) starts the workers again (EX_TEMPFAIL).
+EXIT_RETRY = 75
+LOAD_ATTEMPTS = 4  # a step's load that meets a store not answering: tries, then EXIT_RETRY
+LOAD_WAIT_S = (2.0, 20.0)  # the first wait between them, and the longest
 
 
 def refuse(message: str) -> None:
@@ -112,11 +118,32 @@ class HistoryAtRisk(StorageRefused):
     (exit 2, as for a refused store) instead of starting again from step 0 over them."""
 
 
+class HistoryUnknown(Exception):
+    """No step could be restored and the bucket could not be read whole (its listing or a listed
+    step's manifest failed on some rank): it may hold steps, so the run must not start from step 0
+    (it would upload over them, and pruning would then delete them). Every rank exits EXIT_RETRY."""
+
+
+def say_storage(comm: Comm, exc: StorageRefused | HistoryUnknown) -> int:
+    """One line (rank 0) for a refused store (exit 2: refuse()) or HistoryUnknown (EXIT_RETRY, on
+    every rank: a restart); the code the ranks return."""
+    if isinstance(exc, HistoryUnknown):
+        if comm.rank == 0:
+            log.error("stopped before step 1: %s; exiting %d so that the run is started again", exc, EXIT_RETRY)
+        return EXIT_RETRY
+    if comm.local_rank == 0:  # every node's entrypoint repeats it and exits 2 (not 0: a node restarted over it)
+        refuse(f"refused: checkpoint storage {exc}")
+    return EXIT_REFUSED
+
+
 @dataclass
 class Resumed:
     step: int
     state: Any
     rng: dict[str, Any] | None
+    # the newest step at or before `step` that every rank holds on disk or in the bucket (0: none):
+    # `step` itself unless it came from the peer tier, whose copies are never durable
+    durable: int = 0
 
 
 def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
@@ -128,27 +155,32 @@ def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
     this rank can get elsewhere too (the peer tier's, training/peer/tier.py)."""
     load = load or ckpt.load
     local, remote = set(ckpt.local_steps()), set(ckpt.remote_steps())
-    listed = comm.all_gather_object((sorted(local | remote | (extra or set())), sorted(remote)))
-    common = set.intersection(*(set(mine) for mine, _ in listed))
-    in_bucket = sorted(set().union(*(set(theirs) for _, theirs in listed)))
+    listed = comm.all_gather_object((sorted(local | remote | (extra or set())), sorted(remote), ckpt.remote_error,
+                                     sorted(local | remote)))
+    common = set.intersection(*(set(mine) for mine, _, _, _ in listed))
+    in_bucket = sorted(set().union(*(set(theirs) for _, theirs, _, _ in listed)))
+    unread = next((why for _, _, why, _ in listed if why), "")
+    durable = set.intersection(*(set(kept) for _, _, _, kept in listed))
     if ckpt.remote_error and comm.local_rank == 0:
         log.warning("the bucket %s cannot be listed (%s): starting from this node's own checkpoints; uploads "
                     "are retried in the background", ckpt.remote.url if ckpt.remote else "", ckpt.remote_error)
     for step in sorted(common, reverse=True):
-        state: Any = {}
-        rng = None
-        try:
-            state, rng = load(step)
-            fault = ""
-        except CheckpointError as exc:
-            fault = str(exc)
-        faults = [(rank, f) for rank, f in enumerate(comm.all_gather_object(fault)) if f]
+        state, rng, fault, down = _load_step(load, step)
+        gathered = comm.all_gather_object((fault, down))
+        faults = [(rank, f) for rank, (f, _) in enumerate(gathered) if f]
         if not faults:
-            return Resumed(step, state, rng)
+            return Resumed(step, state, rng, max((s for s in durable if s <= step), default=0))
+        unavailable = [f for f, was_down in gathered if was_down]
+        if unavailable:  # no fault of the step's: skipping it (or starting over) would lose work to a blip
+            raise HistoryUnknown(f"checkpoint step {step} could not be read after {LOAD_ATTEMPTS} tries: "
+                                 f"{unavailable[0]}")
         if comm.rank == 0:
             rank, first = faults[0]
             log.warning("skipping checkpoint step %d: rank %d: %s%s", step, rank, first,
                         f" (and {len(faults) - 1} more rank(s))" if len(faults) > 1 else "")
+    if unread:  # the bucket may hold steps no rank could see: starting from nothing would write over them
+        raise HistoryUnknown(f"{ckpt.remote.url if ckpt.remote else ''} could not be read ({unread}) and no step "
+                             "every rank can load was found: starting from step 0 could write over the run's history")
     if in_bucket:  # starting from nothing would write new steps over the run's history there
         raise HistoryAtRisk(f"{ckpt.remote.url if ckpt.remote else ''}: holds committed steps {in_bucket} but no "
                             "step every rank can load (the lines above say why): starting from step 0 would write "
@@ -156,6 +188,24 @@ def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
     if common and comm.rank == 0:
         log.warning("no usable checkpoint among steps %s: starting from scratch", sorted(common))
     return None
+
+
+def _load_step(load: Callable[[int], tuple[Any, dict[str, Any] | None]], step: int
+               ) -> tuple[Any, dict[str, Any] | None, str, bool]:
+    """(state, rng, fault, unavailable) of `step`: a fault of the step's own (digest, size, manifest:
+    CheckpointError) at once; a store that does not answer (StorageUnavailable) after
+    LOAD_ATTEMPTS tries, LOAD_WAIT_S apart and doubling."""
+    try:
+        for attempt in Retrying(stop=stop_after_attempt(LOAD_ATTEMPTS), reraise=True,
+                                wait=wait_exponential(multiplier=LOAD_WAIT_S[0], max=LOAD_WAIT_S[1]),
+                                retry=retry_if_exception_type(StorageUnavailable)):
+            with attempt:
+                state, rng = load(step)
+        return state, rng, "", False
+    except CheckpointError as exc:
+        return {}, None, str(exc), False
+    except StorageUnavailable as exc:
+        return {}, None, str(exc), True
 
 
 def exit_code(comm: Comm, raised: str | None) -> int:

@@ -61,6 +61,11 @@ class StorageRefused(Exception):
     """The store answered with a permanent error (the message names the URL and the cause)."""
 
 
+class StorageUnavailable(Exception):
+    """The store did not answer (a 5xx, a timeout, a dropped connection) after the retries: not a
+    fault of the checkpoint, so never a reason to skip its step (the message names the URL)."""
+
+
 @dataclass(frozen=True)
 class Location:
     """A checkpoint root: a filesystem and a path on it (no scheme)."""

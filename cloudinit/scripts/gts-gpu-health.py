@@ -10,23 +10,18 @@ gate  (gts-gpu-gate.service, which gts-trainer.service Requires; the Kubernetes 
       and exits 1: the trainer is never started.
 watch (gts-gpu-watch.service): follows the kernel log (`journalctl -k -f`, or a file) for
       `NVRM: Xid` lines and classifies each by infra/data/gpu_health.yaml:
-      replace -> the emergency checkpoint through the spot notice's path (gts-spot-watch.py:
-                 the node is marked, the workers get SIGTERM and commit, bounded wait), then the
-                 node hands itself back to its group (below);
-      restart -> the training workers are killed; torchrun restarts them from the newest
-                 committed checkpoint (--max-restarts), the node stays;
+      replace -> the emergency checkpoint through the spot notice's path (gts-spot-watch.py),
+                 then the node hands itself back to its group (below);
+      restart -> the workers are killed; torchrun restarts them from the newest checkpoint;
       monitor -> a metric only (an unknown Xid is monitored too, and the journal says so).
 
-Handing the node back: training/node/node_replace.py (installed beside cloudmeta.py) asks the
-cloud's node module (infra/clouds/<cloud>/node.py replace_self), which says the call and why.
-A node with no scaling group (GTS_REPLACE=none: reserved groups on Alibaba and Tencent are fixed
-instances), or whose group refuses the call, checkpoints and stops its trainer all the same,
-stays out of the run (quarantined: gts_gpu_quarantined 1, and the journal says why) and is left
-for the operator to repair or replace.
+Handing the node back: training/node/node_replace.py asks the cloud's node module
+(infra/clouds/<cloud>/node.py replace_self) after a slot of the group's replacement budget
+(replace_budget.py). A node with no scaling group (GTS_REPLACE=none: fixed instances), over the
+budget, or refused, checkpoints and stops its trainer all the same and stays out of the run
+(quarantined: gts_gpu_quarantined 1, and the journal says why) for the operator.
 
     gts-gpu-health.py gate --cloud aws --gpus 8 --nvswitch --nvlinks 12 --diag-level 1
-    gts-gpu-health.py watch --cloud aws --action docker:gts-trainer
-    gts-gpu-health.py watch --cloud tencentcloud --action pid:1234 --kernel-log /tmp/kmsg --api-url http://127.0.0.1:9000
 """
 
 import argparse

@@ -113,9 +113,14 @@ case "$LAUNCHER" in
       # training/contract.py's RECOVERY_DEFAULTS): torch drops a node whose agent missed
       # keep_alive_max_attempt heartbeats keep_alive_interval apart (dynamic_rendezvous.py
       # _RendezvousStateHolder._sanitize), then completes the round last_call_timeout after
-      # MIN_NNODES are in (_RendezvousJoinOp). torch's 5 s x 3 made a shrink take 15 s.
-      rdzv_conf="is_host=false,read_timeout=300,last_call_timeout=${RDZV_LAST_CALL_S:-3}"
-      rdzv_conf+=",keep_alive_interval=${RDZV_KEEPALIVE_S:-1},keep_alive_max_attempt=${RDZV_KEEPALIVE_MISSES:-4}"
+      # MIN_NNODES are in (_RendezvousJoinOp). The heartbeats' stamps are compared across the
+      # nodes' clocks: 2 s x 5 leaves room for skew and a loaded agent. A run with the peer tier
+      # takes a 3 s last call (fast shrinks); others torch's 30 s (late cold-boot nodes join
+      # the first round instead of restarting the world when they arrive).
+      last_call=30
+      if [ "${PEER_EVERY:-0}" -gt 0 ]; then last_call=3; fi
+      rdzv_conf="is_host=false,read_timeout=300,last_call_timeout=${RDZV_LAST_CALL_S:-$last_call}"
+      rdzv_conf+=",keep_alive_interval=${RDZV_KEEPALIVE_S:-2},keep_alive_max_attempt=${RDZV_KEEPALIVE_MISSES:-5}"
       # The workers' store: hosted by the rank-0 node's agent on its private address, anew
       # every round (training/node/rdzv_launch.py PrivateWorkerStoreHandler).
       # torchrun with the rendezvous state signed under the group's RDZV_KEY: the agents
@@ -124,8 +129,17 @@ case "$LAUNCHER" in
       if [ "${PEER_EVERY:-0}" -gt 0 ]; then
         # The node's peer store (training/peer/store.py): other nodes' newest states in host
         # memory, beside the agent (it outlives the workers), on this node's address alone.
-        python -m training.peer.store --addr "$addr" --port "${PEER_PORT:-29600}" &
+        # The agent starts once the store listens (its --ready-file): a worker's first copy or
+        # listing must not meet a port not yet open.
+        ready=$(mktemp)
+        python -m training.peer.store --addr "$addr" --port "${PEER_PORT:-29600}" --ready-file "$ready" &
         PEER_STORE=$!
+        for _ in $(seq 600); do
+          [ -s "$ready" ] && break
+          kill -0 "$PEER_STORE" 2>/dev/null || { echo "entrypoint: the peer store did not start (above)" >&2; exit 2; }
+          sleep 0.05
+        done
+        rm -f "$ready"
         export GTS_PEER_STORE="$addr:${PEER_PORT:-29600}"
       fi
       cmd=(python -m training.node.rdzv_launch --nnodes "$MIN_NNODES:$NNODES" --nproc-per-node "$NPROC_PER_NODE"

@@ -23,24 +23,31 @@ class Link:
     def _request(self, store: str, method: str, path: str, body: bytes | memoryview = b"",
                  payload_digest: str = "") -> tuple[int, bytes, Any]:
         host, _, port = store.rpartition(":")
+        signed_as = wire.store_name(host, port)
         conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=self.timeout_s)
         try:
             conn.request(method, path, body=body if body else None,
-                         headers=wire.headers(self.key, method, path, payload_digest, len(body)))
+                         headers=wire.headers(self.key, method, path, payload_digest, len(body), signed_as))
             answer = conn.getresponse()
             data = answer.read()
         except OSError as exc:
             raise PeerRefused(f"peer store {store}: {type(exc).__name__}: {exc}") from None
         finally:
             conn.close()
-        why = wire.check(self.key, "ANSWER", path, answer.headers, len(data))
+        why = wire.check(self.key, f"ANSWER {answer.status}", path, answer.headers, len(data), signed_as)
+        named = str(answer.headers.get(wire.DIGEST, ""))
+        if not why and named.startswith("sha256:") and named != wire.body_digest(data):
+            why = "with a body that does not match its signed digest"
+        elif not why and not named.startswith("sha256:") and not wire.COPY.match(path):
+            why = "with no signed digest of its body"
         if why:
             raise PeerRefused(f"peer store {store} answered {path} {why}")
         return answer.status, data, answer.headers
 
     def put(self, store: str, world: int, rank: int, step: int, kind: str, data: bytes | memoryview,
-            payload_digest: str) -> None:
-        status, body, _ = self._request(store, "PUT", f"/v1/copy/{world}/{rank}/{step}/{kind}", data, payload_digest)
+            payload_digest: str, generation: str = "0-0") -> None:
+        status, body, _ = self._request(store, "PUT", f"/v1/copy/{world}/{rank}/{step}/{kind}/{generation}", data,
+                                        payload_digest)
         if status != 200:
             raise PeerRefused(f"peer store {store} refused step {step} of rank {rank}: {status} {body[:200]!r}")
 
@@ -50,12 +57,16 @@ class Link:
             raise PeerRefused(f"peer store {store}: {status} {body[:200]!r}")
         return list(json.loads(body))
 
-    def get(self, store: str, world: int, rank: int, step: int, kind: str) -> tuple[str, bytes]:
+    def get(self, store: str, world: int, rank: int, step: int, kind: str, generation: str = "0-0"
+            ) -> tuple[str, bytes]:
         """(the digest the sender named, the bytes)."""
-        status, body, headers = self._request(store, "GET", f"/v1/copy/{world}/{rank}/{step}/{kind}")
+        status, body, headers = self._request(store, "GET", f"/v1/copy/{world}/{rank}/{step}/{kind}/{generation}")
         if status != 200:
             raise PeerRefused(f"peer store {store} holds no {kind} copy of step {step} of rank {rank}/{world}")
         return str(headers.get(wire.DIGEST, "")), body
 
-    def forget_after(self, store: str, step: int) -> None:
-        self._request(store, "DELETE", f"/v1/after/{step}")
+    def keep_only(self, store: str, world: int, step: int) -> None:
+        """The store forgets every copy but those of `step` saved by world size `world` (0: any)."""
+        status, body, _ = self._request(store, "DELETE", f"/v1/keep/{world}/{step}")
+        if status != 200:
+            raise PeerRefused(f"peer store {store} did not forget: {status} {body[:200]!r}")

@@ -6,7 +6,7 @@ those on a failure, and host memory a worker held dies with it) and dies with th
 
 Bound to the node's private address only (never the wildcard); every request and answer signed
 with the run's key (training/peer/wire.py); bounded: the newest KEEP steps per source (a rank of
-one world size), at most MAX_SOURCES sources. It checks no payload: the receiver hashes what it
+one world size), at most MAX_SOURCES sources and PEER_STORE_GIB (default half the node's memory). It checks no payload: the receiver hashes what it
 gets against the digest the sender named, and refuses a copy that does not match.
 """
 
@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from training import contract
 from training.peer import wire
 
 log = logging.getLogger("gts.peer.store")
@@ -28,64 +30,94 @@ KEEP = 2
 MAX_SOURCES = 512
 MAX_BYTES = 1 << 40  # one copy's most (a sanity bound on Content-Length, not a memory budget)
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+TIMEOUT_S = 60.0  # a connection silent this long is closed
+MAX_CONNECTIONS = 64  # open at once (a node's ranks send and fetch a few each)
 
 
 class Copies:
-    """(world, rank) -> {step: (kind, digest, bytes)}, the newest KEEP steps of each source."""
+    """(world, rank) -> {step: (kind, digest, bytes, generation)}, the newest KEEP steps of each source, at most
+    `budget` bytes in all (a copy that would pass it is refused, never another one dropped for it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int = 1 << 62) -> None:
         self._lock = threading.Lock()
-        self._held: dict[tuple[int, int], dict[int, tuple[str, str, bytes]]] = {}
+        self._held: dict[tuple[int, int], dict[int, tuple[str, str, bytes, str]]] = {}
+        self.budget = budget
 
-    def put(self, world: int, rank: int, step: int, kind: str, payload_digest: str, data: bytes) -> None:
+    def put(self, world: int, rank: int, step: int, kind: str, payload_digest: str, data: bytes,
+            generation: str = "0-0") -> bool:
+        """Hold the copy (True), or refuse it (False) when the store would then pass its budget."""
         with self._lock:
-            steps = self._held.setdefault((world, rank), {})
-            steps[step] = (kind, payload_digest, data)
-            for old in sorted(steps)[:-KEEP]:
-                del steps[old]
+            steps = dict(self._held.get((world, rank), {}))
+            steps[step] = (kind, payload_digest, data, generation)
+            kept = {s: steps[s] for s in sorted(steps)[-KEEP:]}
+            others = sum(len(d) for source, held in self._held.items() if source != (world, rank)
+                         for _, _, d, _ in held.values())
+            if others + sum(len(d) for _, _, d, _ in kept.values()) > self.budget:
+                return False
+            self._held[(world, rank)] = kept
             while len(self._held) > MAX_SOURCES:  # the source with the oldest newest step goes
                 del self._held[min(self._held, key=lambda s: max(self._held[s]))]
+            return True
 
-    def get(self, world: int, rank: int, step: int, kind: str) -> tuple[str, bytes] | None:
+    def get(self, world: int, rank: int, step: int, kind: str, generation: str) -> tuple[str, bytes] | None:
         with self._lock:
             found = self._held.get((world, rank), {}).get(step)
-        return (found[1], found[2]) if found is not None and found[0] == kind else None
+        return (found[1], found[2]) if found is not None and (found[0], found[3]) == (kind, generation) else None
 
-    def forget_after(self, step: int) -> int:
+    def keep_only(self, step: int, world: int | None = None) -> int:
+        """Drop every copy but those of `step` (and of world size `world`, when given): a world that
+        restored `step` abandoned later steps, needs no older one, and never another world's."""
         with self._lock:
-            later = [(source, s) for source, steps in self._held.items() for s in steps if s > step]
-            for source, s in later:
-                del self._held[source][s]
-            return len(later)
+            dropped = 0
+            for source in list(self._held):
+                steps = self._held[source]
+                gone = [s for s in steps if s != step or (world is not None and source[0] != world)]
+                for s in gone:
+                    del steps[s]
+                dropped += len(gone)
+                if not steps:  # no empty source is kept (eviction takes the newest step of each)
+                    del self._held[source]
+            return dropped
 
     def listing(self) -> list[list[Any]]:
-        """[world, rank, step, kind, digest, size] of every copy held."""
+        """[world, rank, step, kind, digest, size, generation] of every copy held."""
         with self._lock:
-            return [[world, rank, step, kind, found, len(data)] for (world, rank), steps in sorted(self._held.items())
-                    for step, (kind, found, data) in sorted(steps.items())]
+            return [[world, rank, step, kind, found, len(data), gen] for (world, rank), steps in sorted(self._held.items())
+                    for step, (kind, found, data, gen) in sorted(steps.items())]
 
     @property
     def size(self) -> int:
         with self._lock:
-            return sum(len(d) for steps in self._held.values() for _, _, d in steps.values())
+            return sum(len(d) for steps in self._held.values() for _, _, d, _ in steps.values())
+
+
+def default_budget(env: dict[str, str] | None = None) -> int:
+    """PEER_STORE_GIB in bytes, else half the node's memory."""
+    gib = contract.recovery(contract.PEER_STORE_GIB.name, env)
+    return gib << 30 if gib else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 class Handler(BaseHTTPRequestHandler):
     server: PeerServer
     protocol_version = "HTTP/1.1"
+    timeout = TIMEOUT_S  # each socket read and write: a stalled client frees its thread
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
         log.debug(format, *args)
 
     def _answer(self, code: int, body: bytes, payload_digest: str = "") -> None:
+        """A signed answer: its status, its store and its body's digest (a copy's: the digest its
+        sender named, which the receiver checks the bytes against; else sha256 of the body)."""
+        named = payload_digest if code == 200 and payload_digest else wire.body_digest(body)
         self.send_response(code)
-        for name, value in wire.headers(self.server.key, "ANSWER", self.path, payload_digest, len(body)).items():
+        for name, value in wire.headers(self.server.key, f"ANSWER {code}", self.path, named, len(body),
+                                        self.server.name).items():
             self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
     def _refused(self, size: int) -> bool:
-        why = wire.check(self.server.key, self.command, self.path, self.headers, size)
+        why = wire.check(self.server.key, self.command, self.path, self.headers, size, self.server.name)
         if why:
             log.warning("refused %s %s from %s: %s", self.command, self.path, self.client_address[0], why)
             self.close_connection = True
@@ -101,8 +133,8 @@ class Handler(BaseHTTPRequestHandler):
         match = wire.COPY.match(self.path)
         found = None
         if match:
-            world, rank, step, kind = match.groups()
-            found = self.server.copies.get(int(world), int(rank), int(step), kind)
+            world, rank, step, kind, gen = match.groups()
+            found = self.server.copies.get(int(world), int(rank), int(step), kind, gen)
         if found is None:
             self._answer(404, b"no such copy")
             return
@@ -111,13 +143,14 @@ class Handler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:  # noqa: N802
         if self._refused(0):
             return
-        match = wire.AFTER.match(self.path)
+        match = wire.KEEP_ONLY.match(self.path)
         if not match:
-            self._answer(400, b"DELETE /v1/after/<step>")
+            self._answer(400, b"DELETE /v1/keep/<world or 0: any>/<step>")
             return
-        dropped = self.server.copies.forget_after(int(match.group(1)))
+        world, step = int(match.group(1)), int(match.group(2))
+        dropped = self.server.copies.keep_only(step, world or None)
         if dropped:
-            log.info("forgot %d copies of steps after %s (the run restored that step)", dropped, match.group(1))
+            log.info("forgot %d copies (the run restored step %d)", dropped, step)
         self._answer(200, b"")
 
     def do_PUT(self) -> None:  # noqa: N802
@@ -128,13 +161,23 @@ class Handler(BaseHTTPRequestHandler):
         match = wire.COPY.match(self.path)
         if not match or not 0 <= size <= MAX_BYTES:
             self.close_connection = True
-            self._answer(400, b"PUT /v1/copy/<world>/<rank>/<step>/<kind> with a Content-Length")
+            self._answer(400, b"PUT /v1/copy/<world>/<rank>/<step>/<kind>/<generation> with a Content-Length")
             return
         if self._refused(size):
             return
         data = self.rfile.read(size)
-        world, rank, step, kind = match.groups()
-        self.server.copies.put(int(world), int(rank), int(step), kind, self.headers.get(wire.DIGEST, ""), data)
+        if len(data) != size:  # the sender died mid-send (or lied): nothing of it is kept
+            self.close_connection = True
+            self._answer(400, f"a body of {len(data)} bytes, {size} declared: not kept".encode())
+            return
+        world, rank, step, kind, gen = match.groups()
+        if not self.server.copies.put(int(world), int(rank), int(step), kind, self.headers.get(wire.DIGEST, ""), data,
+                                      gen):
+            log.warning("refused step %s of rank %s/%s: %d bytes would pass the store's budget of %d (%s)", step,
+                        rank, world, size, self.server.copies.budget, contract.PEER_STORE_GIB.name)
+            self._answer(507, f"over the store's budget of {self.server.copies.budget} bytes "
+                              f"({contract.PEER_STORE_GIB.name})".encode())
+            return
         log.info("holding step %s of rank %s/%s (%.1f MiB; %.1f MiB held)", step, rank, world, size / 2**20,
                  self.server.copies.size / 2**20)
         self._answer(200, b"")
@@ -143,18 +186,35 @@ class Handler(BaseHTTPRequestHandler):
 class PeerServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, addr: str, port: int, key: bytes):
+    def __init__(self, addr: str, port: int, key: bytes, budget: int | None = None):
         if addr.strip() in WILDCARDS:
             raise ValueError(f"--addr {addr!r}: the node's private address, never the wildcard")
         self.key = key
-        self.copies = Copies()
+        self.copies = Copies(budget if budget is not None else default_budget())
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         super().__init__((addr, port), Handler)
+        self.name = wire.store_name(str(self.server_address[0]), self.server_address[1])
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """At most MAX_CONNECTIONS at once; one more is closed at once (its sender says so)."""
+        if not self._slots.acquire(blocking=False):
+            log.warning("refused a connection from %s: %d open already", client_address[0], MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.peer.store", description=__doc__.split("\n\n")[0])
     parser.add_argument("--addr", required=True, help="this node's private address (never 0.0.0.0)")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ready-file", help="a file to write the store's address into once it listens")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s peer-store %(message)s")
     try:
@@ -163,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peer store: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    if args.ready_file:
+        with open(args.ready_file, "w", encoding="utf-8") as fh:
+            fh.write(f"{server.name}\n")
     log.info("peer store listening on %s:%d", args.addr, server.server_address[1])
     server.serve_forever()
     return 0

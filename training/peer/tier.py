@@ -3,8 +3,9 @@ host memory (the loop's only wait) and sent, on a background thread, to the peer
 buddy node (training/peer/store.py); after a loss, `steps` and `load` give what the surviving
 stores hold, for training/run_control.py's choose_checkpoint (peer first, then disk, then bucket).
 
-The buddy ring: node n's copies go to the next node after it (n+1, n+2, ... mod nnodes) in
-another zone (GTS_ZONE) when the run spans zones, else to node n+1; never to node n itself.
+The buddies: node n's copies go to a node in another zone (GTS_ZONE) when the run spans zones,
+dealt so that each node holds about as many as it sends (buddy()), else to node n+1; never to
+node n itself.
 """
 
 from __future__ import annotations
@@ -33,11 +34,19 @@ ZONE_VAR = "GTS_ZONE"
 
 
 def buddy(node: int, zones: list[str]) -> int:
-    """The node that holds node `node`'s copies: the next one in another zone, else the next one."""
+    """The node that holds node `node`'s copies: one in another zone when the run spans zones,
+    else the next node. The nodes in zone order, each sends to the one `m` places on (m: the
+    largest zone's count): every node then holds one node's copies, each from another zone.
+    Where one zone holds more than half the nodes, its nodes deal theirs to the others in turn."""
     count = len(zones)
-    after = [(node + i) % count for i in range(1, count)]
-    other = [n for n in after if zones[n] != zones[node]]
-    return (other or after)[0]
+    other = [n for n in range(count) if zones[n] != zones[node]]
+    if not other:
+        return (node + 1) % count
+    largest = max(zones.count(z) for z in set(zones))
+    if 2 * largest <= count:
+        ring = sorted(range(count), key=lambda n: (zones[n], n))
+        return ring[(ring.index(node) + largest) % count]
+    return other[sum(1 for n in range(node) if zones[n] == zones[node]) % len(other)]
 
 
 class PeerTier:
@@ -56,25 +65,34 @@ class PeerTier:
         self.skipped = 0
         self.error = ""
         self.refusals: list[str] = []  # peer copies refused (digest), by name
+        # <when>-<restored step>: the history this world's copies belong to (keep_only sets it, from rank 0)
+        self.generation = "0-0"
+        self.restored_world = 0  # the world size of the peer copy this world restored (0: none)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and self.buddy is not None and step % self.every == 0
 
-    def copy(self, step: int, state: dict[str, Any] | None, rng: dict[str, Any], wait: bool = False) -> float:
+    def copy(self, step: int, state: dict[str, Any] | None, rng: dict[str, Any], budget_s: float | None = None
+             ) -> float:
         """Stage this rank's state (`state` on a node's local rank 0, else None) and send it to the
-        buddy in the background; `wait`: until it is there (a stop). Returns the seconds blocked."""
+        buddy in the background; `budget_s` (a stop, after its durable checkpoint): wait for it, for
+        the one before it too, at most that long in all. Returns the seconds blocked."""
         start = time.perf_counter()
         if self._sender is not None and self._sender.is_alive():
-            if not wait:
+            if budget_s is not None:
+                self._sender.join(budget_s)
+            if self._sender.is_alive():
                 self.skipped += 1  # the previous copy is still on its way: this one is left out
                 log.info("peer copy of step %d skipped: the one before is still being sent", step)
-                return 0.0
-            self._sender.join()
+                return time.perf_counter() - start
         staged = self._stager.stage({"state": state, "rng": rng, "step": step})
         self._sender = threading.Thread(target=self._send, args=(step, staged), name="peer-copy", daemon=True)
         self._sender.start()
-        if wait:
-            self._sender.join()
+        if budget_s is not None:
+            self._sender.join(max(0.0, budget_s - (time.perf_counter() - start)))
+            if self._sender.is_alive():
+                log.warning("peer copy of step %d not confirmed within %.0f s of the stop: left to finish on its own",
+                            step, budget_s)
         blocked = time.perf_counter() - start
         self.blocked_s += blocked
         if self.comm.rank == 0:
@@ -89,7 +107,7 @@ class PeerTier:
         kind = "full" if staged["state"] is not None else "rank"
         try:
             self.link.put(self.stores[self.buddy], self.comm.world, self.comm.rank, step, kind, data,
-                          wire.payload_digest(data))
+                          wire.payload_digest(data), self.generation)
         except PeerRefused as exc:
             self.error = str(exc)
             log.warning("peer copy of step %d not sent: %s", step, exc)
@@ -98,13 +116,13 @@ class PeerTier:
         if self.comm.rank == 0:
             log.info("peer copy of step %d on node %d (%.1f MiB)", step, self.buddy, len(data) / 2**20)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         if self._sender is not None:
-            self._sender.join()
+            self._sender.join(timeout_s)
 
     # ------------------------------------------------------------------ recovery
     def _held(self) -> list[tuple[str, list[Any]]]:
-        """(store, [world, rank, step, kind, digest, size]) of every copy this world's stores hold."""
+        """(store, [world, rank, step, kind, digest, size, generation]) of every copy the stores hold."""
         found = []
         for store in self.stores:
             try:
@@ -113,72 +131,81 @@ class PeerTier:
                 log.warning("peer store %s not listed: %s", store, exc)
         return found
 
-    def _sources(self, step: int, held: list[tuple[str, list[Any]]]) -> tuple[list[Any], list[Any]]:
-        """(full copies of `step`, copies of this rank's own state at `step` in this world)."""
-        at = [(store, e) for store, e in held if e[2] == step]
-        full = [(store, e) for store, e in at if e[3] == "full"]
-        mine = [(store, e) for store, e in at if e[0] == self.comm.world and e[1] == self.comm.rank]
-        return full, mine
-
     def steps(self) -> set[int]:
         """Steps this rank can restore from the stores: those with a full copy in some store. Its
         own per-rank state comes back where a store still holds it (`load`); where the step was
         saved by a world of another size, or the copy was on the lost node, the rank goes on with
         re-seeded streams, as the durable path does when the world size changed: a step lost is
         worse than a random stream restarted."""
-        held = self._held()
-        return {step for step in {e[2] for _, e in held} if self._sources(step, held)[0]}
+        return {e[2] for _, e in self._held() if e[3] == "full"}
 
-    def _fetch(self, step: int, copies: list[Any]) -> dict[str, Any] | None:
-        """The first of `copies` whose bytes match the digest its sender named; the others refused by name."""
-        for store, (world, rank, _, kind, _, _) in copies:
-            try:
-                named, data = self.link.get(store, world, rank, step, kind)
-            except PeerRefused as exc:
-                log.warning("%s", exc)
-                continue
-            if wire.payload_digest(data) != named:
-                why = (f"peer copy of step {step} of rank {rank}/{world} ({kind}) held by {store} does not match its "
-                       "digest: refused")
-                self.refusals.append(why)
-                log.warning("%s", why)
-                continue
+    def _fetch(self, step: int, store: str, entry: list[Any]) -> dict[str, Any] | None:
+        """The copy `entry` of `store` when its bytes match the digest listed and named; else None
+        (refused by name)."""
+        world, rank, _, kind, listed, _, gen = entry
+        try:
+            named, data = self.link.get(store, world, rank, step, kind, gen)
+        except PeerRefused as exc:
+            log.warning("%s", exc)
+            return None
+        if wire.payload_digest(data) != named or named != listed:
+            why = (f"peer copy of step {step} of rank {rank}/{world} ({kind}) held by {store} does not match its "
+                   "digest: refused")
+            self.refusals.append(why)
+            log.warning("%s", why)
+            return None
+        try:
             loaded = dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
-            if loaded.get("step") == step:
-                return loaded
-        return None
+        except Exception as exc:  # noqa: BLE001 (the sender's own bytes, not loadable: every rank must go on)
+            log.warning("peer copy of step %d held by %s cannot be loaded: %s", step, store, exc)
+            return None
+        return loaded if loaded.get("step") == step else None
 
     def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
-        """(training state, this rank's per-rank state or None) of `step` from the stores, else None."""
+        """(training state, this rank's per-rank state or None) of `step` from the stores, else None
+        on every rank alike (collective). Rank 0 lists the full copies (newest generation first)
+        for every rank; the ranks try them in that order together and take the first that every
+        rank got, so that no two ranks ever restore different copies; none: the durable tiers."""
         held = self._held()
-        full, mine = self._sources(step, held)
-        model = self._fetch(step, full)
-        if model is None:
-            return None
-        own = self._fetch(step, mine) if mine else None
-        if own is None and any(e[0] == self.comm.world for _, e in held if e[2] == step):
-            log.warning("rank %d: no store holds its own state of step %d (it was on the lost node): its random "
-                        "streams are re-seeded", self.comm.rank, step)
-        return model["state"], own["rng"] if own is not None else None
+        full = sorted(((store, e) for store, e in held if e[2] == step and e[3] == "full"),
+                      key=lambda c: -int(str(c[1][6]).split("-")[0]))  # the latest restore's history first
+        for store, entry in self.comm.all_gather_object(full if self.comm.rank == 0 else None)[0]:
+            model = self._fetch(step, store, entry)
+            (missed,) = self.comm.any_true(model is None)
+            if missed:
+                continue
+            assert model is not None
+            mine = [(s, e) for s, e in held  # this rank's own copy (either kind) of the chosen copy's history
+                    if e[2] == step and (e[0], e[1], e[6]) == (self.comm.world, self.comm.rank, entry[6])]
+            own = next((o for o in (self._fetch(step, s, e) for s, e in mine) if o is not None), None)
+            if own is None and entry[0] == self.comm.world:
+                log.warning("rank %d: no store holds its own state of step %d (it was on the lost node): its random "
+                            "streams are re-seeded", self.comm.rank, step)
+            self.restored_world = int(entry[0])
+            return model["state"], own["rng"] if own is not None else None
+        return None
 
-    def forget_after(self, step: int) -> None:
-        """Copies of later steps are another history now (this world restored `step`): every
-        store drops them, so that no later restore mixes them with this one's."""
+    def keep_only(self, step: int) -> None:
+        """This world restored `step` (0: none): every store forgets the copies of other steps
+        (later ones are another history now, older ones are of no use) and of other world sizes'
+        at that step, so that no later restore mixes them with this one's."""
+        self.generation = self.comm.all_gather_object(f"{int(time.time())}-{step}")[0]  # rank 0's: one per world
         if self.comm.local_rank == 0:
             try:
-                self.link.forget_after(self.stores[self.comm.node], step)
+                self.link.keep_only(self.stores[self.comm.node], self.restored_world if step else 0, step)
             except PeerRefused as exc:
                 log.warning("%s", exc)
         self.comm.barrier()
 
 
 def open_tier(comm: Comm) -> PeerTier | None:
-    """The tier, when PEER_EVERY > 0 and the entrypoint started a store on this node; else None
-    (on every rank alike: the decision is combined)."""
+    """The tier, when the entrypoint started a store on this node; else None (on every rank alike:
+    the decision is combined). A world of one node (a run shrunk to it) still lists, loads and
+    forgets the copies its store holds; it sends none (no buddy: `due` is never true)."""
     every = contract.recovery(contract.PEER_EVERY.name)
     store = os.environ.get(ADDR_VAR, "")
     key = os.environ.get(wire.KEY_VAR, "")
-    (missing,) = comm.any_true(not (every > 0 and store and len(key) >= wire.MIN_KEY_CHARS and comm.nnodes > 1))
+    (missing,) = comm.any_true(not (store and len(key) >= wire.MIN_KEY_CHARS))
     if missing:
         return None
     return PeerTier(comm, every, key.encode(), store, os.environ.get(ZONE_VAR, ""))
@@ -190,7 +217,7 @@ def choose(ckpt: CheckpointManager, comm: Comm, tier: PeerTier | None) -> Resume
     stores forget later steps (another history once this world goes on from the chosen one)."""
     found = choose_checkpoint(ckpt, comm, **_restore_from(tier, ckpt.load))
     if tier is not None:
-        tier.forget_after(found.step if found is not None else 0)
+        tier.keep_only(found.step if found is not None else 0)
     return found
 
 
@@ -201,7 +228,7 @@ def _restore_from(tier: PeerTier | None, load: Any) -> dict[str, Any]:
         return {}
 
     def load_step(step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        found = tier.load(step)
+        found = tier.load(step)  # collective: None on every rank alike, never a mix of tiers
         if found is not None:
             log.info("rank %d restores step %d from peer memory", tier.comm.rank, step)
             return found

@@ -17,12 +17,15 @@ MAC = "X-Gts-Mac"
 STAMP = "X-Gts-Time"
 DIGEST = "X-Gts-Digest"
 MAX_SKEW_S = 120  # a signed request older (or newer) than this is refused: no replay of an old one
-# /v1/copy/<world size>/<rank>/<step>/<kind>: one source's copy of one step (source = (world, rank));
+# /v1/copy/<world size>/<rank>/<step>/<kind>/<generation>: one source's copy of one step (source = (world, rank));
 # kind `full`: the replicated training state and the rank's own (a node's local rank 0), `rank`:
 # the rank's own alone (RNG streams, data position).
-COPY = re.compile(r"^/v1/copy/(\d{1,6})/(\d{1,6})/(\d{1,12})/(full|rank)$")
-# /v1/after/<step>: forget every copy of a later step (a world that restored <step> abandoned them)
-AFTER = re.compile(r"^/v1/after/(\d{1,12})$")
+# <generation>: <when>-<step>, when (Unix seconds, rank 0's clock) the sending world restored <step>
+# (training/peer/tier.py), so that copies of two histories that reached one step are told apart.
+COPY = re.compile(r"^/v1/copy/(\d{1,6})/(\d{1,6})/(\d{1,12})/(full|rank)/(\d{1,12}-\d{1,12})$")
+# /v1/keep/<world>/<step>: forget every copy but those of <step> saved by world size <world> (0: any);
+# a world that restored <step> abandoned later steps and needs no older one
+KEEP_ONLY = re.compile(r"^/v1/keep/(\d{1,6})/(\d{1,12})$")
 LIST = "/v1/list"
 KEY_VAR = "RDZV_KEY"  # the run's key (training/node/rdzv_launch.py signs the rendezvous with it)
 MIN_KEY_CHARS = 32
@@ -36,18 +39,31 @@ def run_key() -> bytes:
     return value.encode()
 
 
-def sign(key: bytes, method: str, path: str, stamp: str, payload_digest: str, size: int) -> str:
-    message = "\n".join((method, path, stamp, payload_digest, str(size))).encode()
+def sign(key: bytes, method: str, path: str, stamp: str, payload_digest: str, size: int, store: str) -> str:
+    """The MAC over a request (or an answer: method `ANSWER <status>`) to or from `store`
+    (host:port): a request or answer replayed to or from another store does not match."""
+    message = "\n".join((method, path, stamp, payload_digest, str(size), store)).encode()
     return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
-def headers(key: bytes, method: str, path: str, payload_digest: str = "", size: int = 0) -> dict[str, str]:
-    stamp = f"{time.time():.3f}"
-    return {STAMP: stamp, DIGEST: payload_digest, MAC: sign(key, method, path, stamp, payload_digest, size),
+def store_name(host: str, port: int | str) -> str:
+    """The store's address as both sides sign it."""
+    return f"{host.strip('[]')}:{port}"
+
+
+def body_digest(body: bytes) -> str:
+    """An answer's digest when it is no copy (a listing, a refusal): sha256 of its bytes."""
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def headers(key: bytes, method: str, path: str, payload_digest: str = "", size: int = 0, store: str = ""
+            ) -> dict[str, str]:
+    stamp = f"{time.time():.6f}"
+    return {STAMP: stamp, DIGEST: payload_digest, MAC: sign(key, method, path, stamp, payload_digest, size, store),
             "Content-Length": str(size)}
 
 
-def check(key: bytes, method: str, path: str, got: Any, size: int) -> str:
+def check(key: bytes, method: str, path: str, got: Any, size: int, store: str = "") -> str:
     """"" when `got` (the headers) carry this run's signature over this request, fresh; else why not."""
     stamp, payload_digest, mac = got.get(STAMP, ""), got.get(DIGEST, ""), got.get(MAC, "")
     try:
@@ -56,7 +72,7 @@ def check(key: bytes, method: str, path: str, got: Any, size: int) -> str:
         return "no time stamp"
     if age > MAX_SKEW_S:
         return f"signed {age:.0f} s away from now"
-    if not hmac.compare_digest(sign(key, method, path, stamp, payload_digest, size), str(mac)):
+    if not hmac.compare_digest(sign(key, method, path, stamp, payload_digest, size, store), str(mac)):
         return "not signed with this run's key (RDZV_KEY)"
     return ""
 

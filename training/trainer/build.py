@@ -74,3 +74,13 @@ def params_sha256(model: nn.Module) -> str:
 def config_drift(saved: dict[str, Any], cfg: config_mod.TrainConfig) -> list[str]:
     now = config_mod.as_dict(cfg)
     return [f"{k}={saved[k]!r} -> {now[k]!r}" for k in SHAPING if k in saved and saved[k] != now[k]]
+
+
+def final_digest(model: nn.Module, sharded: bool, rank: int) -> str:
+    """The final line's params_sha256. Sharded: the full parameters, gathered (every rank takes
+    part), so any sharding compares; replicated: rank 0's model."""
+    if sharded:
+        from training.sharded import full_params_sha256
+
+        return full_params_sha256(model)
+    return params_sha256(model) if rank == 0 else ""

@@ -112,11 +112,13 @@ class Progress:
             self.metrics.productive.set(step * statistics.median(self.times))
         self.record("checkpoint", step=step, blocked_s=blocked)
 
-    def peer_copy(self, peer: Any, step: int, state: dict[str, Any] | None, rng: dict[str, Any], wait: bool) -> None:
-        """A copy to the peer tier (training/peer/tier.py), recorded as a checkpoint of tier "peer":
-        an attempt resumed from it lost only the work after it."""
+    def peer_copy(self, peer: Any, step: int, state: dict[str, Any] | None, rng: dict[str, Any],
+                  budget_s: float | None = None) -> None:
+        """A copy to the peer tier (training/peer/tier.py; `budget_s`: a stop's, waited for that
+        long at most), recorded as a checkpoint of tier "peer": an attempt resumed from it lost only
+        the work after it."""
         skipped = peer.skipped
-        blocked = peer.copy(step, state, rng, wait)
+        blocked = peer.copy(step, state, rng, budget_s=budget_s)
         if self.metrics is not None:
             self.metrics.peer_blocked.set(blocked)
         if peer.skipped == skipped:  # sent (a copy still on its way when the next is due is skipped)

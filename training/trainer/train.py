@@ -34,9 +34,9 @@ from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadSt
 from training.storage import StorageRefused
 from training.checkpointing import Interval, StopFlag, finish, rng_state, set_rng_state
 from training.peer.tier import PeerTier, choose, open_tier
-from training.run_control import refuse, say_refused
-from training.trainer.build import (build_data, build_model, config_drift, fully_restored, lr_lambda,
-                                    params_sha256)
+from training.run_control import HistoryUnknown, refuse, say_refused, say_storage
+from training.trainer.build import (build_data, build_model, config_drift, final_digest, fully_restored,
+                                    lr_lambda)
 from training.trainer.restore import own_moments, restore_model
 from training.trainer.data import ResumableSampler, derived_seed
 from training.distributed import Comm
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gts.train")
 
 EXIT_USAGE = 2
+STOP_PEER_S = 5.0  # a stop's peer copy, sent after its durable checkpoint, waits at most this long
 REFUSED = "the checkpoint storage's refusal"  # the loop's answer when the store refused the uploads
 
 
@@ -70,8 +71,8 @@ class Run:
                                 # set by the node's env file or the Job; empty elsewhere
                                 "cloud": os.environ.get("GTS_CLOUD", ""), "group": os.environ.get("GTS_NODE_GROUP", ""),
                                 "team": os.environ.get("GTS_TEAM", "")})
-        self.step, self.epoch, self.offset, self.run_id = 0, 0, 0, None
-        self.last_saved, self.last_loss = 0, float("nan")
+        self.step, self.epoch, self.offset, self.last_saved, self.last_loss = 0, 0, 0, 0, float("nan")
+        self.run_id: str | None = None  # the MLflow run, as global rank 0 opened it
         self.interval = Interval(cfg.checkpoint_every, comm, cfg.mtbf_s, cfg.notice_s)
         self.wall = WallCost()
         self.progress = Progress(comm, cfg.local_and_remote()[1] or cfg.local_and_remote()[0], self.metrics)
@@ -187,7 +188,7 @@ class Run:
         elif self.comm.rank == 0:
             log.warning("world size %d -> %d since step %d: data position kept, per-rank RNG streams re-seeded",
                         saved_world, self.comm.world, found.step)
-        self.last_saved = self.step
+        self.last_saved = found.durable  # a peer copy is not durable: auto's clock runs from the bucket's step
         log.info("resumed from step %d (epoch %d, batch %d of the epoch)", self.step, self.epoch, self.offset)
         return None
 
@@ -197,7 +198,7 @@ class Run:
         if self.sharded is None and self.comm.local_rank != 0:
             return None
         state = {"scheduler": self.scheduler.state_dict(), "step": self.step, "epoch": self.epoch,
-                 "offset": self.offset, "mlflow_run_id": tracker.run_id, "config": config_mod.as_dict(self.cfg),
+                 "offset": self.offset, "mlflow_run_id": self.run_id, "config": config_mod.as_dict(self.cfg),
                  "world_size": self.comm.world}
         if self.sharded is None:
             state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
@@ -298,10 +299,12 @@ class Run:
                 stopping, asked, due, refused = comm.any_true(
                     self.stop.poll() is not None, self.stop.take_checkpoint_request(), self.checkpoint_due(),
                     bool(ckpt.refused))
-                if self.peer is not None and (stopping or self.peer.due(self.step)):  # a stop's state is sent first
-                    self.progress.peer_copy(self.peer, self.step, self.state(tracker), rng_state(), stopping)
+                if self.peer is not None and not stopping and self.peer.due(self.step):
+                    self.progress.peer_copy(self.peer, self.step, self.state(tracker), rng_state())
                 if due or stopping or asked or refused or self.step >= cfg.steps:
                     self.save(ckpt, tracker)
+                if stopping and self.peer is not None:  # after the durable save: a buddy gone costs seconds
+                    self.progress.peer_copy(self.peer, self.step, self.state(tracker), rng_state(), STOP_PEER_S)
                 if refused:  # the bucket is gone or refuses writes: finish() names it, exit 2
                     say_refused(ckpt, comm, self.step)
                     return REFUSED
@@ -335,11 +338,9 @@ class Run:
         self.build_model()
         try:
             verdict = self.resume(ckpt)
-        except StorageRefused as exc:  # no such bucket, access denied: no retry or wait helps
-            if self.comm.rank == 0:
-                refuse(f"refused: checkpoint storage {exc}")
+        except (StorageRefused, HistoryUnknown) as exc:  # no such bucket, access denied: exit 2; unread: a restart
             ckpt.close(timeout=0)
-            return EXIT_USAGE
+            return say_storage(self.comm, exc)
         ckpt.end_prefetch()  # a prefetched step the ranks did not choose is not held for the run
         ckpt.resync()  # committed steps the bucket lacks (an outage before this start) go up now
         if verdict is not None:
@@ -352,6 +353,7 @@ class Run:
                     refuse(f"run {verdict}")
             return 0 if verdict.startswith("complete") else EXIT_USAGE
         tracker = Tracker(self.comm.rank == 0, self.run_id, config_mod.as_dict(self.cfg))
+        self.run_id = self.comm.all_gather_object(tracker.run_id)[0]  # every node's copies name rank 0's run
         try:
             interrupted = self.loop(ckpt, tracker)
         except BaseException as exc:
@@ -361,9 +363,10 @@ class Run:
         if self.last_saved != self.step:
             self.save(ckpt, tracker)
         self.progress.busy(self.cfg.upload_deadline_s + 30)  # finish() waits up to the deadline, then a barrier
-        for closing in (self.sharded, self.peer):  # the last shard written; the peer tier closed
-            if closing is not None:
-                closing.close()
+        if self.sharded is not None:
+            self.sharded.close()  # this rank's shard of the last checkpoint is written
+        if self.peer is not None:
+            self.peer.close(STOP_PEER_S if interrupted is not None else None)
         stopped = interrupted is not None and interrupted != REFUSED
         code = finish(ckpt, self.comm, self.stop.raised, stopped, self.cfg.upload_deadline_s, self.step)
         tracker.close(interrupted=interrupted is not None)
@@ -371,11 +374,7 @@ class Run:
         if stopped and code not in (1, EXIT_USAGE) and self.comm.rank == 0:
             log.warning("stopped by %s at step %d after an emergency checkpoint", interrupted, self.step)
         if interrupted is None and code == 0:
-            # sharded: the full parameters, gathered (every rank takes part), so any sharding compares
-            from training.sharded import full_params_sha256
-
-            digest = (full_params_sha256(self.model) if self.sharded is not None
-                      else params_sha256(self.model) if self.comm.rank == 0 else "")
+            digest = final_digest(self.model, self.sharded is not None, self.comm.rank)
             if self.comm.rank == 0:
                 print(f"final step={self.step} loss={self.last_loss!r} params_sha256={digest}", flush=True)
         return code
