@@ -89,3 +89,55 @@ def test_a_process_exports_only_its_own_ranks_ratio(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("GTS_PROGRESS_DIR", raising=False)
     Progress(Ranks([[1.0, 1.5, 1.0]]), None, Metrics()).compare(50)  # type: ignore[arg-type]
     assert set_for == ["1"]
+
+
+def test_on_a_gpu_the_ranks_compare_the_gpus_own_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the host's clock sees only the kernels' launch (a slow GPU's time lands in the step's
+    first synchronisation, on every rank alike): the compared compute is what CUDA events measured
+    between the step's marks (forward, then optimizer), and the rest of the step is waiting."""
+    import torch
+
+    from training.trainer.progress import Progress
+
+    clock = [0.0]
+
+    class Event:  # torch.cuda.Event's timing calls, on a clock the test moves
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+            self.t = -1.0
+
+        def record(self) -> None:
+            self.t = clock[0]
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: Event) -> float:
+            return (end.t - self.t) * 1000
+
+    gathered: list[tuple[float, float, str]] = []
+
+    class Gpu:
+        rank, world, local_rank = 1, 2, 0
+        device = torch.device("cuda")  # a device name only: nothing runs on it
+
+        def all_gather_object(self, mine: tuple[float, float, str]) -> list[object]:
+            gathered.append(mine)
+            return [(mine[0] * 1.5, 0.0, "node0"), mine]
+
+    monkeypatch.delenv("GTS_PROGRESS_DIR", raising=False)
+    monkeypatch.setenv("STRAGGLER_WINDOW_STEPS", "2")
+    progress = Progress(Gpu(), None, None)  # type: ignore[arg-type]
+    assert progress.gpu is not None
+    progress.gpu.event = Event
+    for step in (1, 2):  # on the GPU: forward 0.3 s, backward 1.0 s, optimizer 0.2 s; the host saw 0.02 s
+        for gpu_seconds in (0.3, 1.0, 0.2, None):
+            progress.mark(0.0)
+            clock[0] += gpu_seconds or 0.0
+        progress.stepped(step, 1.6, 0.02)
+    (compute, waited, _), = gathered
+    assert compute == pytest.approx(2 * (0.3 + 0.2))  # the GPU's forward + optimizer, not the host's 0.04 s
+    assert waited == pytest.approx(2 * (1.6 - 0.02))
+    assert progress.flagged == {0: 1, 1: 0}  # rank 0, 1.5x slower on its GPU, is flagged
+    assert progress.gpu.marks == []  # read once a window, then forgotten
+    assert Progress(Ranks([[1.0]]), None, None).gpu is None  # type: ignore[arg-type]  # no device: the host's clock

@@ -24,6 +24,8 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
+import torch
+
 from training import records
 from training.distributed import Comm
 
@@ -37,6 +39,30 @@ def _setting(name: str, default: float) -> float:
     return float(value) if value else default
 
 
+class GpuTimes:
+    """Forward and optimizer time as the GPU ran them: a CUDA event at four points of each step,
+    read once a window. On a GPU the host's clock sees only the kernels' launch; a slow GPU's time
+    would land in the step's first synchronisation, on every rank alike, and no rank would stand out."""
+
+    def __init__(self, event: Any = None):
+        self.event = event or torch.cuda.Event
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        event = self.event(enable_timing=True)
+        event.record()
+        self.marks.append(event)
+
+    def seconds(self) -> float:
+        """The window's forward + optimizer seconds (mark 0 -> 1 and 2 -> 3 of each step); resets."""
+        steps = [self.marks[i:i + 4] for i in range(0, len(self.marks) - 3, 4)]
+        self.marks = []
+        if not steps:
+            return 0.0
+        steps[-1][3].synchronize()
+        return float(sum(a.elapsed_time(b) + c.elapsed_time(d) for a, b, c, d in steps)) / 1000
+
+
 class Progress:
     def __init__(self, comm: Comm, records_url: str | None, metrics: Any):
         self.comm, self.metrics = comm, metrics
@@ -47,6 +73,8 @@ class Progress:
         self.factor = _setting("STRAGGLER_FACTOR", 1.2)
         self.replace = os.environ.get("STRAGGLER_REPLACE", "false").lower() == "true"
         self.compute = self.waited = 0.0
+        self.gpu = GpuTimes() if self.window and getattr(comm, "device", None) is not None \
+            and comm.device.type == "cuda" else None
         self.flagged: dict[int, int] = {}  # rank -> windows in a row
         self.first_done = False
         self.saved, self.blocked = -1, 0.0
@@ -73,6 +101,12 @@ class Progress:
     def record(self, kind: str, **fields: object) -> None:
         if self.writer is not None:
             self.writer.emit(kind, **fields)
+
+    def mark(self, value: float) -> float:
+        """On a GPU, a timing event at this point of the step (GpuTimes); returns `value` as it is."""
+        if self.gpu is not None:
+            self.gpu.mark()
+        return value
 
     def stepped(self, step: int, elapsed: float, compute: float) -> None:
         """After every optimizer step, on every rank."""
@@ -126,6 +160,9 @@ class Progress:
 
     def compare(self, step: int) -> None:
         """Every rank: gather the window's compute times and flag the slow ones (one collective)."""
+        if self.gpu is not None:  # the GPU's own time for forward and optimizer; the rest of the step waited
+            gpu = self.gpu.seconds()
+            self.compute, self.waited = gpu, self.waited + max(0.0, self.compute - gpu)
         mine = (self.compute, self.waited, records.node_name())
         self.compute = self.waited = 0.0
         gathered = self.comm.all_gather_object(mine)

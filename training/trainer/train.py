@@ -241,7 +241,7 @@ class Run:
     def train_step(self, ddp_model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                    writing: bool = False) -> None:
         cfg, comm = self.cfg, self.comm
-        started = time.perf_counter()
+        started = self.progress.mark(time.perf_counter())  # marks: the GPU's own times (progress.GpuTimes)
         inputs, labels = inputs.to(comm.device), labels.to(comm.device)
         if cfg.workload == "resnet50" and cfg.channels_last:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
@@ -251,13 +251,14 @@ class Run:
             out = ddp_model(inputs)
             loss: torch.Tensor = nn.functional.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out,
                                                              labels.flatten())
-        forwarded = time.perf_counter()
+        forwarded = self.progress.mark(time.perf_counter())
         scaled: torch.Tensor = self.scaler.scale(loss)
         torch.autograd.backward(scaled)
-        waited = time.perf_counter() - forwarded  # the backward pass: DDP's all-reduce waits for the slowest rank here
+        waited = self.progress.mark(time.perf_counter()) - forwarded  # backward: DDP's all-reduce waits here
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
+        self.progress.mark(0.0)
         self.step, self.offset = self.step + 1, self.offset + 1
         self.last_loss = comm.mean(loss)
         elapsed = time.perf_counter() - started
