@@ -194,14 +194,15 @@ def test_the_success_policy_goes_where_the_clusters_kubernetes_has_it() -> None:
     that is off, where the field would be dropped; without spares no Job gets one."""
     from infra.clouds.aws.kubernetes import EKS_VERSION
     from infra.clouds.tencentcloud.kubernetes import TKE_VERSION
-    from infra.k8s.job import SUCCESS_POLICY, success_policy
+    from infra import clouds
+    from infra.k8s.job import success_policy
 
     def minor(version: str) -> tuple[int, int]:
         major, rest = version.split(".", 1)
         return int(major), int(rest.split(".")[0])
 
-    assert SUCCESS_POLICY["aws"] == (minor(EKS_VERSION) >= (1, 33))
-    assert SUCCESS_POLICY["tencentcloud"] == (minor(TKE_VERSION) >= (1, 33))
+    assert clouds.profile("aws").kubernetes_job_success_policy == (minor(EKS_VERSION) >= (1, 33))
+    assert clouds.profile("tencentcloud").kubernetes_job_success_policy == (minor(TKE_VERSION) >= (1, 33))
 
     from dataclasses import replace
 
@@ -210,7 +211,7 @@ def test_the_success_policy_goes_where_the_clusters_kubernetes_has_it() -> None:
     stack = resolve(parse_spec(spec_raw(config)))
     rg = stack.group("ali-ack-train")
     on = {cloud: success_policy(replace(rg, group=rg.group.model_copy(update={"cloud": cloud})))
-          for cloud in SUCCESS_POLICY}  # the same group on each cloud's cluster
+          for cloud in ("aws", "alicloud", "tencentcloud")}  # the same group on each cloud's cluster
     assert [cloud for cloud, policy in on.items() if policy is not None] == ["aws", "alicloud"]
     assert success_policy(stack.group("aws-eks-train")) is None  # no spares, no policy
     rules = on["alicloud"].rules  # type: ignore[union-attr]

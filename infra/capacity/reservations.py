@@ -134,8 +134,9 @@ def check_market(group: NodeGroup, market: Market, path: str) -> list[Problem]:
 def targeted(spec: StackSpec, group: NodeGroup, market: Market, path: str) -> list[Problem]:
     """A reservation targeted by id (a Capacity Block, a given ODCR) holds one type in one zone: a
     group whose other types or zones it cannot serve would launch them outside it."""
+    sites = cat.load_capabilities()["markets"].get(group.cloud, {})
     if market.reservation_id is None or market.type not in ("capacity-block", "capacity-reservation") or \
-            group.cloud != "aws":  # EC2's markets: elsewhere the markets check says so
+            any(market.type in refused for refused in sites.values()):  # not sold there: the markets check says so
         return []
     if group.instance_type is None or group.fallback_types:
         return [Problem(f"{path}.reservationId", f"{market.reservation_id} holds one instance type: give the group "

@@ -204,6 +204,11 @@ class CloudProfile(abc.ABC):
 
     @property
     @abc.abstractmethod
+    def kubernetes_job_success_policy(self) -> bool:
+        """Whether the cloud's clusters run a Kubernetes with the Job success policy (KEP-3998, GA 1.33)."""
+
+    @property
+    @abc.abstractmethod
     def kubernetes_nodeadm(self) -> bool:
         """Whether pool nodes take a MIME NodeConfig user data (EKS nodeadm) rather than a script."""
 

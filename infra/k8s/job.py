@@ -18,7 +18,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 import pulumi_random as random
 
-from infra import contract, gpu_health, rendezvous
+from infra import clouds, contract, gpu_health, rendezvous
 from infra.bundle import ROOT
 from infra.groups import LABEL_NODE_GROUP, ResolvedGroup
 from infra.k8s import netpol
@@ -31,8 +31,6 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # Kueue's label naming a Job's LocalQ
 QUEUES_MANAGED = "gpu-training-stack/queues"  # namespaces whose Jobs Kueue manages (infra/k8s/queues.py)
 SECRET_VARS = frozenset({c.MLFLOW_TRACKING_URI.name})
 NAMESPACE = "training"
-# Clusters with the Job success policy (KEP-3998, GA 1.33): EKS 1.35, ACK's newest; not TKE 1.30 (gate off).
-SUCCESS_POLICY = {"aws": True, "alicloud": True, "tencentcloud": False}
 TRAINER_UID = 1000  # the image's USER (training/Dockerfile)
 # What the node keeps for itself and its daemons (kubelet, runtime, exporters, device plugin).
 CPU_SHARE, MEMORY_SHARE, SHM_SHARE = 0.85, 0.80, 0.25
@@ -102,7 +100,7 @@ def restricted() -> k8s.core.v1.SecurityContextArgs:
 
 def success_policy(rg: ResolvedGroup) -> k8s.batch.v1.SuccessPolicyArgs | None:
     """A Job with spares is done when its run's pods (indexes 0..NNODES-1) are; the spares' are removed."""
-    if not rg.group.scaling.spares or not SUCCESS_POLICY[rg.cloud]:
+    if not rg.group.scaling.spares or not clouds.profile(rg.cloud).kubernetes_job_success_policy:
         return None
     return k8s.batch.v1.SuccessPolicyArgs(rules=[k8s.batch.v1.SuccessPolicyRuleArgs(
         succeeded_indexes=f"0-{rg.nnodes - 1}", succeeded_count=rg.nnodes)])  # spares: nnodes >= 2
