@@ -31,10 +31,24 @@ def _node(index: int, port: int, moto: MotoServer, tmp: Path, boot: str) -> Run:
                         CHECKPOINT_URL=f"s3://{moto.bucket}/hang/", TRAIN_STEPS=str(STEPS))
 
 
-def _worker(progress: Path) -> tuple[int, int]:
-    """(global rank, pid) of the node's worker, from its heartbeat."""
-    beat = next(progress.glob("rank-*"))
-    return int(beat.name.split("-")[1]), int(beat.read_text().split()[4])
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def _worker(progress: Path, after: int) -> tuple[int, int]:
+    """(global rank, pid) of the node's running worker, from a heartbeat past step `after` (on a
+    loaded machine the agents may have restarted their workers: an older beat names a dead one)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for beat in progress.glob("rank-[0-9]*"):
+            fields = beat.read_text().split() if beat.is_file() else []
+            if beat.suffix == "" and len(fields) > 4 and int(fields[0]) > after and _state(int(fields[4])) in "RSD":
+                return int(beat.name.split("-")[1]), int(fields[4])
+        time.sleep(0.2)
+    raise AssertionError(f"no running worker's heartbeat past step {after} in {progress}")
 
 
 def test_a_stopped_rank_is_found_its_stacks_saved_and_the_run_resumes(tmp_path: Path) -> None:
@@ -47,8 +61,12 @@ def test_a_stopped_rank_is_found_its_stacks_saved_and_the_run_resumes(tmp_path: 
             boot = f"{time.time():.0f}"
             nodes = [_node(i, port, moto, tmp_path, boot) for i in range(3)]
             wait_any(nodes, r"checkpoint step 40:", timeout=180)
-            rank, pid = _worker(tmp_path / "progress2")
+            rank, pid = _worker(tmp_path / "progress2", 40)
             os.kill(pid, signal.SIGSTOP)  # inside or before its next collective: the others wait there
+            stopped = time.monotonic() + 30
+            while _state(pid) not in ("T", "t") and time.monotonic() < stopped:  # the signal lands
+                time.sleep(0.1)
+            assert _state(pid) in ("T", "t"), _state(pid)  # really stopped (a live worker, not a stale pid)
             _, line = wait_any([nodes[2]], r"hang: no step on ranks", timeout=120)
             assert f"suspect rank {rank} (stopped)" in line, line
             wait_any(nodes, r"resumed from step \d+", timeout=180)
