@@ -50,3 +50,24 @@ def test_a_bad_recovery_setting_stops_the_node_with_one_line(name: str, value: s
 def test_unset_settings_take_the_defaults() -> None:
     assert contract.recovery("PEER_EVERY", {}) == 0 and contract.recovery("RDZV_KEEPALIVE_S", {}) == 2
     assert contract.recovery("PEER_EVERY", {"PEER_EVERY": "25"}) == 25
+
+
+@pytest.mark.parametrize("name,value,line", [
+    ("HANG_TIMEOUT_S", "a minute", "a number from 1 to 86400"), ("HANG_TIMEOUT_S", "nan", "a number from 1 to 86400"),
+    ("HANG_TIMEOUT_S", "-5", "a number from 1 to 86400"), ("STRAGGLER_FACTOR", "abc", "a number from 1.01 to 100"),
+    ("STRAGGLER_FACTOR", "0.5", "a number from 1.01 to 100"), ("HANG_RESTARTS", "0", "a whole number of at least 1"),
+    ("STRAGGLER_WINDOW_STEPS", "-50", "a whole number of at least 0"), ("HANG_REPLACE", "yes", "true or false"),
+    ("STRAGGLER_REPLACE", "$(reboot)", "true or false")])
+def test_a_bad_watch_setting_stops_the_node_with_one_line(name: str, value: str, line: str) -> None:
+    """Unchecked, STRAGGLER_FACTOR=abc crashed every trainer at its first step and HANG_TIMEOUT_S=nan
+    left a watchdog that never fires: the contract check refuses them before the launch."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), name: value}
+    proc = subprocess.run([sys.executable, "-m", "training.contract", "check"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [f"trainer contract: {name}={value!r}: {line}"], proc.stderr
+
+
+def test_the_watch_settings_a_user_means_pass() -> None:
+    ok = {"HANG_TIMEOUT_S": "90", "STRAGGLER_FACTOR": "1.5", "HANG_RESTARTS": "5", "STRAGGLER_WINDOW_STEPS": "0",
+          "HANG_REPLACE": "False", "STRAGGLER_REPLACE": "TRUE"}
+    assert contract._watch_problems(ok) == [] and contract._watch_problems({}) == []

@@ -238,7 +238,32 @@ def problems(env: dict[str, str] | None = None) -> list[str]:
     launcher = env.get(LAUNCHER.name) or "torchrun"
     if launcher not in LAUNCHERS:
         found.append(f"{LAUNCHER.name}={launcher!r}: use one of {', '.join(LAUNCHERS)}")
-    return found + _reservation_problems(env)
+    return found + _reservation_problems(env) + _watch_problems(env)
+
+
+def _watch_problems(env: dict[str, str]) -> list[str]:
+    """The hang and straggler settings (WATCH_VARS): a typo would crash the trainer or the
+    watchdog mid-run (or, as nan, never fire), so they are refused before the launch."""
+    import math
+
+    found = []
+    for var, fewest, most in ((HANG_TIMEOUT_S, 1.0, 86400.0), (STRAGGLER_FACTOR, 1.01, 100.0)):
+        raw = env.get(var.name, "")
+        try:
+            value = float(raw) if raw else fewest
+        except ValueError:
+            value = math.nan
+        if not fewest <= value <= most:  # nan fails too
+            found.append(f"{var.name}={raw!r}: a number from {fewest:g} to {most:g}")
+    for var, fewest in ((HANG_RESTARTS, 1), (STRAGGLER_WINDOW_STEPS, 0)):
+        raw = env.get(var.name, "")
+        if raw and not (raw.isdigit() and int(raw) >= fewest):
+            found.append(f"{var.name}={raw!r}: a whole number of at least {fewest}")
+    for var in (HANG_REPLACE, STRAGGLER_REPLACE):
+        raw = env.get(var.name, "")
+        if raw and raw.lower() not in ("true", "false"):
+            found.append(f"{var.name}={raw!r}: true or false")
+    return found
 
 
 def _reservation_problems(env: dict[str, str]) -> list[str]:
