@@ -112,6 +112,22 @@ def test_a_capacity_block_launch_template_targets_the_block(tmp_path: Path) -> N
     assert (dist["onDemandBaseCapacity"], dist["onDemandPercentageAboveBaseCapacity"]) == (2, 100)
 
 
+def test_the_blocks_end_reaches_the_trainer_through_the_nodes_own_env_file(tmp_path: Path) -> None:
+    """The seam: the user data the plan gives the block's nodes, laid down as cloud-init writes it,
+    holds an env file the contract check passes and the trainer's deadline reads (end - notice)."""
+    from datetime import datetime
+
+    from tests.contract_helpers import node_env_of
+    from training import contract
+    from training.reservation import Deadline
+
+    env = node_env_of(run_stack("dev", _with(BLOCK), tmp_path), "aws", tmp_path)
+    assert (env["RESERVATION_END"], env["RESERVATION_NOTICE_S"]) == ("2026-12-24T08:00:00Z", "1800")
+    assert not [p for p in contract.problems(env) if "RESERVATION" in p]
+    deadline = Deadline.from_env(env, upload_s=90)
+    assert deadline.stop_at == datetime.fromisoformat("2026-12-24T08:00:00+00:00").timestamp() - 1800 - 90
+
+
 def test_a_reserved_baseline_bursts_to_spot_on_aws_and_alibaba(tmp_path: Path) -> None:
     def edit(config: dict[str, Any]) -> None:
         _with(ODCR, 0)(config)
