@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.training_helpers import BIN, ROOT, MotoServer, Run, elastic_node, kill_tree, rendezvous_store, wait_any
+from tests.training_helpers import BIN, ROOT, MotoServer, Run, elastic_cluster, elastic_node, kill_tree, wait_any
 
 STEPS = 240
 
@@ -27,44 +27,36 @@ def _node(index: int, port: int, moto: MotoServer, tmp: Path) -> Run:
 
 
 def test_three_nodes_lose_one_go_on_and_take_it_back(tmp_path: Path) -> None:
-    moto = MotoServer()
-    nodes: list[Run] = []
-    with rendezvous_store() as port:
-        try:
-            nodes = [_node(i, port, moto, tmp_path) for i in range(3)]
-            wait_any(nodes, r"rank 0 of 3 ", timeout=120)
-            wait_any(nodes, r"checkpoint step 40:", timeout=120)
-            kill_tree(nodes[2].proc.pid)  # node 2 is gone: no notice, no checkpoint
-            nodes[2].proc.wait(timeout=30)
-            # The two others: their collectives fail, their agents re-rendezvous with each other.
-            wait_any(nodes[:2], r"rank \d of 2 ", timeout=180)
-            _, resumed = wait_any(nodes[:2], r"resumed from step \d+", timeout=120)
-            assert int(resumed.split("resumed from step ")[1].split()[0]) >= 40, resumed
-            wait_any(nodes[:2], r"world size 3 -> 2 since step", timeout=30)
-            survivors_at = int(resumed.split("resumed from step ")[1].split()[0])
-            # A replacement node with an empty disk (a folder no node used): it restores from the
-            # bucket, files checked against the manifest of the node that wrote them (issue 46).
-            nodes[2] = _node(3, port, moto, tmp_path)
-            wait_any([nodes[2]], r"rank \d of 3 ", timeout=180)
-            _, joined = wait_any([nodes[2]], r"resumed from step \d+", timeout=120)
-            assert int(joined.split("resumed from step ")[1].split()[0]) >= survivors_at, joined
-            for run in nodes:
-                assert run.finish(timeout=300) == 0, run.output[-3000:]
-            finals = [line for run in nodes for line in run.lines if line.startswith("final step=")]
-            assert len(finals) == 1 and finals[0].startswith(f"final step={STEPS} "), finals
-            # Never a step refused for another node's digest, never a restart from step 0 over the
-            # bucket's history: every resume is at or past the one before it.
-            assert not [line for run in nodes for line in run.lines if "skipping checkpoint step" in line]
-            resumes = [int(line.split("resumed from step ")[1].split()[0]) for run in nodes for line in run.lines
-                       if "resumed from step " in line]
-            assert resumes and min(resumes) >= 40, resumes
-            keys = moto.keys("elastic/")
-            assert f"elastic/step-{STEPS:08d}/manifest-node000.json" in keys
-        finally:
-            for run in nodes:
-                if run.proc.poll() is None:
-                    kill_tree(run.proc.pid)
-            moto.stop()
+    with elastic_cluster() as (moto, port, nodes):
+        nodes.extend(_node(i, port, moto, tmp_path) for i in range(3))  # one by one: a node started is a node stopped
+        wait_any(nodes, r"rank 0 of 3 ", timeout=120)
+        wait_any(nodes, r"checkpoint step 40:", timeout=120)
+        kill_tree(nodes[2].proc.pid)  # node 2 is gone: no notice, no checkpoint
+        nodes[2].proc.wait(timeout=30)
+        # The two others: their collectives fail, their agents re-rendezvous with each other.
+        wait_any(nodes[:2], r"rank \d of 2 ", timeout=180)
+        _, resumed = wait_any(nodes[:2], r"resumed from step \d+", timeout=120)
+        assert int(resumed.split("resumed from step ")[1].split()[0]) >= 40, resumed
+        wait_any(nodes[:2], r"world size 3 -> 2 since step", timeout=30)
+        survivors_at = int(resumed.split("resumed from step ")[1].split()[0])
+        # A replacement node with an empty disk (a folder no node used): it restores from the
+        # bucket, files checked against the manifest of the node that wrote them (issue 46).
+        nodes[2] = _node(3, port, moto, tmp_path)
+        wait_any([nodes[2]], r"rank \d of 3 ", timeout=180)
+        _, joined = wait_any([nodes[2]], r"resumed from step \d+", timeout=120)
+        assert int(joined.split("resumed from step ")[1].split()[0]) >= survivors_at, joined
+        for run in nodes:
+            assert run.finish(timeout=300) == 0, run.output[-3000:]
+        finals = [line for run in nodes for line in run.lines if line.startswith("final step=")]
+        assert len(finals) == 1 and finals[0].startswith(f"final step={STEPS} "), finals
+        # Never a step refused for another node's digest, never a restart from step 0 over the
+        # bucket's history: every resume is at or past the one before it.
+        assert not [line for run in nodes for line in run.lines if "skipping checkpoint step" in line]
+        resumes = [int(line.split("resumed from step ")[1].split()[0]) for run in nodes for line in run.lines
+                   if "resumed from step " in line]
+        assert resumes and min(resumes) >= 40, resumes
+        keys = moto.keys("elastic/")
+        assert f"elastic/step-{STEPS:08d}/manifest-node000.json" in keys
 
 
 @pytest.mark.parametrize("nnodes,endpoint,launcher,named", [

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.training_helpers import MotoServer, Run, elastic_node, free_port, kill_tree, rendezvous_store, wait_any
+from tests.training_helpers import MotoServer, Run, elastic_cluster, elastic_node, free_port, kill_tree, wait_any
 
 STEPS = 200
 
@@ -29,31 +29,23 @@ def _step(line: str, pattern: str) -> int:
 
 
 def test_the_survivors_restore_the_newest_peer_copy_not_the_bucket_s_step(tmp_path: Path) -> None:
-    moto = MotoServer()
-    nodes: list[Run] = []
-    with rendezvous_store() as port:
-        try:
-            nodes = [_node(i, port, moto, tmp_path) for i in range(3)]
-            wait_any(nodes, r"rank 0 of 3 ", timeout=120)
-            wait_any(nodes, r"checkpoint step 50:", timeout=120)
-            _, copied = wait_any(nodes, r"peer copy of step (6[5-9]|7\d) on node", timeout=120)
-            kill_tree(nodes[2].proc.pid)  # node 2 and its peer store are gone: no notice, no checkpoint
-            nodes[2].proc.wait(timeout=30)
-            held = _step(copied, r"peer copy of step (\d+)")
-            after = {i: len(run.lines) for i, run in enumerate(nodes)}
-            wait_any(nodes[:2], r"rank \d of 2 ", timeout=180, after=after)
-            _, restored = wait_any(nodes[:2], r"restores step (\d+) from peer memory", timeout=120, after=after)
-            _, resumed = wait_any(nodes[:2], r"resumed from step (\d+)", timeout=120, after=after)
-            assert _step(resumed, r"resumed from step (\d+)") == _step(restored, r"restores step (\d+)") >= held > 50
-            nodes[2] = _node(3, port, moto, tmp_path)  # a replacement node, its disk empty
-            wait_any([nodes[2]], r"rank \d of 3 ", timeout=180)
-            for run in nodes:
-                assert run.finish(timeout=300) == 0, run.output[-3000:]
-            finals = [line for run in nodes for line in run.lines if line.startswith("final step=")]
-            assert len(finals) == 1 and finals[0].startswith(f"final step={STEPS} "), finals
-            assert not [line for run in nodes for line in run.lines if "skipping checkpoint step" in line]
-        finally:
-            for run in nodes:
-                if run.proc.poll() is None:
-                    kill_tree(run.proc.pid)
-            moto.stop()
+    with elastic_cluster() as (moto, port, nodes):
+        nodes.extend(_node(i, port, moto, tmp_path) for i in range(3))  # one by one: a node started is a node stopped
+        wait_any(nodes, r"rank 0 of 3 ", timeout=120)
+        wait_any(nodes, r"checkpoint step 50:", timeout=120)
+        _, copied = wait_any(nodes, r"peer copy of step (6[5-9]|7\d) on node", timeout=120)
+        kill_tree(nodes[2].proc.pid)  # node 2 and its peer store are gone: no notice, no checkpoint
+        nodes[2].proc.wait(timeout=30)
+        held = _step(copied, r"peer copy of step (\d+)")
+        after = {i: len(run.lines) for i, run in enumerate(nodes)}
+        wait_any(nodes[:2], r"rank \d of 2 ", timeout=180, after=after)
+        _, restored = wait_any(nodes[:2], r"restores step (\d+) from peer memory", timeout=120, after=after)
+        _, resumed = wait_any(nodes[:2], r"resumed from step (\d+)", timeout=120, after=after)
+        assert _step(resumed, r"resumed from step (\d+)") == _step(restored, r"restores step (\d+)") >= held > 50
+        nodes[2] = _node(3, port, moto, tmp_path)  # a replacement node, its disk empty
+        wait_any([nodes[2]], r"rank \d of 3 ", timeout=180)
+        for run in nodes:
+            assert run.finish(timeout=300) == 0, run.output[-3000:]
+        finals = [line for run in nodes for line in run.lines if line.startswith("final step=")]
+        assert len(finals) == 1 and finals[0].startswith(f"final step={STEPS} "), finals
+        assert not [line for run in nodes for line in run.lines if "skipping checkpoint step" in line]

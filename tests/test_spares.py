@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.training_helpers import MotoServer, Run, elastic_node, kill_tree, rendezvous_store, wait_any
+from tests.training_helpers import MotoServer, Run, elastic_cluster, elastic_node, kill_tree, wait_any
 
 STEPS = 240
 WORLD = re.compile(r"rank \d of (\d) ")
@@ -40,83 +40,59 @@ def _newest_in_bucket(moto: MotoServer) -> int:
 
 
 def test_a_spare_waits_outside_the_world_and_takes_a_lost_members_place(tmp_path: Path) -> None:
-    moto = MotoServer()
-    nodes: list[Run] = []
-    with rendezvous_store() as port:
-        try:
-            nodes = [_node(i, port, moto, tmp_path) for i in range(3)]
-            wait_any(nodes, r"rank 0 of 3 ", timeout=120)
-            nodes.append(_node(3, port, moto, tmp_path))  # the spare: the world is full when it comes
-            wait_any([nodes[3]], r"rdzv_launch: held as a spare", timeout=120)
-            seen = {i: len(run.lines) for i, run in enumerate(nodes[:3])}
-            # The members go on through two more checkpoints in the same world: no new round.
-            wait_any(nodes[:3], r"checkpoint step 60:", timeout=120, after=seen)
-            wait_any(nodes[:3], r"checkpoint step 80:", timeout=120, after=seen)
-            assert [_worlds(run, seen[i]) for i, run in enumerate(nodes[:3])] == [[], [], []]
-            assert _worlds(nodes[3]) == [], nodes[3].output[-2000:]
-            kill_tree(nodes[2].proc.pid)  # a member is gone: no notice, no checkpoint
-            nodes[2].proc.wait(timeout=30)
-            wait_any([nodes[3]], r"rdzv_launch: the spare leaves the redundancy list", timeout=120)
-            wait_any([nodes[3]], r"rank \d of 3 ", timeout=180)
-            _, resumed = wait_any(nodes, r"resumed from step \d+", timeout=120, after=seen)
-            # The newest step the new world can all read: the spare's disk is empty, so the bucket's
-            # newest with every node's manifest (nothing is uploaded between the kill and the resume).
-            assert int(resumed.split("resumed from step ")[1].split()[0]) == _newest_in_bucket(moto), resumed
-            for i in (0, 1, 3):
-                assert nodes[i].finish(timeout=300) == 0, nodes[i].output[-3000:]
-            # The world came back at three nodes without a shrink in between.
-            for i in (0, 1):
-                assert set(_worlds(nodes[i])) == {"3"}, _worlds(nodes[i])
-                assert "world size 3 -> 2" not in nodes[i].output
-            finals = [line for run in nodes for line in run.lines if line.startswith("final step=")]
-            assert len(finals) == 1 and finals[0].startswith(f"final step={STEPS} "), finals
-        finally:
-            for run in nodes:
-                if run.proc.poll() is None:
-                    kill_tree(run.proc.pid)
-            moto.stop()
+    with elastic_cluster() as (moto, port, nodes):
+        nodes.extend(_node(i, port, moto, tmp_path) for i in range(3))  # one by one: a node started is a node stopped
+        wait_any(nodes, r"rank 0 of 3 ", timeout=120)
+        nodes.append(_node(3, port, moto, tmp_path))  # the spare: the world is full when it comes
+        wait_any([nodes[3]], r"rdzv_launch: held as a spare", timeout=120)
+        seen = {i: len(run.lines) for i, run in enumerate(nodes[:3])}
+        # The members go on through two more checkpoints in the same world: no new round.
+        wait_any(nodes[:3], r"checkpoint step 60:", timeout=120, after=seen)
+        wait_any(nodes[:3], r"checkpoint step 80:", timeout=120, after=seen)
+        assert [_worlds(run, seen[i]) for i, run in enumerate(nodes[:3])] == [[], [], []]
+        assert _worlds(nodes[3]) == [], nodes[3].output[-2000:]
+        kill_tree(nodes[2].proc.pid)  # a member is gone: no notice, no checkpoint
+        nodes[2].proc.wait(timeout=30)
+        wait_any([nodes[3]], r"rdzv_launch: the spare leaves the redundancy list", timeout=120)
+        wait_any([nodes[3]], r"rank \d of 3 ", timeout=180)
+        _, resumed = wait_any(nodes, r"resumed from step \d+", timeout=120, after=seen)
+        # The newest step the new world can all read: the spare's disk is empty, so the bucket's
+        # newest with every node's manifest (nothing is uploaded between the kill and the resume).
+        assert int(resumed.split("resumed from step ")[1].split()[0]) == _newest_in_bucket(moto), resumed
+        for i in (0, 1, 3):
+            assert nodes[i].finish(timeout=300) == 0, nodes[i].output[-3000:]
+        # The world came back at three nodes without a shrink in between.
+        for i in (0, 1):
+            assert set(_worlds(nodes[i])) == {"3"}, _worlds(nodes[i])
+            assert "world size 3 -> 2" not in nodes[i].output
+        finals = [line for run in nodes for line in run.lines if line.startswith("final step=")]
+        assert len(finals) == 1 and finals[0].startswith(f"final step={STEPS} "), finals
 
 
 def test_a_spare_still_waiting_when_the_run_ends_exits_cleanly(tmp_path: Path) -> None:
-    moto = MotoServer()
-    nodes: list[Run] = []
-    with rendezvous_store() as port:
-        try:
-            nodes = [_node(i, port, moto, tmp_path, nnodes=2, steps=80) for i in range(2)]
-            wait_any(nodes, r"rank 0 of 2 ", timeout=120)
-            nodes.append(_node(2, port, moto, tmp_path, nnodes=2, steps=80))
-            wait_any([nodes[2]], r"rdzv_launch: held as a spare", timeout=120)
-            for run in nodes[:2]:
-                assert run.finish(timeout=300) == 0, run.output[-3000:]
-            # The run closed its rendezvous: the spare is told so (torch's RendezvousGracefulExitError)
-            # and its launcher ends with 0, not a failure its unit or its Job would retry.
-            assert nodes[2].finish(timeout=120) == 0, nodes[2].output[-3000:]
-            assert "rdzv_launch: the run ended while this node waited as a spare; nothing to do" in nodes[2].output
-            assert _worlds(nodes[2]) == [] and "Traceback" not in nodes[2].output
-        finally:
-            for run in nodes:
-                if run.proc.poll() is None:
-                    kill_tree(run.proc.pid)
-            moto.stop()
+    with elastic_cluster() as (moto, port, nodes):
+        nodes.extend(_node(i, port, moto, tmp_path, nnodes=2, steps=80) for i in range(2))
+        wait_any(nodes, r"rank 0 of 2 ", timeout=120)
+        nodes.append(_node(2, port, moto, tmp_path, nnodes=2, steps=80))
+        wait_any([nodes[2]], r"rdzv_launch: held as a spare", timeout=120)
+        for run in nodes[:2]:
+            assert run.finish(timeout=300) == 0, run.output[-3000:]
+        # The run closed its rendezvous: the spare is told so (torch's RendezvousGracefulExitError)
+        # and its launcher ends with 0, not a failure its unit or its Job would retry.
+        assert nodes[2].finish(timeout=120) == 0, nodes[2].output[-3000:]
+        assert "rdzv_launch: the run ended while this node waited as a spare; nothing to do" in nodes[2].output
+        assert _worlds(nodes[2]) == [] and "Traceback" not in nodes[2].output
 
 
 def test_a_node_that_comes_after_the_run_ended_exits_cleanly(tmp_path: Path) -> None:
     """A spare or a recreated Job pod that was Pending until the run ended: it never joined the
     run, so torch's RendezvousClosedError is not its failure; it ends with 0 (an Indexed Job
     needs every index to succeed) and says why."""
-    moto = MotoServer()
-    nodes: list[Run] = []
-    with rendezvous_store() as port:
-        try:
-            nodes = [_node(i, port, moto, tmp_path, nnodes=2, steps=40) for i in range(2)]
-            for run in nodes:
-                assert run.finish(timeout=300) == 0, run.output[-3000:]
-            nodes.append(_node(2, port, moto, tmp_path, nnodes=2, steps=40))
-            assert nodes[2].finish(timeout=120) == 0, nodes[2].output[-3000:]
-            assert "rdzv_launch: the run's rendezvous was already closed when this node came" in nodes[2].output
-            assert _worlds(nodes[2]) == [] and "Traceback" not in nodes[2].output
-        finally:
-            for run in nodes:
-                if run.proc.poll() is None:
-                    kill_tree(run.proc.pid)
-            moto.stop()
+    with elastic_cluster() as (moto, port, nodes):
+        nodes.extend(_node(i, port, moto, tmp_path, nnodes=2, steps=40) for i in range(2))
+        for run in nodes:
+            assert run.finish(timeout=300) == 0, run.output[-3000:]
+        nodes.append(_node(2, port, moto, tmp_path, nnodes=2, steps=40))
+        assert nodes[2].finish(timeout=120) == 0, nodes[2].output[-3000:]
+        assert "rdzv_launch: the run's rendezvous was already closed when this node came" in nodes[2].output
+        assert _worlds(nodes[2]) == [] and "Traceback" not in nodes[2].output

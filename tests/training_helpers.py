@@ -256,6 +256,25 @@ def rendezvous_store() -> Iterator[int]:
         store.wait(timeout=10)
 
 
+@contextlib.contextmanager
+def elastic_cluster() -> Iterator[tuple[MotoServer, int, list[Run]]]:
+    """What a multi-node test runs in: a bucket on moto, a rendezvous store apart from the nodes
+    (as the stack runs it), and the list the test appends its nodes to. Whatever happens, every node
+    still running is killed with its process tree, then the store and moto are stopped."""
+    moto = MotoServer()
+    nodes: list[Run] = []
+    try:
+        with rendezvous_store() as port:
+            try:
+                yield moto, port, nodes
+            finally:
+                for run in nodes:
+                    if run.proc.poll() is None:
+                        kill_tree(run.proc.pid)
+    finally:
+        moto.stop()
+
+
 def elastic_node(tmp: Path, index: int, port: int, moto: MotoServer, args: list[str], **env: str) -> Run:
     """One "node" of an elastic multi-node run on loopback: the image's entrypoint with the
     contract a VM node gets (its checkpoint folder, the bucket, the store at `port`, the group's
