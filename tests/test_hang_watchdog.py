@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from tests.training_helpers import ROOT, MotoServer, Run, elastic_node, kill_tree, rendezvous_store, wait_any
+from training.node.watchdog import _state  # the watchdog's own reading of a process's state
 
 STEPS = 160
 
@@ -31,13 +32,6 @@ def _node(index: int, port: int, moto: MotoServer, tmp: Path, boot: str) -> Run:
                         CHECKPOINT_URL=f"s3://{moto.bucket}/hang/", TRAIN_STEPS=str(STEPS))
 
 
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "gone"
-
-
 def _worker(progress: Path, after: int) -> tuple[int, int]:
     """(global rank, pid) of the node's running worker, from a heartbeat past step `after` (on a
     loaded machine the agents may have restarted their workers: an older beat names a dead one)."""
@@ -45,7 +39,8 @@ def _worker(progress: Path, after: int) -> tuple[int, int]:
     while time.monotonic() < deadline:
         for beat in progress.glob("rank-[0-9]*"):
             fields = beat.read_text().split() if beat.is_file() else []
-            if beat.suffix == "" and len(fields) > 4 and int(fields[0]) > after and _state(int(fields[4])) in "RSD":
+            running = len(fields) > 4 and _state(int(fields[4])) in ("R", "S", "D")
+            if beat.suffix == "" and running and int(fields[0]) > after:
                 return int(beat.name.split("-")[1]), int(fields[4])
         time.sleep(0.2)
     raise AssertionError(f"no running worker's heartbeat past step {after} in {progress}")
@@ -265,7 +260,7 @@ def test_a_stale_heartbeat_never_gets_an_unrelated_process_signalled(tmp_path: P
         assert retry_until(lambda: not (progress / "rank-0").exists(), 60)
         (progress / "rank-1").write_text(f"5 {old} 0.05 0 {unrelated.pid} node-x 0 {proc_start(launcher.pid)}\n")
         assert retry_until(lambda: not (progress / "rank-1").exists(), 60)
-        assert unrelated.poll() is None and _state_of(unrelated.pid) == "S"
+        assert unrelated.poll() is None and _state(unrelated.pid) == "S"
     finally:
         dog.kill()
         for proc in (launcher, unrelated):
@@ -273,10 +268,6 @@ def test_a_stale_heartbeat_never_gets_an_unrelated_process_signalled(tmp_path: P
             proc.wait(timeout=30)
     out = dog.communicate(timeout=30)[0]
     assert "hang:" not in out, out
-
-
-def _state_of(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def test_a_progress_folder_others_can_write_is_refused(tmp_path: Path) -> None:
