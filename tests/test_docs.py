@@ -37,7 +37,7 @@ ALLOWED: dict[str, tuple[str, str]] = {
     r"python -m training\.goodput ": ("tests/test_goodput.py::test_the_command_prints_the_interval_and_simulates_a_file",
                                       '"training.goodput"'),
     r"python -m training\.node\.rdzv_store ": ("tests/test_elastic.py::test_three_nodes_lose_one_go_on_and_take_it_back",
-                                         "rendezvous_store"),
+                                         "elastic_cluster()"),
     r"export RDZV_KEY=": ("tests/test_elastic.py::test_three_nodes_lose_one_go_on_and_take_it_back", "elastic_node"),
     r"bash training/node/entrypoint\.sh ": ("tests/test_elastic.py::test_three_nodes_lose_one_go_on_and_take_it_back",
                                        "elastic_node"),
