@@ -38,6 +38,8 @@ def test_the_survivors_restore_the_newest_peer_copy_not_the_bucket_s_step(tmp_pa
         nodes[2].proc.wait(timeout=30)
         held = _step(copied, r"peer copy of step (\d+)")
         after = {i: len(run.lines) for i, run in enumerate(nodes)}
+        # its peer store refuses connections: dropped at once, not after 2 s x 5 of missed heartbeats
+        wait_any(nodes[:2], r"rdzv_launch: node \S+ is gone \(its heartbeat is", timeout=120, after=after)
         wait_any(nodes[:2], r"rank \d of 2 ", timeout=180, after=after)
         _, restored = wait_any(nodes[:2], r"restores step (\d+) from peer memory", timeout=120, after=after)
         _, resumed = wait_any(nodes[:2], r"resumed from step (\d+)", timeout=120, after=after)

@@ -113,10 +113,11 @@ case "$LAUNCHER" in
       # training/contract.py's RECOVERY_DEFAULTS): torch drops a node whose agent missed
       # keep_alive_max_attempt heartbeats keep_alive_interval apart (dynamic_rendezvous.py
       # _RendezvousStateHolder._sanitize), then completes the round last_call_timeout after
-      # MIN_NNODES are in (_RendezvousJoinOp). The heartbeats' stamps are compared across the
-      # nodes' clocks: 2 s x 5 leaves room for skew and a loaded agent. A run with the peer tier
-      # takes a 3 s last call (fast shrinks); others torch's 30 s (late cold-boot nodes join
-      # the first round instead of restarting the world when they arrive).
+      # MIN_NNODES are in (_RendezvousJoinOp); with the peer tier, a member whose peer store
+      # refuses connections goes at once (training/node/rdzv_liveness.py). The heartbeats'
+      # stamps are compared across the nodes' clocks: 2 s x 5 leaves room for skew and a loaded
+      # agent. A run with the peer tier takes a 3 s last call (fast shrinks); others torch's 30 s
+      # (late cold-boot nodes join the first round instead of restarting the world when they arrive).
       last_call=30
       if [ "${PEER_EVERY:-0}" -gt 0 ]; then last_call=3; fi
       rdzv_conf="is_host=false,read_timeout=300,last_call_timeout=${RDZV_LAST_CALL_S:-$last_call}"

@@ -55,6 +55,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRendezvousHandler,
                                                                      _DistributedRendezvousOpExecutor, create_handler)
 
+from training.node import rdzv_liveness
 from training.node.rdzv_store import listen
 
 BACKEND = "gts-c10d"
@@ -178,11 +179,14 @@ def run_key(env: dict[str, str] | None = None) -> bytes:
 
 def create_signed_handler(params: RendezvousParameters) -> RendezvousHandler:
     store = _create_tcp_store(params)
-    handler = create_handler(store, SignedC10dBackend(store, params.run_id, run_key()), params)
+    key = run_key()
+    handler = create_handler(store, SignedC10dBackend(store, params.run_id, key), params)
     # torch's factory parses the rendezvous settings and builds its own class; ours only adds
     # the two methods above (no state of its own), so the built handler becomes one.
     handler.__class__ = PrivateWorkerStoreHandler
     handler._op_executor.__class__ = SpareEvents  # same for the executor: two methods say more
+    # With the peer tier, a member whose peer store refuses connections is dropped at once.
+    rdzv_liveness.attach(handler, store, key, os.environ.get(rdzv_liveness.ENDPOINT_VAR, ""))
     return handler
 
 

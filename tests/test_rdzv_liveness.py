@@ -1,0 +1,119 @@
+"""Issue 46: a member whose peer store refuses connections leaves the rendezvous at once; every
+weaker sign leaves torch's keep-alive rule to decide (training/node/rdzv_liveness.py). The
+holder is torch's own, over a real TCPStore, with real sockets: one listening, one refusing."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (RendezvousSettings, RendezvousTimeout,
+                                                                     _BackendRendezvousStateHolder, _NodeDesc)
+
+from training.node import rdzv_liveness
+from training.node.rdzv_launch import SignedC10dBackend
+
+KEY = b"k" * 40
+RUN = "run-1"
+
+
+@pytest.fixture()
+def store() -> Iterator[TCPStore]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield server
+
+
+@pytest.fixture()
+def listening() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+@pytest.fixture()
+def closed() -> int:
+    with socket.socket() as s:  # bound, never listening, then closed: connecting is refused
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _holder(store: TCPStore, this: _NodeDesc) -> rdzv_liveness.LivenessStateHolder:
+    settings = RendezvousSettings(RUN, 1, 4, RendezvousTimeout(), keep_alive_interval=timedelta(seconds=2),
+                                  keep_alive_max_attempt=5)
+    holder = _BackendRendezvousStateHolder(SignedC10dBackend(store, RUN, KEY), settings)
+    holder.__class__ = rdzv_liveness.LivenessStateHolder
+    assert isinstance(holder, rdzv_liveness.LivenessStateHolder)
+    holder.watch(store, KEY, this)
+    return holder
+
+
+def _member(holder: _BackendRendezvousStateHolder, node: _NodeDesc, age_s: float) -> None:
+    holder.state.participants[node] = len(holder.state.participants)
+    holder.state.last_heartbeats[node] = datetime.now(timezone.utc) - timedelta(seconds=age_s)
+
+
+def _node(i: int) -> _NodeDesc:
+    return _NodeDesc("127.0.0.1", 1000 + i, 0)
+
+
+def test_a_late_member_whose_store_refuses_is_dropped_and_no_weaker_sign_drops_one(
+        store: TCPStore, listening: int, closed: int, capsys: pytest.CaptureFixture[str]) -> None:
+    me, gone, slow, fresh, forged, moved, silent = (_node(i) for i in range(7))
+    holder = _holder(store, me)
+    rdzv_liveness.publish(store, KEY, RUN, me, f"127.0.0.1:{closed}")  # even refused, this node never drops itself
+    rdzv_liveness.publish(store, KEY, RUN, gone, f"127.0.0.1:{closed}")
+    rdzv_liveness.publish(store, KEY, RUN, slow, f"127.0.0.1:{listening}")  # a slow agent, its store alive
+    rdzv_liveness.publish(store, KEY, RUN, fresh, f"127.0.0.1:{closed}")  # a store restarting, its agent beating
+    rdzv_liveness.publish(store, b"another run's key" * 3, RUN, forged, f"127.0.0.1:{closed}")
+    store.set(rdzv_liveness.key(RUN, moved), store.get(rdzv_liveness.key(RUN, gone)))  # gone's signed value, replayed
+    for node, age in ((me, 5), (gone, 5), (slow, 5), (fresh, 1), (forged, 5), (moved, 5), (silent, 5)):
+        _member(holder, node, age)
+    holder._sanitize()
+    assert gone not in holder.state.participants and gone not in holder.state.last_heartbeats
+    assert set(holder.state.participants) == {me, slow, fresh, forged, moved, silent}
+    assert f"node {gone!r} is gone" in capsys.readouterr().err
+
+
+def test_torch_s_own_keep_alive_rule_still_drops_a_silent_member(store: TCPStore) -> None:
+    me, silent = _node(0), _node(1)
+    holder = _holder(store, me)
+    _member(holder, me, 0)
+    _member(holder, silent, 11)  # past 2 s x 5, nothing published: torch's rule, unchanged
+    holder._sanitize()
+    assert set(holder.state.participants) == {me}
+
+
+def test_a_member_is_asked_at_most_once_per_interval(store: TCPStore, closed: int) -> None:
+    me, late = _node(0), _node(1)
+    asked: list[tuple[str, int]] = []
+    holder = _holder(store, me)
+    holder.watch(store, KEY, me, probe=lambda host, port: bool(asked.append((host, port))))
+    rdzv_liveness.publish(store, KEY, RUN, late, f"127.0.0.1:{closed}")
+    _member(holder, me, 0)
+    _member(holder, late, 4)
+    holder._sanitize()
+    holder._sanitize()
+    assert asked == [("127.0.0.1", closed)] and late in holder.state.participants
+
+
+@pytest.mark.parametrize("sealed", [b"", b"gts-live-v1:", b"gts-live-v1:" + b"\0" * 32 + b"127.0.0.1:1",
+                                    b"garbage", b"gts-live-v1:" + b"\0" * 32 + b"\xff\xfe"])
+def test_a_value_not_signed_for_this_node_is_no_address(sealed: bytes) -> None:
+    assert rdzv_liveness.opened(KEY, RUN, _node(1), sealed) is None
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:0", "127.0.0.1:70000", ":29600", "127.0.0.1:", "127.0.0.1:x"])
+def test_a_signed_value_that_is_no_address_is_refused(endpoint: str) -> None:
+    assert rdzv_liveness.opened(KEY, RUN, _node(1), rdzv_liveness.seal(KEY, RUN, _node(1), endpoint)) is None
+
+
+def test_a_signed_address_reads_back_ipv4_and_ipv6() -> None:
+    for endpoint, found in (("10.0.1.12:29600", ("10.0.1.12", 29600)), ("[fd00::5]:29600", ("fd00::5", 29600))):
+        assert rdzv_liveness.opened(KEY, RUN, _node(1), rdzv_liveness.seal(KEY, RUN, _node(1), endpoint)) == found
