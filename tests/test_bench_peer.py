@@ -1,0 +1,36 @@
+"""The recovery bench's own reading of the nodes' logs (training/trainer/bench_peer.py): the loss
+counts as detected at the first survivor line of any kind that sees it, the lines taken from a
+real run's logs (a spare waiting lets the agents restart before any worker failure is logged)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from training.trainer.bench_peer import DETECTED
+
+SEEN = [
+    "E1202 04:51:41.747000 2083 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1002]"
+    " failed (exitcode: 1) local_rank: 0 (pid: 2217) of binary: /work/main/.venv/bin/python",
+    "[rank2]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:17794: Connection reset by peer. This is typically caused by a remote worker hanging",
+    "rdzv_launch: node 127.0.0.1_30177_0 is gone (its heartbeat is 3.1 s old and its peer store refuses connections): "
+    "removed from the rendezvous now, not after the keep-alive limit",
+]
+NOT_SEEN = [
+    "rdzv_launch: held as a spare: round 0 of the run is full (3 of 3 nodes); this node waits outside the run",
+    "2026-12-02 04:48:59,797 rank0 gts.train resumed from step 140 (epoch 3, batch 14 of the epoch)",
+    "W1202 04:48:45.722000 30205 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 30282 closing "
+    "signal SIGTERM",
+]
+
+
+@pytest.mark.parametrize("line", SEEN)
+def test_each_kind_of_survivor_line_is_a_detection(line: str) -> None:
+    assert re.search(DETECTED, line)
+
+
+@pytest.mark.parametrize("line", NOT_SEEN)
+def test_a_line_that_does_not_see_the_loss_is_not_one(line: str) -> None:
+    assert not re.search(DETECTED, line)
