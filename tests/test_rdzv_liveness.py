@@ -5,8 +5,9 @@ holder is torch's own, over a real TCPStore, with real sockets: one listening, o
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
@@ -44,10 +45,13 @@ def closed() -> int:
         return int(s.getsockname()[1])
 
 
+def _settings() -> RendezvousSettings:
+    return RendezvousSettings(RUN, 1, 4, RendezvousTimeout(), keep_alive_interval=timedelta(seconds=2),
+                              keep_alive_max_attempt=5)
+
+
 def _holder(store: TCPStore, this: _NodeDesc) -> rdzv_liveness.LivenessStateHolder:
-    settings = RendezvousSettings(RUN, 1, 4, RendezvousTimeout(), keep_alive_interval=timedelta(seconds=2),
-                                  keep_alive_max_attempt=5)
-    holder = _BackendRendezvousStateHolder(SignedC10dBackend(store, RUN, KEY), settings)
+    holder = _BackendRendezvousStateHolder(SignedC10dBackend(store, RUN, KEY), _settings())
     holder.__class__ = rdzv_liveness.LivenessStateHolder
     assert isinstance(holder, rdzv_liveness.LivenessStateHolder)
     holder.watch(store, KEY, this)
@@ -57,6 +61,13 @@ def _holder(store: TCPStore, this: _NodeDesc) -> rdzv_liveness.LivenessStateHold
 def _member(holder: _BackendRendezvousStateHolder, node: _NodeDesc, age_s: float) -> None:
     holder.state.participants[node] = len(holder.state.participants)
     holder.state.last_heartbeats[node] = datetime.now(timezone.utc) - timedelta(seconds=age_s)
+
+
+def _recorder(asked: list[tuple[str, int]], verdict: bool) -> Callable[[str, int], bool]:
+    def probe(host: str, port: int) -> bool:
+        asked.append((host, port))
+        return verdict
+    return probe
 
 
 def _node(i: int) -> _NodeDesc:
@@ -72,7 +83,8 @@ def test_a_late_member_whose_store_refuses_is_dropped_and_no_weaker_sign_drops_o
     rdzv_liveness.publish(store, KEY, RUN, slow, f"127.0.0.1:{listening}")  # a slow agent, its store alive
     rdzv_liveness.publish(store, KEY, RUN, fresh, f"127.0.0.1:{closed}")  # a store restarting, its agent beating
     rdzv_liveness.publish(store, b"another run's key" * 3, RUN, forged, f"127.0.0.1:{closed}")
-    store.set(rdzv_liveness.key(RUN, moved), store.get(rdzv_liveness.key(RUN, gone)))  # gone's signed value, replayed
+    replayed: Any = store  # a signed value is bytes; the stub says str
+    replayed.set(rdzv_liveness.key(RUN, moved), store.get(rdzv_liveness.key(RUN, gone)))  # gone's signed value, replayed
     for node, age in ((me, 5), (gone, 5), (slow, 5), (fresh, 1), (forged, 5), (moved, 5), (silent, 5)):
         _member(holder, node, age)
     holder._sanitize()
@@ -94,7 +106,7 @@ def test_a_member_is_asked_at_most_once_per_interval(store: TCPStore, closed: in
     me, late = _node(0), _node(1)
     asked: list[tuple[str, int]] = []
     holder = _holder(store, me)
-    holder.watch(store, KEY, me, probe=lambda host, port: bool(asked.append((host, port))))
+    holder.watch(store, KEY, me, probe=_recorder(asked, False))
     rdzv_liveness.publish(store, KEY, RUN, late, f"127.0.0.1:{closed}")
     _member(holder, me, 0)
     _member(holder, late, 4)
@@ -117,3 +129,23 @@ def test_a_signed_value_that_is_no_address_is_refused(endpoint: str) -> None:
 def test_a_signed_address_reads_back_ipv4_and_ipv6() -> None:
     for endpoint, found in (("10.0.1.12:29600", ("10.0.1.12", 29600)), ("[fd00::5]:29600", ("fd00::5", 29600))):
         assert rdzv_liveness.opened(KEY, RUN, _node(1), rdzv_liveness.seal(KEY, RUN, _node(1), endpoint)) == found
+
+
+def test_a_member_found_gone_stays_gone_and_the_drop_is_written_for_the_others(
+        store: TCPStore, closed: int, capsys: pytest.CaptureFixture[str]) -> None:
+    me, gone = _node(0), _node(1)
+    asked: list[tuple[str, int]] = []
+    holder = _holder(store, me)
+    holder.watch(store, KEY, me, probe=_recorder(asked, True))
+    rdzv_liveness.publish(store, KEY, RUN, gone, f"127.0.0.1:{closed}")
+    _member(holder, me, 0)
+    _member(holder, gone, 4)
+    holder._sanitize()
+    holder.sync()  # the drop marked the state dirty: this writes it
+    other = _BackendRendezvousStateHolder(SignedC10dBackend(store, RUN, KEY), _settings())
+    other.sync()
+    assert set(other.state.participants) == {me}
+    _member(holder, gone, 4)  # a state read back from a node that had not dropped it yet
+    holder._sanitize()
+    assert gone not in holder.state.participants and len(asked) == 1  # dropped again, not asked again
+    assert capsys.readouterr().err.count("is gone") == 1

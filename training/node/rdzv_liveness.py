@@ -86,11 +86,12 @@ class LivenessStateHolder(_BackendRendezvousStateHolder):
     _gts_key: bytes
     _gts_self: Any
     _gts_asked: dict[str, float]
+    _gts_gone: set[str]
     _gts_probe: Callable[[str, int], bool]
 
     def watch(self, store: Any, mac_key: bytes, this_node: Any, probe: Callable[[str, int], bool] = refused) -> None:
         self._gts_store, self._gts_key, self._gts_self = store, mac_key, this_node
-        self._gts_asked, self._gts_probe = {}, probe
+        self._gts_asked, self._gts_gone, self._gts_probe = {}, set(), probe
 
     def _endpoint(self, node: Any) -> tuple[str, int] | None:
         name = key(self._settings.run_id, node)
@@ -116,12 +117,17 @@ class LivenessStateHolder(_BackendRendezvousStateHolder):
         if getattr(self, "_gts_store", None) is not None:
             now = datetime.now(timezone.utc)
             for node, beat in list(self._state.last_heartbeats.items()):
-                if self._gone(node, beat, now):
-                    age = (now - beat).total_seconds()
-                    print(f"rdzv_launch: node {node!r} is gone (its heartbeat is {age:.1f} s old and its peer store "
-                          "refuses connections): removed from the rendezvous now, not after the keep-alive limit",
-                          file=sys.stderr, flush=True)
+                # A node found gone stays gone (an agent that starts again is a new node, with a
+                # new pid): a state read back from a node that had not dropped it yet drops it again.
+                if repr(node) in self._gts_gone or self._gone(node, beat, now):
+                    if repr(node) not in self._gts_gone:
+                        self._gts_gone.add(repr(node))
+                        age = (now - beat).total_seconds()
+                        print(f"rdzv_launch: node {node!r} is gone (its heartbeat is {age:.1f} s old and its peer "
+                              "store refuses connections): removed from the rendezvous now, not after the keep-alive "
+                              "limit", file=sys.stderr, flush=True)
                     self._state.last_heartbeats[node] = EPOCH  # torch's rule below removes it
+                    self.mark_dirty()  # and the next sync writes that down for the others
         super()._sanitize()
 
 
