@@ -28,7 +28,7 @@ def spot_strategy(group: ResolvedGroup) -> str:
 def fixed_instances(group: ResolvedGroup) -> int:
     """How many of the group's nodes are ECS instances rather than members of its ESS group: all of
     a reserved group (subscription instances), none otherwise (infra/gpu_health.py replace_mode)."""
-    return group.scaling.max if group.market.type == "reserved" else 0
+    return group.scaling.max if group.market.prepaid else 0
 
 
 @dataclass

@@ -36,7 +36,7 @@ def period(g: ResolvedGroup) -> tuple[int, str]:
 def create(name: str, g: ResolvedGroup, zone: str, tags: dict[str, str],
            opts: pulumi.ResourceOptions) -> alicloud.ecs.ElasticityAssurance | None:
     market = g.market
-    if market.type != "elasticity-assurance" or market.start is None:
+    if not market.elasticity_assurance or market.start is None:
         return None
     length, unit = period(g)
     return alicloud.ecs.ElasticityAssurance(
