@@ -1,7 +1,7 @@
 """The pack's cost, spot and hardware rules: caps on the stack's and each group's GPU capacity
 at its maximum, the budget, the prices' age, the spot share, instance families, team quotas and
-markets, and the hardware a training or inference group needs (policies/gts_policy/rules.py
-lists them as rules)."""
+markets, and the hardware a training or inference group needs. Each registers itself where it is
+written (`@stack_rule` / `@resource_rule`, registry.py), in the pack's order."""
 
 from __future__ import annotations
 

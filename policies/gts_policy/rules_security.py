@@ -1,7 +1,9 @@
-"""The pack's security rules: no public ingress, hardened instance metadata, no instance
-passwords, private encrypted versioned buckets, encrypted disks, the provider SDKs' known gaps,
-private Kubernetes API endpoints and routable API access sources (policies/gts_policy/rules.py
-lists them as rules). Per-cloud facts come from the pack's one table, clouds.py."""
+"""The pack's security, protection and tagging rules: stateful resources protected, no public
+ingress, hardened instance metadata, no instance passwords, private encrypted versioned buckets,
+encrypted disks, the provider SDKs' known gaps, private Kubernetes API endpoints, required tags
+and routable API access sources. Each registers itself where it is written (`@stack_rule` /
+`@resource_rule`, registry.py), in the pack's order. Per-cloud facts come from the pack's one
+table, clouds.py."""
 
 from __future__ import annotations
 
