@@ -46,7 +46,7 @@ class Market(SpecModel):
                                                                "bought in this market (a reserved baseline that bursts).")
 
     # The questions the code asks of a market, answered here only: no other module compares
-    # market.type with a market's name (tests/test_structure.py holds it).
+    # market.type with a market's name (tests/test_market_questions.py holds it).
     @property
     def spot(self) -> bool:
         """Spot nodes (above onDemandBase): reclaimed with a notice, bid up to a cap."""
@@ -85,9 +85,9 @@ class Market(SpecModel):
         return self.capacity_block or self.capacity_reservation
 
     @property
-    def takes_overflow(self) -> bool:
-        """A reservation whose nodes above reservedNodes are bought in the overflow market."""
-        return self.reservation and self.overflow is not None
+    def bursts_to_spot(self) -> bool:
+        """A reservation whose nodes above reservedNodes are spot (overflow: spot)."""
+        return self.reservation and self.overflow == "spot"
 
     def reserved_of(self, most: int) -> int:
         """Nodes the reservation holds, of a group of at most `most`."""

@@ -68,6 +68,6 @@ def on_demand_base(g: ResolvedGroup) -> tuple[int, int]:
     market = g.market
     if market.spot:
         return market.on_demand_base, 0
-    if market.takes_overflow:
+    if market.bursts_to_spot:
         return market.reserved_of(g.scaling.max), 0
     return g.fleet_max, 100  # warm spares (scaling.spares) are on-demand nodes too
