@@ -41,10 +41,10 @@ def interruptions(rg: ResolvedGroup) -> tuple[float, float]:
     data = cat.load_interruptions()
     cloud = data["clouds"][rg.cloud]
     market = rg.market
-    notice = float(cloud["notice_s"]) if market.type == "spot" else 0.0  # only spot reclaims are announced
+    notice = float(cloud["notice_s"]) if market.spot else 0.0  # only spot reclaims are announced
     if market.observed_mtbf_hours:
         hours = market.observed_mtbf_hours
-    elif market.type == "spot":
+    elif market.spot:
         # the Spot Advisor's band for the type in the group's region (prices.csv), else the cloud's estimate
         band = rg.primary.spot_band or cloud["spot_band"]
         hours = cat.HOURS_PER_MONTH / float(data["bands"][band])

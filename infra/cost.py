@@ -40,7 +40,7 @@ class Occupancy:
 
 def occupancy(group: NodeGroup) -> Occupancy:
     """Integrate the desired node count over one steady-state week of the schedule."""
-    base = group.market.on_demand_base if group.market.type == "spot" else 0
+    base = group.market.on_demand_base if group.market.spot else 0
     start, end = EPOCH, EPOCH + WEEK
     # Fire every action from a week before, so the count at `start` is the steady state.
     events: list[tuple[datetime, int]] = []
@@ -105,7 +105,7 @@ def group_cost(rg: ResolvedGroup) -> GroupCost:
 
     occ = occupancy(group)
     week_h = WEEK.total_seconds() / 3600
-    if group.market.type == "reserved":
+    if group.market.prepaid:
         spend_avg = occ.peak * reserved  # prepaid: paid every hour at the peak count
         nodes_avg = float(occ.peak)
         peak_hourly = occ.peak * reserved
@@ -115,7 +115,7 @@ def group_cost(rg: ResolvedGroup) -> GroupCost:
         spend_avg = held * on_demand + max(occ.average - held, 0.0) * over
         nodes_avg = max(occ.average, float(held))
         peak_hourly = held * on_demand + max(occ.peak - held, 0) * over
-    elif group.market.type == "on-demand":
+    elif group.market.on_demand:
         spend_avg = occ.average * on_demand
         nodes_avg = occ.average
         peak_hourly = occ.peak * on_demand

@@ -127,7 +127,7 @@ def wanted(group: NodeGroup, primary_type: str) -> TypeFabric | None:
 
 def unbuildable(group: NodeGroup) -> str | None:
     """Why the stack cannot give this kind of group its cloud's fabric, or None."""
-    return profile(group.cloud).fabric_unbuildable(group.kind, group.market.type)  # infra/clouds/<cloud>/profile.py
+    return profile(group.cloud).fabric_unbuildable(group.kind, group.market)  # infra/clouds/<cloud>/profile.py
 
 
 def signature(cloud: str, instance_type: str) -> tuple[str, int, int] | None:

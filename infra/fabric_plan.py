@@ -91,7 +91,7 @@ def advisories(stack: Stack) -> list[dict[str, str]]:
 def placement(rg: ResolvedGroup) -> str:
     """What keeps a fabric group's nodes together (an ESS scaling configuration cannot take a
     deployment set: infra/data/capabilities.yaml sdkGaps)."""
-    return profile(rg.cloud).fabric_placement(rg.kind, rg.market.type)
+    return profile(rg.cloud).fabric_placement(rg.kind, rg.market)
 
 
 class Summary(TypedDict):

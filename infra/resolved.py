@@ -96,7 +96,7 @@ class ResolvedGroup:
     # -- derived ------------------------------------------------------------------------
     @property
     def spot(self) -> bool:
-        return self.group.market.type == "spot"
+        return self.group.market.spot
 
     @property
     def gpus(self) -> int:
@@ -158,12 +158,13 @@ class ResolvedGroup:
         """What one running node of the group costs per hour, disk included, as the node reports
         it (the budget-pace alert sums it). A node of a spot group with an on-demand base cannot
         tell which it is, so it reports the on-demand price: the alert errs towards warning early."""
-        p = self.prices
-        node = {"reserved": p.reserved, "on-demand": p.on_demand}.get(self.market.type)
-        if node is None and self.market.reservation:  # reserved hours are paid at the on-demand rate (infra/cost.py)
+        p, m = self.prices, self.market
+        if m.prepaid:
+            node = p.reserved
+        elif m.on_demand or m.reservation:  # reserved hours are paid at the on-demand rate (infra/cost.py)
             node = p.on_demand
-        if node is None:
-            node = p.spot if self.market.on_demand_base == 0 else p.on_demand
+        else:
+            node = p.spot if m.on_demand_base == 0 else p.on_demand
         return node + p.disk
 
     def tags(self, base: dict[str, str]) -> dict[str, str]:

@@ -78,7 +78,7 @@ def figures(rg: ResolvedGroup) -> SpareFigures:
     base is the run's, at most scaling.max) and the run's expected losses: nodes x hours a
     month / the node's mean time between interruptions (infra/contract.py interruptions)."""
     p = rg.prices
-    node = {"reserved": p.reserved, "on-demand": p.on_demand}.get(rg.market.type, p.spot) + p.disk
+    node = (p.reserved if rg.market.prepaid else p.on_demand if rg.market.on_demand else p.spot) + p.disk
     k = rg.group.scaling.spares
     run_mtbf_s, _ = interruptions(rg)
     losses = cat.HOURS_PER_MONTH * 3600 / run_mtbf_s if rg.workload == "training" else 0.0

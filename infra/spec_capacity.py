@@ -45,9 +45,49 @@ class Market(SpecModel):
     overflow: Literal["spot"] | None = Field(None, description="Reservation markets: nodes above reservedNodes are "
                                                                "bought in this market (a reserved baseline that bursts).")
 
+    # The questions the code asks of a market, answered here only: no other module compares
+    # market.type with a market's name (tests/test_market_questions.py holds it).
+    @property
+    def spot(self) -> bool:
+        """Spot nodes (above onDemandBase): reclaimed with a notice, bid up to a cap."""
+        return self.type == "spot"
+
+    @property
+    def on_demand(self) -> bool:
+        """Plain on-demand nodes, paid by the hour while they run."""
+        return self.type == "on-demand"
+
+    @property
+    def prepaid(self) -> bool:
+        """`reserved`: prepaid (subscription) nodes, paid every hour at the group's peak."""
+        return self.type == "reserved"
+
     @property
     def reservation(self) -> bool:
+        """Capacity bought for a time (RESERVATIONS): its reserved hours are billed, used or not."""
         return self.type in RESERVATIONS
+
+    @property
+    def capacity_block(self) -> bool:
+        return self.type == "capacity-block"
+
+    @property
+    def capacity_reservation(self) -> bool:
+        return self.type == "capacity-reservation"
+
+    @property
+    def elasticity_assurance(self) -> bool:
+        return self.type == "elasticity-assurance"
+
+    @property
+    def targetable(self) -> bool:
+        """A reservation a launch template can target by its id (a Capacity Block, an ODCR)."""
+        return self.capacity_block or self.capacity_reservation
+
+    @property
+    def bursts_to_spot(self) -> bool:
+        """A reservation whose nodes above reservedNodes are spot (overflow: spot)."""
+        return self.reservation and self.overflow == "spot"
 
     def reserved_of(self, most: int) -> int:
         """Nodes the reservation holds, of a group of at most `most`."""

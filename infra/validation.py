@@ -329,7 +329,7 @@ def _check_market(spec: StackSpec, group: NodeGroup, path: str) -> list[Problem]
     if reason:
         out.append(Problem(f"{path}.market.type", f"{m.type!r} cannot be bought on {_article(site)} {site}-site "
                                                   f"{cat.CLOUD_NAMES[group.cloud]} account: {reason}"))
-    if m.type != "spot" and (m.on_demand_base or m.spot_max_price_usd is not None):
+    if not m.spot and (m.on_demand_base or m.spot_max_price_usd is not None):
         out.append(Problem(f"{path}.market", "onDemandBase and spotMaxPriceUsd apply only to type: spot"))
     if m.on_demand_base > group.scaling.max:
         out.append(Problem(f"{path}.market.onDemandBase",

@@ -10,10 +10,13 @@ from typing import Any
 import pytest
 
 from infra.capacity.stock import Ask, stock_api
+from infra.spec_capacity import Market
 from tests.capacity_helpers import AwsCalls, Replay, moto_aws, recorded
 from training import cloudmeta
 
 CREDS = cloudmeta.Credentials("AKIDEXAMPLE", "secret-example", "token-example", 0.0)
+
+SPOT, ON_DEMAND = Market(type="spot"), Market(type="on-demand")
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +36,7 @@ def test_aws_a_low_spot_score_is_no_stock_in_three_calls() -> None:
         calls, api = _aws("us-east-1")
         calls.answer(calls.quotas, "GetServiceQuota", recorded("aws", "service_quota_g_spot"))
         calls.answer(calls.ec2, "GetSpotPlacementScores", recorded("aws", "spot_placement_scores_low"))
-        verdict = api.ask(Ask("us-east-1", None, ("g4dn.xlarge",), "spot", 2, 4))
+        verdict = api.ask(Ask("us-east-1", None, ("g4dn.xlarge",), SPOT, 2, 4))
     assert not verdict.ok and verdict.why.startswith("spot placement score 2 of 10 in us-east-1")
     assert calls.calls == ["DescribeInstanceTypeOfferings", "GetServiceQuota", "GetSpotPlacementScores"]
     assert verdict.calls == 3
@@ -42,10 +45,10 @@ def test_aws_a_low_spot_score_is_no_stock_in_three_calls() -> None:
 def test_aws_a_type_not_sold_or_over_quota_stops_before_the_score() -> None:
     with moto_aws():
         calls, api = _aws("us-east-1")
-        verdict = api.ask(Ask("us-east-1", None, ("p9.nonexistent",), "spot", 1, 8))
+        verdict = api.ask(Ask("us-east-1", None, ("p9.nonexistent",), SPOT, 1, 8))
         assert (verdict.ok, verdict.calls) == (False, 1) and "not offered in us-east-1" in verdict.why
         calls.answer(calls.quotas, "GetServiceQuota", recorded("aws", "service_quota_g_spot"))  # 64 vCPUs
-        verdict = api.ask(Ask("us-east-1", None, ("g4dn.12xlarge",), "spot", 2, 48))
+        verdict = api.ask(Ask("us-east-1", None, ("g4dn.12xlarge",), SPOT, 2, 48))
     assert (verdict.ok, verdict.calls) == (False, 2)
     assert verdict.why == "vCPU quota 64 for g4dn.12xlarge (spot) is under the 96 the nodes need (GetServiceQuota)"
 
@@ -58,7 +61,7 @@ def test_aws_a_good_score_in_the_zone_is_stock() -> None:
         calls.answer(calls.quotas, "GetServiceQuota", recorded("aws", "service_quota_g_spot"))
         calls.answer(calls.ec2, "GetSpotPlacementScores",
                      recorded("aws", "spot_placement_scores_high", **{"usw2-az1": zone_id}))
-        verdict = api.ask(Ask("us-west-2", "us-west-2a", ("g4dn.xlarge",), "spot", 2, 4))
+        verdict = api.ask(Ask("us-west-2", "us-west-2a", ("g4dn.xlarge",), SPOT, 2, 4))
     assert verdict.ok and verdict.why == "spot placement score 9 of 10 in us-west-2a"
     assert verdict.calls == 4 == len(calls.calls)
 
@@ -81,7 +84,7 @@ def test_alicloud_asks_each_type_signed_and_stops_at_the_first_in_stock() -> Non
     replay = Replay({"DescribeAvailableResource": [recorded("alicloud", "available_resource_sold_out"),
                                                    recorded("alicloud", "available_resource_with_stock")]})
     api = stock_api("alicloud", "cn-hangzhou", creds=CREDS, send=replay)
-    verdict = api.ask(Ask("cn-hangzhou", "cn-hangzhou-h", ("ecs.gn7i-c8g1.2xlarge", "ecs.gn6i-c4g1.xlarge"), "spot", 2, 8))
+    verdict = api.ask(Ask("cn-hangzhou", "cn-hangzhou-h", ("ecs.gn7i-c8g1.2xlarge", "ecs.gn6i-c4g1.xlarge"), SPOT, 2, 8))
     assert verdict.ok and verdict.calls == 2
     assert verdict.why == "ecs.gn6i-c4g1.xlarge WithStock in cn-hangzhou-h (DescribeAvailableResource)"
     action, params, _ = replay.asked[0]
@@ -95,7 +98,7 @@ def test_alicloud_sold_out_is_no_stock_and_no_stock_activities_are_failures() ->
     replay = Replay({"DescribeAvailableResource": [recorded("alicloud", "available_resource_sold_out")],
                      "DescribeScalingActivities": [recorded("alicloud", "scaling_activities_no_stock")]})
     api = stock_api("alicloud", "cn-hangzhou", creds=CREDS, send=replay)
-    verdict = api.ask(Ask("cn-hangzhou", None, ("ecs.gn7i-c8g1.2xlarge",), "on-demand", 1, 8))
+    verdict = api.ask(Ask("cn-hangzhou", None, ("ecs.gn7i-c8g1.2xlarge",), ON_DEMAND, 1, 8))
     assert (verdict.ok, verdict.calls) == (False, 1)
     assert verdict.why == "ecs.gn7i-c8g1.2xlarge WithoutStock in cn-hangzhou (DescribeAvailableResource)"
     assert replay.asked[0][1]["SpotStrategy"] == "NoSpot"
@@ -123,7 +126,7 @@ def test_tencentcloud_asks_the_zone_configuration_signed_tc3() -> None:
                                                          recorded("tencentcloud", "zone_config_in_stock")],
                      "DescribeAutoScalingActivities": [recorded("tencentcloud", "activities_sold_out")]})
     api = stock_api("tencentcloud", "ap-guangzhou", creds=CREDS, send=replay)
-    ask = Ask("ap-guangzhou", "ap-guangzhou-3", ("GN7.2XLARGE32",), "spot", 2, 8)
+    ask = Ask("ap-guangzhou", "ap-guangzhou-3", ("GN7.2XLARGE32",), SPOT, 2, 8)
     sold = api.ask(ask)
     assert (sold.ok, sold.calls) == (False, 1)
     assert sold.why == "GN7.2XLARGE32 SOLD_OUT/WithoutStock in ap-guangzhou-3 (DescribeZoneInstanceConfigInfos)"

@@ -15,7 +15,7 @@ import ipaddress
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import pytest
 
@@ -25,6 +25,7 @@ from infra.clouds.aws.profile import AwsProfile
 from infra.clouds.base import CloudPlatform
 from infra.clouds.profile import CloudProfile
 from infra.prices import refresh
+from infra.spec_capacity import Market
 from policies.gts_policy import clouds as pack_clouds
 from tests.harness import ROOT
 from training import cloudmeta, storage
@@ -87,7 +88,7 @@ def test_the_exempt_paths_exist() -> None:
 # -- every cloud answers every question ------------------------------------------------------
 QUESTIONS = sorted(CloudProfile.__abstractmethods__)
 SAMPLE: dict[str, list[Any]] = {
-    "kind": ["vm", "kubernetes"], "market": ["spot", "on-demand", "reserved"], "prefix": ["gts-ckpt"],
+    "kind": ["vm", "kubernetes"], "market": [Market(type=t) for t in get_args(Market.model_fields["type"].annotation)], "prefix": ["gts-ckpt"],
     "region": ["ap-guangzhou"], "app_id": ["1250000000", None], "bucket_region": ["eu-west-1"],
     "node_region": ["eu-west-1", "us-east-1"], "vpc": [ipaddress.IPv4Network("10.0.0.0/16")],
     "subnets": [[ipaddress.IPv4Network("10.0.0.0/24"), ipaddress.IPv4Network("10.0.1.0/24")]],
@@ -133,7 +134,7 @@ def test_each_answer_is_one_the_next_part_reads(cloud: str) -> None:
     assert cloudmeta.cloud_metadata(cloud).METADATA_URL == p.metadata_url
     # a pod's own role: a source every cloud reads, or the one its node module exchanges a token for
     assert p.storage_credentials("kubernetes") in {"default", "instance-role", cloudmeta.cloud_node(cloud).POD_IDENTITY}
-    assert p.fabric_placement("vm", "reserved") and p.fabric in ("efa", "erdma", "hcc")
+    assert p.fabric_placement("vm", Market(type="reserved")) and p.fabric in ("efa", "erdma", "hcc")
     assert p.provider == cloud and clouds.by_provider(p.provider) is p
     mocks = importlib.import_module(p.mocks_module)  # the mock engine's answers for this provider
     assert mocks.INVOKES and mocks.COMPUTED

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from policies.gts_policy import resources as pack_resources
-from policies.gts_policy import rules
+from policies.gts_policy import rules, rules_security
 from policies.gts_policy.resources import Res
 from tests.harness import ROOT, key, project_copy, stack_values, write_stack
 
@@ -50,7 +50,7 @@ def test_a_missing_provider_sdk_stops_the_pack_instead_of_passing_untagged_resou
     monkeypatch.setattr(importlib, "import_module", without_aws)
     try:
         with pytest.raises(pack_resources.PackSetupError, match="needs pulumi_aws .* requirements.txt"):
-            rules.required_tags(Res("aws:s3/bucket:Bucket", "b", {}), {})
+            rules_security.required_tags(Res("aws:s3/bucket:Bucket", "b", {}), {})
     finally:
         pack_resources.taggable.cache_clear()
 

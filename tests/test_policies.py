@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.harness import ROOT
-from policies.gts_policy import rules
+from policies.gts_policy import rules, rules_cost, rules_security
 from policies.gts_policy.resources import Res
 from tests.harness import key, project_copy, stack_values, write_stack
 
@@ -60,13 +60,13 @@ CLOUDS: dict[str, Callable[..., list[Res]]] = {"aws": aws_asg, "alicloud": ali_p
 @pytest.mark.parametrize("cloud", CLOUDS)
 def test_spot_only(cloud: str) -> None:
     make = CLOUDS[cloud]
-    assert _names(rules.spot_only, make(True)) == []
-    assert len(_names(rules.spot_only, make(False))) == 1
+    assert _names(rules_cost.spot_only, make(True)) == []
+    assert len(_names(rules_cost.spot_only, make(False))) == 1
     # Missing market properties read as on-demand: the rule does not let them pass.
     bare = [Res(r.type, r.name, {k: v for k, v in r.props.items()
                                  if k not in ("spotStrategy", "instanceChargeType")}) for r in make(True)]
     if cloud != "aws":
-        assert len(_names(rules.spot_only, bare)) == 1
+        assert len(_names(rules_cost.spot_only, bare)) == 1
 
 
 @pytest.mark.parametrize("cloud,bad_type,good_type", [
@@ -75,41 +75,41 @@ def test_spot_only(cloud: str) -> None:
     ("tencentcloud", "GN10Xp.20XLARGE320", "GT4.41XLARGE948")])
 def test_host_ram_ratio(cloud: str, bad_type: str, good_type: str) -> None:
     make = CLOUDS[cloud]
-    assert _names(rules.host_ram, make(True, itype=good_type)) == []
-    assert len(_names(rules.host_ram, make(True, itype=bad_type))) == 1
+    assert _names(rules_cost.host_ram, make(True, itype=good_type)) == []
+    assert len(_names(rules_cost.host_ram, make(True, itype=bad_type))) == 1
     # Inference groups are exempt; the inference-class advisory looks at them instead.
-    assert _names(rules.host_ram, make(True, itype=bad_type, workload="inference")) == []
+    assert _names(rules_cost.host_ram, make(True, itype=bad_type, workload="inference")) == []
 
 
 @pytest.mark.parametrize("cloud", CLOUDS)
 def test_dataset_disk_gpu_memory_families_max_nodes(cloud: str) -> None:
     res = CLOUDS[cloud](True)
-    assert _names(rules.dataset_disk, res, {"minGb": 1000}) == []
-    assert len(_names(rules.dataset_disk, res, {"minGb": 2000})) == 1
-    assert _names(rules.gpu_memory, res, {"minGpuMemoryGb": 16}) == []
-    assert len(_names(rules.gpu_memory, res, {"minGpuMemoryGb": 32})) == 1  # 16 GB V100s
-    assert _names(rules.allowed_families, res, {}) == []
-    assert len(_names(rules.allowed_families, res, {"families": ["p5"]})) == 1
-    assert len(_names(rules.max_nodes, res, {"maxNodesPerGroup": 0})) == 1
-    assert _names(rules.max_nodes, res, {"maxNodesPerGroup": 2}) == []
+    assert _names(rules_cost.dataset_disk, res, {"minGb": 1000}) == []
+    assert len(_names(rules_cost.dataset_disk, res, {"minGb": 2000})) == 1
+    assert _names(rules_cost.gpu_memory, res, {"minGpuMemoryGb": 16}) == []
+    assert len(_names(rules_cost.gpu_memory, res, {"minGpuMemoryGb": 32})) == 1  # 16 GB V100s
+    assert _names(rules_cost.allowed_families, res, {}) == []
+    assert len(_names(rules_cost.allowed_families, res, {"families": ["p5"]})) == 1
+    assert len(_names(rules_cost.max_nodes, res, {"maxNodesPerGroup": 0})) == 1
+    assert _names(rules_cost.max_nodes, res, {"maxNodesPerGroup": 2}) == []
 
 
 def test_cost_caps_use_catalog_prices() -> None:
     res = aws_asg(True, itype="p4d.24xlarge", max_size=4)  # 4 x 21.957642 = 87.83 USD/h
-    assert _names(rules.stack_cost_cap, res, {"maxHourlyUsd": 88}) == []
-    assert _names(rules.stack_cost_cap, res, {"maxHourlyUsd": 87}) == ["stack"]
-    assert _names(rules.stack_cost_cap, res, {"maxMonthlyUsd": 87.83 * 730 - 1}) == ["stack"]
-    assert _names(rules.group_cost_cap, res, {"maxHourlyUsdPerGroup": 50}) == ["asg"]
+    assert _names(rules_cost.stack_cost_cap, res, {"maxHourlyUsd": 88}) == []
+    assert _names(rules_cost.stack_cost_cap, res, {"maxHourlyUsd": 87}) == ["stack"]
+    assert _names(rules_cost.stack_cost_cap, res, {"maxMonthlyUsd": 87.83 * 730 - 1}) == ["stack"]
+    assert _names(rules_cost.group_cost_cap, res, {"maxHourlyUsdPerGroup": 50}) == ["asg"]
     tc = tc_instance(True, itype="GT4.41XLARGE948")  # 253.84 CNY / 7.2
-    assert _names(rules.stack_cost_cap, tc, {"maxHourlyUsd": 35, "cnyPerUsd": 7.2}) == ["stack"]
-    assert _names(rules.stack_cost_cap, tc, {"maxHourlyUsd": 36, "cnyPerUsd": 7.2}) == []
+    assert _names(rules_cost.stack_cost_cap, tc, {"maxHourlyUsd": 35, "cnyPerUsd": 7.2}) == ["stack"]
+    assert _names(rules_cost.stack_cost_cap, tc, {"maxHourlyUsd": 36, "cnyPerUsd": 7.2}) == []
 
 
 def test_inference_class_and_reserve_advisories() -> None:
-    assert len(_names(rules.inference_class, aws_asg(True, itype="p4d.24xlarge", workload="inference"))) == 1
-    assert _names(rules.inference_class, aws_asg(True, itype="g6.12xlarge", workload="inference")) == []
-    assert len(_names(rules.reserve_always_on, aws_asg(False))) == 1
-    assert _names(rules.reserve_always_on, aws_asg(True)) == []
+    assert len(_names(rules_cost.inference_class, aws_asg(True, itype="p4d.24xlarge", workload="inference"))) == 1
+    assert _names(rules_cost.inference_class, aws_asg(True, itype="g6.12xlarge", workload="inference")) == []
+    assert len(_names(rules_cost.reserve_always_on, aws_asg(False))) == 1
+    assert _names(rules_cost.reserve_always_on, aws_asg(True)) == []
 
 
 INGRESS: dict[str, tuple[str, Callable[[str], dict[str, Any]]]] = {
@@ -123,9 +123,9 @@ INGRESS: dict[str, tuple[str, Callable[[str], dict[str, Any]]]] = {
 @pytest.mark.parametrize("cloud", INGRESS)
 def test_no_public_ingress(cloud: str) -> None:
     kind, props = INGRESS[cloud]
-    assert _names(rules.no_public_ingress, [Res(kind, "r", props("203.0.113.0/24"))]) == []
-    assert _names(rules.no_public_ingress, [Res(kind, "r", props("0.0.0.0/0"))]) == ["r"]
-    assert _names(rules.no_public_ingress, [Res(kind, "r", {})]) == []  # no CIDR: nothing admitted
+    assert _names(rules_security.no_public_ingress, [Res(kind, "r", props("203.0.113.0/24"))]) == []
+    assert _names(rules_security.no_public_ingress, [Res(kind, "r", props("0.0.0.0/0"))]) == ["r"]
+    assert _names(rules_security.no_public_ingress, [Res(kind, "r", {})]) == []  # no CIDR: nothing admitted
 
 
 @pytest.mark.parametrize("kind,good,bad", [
@@ -133,9 +133,9 @@ def test_no_public_ingress(cloud: str) -> None:
      {"metadataOptions": {"httpTokens": "optional"}}),
     ("alicloud:ecs/instance:Instance", {"httpTokens": "required"}, {"httpTokens": "optional"})])
 def test_metadata_hardened(kind: str, good: dict[str, Any], bad: dict[str, Any]) -> None:
-    assert _names(rules.metadata_hardened, [Res(kind, "r", good)]) == []
-    assert _names(rules.metadata_hardened, [Res(kind, "r", bad)]) == ["r"]
-    assert _names(rules.metadata_hardened, [Res(kind, "r", {})]) == ["r"]  # missing = not hardened
+    assert _names(rules_security.metadata_hardened, [Res(kind, "r", good)]) == []
+    assert _names(rules_security.metadata_hardened, [Res(kind, "r", bad)]) == ["r"]
+    assert _names(rules_security.metadata_hardened, [Res(kind, "r", {})]) == ["r"]  # missing = not hardened
 
 
 @pytest.mark.parametrize("kind,props", [
@@ -143,8 +143,8 @@ def test_metadata_hardened(kind: str, good: dict[str, Any], bad: dict[str, Any])
     ("tencentcloud:Kubernetes/nodePool:NodePool", {"autoScalingConfig": {"password": "x"}}),
     ("tencentcloud:Instance/instance:Instance", {"password": "x"})])
 def test_no_passwords(kind: str, props: dict[str, Any]) -> None:
-    assert _names(rules.no_passwords, [Res(kind, "r", props)]) == ["r"]
-    assert _names(rules.no_passwords, [Res(kind, "r", {})]) == []
+    assert _names(rules_security.no_passwords, [Res(kind, "r", props)]) == ["r"]
+    assert _names(rules_security.no_passwords, [Res(kind, "r", {})]) == []
 
 
 def test_buckets_on_all_clouds() -> None:
@@ -154,27 +154,27 @@ def test_buckets_on_all_clouds() -> None:
                   {"bucket": "bk", "rules": [{"applyServerSideEncryptionByDefault": {"sseAlgorithm": "aws:kms"}}]}),
               Res("aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock", "p", {"bucket": "bk", **{
                   k: True for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")}})]
-    assert _names(rules.buckets_safe, [bucket, *extras]) == []
-    assert _names(rules.buckets_safe, [bucket, *extras[1:]]) == ["b"]  # not versioned
-    assert _names(rules.buckets_safe, [bucket]) == ["b"]
+    assert _names(rules_security.buckets_safe, [bucket, *extras]) == []
+    assert _names(rules_security.buckets_safe, [bucket, *extras[1:]]) == ["b"]  # not versioned
+    assert _names(rules_security.buckets_safe, [bucket]) == ["b"]
     oss = {"versioning": {"status": "Enabled"}, "serverSideEncryptionRule": {"sseAlgorithm": "KMS"}}
-    assert _names(rules.buckets_safe, [Res("alicloud:oss/bucket:Bucket", "o", oss)]) == []
-    assert _names(rules.buckets_safe, [Res("alicloud:oss/bucket:Bucket", "o", {**oss, "acl": "public-read"})]) == ["o"]
-    assert _names(rules.buckets_safe, [Res("alicloud:oss/bucket:Bucket", "o", {})]) == ["o"]
+    assert _names(rules_security.buckets_safe, [Res("alicloud:oss/bucket:Bucket", "o", oss)]) == []
+    assert _names(rules_security.buckets_safe, [Res("alicloud:oss/bucket:Bucket", "o", {**oss, "acl": "public-read"})]) == ["o"]
+    assert _names(rules_security.buckets_safe, [Res("alicloud:oss/bucket:Bucket", "o", {})]) == ["o"]
     cos = {"acl": "private", "versioningEnable": True, "encryptionAlgorithm": "AES256"}
-    assert _names(rules.buckets_safe, [Res("tencentcloud:Cos/bucket:Bucket", "c", cos)]) == []
-    assert _names(rules.buckets_safe, [Res("tencentcloud:Cos/bucket:Bucket", "c", {**cos, "versioningEnable": False})]) == ["c"]
-    assert _names(rules.buckets_safe, [Res("tencentcloud:Cos/bucket:Bucket", "c", {})]) == ["c"]
+    assert _names(rules_security.buckets_safe, [Res("tencentcloud:Cos/bucket:Bucket", "c", cos)]) == []
+    assert _names(rules_security.buckets_safe, [Res("tencentcloud:Cos/bucket:Bucket", "c", {**cos, "versioningEnable": False})]) == ["c"]
+    assert _names(rules_security.buckets_safe, [Res("tencentcloud:Cos/bucket:Bucket", "c", {})]) == ["c"]
 
 
 @pytest.mark.parametrize("cloud", CLOUDS)
 def test_disks_encrypted(cloud: str) -> None:
     good = CLOUDS[cloud](True)
-    assert _names(rules.disks_encrypted, good) == []
+    assert _names(rules_security.disks_encrypted, good) == []
     flipped = json.loads(json.dumps([r.props for r in good]).replace('"encrypted": "true"', '"encrypted": "false"')
                          .replace('"encrypted": true', '"encrypted": false').replace('"encrypt": true', '"encrypt": false'))
     bad = [Res(r.type, r.name, p) for r, p in zip(good, flipped)]
-    assert len(_names(rules.disks_encrypted, bad)) == 1
+    assert len(_names(rules_security.disks_encrypted, bad)) == 1
 
 
 @pytest.mark.parametrize("kind,public,private", [
@@ -182,16 +182,16 @@ def test_disks_encrypted(cloud: str) -> None:
     ("alicloud:cs/managedKubernetes:ManagedKubernetes", {"slbInternetEnabled": True}, {"slbInternetEnabled": False}),
     ("tencentcloud:Kubernetes/cluster:Cluster", {"clusterInternet": True}, {"clusterInternet": False})])
 def test_private_kubernetes_api(kind: str, public: dict[str, Any], private: dict[str, Any]) -> None:
-    assert _names(rules.private_kubernetes_api, [Res(kind, "k", public)]) == ["k"]
-    assert _names(rules.private_kubernetes_api, [Res(kind, "k", private)]) == []
+    assert _names(rules_security.private_kubernetes_api, [Res(kind, "k", public)]) == ["k"]
+    assert _names(rules_security.private_kubernetes_api, [Res(kind, "k", private)]) == []
 
 
 @pytest.mark.parametrize("kind", ["aws:ec2/vpc:Vpc", "alicloud:vpc/network:Network", "tencentcloud:Vpc/instance:Instance"])
 def test_required_tags(kind: str) -> None:
-    assert _names(rules.required_tags, [Res(kind, "n", {"tags": TAGS})]) == []
-    assert _names(rules.required_tags, [Res(kind, "n", {"tags": {"owner": "o"}})]) == ["n"]
-    assert _names(rules.required_tags, [Res(kind, "n", {})]) == ["n"]
-    assert _names(rules.required_tags, [Res("aws:iam/rolePolicyAttachment:RolePolicyAttachment", "a", {})]) == []
+    assert _names(rules_security.required_tags, [Res(kind, "n", {"tags": TAGS})]) == []
+    assert _names(rules_security.required_tags, [Res(kind, "n", {"tags": {"owner": "o"}})]) == ["n"]
+    assert _names(rules_security.required_tags, [Res(kind, "n", {})]) == ["n"]
+    assert _names(rules_security.required_tags, [Res("aws:iam/rolePolicyAttachment:RolePolicyAttachment", "a", {})]) == []
 
 
 def _plan(stack_dir: Path, stack: str) -> subprocess.CompletedProcess[str]:
@@ -227,9 +227,9 @@ def test_unknown_values_during_preview_are_not_a_pass() -> None:
     unknown = "04da6b54-80e4-46f7-96ec-b56ff0331ba9"
     props = unknown_checking_proxy({"instanceType": "GN10X.2XLARGE40", "instanceChargeType": unknown, "tags": TAGS})
     with pytest.raises(UnknownValueError):
-        rules.spot_only([Res("tencentcloud:Instance/instance:Instance", "cvm", props)], {})
+        rules_cost.spot_only([Res("tencentcloud:Instance/instance:Instance", "cvm", props)], {})
     known = unknown_checking_proxy({"tags": [{"key": k, "value": v} for k, v in TAGS.items()],
                                     "maxSize": 2, "mixedInstancesPolicy": {"instancesDistribution": {
                                         "onDemandBaseCapacity": 1, "onDemandPercentageAboveBaseCapacity": 100},
                                         "launchTemplate": {"overrides": [{"instanceType": "p3.2xlarge"}]}}})
-    assert _names(rules.spot_only, [Res("aws:autoscaling/group:Group", "asg", known)]) == ["asg"]
+    assert _names(rules_cost.spot_only, [Res("aws:autoscaling/group:Group", "asg", known)]) == ["asg"]

@@ -24,7 +24,7 @@ from infra.prices import age, refresh
 from infra.prices.sources import PriceSourceError, alicloud_price, alicloud_spot, aws_offer, aws_spot, tencentcloud_price
 from infra.stackfile import load_stack_spec
 from policies.gts_policy.resources import Res
-from policies.gts_policy.rules import group_cost_cap
+from policies.gts_policy.rules_cost import group_cost_cap
 from tests.harness import ROOT, project_copy, stack_values, write_stack
 
 RECORDED = ROOT / "tests" / "data" / "prices"

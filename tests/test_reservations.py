@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from infra.clouds.alicloud.fleet import spot_strategy
+from infra.clouds.aws.reservation import on_demand_base
 from infra.cost import stack_cost
 from infra.errors import SpecError
 from infra.validation import parse_stack
@@ -144,6 +146,20 @@ def test_a_reserved_baseline_bursts_to_spot_on_aws_and_alibaba(tmp_path: Path) -
             ea.inputs["privatePoolOptionsMatchCriteria"]) == (1, 3, "Month", ["cn-hangzhou-h"], "Open")
     (ess,) = by_type(res, "alicloud:ess/scalingGroup:ScalingGroup")
     assert (ess.inputs["onDemandBaseCapacity"], ess.inputs["onDemandPercentageAboveBaseCapacity"]) == (1, 0)
+
+
+@pytest.mark.parametrize("overflow", ["spot", None])
+def test_both_clouds_burst_to_spot_by_the_markets_one_answer(overflow: str | None) -> None:
+    """AWS's ASG split and Alibaba's ESS spot strategy both read Market.bursts_to_spot."""
+    config = stack_values("dev")
+    drop = {"reservedNodes"} if overflow is None else set()  # without overflow, all of scaling.max
+    _with({k: v for k, v in {**ODCR, "overflow": overflow}.items() if k not in drop}, 0)(config)
+    _with({k: v for k, v in {**ASSURANCE, "overflow": overflow}.items() if k not in drop}, 1)(config)
+    aws, ali = parse_stack(spec_raw(config)).groups[:2]
+    assert (aws.cloud, ali.cloud) == ("aws", "alicloud")
+    assert aws.market.bursts_to_spot is ali.market.bursts_to_spot is (overflow == "spot")
+    assert on_demand_base(aws) == ((1, 0) if overflow else (aws.fleet_max, 100))
+    assert spot_strategy(ali) == ("SpotAsPriceGo" if overflow else "NoSpot")
 
 
 def test_offsets_other_than_utc_reach_the_clouds_as_utc(tmp_path: Path) -> None:

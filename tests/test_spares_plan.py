@@ -146,7 +146,7 @@ def test_the_pack_caps_the_spares_share_and_weighs_their_cost(tmp_path: Path) ->
     assert policy_hits(res, "gpu-spares-share", settings) == ["aws-train-asg"]  # 2 spares for 4 nodes: 1 allowed
     assert policy_hits(res, "gpu-spares-share", {**settings, "nodesPerSpare": 2}) == []  # configurable
     from policies.gts_policy.resources import Res
-    from policies.gts_policy.rules import spares_share
+    from policies.gts_policy.rules_cost import spares_share
 
     [(_, message)] = spares_share([Res(r.type, r.name, r.inputs) for r in res], settings)
     assert "keeps 2 warm spares for a run of 4 nodes, over the cap of 1 (one per 8 nodes)" in message

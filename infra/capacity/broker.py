@@ -250,7 +250,7 @@ class Broker:
     def _ask(self, spec: StackSpec, group: NodeGroup, place: Place) -> Ask:
         types = types_at(spec, group, place)
         item = spec.catalog().get(place.cloud, types[0]) if types else None
-        return Ask(place.region, place.zone, types, place.market.type, max(group.scaling.baseline, 1),
+        return Ask(place.region, place.zone, types, place.market, max(group.scaling.baseline, 1),
                    item.vcpu if item else 0)
 
     def _copy(self, spec: StackSpec, group: str, here: Place, to: Place, step: int | None) -> Copied | None:

@@ -60,7 +60,7 @@ def price_place(spec: StackSpec, group: NodeGroup, place: Place, running_on: str
         return None
     on_demand, spot, reserved, estimate = prices
     market, most = place.market, group.scaling.max
-    if market.type == "spot":
+    if market.spot:
         cap = market.spot_max_price_usd
         spot = min(spot, cap) if cap is not None else spot
         base = min(market.on_demand_base, most)
@@ -68,9 +68,9 @@ def price_place(spec: StackSpec, group: NodeGroup, place: Place, running_on: str
         worst = base * on_demand + (most - base) * (min(cap, on_demand) if cap is not None else on_demand)
     else:
         base = most
-        hourly = worst = most * (reserved if market.type == "reserved" else on_demand)
+        hourly = worst = most * (reserved if market.prepaid else on_demand)
     gb = float(spec.storage.expected_gb) if place.cloud != running_on else 0.0
-    return PlacePrice(group.name, place.index, replace(place, types=tuple(types)).label, market.type, base if market.type != "reserved" else 0,
+    return PlacePrice(group.name, place.index, replace(place, types=tuple(types)).label, market.type, base if not market.prepaid else 0,
                       round(hourly, 4), round(worst, 4), gb, round(gb * egress_usd_per_gb(spec, running_on, place.cloud), 2),
                       estimate)
 

@@ -64,11 +64,11 @@ def _bought(market: Market, path: str) -> list[Problem]:
     """What the cloud sells for exactly the window given: an elasticity assurance in whole months
     or years; a stack-created ODCR (no start date: it exists, and is billed, from `up`) from now."""
     assert market.start is not None and market.end is not None
-    if market.type == "elasticity-assurance" and assurance_period(market.start, market.end) is None:
+    if market.elasticity_assurance and assurance_period(market.start, market.end) is None:
         return [Problem(f"{path}.end", f"an elasticity assurance is sold for 1 to 9 whole months or 1 to 5 whole "
                                        f"years from its start: {market.start.isoformat()} to {market.end.isoformat()} "
                                        "is neither; give an end that many calendar months after start")]
-    if market.type == "capacity-reservation" and market.reservation_id is None and market.start > now():
+    if market.capacity_reservation and market.reservation_id is None and market.start > now():
         return [Problem(f"{path}.start", f"{market.start.isoformat()} is after now: EC2 has no start date for an "
                                          "On-Demand Capacity Reservation; the stack creates it (and it is billed) when "
                                          "`up` runs. Run `up` at the start with start set then, give the reservationId "
@@ -112,7 +112,7 @@ def check_market(group: NodeGroup, market: Market, path: str) -> list[Problem]:
                                           "reservations.yaml)"))
     if not out:
         out += _bought(market, path)
-    if market.type == "capacity-block" and market.reservation_id is None:
+    if market.capacity_block and market.reservation_id is None:
         out.append(Problem(f"{path}.reservationId", "a Capacity Block is bought outside the stack (EC2 "
                                                     "PurchaseCapacityBlock): give its id, e.g. cr-0123456789abcdef0"))
     if market.reserved_nodes is not None and market.reserved_nodes > group.scaling.max:
@@ -125,7 +125,7 @@ def check_market(group: NodeGroup, market: Market, path: str) -> list[Problem]:
     elif market.overflow is not None and market.reserved_of(group.scaling.max) >= group.scaling.max:
         out.append(Problem(f"{path}.overflow", f"nothing overflows: reservedNodes ({market.reserved_of(group.scaling.max)}) "
                                                f"is scaling.max; lower reservedNodes or raise scaling.max"))
-    if market.overflow is not None and market.type == "capacity-block":
+    if market.overflow is not None and market.capacity_block:
         out.append(Problem(f"{path}.overflow", "a Capacity Block's launch template buys only from the block: use "
                                                "capacity-reservation for a baseline that bursts to spot"))
     return out
@@ -135,7 +135,7 @@ def targeted(spec: StackSpec, group: NodeGroup, market: Market, path: str) -> li
     """A reservation targeted by id (a Capacity Block, a given ODCR) holds one type in one zone: a
     group whose other types or zones it cannot serve would launch them outside it."""
     sites = cat.load_capabilities()["markets"].get(group.cloud, {})
-    if market.reservation_id is None or market.type not in ("capacity-block", "capacity-reservation") or \
+    if market.reservation_id is None or not market.targetable or \
             any(market.type in refused for refused in sites.values()):  # not sold there: the markets check says so
         return []
     if group.instance_type is None or group.fallback_types:

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from infra.clouds import profile
+from infra.spec_capacity import Market
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class Ask:
     region: str
     zone: str | None
     types: tuple[str, ...]
-    market: str  # spot | on-demand | reserved | capacity-block | ...
+    market: Market  # how the nodes would be bought there (ask it: market.spot, .on_demand, ...)
     nodes: int  # the group's size to place (its desired size, at least 1)
     vcpus: int  # per node of the first type (quotas are counted in vCPUs on EC2)
 

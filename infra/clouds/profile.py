@@ -15,9 +15,20 @@ from __future__ import annotations
 import abc
 import ipaddress
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 Counted = Literal["raw", "base64"]
+
+
+class MarketAnswers(Protocol):
+    """What a profile asks of a group's market; infra/spec_capacity.py's Market answers it (the
+    profile compares no market's name, and imports no spec)."""
+
+    @property
+    def spot(self) -> bool: ...
+
+    @property
+    def prepaid(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -169,7 +180,7 @@ class CloudProfile(abc.ABC):
         """What a node's ordinary network gives NCCL instead of the fabric."""
 
     @abc.abstractmethod
-    def fabric_placement(self, kind: str, market: str) -> str:
+    def fabric_placement(self, kind: str, market: MarketAnswers) -> str:
         """What keeps a fabric group's nodes together."""
 
     @property
@@ -178,7 +189,7 @@ class CloudProfile(abc.ABC):
         """What that placement resource costs a month."""
 
     @abc.abstractmethod
-    def fabric_unbuildable(self, kind: str, market: str) -> str | None:
+    def fabric_unbuildable(self, kind: str, market: MarketAnswers) -> str | None:
         """Why the stack cannot give a group of this kind and market the fabric, or None."""
 
     # -- Kubernetes -----------------------------------------------------------------

@@ -22,7 +22,7 @@ class PoolPart:
 
 def pool_parts(group: NodeGroup) -> list[PoolPart]:
     s = group.scaling
-    if group.market.type != "spot":
+    if not group.market.spot:
         return [PoolPart("od", False, s.min, s.max, s.baseline)]
     base = group.market.on_demand_base
     parts = [PoolPart("od", False, base, base, base)] if base else []

@@ -11,7 +11,7 @@ from typing import Any
 from infra.clock import judged_on
 from infra.groups import Stack
 
-ADVISORY_DAYS = 90  # the pack's default maxAgeDays (policies/gts_policy/rules.py prices_fresh)
+ADVISORY_DAYS = 90  # the pack's default maxAgeDays (policies/gts_policy/rules_cost.py prices_fresh)
 
 
 OVERRIDE = "stack override"  # pricing.overrides: the stack's own figure, dated by nobody but the stack

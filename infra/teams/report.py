@@ -57,7 +57,7 @@ def gpu_usage(plan: dict[str, Any]) -> dict[tuple[str, str], int]:
     """GPUs per (cloud, model) a plan's capacity can reach, counted by the policy pack's own rule."""
     from infra.plan.engine import unwrap_secrets
     from policies.gts_policy.resources import Res
-    from policies.gts_policy.rules import gpu_usage as pack_usage
+    from policies.gts_policy.rules_cost import gpu_usage as pack_usage
 
     return pack_usage([Res(r["type"], r["name"], unwrap_secrets(r["inputs"]), r["protect"]) for r in plan["resources"]])
 

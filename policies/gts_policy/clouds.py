@@ -40,7 +40,7 @@ class PackCloud:
     display_name: str
     sdk_package: str  # the provider SDK (which resource classes take `tags`)
     instance_passwords: bool  # its instances take a login password argument (refused)
-    data_disks: DataDisks | None  # None: disks are checked per resource type in rules.py
+    data_disks: DataDisks | None  # None: disks are checked per resource type in rules_security.py
 
 
 def _flag(mapping: dict[str, Any], key: str) -> bool:

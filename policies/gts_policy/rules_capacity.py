@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .registry import stack_rule
 from .resources import Res
 
 DEFAULT_RATIO = 1.5
@@ -16,6 +17,8 @@ SCHEMA: dict[str, dict[str, Any]] = {"capacityPlaces": {"type": "array"}, "maxRa
                                      "allowOnDemand": {"type": "boolean"}}
 
 
+@stack_rule("capacity-candidates-capped", "A node group's capacity candidates cost at most maxRatio (1.5) x its "
+            "declared place at its maximum size, and buy no on-demand nodes unless allowOnDemand.", "mandatory", SCHEMA)
 def candidates_capped(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     ratio = float(cfg.get("maxRatio", DEFAULT_RATIO))
     on_demand_ok = bool(cfg.get("allowOnDemand", False))

@@ -1,7 +1,7 @@
 """The pack's cost, spot and hardware rules: caps on the stack's and each group's GPU capacity
 at its maximum, the budget, the prices' age, the spot share, instance families, team quotas and
-markets, and the hardware a training or inference group needs (policies/gts_policy/rules.py
-lists them as rules)."""
+markets, and the hardware a training or inference group needs. Each registers itself where it is
+written (`@stack_rule` / `@resource_rule`, registry.py), in the pack's order."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import catalog as cat
+from .registry import resource_rule, stack_rule
 from .resources import Capacity, Res, capacity, index_by_id
 
 RAM_PER_VRAM = cat.RAM_PER_VRAM
@@ -86,6 +87,9 @@ def _peak_hourly_usd(cap: Capacity, cny_per_usd: float, cfg: Mapping[str, Any]) 
 
 # ------------------------------------------------------------------------ cost and spot
 
+@stack_rule("stack-cost-cap", "The stack's GPU capacity at its maximum stays under an hourly and monthly cap.",
+            "mandatory", {"maxHourlyUsd": {"type": "number"}, "maxMonthlyUsd": {"type": "number"},
+                          "cnyPerUsd": {"type": "number"}, "groupPrices": {"type": "object"}})
 def stack_cost_cap(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     rate = float(cfg.get("cnyPerUsd", 7.2))
     total = sum(_peak_hourly_usd(c, rate, cfg) for _, c in _capacities(resources))
@@ -100,6 +104,9 @@ def stack_cost_cap(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[s
     return out
 
 
+@stack_rule("node-group-cost-cap", "Each node group at its maximum stays under an hourly cap.", "mandatory",
+            {"maxHourlyUsdPerGroup": {"type": "number"}, "cnyPerUsd": {"type": "number"},
+             "groupPrices": {"type": "object"}})
 def group_cost_cap(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     rate = float(cfg.get("cnyPerUsd", 7.2))
     cap_usd = float(cfg.get("maxHourlyUsdPerGroup", float("inf")))
@@ -112,6 +119,8 @@ BUDGET_SCHEMA: dict[str, dict[str, Any]] = {"budgetMonthlyUsd": {"type": "number
                  "thresholdsPercent": {"type": "array", "items": {"type": "number"}}}
 
 
+@stack_rule("budget-covers-plan", "The planned monthly cost stays within the stack's budget.", "mandatory",
+            BUDGET_SCHEMA)
 def budget_covers_plan(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     """The stack's own plan against its own budget (both from the stack: infra/policy_config.py)."""
     if "budgetMonthlyUsd" not in cfg or "plannedMonthlyUsd" not in cfg:
@@ -123,6 +132,8 @@ def budget_covers_plan(resources: list[Res], cfg: Mapping[str, Any]) -> list[tup
                       "budget.monthlyLimitUsd or shrink the node groups")]
 
 
+@stack_rule("budget-headroom", "The planned monthly cost stays under the budget's first alert threshold.",
+            "advisory", BUDGET_SCHEMA)
 def budget_headroom(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     if "budgetMonthlyUsd" not in cfg or "plannedMonthlyUsd" not in cfg:
         return []
@@ -139,6 +150,8 @@ PRICES_SCHEMA: dict[str, dict[str, Any]] = {
     "pricesJudgedOn": {"type": "string"}}
 
 
+@stack_rule("prices-fresh", "The prices the stack's costs and caps rest on are younger than maxAgeDays (90).",
+            "advisory", PRICES_SCHEMA)
 def prices_fresh(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     """The prices the stack's costs and caps rest on are younger than maxAgeDays (default 90).
     Their date comes from the stack (infra/prices/age.py through the policy config); they are
@@ -159,6 +172,7 @@ def prices_fresh(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str
                       "refresh them with `make prices` and commit infra/data/prices.csv")]
 
 
+@stack_rule("gpu-spot-only", "All GPU capacity is spot (dev).", "disabled")
 def spot_only(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [(r.name, f"node group {c.group} buys capacity that is not spot ({r.type}: on-demand or "
                      "prepaid); in this environment all GPU capacity must be spot — set market.type: spot "
@@ -166,6 +180,8 @@ def spot_only(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, s
             for r, c in _capacities(resources) if not c.spot]
 
 
+@resource_rule("gpu-families-allowed", "GPU instance families are on the environment's list.", "mandatory",
+               {"families": {"type": "array", "items": {"type": "string"}}})
 def allowed_families(r: Res, cfg: Mapping[str, Any]) -> list[str]:
     allowed = set(cfg.get("families") or [])
     cap = capacity(r, {})
@@ -180,6 +196,8 @@ def allowed_families(r: Res, cfg: Mapping[str, Any]) -> list[str]:
     return out
 
 
+@stack_rule("gpu-max-nodes", "Node groups cannot grow past a cap.", "mandatory",
+            {"maxNodesPerGroup": {"type": "integer"}})
 def max_nodes(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     limit = int(cfg.get("maxNodesPerGroup", 1 << 30))
     return [(r.name, f"node group {c.group} may grow to {c.max_nodes} nodes, over the cap of {limit}; "
@@ -187,115 +205,13 @@ def max_nodes(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, s
             for r, c in _capacities(resources) if c.max_nodes > limit]
 
 
-def gpu_usage(resources: list[Res]) -> dict[tuple[str, str], int]:
-    """GPUs per (cloud, GPU model) the stack's capacity can reach (schedules included). A node of
-    a group with fallback types is counted as its model's largest type: the worst case, per model."""
-    used: dict[tuple[str, str], int] = {}
-    for _, c in _capacities(resources):
-        largest: dict[tuple[str, str], int] = {}
-        for item in (_item(t) for t in c.instance_types):
-            if item is not None:
-                key = (item.cloud, item.gpu_model)
-                largest[key] = max(largest.get(key, 0), item.gpu_count)
-        for key, per_node in largest.items():
-            used[key] = used.get(key, 0) + c.max_nodes * per_node
-    return used
-
-
-def team_gpu_quota(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """A team stack's GPUs at its maximum within the team's quota (teams.yaml, per cloud and model)."""
-    quota = cfg.get("gpuQuota")
-    if not isinstance(quota, Mapping):
-        return []
-    team = str(cfg.get("team", "this team"))
-    out = []
-    for (cloud, model), gpus in sorted(gpu_usage(resources).items()):
-        granted = int((quota.get(cloud) or {}).get(model, 0))
-        if gpus > granted:
-            out.append(("stack", f"team {team}: {gpus} {model} GPUs on {cloud} at the node groups' maximum, over its "
-                                 f"quota of {granted} (teams.yaml gpus.{cloud}.{model}); lower scaling.max or ask "
-                                 "for more quota in a pull request to teams.yaml"))
-    return out
-
-
-def team_markets(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """A spot-only team keeps at most onDemandBaseMax on-demand (or prepaid) nodes, all groups together."""
-    if not cfg.get("spotOnly"):
-        return []
-    team, most = str(cfg.get("team", "this team")), int(cfg.get("onDemandBaseMax", 0))
-    fixed: dict[str, int] = {}
-    for _, c in _capacities(resources):  # an EKS / TKE group's on-demand base is a pool of its own
-        fixed[c.group] = fixed.get(c.group, 0) + (c.on_demand_nodes if c.spot else c.max_nodes)
-    total = sum(fixed.values())
-    if total <= most:
-        return []
-    groups = ", ".join(f"{g} {n}" for g, n in sorted(fixed.items()) if n)
-    return [("stack", f"team {team} is spot-only with at most {most} on-demand node(s) (teams.yaml markets), but its "
-                      f"groups keep {total} ({groups}); use market.type: spot with a smaller onDemandBase")]
-
-
-def reserve_always_on(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    return [(r.name, f"node group {c.group} keeps {min(c.on_demand_nodes, c.min_nodes)} on-demand node(s) running "
-                     "around the clock; reserved capacity or a savings plan would cost 30-40% less")
-            for r, c in _capacities(resources) if min(c.on_demand_nodes, c.min_nodes) >= 1]
-
-
-# ------------------------------------------------------------------------------ hardware
-
-def _types_of(resources: list[Res], workload: str) -> list[tuple[Res, Capacity, str, cat.InstanceType]]:
-    """(resource, capacity, type, catalog row) for each listed type of the given workload
-    ("training" also covers capacity whose workload is not tagged)."""
-    out = []
-    for r, c in _capacities(resources):
-        if (c.workload == "inference") != (workload == "inference"):
-            continue
-        for t in c.instance_types:
-            item = _item(t)
-            if item is not None:
-                out.append((r, c, t, item))
-    return out
-
-
-def host_ram(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    return [(r.name, f"{t} has {item.ram_gib} GiB RAM for {item.total_vram_gb} GB of GPU memory; "
-                     f"training hosts need >= {RAM_PER_VRAM} x GPU memory "
-                     f"({item.total_vram_gb * RAM_PER_VRAM:g} GiB): pick a larger type")
-            for r, _, t, item in _types_of(resources, "training") if not item.ram_ok]
-
-
-def dataset_disk(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    need = int(cfg.get("minGb", 1000))
-    out = []
-    for r, c in _capacities(resources):
-        if c.workload == "inference":
-            continue
-        nvme = min((i.nvme_gb for i in (_item(t) for t in c.instance_types) if i), default=0)
-        if max(nvme, c.disk_gb) < need:
-            out.append((r.name, f"node group {c.group} has {max(nvme, c.disk_gb)} GB of NVMe / data disk per node; "
-                                f"training nodes need >= {need} GB for datasets — set scratch.sizeGb"))
-    return out
-
-
-def gpu_memory(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    need = int(cfg.get("minGpuMemoryGb", 0))
-    return [(r.name, f"{t} has {item.gpu_vram_gb} GB per GPU; the workload needs >= {need} GB")
-            for r, _, t, item in _types_of(resources, "training") if item.gpu_vram_gb < need]
-
-
-INFERENCE_GPUS = ("T4", "A10", "A10G", "L4")
-
-
-def inference_class(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    return [(r.name, f"inference group {c.group} runs on {item.gpu_model} ({t}); "
-                     f"{'/'.join(INFERENCE_GPUS)} serve for less")
-            for r, c, t, item in _types_of(resources, "inference") if item.gpu_model not in INFERENCE_GPUS]
-
-
 # minimum 1: the engine refuses a share of 0 or less by name (it would otherwise read as one spare per node)
 SPARES_SCHEMA: dict[str, dict[str, Any]] = {"nodesPerSpare": {"type": "integer", "minimum": 1},
                                              "groupSpares": {"type": "object"}}
 
 
+@stack_rule("gpu-spares-share", "Warm spares (scaling.spares) stay within one per nodesPerSpare (8) nodes of the "
+            "run; the message weighs their cost against the run's expected member losses.", "mandatory", SPARES_SCHEMA)
 def spares_share(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Warm spares (scaling.spares) at most one per `nodesPerSpare` nodes of the run (8 unless
     configured), rounded up; the message weighs what they cost against the member losses they
@@ -320,3 +236,121 @@ def spares_share(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str
                             f"{losses:.1f} expected member losses a month ({cover}); lower scaling.spares to "
                             f"{allowed}, or raise nodesPerSpare's share in the pack's config"))
     return out
+
+
+
+def gpu_usage(resources: list[Res]) -> dict[tuple[str, str], int]:
+    """GPUs per (cloud, GPU model) the stack's capacity can reach (schedules included). A node of
+    a group with fallback types is counted as its model's largest type: the worst case, per model."""
+    used: dict[tuple[str, str], int] = {}
+    for _, c in _capacities(resources):
+        largest: dict[tuple[str, str], int] = {}
+        for item in (_item(t) for t in c.instance_types):
+            if item is not None:
+                key = (item.cloud, item.gpu_model)
+                largest[key] = max(largest.get(key, 0), item.gpu_count)
+        for key, per_node in largest.items():
+            used[key] = used.get(key, 0) + c.max_nodes * per_node
+    return used
+
+
+@stack_rule("team-gpu-quota", "A team stack's GPUs at their maximum stay within the team's quota per cloud and "
+            "model (teams.yaml).", "mandatory", {"team": {"type": "string"}, "gpuQuota": {"type": "object"}})
+def team_gpu_quota(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A team stack's GPUs at its maximum within the team's quota (teams.yaml, per cloud and model)."""
+    quota = cfg.get("gpuQuota")
+    if not isinstance(quota, Mapping):
+        return []
+    team = str(cfg.get("team", "this team"))
+    out = []
+    for (cloud, model), gpus in sorted(gpu_usage(resources).items()):
+        granted = int((quota.get(cloud) or {}).get(model, 0))
+        if gpus > granted:
+            out.append(("stack", f"team {team}: {gpus} {model} GPUs on {cloud} at the node groups' maximum, over its "
+                                 f"quota of {granted} (teams.yaml gpus.{cloud}.{model}); lower scaling.max or ask "
+                                 "for more quota in a pull request to teams.yaml"))
+    return out
+
+
+@stack_rule("team-markets", "A spot-only team keeps no more on-demand nodes than its registry entry allows.",
+            "mandatory", {"team": {"type": "string"}, "spotOnly": {"type": "boolean"},
+                          "onDemandBaseMax": {"type": "integer"}})
+def team_markets(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A spot-only team keeps at most onDemandBaseMax on-demand (or prepaid) nodes, all groups together."""
+    if not cfg.get("spotOnly"):
+        return []
+    team, most = str(cfg.get("team", "this team")), int(cfg.get("onDemandBaseMax", 0))
+    fixed: dict[str, int] = {}
+    for _, c in _capacities(resources):  # an EKS / TKE group's on-demand base is a pool of its own
+        fixed[c.group] = fixed.get(c.group, 0) + (c.on_demand_nodes if c.spot else c.max_nodes)
+    total = sum(fixed.values())
+    if total <= most:
+        return []
+    groups = ", ".join(f"{g} {n}" for g, n in sorted(fixed.items()) if n)
+    return [("stack", f"team {team} is spot-only with at most {most} on-demand node(s) (teams.yaml markets), but its "
+                      f"groups keep {total} ({groups}); use market.type: spot with a smaller onDemandBase")]
+
+
+@stack_rule("reserve-always-on", "Always-on on-demand capacity should be reserved or under a savings plan.",
+            "advisory")
+def reserve_always_on(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [(r.name, f"node group {c.group} keeps {min(c.on_demand_nodes, c.min_nodes)} on-demand node(s) running "
+                     "around the clock; reserved capacity or a savings plan would cost 30-40% less")
+            for r, c in _capacities(resources) if min(c.on_demand_nodes, c.min_nodes) >= 1]
+
+
+# ------------------------------------------------------------------------------ hardware
+
+def _types_of(resources: list[Res], workload: str) -> list[tuple[Res, Capacity, str, cat.InstanceType]]:
+    """(resource, capacity, type, catalog row) for each listed type of the given workload
+    ("training" also covers capacity whose workload is not tagged)."""
+    out = []
+    for r, c in _capacities(resources):
+        if (c.workload == "inference") != (workload == "inference"):
+            continue
+        for t in c.instance_types:
+            item = _item(t)
+            if item is not None:
+                out.append((r, c, t, item))
+    return out
+
+
+@stack_rule("host-ram-ratio", "Training hosts have RAM >= 1.5 x total GPU memory.", "mandatory")
+def host_ram(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [(r.name, f"{t} has {item.ram_gib} GiB RAM for {item.total_vram_gb} GB of GPU memory; "
+                     f"training hosts need >= {RAM_PER_VRAM} x GPU memory "
+                     f"({item.total_vram_gb * RAM_PER_VRAM:g} GiB): pick a larger type")
+            for r, _, t, item in _types_of(resources, "training") if not item.ram_ok]
+
+
+@stack_rule("training-dataset-disk", "Training nodes have >= 1 TB of NVMe or data disk for datasets.", "mandatory",
+            {"minGb": {"type": "integer"}})
+def dataset_disk(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    need = int(cfg.get("minGb", 1000))
+    out = []
+    for r, c in _capacities(resources):
+        if c.workload == "inference":
+            continue
+        nvme = min((i.nvme_gb for i in (_item(t) for t in c.instance_types) if i), default=0)
+        if max(nvme, c.disk_gb) < need:
+            out.append((r.name, f"node group {c.group} has {max(nvme, c.disk_gb)} GB of NVMe / data disk per node; "
+                                f"training nodes need >= {need} GB for datasets — set scratch.sizeGb"))
+    return out
+
+
+@stack_rule("gpu-memory-minimum", "GPUs have at least the workload's minimum memory.", "mandatory",
+            {"minGpuMemoryGb": {"type": "integer"}})
+def gpu_memory(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    need = int(cfg.get("minGpuMemoryGb", 0))
+    return [(r.name, f"{t} has {item.gpu_vram_gb} GB per GPU; the workload needs >= {need} GB")
+            for r, _, t, item in _types_of(resources, "training") if item.gpu_vram_gb < need]
+
+
+INFERENCE_GPUS = ("T4", "A10", "A10G", "L4")
+
+
+@stack_rule("inference-gpu-class", "Inference runs on inference-class GPUs (T4 / A10 / L4).", "advisory")
+def inference_class(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [(r.name, f"inference group {c.group} runs on {item.gpu_model} ({t}); "
+                     f"{'/'.join(INFERENCE_GPUS)} serve for less")
+            for r, c, t, item in _types_of(resources, "inference") if item.gpu_model not in INFERENCE_GPUS]

@@ -1,17 +1,43 @@
-"""The pack's security rules: no public ingress, hardened instance metadata, no instance
-passwords, private encrypted versioned buckets, encrypted disks, the provider SDKs' known gaps,
-private Kubernetes API endpoints and routable API access sources (policies/gts_policy/rules.py
-lists them as rules). Per-cloud facts come from the pack's one table, clouds.py."""
+"""The pack's security, protection and tagging rules: stateful resources protected, no public
+ingress, hardened instance metadata, no instance passwords, private encrypted versioned buckets,
+encrypted disks, the provider SDKs' known gaps, private Kubernetes API endpoints, required tags
+and routable API access sources. Each registers itself where it is written (`@stack_rule` /
+`@resource_rule`, registry.py), in the pack's order. Per-cloud facts come from the pack's one
+table, clouds.py."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 from . import catalog as cat
 from . import clouds
 from .addresses import opens_internet
-from .resources import Res
+from .registry import resource_rule, stack_rule
+from .resources import Res, tags_of, taggable
+
+
+@functools.lru_cache(maxsize=1)
+def _stateful() -> Mapping[str, str]:
+    """type -> why it is protected (policies/data/stateful.yaml, a copy of infra/data/'s); read
+    once per process, not once per resource (the rule runs on every resource of the plan)."""
+    import yaml
+
+    data = yaml.safe_load((cat.DATA_DIR / "stateful.yaml").read_text(encoding="utf-8"))
+    return {t: str(v["why"]) for t, v in data["types"].items()}
+
+
+@resource_rule("stateful-protected", "Buckets, keys, clusters and registries are protected from destroy and "
+               "replacement (prod).", "disabled")
+def stateful_protected(r: Res, config: Mapping[str, Any]) -> list[str]:
+    stateful = _stateful()
+    if r.type not in stateful or r.protect:
+        return []
+    return [f"{r.type} is not protected, and it holds {stateful[r.type]}: a destroy or a replacement would take "
+            "it. Register it with protect=True (infra/protection.py does for every type in "
+            "infra/data/stateful.yaml), or set protectStateful: true"]
+
 
 
 def sdk_gap(type_token: str, feature: str) -> str | None:
@@ -53,6 +79,7 @@ def _ingress_sources(r: Res) -> tuple[str, list[str]] | None:
     return None
 
 
+@stack_rule("no-public-ingress", "No ingress from 0.0.0.0/0, for SSH, RDP or anything else.", "mandatory")
 def no_public_ingress(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Judged by the address space a security group admits, all its ingress rules together:
     0.0.0.0/1 plus 128.0.0.0/1 is the internet as surely as 0.0.0.0/0 (IPv6 alike)."""
@@ -76,6 +103,8 @@ def no_public_ingress(resources: list[Res], cfg: Mapping[str, Any]) -> list[tupl
     return out
 
 
+@resource_rule("no-public-ingress-rule", "No security group or ingress rule resource admits the internet (IPv4 or "
+               "IPv6, split ranges included), judged on each before it is created.", "mandatory")
 def public_ingress_rule(r: Res, cfg: Mapping[str, Any]) -> list[str]:
     """One security group or ingress rule resource, judged alone before it is created (the
     engine's per-resource Analyze during `pulumi up`): its own sources must not add up to the
@@ -98,14 +127,6 @@ AWS_METADATA = ("aws:ec2/launchTemplate:LaunchTemplate", "aws:ec2/instance:Insta
 ALI_METADATA = ("alicloud:ecs/instance:Instance", "alicloud:ecs/ecsLaunchTemplate:EcsLaunchTemplate")
 
 
-def metadata_hardened(r: Res, cfg: Mapping[str, Any]) -> list[str]:
-    if r.type in AWS_METADATA and r.get("metadataOptions", "httpTokens") != "required":
-        return ["instance metadata must require IMDSv2 tokens: metadataOptions.httpTokens = required"]
-    if r.type in ALI_METADATA and r.get("httpTokens") != "required":
-        return ["ECS metadata must be in hardened (token) mode: http_tokens = required"]
-    return []
-
-
 def harden_metadata(r: Res) -> dict[str, Any] | None:
     """The remediation: tokens required (nothing on the node reads metadata without one)."""
     props = dict(r.props)
@@ -117,9 +138,20 @@ def harden_metadata(r: Res) -> dict[str, Any] | None:
     return None
 
 
+@resource_rule("metadata-hardened", "Instance metadata requires tokens (IMDSv2 / hardened mode).", "mandatory",
+               remediate=harden_metadata)
+def metadata_hardened(r: Res, cfg: Mapping[str, Any]) -> list[str]:
+    if r.type in AWS_METADATA and r.get("metadataOptions", "httpTokens") != "required":
+        return ["instance metadata must require IMDSv2 tokens: metadataOptions.httpTokens = required"]
+    if r.type in ALI_METADATA and r.get("httpTokens") != "required":
+        return ["ECS metadata must be in hardened (token) mode: http_tokens = required"]
+    return []
+
+
 PASSWORD_KEYS = ("password", "kmsEncryptedPassword")
 
 
+@resource_rule("no-instance-passwords", "No instance passwords.", "mandatory")
 def no_passwords(r: Res, cfg: Mapping[str, Any]) -> list[str]:
     found = [k for k in PASSWORD_KEYS if r.get(k)] + [f"autoScalingConfig.{k}" for k in PASSWORD_KEYS
                                                      if r.get("autoScalingConfig", k)]
@@ -134,6 +166,7 @@ def _aws_bucket_ids(resources: list[Res]) -> dict[str, Res]:
         f"{r.name}-id": r for r in resources if r.type == "aws:s3/bucket:Bucket"}
 
 
+@stack_rule("buckets-private-encrypted-versioned", "Buckets are private, encrypted and versioned.", "mandatory")
 def buckets_safe(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     out = []
     aws_buckets = _aws_bucket_ids(resources)
@@ -190,6 +223,24 @@ def _disks_fixable(r: Res, dd: clouds.DataDisks) -> bool:
     return r.get("dataDisks") is not None
 
 
+def encrypt_disks(r: Res) -> dict[str, Any] | None:
+    """The remediation: every disk of the resource encrypted (with the cloud's default key)."""
+    props = dict(r.props)
+    if r.type == "aws:ec2/launchTemplate:LaunchTemplate":
+        props["blockDeviceMappings"] = [{**m, "ebs": {**m["ebs"], "encrypted": "true"}} if m.get("ebs") else m
+                                        for m in (r.get("blockDeviceMappings") or [])]
+    elif r.type in ("aws:ebs/volume:Volume", "aws:efs/fileSystem:FileSystem"):
+        props["encrypted"] = True
+    elif r.type == "alicloud:nas/fileSystem:FileSystem":
+        props["encryptType"] = 1
+    elif (dd := clouds.data_disks(r.cloud)) is not None and _disks_fixable(r, dd):
+        props["dataDisks"] = [{**d, dd.key: True} for d in r.get("dataDisks") or []]
+    else:
+        return None
+    return props
+
+@resource_rule("disks-encrypted", "Every disk and shared file system is encrypted.", "mandatory",
+               remediate=encrypt_disks)
 def disks_encrypted(r: Res, cfg: Mapping[str, Any]) -> list[str]:
     bad = False
     if r.type == "aws:ec2/launchTemplate:LaunchTemplate":
@@ -208,23 +259,9 @@ def disks_encrypted(r: Res, cfg: Mapping[str, Any]) -> list[str]:
             "encrypted on EFS, encryptType 1 on NAS"] if bad else []
 
 
-def encrypt_disks(r: Res) -> dict[str, Any] | None:
-    """The remediation: every disk of the resource encrypted (with the cloud's default key)."""
-    props = dict(r.props)
-    if r.type == "aws:ec2/launchTemplate:LaunchTemplate":
-        props["blockDeviceMappings"] = [{**m, "ebs": {**m["ebs"], "encrypted": "true"}} if m.get("ebs") else m
-                                        for m in (r.get("blockDeviceMappings") or [])]
-    elif r.type in ("aws:ebs/volume:Volume", "aws:efs/fileSystem:FileSystem"):
-        props["encrypted"] = True
-    elif r.type == "alicloud:nas/fileSystem:FileSystem":
-        props["encryptType"] = 1
-    elif (dd := clouds.data_disks(r.cloud)) is not None and _disks_fixable(r, dd):
-        props["dataDisks"] = [{**d, dd.key: True} for d in r.get("dataDisks") or []]
-    else:
-        return None
-    return props
 
-
+@resource_rule("known-sdk-gaps", "Security settings the provider SDKs cannot express yet (with the workaround).",
+               "advisory")
 def known_sdk_gaps(r: Res, cfg: Mapping[str, Any]) -> list[str]:
     """Security settings the pinned SDKs cannot express, on the resources that need them."""
     reason = sdk_gap(r.type, "dataDiskEncryption")
@@ -233,6 +270,7 @@ def known_sdk_gaps(r: Res, cfg: Mapping[str, Any]) -> list[str]:
     return found + ([f"the shared file system is not encrypted at rest: {at_rest}"] if at_rest else [])
 
 
+@resource_rule("kubernetes-api-private", "Kubernetes API endpoints are not public (prod).", "disabled")
 def private_kubernetes_api(r: Res, cfg: Mapping[str, Any]) -> list[str]:
     """An API endpoint may be public only when restricted to known sources: EKS by
     publicAccessCidrs that do not add up to the internet, TKE by a security group of its own.
@@ -251,6 +289,19 @@ def private_kubernetes_api(r: Res, cfg: Mapping[str, Any]) -> list[str]:
         return []
     return [f"the Kubernetes API endpoint is open to {open_to}; keep it private or list the operators' CIDRs in "
             "kubernetes.apiAccessCidrs"]
+
+
+REQUIRED_TAGS = ("owner", "cost-center", "env")
+
+
+@resource_rule("required-tags", "owner, cost-center and env on every taggable resource.", "mandatory",
+               {"tags": {"type": "array", "items": {"type": "string"}}})
+def required_tags(r: Res, cfg: Mapping[str, Any]) -> list[str]:
+    need = list(cfg.get("tags") or REQUIRED_TAGS)
+    if not taggable(r.type):
+        return []
+    missing = [t for t in need if not tags_of(r).get(t)]
+    return [f"{r.type} lacks tag(s) {', '.join(missing)}; the stack's tags must reach it"] if missing else []
 
 
 # ---------------------------------------------------------------- API access sources (issue 27)
@@ -283,6 +334,8 @@ def _api_sources(r: Res) -> list[str]:
     return []
 
 
+@resource_rule("kubernetes-api-sources-routable", "Kubernetes API and registry push endpoints admit real public "
+               "sources, not documentation or private-use ranges (kubernetes.apiAccessCidrs).", "mandatory")
 def api_sources_routable(r: Res, cfg: Mapping[str, Any]) -> list[str]:
     import ipaddress
 

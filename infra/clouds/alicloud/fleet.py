@@ -20,7 +20,7 @@ ESSD = "cloud_essd"
 
 
 def spot_strategy(group: ResolvedGroup) -> str:
-    if not group.spot and not reservation.bursts(group):
+    if not group.spot and not group.market.bursts_to_spot:
         return "NoSpot"
     return "SpotWithPriceLimit" if group.price_cap else "SpotAsPriceGo"
 
@@ -28,7 +28,7 @@ def spot_strategy(group: ResolvedGroup) -> str:
 def fixed_instances(group: ResolvedGroup) -> int:
     """How many of the group's nodes are ECS instances rather than members of its ESS group: all of
     a reserved group (subscription instances), none otherwise (infra/gpu_health.py replace_mode)."""
-    return group.scaling.max if group.market.type == "reserved" else 0
+    return group.scaling.max if group.market.prepaid else 0
 
 
 @dataclass
@@ -151,7 +151,7 @@ class AlicloudGpuFleet(pulumi.ComponentResource):
 
     def _group(self, name: str, g: ResolvedGroup, switch_ids: list[pulumi.Output[str]], tags: dict[str, str],
                child: pulumi.ResourceOptions, template: bool = True) -> alicloud.ess.ScalingGroup:
-        spot = g.spot or reservation.bursts(g)
+        spot = g.spot or g.market.bursts_to_spot
         base = g.market.on_demand_base if g.spot else g.market.reserved_of(g.scaling.max) if spot else g.fleet_max
         return alicloud.ess.ScalingGroup(
             f"{name}-ess", scaling_group_name=name, min_size=g.fleet_min, max_size=g.fleet_max,

@@ -174,8 +174,8 @@ class AlicloudAck(pulumi.ComponentResource):
             f"{g.name}-pool", node_pool_name=g.name, cluster_id=self.cluster.id, vswitch_ids=switches,
             instance_types=types, security_group_ids=[args.security_group_id],
             deployment_set_id=placed.id if placed else None,
-            instance_charge_type="PrePaid" if g.market.type == "reserved" else "PostPaid",
-            period=1 if g.market.type == "reserved" else None, period_unit="Month" if g.market.type == "reserved" else None,
+            instance_charge_type="PrePaid" if g.market.prepaid else "PostPaid",
+            period=1 if g.market.prepaid else None, period_unit="Month" if g.market.prepaid else None,
             spot_strategy=spot_strategy(g),
             spot_price_limits=[alicloud.cs.NodePoolSpotPriceLimitArgs(instance_type=t, price_limit=str(cap))
                                for t in types] if cap else None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from infra.clouds.profile import CloudProfile, Counted, DiskEncryption
+from infra.clouds.profile import CloudProfile, Counted, MarketAnswers, DiskEncryption
 
 
 def pod_switch_cidrs(vpc: ipaddress.IPv4Network, subnets: list[ipaddress.IPv4Network]) -> list[ipaddress.IPv4Network]:
@@ -63,14 +63,14 @@ class AlicloudProfile(CloudProfile):
     plain_network = "the VPC network (TCP sockets)"
     placement_monthly_usd = 0.0  # ECS deployment sets are "free of charge" (ECS user guide, deployment sets)
 
-    def fabric_placement(self, kind: str, market: str) -> str:
+    def fabric_placement(self, kind: str, market: MarketAnswers) -> str:
         """An ESS scaling configuration cannot take a deployment set (infra/data/capabilities.yaml sdkGaps)."""
-        if kind == "vm" and market != "reserved":
+        if kind == "vm" and not market.prepaid:
             return "one vSwitch (ESS scaling configurations take no deployment set)"
         return "deployment set (LowLatency)"
 
-    def fabric_unbuildable(self, kind: str, market: str) -> str | None:
-        if kind == "kubernetes" and market == "spot":
+    def fabric_unbuildable(self, kind: str, market: MarketAnswers) -> str | None:
+        if kind == "kubernetes" and market.spot:
             return ("an eRDMA ACK pool sits in a LowLatency deployment set, and node pools with a deployment set "
                     "cannot hold preemptible instances (ACK \"Associate a deployment set with a node pool\"); use "
                     "market on-demand or reserved for it")

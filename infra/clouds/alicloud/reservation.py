@@ -18,11 +18,6 @@ from infra.capacity.reservations import assurance_period
 from infra.groups import ResolvedGroup
 
 
-def bursts(g: ResolvedGroup) -> bool:
-    """A reserved baseline whose nodes above it are spot."""
-    return g.market.reservation and g.market.overflow == "spot"
-
-
 def period(g: ResolvedGroup) -> tuple[int, str]:
     """The assurance's length as Alibaba sells it, exactly the window given: 1-9 calendar months or
     1-5 years (infra/capacity/reservations.py refuses any other window)."""
@@ -36,7 +31,7 @@ def period(g: ResolvedGroup) -> tuple[int, str]:
 def create(name: str, g: ResolvedGroup, zone: str, tags: dict[str, str],
            opts: pulumi.ResourceOptions) -> alicloud.ecs.ElasticityAssurance | None:
     market = g.market
-    if market.type != "elasticity-assurance" or market.start is None:
+    if not market.elasticity_assurance or market.start is None:
         return None
     length, unit = period(g)
     return alicloud.ecs.ElasticityAssurance(

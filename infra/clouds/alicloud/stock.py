@@ -31,11 +31,22 @@ from collections.abc import Callable
 from typing import Any
 
 from infra.capacity.stock import Ask, Failure, Verdict, newer, stamp
+from infra.spec_capacity import Market
 from training import cloudmeta
 
 Send = Callable[[urllib.request.Request], dict[str, Any]]
 IN_STOCK = ("WithStock", "ClosedWithStock")
 CAPACITY_MARKERS = ("NoStock", "Zone.NotOnSale", "InvalidInstanceType.NotSupported", "QuotaExceed")
+
+
+def _charge(market: Market) -> tuple[str, str]:
+    """(InstanceChargeType, SpotStrategy) DescribeAvailableResource is asked with, by the market's
+    own answers: spot and on-demand are PostPaid, the rest (prepaid, an assurance) PrePaid."""
+    if market.spot:
+        return "PostPaid", "SpotAsPriceGo"
+    if market.on_demand:
+        return "PostPaid", "NoSpot"
+    return "PrePaid", "NoSpot"
 
 
 def _send(request: urllib.request.Request) -> dict[str, Any]:
@@ -54,8 +65,7 @@ class AlicloudStock:
                                                {**params, "RegionId": self.region}))
 
     def ask(self, ask: Ask) -> Verdict:
-        charge = {"spot": ("PostPaid", "SpotAsPriceGo"), "on-demand": ("PostPaid", "NoSpot")}.get(
-            ask.market, ("PrePaid", "NoSpot"))
+        charge = _charge(ask.market)
         calls, seen = 0, []
         for itype in ask.types:
             params = {"Action": "DescribeAvailableResource", "Version": "2014-05-26", "DestinationResource":

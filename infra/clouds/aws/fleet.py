@@ -141,7 +141,7 @@ class AwsGpuFleet(pulumi.ComponentResource):
         return aws.autoscaling.Group(
             f"{name}-asg", min_size=g.fleet_min, max_size=g.fleet_max,
             desired_capacity=g.fleet_desired, vpc_zone_identifiers=subnets,
-            capacity_rebalance=g.market.type == "spot",
+            capacity_rebalance=g.spot,
             placement_group=placement.id if placement else None,
             mixed_instances_policy=aws.autoscaling.GroupMixedInstancesPolicyArgs(
                 instances_distribution=distribution,

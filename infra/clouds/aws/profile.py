@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from infra.clouds.profile import CloudProfile, Counted
+from infra.clouds.profile import CloudProfile, Counted, MarketAnswers
 
 
 class AwsProfile(CloudProfile):
@@ -54,10 +54,10 @@ class AwsProfile(CloudProfile):
     # EC2 user guide placement-groups: "There is no charge for creating a placement group".
     placement_monthly_usd = 0.0
 
-    def fabric_placement(self, kind: str, market: str) -> str:
+    def fabric_placement(self, kind: str, market: MarketAnswers) -> str:
         return "cluster placement group"
 
-    def fabric_unbuildable(self, kind: str, market: str) -> str | None:
+    def fabric_unbuildable(self, kind: str, market: MarketAnswers) -> str | None:
         return None
 
     kubernetes_service = "EKS"

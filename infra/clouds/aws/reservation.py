@@ -26,7 +26,7 @@ from infra.groups import ResolvedGroup
 
 
 def market_options(g: ResolvedGroup) -> aws.ec2.LaunchTemplateInstanceMarketOptionsArgs | None:
-    if g.market.type != "capacity-block":
+    if not g.market.capacity_block:
         return None
     return aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(market_type="capacity-block")
 
@@ -36,12 +36,12 @@ def reservation_spec(g: ResolvedGroup, created: aws.ec2.CapacityReservation | No
     """The template's capacity reservation: the group's reservation, or open ones (`reserved`)."""
     market = g.market
     target = market.reservation_id  # a created ODCR is used "open": the group's other types and zones still launch
-    if market.type in ("capacity-block", "capacity-reservation") and target is not None:
+    if market.targetable and target is not None:
         # one option at a time: the target alone (CloudFormation LaunchTemplate CapacityReservationSpecification)
         return aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs(
             capacity_reservation_target=aws.ec2.LaunchTemplateCapacityReservationSpecificationCapacityReservationTargetArgs(
                 capacity_reservation_id=target))
-    if market.type == "reserved" or created is not None:
+    if market.prepaid or created is not None:
         return aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs(capacity_reservation_preference="open")
     return None
 
@@ -51,10 +51,10 @@ def create(name: str, g: ResolvedGroup, zone: str, tags: dict[str, str],
     """The On-Demand Capacity Reservation the stack holds for a `reserved` group (at its maximum)
     or a capacity-reservation group without an id (its reservedNodes, until its end)."""
     market = g.market
-    if market.type == "reserved":
+    if market.prepaid:
         return aws.ec2.CapacityReservation(f"{name}-odcr", instance_type=g.types[0], instance_platform="Linux/UNIX",
                                            availability_zone=zone, instance_count=g.fleet_max, tags=tags, opts=opts)
-    if market.type != "capacity-reservation" or market.reservation_id is not None:
+    if not market.capacity_reservation or market.reservation_id is not None:
         return None
     end = market.end.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if market.end else None
     return aws.ec2.CapacityReservation(f"{name}-odcr", instance_type=g.types[0], instance_platform="Linux/UNIX",
@@ -66,8 +66,8 @@ def create(name: str, g: ResolvedGroup, zone: str, tags: dict[str, str],
 def on_demand_base(g: ResolvedGroup) -> tuple[int, int]:
     """(on-demand base, on-demand % above it) of the group's ASG."""
     market = g.market
-    if market.type == "spot":
+    if market.spot:
         return market.on_demand_base, 0
-    if market.reservation and market.overflow == "spot":
+    if market.bursts_to_spot:
         return market.reserved_of(g.scaling.max), 0
     return g.fleet_max, 100  # warm spares (scaling.spares) are on-demand nodes too

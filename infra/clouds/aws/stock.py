@@ -53,9 +53,9 @@ class AwsStock:
         quota, calls = self._quota(offered[0], ask), calls + 1
         need = ask.nodes * ask.vcpus
         if quota is not None and quota < need:
-            return Verdict(False, f"vCPU quota {quota:g} for {offered[0]} ({ask.market}) is under the {need} the "
+            return Verdict(False, f"vCPU quota {quota:g} for {offered[0]} ({ask.market.type}) is under the {need} the "
                                   "nodes need (GetServiceQuota)", calls)
-        if ask.market != "spot":  # EC2 has no on-demand stock API: offered within quota is not stock
+        if not ask.market.spot:  # EC2 has no on-demand stock API: offered within quota is not stock
             return Verdict(True, f"{offered[0]} offered in {where}, quota {quota if quota is not None else 'unknown'} "
                                  "(on-demand stock unknown)", calls, known=False)
         score, used = self._score(ask, offered)
@@ -76,7 +76,7 @@ class AwsStock:
         codes = QUOTA_CODES.get(itype[:1].lower())
         if codes is None:
             return None
-        code = codes[1] if ask.market == "spot" else codes[0]
+        code = codes[1] if ask.market.spot else codes[0]
         try:
             return float(self.quotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"])
         except self.quotas.exceptions.NoSuchResourceException:

@@ -23,9 +23,9 @@ def fixed_instances(group: ResolvedGroup) -> int:
     """How many of the group's nodes are CVM instances rather than members of its AS group: all of
     a reserved group and of an HCC group (AS cannot place nodes in an HCC: TencentGpuFleet), and a
     spot group's on-demand base. The GPU watch reads it too (infra/gpu_health.py replace_mode)."""
-    if group.market.type == "reserved" or group.fabric is not None:
+    if group.market.prepaid or group.fabric is not None:
         return group.scaling.max
-    return group.market.on_demand_base if group.market.type == "spot" else 0
+    return group.market.on_demand_base if group.market.spot else 0
 
 
 def spot_max_price(group: ResolvedGroup) -> str:
@@ -90,7 +90,7 @@ class TencentGpuFleet(pulumi.ComponentResource):
                   child: pulumi.ResourceOptions, hpc: tencentcloud.cvm.HpcCluster | None = None
                   ) -> tencentcloud.instance.Instance:
         g, disk_gb = args.group, args.group.scratch_disk_gb
-        reserved = g.market.type == "reserved"
+        reserved = g.market.prepaid
         # An HCC node is in the HCC's zone; a spot one is SPOTPAID ("must set spot_instance_type and
         # spot_max_price at the same time", tencentcloud_instance doc).
         zones, subnets = (args.zones[:1], args.subnet_ids[:1]) if hpc else (args.zones, args.subnet_ids)

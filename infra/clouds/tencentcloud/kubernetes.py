@@ -185,7 +185,7 @@ class TencentTke(pulumi.ComponentResource):
         types, disk_gb = list(g.types), g.scratch_disk_gb
         labels = g.labels()
         pools = []
-        fixed_charge = "PREPAID" if g.market.type == "reserved" else "POSTPAID_BY_HOUR"
+        fixed_charge = "PREPAID" if g.market.prepaid else "POSTPAID_BY_HOUR"
         for part in pool_parts(g.group):
             suffix, lo, hi, desired, spot = part.suffix, part.min, part.max, part.desired, part.spot
             charge = "SPOTPAID" if spot else fixed_charge

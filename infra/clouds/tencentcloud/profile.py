@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from infra.clouds.profile import CloudProfile, Counted, DiskEncryption
+from infra.clouds.profile import CloudProfile, Counted, MarketAnswers, DiskEncryption
 
 
 class TencentcloudProfile(CloudProfile):
@@ -55,10 +55,10 @@ class TencentcloudProfile(CloudProfile):
     plain_network = "the VPC network (TCP sockets)"
     placement_monthly_usd = 0.0  # HCC clusters are billed through their instances (CreateHpcCluster has no price)
 
-    def fabric_placement(self, kind: str, market: str) -> str:
+    def fabric_placement(self, kind: str, market: MarketAnswers) -> str:
         return "HCC cluster (CvmHpcCluster)"
 
-    def fabric_unbuildable(self, kind: str, market: str) -> str | None:
+    def fabric_unbuildable(self, kind: str, market: MarketAnswers) -> str | None:
         if kind == "kubernetes":
             return ("TKE node pools cannot be placed in an HCC cluster (tencentcloud_kubernetes_node_pool has no "
                     "hpc_cluster_id)")

@@ -30,13 +30,23 @@ from collections.abc import Callable
 from typing import Any
 
 from infra.capacity.stock import Ask, Failure, Verdict, newer, stamp
+from infra.spec_capacity import Market
 from training import cloudmeta
 
 Send = Callable[[urllib.request.Request], dict[str, Any]]
 IN_STOCK = ("EnoughStock", "NormalStock", "UnderStock")
-CHARGE = {"spot": "SPOTPAID", "on-demand": "POSTPAID_BY_HOUR", "reserved": "PREPAID"}
 CAPACITY_MARKERS = ("ResourceInsufficient", "SoldOut", "SOLD_OUT", "sold out", "InsufficientInventory",
                     "NoAvailableZone")
+
+
+def charge_type(market: Market) -> str:
+    """The instance-charge-type DescribeZoneInstanceConfigInfos filters on, by the market's own
+    answers: SPOTPAID, POSTPAID_BY_HOUR, else PREPAID."""
+    if market.spot:
+        return "SPOTPAID"
+    if market.on_demand:
+        return "POSTPAID_BY_HOUR"
+    return "PREPAID"
 
 
 def _send(request: urllib.request.Request) -> dict[str, Any]:
@@ -61,7 +71,7 @@ class TencentcloudStock:
         calls, items = 0, []
         for start in range(0, len(ask.types), 5):
             filters = [{"Name": "instance-type", "Values": list(ask.types[start:start + 5])},
-                       {"Name": "instance-charge-type", "Values": [CHARGE.get(ask.market, "PREPAID")]}]
+                       {"Name": "instance-charge-type", "Values": [charge_type(ask.market)]}]
             if ask.zone:
                 filters.append({"Name": "zone", "Values": [ask.zone]})
             answer = self._call("cvm", "2017-03-12", "DescribeZoneInstanceConfigInfos", {"Filters": filters})
