@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 from tests.training_helpers import ROOT, MotoServer, Run, elastic_node, kill_tree, rendezvous_store, wait_any
 from training.node.watchdog import _state  # the watchdog's own reading of a process's state
@@ -350,3 +352,35 @@ def test_the_watchdogs_replacement_takes_a_slot_of_the_group_budget(tmp_path: Pa
         meta.stop()
     assert "the group's replacement budget could not be read" in line and "no run bucket" in line, line
     assert not api.calls
+
+
+def test_a_heartbeat_being_written_is_never_removed_under_the_trainer(tmp_path: Path) -> None:
+    """The watchdog's scan and a trainer's heartbeat write meet: the file being written (and renamed
+    next) is neither matched nor removed, where a `rank-0.tmp` was removed as unreadable and the
+    trainer's rename then crashed it (FileNotFoundError, seen on a loaded 3-node run)."""
+    from training.node.watchdog import beats
+    from training.trainer.progress import Progress
+
+    progress = tmp_path / "progress"
+    progress.mkdir(mode=0o700)
+    written: list[str] = []
+    real_replace = os.replace
+
+    def scan_then_replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        written.append(Path(src).name)
+        assert beats(progress, os.getpid()) == []  # the scan comes between the write and the rename
+        real_replace(src, dst)
+
+    tracker: Any = Progress.__new__(Progress)  # only what a heartbeat reads
+    tracker.dir, tracker.comm, tracker.times, tracker.blocked = progress, SimpleNamespace(rank=0), [0.1], 0.0
+    tracker.step, tracker.saved, tracker.started = 7, 0, 0
+    os_replace, os.replace = os.replace, scan_then_replace  # type: ignore[assignment]
+    try:
+        tracker._beat(time.time())
+    finally:
+        os.replace = os_replace
+    assert written and (progress / "rank-0").read_text().split()[0] == "7"
+    (progress / "rank-0.tmp").write_text("5 ")  # an older trainer's name for it, mid-write
+    (progress / "rank-1").write_text("garbage")  # a heartbeat's name, unreadable: removed as before
+    beats(progress, os.getpid())
+    assert (progress / "rank-0.tmp").exists() and not (progress / "rank-1").exists()

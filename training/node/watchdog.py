@@ -68,6 +68,8 @@ def beats(folder: Path, launcher: int) -> list[Beat]:
     process below the launcher whose start time is the heartbeat's is ever signalled."""
     found = []
     for path in folder.glob("rank-*"):
+        if not path.name.removeprefix("rank-").isdigit():
+            continue  # not a heartbeat's name (an older trainer's `rank-N.tmp`, written as it was read)
         try:
             fields = path.read_text().split()
             step, t, p99, saved, pid = fields[:5]

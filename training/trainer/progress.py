@@ -128,7 +128,7 @@ class Progress:
         # a checkpoint blocks the loop too: the watchdog's limit is 3x the longer of the two
         p99 = max(sorted(self.times)[int(0.99 * (len(self.times) - 1))], self.blocked) if self.times else self.blocked
         beat = self.dir / f"rank-{self.comm.rank}"
-        tmp = beat.with_suffix(".tmp")
+        tmp = self.dir / f".rank-{self.comm.rank}.tmp"  # no `rank-*` name: the watchdog drops those it can't read
         tmp.write_text(f"{self.step} {now:.3f} {p99:.4f} {self.saved} {os.getpid()} {records.node_name()} "
                        f"{until:.3f} {self.started}\n")
         os.replace(tmp, beat)
