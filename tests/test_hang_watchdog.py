@@ -107,9 +107,9 @@ step = 0
 while True:
     train_step()
     step += 1
-    with open(f"{folder}/rank-{rank}.tmp", "w") as fh:
+    with open(f"{folder}/.rank-{rank}.tmp", "w") as fh:
         fh.write(f"{step} {time.time()} 0.05 {step - step % 10} {os.getpid()} node-x 0 {proc_start(os.getpid())}")
-    os.replace(f"{folder}/rank-{rank}.tmp", f"{folder}/rank-{rank}")
+    os.replace(f"{folder}/.rank-{rank}.tmp", f"{folder}/rank-{rank}")
 """
 
 
