@@ -6,7 +6,7 @@ those on a failure, and host memory a worker held dies with it) and dies with th
 
 Bound to the node's private address only (never the wildcard); every request and answer signed
 with the run's key (training/peer/wire.py); bounded: the newest KEEP steps per source (a rank of
-one world size), at most MAX_SOURCES sources and PEER_STORE_GIB (default half the node's memory). It checks no payload: the receiver hashes what it
+one world size, each kind of copy), at most MAX_SOURCES sources and PEER_STORE_GIB (default half the node's memory). It checks no payload: the receiver hashes what it
 gets against the digest the sender named, and refuses a copy that does not match.
 """
 
