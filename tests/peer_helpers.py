@@ -78,6 +78,12 @@ def restore(stores: list[str], share: Path, step: int, nodes: int = 2, per_node:
     return results
 
 
+def _peak_mib() -> int:
+    """This process's peak resident memory since its exec (VmHWM; ru_maxrss keeps the parent's)."""
+    with open("/proc/self/status", encoding="ascii") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) // 1024
+
+
 def _rank() -> None:
     from training.distributed import Comm
     from training.peer.tier import PeerTier
@@ -86,7 +92,8 @@ def _rank() -> None:
     tier = PeerTier(comm, 10, KEY, os.environ["TEST_STORES"].split(",")[comm.node], "")
     tier.share_root = os.environ["TEST_SHARE"]
     found = tier.load(int(os.environ["TEST_STEP"]))
-    result = {"rank": comm.rank, "w": None if found is None else found[0]["w"].tolist(),
+    result = {"rank": comm.rank, "w": None if found is None else found[0]["w"][:4].tolist(),
+              "peak_mib": _peak_mib(),
               "rng": None if found is None or found[1] is None else int(found[1]["r"]), "refusals": tier.refusals}
     print(RESULT + json.dumps(result), flush=True)
     comm.close()
