@@ -96,3 +96,22 @@ def test_a_local_rank_refuses_a_shared_file_that_does_not_match_or_is_a_link(tmp
     loaded, why = share.read(planted, wire.payload_digest(data), what)
     assert loaded is None and why.startswith(f"{what} shared on this node at {planted} cannot be opened")
     node_copy.remove()
+
+
+
+def test_a_node_fetches_from_its_own_store_first_else_from_a_holder_that_depends_on_the_node() -> None:
+    from tests.peer_helpers import KEY
+    from training.distributed import Comm
+    from training.peer.tier import PeerTier
+
+    tier = PeerTier(Comm("torchrun"), 10, KEY, "s0:1", "")
+    tier.stores = ["s0:1", "s1:1", "s2:1", "s3:1"]
+
+    def order(node: int, holders: list[str]) -> list[str]:
+        tier.comm.node = node
+        return tier._order(holders)
+    holders = ["s1:1", "s2:1", "s3:1"]
+    assert order(1, holders)[0] == "s1:1" and order(3, holders)[0] == "s3:1"  # its own store first
+    assert order(1, holders) == ["s1:1", "s3:1", "s2:1"]  # then the others, from one that depends on the node
+    assert order(2, holders) == ["s2:1", "s1:1", "s3:1"]
+    assert order(0, ["s1:1", "s2:1"]) == ["s1:1", "s2:1"] and order(3, ["s1:1", "s2:1"]) == ["s2:1", "s1:1"]
