@@ -71,6 +71,9 @@ class PeerTier:
         self.generation = "0-0"
         self.restored_world = 0  # the world size of the peer copy this world restored (0: none)
         self.share_root = share.default_root()  # where a restore's full copy is shared on a node
+        # where /dev/shm has no room: the node's scratch (`choose` sets the checkpoint manager's local dir)
+        self.share_fallback = os.environ.get(contract.CHECKPOINT_DIR.name) or "out/checkpoints"
+        self._started = time.time()  # when this restore began (share.sweep: older directories only)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and self.buddy is not None and step % self.every == 0
@@ -184,31 +187,45 @@ class PeerTier:
     @contextlib.contextmanager
     def _node_copy(self, step: int, entry: list[Any], holders: list[str]) -> Iterator[dict[str, Any] | None]:
         """The full copy `entry` on every rank, fetched once per node (collective): the node's
-        local rank 0 gets it from its own store when that holds it, else from the holders in turn
-        by node (the next holder where one refuses it), checks it, and writes it once into a
-        private file (training/peer/share.py) that every local rank checks and reads. The file
-        goes when the block ends (after the ranks' vote), also on an error."""
+        local rank 0 gets it (`_publish`) and writes it once into a private file (share.py); every
+        local rank opens it, and once all hold it open (a barrier) local rank 0 removes it, so that
+        no worker killed later leaves it behind; then (a barrier) each checks and loads it from its
+        open file."""
         world, rank, _, kind, listed, _, _ = entry
-        node_copy, path = None, ""
+        what = f"peer copy of step {step} of rank {rank}/{world} ({kind})"
+        node_copy, fh = None, None
         try:
-            if self.comm.local_rank == 0:
-                data = next((d for d in (self._get(step, s, entry) for s in self._order(holders)) if d is not None),
-                            None)
-                try:
-                    node_copy, path = share.publish(data, self.share_root) if data is not None else (None, "")
-                except OSError as exc:
-                    log.warning("peer copy of step %d of rank %d/%d not shared on node %d: %s", step, rank, world,
-                                self.comm.node, exc)
-                del data  # the ranks read the file: no second copy of the bytes held meanwhile
+            node_copy, path = self._publish(step, entry, holders) if self.comm.local_rank == 0 else (None, "")
             path = self.comm.all_gather_object(path)[self.comm.rank - self.comm.local_rank]
-            loaded, why = share.read(path, listed, f"peer copy of step {step} of rank {rank}/{world} ({kind})"
-                                     ) if path else (None, "")
+            fh, why = share.open_copy(path, what) if path else (None, "")
+            self.comm.barrier()  # every rank of the node holds the file open (or refused it)
+            if node_copy is not None:
+                node_copy.remove()  # the kernel frees the file when the last reader closes it
+                node_copy = None
+            self.comm.barrier()  # gone before any rank reads it: a kill from here on leaves nothing
+            loaded, why = share.load(fh, path, listed, what) if fh is not None else (None, why)
             if why:
                 self._refuse(why)
             yield loaded if loaded is not None and loaded.get("step") == step else None
         finally:
+            if fh is not None:
+                fh.close()
             if node_copy is not None:
                 node_copy.remove()
+
+    def _publish(self, step: int, entry: list[Any], holders: list[str]) -> tuple[share.NodeCopy | None, str]:
+        """Local rank 0's part: the copy from its own store when that holds it, else from the
+        holders in turn by node (the next holder where one refuses it), checked, written once into
+        the node's shared file; (None, "") when none gave it or there is no room to share it."""
+        data = next((d for d in (self._get(step, s, entry) for s in self._order(holders)) if d is not None), None)
+        if data is None:
+            return None, ""
+        try:  # the bytes are dropped on return: the ranks read the file, no second copy held meanwhile
+            return share.publish(data, [self.share_root, self.share_fallback], self._started)
+        except OSError as exc:
+            log.warning("peer copy of step %d of rank %d/%d not shared on node %d: %s", step, entry[1], entry[0],
+                        self.comm.node, exc)
+            return None, ""
 
     def _order(self, holders: list[str]) -> list[str]:
         """The stores this node tries for a copy: its own first when it holds the copy, then the
@@ -224,6 +241,7 @@ class PeerTier:
         and the stores holding each for every rank; the ranks try them in that order together,
         each fetched once per node (_node_copy), and take the first that every rank got, so that
         no two ranks ever restore different copies; none: the durable tiers."""
+        self._started = time.time()
         held = self._held()
         candidates: list[tuple[list[Any], list[str]]] = []
         for store, entry in sorted(((s, e) for s, e in held if e[2] == step and e[3] == "full"),
@@ -287,6 +305,8 @@ def choose(ckpt: CheckpointManager, comm: Comm, tier: PeerTier | None) -> Resume
     """run_control.choose_checkpoint with the peer tier first (when there is one): the newest
     step every rank can get from a peer store, its disk or the bucket, in that order; then the
     stores forget later steps (another history once this world goes on from the chosen one)."""
+    if tier is not None:
+        tier.share_fallback = str(ckpt.local)  # node-local scratch, not the container's root disk
     found = choose_checkpoint(ckpt, comm, **_restore_from(tier, ckpt.load))
     if tier is not None:
         tier.keep_only(found.step if found is not None else 0)
