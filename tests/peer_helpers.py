@@ -90,10 +90,19 @@ def _rank() -> None:
 
     comm = Comm("torchrun")
     tier = PeerTier(comm, 10, KEY, os.environ["TEST_STORES"].split(",")[comm.node], "")
-    tier.share_root = os.environ["TEST_SHARE"]
+    tier.share_root = tier.share_fallback = os.environ["TEST_SHARE"]
+    from training.peer import share
+    dir_at_load = []  # whether the shared file's directory still existed when this rank read it
+    read_open_file = share.load
+
+    def load(fh: Any, path: str, named: str, what: str) -> tuple[dict[str, Any] | None, str]:
+        dir_at_load.append(os.path.exists(os.path.dirname(path)))
+        return read_open_file(fh, path, named, what)
+    share.load = load
+    before = _peak_mib()
     found = tier.load(int(os.environ["TEST_STEP"]))
     result = {"rank": comm.rank, "w": None if found is None else found[0]["w"][:4].tolist(),
-              "peak_mib": _peak_mib(),
+              "grew_mib": _peak_mib() - before, "dir_at_load": dir_at_load,
               "rng": None if found is None or found[1] is None else int(found[1]["r"]), "refusals": tier.refusals}
     print(RESULT + json.dumps(result), flush=True)
     comm.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,7 @@ def test_each_node_fetches_the_full_copy_once_and_every_rank_restores_it(tmp_pat
     assert [r["rng"] for r in results] == [100, 101, 102, 103]  # each rank's own streams
     assert (_sent(tmp_path / "a.log"), _sent(tmp_path / "b.log")) == (2, 0)  # once per node, not per rank
     assert list(shm.iterdir()) == []  # the shared file is gone
+    assert [r["dir_at_load"] for r in results] == [[False]] * WORLD  # removed before any rank read it
 
 
 def test_a_flipped_byte_is_refused_by_name_and_the_next_copy_fetched_once_per_node(tmp_path: Path) -> None:
@@ -66,7 +68,7 @@ def test_a_flipped_byte_is_refused_by_name_and_the_next_copy_fetched_once_per_no
 
 def test_the_shared_file_is_private_read_only_as_written_and_removed(tmp_path: Path) -> None:
     data = payload(STEP, {"w": torch.ones(2)}, 7)
-    node_copy, path = share.publish(data, str(tmp_path))
+    node_copy, path = share.publish(data, [str(tmp_path)], time.time())
     what = f"peer copy of step {STEP}"
     assert stat.S_IMODE(os.stat(node_copy.dir).st_mode) == 0o700 and stat.S_IMODE(os.stat(path).st_mode) == 0o600
     loaded, why = share.read(path, wire.payload_digest(data), what)
@@ -82,7 +84,7 @@ def test_the_shared_file_is_private_read_only_as_written_and_removed(tmp_path: P
 
 def test_a_local_rank_refuses_a_shared_file_that_does_not_match_or_is_a_link(tmp_path: Path) -> None:
     data = payload(STEP, {"w": torch.ones(2)}, 7)
-    node_copy, path = share.publish(data, str(tmp_path))
+    node_copy, path = share.publish(data, [str(tmp_path)], time.time())
     what = f"peer copy of step {STEP} of rank 0/{WORLD} (full)"
     with open(path, "r+b") as fh:  # a byte changed after local rank 0 checked it
         fh.seek(-200, os.SEEK_END)
@@ -96,7 +98,6 @@ def test_a_local_rank_refuses_a_shared_file_that_does_not_match_or_is_a_link(tmp
     loaded, why = share.read(planted, wire.payload_digest(data), what)
     assert loaded is None and why.startswith(f"{what} shared on this node at {planted} cannot be opened")
     node_copy.remove()
-
 
 
 def test_a_node_fetches_from_its_own_store_first_else_from_a_holder_that_depends_on_the_node() -> None:
