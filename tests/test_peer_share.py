@@ -2,7 +2,7 @@
 killed after publishing (SIGKILL: no `finally`) leaves a directory that the next restore's local
 rank 0 sweeps, while a live publisher's is kept; an error inside a restore still removes it; a file
 that makes torch.load raise something unusual is refused by name; a store dying mid-answer is a
-refusal, and the restore goes on to the next holder."""
+refusal, and the restore goes on to the next holder; a rank holds the state about once."""
 
 from __future__ import annotations
 
@@ -146,3 +146,45 @@ def test_a_store_dying_mid_answer_is_refused_and_the_next_holder_used(tmp_path: 
         tier = _single_tier(tmp_path / "shm", [dying, good])  # its own store (tried first) dies mid-answer
         with tier._node_copy(STEP, entry, [dying, good]) as model:
             assert model is not None and model["state"]["w"].tolist() == [3.0, 3.0]
+
+
+def test_a_local_rank_that_reads_the_shared_file_holds_the_state_about_once(tmp_path: Path) -> None:
+    """A 64 MiB state in 1 MiB tensors: a rank that fetched it over HTTP itself (before issue 46)
+    held the bytes and the loaded state at once (>= 2x); reading the shared file, about 1x (local
+    rank 0 drops the fetched bytes once the file is written, before it loads)."""
+    shm, state_mib = tmp_path / "shm", 64
+    shm.mkdir()
+    state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(state_mib)}  # 1 MiB each
+    with logged_store(tmp_path / "a.log") as first, logged_store(tmp_path / "b.log") as second:
+        for rank, store in ((0, second), (1, second), (2, first), (3, first)):
+            put(store, WORLD, rank, STEP, "rank", payload(STEP, None, 100 + rank))
+        put(first, WORLD, 2, STEP, "full", payload(STEP, {"w": torch.full((4,), 6.0), **state}, 102))
+        results = restore([first, second], shm, STEP)
+    assert [r["w"] for r in results] == [[6.0] * 4] * WORLD
+    grew = [r["grew_mib"] for r in results]  # each rank's peak memory growth over the restore
+    assert all(g < 1.5 * state_mib for g in grew), grew  # measured: [64] * 4 here, [128, 128, 192, 128] before
+
+
+def test_where_dev_shm_cannot_take_it_the_copy_is_shared_on_the_nodes_scratch(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from training.checkpoint import CheckpointManager, Topology
+    from training.peer.tier import choose
+
+    ckpt = CheckpointManager(str(tmp_path / "scratch"), None, Topology(rank=0, local_rank=0, world_size=1, node=0,
+                                                                        nnodes=1, local_world_size=1))
+    (tmp_path / "full").write_text("")  # /dev/shm stand-in that is not a directory: mkdtemp fails
+    read_at: list[str] = []
+    read_open_file = share.load
+
+    def load(fh: Any, path: str, named: str, what: str) -> tuple[dict[str, Any] | None, str]:
+        read_at.append(path)
+        return read_open_file(fh, path, named, what)
+    monkeypatch.setattr(share, "load", load)
+    with logged_store(tmp_path / "a.log") as store:
+        put(store, 1, 0, STEP, "full", payload(STEP, {"w": torch.full((2,), 3.0)}, 7))
+        tier = _single_tier(tmp_path / "full", [store])
+        tier.share_fallback = ""  # `choose` sets it
+        found = choose(ckpt, tier.comm, tier)
+    assert found is not None and found.step == STEP and tier.refusals == []
+    assert len(read_at) == 1 and Path(read_at[0]).parent.parent == ckpt.local  # not the temp dir
+    assert [p.name for p in ckpt.local.iterdir() if p.name.startswith(share.PREFIX)] == []
