@@ -61,7 +61,8 @@ def test_copies_are_sent_under_the_generation_of_the_restore() -> None:
         tier.buddy = 0
         tier.copy(50, {"w": torch.ones(2)}, {"r": torch.tensor([1])}, budget_s=60)
         entries: list[Any] = Link(KEY).listing(store)
-        assert [(e[2], e[6]) for e in entries] == [(50, tier.generation)]
+        # a node's local rank 0 sends its full copy and its own state alone (for a restore of another copy)
+        assert [(e[2], e[3], e[6]) for e in entries] == [(50, "full", tier.generation), (50, "rank", tier.generation)]
         when, step = tier.generation.split("-")
         assert step == "40" and int(when) > 0  # rank 0's clock at the restore, and the step restored
 

@@ -30,7 +30,7 @@ class Link:
                          headers=wire.headers(self.key, method, path, payload_digest, len(body), signed_as))
             answer = conn.getresponse()
             data = answer.read()
-        except OSError as exc:
+        except (OSError, http.client.HTTPException) as exc:  # a store dying mid-answer: IncompleteRead
             raise PeerRefused(f"peer store {store}: {type(exc).__name__}: {exc}") from None
         finally:
             conn.close()

@@ -6,7 +6,7 @@ those on a failure, and host memory a worker held dies with it) and dies with th
 
 Bound to the node's private address only (never the wildcard); every request and answer signed
 with the run's key (training/peer/wire.py); bounded: the newest KEEP steps per source (a rank of
-one world size), at most MAX_SOURCES sources and PEER_STORE_GIB (default half the node's memory). It checks no payload: the receiver hashes what it
+one world size, each kind of copy), at most MAX_SOURCES sources and PEER_STORE_GIB (default half the node's memory). It checks no payload: the receiver hashes what it
 gets against the digest the sender named, and refuses a copy that does not match.
 """
 
@@ -35,34 +35,36 @@ MAX_CONNECTIONS = 64  # open at once (a node's ranks send and fetch a few each)
 
 
 class Copies:
-    """(world, rank) -> {step: (kind, digest, bytes, generation)}, the newest KEEP steps of each source, at most
-    `budget` bytes in all (a copy that would pass it is refused, never another one dropped for it)."""
+    """(world, rank, kind) -> {step: (digest, bytes, generation)}, the newest KEEP steps of each source, at most
+    `budget` bytes in all (a copy that would pass it is refused, never another one dropped for it). A
+    node's local rank 0 sends both kinds (its full copy, and its own state alone for a restore that
+    takes another full copy: training/peer/tier.py)."""
 
     def __init__(self, budget: int = 1 << 62) -> None:
         self._lock = threading.Lock()
-        self._held: dict[tuple[int, int], dict[int, tuple[str, str, bytes, str]]] = {}
+        self._held: dict[tuple[int, int, str], dict[int, tuple[str, bytes, str]]] = {}
         self.budget = budget
 
     def put(self, world: int, rank: int, step: int, kind: str, payload_digest: str, data: bytes,
             generation: str = "0-0") -> bool:
         """Hold the copy (True), or refuse it (False) when the store would then pass its budget."""
         with self._lock:
-            steps = dict(self._held.get((world, rank), {}))
-            steps[step] = (kind, payload_digest, data, generation)
+            steps = dict(self._held.get((world, rank, kind), {}))
+            steps[step] = (payload_digest, data, generation)
             kept = {s: steps[s] for s in sorted(steps)[-KEEP:]}
-            others = sum(len(d) for source, held in self._held.items() if source != (world, rank)
-                         for _, _, d, _ in held.values())
-            if others + sum(len(d) for _, _, d, _ in kept.values()) > self.budget:
+            others = sum(len(d) for source, held in self._held.items() if source != (world, rank, kind)
+                         for _, d, _ in held.values())
+            if others + sum(len(d) for _, d, _ in kept.values()) > self.budget:
                 return False
-            self._held[(world, rank)] = kept
+            self._held[(world, rank, kind)] = kept
             while len(self._held) > MAX_SOURCES:  # the source with the oldest newest step goes
                 del self._held[min(self._held, key=lambda s: max(self._held[s]))]
             return True
 
     def get(self, world: int, rank: int, step: int, kind: str, generation: str) -> tuple[str, bytes] | None:
         with self._lock:
-            found = self._held.get((world, rank), {}).get(step)
-        return (found[1], found[2]) if found is not None and (found[0], found[3]) == (kind, generation) else None
+            found = self._held.get((world, rank, kind), {}).get(step)
+        return (found[0], found[1]) if found is not None and found[2] == generation else None
 
     def keep_only(self, step: int, world: int | None = None) -> int:
         """Drop every copy but those of `step` (and of world size `world`, when given): a world that
@@ -82,13 +84,14 @@ class Copies:
     def listing(self) -> list[list[Any]]:
         """[world, rank, step, kind, digest, size, generation] of every copy held."""
         with self._lock:
-            return [[world, rank, step, kind, found, len(data), gen] for (world, rank), steps in sorted(self._held.items())
-                    for step, (kind, found, data, gen) in sorted(steps.items())]
+            return [[world, rank, step, kind, found, len(data), gen]
+                    for (world, rank, kind), steps in sorted(self._held.items())
+                    for step, (found, data, gen) in sorted(steps.items())]
 
     @property
     def size(self) -> int:
         with self._lock:
-            return sum(len(d) for steps in self._held.values() for _, _, d, _ in steps.values())
+            return sum(len(d) for steps in self._held.values() for _, d, _ in steps.values())
 
 
 def default_budget(env: dict[str, str] | None = None) -> int:
@@ -131,13 +134,13 @@ class Handler(BaseHTTPRequestHandler):
             self._answer(200, json.dumps(self.server.copies.listing()).encode())
             return
         match = wire.COPY.match(self.path)
-        found = None
-        if match:
-            world, rank, step, kind, gen = match.groups()
-            found = self.server.copies.get(int(world), int(rank), int(step), kind, gen)
+        world, rank, step, kind, gen = match.groups() if match else ("0", "0", "0", "", "")
+        found = self.server.copies.get(int(world), int(rank), int(step), kind, gen) if match else None
         if found is None:
             self._answer(404, b"no such copy")
             return
+        if kind == "full":  # a restore: one per node and tried copy (training/peer/tier.py), not one per rank
+            log.info("sending the full copy of step %s of rank %s/%s to %s", step, rank, world, self.client_address[0])
         self._answer(200, found[1], found[0])
 
     def do_DELETE(self) -> None:  # noqa: N802

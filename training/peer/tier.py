@@ -10,11 +10,13 @@ node n itself.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ from training import contract
 from training.checkpoint import CheckpointManager
 from training.checkpoint_files import CheckpointError
 from training.distributed import Comm
-from training.peer import wire
+from training.peer import share, wire
 from training.peer.client import Link, PeerRefused
 from training.run_control import Resumed, choose_checkpoint
 from training.staging import Stager
@@ -68,6 +70,10 @@ class PeerTier:
         # <when>-<restored step>: the history this world's copies belong to (keep_only sets it, from rank 0)
         self.generation = "0-0"
         self.restored_world = 0  # the world size of the peer copy this world restored (0: none)
+        self.share_root = share.default_root()  # where a restore's full copy is shared on a node
+        # where /dev/shm has no room: the node's scratch (`choose` sets the checkpoint manager's local dir)
+        self.share_fallback = os.environ.get(contract.CHECKPOINT_DIR.name) or "out/checkpoints"
+        self._started = time.time()  # when this restore began (share.sweep: older directories only)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and self.buddy is not None and step % self.every == 0
@@ -100,21 +106,29 @@ class PeerTier:
         return blocked
 
     def _send(self, step: int, staged: dict[str, Any]) -> None:
+        """The staged copy to the buddy's store; a node's local rank 0 sends its own state alone
+        too (kind `rank`, small), so that a restore taking another node's full copy gets it
+        without a second full fetch."""
         assert self.buddy is not None
-        buffer = io.BytesIO()
-        torch.save(staged, buffer)
-        data = buffer.getbuffer()
-        kind = "full" if staged["state"] is not None else "rank"
-        try:
-            self.link.put(self.stores[self.buddy], self.comm.world, self.comm.rank, step, kind, data,
-                          wire.payload_digest(data), self.generation)
-        except PeerRefused as exc:
-            self.error = str(exc)
-            log.warning("peer copy of step %d not sent: %s", step, exc)
-            return
+        parts = [("rank", {"state": None, "rng": staged["rng"], "step": step})]
+        if staged["state"] is not None:
+            parts.append(("full", staged))
+        size = 0
+        for kind, part in parts:
+            buffer = io.BytesIO()
+            torch.save(part, buffer)
+            data = buffer.getbuffer()
+            size += len(data)
+            try:
+                self.link.put(self.stores[self.buddy], self.comm.world, self.comm.rank, step, kind, data,
+                              wire.payload_digest(data), self.generation)
+            except PeerRefused as exc:
+                self.error = str(exc)
+                log.warning("peer copy of step %d not sent: %s", step, exc)
+                return
         self.sent.append(step)
         if self.comm.rank == 0:
-            log.info("peer copy of step %d on node %d (%.1f MiB)", step, self.buddy, len(data) / 2**20)
+            log.info("peer copy of step %d on node %d (%.1f MiB)", step, self.buddy, size / 2**20)
 
     def close(self, timeout_s: float | None = None) -> None:
         if self._sender is not None:
@@ -139,9 +153,9 @@ class PeerTier:
         worse than a random stream restarted."""
         return {e[2] for _, e in self._held() if e[3] == "full"}
 
-    def _fetch(self, step: int, store: str, entry: list[Any]) -> dict[str, Any] | None:
-        """The copy `entry` of `store` when its bytes match the digest listed and named; else None
-        (refused by name)."""
+    def _get(self, step: int, store: str, entry: list[Any]) -> bytes | None:
+        """The bytes of the copy `entry` of `store` when they match the digest listed and named;
+        else None (refused by name)."""
         world, rank, _, kind, listed, _, gen = entry
         try:
             named, data = self.link.get(store, world, rank, step, kind, gen)
@@ -149,10 +163,19 @@ class PeerTier:
             log.warning("%s", exc)
             return None
         if wire.payload_digest(data) != named or named != listed:
-            why = (f"peer copy of step {step} of rank {rank}/{world} ({kind}) held by {store} does not match its "
-                   "digest: refused")
-            self.refusals.append(why)
-            log.warning("%s", why)
+            self._refuse(f"peer copy of step {step} of rank {rank}/{world} ({kind}) held by {store} does not match "
+                         "its digest: refused")
+            return None
+        return data
+
+    def _refuse(self, why: str) -> None:
+        self.refusals.append(why)
+        log.warning("%s", why)
+
+    def _fetch(self, step: int, store: str, entry: list[Any]) -> dict[str, Any] | None:
+        """The copy `entry` of `store`, loaded, when its bytes match its digest; else None."""
+        data = self._get(step, store, entry)
+        if data is None:
             return None
         try:
             loaded = dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
@@ -161,29 +184,96 @@ class PeerTier:
             return None
         return loaded if loaded.get("step") == step else None
 
+    @contextlib.contextmanager
+    def _node_copy(self, step: int, entry: list[Any], holders: list[str]) -> Iterator[dict[str, Any] | None]:
+        """The full copy `entry` on every rank, fetched once per node (collective): the node's
+        local rank 0 gets it (`_publish`) and writes it once into a private file (share.py); every
+        local rank opens it, and once all hold it open (a barrier) local rank 0 removes it, so that
+        no worker killed later leaves it behind; then (a barrier) each checks and loads it from its
+        open file."""
+        world, rank, _, kind, listed, _, _ = entry
+        what = f"peer copy of step {step} of rank {rank}/{world} ({kind})"
+        node_copy, fh = None, None
+        try:
+            node_copy, path = self._publish(step, entry, holders) if self.comm.local_rank == 0 else (None, "")
+            path = self.comm.all_gather_object(path)[self.comm.rank - self.comm.local_rank]
+            fh, why = share.open_copy(path, what) if path else (None, "")
+            self.comm.barrier()  # every rank of the node holds the file open (or refused it)
+            if node_copy is not None:
+                node_copy.remove()  # the kernel frees the file when the last reader closes it
+                node_copy = None
+            self.comm.barrier()  # gone before any rank reads it: a kill from here on leaves nothing
+            loaded, why = share.load(fh, path, listed, what) if fh is not None else (None, why)
+            if why:
+                self._refuse(why)
+            yield loaded if loaded is not None and loaded.get("step") == step else None
+        finally:
+            if fh is not None:
+                fh.close()
+            if node_copy is not None:
+                node_copy.remove()
+
+    def _publish(self, step: int, entry: list[Any], holders: list[str]) -> tuple[share.NodeCopy | None, str]:
+        """Local rank 0's part: the copy from its own store when that holds it, else from the
+        holders in turn by node (the next holder where one refuses it), checked, written once into
+        the node's shared file; (None, "") when none gave it or there is no room to share it."""
+        data = next((d for d in (self._get(step, s, entry) for s in self._order(holders)) if d is not None), None)
+        if data is None:
+            return None, ""
+        try:  # the bytes are dropped on return: the ranks read the file, no second copy held meanwhile
+            return share.publish(data, [self.share_root, self.share_fallback], self._started)
+        except OSError as exc:
+            log.warning("peer copy of step %d of rank %d/%d not shared on node %d: %s", step, entry[1], entry[0],
+                        self.comm.node, exc)
+            return None, ""
+
+    def _order(self, holders: list[str]) -> list[str]:
+        """The stores this node tries for a copy: its own first when it holds the copy, then the
+        others from one that depends on the node, so that nodes do not all pull from one store."""
+        own = self.stores[self.comm.node]
+        others = [h for h in holders if h != own]
+        start = self.comm.node % len(others) if others else 0
+        return [own] * (own in holders) + others[start:] + others[:start]
+
     def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         """(training state, this rank's per-rank state or None) of `step` from the stores, else None
         on every rank alike (collective). Rank 0 lists the full copies (newest generation first)
-        for every rank; the ranks try them in that order together and take the first that every
-        rank got, so that no two ranks ever restore different copies; none: the durable tiers."""
+        and the stores holding each for every rank; the ranks try them in that order together,
+        each fetched once per node (_node_copy), and take the first that every rank got, so that
+        no two ranks ever restore different copies; none: the durable tiers."""
+        self._started = time.time()
         held = self._held()
-        full = sorted(((store, e) for store, e in held if e[2] == step and e[3] == "full"),
-                      key=lambda c: -int(str(c[1][6]).split("-")[0]))  # the latest restore's history first
-        for store, entry in self.comm.all_gather_object(full if self.comm.rank == 0 else None)[0]:
-            model = self._fetch(step, store, entry)
-            (missed,) = self.comm.any_true(model is None)
+        candidates: list[tuple[list[Any], list[str]]] = []
+        for store, entry in sorted(((s, e) for s, e in held if e[2] == step and e[3] == "full"),
+                                   key=lambda c: -int(str(c[1][6]).split("-")[0])):  # the latest history first
+            found = next((c for c in candidates if c[0] == entry), None)  # the same copy in another store
+            if found is None:
+                candidates.append((entry, [store]))
+            else:
+                found[1].append(store)
+        for entry, holders in self.comm.all_gather_object(candidates if self.comm.rank == 0 else None)[0]:
+            with self._node_copy(step, entry, holders) as model:
+                (missed,) = self.comm.any_true(model is None)
             if missed:
                 continue
             assert model is not None
-            mine = [(s, e) for s, e in held  # this rank's own copy (either kind) of the chosen copy's history
-                    if e[2] == step and (e[0], e[1], e[6]) == (self.comm.world, self.comm.rank, entry[6])]
-            own = next((o for o in (self._fetch(step, s, e) for s, e in mine) if o is not None), None)
-            if own is None and entry[0] == self.comm.world:
-                log.warning("rank %d: no store holds its own state of step %d (it was on the lost node): its random "
-                            "streams are re-seeded", self.comm.rank, step)
             self.restored_world = int(entry[0])
-            return model["state"], own["rng"] if own is not None else None
+            return model["state"], self._own(step, entry, held, model)
         return None
+
+    def _own(self, step: int, entry: list[Any], held: list[tuple[str, list[Any]]], model: dict[str, Any]
+             ) -> dict[str, Any] | None:
+        """This rank's per-rank state (RNG streams) of the chosen copy's history: its own small
+        copy from a store, else the chosen copy's where that copy is its own; else None (re-seeded)."""
+        mine = [(s, e) for s, e in held if e[2] == step and e[3] == "rank"
+                and (e[0], e[1], e[6]) == (self.comm.world, self.comm.rank, entry[6])]
+        own = next((o for o in (self._fetch(step, s, e) for s, e in mine) if o is not None), None)
+        if own is None and (entry[0], entry[1]) == (self.comm.world, self.comm.rank):
+            own = model
+        if own is None and entry[0] == self.comm.world:
+            log.warning("rank %d: no store holds its own state of step %d (it was on the lost node): its random "
+                        "streams are re-seeded", self.comm.rank, step)
+        return own["rng"] if own is not None else None
 
     def keep_only(self, step: int) -> None:
         """This world restored `step` (0: none): every store forgets the copies of other steps
@@ -215,6 +305,8 @@ def choose(ckpt: CheckpointManager, comm: Comm, tier: PeerTier | None) -> Resume
     """run_control.choose_checkpoint with the peer tier first (when there is one): the newest
     step every rank can get from a peer store, its disk or the bucket, in that order; then the
     stores forget later steps (another history once this world goes on from the chosen one)."""
+    if tier is not None:
+        tier.share_fallback = str(ckpt.local)  # node-local scratch, not the container's root disk
     found = choose_checkpoint(ckpt, comm, **_restore_from(tier, ckpt.load))
     if tier is not None:
         tier.keep_only(found.step if found is not None else 0)

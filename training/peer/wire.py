@@ -77,8 +77,13 @@ def check(key: bytes, method: str, path: str, got: Any, size: int, store: str = 
     return ""
 
 
+def payload_hasher() -> digest.StreamHasher:
+    """A hasher of the manifests' digest (blake3 of 8 MiB pieces), fed in order."""
+    return digest.StreamHasher(digest.PIECES)
+
+
 def payload_digest(data: bytes | memoryview) -> str:
-    """The digest the manifests use for a file (blake3 of 8 MiB pieces), of bytes in memory."""
-    hasher = digest.StreamHasher(digest.PIECES)
+    """The digest the manifests use for a file, of bytes in memory."""
+    hasher = payload_hasher()
     hasher.update(data)
     return hasher.hexdigest()

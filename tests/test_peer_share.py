@@ -1,0 +1,190 @@
+"""The node's shared peer copy (issue 46, training/peer/share.py) leaves nothing behind: a worker
+killed after publishing (SIGKILL: no `finally`) leaves a directory that the next restore's local
+rank 0 sweeps, while a live publisher's is kept; an error inside a restore still removes it; a file
+that makes torch.load raise something unusual is refused by name; a store dying mid-answer is a
+refusal, and the restore goes on to the next holder; a rank holds the state about once."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.peer_helpers import KEY, logged_store, payload, put, restore
+from tests.test_peer_pernode import STEP, WORLD, _hold
+from tests.training_helpers import ROOT
+from training.distributed import Comm
+from training.peer import share, wire
+from training.peer.client import Link, PeerRefused
+from training.peer.tier import PeerTier
+
+PUBLISHER = ("import sys, time\nfrom training.peer import share\n"
+             "node_copy, path = share.publish(b'x' * 4096, [sys.argv[1]], time.time())\nprint(path, flush=True)\n"
+             "sys.stdin.read()\n")
+
+
+@contextlib.contextmanager
+def _publisher(root: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A real process that published a file in `root` and waits (on its stdin); yields it and the file."""
+    proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(root)], cwd=ROOT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        yield proc, proc.stdout.readline().strip()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_a_killed_publishers_directory_is_swept_by_the_next_restore_a_live_ones_kept(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with _publisher(shm) as (killed, left), _publisher(shm) as (_, live):
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        assert os.path.exists(left)  # what a kill leaves: no `finally` ran
+        with logged_store(tmp_path / "a.log") as first, logged_store(tmp_path / "b.log") as second:
+            _hold(first, second)
+            results = restore([first, second], shm, STEP)
+        assert [r["w"] for r in results] == [[6.0] * 4] * WORLD
+        assert list(shm.iterdir()) == [Path(live).parent]  # the dead one's swept, the live one's kept
+
+
+def _single_tier(share_root: Path, stores: list[str]) -> PeerTier:
+    tier = PeerTier(Comm("torchrun"), 10, KEY, stores[0], "")
+    tier.stores, tier.share_root, tier.share_fallback = stores, str(share_root), str(share_root)
+    return tier
+
+
+def test_the_shared_directory_is_removed_when_the_restore_raises(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    with logged_store(tmp_path / "a.log") as store:
+        data = payload(STEP, {"w": torch.ones(2)}, 7)
+        put(store, 1, 0, STEP, "full", data)
+        tier = _single_tier(tmp_path / "shm", [store])
+        entry = next(e for e in Link(KEY).listing(store) if e[3] == "full")
+
+        def broken() -> None:
+            assert list((tmp_path / "shm").iterdir())  # published, not yet removed
+            raise RuntimeError("a collective failed")
+        tier.comm.barrier = broken  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="a collective failed"), tier._node_copy(STEP, entry, [store]):
+            pass
+    assert list((tmp_path / "shm").iterdir()) == []
+
+
+def _odd_copy() -> bytes:
+    """A torch zip whose pickle names torch.float32 as a storage's type: torch.load raises AttributeError."""
+    buffer = io.BytesIO()
+    torch.save({"step": STEP, "w": torch.ones(2)}, buffer)
+    source = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+
+    class Odd(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return ("storage", torch.float32, "0", "cpu", 2) if obj == "x" else None
+    pickled = io.BytesIO()
+    Odd(pickled, protocol=2).dump({"step": "x"})
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+        for info in source.infolist():
+            archive.writestr(info.filename, pickled.getvalue() if info.filename.endswith("data.pkl")
+                             else source.read(info.filename))
+    return out.getvalue()
+
+
+def test_a_file_that_makes_torch_load_raise_something_unusual_is_refused_by_name(tmp_path: Path) -> None:
+    data = _odd_copy()
+    node_copy, path = share.publish(data, [str(tmp_path)], time.time())
+    what = f"peer copy of step {STEP}"
+    assert share.read(path, wire.payload_digest(data), what) == (
+        None, f"{what} shared on this node at {path} cannot be loaded: 'torch.dtype' object has no attribute 'dtype'")
+    node_copy.remove()
+
+
+@contextlib.contextmanager
+def _dying_store() -> Iterator[str]:
+    """A socket server that answers any request with Content-Length 1000000, sends 1000 bytes and closes."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n" + b"x" * 1000)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+
+
+def test_a_store_dying_mid_answer_is_refused_and_the_next_holder_used(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    with _dying_store() as dying, logged_store(tmp_path / "a.log") as good:
+        with pytest.raises(PeerRefused, match=f"peer store {dying}: IncompleteRead"):
+            Link(KEY).get(dying, 1, 0, STEP, "full")
+        put(good, 1, 0, STEP, "full", payload(STEP, {"w": torch.full((2,), 3.0)}, 7))
+        entry = next(e for e in Link(KEY).listing(good) if e[3] == "full")
+        tier = _single_tier(tmp_path / "shm", [dying, good])  # its own store (tried first) dies mid-answer
+        with tier._node_copy(STEP, entry, [dying, good]) as model:
+            assert model is not None and model["state"]["w"].tolist() == [3.0, 3.0]
+
+
+def test_a_local_rank_that_reads_the_shared_file_holds_the_state_about_once(tmp_path: Path) -> None:
+    """A 64 MiB state in 1 MiB tensors: a rank that fetched it over HTTP itself (before issue 46)
+    held the bytes and the loaded state at once (>= 2x); reading the shared file, about 1x (local
+    rank 0 drops the fetched bytes once the file is written, before it loads)."""
+    shm, state_mib = tmp_path / "shm", 64
+    shm.mkdir()
+    state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(state_mib)}  # 1 MiB each
+    with logged_store(tmp_path / "a.log") as first, logged_store(tmp_path / "b.log") as second:
+        for rank, store in ((0, second), (1, second), (2, first), (3, first)):
+            put(store, WORLD, rank, STEP, "rank", payload(STEP, None, 100 + rank))
+        put(first, WORLD, 2, STEP, "full", payload(STEP, {"w": torch.full((4,), 6.0), **state}, 102))
+        results = restore([first, second], shm, STEP)
+    assert [r["w"] for r in results] == [[6.0] * 4] * WORLD
+    grew = [r["grew_mib"] for r in results]  # each rank's peak memory growth over the restore
+    assert all(g < 1.5 * state_mib for g in grew), grew  # measured: [64] * 4 here, [128, 128, 192, 128] before
+
+
+def test_where_dev_shm_cannot_take_it_the_copy_is_shared_on_the_nodes_scratch(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from training.checkpoint import CheckpointManager, Topology
+    from training.peer.tier import choose
+
+    ckpt = CheckpointManager(str(tmp_path / "scratch"), None, Topology(rank=0, local_rank=0, world_size=1, node=0,
+                                                                        nnodes=1, local_world_size=1))
+    (tmp_path / "full").write_text("")  # /dev/shm stand-in that is not a directory: mkdtemp fails
+    read_at: list[str] = []
+    read_open_file = share.load
+
+    def load(fh: Any, path: str, named: str, what: str) -> tuple[dict[str, Any] | None, str]:
+        read_at.append(path)
+        return read_open_file(fh, path, named, what)
+    monkeypatch.setattr(share, "load", load)
+    with logged_store(tmp_path / "a.log") as store:
+        put(store, 1, 0, STEP, "full", payload(STEP, {"w": torch.full((2,), 3.0)}, 7))
+        tier = _single_tier(tmp_path / "full", [store])
+        tier.share_fallback = ""  # `choose` sets it
+        found = choose(ckpt, tier.comm, tier)
+    assert found is not None and found.step == STEP and tier.refusals == []
+    assert len(read_at) == 1 and Path(read_at[0]).parent.parent == ckpt.local  # not the temp dir
+    assert [p.name for p in ckpt.local.iterdir() if p.name.startswith(share.PREFIX)] == []
