@@ -7,9 +7,9 @@ fixture it uses names, in its code or in the code of the tests/ helpers it calls
 the way), a process or a whole-stack plan: the subprocess and multiprocessing modules, os.fork
 and its kin, the mock engine's `run_program` or the plan's `build_plan`. What the rule cannot
 see (project code a test calls that starts a process itself) is listed in SLOW. The rule errs
-towards slow: a test that names such a helper without calling it is slow too. Under `make test-fast` (GTS_TEST_TIER=fast) `guard` makes starting a
-process or planning a stack fail the test that does it, naming what it started, so a test the
-rule misses is found, not hidden.
+towards slow: a test that names such a helper without calling it is slow too. Under
+`make test-fast` (GTS_TEST_TIER=fast) `guard` makes starting a process or planning a stack fail
+the test that does it, naming what it started, so a test the rule misses is found, not hidden.
 """
 
 from __future__ import annotations
