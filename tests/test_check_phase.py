@@ -5,13 +5,18 @@ queues, infra/teams never the Kubernetes objects (the pod's shape it needs is in
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import re
 import subprocess
 import sys
 
 from tests.harness import ROOT
 from tests.test_structure import _all_imports, _module_name
 
-RESOURCE_SDKS = ("pulumi_kubernetes", "pulumi_random", "pulumi_aws", "pulumi_alicloud", "pulumi_tencentcloud")
+# The Pulumi provider packages infra/ imports (the Tencent one is tencentcloud_iac_pulumi).
+RESOURCE_SDKS = ("pulumi_kubernetes", "pulumi_random", "pulumi_aws", "pulumi_alicloud", "tencentcloud_iac_pulumi",
+                 "pulumi_docker_build")
 
 
 def _chains(importtime: str, wanted: tuple[str, ...]) -> dict[str, list[str]]:
@@ -72,3 +77,30 @@ def test_k8s_and_teams_do_not_import_each_other() -> None:
 def test_the_folder_walk_sees_local_and_typing_imports() -> None:
     """infra/teams/report.py imports infra.plan inside a function: the walk counts it."""
     assert "infra.teams.report -> infra.plan.engine" in _imports_of("teams", "plan")
+
+
+def _provider_imports() -> set[str]:
+    """The top-level provider packages (pulumi_* or tencentcloud_iac_pulumi) any infra/ module imports."""
+    found = set()
+    for path in (ROOT / "infra").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            found |= {n.split(".")[0] for n in names if n.startswith("pulumi_") or n.startswith("tencentcloud_")}
+    return found
+
+
+def test_the_resource_sdks_are_the_installed_providers_infra_imports() -> None:
+    """A misspelt or missing entry would make the check above pass for nothing."""
+    assert [n for n in RESOURCE_SDKS if importlib.util.find_spec(n) is None] == []
+    assert set(RESOURCE_SDKS) == _provider_imports()
+
+
+def test_the_dockerfile_names_where_its_settings_live() -> None:
+    """training/Dockerfile's `(path NAME)` notes name a file that defines NAME (TRAINER_UID is infra/pods.py's)."""
+    text = (ROOT / "training" / "Dockerfile").read_text(encoding="utf-8")
+    notes = re.findall(r"\(([\w/]+\.py) ([A-Z_]+)\)", text)
+    assert ("infra/pods.py", "TRAINER_UID") in notes
+    for path, name in notes:
+        source = ROOT / path
+        assert source.exists() and re.search(rf"^{name}\b", source.read_text(encoding="utf-8"), re.M), (path, name)
