@@ -27,13 +27,17 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "make test-fast runs the rest")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def fast_tier_guard() -> None:
-    """Under make test-fast, a test that starts a process or plans a stack fails (tests/tiers.py);
-    installed where the tests run (an xdist worker), never in the process that starts the workers."""
+@pytest.fixture(autouse=True)
+def fast_tier_guard() -> Iterator[None]:
+    """Under make test-fast, a test that starts a process or plans a stack fails at its teardown
+    (tests/tiers.py), even when the refusal was raised in a thread or caught by the test."""
     from tests import tiers
 
-    tiers.guard()
+    with tiers.guarded() as refusals:
+        yield
+    failure = refusals.failure()
+    if failure:
+        pytest.fail(failure, pytrace=False)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
