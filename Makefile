@@ -21,7 +21,7 @@ THROTTLE_MS ?= 50
 q = '$(subst ','"'"',$(1))'
 
 .DEFAULT_GOAL := help
-.PHONY: help plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench bench-recovery goodput docs test boot-test typecheck unit tools venv clean
+.PHONY: help plan diff teams prices policy-config policy-data userdata monitoring dataset train-local example-loop example-hf bench bench-recovery goodput docs test test-fast boot-test typecheck unit tools venv clean
 
 # The stack program and plan need requirements.txt; tests, the trainer and the benchmark
 # need requirements-dev.txt too (torch installs a CPU build).
@@ -118,6 +118,10 @@ docs: $(RUNTIME_STAMP)
 
 ## test: type checks and the whole test suite
 test: typecheck unit
+
+## test-fast: the tests that start no process, plan no whole stack and boot no node (tests/tiers.py marks the rest `slow`; under two minutes)
+test-fast: $(STAMP)
+	GTS_TEST_TIER=fast $(PY) -m pytest -q -n 2 -m "not slow and not boot"
 
 ## boot-test: node kinds booted for real (systemd-nspawn, real cloud-init, the plan's user data; root; base image cached under $XDG_CACHE_HOME or ~/.cache, gts-boot/)
 boot-test: $(STAMP) tools

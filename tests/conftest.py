@@ -20,6 +20,32 @@ import pytest  # noqa: E402
 if TYPE_CHECKING:
     from tests.training_helpers import MotoServer
 
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: starts a process, plans a whole stack or boots (tests/tiers.py); "
+                                       "make test-fast runs the rest")
+
+
+@pytest.fixture(autouse=True)
+def fast_tier_guard() -> Iterator[None]:
+    """Under make test-fast, a test that starts a process or plans a stack fails at its teardown
+    (tests/tiers.py), even when the refusal was raised in a thread or caught by the test."""
+    from tests import tiers
+
+    with tiers.guarded() as refusals:
+        yield
+    failure = refusals.failure()
+    if failure:
+        pytest.fail(failure, pytrace=False)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    from tests import tiers
+
+    tiers.mark(items)
+
+
 # The trainer's arguments the checkpoint tests share: 60 steps, a checkpoint every 20.
 TRAIN_ARGS = ["--workload", "tiny", "--steps", "60", "--checkpoint-every", "20", "--log-every", "5"]
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from infra.groups import resolve
-from infra.k8s.job import QUEUE_LABEL, pod_resources
+from infra.pods import QUEUE_LABEL, pod_resources
 from infra.stackfile import load_stack_spec
 from infra.teams import generate, queues, registry
 from tests.harness import ROOT, by_type, shipped

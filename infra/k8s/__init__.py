@@ -1,2 +1,3 @@
 """Cloud-neutral Kubernetes wiring for the GPU pools of EKS, ACK and TKE: node agents (device
-plugin, exporters), the training Job, and how node groups become pools."""
+plugin, exporters) and the training Job. The pod's shape as plain data is infra/pods.py, how node
+groups become pools infra/pools.py (the checks read both without loading Pulumi)."""

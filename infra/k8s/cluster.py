@@ -15,7 +15,8 @@ from infra.images import EFA_DEVICE_PLUGIN, node_agents, pulled
 from infra.k8s import netpol
 from infra.k8s.daemons import EfaDevicePlugin, GpuNodeExporters, NvidiaDevicePlugin
 from infra.k8s.job import Identity, deploy_training_jobs, training_namespace
-from infra.k8s.queues import LABEL_TEAM, SharedQueues
+from infra.k8s.queues import SharedQueues
+from infra.pods import LABEL_TEAM
 from infra.sharedfs import SharedFsOutputs
 from infra.spec import StackSpec
 

@@ -21,31 +21,45 @@ ON_GPU_NODES = k8s.core.v1.AffinityArgs(node_affinity=k8s.core.v1.NodeAffinityAr
 TEXTFILE_DIR = "/var/lib/node_exporter/textfile"  # the spot watcher writes its notice metric here
 
 
+def daemonset(resource: str, name: str, namespace: pulumi.Input[str], container: k8s.core.v1.ContainerArgs,
+              host_paths: dict[str, k8s.core.v1.HostPathVolumeSourceArgs], opts: pulumi.ResourceOptions, *,
+              affinity: k8s.core.v1.AffinityArgs = ON_GPU_NODES, scrape_port: int | None = None,
+              rolling_update: bool = False, host_network: bool | None = None,
+              host_pid: bool | None = None) -> k8s.apps.v1.DaemonSet:
+    """A node agent's DaemonSet, the one shape of all of them: one pod on each node of `affinity`
+    (the GPU taint tolerated), node-critical, no service-account token (no agent calls the API),
+    the host paths it reads as volumes, and Prometheus' scrape annotations where it serves metrics."""
+    labels = {"app.kubernetes.io/name": name}
+    scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(scrape_port)} if scrape_port else None
+    return k8s.apps.v1.DaemonSet(
+        resource,
+        metadata=k8s.meta.v1.ObjectMetaArgs(name=name, namespace=namespace, labels=labels),
+        spec=k8s.apps.v1.DaemonSetSpecArgs(
+            selector=k8s.meta.v1.LabelSelectorArgs(match_labels=labels),
+            update_strategy=k8s.apps.v1.DaemonSetUpdateStrategyArgs(type="RollingUpdate") if rolling_update else None,
+            template=k8s.core.v1.PodTemplateSpecArgs(
+                metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels, annotations=scrape),
+                spec=k8s.core.v1.PodSpecArgs(
+                    priority_class_name="system-node-critical", host_network=host_network, host_pid=host_pid,
+                    automount_service_account_token=False, tolerations=[GPU_TOLERATION], affinity=affinity,
+                    containers=[container],
+                    volumes=[k8s.core.v1.VolumeArgs(name=n, host_path=h) for n, h in host_paths.items()]))),
+        opts=opts)
+
+
 def device_plugin(resource: str, name: str, image: str, affinity: k8s.core.v1.AffinityArgs, paths: dict[str, str],
                   opts: pulumi.ResourceOptions, env: list[k8s.core.v1.EnvVarArgs] | None = None,
                   host_network: bool | None = None) -> k8s.apps.v1.DaemonSet:
-    """A device plugin's DaemonSet in kube-system: node-critical, on the GPU taint, no
-    service-account token (it calls no API), no privileges, the host paths it serves from."""
-    labels = {"app.kubernetes.io/name": name}
-    return k8s.apps.v1.DaemonSet(
-        resource,
-        metadata=k8s.meta.v1.ObjectMetaArgs(name=name, namespace="kube-system", labels=labels),
-        spec=k8s.apps.v1.DaemonSetSpecArgs(
-            selector=k8s.meta.v1.LabelSelectorArgs(match_labels=labels),
-            update_strategy=k8s.apps.v1.DaemonSetUpdateStrategyArgs(type="RollingUpdate"),
-            template=k8s.core.v1.PodTemplateSpecArgs(
-                metadata=k8s.meta.v1.ObjectMetaArgs(labels=labels),
-                spec=k8s.core.v1.PodSpecArgs(
-                    priority_class_name="system-node-critical", host_network=host_network,
-                    automount_service_account_token=False, tolerations=[GPU_TOLERATION], affinity=affinity,
-                    containers=[k8s.core.v1.ContainerArgs(
-                        name=name, image=image, env=env,
-                        security_context=k8s.core.v1.SecurityContextArgs(
-                            allow_privilege_escalation=False, capabilities=k8s.core.v1.CapabilitiesArgs(drop=["ALL"])),
-                        volume_mounts=[k8s.core.v1.VolumeMountArgs(name=n, mount_path=p) for n, p in paths.items()])],
-                    volumes=[k8s.core.v1.VolumeArgs(name=n, host_path=k8s.core.v1.HostPathVolumeSourceArgs(path=p))
-                             for n, p in paths.items()]))),
-        opts=opts)
+    """A device plugin's DaemonSet in kube-system, rolled node by node: no privileges, serving from
+    the host paths it mounts where they are on the host."""
+    return daemonset(
+        resource, name, "kube-system", k8s.core.v1.ContainerArgs(
+            name=name, image=image, env=env,
+            security_context=k8s.core.v1.SecurityContextArgs(
+                allow_privilege_escalation=False, capabilities=k8s.core.v1.CapabilitiesArgs(drop=["ALL"])),
+            volume_mounts=[k8s.core.v1.VolumeMountArgs(name=n, mount_path=p) for n, p in paths.items()]),
+        {n: k8s.core.v1.HostPathVolumeSourceArgs(path=p) for n, p in paths.items()}, opts,
+        affinity=affinity, rolling_update=True, host_network=host_network)
 
 
 class NvidiaDevicePlugin(pulumi.ComponentResource):
@@ -58,8 +72,6 @@ class NvidiaDevicePlugin(pulumi.ComponentResource):
             env=[k8s.core.v1.EnvVarArgs(name="FAIL_ON_INIT_ERROR", value="false")],
             opts=pulumi.ResourceOptions(parent=self))
         self.register_outputs({"name": self.daemonset.metadata.name})
-
-
 
 
 class EfaDevicePlugin(pulumi.ComponentResource):
@@ -105,66 +117,40 @@ class GpuNodeExporters(pulumi.ComponentResource):
 
     @staticmethod
     def _dcgm(name: str, namespace: pulumi.Input[str], image: str, child: pulumi.ResourceOptions) -> None:
-        dcgm = {"app.kubernetes.io/name": "dcgm-exporter"}
-        k8s.apps.v1.DaemonSet(
-            f"{name}-dcgm", metadata=k8s.meta.v1.ObjectMetaArgs(name="dcgm-exporter", namespace=namespace, labels=dcgm),
-            spec=k8s.apps.v1.DaemonSetSpecArgs(
-                selector=k8s.meta.v1.LabelSelectorArgs(match_labels=dcgm),
-                template=k8s.core.v1.PodTemplateSpecArgs(
-                    metadata=k8s.meta.v1.ObjectMetaArgs(labels=dcgm, annotations={
-                        "prometheus.io/scrape": "true", "prometheus.io/port": "9400"}),
-                    spec=k8s.core.v1.PodSpecArgs(
-                        affinity=ON_GPU_NODES, tolerations=[GPU_TOLERATION], priority_class_name="system-node-critical",
-                        automount_service_account_token=False,  # no API access: the kubelet's socket only
-                        containers=[k8s.core.v1.ContainerArgs(
-                            name="dcgm-exporter", image=image,
-                            # All GPUs of the node, through the NVIDIA runtime, without requesting any.
-                            env=[k8s.core.v1.EnvVarArgs(name="NVIDIA_VISIBLE_DEVICES", value="all"),
-                                 k8s.core.v1.EnvVarArgs(name="DCGM_EXPORTER_KUBERNETES", value="true")],
-                            ports=[k8s.core.v1.ContainerPortArgs(name="metrics", container_port=9400)],
-                            security_context=k8s.core.v1.SecurityContextArgs(
-                                capabilities=k8s.core.v1.CapabilitiesArgs(add=["SYS_ADMIN"])),
-                            resources=k8s.core.v1.ResourceRequirementsArgs(
-                                requests={"cpu": "100m", "memory": "256Mi"}, limits={"memory": "512Mi"}),
-                            volume_mounts=[k8s.core.v1.VolumeMountArgs(
-                                name="pod-resources", mount_path="/var/lib/kubelet/pod-resources", read_only=True)])],
-                        volumes=[k8s.core.v1.VolumeArgs(name="pod-resources", host_path=k8s.core.v1.HostPathVolumeSourceArgs(
-                            path="/var/lib/kubelet/pod-resources"))]))),
-            opts=child)
+        daemonset(f"{name}-dcgm", "dcgm-exporter", namespace, k8s.core.v1.ContainerArgs(
+            name="dcgm-exporter", image=image,
+            # All GPUs of the node, through the NVIDIA runtime, without requesting any.
+            env=[k8s.core.v1.EnvVarArgs(name="NVIDIA_VISIBLE_DEVICES", value="all"),
+                 k8s.core.v1.EnvVarArgs(name="DCGM_EXPORTER_KUBERNETES", value="true")],
+            ports=[k8s.core.v1.ContainerPortArgs(name="metrics", container_port=9400)],
+            security_context=k8s.core.v1.SecurityContextArgs(capabilities=k8s.core.v1.CapabilitiesArgs(add=["SYS_ADMIN"])),
+            resources=k8s.core.v1.ResourceRequirementsArgs(
+                requests={"cpu": "100m", "memory": "256Mi"}, limits={"memory": "512Mi"}),
+            volume_mounts=[k8s.core.v1.VolumeMountArgs(  # the kubelet's socket only: no API access
+                name="pod-resources", mount_path="/var/lib/kubelet/pod-resources", read_only=True)]),
+            {"pod-resources": k8s.core.v1.HostPathVolumeSourceArgs(path="/var/lib/kubelet/pod-resources")},
+            child, scrape_port=9400)
 
     @staticmethod
     def _node(name: str, namespace: pulumi.Input[str], image: str, child: pulumi.ResourceOptions) -> None:
-        node = {"app.kubernetes.io/name": "node-exporter"}
-        k8s.apps.v1.DaemonSet(
-            f"{name}-node", metadata=k8s.meta.v1.ObjectMetaArgs(name="node-exporter", namespace=namespace, labels=node),
-            spec=k8s.apps.v1.DaemonSetSpecArgs(
-                selector=k8s.meta.v1.LabelSelectorArgs(match_labels=node),
-                template=k8s.core.v1.PodTemplateSpecArgs(
-                    metadata=k8s.meta.v1.ObjectMetaArgs(labels=node, annotations={
-                        "prometheus.io/scrape": "true", "prometheus.io/port": "9100"}),
-                    spec=k8s.core.v1.PodSpecArgs(
-                        affinity=ON_GPU_NODES, tolerations=[GPU_TOLERATION], priority_class_name="system-node-critical",
-                        host_network=True, host_pid=True, automount_service_account_token=False,
-                        containers=[k8s.core.v1.ContainerArgs(
-                            name="node-exporter", image=image,
-                            # Host network: on the node's address alone (NetworkPolicy cannot
-                            # reach a host-network pod; the nodes' security groups do).
-                            args=["--path.rootfs=/host", "--collector.textfile.directory=/textfile",
-                                  "--web.listen-address=$(HOST_IP):9100"],
-                            env=[k8s.core.v1.EnvVarArgs(name="HOST_IP", value_from=k8s.core.v1.EnvVarSourceArgs(
-                                field_ref=k8s.core.v1.ObjectFieldSelectorArgs(field_path="status.hostIP")))],
-                            ports=[k8s.core.v1.ContainerPortArgs(name="metrics", container_port=9100)],
-                            security_context=k8s.core.v1.SecurityContextArgs(
-                                read_only_root_filesystem=True, allow_privilege_escalation=False,
-                                run_as_non_root=True, run_as_user=65534),
-                            resources=k8s.core.v1.ResourceRequirementsArgs(
-                                requests={"cpu": "50m", "memory": "64Mi"}, limits={"memory": "128Mi"}),
-                            volume_mounts=[
-                                k8s.core.v1.VolumeMountArgs(name="root", mount_path="/host", read_only=True,
-                                                            mount_propagation="HostToContainer"),
-                                k8s.core.v1.VolumeMountArgs(name="textfile", mount_path="/textfile", read_only=True)])],
-                        volumes=[
-                            k8s.core.v1.VolumeArgs(name="root", host_path=k8s.core.v1.HostPathVolumeSourceArgs(path="/")),
-                            k8s.core.v1.VolumeArgs(name="textfile", host_path=k8s.core.v1.HostPathVolumeSourceArgs(
-                                path=TEXTFILE_DIR, type="DirectoryOrCreate"))]))),
-            opts=child)
+        daemonset(f"{name}-node", "node-exporter", namespace, k8s.core.v1.ContainerArgs(
+            name="node-exporter", image=image,
+            # Host network: on the node's address alone (NetworkPolicy cannot reach a host-network
+            # pod; the nodes' security groups do).
+            args=["--path.rootfs=/host", "--collector.textfile.directory=/textfile",
+                  "--web.listen-address=$(HOST_IP):9100"],
+            env=[k8s.core.v1.EnvVarArgs(name="HOST_IP", value_from=k8s.core.v1.EnvVarSourceArgs(
+                field_ref=k8s.core.v1.ObjectFieldSelectorArgs(field_path="status.hostIP")))],
+            ports=[k8s.core.v1.ContainerPortArgs(name="metrics", container_port=9100)],
+            security_context=k8s.core.v1.SecurityContextArgs(
+                read_only_root_filesystem=True, allow_privilege_escalation=False, run_as_non_root=True,
+                run_as_user=65534),
+            resources=k8s.core.v1.ResourceRequirementsArgs(
+                requests={"cpu": "50m", "memory": "64Mi"}, limits={"memory": "128Mi"}),
+            volume_mounts=[
+                k8s.core.v1.VolumeMountArgs(name="root", mount_path="/host", read_only=True,
+                                            mount_propagation="HostToContainer"),
+                k8s.core.v1.VolumeMountArgs(name="textfile", mount_path="/textfile", read_only=True)]),
+            {"root": k8s.core.v1.HostPathVolumeSourceArgs(path="/"),
+             "textfile": k8s.core.v1.HostPathVolumeSourceArgs(path=TEXTFILE_DIR, type="DirectoryOrCreate")},
+            child, scrape_port=9100, host_network=True, host_pid=True)

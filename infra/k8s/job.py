@@ -9,7 +9,6 @@ needs one), and requests what it limits, sized from the node type, so it is neve
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,17 +22,12 @@ from infra.bundle import ROOT
 from infra.groups import LABEL_NODE_GROUP, ResolvedGroup
 from infra.k8s import netpol
 from infra.k8s.daemons import GPU_TOLERATION
+from infra.pods import NAMESPACE, QUEUE_LABEL, QUEUES_MANAGED, TRAINER_UID, pod_resources
 from infra.sharedfs import MOUNTS, SharedFsOutputs
 from training import contract as c
 
 SKIP_AWAIT = "pulumi.com/skipAwait"
-QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # Kueue's label naming a Job's LocalQueue
-QUEUES_MANAGED = "gpu-training-stack/queues"  # namespaces whose Jobs Kueue manages (infra/k8s/queues.py)
 SECRET_VARS = frozenset({c.MLFLOW_TRACKING_URI.name})
-NAMESPACE = "training"
-TRAINER_UID = 1000  # the image's USER (training/Dockerfile)
-# What the node keeps for itself and its daemons (kubelet, runtime, exporters, device plugin).
-CPU_SHARE, MEMORY_SHARE, SHM_SHARE = 0.85, 0.80, 0.25
 
 
 @dataclass
@@ -61,33 +55,6 @@ class TrainingJobArgs:
     queue: str | None = None  # the Kueue LocalQueue it is submitted to, on a shared cluster
     after: list[pulumi.Resource] = field(default_factory=list)  # created after these (Kueue, its queues)
     key_provider: pulumi.ProviderResource | None = None  # the random provider of a multi-node Job's key
-
-
-def pod_resources(rg: ResolvedGroup) -> tuple[dict[str, str], int]:
-    """(requests = limits, /dev/shm GiB) for a group's trainer pod, from its node type."""
-    cpu = max(1, math.floor(rg.primary.vcpu * CPU_SHARE))
-    memory = max(1, math.floor(rg.primary.ram_gib * MEMORY_SHARE))
-    shm = max(1, math.floor(memory * SHM_SHARE))  # memory-backed: it counts against the limit
-    return {"cpu": str(cpu), "memory": f"{memory}Gi", "nvidia.com/gpu": str(rg.gpus), **fabric_resources(rg)}, shm
-
-
-# The extended resource each fabric's device plugin advertises (EKS: aws-efa-k8s-device-plugin,
-# EKS user guide device-management-efa; ACK: the eRDMA controller, alibabacloud-erdma-controller).
-FABRIC_RESOURCES = {"efa": "vpc.amazonaws.com/efa", "erdma": "aliyun/erdma"}
-# libfabric's EFA provider allocates its bounce buffers from huge pages: the amount the awsome
-# nccl-tests Job requests on p5.48xlarge (micro-benchmarks/nccl-tests/kubernetes/nccl-tests.yaml).
-EFA_HUGEPAGES = "5120Mi"
-
-
-def fabric_resources(rg: ResolvedGroup) -> dict[str, str]:
-    """The trainer pod's fabric devices (all the node has) and what they need."""
-    f = rg.fabric
-    if f is None or f.fabric not in FABRIC_RESOURCES:
-        return {}
-    found = {FABRIC_RESOURCES[f.fabric]: str(f.devices)}
-    if f.fabric == "efa":
-        found["hugepages-2Mi"] = EFA_HUGEPAGES
-    return found
 
 
 def restricted() -> k8s.core.v1.SecurityContextArgs:

@@ -33,9 +33,9 @@ import yaml
 
 from infra.groups import LABEL_CAPACITY, LABEL_GPU_MODEL, LABEL_POOL
 from infra.images import pulled
-from infra.k8s.job import NAMESPACE as TRAINING_NAMESPACE
 from infra.k8s import netpol
-from infra.k8s.job import QUEUE_LABEL, QUEUES_MANAGED
+from infra.pods import LABEL_CLOUD, LABEL_TEAM, QUEUE_LABEL, QUEUES_MANAGED
+from infra.pods import NAMESPACE as TRAINING_NAMESPACE
 from infra.spec import Mirrors
 from infra.teams.queues import GPU, Flavor, Queue
 
@@ -45,8 +45,6 @@ IMAGE = f"registry.k8s.io/kueue/kueue:v{CHART_VERSION}"
 API = "kueue.x-k8s.io/v1beta2"
 NAMESPACE = "kueue-system"
 MANAGED = QUEUES_MANAGED  # on the namespaces whose Jobs Kueue manages (and only those)
-LABEL_TEAM = "gpu-training-stack/team"
-LABEL_CLOUD = "gpu-training-stack/cloud"
 TEAM_GROUP = "gts:team:{team}"  # the Kubernetes group a team's people are mapped to (docs/teams.md)
 PODS_READY_TIMEOUT = "15m"  # image pull + dataset cache of a big node; then evicted and requeued
 

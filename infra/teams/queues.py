@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from infra.clouds import profile
 from infra.errors import Problem
 from infra.groups import ResolvedGroup, Stack
-from infra.k8s.job import NAMESPACE, pod_resources
-from infra.k8s.pools import pool_parts
+from infra.pods import NAMESPACE, pod_resources
+from infra.pools import pool_parts
 from infra.spec import quota_of
 from infra.teams.registry import Registry, Team
 
@@ -34,7 +34,7 @@ class Flavor:
     model: str
     market: str  # spot | on-demand
     gpus_per_node: int
-    cpu_per_node: int  # the pod's share of a node (infra/k8s/job.py pod_resources)
+    cpu_per_node: int  # the pod's share of a node (infra/pods.py pod_resources)
     memory_gib_per_node: int
     gpu_hourly_usd: float  # per GPU-hour, for showback at full quota
     capacity_gpus: int = 0  # all the flavor's pools at their max

@@ -31,7 +31,7 @@ from infra.stackfile import StackFileError, load_stack, project_root
 from infra.teams import generate, queues, registry
 from infra.teams.registry import Registry, RegistryError, Team
 from infra.spec import quota_of
-from infra.k8s.queues import LABEL_CLOUD, LABEL_TEAM
+from infra.pods import LABEL_CLOUD, LABEL_TEAM
 
 QUEUE_TYPE = "kubernetes:kueue.x-k8s.io/v1beta2:ClusterQueue"
 

@@ -22,7 +22,8 @@ from infra.cloud_rules import SERVICE_CIDR
 from infra.teams.registry import Registry
 from infra.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
 from infra.k8s.cluster import cluster_workloads
-from infra.k8s.job import NAMESPACE, Identity
+from infra.k8s.job import Identity
+from infra.pods import NAMESPACE
 from infra.sharedfs import SharedFsOutputs
 from infra.spec import StackSpec
 
