@@ -52,9 +52,22 @@ def places(spec: StackSpec, group: NodeGroup) -> list[Place]:
         account = spec.clouds.get(cloud)
         region = cand.region or (own_region if cloud == group.cloud or account is None else account.region)
         types = tuple(cand.types) or (declared_types(group) if cloud == group.cloud else ())
-        out.append(Place(k, cloud, region, cand.zone, types, cand.market or group.market,
-                         network_at(spec, cloud, region, cand.zone)))
+        if cand.zone is not None and own is not None and (cloud, region) == (group.cloud, own_region):
+            # another zone of the group's own region: its own network, when that has a subnet there
+            net = own if any(s.zone == cand.zone for s in own.subnets) else None
+        else:
+            net = network_at(spec, cloud, region, cand.zone)
+        out.append(Place(k, cloud, region, cand.zone, types, cand.market or group.market, net))
     return out
+
+
+def zone_of(declared: StackSpec, group: str) -> str | None:
+    """The zone a group's fleet is confined to: its active candidate's zone, or None (every subnet
+    of its network, as declared). `declared`: the spec before placement (Stack.declared)."""
+    found = next((g for g in declared.node_groups if g.name == group), None)
+    if found is None or not 0 < found.active_candidate <= len(found.capacity):
+        return None
+    return found.capacity[found.active_candidate - 1].zone
 
 
 def at(spec: StackSpec, group: NodeGroup, index: int) -> NodeGroup:

@@ -15,6 +15,7 @@ import pulumi_random as random
 from infra import rendezvous, userdata
 from infra.access import CLUSTER_NODE, Grants, node_grants
 from infra.buckets import bucket, image_key
+from infra.capacity.places import zone_of
 from infra.groups import ResolvedGroup, Stack
 from infra.image import Registry, TrainerImage, TrainerImageArgs, build_provider, image_resource_name
 from infra.rendezvous import Site
@@ -29,6 +30,7 @@ class TextStore(Protocol):
         ...
 
 
+SubnetT = TypeVar("SubnetT")
 NetT = TypeVar("NetT")
 StoreT = TypeVar("StoreT", bound=TextStore)
 AccessT = TypeVar("AccessT")
@@ -238,6 +240,15 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
         """What a group's fleet waits for: its rendezvous store, if it has one."""
         store = self.stores.get(group.name)
         return [store] if store is not None and rendezvous.multi_node_vm(group) else []
+
+    def fleet_subnets(self, group: ResolvedGroup, built: list[SubnetT]) -> tuple[list[SubnetT], list[str]]:
+        """The subnets of the group's network its fleet launches into, with their zones: all of them,
+        or at a zone candidate (activeCandidate, infra/capacity/places.py) that zone's only.
+        `built`: the network's subnet resources, in the order of networks[].subnets."""
+        zone = zone_of(self.stack.declared or self.spec, group.name)
+        pairs = [(b, s.zone) for b, s in zip(built, self.spec.network(group.network).subnets, strict=True)
+                 if zone is None or s.zone == zone]
+        return [b for b, _ in pairs], [z for _, z in pairs]
 
     def clients_of(self, group: ResolvedGroup) -> list[pulumi.Output[str]]:
         """The security group a group's nodes carry to reach its store (none without one)."""

@@ -1,0 +1,114 @@
+"""A zone candidate (issue 43): another zone of the group's own region, accepted when the group's
+network has a subnet there; at it (activeCandidate) the group's fleet is declared with that zone's
+subnets only — the AWS Auto Scaling group's vpc_zone_identifiers, the Alibaba ESS group's
+vswitch_ids, the Tencent AS group's subnet_ids, read from the mock engine's resource inputs — and
+the broker, given an Auto Scaling group short of capacity in zone a and stock in zone b, moves the
+group there through the stack's config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from infra.buckets import bucket
+from infra.capacity.broker import Broker
+from infra.capacity.places import zone_of
+from infra.capacity.workspace import RecordingWorkspace
+from infra.cost import stack_cost
+from infra.errors import SpecError
+from infra.validation import parse_stack, parse_values
+from tests.capacity_helpers import recorded
+from tests.harness import key, run_stack, spec_raw, stack_values
+from tests.test_capacity_broker import World
+from tests.training_helpers import MotoServer, storage_env
+from training.storage import location
+
+# group index -> (its network's index, the zone added to it, its cidr), in the dev stack
+SECOND_ZONE = {0: (0, "us-east-1b", "10.10.16.0/20"), 1: (1, "cn-hangzhou-i", "10.40.16.0/20"),
+               2: (2, "ap-guangzhou-4", "10.70.16.0/20")}
+FLEETS = {0: ("aws:autoscaling/group:Group", "aws-train-asg", "vpcZoneIdentifiers"),
+          1: ("alicloud:ess/scalingGroup:ScalingGroup", "ali-train-ess", "vswitchIds"),
+          2: ("tencentcloud:As/scalingGroup:ScalingGroup", "tc-train-asg", "subnetIds")}
+
+
+def _zone_candidate(config: dict[str, Any], group: int, active: int = 0, subnet: bool = True) -> None:
+    """Group `group` of the dev stack with its network in a second zone and that zone as its candidate."""
+    net, zone, cidr = SECOND_ZONE[group]
+    if subnet:
+        config[key("networks")][net]["subnets"].append({"zone": zone, "cidr": cidr})
+    config[key("nodeGroups")][group]["capacity"] = [{"zone": zone}]
+    config[key("nodeGroups")][group]["activeCandidate"] = active
+
+
+def _fleet_subnets(group: int, active: int, tmp: Path) -> list[str]:
+    kind, name, field = FLEETS[group]
+    found = [r for r in run_stack("dev", lambda c: _zone_candidate(c, group, active), tmp)
+             if r.type.lower() == kind.lower() and r.name == name]
+    assert len(found) == 1, f"no {kind} {name}"
+    return list(found[0].inputs[field])
+
+
+# As declared: every subnet of the network, except that the AWS group (multi-node training, a
+# cluster placement group) keeps to its first; at the candidate: that zone's subnet, placement or not.
+@pytest.mark.parametrize(("group", "declared"), [
+    (0, ["aws-train-private-us-east-1a-id"]),
+    (1, ["ali-train-cn-hangzhou-h-id", "ali-train-cn-hangzhou-i-id"]),
+    (2, ["tc-train-ap-guangzhou-3-id", "tc-train-ap-guangzhou-4-id"])], ids=["aws", "alicloud", "tencentcloud"])
+def test_at_a_zone_candidate_the_fleet_has_that_zones_subnets_only(group: int, declared: list[str],
+                                                                    tmp_path: Path) -> None:
+    assert _fleet_subnets(group, 0, tmp_path) == declared
+    moved = _fleet_subnets(group, 1, tmp_path)
+    assert len(moved) == 1 and moved[0].endswith(f"-{SECOND_ZONE[group][1]}-id"), moved
+
+
+def test_a_zone_without_a_subnet_of_the_groups_network_is_refused_by_name() -> None:
+    config = stack_values("dev")
+    _zone_candidate(config, 0, subnet=False)
+    with pytest.raises(SpecError) as caught:
+        parse_stack(spec_raw(config))
+    assert [str(p) for p in caught.value.problems] == [
+        "nodeGroups[0].capacity[0].zone: 'us-east-1b': the group's network 'aws-train' has no subnet in us-east-1b: "
+        "add {zone: us-east-1b, cidr: ...} to networks[0].subnets, or remove the candidate"]
+
+
+def test_a_zone_candidate_is_priced_at_its_regions_price_and_copies_nothing() -> None:
+    config = stack_values("dev")
+    _zone_candidate(config, 0)
+    rows = stack_cost(parse_stack(spec_raw(config)))["capacity_places"]
+    assert [(r["index"], r["place"]) for r in rows] == [(0, "aws us-east-1 g4dn.2xlarge spot"),
+                                                        (1, "aws us-east-1b g4dn.2xlarge spot")]
+    assert rows[0]["hourly_usd"] == rows[1]["hourly_usd"] and (rows[1]["move_gb"], rows[1]["move_usd"]) == (0.0, 0.0)
+
+
+def test_the_broker_moves_a_group_short_in_zone_a_to_its_zone_b_candidate(
+        moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = storage_env(moto.url)
+    ec2 = boto3.client("ec2", region_name="us-east-1", endpoint_url=moto.url, aws_access_key_id="testing",
+                       aws_secret_access_key="testing")
+    zone_b = ec2.describe_availability_zones(ZoneNames=["us-east-1b"])["AvailabilityZones"][0]["ZoneId"]
+    # zone a: the Auto Scaling group's InsufficientInstanceCapacity; zone b: a spot placement score of 9
+    world = World(moto, monkeypatch, score=recorded("aws", "spot_placement_scores_high",
+                                                    **{"us-west-2": "us-east-1", "usw2-az1": zone_b}))
+    spec = parse_stack(spec_raw(stack_values("dev"))).spec
+    moto.client().create_bucket(Bucket=bucket(spec, "aws").name)
+    config = stack_values("dev")
+    _zone_candidate(config, 0)
+    config[key("nodeGroups")][0]["capacity"][0]["market"] = {"type": "spot"}
+    config[key("nodeGroups")][0]["market"] = {"type": "on-demand"}  # the pack's cap: 1.5 x the declared $/h
+    values = {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
+    workspace = RecordingWorkspace(values, {"aws": {"fleets": {"aws-train": [world.asg]}}})
+    (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, env)).once()
+    assert (decision.action, decision.at, decision.skipped) == ("move", 1, []), decision
+    assert decision.reason.endswith("aws us-east-1b by gpu requirement spot: spot placement score 9 of 10 in us-east-1b")
+    assert world.aws.calls == ["DescribeScalingActivities", "DescribeAutoScalingGroups", "DescribeInstanceTypeOfferings",
+                               "GetServiceQuota", "DescribeAvailabilityZones", "GetSpotPlacementScores"]
+    assert workspace.changes == [("gpu-training-stack:nodeGroups[0].activeCandidate", "1")]
+    assert workspace.ups == ["capacity broker: aws-train to aws us-east-1b by gpu requirement spot"]
+    # the stack's config names the zone candidate: the group is declared in zone b from now on
+    moved = parse_values(workspace.values, "gpu-training-stack", "the stack's config")
+    assert moved.declared is not None and zone_of(moved.declared, "aws-train") == "us-east-1b"
+    assert decision.copied is None  # one bucket per cloud: the nodes in zone b read the same checkpoints
