@@ -21,6 +21,7 @@ from infra.cost import stack_cost
 from infra.errors import SpecError
 from infra.validation import parse_stack
 from tests.capacity_helpers import recorded
+from tests.fabric_helpers import fabric_values
 from tests.harness import key, run_stack, spec_raw, stack_values
 from tests.test_capacity_broker import World
 from tests.training_helpers import MotoServer, storage_env
@@ -111,3 +112,22 @@ def test_the_broker_moves_a_group_short_in_zone_a_to_its_zone_b_candidate(
     (group, *_) = json.loads(workspace.values[key("nodeGroups")])
     assert group["capacity"][group["activeCandidate"] - 1]["zone"] == "us-east-1b"
     assert decision.copied is None  # one bucket per cloud: the nodes in zone b read the same checkpoints
+
+
+def test_a_fabric_group_at_a_zone_candidate_keeps_one_zone_and_gets_its_own_hcc_there(tmp_path: Path) -> None:
+    """The fabric groups of tests/fabric_helpers.py (prod): the AWS EFA group keeps one subnet and its
+    cluster placement group; the Tencent HCC group's nodes and HCC move to the candidate zone."""
+    def edit(values: dict[str, Any]) -> None:
+        values.update(fabric_values())
+        for group in values[key("nodeGroups")]:
+            if group["name"] in ("aws-efa", "tc-hcc"):
+                zone = "us-east-1b" if group["cloud"] == "aws" else "ap-guangzhou-4"
+                group.update(capacity=[{"zone": zone}], activeCandidate=1)
+    res = run_stack("prod", edit, tmp_path)
+    (asg,) = [r for r in res if r.type == "aws:autoscaling/group:Group" and r.name == "aws-efa-asg"]
+    assert asg.inputs["vpcZoneIdentifiers"] == ["aws-train-private-us-east-1b-id"] and asg.inputs["placementGroup"]
+    (hcc,) = [r for r in res if r.type == "tencentcloud:Cvm/hpcCluster:HpcCluster"]
+    assert (hcc.name, hcc.inputs["zone"]) == ("tc-hcc-hcc-ap-guangzhou-4", "ap-guangzhou-4")
+    nodes = [r for r in res if r.type == "tencentcloud:Instance/instance:Instance" and r.name.startswith("tc-hcc-")]
+    assert nodes and all((n.inputs["availabilityZone"], n.inputs["subnetId"]) == (
+        "ap-guangzhou-4", "tc-train-ap-guangzhou-4-id") for n in nodes)

@@ -241,11 +241,15 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
         store = self.stores.get(group.name)
         return [store] if store is not None and rendezvous.multi_node_vm(group) else []
 
+    def zone_of(self, group: ResolvedGroup) -> str | None:
+        """The zone candidate the group runs at (its activeCandidate), or None."""
+        return zone_of(self.stack.declared or self.spec, group.name)
+
     def fleet_subnets(self, group: ResolvedGroup, built: list[SubnetT]) -> tuple[list[SubnetT], list[str]]:
         """The subnets of the group's network its fleet launches into, with their zones: all of them,
         or at a zone candidate (activeCandidate, infra/capacity/places.py) that zone's only.
         `built`: the network's subnet resources, in the order of networks[].subnets."""
-        zone = zone_of(self.stack.declared or self.spec, group.name)
+        zone = self.zone_of(group)
         pairs = [(b, s.zone) for b, s in zip(built, self.spec.network(group.network).subnets, strict=True)
                  if zone is None or s.zone == zone]
         return [b for b, _ in pairs], [z for _, z in pairs]
