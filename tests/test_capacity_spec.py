@@ -60,9 +60,12 @@ def test_the_group_runs_at_its_active_candidate() -> None:
     ({"region": "us-west-2", "types": ["g4dn.xlarge"]}, "nodeGroups[0].capacity[0]: the stack has no network on aws "
                                                         "in us-west-2: add networks[] {name: ..., cloud: aws, "
                                                         "region: us-west-2"),
-    ({"zone": "us-east-1a", "types": ["g4dn.xlarge"]}, "nodeGroups[0].capacity[0].zone: 'us-east-1a': a zone "
-                                                       "candidate is not supported yet: the group launches into every "
-                                                       "subnet of its network"),
+    ({"zone": "us-east-1c", "types": ["g4dn.xlarge"]}, "nodeGroups[0].capacity[0].zone: 'us-east-1c': the group's "
+                                                       "network 'aws-train' has no subnet in us-east-1c: add {zone: "
+                                                       "us-east-1c, cidr: ...} to networks[0].subnets"),
+    ({"region": "us-west-2", "zone": "us-west-2a", "types": ["g4dn.xlarge"]},
+     "nodeGroups[0].capacity[0].zone: 'us-west-2a': the stack has no network on aws in us-west-2 with a subnet in "
+     "us-west-2a: add networks[] {name: ..., cloud: aws, region: us-west-2"),
     ({"types": ["g4dn.xlarge; rm -rf /"]}, "nodeGroups[0].capacity[0].types[0]: 'g4dn.xlarge; rm -rf /': is not a valid value"),
     ({"region": "\x00"}, "nodeGroups[0].capacity[0].region: '\\x00': is not a valid value"),
     ({"market": {"type": "bid"}}, "nodeGroups[0].capacity[0].market.type: 'bid' is not allowed"),
