@@ -129,7 +129,7 @@ def test_the_plan_prices_every_place_and_what_a_move_copies() -> None:
 
     rows = stack_cost(parse_stack(spec_raw(_config(TENCENT_T4, {"market": {"type": "on-demand"}}))))["capacity_places"]
     assert [(r["index"], r["place"], r["market"]) for r in rows] == [
-        (0, "aws us-east-1 g4dn.2xlarge spot", "spot"), (1, "tencentcloud ap-guangzhou GN7.2XLARGE32 spot", "spot"),
+        (0, "aws us-east-1a g4dn.2xlarge spot", "spot"), (1, "tencentcloud ap-guangzhou GN7.2XLARGE32 spot", "spot"),
         (2, "aws us-east-1 g4dn.2xlarge on-demand", "on-demand")]
     # max 2 nodes (infra/data/prices.csv, 0.70 typical spot discount): 2 x 0.752 x 0.3, 2 x 8.68 CNY / 7.2 x 0.3, 2 x 0.752
     assert [r["hourly_usd"] for r in rows] == [pytest.approx(2 * 0.752 * 0.3, abs=1e-4),

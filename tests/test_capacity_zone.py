@@ -79,7 +79,7 @@ def test_a_zone_candidate_is_priced_at_its_regions_price_and_copies_nothing() ->
     config = stack_values("dev")
     _zone_candidate(config, 0)
     rows = stack_cost(parse_stack(spec_raw(config)))["capacity_places"]
-    assert [(r["index"], r["place"]) for r in rows] == [(0, "aws us-east-1 g4dn.2xlarge spot"),
+    assert [(r["index"], r["place"]) for r in rows] == [(0, "aws us-east-1a g4dn.2xlarge spot"),
                                                         (1, "aws us-east-1b g4dn.2xlarge spot")]
     assert rows[0]["hourly_usd"] == rows[1]["hourly_usd"] and (rows[1]["move_gb"], rows[1]["move_usd"]) == (0.0, 0.0)
 
@@ -115,8 +115,8 @@ def test_the_broker_moves_a_group_short_in_zone_a_to_its_zone_b_candidate(
 
 
 def test_a_fabric_group_at_a_zone_candidate_keeps_one_zone_and_gets_its_own_hcc_there(tmp_path: Path) -> None:
-    """The fabric groups of tests/fabric_helpers.py (prod): the AWS EFA group keeps one subnet and its
-    cluster placement group; the Tencent HCC group's nodes and HCC move to the candidate zone."""
+    """The fabric groups of tests/fabric_helpers.py (prod): the AWS EFA group keeps one subnet and a
+    cluster placement group, a new one for zone b; the Tencent HCC group's nodes and HCC move to the candidate zone."""
     def edit(values: dict[str, Any]) -> None:
         values.update(fabric_values())
         for group in values[key("nodeGroups")]:
@@ -126,8 +126,119 @@ def test_a_fabric_group_at_a_zone_candidate_keeps_one_zone_and_gets_its_own_hcc_
     res = run_stack("prod", edit, tmp_path)
     (asg,) = [r for r in res if r.type == "aws:autoscaling/group:Group" and r.name == "aws-efa-asg"]
     assert asg.inputs["vpcZoneIdentifiers"] == ["aws-train-private-us-east-1b-id"] and asg.inputs["placementGroup"]
+    # a cluster placement group is bound to its first instances' zone: a new one, named after zone b
+    assert [r.name for r in res if r.type == "aws:ec2/placementGroup:PlacementGroup" and r.name.startswith(
+        "aws-efa-")] == ["aws-efa-pg-us-east-1b"]
     (hcc,) = [r for r in res if r.type == "tencentcloud:Cvm/hpcCluster:HpcCluster"]
     assert (hcc.name, hcc.inputs["zone"]) == ("tc-hcc-hcc-ap-guangzhou-4", "ap-guangzhou-4")
     nodes = [r for r in res if r.type == "tencentcloud:Instance/instance:Instance" and r.name.startswith("tc-hcc-")]
     assert nodes and all((n.inputs["availabilityZone"], n.inputs["subnetId"]) == (
         "ap-guangzhou-4", "tc-train-ap-guangzhou-4-id") for n in nodes)
+
+
+@pytest.mark.parametrize("move_back", [False, True], ids=["short-at-b", "move-back"])
+def test_a_one_zone_group_at_its_zone_b_candidate_is_not_sent_back_to_zone_a_on_zone_bs_stock(
+        move_back: bool, moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AWS dev group (multi-node training: one zone, its first subnet's) at its zone-b candidate,
+    short there (or asked to move back): the declared place is zone a, asked as zone a, not the region
+    (whose best zone is b, the one it is short in)."""
+    ec2 = boto3.client("ec2", region_name="us-east-1", endpoint_url=moto.url, aws_access_key_id="testing",
+                       aws_secret_access_key="testing")
+    ids = {z["ZoneName"]: z["ZoneId"] for z in ec2.describe_availability_zones(
+        ZoneNames=["us-east-1a", "us-east-1b"])["AvailabilityZones"]}
+    scores: dict[str, object] = {"SpotPlacementScores": [
+        {"Region": "us-east-1", "AvailabilityZoneId": ids["us-east-1a"], "Score": 1},
+        {"Region": "us-east-1", "AvailabilityZoneId": ids["us-east-1b"], "Score": 9}]}
+    world = World(moto, monkeypatch, short=not move_back, score=scores)
+    spec = parse_stack(spec_raw(stack_values("dev"))).spec
+    s3, name = moto.client(), bucket(spec, "aws").name
+    s3.create_bucket(Bucket=name)
+    for found in s3.list_objects_v2(Bucket=name).get("Contents", []):  # the module's earlier moves' records
+        s3.delete_object(Bucket=name, Key=found["Key"])
+    config = stack_values("dev")
+    _zone_candidate(config, 0, active=1)
+    values = {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
+    workspace = RecordingWorkspace(values, {"aws": {"fleets": {"aws-train": [world.asg]}}})
+    (decision,) = Broker(workspace, world.stock, storage=lambda where, url: location(url, storage_env(moto.url)),
+                         move_back=move_back).once()
+    assert (decision.action, decision.at) == ("stay", 1), decision
+    assert [(s["index"], s["place"], s["why"]) for s in decision.skipped] == [
+        (0, "aws us-east-1a by gpu requirement spot",
+         "spot placement score 1 of 10 in us-east-1a for 1 node(s) (GetSpotPlacementScores; under 3)")]
+    assert workspace.changes == [] and workspace.ups == []
+
+
+def _problems(config: dict[str, Any]) -> list[str]:
+    try:
+        parse_stack(spec_raw(config))
+    except SpecError as caught:
+        return [str(p) for p in caught.problems]
+    return []
+
+
+@pytest.mark.parametrize(("group", "zone", "second", "place"), [
+    (0, "us-east-1a", False, "aws us-east-1a by gpu requirement spot"),  # the network's only zone
+    (0, "us-east-1a", True, "aws us-east-1a by gpu requirement spot"),  # one zone (placement group): its first
+    (1, "cn-hangzhou-h", False, "alicloud cn-hangzhou-h by gpu requirement spot"),
+], ids=["aws-only-zone", "aws-first-zone", "alicloud-only-zone"])
+def test_a_zone_candidate_at_the_one_zone_the_group_is_in_is_the_same_place(
+        group: int, zone: str, second: bool, place: str) -> None:
+    config = stack_values("dev")
+    _zone_candidate(config, group, subnet=second)
+    config[key("nodeGroups")][group]["capacity"] = [{"zone": zone}]
+    assert _problems(config) == [f"nodeGroups[{group}].capacity[0]: is the same place as the group as declared "
+                                 f"({place}): change its cloud, region, zone, types or market, or remove it"]
+
+
+def test_a_zone_candidate_narrowing_a_group_spread_over_two_zones_is_accepted() -> None:
+    config = stack_values("dev")
+    _zone_candidate(config, 1)  # the Alibaba group (no fabric): every vswitch of its network, h and i
+    config[key("nodeGroups")][1]["capacity"] = [{"zone": "cn-hangzhou-h"}]
+    assert _problems(config) == []
+
+
+def test_a_fabric_group_at_a_candidate_in_its_own_zone_keeps_its_hcc_and_placement_group(tmp_path: Path) -> None:
+    """Prod's EFA and HCC groups (one zone each, their network's first): a candidate there as declared
+    is refused; one there on another market keeps the declared HCC and placement group (no new one
+    in the same zone)."""
+    def edit(market: dict[str, Any] | None) -> Any:
+        def change(values: dict[str, Any]) -> None:
+            values.update(fabric_values())
+            for group in values[key("nodeGroups")]:
+                if group["name"] in ("aws-efa", "tc-hcc"):
+                    zone = "us-east-1a" if group["cloud"] == "aws" else "ap-guangzhou-3"
+                    cand = {"zone": zone} | ({"market": market} if market else {})
+                    group.update(capacity=[cand], activeCandidate=1 if market else 0)
+        return change
+    with pytest.raises(Exception, match=r"capacity\[0\]: is the same place as the group as declared \(tencentcloud "
+                                        r"ap-guangzhou-3 "):
+        run_stack("prod", edit(None), tmp_path)
+    res = run_stack("prod", edit({"type": "spot"}), tmp_path)
+    assert [(r.name, r.inputs["zone"]) for r in res if r.type == "tencentcloud:Cvm/hpcCluster:HpcCluster"] == [
+        ("tc-hcc-hcc", "ap-guangzhou-3")]
+    assert [r.name for r in res if r.type == "aws:ec2/placementGroup:PlacementGroup" and r.name.startswith(
+        "aws-efa-")] == ["aws-efa-pg"]
+
+
+WINDOW = {"start": "2026-12-20T08:00:00Z", "end": "2026-12-24T08:00:00Z"}
+
+
+@pytest.mark.parametrize(("group", "market"), [
+    (2, {"type": "reserved"}), (0, {"type": "reserved"}), (1, {"type": "elasticity-assurance", **WINDOW}),
+    (0, {"type": "capacity-reservation", **WINDOW}), (0, {"type": "capacity-block", **WINDOW})],
+    ids=["tencent-reserved", "aws-reserved", "ali-assurance", "aws-odcr", "aws-block"])
+def test_a_zone_candidate_on_a_market_bought_for_one_zone_is_refused(group: int, market: dict[str, Any]) -> None:
+    zone = SECOND_ZONE[group][1]
+    fix = ("bought for one zone: at {zone} it would be bought again while the first is still billed; give the "
+           "candidate market: {{type: spot}} or {{type: on-demand}}").format(zone=zone)
+    inherited = stack_values("dev")
+    _zone_candidate(inherited, group)
+    inherited[key("nodeGroups")][group]["market"] = market
+    assert f"nodeGroups[{group}].capacity[0].zone: inherits the group's market {market['type']!r}, {fix}" in \
+        _problems(inherited)
+    own = stack_values("dev")
+    _zone_candidate(own, group)
+    own[key("nodeGroups")][group]["capacity"][0]["market"] = market
+    assert f"nodeGroups[{group}].capacity[0].market: market {market['type']!r} is {fix}" in _problems(own)
+    inherited[key("nodeGroups")][group]["capacity"][0]["market"] = {"type": "on-demand"}  # the fix it names
+    assert not [p for p in _problems(inherited) if p.startswith(f"nodeGroups[{group}].capacity")]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from infra import catalog as cat
 from infra.capacity import reservations
-from infra.capacity.places import Place, places
+from infra.capacity.places import Place, at, declared_zone, places
 from infra.errors import Problem, suggest
 from infra.spec import NodeGroup, StackSpec
 from infra.spec_problems import check_region
@@ -37,7 +37,15 @@ def check(spec: StackSpec) -> list[Problem]:
 
 
 def _same(a: Place, b: Place) -> bool:
-    return (a.cloud, a.region, a.zone, a.types, a.market.type) == (b.cloud, b.region, b.zone, b.types, b.market.type)
+    return (a.cloud, a.region, a.types, a.market.type) == (b.cloud, b.region, b.types, b.market.type)
+
+
+def _zone(spec: StackSpec, group: NodeGroup, place: Place) -> str | None:
+    """The zone the group's fleet is in at the place: its own, else the one zone the fleet keeps to
+    there (a one-zone group, or a network in one zone: places.declared_zone), else None."""
+    if place.zone is not None or place.index == 0:
+        return place.zone
+    return declared_zone(spec, at(spec, group, place.index), place.network)
 
 
 def _check_place(spec: StackSpec, group: NodeGroup, place: Place, path: str, every: list[Place]) -> list[Problem]:
@@ -51,12 +59,13 @@ def _check_place(spec: StackSpec, group: NodeGroup, place: Place, path: str, eve
     if place.zone is not None and zones and place.zone not in zones:
         return [Problem(f"{path}.zone", f"{place.zone!r} is not a zone of {place.region}{suggest(place.zone, zones)} "
                                         f"Zones: {', '.join(zones)}.")]
-    twin = next((p for p in every if p.index < place.index and _same(p, place)), None)
+    zone = _zone(spec, group, place)
+    twin = next((p for p in every if p.index < place.index and _same(p, place) and _zone(spec, group, p) == zone), None)
     if twin is not None:
         where = "the group as declared" if twin.index == 0 else f"capacity[{twin.index - 1}]"
         return [Problem(path, f"is the same place as {where} ({place.label}): change its cloud, region, zone, "
                               "types or market, or remove it")]
-    out = _check_types(spec, group, place, path) + _check_market(spec, place, path)
+    out = _check_types(spec, group, place, path) + _check_market(spec, place, path) + _zone_market(group, place, path)
     if place.network is None and place.zone is not None:
         out.append(_no_subnet(spec, group, place, f"{path}.zone"))
     elif place.network is None:
@@ -69,6 +78,23 @@ def _check_place(spec: StackSpec, group: NodeGroup, place: Place, path: str, eve
                                  f"node group; add training.prebuiltImages.{place.cloud} (a trainer image pinned by "
                                  f"digest) or a node group on {place.cloud}"))
     return out + _check_team(spec, group, place, path)
+
+
+# Markets bought for one zone: a zone candidate on one would buy it again there (Tencent PREPAID
+# instances recreated, as PREPAID cannot be deleted directly; a second Alibaba elasticity assurance,
+# `zone_ids` being ForceNew and its delete a no-op; a new AWS capacity reservation in that zone).
+ZONE_BOUND_MARKETS = ("reserved", "capacity-block", "capacity-reservation", "elasticity-assurance")
+
+
+def _zone_market(group: NodeGroup, place: Place, path: str) -> list[Problem]:
+    """A zone candidate whose market (its own, or the group's it inherits) is bought for one zone."""
+    if place.zone is None or place.market.type not in ZONE_BOUND_MARKETS:
+        return []
+    own = group.capacity[place.index - 1].market is not None
+    what = f"market {place.market.type!r} is" if own else f"inherits the group's market {place.market.type!r},"
+    return [Problem(f"{path}.market" if own else f"{path}.zone",
+                    f"{what} bought for one zone: at {place.zone} it would be bought again while the first is "
+                    "still billed; give the candidate market: {type: spot} or {type: on-demand}")]
 
 
 def _no_subnet(spec: StackSpec, group: NodeGroup, place: Place, path: str) -> Problem:

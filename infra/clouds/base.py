@@ -245,6 +245,12 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
         """The zone candidate the group runs at (its activeCandidate), or None."""
         return zone_of(self.stack.declared or self.spec, group.name)
 
+    def moved_to(self, group: ResolvedGroup) -> str | None:
+        """The zone candidate's zone when it is not the network's first (where a one-zone fleet is as
+        declared): the zone a one-zone resource (HCC, cluster placement group) is named after."""
+        zone = self.zone_of(group)
+        return zone if zone is not None and zone != self.spec.network(group.network).subnets[0].zone else None
+
     def fleet_subnets(self, group: ResolvedGroup, built: list[SubnetT]) -> tuple[list[SubnetT], list[str]]:
         """The subnets of the group's network its fleet launches into, with their zones: all of them,
         or at a zone candidate (activeCandidate, infra/capacity/places.py) that zone's only.

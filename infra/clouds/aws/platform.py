@@ -150,7 +150,8 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
             group=group, subnet_ids=[s.id for s in subnets], zones=zones,
             security_group_id=net.vm_security_group.id, instance_profile_arn=access.profiles[group.name].arn,
             user_data=self.user_data(group, image), provider=self.provider(group.region), tags=self.tags,
-            after=self.after_store(group), store_clients=[*self.clients_of(group), *runs]),
+            after=self.after_store(group), store_clients=[*self.clients_of(group), *runs],
+            moved_to=self.moved_to(group)),
             opts=pulumi.ResourceOptions(parent=self))
         # A node with a failed GPU hands itself back (gts-gpu-health.py): that one call, on its own group.
         grant_replace_self(group.name, access.profiles[group.name].role.apply(str), fleet.group,

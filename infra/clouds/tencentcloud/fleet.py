@@ -50,7 +50,7 @@ class TencentGpuFleetArgs:
     after: list[pulumi.Resource] = field(default_factory=list)  # its rendezvous store, created first
     # its rendezvous store's client group: the one security group the store admits (infra/rendezvous.py)
     store_clients: list[pulumi.Output[str]] = field(default_factory=list)
-    moved_to: str | None = None  # at a zone candidate (activeCandidate): its zone; `subnet_ids` are that zone's
+    moved_to: str | None = None  # at a zone candidate other than the declared first zone: that zone (CloudPlatform.moved_to)
 
 
 class TencentGpuFleet(pulumi.ComponentResource):

@@ -127,7 +127,7 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
             zones=zones, security_group_id=net.vm_security_group.id,
             role_name=access.roles[group.name].name, user_data=self.user_data(group, image),
             provider=self.provider(group.region), tags=self.tags, after=self.after_store(group),
-            store_clients=[*self.clients_of(group), *runs], moved_to=self.zone_of(group)),
+            store_clients=[*self.clients_of(group), *runs], moved_to=self.moved_to(group)),
             opts=pulumi.ResourceOptions(parent=self))
         if hasattr(fleet, "group"):  # fixed instances only: no group to hand a node back to
             grant_replace_self(f"{self.spec.env}-{group.name}", access.roles[group.name].id, group.region, fleet.group,
