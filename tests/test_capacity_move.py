@@ -12,6 +12,7 @@ import urllib.request
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import boto3
 import pytest
 
 from infra.buckets import bucket
@@ -176,9 +177,13 @@ def test_a_reservation_candidate_outside_its_window_is_skipped_without_a_call(
 def test_it_moves_back_only_after_a_step_is_committed_where_it_arrived(
         reference: tuple[str, Path], moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
     _, ck = reference  # a real run's committed steps 20, 40, 60
-    high = recorded("aws", "spot_placement_scores_high", **{"us-west-2": "us-east-1"})
-    world = World(moto, monkeypatch, score=high)
     env = storage_env(moto.url)
+    # the declared place is the AWS group's one zone (multi-node training), us-east-1a: its score is asked
+    ec2 = boto3.client("ec2", region_name="us-east-1", endpoint_url=moto.url, aws_access_key_id="testing",
+                       aws_secret_access_key="testing")
+    zone_a = ec2.describe_availability_zones(ZoneNames=["us-east-1a"])["AvailabilityZones"][0]["ZoneId"]
+    high = recorded("aws", "spot_placement_scores_high", **{"us-west-2": "us-east-1", "usw2-az1": zone_a})
+    world = World(moto, monkeypatch, score=high)
     _, tc = _buckets(moto)
     spec = parse_stack(spec_raw(stack_values("dev"))).spec
     there = location(bucket(spec, "tencentcloud").checkpoint_url("aws-train"), env)
@@ -207,7 +212,8 @@ def test_it_moves_back_only_after_a_step_is_committed_where_it_arrived(
     copy_step(location(f"file://{ck}"), there, 40)  # the run made progress there
     workspace, decision = watch()
     assert (decision.action, decision.at) == ("move", 0), decision
-    assert world.aws.calls == ["DescribeInstanceTypeOfferings", "GetServiceQuota", "GetSpotPlacementScores"]
+    assert world.aws.calls == ["DescribeInstanceTypeOfferings", "GetServiceQuota", "DescribeAvailabilityZones",
+                               "GetSpotPlacementScores"]
     assert decision.copied is not None and decision.copied.step == 40
 
 

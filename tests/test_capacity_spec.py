@@ -60,9 +60,12 @@ def test_the_group_runs_at_its_active_candidate() -> None:
     ({"region": "us-west-2", "types": ["g4dn.xlarge"]}, "nodeGroups[0].capacity[0]: the stack has no network on aws "
                                                         "in us-west-2: add networks[] {name: ..., cloud: aws, "
                                                         "region: us-west-2"),
-    ({"zone": "us-east-1a", "types": ["g4dn.xlarge"]}, "nodeGroups[0].capacity[0].zone: 'us-east-1a': a zone "
-                                                       "candidate is not supported yet: the group launches into every "
-                                                       "subnet of its network"),
+    ({"zone": "us-east-1c", "types": ["g4dn.xlarge"]}, "nodeGroups[0].capacity[0].zone: 'us-east-1c': the group's "
+                                                       "network 'aws-train' has no subnet in us-east-1c: add {zone: "
+                                                       "us-east-1c, cidr: ...} to networks[0].subnets"),
+    ({"region": "us-west-2", "zone": "us-west-2a", "types": ["g4dn.xlarge"]},
+     "nodeGroups[0].capacity[0].zone: 'us-west-2a': the stack has no network on aws in us-west-2 with a subnet in "
+     "us-west-2a: add networks[] {name: ..., cloud: aws, region: us-west-2"),
     ({"types": ["g4dn.xlarge; rm -rf /"]}, "nodeGroups[0].capacity[0].types[0]: 'g4dn.xlarge; rm -rf /': is not a valid value"),
     ({"region": "\x00"}, "nodeGroups[0].capacity[0].region: '\\x00': is not a valid value"),
     ({"market": {"type": "bid"}}, "nodeGroups[0].capacity[0].market.type: 'bid' is not allowed"),
@@ -126,7 +129,7 @@ def test_the_plan_prices_every_place_and_what_a_move_copies() -> None:
 
     rows = stack_cost(parse_stack(spec_raw(_config(TENCENT_T4, {"market": {"type": "on-demand"}}))))["capacity_places"]
     assert [(r["index"], r["place"], r["market"]) for r in rows] == [
-        (0, "aws us-east-1 g4dn.2xlarge spot", "spot"), (1, "tencentcloud ap-guangzhou GN7.2XLARGE32 spot", "spot"),
+        (0, "aws us-east-1a g4dn.2xlarge spot", "spot"), (1, "tencentcloud ap-guangzhou GN7.2XLARGE32 spot", "spot"),
         (2, "aws us-east-1 g4dn.2xlarge on-demand", "on-demand")]
     # max 2 nodes (infra/data/prices.csv, 0.70 typical spot discount): 2 x 0.752 x 0.3, 2 x 8.68 CNY / 7.2 x 0.3, 2 x 0.752
     assert [r["hourly_usd"] for r in rows] == [pytest.approx(2 * 0.752 * 0.3, abs=1e-4),

@@ -1,7 +1,8 @@
 """The rules for `nodeGroups[].capacity` (docs/capacity.md): every candidate names a cloud the
 stack has an account on (its bucket comes with it), a known region and zone, a network of the
-stack there, types of that cloud's catalog priced in that region, a market its account can buy,
-an image registry on that cloud, and, in a team stack, the team's regions and GPU quota. Each
+stack there (for a zone: one with a subnet in it, the group's own in its own region), types of
+that cloud's catalog priced in that region, a market its account can buy, an image registry on
+that cloud, and, in a team stack, the team's regions and GPU quota. Each
 problem is one line naming the key and what to add. Called by infra/validation.py on the spec as
 declared (before the groups are placed at their activeCandidate)."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from infra import catalog as cat
 from infra.capacity import reservations
-from infra.capacity.places import Place, places
+from infra.capacity.places import Place, at, declared_zone, places
 from infra.errors import Problem, suggest
 from infra.spec import NodeGroup, StackSpec
 from infra.spec_problems import check_region
@@ -36,7 +37,15 @@ def check(spec: StackSpec) -> list[Problem]:
 
 
 def _same(a: Place, b: Place) -> bool:
-    return (a.cloud, a.region, a.zone, a.types, a.market.type) == (b.cloud, b.region, b.zone, b.types, b.market.type)
+    return (a.cloud, a.region, a.types, a.market.type) == (b.cloud, b.region, b.types, b.market.type)
+
+
+def _zone(spec: StackSpec, group: NodeGroup, place: Place) -> str | None:
+    """The zone the group's fleet is in at the place: its own, else the one zone the fleet keeps to
+    there (a one-zone group, or a network in one zone: places.declared_zone), else None."""
+    if place.zone is not None or place.index == 0:
+        return place.zone
+    return declared_zone(spec, at(spec, group, place.index), place.network)
 
 
 def _check_place(spec: StackSpec, group: NodeGroup, place: Place, path: str, every: list[Place]) -> list[Problem]:
@@ -50,28 +59,54 @@ def _check_place(spec: StackSpec, group: NodeGroup, place: Place, path: str, eve
     if place.zone is not None and zones and place.zone not in zones:
         return [Problem(f"{path}.zone", f"{place.zone!r} is not a zone of {place.region}{suggest(place.zone, zones)} "
                                         f"Zones: {', '.join(zones)}.")]
-    if place.zone is not None:  # places.at() keeps the group on its network's every subnet
-        return [Problem(f"{path}.zone", f"{place.zone!r}: a zone candidate is not supported yet: the group launches "
-                                        "into every subnet of its network, so the stock asked in one zone would not "
-                                        "be where it launches; leave zone out (the region is asked)")]
-    twin = next((p for p in every if p.index < place.index and _same(p, place)), None)
+    zone = _zone(spec, group, place)
+    twin = next((p for p in every if p.index < place.index and _same(p, place) and _zone(spec, group, p) == zone), None)
     if twin is not None:
         where = "the group as declared" if twin.index == 0 else f"capacity[{twin.index - 1}]"
         return [Problem(path, f"is the same place as {where} ({place.label}): change its cloud, region, zone, "
                               "types or market, or remove it")]
-    out = _check_types(spec, group, place, path) + _check_market(spec, place, path)
-    if place.network is None:
-        subnet = f"{{zone: {place.zone}, cidr: ...}}" if place.zone else "{zone: ..., cidr: ...}"
-        out.append(Problem(path, f"the stack has no network on {place.cloud} in {place.region}"
-                                 f"{f' with a subnet in {place.zone}' if place.zone else ''}: add networks[] "
+    out = _check_types(spec, group, place, path) + _check_market(spec, place, path) + _zone_market(group, place, path)
+    if place.network is None and place.zone is not None:
+        out.append(_no_subnet(spec, group, place, f"{path}.zone"))
+    elif place.network is None:
+        out.append(Problem(path, f"the stack has no network on {place.cloud} in {place.region}: add networks[] "
                                  f"{{name: ..., cloud: {place.cloud}, region: {place.region}, cidr: ..., subnets: "
-                                 f"[{subnet}]}}"))
+                                 "[{zone: ..., cidr: ...}]}"))
     has_group = any(g.cloud == place.cloud for g in spec.node_groups)
     if not has_group and place.cloud not in spec.training.prebuilt_images:
         out.append(Problem(path, f"no image registry on {place.cloud}: the stack builds one only on a cloud with a "
                                  f"node group; add training.prebuiltImages.{place.cloud} (a trainer image pinned by "
                                  f"digest) or a node group on {place.cloud}"))
     return out + _check_team(spec, group, place, path)
+
+
+# Markets bought for one zone: a zone candidate on one would buy it again there (Tencent PREPAID
+# instances recreated, as PREPAID cannot be deleted directly; a second Alibaba elasticity assurance,
+# `zone_ids` being ForceNew and its delete a no-op; a new AWS capacity reservation in that zone).
+ZONE_BOUND_MARKETS = ("reserved", "capacity-block", "capacity-reservation", "elasticity-assurance")
+
+
+def _zone_market(group: NodeGroup, place: Place, path: str) -> list[Problem]:
+    """A zone candidate whose market (its own, or the group's it inherits) is bought for one zone."""
+    if place.zone is None or place.market.type not in ZONE_BOUND_MARKETS:
+        return []
+    own = group.capacity[place.index - 1].market is not None
+    what = f"market {place.market.type!r} is" if own else f"inherits the group's market {place.market.type!r},"
+    return [Problem(f"{path}.market" if own else f"{path}.zone",
+                    f"{what} bought for one zone: at {place.zone} it would be bought again while the first is "
+                    "still billed; give the candidate market: {type: spot} or {type: on-demand}")]
+
+
+def _no_subnet(spec: StackSpec, group: NodeGroup, place: Place, path: str) -> Problem:
+    """A zone candidate whose network has no subnet in that zone: the group's fleet would have
+    nowhere to launch there (its fleet is declared with that zone's subnets only)."""
+    own = next((k for k, n in enumerate(spec.networks) if n.name == group.network), None)
+    if own is not None and (place.cloud, place.region) == (group.cloud, spec.region_of(spec.networks[own])):
+        return Problem(path, f"{place.zone!r}: the group's network {group.network!r} has no subnet in {place.zone}: "
+                             f"add {{zone: {place.zone}, cidr: ...}} to networks[{own}].subnets, or remove the candidate")
+    return Problem(path, f"{place.zone!r}: the stack has no network on {place.cloud} in {place.region} with a subnet "
+                         f"in {place.zone}: add networks[] {{name: ..., cloud: {place.cloud}, region: {place.region}, "
+                         f"cidr: ..., subnets: [{{zone: {place.zone}, cidr: ...}}]}}")
 
 
 def _check_types(spec: StackSpec, group: NodeGroup, place: Place, path: str) -> list[Problem]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infra import fabric as fab
+from infra.groups import instance_types
 from infra.spec import Market, Network, NodeGroup, StackSpec
 
 
@@ -36,6 +38,25 @@ def network_at(spec: StackSpec, cloud: str, region: str, zone: str | None) -> Ne
     return None
 
 
+def one_zone(group: NodeGroup, fabric: object | None) -> bool:
+    """Whether the group's fleet keeps to its network's first subnet (the fleets take subnets[:1]):
+    a group with a fabric (`fabric`: fab.wanted; EFA, eRDMA and an HCC are one zone each), and on
+    AWS a multi-node training group (its cluster placement group, which AWS confines to one zone)."""
+    return fabric is not None or (group.cloud == "aws" and group.kind == "vm" and fab.multi_node(group))
+
+
+def declared_zone(spec: StackSpec, group: NodeGroup, own: Network | None) -> str | None:
+    """The one zone the group's fleet is in as declared (place 0), or None when it spreads over
+    several: a zone candidate naming it is then the same place, one naming a zone of a spread group
+    narrows it."""
+    if own is None or not own.subnets:
+        return None
+    types = instance_types(spec, group, spec.catalog()) if group.kind == "vm" else ()
+    confined = bool(types) and one_zone(group, fab.wanted(group, types[0]))
+    zones = {s.zone for s in (own.subnets[:1] if confined else own.subnets)}
+    return zones.pop() if len(zones) == 1 else None
+
+
 def declared_types(group: NodeGroup) -> tuple[str, ...]:
     return tuple([group.instance_type] + group.fallback_types) if group.instance_type else tuple(group.fallback_types)
 
@@ -46,15 +67,28 @@ def places(spec: StackSpec, group: NodeGroup) -> list[Place]:
     checks name the missing account)."""
     own = next((n for n in spec.networks if n.name == group.network), None)
     own_region = spec.region_of(own) if own is not None else ""
-    out = [Place(0, group.cloud, own_region, None, declared_types(group), group.market, own)]
+    out = [Place(0, group.cloud, own_region, declared_zone(spec, group, own), declared_types(group), group.market, own)]
     for k, cand in enumerate(group.capacity, start=1):
         cloud = cand.cloud or group.cloud
         account = spec.clouds.get(cloud)
         region = cand.region or (own_region if cloud == group.cloud or account is None else account.region)
         types = tuple(cand.types) or (declared_types(group) if cloud == group.cloud else ())
-        out.append(Place(k, cloud, region, cand.zone, types, cand.market or group.market,
-                         network_at(spec, cloud, region, cand.zone)))
+        if cand.zone is not None and own is not None and (cloud, region) == (group.cloud, own_region):
+            # another zone of the group's own region: its own network, when that has a subnet there
+            net = own if any(s.zone == cand.zone for s in own.subnets) else None
+        else:
+            net = network_at(spec, cloud, region, cand.zone)
+        out.append(Place(k, cloud, region, cand.zone, types, cand.market or group.market, net))
     return out
+
+
+def zone_of(declared: StackSpec, group: str) -> str | None:
+    """The zone a group's fleet is confined to: its active candidate's zone, or None (every subnet
+    of its network, as declared). `declared`: the spec before placement (Stack.declared)."""
+    found = next((g for g in declared.node_groups if g.name == group), None)
+    if found is None or not 0 < found.active_candidate <= len(found.capacity):
+        return None
+    return found.capacity[found.active_candidate - 1].zone
 
 
 def at(spec: StackSpec, group: NodeGroup, index: int) -> NodeGroup:

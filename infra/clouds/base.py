@@ -15,6 +15,7 @@ import pulumi_random as random
 from infra import rendezvous, userdata
 from infra.access import CLUSTER_NODE, Grants, node_grants
 from infra.buckets import bucket, image_key
+from infra.capacity.places import zone_of
 from infra.groups import ResolvedGroup, Stack
 from infra.image import Registry, TrainerImage, TrainerImageArgs, build_provider, image_resource_name
 from infra.rendezvous import Site
@@ -29,6 +30,7 @@ class TextStore(Protocol):
         ...
 
 
+SubnetT = TypeVar("SubnetT")
 NetT = TypeVar("NetT")
 StoreT = TypeVar("StoreT", bound=TextStore)
 AccessT = TypeVar("AccessT")
@@ -238,6 +240,25 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
         """What a group's fleet waits for: its rendezvous store, if it has one."""
         store = self.stores.get(group.name)
         return [store] if store is not None and rendezvous.multi_node_vm(group) else []
+
+    def zone_of(self, group: ResolvedGroup) -> str | None:
+        """The zone candidate the group runs at (its activeCandidate), or None."""
+        return zone_of(self.stack.declared or self.spec, group.name)
+
+    def moved_to(self, group: ResolvedGroup) -> str | None:
+        """The zone candidate's zone when it is not the network's first (where a one-zone fleet is as
+        declared): the zone a one-zone resource (HCC, cluster placement group) is named after."""
+        zone = self.zone_of(group)
+        return zone if zone is not None and zone != self.spec.network(group.network).subnets[0].zone else None
+
+    def fleet_subnets(self, group: ResolvedGroup, built: list[SubnetT]) -> tuple[list[SubnetT], list[str]]:
+        """The subnets of the group's network its fleet launches into, with their zones: all of them,
+        or at a zone candidate (activeCandidate, infra/capacity/places.py) that zone's only.
+        `built`: the network's subnet resources, in the order of networks[].subnets."""
+        zone = self.zone_of(group)
+        pairs = [(b, s.zone) for b, s in zip(built, self.spec.network(group.network).subnets, strict=True)
+                 if zone is None or s.zone == zone]
+        return [b for b, _ in pairs], [z for _, z in pairs]
 
     def clients_of(self, group: ResolvedGroup) -> list[pulumi.Output[str]]:
         """The security group a group's nodes carry to reach its store (none without one)."""

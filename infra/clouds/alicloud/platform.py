@@ -103,12 +103,12 @@ class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudA
 
     def make_fleet(self, group: ResolvedGroup, net: AlicloudNetwork, access: AlicloudAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
-        spec_net = self.spec.network(group.network)
+        switches, zones = self.fleet_subnets(group, net.switches)  # a zone candidate: that zone's only
         assert net.vm_security_group is not None  # made for every network with VM groups
         runs = [net.run_group(group.name, group.fabric is not None, self.tags)] if self.spans_nodes(group) else []
         fleet = AlicloudGpuFleet(group.name, AlicloudGpuFleetArgs(
-            group=group, vpc_id=net.vpc.id, switch_ids=[s.id for s in net.switches],
-            zones=[s.zone for s in spec_net.subnets], security_group_id=net.vm_security_group.id,
+            group=group, vpc_id=net.vpc.id, switch_ids=[s.id for s in switches],
+            zones=zones, security_group_id=net.vm_security_group.id,
             role_name=access.roles[group.name].role_name, user_data=self.user_data(group, image),
             provider=self.provider(group.region), tags=self.tags, env=self.spec.env, after=self.after_store(group),
             store_clients=[*self.clients_of(group), *runs]),

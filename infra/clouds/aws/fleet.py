@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_aws as aws
 
+from infra.capacity.places import one_zone
 from infra.clouds.aws import reservation
 from infra.fabric import TypeFabric
 from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
@@ -32,6 +33,7 @@ class AwsGpuFleetArgs:
     after: list[pulumi.Resource] = field(default_factory=list)  # its rendezvous store, created first
     # its rendezvous store's client group: the one security group the store admits (infra/rendezvous.py)
     store_clients: list[pulumi.Output[str]] = field(default_factory=list)
+    moved_to: str | None = None  # at a zone candidate other than the declared first zone: that zone (CloudPlatform.moved_to)
 
 
 def fixed_instances(group: ResolvedGroup) -> int:
@@ -85,10 +87,13 @@ class AwsGpuFleet(pulumi.ComponentResource):
         # Multi-node training wants the nodes close together: a cluster placement group, which
         # AWS confines to one zone.
         # EFA works within one zone only (ParallelCluster efa-v3) and wants the same group.
+        # A cluster placement group is bound to the zone of its first instances: a group moved to
+        # a zone candidate gets a new one there (the old one goes once its instances are replaced).
         placement = None
         subnets = args.subnet_ids
-        if (g.workload == "training" and g.scaling.max > 1) or g.fabric is not None:
-            placement = aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", tags=tags, opts=child)
+        if one_zone(g.group, g.fabric):
+            pg = f"{name}-pg-{args.moved_to}" if args.moved_to else f"{name}-pg"
+            placement = aws.ec2.PlacementGroup(pg, strategy="cluster", tags=tags, opts=child)
             subnets = subnets[:1]
         # Reserved capacity: an On-Demand Capacity Reservation the launch template uses (reserved:
         # at the group's maximum; capacity-reservation without an id: its reservedNodes until its end).

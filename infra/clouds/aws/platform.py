@@ -143,14 +143,15 @@ class AwsPlatform(CloudPlatform[AwsNetwork, AwsStorage, AwsAccess]):
 
     def make_fleet(self, group: ResolvedGroup, net: AwsNetwork, access: AwsAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
-        spec_net = self.spec.network(group.network)
+        subnets, zones = self.fleet_subnets(group, net.private_subnets)  # a zone candidate: that zone's only
         assert net.vm_security_group is not None  # made for every network with VM groups
         runs = [net.run_group(group.name, group.fabric is not None, self.tags)] if self.spans_nodes(group) else []
         fleet = AwsGpuFleet(group.name, AwsGpuFleetArgs(
-            group=group, subnet_ids=[s.id for s in net.private_subnets], zones=[s.zone for s in spec_net.subnets],
+            group=group, subnet_ids=[s.id for s in subnets], zones=zones,
             security_group_id=net.vm_security_group.id, instance_profile_arn=access.profiles[group.name].arn,
             user_data=self.user_data(group, image), provider=self.provider(group.region), tags=self.tags,
-            after=self.after_store(group), store_clients=[*self.clients_of(group), *runs]),
+            after=self.after_store(group), store_clients=[*self.clients_of(group), *runs],
+            moved_to=self.moved_to(group)),
             opts=pulumi.ResourceOptions(parent=self))
         # A node with a failed GPU hands itself back (gts-gpu-health.py): that one call, on its own group.
         grant_replace_self(group.name, access.profiles[group.name].role.apply(str), fleet.group,

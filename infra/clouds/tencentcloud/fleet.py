@@ -50,6 +50,7 @@ class TencentGpuFleetArgs:
     after: list[pulumi.Resource] = field(default_factory=list)  # its rendezvous store, created first
     # its rendezvous store's client group: the one security group the store admits (infra/rendezvous.py)
     store_clients: list[pulumi.Output[str]] = field(default_factory=list)
+    moved_to: str | None = None  # at a zone candidate other than the declared first zone: that zone (CloudPlatform.moved_to)
 
 
 class TencentGpuFleet(pulumi.ComponentResource):
@@ -71,7 +72,11 @@ class TencentGpuFleet(pulumi.ComponentResource):
             # refuses min != max and schedules), a reclaimed or failed one is recreated by the next
             # `pulumi up --refresh`, and the run goes on without it meanwhile (elastic rendezvous,
             # MIN_NNODES), as on the other fleets after a spot notice (gts-spot-watch).
-            self.hpc = tencentcloud.cvm.HpcCluster(f"{name}-hcc", zone=args.zones[0], name=name,
+            # An HCC is in one zone for good: the provider's update changes its name and remark only
+            # (resource_tc_cvm_hpc_cluster.go, ModifyHpcClusterAttribute), so a group moved to a zone
+            # candidate gets a new one there (the old one goes once its instances are replaced).
+            hcc = f"{name}-hcc-{args.moved_to}" if args.moved_to else f"{name}-hcc"
+            self.hpc = tencentcloud.cvm.HpcCluster(hcc, zone=args.zones[0], name=name,
                                                    remark="gpu-training-stack HCC group", opts=child)
         self.instances = [self._instance(f"{name}-{i}", i, args, image_id, tags, child, self.hpc)
                           for i in range(fixed)]

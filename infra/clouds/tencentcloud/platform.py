@@ -119,15 +119,15 @@ class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, Tencent
 
     def make_fleet(self, group: ResolvedGroup, net: TencentNetwork, access: TencentAccess,
                    image: pulumi.Output[str]) -> pulumi.Output[list[str]]:
-        spec_net = self.spec.network(group.network)
+        subnets, zones = self.fleet_subnets(group, net.subnets)  # a zone candidate: that zone's only
         assert net.vm_security_group is not None  # made for every network with VM groups
         runs = [net.run_group(group.name, group.fabric is not None, self.tags)] if self.spans_nodes(group) else []
         fleet = TencentGpuFleet(group.name, TencentGpuFleetArgs(
-            group=group, vpc_id=net.vpc.id, subnet_ids=[s.id for s in net.subnets],
-            zones=[s.zone for s in spec_net.subnets], security_group_id=net.vm_security_group.id,
+            group=group, vpc_id=net.vpc.id, subnet_ids=[s.id for s in subnets],
+            zones=zones, security_group_id=net.vm_security_group.id,
             role_name=access.roles[group.name].name, user_data=self.user_data(group, image),
             provider=self.provider(group.region), tags=self.tags, after=self.after_store(group),
-            store_clients=[*self.clients_of(group), *runs]),
+            store_clients=[*self.clients_of(group), *runs], moved_to=self.moved_to(group)),
             opts=pulumi.ResourceOptions(parent=self))
         if hasattr(fleet, "group"):  # fixed instances only: no group to hand a node back to
             grant_replace_self(f"{self.spec.env}-{group.name}", access.roles[group.name].id, group.region, fleet.group,
