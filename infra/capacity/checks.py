@@ -83,12 +83,11 @@ def _check_place(spec: StackSpec, group: NodeGroup, place: Place, path: str, eve
 # Markets bought for one zone: a zone candidate on one would buy it again there (Tencent PREPAID
 # instances recreated, as PREPAID cannot be deleted directly; a second Alibaba elasticity assurance,
 # `zone_ids` being ForceNew and its delete a no-op; a new AWS capacity reservation in that zone).
-ZONE_BOUND_MARKETS = ("reserved", "capacity-block", "capacity-reservation", "elasticity-assurance")
 
 
 def _zone_market(group: NodeGroup, place: Place, path: str) -> list[Problem]:
     """A zone candidate whose market (its own, or the group's it inherits) is bought for one zone."""
-    if place.zone is None or place.market.type not in ZONE_BOUND_MARKETS:
+    if place.zone is None or not (place.market.prepaid or place.market.reservation):
         return []
     own = group.capacity[place.index - 1].market is not None
     what = f"market {place.market.type!r} is" if own else f"inherits the group's market {place.market.type!r},"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infra import clouds
 from infra import fabric as fab
 from infra.groups import instance_types
 from infra.spec import Market, Network, NodeGroup, StackSpec
@@ -42,7 +43,8 @@ def one_zone(group: NodeGroup, fabric: object | None) -> bool:
     """Whether the group's fleet keeps to its network's first subnet (the fleets take subnets[:1]):
     a group with a fabric (`fabric`: fab.wanted; EFA, eRDMA and an HCC are one zone each), and on
     AWS a multi-node training group (its cluster placement group, which AWS confines to one zone)."""
-    return fabric is not None or (group.cloud == "aws" and group.kind == "vm" and fab.multi_node(group))
+    return fabric is not None or (group.kind == "vm" and clouds.profile(group.cloud).multi_node_one_zone
+                                  and fab.multi_node(group))
 
 
 def declared_zone(spec: StackSpec, group: NodeGroup, own: Network | None) -> str | None:

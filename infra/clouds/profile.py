@@ -215,6 +215,12 @@ class CloudProfile(abc.ABC):
 
     @property
     @abc.abstractmethod
+    def multi_node_one_zone(self) -> bool:
+        """Whether a multi-node VM training group keeps to one zone (its network's first subnet)
+        without a fabric too (AWS: its cluster placement group, which AWS confines to one zone)."""
+
+    @property
+    @abc.abstractmethod
     def kubernetes_job_success_policy(self) -> bool:
         """Whether the cloud's clusters run a Kubernetes with the Job success policy (KEP-3998, GA 1.33)."""
 

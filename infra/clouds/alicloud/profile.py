@@ -80,6 +80,7 @@ class AlicloudProfile(CloudProfile):
     kubernetes_pods_in_vpc = False
     kubernetes_pool_marks_rule = "ackAutoscalingPoolMarks"
     kubernetes_pool_mixes_markets = True  # an ACK pool mixes markets and carries its group's market
+    multi_node_one_zone = False  # a deployment set spreads over the group's vSwitches
     kubernetes_job_success_policy = True  # ACK's newest (KEP-3998: GA in 1.33)
     kubernetes_nodeadm = False
     pod_identity_egress = ()

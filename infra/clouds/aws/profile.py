@@ -64,6 +64,7 @@ class AwsProfile(CloudProfile):
     kubernetes_pods_in_vpc = True  # EKS uses VPC addresses
     kubernetes_pool_marks_rule = None
     kubernetes_pool_mixes_markets = False  # a spot group's on-demand base is a pool of its own
+    multi_node_one_zone = True  # the cluster placement group of a multi-node group is one zone's
     kubernetes_job_success_policy = True  # EKS 1.35 (KEP-3998: GA in 1.33)
     kubernetes_nodeadm = True
     pod_identity_egress = ("169.254.170.23/32",)  # EKS Pod Identity's node agent

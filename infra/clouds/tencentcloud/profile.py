@@ -68,6 +68,7 @@ class TencentcloudProfile(CloudProfile):
     kubernetes_pods_in_vpc = False
     kubernetes_pool_marks_rule = None
     kubernetes_pool_mixes_markets = False
+    multi_node_one_zone = False  # without an HCC a multi-node group spreads over its subnets
     kubernetes_job_success_policy = False  # TKE 1.30: the feature gate is off (KEP-3998: GA in 1.33)
     kubernetes_nodeadm = False
     pod_identity_egress = ()
