@@ -5,10 +5,11 @@ real run's logs (a spare waiting lets the agents restart before any worker failu
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
-from training.trainer.bench_peer import DETECTED
+from training.trainer.bench_peer import DETECTED, HANG, keep_hangs
 
 SEEN = [
     "E1202 04:51:41.747000 2083 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1002]"
@@ -34,3 +35,15 @@ def test_each_kind_of_survivor_line_is_a_detection(line: str) -> None:
 @pytest.mark.parametrize("line", NOT_SEEN)
 def test_a_line_that_does_not_see_the_loss_is_not_one(line: str) -> None:
     assert not re.search(DETECTED, line)
+
+
+def test_a_hang_line_is_counted_and_its_stacks_are_kept_out_of_the_run_s_temporary_folder(tmp_path: Path) -> None:
+    line = ("2026-12-02 04:50:00,456 gts.watchdog hang: no step on ranks [1] of node vm for 61 s (limit 60 s); "
+            "suspect rank 1 (oldest heartbeat); saving stacks and restarting the workers")
+    assert HANG in line
+    work = tmp_path / "peer+spare-0"
+    assert keep_hangs(work, tmp_path / "kept") is None  # no watchdog fired: nothing kept
+    (work / "progress1" / "hangs").mkdir(parents=True)
+    (work / "progress1" / "hangs" / "vm-1.txt").write_text("== rank 1 pid 5 last step 140\n  File train.py")
+    kept = keep_hangs(work, tmp_path / "kept")
+    assert kept is not None and (kept / "progress1" / "vm-1.txt").read_text().startswith("== rank 1")

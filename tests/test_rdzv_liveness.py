@@ -5,6 +5,7 @@ holder is torch's own, over a real TCPStore, with real sockets: one listening, o
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -131,7 +132,7 @@ def test_a_signed_address_reads_back_ipv4_and_ipv6() -> None:
         assert rdzv_liveness.opened(KEY, RUN, _node(1), rdzv_liveness.seal(KEY, RUN, _node(1), endpoint)) == found
 
 
-def test_a_member_found_gone_stays_gone_and_the_drop_is_written_for_the_others(
+def test_a_member_found_gone_stays_gone_for_that_silence_and_the_drop_is_written_for_the_others(
         store: TCPStore, closed: int, capsys: pytest.CaptureFixture[str]) -> None:
     me, gone = _node(0), _node(1)
     asked: list[tuple[str, int]] = []
@@ -140,12 +141,74 @@ def test_a_member_found_gone_stays_gone_and_the_drop_is_written_for_the_others(
     rdzv_liveness.publish(store, KEY, RUN, gone, f"127.0.0.1:{closed}")
     _member(holder, me, 0)
     _member(holder, gone, 4)
+    silence = holder.state.last_heartbeats[gone]
     holder._sanitize()
     holder.sync()  # the drop marked the state dirty: this writes it
     other = _BackendRendezvousStateHolder(SignedC10dBackend(store, RUN, KEY), _settings())
     other.sync()
     assert set(other.state.participants) == {me}
-    _member(holder, gone, 4)  # a state read back from a node that had not dropped it yet
+    _member(holder, gone, 0)  # a state read back from an agent that had not dropped it yet: the same silence
+    holder.state.last_heartbeats[gone] = silence
     holder._sanitize()
     assert gone not in holder.state.participants and len(asked) == 1  # dropped again, not asked again
     assert capsys.readouterr().err.count("is gone") == 1
+
+
+def test_a_member_dropped_that_beats_again_is_not_shut_out(store: TCPStore, closed: int) -> None:
+    """A node dropped while alive (its store had died beside a live agent) that joins again with a
+    new heartbeat is a member like any other: no verdict outlives the silence it was about."""
+    me, back = _node(0), _node(1)
+    holder = _holder(store, me)
+    holder.watch(store, KEY, me, probe=_recorder([], True))
+    rdzv_liveness.publish(store, KEY, RUN, back, f"127.0.0.1:{closed}")
+    _member(holder, me, 0)
+    _member(holder, back, 4)
+    holder._sanitize()
+    assert back not in holder.state.participants
+    _member(holder, back, 0)  # it joins again and beats
+    holder._sanitize()
+    assert back in holder.state.participants
+
+
+def test_a_node_whose_own_store_refuses_withdraws_its_address(store: TCPStore, closed: int, listening: int,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    me, peer = _node(0), _node(1)
+    rdzv_liveness.publish(store, KEY, RUN, me, f"127.0.0.1:{closed}")
+    mine = _holder(store, me)
+    mine.watch(store, KEY, me, own=("127.0.0.1", closed))
+    _member(mine, me, 0)
+    mine._sanitize()
+    assert not store.check([rdzv_liveness.key(RUN, me)])  # withdrawn: its store's refusal is no evidence now
+    assert "its address is withdrawn" in capsys.readouterr().err
+    theirs = _holder(store, peer)
+    _member(theirs, peer, 0)
+    _member(theirs, me, 4)  # late, its store refusing: still a member (torch's rule decides)
+    theirs._sanitize()
+    assert me in theirs.state.participants
+    alive = _holder(store, peer)
+    alive.watch(store, KEY, peer, own=("127.0.0.1", listening))
+    rdzv_liveness.publish(store, KEY, RUN, peer, f"127.0.0.1:{listening}")
+    alive._sanitize()
+    assert store.check([rdzv_liveness.key(RUN, peer)])  # a store that listens keeps its address
+
+
+def test_late_members_are_asked_at_once_and_those_past_torch_s_limit_not_at_all(store: TCPStore, closed: int) -> None:
+    """Three silent hosts cost one wait, not three: each probe waits for the other two (a barrier),
+    which only probes asked together pass."""
+    me, past = _node(0), _node(9)
+    late = [_node(i) for i in (1, 2, 3)]
+    together = threading.Barrier(3, timeout=60)
+    asked: list[tuple[str, int]] = []
+
+    def probe(host: str, port: int) -> bool:
+        asked.append((host, port))
+        together.wait()
+        return True
+    holder = _holder(store, me)
+    holder.watch(store, KEY, me, probe=probe, budget_s=120)
+    _member(holder, me, 0)
+    for node in [*late, past]:
+        rdzv_liveness.publish(store, KEY, RUN, node, f"127.0.0.1:{closed}")
+        _member(holder, node, 11 if node == past else 4)
+    holder._sanitize()
+    assert set(holder.state.participants) == {me} and len(asked) == 3  # `past`: torch's rule, never asked

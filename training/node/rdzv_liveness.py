@@ -10,12 +10,17 @@ process beside the agent on the node's own address. Each agent publishes that ad
 rendezvous store, signed under the run's key (RDZV_KEY) like the rendezvous state; a member whose
 heartbeat is older than LATE_BEATS intervals AND whose peer store *refuses* a TCP connection
 (the kernel answered: nothing listens there, so the node's processes are gone) is dropped at
-once. Both must hold: a slow agent keeps its store, a restarting store keeps the agent's
-heartbeats. Anything short of a refusal (a timeout: a host that vanished, a firewall that drops,
-no published address, a signature that does not match) leaves torch's own rule to decide, so a
-node is never dropped earlier on weaker evidence than torch's. The probe only connects and
-closes (the store reads no request from it) and only to a port the run already opens between its
-nodes (PEER_PORT).
+once. Both must hold: a slow agent keeps its store. Anything short of a refusal (a timeout: a
+host that vanished, a firewall that drops, no published address, a signature that does not
+match) leaves torch's own rule to decide, so a node is never dropped earlier on weaker evidence
+than torch's. (A host firewall that REJECTs the port also answers "refused": the run's own
+security group admits PEER_PORT between its nodes, docs/tenancy.md.) The late members are asked
+together, within one short budget per sync, so a wave of vanished hosts costs one timeout, not
+one each; a member past torch's own limit is left to it. A verdict holds for the silence it was
+about: a dropped node that beats again (it joins anew) is a member like any other. A node whose
+own store refuses (the store died beside a live agent; nothing restarts it) withdraws its address,
+so no other agent takes that refusal as its loss. The probe only connects and closes (the store
+reads no request from it) and only to a port the run already opens between its nodes (PEER_PORT).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import hmac
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -57,8 +63,13 @@ def opened(mac_key: bytes, run_id: str, node: Any, sealed: bytes) -> tuple[str, 
     except UnicodeDecodeError:
         return None
     good = hmac.new(mac_key, f"{run_id}\0{node!r}\0{endpoint}".encode(), hashlib.sha256).digest()
+    return parse(endpoint) if hmac.compare_digest(mac, good) else None
+
+
+def parse(endpoint: str) -> tuple[str, int] | None:
+    """(host, port) of `host:port` or `[v6]:port`; None for anything else."""
     host, _, port = endpoint.rpartition(":")
-    if not hmac.compare_digest(mac, good) or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
         return None
     return host.strip("[]"), int(port)
 
@@ -85,13 +96,20 @@ class LivenessStateHolder(_BackendRendezvousStateHolder):
     _gts_store: Any
     _gts_key: bytes
     _gts_self: Any
+    _gts_own: tuple[str, int] | None
+    _gts_own_asked: float
     _gts_asked: dict[str, float]
-    _gts_gone: set[str]
+    _gts_gone: dict[str, datetime]
     _gts_probe: Callable[[str, int], bool]
+    _gts_budget_s: float
 
-    def watch(self, store: Any, mac_key: bytes, this_node: Any, probe: Callable[[str, int], bool] = refused) -> None:
-        self._gts_store, self._gts_key, self._gts_self = store, mac_key, this_node
-        self._gts_asked, self._gts_gone, self._gts_probe = {}, set(), probe
+    def watch(self, store: Any, mac_key: bytes, this_node: Any, own: tuple[str, int] | None = None,
+              probe: Callable[[str, int], bool] = refused, budget_s: float = PROBE_TIMEOUT_S + 0.2) -> None:
+        """`own`: this node's published store, asked too (a node whose own store is down withdraws
+        its address); `budget_s`: the most one sync spends on probes, all asked at once."""
+        self._gts_store, self._gts_key, self._gts_self, self._gts_own = store, mac_key, this_node, own
+        self._gts_own_asked, self._gts_asked, self._gts_gone = 0.0, {}, {}
+        self._gts_probe, self._gts_budget_s = probe, budget_s
 
     def _endpoint(self, node: Any) -> tuple[str, int] | None:
         name = key(self._settings.run_id, node)
@@ -102,30 +120,61 @@ class LivenessStateHolder(_BackendRendezvousStateHolder):
         except Exception:  # noqa: BLE001 (the store unreachable: torch's own sync reports that)
             return None
 
-    def _gone(self, node: Any, beat: datetime, now: datetime) -> bool:
+    def _late(self, now: datetime) -> dict[Any, datetime]:
+        """Members worth asking about: late by LATE_BEATS intervals, not yet past torch's own limit
+        (its rule drops those below), not this node, not asked within the last interval."""
         interval = self._settings.keep_alive_interval
-        if node == self._gts_self or now - beat < interval * LATE_BEATS:
-            return False
-        asked = self._gts_asked.get(repr(node), 0.0)
-        if time.monotonic() - asked < interval.total_seconds():  # once per interval at most
-            return False
-        self._gts_asked[repr(node)] = time.monotonic()
-        endpoint = self._endpoint(node)
-        return endpoint is not None and self._gts_probe(*endpoint)
+        expiry = interval * self._settings.keep_alive_max_attempt
+        late = {node: beat for node, beat in self._state.last_heartbeats.items()
+                if node != self._gts_self and interval * LATE_BEATS <= now - beat < expiry
+                and time.monotonic() - self._gts_asked.get(repr(node), 0.0) >= interval.total_seconds()}
+        for node in late:
+            self._gts_asked[repr(node)] = time.monotonic()
+        return late
+
+    def _refused(self, nodes: dict[Any, datetime]) -> dict[Any, datetime]:
+        """The nodes among `nodes` whose stores refuse, asked all at once within the budget: a host
+        that drops packets costs one timeout for all, not one each."""
+        asks = {node: at for node in nodes if (at := self._endpoint(node)) is not None}
+        if not asks:
+            return {}
+        pool = ThreadPoolExecutor(max_workers=min(16, len(asks)), thread_name_prefix="gts-liveness")
+        futures = {pool.submit(self._gts_probe, *at): node for node, at in asks.items()}
+        done, _ = wait(futures, timeout=self._gts_budget_s)
+        pool.shutdown(wait=False, cancel_futures=True)
+        return {futures[f]: nodes[futures[f]] for f in done if f.exception() is None and f.result()}
+
+    def _withdraw_if_own_store_is_down(self) -> None:
+        """This node's own store refusing (it died beside a live agent): its address is withdrawn,
+        so that no other agent takes the refusal as this node's loss (torch's rule stays)."""
+        interval = self._settings.keep_alive_interval.total_seconds()
+        if self._gts_own is None or time.monotonic() - self._gts_own_asked < interval:
+            return
+        self._gts_own_asked = time.monotonic()
+        if not self._gts_probe(*self._gts_own):
+            return
+        try:
+            self._gts_store.delete_key(key(self._settings.run_id, self._gts_self))
+        except Exception:  # noqa: BLE001 (the store unreachable: asked again next interval)
+            return
+        self._gts_own = None
+        print("rdzv_launch: this node's own peer store refuses connections: its address is withdrawn from the "
+              "rendezvous (its loss is left to torch's keep-alive rule)", file=sys.stderr, flush=True)
 
     def _sanitize(self) -> None:
         if getattr(self, "_gts_store", None) is not None:
+            self._withdraw_if_own_store_is_down()
             now = datetime.now(timezone.utc)
+            for node, beat in self._refused(self._late(now)).items():
+                self._gts_gone[repr(node)] = beat
+                print(f"rdzv_launch: node {node!r} is gone (its heartbeat is {(now - beat).total_seconds():.1f} s old "
+                      "and its peer store refuses connections): removed from the rendezvous now, not after the "
+                      "keep-alive limit", file=sys.stderr, flush=True)
             for node, beat in list(self._state.last_heartbeats.items()):
-                # A node found gone stays gone (an agent that starts again is a new node, with a
-                # new pid): a state read back from a node that had not dropped it yet drops it again.
-                if repr(node) in self._gts_gone or self._gone(node, beat, now):
-                    if repr(node) not in self._gts_gone:
-                        self._gts_gone.add(repr(node))
-                        age = (now - beat).total_seconds()
-                        print(f"rdzv_launch: node {node!r} is gone (its heartbeat is {age:.1f} s old and its peer "
-                              "store refuses connections): removed from the rendezvous now, not after the keep-alive "
-                              "limit", file=sys.stderr, flush=True)
+                seen = self._gts_gone.get(repr(node))
+                if seen is not None and beat > seen:  # it beat since: alive after all, judged anew if late again
+                    del self._gts_gone[repr(node)]
+                elif seen is not None:  # the same silence (a state read back from an agent that kept it)
                     self._state.last_heartbeats[node] = EPOCH  # torch's rule below removes it
                     self.mark_dirty()  # and the next sync writes that down for the others
         super()._sanitize()
@@ -136,7 +185,10 @@ def attach(handler: Any, store: Any, mac_key: bytes, endpoint: str) -> None:
     holder = handler._state_holder
     if not isinstance(holder, _BackendRendezvousStateHolder) or not endpoint:
         return
+    own = parse(endpoint)
+    if own is None:
+        return
     publish(store, mac_key, handler._settings.run_id, handler._this_node, endpoint)
     holder.__class__ = LivenessStateHolder
     assert isinstance(holder, LivenessStateHolder)
-    holder.watch(store, mac_key, handler._this_node)
+    holder.watch(store, mac_key, handler._this_node, own)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ LIMIT_BLOCKED = 0.02  # issue 46: peer copies block the loop <= 2 % of step time
 KEY = "bench-run-key-" + "0" * 32
 # the loss seen by a survivor: its agent's worker failure, its worker's broken collective, or the
 # rendezvous dropping the lost member (training/node/rdzv_liveness.py)
+HANG = "gts.watchdog hang: "  # a survivor's watchdog found no step for its limit (training/node/watchdog.py)
 DETECTED = r"failed \(exitcode|Connection reset by peer|rdzv_launch: node \S+ is gone"
 
 
@@ -63,7 +65,10 @@ class Node:
     """One node: the entrypoint, its output lines with the time each arrived."""
 
     def __init__(self, index: int, env: dict[str, str], work: Path, args: list[str]):
-        full = {**os.environ, **env, "CHECKPOINT_DIR": str(work / f"node{index}"), "PEER_PORT": str(_port())}
+        progress = work / f"progress{index}"  # the hang watchdog's folder, kept with the run (keep_hangs)
+        progress.mkdir(mode=0o700)
+        full = {**os.environ, **env, "CHECKPOINT_DIR": str(work / f"node{index}"), "PEER_PORT": str(_port()),
+                "GTS_PROGRESS_DIR": str(progress)}
         self.proc = subprocess.Popen(["bash", str(ROOT / "training/node/entrypoint.sh"), *args], env=full, cwd=work,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[tuple[float, str]] = []
@@ -123,8 +128,9 @@ def one_run(every: int, width: int, kill_at: int, moto_url: str, work: Path, spa
         _, world = _first(survivors, r"rank \d+ of (\d+) ", killed)
         _, resumed = _first(survivors, r"resumed from step (\d+)", killed)
         stepped, _ = _first(survivors, rf"step {int(resumed.group(1)) + 1} loss", killed)
-        found = {"to_step": stepped - detected, "detect": detected - killed, "kill_to_step": stepped - killed, "world": float(world.group(1)),
-                 "lost": float(max(last, int(at.group(1))) - int(resumed.group(1)))}
+        found = {"to_step": stepped - detected, "detect": detected - killed, "kill_to_step": stepped - killed,
+                 "world": float(world.group(1)), "lost": float(max(last, int(at.group(1))) - int(resumed.group(1))),
+                 "hangs": float(sum(1 for n in survivors for t, line in list(n.lines) if t >= killed and HANG in line))}
         if every:
             found["blocked_share"] = _blocked_share(nodes, every)
         return found
@@ -133,6 +139,20 @@ def one_run(every: int, width: int, kill_at: int, moto_url: str, work: Path, spa
             node.kill()
         store.terminate()
         store.wait(timeout=10)
+        kept = keep_hangs(work, ROOT / "out" / "bench-hangs" / f"{work.name}-{time.time_ns()}")
+        if kept:
+            print(f"{work.name}: a hang watchdog fired; its stacks are kept in {kept}", file=sys.stderr)
+
+
+def keep_hangs(work: Path, dest: Path) -> Path | None:
+    """The hang dumps of a run's nodes (their watchdogs' `hangs/` folders), copied out of the run's
+    temporary folder to `dest`; None when no watchdog fired."""
+    dumps = sorted(work.glob("progress*/hangs/*"))
+    for dump in dumps:
+        target = dest / dump.parent.parent.name / dump.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(dump, target)
+    return dest if dumps else None
 
 
 def _blocked_share(nodes: list[Node], every: int) -> float:
@@ -187,12 +207,13 @@ def _print(figures: dict[str, dict[str, list[float]]], args: argparse.Namespace)
     print(f"\nrecovery after a SIGKILLed node (3 nodes, TinyNet width {args.width}, checkpoints every 100 steps, "
           f"PEER_EVERY={args.every}; min/median of {args.repeats}, interleaved)")
     print(f"{'path':>10} {'kill->detected s':>17} {'detected->first step s':>23} {'limit':>7} {'kill->first step s':>19} "
-          f"{'steps lost':>14} {'limit':>6} {'world':>6}")
+          f"{'steps lost':>14} {'limit':>6} {'world':>6} {'hangs':>6}")
     for name, f in figures.items():
         if f:
             lost_limit = f"{args.every}" if name.startswith("peer") else "-"
             print(f"{name:>10} {cell(f['detect']):>17} {cell(f['to_step']):>23} {LIMIT_TO_STEP_S:>6.0f}s "
-                  f"{cell(f['kill_to_step']):>19} {cell(f['lost'], '5.0f'):>14} {lost_limit:>6} {max(f['world']):6.0f}")
+                  f"{cell(f['kill_to_step']):>19} {cell(f['lost'], '5.0f'):>14} {lost_limit:>6} {max(f['world']):6.0f} "
+                  f"{sum(f['hangs']):6.0f}")
     share = figures["peer"].get("blocked_share", [])
     if share:
         print(f"peer copies: loop blocked {min(share):.2%}/{median(share):.2%} of step time at K={args.every} "
