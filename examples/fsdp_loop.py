@@ -81,7 +81,7 @@ def main() -> int:
         if start:
             digest = full_params_sha256(model)  # every rank gathers; rank 0 gets the hash
             if rank == 0:
-                print(f"resumed at step {start} params_sha256={digest}", flush=True)
+                print(f"resumed at step {start} params_sha256={digest}\n", end="", flush=True)
         for step in range(start, args.steps):
             x, y = batch(args.seed, step, rank)
             loss = nn.functional.binary_cross_entropy_with_logits(model(x), y)
@@ -98,7 +98,7 @@ def main() -> int:
             ckpt.save(args.steps)  # the finished state: a restart finds nothing left to do
             digest = full_params_sha256(model)
             if rank == 0:
-                print(f"final step={args.steps} params_sha256={digest}", flush=True)
+                print(f"final step={args.steps} params_sha256={digest}\n", end="", flush=True)
     return ckpt.exit_code
 
 

@@ -69,7 +69,7 @@ def main() -> int:
     model = Tiny(args.sleep_ms, args.pause_at, lambda: spot.stop.raised is not None)
     code = spot.fit(trainer, model, train_dataloaders=data)
     if code == 0 and spot.stopped is None and spot.comm.rank == 0:
-        print(f"final step={trainer.global_step or spot.resumed_step}", flush=True)
+        print(f"final step={trainer.global_step or spot.resumed_step}\n", end="", flush=True)
     return code
 
 

@@ -67,7 +67,7 @@ def main() -> int:
             ckpt.save(args.steps)  # the finished state: a restart finds nothing left to do
             digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.state_dict().values()))
             if ckpt.comm.rank == 0:
-                print(f"final step={args.steps} params_sha256={digest.hexdigest()}", flush=True)
+                print(f"final step={args.steps} params_sha256={digest.hexdigest()}\n", end="", flush=True)
     return ckpt.exit_code
 
 

@@ -377,7 +377,7 @@ class Run:
         if interrupted is None and code == 0:
             digest = final_digest(self.model, self.sharded is not None, self.comm.rank)
             if self.comm.rank == 0:
-                print(f"final step={self.step} loss={self.last_loss!r} params_sha256={digest}", flush=True)
+                print(f"final step={self.step} loss={self.last_loss!r} params_sha256={digest}\n", end="", flush=True)
         return code
 
 
