@@ -27,19 +27,25 @@ RESULT = "RESULT "
 
 
 @contextlib.contextmanager
-def logged_store(log: Path) -> Iterator[str]:
-    """A peer store process on loopback, its log in `log`; yields its address."""
+def store_process(out: Any = subprocess.DEVNULL, **env: str) -> Iterator[str]:
+    """A peer store process on loopback (its output to `out`, `env` added); yields its address."""
     port = free_port()
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "training.peer.store", "--addr", "127.0.0.1", "--port",
-                                 str(port)], cwd=ROOT, env={**os.environ, "RDZV_KEY": RDZV_TEST_KEY,
-                                                            "PYTHONPATH": str(ROOT)}, stdout=out, stderr=out)
+    proc = subprocess.Popen([sys.executable, "-m", "training.peer.store", "--addr", "127.0.0.1", "--port", str(port)],
+                            cwd=ROOT, env={**os.environ, "RDZV_KEY": RDZV_TEST_KEY, "PYTHONPATH": str(ROOT), **env},
+                            stdout=out, stderr=out)
     try:
         wait_port(port)
         yield f"127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def logged_store(log: Path) -> Iterator[str]:
+    """A peer store process on loopback, its log in `log`; yields its address."""
+    with log.open("w") as out, store_process(out) as address:
+        yield address
 
 
 def payload(step: int, state: dict[str, Any] | None, rng: int) -> bytes:

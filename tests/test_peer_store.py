@@ -10,11 +10,11 @@ import io
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import torch
 
-from tests.training_helpers import RDZV_TEST_KEY, ROOT, free_port, wait_port
+from tests.peer_helpers import store_process
+from tests.training_helpers import RDZV_TEST_KEY, ROOT, free_port
 from training.distributed import Comm
 from training.peer import wire
 from training.peer.client import Link, PeerRefused
@@ -23,18 +23,8 @@ from training.peer.tier import PeerTier, buddy
 KEY = RDZV_TEST_KEY.encode()
 
 
-@contextlib.contextmanager
-def _store(**env: str) -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "training.peer.store", "--addr", "127.0.0.1", "--port", str(port)],
-                            cwd=ROOT, env={**os.environ, "RDZV_KEY": RDZV_TEST_KEY, "PYTHONPATH": str(ROOT), **env},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_port(port)
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+def _store(**env: str) -> contextlib.AbstractContextManager[str]:
+    return store_process(**env)
 
 
 def _copy(step: int, value: float) -> bytes:
