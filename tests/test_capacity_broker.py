@@ -60,7 +60,8 @@ class World:
                         else score)
         self.ali = Replay({"DescribeAvailableResource": [recorded("alicloud", "available_resource_sold_out",
                                                                   **{"ecs.gn7i-c8g1.2xlarge": "ecs.gn6i-c4g1.xlarge"})]})
-        self.tc = Replay({"DescribeZoneInstanceConfigInfos": [recorded("tencentcloud", "zone_config_in_stock")]})
+        self.tc = Replay({"DescribeZoneInstanceConfigInfos": [recorded("tencentcloud", "zone_config_in_stock")],
+                          "DescribeAccountQuota": [recorded("tencentcloud", "account_quota_spot")]})
 
     made = 0
 
@@ -120,7 +121,7 @@ def test_insufficient_capacity_moves_the_group_and_the_run_resumes_bit_exact_els
     assert world.aws.calls == ["DescribeScalingActivities", "DescribeAutoScalingGroups",
                                "DescribeInstanceTypeOfferings", "GetServiceQuota", "GetSpotPlacementScores"]
     assert [a[0] for a in world.ali.asked] == ["DescribeAvailableResource"]
-    assert [a[0] for a in world.tc.asked] == ["DescribeZoneInstanceConfigInfos"]
+    assert [a[0] for a in world.tc.asked] == ["DescribeZoneInstanceConfigInfos", "DescribeAccountQuota"]
     assert workspace.changes == [("gpu-training-stack:nodeGroups[0].activeCandidate", "3")]
     assert workspace.ups == ["capacity broker: aws-train to tencentcloud ap-guangzhou GN7.2XLARGE32 spot"]
     # `up` judged by the whole pack, with the pack config of the stack as moved (the group priced at Tencent)

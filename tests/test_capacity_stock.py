@@ -82,16 +82,37 @@ def test_aws_launch_failures_are_the_groups_capacity_activities() -> None:
 
 def test_alicloud_asks_each_type_signed_and_stops_at_the_first_in_stock() -> None:
     replay = Replay({"DescribeAvailableResource": [recorded("alicloud", "available_resource_sold_out"),
-                                                   recorded("alicloud", "available_resource_with_stock")]})
+                                                   recorded("alicloud", "available_resource_with_stock")],
+                     "DescribeAccountAttributes": [recorded("alicloud", "account_attributes_spot")]})
     api = stock_api("alicloud", "cn-hangzhou", creds=CREDS, send=replay)
-    verdict = api.ask(Ask("cn-hangzhou", "cn-hangzhou-h", ("ecs.gn7i-c8g1.2xlarge", "ecs.gn6i-c4g1.xlarge"), SPOT, 2, 8))
-    assert verdict.ok and verdict.calls == 2
-    assert verdict.why == "ecs.gn6i-c4g1.xlarge WithStock in cn-hangzhou-h (DescribeAvailableResource)"
+    verdict = api.ask(Ask("cn-hangzhou", "cn-hangzhou-h", ("ecs.gn7i-c8g1.2xlarge", "ecs.gn6i-c4g1.xlarge"), SPOT, 1, 8))
+    assert verdict.ok and verdict.calls == 3
+    assert verdict.why == ("ecs.gn6i-c4g1.xlarge WithStock in cn-hangzhou-h (DescribeAvailableResource), "
+                           "vCPU quota left 8 (DescribeAccountAttributes)")
     action, params, _ = replay.asked[0]
     assert action == "DescribeAvailableResource" and params["DestinationResource"] == "InstanceType"
     assert (params["InstanceType"], params["ZoneId"], params["InstanceChargeType"], params["SpotStrategy"]) == (
         "ecs.gn7i-c8g1.2xlarge", "cn-hangzhou-h", "PostPaid", "SpotAsPriceGo")
     assert params["AccessKeyId"] == "AKIDEXAMPLE" and params["Signature"] and params["SignatureMethod"] == "HMAC-SHA1"
+
+
+def test_alicloud_stock_without_the_vcpu_quota_for_the_nodes_is_refused_and_each_market_asks_its_own() -> None:
+    quota = recorded("alicloud", "account_attributes_spot")  # 40 spot vCPUs, 32 used: 8 left
+    replay = Replay({"DescribeAvailableResource": [recorded("alicloud", "available_resource_with_stock")] * 3,
+                     "DescribeAccountAttributes": [quota, {"AccountAttributeItems": {"AccountAttributeItem": []}}]})
+    api = stock_api("alicloud", "cn-hangzhou", creds=CREDS, send=replay)
+    short = api.ask(Ask("cn-hangzhou", "cn-hangzhou-h", ("ecs.gn6i-c4g1.xlarge",), SPOT, 2, 8))
+    assert (short.ok, short.calls) == (False, 2)
+    assert short.why == ("vCPU quota left 8 (max-spot-instance-vcpu-count 40, used 32) is under the 16 the nodes "
+                         "need (DescribeAccountAttributes)")
+    _, params, _ = replay.asked[1]
+    assert (params["AttributeName.1"], params["AttributeName.2"], params["ZoneId"]) == (
+        "max-spot-instance-vcpu-count", "used-spot-instance-vcpu-count", "cn-hangzhou-h")
+    unknown = api.ask(Ask("cn-hangzhou", None, ("ecs.gn6i-c4g1.xlarge",), ON_DEMAND, 2, 8))
+    assert unknown.ok and unknown.why.endswith("vCPU quota left unknown (DescribeAccountAttributes)")
+    assert replay.asked[3][1]["AttributeName.1"] == "max-postpaid-instance-vcpu-count" and "ZoneId" not in replay.asked[3][1]
+    prepaid = api.ask(Ask("cn-hangzhou", None, ("ecs.gn6i-c4g1.xlarge",), Market(type="reserved"), 2, 8))
+    assert (prepaid.ok, prepaid.calls) == (True, 1)  # bought capacity: no pay-as-you-go quota asked
 
 
 def test_alicloud_sold_out_is_no_stock_and_no_stock_activities_are_failures() -> None:
@@ -124,13 +145,18 @@ def test_alicloud_a_later_successful_activity_clears_a_failure_and_the_group_is_
 def test_tencentcloud_asks_the_zone_configuration_signed_tc3() -> None:
     replay = Replay({"DescribeZoneInstanceConfigInfos": [recorded("tencentcloud", "zone_config_sold_out"),
                                                          recorded("tencentcloud", "zone_config_in_stock")],
+                     "DescribeAccountQuota": [recorded("tencentcloud", "account_quota_spot")],
                      "DescribeAutoScalingActivities": [recorded("tencentcloud", "activities_sold_out")]})
     api = stock_api("tencentcloud", "ap-guangzhou", creds=CREDS, send=replay)
     ask = Ask("ap-guangzhou", "ap-guangzhou-3", ("GN7.2XLARGE32",), SPOT, 2, 8)
     sold = api.ask(ask)
     assert (sold.ok, sold.calls) == (False, 1)
     assert sold.why == "GN7.2XLARGE32 SOLD_OUT/WithoutStock in ap-guangzhou-3 (DescribeZoneInstanceConfigInfos)"
-    assert api.ask(ask).ok
+    found = api.ask(ask)
+    assert (found.ok, found.calls) == (True, 2)
+    assert found.why.endswith("in ap-guangzhou-3 (DescribeZoneInstanceConfigInfos), quota left 6 (DescribeAccountQuota)")
+    assert {f["Name"]: f["Values"] for f in replay.asked[2][1]["Filters"]} == {
+        "zone": ["ap-guangzhou-3"], "quota-type": ["SpotPaidQuotaSet"]}
     action, params, headers = replay.asked[0]
     assert action == "DescribeZoneInstanceConfigInfos" and headers["X-tc-version"] == "2017-03-12"
     assert {f["Name"]: f["Values"] for f in params["Filters"]} == {
@@ -138,6 +164,19 @@ def test_tencentcloud_asks_the_zone_configuration_signed_tc3() -> None:
     assert headers["Authorization"].startswith("TC3-HMAC-SHA256 Credential=AKIDEXAMPLE/")
     found = api.failures("asg-kiju7yt5")
     assert len(found) == 1 and found[0].message.startswith("ResourceInsufficient.SpecifiedInstanceType")
+
+
+def test_tencentcloud_stock_with_fewer_instances_of_quota_left_than_nodes_is_refused() -> None:
+    stock = recorded("tencentcloud", "zone_config_in_stock")
+    replay = Replay({"DescribeZoneInstanceConfigInfos": [stock, stock],
+                     "DescribeAccountQuota": [recorded("tencentcloud", "account_quota_spot"), {"Response": {}}]})
+    api = stock_api("tencentcloud", "ap-guangzhou", creds=CREDS, send=replay)
+    short = api.ask(Ask("ap-guangzhou", None, ("GN7.2XLARGE32",), SPOT, 7, 8))  # 6 left in ap-guangzhou-3
+    assert (short.ok, short.calls) == (False, 2)
+    assert short.why == "SpotPaidQuotaSet RemainingQuota 6 in ap-guangzhou-3 is under the 7 nodes (DescribeAccountQuota)"
+    assert {f["Name"]: f["Values"] for f in replay.asked[1][1]["Filters"]}["zone"] == ["ap-guangzhou-3"]
+    unknown = api.ask(Ask("ap-guangzhou", None, ("GN7.2XLARGE32",), SPOT, 7, 8))
+    assert unknown.ok and unknown.why.endswith("quota unknown (DescribeAccountQuota)")
 
 
 def test_tencentcloud_failures_since_go_as_start_time_and_a_full_group_is_not_short() -> None:

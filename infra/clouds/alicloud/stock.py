@@ -16,8 +16,15 @@ infra/capacity/stock.py:
   its ActiveCapacity (instances In Service) is under its DesiredCapacity (MinSize when the group
   has no desired capacity).
 
-No quota call: the account's instance quota is not asked here (ECS DescribeAccountAttributes has
-it; not wired). The tests answer with recorded responses written from the documented response
+- ECS DescribeAccountAttributes (2014-05-26): RegionId, ZoneId, AttributeName.N; the account's
+  vCPU quota for the market — max-spot-instance-vcpu-count and used-spot-instance-vcpu-count (spot),
+  max-postpaid-instance-vcpu-count and used-postpaid-instance-vcpu-count (pay-as-you-go); each
+  AccountAttributeItem's AttributeValues.ValueItem[].Value (ECS API reference,
+  DescribeAccountAttributes). Asked once, after a type in stock is found (a sold-out place costs
+  no quota call); a place whose vCPUs left are under the nodes' (nodes x the first type's vCPUs)
+  is refused. Prepaid and assured capacity has no pay-as-you-go quota: not asked.
+
+The tests answer with recorded responses written from the documented response
 shapes (tests/data/capacity/alicloud/), not captured from a live account.
 """
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import urllib.request
 from collections.abc import Callable
@@ -36,6 +44,9 @@ from training import cloudmeta
 
 Send = Callable[[urllib.request.Request], dict[str, Any]]
 IN_STOCK = ("WithStock", "ClosedWithStock")
+# The market's (quota, used) account attributes, in vCPUs.
+QUOTA = {"spot": ("max-spot-instance-vcpu-count", "used-spot-instance-vcpu-count"),
+         "on-demand": ("max-postpaid-instance-vcpu-count", "used-postpaid-instance-vcpu-count")}
 CAPACITY_MARKERS = ("NoStock", "Zone.NotOnSale", "InvalidInstanceType.NotSupported", "QuotaExceed")
 
 
@@ -77,9 +88,27 @@ class AlicloudStock:
             answer, calls = self._call("ecs", params), calls + 1
             status = _status(answer, itype, ask.zone)
             if status in IN_STOCK:
-                return Verdict(True, f"{itype} {status} in {ask.zone or ask.region} (DescribeAvailableResource)", calls)
+                return self._within_quota(ask, f"{itype} {status} in {ask.zone or ask.region} "
+                                               "(DescribeAvailableResource)", calls)
             seen.append(f"{itype} {status or 'not offered'}")
         return Verdict(False, f"{', '.join(seen)} in {ask.zone or ask.region} (DescribeAvailableResource)", calls)
+
+    def _within_quota(self, ask: Ask, stock: str, calls: int) -> Verdict:
+        """The stock verdict, unless the account's vCPUs left for the market are under the nodes'."""
+        names = QUOTA.get("spot" if ask.market.spot else "on-demand" if ask.market.on_demand else "")
+        if names is None:
+            return Verdict(True, stock, calls)
+        params = {"Action": "DescribeAccountAttributes", "Version": "2014-05-26",
+                  "AttributeName.1": names[0], "AttributeName.2": names[1]}
+        if ask.zone:
+            params["ZoneId"] = ask.zone
+        values = _attributes(self._call("ecs", params))
+        most, used, need = values.get(names[0]), values.get(names[1], 0), ask.nodes * ask.vcpus
+        if most is not None and most - used < need:
+            return Verdict(False, f"vCPU quota left {most - used:g} ({names[0]} {most:g}, used {used:g}) is under "
+                                  f"the {need} the nodes need (DescribeAccountAttributes)", calls + 1)
+        left = "unknown" if most is None else f"{most - used:g}"
+        return Verdict(True, f"{stock}, vCPU quota left {left} (DescribeAccountAttributes)", calls + 1)
 
     def failures(self, group_id: str, since: str | None = None) -> list[Failure]:
         answer = self._call("ess", {"Action": "DescribeScalingActivities", "Version": "2014-08-28",
@@ -101,6 +130,20 @@ class AlicloudStock:
             return 0, 0
         want = groups[0].get("DesiredCapacity", groups[0].get("MinSize", 0))
         return int(groups[0].get("ActiveCapacity", 0)), int(want or 0)
+
+def _attributes(answer: dict[str, Any]) -> dict[str, float]:
+    """Each attribute's first numeric value ('' and non-numbers are left out: unknown)."""
+    found: dict[str, float] = {}
+    for item in answer.get("AccountAttributeItems", {}).get("AccountAttributeItem", []):
+        for value in item.get("AttributeValues", {}).get("ValueItem", []):
+            try:
+                number = float(value.get("Value"))
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(number) and number >= 0:
+                found.setdefault(str(item.get("AttributeName")), number)
+    return found
+
 
 def _status(answer: dict[str, Any], itype: str, zone: str | None) -> str:
     """The best StatusCategory of `itype` in the answer's zones ('' when no zone sells it)."""

@@ -15,7 +15,16 @@ infra/capacity/stock.py:
 - AS DescribeAutoScalingGroups (2018-04-19): Filters auto-scaling-group-id; the group is short
   when its InServiceInstanceCount is under its DesiredCapacity.
 
-No quota call (CVM DescribeInstancesCount / the account's quota is not wired). The tests answer
+- CVM DescribeAccountQuota (2017-03-12): Filters zone and quota-type (SpotPaidQuotaSet |
+  PostPaidQuotaSet | PrePaidQuotaSet, the market's); AccountQuotaOverview.AccountQuota.<set>[]
+  says Zone, TotalQuota, UsedQuota, RemainingQuota (CVM API reference, DescribeAccountQuota; the
+  filter names as the Terraform provider sends them, data_source_tc_cvm_account_quota.go). Asked
+  once, for the zone of the type found in stock (a sold-out place costs no quota call). The
+  reference does not say the quota's unit (instances or vCPUs): a zone whose RemainingQuota is under
+  the number of nodes is refused, which is short under either unit; a quota enough in instances
+  but not in vCPUs is left for the launch to tell.
+
+The tests answer
 with recorded responses written from the documented response shapes
 (tests/data/capacity/tencentcloud/), not captured from a live account.
 """
@@ -47,6 +56,15 @@ def charge_type(market: Market) -> str:
     if market.on_demand:
         return "POSTPAID_BY_HOUR"
     return "PREPAID"
+
+
+def quota_set(market: Market) -> str:
+    """The DescribeAccountQuota set of the market: SpotPaidQuotaSet, PostPaidQuotaSet, else PrePaidQuotaSet."""
+    if market.spot:
+        return "SpotPaidQuotaSet"
+    if market.on_demand:
+        return "PostPaidQuotaSet"
+    return "PrePaidQuotaSet"
 
 
 def _send(request: urllib.request.Request) -> dict[str, Any]:
@@ -82,11 +100,25 @@ class TencentcloudStock:
             mine = [i for i in items if i.get("InstanceType") == itype]
             good = next((i for i in mine if i.get("Status") == "SELL" and i.get("StatusCategory") in IN_STOCK), None)
             if good is not None:
-                return Verdict(True, f"{itype} {good['StatusCategory']} in {good.get('Zone', where)} "
-                                     "(DescribeZoneInstanceConfigInfos)", calls)
+                return self._within_quota(ask, str(good.get("Zone") or where), f"{itype} {good['StatusCategory']} in "
+                                          f"{good.get('Zone', where)} (DescribeZoneInstanceConfigInfos)", calls)
         said = ", ".join(f"{i.get('InstanceType')} {i.get('Status')}/{i.get('StatusCategory')}" for i in items)
         return Verdict(False, f"{said or '/'.join(ask.types) + ' not offered'} in {where} "
                               "(DescribeZoneInstanceConfigInfos)", calls)
+
+    def _within_quota(self, ask: Ask, zone: str, stock: str, calls: int) -> Verdict:
+        """The stock verdict, unless the zone's quota left for the market is under the nodes."""
+        kind = quota_set(ask.market)
+        answer = self._call("cvm", "2017-03-12", "DescribeAccountQuota", {"Filters": [
+            {"Name": "zone", "Values": [zone]}, {"Name": "quota-type", "Values": [kind]}]})
+        sets = answer.get("AccountQuotaOverview", {}).get("AccountQuota", {}).get(kind) or []
+        left = [q.get("RemainingQuota") for q in sets if q.get("Zone") in (zone, None)]
+        known = [n for n in left if isinstance(n, int) and not isinstance(n, bool) and n >= 0]
+        if known and min(known) < ask.nodes:
+            return Verdict(False, f"{kind} RemainingQuota {min(known)} in {zone} is under the {ask.nodes} nodes "
+                                  "(DescribeAccountQuota)", calls + 1)
+        said = f"quota left {min(known)}" if known else "quota unknown"
+        return Verdict(True, f"{stock}, {said} (DescribeAccountQuota)", calls + 1)
 
     def failures(self, group_id: str, since: str | None = None) -> list[Failure]:
         params: dict[str, Any] = {"Filters": [{"Name": "auto-scaling-group-id", "Values": [group_id]}], "Limit": 20}
