@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,47 @@ def test_it_moves_back_only_when_asked_and_the_declared_place_has_stock(moto: Mo
     assert world.aws.calls == ["DescribeInstanceTypeOfferings", "GetServiceQuota"]
     assert str(decision.skipped[0]["why"]).endswith("(on-demand stock unknown): stock unknown, not moved back on a guess")
     assert workspace.changes == []
+
+
+class _Hung:
+    """A stock API that never answers until released (an endpoint that accepts and says nothing)."""
+
+    def __init__(self) -> None:
+        self.release, self.asked = threading.Event(), threading.Event()
+
+    def ask(self, ask: object) -> None:
+        self.asked.set()
+        self.release.wait(60)  # a broker without its budget would be stuck here: 60 s, then an answer it cannot read
+
+
+def test_a_place_whose_api_does_not_answer_within_the_budget_is_skipped_and_the_next_one_asked(
+        moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    world, hung = World(moto, monkeypatch), _Hung()
+    env = storage_env(moto.url)
+    spec = parse_stack(spec_raw(stack_values("dev"))).spec
+    for cloud in ("aws", "tencentcloud"):
+        moto.client().create_bucket(Bucket=bucket(spec, cloud).name)
+    workspace = RecordingWorkspace(_values(), {"aws": {"fleets": {"aws-train": [world.asg]}}})
+    stock = lambda cloud, region: hung if cloud == "alicloud" else world.stock(cloud, region)  # noqa: E731
+    try:
+        (decision,) = Broker(workspace, stock, storage=lambda where, url: location(url, env), ask_budget_s=0.2).once()
+    finally:
+        hung.release.set()
+    assert hung.asked.is_set()
+    assert (decision.action, decision.at) == ("move", 3), decision
+    (skipped_ali,) = [s for s in decision.skipped if s["index"] == 2]
+    assert skipped_ali["why"] == "its API failed: NoAnswer: no answer within 0.2 s"
+
+
+def test_the_budget_per_place_is_five_seconds_and_each_clouds_client_gives_up_inside_it() -> None:
+    from infra.capacity import stock as stock_module
+    from infra.clouds.alicloud import stock as ali
+    from infra.clouds.aws import stock as aws
+    from infra.clouds.tencentcloud import stock as tc
+
+    assert stock_module.ASK_BUDGET_S == 5.0
+    assert all(m.TIMEOUT_S < stock_module.ASK_BUDGET_S for m in (ali, aws, tc))
+    api = aws.open_api("us-east-1")
+    config = api.ec2.meta.config
+    assert (config.read_timeout, config.connect_timeout) == (aws.TIMEOUT_S, aws.TIMEOUT_S / 2)
+    assert config.retries == {"mode": "standard", "total_max_attempts": 2}

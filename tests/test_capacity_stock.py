@@ -187,3 +187,32 @@ def test_tencentcloud_failures_since_go_as_start_time_and_a_full_group_is_not_sh
     assert replay.asked[0][1]["StartTime"] == "2026-12-02T00:00:00Z"
     assert api.nodes("asg-kiju7yt5") == (2, 2)
     assert replay.asked[1][1]["Filters"] == [{"Name": "auto-scaling-group-id", "Values": ["asg-kiju7yt5"]}]
+
+
+def test_ask_within_answers_raises_the_calls_error_or_gives_up_at_the_budget() -> None:
+    import threading
+
+    from infra.capacity.stock import NoAnswer, Verdict, ask_within
+
+    ask = Ask("r", None, ("t",), SPOT, 1, 8)
+
+    class Api:
+        def __init__(self, answer: Any) -> None:
+            self.answer, self.release = answer, threading.Event()
+
+        def ask(self, _: Ask) -> Verdict:
+            if self.answer == "hang":
+                self.release.wait()
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer  # type: ignore[no-any-return]
+
+    assert ask_within(Api(Verdict(True, "ok", 1)), ask) == Verdict(True, "ok", 1)  # type: ignore[arg-type]
+    with pytest.raises(PermissionError, match="denied"):
+        ask_within(Api(PermissionError("denied")), ask)  # type: ignore[arg-type]
+    hung = Api("hang")
+    try:
+        with pytest.raises(NoAnswer, match="no answer within 0.05 s"):
+            ask_within(hung, ask, budget_s=0.05)  # type: ignore[arg-type]
+    finally:
+        hung.release.set()

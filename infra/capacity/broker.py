@@ -26,7 +26,7 @@ from infra.buckets import Bucket, bucket
 from infra.capacity.places import Place, places
 from infra.capacity.pricing import pack_config, types_at
 from infra.capacity.reservations import notice_s, open_now
-from infra.capacity.stock import Ask, Failure, StockApi, Verdict, stock_api
+from infra.capacity.stock import ASK_BUDGET_S, Ask, Failure, StockApi, Verdict, ask_within, stock_api
 from infra.capacity.transfer import Copied, copy_dataset, copy_step, progress
 from infra.capacity.workspace import Workspace
 from infra.groups import Stack
@@ -88,12 +88,14 @@ def _when(text: str) -> datetime:
 class Broker:
     def __init__(self, workspace: Workspace, stock: Callable[[str, str], StockApi] = stock_api,
                  storage: Callable[[Bucket, str], Location] = lambda where, url: location(url), move_back: bool = False,
-                 now: Callable[[], datetime] = lambda: datetime.now(timezone.utc), stale_after_s: float = STALE_AFTER_S):
+                 now: Callable[[], datetime] = lambda: datetime.now(timezone.utc), stale_after_s: float = STALE_AFTER_S,
+                 ask_budget_s: float = ASK_BUDGET_S):
         """`stock(cloud, region)`: the cloud's stock API; `storage(bucket, url)`: a URL in one of the
         stack's buckets, opened with the operator's access to it (infra/capacity/__main__.py builds both);
-        `stale_after_s`: an incomplete step whose newest object is older is abandoned, not being written."""
+        `stale_after_s`: an incomplete step whose newest object is older is abandoned, not being written;
+        `ask_budget_s`: the most one place's stock question may take before it is skipped unanswered."""
         self.workspace, self.stock, self.storage, self.move_back, self.now = workspace, stock, storage, move_back, now
-        self.stale_after_s = stale_after_s
+        self.stale_after_s, self.ask_budget_s = stale_after_s, ask_budget_s
         self.project = project_name()
         self._apis: dict[tuple[str, str], StockApi] = {}
         self.capped: dict[tuple[str, int], str] = {}
@@ -188,7 +190,7 @@ class Broker:
             decision.skipped.append({"index": place.index, "place": place.label, "why": why, "calls": 0})
             return None
         try:
-            verdict = self.api(place.cloud, place.region).ask(self._ask(spec, group, place))
+            verdict = ask_within(self.api(place.cloud, place.region), self._ask(spec, group, place), self.ask_budget_s)
         except Exception as exc:  # noqa: BLE001 (one cloud's API error or outage: the next place is asked)
             decision.skipped.append({"index": place.index, "place": place.label, "calls": 1,
                                      "why": f"its API failed: {type(exc).__name__}: {str(exc)[:200]}"})

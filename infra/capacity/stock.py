@@ -7,12 +7,24 @@ seconds, never launched."""
 from __future__ import annotations
 
 import importlib
+import queue
+import threading
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from infra.clouds import profile
 from infra.spec_capacity import Market
+
+
+# The most one place's stock question may take (the issue's bound per rejected candidate): past it the
+# place is skipped as unanswered and the next one asked. The clients' own timeouts fit in it (each
+# cloud module's TIMEOUT_S), so an abandoned call ends soon after on its own.
+ASK_BUDGET_S = 5.0
+
+
+class NoAnswer(TimeoutError):
+    """A place's stock API did not answer within the budget."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,29 @@ class StockApi(Protocol):
 
     def nodes(self, group_id: str) -> tuple[int, int]:
         """(nodes in service, nodes desired) of the group now; it is short when the first is smaller."""
+
+
+def ask_within(api: StockApi, ask: Ask, budget_s: float = ASK_BUDGET_S) -> Verdict:
+    """`api.ask(ask)`, or NoAnswer once `budget_s` has passed without an answer (a hung endpoint, a
+    client retrying): the call goes on in a daemon thread until its own socket timeout ends it, and
+    its late answer is dropped. An error of the call is raised here as it was raised there."""
+    done: queue.Queue[tuple[Verdict | None, BaseException | None]] = queue.Queue(maxsize=1)
+
+    def run() -> None:
+        try:
+            done.put((api.ask(ask), None))
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller's thread, raised there)
+            done.put((None, exc))
+
+    threading.Thread(target=run, name="gts-stock-ask", daemon=True).start()
+    try:
+        verdict, error = done.get(timeout=budget_s)
+    except queue.Empty:
+        raise NoAnswer(f"no answer within {budget_s:g} s") from None
+    if error is not None:
+        raise error
+    assert verdict is not None
+    return verdict
 
 
 def stamp(text: str) -> datetime:

@@ -34,6 +34,7 @@ from infra.capacity.stock import Ask, Failure, Verdict, newer
 
 # A placement score under this (of 10) is "no stock": AWS calls low scores unlikely to be fulfilled.
 MIN_SPOT_SCORE = 3
+TIMEOUT_S = 4.0  # one call's read timeout (connect: half of it)
 # Family letter -> (on-demand quota, spot quota), ServiceCode ec2.
 QUOTA_CODES = {"g": ("L-DB2E81BA", "L-3819A6DF"), "p": ("L-417A185B", "L-7212CCBC")}
 CAPACITY_MARKERS = ("InsufficientInstanceCapacity", "UnfulfillableCapacity", "MaxSpotInstanceCountExceeded",
@@ -124,7 +125,11 @@ def _iso(at: Any) -> str:
 def open_api(region: str, ec2: Any = None, autoscaling: Any = None, quotas: Any = None) -> AwsStock:
     """The region's clients (boto3's own credential chain), or the ones given."""
     import boto3
+    from botocore.config import Config
 
-    return AwsStock(region, ec2 or boto3.client("ec2", region_name=region),
-                    autoscaling or boto3.client("autoscaling", region_name=region),
-                    quotas or boto3.client("service-quotas", region_name=region))
+    # Inside the broker's budget per place (infra/capacity/stock.py ASK_BUDGET_S): botocore's defaults
+    # (60 s timeouts, retries) would leave an abandoned call running for minutes.
+    config = Config(connect_timeout=TIMEOUT_S / 2, read_timeout=TIMEOUT_S, retries={"mode": "standard", "total_max_attempts": 2})
+    return AwsStock(region, ec2 or boto3.client("ec2", region_name=region, config=config),
+                    autoscaling or boto3.client("autoscaling", region_name=region, config=config),
+                    quotas or boto3.client("service-quotas", region_name=region, config=config))

@@ -43,6 +43,7 @@ from infra.spec_capacity import Market
 from training import cloudmeta
 
 Send = Callable[[urllib.request.Request], dict[str, Any]]
+TIMEOUT_S = 4.0  # one call's socket timeout, inside the broker's budget per place (infra/capacity/stock.py)
 IN_STOCK = ("EnoughStock", "NormalStock", "UnderStock")
 CAPACITY_MARKERS = ("ResourceInsufficient", "SoldOut", "SOLD_OUT", "sold out", "InsufficientInventory",
                     "NoAvailableZone")
@@ -68,7 +69,7 @@ def quota_set(market: Market) -> str:
 
 
 def _send(request: urllib.request.Request) -> dict[str, Any]:
-    with urllib.request.urlopen(request, timeout=10) as resp:
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as resp:
         return dict(json.loads(resp.read().decode()))
 
 
