@@ -43,6 +43,9 @@ def problems(rg: ResolvedGroup) -> list[Problem]:
                f"it as a member, not as a spare; set scaling.desired to {s.max}")
     elif rg.group.schedule:
         why = "a schedule changes the group's size; spares wait beside a world of fixed size: drop one or the other"
+    elif rg.market.capacity_block:
+        why = ("a Capacity Block's launch template buys only from the block, which holds the run's nodes "
+               "(scaling.max): a spare above it could never launch")
     elif _fixed(rg):
         why = ("the group's nodes are fixed instances (reserved on Alibaba or Tencent, or a Tencent HCC group): "
                "no scaling group replaces a lost one or refills the spares")
@@ -74,11 +77,19 @@ class SpareFigures:
 
 
 def figures(rg: ResolvedGroup) -> SpareFigures:
-    """The spares' price in the group's market (a spot group's spares are spot: its on-demand
-    base is the run's, at most scaling.max) and the run's expected losses: nodes x hours a
-    month / the node's mean time between interruptions (infra/contract.py interruptions)."""
-    p = rg.prices
-    node = (p.reserved if rg.market.prepaid else p.on_demand if rg.market.on_demand else p.spot) + p.disk
+    """The spares' price in the group's market and the run's expected losses: nodes x hours a
+    month / the node's mean time between interruptions (infra/contract.py interruptions). A spot
+    group's spares are spot (its on-demand base is the run's, at most scaling.max); a reservation
+    holds at most the run's nodes, so its spares are above it: in its overflow market (spot), else
+    on-demand (an open ODCR's or an assurance's nodes beyond it are plain on-demand)."""
+    p, market = rg.prices, rg.market
+    if market.prepaid:
+        node = p.reserved
+    elif market.reservation:
+        node = p.spot if market.bursts_to_spot else p.on_demand
+    else:
+        node = p.on_demand if market.on_demand else p.spot
+    node += p.disk
     k = rg.group.scaling.spares
     run_mtbf_s, _ = interruptions(rg)
     losses = cat.HOURS_PER_MONTH * 3600 / run_mtbf_s if rg.workload == "training" else 0.0

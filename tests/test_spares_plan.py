@@ -216,3 +216,39 @@ def test_the_success_policy_goes_where_the_clusters_kubernetes_has_it() -> None:
     assert success_policy(stack.group("aws-eks-train")) is None  # no spares, no policy
     rules = on["alicloud"].rules  # type: ignore[union-attr]
     assert [(r.succeeded_indexes, r.succeeded_count) for r in rules] == [("0-1", 2)]  # type: ignore[union-attr]
+
+
+RESERVATION_WINDOW = {"start": "2026-11-20T08:00:00Z", "end": "2027-01-20T08:00:00Z"}
+
+
+@pytest.mark.parametrize(("market", "price"), [
+    ({"type": "capacity-reservation", **RESERVATION_WINDOW}, "on_demand"),  # above the reservation: on-demand
+    ({"type": "capacity-reservation", **RESERVATION_WINDOW, "reservedNodes": 2, "overflow": "spot"}, "spot"),
+    ({"type": "on-demand"}, "on_demand"),
+    ({"type": "spot"}, "spot"),
+])
+def test_spares_above_a_reservation_are_priced_in_its_overflow_market_else_on_demand(
+        market: dict[str, Any], price: str) -> None:
+    config = _edited(1, ("aws-train",))
+    _group(config, "aws-train")["market"] = market
+    rg = resolve(parse_spec(spec_raw(config))).group("aws-train")
+    cost = group_cost(rg)
+    node = getattr(rg.prices, price) + rg.prices.disk
+    assert rg.prices.spot != rg.prices.on_demand  # the two prices tell the markets apart
+    assert cost.spares_monthly_usd == pytest.approx(node * cat.HOURS_PER_MONTH, abs=0.01)
+
+
+def test_spares_on_a_capacity_block_are_refused_by_key() -> None:
+    config = stack_values("dev")  # its AWS training network is in one zone, as a block's must be
+    _with_spares(config, 1, ("aws-train",))
+    group = _group(config, "aws-train")
+    group["market"] = {"type": "capacity-block", "start": "2026-12-20T08:00:00Z", "end": "2026-12-24T08:00:00Z",
+                       "reservationId": "cr-0123456789abcdef0"}
+    for name in ("gpu", "fallbackTypes"):
+        group.pop(name, None)
+    group["instanceType"] = "g4dn.2xlarge"
+    with pytest.raises(SpecError) as caught:
+        parse_spec(spec_raw(config))
+    problems = [str(p) for p in caught.value.problems]
+    assert any("scaling.spares: 1: a Capacity Block's launch template buys only from the block" in p
+               and p.endswith("or set 0") for p in problems), problems
