@@ -130,6 +130,8 @@ def make_targets() -> set[str]:
 
 
 def test_the_spec_reference_and_pulumi_yaml_are_generated_from_the_spec() -> None:
+    """And docs/node-bootstrap.md's node settings table from infra/data/node_settings.yaml."""
+    assert len(gen.outputs()) == 3
     for path, text in gen.outputs().items():
         assert path.read_text(encoding="utf-8") == text, f"{path.name} is stale: run `make docs`"
 
