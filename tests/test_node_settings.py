@@ -41,19 +41,25 @@ def node_files() -> list[str]:
 
 
 def _shell_code(text: str) -> str:
-    """Shell without its comments: a `#` that starts a word outside quotes ends the line
-    (`${#x}`, `$#` and a `#` inside a word or quotes do not)."""
-    out = []
+    """Shell without its comments: a `#` that starts a word outside quotes ends its line (`${#x}`,
+    `$#`, a `#` inside a word or in quotes do not; a quote may span lines, `\\` escapes outside
+    single quotes)."""
+    out, quote, escaped = [], "", False
     for line in text.splitlines():
-        quote, cut = "", len(line)
+        cut = len(line)
         for i, ch in enumerate(line):
-            if quote:
+            if escaped:
+                escaped = False
+            elif ch == "\\" and quote != "'":
+                escaped = True
+            elif quote:
                 quote = "" if ch == quote else quote
             elif ch in "'\"":
                 quote = ch
             elif ch == "#" and (i == 0 or line[i - 1] in " \t;|&(") and line[i - 1:i] != "$":
                 cut = i
                 break
+        escaped = False  # a `\\` at the end of a line joins it to the next, nothing more
         out.append(line[:cut])
     return "\n".join(out)
 
@@ -102,8 +108,9 @@ def test_the_scan_covers_every_kind_of_node_file() -> None:
 
 def test_a_read_is_code_not_a_comment_a_message_or_a_description() -> None:
     shell = ('# ${GTS_A:-x} in a comment\necho "# $GTS_B" # $GTS_C\nn=${#GTS_D} x=${GTS_E:-/e}\n'
-             "s#a#${GTS_F}#g\n: \"${GTS_G:?}\"\n")
-    assert reads("x.sh", shell) == {"GTS_B": set(), "GTS_D": set(), "GTS_E": {"/e"}, "GTS_F": set(), "GTS_G": set()}
+             "s#a#${GTS_F}#g\n: \"${GTS_G:?}\"\nbash -c 'a \\\n  # $GTS_H' # \\\"$GTS_I\necho \\' # $GTS_J\n")
+    assert reads("x.sh", shell) == {"GTS_B": set(), "GTS_D": set(), "GTS_E": {"/e"}, "GTS_F": set(), "GTS_G": set(),
+                                    "GTS_H": set()}
     unit = ("[Unit]\nDescription=at GTS_A\n# $GTS_B\n[Service]\nExecStart=/bin/sh -c 'x $GTS_C "
             "$${GTS_D:+y} $$GTS_E'\n")
     assert reads("x.service", unit) == {"GTS_C": set(), "GTS_D": set(), "GTS_E": set()}
