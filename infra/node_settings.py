@@ -47,8 +47,13 @@ class NodeSettingsError(ValueError):
 
 @functools.cache
 def load() -> tuple[Setting, ...]:
-    """Every setting, in name order (the file's keys are the names)."""
-    doc = cat.load_yaml(DATA)
+    """Every setting of infra/data/node_settings.yaml, in name order."""
+    return parse(cat.load_yaml(DATA))
+
+
+def parse(doc: dict[str, object]) -> tuple[Setting, ...]:
+    """The settings of a read data file (its keys are the names); a NodeSettingsError names the
+    entry that is out of shape and how."""
     entries = doc.get("settings")
     if not isinstance(entries, dict) or not entries:
         raise NodeSettingsError(f"infra/data/{DATA}: `settings` must map each GTS_* name to its entry")

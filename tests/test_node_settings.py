@@ -188,11 +188,14 @@ def test_a_setting_the_tests_set_is_set_in_the_tests() -> None:
     assert not unset, f"setBy: tests, and no test names them: {unset}"
 
 
-@pytest.mark.parametrize("entry,problem", [
-    ({"readBy": [], "setBy": ["stack"], "meaning": "m", "colour": "x"}, "colour"),
-    ({"readBy": [], "setBy": ["someone"], "meaning": "m"}, "setBy"),
-    ({"readBy": [], "setBy": [], "meaning": ""}, "meaning"),
+@pytest.mark.parametrize("name,entry,problem", [
+    ("GTS_X", {"readBy": [], "setBy": ["stack"], "meaning": "m", "colour": "x"}, "colour"),
+    ("GTS_X", {"readBy": [], "setBy": ["someone"], "meaning": "m"}, "setBy"),
+    ("GTS_X", {"readBy": [], "setBy": [], "meaning": ""}, "meaning"),
+    ("gts_x", {"readBy": [], "setBy": [], "meaning": "m"}, "name"),
+    ("GTS_X", ["a list"], "not a mapping"),
 ])
-def test_an_entry_out_of_shape_is_refused_naming_it(entry: dict[str, object], problem: str) -> None:
-    with pytest.raises(Exception, match=problem):
-        node_settings.Setting.model_validate({"name": "GTS_X", **entry})
+def test_an_entry_out_of_shape_is_refused_naming_it(name: str, entry: object, problem: str) -> None:
+    assert node_settings.parse({"settings": {"GTS_OK": {"readBy": [], "setBy": [], "meaning": "m"}}})
+    with pytest.raises(node_settings.NodeSettingsError, match=rf"(?s)settings\.{name}: .*{problem}"):
+        node_settings.parse({"settings": {"GTS_OK": {"readBy": [], "setBy": [], "meaning": "m"}, name: entry}})
