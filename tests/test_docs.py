@@ -130,16 +130,27 @@ def make_targets() -> set[str]:
 
 
 def test_the_spec_reference_and_pulumi_yaml_are_generated_from_the_spec() -> None:
+    """And docs/node-bootstrap.md's node settings table from infra/data/node_settings.yaml."""
+    assert len(gen.outputs()) == 3
     for path, text in gen.outputs().items():
         assert path.read_text(encoding="utf-8") == text, f"{path.name} is stale: run `make docs`"
 
 
 def test_a_stale_reference_is_caught(tmp_path: Path) -> None:
-    """--check on a copy whose spec.md lost a row exits 1 and names the file; `make docs` mends it."""
+    """--check on a copy whose spec.md lost a row exits 1 and names the file; `make docs` mends it.
+    The same for the node settings table in node-bootstrap.md."""
     (tmp_path / "docs").mkdir()
     (tmp_path / "Pulumi.yaml").write_text((ROOT / "Pulumi.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    node_md = (ROOT / "docs" / "node-bootstrap.md").read_text(encoding="utf-8")
+    (tmp_path / "docs" / "node-bootstrap.md").write_text(node_md, encoding="utf-8")
     stale = (ROOT / "docs" / "spec.md").read_text(encoding="utf-8").replace("| `bucketPrefix` |", "| `bucketprefix` |")
     (tmp_path / "docs" / "spec.md").write_text(stale, encoding="utf-8")
+    assert gen.main(["--check", "--root", str(tmp_path)]) == 1
+    assert gen.main(["--root", str(tmp_path)]) == 0
+    assert gen.main(["--check", "--root", str(tmp_path)]) == 0
+    assert "| `GTS_MODE` |" in node_md
+    (tmp_path / "docs" / "node-bootstrap.md").write_text(node_md.replace("| `GTS_MODE` |", "| `GTS_MOD` |"),
+                                                          encoding="utf-8")
     assert gen.main(["--check", "--root", str(tmp_path)]) == 1
     assert gen.main(["--root", str(tmp_path)]) == 0
     assert gen.main(["--check", "--root", str(tmp_path)]) == 0
