@@ -64,8 +64,10 @@ class Replay:
     def __init__(self, answers: dict[str, list[dict[str, Any]]]):
         self.answers = {k: list(v) for k, v in answers.items()}
         self.asked: list[tuple[str, dict[str, Any], dict[str, str]]] = []
+        self.timeouts: list[float] = []  # each call's timeout, as the module gave it
 
-    def __call__(self, request: urllib.request.Request) -> dict[str, Any]:
+    def __call__(self, request: urllib.request.Request, timeout: float) -> dict[str, Any]:
+        self.timeouts.append(timeout)
         headers = dict(request.header_items())
         if request.data is not None:  # Tencent API 3.0: JSON body, action in a header
             action, params = headers.get("X-tc-action", ""), json.loads(bytes(request.data))  # type: ignore[arg-type]

@@ -5,6 +5,9 @@ refused in a few calls; capacity failures are read from the scaling service's ac
 
 from __future__ import annotations
 
+import email.message
+import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
@@ -17,6 +20,15 @@ from training import cloudmeta
 CREDS = cloudmeta.Credentials("AKIDEXAMPLE", "secret-example", "token-example", 0.0)
 
 SPOT, ON_DEMAND = Market(type="spot"), Market(type="on-demand")
+
+
+def _denying(replay: Replay, action: str) -> Any:
+    """The replay, but `action` answered 403 (the operator's keys lack its permission)."""
+    def send(request: urllib.request.Request, timeout: float) -> dict[str, Any]:
+        if action in request.full_url or dict(request.header_items()).get("X-tc-action") == action:
+            raise urllib.error.HTTPError(request.full_url, 403, "Forbidden", email.message.Message(), None)
+        return replay(request, timeout)
+    return send
 
 
 @pytest.fixture(autouse=True)
@@ -80,26 +92,30 @@ def test_aws_launch_failures_are_the_groups_capacity_activities() -> None:
     assert [f.message.split(" - ")[0] for f in found] == ["Could not launch Spot Instances. InsufficientInstanceCapacity"]
 
 
-def test_alicloud_asks_each_type_signed_and_stops_at_the_first_in_stock() -> None:
-    replay = Replay({"DescribeAvailableResource": [recorded("alicloud", "available_resource_sold_out"),
-                                                   recorded("alicloud", "available_resource_with_stock")],
+def test_alicloud_asks_all_the_types_in_one_signed_call_and_takes_the_first_in_stock_in_the_groups_order() -> None:
+    replay = Replay({"DescribeAvailableResource": [recorded("alicloud", "available_resource_two_types")],
                      "DescribeAccountAttributes": [recorded("alicloud", "account_attributes_spot")]})
     api = stock_api("alicloud", "cn-hangzhou", creds=CREDS, send=replay)
-    verdict = api.ask(Ask("cn-hangzhou", "cn-hangzhou-h", ("ecs.gn7i-c8g1.2xlarge", "ecs.gn6i-c4g1.xlarge"), SPOT, 1, 8))
-    assert verdict.ok and verdict.calls == 3
+    # 2 nodes of the type in stock (4 vCPUs each) need 8 of the 8 left; the first type's 8 each would not fit
+    verdict = api.ask(Ask("cn-hangzhou", "cn-hangzhou-h", ("ecs.gn7i-c8g1.2xlarge", "ecs.gn6i-c4g1.xlarge"), SPOT,
+                          2, 8, (8, 4)))
+    assert verdict.ok and verdict.calls == 2
     assert verdict.why == ("ecs.gn6i-c4g1.xlarge WithStock in cn-hangzhou-h (DescribeAvailableResource), "
                            "vCPU quota left 8 (DescribeAccountAttributes)")
     action, params, _ = replay.asked[0]
     assert action == "DescribeAvailableResource" and params["DestinationResource"] == "InstanceType"
-    assert (params["InstanceType"], params["ZoneId"], params["InstanceChargeType"], params["SpotStrategy"]) == (
-        "ecs.gn7i-c8g1.2xlarge", "cn-hangzhou-h", "PostPaid", "SpotAsPriceGo")
+    assert "InstanceType" not in params  # one answer for every type
+    assert (params["ZoneId"], params["InstanceChargeType"], params["SpotStrategy"]) == (
+        "cn-hangzhou-h", "PostPaid", "SpotAsPriceGo")
     assert params["AccessKeyId"] == "AKIDEXAMPLE" and params["Signature"] and params["SignatureMethod"] == "HMAC-SHA1"
+    assert replay.timeouts == [4.0, 4.0]  # no budget given: each call its full timeout
 
 
 def test_alicloud_stock_without_the_vcpu_quota_for_the_nodes_is_refused_and_each_market_asks_its_own() -> None:
     quota = recorded("alicloud", "account_attributes_spot")  # 40 spot vCPUs, 32 used: 8 left
-    replay = Replay({"DescribeAvailableResource": [recorded("alicloud", "available_resource_with_stock")] * 3,
-                     "DescribeAccountAttributes": [quota, {"AccountAttributeItems": {"AccountAttributeItem": []}}]})
+    replay = Replay({"DescribeAvailableResource": [recorded("alicloud", "available_resource_with_stock")] * 4,
+                     "DescribeAccountAttributes": [quota, {"AccountAttributeItems": {"AccountAttributeItem": []}},
+                                                   {"AccountAttributeItems": {"AccountAttributeItem": []}}]})
     api = stock_api("alicloud", "cn-hangzhou", creds=CREDS, send=replay)
     short = api.ask(Ask("cn-hangzhou", "cn-hangzhou-h", ("ecs.gn6i-c4g1.xlarge",), SPOT, 2, 8))
     assert (short.ok, short.calls) == (False, 2)
@@ -111,8 +127,31 @@ def test_alicloud_stock_without_the_vcpu_quota_for_the_nodes_is_refused_and_each
     unknown = api.ask(Ask("cn-hangzhou", None, ("ecs.gn6i-c4g1.xlarge",), ON_DEMAND, 2, 8))
     assert unknown.ok and unknown.why.endswith("vCPU quota left unknown (DescribeAccountAttributes)")
     assert replay.asked[3][1]["AttributeName.1"] == "max-postpaid-instance-vcpu-count" and "ZoneId" not in replay.asked[3][1]
+    assurance = Market(type="elasticity-assurance", start="2026-12-20T00:00:00Z", end="2027-03-20T00:00:00Z")
+    assert api.ask(Ask("cn-hangzhou", None, ("ecs.gn6i-c4g1.xlarge",), assurance, 2, 8)).ok
+    assert replay.asked[5][1]["AttributeName.1"] == "max-postpaid-instance-vcpu-count"  # an assurance's are pay-as-you-go
     prepaid = api.ask(Ask("cn-hangzhou", None, ("ecs.gn6i-c4g1.xlarge",), Market(type="reserved"), 2, 8))
-    assert (prepaid.ok, prepaid.calls) == (True, 1)  # bought capacity: no pay-as-you-go quota asked
+    assert (prepaid.ok, prepaid.calls) == (True, 1) and prepaid.why.endswith("quota not asked (prepaid)")
+
+
+def test_alicloud_a_quota_of_another_zone_or_of_several_is_unknown_and_a_failed_quota_call_keeps_the_stock() -> None:
+    def attributes(*items: tuple[str, list[dict[str, str]]]) -> dict[str, Any]:
+        return {"AccountAttributeItems": {"AccountAttributeItem": [
+            {"AttributeName": name, "AttributeValues": {"ValueItem": values}} for name, values in items]}}
+
+    other_zone = attributes(("max-spot-instance-vcpu-count", [{"Value": "4", "ZoneId": "cn-hangzhou-i"}]))
+    split = attributes(("max-spot-instance-vcpu-count", [{"Value": "100"}]),
+                       ("used-spot-instance-vcpu-count", [{"Value": "8", "ZoneId": "cn-hangzhou-h"}, {"Value": "90"}]))
+    stock = recorded("alicloud", "available_resource_with_stock")
+    replay = Replay({"DescribeAvailableResource": [stock, stock, stock], "DescribeAccountAttributes": [other_zone, split]})
+    api = stock_api("alicloud", "cn-hangzhou", creds=CREDS, send=replay)
+    ask = Ask("cn-hangzhou", "cn-hangzhou-h", ("ecs.gn6i-c4g1.xlarge",), SPOT, 2, 8)
+    assert api.ask(ask).why.endswith("vCPU quota left unknown (DescribeAccountAttributes)")  # cn-hangzhou-i's is not ours
+    # 100 - 8 would pass; the used count has two values that could apply: unknown, never the smaller one
+    assert api.ask(ask).why.endswith("vCPU quota left 100 (DescribeAccountAttributes)")
+    api = stock_api("alicloud", "cn-hangzhou", creds=CREDS, send=_denying(replay, "DescribeAccountAttributes"))
+    denied = api.ask(ask)  # a RAM policy without ecs:DescribeAccountAttributes
+    assert denied.ok and "vCPU quota unknown (HTTPError: HTTP Error 403: Forbidden)" in denied.why
 
 
 def test_alicloud_sold_out_is_no_stock_and_no_stock_activities_are_failures() -> None:
@@ -179,6 +218,20 @@ def test_tencentcloud_stock_with_fewer_instances_of_quota_left_than_nodes_is_ref
     assert unknown.ok and unknown.why.endswith("quota unknown (DescribeAccountQuota)")
 
 
+def test_tencentcloud_prepaid_is_held_to_what_one_purchase_may_buy_and_a_failed_quota_call_keeps_the_stock() -> None:
+    stock = recorded("tencentcloud", "zone_config_in_stock")
+    once = {"Response": {"AccountQuotaOverview": {"AccountQuota": {"PrePaidQuotaSet": [
+        {"Zone": "ap-guangzhou-3", "UsedQuota": 0, "RemainingQuota": 50, "TotalQuota": 50, "OnceQuota": 3}]}}}}
+    replay = Replay({"DescribeZoneInstanceConfigInfos": [stock, stock], "DescribeAccountQuota": [once]})
+    api = stock_api("tencentcloud", "ap-guangzhou", creds=CREDS, send=replay)
+    prepaid = api.ask(Ask("ap-guangzhou", None, ("GN7.2XLARGE32",), Market(type="reserved"), 4, 8))
+    assert (prepaid.ok, prepaid.why) == (False, "PrePaidQuotaSet OnceQuota 3 in ap-guangzhou-3 is under the 4 nodes "
+                                                "(DescribeAccountQuota)")
+    api = stock_api("tencentcloud", "ap-guangzhou", creds=CREDS, send=_denying(replay, "DescribeAccountQuota"))
+    denied = api.ask(Ask("ap-guangzhou", None, ("GN7.2XLARGE32",), SPOT, 2, 8))  # a CAM policy without the action
+    assert denied.ok and "quota unknown (HTTPError: HTTP Error 403: Forbidden)" in denied.why
+
+
 def test_tencentcloud_failures_since_go_as_start_time_and_a_full_group_is_not_short() -> None:
     replay = Replay({"DescribeAutoScalingActivities": [recorded("tencentcloud", "activities_sold_out")],
                      "DescribeAutoScalingGroups": [recorded("tencentcloud", "groups_full")]})
@@ -202,17 +255,69 @@ def test_ask_within_answers_raises_the_calls_error_or_gives_up_at_the_budget() -
 
         def ask(self, _: Ask) -> Verdict:
             if self.answer == "hang":
-                self.release.wait()
+                self.release.wait(60)
             if isinstance(self.answer, Exception):
                 raise self.answer
             return self.answer  # type: ignore[no-any-return]
 
-    assert ask_within(Api(Verdict(True, "ok", 1)), ask) == Verdict(True, "ok", 1)  # type: ignore[arg-type]
+    assert ask_within(lambda: Api(Verdict(True, "ok", 1)), ask) == Verdict(True, "ok", 1)  # type: ignore[arg-type,return-value]
     with pytest.raises(PermissionError, match="denied"):
-        ask_within(Api(PermissionError("denied")), ask)  # type: ignore[arg-type]
+        ask_within(lambda: Api(PermissionError("denied")), ask)  # type: ignore[arg-type,return-value]
     hung = Api("hang")
     try:
         with pytest.raises(NoAnswer, match="no answer within 0.05 s"):
-            ask_within(hung, ask, budget_s=0.05)  # type: ignore[arg-type]
+            ask_within(lambda: hung, ask, budget_s=0.05)  # type: ignore[arg-type,return-value]
     finally:
         hung.release.set()
+    opening = threading.Event()  # opening the client counts in the budget
+    with pytest.raises(NoAnswer):
+        ask_within(lambda: opening.wait(60) and hung, ask, budget_s=0.05)  # type: ignore[arg-type,return-value]
+    opening.set()
+
+
+def test_an_abandoned_question_makes_no_call_after_its_budget_and_each_call_gets_what_is_left() -> None:
+    import threading
+
+    from infra.capacity.stock import NoAnswer, ask_within
+
+    replay = Replay({"DescribeZoneInstanceConfigInfos": [recorded("tencentcloud", "zone_config_in_stock")],
+                     "DescribeAccountQuota": [recorded("tencentcloud", "account_quota_spot")]})
+    entered, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def slow(request: urllib.request.Request, timeout: float) -> dict[str, Any]:
+        entered.set()
+        release.wait(60)  # the first call answers only after the broker gave up on the place
+        try:
+            return replay(request, timeout)
+        finally:
+            finished.set()
+
+    api = stock_api("tencentcloud", "ap-guangzhou", creds=CREDS, send=slow)
+    with pytest.raises(NoAnswer):
+        ask_within(lambda: api, Ask("ap-guangzhou", None, ("GN7.2XLARGE32",), SPOT, 2, 8), budget_s=0.2)
+    assert entered.is_set()
+    release.set()
+    finished.wait(60)
+    for thread in [t for t in threading.enumerate() if t.name == "gts-stock-ask"]:
+        thread.join(60)  # the abandoned question's thread has done all it would do
+    # the stock call answered in stock, but the quota call was never made: the budget was spent
+    assert [a[0] for a in replay.asked] == ["DescribeZoneInstanceConfigInfos"]
+    assert 0 < replay.timeouts[0] <= 0.2  # the first call's timeout was what was left of the budget
+
+
+@pytest.mark.parametrize("cloud", ["alicloud", "tencentcloud"])
+def test_each_clouds_own_transport_hands_the_calls_timeout_to_urlopen(cloud: str, monkeypatch: pytest.MonkeyPatch
+                                                                     ) -> None:
+    import importlib
+
+    module = importlib.import_module(f"infra.clouds.{cloud}.stock")
+    given: list[float] = []
+
+    def urlopen(request: urllib.request.Request, timeout: float) -> Any:
+        given.append(timeout)
+        raise urllib.error.URLError("no network in this test")
+
+    monkeypatch.setattr(module.urllib.request, "urlopen", urlopen)
+    with pytest.raises(urllib.error.URLError):
+        module._send(urllib.request.Request("https://example.invalid/"), 1.25)
+    assert given == [1.25]

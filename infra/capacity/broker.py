@@ -190,9 +190,10 @@ class Broker:
             decision.skipped.append({"index": place.index, "place": place.label, "why": why, "calls": 0})
             return None
         try:
-            verdict = ask_within(self.api(place.cloud, place.region), self._ask(spec, group, place), self.ask_budget_s)
+            verdict = ask_within(lambda: self.api(place.cloud, place.region), self._ask(spec, group, place),
+                                 self.ask_budget_s)
         except Exception as exc:  # noqa: BLE001 (one cloud's API error or outage: the next place is asked)
-            decision.skipped.append({"index": place.index, "place": place.label, "calls": 1,
+            decision.skipped.append({"index": place.index, "place": place.label, "calls": None,  # unknown
                                      "why": f"its API failed: {type(exc).__name__}: {str(exc)[:200]}"})
             return None
         if verdict.ok and known and not verdict.known:
@@ -251,9 +252,10 @@ class Broker:
 
     def _ask(self, spec: StackSpec, group: NodeGroup, place: Place) -> Ask:
         types = types_at(spec, group, place)
-        item = spec.catalog().get(place.cloud, types[0]) if types else None
+        items = [spec.catalog().get(place.cloud, t) for t in types]
+        vcpus = tuple(item.vcpu if item else 0 for item in items)
         return Ask(place.region, place.zone, types, place.market, max(group.scaling.baseline, 1),
-                   item.vcpu if item else 0)
+                   vcpus[0] if vcpus else 0, vcpus)
 
     def _copy(self, spec: StackSpec, group: str, here: Place, to: Place, step: int | None) -> Copied | None:
         if to.cloud == here.cloud:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
@@ -18,8 +20,8 @@ from infra.spec_capacity import Market
 
 
 # The most one place's stock question may take (the issue's bound per rejected candidate): past it the
-# place is skipped as unanswered and the next one asked. The clients' own timeouts fit in it (each
-# cloud module's TIMEOUT_S), so an abandoned call ends soon after on its own.
+# place is skipped as unanswered and the next one asked. Each call's timeout is at most what is left
+# of it (Ask.timeout), and no call starts once it is spent.
 ASK_BUDGET_S = 5.0
 
 
@@ -36,7 +38,25 @@ class Ask:
     types: tuple[str, ...]
     market: Market  # how the nodes would be bought there (ask it: market.spot, .on_demand, ...)
     nodes: int  # the group's size to place (its desired size, at least 1)
-    vcpus: int  # per node of the first type (quotas are counted in vCPUs on EC2)
+    vcpus: int  # per node of the first type (quotas are counted in vCPUs on EC2 and ECS)
+    type_vcpus: tuple[int, ...] = ()  # per node of each of `types`, in order (empty: `vcpus` for all)
+    deadline: float | None = None  # time.monotonic() by which the answer is due (ask_within sets it)
+
+    def vcpus_of(self, itype: str) -> int:
+        """vCPUs per node of `itype` (the type a cloud found in stock, not always the first)."""
+        if itype in self.types and len(self.type_vcpus) == len(self.types):
+            return self.type_vcpus[self.types.index(itype)]
+        return self.vcpus
+
+    def timeout(self, most: float) -> float:
+        """A call's timeout: `most`, or what is left of the budget when less; NoAnswer once it is spent
+        (checked before each call, so an abandoned question makes no further calls)."""
+        if self.deadline is None:
+            return most
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise NoAnswer("the budget was spent before this call")
+        return min(most, left)
 
 
 @dataclass(frozen=True)
@@ -66,15 +86,18 @@ class StockApi(Protocol):
         """(nodes in service, nodes desired) of the group now; it is short when the first is smaller."""
 
 
-def ask_within(api: StockApi, ask: Ask, budget_s: float = ASK_BUDGET_S) -> Verdict:
-    """`api.ask(ask)`, or NoAnswer once `budget_s` has passed without an answer (a hung endpoint, a
-    client retrying): the call goes on in a daemon thread until its own socket timeout ends it, and
-    its late answer is dropped. An error of the call is raised here as it was raised there."""
+def ask_within(open_api: Callable[[], StockApi], ask: Ask, budget_s: float = ASK_BUDGET_S) -> Verdict:
+    """`open_api().ask(ask)`, or NoAnswer once `budget_s` has passed without an answer (a hung or
+    slow endpoint, a client retrying). Opening the client counts in the budget. The question carries
+    its deadline (Ask.deadline): each cloud's module gives every call at most what is left of it and
+    makes no call once it is spent, so an abandoned question ends within one call's timeout, its late
+    answer dropped. An error of the question is raised here as it was raised there."""
     done: queue.Queue[tuple[Verdict | None, BaseException | None]] = queue.Queue(maxsize=1)
+    timed = replace(ask, deadline=time.monotonic() + budget_s)
 
     def run() -> None:
         try:
-            done.put((api.ask(ask), None))
+            done.put((open_api().ask(timed), None))
         except BaseException as exc:  # noqa: BLE001 (handed to the caller's thread, raised there)
             done.put((None, exc))
 

@@ -2,12 +2,14 @@
 node's own signer (infra/clouds/alicloud/node.py rpc_request, signature v1); the interface is
 infra/capacity/stock.py:
 
-- ECS DescribeAvailableResource (2014-05-26): RegionId, DestinationResource=InstanceType,
-  InstanceType, ZoneId, InstanceChargeType=PostPaid | PrePaid, SpotStrategy=SpotAsPriceGo | NoSpot,
+- ECS DescribeAvailableResource (2014-05-26): RegionId, DestinationResource=InstanceType, ZoneId,
+  InstanceChargeType=PostPaid | PrePaid, SpotStrategy=SpotAsPriceGo | NoSpot,
   IoOptimized=optimized; each zone's AvailableResources.AvailableResource[].SupportedResources
   .SupportedResource[] says Status (Available | SoldOut) and StatusCategory (WithStock |
   ClosedWithStock | WithoutStock | ClosedWithoutStock) per type (ECS API reference,
-  help.aliyun.com/document_detail/66186). One call per type, stopping at the first in stock.
+  help.aliyun.com/document_detail/66186). One call for all the group's types (InstanceType is
+  optional: left out, the answer lists every type, read here for the group's), the first in stock
+  in the group's order taken.
 - ESS DescribeScalingActivities (2014-08-28): RegionId, ScalingGroupId, PageSize; a Failed or
   Warning activity whose StatusMessage names NoStock is a capacity failure (Auto Scaling API
   reference, DescribeScalingActivities), unless a later activity succeeded (Successful: the
@@ -21,8 +23,11 @@ infra/capacity/stock.py:
   max-postpaid-instance-vcpu-count and used-postpaid-instance-vcpu-count (pay-as-you-go); each
   AccountAttributeItem's AttributeValues.ValueItem[].Value (ECS API reference,
   DescribeAccountAttributes). Asked once, after a type in stock is found (a sold-out place costs
-  no quota call); a place whose vCPUs left are under the nodes' (nodes x the first type's vCPUs)
-  is refused. Prepaid and assured capacity has no pay-as-you-go quota: not asked.
+  no quota call); a place whose vCPUs left are under the nodes' (nodes x that type's vCPUs) is
+  refused. An elasticity assurance's instances are pay-as-you-go: the postpaid quota. Prepaid
+  (subscription) nodes: not asked. A value is read from the ValueItem of the asked zone (or one
+  without a zone); several that could apply, or none, is a quota unknown, as is a quota call that
+  fails (a RAM policy without ecs:DescribeAccountAttributes, throttling): the stock stands.
 
 The tests answer with recorded responses written from the documented response
 shapes (tests/data/capacity/alicloud/), not captured from a live account.
@@ -42,7 +47,7 @@ from infra.capacity.stock import Ask, Failure, Verdict, newer, stamp
 from infra.spec_capacity import Market
 from training import cloudmeta
 
-Send = Callable[[urllib.request.Request], dict[str, Any]]
+Send = Callable[[urllib.request.Request, float], dict[str, Any]]  # (request, timeout in seconds)
 TIMEOUT_S = 4.0  # one call's socket timeout, inside the broker's budget per place (infra/capacity/stock.py)
 IN_STOCK = ("WithStock", "ClosedWithStock")
 # The market's (quota, used) account attributes, in vCPUs.
@@ -61,8 +66,8 @@ def _charge(market: Market) -> tuple[str, str]:
     return "PrePaid", "NoSpot"
 
 
-def _send(request: urllib.request.Request) -> dict[str, Any]:
-    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as resp:
+def _send(request: urllib.request.Request, timeout: float = TIMEOUT_S) -> dict[str, Any]:
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
         return dict(json.loads(resp.read().decode()))
 
 
@@ -71,45 +76,49 @@ class AlicloudStock:
         self.region, self.creds, self.send = region, creds, send
         self.node: Any = cloudmeta.cloud_node("alicloud")
 
-    def _call(self, service: str, params: dict[str, str]) -> dict[str, Any]:
+    def _call(self, service: str, params: dict[str, str], ask: Ask | None = None) -> dict[str, Any]:
         url = f"https://{service}.{self.region}.aliyuncs.com/"
+        timeout = ask.timeout(TIMEOUT_S) if ask is not None else TIMEOUT_S
         return self.send(self.node.rpc_request(self.creds, url, dt.datetime.now(dt.timezone.utc),
-                                               {**params, "RegionId": self.region}))
+                                               {**params, "RegionId": self.region}), timeout)
 
     def ask(self, ask: Ask) -> Verdict:
         charge = _charge(ask.market)
-        calls, seen = 0, []
+        params = {"Action": "DescribeAvailableResource", "Version": "2014-05-26", "DestinationResource": "InstanceType",
+                  "InstanceChargeType": charge[0], "IoOptimized": "optimized"}
+        if charge[0] == "PostPaid":
+            params["SpotStrategy"] = charge[1]
+        if ask.zone:
+            params["ZoneId"] = ask.zone
+        answer, seen = self._call("ecs", params, ask), []
         for itype in ask.types:
-            params = {"Action": "DescribeAvailableResource", "Version": "2014-05-26", "DestinationResource":
-                      "InstanceType", "InstanceType": itype, "InstanceChargeType": charge[0], "IoOptimized": "optimized"}
-            if charge[0] == "PostPaid":
-                params["SpotStrategy"] = charge[1]
-            if ask.zone:
-                params["ZoneId"] = ask.zone
-            answer, calls = self._call("ecs", params), calls + 1
             status = _status(answer, itype, ask.zone)
             if status in IN_STOCK:
-                return self._within_quota(ask, f"{itype} {status} in {ask.zone or ask.region} "
-                                               "(DescribeAvailableResource)", calls)
+                return self._within_quota(ask, itype, f"{itype} {status} in {ask.zone or ask.region} "
+                                                      "(DescribeAvailableResource)")
             seen.append(f"{itype} {status or 'not offered'}")
-        return Verdict(False, f"{', '.join(seen)} in {ask.zone or ask.region} (DescribeAvailableResource)", calls)
+        return Verdict(False, f"{', '.join(seen)} in {ask.zone or ask.region} (DescribeAvailableResource)", 1)
 
-    def _within_quota(self, ask: Ask, stock: str, calls: int) -> Verdict:
+    def _within_quota(self, ask: Ask, itype: str, stock: str) -> Verdict:
         """The stock verdict, unless the account's vCPUs left for the market are under the nodes'."""
-        names = QUOTA.get("spot" if ask.market.spot else "on-demand" if ask.market.on_demand else "")
+        market = ask.market
+        names = QUOTA["spot"] if market.spot else QUOTA["on-demand"] if market.on_demand or market.reservation else None
         if names is None:
-            return Verdict(True, stock, calls)
+            return Verdict(True, f"{stock}, quota not asked (prepaid)", 1)
         params = {"Action": "DescribeAccountAttributes", "Version": "2014-05-26",
                   "AttributeName.1": names[0], "AttributeName.2": names[1]}
         if ask.zone:
             params["ZoneId"] = ask.zone
-        values = _attributes(self._call("ecs", params))
-        most, used, need = values.get(names[0]), values.get(names[1], 0), ask.nodes * ask.vcpus
+        try:
+            values = _attributes(self._call("ecs", params, ask), ask.zone)
+        except Exception as exc:  # noqa: BLE001 (no quota answer: the stock stands, the launch would tell)
+            return Verdict(True, f"{stock}, vCPU quota unknown ({type(exc).__name__}: {str(exc)[:120]})", 2)
+        most, used, need = values.get(names[0]), values.get(names[1], 0), ask.nodes * ask.vcpus_of(itype)
         if most is not None and most - used < need:
             return Verdict(False, f"vCPU quota left {most - used:g} ({names[0]} {most:g}, used {used:g}) is under "
-                                  f"the {need} the nodes need (DescribeAccountAttributes)", calls + 1)
+                                  f"the {need} the nodes need (DescribeAccountAttributes)", 2)
         left = "unknown" if most is None else f"{most - used:g}"
-        return Verdict(True, f"{stock}, vCPU quota left {left} (DescribeAccountAttributes)", calls + 1)
+        return Verdict(True, f"{stock}, vCPU quota left {left} (DescribeAccountAttributes)", 2)
 
     def failures(self, group_id: str, since: str | None = None) -> list[Failure]:
         answer = self._call("ess", {"Action": "DescribeScalingActivities", "Version": "2014-08-28",
@@ -132,17 +141,23 @@ class AlicloudStock:
         want = groups[0].get("DesiredCapacity", groups[0].get("MinSize", 0))
         return int(groups[0].get("ActiveCapacity", 0)), int(want or 0)
 
-def _attributes(answer: dict[str, Any]) -> dict[str, float]:
-    """Each attribute's first numeric value ('' and non-numbers are left out: unknown)."""
+def _attributes(answer: dict[str, Any], zone: str | None) -> dict[str, float]:
+    """Each attribute's value for the zone: from its one ValueItem of that zone or of none (a
+    region-wide value); none, or several that could apply, leave it out (unknown)."""
     found: dict[str, float] = {}
     for item in answer.get("AccountAttributeItems", {}).get("AccountAttributeItem", []):
+        values = []
         for value in item.get("AttributeValues", {}).get("ValueItem", []):
+            if value.get("ZoneId") not in (None, "", zone):
+                continue
             try:
                 number = float(value.get("Value"))
             except (TypeError, ValueError):
                 continue
             if math.isfinite(number) and number >= 0:
-                found.setdefault(str(item.get("AttributeName")), number)
+                values.append(number)
+        if len(values) == 1:
+            found[str(item.get("AttributeName"))] = values[0]
     return found
 
 

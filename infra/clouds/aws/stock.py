@@ -47,18 +47,21 @@ class AwsStock:
 
     def ask(self, ask: Ask) -> Verdict:
         where = ask.zone or ask.region
+        ask.timeout(TIMEOUT_S)  # before each call: none once the budget is spent (boto3's own timeouts bound each)
         offered = self._offered(ask, where)
         calls = 1
         if not offered:
             return Verdict(False, f"{'/'.join(ask.types)} not offered in {where} (DescribeInstanceTypeOfferings)", calls)
+        ask.timeout(TIMEOUT_S)
         quota, calls = self._quota(offered[0], ask), calls + 1
-        need = ask.nodes * ask.vcpus
+        need = ask.nodes * ask.vcpus_of(offered[0])
         if quota is not None and quota < need:
             return Verdict(False, f"vCPU quota {quota:g} for {offered[0]} ({ask.market.type}) is under the {need} the "
                                   "nodes need (GetServiceQuota)", calls)
         if not ask.market.spot:  # EC2 has no on-demand stock API: offered within quota is not stock
             return Verdict(True, f"{offered[0]} offered in {where}, quota {quota if quota is not None else 'unknown'} "
                                  "(on-demand stock unknown)", calls, known=False)
+        ask.timeout(TIMEOUT_S)
         score, used = self._score(ask, offered)
         calls += used
         if score < MIN_SPOT_SCORE:
@@ -88,6 +91,7 @@ class AwsStock:
         if ask.zone:
             zones = self.ec2.describe_availability_zones(ZoneNames=[ask.zone])["AvailabilityZones"]
             zone_id, calls = (zones[0]["ZoneId"] if zones else None), 2
+            ask.timeout(TIMEOUT_S)
         answer = self.ec2.get_spot_placement_scores(
             InstanceTypes=offered, TargetCapacity=max(ask.nodes, 1), TargetCapacityUnitType="units",
             SingleAvailabilityZone=bool(ask.zone), RegionNames=[ask.region])

@@ -22,7 +22,9 @@ infra/capacity/stock.py:
   once, for the zone of the type found in stock (a sold-out place costs no quota call). The
   reference does not say the quota's unit (instances or vCPUs): a zone whose RemainingQuota is under
   the number of nodes is refused, which is short under either unit; a quota enough in instances
-  but not in vCPUs is left for the launch to tell.
+  but not in vCPUs is left for the launch to tell. Prepaid: also OnceQuota (what one purchase may
+  buy). A quota call that fails (a CAM policy without cvm:DescribeAccountQuota, throttling) is a
+  quota unknown: the stock stands.
 
 The tests answer
 with recorded responses written from the documented response shapes
@@ -42,7 +44,7 @@ from infra.capacity.stock import Ask, Failure, Verdict, newer, stamp
 from infra.spec_capacity import Market
 from training import cloudmeta
 
-Send = Callable[[urllib.request.Request], dict[str, Any]]
+Send = Callable[[urllib.request.Request, float], dict[str, Any]]  # (request, timeout in seconds)
 TIMEOUT_S = 4.0  # one call's socket timeout, inside the broker's budget per place (infra/capacity/stock.py)
 IN_STOCK = ("EnoughStock", "NormalStock", "UnderStock")
 CAPACITY_MARKERS = ("ResourceInsufficient", "SoldOut", "SOLD_OUT", "sold out", "InsufficientInventory",
@@ -68,8 +70,8 @@ def quota_set(market: Market) -> str:
     return "PrePaidQuotaSet"
 
 
-def _send(request: urllib.request.Request) -> dict[str, Any]:
-    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as resp:
+def _send(request: urllib.request.Request, timeout: float = TIMEOUT_S) -> dict[str, Any]:
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
         return dict(json.loads(resp.read().decode()))
 
 
@@ -78,10 +80,12 @@ class TencentcloudStock:
         self.region, self.creds, self.send = region, creds, send
         self.node: Any = cloudmeta.cloud_node("tencentcloud")
 
-    def _call(self, service: str, version: str, action: str, params: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, service: str, version: str, action: str, params: dict[str, Any], ask: Ask | None = None
+              ) -> dict[str, Any]:
+        timeout = ask.timeout(TIMEOUT_S) if ask is not None else TIMEOUT_S
         request = self.node.call(self.creds, self.region, action, params, f"https://{service}.tencentcloudapi.com/",
                                  dt.datetime.now(dt.timezone.utc), service=service, version=version)
-        found = self.send(request).get("Response", {})
+        found = self.send(request, timeout).get("Response", {})
         if "Error" in found:
             raise RuntimeError(f"{action} answered {found['Error']}")
         return dict(found)
@@ -93,7 +97,7 @@ class TencentcloudStock:
                        {"Name": "instance-charge-type", "Values": [charge_type(ask.market)]}]
             if ask.zone:
                 filters.append({"Name": "zone", "Values": [ask.zone]})
-            answer = self._call("cvm", "2017-03-12", "DescribeZoneInstanceConfigInfos", {"Filters": filters})
+            answer = self._call("cvm", "2017-03-12", "DescribeZoneInstanceConfigInfos", {"Filters": filters}, ask)
             calls += 1
             items += answer.get("InstanceTypeQuotaSet", [])
         where = ask.zone or ask.region
@@ -108,17 +112,23 @@ class TencentcloudStock:
                               "(DescribeZoneInstanceConfigInfos)", calls)
 
     def _within_quota(self, ask: Ask, zone: str, stock: str, calls: int) -> Verdict:
-        """The stock verdict, unless the zone's quota left for the market is under the nodes."""
+        """The stock verdict, unless the zone's quota left for the market (or what one prepaid
+        purchase may buy) is under the nodes."""
         kind = quota_set(ask.market)
-        answer = self._call("cvm", "2017-03-12", "DescribeAccountQuota", {"Filters": [
-            {"Name": "zone", "Values": [zone]}, {"Name": "quota-type", "Values": [kind]}]})
+        try:
+            answer = self._call("cvm", "2017-03-12", "DescribeAccountQuota", {"Filters": [
+                {"Name": "zone", "Values": [zone]}, {"Name": "quota-type", "Values": [kind]}]}, ask)
+        except Exception as exc:  # noqa: BLE001 (no quota answer: the stock stands, the launch would tell)
+            return Verdict(True, f"{stock}, quota unknown ({type(exc).__name__}: {str(exc)[:120]})", calls + 1)
         sets = answer.get("AccountQuotaOverview", {}).get("AccountQuota", {}).get(kind) or []
-        left = [q.get("RemainingQuota") for q in sets if q.get("Zone") in (zone, None)]
-        known = [n for n in left if isinstance(n, int) and not isinstance(n, bool) and n >= 0]
-        if known and min(known) < ask.nodes:
-            return Verdict(False, f"{kind} RemainingQuota {min(known)} in {zone} is under the {ask.nodes} nodes "
-                                  "(DescribeAccountQuota)", calls + 1)
-        said = f"quota left {min(known)}" if known else "quota unknown"
+        mine = [q for q in sets if q.get("Zone") in (zone, None)]
+        for field in ("RemainingQuota", "OnceQuota"):
+            known = [n for n in (q.get(field) for q in mine) if isinstance(n, int) and not isinstance(n, bool) and n >= 0]
+            if known and min(known) < ask.nodes:
+                return Verdict(False, f"{kind} {field} {min(known)} in {zone} is under the {ask.nodes} nodes "
+                                      "(DescribeAccountQuota)", calls + 1)
+        left = [n for n in (q.get("RemainingQuota") for q in mine) if isinstance(n, int) and not isinstance(n, bool)]
+        said = f"quota left {min(left)}" if left else "quota unknown"
         return Verdict(True, f"{stock}, {said} (DescribeAccountQuota)", calls + 1)
 
     def failures(self, group_id: str, since: str | None = None) -> list[Failure]:
