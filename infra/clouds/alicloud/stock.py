@@ -51,8 +51,8 @@ Send = Callable[[urllib.request.Request, float], dict[str, Any]]  # (request, ti
 TIMEOUT_S = 4.0  # one call's socket timeout, inside the broker's budget per place (infra/capacity/stock.py)
 IN_STOCK = ("WithStock", "ClosedWithStock")
 # The market's (quota, used) account attributes, in vCPUs.
-QUOTA = {"spot": ("max-spot-instance-vcpu-count", "used-spot-instance-vcpu-count"),
-         "on-demand": ("max-postpaid-instance-vcpu-count", "used-postpaid-instance-vcpu-count")}
+SPOT_QUOTA = ("max-spot-instance-vcpu-count", "used-spot-instance-vcpu-count")
+POSTPAID_QUOTA = ("max-postpaid-instance-vcpu-count", "used-postpaid-instance-vcpu-count")
 CAPACITY_MARKERS = ("NoStock", "Zone.NotOnSale", "InvalidInstanceType.NotSupported", "QuotaExceed")
 
 
@@ -102,7 +102,7 @@ class AlicloudStock:
     def _within_quota(self, ask: Ask, itype: str, stock: str) -> Verdict:
         """The stock verdict, unless the account's vCPUs left for the market are under the nodes'."""
         market = ask.market
-        names = QUOTA["spot"] if market.spot else QUOTA["on-demand"] if market.on_demand or market.reservation else None
+        names = SPOT_QUOTA if market.spot else POSTPAID_QUOTA if market.on_demand or market.reservation else None
         if names is None:
             return Verdict(True, f"{stock}, quota not asked (prepaid)", 1)
         params = {"Action": "DescribeAccountAttributes", "Version": "2014-05-26",
