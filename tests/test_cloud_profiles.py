@@ -45,14 +45,7 @@ EXEMPT = {
     "infra/clouds/": "the clouds' own packages (node-side modules included) and the registry",
 }
 # Names still written outside the profiles, with why, and how many: one more fails the test.
-KNOWN_LEFT: dict[str, int] = {
-    # the per-fabric branches (devices, installs, NCCL's selection line): to move to per-cloud
-    # node fragments under infra/clouds/<cloud>/ (issue #45)
-    "cloudinit/scripts/gts-fabric.sh": 17,
-    # the EFS mount helper's client: `efs` here is the kernel mount type (`mount -t efs`), which
-    # the profile's SharedFsKind.mount_type hands the node as GTS_SHARED_FS
-    "cloudinit/scripts/gts-shared.sh": 1,
-}
+KNOWN_LEFT: dict[str, int] = {}
 
 
 def cloud_names_in(source: str) -> list[tuple[int, str]]:
@@ -113,6 +106,8 @@ def test_the_name_finder_finds_comparisons_tables_and_literals() -> None:
         "cloudinit/scripts/gts-spot-watch.py", "cloudinit/scripts/gts-gpu-health.py"}, "are the node scripts scanned?"
     read = {p.relative_to(ROOT).as_posix() for pattern in READ for p in (ROOT / "cloudinit").rglob(pattern)}
     assert {"cloudinit/scripts/gts-fabric.sh", "cloudinit/scripts/gts-lib.sh", "cloudinit/node.yaml.j2"} <= read
+    # what the node scripts do per cloud is in its fragments there (gts-lib.sh cloud_fragment)
+    assert {"infra/clouds/aws/fabric.sh", "infra/clouds/alicloud/fabric.sh"} <= set(walked)
 
 
 def test_the_exempt_paths_exist() -> None:
