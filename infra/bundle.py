@@ -22,6 +22,8 @@ from infra.clouds import NAMES
 ROOT = Path(__file__).resolve().parents[1]
 CLOUDINIT = ROOT / "cloudinit"
 
+# Each cloud's node-side files under infra/clouds/<cloud>/ (docs/adding-a-cloud.md section 5).
+NODE_PARTS = ("node.py", "fabric.sh", "shared.sh")
 # (path on the node, mode, source under the repository)
 FILES = (
     ("/usr/local/sbin/gts-bootstrap.sh", 0o755, "cloudinit/scripts/gts-bootstrap.sh"),
@@ -54,9 +56,11 @@ FILES = (
     ("/etc/systemd/system/gts-rdzv.service", 0o644, "cloudinit/units/gts-rdzv.service"),
     ("/etc/systemd/system/gts-gpu-gate.service", 0o644, "cloudinit/units/gts-gpu-gate.service"),
     ("/etc/systemd/system/gts-gpu-watch.service", 0o644, "cloudinit/units/gts-gpu-watch.service"),
-    # Every cloud's node module (the scripts' cloud calls; training/cloudmeta.py cloud_node): one
-    # bundle serves every cloud's nodes. Each node's metadata module comes in its user data.
-    *((f"/usr/local/lib/gts/clouds/{cloud}/node.py", 0o644, f"infra/clouds/{cloud}/node.py") for cloud in NAMES),
+    # Every cloud's node module (the scripts' cloud calls; training/cloudmeta.py cloud_node) and
+    # shell fragments (what gts-fabric.sh and gts-shared.sh do per cloud; gts-lib.sh cloud_fragment):
+    # one bundle serves every cloud's nodes. Each node's metadata module comes in its user data.
+    *((f"/usr/local/lib/gts/clouds/{cloud}/{part}", 0o644, f"infra/clouds/{cloud}/{part}")
+      for cloud in NAMES for part in NODE_PARTS),
 )
 
 

@@ -98,30 +98,17 @@ def reservation_env(rg: ResolvedGroup) -> dict[c.Var, str]:
 
 
 def fabric_env(spec: StackSpec, rg: ResolvedGroup) -> dict[c.Var, str]:
-    """NCCL / libfabric settings of the group's fabric (none without one). Sources:
-    EFA: awsome-distributed-training efa-cheatsheet.md and fsdp templates (FI_PROVIDER=efa,
-    FI_EFA_USE_DEVICE_RDMA=1 on p4d/p5, FI_EFA_USE_HUGE_PAGE=0 where no huge pages are reserved);
-    eRDMA: alibabacloud-erdma-controller docs/erdma-benchmark (NCCL_IB_HCA=erdma, GID per device:
-    -1 with AF_INET / RoCEv2 / the ERI's range, NCCL_NET_GDR_LEVEL=SYS); HCC: Tencent-authored
-    training scripts (GID 3, TC 160, SL 3, GDR level 2; secondary evidence, docs/fabric.md says so).
+    """NCCL / libfabric settings of the group's fabric (none without one): the fabric and its
+    device count, then what the group's cloud answers for its kind of node (infra/clouds/<cloud>/
+    profile.py fabric_env, with the sources; each a training/contract.py FABRIC_VARS name).
     Device lists are narrowed on the node (gts-fabric.sh), where they differ per node."""
     f = rg.fabric
     if f is None:
         return {}
-    kube = rg.kind == "kubernetes"
     env = {c.GTS_FABRIC: f.fabric, c.GTS_FABRIC_DEVICES: str(f.devices), c.NCCL_DEBUG: "WARN"}
-    if f.fabric == "efa":
-        # VM: the ENA interfaces are en*; a pod has eth0 (VPC CNI).
-        env.update({c.NCCL_SOCKET_IFNAME: "eth0" if kube else "en", c.FI_PROVIDER: "efa",
-                    c.FI_EFA_USE_DEVICE_RDMA: "1"})
-        if not kube:
-            env[c.FI_EFA_USE_HUGE_PAGE] = "0"
-    elif f.fabric == "erdma":
-        cidr = str(spec.network(rg.network).cidr)
-        env.update({c.NCCL_SOCKET_IFNAME: "eth0", c.NCCL_IB_HCA: "erdma", c.NCCL_IB_GID_INDEX: "-1",
-                    c.NCCL_IB_ADDR_FAMILY: "AF_INET", c.NCCL_IB_ROCE_VERSION_NUM: "2", c.NCCL_IB_ADDR_RANGE: cidr,
-                    c.NCCL_NET_GDR_LEVEL: "SYS"})
-    else:
-        env.update({c.NCCL_SOCKET_IFNAME: "eth0", c.NCCL_IB_HCA: "mlx5_bond", c.NCCL_IB_GID_INDEX: "3",
-                    c.NCCL_IB_TC: "160", c.NCCL_IB_SL: "3", c.NCCL_NET_GDR_LEVEL: "2"})
+    settings = profile(rg.cloud).fabric_env(rg.kind, str(spec.network(rg.network).cidr))
+    env.update({_FABRIC_VARS[name]: value for name, value in settings.items()})
     return env
+
+
+_FABRIC_VARS = {v.name: v for v in c.FABRIC_VARS}

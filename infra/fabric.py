@@ -27,11 +27,10 @@ PATH = cat.DATA_DIR / "fabric.csv"
 SCHEMA = 1
 COLUMNS = ("cloud", "instance_type", "fabric", "interfaces", "devices", "gbps", "busbw_gbs", "jumbo_frames",
            "efa_primary_every", "verified", "source")
-# The fabric each cloud has (its profile: infra/clouds/<cloud>/profile.py fabric, with what its
-# ordinary network gives NCCL instead, its placement resource and that resource's cost), and
-# what each fabric is called in messages.
+# The fabric each cloud has (its profile: infra/clouds/<cloud>/profile.py fabric, with what it is
+# called, what its rows may hold, what its ordinary network gives NCCL instead, its placement
+# resource and that resource's cost).
 OF_CLOUD = {p.name: p.fabric for p in profiles()}
-NAMES = {"efa": "EFA (Elastic Fabric Adapter)", "erdma": "eRDMA (elastic RDMA)", "hcc": "HCC RDMA"}
 
 
 @dataclass(frozen=True)
@@ -46,15 +45,9 @@ class TypeFabric:
     gbps: int  # aggregate fabric bandwidth
     busbw_gbs: int  # expected nccl-tests all_reduce bus bandwidth, GB/s, 2 nodes
     jumbo_frames: bool  # Alibaba: the type takes jumbo frames (MTU 8500)
-    efa_primary_every: int  # AWS: every n-th card is "efa" (ENA+EFA), the rest "efa-only"; 0: card 0 only
+    efa_primary_every: int  # AWS: every n-th card ENA+EFA, the rest EFA-only (aws/fleet.py); 0: card 0 only
     verified: bool
     source: str
-
-    def interface_types(self) -> list[str]:
-        """AWS: the interface type of each network card, card 0 first (ENA+EFA primary; layout
-        (A) of the sources: pulumi-eks instances.ts, terraform-aws-eks, dstack, SkyPilot)."""
-        every = self.efa_primary_every
-        return ["efa" if i == 0 or (every and i % every == 0) else "efa-only" for i in range(self.interfaces)]
 
 
 def _bool(text: str, where: str) -> bool:
@@ -84,14 +77,9 @@ def load_file(path: Path) -> dict[tuple[str, str], TypeFabric]:
             raise CatalogError(f"{where}: {item.cloud} {item.instance_type} is not in gpu_catalog.csv")
         if item.devices < 1 or item.gbps < 1 or item.busbw_gbs < 1 or not item.source.strip():
             raise CatalogError(f"{where}: devices, gbps and busbw_gbs must be positive, and the row needs a source")
-        if item.fabric == "hcc" and item.interfaces != 0:
-            raise CatalogError(f"{where}: HCC RDMA ports come with the HCC cluster; interfaces must be 0")
-        if item.fabric != "hcc" and item.interfaces < 1:
-            raise CatalogError(f"{where}: an {item.fabric} type declares at least one interface")
-        if item.fabric == "efa" and item.interfaces != item.devices:
-            raise CatalogError(f"{where}: each EFA interface is one EFA device; interfaces must equal devices")
-        if item.efa_primary_every and item.fabric != "efa":
-            raise CatalogError(f"{where}: efa_primary_every applies to efa rows only")
+        wrong = profile(item.cloud).fabric_row_problem(item.interfaces, item.devices, item.efa_primary_every)
+        if wrong:
+            raise CatalogError(f"{where}: {wrong}")
         if (item.cloud, item.instance_type) in out:
             raise CatalogError(f"{where}: duplicate row for {item.cloud} {item.instance_type}")
         out[(item.cloud, item.instance_type)] = item
@@ -116,7 +104,8 @@ def multi_node(group: NodeGroup) -> bool:
 
 def wanted(group: NodeGroup, primary_type: str) -> TypeFabric | None:
     """The fabric the group's nodes get: none when it says none; auto: the type's, for a
-    multi-node training group; efa | erdma | hcc: the type's (validation has checked it has it)."""
+    multi-node training group; its cloud's kind: the type's (validation has checked it has it).
+    Asked once per group, on its first type (infra/groups.py pick)."""
     if group.fabric == "none":
         return None
     found = of_type(group.cloud, primary_type)

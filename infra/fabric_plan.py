@@ -10,8 +10,8 @@ from typing import TypedDict
 from infra import catalog as cat
 from infra.errors import Problem
 from infra.clouds import profile
-from infra.fabric import NAMES, OF_CLOUD, load, multi_node, of_type, signature, unbuildable, wanted
-from infra.groups import ResolvedGroup, Stack, instance_types
+from infra.fabric import load, multi_node, of_type, signature, unbuildable
+from infra.groups import ResolvedGroup, Stack, pick
 from infra.spec import StackSpec
 
 
@@ -26,10 +26,12 @@ def check(spec: StackSpec) -> list[Problem]:
     catalog = spec.catalog()
     for i, group in enumerate(spec.node_groups):
         path = f"nodeGroups[{i}]"
-        types = list(instance_types(spec, group, catalog))
+        picked = pick(spec, group, catalog)
+        types = list(picked.types)
         if not types:
             continue
-        own = OF_CLOUD[group.cloud]
+        cloud = profile(group.cloud)
+        own = cloud.fabric
         if group.fabric not in ("auto", "none") and group.fabric != own:
             out.append(Problem(f"{path}.fabric", f"node group {group.name}: {group.fabric!r} is not a fabric of "
                                                  f"{cat.CLOUD_NAMES[group.cloud]}; its fabric is {own!r} "
@@ -37,22 +39,21 @@ def check(spec: StackSpec) -> list[Problem]:
             continue
         primary = of_type(group.cloud, types[0])
         if group.fabric == own and primary is None:
-            out.append(Problem(f"{path}.fabric", f"node group {group.name}: {types[0]} has no {NAMES[own]}; "
+            out.append(Problem(f"{path}.fabric", f"node group {group.name}: {types[0]} has no {cloud.fabric_name}; "
                                                  f"pick a type that has one ({_with_fabric(group.cloud)}), or "
                                                  f"set fabric: auto / none"))
             continue
         why = unbuildable(group)
         if group.fabric == own and why:
             out.append(Problem(f"{path}.fabric", f"node group {group.name}: {why}; use kind: vm for an "
-                                                 f"{NAMES[own]} group, or fabric: auto / none"))
+                                                 f"{cloud.fabric_name} group, or fabric: auto / none"))
             continue
-        fabric = wanted(group, types[0])
+        fabric = picked.fabric
         if fabric is None:
             continue
-        if fabric.fabric == "hcc" and (group.scaling.min != group.scaling.max or group.schedule):
-            out.append(Problem(f"{path}.scaling", f"node group {group.name}: an HCC group is {group.scaling.max} fixed "
-                                                  "CVM instances in its HCC cluster (Auto Scaling cannot place "
-                                                  "instances in one through the provider), so it has no range or "
+        fixed = cloud.fabric_fixed_count(group.scaling.max)
+        if fixed and (group.scaling.min != group.scaling.max or group.schedule):
+            out.append(Problem(f"{path}.scaling", f"node group {group.name}: {fixed}, so it has no range or "
                                                   f"schedule: set min = max = {group.scaling.max} and no schedule, "
                                                   "or fabric: none"))
         first = signature(group.cloud, types[0])
@@ -80,7 +81,7 @@ def advisories(stack: Stack) -> list[dict[str, str]]:
         out.append({
             "policy": "fabric-used", "enforcement": "advisory", "resource": rg.name,
             "message": f"{rg.path} ({rg.name}): up to {rg.max_nodes} x {rg.types[0]} with fabric: none — NCCL "
-                       f"runs over {profile(rg.cloud).plain_network} instead of {found.devices} {NAMES[found.fabric]} "
+                       f"runs over {profile(rg.cloud).plain_network} instead of {found.devices} {profile(rg.cloud).fabric_name} "
                        f"devices ({found.gbps} Gbps, about {found.busbw_gbs} GB/s all-reduce bus bandwidth): "
                        f"gradient all-reduce several times slower on nodes that cost "
                        f"${rg.prices.on_demand:,.2f}/h each with the fabric paid for. Remove fabric: none "

@@ -5,7 +5,7 @@ whole spec."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from infra import catalog as cat
 from infra import fabric as fab
@@ -16,8 +16,8 @@ from infra.resolved import (GROUP_LABELS, LABEL_CAPACITY, LABEL_GPU_MODEL, LABEL
 from infra.spec import GpuRequirement, NodeGroup, ScheduleAction, StackSpec
 
 __all__ = ["GROUP_LABELS", "LABEL_CAPACITY", "LABEL_GPU_MODEL", "LABEL_NODE_GROUP", "LABEL_POOL", "LABEL_WORKLOAD",
-           "SYSTEM_DISK_GB", "TAG_NODE_GROUP", "TAG_WORKLOAD", "NodePrices", "ResolvedGroup", "Stack", "instance_types",
-           "requirement", "resolve", "resolve_group", "schedule_bounds"]
+           "SYSTEM_DISK_GB", "TAG_NODE_GROUP", "TAG_WORKLOAD", "NodePrices", "Picked", "ResolvedGroup", "Stack",
+           "instance_types", "pick", "requirement", "resolve", "resolve_group", "schedule_bounds"]
 
 def schedule_bounds(group: NodeGroup, action: ScheduleAction) -> tuple[int, int]:
     """(min, max) from a scheduled action on: the action's own, else the group's."""
@@ -34,20 +34,37 @@ def requirement(spec: StackSpec, group: NodeGroup) -> cat.Requirement:
                            scratch_gb=scratch.size_gb, scratch_source=scratch.source)
 
 
-def instance_types(spec: StackSpec, group: NodeGroup, catalog: cat.Catalog) -> tuple[str, ...]:
-    """The group's instance types, preferred first: the named type or the selector's picks."""
+@dataclass(frozen=True)
+class Picked:
+    """A group's instance types, preferred first, and the fabric its nodes get: decided together,
+    once, by `pick` (the fabric narrows the selector's picks to one interface layout)."""
+
+    types: tuple[str, ...]
+    fabric: fab.TypeFabric | None
+
+
+def pick(spec: StackSpec, group: NodeGroup, catalog: cat.Catalog) -> Picked:
+    """The group's instance types (the named type or the selector's picks, then the fallbacks)
+    and its fabric (infra/fabric.py wanted, on the first type). Every reader takes both from here:
+    resolve_group, the fabric check (infra/fabric_plan.py), the capacity places."""
     if group.instance_type is not None:
-        types = [group.instance_type] + group.fallback_types
+        head = [group.instance_type]
     else:
         region = spec.region_of(spec.network(group.network))
         picks = [c for c in cat.select(catalog, [group.cloud], requirement(spec, group), spec.pricing.cny_per_usd,
                                        region)
                  if group.kind != "vm" or not cat.vm_gpu_unsupported(group.cloud, c.type.gpu_model)]
-        picked = [c.type.instance_type for c in picks[:4]]
-        if picked and fab.wanted(group, picked[0]):  # one interface layout per launch configuration
-            picked = fab.same_fabric(group.cloud, picked)
-        types = picked + group.fallback_types
-    return tuple(dict.fromkeys(types))
+        head = [c.type.instance_type for c in picks[:4]]
+    first = (head + group.fallback_types)[:1]
+    fabric = fab.wanted(group, first[0]) if first else None
+    if fabric is not None and group.instance_type is None:  # one interface layout per launch configuration
+        head = fab.same_fabric(group.cloud, head)
+    return Picked(tuple(dict.fromkeys(head + group.fallback_types)), fabric)
+
+
+def instance_types(spec: StackSpec, group: NodeGroup, catalog: cat.Catalog) -> tuple[str, ...]:
+    """The group's instance types, preferred first: the named type or the selector's picks."""
+    return pick(spec, group, catalog).types
 
 
 def _prices(spec: StackSpec, group: NodeGroup, item: cat.InstanceType, disk_gb: int) -> NodePrices:
@@ -69,7 +86,8 @@ def _price_cap(spec: StackSpec, group: NodeGroup, item: cat.InstanceType) -> flo
 
 
 def resolve_group(spec: StackSpec, group: NodeGroup, index: int, catalog: cat.Catalog) -> ResolvedGroup:
-    types = instance_types(spec, group, catalog)
+    picked = pick(spec, group, catalog)
+    types = picked.types
     region = spec.region_of(spec.network(group.network))
     primary = catalog.priced(group.cloud, types[0], region)  # every figure at the group's region's price
     if primary is None:  # validation has checked every type against the catalog and its prices
@@ -80,7 +98,7 @@ def resolve_group(spec: StackSpec, group: NodeGroup, index: int, catalog: cat.Ca
         group=group, index=index, region=region, types=types,
         primary=primary, scratch_gb=scratch.size_gb, scratch_disk_gb=disk_gb,
         price_cap=_price_cap(spec, group, primary), prices=_prices(spec, group, primary, disk_gb),
-        bucket=bucket(spec, group.cloud), fabric=fab.wanted(group, types[0]))
+        bucket=bucket(spec, group.cloud), fabric=picked.fabric)
 
 
 def resolve(spec: StackSpec) -> Stack:

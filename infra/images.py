@@ -14,8 +14,6 @@ from infra.spec import Mirrors
 DCGM_EXPORTER = "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.9-3.6.1-ubuntu22.04"
 NODE_EXPORTER = "docker.io/prom/node-exporter:v1.8.2"
 DEVICE_PLUGIN = "nvcr.io/nvidia/k8s-device-plugin:v0.17.2"
-# aws/eks-charts stable/aws-efa-k8s-device-plugin's image, on ECR Public (advertises vpc.amazonaws.com/efa).
-EFA_DEVICE_PLUGIN = "public.ecr.aws/eks/aws-efa-k8s-device-plugin:v0.5.6"
 CLUSTER_AUTOSCALER = "registry.k8s.io/autoscaling/cluster-autoscaler:v1.35.2"
 
 

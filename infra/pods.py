@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from infra.clouds import profile
 from infra.groups import ResolvedGroup
 
 NAMESPACE = "training"
@@ -27,20 +28,8 @@ def pod_resources(rg: ResolvedGroup) -> tuple[dict[str, str], int]:
     return {"cpu": str(cpu), "memory": f"{memory}Gi", "nvidia.com/gpu": str(rg.gpus), **fabric_resources(rg)}, shm
 
 
-# The extended resource each fabric's device plugin advertises (EKS: aws-efa-k8s-device-plugin,
-# EKS user guide device-management-efa; ACK: the eRDMA controller, alibabacloud-erdma-controller).
-FABRIC_RESOURCES = {"efa": "vpc.amazonaws.com/efa", "erdma": "aliyun/erdma"}
-# libfabric's EFA provider allocates its bounce buffers from huge pages: the amount the awsome
-# nccl-tests Job requests on p5.48xlarge (micro-benchmarks/nccl-tests/kubernetes/nccl-tests.yaml).
-EFA_HUGEPAGES = "5120Mi"
-
-
 def fabric_resources(rg: ResolvedGroup) -> dict[str, str]:
-    """The trainer pod's fabric devices (all the node has) and what they need."""
+    """The trainer pod's fabric devices (all the node has) and what they need, as the group's cloud
+    answers (infra/clouds/<cloud>/profile.py fabric_pod_resources)."""
     f = rg.fabric
-    if f is None or f.fabric not in FABRIC_RESOURCES:
-        return {}
-    found = {FABRIC_RESOURCES[f.fabric]: str(f.devices)}
-    if f.fabric == "efa":
-        found["hugepages-2Mi"] = EFA_HUGEPAGES
-    return found
+    return {} if f is None else profile(rg.cloud).fabric_pod_resources(f.devices)

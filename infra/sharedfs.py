@@ -14,32 +14,16 @@ import posixpath
 import pulumi
 
 from infra import catalog as cat
-from infra.clouds import profiles
+from infra.clouds import profiles, shared_fs
+from infra.clouds.profile import SharedFsKind
 from infra.errors import Problem
 from infra.spec import SharedFs, StackSpec
 
 CLOUD_OF = {t: p.name for p in profiles() for t in p.shared_fs_types}  # infra/clouds/<cloud>/profile.py
-# The mount each type takes: the kernel file system and its options. NFS options are the clouds'
-# own recommendations (EFS: docs.aws.amazon.com/efs/latest/ug/mounting-fs-nfs-mount-settings.html;
-# NAS: help.aliyun.com "Mount an NFS file system on a Linux ECS instance"; CFS: cloud.tencent.com
-# "Using CFS on Linux clients"); _netdev orders the mount after the network.
-# EFS mounts through AWS's mount helper (amazon-efs-utils, `mount -t efs`): `tls` wraps NFS in TLS
-# (stunnel to the mount target), `iam` signs the mount with the node's role, and the access
-# point (`accesspoint=fsap-…`, added per file system) fixes the POSIX user and root directory
-# (EFS user guide: mounting-fs-mount-helper-ec2-linux, efs-access-points, encryption-in-transit;
-# the file-system policy refuses anything else, infra/clouds/aws/sharedfs.py).
-MOUNTS = {
-    "efs": ("efs", "tls,iam,_netdev"),
-    "fsx-lustre": ("lustre", "relatime,flock,_netdev"),
-    "nas": ("nfs", "vers=3,nolock,proto=tcp,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport,_netdev"),
-    "cfs": ("nfs", "vers=3,nolock,proto=tcp,hard,timeo=600,retrans=2,noresvport,_netdev"),
-}
-# Kubernetes mounts the NFS types through a PersistentVolume; Lustre needs the FSx CSI driver,
-# which the stack does not install.
-KUBERNETES_TYPES = ("efs", "nas", "cfs")
-# FSx for Lustre PERSISTENT_2 capacity: 1200 GiB, 2400 GiB, then multiples of 2400 GiB
-# (aws.fsx.LustreFileSystem storage_capacity; FSx API CreateFileSystem StorageCapacity).
-FSX_STEPS_GB = 2400
+# Each type's mount, what pods need and what the stack checks of it are its cloud's answers
+# (infra/clouds/<cloud>/profile.py shared_fs_kinds); the NFS options are the clouds' own
+# recommendations, with their sources there.
+PERFORMANCE_TYPES = tuple(k.type for p in profiles() for k in p.shared_fs_kinds if k.performance)
 # Where a mount would hide the system, the image (/opt/gts holds the trainer), the node's own
 # mounts (/mnt: the dataset's RAM cache; /opt/dlami: the DLAMI's NVMe) or scratch.
 RESERVED_DIRS = ("/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt",
@@ -71,24 +55,30 @@ class SharedFsOutputs:
     file_system_id: pulumi.Output[str] | None = None
     access_point: pulumi.Output[str] | None = None
 
+    @property
+    def kind(self) -> SharedFsKind:
+        return kind_of(self.spec)
+
     def mount(self) -> pulumi.Output[SharedMount]:
-        fs_type, options = MOUNTS[self.spec.type]
+        k = self.kind
         point = self.access_point if self.access_point is not None else pulumi.Output.from_input("")
         return pulumi.Output.all(self.source, point).apply(lambda sp: SharedMount(
-            fs_type, str(sp[0]), options + (f",accesspoint={sp[1]}" if sp[1] else ""), self.spec.mount_path))
+            k.mount_type, str(sp[0]), k.options + (f",accesspoint={sp[1]}" if sp[1] else ""), self.spec.mount_path))
+
+
+def kind_of(shared: SharedFs) -> SharedFsKind:
+    """How the file system's type mounts, as its cloud answers (infra/clouds/<cloud>/profile.py)."""
+    return shared_fs(shared.type)[1]
 
 
 def placeholder(shared: SharedFs) -> SharedMount:
     """The mount as `make userdata` shows it before the file system exists (sized like a real one)."""
-    fs_type, options = MOUNTS[shared.type]
-    if shared.type == "efs":
-        options += ",accesspoint=fsap-0123456789abcdef0"
+    k = kind_of(shared)
+    options = k.options + (f",accesspoint={k.access_point}" if k.access_point else "")
     # as long as the longest real address (an EFS or FSx name in the longest region name), so that
     # the user data size checked at plan time is not exceeded once the real address is known
     long_name = "fs-0123456789abcdef0.file-system.ap-southeast-5-example.amazonaws.com"
-    source = {"fsx-lustre": f"{long_name}@tcp:/abcdefgh", "cfs": "255.255.255.255:/abcdefgh"}.get(
-        shared.type, f"{long_name}:/")
-    return SharedMount(fs_type, source, options, shared.mount_path)
+    return SharedMount(k.mount_type, k.placeholder_source.format(host=long_name), options, shared.mount_path)
 
 
 def check(spec: StackSpec) -> Iterator[Problem]:
@@ -102,11 +92,13 @@ def check(spec: StackSpec) -> Iterator[Problem]:
             offered = sorted(t for t, c in CLOUD_OF.items() if c == net.cloud)
             yield Problem(f"{key}.type", f"{fs.type!r} is not offered on {cat.CLOUD_NAMES[net.cloud]}; use "
                                          f"{' or '.join(offered)}")
-        if fs.type == "fsx-lustre" and fs.size_gb not in (1200, 2400) and fs.size_gb % FSX_STEPS_GB:
-            yield Problem(f"{key}.sizeGb", f"FSx for Lustre takes 1200, 2400 or a multiple of {FSX_STEPS_GB} GB, "
-                                           f"not {fs.size_gb}")
-        if fs.performance and fs.type not in ("nas", "cfs"):
-            yield Problem(f"{key}.performance", f"applies to nas and cfs; {fs.type} sets its throughput otherwise")
+        k = kind_of(fs)
+        if k.size_step_gb and fs.size_gb not in k.sizes_gb and fs.size_gb % k.size_step_gb:
+            yield Problem(f"{key}.sizeGb", f"{k.title} takes {', '.join(map(str, k.sizes_gb))} or a multiple of "
+                                           f"{k.size_step_gb} GB, not {fs.size_gb}")
+        if fs.performance and not k.performance:
+            yield Problem(f"{key}.performance", f"applies to {' and '.join(PERFORMANCE_TYPES)}; {fs.type} sets its "
+                                                "throughput otherwise")
         path = fs.mount_path
         if posixpath.normpath(path) != path or "//" in path:
             yield Problem(f"{key}.mountPath", f"{path!r} is not a plain absolute path (no '.', '..' or '//' parts); "
@@ -121,9 +113,10 @@ def check(spec: StackSpec) -> Iterator[Problem]:
         if fs is None:
             yield Problem(f"nodeGroups[{i}].sharedFs", f"network {group.network} has no sharedFs; add one to it "
                                                         "or set sharedFs: false")
-        elif group.kind == "kubernetes" and fs.type not in KUBERNETES_TYPES:
+        elif group.kind == "kubernetes" and (need := kind_of(fs).pods_would_need):
+            on_pods = [k.type for k in shared_fs(fs.type)[0].shared_fs_kinds if not k.pods_would_need]
             yield Problem(f"nodeGroups[{i}].sharedFs", f"{fs.type} mounts on VM groups only here (pods would need "
-                                                        "the FSx CSI driver); use efs for Kubernetes groups")
+                                                        f"{need}); use {' or '.join(on_pods)} for Kubernetes groups")
 
 
 def monthly_usd(spec: StackSpec, cloud: str) -> float:
@@ -135,8 +128,8 @@ def monthly_usd(spec: StackSpec, cloud: str) -> float:
         if net.cloud != cloud or fs is None:
             continue
         key = fs.type + ("-performance" if fs.performance else "")
-        if fs.type == "fsx-lustre":
-            key = f"fsx-lustre-{fs.throughput_per_tib}"
+        if kind_of(fs).priced_by_throughput:
+            key = f"{fs.type}-{fs.throughput_per_tib}"
         per_gb = float(prices["sharedFs"][key])
         total += fs.size_gb * per_gb
     return total / spec.pricing.cny_per_usd if prices["currency"] == "CNY" else total

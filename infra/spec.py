@@ -9,11 +9,12 @@ regions, CIDRs, account-site markets), and reports key paths in the stack file's
 from __future__ import annotations
 
 from ipaddress import IPv4Network
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BeforeValidator, Field, PlainValidator, StrictInt, model_validator
 
 from infra import catalog as cat
+from infra import clouds
 from infra.clouds import Cloud as Cloud  # the stack file's cloud names: infra/clouds/__init__.py
 from infra.spec_base import Amount, Name, SpecModel
 from infra.spec_capacity import Candidate, Market
@@ -71,7 +72,14 @@ class Subnet(SpecModel):
     cidr: Cidr = Field(description="Subnet CIDR, inside the network's CIDR.")
 
 
-SharedFsType = Literal["efs", "fsx-lustre", "nas", "cfs"]
+# The values each cloud's profile answers (infra/clouds/<cloud>/profile.py fabric, shared_fs_kinds),
+# in the clouds' order: pydantic checks them, and messages and docs list them, from these.
+if TYPE_CHECKING:
+    SharedFsType = str
+    FabricChoice = str
+else:
+    SharedFsType = Literal[clouds.SHARED_FS_TYPES]
+    FabricChoice = Literal[("auto", "none", *clouds.FABRICS)]
 
 
 class SharedFs(SpecModel):
@@ -194,7 +202,7 @@ class NodeGroup(SpecModel):
                                                              "from the stack's training section.")
     shared_fs: bool = Field(False, description="Mount the network's shared file system (networks[].sharedFs) on "
                                                "these nodes, at its mountPath, in the training container too.")
-    fabric: Literal["auto", "none", "efa", "erdma", "hcc"] = Field(
+    fabric: FabricChoice = Field(
         "auto", description="Multi-node fabric: efa (AWS), erdma (Alibaba), hcc (Tencent) on the types that have "
                             "one (infra/data/fabric.csv); auto: on for a multi-node training group on such a type; "
                             "none: NCCL over the ordinary network.")

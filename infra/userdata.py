@@ -294,14 +294,15 @@ def for_group(spec: StackSpec, rg: ResolvedGroup, image: str = IMAGE_PLACEHOLDER
 def for_cluster_group(spec: StackSpec, rg: ResolvedGroup, shared: SharedFsOutputs | None) -> pulumi.Output[str]:
     """A managed-Kubernetes GPU pool's user data, with no placeholder in it: cluster nodes run no
     trainer image (the Job does), and they prepare the network's shared file system (hand its
-    root to the trainer's uid) at its real address once it is known. EFS needs no preparing: its
-    access point creates the root directory owned by the trainer's uid, and the file system
-    policy admits mounts through it only (infra/clouds/aws/sharedfs.py)."""
+    root to the trainer's uid) at its real address once it is known. A type mounted through an
+    access point (EFS) needs no preparing: the access point creates the root directory owned by
+    the trainer's uid, and the file system policy admits mounts through it only
+    (infra/clouds/aws/sharedfs.py)."""
     def render(mount: SharedMount | None) -> str:
         ctx = node_context(spec, rg, "", mount)
         return for_eks(ctx) if profile(rg.cloud).kubernetes_nodeadm else for_node_pool_script(ctx)
 
-    if shared is None or not rg.group.shared_fs or shared.spec.type == "efs":
+    if shared is None or not rg.group.shared_fs or shared.kind.access_point:
         return pulumi.Output.from_input(render(None))
     return shared.mount().apply(render)
 

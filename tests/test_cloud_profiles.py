@@ -8,6 +8,7 @@ instantiated; an unknown cloud is an error, never a fallback."""
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import importlib
 import inspect
@@ -34,8 +35,11 @@ from training.contract import CREDENTIAL_SOURCES
 if TYPE_CHECKING:
     from training.cloudmeta import CloudMetadata, CloudNode
 
-NAMES = frozenset(clouds.NAMES)
-SCANNED = ("infra", "policies", "training", "cloudinit")  # cloudinit: the node scripts
+# The clouds' names, and the fabric kinds and shared file system types: each of these stands for
+# one cloud (its profile answers it: infra/clouds/<cloud>/profile.py fabric, shared_fs_kinds).
+NAMES = frozenset(clouds.NAMES) | frozenset(clouds.FABRICS) | frozenset(clouds.SHARED_FS_TYPES)
+SCANNED = ("infra", "policies", "training", "cloudinit")  # cloudinit: the node scripts and templates
+READ = ("*.py", "*.sh", "*.j2")  # Python by its string constants; shell and templates by their words
 # Where a cloud's name may be written, and why.
 EXEMPT = {
     "infra/clouds/": "the clouds' own packages (node-side modules included) and the registry",
@@ -45,19 +49,35 @@ KNOWN_LEFT: dict[str, int] = {}
 
 
 def cloud_names_in(source: str) -> list[tuple[int, str]]:
-    """(line, name) of every string constant that is exactly a cloud's name."""
+    """(line, name) of every string constant that is exactly a cloud's name, fabric or shared file system."""
     return sorted((node.lineno, node.value) for node in ast.walk(ast.parse(source))
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in NAMES)
+
+
+_WORD = re.compile(r"(?<![\w./-])(" + "|".join(sorted(map(re.escape, NAMES), key=len, reverse=True)) + r")(?![\w/-])")
+_COMMENT = re.compile(r"(^|\s)#.*$")
+
+
+def shell_names_in(source: str, template: bool = False) -> list[tuple[int, str]]:
+    """(line, name) of every word of a shell script (comments aside) or template that is exactly
+    one of the names: a case label, a test's operand, a word in a message."""
+    return [(n, m.group(1)) for n, line in enumerate(source.splitlines(), start=1)
+            for m in _WORD.finditer(line if template else _COMMENT.sub("", line))]
+
+
+def _names_in(path: Path) -> list[tuple[int, str]]:
+    text = path.read_text(encoding="utf-8")
+    return cloud_names_in(text) if path.suffix == ".py" else shell_names_in(text, template=path.suffix == ".j2")
 
 
 def _named(exempt: tuple[str, ...] = tuple(EXEMPT), scanned: tuple[str, ...] = SCANNED) -> dict[str, list[tuple[int, str]]]:
     found = {}
     for pkg in scanned:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
+        for path in sorted(p for pattern in READ for p in (ROOT / pkg).rglob(pattern)):
             rel = path.relative_to(ROOT).as_posix()
             if "__pycache__" in path.parts or any(rel.startswith(e) for e in exempt):
                 continue
-            hits = cloud_names_in(path.read_text(encoding="utf-8"))
+            hits = _names_in(path)
             if hits:
                 found[rel] = hits
     return found
@@ -74,10 +94,20 @@ def test_no_code_outside_the_clouds_names_a_cloud() -> None:
 def test_the_name_finder_finds_comparisons_tables_and_literals() -> None:
     source = 'if cloud == "tencentcloud":\n    x = {"aws": 1}\nCloud = Literal["alicloud"]\ny = f"aws/{g}"\n'
     assert cloud_names_in(source) == [(1, "tencentcloud"), (2, "aws"), (3, "alicloud")]
+    kinds = 'if f.fabric == "efa":\n    m = {"fsx-lustre": 1}\nT = Literal["auto", "hcc"]\nd = "efa-only"\n'
+    assert cloud_names_in(kinds) == [(1, "efa"), (2, "fsx-lustre"), (3, "hcc")]
+    shell = ('# efa | erdma: a comment\ncase $F in\n  efa) x ;;\n  erdma) y=erdma_0 ;;  # hcc\nesac\n'
+             '[ "$F" = hcc ] && log "nfs, not nas"\ncurl https://efa-installer.amazonaws.com/aws-efa.tgz\n')
+    assert shell_names_in(shell) == [(3, "efa"), (4, "erdma"), (6, "hcc"), (6, "nas")]
+    assert shell_names_in('{% if fabric == "efs" %}# aws\n', template=True) == [(1, "efs"), (1, "aws")]
     walked = _named(exempt=())  # without the exemptions the scan sees the clouds' own packages
     assert any(path.startswith("infra/clouds/") for path in walked), "is the scan walking the packages?"
     assert {p.relative_to(ROOT).as_posix() for p in (ROOT / "cloudinit").rglob("*.py")} >= {
         "cloudinit/scripts/gts-spot-watch.py", "cloudinit/scripts/gts-gpu-health.py"}, "are the node scripts scanned?"
+    read = {p.relative_to(ROOT).as_posix() for pattern in READ for p in (ROOT / "cloudinit").rglob(pattern)}
+    assert {"cloudinit/scripts/gts-fabric.sh", "cloudinit/scripts/gts-lib.sh", "cloudinit/node.yaml.j2"} <= read
+    # what the node scripts do per cloud is in its fragments there (gts-lib.sh cloud_fragment)
+    assert {"infra/clouds/aws/fabric.sh", "infra/clouds/alicloud/fabric.sh"} <= set(walked)
 
 
 def test_the_exempt_paths_exist() -> None:
@@ -92,6 +122,7 @@ SAMPLE: dict[str, list[Any]] = {
     "region": ["ap-guangzhou"], "app_id": ["1250000000", None], "bucket_region": ["eu-west-1"],
     "node_region": ["eu-west-1", "us-east-1"], "vpc": [ipaddress.IPv4Network("10.0.0.0/16")],
     "subnets": [[ipaddress.IPv4Network("10.0.0.0/24"), ipaddress.IPv4Network("10.0.1.0/24")]],
+    "interfaces": [0, 1, 4], "devices": [1, 4], "primary_every": [0, 4], "nodes": [2], "vpc_cidr": ["10.0.0.0/16"],
 }
 
 
@@ -118,7 +149,8 @@ def test_every_cloud_answers_every_question(cloud: str) -> None:
 
 
 OPTIONAL = {"app_id_missing", "operator_keys", "vpc_prefix_floor_192", "fabric_unbuildable",
-            "kubernetes_pool_marks_rule", "kubernetes_user_data_limit", "disk_encryption"}
+            "kubernetes_pool_marks_rule", "kubernetes_user_data_limit", "disk_encryption", "fabric_row_problem",
+            "fabric_fixed_count", "fabric_device_plugin"}
 
 
 @pytest.mark.parametrize("cloud", clouds.NAMES)

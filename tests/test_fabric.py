@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from infra import fabric, fabric_plan
+from infra.clouds.aws import fleet as aws_fleet
 from infra.errors import CatalogError, SpecError
 from infra.groups import resolve
 from tests.fabric_helpers import GROUPS, fabric_values, of_type, plan, resource
@@ -35,7 +36,7 @@ def test_fabric_data_has_the_sources_counts() -> None:
     assert data[("aws", "p4d.24xlarge")].devices == 4 and data[("aws", "p5.48xlarge")].devices == 32
     assert data[("aws", "p5en.48xlarge")].devices == 16
     assert all(f.source for f in data.values())
-    p5 = data[("aws", "p5.48xlarge")].interface_types()
+    p5 = aws_fleet.interface_types(data[("aws", "p5.48xlarge")])
     assert p5[0] == "efa" and p5[4] == "efa" and p5[1] == "efa-only" and p5.count("efa") == 8
 
 

@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 
-from infra import userdata
+from infra import clouds, userdata
 from infra.groups import resolve
 from tests.fabric_helpers import fabric_values
 from tests.harness import parse_spec
 from tests.harness import ROOT, spec_raw
 
 SCRIPT = ROOT / "cloudinit" / "scripts" / "gts-fabric.sh"
+CLOUD_OF_FABRIC = {p.fabric: p.name for p in clouds.profiles()}
 
 
 # ---------------------------------------------------------------------------- the node
@@ -58,9 +59,12 @@ def lay_out(root: Path, fabric_name: str, names: list[str]) -> Path:
 
 
 def run_fabric(tmp: Path, fabric_name: str, devices: list[str], want: int, nccl_line: str,
-               *args: str) -> subprocess.CompletedProcess[str]:
+               *args: str, cloud: str | None = None) -> subprocess.CompletedProcess[str]:
     env_file = tmp / "node.env"
-    env_file.write_text(f"GTS_FABRIC={fabric_name}\nGTS_FABRIC_DEVICES={want}\nGTS_IMAGE=trainer@sha256:0\n")
+    # node.env names the node's cloud (the trainer contract's GTS_CLOUD): its fragment, infra/clouds/<cloud>/fabric.sh
+    cloud = CLOUD_OF_FABRIC.get(fabric_name, "") if cloud is None else cloud
+    env_file.write_text(f"GTS_FABRIC={fabric_name}\nGTS_FABRIC_DEVICES={want}\nGTS_IMAGE=trainer@sha256:0\n"
+                        f"GTS_CLOUD={cloud}\n")
     stubs = tmp / "bin"
     stubs.mkdir(exist_ok=True)
     # Stand-ins for what a real node has: docker (prints NCCL's selection line), the installers.
@@ -138,6 +142,17 @@ def test_no_fabric_means_nothing_to_do(tmp_path: Path) -> None:
     proc = run_fabric(tmp_path, "", [], 0, "", "check")
     assert proc.returncode == 0 and "no fabric" in proc.stdout
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("cloud", ["", "gcp", "../aws", "aws/x"])
+def test_a_fabric_node_of_no_known_cloud_stops_before_doing_anything(tmp_path: Path, cloud: str) -> None:
+    """What differs per fabric is the node's cloud's fragment (infra/clouds/<cloud>/fabric.sh,
+    found by gts-lib.sh cloud_fragment): a cloud with none, or a name that is no cloud's, is an
+    error, never another cloud's fragment or a path outside the folder."""
+    proc = run_fabric(tmp_path, "efa", ["rdmap0"], 1, "Selected Provider is efa", "install", cloud=cloud)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "not a cloud's name" in proc.stderr or "no fabric.sh for cloud 'gcp'" in proc.stderr
+    assert not (tmp_path / "calls").exists() and not (tmp_path / "etc").exists()
 
 
 def test_an_hcc_group_is_fixed_instances_so_a_faulty_node_is_quarantined_not_handed_back(

@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
-# The multi-node fabric of a GPU node (GTS_FABRIC: efa | erdma | hcc; unset: none, nothing to do).
+# The multi-node fabric of a GPU node (GTS_FABRIC: its cloud's fabric kind; unset: none, nothing to do).
 #
 #   gts-fabric.sh install   user space and host settings (a bootstrap step, before the runtime):
-#                           efa: the EFA installer (libfabric, aws-ofi-nccl, efa module) and
-#                           GDRCopy unless the image has them; erdma: Alibaba's erdma installer;
-#                           hcc: rdma-core tools (the HCC image brings the mlx5 driver). Then locked
-#                           memory unlimited, and ptrace protection off where libfabric needs it.
+#                           locked memory unlimited, then what the node's cloud installs for its
+#                           fabric (its fragment's fabric_host_settings and fabric_install).
 #   gts-fabric.sh check     before the trainer joins the rendezvous (the trainer unit's
 #                           ExecStartPre): the node sees GTS_FABRIC_DEVICES devices, and NCCL in
 #                           the trainer image selects the fabric (its NCCL_DEBUG=INFO lines). A
@@ -15,10 +13,12 @@
 #                           group's nodes (README: Multi-node performance lists the bus bandwidth
 #                           to expect per type).
 #
-# Sources: EFA installer and GDRCopy (AWS EFA user guide, efa-start; ParallelCluster efa-v3: ptrace
-# protection off on Ubuntu); erdma installer (alibabacloud-erdma-controller pkg/drivers: the
-# installer from mirrors.cloud.aliyuncs.com/erdma with ERDMA_CM_NO_BOUND_IF=1 ./install.sh --batch);
-# NCCL's selection lines: aws-ofi-nccl "Selected Provider is efa", NCCL "NET/IB : Using [0]erdma_0".
+# What differs per fabric is the node's cloud's fragment, infra/clouds/<cloud>/fabric.sh (on a
+# node /usr/local/lib/gts/clouds/<cloud>/fabric.sh, from the bundle), with its sources: which
+# verbs devices are the fabric's (fabric_device), its host settings and installs
+# (fabric_host_settings, fabric_install), the line NCCL prints when it selects it
+# (FABRIC_SELECTED) and whether the node narrows NCCL_IB_HCA to the devices it sees
+# (FABRIC_NARROWS_HCA).
 set -euo pipefail
 
 ENV_FILE=${GTS_ENV_FILE:-/etc/gpu-training/node.env}
@@ -32,26 +32,22 @@ ETC=${GTS_ETC_DIR:-/etc}
 . "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/gts-lib.sh"
 FABRIC=${GTS_FABRIC:-}
 WANT=${GTS_FABRIC_DEVICES:-0}
-EFA_INSTALLER_URL=${GTS_EFA_INSTALLER_URL:-https://efa-installer.amazonaws.com/aws-efa-installer-latest.tar.gz}
-ERDMA_INSTALLER_URL=${GTS_ERDMA_INSTALLER_URL:-http://mirrors.cloud.aliyuncs.com/erdma/erdma_installer-latest.tar.gz}
-GDRCOPY_TAG=${GTS_GDRCOPY_TAG:-v2.4.4}
 NCCL_TESTS_TAG=${GTS_NCCL_TESTS_TAG:-v2.13.11}
 
 log() { echo "gts-fabric: $*"; logger -t gts-fabric -- "$*" 2>/dev/null || true; }
 
+if [ -n "$FABRIC" ]; then
+  FRAGMENT=$(cloud_fragment fabric.sh)
+  # shellcheck source-path=SCRIPTDIR source=../../infra/clouds/aws/fabric.sh
+  . "$FRAGMENT"
+fi
+
 # The fabric's verbs devices this node sees, one name a line.
 devices() {
-  local dev name driver
+  local dev
   for dev in "$SYSFS"/class/infiniband/*; do
     [ -e "$dev" ] || continue
-    name=${dev##*/}
-    case $FABRIC in
-      efa)
-        driver=$(readlink "$dev/device/driver" 2>/dev/null || true)
-        [ "${driver##*/}" = efa ] && echo "$name" ;;
-      erdma) case $name in erdma_*) echo "$name" ;; esac ;;
-      hcc) case $name in mlx5_bond_*) echo "$name" ;; esac ;;
-    esac
+    fabric_device "$dev" && echo "${dev##*/}"
   done
   return 0
 }
@@ -61,66 +57,7 @@ host_settings() {
   mkdir -p "$ETC/security/limits.d" "$ETC/systemd/system.conf.d" "$ETC/sysctl.d"
   printf '* soft memlock unlimited\n* hard memlock unlimited\n' > "$ETC/security/limits.d/90-gts-fabric.conf"
   printf '[Manager]\nDefaultLimitMEMLOCK=infinity\n' > "$ETC/systemd/system.conf.d/90-gts-fabric.conf"
-  if [ "$FABRIC" = efa ]; then
-    # libfabric's EFA provider uses CMA (process_vm_readv) between local ranks: Ubuntu's Yama
-    # ptrace protection (scope 1) blocks it.
-    echo 'kernel.yama.ptrace_scope = 0' > "$ETC/sysctl.d/90-gts-fabric.conf"
-    sysctl -q -p "$ETC/sysctl.d/90-gts-fabric.conf" 2>/dev/null || true
-  fi
-}
-
-install_efa() {
-  if [ -x /opt/amazon/efa/bin/fi_info ] && /opt/amazon/efa/bin/fi_info -p efa >/dev/null 2>&1; then
-    log "efa: the image has the EFA user space (fi_info -p efa)"
-  else
-    local dir
-    dir=$(mktemp -d)
-    curl -fsSL --retry 5 "$EFA_INSTALLER_URL" | tar -xz -C "$dir"
-    (cd "$dir/aws-efa-installer" && ./efa_installer.sh -y)
-    rm -rf "$dir"
-  fi
-  if lsmod 2>/dev/null | grep -q '^gdrdrv'; then
-    log "efa: GDRCopy loaded (gdrdrv)"
-  else
-    local dir
-    dir=$(mktemp -d)
-    apt_get install -y -q build-essential devscripts debhelper dkms git >/dev/null
-    git clone -q --depth 1 --branch "$GDRCOPY_TAG" https://github.com/NVIDIA/gdrcopy.git "$dir/gdrcopy"
-    make -C "$dir/gdrcopy" -s prefix=/opt/gdrcopy install
-    (cd "$dir/gdrcopy" && ./insmod.sh)
-    rm -rf "$dir"
-  fi
-}
-
-install_erdma() {
-  if [ -n "$(devices)" ] && command -v ibv_devinfo >/dev/null; then
-    log "erdma: the image has the erdma driver and user space"
-    return 0
-  fi
-  local dir
-  dir=$(mktemp -d)
-  apt_get install -y -q debhelper autotools-dev dkms libnl-3-dev \
-    libnl-route-3-dev cmake >/dev/null
-  curl -fsSL --retry 5 "$ERDMA_INSTALLER_URL" | tar -xz -C "$dir"
-  # The installer's OFED-compatible user space (rdma-core providers NCCL loads); the ACK eRDMA
-  # controller's preferDriver: ofed installs the same on cluster nodes.
-  (cd "$dir/erdma_installer" && ERDMA_CM_NO_BOUND_IF=1 ./install.sh --batch)
-  rm -rf "$dir"
-}
-
-install_hcc() {
-  # The HCC GPU images carry the Mellanox driver; the verbs tools are what the check reads.
-  command -v ibv_devinfo >/dev/null || \
-    apt_get install -y -q rdma-core ibverbs-utils >/dev/null
-}
-
-# What NCCL must print when it selects the fabric (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET).
-selected_pattern() {
-  case $FABRIC in
-    efa) echo 'Selected Provider is efa' ;;
-    erdma) echo 'NET/IB : Using \[0\]erdma' ;;
-    hcc) echo 'NET/IB : Using \[0\]mlx5_bond' ;;
-  esac
+  fabric_host_settings
 }
 
 refuse() {
@@ -142,7 +79,7 @@ check() {
   # Settings that differ per node: the devices this one sees (NCCL_IB_HCA narrows the prefix
   # the contract gives). The trainer container gets this file after node.env.
   : > "$RUN/fabric.env"
-  if [ "$FABRIC" != efa ]; then
+  if [ "$FABRIC_NARROWS_HCA" = 1 ]; then
     hca=$(IFS=,; echo "${seen[*]}")
     echo "NCCL_IB_HCA=$hca" >> "$RUN/fabric.env"
   fi
@@ -160,7 +97,7 @@ check() {
       -e NCCL_DEBUG=INFO -e NCCL_DEBUG_SUBSYS=INIT,NET --entrypoint python3 "$GTS_IMAGE" -c \
       'import torch, torch.distributed as d; s = d.HashStore(); d.init_process_group("nccl", store=s, rank=0, world_size=1); d.all_reduce(torch.ones(1, device="cuda")); d.destroy_process_group()' \
       2>&1 || true)
-    if ! grep -q "$(selected_pattern)" <<<"$found"; then
+    if ! grep -q "$FABRIC_SELECTED" <<<"$found"; then
       refuse "fabric check: NCCL did not select $FABRIC ($(grep -m1 -o 'NET/[A-Za-z]* : Using[^;]*' <<<"$found" || echo 'no NET line'))"
     fi
   fi
@@ -194,7 +131,7 @@ case ${1:-} in
   install)
     [ -n "$FABRIC" ] || { log "no fabric: nothing to install"; exit 0; }
     host_settings
-    "install_$FABRIC"
+    fabric_install
     log "installed the $FABRIC user space" ;;
   check) check ;;
   nccl-test) nccl_test "${2:?usage: gts-fabric.sh nccl-test host1,host2,...}" ;;

@@ -27,3 +27,20 @@ apt_update() {
   done
   return 1
 }
+
+# The node's own cloud's fragment of a node script (infra/clouds/<cloud>/<name>: the functions the
+# script calls for what differs per cloud, such as its fabric's installs), by path: on a node the
+# bundle's /usr/local/lib/gts/clouds/<cloud>/, and where there is no such folder (a checkout) the
+# repository's infra/clouds/<cloud>/ — one folder, never both. GTS_CLOUD (node.env) names it.
+cloud_fragment() {
+  local lib=${GTS_LIB_DIR:-/usr/local/lib/gts}/clouds
+  case ${GTS_CLOUD:-} in
+    '' | *[!a-z0-9]*) echo "$GTS_LIB_NAME: GTS_CLOUD '${GTS_CLOUD:-}' is not a cloud's name" >&2; return 2 ;;
+  esac
+  [ -d "$lib" ] || lib=$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../../infra/clouds
+  if [ ! -r "$lib/$GTS_CLOUD/$1" ]; then
+    echo "$GTS_LIB_NAME: no $1 for cloud '$GTS_CLOUD' (looked in $lib)" >&2
+    return 2
+  fi
+  echo "$lib/$GTS_CLOUD/$1"
+}

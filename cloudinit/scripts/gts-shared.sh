@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The network's shared file system (networks[].sharedFs) at GTS_SHARED_DIR, on every boot:
-# installs the client the type needs (NFS: nfs-common; FSx for Lustre: AWS's Lustre client for
-# the running kernel), waits for the file system's address to resolve (a new mount target takes
-# minutes to appear in DNS) and mounts it, retrying; the trainer unit requires this one, so a
+# installs the client the type needs (NFS: nfs-common; another type: the node's cloud's client,
+# infra/clouds/<cloud>/shared.sh, such as AWS's EFS mount helper and Lustre client), waits for
+# the file system's address to resolve (a new mount target takes minutes to appear in DNS) and
+# mounts it, retrying; the trainer unit requires this one, so a
 # node never trains with a missing shared directory. Nothing to do when the group mounts none.
 # The file system's root is then given to the trainer's uid (the image's USER 1000), which runs
 # unprivileged. `--prepare` (cluster nodes, whose pods mount it through a PersistentVolume and
@@ -38,31 +39,19 @@ client() {
         yum install -y -q nfs-utils  # EKS AL2023 (dnf), TKE tlinux / ACK Alibaba Cloud Linux (yum)
       fi
       ;;
-    efs)
-      # AWS's EFS mount helper: `-o tls` (NFS inside TLS to the mount target), `iam` (the mount is
-      # signed with the node's role) and `accesspoint=` — the file system policy refuses any other
-      # mount (EFS user guide, efs-mount-helper and encryption-in-transit). Amazon Linux ships it;
-      # elsewhere it comes from the image or an apt mirror that carries it (github.com/aws/efs-utils).
-      command -v mount.efs >/dev/null 2>&1 && return 0
-      if command -v yum >/dev/null 2>&1; then
-        yum install -y -q amazon-efs-utils
-      elif ! { apt_get update -q && apt_get install -y -q amazon-efs-utils; }; then
-        log "amazon-efs-utils (mount.efs) is missing and not installable here; EFS mounts only with TLS through it"
+    *)
+      # Another kernel type is the node's cloud's (infra/clouds/<cloud>/shared.sh defines
+      # shared_client_<type>: AWS's EFS mount helper and Lustre client); none there: refused.
+      local fragment
+      fragment=$(cloud_fragment shared.sh)
+      # shellcheck source-path=SCRIPTDIR source=../../infra/clouds/aws/shared.sh
+      . "$fragment"
+      if ! declare -F "shared_client_$GTS_SHARED_FS" >/dev/null; then
+        log "unknown shared file system type '$GTS_SHARED_FS'"
         exit 2
       fi
+      "shared_client_$GTS_SHARED_FS"
       ;;
-    lustre)
-      modinfo lustre >/dev/null 2>&1 && return 0
-      # AWS's Lustre client for Ubuntu 22.04, built for the running kernel
-      # (docs.aws.amazon.com/fsx/latest/LustreGuide/install-lustre-client.html).
-      local key=/usr/share/keyrings/fsx-lustre-client.gpg
-      curl -fsSL https://fsx-lustre-client-repo-public-keys.s3.amazonaws.com/fsx-ubuntu-public-key.asc \
-        | gpg --dearmor --yes -o "$key"
-      echo "deb [signed-by=$key] https://fsx-lustre-client-repo.s3.amazonaws.com/ubuntu jammy main" \
-        > /etc/apt/sources.list.d/fsxlustreclientrepo.list
-      apt_update && apt_get install -y -q "lustre-client-modules-$(uname -r)"
-      ;;
-    *) log "unknown shared file system type '$GTS_SHARED_FS'"; exit 2 ;;
   esac
 }
 

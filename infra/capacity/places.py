@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from infra import clouds
 from infra import fabric as fab
-from infra.groups import instance_types
+from infra.groups import pick
 from infra.spec import Market, Network, NodeGroup, StackSpec
 
 
@@ -41,8 +41,8 @@ def network_at(spec: StackSpec, cloud: str, region: str, zone: str | None) -> Ne
 
 def one_zone(group: NodeGroup, fabric: object | None) -> bool:
     """Whether the group's fleet keeps to its network's first subnet (the fleets take subnets[:1]):
-    a group with a fabric (`fabric`: fab.wanted; EFA, eRDMA and an HCC are one zone each), and on
-    AWS a multi-node training group (its cluster placement group, which AWS confines to one zone)."""
+    a group with a fabric (`fabric`: infra/groups.py pick; EFA, eRDMA and an HCC are one zone
+    each), and on AWS a multi-node training group (its cluster placement group, which AWS confines to one zone)."""
     return fabric is not None or (group.kind == "vm" and clouds.profile(group.cloud).multi_node_one_zone
                                   and fab.multi_node(group))
 
@@ -53,8 +53,8 @@ def declared_zone(spec: StackSpec, group: NodeGroup, own: Network | None) -> str
     narrows it."""
     if own is None or not own.subnets:
         return None
-    types = instance_types(spec, group, spec.catalog()) if group.kind == "vm" else ()
-    confined = bool(types) and one_zone(group, fab.wanted(group, types[0]))
+    picked = pick(spec, group, spec.catalog()) if group.kind == "vm" else None
+    confined = picked is not None and bool(picked.types) and one_zone(group, picked.fabric)
     zones = {s.zone for s in (own.subnets[:1] if confined else own.subnets)}
     return zones.pop() if len(zones) == 1 else None
 

@@ -17,13 +17,19 @@ from typing import Any, Literal, Protocol
 
 from infra.clouds.alicloud.profile import AlicloudProfile
 from infra.clouds.aws.profile import AwsProfile
-from infra.clouds.profile import CloudProfile
+from infra.clouds.profile import CloudProfile, SharedFsKind
 from infra.clouds.tencentcloud.profile import TencentcloudProfile
 
 # The stack file's cloud names, in the order messages and data files list them.
 Cloud = Literal["aws", "alicloud", "tencentcloud"]
 _PROFILES: dict[str, CloudProfile] = {p.name: p for p in (AwsProfile(), AlicloudProfile(), TencentcloudProfile())}
 NAMES: tuple[str, ...] = tuple(_PROFILES)
+# The fabric kinds (nodeGroups[].fabric) and shared file system types (networks[].sharedFs.type)
+# the profiles answer, in the clouds' order: the spec's allowed values.
+FABRICS: tuple[str, ...] = tuple(dict.fromkeys(p.fabric for p in _PROFILES.values()))
+_SHARED_FS: dict[str, tuple[CloudProfile, SharedFsKind]] = {
+    k.type: (p, k) for p in _PROFILES.values() for k in p.shared_fs_kinds}
+SHARED_FS_TYPES: tuple[str, ...] = tuple(_SHARED_FS)
 
 
 class UnknownCloud(KeyError):
@@ -39,6 +45,12 @@ def profile(name: str) -> CloudProfile:
         return _PROFILES[name]
     except KeyError:
         raise UnknownCloud(name) from None
+
+
+def shared_fs(type_: str) -> tuple[CloudProfile, SharedFsKind]:
+    """The cloud offering a shared file system type, and how that type mounts (the spec admits no
+    other type)."""
+    return _SHARED_FS[type_]
 
 
 def profiles() -> Iterator[CloudProfile]:

@@ -43,6 +43,32 @@ class DiskEncryption:
     sdk_gap_possible: bool
 
 
+@dataclass(frozen=True)
+class SharedFsKind:
+    """One shared file system a cloud offers (a networks[].sharedFs.type value): how a node mounts
+    it (the VM bootstrap's gts-shared.sh and a Kubernetes PersistentVolume read the same values),
+    whether pods can, what the stack checks of its size, and how it is priced (infra/sharedfs.py
+    asks these; it compares no type's name)."""
+
+    type: str  # the sharedFs.type value
+    mount_type: str  # the kernel file system `mount -t` takes
+    options: str  # its mount options
+    # The mount source `make userdata` shows before the file system exists, sized like the longest
+    # real one ({host}: the longest DNS name a real one can have)
+    placeholder_source: str
+    # Mounts go through a per-file-system access point (this is a placeholder id of one): the
+    # access point owns the root for the trainer's uid, so no node prepares it. "": no access point.
+    access_point: str = ""
+    csi_driver: str = ""  # pods mount it through this CSI driver ("": a PersistentVolume naming the NFS server)
+    csi_attributes: tuple[tuple[str, str], ...] = ()  # the CSI volume's attributes
+    pods_would_need: str = ""  # what pods would need to mount it ("": they can; else VM groups only)
+    performance: bool = False  # it takes sharedFs.performance (a performance class)
+    title: str = ""  # how the size message names it
+    sizes_gb: tuple[int, ...] = ()  # the sizes it takes below multiples of size_step_gb
+    size_step_gb: int = 0  # its provisioned capacity's step (0: it grows as used, the size is priced)
+    priced_by_throughput: bool = False  # its price row is <type>-<throughputPerTib>
+
+
 class CloudProfile(abc.ABC):
     """One cloud's answers. Subclasses are frozen singletons built by `infra.clouds`."""
 
@@ -192,6 +218,38 @@ class CloudProfile(abc.ABC):
     def fabric_unbuildable(self, kind: str, market: MarketAnswers) -> str | None:
         """Why the stack cannot give a group of this kind and market the fabric, or None."""
 
+    @property
+    @abc.abstractmethod
+    def fabric_name(self) -> str:
+        """What messages call the fabric ("EFA (Elastic Fabric Adapter)")."""
+
+    @abc.abstractmethod
+    def fabric_row_problem(self, interfaces: int, devices: int, primary_every: int) -> str | None:
+        """What is wrong with a fabric.csv row of this cloud (its interfaces, devices and
+        efa_primary_every columns), or None."""
+
+    @abc.abstractmethod
+    def fabric_fixed_count(self, nodes: int) -> str | None:
+        """Why a fabric group of this many nodes is a fixed count with no range or schedule (the
+        start of the message), or None where it scales."""
+
+    @abc.abstractmethod
+    def fabric_env(self, kind: str, vpc_cidr: str) -> dict[str, str]:
+        """The NCCL / libfabric settings a node of this kind ("vm" or "kubernetes") in a network of
+        this CIDR gets for the fabric, by training/contract.py FABRIC_VARS name, in order."""
+
+    @abc.abstractmethod
+    def fabric_pod_resources(self, devices: int) -> dict[str, str]:
+        """What a trainer pod requests for a node's fabric devices (the extended resource its device
+        plugin advertises, and what the devices need); empty where pods get no fabric."""
+
+    @property
+    @abc.abstractmethod
+    def fabric_device_plugin(self) -> str | None:
+        """The image of the device plugin DaemonSet the stack runs on a cluster's fabric groups to
+        advertise that resource (its repository's last part names the DaemonSet); None: the
+        cloud's own add-on advertises it, or its pools get no fabric."""
+
     # -- Kubernetes -----------------------------------------------------------------
     @property
     @abc.abstractmethod
@@ -254,8 +312,13 @@ class CloudProfile(abc.ABC):
     # -- shared file systems and prices -----------------------------------------------
     @property
     @abc.abstractmethod
+    def shared_fs_kinds(self) -> tuple[SharedFsKind, ...]:
+        """The shared file systems this cloud offers, each with how it mounts."""
+
+    @property
     def shared_fs_types(self) -> tuple[str, ...]:
         """The sharedFs.type values this cloud offers."""
+        return tuple(k.type for k in self.shared_fs_kinds)
 
     @property
     @abc.abstractmethod

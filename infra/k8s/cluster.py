@@ -8,12 +8,13 @@ import pulumi
 import pulumi_kubernetes as k8s
 import pulumi_random as random
 
+from infra import clouds
 from infra.groups import ResolvedGroup, Stack
 from infra.teams import queues
 from infra.teams.registry import Registry
-from infra.images import EFA_DEVICE_PLUGIN, node_agents, pulled
+from infra.images import node_agents, pulled
 from infra.k8s import netpol
-from infra.k8s.daemons import EfaDevicePlugin, GpuNodeExporters, NvidiaDevicePlugin
+from infra.k8s.daemons import FabricDevicePlugin, GpuNodeExporters, NvidiaDevicePlugin
 from infra.k8s.job import Identity, deploy_training_jobs, training_namespace
 from infra.k8s.queues import SharedQueues
 from infra.pods import LABEL_TEAM
@@ -34,9 +35,12 @@ def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[
     images = node_agents(spec.clouds[groups[0].group.cloud].mirrors)
     if device_plugin:
         NvidiaDevicePlugin(f"{name}-nvidia", images.device_plugin, opts=opts)
-    efa = [g.name for g in groups if g.fabric is not None and g.fabric.fabric == "efa"]
-    if efa:
-        EfaDevicePlugin(f"{name}-efa", pulled(EFA_DEVICE_PLUGIN, spec.clouds[groups[0].group.cloud].mirrors), efa, opts=opts)
+    own = clouds.profile(groups[0].cloud)
+    fabric_groups = [g.name for g in groups if g.fabric is not None]
+    if fabric_groups and own.fabric_device_plugin:  # where the cloud's own add-on does not advertise it
+        FabricDevicePlugin(f"{name}-{own.fabric}", pulled(own.fabric_device_plugin,
+                                                          spec.clouds[groups[0].group.cloud].mirrors),
+                           fabric_groups, opts=opts)
     GpuNodeExporters(f"{name}-exporters", images, opts=opts)
     queued = shared_queues(name, spec, groups, opts, teams)
     namespace = training_namespace(name, opts, managed=queued is not None).metadata.name

@@ -74,20 +74,24 @@ class NvidiaDevicePlugin(pulumi.ComponentResource):
         self.register_outputs({"name": self.daemonset.metadata.name})
 
 
-class EfaDevicePlugin(pulumi.ComponentResource):
-    """Advertises vpc.amazonaws.com/efa on the nodes of the EFA groups: the EKS AMIs carry the EFA
-    host components but not the plugin (EKS user guide device-management-efa). Shaped as the
-    aws/eks-charts aws-efa-k8s-device-plugin chart's DaemonSet: host network, the kubelet's
-    device-plugin socket directory and /dev/infiniband, no privileges."""
+class FabricDevicePlugin(pulumi.ComponentResource):
+    """Advertises the fabric's pod resource on the nodes of the fabric groups, where the cloud
+    names a device plugin for it (infra/clouds/<cloud>/profile.py fabric_device_plugin; EKS: the
+    AMIs carry the EFA host components but not the plugin, EKS user guide device-management-efa).
+    Shaped as the aws/eks-charts aws-efa-k8s-device-plugin chart's DaemonSet: host network, the
+    kubelet's device-plugin socket directory and /dev/infiniband, no privileges; named after the
+    image's repository."""
 
     def __init__(self, name: str, image: str, groups: list[str], opts: pulumi.ResourceOptions | None = None):
+        # The type token is the one the first (EFA) plugin was registered with: a new one would
+        # replace the running stacks' DaemonSets.
         super().__init__("gpu-training-stack:k8s:EfaDevicePlugin", name, None, opts)
-        on_efa_groups = k8s.core.v1.AffinityArgs(node_affinity=k8s.core.v1.NodeAffinityArgs(
+        on_fabric_groups = k8s.core.v1.AffinityArgs(node_affinity=k8s.core.v1.NodeAffinityArgs(
             required_during_scheduling_ignored_during_execution=k8s.core.v1.NodeSelectorArgs(node_selector_terms=[
                 k8s.core.v1.NodeSelectorTermArgs(match_expressions=[k8s.core.v1.NodeSelectorRequirementArgs(
                     key=LABEL_NODE_GROUP, operator="In", values=groups)])])))
         self.daemonset = device_plugin(
-            f"{name}-ds", "aws-efa-k8s-device-plugin", image, on_efa_groups,
+            f"{name}-ds", image.rsplit("/", 1)[-1].split(":")[0], image, on_fabric_groups,
             {"device-plugin": "/var/lib/kubelet/device-plugins", "infiniband": "/dev/infiniband"}, host_network=True,
             opts=pulumi.ResourceOptions(parent=self))
         self.register_outputs({"name": self.daemonset.metadata.name})

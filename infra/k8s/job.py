@@ -23,7 +23,7 @@ from infra.groups import LABEL_NODE_GROUP, ResolvedGroup
 from infra.k8s import netpol
 from infra.k8s.daemons import GPU_TOLERATION
 from infra.pods import NAMESPACE, QUEUE_LABEL, QUEUES_MANAGED, TRAINER_UID, pod_resources
-from infra.sharedfs import MOUNTS, SharedFsOutputs
+from infra.sharedfs import SharedFsOutputs
 from training import contract as c
 
 SKIP_AWAIT = "pulumi.com/skipAwait"
@@ -135,15 +135,15 @@ def deploy_training_jobs(groups: list[ResolvedGroup], images: Mapping[str, pulum
 
 
 def _volume_source(shared: SharedFsOutputs) -> dict[str, Any]:
-    """NFS for NAS and CFS; EFS through the EFS CSI driver (efs.csi.aws.com, an EKS add-on), which
-    mounts through the access point with TLS and the node's role, as the file system policy
-    requires (kubernetes-sigs/aws-efs-csi-driver examples/kubernetes/access_points: volumeHandle
-    `[FileSystemId]::[AccessPointId]`, "access point mounts require TLS"; docs: encryptInTransit
-    defaults to true, the `iam` mount option signs the mount)."""
-    if shared.spec.type == "efs" and shared.file_system_id is not None and shared.access_point is not None:
+    """NFS, or the CSI driver the type's cloud names (infra/clouds/<cloud>/profile.py
+    shared_fs_kinds; EFS: efs.csi.aws.com, an EKS add-on), which mounts through the access point
+    (volumeHandle `[FileSystemId]::[AccessPointId]`, kubernetes-sigs/aws-efs-csi-driver
+    examples/kubernetes/access_points) as the file system policy requires."""
+    kind = shared.kind
+    if kind.csi_driver and shared.file_system_id is not None and shared.access_point is not None:
         handle = pulumi.Output.all(shared.file_system_id, shared.access_point).apply(lambda fa: f"{fa[0]}::{fa[1]}")
         return {"csi": k8s.core.v1.CSIPersistentVolumeSourceArgs(
-            driver="efs.csi.aws.com", volume_handle=handle, volume_attributes={"encryptInTransit": "true"})}
+            driver=kind.csi_driver, volume_handle=handle, volume_attributes=dict(kind.csi_attributes))}
     return {"nfs": k8s.core.v1.NFSVolumeSourceArgs(server=shared.server, path=shared.export)}
 
 
@@ -152,7 +152,7 @@ def shared_claim(name: str, shared: SharedFsOutputs, namespace: pulumi.Input[str
     """The network's NFS file system as a static PersistentVolume bound to this Job's claim (the
     restricted Pod Security level admits claims, not inline nfs volumes); Retain: deleting the
     Job never deletes a file."""
-    fs_type, options = MOUNTS[shared.spec.type]
+    options = shared.kind.options
     size = f"{shared.spec.size_gb}Gi"
     volume = k8s.core.v1.PersistentVolume(
         f"{name}-shared-pv", metadata=k8s.meta.v1.ObjectMetaArgs(name=f"{name}-shared", labels=labels),

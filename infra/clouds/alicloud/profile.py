@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from infra.clouds.profile import CloudProfile, Counted, MarketAnswers, DiskEncryption
+from infra.clouds.profile import CloudProfile, Counted, MarketAnswers, DiskEncryption, SharedFsKind
 
 
 def pod_switch_cidrs(vpc: ipaddress.IPv4Network, subnets: list[ipaddress.IPv4Network]) -> list[ipaddress.IPv4Network]:
@@ -76,6 +76,31 @@ class AlicloudProfile(CloudProfile):
                     "market on-demand or reserved for it")
         return None
 
+    fabric_name = "eRDMA (elastic RDMA)"
+
+    def fabric_row_problem(self, interfaces: int, devices: int, primary_every: int) -> str | None:
+        if interfaces < 1:
+            return "an erdma type declares at least one interface"
+        if primary_every:
+            return "efa_primary_every applies to efa rows only"
+        return None
+
+    def fabric_fixed_count(self, nodes: int) -> str | None:
+        return None
+
+    def fabric_env(self, kind: str, vpc_cidr: str) -> dict[str, str]:
+        """alibabacloud-erdma-controller docs/erdma-benchmark: NCCL_IB_HCA=erdma, GID per device
+        (-1 with AF_INET / RoCEv2 / the ERI's range), NCCL_NET_GDR_LEVEL=SYS."""
+        return {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_HCA": "erdma", "NCCL_IB_GID_INDEX": "-1",
+                "NCCL_IB_ADDR_FAMILY": "AF_INET", "NCCL_IB_ROCE_VERSION_NUM": "2", "NCCL_IB_ADDR_RANGE": vpc_cidr,
+                "NCCL_NET_GDR_LEVEL": "SYS"}
+
+    def fabric_pod_resources(self, devices: int) -> dict[str, str]:
+        """The eRDMA controller's resource (alibabacloud-erdma-controller)."""
+        return {"aliyun/erdma": str(devices)}
+
+    fabric_device_plugin = None  # the ACK eRDMA controller (an add-on: infra/clouds/alicloud/kubernetes.py)
+
     kubernetes_service = "ACK"
     kubernetes_pods_in_vpc = False
     kubernetes_pool_marks_rule = "ackAutoscalingPoolMarks"
@@ -90,5 +115,9 @@ class AlicloudProfile(CloudProfile):
     kubernetes_user_data_limit: tuple[int, Counted] | None = None
 
     schedules_in_beijing_time = False
-    shared_fs_types = ("nas",)
+    # NAS: help.aliyun.com "Mount an NFS file system on a Linux ECS instance".
+    shared_fs_kinds = (
+        SharedFsKind("nas", "nfs", "vers=3,nolock,proto=tcp,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,"
+                     "noresvport,_netdev", "{host}:/", performance=True),
+    )
     price_refresh = "infra.clouds.alicloud.prices:refresh"

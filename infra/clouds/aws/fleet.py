@@ -57,6 +57,14 @@ def block_devices(scratch_disk_gb: int) -> list[aws.ec2.LaunchTemplateBlockDevic
     return devices
 
 
+def interface_types(fabric: TypeFabric) -> list[str]:
+    """The interface type of each network card, card 0 first: "efa" (ENA+EFA) on card 0 and every
+    efa_primary_every-th card, "efa-only" on the rest (layout (A) of the sources: pulumi-eks
+    instances.ts, terraform-aws-eks, dstack, SkyPilot)."""
+    every = fabric.efa_primary_every
+    return ["efa" if i == 0 or (every and i % every == 0) else "efa-only" for i in range(fabric.interfaces)]
+
+
 def efa_interfaces(fabric: TypeFabric, security_group_ids: list[pulumi.Input[str]]
                    ) -> list[aws.ec2.LaunchTemplateNetworkInterfaceArgs]:
     """One interface per network card: card 0 at device index 0 is ENA+EFA ("efa": it carries the
@@ -72,7 +80,7 @@ def efa_interfaces(fabric: TypeFabric, security_group_ids: list[pulumi.Input[str
     return [aws.ec2.LaunchTemplateNetworkInterfaceArgs(
         network_card_index=i, device_index=0 if i == 0 else 1, interface_type=kind,
         security_groups=security_group_ids, delete_on_termination="true")
-        for i, kind in enumerate(fabric.interface_types())]
+        for i, kind in enumerate(interface_types(fabric))]
 
 
 class AwsGpuFleet(pulumi.ComponentResource):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from infra.clouds.profile import CloudProfile, Counted, MarketAnswers
+from infra.clouds.profile import CloudProfile, Counted, MarketAnswers, SharedFsKind
 
 
 class AwsProfile(CloudProfile):
@@ -60,6 +60,39 @@ class AwsProfile(CloudProfile):
     def fabric_unbuildable(self, kind: str, market: MarketAnswers) -> str | None:
         return None
 
+    fabric_name = "EFA (Elastic Fabric Adapter)"
+
+    def fabric_row_problem(self, interfaces: int, devices: int, primary_every: int) -> str | None:
+        if interfaces < 1:
+            return "an efa type declares at least one interface"
+        if interfaces != devices:
+            return "each EFA interface is one EFA device; interfaces must equal devices"
+        return None
+
+    def fabric_fixed_count(self, nodes: int) -> str | None:
+        return None
+
+    def fabric_env(self, kind: str, vpc_cidr: str) -> dict[str, str]:
+        """awsome-distributed-training efa-cheatsheet.md and fsdp templates: FI_PROVIDER=efa,
+        FI_EFA_USE_DEVICE_RDMA=1 on p4d/p5, FI_EFA_USE_HUGE_PAGE=0 where no huge pages are
+        reserved (a pod requests them: fabric_pod_resources)."""
+        kube = kind == "kubernetes"
+        # VM: the ENA interfaces are en*; a pod has eth0 (VPC CNI).
+        env = {"NCCL_SOCKET_IFNAME": "eth0" if kube else "en", "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
+        if not kube:
+            env["FI_EFA_USE_HUGE_PAGE"] = "0"
+        return env
+
+    def fabric_pod_resources(self, devices: int) -> dict[str, str]:
+        """The EFA device plugin's resource (EKS user guide device-management-efa); libfabric's EFA
+        provider allocates its bounce buffers from huge pages: the amount the awsome nccl-tests Job
+        requests on p5.48xlarge (micro-benchmarks/nccl-tests/kubernetes/nccl-tests.yaml)."""
+        return {"vpc.amazonaws.com/efa": str(devices), "hugepages-2Mi": "5120Mi"}
+
+    # aws/eks-charts stable/aws-efa-k8s-device-plugin's image, on ECR Public (advertises
+    # vpc.amazonaws.com/efa): the EKS AMIs carry the EFA host components but not the plugin.
+    fabric_device_plugin = "public.ecr.aws/eks/aws-efa-k8s-device-plugin:v0.5.6"
+
     kubernetes_service = "EKS"
     kubernetes_pods_in_vpc = True  # EKS uses VPC addresses
     kubernetes_pool_marks_rule = None
@@ -77,5 +110,21 @@ class AwsProfile(CloudProfile):
     kubernetes_user_data_limit: tuple[int, Counted] | None = (12 * 1024, "raw")
 
     schedules_in_beijing_time = False
-    shared_fs_types = ("efs", "fsx-lustre")
+    # NFS options are the clouds' own recommendations; _netdev orders the mount after the network.
+    # EFS mounts through AWS's mount helper (amazon-efs-utils, `mount -t efs`): `tls` wraps NFS in
+    # TLS (stunnel to the mount target), `iam` signs the mount with the node's role, and the access
+    # point (`accesspoint=fsap-…`, added per file system) fixes the POSIX user and root directory
+    # (EFS user guide: mounting-fs-mount-helper-ec2-linux, efs-access-points, encryption-in-transit;
+    # the file-system policy refuses anything else, infra/clouds/aws/sharedfs.py). Pods mount it
+    # through the EFS CSI driver (an EKS add-on; kubernetes-sigs/aws-efs-csi-driver: "access point
+    # mounts require TLS", encryptInTransit). Lustre needs the FSx CSI driver, which the stack does
+    # not install. FSx for Lustre PERSISTENT_2 capacity: 1200 GiB, 2400 GiB, then multiples of 2400
+    # GiB (aws.fsx.LustreFileSystem storage_capacity; FSx API CreateFileSystem StorageCapacity).
+    shared_fs_kinds = (
+        SharedFsKind("efs", "efs", "tls,iam,_netdev", "{host}:/", access_point="fsap-0123456789abcdef0",
+                     csi_driver="efs.csi.aws.com", csi_attributes=(("encryptInTransit", "true"),)),
+        SharedFsKind("fsx-lustre", "lustre", "relatime,flock,_netdev", "{host}@tcp:/abcdefgh",
+                     pods_would_need="the FSx CSI driver", title="FSx for Lustre", sizes_gb=(1200, 2400),
+                     size_step_gb=2400, priced_by_throughput=True),
+    )
     price_refresh = "infra.clouds.aws.prices:refresh"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from infra.clouds.profile import CloudProfile, Counted, MarketAnswers, DiskEncryption
+from infra.clouds.profile import CloudProfile, Counted, MarketAnswers, DiskEncryption, SharedFsKind
 
 
 class TencentcloudProfile(CloudProfile):
@@ -64,6 +64,30 @@ class TencentcloudProfile(CloudProfile):
                     "hpc_cluster_id)")
         return None
 
+    fabric_name = "HCC RDMA"
+
+    def fabric_row_problem(self, interfaces: int, devices: int, primary_every: int) -> str | None:
+        if interfaces != 0:
+            return "HCC RDMA ports come with the HCC cluster; interfaces must be 0"
+        if primary_every:
+            return "efa_primary_every applies to efa rows only"
+        return None
+
+    def fabric_fixed_count(self, nodes: int) -> str | None:
+        return (f"an HCC group is {nodes} fixed CVM instances in its HCC cluster (Auto Scaling cannot place "
+                "instances in one through the provider)")
+
+    def fabric_env(self, kind: str, vpc_cidr: str) -> dict[str, str]:
+        """Tencent-authored training scripts: GID 3, TC 160, SL 3, GDR level 2 (secondary evidence,
+        docs/fabric.md says so)."""
+        return {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_HCA": "mlx5_bond", "NCCL_IB_GID_INDEX": "3",
+                "NCCL_IB_TC": "160", "NCCL_IB_SL": "3", "NCCL_NET_GDR_LEVEL": "2"}
+
+    def fabric_pod_resources(self, devices: int) -> dict[str, str]:
+        return {}  # TKE pools get no HCC (fabric_unbuildable)
+
+    fabric_device_plugin = None
+
     kubernetes_service = "TKE"
     kubernetes_pods_in_vpc = False
     kubernetes_pool_marks_rule = None
@@ -79,5 +103,9 @@ class TencentcloudProfile(CloudProfile):
     kubernetes_user_data_limit: tuple[int, Counted] | None = None
 
     schedules_in_beijing_time = True  # AS scheduled actions recur in Beijing time (infra/schedule.py)
-    shared_fs_types = ("cfs",)
+    # CFS: cloud.tencent.com "Using CFS on Linux clients".
+    shared_fs_kinds = (
+        SharedFsKind("cfs", "nfs", "vers=3,nolock,proto=tcp,hard,timeo=600,retrans=2,noresvport,_netdev",
+                     "255.255.255.255:/abcdefgh", performance=True),
+    )
     price_refresh = "infra.clouds.tencentcloud.prices:refresh"
