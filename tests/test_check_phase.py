@@ -104,3 +104,30 @@ def test_the_dockerfile_names_where_its_settings_live() -> None:
     for path, name in notes:
         source = ROOT / path
         assert source.exists() and re.search(rf"^{name}\b", source.read_text(encoding="utf-8"), re.M), (path, name)
+
+
+_RUN_THE_CHECKS = """
+import sys
+from infra import gpu_health, spares
+from infra.groups import resolve
+from tests.harness import key, parse_spec, spec_raw, stack_values
+
+config = stack_values("prod")
+for group in config[key("nodeGroups")]:  # spares where they work: the spare checks ask about fixed instances
+    if group["name"] in ("aws-train", "ali-train", "tc-train"):
+        group["scaling"] = {"min": 2, "max": 4, "desired": 4, "spares": 1}
+        group.pop("schedule", None)
+stack = resolve(parse_spec(spec_raw(config)))
+for rg in stack.groups:
+    gpu_health.replace_mode(rg), spares.problems(rg)
+print(" ".join(sorted(m for m in sys.modules if m.split(".")[0] in sys.argv[1:])))
+"""
+
+
+def test_the_checks_at_run_time_load_no_resource_sdk() -> None:
+    """Not only the imports: running the checks (spares, the GPU watch's mode, which ask how many of
+    a group's nodes are fixed instances) loads no cloud's fleet module and no provider SDK."""
+    run = subprocess.run([sys.executable, "-c", _RUN_THE_CHECKS, *RESOURCE_SDKS], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == [], f"running the checks loaded {run.stdout.strip()}"

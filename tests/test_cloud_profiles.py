@@ -123,6 +123,7 @@ SAMPLE: dict[str, list[Any]] = {
     "node_region": ["eu-west-1", "us-east-1"], "vpc": [ipaddress.IPv4Network("10.0.0.0/16")],
     "subnets": [[ipaddress.IPv4Network("10.0.0.0/24"), ipaddress.IPv4Network("10.0.1.0/24")]],
     "interfaces": [0, 1, 4], "devices": [1, 4], "primary_every": [0, 4], "nodes": [2], "vpc_cidr": ["10.0.0.0/16"],
+    "fabric": [False, True],
 }
 
 
@@ -159,7 +160,8 @@ def test_each_answer_is_one_the_next_part_reads(cloud: str) -> None:
     credential sources and metadata URL are ones the node-side code reads for this cloud."""
     p = clouds.profile(cloud)
     assert issubclass(clouds.platform_class(cloud), CloudPlatform)
-    assert callable(importlib.import_module(p.fleet_module).fixed_instances)
+    assert 0 <= p.fixed_instances(4, Market(type="spot"), False) <= 4
+    assert p.fixed_instances(4, Market(type="on-demand"), False) == 0  # on-demand nodes scale in a group everywhere
     assert callable(refresh.refresher(cloud))
     assert p.storage_scheme in {*storage.ENDPOINTS, "s3"}
     assert {p.storage_credentials("vm"), p.storage_credentials("kubernetes")} <= set(CREDENTIAL_SOURCES)

@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol
 
 from infra.clouds.alicloud.profile import AlicloudProfile
 from infra.clouds.aws.profile import AwsProfile
-from infra.clouds.profile import CloudProfile, SharedFsKind
+from infra.clouds.profile import CloudProfile, MarketAnswers, SharedFsKind
 from infra.clouds.tencentcloud.profile import TencentcloudProfile
 
 # The stack file's cloud names, in the order messages and data files list them.
@@ -73,13 +73,26 @@ def platform_class(cloud: str) -> type[Platform]:
     return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
 
+class _Scaling(Protocol):
+    @property
+    def max(self) -> int: ...
+
+
 class _Grouped(Protocol):
     @property
     def cloud(self) -> str: ...
 
+    @property
+    def scaling(self) -> _Scaling: ...
+
+    @property
+    def market(self) -> MarketAnswers: ...
+
+    @property
+    def fabric(self) -> object | None: ...
+
 
 def fixed_instances(group: _Grouped) -> int:
     """How many of a VM group's nodes are fixed instances outside any scaling group, as the
-    group's cloud builds it (infra/clouds/<cloud>/fleet.py fixed_instances)."""
-    fleet = importlib.import_module(profile(group.cloud).fleet_module)
-    return int(fleet.fixed_instances(group))
+    group's cloud builds it: a question of its profile (no resource code loaded)."""
+    return profile(group.cloud).fixed_instances(group.scaling.max, group.market, group.fabric is not None)

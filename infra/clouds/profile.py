@@ -30,6 +30,9 @@ class MarketAnswers(Protocol):
     @property
     def prepaid(self) -> bool: ...
 
+    @property
+    def on_demand_base(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class DiskEncryption:
@@ -98,10 +101,11 @@ class CloudProfile(abc.ABC):
     def platform(self) -> str:
         """`module:Class` of the cloud's platform component (infra/clouds/<cloud>/platform.py)."""
 
-    @property
     @abc.abstractmethod
-    def fleet_module(self) -> str:
-        """The module whose `fixed_instances(group)` says how many of a VM group's nodes are fixed."""
+    def fixed_instances(self, nodes: int, market: MarketAnswers, fabric: bool) -> int:
+        """How many of a VM group's `nodes` (scaling.max) are fixed instances outside any scaling
+        group (`fabric`: the group has a multi-node fabric), as the cloud's fleet builds them (infra/clouds/<cloud>/fleet.py asks it too): plain
+        arithmetic, so the checks and the GPU watch's mode ask it without loading resource code."""
 
     @property
     def stock_module(self) -> str:

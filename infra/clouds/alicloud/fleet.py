@@ -14,6 +14,7 @@ from infra.clouds.alicloud import reservation
 from infra.names import fit
 from infra.schedule import RENEW_REPLACE, recurrence_window
 from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
+from infra.clouds import fixed_instances  # the profile's answer, read here by the fleet and its tests
 
 IMAGE_REGEX = "^ubuntu_22_04_x64"
 ESSD = "cloud_essd"
@@ -24,11 +25,6 @@ def spot_strategy(group: ResolvedGroup) -> str:
         return "NoSpot"
     return "SpotWithPriceLimit" if group.price_cap else "SpotAsPriceGo"
 
-
-def fixed_instances(group: ResolvedGroup) -> int:
-    """How many of the group's nodes are ECS instances rather than members of its ESS group: all of
-    a reserved group (subscription instances), none otherwise (infra/gpu_health.py replace_mode)."""
-    return group.scaling.max if group.market.prepaid else 0
 
 
 @dataclass

@@ -21,7 +21,6 @@ class AlicloudProfile(CloudProfile):
     provider = "alicloud"
     sdk_package = "pulumi_alicloud"
     platform = "infra.clouds.alicloud.platform:AlicloudPlatform"
-    fleet_module = "infra.clouds.alicloud.fleet"
     mocks_module = "infra.clouds.alicloud.mocks"
     instance_passwords = True
     disk_encryption = DiskEncryption("encrypted", (True, "true"), sdk_gap_possible=False)
@@ -121,3 +120,8 @@ class AlicloudProfile(CloudProfile):
                      "noresvport,_netdev", "{host}:/", performance=True),
     )
     price_refresh = "infra.clouds.alicloud.prices:refresh"
+
+    def fixed_instances(self, nodes: int, market: MarketAnswers, fabric: bool) -> int:
+        """All of a reserved group's nodes are ECS subscription instances rather than members of its
+        ESS group; none otherwise."""
+        return nodes if market.prepaid else 0

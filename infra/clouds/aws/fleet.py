@@ -36,11 +36,6 @@ class AwsGpuFleetArgs:
     moved_to: str | None = None  # at a zone candidate other than the declared first zone: that zone (CloudPlatform.moved_to)
 
 
-def fixed_instances(group: ResolvedGroup) -> int:
-    """Every node of an AWS group is in its Auto Scaling group (a reserved group reserves capacity
-    for it): none is a fixed instance (infra/gpu_health.py replace_mode)."""
-    return 0
-
 
 def block_devices(scratch_disk_gb: int) -> list[aws.ec2.LaunchTemplateBlockDeviceMappingArgs]:
     """Encrypted gp3 root; an encrypted gp3 scratch volume when local NVMe cannot hold the scratch."""

@@ -13,7 +13,6 @@ class AwsProfile(CloudProfile):
     provider = "aws"
     sdk_package = "pulumi_aws"
     platform = "infra.clouds.aws.platform:AwsPlatform"
-    fleet_module = "infra.clouds.aws.fleet"
     mocks_module = "infra.clouds.aws.mocks"
     instance_passwords = False
     disk_encryption = None
@@ -128,3 +127,8 @@ class AwsProfile(CloudProfile):
                      size_step_gb=2400, priced_by_throughput=True),
     )
     price_refresh = "infra.clouds.aws.prices:refresh"
+
+    def fixed_instances(self, nodes: int, market: MarketAnswers, fabric: bool) -> int:
+        """Every node of an AWS group is in its Auto Scaling group (a reserved group reserves capacity
+        for it): none is a fixed instance."""
+        return 0

@@ -13,19 +13,12 @@ import tencentcloud_iac_pulumi as tencentcloud
 
 from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 from infra.schedule import RENEW_REPLACE, cron_in_beijing, recurrence_window
+from infra.clouds import fixed_instances  # the profile's answer, read here by the fleet and its tests
 
 IMAGE_REGEX = "Ubuntu Server 22.04"
 DISK = "CLOUD_HSSD"
 CHINA = timezone(timedelta(hours=8))  # Tencent Cloud APIs take Beijing time
 
-
-def fixed_instances(group: ResolvedGroup) -> int:
-    """How many of the group's nodes are CVM instances rather than members of its AS group: all of
-    a reserved group and of an HCC group (AS cannot place nodes in an HCC: TencentGpuFleet), and a
-    spot group's on-demand base. The GPU watch reads it too (infra/gpu_health.py replace_mode)."""
-    if group.market.prepaid or group.fabric is not None:
-        return group.scaling.max
-    return group.market.on_demand_base if group.market.spot else 0
 
 
 def spot_max_price(group: ResolvedGroup) -> str:

@@ -13,7 +13,6 @@ class TencentcloudProfile(CloudProfile):
     provider = "tencentcloud"
     sdk_package = "tencentcloud_iac_pulumi"
     platform = "infra.clouds.tencentcloud.platform:TencentcloudPlatform"
-    fleet_module = "infra.clouds.tencentcloud.fleet"
     mocks_module = "infra.clouds.tencentcloud.mocks"
     instance_passwords = True
     disk_encryption = DiskEncryption("encrypt", (True,), sdk_gap_possible=True)
@@ -109,3 +108,10 @@ class TencentcloudProfile(CloudProfile):
                      "255.255.255.255:/abcdefgh", performance=True),
     )
     price_refresh = "infra.clouds.tencentcloud.prices:refresh"
+
+    def fixed_instances(self, nodes: int, market: MarketAnswers, fabric: bool) -> int:
+        """CVM instances rather than members of its AS group: all of a reserved group and of an HCC
+        group (AS cannot place nodes in an HCC), and a spot group's on-demand base."""
+        if market.prepaid or fabric:
+            return nodes
+        return market.on_demand_base if market.spot else 0
