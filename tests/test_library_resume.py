@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from training.checkpointing import Checkpointer
+from training.ckpt.checkpointer import Checkpointer
 
 
 def _net() -> nn.Module:

@@ -44,15 +44,15 @@ from typing import Any
 
 import torch
 
-from training import digest
-from training.checkpoint_files import (DOT_LEAF, FILE_NAME, MAX_DEPTH, MAX_NODES, MODEL_FILE, STEP_RE,
+from training.ckpt import digest
+from training.ckpt.files import (DOT_LEAF, FILE_NAME, MAX_DEPTH, MAX_NODES, MODEL_FILE, STEP_RE,
                                        CheckpointError, RunLocked, Topology, UploadStatus, check_manifest,
                                        fsync_dir, inside, link_or_copy, manifest_name, plain_path, rng_name, run_key,
                                        sha256_of, state_bytes, step_dir, tree_files, write_failure)
-from training.checkpoint_upload import Uploading
-from training.lease import Lease, take
-from training.staging import Stager, save_hashed
-from training.storage import Location, location
+from training.ckpt.uploader import Uploading
+from training.ckpt.lease import Lease, take
+from training.ckpt.staging import Stager, save_hashed
+from training.ckpt.storage import Location, location
 
 log = logging.getLogger("gts.checkpoint")
 
@@ -94,7 +94,7 @@ def _lock(folder: Path) -> Any:
 
 class CheckpointManager(Uploading):
     """save / load / close. One per process; collectives stay in the caller. Finding and
-    loading steps: training/checkpoint_load.py; uploads and keep-K: training/checkpoint_upload.py."""
+    loading steps: training/ckpt/loader.py; uploads and keep-K: training/ckpt/uploader.py."""
 
     def __init__(self, local_dir: str, remote_url: str | None, topo: Topology, keep: int = 3,
                  upload_attempts: int = 4, on_status: Callable[[UploadStatus], None] | None = None,
@@ -104,7 +104,7 @@ class CheckpointManager(Uploading):
         self.remote_error = ""  # why the bucket could not be listed at start, if it could not
         self._told: set[str] = set()  # warnings already logged (a bad folder is named once)
         self.topo = topo
-        self.for_device = for_device  # loads map the model file (training/checkpoint_load.py's _unpickle)
+        self.for_device = for_device  # loads map the model file (training/ckpt/loader.py's _unpickle)
         self.keep = keep
         self.attempts = upload_attempts
         self.status = UploadStatus()
@@ -127,7 +127,7 @@ class CheckpointManager(Uploading):
         self._prefetched: tuple[int, tuple[dict[str, Any], dict[str, Any] | None]] | None = None
         self._prefetch_lock = threading.Lock()
         self._prefetch_ended = False
-        # One run per checkpoint prefix (training/lease.py): global rank 0 holds the bucket's lease.
+        # One run per checkpoint prefix (training/ckpt/lease.py): global rank 0 holds the bucket's lease.
         self.lease: Lease | None = take(self.remote, self._lease_lost) if self.remote and topo.rank == 0 else None
         if self.remote is not None and topo.local_rank == 0:
             self._thread = threading.Thread(target=self._uploader, name="checkpoint-upload", daemon=True)
@@ -190,7 +190,7 @@ class CheckpointManager(Uploading):
         self._written(step, tmp, write, needed=state_bytes(staged))
 
     def start_writer(self, step: int, write: Callable[[], None], wait: bool = False) -> None:
-        """Run `write` (it writes and commits `step`, e.g. training/sharded.py's) on the writer
+        """Run `write` (it writes and commits `step`, e.g. training/ckpt/sharded.py's) on the writer
         thread, with the bookkeeping of our own background saves: a failure leaves no partial
         step and is reported; a success prunes and queues the upload. The next save, load and
         close wait for it (`wait`: this call does)."""
@@ -231,7 +231,7 @@ class CheckpointManager(Uploading):
     @property
     def refused(self) -> str:
         """`URL: Code: message` once the store refused an upload for good (no such bucket, access
-        denied), else "": the training loop stops (training/run_control.py's say_refused)."""
+        denied), else "": the training loop stops (training/ckpt/run_control.py's say_refused)."""
         with self._lock:
             return self.status.permanent_error
 
@@ -300,7 +300,7 @@ class CheckpointManager(Uploading):
         self._queue.put(step)
 
     def _commit(self, step: int, tmp: Path, final: Path, known: dict[str, tuple[int, str]] | None = None) -> None:
-        """The manifest (sizes and blake3_pieces of the step's files, training/digest.py; `known`
+        """The manifest (sizes and blake3_pieces of the step's files, training/ckpt/digest.py; `known`
         ones hashed while written) written last and fsync'd, then the folder renamed: the commit."""
         known = known or {}
         files = [n for n in tree_files(tmp) if not n.endswith(".part")]

@@ -5,7 +5,7 @@ K deep; SIGTERM (the spot notice, passed on by the entrypoint) makes every rank 
 same step and stop; a restart resumes from the newest good checkpoint, local or in the bucket.
 
     import lightning.pytorch as pl
-    from training.lightning_spot import SpotCheckpoint
+    from training.ckpt.lightning import SpotCheckpoint
 
     spot = SpotCheckpoint()                  # CHECKPOINT_URL, CHECKPOINT_EVERY, ... from the contract
     trainer = pl.Trainer(max_steps=1000, callbacks=[spot], enable_checkpointing=False, ...)
@@ -31,8 +31,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, open_manager
-from training.run_control import EXIT_REFUSED, process_exit, refuse, say_refused
+from training.ckpt.checkpointer import Interval, StopFlag, choose_checkpoint, finish, open_manager
+from training.ckpt.run_control import EXIT_REFUSED, process_exit, refuse, say_refused
 from training.distributed import Comm
 
 log = logging.getLogger("gts.lightning")
@@ -84,13 +84,13 @@ class SpotCheckpoint(pl.Callback):
 
     def fit(self, trainer: pl.Trainer, model: pl.LightningModule, **data: Any) -> int:
         """Resume `trainer` from the newest good checkpoint, fit `model` to max_steps or a stop
-        signal, wait for the uploads. Returns the exit code (training.checkpointing.finish)."""
+        signal, wait for the uploads. Returns the exit code (training.ckpt.checkpointer.finish)."""
         stateful = [type(x).__name__ for x in _loaders(data) if callable(getattr(x, "load_state_dict", None))]
         if stateful:
             if self.comm.rank == 0:
                 refuse(f"refused: Lightning with {stateful[0]} does not resume exactly here: after a resume no step "
                        "trained on the samples an uninterrupted run trains on (issue 42). Pass a plain DataLoader "
-                       "(Lightning replays the interrupted epoch from its start), or use training.checkpointing's "
+                       "(Lightning replays the interrupted epoch from its start), or use training.ckpt.checkpointer's "
                        "Checkpointer in your own loop, which resumes both loaders exactly")
             self.manager.close(timeout=0)
             return process_exit(EXIT_REFUSED)

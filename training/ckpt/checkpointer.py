@@ -2,7 +2,7 @@
 digest checked on load, background upload with retries, keep-K, a lock per run), the emergency
 checkpoint on SIGTERM / SIGINT / the spot notice, and exact resume, behind three lines.
 
-    from training.checkpointing import Checkpointer
+    from training.ckpt.checkpointer import Checkpointer
 
     with Checkpointer(model=model, optimizer=optimizer, scheduler=scheduler) as ckpt:
         for step in range(ckpt.resume(), total_steps):     # the newest good checkpoint, or 0
@@ -37,7 +37,7 @@ model, and its checkpoints must stay readable by any world size):
     with Checkpointer(model=model, optimizer=optimizer, scheduler=scheduler) as ckpt:
         ...                                                # the same loop
 
-Then every rank writes its own shard through torch's distributed checkpoint (training/sharded.py)
+Then every rank writes its own shard through torch's distributed checkpoint (training/ckpt/sharded.py)
 and `resume()` loads a checkpoint written by any number of ranks into this run's sharding; the
 other objects (a scheduler) and `extra` are written once, by rank 0, as for replicated state.
 """
@@ -52,21 +52,21 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from training.checkpoint import CheckpointError
+from training.ckpt.manager import CheckpointError
 from training.distributed import Comm
 from training.loaders import LoaderState
-from training.restore import materialize, own_moments, restore_model
-from training.run_control import (EXIT_PEER_STOPPED, HistoryUnknown, Interval, Resumed, StopFlag,
+from training.ckpt.restore import materialize, own_moments, restore_model
+from training.ckpt.run_control import (EXIT_PEER_STOPPED, HistoryUnknown, Interval, Resumed, StopFlag,
                                   choose_checkpoint, exit_code, finish, open_manager, process_exit, rng_state,
                                   say_refused, say_storage, set_rng_state)
-from training.storage import StorageRefused
+from training.ckpt.storage import StorageRefused
 
 if TYPE_CHECKING:
-    from training.sharded import ShardedCheckpoints
+    from training.ckpt.sharded import ShardedCheckpoints
 
 log = logging.getLogger("gts.checkpointing")
 
-# Importable from here as before (defined in training/run_control.py).
+# Importable from here as before (defined in training/ckpt/run_control.py).
 __all__ = ["EXIT_PEER_STOPPED", "Checkpointer", "Interval", "Resumed", "Stateful", "StopFlag", "choose_checkpoint",
            "exit_code", "finish", "open_manager", "rng_state", "set_rng_state"]
 
@@ -129,7 +129,7 @@ class Checkpointer:
     def _open_sharded(self, sharded: bool | None) -> None:
         """The sharded path when asked for, or when the state holds DTensors (FSDP2): the one
         model and its optimizers go through DCP, every rank its shard; the rest stays as it is."""
-        from training.sharded import ShardedCheckpoints, holds_dtensors
+        from training.ckpt.sharded import ShardedCheckpoints, holds_dtensors
 
         if sharded is None:
             sharded = any(holds_dtensors(obj) for obj in self.state.values())

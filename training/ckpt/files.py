@@ -1,4 +1,4 @@
-"""The names and rules of a checkpoint on disk and in the bucket (training/checkpoint.py's
+"""The names and rules of a checkpoint on disk and in the bucket (training/ckpt/manager.py's
 layout): step folders, manifests and the files they may list, the checks a manifest passes
 before it is used, and the topology a manager writes for."""
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from training import digest
+from training.ckpt import digest
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 MODEL_FILE = "model.pt"

@@ -4,7 +4,7 @@ trainer state) is committed atomically with a sha256 manifest, uploaded in the b
 bucket, kept K deep; a SIGTERM (the spot notice) makes the Trainer save at the step it is on and
 stop; a restart resumes from the newest good checkpoint, local or in the bucket.
 
-    from training.hf import SpotCheckpointCallback
+    from training.ckpt.hf import SpotCheckpointCallback
 
     spot = SpotCheckpointCallback()                      # CHECKPOINT_URL etc. from the contract
     trainer = Trainer(model, args, train_dataset=..., callbacks=[spot])
@@ -28,8 +28,8 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from training.checkpointing import Interval, StopFlag, choose_checkpoint, finish, open_manager
-from training.run_control import process_exit, say_refused
+from training.ckpt.checkpointer import Interval, StopFlag, choose_checkpoint, finish, open_manager
+from training.ckpt.run_control import process_exit, say_refused
 from training.distributed import Comm
 
 log = logging.getLogger("gts.hf")
@@ -123,6 +123,6 @@ class SpotCheckpointCallback(TrainerCallback):
         return control
 
     def close(self) -> int:
-        """Wait for the uploads and return the exit code (training.checkpointing.finish)."""
+        """Wait for the uploads and return the exit code (training.ckpt.checkpointer.finish)."""
         return process_exit(finish(self.manager, self.comm, self.stop.raised, self.stopped is not None, self.deadline,
                                    self.last_saved if self.refused else None))

@@ -1,7 +1,7 @@
 """Sharded training state (FSDP2 `fully_shard`, or any DTensor state) through our checkpoint
 manager: every rank writes its own shard with torch's distributed checkpoint (DCP), and the
 step is committed, verified, uploaded and kept exactly as replicated state is
-(training/checkpoint.py).
+(training/ckpt/manager.py).
 
     ckpt = ShardedCheckpoints(manager, comm)
     blocked = ckpt.save(step, model, optimizer, train_state, rng_state())   # every rank
@@ -55,8 +55,8 @@ from torch.distributed.checkpoint.state_dict_saver import async_save, save as dc
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from training.checkpoint import CheckpointError, CheckpointManager, rng_name, step_dir
-from training.run_control import Resumed, choose_checkpoint
+from training.ckpt.manager import CheckpointError, CheckpointManager, rng_name, step_dir
+from training.ckpt.run_control import Resumed, choose_checkpoint
 from training.distributed import Comm
 
 log = logging.getLogger("gts.sharded")

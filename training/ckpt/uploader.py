@@ -1,4 +1,4 @@
-"""Uploading committed steps and keeping K (training/checkpoint.py's manager): a background
+"""Uploading committed steps and keeping K (training/ckpt/manager.py's manager): a background
 thread uploads each node's files, manifest last, retrying transient faults with backoff and
 stopping at once on answers no retry changes; old steps are pruned locally and in the bucket."""
 
@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from training.checkpoint_files import MODEL_FILE, UploadStatus, check_manifest, inside, step_dir
-from training.checkpoint_load import Loading
-from training.storage import StorageRefused, permanent_cause
+from training.ckpt.files import MODEL_FILE, UploadStatus, check_manifest, inside, step_dir
+from training.ckpt.loader import Loading
+from training.ckpt.storage import StorageRefused, permanent_cause
 
 log = logging.getLogger("gts.checkpoint")
 

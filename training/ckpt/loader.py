@@ -1,4 +1,4 @@
-"""Finding and loading committed steps (training/checkpoint.py's manager): the steps on this
+"""Finding and loading committed steps (training/ckpt/manager.py's manager): the steps on this
 disk and in the bucket, every file checked against its manifest before it is unpickled (with
 weights_only), a bad or missing local copy fetched again from the bucket in one pass, and the
 newest step prefetched while the caller builds its model."""
@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from training import digest
-from training.checkpoint_files import (MODEL_FILE, STEP_RE, CheckpointError, Topology, check_manifest, inside,
+from training.ckpt import digest
+from training.ckpt.files import (MODEL_FILE, STEP_RE, CheckpointError, Topology, check_manifest, inside,
                                        manifest_name, plain_path, rng_name, step_dir)
-from training.checkpoint_memory import in_memory, memory_files
-from training.fetch import fetch_retrying
-from training.storage import Location, StorageRefused, StorageUnavailable, permanent_cause
+from training.ckpt.memory import in_memory, memory_files
+from training.ckpt.fetch import fetch_retrying
+from training.ckpt.storage import Location, StorageRefused, StorageUnavailable, permanent_cause
 
 log = logging.getLogger("gts.checkpoint")
 _MAP_FLAGS = threading.Lock()
@@ -32,7 +32,7 @@ _MAP_FLAGS = threading.Lock()
 def owner_entries(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each listed file's entry in the manifest of the node that wrote it. Every node lists its
     own `model.pt` (its local rank 0 writes one), but the bucket holds global rank 0's, node 0's
-    (training/checkpoint_upload.py); a folder fetched from the bucket holds that one too, and a
+    (training/ckpt/uploader.py); a folder fetched from the bucket holds that one too, and a
     folder a node wrote itself holds its own manifest alone. So the first manifest in node order
     that lists a name is its writer's: a file is never checked against another node's entry
     (which differs wherever anything per node is inside the file: issue 46)."""
@@ -58,7 +58,7 @@ class Loading:
     _prefetch_ended: bool
 
     if TYPE_CHECKING:
-        def wait_commit(self) -> None: ...  # CheckpointManager's (training/checkpoint.py)
+        def wait_commit(self) -> None: ...  # CheckpointManager's (training/ckpt/manager.py)
 
     def _local_manifests(self, step: int) -> list[dict[str, Any]]:
         """The step's manifests on this disk that are its own (see check_manifest); one that is
@@ -262,7 +262,7 @@ class Loading:
     def _load_in_memory(self, step: int, files: dict[str, dict[str, Any]]
                         ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         """`load` of a step fetched for the only rank on this node into memory files
-        (training/checkpoint_memory.py), the model file mapped shared: its tensors are the
+        (training/ckpt/memory.py), the model file mapped shared: its tensors are the
         received pages. None where the step goes to disk instead."""
         assert self.remote is not None
         try:
@@ -286,7 +286,7 @@ class Loading:
         here (CheckpointError), and neither is ever used.
 
         `mapped` (mmap flags) maps the file instead of reading it: MAP_SHARED for a memory file
-        of training/checkpoint_memory.py (its own pages: no copy at all), MAP_PRIVATE for a file
+        of training/ckpt/memory.py (its own pages: no copy at all), MAP_PRIVATE for a file
         on disk whose tensors go to an accelerator (`for_device`: the copy to the device reads the
         page cache, and the file is only ever replaced by rename or removed, which a mapping
         outlives). A file torch cannot map (an old non-zip one, or no mapping to be had) is read.
@@ -361,7 +361,7 @@ class Loading:
 
                 def fault(why: str, name: str = name) -> CheckpointError:
                     return CheckpointError(f"{name} in {url} {why}")
-                try:  # one pass: hashed as it arrives (training/fetch.py), never read back; again on a drop
+                try:  # one pass: hashed as it arrives (training/ckpt/fetch.py), never read back; again on a drop
                     fetch_retrying(self.remote.fs, self.remote.join(step_dir(step), name), part, meta, fault)
                 except CheckpointError:
                     raise
