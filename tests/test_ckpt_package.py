@@ -1,0 +1,43 @@
+"""The checkpoint library as one package (issue 45): training/ckpt/ holds it, the old flat import
+paths users were told to use still give the very same objects, and importing the package or its
+storage module pulls in no torch (infra/ reads training/ckpt/storage.py while planning)."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import ROOT
+
+# old path -> the module in training/ckpt/ it re-exports
+SHIMS = {"training.checkpointing": "training.ckpt.checkpointer", "training.checkpoint": "training.ckpt.manager",
+         "training.hf": "training.ckpt.hf", "training.lightning_spot": "training.ckpt.lightning",
+         "training.sharded": "training.ckpt.sharded"}
+# what docs/ and examples/ name at each old path
+PUBLIC = {"training.checkpointing": {"Checkpointer"}, "training.checkpoint": {"CheckpointManager", "Topology"},
+          "training.hf": {"SpotCheckpointCallback"}, "training.lightning_spot": {"SpotCheckpoint"},
+          "training.sharded": {"ShardedCheckpoints", "full_params_sha256"}}
+
+
+@pytest.mark.parametrize("old", sorted(SHIMS))
+def test_an_old_import_path_gives_the_same_objects(old: str) -> None:
+    if old in ("training.hf", "training.lightning_spot"):
+        pytest.importorskip("transformers" if old == "training.hf" else "lightning")
+    shim, new = importlib.import_module(old), importlib.import_module(SHIMS[old])
+    assert PUBLIC[old] <= set(shim.__all__)
+    assert {name: getattr(shim, name) is getattr(new, name) for name in shim.__all__} == dict.fromkeys(shim.__all__, True)
+
+
+def test_a_shim_is_a_few_lines_and_says_so() -> None:
+    for old in SHIMS:
+        text = (ROOT / (old.replace(".", "/") + ".py")).read_text(encoding="utf-8")
+        assert len(text.splitlines()) <= 10 and "Compatibility" in text, old
+
+
+def test_the_package_and_its_storage_import_no_torch() -> None:
+    code = "import sys, training.ckpt, training.ckpt.storage; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
