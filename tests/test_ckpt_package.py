@@ -1,16 +1,22 @@
 """The checkpoint library as one package (issue 45): training/ckpt/ holds it, the old flat import
-paths users were told to use still give the very same objects, and importing the package or its
-storage module pulls in no torch (infra/ reads training/ckpt/storage.py while planning)."""
+paths users were told to use still give the very same objects, importing the package or its
+storage module pulls in no torch (infra/ reads training/ckpt/storage.py while planning), and the
+manager is composed of collaborators, not mixins."""
 
 from __future__ import annotations
 
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.harness import ROOT
+from training.ckpt.files import Topology
+from training.ckpt.loader import Loader
+from training.ckpt.manager import CheckpointManager
+from training.ckpt.uploader import Uploader
 
 # old path -> the module in training/ckpt/ it re-exports
 SHIMS = {"training.checkpointing": "training.ckpt.checkpointer", "training.checkpoint": "training.ckpt.manager",
@@ -41,3 +47,11 @@ def test_the_package_and_its_storage_import_no_torch() -> None:
     code = "import sys, training.ckpt, training.ckpt.storage; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_manager_holds_its_collaborators_and_inherits_nothing(tmp_path: Path) -> None:
+    """CheckpointManager is composed (a Loader, an Uploader), not a chain of mixins (issue 45)."""
+    assert CheckpointManager.__mro__ == (CheckpointManager, object)
+    mgr = CheckpointManager(str(tmp_path), None, Topology(0, 0, 1, 0, 1, 1))
+    assert isinstance(mgr.loader, Loader) and isinstance(mgr.uploads, Uploader)
+    assert mgr.status is mgr.uploads.status and mgr.uploads.loader is mgr.loader

@@ -32,7 +32,6 @@ import fcntl
 import json
 import logging
 import os
-import queue
 import re
 import shutil
 import socket
@@ -49,7 +48,8 @@ from training.ckpt.files import (DOT_LEAF, FILE_NAME, MAX_DEPTH, MAX_NODES, MODE
                                        CheckpointError, RunLocked, Topology, UploadStatus, check_manifest,
                                        fsync_dir, inside, link_or_copy, manifest_name, plain_path, rng_name, run_key,
                                        sha256_of, state_bytes, step_dir, tree_files, write_failure)
-from training.ckpt.uploader import Uploading
+from training.ckpt.loader import Loader
+from training.ckpt.uploader import Uploader
 from training.ckpt.lease import Lease, take
 from training.ckpt.staging import Stager, save_hashed
 from training.ckpt.storage import Location, location
@@ -92,27 +92,55 @@ def _lock(folder: Path) -> Any:
 
 
 
-class CheckpointManager(Uploading):
-    """save / load / close. One per process; collectives stay in the caller. Finding and
-    loading steps: training/ckpt/loader.py; uploads and keep-K: training/ckpt/uploader.py."""
+class WriterSlot:
+    """The one checkpoint written in the background at a time (the manager's writer thread). The
+    loader and the uploader wait for it through this slot, not through the manager, so that none of
+    the manager's parts holds the manager: dropping it releases its run lock at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._writer: threading.Thread | None = None
+        self.exempt: threading.Thread | None = None  # the upload thread: it only lists steps, never waits
+
+    def start(self, writer: threading.Thread) -> None:
+        with self._lock:
+            self._writer = writer
+        writer.start()
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            writer = self._writer
+        return writer is not None and writer.is_alive()
+
+    def wait(self) -> None:
+        """Until the checkpoint being written is committed (or failed). The writer and the upload
+        thread never wait for it (the writer is what they would wait for)."""
+        with self._lock:
+            writer = self._writer
+        if writer is None or threading.current_thread() in (writer, self.exempt):
+            return
+        writer.join()
+        with self._lock:
+            if self._writer is writer:  # a newer writer may have started meanwhile: keep it
+                self._writer = None
+
+
+class CheckpointManager:
+    """save / load / close. One per process; collectives stay in the caller. It holds a Loader
+    (finding and loading steps: training/ckpt/loader.py), an Uploader (uploads and keep-K:
+    training/ckpt/uploader.py) and the WriterSlot both wait on, and writes and commits steps itself."""
 
     def __init__(self, local_dir: str, remote_url: str | None, topo: Topology, keep: int = 3,
                  upload_attempts: int = 4, on_status: Callable[[UploadStatus], None] | None = None,
                  background: bool = True, for_device: bool = False):
         self.local = Path(local_dir) / run_key(remote_url) if remote_url else Path(local_dir)
         self.remote: Location | None = location(remote_url) if remote_url else None
-        self.remote_error = ""  # why the bucket could not be listed at start, if it could not
-        self._told: set[str] = set()  # warnings already logged (a bad folder is named once)
         self.topo = topo
-        self.for_device = for_device  # loads map the model file (training/ckpt/loader.py's _unpickle)
-        self.keep = keep
-        self.attempts = upload_attempts
-        self.status = UploadStatus()
-        self.on_status = on_status
-        self._queue: queue.Queue[int | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._idle.set()
+        self.for_device = for_device  # loads map the model file (training/ckpt/files.py's unpickle)
+        self.writes = WriterSlot()
+        self.loader = Loader(self.local, self.remote, topo, for_device, self.writes.wait)
+        self.uploads = Uploader(self.loader, keep, upload_attempts, on_status)
         self.local.mkdir(parents=True, exist_ok=True)
         self._held = _lock(self.local) if topo.local_rank == 0 else None
         if topo.local_rank == 0:
@@ -120,22 +148,59 @@ class CheckpointManager(Uploading):
                 shutil.rmtree(stale, ignore_errors=True)  # a crash mid-write: never committed
         self.background = background  # False: the caller waits for the write and the commit (make bench compares)
         self._stager = Stager()
-        self._writer: threading.Thread | None = None
-        self._writer_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._prefetch: threading.Thread | None = None
-        self._prefetched: tuple[int, tuple[dict[str, Any], dict[str, Any] | None]] | None = None
-        self._prefetch_lock = threading.Lock()
-        self._prefetch_ended = False
         # One run per checkpoint prefix (training/ckpt/lease.py): global rank 0 holds the bucket's lease.
         self.lease: Lease | None = take(self.remote, self._lease_lost) if self.remote and topo.rank == 0 else None
         if self.remote is not None and topo.local_rank == 0:
-            self._thread = threading.Thread(target=self._uploader, name="checkpoint-upload", daemon=True)
-            self._thread.start()
+            self.uploads.start()
+            self.writes.exempt = self.uploads.thread
+
+    # ------------------------------------------------------------------ what the collaborators hold
+    @property
+    def status(self) -> UploadStatus:
+        return self.uploads.status
+
+    @property
+    def keep(self) -> int:
+        return self.uploads.keep
+
+    @property
+    def remote_error(self) -> str:
+        """Why the bucket could not be listed, if it could not (the last listing's)."""
+        return self.loader.remote_error
+
+    def local_steps(self) -> list[int]:
+        return self.loader.local_steps()
+
+    def remote_steps(self) -> list[int]:
+        return self.loader.remote_steps()
+
+    def loadable_steps(self) -> set[int]:
+        return self.loader.loadable_steps()
+
+    def prefetch(self) -> None:
+        self.loader.prefetch()
+
+    def end_prefetch(self) -> None:
+        self.loader.end_prefetch()
+
+    def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        return self.loader.load(step)
+
+    def load_folder(self, step: int) -> Path:
+        return self.loader.load_folder(step)
+
+    def resync(self) -> None:
+        self.uploads.resync()
+
+    def wait_uploads(self, timeout: float) -> bool:
+        """Block until the step being written is committed and the upload queue drained (True), or
+        `timeout` passes (False)."""
+        self.wait_commit()
+        return self.uploads.wait_uploads(timeout)
 
     def _lease_lost(self, why: str) -> None:
         """Another run took the prefix: the loop stops as for a refused upload (manager.refused)."""
-        with self._lock:
+        with self.uploads.lock:
             self.status.permanent_error = why
 
     # ------------------------------------------------------------------ save
@@ -164,23 +229,21 @@ class CheckpointManager(Uploading):
         barrier()
         if self.topo.local_rank == 0:
             assert model_state is not None
-            if final.exists() and not self._local_manifests(step):
+            if final.exists() and not self.loader.local_manifests(step):
                 shutil.rmtree(final)  # a damaged copy (its manifest unreadable): written again
             if final.exists():  # committed before (the caller normally skips this)
                 shutil.rmtree(tmp, ignore_errors=True)
             elif not self.background:
                 _save(model_state, tmp / MODEL_FILE)
                 self._commit(step, tmp, final)
-                self._prune_local()
-                self._queue_upload(step)
+                self.uploads.prune_local()
+                self.uploads.queue_upload(step)
             else:
                 staged = self._stager.stage(model_state)
                 # Not a daemon: an exiting process waits for the checkpoint it already reported.
                 writer = threading.Thread(target=self._write_and_commit, args=(step, staged, tmp, final),
                                           name="checkpoint-write", daemon=False)
-                with self._writer_lock:
-                    self._writer = writer
-                writer.start()
+                self.writes.start(writer)
         return time.perf_counter() - start
 
     def _write_and_commit(self, step: int, staged: dict[str, Any], tmp: Path, final: Path) -> None:
@@ -196,9 +259,7 @@ class CheckpointManager(Uploading):
         close wait for it (`wait`: this call does)."""
         tmp = self.local / f"{step_dir(step)}.tmp"
         writer = threading.Thread(target=self._written, args=(step, tmp, write), name="checkpoint-write", daemon=False)
-        with self._writer_lock:
-            self._writer = writer
-        writer.start()
+        self.writes.start(writer)
         if wait:
             self.wait_commit()
 
@@ -212,17 +273,17 @@ class CheckpointManager(Uploading):
         except Exception as exc:  # noqa: BLE001 (disk full, I/O error): the step is not committed
             shutil.rmtree(tmp, ignore_errors=True)  # do not leave a partial step on a full disk
             why = write_failure(exc, self.local, needed)
-            with self._lock:
+            with self.uploads.lock:
                 self.status.write_error = f"{step_dir(step)}: {why}"
             log.error("checkpoint %s could not be written: %s; the newest committed one stays the resume point",
                       step_dir(step), why)
-            self._report()
+            self.uploads.report()
             return
-        with self._lock:
+        with self.uploads.lock:
             self.status.last_commit, self.status.write_error = time.time(), ""
-        self._prune_local()
-        self._queue_upload(step)
-        self._report()
+        self.uploads.prune_local()
+        self.uploads.queue_upload(step)
+        self.uploads.report()
 
     @property
     def write_error(self) -> str:
@@ -232,29 +293,18 @@ class CheckpointManager(Uploading):
     def refused(self) -> str:
         """`URL: Code: message` once the store refused an upload for good (no such bucket, access
         denied), else "": the training loop stops (training/ckpt/run_control.py's say_refused)."""
-        with self._lock:
+        with self.uploads.lock:
             return self.status.permanent_error
 
     @property
     def writing(self) -> bool:
         """A checkpoint is being written in the background now (the loop's wall-cost accounting,
         training/wallcost.py)."""
-        with self._writer_lock:
-            writer = self._writer
-        return writer is not None and writer.is_alive()
+        return self.writes.busy
 
     def wait_commit(self) -> None:
-        """Until the checkpoint being written in the background is committed (or failed). The
-        writer and the upload thread never wait for it (the writer is what they would wait for;
-        the upload thread only lists steps)."""
-        with self._writer_lock:
-            writer = self._writer
-        if writer is None or threading.current_thread() in (writer, self._thread):
-            return
-        writer.join()
-        with self._writer_lock:
-            if self._writer is writer:  # a newer writer may have started meanwhile: keep it
-                self._writer = None
+        """Until the checkpoint being written in the background is committed (or failed)."""
+        self.writes.wait()
 
     def save_folder(self, step: int, source: Path, barrier: Callable[[], None]) -> float:
         """Commit a checkpoint another library wrote as a folder of files (a Hugging Face
@@ -285,19 +335,10 @@ class CheckpointManager(Uploading):
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 self._commit(step, tmp, final)
-            self._prune_local()
-            self._queue_upload(step)
+            self.uploads.prune_local()
+            self.uploads.queue_upload(step)
         barrier()
         return time.perf_counter() - start
-
-    def _queue_upload(self, step: int) -> None:
-        if self.remote is None:
-            return
-        with self._lock:
-            if step not in self.status.pending:
-                self.status.pending.append(step)
-        self._idle.clear()
-        self._queue.put(step)
 
     def _commit(self, step: int, tmp: Path, final: Path, known: dict[str, tuple[int, str]] | None = None) -> None:
         """The manifest (sizes and blake3_pieces of the step's files, training/ckpt/digest.py; `known`
@@ -325,13 +366,10 @@ class CheckpointManager(Uploading):
         log.info("committed checkpoint %s locally (%d files)", final.name, len(files))
 
     def close(self, timeout: float = 120.0) -> UploadStatus:
-        if self._prefetch is not None:
-            self._prefetch.join()  # no fetch left half-written
+        self.loader.wait_prefetch()  # no fetch left half-written
         self.wait_commit()  # a stop waits for the checkpoint it asked for
         ok = self.wait_uploads(timeout)
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=5)
+        self.uploads.stop()
         if self.lease is not None:
             self.lease.release()  # a restart of this run (or the next run) takes the prefix at once
         if not ok:

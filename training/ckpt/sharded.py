@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save, save as dc
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from training.ckpt.files import unpickle
 from training.ckpt.manager import CheckpointError, CheckpointManager, rng_name, step_dir
 from training.ckpt.run_control import Resumed, choose_checkpoint
 from training.distributed import Comm
@@ -209,13 +210,13 @@ class ShardedCheckpoints:
         """(train state, this rank's RNG state or None at another world size) of `step`, after
         every file of every node was checked here (fetched from the bucket where missing or bad)."""
         folder = self.manager.load_folder(step)
-        state = self.manager._unpickle(folder / TRAIN_STATE)
+        state = unpickle(folder / TRAIN_STATE)
         if int(state.get("world_size", -1)) != self.comm.world:
             return state, None
         rng_file = folder / rng_name(self.comm.rank)
         if not rng_file.exists():
             raise CheckpointError(f"{rng_file.name} is missing")
-        return state, self.manager._unpickle(rng_file)
+        return state, unpickle(rng_file)
 
     def choose(self) -> Resumed | None:
         """The newest step that every rank verified (the ranks compare verdicts), or None."""
