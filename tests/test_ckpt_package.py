@@ -1,7 +1,7 @@
 """The checkpoint library as one package (issue 45): training/ckpt/ holds it, the old flat import
 paths users were told to use still give the very same objects, importing the package or its
 storage module pulls in no torch (infra/ reads training/ckpt/storage.py while planning), and the
-manager is composed of collaborators, not mixins."""
+manager is composed of collaborators, not mixins, around one protocol for where a step comes from."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from tests.harness import ROOT
 from training.ckpt.files import Topology
 from training.ckpt.loader import Loader
 from training.ckpt.manager import CheckpointManager
+from training.ckpt.peer.tier import PeerTier
+from training.ckpt.tiers import Tier
 from training.ckpt.uploader import Uploader
 
 # old path -> the module in training/ckpt/ it re-exports
@@ -55,3 +57,24 @@ def test_the_manager_holds_its_collaborators_and_inherits_nothing(tmp_path: Path
     mgr = CheckpointManager(str(tmp_path), None, Topology(0, 0, 1, 0, 1, 1))
     assert isinstance(mgr.loader, Loader) and isinstance(mgr.uploads, Uploader)
     assert mgr.status is mgr.uploads.status and mgr.uploads.loader is mgr.loader
+
+
+def test_the_disk_the_bucket_and_the_peer_tier_are_tiers(tmp_path: Path) -> None:
+    """Each place a step comes from satisfies the one protocol (training/ckpt/tiers.py)."""
+    mgr = CheckpointManager(str(tmp_path / "disk"), f"file://{tmp_path / 'bucket'}", Topology(0, 0, 1, 0, 1, 1))
+    try:
+        assert [t.name for t in mgr.tiers] == ["disk", "bucket"]
+        assert all(isinstance(t, Tier) for t in mgr.tiers)
+        assert isinstance(object.__new__(PeerTier), Tier)  # its members, without a world to gather
+    finally:
+        mgr.close()
+    assert [t.name for t in CheckpointManager(str(tmp_path / "alone"), None, Topology(0, 0, 1, 0, 1, 1)).tiers] == ["disk"]
+
+
+def test_the_tier_check_refuses_what_lacks_a_member() -> None:
+    class ListsOnly:
+        name = "half"
+
+        def steps(self) -> set[int]:
+            return set()
+    assert not isinstance(ListsOnly(), Tier)

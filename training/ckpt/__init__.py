@@ -10,6 +10,8 @@ Where things are, top down:
   manager.py       CheckpointManager: atomic commit, sha256 manifest, keep-K; it holds
   uploader.py        the background upload to the bucket, and
   loader.py          the verified load from disk or bucket (memory.py: fetched into memory)
+  tiers.py         Tier: where a step comes from (steps, load); the disk and the bucket
+                   (loader.py) and the peer tier (peer/tier.py) are its three
   files.py         the layout: step folders, manifests, topology, errors
   staging.py       the state copied into reused buffers, hashed while it is written
   restore.py       a loaded state put back into a model and optimizer without a second copy

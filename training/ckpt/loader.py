@@ -1,7 +1,8 @@
 """Finding and loading committed steps (the Loader a CheckpointManager holds): the steps on this
 disk and in the bucket, every file checked against its manifest before it is unpickled (with
 weights_only), a bad or missing local copy fetched again from the bucket in one pass, and the
-newest step prefetched while the caller builds its model."""
+newest step prefetched while the caller builds its model. The disk and the bucket are two tiers
+(training/ckpt/tiers.py) over it: DiskTier and BucketTier."""
 
 from __future__ import annotations
 
@@ -352,3 +353,32 @@ class Loader:
                     path.write_text(json.dumps(manifest, indent=1))
         log.info("rank %d fetched %s from %s", self.topo.rank, step_dir(step), self.remote.url)
 
+
+class DiskTier:
+    """This node's disk as a tier (training/ckpt/tiers.py): its committed steps, each file checked."""
+
+    name = "disk"
+
+    def __init__(self, loader: Loader):
+        self.loader = loader
+
+    def steps(self) -> set[int]:
+        return set(self.loader.local_steps())
+
+    def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        return self.loader.load_local(step)
+
+
+class BucketTier:
+    """The run's bucket as a tier (training/ckpt/tiers.py): steps whose every node's manifest is in."""
+
+    name = "bucket"
+
+    def __init__(self, loader: Loader):
+        self.loader = loader
+
+    def steps(self) -> set[int]:
+        return set(self.loader.remote_steps())
+
+    def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        return self.loader.load_remote(step)

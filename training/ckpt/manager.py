@@ -48,7 +48,8 @@ from training.ckpt.files import (DOT_LEAF, FILE_NAME, MAX_DEPTH, MAX_NODES, MODE
                                        CheckpointError, RunLocked, Topology, UploadStatus, check_manifest,
                                        fsync_dir, inside, link_or_copy, manifest_name, plain_path, rng_name, run_key,
                                        sha256_of, state_bytes, step_dir, tree_files, write_failure)
-from training.ckpt.loader import Loader
+from training.ckpt.loader import BucketTier, DiskTier, Loader
+from training.ckpt.tiers import Tier
 from training.ckpt.uploader import Uploader
 from training.ckpt.lease import Lease, take
 from training.ckpt.staging import Stager, save_hashed
@@ -141,6 +142,8 @@ class CheckpointManager:
         self.writes = WriterSlot()
         self.loader = Loader(self.local, self.remote, topo, for_device, self.writes.wait)
         self.uploads = Uploader(self.loader, keep, upload_attempts, on_status)
+        # Where a step can come from, nearest first (training/ckpt/tiers.py; a run's peer tier goes before them).
+        self.tiers: tuple[Tier, ...] = (DiskTier(self.loader),) + ((BucketTier(self.loader),) if self.remote else ())
         self.local.mkdir(parents=True, exist_ok=True)
         self._held = _lock(self.local) if topo.local_rank == 0 else None
         if topo.local_rank == 0:

@@ -52,7 +52,10 @@ def buddy(node: int, zones: list[str]) -> int:
 
 
 class PeerTier:
-    """One rank's side of the tier (every rank makes one; collectives in __init__)."""
+    """One rank's side of the tier (every rank makes one; collectives in __init__). A Tier
+    (training/ckpt/tiers.py): `steps` and `load`, the latter collective."""
+
+    name = "peer"
 
     def __init__(self, comm: Comm, every: int, key: bytes, store: str, zone: str):
         self.comm, self.every = comm, every
