@@ -91,7 +91,7 @@ train-local: $(STAMP)
 example-loop: $(STAMP)
 	@PYTHONPATH=$(CURDIR) OMP_NUM_THREADS=1 $(PY) examples/plain_loop.py --steps $(call q,$(STEPS)) --checkpoint-dir $(call q,$(CKPT_DIR)-loop)
 
-## example-hf: the guide's BERT fine-tuning (transformers.Trainer + training/hf.py) under accelerate, 2 CPU processes, through the image's entrypoint (STEPS= CKPT_DIR=)
+## example-hf: the guide's BERT fine-tuning (transformers.Trainer + training/ckpt/hf.py) under accelerate, 2 CPU processes, through the image's entrypoint (STEPS= CKPT_DIR=)
 example-hf: $(STAMP)
 	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" LAUNCHER=accelerate ACCELERATE_USE_CPU=1 NNODES=1 NPROC_PER_NODE=2 \
 	  OMP_NUM_THREADS=1 CHECKPOINT_DIR=$(call q,$(CKPT_DIR)-hf) CHECKPOINT_EVERY=$(call q,$(CKPT_EVERY)) \

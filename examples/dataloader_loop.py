@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from training.checkpointing import Checkpointer
+from training.ckpt.checkpointer import Checkpointer
 
 
 class Augmented(Dataset[tuple[torch.Tensor, torch.Tensor]]):

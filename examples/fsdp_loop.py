@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.checkpointing import Checkpointer
-from training.sharded import full_params_sha256
+from training.ckpt.checkpointer import Checkpointer
+from training.ckpt.sharded import full_params_sha256
 
 
 def build(seed: int) -> nn.Sequential:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from training.lightning_spot import SpotCheckpoint
+from training.ckpt.lightning import SpotCheckpoint
 
 
 class Tiny(pl.LightningModule):

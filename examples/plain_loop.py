@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from training.checkpointing import Checkpointer
+from training.ckpt.checkpointer import Checkpointer
 
 
 def batch(seed: int, step: int, rank: int, size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from infra.spec import StackSpec
 # limited to them and lifecycle rules archive the first.
 CHECKPOINT_PREFIX = "checkpoints/"
 DATASET_PREFIX = "datasets/"
-# The URL scheme the trainer's storage layer (training/storage.py) reads for each cloud.
+# The URL scheme the trainer's storage layer (training/ckpt/storage.py) reads for each cloud.
 SCHEMES = {p.name: p.storage_scheme for p in profiles()}
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from training import checkpoint
+from training.ckpt import manager as checkpoint
 from training.trainer import train
 
 log = logging.getLogger("gts.faults")

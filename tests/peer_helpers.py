@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from tests.training_helpers import RDZV_TEST_KEY, ROOT, free_port, wait_port
-from training.peer import wire
-from training.peer.client import Link
+from training.ckpt.peer import wire
+from training.ckpt.peer.client import Link
 
 KEY = RDZV_TEST_KEY.encode()
 SENT_FULL = "sending the full copy of step"  # the store's line for each full copy it sends
@@ -30,7 +30,7 @@ RESULT = "RESULT "
 def store_process(out: Any = subprocess.DEVNULL, **env: str) -> Iterator[str]:
     """A peer store process on loopback (its output to `out`, `env` added); yields its address."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "training.peer.store", "--addr", "127.0.0.1", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "training.ckpt.peer.store", "--addr", "127.0.0.1", "--port", str(port)],
                             cwd=ROOT, env={**os.environ, "RDZV_KEY": RDZV_TEST_KEY, "PYTHONPATH": str(ROOT), **env},
                             stdout=out, stderr=out)
     try:
@@ -92,12 +92,12 @@ def _peak_mib() -> int:
 
 def _rank() -> None:
     from training.distributed import Comm
-    from training.peer.tier import PeerTier
+    from training.ckpt.peer.tier import PeerTier
 
     comm = Comm("torchrun")
     tier = PeerTier(comm, 10, KEY, os.environ["TEST_STORES"].split(",")[comm.node], "")
     tier.share_root = tier.share_fallback = os.environ["TEST_SHARE"]
-    from training.peer import share
+    from training.ckpt.peer import share
     dir_at_load = []  # whether the shared file's directory still existed when this rank read it
     read_open_file = share.load
 

@@ -18,10 +18,10 @@ import torch
 
 from tests.conftest import TRAIN_ARGS as ARGS
 from tests.training_helpers import kill_tree, launch
-from training import checkpoint as ck
-from training.checkpoint import MODEL_FILE, CheckpointManager, Topology, step_dir
-from training import digest, staging
-from training.staging import Stager
+from training.ckpt import manager as ck
+from training.ckpt.manager import MODEL_FILE, CheckpointManager, Topology, step_dir
+from training.ckpt import digest, staging
+from training.ckpt.staging import Stager
 
 TOPO = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
 

@@ -14,9 +14,9 @@ import blake3
 import pytest
 import torch
 
-from training import digest
+from training.ckpt import digest
 from training.trainer import bench
-from training.staging import HashingWriter, save_hashed
+from training.ckpt.staging import HashingWriter, save_hashed
 
 
 def test_methods_run_interleaved_in_rotated_order() -> None:

@@ -17,9 +17,10 @@ import pytest
 
 from tests.test_user_code import start
 from tests.training_helpers import ROOT, MotoServer, kill_tree, storage_env
-from training import contract, storage
-from training.checkpoint import run_key
-from training.lease import LEASE_NAME, Conflict, Lease, LeaseHeld, run_identity
+from training import contract
+from training.ckpt import storage
+from training.ckpt.manager import run_key
+from training.ckpt.lease import LEASE_NAME, Conflict, Lease, LeaseHeld, run_identity
 
 EXAMPLE = ROOT / "examples" / "plain_loop.py"
 ENTRYPOINT = ["bash", str(ROOT / "training" / "node" / "entrypoint.sh")]

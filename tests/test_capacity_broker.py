@@ -26,7 +26,7 @@ from tests.conftest import TRAIN_ARGS as ARGS
 from tests.harness import key, spec_raw, stack_values
 from tests.training_helpers import MotoServer, launch, storage_env
 from training import cloudmeta
-from training.storage import location
+from training.ckpt.storage import location
 
 # spot capped at $0.90 per node-hour on the other clouds: the pack judges a spot place at its cap (or at
 # on-demand without one), and Tencent's GN7 on-demand is over 1.5 x the declared g4dn on-demand

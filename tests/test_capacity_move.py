@@ -25,8 +25,8 @@ from tests.harness import key, spec_raw, stack_values
 from tests.capacity_helpers import recorded
 from tests.test_capacity_broker import World, _values
 from tests.training_helpers import MotoServer, storage_env
-from training.lease import Lease
-from training.storage import location
+from training.ckpt.lease import Lease
+from training.ckpt.storage import location
 
 ACTIVE = "gpu-training-stack:nodeGroups[0].activeCandidate"
 

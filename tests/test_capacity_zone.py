@@ -25,7 +25,7 @@ from tests.fabric_helpers import fabric_values
 from tests.harness import key, run_stack, spec_raw, stack_values
 from tests.test_capacity_broker import World
 from tests.training_helpers import MotoServer, storage_env
-from training.storage import location
+from training.ckpt.storage import location
 
 # group index -> (its network's index, the zone added to it, its cidr), in the dev stack
 SECOND_ZONE = {0: (0, "us-east-1b", "10.10.16.0/20"), 1: (1, "cn-hangzhou-i", "10.40.16.0/20"),

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from tests.training_helpers import MotoServer, storage_env
-from training import digest
-from training.checkpoint import (MODEL_FILE, CheckpointError, CheckpointManager, Topology, manifest_name, sha256_of,
+from training.ckpt import digest
+from training.ckpt.manager import (MODEL_FILE, CheckpointError, CheckpointManager, Topology, manifest_name, sha256_of,
                                  step_dir)
-from training.checkpointing import choose_checkpoint
+from training.ckpt.checkpointer import choose_checkpoint
 from training.distributed import Comm
 
 TOPO = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
@@ -62,7 +62,7 @@ def test_a_flipped_byte_in_a_format_2_file_means_the_previous_step(tmp_path: Pat
 
 
 # What earlier versions wrote: format 1, one whole-file sha256 per entry and no format field;
-# format 2, sha256_pieces per entry (training/digest.py). (format, digest kind) of each.
+# format 2, sha256_pieces per entry (training/ckpt/digest.py). (format, digest kind) of each.
 OLDER_FORMATS = {1: "sha256", 2: digest.SHA256_PIECES}
 
 
@@ -209,7 +209,7 @@ def _meta(data: bytes) -> dict[str, Any]:
 
 
 def test_a_download_that_drops_midway_is_fetched_again_and_a_bad_copy_is_not(tmp_path: Path) -> None:
-    from training.fetch import PIECE, fetch_retrying
+    from training.ckpt.fetch import PIECE, fetch_retrying
 
     data = bytes(range(256)) * ((3 * PIECE) // 256)  # three pieces: the drop is after the first
     fs = _DroppingFs(data, drops=2)

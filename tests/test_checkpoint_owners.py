@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from training.checkpoint import MODEL_FILE, CheckpointManager, Topology, step_dir
+from training.ckpt.manager import MODEL_FILE, CheckpointManager, Topology, step_dir
 from training.distributed import Comm
-from training.run_control import HistoryAtRisk, choose_checkpoint
+from training.ckpt.run_control import HistoryAtRisk, choose_checkpoint
 
 
 def _topo(node: int) -> Topology:

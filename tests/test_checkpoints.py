@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import TRAIN_ARGS
 from tests.training_helpers import MotoServer, Proxy, launch, retry_until, storage_env
-from training.checkpoint import MODEL_FILE, manifest_name, rng_name, run_key, step_dir
+from training.ckpt.manager import MODEL_FILE, manifest_name, rng_name, run_key, step_dir
 
 LAST = Path(step_dir(60))
 

@@ -29,7 +29,8 @@ from infra.prices import refresh
 from infra.spec_capacity import Market
 from policies.gts_policy import clouds as pack_clouds
 from tests.harness import ROOT
-from training import cloudmeta, storage
+from training import cloudmeta
+from training.ckpt import storage
 from training.contract import CREDENTIAL_SOURCES
 
 if TYPE_CHECKING:

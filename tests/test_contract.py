@@ -277,7 +277,7 @@ def test_role_credentials_are_refreshed_before_they_expire(monkeypatch: pytest.M
     """Role credentials last hours on a node; a run lasts weeks. The trainer's storage layer
     takes new ones from the metadata service before the old expire (botocore's refresh windows:
     10 minutes ahead at the latest), so a rotated role key is used by the next request."""
-    from training import storage
+    from training.ckpt import storage
 
     server = MotoServer(bucket="gts-dev-ap-guangzhou-1250000000")
     proxy = Proxy(server.port)

@@ -18,8 +18,8 @@ from torch import nn
 from tests.test_user_code import start
 from tests.training_helpers import ROOT
 from training import contract
-from training.checkpoint import CheckpointError, CheckpointManager, Topology
-from training.checkpointing import Checkpointer
+from training.ckpt.manager import CheckpointError, CheckpointManager, Topology
+from training.ckpt.checkpointer import Checkpointer
 
 TOPO = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
 ENTRYPOINT = ["bash", str(ROOT / "training" / "node" / "entrypoint.sh")]

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from training.checkpoint import CheckpointManager, step_dir
+from training.ckpt.manager import CheckpointManager, step_dir
 from training.distributed import Comm
-from training.run_control import EXIT_RETRY, HistoryUnknown, choose_checkpoint, say_storage
+from training.ckpt.run_control import EXIT_RETRY, HistoryUnknown, choose_checkpoint, say_storage
 from tests.test_checkpoint_owners import _topo, _two_nodes_saved
 
 
@@ -97,7 +97,7 @@ def _blip(monkeypatch: pytest.MonkeyPatch, fresh: CheckpointManager, failures: i
         return found
     monkeypatch.setattr(fs, "cat", cat)
     monkeypatch.setattr(fresh, "remote_steps", steps)
-    monkeypatch.setattr("training.run_control.LOAD_WAIT_S", (0.0, 0.0))
+    monkeypatch.setattr("training.ckpt.run_control.LOAD_WAIT_S", (0.0, 0.0))
     return failed
 
 

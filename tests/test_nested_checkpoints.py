@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tests.training_helpers import MotoServer, storage_env
-from training import storage
-from training.checkpoint import CheckpointError, CheckpointManager, Topology, plain_path, tree_files
+from training.ckpt import storage
+from training.ckpt.manager import CheckpointError, CheckpointManager, Topology, plain_path, tree_files
 
 TOPO = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
 NESTED = ["optimizer_0/.metadata", "optimizer_0/__0_0.distcp", "pytorch_model_fsdp_0/.metadata",
@@ -98,7 +98,7 @@ def test_a_flipped_byte_in_a_nested_file_falls_back_through_the_hugging_face_res
     """hf.py's own on_save commits two steps of a Trainer folder with subfolders; a byte flipped in
     step 10's nested DCP file in the bucket (the disk deleted) makes resume() use step 5, whose
     weights DCP loads; a damaged local nested file is fetched again from the bucket."""
-    from training.hf import SpotCheckpointCallback
+    from training.ckpt.hf import SpotCheckpointCallback
 
     url = f"file://{tmp_path / 'bucket'}"
     out = tmp_path / "out"

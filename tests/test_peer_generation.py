@@ -13,9 +13,9 @@ import torch
 
 from tests.test_peer_store import KEY, _store
 from training.distributed import Comm
-from training.peer import wire
-from training.peer.client import Link
-from training.peer.tier import PeerTier
+from training.ckpt.peer import wire
+from training.ckpt.peer.client import Link
+from training.ckpt.peer.tier import PeerTier
 
 
 def _copy(step: int, value: float, rng: int) -> bytes:
@@ -69,7 +69,7 @@ def test_copies_are_sent_under_the_generation_of_the_restore() -> None:
 
 def test_a_run_shrunk_to_one_node_still_restores_from_its_store(monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.training_helpers import RDZV_TEST_KEY
-    from training.peer.tier import open_tier
+    from training.ckpt.peer.tier import open_tier
 
     with _store() as store:
         _put(Link(KEY), store, 50, 5.0, 1, "0-40")

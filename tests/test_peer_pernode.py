@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.peer_helpers import SENT_FULL, logged_store, payload, put, restore
-from training.peer import share, wire
+from training.ckpt.peer import share, wire
 
 STEP, WORLD = 50, 4
 
@@ -103,7 +103,7 @@ def test_a_local_rank_refuses_a_shared_file_that_does_not_match_or_is_a_link(tmp
 def test_a_node_fetches_from_its_own_store_first_else_from_a_holder_that_depends_on_the_node() -> None:
     from tests.peer_helpers import KEY
     from training.distributed import Comm
-    from training.peer.tier import PeerTier
+    from training.ckpt.peer.tier import PeerTier
 
     tier = PeerTier(Comm("torchrun"), 10, KEY, "s0:1", "")
     tier.stores = ["s0:1", "s1:1", "s2:1", "s3:1"]

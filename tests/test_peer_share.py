@@ -1,4 +1,4 @@
-"""The node's shared peer copy (issue 46, training/peer/share.py) leaves nothing behind: a worker
+"""The node's shared peer copy (issue 46, training/ckpt/peer/share.py) leaves nothing behind: a worker
 killed after publishing (SIGKILL: no `finally`) leaves a directory that the next restore's local
 rank 0 sweeps, while a live publisher's is kept; an error inside a restore still removes it; a file
 that makes torch.load raise something unusual is refused by name; a store dying mid-answer is a
@@ -28,11 +28,11 @@ from tests.peer_helpers import KEY, logged_store, payload, put, restore
 from tests.test_peer_pernode import STEP, WORLD, _hold
 from tests.training_helpers import ROOT
 from training.distributed import Comm
-from training.peer import share, wire
-from training.peer.client import Link, PeerRefused
-from training.peer.tier import PeerTier
+from training.ckpt.peer import share, wire
+from training.ckpt.peer.client import Link, PeerRefused
+from training.ckpt.peer.tier import PeerTier
 
-PUBLISHER = ("import sys, time\nfrom training.peer import share\n"
+PUBLISHER = ("import sys, time\nfrom training.ckpt.peer import share\n"
              "node_copy, path = share.publish(b'x' * 4096, [sys.argv[1]], time.time())\nprint(path, flush=True)\n"
              "sys.stdin.read()\n")
 
@@ -167,8 +167,8 @@ def test_a_local_rank_that_reads_the_shared_file_holds_the_state_about_once(tmp_
 
 def test_where_dev_shm_cannot_take_it_the_copy_is_shared_on_the_nodes_scratch(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from training.checkpoint import CheckpointManager, Topology
-    from training.peer.tier import choose
+    from training.ckpt.manager import CheckpointManager, Topology
+    from training.ckpt.peer.tier import choose
 
     ckpt = CheckpointManager(str(tmp_path / "scratch"), None, Topology(rank=0, local_rank=0, world_size=1, node=0,
                                                                         nnodes=1, local_world_size=1))

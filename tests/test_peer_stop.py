@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.test_peer_store import KEY
-from training.checkpoint import CheckpointManager, Topology
+from training.ckpt.manager import CheckpointManager, Topology
 from training.distributed import Comm
-from training.peer.tier import PeerTier
+from training.ckpt.peer.tier import PeerTier
 from training.trainer.tracking import Tracker
 
 

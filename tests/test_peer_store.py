@@ -16,9 +16,9 @@ import torch
 from tests.peer_helpers import store_process
 from tests.training_helpers import RDZV_TEST_KEY, ROOT, free_port
 from training.distributed import Comm
-from training.peer import wire
-from training.peer.client import Link, PeerRefused
-from training.peer.tier import PeerTier, buddy
+from training.ckpt.peer import wire
+from training.ckpt.peer.client import Link, PeerRefused
+from training.ckpt.peer.tier import PeerTier, buddy
 
 KEY = RDZV_TEST_KEY.encode()
 
@@ -35,7 +35,7 @@ def _copy(step: int, value: float) -> bytes:
 
 
 def test_a_store_never_binds_the_wildcard() -> None:
-    proc = subprocess.run([sys.executable, "-m", "training.peer.store", "--addr", "0.0.0.0", "--port", str(free_port())],
+    proc = subprocess.run([sys.executable, "-m", "training.ckpt.peer.store", "--addr", "0.0.0.0", "--port", str(free_port())],
                           cwd=ROOT, env={**os.environ, "RDZV_KEY": RDZV_TEST_KEY, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
@@ -94,8 +94,8 @@ def test_two_nodes_lost_at_once_the_newest_step_still_held_else_the_disk(tmp_pat
     gone, the disk's step. Never a step newer than one every rank can get, never another's state."""
     from pathlib import Path
 
-    from training.checkpoint import CheckpointManager, Topology
-    from training.peer.tier import choose
+    from training.ckpt.manager import CheckpointManager, Topology
+    from training.ckpt.peer.tier import choose
 
     assert isinstance(tmp_path, Path)
     with contextlib.ExitStack() as stack:

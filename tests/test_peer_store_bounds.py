@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from tests.test_peer_store import KEY, _copy, _store
-from training.peer import wire
-from training.peer.client import Link, PeerRefused
-from training.peer.store import Copies
+from training.ckpt.peer import wire
+from training.ckpt.peer.client import Link, PeerRefused
+from training.ckpt.peer.store import Copies
 
 
 def test_a_copy_over_the_store_s_budget_is_refused_with_507_and_the_held_ones_kept() -> None:

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from tests.test_peer_store import KEY, _copy, _store
-from training.peer import wire
-from training.peer.client import Link, PeerRefused
+from training.ckpt.peer import wire
+from training.ckpt.peer.client import Link, PeerRefused
 
 
 def test_a_put_cut_short_stores_nothing() -> None:
@@ -83,7 +83,7 @@ def test_the_store_writes_its_ready_file_once_it_listens(tmp_path: Any) -> None:
     from tests.training_helpers import RDZV_TEST_KEY, ROOT, free_port
 
     ready, port = tmp_path / "ready", free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "training.peer.store", "--addr", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "training.ckpt.peer.store", "--addr", "127.0.0.1", "--port", str(port),
                              "--ready-file", str(ready)], cwd=ROOT, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "RDZV_KEY": RDZV_TEST_KEY, "PYTHONPATH": str(ROOT)})
     try:

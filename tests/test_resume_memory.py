@@ -1,5 +1,5 @@
 """Issue 34's resume at read speed: the only rank on its node resumes a step it lacks from memory
-(training/checkpoint_memory.py: received into a memory file, checked, mapped shared), and falls
+(training/ckpt/memory.py: received into a memory file, checked, mapped shared), and falls
 back to disk wherever that is not safe; a trainer on a GPU maps a checked file from disk; the
 model takes the loaded tensors (training/trainer/restore.py) where it can, and nothing of a
 mapped checkpoint is held longer than the state needs it."""
@@ -20,9 +20,9 @@ import torch
 from tests.conftest import TRAIN_ARGS
 from tests.test_checkpoint_format import TOPO, _edit_manifest, _saved
 from tests.training_helpers import MotoServer, launch, storage_env
-from training import checkpoint_memory, digest
-from training.checkpoint import MODEL_FILE, CheckpointError, CheckpointManager, Topology, manifest_name, step_dir
-from training.checkpointing import choose_checkpoint
+from training.ckpt import digest, memory as checkpoint_memory
+from training.ckpt.manager import MODEL_FILE, CheckpointError, CheckpointManager, Topology, manifest_name, step_dir
+from training.ckpt.checkpointer import choose_checkpoint
 from training.distributed import Comm
 from training.trainer.restore import own_moments, restore_model
 
@@ -265,9 +265,9 @@ def test_moments_restored_by_copy_own_their_storage_and_an_unchosen_prefetch_is_
     mgr = CheckpointManager(str(tmp_path / "steps"), None, TOPO)
     mgr.prefetch()
     mgr.end_prefetch()
-    assert mgr._prefetch is not None
-    mgr._prefetch.join()
-    assert mgr._prefetched is None
+    assert mgr.loader._prefetch is not None
+    mgr.loader._prefetch.join()
+    assert mgr.loader._prefetched is None
     mgr.close()
 
 

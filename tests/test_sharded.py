@@ -1,5 +1,5 @@
 """Sharded (FSDP2) training with real processes on CPU (gloo): the gpt-tiny workload's shards
-checkpointed by every rank (training/sharded.py), verified on every rank before use, resumed
+checkpointed by every rank (training/ckpt/sharded.py), verified on every rank before use, resumed
 bit-exactly at the same world size and resharded into another one after a node is lost."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.training_helpers import (BIN, ROOT, MotoServer, Run, elastic_node, ki
                                     wait_any)
 from training import contract
 from training.trainer.models import TinyGPT
-from training.sharded import read_full_model, state_sha256
+from training.ckpt.sharded import read_full_model, state_sha256
 
 GPT = ["--workload", "gpt-tiny", "--sharding", "fsdp", "--batch-size", "8", "--tiny-samples", "512", "--log-every", "2"]
 RESTORED = re.compile(r"restored step (\d+) saved by (\d+) ranks into (\d+): params_sha256=([0-9a-f]{64})")
@@ -234,7 +234,7 @@ def test_the_checkpointer_feeds_a_sharded_upload_back_to_auto_and_names_a_second
     auto's plan, as for replicated state. Two models: refused, named."""
     from torch import nn
 
-    from training.checkpointing import Checkpointer
+    from training.ckpt.checkpointer import Checkpointer
 
     for var, value in ((contract.CHECKPOINT_EVERY, "auto"), (contract.MTBF_S, "2"), (contract.NOTICE_S, "0")):
         monkeypatch.setenv(var.name, value)

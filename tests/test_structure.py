@@ -179,16 +179,16 @@ def _layer_violations(imports: dict[str, set[str]]) -> list[str]:
 def test_training_layers_point_one_way() -> None:
     imports = {_module_name(p): _all_imports(p, _module_name(p)) for p in (ROOT / "training").rglob("*.py")
                if "__pycache__" not in p.parts}
-    assert {"training.checkpointing", "training.trainer.train", "training.node.datasync"} <= set(imports)
-    assert "training.checkpoint" in imports["training.trainer.train"]  # the walk sees the imports
+    assert {"training.ckpt.checkpointer", "training.trainer.train", "training.node.datasync"} <= set(imports)
+    assert "training.ckpt.manager" in imports["training.trainer.train"]  # the walk sees the imports
     assert _layer_violations(imports) == []
 
 
 def test_the_layer_check_finds_a_wrong_way_import() -> None:
-    ok = {"training.trainer.train": {"training.checkpoint"}, "training.node.datasync": {"training.storage"}}
+    ok = {"training.trainer.train": {"training.ckpt.manager"}, "training.node.datasync": {"training.ckpt.storage"}}
     assert _layer_violations(ok) == []
-    wrong = {**ok, "training.storage": {"training.node.datasync"}, "training.hf": {"training.trainer"},
+    wrong = {**ok, "training.ckpt.storage": {"training.node.datasync"}, "training.ckpt.hf": {"training.trainer"},
              "training.node.guard": {"training.trainer.config"}, "training.trainer.bench": {"training.node.guard"}}
-    assert _layer_violations(wrong) == ["training.hf -> training.trainer", "training.node.guard -> training.trainer.config",
-                                        "training.storage -> training.node.datasync",
+    assert _layer_violations(wrong) == ["training.ckpt.hf -> training.trainer", "training.ckpt.storage -> training.node.datasync",
+                                        "training.node.guard -> training.trainer.config",
                                         "training.trainer.bench -> training.node.guard"]

@@ -22,8 +22,8 @@ import pytest
 from tests.conftest import TRAIN_ARGS
 from tests.training_helpers import BIN, ROOT, MotoServer, descendants, launch, retry_until, storage_env
 from tests.test_user_code import start
-from training import storage
-from training.checkpoint import CheckpointError, CheckpointManager, Topology, run_key
+from training.ckpt import storage
+from training.ckpt.manager import CheckpointError, CheckpointManager, Topology, run_key
 
 TOPO = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
 
@@ -300,7 +300,7 @@ def test_hostile_manifest_through_s3_and_the_hugging_face_resume(moto: MotoServe
     for key, value in storage_env(moto.url).items():
         monkeypatch.setenv(key, value)
     _hostile_bucket(tmp_path, url, None, "../escape.pt", folder=True)
-    code = ("from training.hf import SpotCheckpointCallback\n"
+    code = ("from training.ckpt.hf import SpotCheckpointCallback\n"
             f"print('resume:', SpotCheckpointCallback(url={url!r}, local_dir={str(tmp_path / 'node')!r}).resume())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

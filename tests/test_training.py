@@ -82,7 +82,7 @@ def test_every_storage_scheme_round_trips_through_an_s3_endpoint(moto: MotoServe
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """oss:// and cosn:// go through the clouds' S3-compatible endpoints; the signing and
     addressing options each scheme sets must still talk to a real S3 server."""
-    from training import storage
+    from training.ckpt import storage
 
     for key, value in storage_env(moto.url).items():
         monkeypatch.setenv(key, value)
@@ -94,7 +94,7 @@ def test_every_storage_scheme_round_trips_through_an_s3_endpoint(moto: MotoServe
 
 
 def test_oss_and_cos_urls_use_their_regional_endpoints(monkeypatch: pytest.MonkeyPatch) -> None:
-    from training import storage
+    from training.ckpt import storage
 
     monkeypatch.delenv("STORAGE_ENDPOINT_URL", raising=False)
     monkeypatch.setenv("STORAGE_REGION", "cn-hangzhou")
@@ -133,7 +133,7 @@ def test_checkpoints_reach_the_bucket_and_resume_from_it(reference: tuple[str, P
 
 def test_storage_outage_does_not_stop_training(moto: MotoServer, tmp_path: Path) -> None:
     proxy = Proxy(moto.port)
-    # One run started twice: its lease on the prefix (training/lease.py), which the first start
+    # One run started twice: its lease on the prefix (training/ckpt/lease.py), which the first start
     # could not give back through the outage, is its own (a stack's node gets GTS_NODE_GROUP).
     env = {**storage_env(f"http://127.0.0.1:{proxy.port}"), "GTS_RUN_ID": "outage-run"}
     args = ["--workload", "tiny", "--steps", "60", "--checkpoint-every", "10", "--log-every", "5",
@@ -332,9 +332,9 @@ def test_a_tampered_checkpoint_cannot_run_code_when_loaded(tmp_path: Path) -> No
 
     import torch
 
-    from training.checkpoint import (MODEL_FILE, CheckpointError, CheckpointManager, Topology, manifest_name,
+    from training.ckpt.manager import (MODEL_FILE, CheckpointError, CheckpointManager, Topology, manifest_name,
                                      rng_name, sha256_of, step_dir)
-    from training.checkpointing import rng_state, set_rng_state
+    from training.ckpt.checkpointer import rng_state, set_rng_state
 
     topo = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
     mgr = CheckpointManager(str(tmp_path / "ckpt"), None, topo)

@@ -4,14 +4,17 @@ Three audiences, three places; imports point one way only: trainer -> library an
 the library imports neither, and neither subpackage imports the other (tests/test_structure.py).
 
 training/            THE LIBRARY: what you import into your own training code.
-  checkpointing.py   Checkpointer: save / resume / emergency checkpoint in three lines
-  hf.py              SpotCheckpointCallback for Hugging Face transformers.Trainer / accelerate
-  lightning_spot.py  SpotCheckpoint for PyTorch Lightning
-  checkpoint.py      CheckpointManager: atomic commit, sha256 manifest, background upload, keep-K
-  sharded.py         sharded state (FSDP2 / DTensor) through the manager
+  ckpt/              the checkpoint library (its map: training/ckpt/__init__.py):
+    checkpointer.py  Checkpointer: save / resume / emergency checkpoint in three lines
+    hf.py            SpotCheckpointCallback for Hugging Face transformers.Trainer / accelerate
+    lightning.py     SpotCheckpoint for PyTorch Lightning
+    manager.py       CheckpointManager: atomic commit, sha256 manifest, background upload, keep-K
+    sharded.py       sharded state (FSDP2 / DTensor) through the manager
+    storage.py       s3:// oss:// cosn:// file:// through fsspec
+    peer/            the in-memory peer tier under the durable checkpoints
+  checkpointing.py, checkpoint.py, hf.py, lightning_spot.py, sharded.py: the old import paths,
+                     kept as re-exports of training/ckpt/ (compatibility)
   loaders.py         a DataLoader's position and randomness as checkpointed state
-  staging.py         the state copied into reused buffers, hashed while it is written
-  storage.py         s3:// oss:// cosn:// file:// through fsspec
   credentials.py     the bucket's credentials (instance role, a pod's own role)
   cloudmeta.py       the metadata service and signed object reads, standard library only (also
                      the node's bundle fetcher, installed in /usr/local/lib/gts); what is one

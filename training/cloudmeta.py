@@ -6,7 +6,7 @@ modules, found by name (`cloud_metadata`, `cloud_node`; the interfaces: `CloudMe
 The user data carries this module and the node's own cloud's metadata.py (nothing else of the
 node's code): GPU hosts have python3 but no cloud SDK, and `python3 cloudmeta.py fetch-bundle`
 downloads the node scripts from the stack's bucket. The spot watcher, the registry login, the GPU health
-watch and the trainer (training/credentials.py, training/storage.py: refreshing botocore
+watch and the trainer (training/credentials.py, training/ckpt/storage.py: refreshing botocore
 credentials for s3://, oss:// and cosn://) use it too. Keep it small: every byte is in every
 node's user data.
 

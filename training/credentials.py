@@ -2,7 +2,7 @@
 `instance-role` (the VM's role from its cloud's metadata service), a cloud's pod identity (a
 Kubernetes pod's own role, by its projected service-account token: the cloud's node module names
 its source, `POD_IDENTITY`, and makes the exchange) or `default` (the AWS SDK chain finds the EC2
-instance role and EKS Pod Identity itself). training/storage.py turns the function chosen here
+instance role and EKS Pod Identity itself). training/ckpt/storage.py turns the function chosen here
 into refreshing botocore credentials."""
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ class Writer:
             if len(lines) == self.written:
                 return True
             try:
-                from training.storage import location
+                from training.ckpt.storage import location
 
                 where = location(self.url)
                 where.fs.pipe(where.join("records", self.name), ("\n".join(lines) + "\n").encode())
@@ -208,7 +208,7 @@ def parse(name: str, text: str) -> list[Event]:
 
 def read(url: str) -> list[Event]:
     """Every event under `<url>/records/` (or `url` itself when it is that folder), by time."""
-    from training.storage import location
+    from training.ckpt.storage import location
 
     where = location(url)
     root = where.root if where.root.rstrip("/").endswith("/records") else where.join("records")

@@ -4,7 +4,7 @@ markets, infra/capacity/reservations.py). The cloud starts taking the nodes back
 RESERVATION_NOTICE_S before the end (an EC2 Capacity Block: 30 minutes); the trainer stops with a
 checkpoint early enough for it to be in the bucket by then: at end - notice - the time an upload
 may take (--upload-deadline-s). The loop asks `due()` once per step, like a stop signal
-(training/run_control.py StopFlag.poll); `CLOCK` is the only clock it reads, so a test can stand
+(training/ckpt/run_control.py StopFlag.poll); `CLOCK` is the only clock it reads, so a test can stand
 a fake one in for it."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from infra.capacity.workspace import uncommitted
 from infra.cli.dataset import DatasetError, operator_keys
 from infra.errors import SpecError
 from infra.stacktext import STACK_NAME, project_root
-from training.storage import Location, location
+from training.ckpt.storage import Location, location
 from training.trainer.config import TrainConfig
 
 UPLOAD_DEADLINE_S = TrainConfig.upload_deadline_s  # the trainer's default wait for its uploads on exit

@@ -8,7 +8,7 @@ cloud's bucket, verified; set nodeGroups[i].activeCandidate in the stack's confi
 (records/capacity/<group>/). A failed `up` sets the config back, records the failed attempt and
 stops the watch (MoveFailed); each watch first checks that the stack's outputs show the group's
 fleet at its active place. One watch at a time: a lease in the declared bucket
-(records/capacity-lock/run.lease, training/lease.py's conditional write). It never moves while a
+(records/capacity-lock/run.lease, training/ckpt/lease.py's conditional write). It never moves while a
 checkpoint is being written, and moves back
 to the declared place only when asked to (--move-back) and the declared place has stock again.
 docs/capacity.md says how to run it (CI schedule, cron, CronJob)."""
@@ -35,8 +35,8 @@ from infra.spec import NodeGroup, StackSpec
 from infra.stacktext import project_name
 from infra.validation import parse_values
 from policies.gts_policy.rules_capacity import candidates_capped
-from training.lease import Lease, LeaseHeld
-from training.storage import Location, location
+from training.ckpt.lease import Lease, LeaseHeld
+from training.ckpt.storage import Location, location
 
 RECORDS = "records/capacity"
 LOCK = "records/capacity-lock"  # its run.lease: one watch of the stack at a time
@@ -122,7 +122,7 @@ class Broker:
 
     def _lock(self, spec: StackSpec, first: NodeGroup) -> Lease:
         """This watch's lock: a lease object in the declared place's bucket, taken by a conditional
-        create (training/lease.py), renewed while the watch runs; Busy when another watch holds it."""
+        create (training/ckpt/lease.py), renewed while the watch runs; Busy when another watch holds it."""
         where = bucket(spec, places(spec, first)[0].cloud)
         lease = Lease(self.storage(where, f"{where.url}{LOCK}"),
                       f"capacity broker pid {os.getpid()} on {socket.gethostname()} ({id(self):x})", ttl_s=LOCK_TTL_S)

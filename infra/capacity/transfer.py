@@ -1,8 +1,8 @@
 """A run's newest committed checkpoint (and its dataset, when the other bucket lacks it) copied
 from one cloud's bucket to another's, verified: every file streams through the digest its
-manifest names (training/digest.py) on the way out and is read back and hashed again on the
+manifest names (training/ckpt/digest.py) on the way out and is read back and hashed again on the
 other side; the manifests go last, so the step is committed there only once every file is in
-and checked (the layout is training/checkpoint_files.py's). Storage is training/storage.py's
+and checked (the layout is training/ckpt/files.py's). Storage is training/ckpt/storage.py's
 (s3://, oss://, cosn://, file://)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from training import digest
-from training.checkpoint_files import STEP_RE, CheckpointError, check_manifest, manifest_name, step_dir
-from training.storage import Location
+from training.ckpt import digest
+from training.ckpt.files import STEP_RE, CheckpointError, check_manifest, manifest_name, step_dir
+from training.ckpt.storage import Location
 
 CHUNK = 8 << 20
 

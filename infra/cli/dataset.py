@@ -55,7 +55,7 @@ def operator_keys(cloud: str, environ: Mapping[str, str]) -> tuple[str, str] | N
 def copy_everywhere(stack: str, source: str | None, endpoints: Mapping[str, str], workers: int,
                     environ: Mapping[str, str]) -> list[str]:
     from training.node.datasync import sync
-    from training.storage import location
+    from training.ckpt.storage import location
 
     spec = load_stack_spec(stack)
     source = source or spec.training.dataset_source

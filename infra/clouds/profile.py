@@ -123,7 +123,7 @@ class CloudProfile(abc.ABC):
     @property
     @abc.abstractmethod
     def storage_scheme(self) -> str:
-        """The URL scheme the trainer's storage layer (training/storage.py) reads for this cloud."""
+        """The URL scheme the trainer's storage layer (training/ckpt/storage.py) reads for this cloud."""
 
     @abc.abstractmethod
     def bucket_name(self, prefix: str, region: str, app_id: int | str | None) -> str:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.storage import Location, location
+from training.ckpt.storage import Location, location
 
 log = logging.getLogger("gts.datasync")
 SHARDS = "shards"

@@ -128,12 +128,12 @@ case "$LAUNCHER" in
       # unpickle it, and the store has no authentication (training/node/rdzv_launch.py).
       addr=$(local_address "${RDZV_ENDPOINT%:*}")
       if [ "${PEER_EVERY:-0}" -gt 0 ]; then
-        # The node's peer store (training/peer/store.py): other nodes' newest states in host
+        # The node's peer store (training/ckpt/peer/store.py): other nodes' newest states in host
         # memory, beside the agent (it outlives the workers), on this node's address alone.
         # The agent starts once the store listens (its --ready-file): a worker's first copy or
         # listing must not meet a port not yet open.
         ready=$(mktemp)
-        python -m training.peer.store --addr "$addr" --port "${PEER_PORT:-29600}" --ready-file "$ready" &
+        python -m training.ckpt.peer.store --addr "$addr" --port "${PEER_PORT:-29600}" --ready-file "$ready" &
         PEER_STORE=$!
         for _ in $(seq 600); do
           [ -s "$ready" ] && break

@@ -5,7 +5,7 @@ torch's dynamic rendezvous drops a member only by the age of its last heartbeat
 (dynamic_rendezvous.py `_BackendRendezvousStateHolder._sanitize`); until then the survivors of a
 crashed node wait on the wait list of a round that still counts it (`_RendezvousJoinOp`), and the
 time from the loss to the first resumed step is mostly that wait (docs/recovery.md). A run with
-the peer tier has a second witness on every node: its peer store (training/peer/store.py), a
+the peer tier has a second witness on every node: its peer store (training/ckpt/peer/store.py), a
 process beside the agent on the node's own address. Each agent publishes that address in the
 rendezvous store, signed under the run's key (RDZV_KEY) like the rendezvous state; a member whose
 heartbeat is older than LATE_BEATS intervals AND whose peer store *refuses* a TCP connection

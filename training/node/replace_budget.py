@@ -11,13 +11,13 @@ which the node's role may write): `<prefix>replacements/<hour>/slot-<i>`, i < pe
 created only if absent, so two nodes never hold one slot and N + 2 nodes asking at once get N:
 
 - s3://   PutObject with `If-None-Match: *` (412 when it exists; AWS S3 conditional writes,
-          as training/lease.py takes its lease; moto honours it: tests/test_replace_budget.py);
+          as training/ckpt/lease.py takes its lease; moto honours it: tests/test_replace_budget.py);
 - oss://  `x-oss-forbid-overwrite: true` (409 FileAlreadyExists), signed as OSS's S3 API is
-          reached here (signature version 2, training/storage.py);
+          reached here (signature version 2, training/ckpt/storage.py);
 - cosn:// `x-cos-forbid-overwrite: true` (409), Signature V4.
 The run buckets on OSS and COS are versioned (infra/clouds/<cloud>/storage.py), and both stores
 ignore their forbid-overwrite header on a bucket that has ever had versioning on
-(training/lease.py): every PUT there succeeds and adds a version. So on those two the node lists
+(training/ckpt/lease.py): every PUT there succeeds and adds a version. So on those two the node lists
 the slot's versions after its PUT (ListObjectVersions, newest first) and holds the slot only when
 the oldest version, the first writer's, names this instance; later writers' versions stay behind
 it and never win. Tested with a stand-in bucket that ignores the header (and against moto for

@@ -198,7 +198,7 @@ class Watchdog:
         if not self.url:
             return
         try:
-            from training.storage import location
+            from training.ckpt.storage import location
 
             where = location(self.url)
             where.fs.pipe(where.join("records", "hangs", kept.name), kept.read_bytes())

@@ -9,7 +9,7 @@ loaded machine. Every figure is min / median of REPEATS (at least 3).
   blocked    seconds the loop waits per checkpoint. Ours: the state copied into reused buffers,
              everything else in the background. Limit: a copy into preallocated buffers (memcpy).
              Beside it: torch's async_save with a reused stager, and the in-line save.
-             sharded: training/sharded.py's path for FSDP / DTensor state (DCP's async_save,
+             sharded: training/ckpt/sharded.py's path for FSDP / DTensor state (DCP's async_save,
              then our manifest, commit and upload), on one rank, beside the bare async_save.
   durable    seconds from the start of a checkpoint until it is fsync'd and committed on local
              disk. Limit: the same bytes written raw and fsync'd. Beside it: the in-line save
@@ -50,9 +50,9 @@ import torch
 from training.trainer.bench_resume import ResumeGroup
 from training.trainer.bench_tables import REPEATS as REPEATS  # explicit re-export: callers read bench.REPEATS
 from training.trainer.bench_tables import Figures, print_checkpoint_table, print_goodput_table
-from training.checkpoint import CheckpointManager, Topology
+from training.ckpt.manager import CheckpointManager, Topology
 from training.trainer.models import TinyNet
-from training.staging import Stager
+from training.ckpt.staging import Stager
 
 SIZES = {"~100 MB": 2900, "~1 GB": 9150}  # tiny_width: model + AdamW state = 12 bytes/parameter
 TOPO = Topology(0, 0, 1, 0, 1, 1)
@@ -196,13 +196,13 @@ class Checkpoints:
 
 
 class Sharded:
-    """training/sharded.py's path on one rank (a model and AdamW of the same size): DCP's
+    """training/ckpt/sharded.py's path on one rank (a model and AdamW of the same size): DCP's
     async_save, then the manifest, commit and upload of our manager. Beside `run_dcp` it shows
     what our bookkeeping adds to the loop's wait and to the time until the step is committed."""
 
     def __init__(self, width: int, work: Path, remote: str):
         from training.distributed import Comm
-        from training.sharded import ShardedCheckpoints
+        from training.ckpt.sharded import ShardedCheckpoints
 
         torch.manual_seed(0)
         self.model = TinyNet(32, width)

@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-from training.checkpointing import Checkpointer
+from training.ckpt.checkpointer import Checkpointer
 from training.trainer.models import TinyNet
 
 

@@ -66,7 +66,7 @@ SHAPING = ("workload", "steps", "batch_size", "lr", "weight_decay", "warmup_step
 
 def params_sha256(model: nn.Module) -> str:
     """sha256 of a replicated model's state, as full_params_sha256 hashes a sharded one's."""
-    from training.sharded import state_sha256
+    from training.ckpt.sharded import state_sha256
 
     return state_sha256(model.state_dict())
 
@@ -80,7 +80,7 @@ def final_digest(model: nn.Module, sharded: bool, rank: int) -> str:
     """The final line's params_sha256. Sharded: the full parameters, gathered (every rank takes
     part), so any sharding compares; replicated: rank 0's model."""
     if sharded:
-        from training.sharded import full_params_sha256
+        from training.ckpt.sharded import full_params_sha256
 
         return full_params_sha256(model)
     return params_sha256(model) if rank == 0 else ""

@@ -116,7 +116,7 @@ def _coerce(name: str, value: Any) -> Any:
     return str(value)
 
 
-STORES = ("s3", "oss", "cosn", "file")  # the schemes training/storage.py writes to
+STORES = ("s3", "oss", "cosn", "file")  # the schemes training/ckpt/storage.py writes to
 
 
 def storage_problem(value: str, empty_ok: bool) -> str:
@@ -127,7 +127,7 @@ def storage_problem(value: str, empty_ok: bool) -> str:
         return "" if empty_ok else ("is empty, which would be the current directory: name a folder (e.g. "
                                     "out/checkpoints) or a bucket URL (s3://<bucket>/<path>)")
     parts = urlsplit(value)
-    scheme = parts.scheme.lower()  # S3://bucket/p is s3:// (urlsplit and training/storage.py read it so)
+    scheme = parts.scheme.lower()  # S3://bucket/p is s3:// (urlsplit and training/ckpt/storage.py read it so)
     if not scheme:  # a folder: ':' further on is a file name's (run-2026-01-01T10:00, out/run:3)
         first = value.split("/", 1)[0]
         return (f"holds ':' but is not a URL (scheme://bucket/path): for a folder write ./{value}" if ":" in first

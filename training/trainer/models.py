@@ -92,7 +92,7 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """A small decoder-only transformer built here (nothing downloaded): token and position
     embeddings, `layers` blocks, a final norm and a language-model head. Its blocks are the
-    units FSDP shards (training/sharded.py)."""
+    units FSDP shards (training/ckpt/sharded.py)."""
 
     def __init__(self, vocab: int, dim: int, layers: int, heads: int, context: int):
         super().__init__()

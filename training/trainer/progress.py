@@ -148,7 +148,7 @@ class Progress:
 
     def peer_copy(self, peer: Any, step: int, state: dict[str, Any] | None, rng: dict[str, Any],
                   budget_s: float | None = None) -> None:
-        """A copy to the peer tier (training/peer/tier.py; `budget_s`: a stop's, waited for that
+        """A copy to the peer tier (training/ckpt/peer/tier.py; `budget_s`: a stop's, waited for that
         long at most), recorded as a checkpoint of tier "peer": an attempt resumed from it lost only
         the work after it."""
         skipped = peer.skipped

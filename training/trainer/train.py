@@ -30,11 +30,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from training.trainer import config as config_mod, failure
-from training.checkpoint import CheckpointManager, RunLocked, Topology, UploadStatus
-from training.storage import StorageRefused
-from training.checkpointing import Interval, StopFlag, finish, rng_state, set_rng_state
-from training.peer.tier import PeerTier, choose, open_tier
-from training.run_control import HistoryUnknown, refuse, say_refused, say_storage
+from training.ckpt.manager import CheckpointManager, RunLocked, Topology, UploadStatus
+from training.ckpt.storage import StorageRefused
+from training.ckpt.checkpointer import Interval, StopFlag, finish, rng_state, set_rng_state
+from training.ckpt.peer.tier import PeerTier, choose, open_tier
+from training.ckpt.run_control import HistoryUnknown, refuse, say_refused, say_storage
 from training.trainer.build import (build_data, build_model, config_drift, final_digest, fully_restored,
                                     lr_lambda)
 from training.trainer.restore import own_moments, restore_model
@@ -46,7 +46,7 @@ from training.trainer.tracking import Tracker
 from training.wallcost import WallCost
 
 if TYPE_CHECKING:
-    from training.sharded import ShardedCheckpoints
+    from training.ckpt.sharded import ShardedCheckpoints
 
 log = logging.getLogger("gts.train")
 
@@ -90,7 +90,7 @@ class Run:
         else:
             self.model = build_model(cfg, classes).to(comm.device)
         if cfg.sharding == "fsdp":  # before the optimizer: it must hold the sharded parameters
-            from training.sharded import shard  # torch's DCP and DTensor: imported only for sharded runs (0.7 s)
+            from training.ckpt.sharded import shard  # torch's DCP and DTensor: imported only for sharded runs (0.7 s)
 
             shard(self.model, list(getattr(self.model, "blocks", [])), comm)
         # Fused (one kernel over all parameters) where torch has it for the device: on the CPU it
@@ -132,7 +132,7 @@ class Run:
             ckpt, locked = None, True
         (anyone_locked,) = self.comm.any_true(locked)
         if ckpt is not None and not anyone_locked and self.cfg.sharding == "fsdp":
-            from training.sharded import ShardedCheckpoints
+            from training.ckpt.sharded import ShardedCheckpoints
 
             self.sharded = ShardedCheckpoints(ckpt, self.comm)
         return None if anyone_locked else ckpt
@@ -163,7 +163,7 @@ class Run:
         if drift and self.comm.rank == 0:
             log.warning("resuming step %d with changed settings (--allow-config-change): %s", found.step, ", ".join(drift))
         if self.sharded is not None:  # every rank reads the pieces of its own shard, whatever the saved world size
-            from training.sharded import full_params_sha256
+            from training.ckpt.sharded import full_params_sha256
 
             self.sharded.restore(found.step, self.model, self.optimizer)
             digest = full_params_sha256(self.model)

@@ -1,6 +1,6 @@
 """The guide's BERT fine-tuning (`accelerate launch --num_processes 4 train.py --model_name_or_path
 bert-base-uncased ...`) as a `transformers.Trainer` script, checkpointed through our manager
-(training/hf.py): saved every CHECKPOINT_EVERY steps and on the spot notice, resumed from the
+(training/ckpt/hf.py): saved every CHECKPOINT_EVERY steps and on the spot notice, resumed from the
 bucket on restart.
 
     # on CPU here: a tiny BERT built in code and synthetic sentences, nothing downloaded
@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from training.hf import SpotCheckpointCallback
+from training.ckpt.hf import SpotCheckpointCallback
 
 POSITIVE = "good great fine excellent happy bright calm strong clear kind warm quick".split()
 NEGATIVE = "bad poor awful sad dark weak slow cold harsh dull broken late".split()

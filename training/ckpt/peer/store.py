@@ -1,11 +1,11 @@
 """A node's peer store: host memory, beside the node's agent, that holds other nodes' newest
-training states (training/peer/tier.py sends them). It outlives the workers (torchrun restarts
+training states (training/ckpt/peer/tier.py sends them). It outlives the workers (torchrun restarts
 those on a failure, and host memory a worker held dies with it) and dies with the node.
 
-    RDZV_KEY=... python -m training.peer.store --addr 10.0.1.12 --port 29600
+    RDZV_KEY=... python -m training.ckpt.peer.store --addr 10.0.1.12 --port 29600
 
 Bound to the node's private address only (never the wildcard); every request and answer signed
-with the run's key (training/peer/wire.py); bounded: the newest KEEP steps per source (a rank of
+with the run's key (training/ckpt/peer/wire.py); bounded: the newest KEEP steps per source (a rank of
 one world size, each kind of copy), at most MAX_SOURCES sources and PEER_STORE_GIB (default half the node's memory). It checks no payload: the receiver hashes what it
 gets against the digest the sender named, and refuses a copy that does not match.
 """
@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from training import contract
-from training.peer import wire
+from training.ckpt.peer import wire
 
 log = logging.getLogger("gts.peer.store")
 KEEP = 2
@@ -38,7 +38,7 @@ class Copies:
     """(world, rank, kind) -> {step: (digest, bytes, generation)}, the newest KEEP steps of each source, at most
     `budget` bytes in all (a copy that would pass it is refused, never another one dropped for it). A
     node's local rank 0 sends both kinds (its full copy, and its own state alone for a restore that
-    takes another full copy: training/peer/tier.py)."""
+    takes another full copy: training/ckpt/peer/tier.py)."""
 
     def __init__(self, budget: int = 1 << 62) -> None:
         self._lock = threading.Lock()
@@ -139,7 +139,7 @@ class Handler(BaseHTTPRequestHandler):
         if found is None:
             self._answer(404, b"no such copy")
             return
-        if kind == "full":  # a restore: one per node and tried copy (training/peer/tier.py), not one per rank
+        if kind == "full":  # a restore: one per node and tried copy (training/ckpt/peer/tier.py), not one per rank
             log.info("sending the full copy of step %s of rank %s/%s to %s", step, rank, world, self.client_address[0])
         self._answer(200, found[1], found[0])
 
@@ -214,7 +214,7 @@ class PeerServer(ThreadingHTTPServer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.peer.store", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m training.ckpt.peer.store", description=__doc__.split("\n\n")[0])
     parser.add_argument("--addr", required=True, help="this node's private address (never 0.0.0.0)")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ready-file", help="a file to write the store's address into once it listens")

@@ -10,8 +10,8 @@
 Why pieces: one sha256 stream runs at about 1 GB/s on one core here, slower than the disk's own
 write + fsync of the same bytes (0.5 s per GB), so a checkpoint whose hash is one stream can
 never be durable within 2x of the disk. Pieces hash independently: the writer hashes them on
-helper threads while it writes (training/staging.py), a reader on every core, and a download
-(training/fetch.py) in order as they arrive. Why BLAKE3 since format 3: about 8 GB/s a core
+helper threads while it writes (training/ckpt/staging.py), a reader on every core, and a download
+(training/ckpt/fetch.py) in order as they arrive. Why BLAKE3 since format 3: about 8 GB/s a core
 here against sha256's 2 (with the CPU's SHA extensions), and a resume hashes every byte it
 fetches on the cores the download and the import of torch need as well (0.5 s per GB with
 sha256). Every form is a cryptographic hash: a store cannot make other bytes match.

@@ -1,5 +1,5 @@
 """A checkpoint file fetched from the bucket in one pass: one GET, each piece hashed and
-written as it arrives, the digest (training/digest.py: the hash of the pieces, or the whole file's
+written as it arrives, the digest (training/ckpt/digest.py: the hash of the pieces, or the whole file's
 sha256 for a format-1 manifest) compared with the manifest's before the file is renamed into
 place (issue 34: resume at read speed).
 
@@ -25,8 +25,8 @@ from typing import Any, BinaryIO
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from training.digest import StreamHasher, expected
-from training.storage import permanent_cause
+from training.ckpt.digest import StreamHasher, expected
+from training.ckpt.storage import permanent_cause
 
 PIECE = 8 << 20  # bytes handed to the hashing writer at once
 ATTEMPTS = 4  # a dropped connection or a 5xx mid-file: the whole file again, a few times
@@ -37,7 +37,7 @@ class TooLong(Exception):
 
 
 class _Sink:
-    """Hashes (as the manifest entry's kind, training/digest.py) and writes pieces on a helper
+    """Hashes (as the manifest entry's kind, training/ckpt/digest.py) and writes pieces on a helper
     thread, in order, one piece in flight at a time while the caller receives the next; counts
     the bytes and refuses more than `limit`."""
 
@@ -106,7 +106,7 @@ def fetch_verified(fs: Any, key: str, dest: Path | BinaryIO, meta: dict[str, Any
                    on_fault: Callable[[str], Exception]) -> None:
     """Copy `key` from `fs` (an fsspec filesystem) to `dest`, hashing while writing: a path (a
     temporary name the caller renames into place after this returns) or an open file read and
-    written from its start (a memory file: training/checkpoint_load.py's lone rank). Raises
+    written from its start (a memory file: training/ckpt/loader.py's lone rank). Raises
     `on_fault(reason)`, and removes the path or empties the file, when the bytes are not the
     manifest entry `meta`'s size or digest."""
     from fsspec.asyn import sync

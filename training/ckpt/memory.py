@@ -1,6 +1,6 @@
 """A step fetched for the only rank on its node goes to memory, not disk (issue 34: resume at
 read speed). Each file is received into a memory file (memfd), hashed as it arrives
-(training/fetch.py), and training/checkpoint_load.py maps the model file shared, so its tensors
+(training/ckpt/fetch.py), and training/ckpt/loader.py maps the model file shared, so its tensors
 are the received pages: no write to disk, no read back, no copy on write when training updates
 them in place. The pages belong to this process (and the DataLoader workers it forks, which
 inherit the mapping and never write it); the descriptors are closed once the files are loaded.
@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from training.checkpoint_files import CheckpointError, Topology, plain_path, step_dir
-from training.fetch import fetch_retrying
-from training.storage import Location
+from training.ckpt.files import CheckpointError, Topology, plain_path, step_dir
+from training.ckpt.fetch import fetch_retrying
+from training.ckpt.storage import Location
 
 log = logging.getLogger("gts.checkpoint")
 

@@ -1,6 +1,6 @@
 """What the peer stores and their clients say to each other: requests and answers signed with
 an HMAC-SHA256 under the run's key (RDZV_KEY, as training/node/rdzv_launch.py signs the
-rendezvous state), payloads named by the digest the manifests use (training/digest.py)."""
+rendezvous state), payloads named by the digest the manifests use (training/ckpt/digest.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import re
 import time
 from typing import Any
 
-from training import digest
+from training.ckpt import digest
 
 MAC = "X-Gts-Mac"
 STAMP = "X-Gts-Time"
@@ -21,7 +21,7 @@ MAX_SKEW_S = 120  # a signed request older (or newer) than this is refused: no r
 # kind `full`: the replicated training state and the rank's own (a node's local rank 0), `rank`:
 # the rank's own alone (RNG streams, data position).
 # <generation>: <when>-<step>, when (Unix seconds, rank 0's clock) the sending world restored <step>
-# (training/peer/tier.py), so that copies of two histories that reached one step are told apart.
+# (training/ckpt/peer/tier.py), so that copies of two histories that reached one step are told apart.
 COPY = re.compile(r"^/v1/copy/(\d{1,6})/(\d{1,6})/(\d{1,12})/(full|rank)/(\d{1,12}-\d{1,12})$")
 # /v1/keep/<world>/<step>: forget every copy but those of <step> saved by world size <world> (0: any);
 # a world that restored <step> abandoned later steps and needs no older one

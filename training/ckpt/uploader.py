@@ -1,4 +1,4 @@
-"""Uploading committed steps and keeping K (training/checkpoint.py's manager): a background
+"""Uploading committed steps and keeping K (the Uploader a CheckpointManager holds): a background
 thread uploads each node's files, manifest last, retrying transient faults with backoff and
 stopping at once on answers no retry changes; old steps are pruned locally and in the bucket."""
 
@@ -14,25 +14,48 @@ from collections.abc import Callable
 
 from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from training.checkpoint_files import MODEL_FILE, UploadStatus, check_manifest, inside, step_dir
-from training.checkpoint_load import Loading
-from training.storage import StorageRefused, permanent_cause
+from training.ckpt.files import MODEL_FILE, UploadStatus, check_manifest, inside, step_dir
+from training.ckpt.loader import Loader
+from training.ckpt.storage import StorageRefused, permanent_cause
 
 log = logging.getLogger("gts.checkpoint")
 
 
-class Uploading(Loading):
-    """The manager's upload / keep-K half, over its find half (local_steps, remote_steps); the
-    CheckpointManager sets the attributes."""
+class Uploader:
+    """Uploads and keep-K for one manager's folder and bucket (CheckpointManager holds one); what
+    is where it asks the manager's Loader (local_steps, remote_steps)."""
 
-    keep: int
-    attempts: int
-    status: UploadStatus
-    on_status: Callable[[UploadStatus], None] | None
-    _queue: queue.Queue[int | None]
-    _lock: threading.Lock
-    _idle: threading.Event
-    _thread: threading.Thread | None
+    def __init__(self, loader: Loader, keep: int, attempts: int, on_status: Callable[[UploadStatus], None] | None):
+        self.loader = loader
+        self.local, self.remote, self.topo = loader.local, loader.remote, loader.topo
+        self.keep = keep
+        self.attempts = attempts
+        self.status = UploadStatus()
+        self.on_status = on_status
+        self.lock = threading.Lock()  # guards status (the loop, the writer and this thread update it)
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """The upload thread (a node's local rank 0, with a bucket)."""
+        self.thread = threading.Thread(target=self._uploader, name="checkpoint-upload", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self._queue.put(None)
+            self.thread.join(timeout=5)
+
+    def queue_upload(self, step: int) -> None:
+        if self.remote is None:
+            return
+        with self.lock:
+            if step not in self.status.pending:
+                self.status.pending.append(step)
+        self._idle.clear()
+        self._queue.put(step)
 
     def _uploader(self) -> None:
         while True:
@@ -44,7 +67,7 @@ class Uploading(Loading):
                 self._idle.set()
 
     def _upload_pending(self) -> None:
-        with self._lock:
+        with self.lock:
             steps = sorted(self.status.pending)
             if self.status.permanent_error:  # refused, or another run took the prefix: write nothing there
                 return
@@ -63,22 +86,22 @@ class Uploading(Loading):
                 error = exc.last_attempt.exception() if isinstance(exc, RetryError) else exc
                 self._failed(step, error or exc)
                 return  # keep order: newer steps wait for older ones
-            with self._lock:
+            with self.lock:
                 self.status.pending.remove(step)
                 self.status.uploaded.append(step)
                 self.status.last_success = time.time()
                 self.status.last_error = ""
             log.info("uploaded %s to %s", step_dir(step), self.remote.url if self.remote else "")
             self._prune_remote()
-            self._prune_local()
-            self._report()
+            self.prune_local()
+            self.report()
 
     def _failed(self, step: int, error: BaseException) -> None:
         """Note why `step` could not be uploaded: a permanent answer stops the run (the loop reads
         status.permanent_error after each step); anything else is retried later."""
         cause = permanent_cause(error)
         url = self.remote.url if self.remote else ""
-        with self._lock:
+        with self.lock:
             self.status.last_error = f"{step_dir(step)}: {cause or f'{type(error).__name__}: {error}'}"
             if cause:
                 self.status.permanent_error = f"{url}: {cause}"
@@ -88,7 +111,7 @@ class Uploading(Loading):
         else:
             log.warning("upload of %s failed (%s: %s); kept locally, will retry", step_dir(step),
                         type(error).__name__, error)
-        self._report()
+        self.report()
 
     def _upload(self, step: int) -> None:
         """This node's files of `step`, then its manifest (the commit). A folder fetched from the
@@ -110,21 +133,21 @@ class Uploading(Loading):
         """Queue committed local steps the bucket lacks (an outage during an earlier run)."""
         if self.remote is None or self.topo.local_rank != 0:
             return
-        have = set(self.remote_steps())
-        if self.remote_error:
+        have = set(self.loader.remote_steps())
+        if self.loader.remote_error:
             log.warning("cannot list %s (%s); training goes on from local state and uploads are retried "
-                        "in the background", self.remote.url, self.remote_error)
-        missing = [s for s in self.local_steps()[-self.keep:] if s not in have]
+                        "in the background", self.remote.url, self.loader.remote_error)
+        missing = [s for s in self.loader.local_steps()[-self.keep:] if s not in have]
         if missing:
             log.info("uploading %d checkpoint(s) missing from the bucket: %s", len(missing), missing)
-            with self._lock:
+            with self.lock:
                 self.status.pending = sorted(set(self.status.pending) | set(missing))
             self._idle.clear()
             self._queue.put(missing[-1])
 
-    def _prune_local(self) -> None:
-        steps = self.local_steps()
-        with self._lock:
+    def prune_local(self) -> None:
+        steps = self.loader.local_steps()
+        with self.lock:
             pending = set(self.status.pending)
         for step in steps[:-self.keep]:
             if step not in pending:
@@ -134,24 +157,24 @@ class Uploading(Loading):
         if self.remote is None or self.topo.rank != 0:
             return
         try:
-            steps = self.remote_steps()
+            steps = self.loader.remote_steps()
             for step in steps[:-self.keep]:
                 self.remote.fs.rm(self.remote.join(step_dir(step)), recursive=True)
         except (OSError, StorageRefused) as exc:
             log.warning("could not prune old checkpoints in %s: %s", self.remote.url, exc)
 
-    def _report(self) -> None:
+    def report(self) -> None:
         if self.on_status is not None:
-            with self._lock:
+            with self.lock:
                 snapshot = UploadStatus(list(self.status.pending), self.status.last_success,
                                         self.status.last_error, list(self.status.uploaded), self.status.last_commit,
                                         self.status.write_error, self.status.permanent_error)
             self.on_status(snapshot)
 
     def wait_uploads(self, timeout: float) -> bool:
-        """Block until the queue is drained (True) or `timeout` passes (False)."""
-        self.wait_commit()
-        if self._thread is None:
+        """Block until the queue is drained (True) or `timeout` passes (False); the manager's
+        wait_uploads waits for the step being written first."""
+        if self.thread is None:
             return True
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """One run per checkpoint prefix: a lease object in the bucket (`<prefix>/run.lease`).
 
-The local lock (training/checkpoint.py's `_lock`) covers one node's folder only; two runs on
+The local lock (training/ckpt/manager.py's `_lock`) covers one node's folder only; two runs on
 two machines (or two folders) that share a checkpoint URL would both write its steps. Global
 rank 0 therefore takes a lease in the bucket before anything is written, renews it while the
 run lives, and gives it back when the run ends. A second run finds it and is refused, naming
@@ -41,8 +41,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from training.checkpoint_files import RunLocked
-from training.storage import Location, store_answer
+from training.ckpt.files import RunLocked
+from training.ckpt.storage import Location, store_answer
 
 log = logging.getLogger("gts.checkpoint")
 

@@ -1,7 +1,8 @@
-"""Finding and loading committed steps (training/checkpoint.py's manager): the steps on this
+"""Finding and loading committed steps (the Loader a CheckpointManager holds): the steps on this
 disk and in the bucket, every file checked against its manifest before it is unpickled (with
 weights_only), a bad or missing local copy fetched again from the bucket in one pass, and the
-newest step prefetched while the caller builds its model."""
+newest step prefetched while the caller builds its model. The disk and the bucket are two tiers
+(training/ckpt/tiers.py) over it: DiskTier and BucketTier."""
 
 from __future__ import annotations
 
@@ -10,29 +11,24 @@ import json
 import logging
 import mmap
 import os
-import pickle
 import threading
-import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-
-from training import digest
-from training.checkpoint_files import (MODEL_FILE, STEP_RE, CheckpointError, Topology, check_manifest, inside,
-                                       manifest_name, plain_path, rng_name, step_dir)
-from training.checkpoint_memory import in_memory, memory_files
-from training.fetch import fetch_retrying
-from training.storage import Location, StorageRefused, StorageUnavailable, permanent_cause
+from training.ckpt.files import (MODEL_FILE, STEP_RE, CheckpointError, Topology, check_manifest, inside,
+                                 manifest_name, plain_path, rng_name, step_dir, unpickle, verify)
+from training.ckpt.memory import in_memory, memory_files
+from training.ckpt.fetch import fetch_retrying
+from training.ckpt.storage import Location, StorageRefused, StorageUnavailable, permanent_cause
 
 log = logging.getLogger("gts.checkpoint")
-_MAP_FLAGS = threading.Lock()
 
 
 def owner_entries(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each listed file's entry in the manifest of the node that wrote it. Every node lists its
     own `model.pt` (its local rank 0 writes one), but the bucket holds global rank 0's, node 0's
-    (training/checkpoint_upload.py); a folder fetched from the bucket holds that one too, and a
+    (training/ckpt/uploader.py); a folder fetched from the bucket holds that one too, and a
     folder a node wrote itself holds its own manifest alone. So the first manifest in node order
     that lists a name is its writer's: a file is never checked against another node's entry
     (which differs wherever anything per node is inside the file: issue 46)."""
@@ -43,24 +39,23 @@ def owner_entries(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return owners
 
 
-class Loading:
-    """The manager's find / load half (mixed into CheckpointManager, which sets these)."""
+class Loader:
+    """Finding and loading the steps of one manager's folder and bucket (CheckpointManager holds
+    one). `wait_commit` is the manager's: a step being written is committed before it is listed."""
 
-    local: Path
-    remote: Location | None
-    remote_error: str
-    topo: Topology
-    for_device: bool  # the loaded state is copied to an accelerator: map the model file, do not read it
-    _told: set[str]
-    _prefetch: threading.Thread | None
-    _prefetched: tuple[int, tuple[dict[str, Any], dict[str, Any] | None]] | None
-    _prefetch_lock: threading.Lock
-    _prefetch_ended: bool
+    def __init__(self, local: Path, remote: Location | None, topo: Topology, for_device: bool,
+                 wait_commit: Callable[[], None]):
+        self.local, self.remote, self.topo = local, remote, topo
+        self.for_device = for_device  # the loaded state is copied to an accelerator: map the model file, do not read it
+        self.wait_commit = wait_commit
+        self.remote_error = ""  # why the bucket could not be listed, if it could not
+        self._told: set[str] = set()  # warnings already logged (a bad folder is named once)
+        self._prefetch: threading.Thread | None = None
+        self._prefetched: tuple[int, tuple[dict[str, Any], dict[str, Any] | None]] | None = None
+        self._prefetch_lock = threading.Lock()
+        self._prefetch_ended = False
 
-    if TYPE_CHECKING:
-        def wait_commit(self) -> None: ...  # CheckpointManager's (training/checkpoint.py)
-
-    def _local_manifests(self, step: int) -> list[dict[str, Any]]:
+    def local_manifests(self, step: int) -> list[dict[str, Any]]:
         """The step's manifests on this disk that are its own (see check_manifest); one that is
         not is logged once and makes the step not committed here."""
         folder = self.local / step_dir(step)
@@ -95,7 +90,7 @@ class Loading:
         manifest's, never the folder name's; checked file by file on load)."""
         self.wait_commit()
         steps = [int(m.group(1)) for p in self.local.iterdir() if (m := STEP_RE.match(p.name)) and not p.is_symlink()]
-        return sorted(s for s in steps if self._local_manifests(s))
+        return sorted(s for s in steps if self.local_manifests(s))
 
     def remote_steps(self) -> list[int]:
         """Steps whose every node's manifest is in the bucket. An unreachable bucket gives none,
@@ -189,37 +184,63 @@ class Loading:
         if prefetched is not None:
             return prefetched
         self.wait_commit()
-        folder = self.local / step_dir(step)
-        manifests = self._local_manifests(step)
         try:
-            files, world = self._needed(manifests)
-            self._verify(folder, files)
+            files = self._checked_here(step)
         except CheckpointError as local_fault:
             if self.remote is None:
                 raise
-            if manifests:
-                log.warning("rank %d: local %s is damaged (%s); fetching it from %s", self.topo.rank,
-                            step_dir(step), local_fault, self.remote.url)
-            here, manifests = bool(manifests), self._remote_manifests(step)
-            files, world = self._needed(manifests)
-            if not here and in_memory(self.topo):  # nothing of this step here, and no other rank to share it
-                loaded = self._load_in_memory(step, files)
-                if loaded is not None:
-                    return loaded
-            self._download(step, folder, files)  # each file checked there (fetched and hashed, or already good)
-        model = self._unpickle(folder / MODEL_FILE, mapped=mmap.MAP_PRIVATE if self.for_device else None)
-        rng = self._unpickle(folder / rng_name(self.topo.rank)) if rng_name(self.topo.rank) in files else None
+            return self.load_remote(step, local_fault)
+        return self._read(self.local / step_dir(step), files)
+
+    def load_local(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """`load` from this node's disk alone (DiskTier): CheckpointError where a file is missing or bad."""
+        self.wait_commit()
+        return self._read(self.local / step_dir(step), self._checked_here(step))
+
+    def load_remote(self, step: int, local_fault: CheckpointError | None = None
+                    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """`load` from the bucket (BucketTier; `load` after `local_fault`, the local copy's): the
+        files missing or bad here fetched, each checked as it arrives, or held in memory where this
+        node has nothing of the step and one rank."""
+        assert self.remote is not None
+        folder = self.local / step_dir(step)
+        here = bool(self.local_manifests(step))
+        if here and local_fault is not None:
+            log.warning("rank %d: local %s is damaged (%s); fetching it from %s", self.topo.rank,
+                        step_dir(step), local_fault, self.remote.url)
+        files, _ = self._needed(self._remote_manifests(step))
+        if not here and in_memory(self.topo):  # nothing of this step here, and no other rank to share it
+            loaded = self._load_in_memory(step, files)
+            if loaded is not None:
+                return loaded
+        self._download(step, folder, files)  # each file checked there (fetched and hashed, or already good)
+        return self._read(folder, files)
+
+    def _checked_here(self, step: int) -> dict[str, dict[str, Any]]:
+        """The files this rank loads of `step`, each checked on this node's disk."""
+        files, _ = self._needed(self.local_manifests(step))
+        verify(self.local / step_dir(step), files)
+        return files
+
+    def _read(self, folder: Path, files: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        model = unpickle(folder / MODEL_FILE, mapped=mmap.MAP_PRIVATE if self.for_device else None)
+        rng = unpickle(folder / rng_name(self.topo.rank)) if rng_name(self.topo.rank) in files else None
         return model, rng
+
+    def wait_prefetch(self) -> None:
+        """Until the prefetch (if one started) has finished: no fetch left half-written."""
+        if self._prefetch is not None:
+            self._prefetch.join()
 
     def load_folder(self, step: int) -> Path:
         """A step saved with `save_folder`, every file of every node checked (fetched from the
         bucket where missing or bad here): the local folder holding them."""
         self.wait_commit()
         folder = self.local / step_dir(step)
-        manifests = self._local_manifests(step)
+        manifests = self.local_manifests(step)
         try:
             files = self._all_files(manifests)
-            self._verify(folder, files)
+            verify(folder, files)
         except CheckpointError:
             if self.remote is None:
                 raise
@@ -245,69 +266,25 @@ class Loading:
             raise CheckpointError(f"the manifest lists no {', '.join(missing)}")
         return {name: listed[name] for name in wanted}, world
 
-    @staticmethod
-    def _verify(folder: Path, files: dict[str, dict[str, Any]]) -> None:
-        """Each file's size and sha256 against its manifest entry."""
-        for name, meta in files.items():
-            path = inside(folder, name)  # a plain relative path, no symbolic link on the way
-            try:
-                size = path.stat().st_size
-            except OSError:
-                raise CheckpointError(f"{name} is missing") from None
-            if size != meta["size"]:
-                raise CheckpointError(f"{name} has {size} bytes, the manifest says {meta['size']}")
-            if not digest.matches(path, meta):
-                raise CheckpointError(f"{name} does not match its digest in the manifest")
-
     def _load_in_memory(self, step: int, files: dict[str, dict[str, Any]]
                         ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         """`load` of a step fetched for the only rank on this node into memory files
-        (training/checkpoint_memory.py), the model file mapped shared: its tensors are the
+        (training/ckpt/memory.py), the model file mapped shared: its tensors are the
         received pages. None where the step goes to disk instead."""
         assert self.remote is not None
         try:
             with memory_files(self.remote, step, files, self.topo.rank) as paths:
                 if paths is None:
                     return None
-                model = self._unpickle(paths[MODEL_FILE], MODEL_FILE, mapped=mmap.MAP_SHARED)
+                model = unpickle(paths[MODEL_FILE], MODEL_FILE, mapped=mmap.MAP_SHARED)
                 rng_file = rng_name(self.topo.rank)
-                rng = self._unpickle(paths[rng_file], rng_file) if rng_file in paths else None
+                rng = unpickle(paths[rng_file], rng_file) if rng_file in paths else None
         except OSError as exc:  # no /proc/self/fd to open them by, after all
             log.info("rank %d: memory file unreadable (%s); fetching %s to disk", self.topo.rank, exc, step_dir(step))
             return None
         log.info("rank %d fetched %s from %s (into memory: the only rank on this node)", self.topo.rank,
                  step_dir(step), self.remote.url)
         return model, rng
-
-    @staticmethod
-    def _unpickle(path: Path, name: str | None = None, mapped: int | None = None) -> dict[str, Any]:
-        """The file's tensors and plain values, with weights_only: a checkpoint in a shared bucket
-        must not be able to run code when loaded; a damaged file and one carrying code both fail
-        here (CheckpointError), and neither is ever used.
-
-        `mapped` (mmap flags) maps the file instead of reading it: MAP_SHARED for a memory file
-        of training/checkpoint_memory.py (its own pages: no copy at all), MAP_PRIVATE for a file
-        on disk whose tensors go to an accelerator (`for_device`: the copy to the device reads the
-        page cache, and the file is only ever replaced by rename or removed, which a mapping
-        outlives). A file torch cannot map (an old non-zip one, or no mapping to be had) is read.
-        Otherwise read (issue 34): a private mapping costs a copy-on-write fault per page when the
-        first steps write the parameters and moments in place, about 1.3 s per GB over two steps
-        against 0.44 s for the read."""
-        if mapped is not None:
-            try:
-                # torch reads the flags from a process-wide setting: one load of ours at a time
-                # sets it, and nothing else here loads with mmap=True meanwhile.
-                with _MAP_FLAGS, torch.serialization.set_default_mmap_options(mapped):
-                    return dict(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
-            except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, TypeError):
-                pass  # read below: a bad file fails there too, and says why
-        try:
-            return dict(torch.load(path, map_location="cpu", weights_only=True))
-        except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, TypeError) as exc:
-            text = str(exc)
-            detail = text.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0] if text.strip() else ""
-            raise CheckpointError(f"{name or path.name} cannot be read as tensors and plain values: "
-                                  f"{detail[:160]}") from None
 
     def _remote_manifests(self, step: int) -> list[dict[str, Any]]:
         assert self.remote is not None
@@ -347,7 +324,7 @@ class Loading:
             for name, meta in files.items():
                 target = inside(folder, name)  # a symbolic link on disk (say a linked subfolder) is refused
                 try:
-                    self._verify(folder, {name: meta})
+                    verify(folder, {name: meta})
                     continue  # another rank fetched it already
                 except CheckpointError:
                     pass
@@ -361,7 +338,7 @@ class Loading:
 
                 def fault(why: str, name: str = name) -> CheckpointError:
                     return CheckpointError(f"{name} in {url} {why}")
-                try:  # one pass: hashed as it arrives (training/fetch.py), never read back; again on a drop
+                try:  # one pass: hashed as it arrives (training/ckpt/fetch.py), never read back; again on a drop
                     fetch_retrying(self.remote.fs, self.remote.join(step_dir(step), name), part, meta, fault)
                 except CheckpointError:
                     raise
@@ -375,3 +352,33 @@ class Loading:
                 if not path.exists():
                     path.write_text(json.dumps(manifest, indent=1))
         log.info("rank %d fetched %s from %s", self.topo.rank, step_dir(step), self.remote.url)
+
+
+class DiskTier:
+    """This node's disk as a tier (training/ckpt/tiers.py): its committed steps, each file checked."""
+
+    name = "disk"
+
+    def __init__(self, loader: Loader):
+        self.loader = loader
+
+    def steps(self) -> set[int]:
+        return set(self.loader.local_steps())
+
+    def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        return self.loader.load_local(step)
+
+
+class BucketTier:
+    """The run's bucket as a tier (training/ckpt/tiers.py): steps whose every node's manifest is in."""
+
+    name = "bucket"
+
+    def __init__(self, loader: Loader):
+        self.loader = loader
+
+    def steps(self) -> set[int]:
+        return set(self.loader.remote_steps())
+
+    def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        return self.loader.load_remote(step)

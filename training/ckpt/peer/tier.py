@@ -1,7 +1,7 @@
 """The peer tier in a training process: every PEER_EVERY steps this rank's state is staged into
 host memory (the loop's only wait) and sent, on a background thread, to the peer store of its
-buddy node (training/peer/store.py); after a loss, `steps` and `load` give what the surviving
-stores hold, for training/run_control.py's choose_checkpoint (peer first, then disk, then bucket).
+buddy node (training/ckpt/peer/store.py); after a loss, `steps` and `load` give what the surviving
+stores hold, for training/ckpt/run_control.py's choose_checkpoint (peer first, then disk, then bucket).
 
 The buddies: node n's copies go to a node in another zone (GTS_ZONE) when the run spans zones,
 dealt so that each node holds about as many as it sends (buddy()), else to node n+1; never to
@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from training import contract
-from training.checkpoint import CheckpointManager
-from training.checkpoint_files import CheckpointError
+from training.ckpt.manager import CheckpointManager
+from training.ckpt.files import CheckpointError
 from training.distributed import Comm
-from training.peer import share, wire
-from training.peer.client import Link, PeerRefused
-from training.run_control import Resumed, choose_checkpoint
-from training.staging import Stager
+from training.ckpt.peer import share, wire
+from training.ckpt.peer.client import Link, PeerRefused
+from training.ckpt.run_control import Resumed, choose_checkpoint
+from training.ckpt.staging import Stager
 
 log = logging.getLogger("gts.peer")
 ADDR_VAR = "GTS_PEER_STORE"  # host:port of this node's store (training/node/entrypoint.sh exports it)
@@ -52,7 +52,10 @@ def buddy(node: int, zones: list[str]) -> int:
 
 
 class PeerTier:
-    """One rank's side of the tier (every rank makes one; collectives in __init__)."""
+    """One rank's side of the tier (every rank makes one; collectives in __init__). A Tier
+    (training/ckpt/tiers.py): `steps` and `load`, the latter collective."""
+
+    name = "peer"
 
     def __init__(self, comm: Comm, every: int, key: bytes, store: str, zone: str):
         self.comm, self.every = comm, every

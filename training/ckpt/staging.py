@@ -1,7 +1,7 @@
 """What lets the training loop go on while a checkpoint is written: a copy of the state in
 buffers kept from one checkpoint to the next (pinned host memory for GPU tensors, so the copy is a
 DMA the loop waits for only once), and a writer that hashes the bytes as torch serialises them
-(no second read of the file; 8 MiB pieces on helper threads, training/digest.py) without torch's
+(no second read of the file; 8 MiB pieces on helper threads, training/ckpt/digest.py) without torch's
 per-record CRC32 (the manifest's digest guards the file, and the CRC was most of the
 serialiser's time: 3.8 s -> 0.5 s per GB measured here)."""
 
@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from training import digest
+from training.ckpt import digest
 
 
 class Stager:
@@ -64,7 +64,7 @@ class Stager:
 
 class HashingWriter(io.RawIOBase):
     """A write-only file that hashes what passes through it as the manifest's `blake3_pieces`
-    (training/digest.py): the bytes are cut at every 8 MiB of the file, and each piece is hashed
+    (training/ckpt/digest.py): the bytes are cut at every 8 MiB of the file, and each piece is hashed
     on a pool of helper threads while the caller's thread writes. The hash and the write both
     release the GIL, so on N cores a checkpoint costs about the write, not one sha256 stream
     (1 GB/s here, twice the disk's write + fsync). A large write (torch hands over a tensor's

@@ -1,4 +1,4 @@
-"""Talking to the peer stores (training/peer/store.py): signed requests, signed answers."""
+"""Talking to the peer stores (training/ckpt/peer/store.py): signed requests, signed answers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import http.client
 import json
 from typing import Any
 
-from training.peer import wire
+from training.ckpt.peer import wire
 
 
 class PeerRefused(Exception):

@@ -19,10 +19,10 @@ import torch
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from training import contract, reservation
-from training.checkpoint import CheckpointError, CheckpointManager, RunLocked, Topology, UploadStatus
+from training.ckpt.manager import CheckpointError, CheckpointManager, RunLocked, Topology, UploadStatus
 from training.distributed import Comm
 from training.goodput import AutoInterval
-from training.storage import StorageRefused, StorageUnavailable
+from training.ckpt.storage import StorageRefused, StorageUnavailable
 
 log = logging.getLogger("gts.checkpointing")
 
@@ -152,7 +152,7 @@ def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
     """The newest step every rank can load, each file checked; a step that fails on any rank is
     skipped with a log line naming the rank, file and fault, and the one before it is tried.
     `load` reads one step (default: the model state and this rank's RNG state); `extra`: steps
-    this rank can get elsewhere too (the peer tier's, training/peer/tier.py)."""
+    this rank can get elsewhere too (the peer tier's, training/ckpt/peer/tier.py)."""
     load = load or ckpt.load
     local, remote = set(ckpt.local_steps()), set(ckpt.remote_steps())
     listed = comm.all_gather_object((sorted(local | remote | (extra or set())), sorted(remote), ckpt.remote_error,
@@ -335,7 +335,7 @@ def open_manager(comm: Comm, url: str | None, local_dir: str | None, keep: int |
     try:
         manager = CheckpointManager(folder.removeprefix("file://"), remote or None, topo,
                                     keep=_setting(keep, contract.KEEP_CHECKPOINTS, 3), on_status=on_status)
-    except RunLocked as exc:  # this node's folder, or the bucket's prefix (training/lease.py), is another run's
+    except RunLocked as exc:  # this node's folder, or the bucket's prefix (training/ckpt/lease.py), is another run's
         refuse(f"refused: {exc}")
     (locked,) = comm.any_true(manager is None)
     if manager is None or locked:

@@ -27,7 +27,7 @@ from typing import IO, Any
 
 import torch
 
-from training.peer import wire
+from training.ckpt.peer import wire
 
 SHM = "/dev/shm"
 PREFIX = "gts-peer-"
