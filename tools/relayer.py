@@ -173,7 +173,21 @@ def rewritten_names(root: Path, moves: dict[str, str]) -> dict[str, str]:
     return {**done, **moves}
 
 
-def edits_for(root: Path, files: list[str], names: dict[str, str], move_pinned: bool) -> dict[str, str]:
+_HERE = r"(Path\(__file__\)(?:\.resolve\(\))?)"
+
+
+def deepen(text: str, path: str) -> str:
+    """A moved module's paths from its own file, one folder deeper: `.parent` becomes
+    `.parents[1]`, `.parents[n]` becomes `.parents[n+1]`; any other use of __file__ is refused."""
+    text = re.sub(_HERE + r"\.parents\[(\d+)\]", lambda m: f"{m[1]}.parents[{int(m[2]) + 1}]", text)
+    text = re.sub(_HERE + r"\.parent(?!s)", lambda m: f"{m[1]}.parents[1]", text)
+    if len(re.findall(r"__file__", text)) != len(re.findall(_HERE + r"\.parents\[", text)):
+        raise Refused(f"{path}: uses __file__ in a way the relayer cannot move; make it Path(__file__).parent(s)")
+    return text
+
+
+def edits_for(root: Path, files: list[str], names: dict[str, str], move_pinned: bool,
+              moving: frozenset[str] = frozenset()) -> dict[str, str]:
     """path -> new text for every file whose text changes; refuses to touch a PLAN_BYTES file
     unless the pinned modules move too."""
     edits: dict[str, str] = {}
@@ -185,6 +199,7 @@ def edits_for(root: Path, files: list[str], names: dict[str, str], move_pinned: 
         except UnicodeDecodeError:
             continue
         new = rewrite(text, path, names)
+        new = deepen(new, path) if path in moving else new
         if new != text:
             edits[path] = new
     held = sorted(p for p in edits if plan_bytes(p))
@@ -227,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         moves = moves_for(root, args.move_pinned)
         names = rewritten_names(root, moves)
-        edits = edits_for(root, _git(root, "ls-files").splitlines(), names, args.move_pinned)
+        moving = frozenset(f"infra/{m}.py" for m in moves)
+        edits = edits_for(root, _git(root, "ls-files").splitlines(), names, args.move_pinned, moving)
     except Refused as refused:
         print(f"relayer: refused: {refused}", file=sys.stderr)
         return 2
