@@ -68,9 +68,12 @@ PINNED: dict[str, str] = {
     "userdata": "cloudinit/node.yaml.j2, cloudinit/node.env.j2 (and the golden user data)",
     "buckets": "cloudinit/scripts/gts-image.py",
     "rendezvous": "cloudinit/units/gts-rdzv.service",
+    "monitoring": "infra/data/gpu_health.yaml (in the node bundle)",
 }
-# The trainer image's inputs (infra/image.py SOURCES) and what the user data embeds.
-PLAN_BYTES = ("training/**", "cloudinit/**", "tests/golden/**", "infra/clouds/*/node.py", "infra/clouds/*/metadata.py")
+# The trainer image's inputs (infra/image.py SOURCES), the node bundle's (infra/bundle.py FILES)
+# and what the user data embeds; tests/test_layers.py checks the first two against the code.
+PLAN_BYTES = ("training/**", "cloudinit/**", "tests/golden/**", "infra/clouds/*/node.py", "infra/clouds/*/metadata.py",
+              "infra/data/gpu_health.yaml")
 SELF = ("tools/relayer.py",)
 
 
