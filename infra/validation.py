@@ -114,8 +114,7 @@ def _check_tags(spec: StackSpec) -> list[Problem]:
 def _check_team(spec: StackSpec) -> list[Problem]:
     """A team stack stays on its team's clouds and regions (teams.yaml)."""
     out: list[Problem] = []
-    team = spec.team
-    if team is not None:
+    if (team := spec.team) is not None:
         for i, net in enumerate(spec.networks):
             if net.cloud not in spec.clouds:  # reported with the networks
                 continue

@@ -93,9 +93,9 @@ def test_the_graph_sees_typing_only_and_function_local_imports(tmp_path: Path) -
                       "if TYPE_CHECKING:\n    from infra.groups import Stack\n"
                       "def f() -> None:\n    from infra.spec import StackSpec\n"
                       "class C:\n    def g(self) -> None:\n        import infra.catalog\n"
-                      "    from . import names\n", encoding="utf-8")
+                      "    from . import sibling\n", encoding="utf-8")
     found = _imports(module, "infra.mod")
-    assert {"infra.groups", "infra.spec", "infra.catalog", "infra.names"} <= found
+    assert {"infra.groups", "infra.spec", "infra.catalog", "infra.sibling"} <= found
     # and a cycle through such imports alone is found
     graph = {"infra.mod": {"infra.groups"}, "infra.groups": {"infra.mod"}}
     assert _cycle(graph) == ["infra.groups", "infra.mod", "infra.groups"]
