@@ -75,6 +75,7 @@ PINNED: dict[str, str] = {
 PLAN_BYTES = ("training/**", "cloudinit/**", "tests/golden/**", "infra/clouds/*/node.py", "infra/clouds/*/metadata.py",
               "infra/data/gpu_health.yaml")
 SELF = ("tools/relayer.py",)
+LINES = 400  # a source file's limit
 
 
 class Refused(SystemExit):
@@ -139,15 +140,58 @@ def rewrite_imports(text: str, path: str, modules: dict[str, str]) -> str:
     return "".join(lines)
 
 
+_IMPORT = re.compile(r"^(\s*)from (infra[\w.]*) import ([\w, ]+)\n$")
+
+
+def _name_key(name: str) -> tuple[int, str]:
+    """isort's order: constants, classes, then the rest."""
+    base = name.split(" as ")[0]
+    return (0 if base.isupper() else 1 if base[:1].isupper() else 2, base)
+
+
+def _sorted_run(run: list[str]) -> list[str]:
+    """One run of single-line `from infra... import` statements ordered by module, as they were
+    before the layer prefixes; two statements of one module become one where it fits a line."""
+    indent = _IMPORT.match(run[0])[1]  # type: ignore[index]
+    merged: dict[str, list[str]] = {}
+    for line in run:
+        m = _IMPORT.match(line)
+        merged.setdefault(m[2], []).extend(n.strip() for n in m[3].split(","))  # type: ignore[index]
+    out = []
+    for module, names in sorted(merged.items()):
+        own = [ln for ln in run if _IMPORT.match(ln)[2] == module]  # type: ignore[index]
+        one = f"{indent}from {module} import {', '.join(sorted(set(names), key=_name_key))}\n"
+        out += [one] if len(own) > 1 and len(one) <= 120 else own
+    return out
+
+
+def sort_imports(text: str) -> str:
+    """Each run of consecutive single-line `from infra... import` statements (one indent, no
+    comment) in order again."""
+    out: list[str] = []
+    run: list[str] = []
+    for line in [*text.splitlines(keepends=True), ""]:
+        m = _IMPORT.match(line)
+        if m and (not run or _IMPORT.match(run[0])[1] == m[1]):  # type: ignore[index]
+            run.append(line)
+            continue
+        out += _sorted_run(run) if run else []
+        run = [line] if m else []
+        out += [] if m else [line]
+    return "".join(out)
+
+
 def rewrite(text: str, path: str, modules: dict[str, str]) -> str:
     """A file's text with every reference to a moved module pointing at its layer's package."""
     if not modules:
         return text
+    old = text
     if path.endswith(".py"):
         text = rewrite_imports(text, path, modules)
     text = _name_pattern(modules).sub(lambda m: f"infra{m[1]}{modules[m[2]]}{m[1]}{m[2]}", text)
-    return _segment_pattern(modules).sub(
+    text = _segment_pattern(modules).sub(
         lambda m: f"{m[1]}infra{m[1]}{m[2]}{m[3]}{modules[m[4]]}{m[3]}{m[2]}{m[3]}{m[4]}.py{m[3]}", text)
+    return sort_imports(text) if path.endswith(".py") and text != old else text
 
 
 def loose_modules(root: Path) -> list[str]:
@@ -205,6 +249,10 @@ def edits_for(root: Path, files: list[str], names: dict[str, str], move_pinned: 
         new = deepen(new, path) if path in moving else new
         if new != text:
             edits[path] = new
+    long = sorted(p for p, text in edits.items() if p.endswith(".py") and text.count("\n") > LINES)
+    if long:
+        raise Refused(f"these files would pass {LINES} lines (tests/test_structure.py); shorten them first:\n"
+                      + "\n".join(f"  {p}" for p in long))
     held = sorted(p for p in edits if plan_bytes(p))
     if held and not move_pinned:
         raise Refused("these files reach a plan (PLAN_BYTES) and name a module about to move; add the "
