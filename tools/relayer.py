@@ -45,10 +45,10 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
                "them all: values, each cloud's rules, the resolved groups, the training commands). Imports\n"
                "resolve and below; no Pulumi resource code.",
                ("value_checks", "cloud_rules", "resolved_checks", "commands", "validation")),
-    "render": ("What the stack writes for nodes and clouds: the user data, the node bundle, the trainer\n"
-               "image, monitoring, and which resources are protected. infra/k8s (the Kubernetes objects)\n"
-               "sits beside it. Imports checks and below.",
-               ("userdata", "bundle", "image", "monitoring", "protection")),
+    "render": ("What the stack writes for nodes and clouds: the user data and the node agents' settings, the\n"
+               "node bundle, the trainer image, monitoring, and which resources are protected. infra/k8s (the\n"
+               "Kubernetes objects) sits beside it. Imports checks and below.",
+               ("userdata", "node_settings", "bundle", "image", "monitoring", "protection")),
     "stack": ("The stack end to end: a stack file read and checked (stackfile), the Pulumi program that\n"
               "builds it (program), the policy pack's config. Only the CLIs (infra/cli, plan, teams,\n"
               "capacity, prices) sit above it.",
