@@ -265,8 +265,8 @@ def face(layer: str) -> str:
     return f'"""{doc}\n\nModules: {", ".join(modules)}."""\n'
 
 
-def apply(root: Path, moves: dict[str, str], edits: dict[str, str], mv: Callable[[str, str], None],
-          add: Callable[[str], None]) -> None:
+def apply(root: Path, moves: dict[str, str], edits: dict[str, str], mv: Callable[[str, str], object],
+          add: Callable[[str], object]) -> None:
     for layer in sorted(set(moves.values())):
         init = root / "infra" / layer / "__init__.py"
         if not init.exists():
