@@ -112,7 +112,7 @@ bench-recovery: $(STAMP)
 goodput: $(STAMP)
 	@$(PY) -m training.goodput report --records $(call q,$(RECORDS)) --format $(if $(filter json,$(FORMAT)),json,text)
 
-## docs: regenerate the stack-spec reference (docs/spec.md, Pulumi.yaml's config block) from infra/spec.py and the node settings table (docs/node-bootstrap.md) from infra/data/node_settings.yaml; a test fails when they are stale
+## docs: regenerate the stack-spec reference (docs/spec.md, Pulumi.yaml's config block) from infra/model/spec.py and the node settings table (docs/node-bootstrap.md) from infra/data/node_settings.yaml; a test fails when they are stale
 docs: $(RUNTIME_STAMP)
 	@$(PY) -m infra.cli.docs
 

@@ -3,6 +3,6 @@
 `pulumi up --stack dev` runs this; `make plan` runs the same program in Pulumi's mock engine.
 """
 
-from infra.program import main
+from infra.stack.program import main
 
 main()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infra.clouds import profile, profiles
-from infra.spec import StackSpec
+from infra.model.spec import StackSpec
 
 # Every cloud's bucket holds checkpoints and datasets under the same prefixes; node roles are
 # limited to them and lifecycle rules archive the first.

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from datetime import timezone
 
-from infra import catalog as cat
 from infra import rendezvous
-from infra.capacity import reservations
 from infra.buckets import DATASET_PREFIX, endpoint
+from infra.capacity import reservations
 from infra.clouds import profile
-from infra.resolved import ResolvedGroup
-from infra.scrape import METRICS_PORT as METRICS_PORT  # the trainer's; infra/k8s/job.py reads it here
-from infra.spec import StackSpec
+from infra.core import catalog as cat
+from infra.resolve.resolved import ResolvedGroup
+from infra.model.scrape import METRICS_PORT as METRICS_PORT  # the trainer's; infra/k8s/job.py reads it here
+from infra.model.spec import StackSpec
 from training import contract as c
 
 RDZV_PORT = rendezvous.PORT

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra import catalog as cat
 from infra.clouds import profile, profiles
+from infra.core import catalog as cat
 from policies.gts_policy import catalog as pack_catalog
-from infra.errors import CatalogError
-from infra.spec import NodeGroup
+from infra.core.errors import CatalogError
+from infra.model.spec import NodeGroup
 
 PATH = cat.DATA_DIR / "fabric.csv"
 SCHEMA = 1
@@ -105,7 +105,7 @@ def multi_node(group: NodeGroup) -> bool:
 def wanted(group: NodeGroup, primary_type: str) -> TypeFabric | None:
     """The fabric the group's nodes get: none when it says none; auto: the type's, for a
     multi-node training group; its cloud's kind: the type's (validation has checked it has it).
-    Asked once per group, on its first type (infra/groups.py pick)."""
+    Asked once per group, on its first type (infra/resolve/groups.py pick)."""
     if group.fabric == "none":
         return None
     found = of_type(group.cloud, primary_type)

@@ -19,9 +19,9 @@ from typing import Any
 
 import yaml
 
-from infra import catalog as cat
-from infra.resolved import Stack
-from infra.spec import StackSpec
+from infra.core import catalog as cat
+from infra.model.spec import StackSpec
+from infra.resolve.resolved import Stack
 
 GPU_IDLE_PERCENT = 5  # below this average utilisation for GPU_IDLE_FOR, a GPU is paid for nothing
 GPU_IDLE_FOR = "30m"
@@ -135,7 +135,7 @@ def showback(spec: StackSpec, stack: Stack | None = None) -> list[dict[str, Any]
                                   "expr": f"sum by (team) (gts_node_hourly_usd) * {cat.HOURS_PER_MONTH:g}"}]
     if not spec.kubernetes.queues:
         return out
-    from infra.groups import resolve
+    from infra.resolve.groups import resolve
     from infra.teams.queues import flavors
 
     stack = stack or resolve(spec)

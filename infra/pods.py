@@ -1,6 +1,6 @@
 """The training pod's shape as plain data: what a group's trainer pod requests, the namespace it
 runs in and the labels that tie Jobs, queues and teams together. The checks (infra/teams/queues.py,
-through infra/validation.py) and the Kubernetes objects (infra/k8s/) both read it; it imports no
+through infra/checks/validation.py) and the Kubernetes objects (infra/k8s/) both read it; it imports no
 Pulumi code, so checking a spec loads no resource SDK (tests/test_check_phase.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from infra.clouds import profile
-from infra.groups import ResolvedGroup
+from infra.resolve.groups import ResolvedGroup
 
 NAMESPACE = "training"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # Kueue's label naming a Job's LocalQueue

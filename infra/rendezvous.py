@@ -24,10 +24,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from infra import catalog as cat
 from infra.clouds import profile, profiles
-from infra.resolved import ResolvedGroup
-from infra.spec import Network, NodeGroup, StackSpec
+from infra.core import catalog as cat
+from infra.model.spec import Network, NodeGroup, StackSpec
+from infra.resolve.resolved import ResolvedGroup
 
 PORT = 29400
 DISK_GB = 80  # the trainer image (it carries the store's torch) with room for one more
@@ -71,7 +71,7 @@ class Site:
 
 
 def multi_node_spec(group: NodeGroup) -> bool:
-    """A VM training group whose run may span nodes (infra/groups.py max_nodes)."""
+    """A VM training group whose run may span nodes (infra/resolve/groups.py max_nodes)."""
     return group.kind == "vm" and group.workload == "training" and group.scaling.max > 1
 
 
@@ -100,7 +100,7 @@ def address(subnet_cidr: str, slot: int = 0) -> str:
 def taken_ranges(spec: StackSpec, net: Network) -> list[ipaddress.IPv4Network]:
     """What the stack places in a network's VPC besides the stores: its subnets and, with an ACK
     cluster there, Terway's pod vSwitches. (The clusters' pod and service ranges lie outside
-    every VPC: infra/cloud_rules.py refuses a network that overlaps them.)"""
+    every VPC: infra/checks/cloud_rules.py refuses a network that overlaps them.)"""
     taken = [s.cidr for s in net.subnets]
     if any(g.network == net.name and g.kind == "kubernetes" for g in spec.node_groups):
         taken += profile(net.cloud).kubernetes_pod_subnets(net.cidr, taken)  # as many as there is room for
@@ -138,7 +138,7 @@ def _place(spec: StackSpec, group: NodeGroup) -> tuple[str, str]:
         return address(str(net.subnets[0].cidr), slot(spec, group)), ""
     own = own_subnet(spec, net)
     at = slot(spec, group)
-    if own is None or at >= OWN_SUBNET_STORES:  # infra/cloud_rules.py refuses such a spec first
+    if own is None or at >= OWN_SUBNET_STORES:  # infra/checks/cloud_rules.py refuses such a spec first
         raise ValueError(f"network {net.name} has no room for the store of {group.name}")
     return str(ipaddress.ip_network(own).network_address + OWN_SUBNET_FIRST + at), own
 

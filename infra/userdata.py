@@ -26,16 +26,17 @@ from pathlib import Path
 import jinja2
 import pulumi
 
-from infra import bundle, gpu_health
-from infra.errors import Problem
-from infra.groups import ResolvedGroup, Stack
 from infra.buckets import bucket, endpoint
 from infra.clouds import profile, profiles
-from infra.images import node_agents
+from infra.core.errors import Problem
+from infra.model.images import node_agents
+from infra.model.spec import StackSpec
+from infra.model.spec_patterns import ENV_SAFE, SECRET_MASK
+from infra.render import bundle
 from infra.rendezvous import Site
-from infra.sharedfs import SharedFsOutputs, SharedMount, placeholder
-from infra.spec import StackSpec
-from infra.spec_patterns import ENV_SAFE, SECRET_MASK
+from infra.resolve import gpu_health
+from infra.resolve.groups import ResolvedGroup, Stack
+from infra.resolve.sharedfs import SharedFsOutputs, SharedMount, placeholder
 from training import contract as c
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +46,7 @@ _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT)),
 
 # What the user data itself carries: the node's settings, the fetcher, the node's own cloud's
 # metadata module (its metadata service and object-store signing, which the fetcher reads) and
-# the unit that runs the fetcher. Everything else comes in the node bundle (infra/bundle.py).
+# the unit that runs the fetcher. Everything else comes in the node bundle (infra/render/bundle.py).
 # (path on the node, mode, source under the repository; .j2 sources are rendered)
 FILES = (
     ("/etc/gpu-training/node.env", "0600", "cloudinit/node.env.j2"),  # root's alone: every reader runs as root
@@ -107,9 +108,9 @@ class NodeContext:
     shared_source: str = ""
     shared_options: str = ""
     shared_dir: str = ""
-    nvlinks: int = 0  # the GPU boot gate's expectations (infra/gpu_health.py; the GPU count is NPROC_PER_NODE)
+    nvlinks: int = 0  # the GPU boot gate's expectations (infra/resolve/gpu_health.py; the GPU count is NPROC_PER_NODE)
     gpu_diag_level: int = 1
-    replace: str = "group"  # none: fixed instances, no scaling group (infra/gpu_health.py replace_mode)
+    replace: str = "group"  # none: fixed instances, no scaling group (infra/resolve/gpu_health.py replace_mode)
 
 
 def store_context(spec: StackSpec, site: Site, image: str) -> NodeContext:
@@ -220,7 +221,7 @@ _VAR = re.compile(r"[A-Z][A-Z0-9_]*")
 
 
 def check_env(ctx: NodeContext) -> NodeContext:
-    """Every value written to node.env in the alphabet the spec allows (infra/spec.py ENV_SAFE):
+    """Every value written to node.env in the alphabet the spec allows (infra/model/spec.py ENV_SAFE):
     the nodes' scripts source the file as root, systemd and docker read it without a shell, so
     one character outside it could run a command, override a later variable or read differently
     to the three. The spec refuses such values with their key; this stops any that a later

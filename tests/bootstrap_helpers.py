@@ -11,9 +11,10 @@ import stat
 import subprocess
 from pathlib import Path
 
-from infra import bundle, userdata
-from infra.groups import resolve
-from infra.stackfile import load_stack_spec
+from infra import userdata
+from infra.render import bundle
+from infra.resolve.groups import resolve
+from infra.stack.stackfile import load_stack_spec
 
 
 ROOT = bundle.ROOT

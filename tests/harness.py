@@ -12,10 +12,10 @@ from typing import Any
 
 import yaml
 
+from infra.model.spec import StackSpec
 from infra.plan.engine import Registered, run_program
 from infra.plan.invokes import COMPUTED, INVOKES
-from infra.spec import StackSpec
-from infra.stackfile import decode, project_name, read_stack_file
+from infra.stack.stackfile import decode, project_name, read_stack_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +99,7 @@ def policy_hits(resources: Iterable[Registered], rule: str, settings: dict[str, 
 def parse_spec(raw: dict[str, Any], source: str = "stack config") -> StackSpec:
     """validation.parse as the program's edge calls it: the team registry a queued stack names
     (kubernetes.queues) read from this checkout and handed in."""
-    from infra.stackfile import teams_reader
-    from infra.validation import parse
+    from infra.checks.validation import parse
+    from infra.stack.stackfile import teams_reader
 
     return parse(raw, source, teams_reader(ROOT))

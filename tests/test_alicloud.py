@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from infra import catalog as cat
+from infra.core import catalog as cat
 from infra.plan.engine import Registered
 from policies.gts_policy.resources import taggable
 from tests.harness import by_type, key, policy_hits, run_stack, shipped

@@ -132,8 +132,8 @@ def test_training_job_and_device_plugin_on_eks() -> None:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["CHECKPOINT_URL"] == "s3://gts-prod-us-east-1/checkpoints/aws-eks-train/"
     # What the pod reports for the budget-pace alert: its group's node price, disk included.
-    from infra.groups import resolve
-    from infra.stackfile import load_stack_spec
+    from infra.resolve.groups import resolve
+    from infra.stack.stackfile import load_stack_spec
 
     group = resolve(load_stack_spec("prod")).group("aws-eks-train")
     assert env["NODE_HOURLY_USD"] == f"{group.node_hourly_usd:.4f}" and float(env["NODE_HOURLY_USD"]) > 0

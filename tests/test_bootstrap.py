@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import bundle
+from infra.render import bundle
 from tests.bootstrap_helpers import ROOT, STUB, _bootstrap, _calls, _node_env, make_sandbox
 from tests.system_tools import debian_tool
 from training import cloudmeta

@@ -20,7 +20,7 @@ from infra.buckets import bucket
 from infra.capacity.broker import Broker
 from infra.capacity.stock import StockApi, stock_api
 from infra.capacity.workspace import RecordingWorkspace
-from infra.validation import parse_stack
+from infra.checks.validation import parse_stack
 from tests.capacity_helpers import AwsCalls, Replay, recorded
 from tests.conftest import TRAIN_ARGS as ARGS
 from tests.harness import key, spec_raw, stack_values

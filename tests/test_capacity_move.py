@@ -20,7 +20,7 @@ from infra.capacity.__main__ import _watch
 from infra.capacity.broker import LOCK, STALE_AFTER_S, Broker, Busy, Decision, MoveFailed
 from infra.capacity.transfer import copy_step, progress
 from infra.capacity.workspace import RecordingWorkspace, uncommitted
-from infra.validation import parse_stack
+from infra.checks.validation import parse_stack
 from tests.harness import key, spec_raw, stack_values
 from tests.capacity_helpers import recorded
 from tests.test_capacity_broker import World, _values

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from infra.capacity import places
-from infra.errors import SpecError
-from infra.validation import parse_stack
+from infra.checks.validation import parse_stack
+from infra.core.errors import SpecError
 from tests.harness import key, spec_raw, stack_values
 
 TENCENT_T4 = {"cloud": "tencentcloud", "types": ["GN7.2XLARGE32"], "market": {"type": "spot"}}
@@ -116,7 +116,7 @@ def test_hostile_capacity_values_are_refused(edit: Any, expected: str) -> None:
 # -- pricing and the pack's cap ---------------------------------------------------------------------
 
 def _pack_verdicts(config: dict[str, Any], **settings: Any) -> list[str]:
-    from infra.policy_config import for_stack
+    from infra.stack.policy_config import for_stack
     from policies.gts_policy.rules import evaluate
 
     cfg = for_stack("dev", parse_stack(spec_raw(config)))
@@ -125,7 +125,7 @@ def _pack_verdicts(config: dict[str, Any], **settings: Any) -> list[str]:
 
 
 def test_the_plan_prices_every_place_and_what_a_move_copies() -> None:
-    from infra.cost import stack_cost
+    from infra.resolve.cost import stack_cost
 
     rows = stack_cost(parse_stack(spec_raw(_config(TENCENT_T4, {"market": {"type": "on-demand"}}))))["capacity_places"]
     assert [(r["index"], r["place"], r["market"]) for r in rows] == [

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from infra.capacity.stock import Ask, stock_api
-from infra.spec_capacity import Market
+from infra.model.spec_capacity import Market
 from tests.capacity_helpers import AwsCalls, Replay, moto_aws, recorded
 from training import cloudmeta
 

@@ -17,9 +17,9 @@ import pytest
 from infra.buckets import bucket
 from infra.capacity.broker import Broker
 from infra.capacity.workspace import RecordingWorkspace
-from infra.cost import stack_cost
-from infra.errors import SpecError
-from infra.validation import parse_stack
+from infra.checks.validation import parse_stack
+from infra.core.errors import SpecError
+from infra.resolve.cost import stack_cost
 from tests.capacity_helpers import recorded
 from tests.fabric_helpers import fabric_values
 from tests.harness import key, run_stack, spec_raw, stack_values

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from infra import catalog as cat
-from infra.errors import CatalogError
+from infra.core import catalog as cat
+from infra.core.errors import CatalogError
 
 
 def test_catalog_loads_all_required_families() -> None:

@@ -1,4 +1,4 @@
-"""The check phase (infra/validation.py: reading and checking a spec before any resource exists)
+"""The check phase (infra/checks/validation.py: reading and checking a spec before any resource exists)
 loads no Pulumi resource SDK, and the folders infra/k8s (Kubernetes objects) and infra/teams (the
 registry and its queues as data) do not import each other both ways: infra/k8s uses the teams'
 queues, infra/teams never the Kubernetes objects (the pod's shape it needs is infra/pods.py)."""
@@ -45,8 +45,8 @@ def _loaded_by(module: str) -> dict[str, list[str]]:
 
 
 def test_the_check_phase_loads_no_resource_sdk() -> None:
-    loaded = _loaded_by("infra.validation")
-    assert loaded == {}, "infra.validation loads " + "; ".join(" -> ".join(c) for c in loaded.values())
+    loaded = _loaded_by("infra.checks.validation")
+    assert loaded == {}, "infra.checks.validation loads " + "; ".join(" -> ".join(c) for c in loaded.values())
 
 
 def test_the_import_chains_are_read_from_importtime() -> None:
@@ -109,7 +109,7 @@ def test_the_dockerfile_names_where_its_settings_live() -> None:
 _RUN_THE_CHECKS = """
 import sys
 from infra import gpu_health, spares
-from infra.groups import resolve
+from infra.resolve.groups import resolve
 from tests.harness import key, parse_spec, spec_raw, stack_values
 
 config = stack_values("prod")

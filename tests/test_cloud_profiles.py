@@ -25,8 +25,8 @@ from infra.clouds import packdata
 from infra.clouds.aws.profile import AwsProfile
 from infra.clouds.base import CloudPlatform
 from infra.clouds.profile import CloudProfile
+from infra.model.spec_capacity import Market
 from infra.prices import refresh
-from infra.spec_capacity import Market
 from policies.gts_policy import clouds as pack_clouds
 from tests.harness import ROOT
 from training import cloudmeta

@@ -21,10 +21,11 @@ from typing import Any
 import pytest
 import yaml
 
-from infra import bundle, userdata
-from infra.groups import resolve
+from infra import userdata
+from infra.render import bundle
+from infra.resolve.groups import resolve
 from tests.harness import ROOT
-from infra.stackfile import load_stack_spec
+from infra.stack.stackfile import load_stack_spec
 from tests.harness import by_type, shipped
 from tests.metadata_server import FakeMetadata
 from tests.training_helpers import LAUNCH_TIMEOUT, kill_tree, retry_until

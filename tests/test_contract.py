@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.spec import StackSpec
+from infra.model.spec import StackSpec
 from tests.contract_helpers import JOBS, STORE_TYPES, VM_NODES, _image_folder, container_env, job_containers, vm_env
 from tests.harness import parse_spec
 from tests.harness import ROOT, by_type, shipped, spec_raw, stack_values

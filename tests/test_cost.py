@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from infra import cost
-from infra.catalog import load_catalog
-from infra.groups import resolve
-from infra.spec import StackSpec
+from infra.core.catalog import load_catalog
+from infra.model.spec import StackSpec
+from infra.resolve import cost
+from infra.resolve.groups import resolve
 from tests.harness import parse_spec as parse
 from tests.harness import key, spec_raw, stack_values
 

@@ -12,11 +12,11 @@ from typing import Any
 import pulumi
 import pytest
 
-from infra import catalog as cat
-from infra.errors import SpecError
+from infra.core import catalog as cat
+from infra.core.errors import SpecError
 from infra.plan.engine import DuplicateUrn, Registered, run_program
 from infra.plan.invokes import COMPUTED, INVOKES
-from infra.stackfile import StackConfig
+from infra.stack.stackfile import StackConfig
 from tests.harness import parse_spec as parse
 from tests.harness import ROOT, by_type, key, run_stack, shipped, spec_raw, stack_values
 
@@ -138,7 +138,7 @@ def test_every_cluster_has_an_untainted_system_pool_and_node_agents() -> None:
 def test_pod_networks_are_admitted_on_ack_and_tke_nodes() -> None:
     """ACK on Terway: pods take the nodes' ENIs' secondary addresses (the group's own rule admits
     them; no pod range outside the VPC); TKE "Security group settings" (the container pod network
-    must be open: every port but the exporters', infra/scrape.py)."""
+    must be open: every port but the exporters', infra/model/scrape.py)."""
     res = prod()
     ack = [r for r in by_type(res, "alicloud:ecs/securityGroupRule:SecurityGroupRule") if r.name == "prod-ali-train-pods"]
     assert not ack
@@ -327,6 +327,6 @@ def test_no_data_file_says_one_thing_twice(name: str) -> None:
     """A key given twice in a data file would silently drop the first entry (what a merge of two
     branches that both add a type's provider checks leaves behind): read with the loader that
     refuses duplicates."""
-    from infra import yamlread
+    from infra.core import yamlread
 
     yamlread.load((ROOT / "infra/data" / name).read_text(encoding="utf-8"))

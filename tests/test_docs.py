@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra import spec as specmod
 from infra.cli import docs as gen
+from infra.model import spec as specmod
 from tests.harness import ROOT
 
 PAGES = sorted((ROOT / "docs").glob("*.md"))

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from infra import fabric, fabric_plan
+from infra import fabric
 from infra.clouds.aws import fleet as aws_fleet
-from infra.errors import CatalogError, SpecError
-from infra.groups import resolve
+from infra.core.errors import CatalogError, SpecError
+from infra.resolve import fabric_plan
+from infra.resolve.groups import resolve
 from tests.fabric_helpers import GROUPS, fabric_values, of_type, plan, resource
 from tests.harness import parse_spec
 from tests.harness import spec_raw, stack_values

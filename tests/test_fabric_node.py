@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from infra import clouds, userdata
-from infra.groups import resolve
+from infra.resolve.groups import resolve
 from tests.fabric_helpers import fabric_values
 from tests.harness import parse_spec
 from tests.harness import ROOT, spec_raw
@@ -159,9 +159,9 @@ def test_an_hcc_group_is_fixed_instances_so_a_faulty_node_is_quarantined_not_han
         fabric_stack: Any) -> None:
     """HCC nodes are CVM instances in an HCC cluster, in no AS group (TencentGpuFleet): a GPU
     fault must not make them ask a scaling group to replace them (GTS_REPLACE=none); the EFA and
-    eRDMA groups scale and hand a faulty node back (infra/gpu_health.py replace_mode)."""
-    from infra import gpu_health
+    eRDMA groups scale and hand a faulty node back (infra/resolve/gpu_health.py replace_mode)."""
     from infra.clouds.tencentcloud.fleet import fixed_instances
+    from infra.resolve import gpu_health
 
     hcc = fabric_stack.group("tc-hcc")
     assert fixed_instances(hcc) == hcc.scaling.max and gpu_health.replace_mode(hcc) == "none"

@@ -118,7 +118,7 @@ def test_the_live_ettr_rules_compute_it_per_run_and_team(tmp_path: Path) -> None
     import yaml
 
     from infra import monitoring
-    from infra.stackfile import load_stack_spec
+    from infra.stack.stackfile import load_stack_spec
     from tests.system_tools import debian_tool
 
     (tmp_path / "rules.yml").write_text(monitoring.render(load_stack_spec("dev")), encoding="utf-8")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import gpu_health
+from infra.resolve import gpu_health
 from tests.gpu_health_helpers import (INSTANCE, GROUP, XID79, XID94, ScalingApi, _bucket_env, _committed, _health,
                                       _log, _metadata, _moto_group, _trainer, _watch, _watch_module, _watching)
 from tests.harness import ROOT

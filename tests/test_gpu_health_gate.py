@@ -103,8 +103,8 @@ def test_the_gate_runs_after_the_host_services_it_asks() -> None:
 
 def test_the_trainer_unit_requires_the_gate_and_the_node_gets_the_types_expectations() -> None:
     from infra import userdata
-    from infra.groups import resolve
-    from infra.stackfile import load_stack_spec
+    from infra.resolve.groups import resolve
+    from infra.stack.stackfile import load_stack_spec
 
     trainer = (ROOT / "cloudinit/units/gts-trainer.service").read_text()
     requires = re.search(r"^Requires=(.*)$", trainer, re.M)

@@ -93,7 +93,7 @@ def test_each_node_role_may_replace_only_its_own_group_and_nothing_else() -> Non
 
 def test_the_gpu_health_alerts_read_series_the_node_writes_and_promtool_accepts_them(tmp_path: Path) -> None:
     from infra import monitoring
-    from infra.stackfile import load_stack_spec
+    from infra.stack.stackfile import load_stack_spec
     from tests.test_monitoring import promtool
 
     text = monitoring.render(load_stack_spec("prod"))
@@ -114,10 +114,10 @@ def test_the_gpu_health_alerts_read_series_the_node_writes_and_promtool_accepts_
 
 
 def test_only_groups_without_a_scaling_group_render_replace_none() -> None:
-    from infra import gpu_health as gh
     from infra import userdata
-    from infra.groups import resolve
-    from infra.stackfile import load_stack_spec
+    from infra.resolve import gpu_health as gh
+    from infra.resolve.groups import resolve
+    from infra.stack.stackfile import load_stack_spec
 
     stack = resolve(load_stack_spec("prod"))
     for rg in stack.groups:  # prod: every reserved VM group on Alibaba and Tencent is fixed instances
@@ -136,11 +136,11 @@ def test_only_groups_without_a_scaling_group_render_replace_none() -> None:
 def test_the_diag_level_is_a_group_field_rendered_only_when_not_the_default() -> None:
     from pydantic import ValidationError
 
-    from infra import gpu_health as gh
     from infra import userdata
-    from infra.groups import resolve
-    from infra.spec import GpuHealth
-    from infra.stackfile import load_stack_spec
+    from infra.model.spec import GpuHealth
+    from infra.resolve import gpu_health as gh
+    from infra.resolve.groups import resolve
+    from infra.stack.stackfile import load_stack_spec
 
     stack = resolve(load_stack_spec("prod"))
     vm = next(g for g in stack.groups if g.kind == "vm")

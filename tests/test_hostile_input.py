@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 
 from infra import userdata
-from infra.errors import SpecError
-from infra.groups import resolve
+from infra.core.errors import SpecError
+from infra.model.spec import StackSpec
 from infra.rendezvous import sites
-from infra.spec import StackSpec
+from infra.resolve.groups import resolve
 from tests.harness import parse_spec as parse
 from tests.harness import ROOT, key, project_copy, spec_raw, stack_values, write_stack
 

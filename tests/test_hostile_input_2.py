@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.errors import SpecError
-from infra.stackfile import StackFileError, read_stack_text
+from infra.core.errors import SpecError
+from infra.stack.stackfile import StackFileError, read_stack_text
 from infra.teams import registry
 from tests.harness import parse_spec as parse
 from tests.harness import ROOT, key, project_copy, spec_raw, stack_values
@@ -289,7 +289,7 @@ def test_the_registry_a_stack_queues_on_stays_in_the_project(tmp_path: Path) -> 
 def test_shipped_stacks_read_the_same_with_pyyaml_safe_load() -> None:
     """The reader changed for hostile files only: every shipped stack file and teams.yaml reads
     as PyYAML's safe_load reads it."""
-    from infra import yamlread
+    from infra.core import yamlread
 
     for path in [*sorted(ROOT.glob("Pulumi.*.yaml")), ROOT / "teams.yaml"]:
         text = path.read_text(encoding="utf-8")

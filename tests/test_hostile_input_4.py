@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from infra.errors import SpecError
+from infra.core.errors import SpecError
 from infra.plan import report
 from infra.plan.__main__ import build_plan
 from tests.harness import ROOT, key, project_copy, spec_raw, stack_values

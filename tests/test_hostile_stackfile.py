@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from infra.errors import SpecError
-from infra.stackfile import StackFileError, check_stack_name, read_stack_text
+from infra.core.errors import SpecError
+from infra.stack.stackfile import StackFileError, check_stack_name, read_stack_text
 from tests.harness import parse_spec as parse
 from tests.harness import ROOT, key, project_copy, spec_raw, stack_values, write_stack
 from tests.test_hostile_input import _plan
@@ -198,7 +198,7 @@ def test_an_ipv6_network_is_not_said_to_have_host_bits_set() -> None:
 @pytest.mark.parametrize("cidrs,bad", [
     (["0.0.0.0/0"], 0), (["0.0.0.0/1", "128.0.0.0/1"], 0), (["10.0.0.0/8", "8.8.8.0/24"], 1)])
 def test_scrape_sources_must_be_private(cidrs: list[str], bad: int) -> None:
-    """networks[].scrapeCidrs opens the nodes' exporters to its ranges (infra/scrape.py): the
+    """networks[].scrapeCidrs opens the nodes' exporters to its ranges (infra/model/scrape.py): the
     internet, a split of it, or any public /24 is refused naming the entry."""
     problems = _problems(lambda c: c[key("networks")][0].__setitem__("scrapeCidrs", cidrs))
     assert any(f"networks[0].scrapeCidrs[{bad}]" in p and "not a private range" in p for p in problems), problems

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from infra import yamlread
-from infra.stackfile import StackFileError, read_stack_text
+from infra.core import yamlread
+from infra.stack.stackfile import StackFileError, read_stack_text
 from tests.harness import ROOT
 from tests.test_hostile_input_2 import _within
 
@@ -50,7 +50,7 @@ def test_a_long_key_over_a_long_list_is_refused_within_a_gib() -> None:
     code = textwrap.dedent(f"""\
         import resource, sys
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-        from infra.stackfile import StackFileError, read_stack_text
+        from infra.stack.stackfile import StackFileError, read_stack_text
         text = "config:\\n  ? {PROJECT}:" + "k" * 500_000 + "\\n  : [" + "1," * 100_000 + "1]\\n"
         try:
             read_stack_text(text, "Pulumi.x.yaml", "{PROJECT}")

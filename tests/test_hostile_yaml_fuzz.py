@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from infra.errors import SpecError
-from infra.stackfile import StackFileError, read_stack_text, stack_from_values
+from infra.core.errors import SpecError
+from infra.stack.stackfile import StackFileError, read_stack_text, stack_from_values
 from tests.harness import ROOT
 
 PROJECT = "gpu-training-stack"

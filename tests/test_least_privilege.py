@@ -22,7 +22,7 @@ from infra.clouds.aws.access import ADDON_REPOSITORIES
 from infra.clouds.aws.platform import ecr_repository_arn
 from infra.plan.__main__ import build_plan
 from infra.plan.engine import unwrap_secrets
-from infra.sharedfs import placeholder
+from infra.resolve.sharedfs import placeholder
 from infra.userdata import IMAGE_PLACEHOLDER
 from policies.gts_policy.resources import Res
 from policies.gts_policy.rules import evaluate

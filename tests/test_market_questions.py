@@ -1,5 +1,5 @@
 """One place answers what a node group's market is (spot? on-demand? prepaid? a reservation, and
-which kind? does it burst to spot?): the `Market` model in infra/spec_capacity.py. Everywhere
+which kind? does it burst to spot?): the `Market` model in infra/model/spec_capacity.py. Everywhere
 else in infra/ and policies/ asks it. Outside that module, a market's name (spot, on-demand,
 reserved, capacity-block, ...) compared with, tested for membership against, used as a dict key
 of, looked up with or matched as a prefix of any expression fails here, naming file:line —
@@ -14,12 +14,12 @@ import re
 from pathlib import Path
 from typing import get_args
 
-from infra.spec_capacity import Market
+from infra.model.spec_capacity import Market
 from tests.harness import ROOT
 
 # The market names, as the spec model spells them.
 MARKETS = frozenset(get_args(Market.model_fields["type"].annotation))
-HOME = ROOT / "infra" / "spec_capacity.py"
+HOME = ROOT / "infra" / "model" / "spec_capacity.py"
 SCANNED = ("infra", "policies")
 
 # Lines where a market's name means something else, by file and the line's text (so that an edit
@@ -31,9 +31,9 @@ ALLOWED = {
                               'if flavor.market == "on-demand" else "lower the teams\' quotas'),
     "infra/k8s/queues.py": ('key=lambda n: (flavors[n].market != "spot", n)',),
     # EC2's reserved tag-key words and a cloud's reserved VPC range (infra/data/constraints.yaml).
-    "infra/cloud_rules.py": ('k in imds["reserved"]',),
-    "infra/value_checks.py": ('reserved = rule.get("reserved")',),
-    # The plan's spot price-cap basis text ("on-demand price (no cap given)": infra/cost.py).
+    "infra/checks/cloud_rules.py": ('k in imds["reserved"]',),
+    "infra/checks/value_checks.py": ('reserved = rule.get("reserved")',),
+    # The plan's spot price-cap basis text ("on-demand price (no cap given)": infra/resolve/cost.py).
     "infra/plan/report.py": ('g["spot_max_price_basis"].startswith("on-demand")',),
 }
 
@@ -111,7 +111,7 @@ def test_only_the_market_model_compares_a_markets_name() -> None:
             used.update(allowed)
             if not allowed:
                 found.append(f"{p.relative_to(ROOT)}:{line}")
-    assert not found, ("compare a market's name only in infra/spec_capacity.py (Market); ask it instead "
+    assert not found, ("compare a market's name only in infra/model/spec_capacity.py (Market); ask it instead "
                        f"(market.spot, .prepaid, .reservation, ...): {', '.join(found)}")
     stale = {a for entries in ALLOWED.values() for a in entries} - used
     assert not stale, f"ALLOWED entries no longer found (remove them): {sorted(stale)}"
@@ -145,7 +145,7 @@ def test_the_scan_finds_each_form_of_raw_comparison() -> None:
         'x = m.type.startswith("capacity")',
         'CHARGE = {"spot": "SPOTPAID"}\nx = CHARGE.get(m.type)',
         'x = ask.market != "spot"',
-        'from infra.spec_capacity import RESERVATIONS',
+        'from infra.model.spec_capacity import RESERVATIONS',
     ]
     missed = [f for f in forms if not raw_comparisons(f)]
     assert not missed, f"the scan misses: {missed}"

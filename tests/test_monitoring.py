@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from infra import monitoring
-from infra.groups import resolve
+from infra.resolve.groups import resolve
 from tests.harness import ROOT
-from infra.stackfile import load_stack_spec
+from infra.stack.stackfile import load_stack_spec
 from tests.system_tools import debian_tool
 
 

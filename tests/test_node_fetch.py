@@ -19,7 +19,8 @@ from unittest import mock
 
 import pytest
 
-from infra import bundle, userdata
+from infra import userdata
+from infra.render import bundle
 from tests.harness import shipped
 from tests.metadata_server import FakeMetadata
 from tests.nodes import lay_down, node_env, user_data

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from infra import bundle, node_settings, userdata
+from infra import userdata
 from infra.clouds import NAMES as CLOUDS
-from infra.groups import resolve
-from infra.stackfile import load_stack_spec
+from infra.render import bundle, node_settings
+from infra.resolve.groups import resolve
+from infra.stack.stackfile import load_stack_spec
 from tests.harness import ROOT
 from training import contract
 

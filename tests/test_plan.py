@@ -12,8 +12,8 @@ from typing import Any
 import pulumi
 import pytest
 
-from infra.cost import stack_cost
-from infra.groups import resolve
+from infra.resolve.cost import stack_cost
+from infra.resolve.groups import resolve
 from tests.harness import ROOT
 from tests.harness import parse_spec as parse
 from tests.harness import by_type, key, project_copy, run_stack, shipped, spec_raw, stack_values, write_stack

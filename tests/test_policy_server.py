@@ -174,10 +174,10 @@ def test_a_real_preview_refuses_unroutable_api_sources(analyzer: analyzer_pb2_gr
     documentation) is advisory in the offline plan only; the pack, with the config `make
     policy-config STACK=prod` writes for a real preview, refuses the EKS cluster as the engine
     sends it, and admits a real public range."""
-    from infra.groups import resolve
     from infra.plan.engine import unwrap_secrets
-    from infra.policy_config import for_stack
-    from infra.stackfile import project_name, read_stack_file, spec_from_values, stack_path
+    from infra.resolve.groups import resolve
+    from infra.stack.policy_config import for_stack
+    from infra.stack.stackfile import project_name, read_stack_file, spec_from_values, stack_path
     from tests.harness import shipped
 
     path = stack_path("prod")

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import yaml
 
-from infra import catalog as cat
-from infra import policy_config
-from infra.groups import resolve
+from infra.core import catalog as cat
 from infra.prices import age, refresh
 from infra.prices.sources import PriceSourceError, alicloud_price, alicloud_spot, aws_offer, aws_spot, tencentcloud_price
-from infra.stackfile import load_stack_spec
+from infra.resolve.groups import resolve
+from infra.stack import policy_config
+from infra.stack.stackfile import load_stack_spec
 from policies.gts_policy.resources import Res
 from policies.gts_policy.rules_cost import group_cost_cap
 from tests.harness import ROOT, project_copy, stack_values, write_stack
@@ -207,7 +207,7 @@ def test_a_type_without_a_price_in_the_region_names_group_region_and_type(tmp_pa
 def test_the_prices_age_is_a_policy_verdict_never_an_error() -> None:
     """Old prices are the pack's prices-fresh verdict (advisory by default, its level the pack
     config's) with the age and `make prices`; the calendar never makes the spec invalid."""
-    from infra import policy_config
+    from infra.stack import policy_config
     from policies.gts_policy.rules import evaluate
 
     spec = load_stack_spec("dev")

@@ -14,11 +14,11 @@ from typing import Any
 import pulumi
 import pytest
 
-from infra import protection
 from infra.plan.engine import Registered, run_program
 from infra.plan.invokes import COMPUTED, INVOKES
 from infra.plan.replacements import replacements
-from infra.stackfile import StackConfig
+from infra.render import protection
+from infra.stack.stackfile import StackConfig
 from policies.gts_policy import rules
 from policies.gts_policy.resources import Res
 from tests.harness import ROOT, key, project_copy, shipped, stack_values, write_stack

@@ -165,6 +165,6 @@ def test_the_trainer_unit_fetches_the_key_and_hands_the_file_to_the_container() 
     start_line = next(i for i, ln in enumerate(unit.splitlines()) if ln.startswith("ExecStart="))
     assert fetch_line < start_line and unit.splitlines()[fetch_line].startswith("ExecStartPre=/usr/bin/python3")
     assert "${GTS_RDZV_KEY_REF:+--env-file /run/gpu-training/rdzv.env}" in unit
-    from infra.bundle import FILES
+    from infra.render.bundle import FILES
 
     assert any(src == "cloudinit/scripts/gts-rdzv-key.py" for _, _, src in FILES)

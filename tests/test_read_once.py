@@ -1,7 +1,7 @@
 """Read once, pass down: the stack file, the team registry and the resolved groups are read and
 built at the edge (the program's entry, the plan's, the commands') and handed down; validation
 reads no file (the data files under infra/data come through their cached loaders in
-infra/catalog.py and infra/fabric.py, read at most once per process)."""
+infra/core/catalog.py and infra/fabric.py, read at most once per process)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from infra import rendezvous, validation
-from infra.errors import SpecError
+from infra import rendezvous
+from infra.checks import validation
+from infra.core.errors import SpecError
 from infra.teams import registry
 from tests.harness import ROOT, spec_raw, stack_values
 
@@ -58,7 +59,7 @@ def registry_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_the_registry_a_stack_names_is_read_once_per_reader(registry_reads: list[str]) -> None:
-    from infra.stackfile import teams_reader
+    from infra.stack.stackfile import teams_reader
 
     teams = teams_reader(ROOT)
     assert teams("teams.yaml") is teams("teams.yaml") and registry_reads == ["teams.yaml"]

@@ -238,9 +238,9 @@ def test_a_refusal_is_not_retried_and_fails_safe() -> None:
 def test_the_node_roles_may_list_and_read_the_versions_on_oss_and_cos() -> None:
     """_first_writer lists a slot's versions and reads the oldest: the roles of the versioned
     buckets' clouds allow both, else every slot there would fail safe."""
-    from infra.access import Grants
     from infra.clouds.alicloud.access import bucket_policy as oss_policy
     from infra.clouds.tencentcloud.access import bucket_policy as cos_policy
+    from infra.resolve.access import Grants
 
     grants = Grants(reads=("datasets/",), writes=(PREFIX,))
     oss = [a for st in json.loads(oss_policy("gts-run", grants))["Statement"] for a in st["Action"]]

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from infra.checks.validation import parse_stack
 from infra.clouds.alicloud.fleet import spot_strategy
 from infra.clouds.aws.reservation import on_demand_base
-from infra.cost import stack_cost
-from infra.errors import SpecError
-from infra.validation import parse_stack
+from infra.core.errors import SpecError
+from infra.resolve.cost import stack_cost
 from tests.harness import by_type, key, run_stack, spec_raw, stack_values
 
 BLOCK = {"type": "capacity-block", "start": "2026-12-20T08:00:00Z", "end": "2026-12-24T08:00:00Z",

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from infra.scrape import EXPORTER_PORTS
+from infra.model.scrape import EXPORTER_PORTS
 from tests.tenancy_helpers import ingress_rules
 
 ALL = (0, 65535)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.errors import SpecError
+from infra.core.errors import SpecError
 from infra.plan.engine import Registered
 from infra.plan.invokes import COMPUTED
 from tests.harness import parse_spec
@@ -92,9 +92,9 @@ def test_the_policy_pack_holds_shared_file_systems_to_encryption(dev_shared: lis
 
 
 def test_the_plan_prices_each_shared_file_system() -> None:
-    """500 GB at the prices in storage_prices.yaml, read here independently of infra/sharedfs.py."""
-    from infra.cost import stack_cost
-    from infra.groups import resolve
+    """500 GB at the prices in storage_prices.yaml, read here independently of infra/resolve/sharedfs.py."""
+    from infra.resolve.cost import stack_cost
+    from infra.resolve.groups import resolve
 
     values = stack_values("dev")
     with_shared(TYPES)(values)
@@ -161,7 +161,7 @@ def test_a_vm_node_mounts_what_the_plan_created(dev_shared: list[Registered], cl
     made = one(dev_shared, created[0])
     address = COMPUTED[made.type](made.name, made.inputs)[created[1]]  # what the engine reported it created
     assert env["GTS_SHARED_SOURCE"].startswith(f"{address}:/")
-    # EFS through AWS's mount helper (TLS, the access point; infra/sharedfs.py), the NFS types through nfs-common
+    # EFS through AWS's mount helper (TLS, the access point; infra/resolve/sharedfs.py), the NFS types through nfs-common
     client = "amazon-efs-utils" if cloud == "aws" else "nfs-common"
     assert any(c.startswith("apt-get") and c.endswith(f"install -y -q {client}") for c in calls)
     assert f"chown 1000:1000 {shared_dir}" in calls
@@ -270,7 +270,7 @@ def test_lustre_is_refused_for_kubernetes_groups() -> None:
 
 def test_make_userdata_shows_a_placeholder_address(tmp_path: Path) -> None:
     from infra import userdata
-    from infra.groups import resolve
+    from infra.resolve.groups import resolve
 
     values = stack_values("dev")
     with_shared(TYPES)(values)

@@ -1,4 +1,4 @@
-"""Warm spares in the plan (nodeGroups[].scaling.spares, infra/spares.py): each cloud's scaling
+"""Warm spares in the plan (nodeGroups[].scaling.spares, infra/resolve/spares.py): each cloud's scaling
 group holds the run's nodes plus the spares while the run's world (NNODES) stays scaling.max;
 the key is refused where spares cannot work; the plan prices them on a line of their own; the
 policy pack caps their share and weighs their cost against the run's expected losses."""
@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from infra import catalog as cat
-from infra.cost import group_cost
-from infra.errors import SpecError
-from infra.groups import resolve
-from infra.policy_config import for_stack
-from infra.stackfile import teams_reader
-from infra.validation import parse_stack
+from infra.checks.validation import parse_stack
+from infra.core import catalog as cat
+from infra.core.errors import SpecError
+from infra.resolve.cost import group_cost
+from infra.resolve.groups import resolve
+from infra.stack.policy_config import for_stack
+from infra.stack.stackfile import teams_reader
 from tests.contract_helpers import container_env, job_containers
 from tests.harness import ROOT, by_type, key, parse_spec, policy_hits, run_stack, spec_raw, stack_values
 from training import contract as c
@@ -192,9 +192,9 @@ def test_a_bad_nodes_per_spare_is_refused_by_the_rules_config_schema(bad: Any) -
 def test_the_success_policy_goes_where_the_clusters_kubernetes_has_it() -> None:
     """GA in Kubernetes 1.33 (KEP-3998): EKS's version has it, TKE's 1.30 has it behind a gate
     that is off, where the field would be dropped; without spares no Job gets one."""
+    from infra import clouds
     from infra.clouds.aws.kubernetes import EKS_VERSION
     from infra.clouds.tencentcloud.kubernetes import TKE_VERSION
-    from infra import clouds
     from infra.k8s.job import success_policy
 
     def minor(version: str) -> tuple[int, int]:

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from infra.errors import SpecError
-from infra.groups import resolve
+from infra.core.errors import SpecError
+from infra.resolve.groups import resolve
 from tests.harness import parse_spec as parse
 from tests.harness import key, spec_raw, stack_values
 

@@ -71,7 +71,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle_between_the_projects_modules() -> None:
     """infra/ and policies/ together (the stack program, the plan and the pack), every import counted."""
     graph = _graph(("infra", "policies"))
-    assert len(graph) > 40 and "infra.groups" in graph["infra.program"]
+    assert len(graph) > 40 and "infra.resolve.groups" in graph["infra.stack.program"]
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
@@ -90,16 +90,16 @@ def test_the_graph_sees_typing_only_and_function_local_imports(tmp_path: Path) -
     module = tmp_path / "mod.py"
     module.write_text("from __future__ import annotations\n"
                       "from typing import TYPE_CHECKING\n"
-                      "if TYPE_CHECKING:\n    from infra.groups import Stack\n"
-                      "def f() -> None:\n    from infra.spec import StackSpec\n"
-                      "class C:\n    def g(self) -> None:\n        import infra.catalog\n"
+                      "if TYPE_CHECKING:\n    from infra.resolve.groups import Stack\n"
+                      "def f() -> None:\n    from infra.model.spec import StackSpec\n"
+                      "class C:\n    def g(self) -> None:\n        import infra.core.catalog\n"
                       "    from . import sibling\n", encoding="utf-8")
     found = _imports(module, "infra.mod")
-    assert {"infra.groups", "infra.spec", "infra.catalog", "infra.sibling"} <= found
+    assert {"infra.resolve.groups", "infra.model.spec", "infra.core.catalog", "infra.sibling"} <= found
     # and a cycle through such imports alone is found
-    graph = {"infra.mod": {"infra.groups"}, "infra.groups": {"infra.mod"}}
+    graph = {"infra.mod": {"infra.resolve.groups"}, "infra.resolve.groups": {"infra.mod"}}
     cycle = _cycle(graph) or []
-    assert len(cycle) == 3 and cycle[0] == cycle[-1] and set(cycle) == {"infra.groups", "infra.mod"}, cycle
+    assert len(cycle) == 3 and cycle[0] == cycle[-1] and set(cycle) == {"infra.resolve.groups", "infra.mod"}, cycle
 
 
 # Every source file of the checkout: the packages, the tests, the examples, the node scripts.

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.groups import resolve
 from infra.pods import QUEUE_LABEL, pod_resources
-from infra.stackfile import load_stack_spec
+from infra.resolve.groups import resolve
+from infra.stack.stackfile import load_stack_spec
 from infra.teams import generate, queues, registry
 from tests.harness import ROOT, by_type, shipped
 from tests.teams_helpers import CQ, LQ, RF
@@ -36,7 +36,7 @@ def test_committed_team_stacks_are_what_the_registry_generates() -> None:
 
 
 def test_a_team_stack_carries_the_team_into_tags_budget_and_the_policy_config() -> None:
-    from infra import policy_config
+    from infra.stack import policy_config
 
     spec = load_stack_spec("team-vision")
     assert spec.team is not None and spec.team.name == "vision" and spec.env == "team-vision"
@@ -158,7 +158,7 @@ def test_showback_rules_price_each_teams_admitted_gpus(tmp_path: Path) -> None:
 def test_a_shared_stack_keeps_one_training_cluster_per_cloud() -> None:
     """A team's quota on a cloud is one ClusterQueue: a second cluster with training pools on the
     same cloud (another network) is refused, naming the networks."""
-    from infra.errors import SpecError
+    from infra.core.errors import SpecError
     from tests.harness import parse_spec as parse
     from tests.harness import key, spec_raw, stack_values
 

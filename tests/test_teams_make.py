@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from infra.groups import resolve
 from infra.plan.__main__ import build_plan
-from infra.stackfile import load_stack_spec
+from infra.resolve.groups import resolve
+from infra.stack.stackfile import load_stack_spec
 from infra.teams import queues
 from tests.teams_helpers import make_teams, teams_project
 

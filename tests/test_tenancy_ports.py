@@ -55,7 +55,7 @@ def check_run(resources: list[Any], carried: dict[str, list[str]], nets: dict[st
               run_sg: str) -> None:
     """Every rule of every group that the run's nodes carry admits the run itself, or SSH / the
     exporters from the network's listed sources; nothing else."""
-    from infra.scrape import EXPORTER_PORTS
+    from infra.model.scrape import EXPORTER_PORTS
 
     nodes = [name for name, groups in carried.items() if run_sg in groups]
     assert nodes, f"no node carries {run_sg}"

@@ -158,7 +158,7 @@ def _egress(resources: list, cloud: str, own: dict, vpc_id: str) -> bool:  # typ
 def test_alibaba_and_tencent_stores_sit_in_a_vswitch_or_subnet_nothing_else_takes(stack: str) -> None:
     import ipaddress
 
-    from infra.cloud_rules import POD_CIDR, SERVICE_CIDR
+    from infra.checks.cloud_rules import POD_CIDR, SERVICE_CIDR
     from infra.plan.engine import unwrap_secrets
     from tests.harness import shipped
 
@@ -210,7 +210,7 @@ def test_a_store_takes_the_vswitch_it_shares_with_nobody_and_its_nodes_name_it()
 
     from infra import rendezvous
     from infra.clouds.alicloud.network import pod_switch_cidr
-    from infra.groups import resolve
+    from infra.resolve.groups import resolve
     from tests.harness import parse_spec
     from tests.harness import spec_raw, stack_values
 
@@ -251,7 +251,7 @@ def _filled(values: dict, name: str) -> int:  # type: ignore[type-arg]
 
 @pytest.mark.parametrize("network, word", [("ali-train", "vSwitch"), ("tc-train", "subnet")])
 def test_a_network_with_no_free_range_for_its_stores_is_refused(network: str, word: str) -> None:
-    from infra.errors import SpecError
+    from infra.core.errors import SpecError
     from tests.harness import parse_spec
     from tests.harness import spec_raw, stack_values
 
@@ -282,7 +282,7 @@ def test_a_network_without_room_for_its_stores_exits_2_from_the_plan(tmp_path: P
 
 def test_more_stores_than_their_range_holds_is_refused() -> None:
     from infra import rendezvous
-    from infra.errors import SpecError
+    from infra.core.errors import SpecError
     from tests.harness import parse_spec
     from tests.harness import key, spec_raw, stack_values
 

@@ -8,7 +8,7 @@ from typing import Any
 import pulumi
 import pytest
 
-from infra.schedule import cron_in_beijing, recurrence_window
+from infra.core.schedule import cron_in_beijing, recurrence_window
 from infra.plan.engine import Registered
 from policies.gts_policy.resources import taggable
 from tests.harness import by_type, key, run_stack, shipped

@@ -287,7 +287,7 @@ def test_a_real_prometheus_scrapes_the_trainer(tmp_path: Path) -> None:
     binary = debian_tool("prometheus", "prometheus")
     metrics_port, web_port = free_port(), free_port()
     from infra import monitoring
-    from infra.stackfile import load_stack_spec
+    from infra.stack.stackfile import load_stack_spec
     from tests.contract_helpers import vm_env
 
     spec = load_stack_spec("dev")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from infra.errors import SpecError
+from infra.core.errors import SpecError
 from infra.plan.engine import Registered
 from tests.harness import parse_spec
 from tests.harness import ROOT, by_type, run_stack, spec_raw, stack_values

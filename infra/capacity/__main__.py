@@ -19,8 +19,8 @@ from infra.buckets import Bucket, endpoint
 from infra.capacity.broker import STALE_AFTER_S, Broker, Busy, Decision, MoveFailed
 from infra.capacity.workspace import uncommitted
 from infra.cli.dataset import DatasetError, operator_keys
-from infra.errors import SpecError
-from infra.stacktext import STACK_NAME, project_root
+from infra.core.errors import SpecError
+from infra.model.stacktext import STACK_NAME, project_root
 from training.ckpt.storage import Location, location
 from training.trainer.config import TrainConfig
 

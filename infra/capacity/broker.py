@@ -29,11 +29,11 @@ from infra.capacity.reservations import notice_s, open_now
 from infra.capacity.stock import ASK_BUDGET_S, Ask, Failure, StockApi, Verdict, ask_within, stock_api
 from infra.capacity.transfer import Copied, copy_dataset, copy_step, progress
 from infra.capacity.workspace import Workspace
-from infra.groups import Stack
-from infra.policy_config import base_config, for_stack
-from infra.spec import NodeGroup, StackSpec
-from infra.stacktext import project_name
-from infra.validation import parse_values
+from infra.checks.validation import parse_values
+from infra.model.spec import NodeGroup, StackSpec
+from infra.model.stacktext import project_name
+from infra.resolve.groups import Stack
+from infra.stack.policy_config import base_config, for_stack
 from policies.gts_policy.rules_capacity import candidates_capped
 from training.ckpt.lease import Lease, LeaseHeld
 from training.ckpt.storage import Location, location

@@ -3,17 +3,17 @@ stack has an account on (its bucket comes with it), a known region and zone, a n
 stack there (for a zone: one with a subnet in it, the group's own in its own region), types of
 that cloud's catalog priced in that region, a market its account can buy, an image registry on
 that cloud, and, in a team stack, the team's regions and GPU quota. Each
-problem is one line naming the key and what to add. Called by infra/validation.py on the spec as
+problem is one line naming the key and what to add. Called by infra/checks/validation.py on the spec as
 declared (before the groups are placed at their activeCandidate)."""
 
 from __future__ import annotations
 
-from infra import catalog as cat
 from infra.capacity import reservations
 from infra.capacity.places import Place, at, declared_zone, places
-from infra.errors import Problem, suggest
-from infra.spec import NodeGroup, StackSpec
-from infra.spec_problems import check_region
+from infra.core import catalog as cat
+from infra.core.errors import Problem, suggest
+from infra.model.spec import NodeGroup, StackSpec
+from infra.model.spec_problems import check_region
 
 
 def check(spec: StackSpec) -> list[Problem]:

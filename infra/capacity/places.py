@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infra import clouds
-from infra import fabric as fab
-from infra.groups import pick
-from infra.spec import Market, Network, NodeGroup, StackSpec
+from infra import clouds, fabric as fab
+from infra.model.spec import Market, Network, NodeGroup, StackSpec
+from infra.resolve.groups import pick
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ def network_at(spec: StackSpec, cloud: str, region: str, zone: str | None) -> Ne
 
 def one_zone(group: NodeGroup, fabric: object | None) -> bool:
     """Whether the group's fleet keeps to its network's first subnet (the fleets take subnets[:1]):
-    a group with a fabric (`fabric`: infra/groups.py pick; EFA, eRDMA and an HCC are one zone
+    a group with a fabric (`fabric`: infra/resolve/groups.py pick; EFA, eRDMA and an HCC are one zone
     each), and on AWS a multi-node training group (its cluster placement group, which AWS confines to one zone)."""
     return fabric is not None or (group.kind == "vm" and clouds.profile(group.cloud).multi_node_one_zone
                                   and fab.multi_node(group))

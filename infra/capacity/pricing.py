@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from infra import catalog as cat
 from infra.capacity.places import Place, at, places
-from infra.groups import Stack, instance_types
-from infra.spec import NodeGroup, StackSpec
+from infra.core import catalog as cat
+from infra.model.spec import NodeGroup, StackSpec
+from infra.resolve.groups import Stack, instance_types
 
 
 @dataclass(frozen=True)

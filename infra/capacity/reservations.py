@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 from datetime import datetime, time, timedelta, timezone
 
-from infra import catalog as cat
-from infra.clock import judged_on
-from infra.errors import Problem
-from infra.spec import Market, NodeGroup, StackSpec
+from infra.core import catalog as cat
+from infra.core.clock import judged_on
+from infra.core.errors import Problem
+from infra.model.spec import Market, NodeGroup, StackSpec
 
 
 def now() -> datetime:

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from infra.clouds import profile
-from infra.spec_capacity import Market
+from infra.model.spec_capacity import Market
 
 
 # The most one place's stock question may take (the bound per rejected candidate): past it the

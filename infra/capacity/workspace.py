@@ -5,7 +5,7 @@ config value, run `up`. The stack stays the one truth: a move is a config change
 `AutomationWorkspace` is Pulumi's Automation API (pulumi.automation: `select_stack`,
 `Stack.get_all_config`, `Stack.set_config(key, ConfigValue, path=True)`, `Stack.up`,
 `Stack.outputs`). `up` runs with the policy pack (`policy_packs=["policies"]`) and the stack's
-pack config for the changed stack (infra/policy_config.py, as `make policy-config` writes it), so a
+pack config for the changed stack (infra/stack/policy_config.py, as `make policy-config` writes it), so a
 move is judged by the whole pack as the deploy's `up` is. The Automation API drives the Pulumi CLI, which cannot be installed here, so
 this class is type-checked but never run in the tests: they drive the broker with
 `RecordingWorkspace`, which keeps the config in memory and records each change and `up`.
@@ -33,7 +33,7 @@ class Workspace(Protocol):
         """Set one value by path (`<project>:nodeGroups[0].activeCandidate`)."""
 
     def up(self, message: str, pack_config: dict[str, Any]) -> None:
-        """`up` with the policy pack and this pack config (infra/policy_config.py for_stack)."""
+        """`up` with the policy pack and this pack config (infra/stack/policy_config.py for_stack)."""
 
     def outputs(self) -> dict[str, Any]: ...
 

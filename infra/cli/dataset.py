@@ -18,9 +18,9 @@ from collections.abc import Mapping
 
 from infra.buckets import DATASET_PREFIX, bucket, endpoint
 from infra.clouds import profile
-from infra.errors import SpecError
-from infra.spec import StackSpec
-from infra.stackfile import StackFileError, load_stack_spec
+from infra.core.errors import SpecError
+from infra.model.spec import StackSpec
+from infra.stack.stackfile import StackFileError, load_stack_spec
 
 class DatasetError(Exception):
     pass

@@ -17,7 +17,7 @@ from typing import Any
 
 from infra.plan import markdown
 from infra.plan.diff import diff_plans, new_mandatory
-from infra.stackfile import StackFileError, check_stack_name, project_root
+from infra.stack.stackfile import StackFileError, check_stack_name, project_root
 
 
 class DiffError(Exception):

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from infra import monitoring
-from infra.errors import SpecError, out_error
-from infra.stackfile import StackFileError, load_stack_spec
+from infra.core.errors import SpecError, out_error
+from infra.stack.stackfile import StackFileError, load_stack_spec
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 """`make policy-config STACK=<name>`: the policy pack's config for a real preview of that stack,
-as out/policy-config-<stack>.json (infra/policy_config.py: the env's file plus the stack's CNY
+as out/policy-config-<stack>.json (infra/stack/policy_config.py: the env's file plus the stack's CNY
 rate, budget, thresholds and planned monthly cost). Prints the file's path:
 
     pulumi preview --stack prod --policy-pack policies --policy-pack-config $(make -s policy-config STACK=prod)
@@ -12,9 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from infra import policy_config
-from infra.errors import CatalogError, InputError, SpecError, out_error
-from infra.stackfile import StackFileError, load_stack
+from infra.core.errors import CatalogError, InputError, SpecError, out_error
+from infra.stack import policy_config
+from infra.stack.stackfile import StackFileError, load_stack
 
 
 def main(argv: list[str] | None = None) -> int:

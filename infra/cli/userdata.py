@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from infra import userdata
-from infra.errors import InputError, SpecError, out_error
-from infra.stackfile import StackFileError, load_stack
+from infra.core.errors import InputError, SpecError, out_error
+from infra.stack.stackfile import StackFileError, load_stack
 
 
 def write_all(stack: str, out: Path) -> list[Path]:

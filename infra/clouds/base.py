@@ -13,15 +13,15 @@ import pulumi
 import pulumi_random as random
 
 from infra import rendezvous, userdata
-from infra.access import CLUSTER_NODE, Grants, node_grants
 from infra.buckets import bucket, image_key
 from infra.capacity.places import zone_of
-from infra.groups import ResolvedGroup, Stack
 from infra.image import Registry, TrainerImage, TrainerImageArgs, build_provider, image_resource_name
+from infra.model.spec import CloudAccount, Network, Peering
+from infra.model.tags import stack_tags
 from infra.rendezvous import Site
-from infra.sharedfs import SharedFsOutputs
-from infra.spec import CloudAccount, Network, Peering
-from infra.tags import stack_tags
+from infra.resolve.access import CLUSTER_NODE, Grants, node_grants
+from infra.resolve.groups import ResolvedGroup, Stack
+from infra.resolve.sharedfs import SharedFsOutputs
 
 class TextStore(Protocol):
     """What every cloud's storage component offers the platform beyond its bucket."""

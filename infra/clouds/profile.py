@@ -21,7 +21,7 @@ Counted = Literal["raw", "base64"]
 
 
 class MarketAnswers(Protocol):
-    """What a profile asks of a group's market; infra/spec_capacity.py's Market answers it (the
+    """What a profile asks of a group's market; infra/model/spec_capacity.py's Market answers it (the
     profile compares no market's name, and imports no spec)."""
 
     @property
@@ -50,7 +50,7 @@ class DiskEncryption:
 class SharedFsKind:
     """One shared file system a cloud offers (a networks[].sharedFs.type value): how a node mounts
     it (the VM bootstrap's gts-shared.sh and a Kubernetes PersistentVolume read the same values),
-    whether pods can, what the stack checks of its size, and how it is priced (infra/sharedfs.py
+    whether pods can, what the stack checks of its size, and how it is priced (infra/resolve/sharedfs.py
     asks these; it compares no type's name)."""
 
     type: str  # the sharedFs.type value

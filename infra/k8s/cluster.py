@@ -9,17 +9,17 @@ import pulumi_kubernetes as k8s
 import pulumi_random as random
 
 from infra import clouds
-from infra.groups import ResolvedGroup, Stack
-from infra.teams import queues
-from infra.teams.registry import Registry
-from infra.images import node_agents, pulled
 from infra.k8s import netpol
 from infra.k8s.daemons import FabricDevicePlugin, GpuNodeExporters, NvidiaDevicePlugin
 from infra.k8s.job import Identity, deploy_training_jobs, training_namespace
 from infra.k8s.queues import SharedQueues
+from infra.model.images import node_agents, pulled
+from infra.model.spec import StackSpec
 from infra.pods import LABEL_TEAM
-from infra.sharedfs import SharedFsOutputs
-from infra.spec import StackSpec
+from infra.resolve.groups import ResolvedGroup, Stack
+from infra.resolve.sharedfs import SharedFsOutputs
+from infra.teams import queues
+from infra.teams.registry import Registry
 
 
 def cluster_workloads(name: str, kubeconfig: pulumi.Input[str], pools: Sequence[pulumi.Resource], spec: StackSpec,

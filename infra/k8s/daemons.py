@@ -7,9 +7,9 @@ from __future__ import annotations
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.groups import LABEL_NODE_GROUP
-from infra.images import NodeAgents
 from infra.k8s import netpol
+from infra.model.images import NodeAgents
+from infra.resolve.groups import LABEL_NODE_GROUP
 
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
 GPU_TOLERATION = k8s.core.v1.TolerationArgs(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")

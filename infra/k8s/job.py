@@ -17,13 +17,14 @@ import pulumi
 import pulumi_kubernetes as k8s
 import pulumi_random as random
 
-from infra import clouds, contract, gpu_health, rendezvous
-from infra.bundle import ROOT
-from infra.groups import LABEL_NODE_GROUP, ResolvedGroup
+from infra import clouds, contract, rendezvous
 from infra.k8s import netpol
 from infra.k8s.daemons import GPU_TOLERATION
 from infra.pods import NAMESPACE, QUEUE_LABEL, QUEUES_MANAGED, TRAINER_UID, pod_resources
-from infra.sharedfs import SharedFsOutputs
+from infra.render.bundle import ROOT
+from infra.resolve import gpu_health
+from infra.resolve.groups import LABEL_NODE_GROUP, ResolvedGroup
+from infra.resolve.sharedfs import SharedFsOutputs
 from training import contract as c
 
 SKIP_AWAIT = "pulumi.com/skipAwait"

@@ -31,12 +31,11 @@ import pulumi
 import pulumi_kubernetes as k8s
 import yaml
 
-from infra.groups import LABEL_CAPACITY, LABEL_GPU_MODEL, LABEL_POOL
-from infra.images import pulled
 from infra.k8s import netpol
-from infra.pods import LABEL_CLOUD, LABEL_TEAM, QUEUE_LABEL, QUEUES_MANAGED
-from infra.pods import NAMESPACE as TRAINING_NAMESPACE
-from infra.spec import Mirrors
+from infra.model.images import pulled
+from infra.model.spec import Mirrors
+from infra.pods import LABEL_CLOUD, LABEL_TEAM, NAMESPACE as TRAINING_NAMESPACE, QUEUES_MANAGED, QUEUE_LABEL
+from infra.resolve.groups import LABEL_CAPACITY, LABEL_GPU_MODEL, LABEL_POOL
 from infra.teams.queues import GPU, Flavor, Queue
 
 CHART = "oci://registry.k8s.io/kueue/charts/kueue"

@@ -1,6 +1,6 @@
 """`python -m infra.plan --stack dev [--format json]`: the stack, offline.
 
-Reads Pulumi.<stack>.yaml as the Pulumi CLI would, runs the stack program (infra/program.py, what
+Reads Pulumi.<stack>.yaml as the Pulumi CLI would, runs the stack program (infra/stack/program.py, what
 __main__.py runs) on the stack read here in the mock engine, and
 prints every resource with its key inputs, the cost summary and the policy verdicts. With
 --format json, stdout holds exactly one JSON document. Exit codes: 0 ok, 1 a mandatory policy
@@ -33,17 +33,18 @@ import pulumi
 from rich.console import Console
 from rich.markup import escape
 
-from infra import fabric_plan, gpu_health, policy_config, protection
-from infra.cost import stack_cost
-from infra.errors import CatalogError, InputError, SpecError
-from infra import program
-from infra.groups import Stack
+from infra.core.errors import CatalogError, InputError, SpecError
 from infra.plan import report
 from infra.plan.engine import DuplicateUrn, Registered, run_program, unwrap_secrets
 from infra.plan.invokes import COMPUTED, INVOKES
 from infra.plan.replacements import replacements
 from infra.prices import age
-from infra.stackfile import StackFileError, project_name, read_stack_file, stack_from_values, stack_path
+from infra.render import protection
+from infra.resolve import fabric_plan, gpu_health
+from infra.resolve.cost import stack_cost
+from infra.resolve.groups import Stack
+from infra.stack import policy_config, program
+from infra.stack.stackfile import StackFileError, project_name, read_stack_file, stack_from_values, stack_path
 
 
 def policy_verdicts(stack: str, resolved: Stack, resources: list[Registered]) -> list[dict[str, str]]:

@@ -87,7 +87,7 @@ _FLOOR = """
 import importlib, sys
 import pulumi
 from infra.plan.engine import run_program
-from infra.stackfile import StackConfig
+from infra.stack.stackfile import StackConfig
 for sdk in sys.argv[2:]:
     getattr(importlib.import_module(sdk), "_load_", None)  # an attribute: the SDK's lazy module loads
 count = int(sys.argv[1])

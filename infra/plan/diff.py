@@ -10,9 +10,9 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from infra import catalog as cat
-from infra import protection
+from infra.core import catalog as cat
 from infra.plan.replacements import replacements
+from infra.render import protection
 
 
 @functools.cache

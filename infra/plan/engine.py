@@ -1,7 +1,7 @@
 """Run the stack program in Pulumi's mock engine and capture every registered resource.
 
 This is the one harness the plan and the tests share. Given a stack's config as the Pulumi
-CLI hands it over (`infra.stackfile`), it runs `__main__.py` and records each registration's
+CLI hands it over (`infra.stack.stackfile`), it runs `__main__.py` and records each registration's
 type, logical name, URN, parent and inputs exactly as the engine receives them (camelCase).
 """
 
@@ -19,7 +19,7 @@ from pulumi.runtime import rpc
 from pulumi.runtime.stack import run_pulumi_func
 from pulumi.runtime.sync_await import _sync_await
 
-from infra.stackfile import SECRET_MASK, StackConfig, project_root
+from infra.stack.stackfile import SECRET_MASK, StackConfig, project_root
 
 
 class UnmockedInvoke(LookupError):
@@ -179,7 +179,7 @@ def run_program(config: StackConfig, invokes: Mapping[str, InvokeHandler],
     Exceptions from the program (a pulumi.RunError for a bad spec) propagate unchanged.
     """
     # A fresh root stack resource per run: it carries the program's stack transformations
-    # (infra/protection.py), which must not leak into the next run in this process.
+    # (infra/render/protection.py), which must not leak into the next run in this process.
     pulumi.runtime.settings.reset_options(project=config.project, stack=config.stack)
     pulumi.runtime.set_all_config(config.values, config.secret_keys)
     monitor = CapturingMonitor(StackMocks(invokes, computed))

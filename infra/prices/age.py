@@ -8,8 +8,8 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from infra.clock import judged_on
-from infra.groups import Stack
+from infra.core.clock import judged_on
+from infra.resolve.groups import Stack
 
 ADVISORY_DAYS = 90  # the pack's default maxAgeDays (policies/gts_policy/rules_cost.py prices_fresh)
 
@@ -51,7 +51,7 @@ def _where(row: dict[str, Any]) -> str:
 
 
 def verdict_config(stack: Stack, today: datetime.date | None = None) -> dict[str, Any]:
-    """What the pack's prices-fresh rule judges (infra/policy_config.py): the oldest price's date,
+    """What the pack's prices-fresh rule judges (infra/stack/policy_config.py): the oldest price's date,
     where it is used and the date it is judged at. Nothing when every price is the stack's own
     override or the stack sets pricing.allowStalePrices."""
     if stack.spec.pricing.allow_stale_prices:

@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from infra import catalog as cat
 from infra import clouds
+from infra.core import catalog as cat
 from infra.prices.sources import Live, PriceSourceError, Recorded, Source
 from policies.gts_policy.catalog import PRICE_COLUMNS, Price
 

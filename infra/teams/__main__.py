@@ -39,7 +39,7 @@ class Run:
 
     stack: str
     config_file: Path  # Pulumi.<stack>.yaml: generated for team stacks
-    policy_config: Path  # the policy pack's config for this stack (infra/policy_config.py)
+    policy_config: Path  # the policy pack's config for this stack (infra/stack/policy_config.py)
     teams: tuple[str, ...]
     shared: bool  # the org's shared stack (its queues)
 
@@ -59,7 +59,7 @@ Runner = Callable[[Run, Operation, Callable[[str], None], Callable[[Any], None]]
 def select(registry: Any, op: Operation, teams: Sequence[str], everyone: bool) -> list[list[str]]:
     """Waves of stack names in order: [[shared stack], [team stacks...]] (empty waves dropped).
     Raises ValueError naming what is wrong with the selection."""
-    from infra.errors import suggest
+    from infra.core.errors import suggest
 
     names = [t.name for t in registry.teams]
     for name in teams:
@@ -82,8 +82,8 @@ def runs(registry: Any, root: Path, waves: list[list[str]], out: Path) -> list[l
     """The waves as runs: each stack's config file and the policy pack's config written for it."""
     import json
 
-    from infra import policy_config
-    from infra.stackfile import load_stack, stack_path
+    from infra.stack import policy_config
+    from infra.stack.stackfile import load_stack, stack_path
 
     out.mkdir(parents=True, exist_ok=True)
     shared = registry.org.shared_stack
@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None, runner: Runner | None = None) -> int:
     if runner is None and shutil.which("pulumi") is None:
         console.print(NO_CLI, highlight=False)
         return 2
-    from infra.errors import SpecError
-    from infra.stackfile import StackFileError, project_root
+    from infra.core.errors import SpecError
+    from infra.stack.stackfile import StackFileError, project_root
     from infra.teams import generate, registry
 
     root = project_root()

@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
-from infra import validation
-from infra.errors import Problem, SpecError
-from infra.stacktext import (GENERATED, StackFileError, is_generated, load_yaml, project_name, read_stack_text,
+from infra.checks import validation
+from infra.core.errors import Problem, SpecError
+from infra.model.stacktext import (GENERATED, StackFileError, is_generated, load_yaml, project_name, read_stack_text,
                              read_text)
 from infra.teams.registry import REGISTRY, STACK_PREFIX, Registry, RegistryError, Team, bucket_prefix, load
 

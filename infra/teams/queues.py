@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from infra.clouds import profile
-from infra.errors import Problem
-from infra.groups import ResolvedGroup, Stack
+from infra.core.errors import Problem
+from infra.model.pools import pool_parts
+from infra.model.spec import quota_of
 from infra.pods import NAMESPACE, pod_resources
-from infra.pools import pool_parts
-from infra.spec import quota_of
+from infra.resolve.groups import ResolvedGroup, Stack
 from infra.teams.registry import Registry, Team
 
 OWN_QUEUE = "training"  # the LocalQueue of the stack's own Jobs, in the training namespace

@@ -20,13 +20,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from infra import catalog as cat
-from infra import yamlread
-from infra.errors import Problem, SpecError
-from infra.spec import Cloud, Name, NodeGroup, Network, Peering, SpecModel, quota_of
-from infra.spec_patterns import EMAIL
-from infra.spec_problems import check_region, problems_of
-from infra.stacktext import StackFileError, decode, is_generated, project_name, read_stack_file, read_text
+from infra.core import catalog as cat, yamlread
+from infra.core.errors import Problem, SpecError
+from infra.model.spec import Cloud, Name, NodeGroup, Network, Peering, SpecModel, quota_of
+from infra.model.spec_patterns import EMAIL
+from infra.model.spec_problems import check_region, problems_of
+from infra.model.stacktext import StackFileError, decode, is_generated, project_name, read_stack_file, read_text
 
 REGISTRY = "teams.yaml"
 STACK_PREFIX = "team-"  # a team's generated stack (and env) is team-<name>

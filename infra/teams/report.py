@@ -24,14 +24,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from infra import catalog as cat
-from infra.errors import CatalogError, InputError, SpecError
+from infra.core import catalog as cat
+from infra.core.errors import CatalogError, InputError, SpecError
+from infra.model.spec import quota_of
 from infra.plan.__main__ import build_plan
-from infra.stackfile import StackFileError, load_stack, project_root
+from infra.pods import LABEL_CLOUD, LABEL_TEAM
+from infra.stack.stackfile import StackFileError, load_stack, project_root
 from infra.teams import generate, queues, registry
 from infra.teams.registry import Registry, RegistryError, Team
-from infra.spec import quota_of
-from infra.pods import LABEL_CLOUD, LABEL_TEAM
 
 QUEUE_TYPE = "kubernetes:kueue.x-k8s.io/v1beta2:ClusterQueue"
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             err.print(f"[yellow]warning:[/] {escape(why)} (make teams goes on without it: its bucket prefix is not "
                       "checked against the teams')", highlight=False)
         if args.team and args.team not in {t.name for t in reg.teams}:
-            from infra.errors import suggest
+            from infra.core.errors import suggest
 
             names = [t.name for t in reg.teams]
             err.print(f"[bold red]error:[/] TEAM={escape(args.team)}: no such team in teams.yaml"

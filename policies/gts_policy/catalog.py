@@ -2,7 +2,7 @@
 (data/prices.csv: per cloud, type and region, with source and date): the row model, the CSV
 readers with their checks, and the currency rule. The policy pack reads its own copy of the data
 (policies/data/, kept equal to infra/data/ by a test); the stack program reuses this code
-(infra/catalog.py) on infra/data/."""
+(infra/core/catalog.py) on infra/data/."""
 
 from __future__ import annotations
 

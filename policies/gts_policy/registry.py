@@ -2,7 +2,7 @@
 on its check records it under its module, in the order the module defines them. rules.py lists
 the rule modules in the pack's order (cost, security, capacity) and joins their rules as RULES,
 whatever order they were imported in; the pack's entry (policies/__main__.py), the offline
-evaluation (rules.evaluate) and the policy config (infra/policy_config.py) read RULES, and
+evaluation (rules.evaluate) and the policy config (infra/stack/policy_config.py) read RULES, and
 tests/test_pack_registry.py holds it to the table in docs/policies.md."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 group only to places whose worst case — every node at the group's maximum size, in the
 candidate's market — costs at most `maxRatio` (default 1.5) times the group's place as declared,
 and to no on-demand nodes unless `allowOnDemand`. The rows come from the stack
-(infra/capacity/pricing.py through infra/policy_config.py, capacityPlaces)."""
+(infra/capacity/pricing.py through infra/stack/policy_config.py, capacityPlaces)."""
 
 from __future__ import annotations
 

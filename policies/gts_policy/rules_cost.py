@@ -64,7 +64,7 @@ def _capacities(resources: list[Res]) -> list[tuple[Res, Capacity]]:
 def _group_prices(cap: Capacity, cfg: Mapping[str, Any]) -> Mapping[str, float] | None:
     """USD per node-hour of each type of the capacity's node group, as the stack prices it in the
     group's region (with its overrides): the stack's policy config carries them (`groupPrices`,
-    infra/policy_config.py). A pool of a group (EKS / TKE name an on-demand base <group>-od) is
+    infra/stack/policy_config.py). A pool of a group (EKS / TKE name an on-demand base <group>-od) is
     its group's; the longest matching group name wins."""
     groups = cfg.get("groupPrices") or {}
     if cap.group in groups:
@@ -122,7 +122,7 @@ BUDGET_SCHEMA: dict[str, dict[str, Any]] = {"budgetMonthlyUsd": {"type": "number
 @stack_rule("budget-covers-plan", "The planned monthly cost stays within the stack's budget.", "mandatory",
             BUDGET_SCHEMA)
 def budget_covers_plan(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The stack's own plan against its own budget (both from the stack: infra/policy_config.py)."""
+    """The stack's own plan against its own budget (both from the stack: infra/stack/policy_config.py)."""
     if "budgetMonthlyUsd" not in cfg or "plannedMonthlyUsd" not in cfg:
         return []
     budget, planned = float(cfg["budgetMonthlyUsd"]), float(cfg["plannedMonthlyUsd"])
@@ -215,7 +215,7 @@ SPARES_SCHEMA: dict[str, dict[str, Any]] = {"nodesPerSpare": {"type": "integer",
 def spares_share(resources: list[Res], cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Warm spares (scaling.spares) at most one per `nodesPerSpare` nodes of the run (8 unless
     configured), rounded up; the message weighs what they cost against the member losses they
-    cover. The stack's figures come in its policy config (groupSpares, infra/policy_config.py)."""
+    cover. The stack's figures come in its policy config (groupSpares, infra/stack/policy_config.py)."""
     per = max(1, int(cfg.get("nodesPerSpare", 8)))
     wanted: Mapping[str, Any] = cfg.get("groupSpares") or {}
     out: list[tuple[str, str]] = []

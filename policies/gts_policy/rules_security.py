@@ -35,7 +35,7 @@ def stateful_protected(r: Res, config: Mapping[str, Any]) -> list[str]:
     if r.type not in stateful or r.protect:
         return []
     return [f"{r.type} is not protected, and it holds {stateful[r.type]}: a destroy or a replacement would take "
-            "it. Register it with protect=True (infra/protection.py does for every type in "
+            "it. Register it with protect=True (infra/render/protection.py does for every type in "
             "infra/data/stateful.yaml), or set protectStateful: true"]
 
 

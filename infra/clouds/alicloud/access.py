@@ -1,5 +1,5 @@
 """Alibaba Cloud RAM: one role per VM node group limited to that group's grants in the bucket
-(infra/access.py), a role for the ACK nodes that reads only the node bundle (pods carry their
+(infra/resolve/access.py), a role for the ACK nodes that reads only the node bundle (pods carry their
 group's own role through RRSA, infra/clouds/alicloud/kubernetes.py), and ACK's account-wide
 autoscaler role where this stack manages the account's settings."""
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_alicloud as alicloud
 
-from infra.access import CLUSTER_NODE, Grants
-from infra.names import fit
+from infra.core.names import fit
+from infra.resolve.access import CLUSTER_NODE, Grants
 
 AUTOSCALER_ROLE = "AliyunCSManagedAutoScalerRole"  # the name ACK looks for
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_alicloud as alicloud
 
-from infra.spec import Budget
+from infra.model.spec import Budget
 
 
 @dataclass

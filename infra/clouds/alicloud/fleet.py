@@ -11,9 +11,9 @@ import pulumi
 import pulumi_alicloud as alicloud
 
 from infra.clouds.alicloud import reservation
-from infra.names import fit
-from infra.schedule import RENEW_REPLACE, recurrence_window
-from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
+from infra.core.names import fit
+from infra.core.schedule import RENEW_REPLACE, recurrence_window
+from infra.resolve.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 from infra.clouds import fixed_instances  # the profile's answer, read here by the fleet and its tests
 
 IMAGE_REGEX = "^ubuntu_22_04_x64"

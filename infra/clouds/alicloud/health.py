@@ -10,7 +10,7 @@ import json
 import pulumi
 import pulumi_alicloud as alicloud
 
-from infra.names import fit
+from infra.core.names import fit
 
 ACTION = "ess:SetInstanceHealth"
 

@@ -13,19 +13,19 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_alicloud as alicloud
 
-from infra import catalog as cat
 from infra import userdata
-from infra.clouds.alicloud.fleet import ESSD, spot_strategy
-from infra.access import trainer_grants
+from infra.checks.cloud_rules import SERVICE_CIDR
 from infra.clouds.alicloud.access import AlicloudAccess
-from infra.cloud_rules import SERVICE_CIDR
-from infra.teams.registry import Registry
-from infra.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
+from infra.clouds.alicloud.fleet import ESSD, spot_strategy
+from infra.core import catalog as cat
 from infra.k8s.cluster import cluster_workloads
 from infra.k8s.job import Identity
+from infra.model.spec import StackSpec
 from infra.pods import NAMESPACE
-from infra.sharedfs import SharedFsOutputs
-from infra.spec import StackSpec
+from infra.resolve.access import trainer_grants
+from infra.resolve.groups import LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
+from infra.resolve.sharedfs import SharedFsOutputs
+from infra.teams.registry import Registry
 
 ACK_SPEC = "ack.pro.small"
 # Ubuntu: the node scripts need Python >= 3.7 (Alibaba Cloud Linux 3 ships 3.6).

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_alicloud as alicloud
 
-from infra import scrape
 from infra.clouds.alicloud.profile import pod_switch_cidrs
-from infra.spec import Network
+from infra.model import scrape
+from infra.model.spec import Network
 
 
 @dataclass
@@ -84,7 +84,7 @@ class AlicloudNetwork(pulumi.ComponentResource):
                                        source_security_group_id=group.id, policy="accept",
                                        description="NCCL / rendezvous among training nodes", opts=sg)
         self._ssh_and_scrape(name, group, net, sg)
-        # The exporters' ports (infra/scrape.py) from the monitoring source alone; peered VPCs get
+        # The exporters' ports (infra/model/scrape.py) from the monitoring source alone; peered VPCs get
         # every other port.
         for i, peer in enumerate(args.peer_cidrs):
             peer_rules = [("tcp", f"{lo}/{hi}") for lo, hi in scrape.other_tcp_ranges()] + [("udp", "1/65535"),

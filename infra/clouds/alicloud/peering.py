@@ -8,7 +8,7 @@ import pulumi
 import pulumi_alicloud as alicloud
 
 from infra.clouds.alicloud.network import AlicloudNetwork
-from infra.spec import Network, Peering
+from infra.model.spec import Network, Peering
 
 DEFAULT_CROSS_REGION_MBPS = 1024
 

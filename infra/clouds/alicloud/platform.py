@@ -7,8 +7,8 @@ from collections.abc import Mapping
 import pulumi
 import pulumi_alicloud as alicloud
 
-from infra import bundle
 from infra.buckets import bucket
+from infra.clouds.alicloud import secrets
 from infra.clouds.alicloud.access import AlicloudAccess, AlicloudAccessArgs
 from infra.clouds.alicloud.budget import AlicloudBudget, AlicloudBudgetArgs
 from infra.clouds.alicloud.fleet import AlicloudGpuFleet, AlicloudGpuFleetArgs
@@ -16,17 +16,17 @@ from infra.clouds.alicloud.health import grant_replace_self
 from infra.clouds.alicloud.kubernetes import AlicloudAck, AlicloudAckArgs
 from infra.clouds.alicloud.network import AlicloudNetwork, AlicloudNetworkArgs
 from infra.clouds.alicloud.peering import AlicloudPeering, AlicloudPeeringArgs
-from infra.clouds.alicloud.sharedfs import AlicloudSharedFs, AlicloudSharedFsArgs
 from infra.clouds.alicloud.registry import AlicloudRegistry, AlicloudRegistryArgs
 from infra.clouds.alicloud.rendezvous import AlicloudRendezvous, AlicloudRendezvousArgs
-from infra.clouds.alicloud import secrets
-from infra.rendezvous import Site
+from infra.clouds.alicloud.sharedfs import AlicloudSharedFs, AlicloudSharedFsArgs
 from infra.clouds.alicloud.storage import AlicloudStorage, AlicloudStorageArgs
 from infra.clouds.base import CloudPlatform, Cluster
-from infra.groups import ResolvedGroup
 from infra.image import Registry
-from infra.sharedfs import SharedFsOutputs
-from infra.spec import Network
+from infra.model.spec import Network
+from infra.render import bundle
+from infra.rendezvous import Site
+from infra.resolve.groups import ResolvedGroup
+from infra.resolve.sharedfs import SharedFsOutputs
 
 
 class AlicloudPlatform(CloudPlatform[AlicloudNetwork, AlicloudStorage, AlicloudAccess]):

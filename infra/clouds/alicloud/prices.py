@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from infra import catalog as cat
 from infra.clouds.alicloud.profile import AlicloudProfile
+from infra.core import catalog as cat
 from infra.prices.sources import Source, Unanswered, alicloud_price, alicloud_spot
 from policies.gts_policy.catalog import Price
 

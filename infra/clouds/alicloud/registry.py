@@ -1,6 +1,6 @@
 """Alibaba Cloud: a Container Registry Enterprise Edition instance for the trainer image. The
 namespace is public, but the instance answers only on the stack's VPCs (a linked VPC endpoint per
-network with nodes, in the instance's region: infra/cloud_rules.py refuses node networks elsewhere)
+network with nodes, in the instance's region: infra/checks/cloud_rules.py refuses node networks elsewhere)
 and, on the internet, only to `kubernetes.apiAccessCidrs` (where `pulumi up` pushes from): nodes
 pull without credentials, and nobody else can reach it. The push uses the instance's temporary
 login (GetAuthorizationToken, valid one hour)."""

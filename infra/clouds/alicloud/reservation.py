@@ -15,7 +15,7 @@ import pulumi
 import pulumi_alicloud as alicloud
 
 from infra.capacity.reservations import assurance_period
-from infra.groups import ResolvedGroup
+from infra.resolve.groups import ResolvedGroup
 
 
 def period(g: ResolvedGroup) -> tuple[int, str]:

@@ -19,7 +19,7 @@ import json
 import pulumi
 import pulumi_alicloud as alicloud
 
-from infra.names import fit
+from infra.core.names import fit
 
 
 def key_name(env: str, group: str) -> str:

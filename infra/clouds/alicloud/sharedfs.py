@@ -21,8 +21,8 @@ import pulumi
 import pulumi_alicloud as alicloud
 
 from infra.image import registry_name
-from infra.sharedfs import SharedFsOutputs
-from infra.spec import Network
+from infra.model.spec import Network
+from infra.resolve.sharedfs import SharedFsOutputs
 
 
 @dataclass

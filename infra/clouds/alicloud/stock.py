@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from infra.capacity.stock import Ask, Failure, Verdict, newer, stamp
-from infra.spec_capacity import Market
+from infra.model.spec_capacity import Market
 from training import cloudmeta
 
 Send = Callable[[urllib.request.Request, float], dict[str, Any]]  # (request, timeout in seconds)

@@ -9,8 +9,8 @@ import pulumi
 import pulumi_alicloud as alicloud
 
 from infra.buckets import CHECKPOINT_PREFIX, Bucket
-from infra.bundle import Bundle
-from infra.spec import Storage
+from infra.model.spec import Storage
+from infra.render.bundle import Bundle
 
 
 

@@ -1,5 +1,5 @@
 """AWS access: one role (and instance profile) per VM node group, limited to that group's grants
-in the bucket (infra/access.py), Session Manager instead of SSH keys, and pulls from the stack's
+in the bucket (infra/resolve/access.py), Session Manager instead of SSH keys, and pulls from the stack's
 ECR repository only; the EKS cluster role, and an EKS node role that reads only the node bundle
 (pods get their group's grants through EKS Pod Identity, infra/clouds/aws/kubernetes.py). No
 key pairs or passwords are created.
@@ -28,8 +28,8 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from infra.access import CLUSTER_NODE, Grants
-from infra.names import fit
+from infra.core.names import fit
+from infra.resolve.access import CLUSTER_NODE, Grants
 
 MANAGED = "arn:aws:iam::aws:policy/"
 # What EKS requires of a node role (EKS user guide, create-node-role): the kubelet's and the VPC

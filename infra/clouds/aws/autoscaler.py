@@ -20,7 +20,7 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
-from infra.names import fit
+from infra.core.names import fit
 
 NAMESPACE = "kube-system"
 ACCOUNT = "cluster-autoscaler"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from infra.spec import Budget
+from infra.model.spec import Budget
 
 
 @dataclass

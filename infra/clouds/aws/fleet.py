@@ -12,7 +12,7 @@ import pulumi_aws as aws
 from infra.capacity.places import one_zone
 from infra.clouds.aws import reservation
 from infra.fabric import TypeFabric
-from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
+from infra.resolve.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 
 # Deep Learning Base AMI with the NVIDIA driver, CUDA, Docker and the container toolkit.
 DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"

@@ -12,26 +12,26 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from infra import catalog as cat
 from infra import userdata
-from infra.access import trainer_grants
 from infra.clouds.aws.access import AwsAccess
 from infra.clouds.aws.autoscaler import EksAutoscalerArgs, EksClusterAutoscaler
 from infra.clouds.aws.fleet import efa_interfaces
-from infra.teams.registry import Registry
-from infra.groups import LABEL_CAPACITY, LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
-from infra.images import CLUSTER_AUTOSCALER, pulled
+from infra.core import catalog as cat
+from infra.core.names import fit
 from infra.k8s.cluster import cluster_workloads
 from infra.k8s.job import Identity
+from infra.model.images import CLUSTER_AUTOSCALER, pulled
+from infra.model.pools import pool_parts
+from infra.model.spec import StackSpec
 from infra.pods import NAMESPACE
-from infra.pools import pool_parts
-from infra.names import fit
-from infra.sharedfs import SharedFsOutputs
-from infra.spec import StackSpec
+from infra.resolve.access import trainer_grants
+from infra.resolve.groups import LABEL_CAPACITY, LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
+from infra.resolve.sharedfs import SharedFsOutputs
+from infra.teams.registry import Registry
 
 # 1.33 left standard support on 2026-07-29 (extended support costs more per cluster-hour);
 # 1.35 is in standard support until 2027-03-27 (EKS Kubernetes version calendar). The Cluster
-# Autoscaler image follows the same minor version (infra/images.py).
+# Autoscaler image follows the same minor version (infra/model/images.py).
 EKS_VERSION = "1.35"
 GPU_AMI = "AL2023_x86_64_NVIDIA"
 SYSTEM_AMI = "AL2023_x86_64_STANDARD"

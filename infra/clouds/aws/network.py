@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_aws as aws
 
-from infra import scrape
-from infra.spec import Network
+from infra.model import scrape
+from infra.model.spec import Network
 
 
 def public_cidr(net: Network, index: int) -> str:
@@ -28,7 +28,7 @@ class AwsNetworkArgs:
     fabric: bool = False  # a cluster group in it uses EFA: the cluster's rule to itself goes both ways
     store_range: str = ""  # its rendezvous stores' range of the first subnet (infra/rendezvous.py store_range)
     cluster: bool = True  # it holds an EKS cluster: the cluster's nodes get the training group
-    vm_nodes: bool = False  # it holds VM groups: their nodes get the VM group (infra/scrape.py)
+    vm_nodes: bool = False  # it holds VM groups: their nodes get the VM group (infra/model/scrape.py)
 
 
 class AwsNetwork(pulumi.ComponentResource):
@@ -91,7 +91,7 @@ class AwsNetwork(pulumi.ComponentResource):
         """The VM nodes' group: SSH from the listed CIDRs and the exporters from the monitoring
         source, nothing else. Not even its own members: the nodes of one run reach each other
         through their run's group alone (run_group), so no other run, team, peered network or
-        pod reaches a node's collective or worker-store ports (infra/scrape.py)."""
+        pod reaches a node's collective or worker-store ports (infra/model/scrape.py)."""
         group = aws.ec2.SecurityGroup(
             f"{name}-vm-sg", vpc_id=self.vpc.id,
             description="GPU VM nodes: SSH from listed CIDRs, metrics from the monitoring source, nothing else",
@@ -163,7 +163,7 @@ class AwsNetwork(pulumi.ComponentResource):
                                             ip_protocol="-1", description="EFA / NCCL to the other training nodes",
                                             tags=tags, opts=sg_child)
         self._ssh_and_scrape(name, group, net, tags, sg_child)
-        # The exporters' ports (infra/scrape.py) from the monitoring source alone; peered VPCs get
+        # The exporters' ports (infra/model/scrape.py) from the monitoring source alone; peered VPCs get
         # every other port of the cluster's nodes (security groups only allow: "all but these
         # ports" is ranges). Pods are fenced by NetworkPolicies (infra/k8s/netpol.py).
         for i, peer_cidr in enumerate(args.peer_cidrs):

@@ -8,7 +8,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.clouds.aws.network import AwsNetwork
-from infra.spec import Network
+from infra.model.spec import Network
 
 
 @dataclass

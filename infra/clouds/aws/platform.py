@@ -9,8 +9,9 @@ from collections.abc import Mapping
 import pulumi
 import pulumi_aws as aws
 
+from infra import rendezvous
 from infra.buckets import bucket
-from infra.bundle import build as bundle
+from infra.clouds.aws import secrets
 from infra.clouds.aws.access import AwsAccess, AwsAccessArgs
 from infra.clouds.aws.budget import AwsBudget, AwsBudgetArgs
 from infra.clouds.aws.fleet import AwsGpuFleet, AwsGpuFleetArgs
@@ -20,16 +21,15 @@ from infra.clouds.aws.network import AwsNetwork, AwsNetworkArgs
 from infra.clouds.aws.peering import AwsPeering, AwsPeeringArgs
 from infra.clouds.aws.registry import AwsRegistry, AwsRegistryArgs
 from infra.clouds.aws.rendezvous import AwsRendezvous, AwsRendezvousArgs
-from infra.clouds.aws import secrets
-from infra import rendezvous
-from infra.rendezvous import Site
 from infra.clouds.aws.sharedfs import AwsSharedFs, AwsSharedFsArgs
 from infra.clouds.aws.storage import AwsStorage, AwsStorageArgs
 from infra.clouds.base import CloudPlatform, Cluster
-from infra.groups import ResolvedGroup
 from infra.image import Registry
-from infra.sharedfs import SharedFsOutputs
-from infra.spec import Network
+from infra.model.spec import Network
+from infra.render.bundle import build as bundle
+from infra.rendezvous import Site
+from infra.resolve.groups import ResolvedGroup
+from infra.resolve.sharedfs import SharedFsOutputs
 
 # <account>.dkr.ecr.<region>.amazonaws.com[.cn]/<repository>[:tag|@digest] (Amazon ECR user guide,
 # "Private registry concepts": the registry URL and repository name of an image reference)

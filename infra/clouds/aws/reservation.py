@@ -22,7 +22,7 @@ from datetime import timezone
 import pulumi
 import pulumi_aws as aws
 
-from infra.groups import ResolvedGroup
+from infra.resolve.groups import ResolvedGroup
 
 
 def market_options(g: ResolvedGroup) -> aws.ec2.LaunchTemplateInstanceMarketOptionsArgs | None:

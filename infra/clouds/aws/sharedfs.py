@@ -11,7 +11,7 @@ elastic); one mount target per availability zone (MountTargetConflict otherwise)
 subnet_ids is one subnet; deployment_type defaults to SCRATCH_1 (set PERSISTENT_2);
 per_unit_storage_throughput 125 | 250 | 500 | 1000 for PERSISTENT_2; kms_key_id only for the
 persistent types; file_system_type_version 2.15; storage_capacity 1200, 2400, then multiples of
-2400 (infra/sharedfs.py checks it). Ports: NFS 2049; Lustre 988 and 1018-1023, also among the
+2400 (infra/resolve/sharedfs.py checks it). Ports: NFS 2049; Lustre 988 and 1018-1023, also among the
 file servers themselves (docs.aws.amazon.com/fsx/latest/LustreGuide/limit-access-security-groups.html).
 
 EFS is guarded by more than its security group: an access point (every mount runs as the
@@ -34,8 +34,8 @@ import json
 import pulumi
 import pulumi_aws as aws
 
-from infra.sharedfs import SharedFsOutputs
-from infra.spec import Network
+from infra.model.spec import Network
+from infra.resolve.sharedfs import SharedFsOutputs
 
 TRAINER_UID = 1000  # the image's USER (training/Dockerfile); gts-shared.sh hands other types' roots to it
 ROOT_DIRECTORY = "/training"

@@ -10,8 +10,8 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.buckets import CHECKPOINT_PREFIX, Bucket
-from infra.bundle import Bundle
-from infra.spec import Storage
+from infra.model.spec import Storage
+from infra.render.bundle import Bundle
 
 
 

@@ -1,5 +1,5 @@
 """Tencent Cloud CAM: one role per node group (VM fleets and TKE pools alike), limited to that
-group's grants in the bucket (infra/access.py), and one per TKE training group's pods (`pod_role`,
+group's grants in the bucket (infra/resolve/access.py), and one per TKE training group's pods (`pod_role`,
 TKE pod identity: infra/clouds/tencentcloud/kubernetes.py), whose trust names the cluster's OIDC
 provider and the Job's service account alone."""
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
-from infra.access import Grants
-from infra.names import fit
+from infra.core.names import fit
+from infra.resolve.access import Grants
 
 COS_READ = ["name/cos:GetObject", "name/cos:HeadObject"]
 COS_WRITE = ["name/cos:PutObject", "name/cos:DeleteObject", "name/cos:InitiateMultipartUpload", "name/cos:UploadPart",

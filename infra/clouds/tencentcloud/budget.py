@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
-from infra.spec import Budget
+from infra.model.spec import Budget
 
 
 @dataclass

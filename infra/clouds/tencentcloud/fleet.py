@@ -11,8 +11,8 @@ from datetime import timedelta, timezone
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
-from infra.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
-from infra.schedule import RENEW_REPLACE, cron_in_beijing, recurrence_window
+from infra.core.schedule import RENEW_REPLACE, cron_in_beijing, recurrence_window
+from infra.resolve.groups import SYSTEM_DISK_GB, ResolvedGroup, schedule_bounds
 from infra.clouds import fixed_instances  # the profile's answer, read here by the fleet and its tests
 
 IMAGE_REGEX = "Ubuntu Server 22.04"

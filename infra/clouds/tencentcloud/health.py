@@ -18,7 +18,7 @@ And the group's id, which the node cannot learn at run time: Tencent's metadata 
 scaling-group entry (cloud.tencent.com/document/product/213/4934 lists instance, placement,
 network and CAM entries), and user data is rendered before the group exists. The plan writes it
 to nodes/scaling-groups/<group> in the stack's bucket, which the node's role reads already (the
-node bundle's prefix, infra/access.py): no new permission."""
+node bundle's prefix, infra/resolve/access.py): no new permission."""
 
 from __future__ import annotations
 

@@ -15,20 +15,20 @@ import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
 from infra import userdata
-from infra.access import trainer_grants
+from infra.checks.cloud_rules import POD_CIDR, SERVICE_CIDR
 from infra.clouds.tencentcloud.access import TencentAccess
 from infra.clouds.tencentcloud.fleet import DISK, spot_max_price
-from infra import catalog as cat
-from infra.cloud_rules import POD_CIDR, SERVICE_CIDR
-from infra.teams.registry import Registry
-from infra.groups import LABEL_CAPACITY, LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
+from infra.core import catalog as cat
+from infra.core.names import fit
 from infra.k8s.cluster import cluster_workloads
 from infra.k8s.job import Identity
+from infra.model.pools import pool_parts
+from infra.model.spec import StackSpec
 from infra.pods import NAMESPACE
-from infra.pools import pool_parts
-from infra.names import fit
-from infra.sharedfs import SharedFsOutputs
-from infra.spec import StackSpec
+from infra.resolve.access import trainer_grants
+from infra.resolve.groups import LABEL_CAPACITY, LABEL_POOL, SYSTEM_DISK_GB, ResolvedGroup
+from infra.resolve.sharedfs import SharedFsOutputs
+from infra.teams.registry import Registry
 
 TKE_VERSION = "1.30.0"
 # The node scripts need Python >= 3.7; TKE's default node OS, tlinux2.4 (CentOS 7 based), has

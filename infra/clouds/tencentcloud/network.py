@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
-from infra import scrape
-from infra.spec import Network
+from infra.model import scrape
+from infra.model.spec import Network
 
 
 @dataclass
@@ -66,7 +66,7 @@ class TencentNetwork(pulumi.ComponentResource):
         rule = tencentcloud.security.GroupRuleSetIngressArgs
         ingresses = [rule(action="ACCEPT", cidr_block=str(c), protocol="TCP", port="22",
                           description="SSH from an allowed CIDR") for c in net.ssh_cidrs]
-        # The exporters' ports (infra/scrape.py) from the monitoring source alone.
+        # The exporters' ports (infra/model/scrape.py) from the monitoring source alone.
         return ingresses + [rule(action="ACCEPT", cidr_block=c, protocol="TCP", port=str(port),
                                  description="metrics from the monitoring source")
                             for c in scrape.sources(net) for port in scrape.EXPORTER_PORTS]

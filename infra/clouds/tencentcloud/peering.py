@@ -9,7 +9,7 @@ import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
 from infra.clouds.tencentcloud.network import TencentNetwork
-from infra.spec import Network, Peering
+from infra.model.spec import Network, Peering
 
 DEFAULT_CROSS_REGION_MBPS = 1000
 

@@ -7,28 +7,28 @@ from collections.abc import Mapping
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
-from infra import bundle
 from infra.buckets import bucket
-from infra.cloud_rules import POD_CIDR
+from infra.checks.cloud_rules import POD_CIDR
 from infra.clouds.base import CloudPlatform, Cluster
+from infra.clouds.tencentcloud import secrets
 from infra.clouds.tencentcloud.access import TencentAccess, TencentAccessArgs
 from infra.clouds.tencentcloud.budget import TencentBudget, TencentBudgetArgs
-from infra.clouds.tencentcloud.health import grant_replace_self, publish_group_id
 from infra.clouds.tencentcloud.fleet import TencentGpuFleet, TencentGpuFleetArgs
+from infra.clouds.tencentcloud.health import grant_replace_self, publish_group_id
 from infra.clouds.tencentcloud.kubernetes import TencentTke, TencentTkeArgs
 from infra.clouds.tencentcloud.network import TencentNetwork, TencentNetworkArgs
 from infra.clouds.tencentcloud.peering import TencentPeering, TencentPeeringArgs, TencentTransit, TencentTransitArgs
-from infra.clouds.tencentcloud.sharedfs import TencentSharedFs, TencentSharedFsArgs
 from infra.clouds.tencentcloud.registry import TencentRegistry, TencentRegistryArgs
 from infra.clouds.tencentcloud.rendezvous import TencentRendezvous, TencentRendezvousArgs
-from infra.clouds.tencentcloud import secrets
-from infra.rendezvous import Site
+from infra.clouds.tencentcloud.sharedfs import TencentSharedFs, TencentSharedFsArgs
 from infra.clouds.tencentcloud.storage import TencentStorage, TencentStorageArgs
-from infra.access import CLUSTER_NODE, node_grants
-from infra.groups import ResolvedGroup
 from infra.image import Registry
-from infra.sharedfs import SharedFsOutputs
-from infra.spec import Network
+from infra.model.spec import Network
+from infra.render import bundle
+from infra.rendezvous import Site
+from infra.resolve.access import CLUSTER_NODE, node_grants
+from infra.resolve.groups import ResolvedGroup
+from infra.resolve.sharedfs import SharedFsOutputs
 
 
 class TencentcloudPlatform(CloudPlatform[TencentNetwork, TencentStorage, TencentAccess]):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from infra import catalog as cat
-from infra.prices.sources import Source, Unanswered, tencentcloud_price
 from infra.clouds.tencentcloud.profile import TencentcloudProfile
+from infra.core import catalog as cat
+from infra.prices.sources import Source, Unanswered, tencentcloud_price
 from policies.gts_policy.catalog import Price
 
 def refresh(rows: list[Price], source: Source, today: str, site: str) -> tuple[list[Price], list[str]]:

@@ -101,7 +101,7 @@ class TencentcloudProfile(CloudProfile):
     user_data_limit: tuple[int, Counted] = (16 * 1024, "base64")
     kubernetes_user_data_limit: tuple[int, Counted] | None = None
 
-    schedules_in_beijing_time = True  # AS scheduled actions recur in Beijing time (infra/schedule.py)
+    schedules_in_beijing_time = True  # AS scheduled actions recur in Beijing time (infra/core/schedule.py)
     # CFS: cloud.tencent.com "Using CFS on Linux clients".
     shared_fs_kinds = (
         SharedFsKind("cfs", "nfs", "vers=3,nolock,proto=tcp,hard,timeo=600,retrans=2,noresvport,_netdev",

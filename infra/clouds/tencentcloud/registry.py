@@ -1,6 +1,6 @@
 """Tencent Cloud: a TCR instance for the trainer image. The namespace is public, but the
 instance is reachable only from the stack's VPCs (a VPC attachment per network with nodes, its
-domain resolved privately there; the instance's region only: infra/cloud_rules.py refuses others) and, on the internet, only from `kubernetes.apiAccessCidrs`
+domain resolved privately there; the instance's region only: infra/checks/cloud_rules.py refuses others) and, on the internet, only from `kubernetes.apiAccessCidrs`
 (where `pulumi up` pushes from): nodes pull without credentials, nobody else reaches it."""
 
 from __future__ import annotations

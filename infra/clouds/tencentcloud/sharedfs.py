@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
-from infra.sharedfs import SharedFsOutputs
-from infra.spec import Network
+from infra.model.spec import Network
+from infra.resolve.sharedfs import SharedFsOutputs
 
 
 @dataclass

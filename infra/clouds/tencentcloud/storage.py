@@ -9,8 +9,8 @@ import pulumi
 import tencentcloud_iac_pulumi as tencentcloud
 
 from infra.buckets import CHECKPOINT_PREFIX, Bucket
-from infra.bundle import Bundle
-from infra.spec import Storage
+from infra.model.spec import Storage
+from infra.render.bundle import Bundle
 
 DEEP_ARCHIVE_AFTER_DAYS = 180
 

@@ -1,0 +1,40 @@
+"""Values each valid alone that do not work as a stack: a network on public addresses, a
+checkpoint interval longer than the run. Called by infra/checks/validation.py with the other rules."""
+
+from __future__ import annotations
+
+from ipaddress import IPv4Network
+
+from infra.core import catalog as cat
+from infra.core.errors import Problem
+from infra.model.spec import StackSpec
+
+
+def _cidr_problem(cloud: str, cidr: IPv4Network) -> str:
+    """Why `cidr` cannot be a VPC on `cloud` ('' when it can): the ranges and their sources are
+    data (data/constraints.yaml, vpcRanges)."""
+    rule = dict(cat.load_constraints()["vpcRanges"])[cloud]
+    allowed = [IPv4Network(r) for r in rule["allowed"]]
+    if any(cidr.subnet_of(r) for r in allowed):
+        return ""
+    ranges = ", ".join(map(str, allowed))
+    reserved = rule.get("reserved")
+    if reserved and cidr.overlaps(IPv4Network(reserved["range"])):
+        return f"{cidr} is in {reserved['range']}, which {cloud} does not take: {reserved['why']}; pick one of " \
+               f"{ranges}, e.g. 10.0.0.0/16"
+    return (f"{cidr} is not a private range for {cloud} ({ranges}); the internet hosts at those addresses would be "
+            "unreachable from the nodes: pick a private range, e.g. 10.0.0.0/16")
+
+
+def check(spec: StackSpec) -> list[Problem]:
+    problems = []
+    for i, net in enumerate(spec.networks):
+        why = _cidr_problem(str(net.cloud), net.cidr)
+        if why:
+            problems.append(Problem(f"networks[{i}].cidr", why))
+    every, steps = spec.training.checkpoint_every, spec.training.steps
+    if isinstance(every, int) and every > steps:
+        problems.append(Problem("training.checkpointEvery", f"{every} is above training.steps ({steps}): the run "
+                                "would end before its first checkpoint and a reclaimed node would lose all of it; "
+                                f"use at most {steps}, or auto"))
+    return problems

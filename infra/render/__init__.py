@@ -1,0 +1,5 @@
+"""What the stack writes for nodes and clouds: the user data and the node agents' settings, the
+node bundle, the trainer image, monitoring, and which resources are protected. infra/k8s (the
+Kubernetes objects) sits beside it. Imports checks and below.
+
+Modules: userdata, node_settings, bundle, image, monitoring, protection."""
