@@ -147,6 +147,8 @@ def test_the_relayer_rewrites_every_form_once() -> None:
                     'PATCH = "infra.model.alpha.Spec"\nHOME = ROOT / "infra" / "model" / "alpha.py"\n'
                     'OTHER = "infra.alpha_two infra/cli/alpha.py"\n')
     assert RELAYER.rewrite(once, "tests/x.py", moves) == once
+    with pytest.raises(RELAYER.Refused, match="a relative import in infra/"):  # a move would repoint it silently
+        RELAYER.rewrite("from .clouds import profile\n", "infra/alpha.py", moves)
     assert RELAYER.deepen('R = Path(__file__).resolve().parents[1]\nD = Path(__file__).parent / "d"\n', "x.py") == (
         'R = Path(__file__).resolve().parents[2]\nD = Path(__file__).parents[1] / "d"\n')
 

@@ -73,6 +73,7 @@ PINNED: dict[str, str] = {
 # The trainer image's inputs (infra/image.py SOURCES), the node bundle's (infra/bundle.py FILES)
 # and what the user data embeds; tests/test_layers.py checks the first two against the code.
 PLAN_BYTES = ("training/**", "cloudinit/**", "tests/golden/**", "infra/clouds/*/node.py", "infra/clouds/*/metadata.py",
+              "infra/clouds/*/*.sh",
               "infra/data/gpu_health.yaml")
 SELF = ("tools/relayer.py",)
 LINES = 400  # a source file's limit
@@ -123,8 +124,8 @@ def rewrite_imports(text: str, path: str, modules: dict[str, str]) -> str:
     for node in ast.walk(tree):
         if not isinstance(node, ast.ImportFrom):
             continue
-        if node.level and path.startswith("infra/") and ({a.name for a in node.names} | {node.module}) & set(modules):
-            raise Refused(f"{path}:{node.lineno}: a relative import of a moved module; write it absolute first")
+        if node.level and path.startswith("infra/"):  # a move would change what it points at, silently
+            raise Refused(f"{path}:{node.lineno}: a relative import in infra/; write it absolute first")
         if node.level or node.module != "infra":
             continue
         first, last = lines[node.lineno - 1], lines[node.end_lineno - 1]  # type: ignore[operator]

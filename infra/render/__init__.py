@@ -2,4 +2,6 @@
 node bundle, the trainer image, monitoring, and which resources are protected. infra/k8s (the
 Kubernetes objects) sits beside it. Imports checks and below.
 
-Modules: userdata, node_settings, bundle, image, monitoring, protection."""
+Modules: node_settings, bundle, protection.
+Of this layer but still at infra/ root (bytes a plan hashes name their paths: tools/relayer.py
+PINNED): userdata, image, monitoring."""
