@@ -41,7 +41,7 @@ if [ -n "$FABRIC" ]; then
   # shellcheck source-path=SCRIPTDIR source=../../infra/clouds/aws/fabric.sh
   . "$FRAGMENT"
   if [ "$FABRIC" != "$FABRIC_KIND" ]; then
-    echo "gts-fabric: GTS_FABRIC '$FABRIC' is not the fabric of cloud '$GTS_CLOUD' ('$FABRIC_KIND', $FRAGMENT)" >&2
+    echo "gts-fabric: GTS_FABRIC '$FABRIC' is not this cloud's fabric '$FABRIC_KIND' ($FRAGMENT)" >&2
     exit 2
   fi
 fi
