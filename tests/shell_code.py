@@ -30,6 +30,7 @@ def shell_code(text: str) -> str:
 
 
 def unit_code(text: str) -> str:
-    """A unit's lines that systemd runs or expands: its comments and descriptions left out."""
-    return "\n".join(line for line in text.splitlines()
-                     if not line.lstrip().startswith(("#", ";", "Description=")))
+    """A unit's lines that systemd runs or expands: its comments and descriptions blanked (the
+    lines keep their numbers)."""
+    return "\n".join("" if line.lstrip().startswith(("#", ";", "Description=")) else line
+                     for line in text.splitlines())
