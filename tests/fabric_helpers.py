@@ -5,6 +5,7 @@ and readers for that plan's resources (tests/test_fabric.py, tests/test_fabric_k
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,18 @@ def resource(plan_json: dict[str, Any], type_token: str, name: str) -> dict[str,
 
 def of_type(plan_json: dict[str, Any], type_token: str) -> list[dict[str, Any]]:
     return [r for r in plan_json["resources"] if r["type"] == type_token]
+
+
+def node_lib(tmp: Path) -> Path:
+    """A GTS_LIB_DIR for the node scripts run in a test: the checkout's per-cloud fragments laid out
+    as the bundle installs them (<lib>/clouds/<cloud>/fabric.sh, shared.sh), so a host that has an
+    installed /usr/local/lib/gts never lends the test its fragments."""
+    from infra import clouds
+
+    lib = tmp / "gts-lib"
+    for name in clouds.NAMES:
+        folder = lib / "clouds" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for part in ("fabric.sh", "shared.sh"):
+            shutil.copy(ROOT / "infra" / "clouds" / name / part, folder / part)
+    return lib

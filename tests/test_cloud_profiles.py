@@ -29,6 +29,8 @@ from infra.model.spec_capacity import Market
 from infra.prices import refresh
 from policies.gts_policy import clouds as pack_clouds
 from tests.harness import ROOT
+from tests.shell_code import shell_code, unit_code
+from tests.test_node_fragments import GENERIC_MOUNTS
 from training import cloudmeta
 from training.ckpt import storage
 from training.contract import CREDENTIAL_SOURCES
@@ -38,9 +40,13 @@ if TYPE_CHECKING:
 
 # The clouds' names, and the fabric kinds and shared file system types: each of these stands for
 # one cloud (its profile answers it: infra/clouds/<cloud>/profile.py fabric, shared_fs_kinds).
-NAMES = frozenset(clouds.NAMES) | frozenset(clouds.FABRICS) | frozenset(clouds.SHARED_FS_TYPES)
-SCANNED = ("infra", "policies", "training", "cloudinit")  # cloudinit: the node scripts and templates
-READ = ("*.py", "*.sh", "*.j2")  # Python by its string constants; shell and templates by their words
+# The kernel types a shared file system mounts as stand for a cloud too, but for the NFS ones
+# gts-shared.sh mounts for every cloud (tests/test_node_fragments.py GENERIC_MOUNTS).
+MOUNT_TYPES = frozenset(k.mount_type for p in clouds.profiles() for k in p.shared_fs_kinds) - set(GENERIC_MOUNTS)
+NAMES = frozenset(clouds.NAMES) | frozenset(clouds.FABRICS) | frozenset(clouds.SHARED_FS_TYPES) | MOUNT_TYPES
+SCANNED = ("infra", "policies", "training", "cloudinit")  # cloudinit: the node scripts, templates and units
+# Python by its string constants; shell, templates, units and Dockerfiles by their words
+READ = ("*.py", "*.sh", "*.j2", "*.service", "Dockerfile")
 # Where a cloud's name may be written, and why.
 EXEMPT = {
     "infra/clouds/": "the clouds' own packages (node-side modules included) and the registry",
@@ -55,20 +61,24 @@ def cloud_names_in(source: str) -> list[tuple[int, str]]:
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in NAMES)
 
 
-_WORD = re.compile(r"(?<![\w./-])(" + "|".join(sorted(map(re.escape, NAMES), key=len, reverse=True)) + r")(?![\w/-])")
-_COMMENT = re.compile(r"(^|\s)#.*$")
+# A name as a word or a word's start: `erdma_*`, `${GTS_FABRIC:-efa}`, `aws-efa` count; a part of a
+# longer word (`amazonaws`, `efa2`) or a host name (`x.efa`) does not.
+_WORD = re.compile(r"(?<![\w.])(" + "|".join(sorted(map(re.escape, NAMES), key=len, reverse=True)) + r")(?![a-z0-9])")
 
 
-def shell_names_in(source: str, template: bool = False) -> list[tuple[int, str]]:
-    """(line, name) of every word of a shell script (comments aside) or template that is exactly
-    one of the names: a case label, a test's operand, a word in a message."""
-    return [(n, m.group(1)) for n, line in enumerate(source.splitlines(), start=1)
-            for m in _WORD.finditer(line if template else _COMMENT.sub("", line))]
+def shell_names_in(source: str, kind: str = "shell") -> list[tuple[int, str]]:
+    """(line, name) of every word of a shell script or Dockerfile (comments aside, quote-aware), a
+    systemd unit (comments and descriptions aside) or a template that is one of the names: a case
+    label, a test's operand, a default, a word in a message."""
+    code = {"shell": shell_code, "unit": unit_code, "template": str}[kind](source)
+    return [(n, m.group(1)) for n, line in enumerate(code.splitlines(), start=1) for m in _WORD.finditer(line)]
 
 
 def _names_in(path: Path) -> list[tuple[int, str]]:
     text = path.read_text(encoding="utf-8")
-    return cloud_names_in(text) if path.suffix == ".py" else shell_names_in(text, template=path.suffix == ".j2")
+    if path.suffix == ".py":
+        return cloud_names_in(text)
+    return shell_names_in(text, {".j2": "template", ".service": "unit"}.get(path.suffix, "shell"))
 
 
 def _named(exempt: tuple[str, ...] = tuple(EXEMPT), scanned: tuple[str, ...] = SCANNED) -> dict[str, list[tuple[int, str]]]:
@@ -97,10 +107,20 @@ def test_the_name_finder_finds_comparisons_tables_and_literals() -> None:
     assert cloud_names_in(source) == [(1, "tencentcloud"), (2, "aws"), (3, "alicloud")]
     kinds = 'if f.fabric == "efa":\n    m = {"fsx-lustre": 1}\nT = Literal["auto", "hcc"]\nd = "efa-only"\n'
     assert cloud_names_in(kinds) == [(1, "efa"), (2, "fsx-lustre"), (3, "hcc")]
-    shell = ('# efa | erdma: a comment\ncase $F in\n  efa) x ;;\n  erdma) y=erdma_0 ;;  # hcc\nesac\n'
-             '[ "$F" = hcc ] && log "nfs, not nas"\ncurl https://efa-installer.amazonaws.com/aws-efa.tgz\n')
+    shell = ('# efa | erdma: a comment\ncase $F in\n  efa) x ;;\n  erdma) y=x ;;  # hcc\nesac\n'
+             '[ "$F" = hcc ] && log "nfs, not nas"\ncurl https://x.efa.example/amazonaws/efa2.tgz\n')
     assert shell_names_in(shell) == [(3, "efa"), (4, "erdma"), (6, "hcc"), (6, "nas")]
-    assert shell_names_in('{% if fabric == "efs" %}# aws\n', template=True) == [(1, "efs"), (1, "aws")]
+    assert shell_names_in('{% if fabric == "efs" %}# aws\n', "template") == [(1, "efs"), (1, "aws")]
+    # a kind after a quoted `#`, as a default, as a word's start, a mount type; a unit's and a
+    # Dockerfile's words (their comments and descriptions aside)
+    planted = ('log "a hash # then erdma"\nF=${GTS_FABRIC:-efa}\ncase $n in erdma_*) ;; esac\n'
+               'mount -t lustre x /y\nx=aws-efa  # cfs\n')
+    assert shell_names_in(planted) == [(1, "erdma"), (2, "efa"), (3, "erdma"), (4, "lustre"), (5, "aws"), (5, "efa")]
+    unit = "[Unit]\nDescription=efa watcher\n# aws\n[Service]\nExecStart=/bin/x --fabric=hcc\n"
+    assert shell_names_in(unit, "unit") == [(5, "hcc")]
+    assert shell_names_in("FROM x\n# tencentcloud\nENV GTS_FABRIC=efa\n") == [(3, "efa")]
+    assert {"cloudinit/units/gts-trainer.service", "training/Dockerfile"} <= {
+        p.relative_to(ROOT).as_posix() for pkg in SCANNED for pattern in READ for p in (ROOT / pkg).rglob(pattern)}
     walked = _named(exempt=())  # without the exemptions the scan sees the clouds' own packages
     assert any(path.startswith("infra/clouds/") for path in walked), "is the scan walking the packages?"
     assert {p.relative_to(ROOT).as_posix() for p in (ROOT / "cloudinit").rglob("*.py")} >= {

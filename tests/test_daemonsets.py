@@ -5,6 +5,7 @@ the GPU taint tolerated, no service-account token, host paths as volumes) is wri
 from __future__ import annotations
 
 import ast
+import re
 
 from tests.harness import ROOT
 
@@ -55,3 +56,18 @@ def outer():
 """
     assert _calls_in(source, "x.py") == ["x.py:3 in <module>", "x.py:4 in <module>", "x.py:7 in inner",
                                          "x.py:8 in outer", "x.py:8 in <lambda>"]
+
+
+def test_a_device_plugins_name_comes_from_its_image_tagged_or_digest_pinned() -> None:
+    """The fabric device plugin's DaemonSet is named after its image's repository: a tag or a
+    digest (`@sha256:…`) is no part of the name, which must be a DNS-1123 label."""
+    from infra.k8s.daemons import repository_name
+
+    digest = "sha256:" + "0" * 64
+    for image in ("602401143452.dkr.ecr.us-west-2.amazonaws.com/eks/aws-efa-k8s-device-plugin:v0.5.6",
+                  f"602401143452.dkr.ecr.us-west-2.amazonaws.com/eks/aws-efa-k8s-device-plugin@{digest}",
+                  f"registry.example:5000/eks/aws-efa-k8s-device-plugin:v0.5.6@{digest}",
+                  "aws-efa-k8s-device-plugin"):
+        name = repository_name(image)
+        assert name == "aws-efa-k8s-device-plugin", image
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name), name

@@ -5,6 +5,7 @@ quarantined, not handed back, on a GPU fault."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 
 from infra import clouds, userdata
 from infra.resolve.groups import resolve
-from tests.fabric_helpers import fabric_values
+from tests.fabric_helpers import fabric_values, node_lib
 from tests.harness import parse_spec
 from tests.harness import ROOT, spec_raw
 
@@ -67,6 +68,8 @@ def run_fabric(tmp: Path, fabric_name: str, devices: list[str], want: int, nccl_
                         f"GTS_CLOUD={cloud}\n")
     stubs = tmp / "bin"
     stubs.mkdir(exist_ok=True)
+    if not (tmp / "gts-lib").exists():  # a test may have laid out (and edited) the fragments first
+        node_lib(tmp)
     # Stand-ins for what a real node has: docker (prints NCCL's selection line), the installers.
     (stubs / "docker").write_text(f"#!/bin/sh\necho \"$*\" >> {tmp}/docker.args\necho '{nccl_line}'\n")
     for tool in ("curl", "apt-get", "make", "sysctl", "lsmod", "logger"):
@@ -77,7 +80,11 @@ def run_fabric(tmp: Path, fabric_name: str, devices: list[str], want: int, nccl_
                                'mkdir -p "$d/aws-efa-installer"\n'
                                f'printf "#!/bin/sh\\necho efa_installer.sh \\$* >> {tmp}/calls\\n" '
                                '> "$d/aws-efa-installer/efa_installer.sh"\n'
-                               'chmod +x "$d/aws-efa-installer/efa_installer.sh"\n')
+                               'chmod +x "$d/aws-efa-installer/efa_installer.sh"\n'
+                               'mkdir -p "$d/erdma_installer"\n'
+                               f'printf "#!/bin/sh\\necho install.sh \\$* >> {tmp}/calls\\n" '
+                               '> "$d/erdma_installer/install.sh"\n'
+                               'chmod +x "$d/erdma_installer/install.sh"\n')
     (stubs / "git").write_text(recorder + 'for a; do d=$a; done\nmkdir -p "$d"\n'
                                f'printf "#!/bin/sh\\necho insmod.sh >> {tmp}/calls\\n" > "$d/insmod.sh"\n'
                                'chmod +x "$d/insmod.sh"\n')
@@ -85,7 +92,7 @@ def run_fabric(tmp: Path, fabric_name: str, devices: list[str], want: int, nccl_
         stub.chmod(0o755)
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "GTS_ENV_FILE": str(env_file),
            "GTS_SYSFS": str(lay_out(tmp, fabric_name, devices)), "GTS_RUN_DIR": str(tmp / "run"),
-           "GTS_ETC_DIR": str(tmp / "etc"), "GTS_DEV_DIR": str(tmp / "dev")}
+           "GTS_ETC_DIR": str(tmp / "etc"), "GTS_DEV_DIR": str(tmp / "dev"), "GTS_LIB_DIR": str(tmp / "gts-lib")}
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -136,6 +143,43 @@ def test_install_sets_up_efa_user_space_and_host_limits(tmp_path: Path) -> None:
     assert "kernel.yama.ptrace_scope = 0" in (etc / "sysctl.d/90-gts-fabric.conf").read_text()
     bootstrap = (ROOT / "cloudinit" / "scripts" / "gts-bootstrap.sh").read_text()
     assert 'step fabric "$SBIN/gts-fabric.sh" install' in bootstrap
+
+
+# What each fabric's fragment installs (its fabric_install), as the stand-ins record it.
+INSTALLS = {"efa": "efa_installer.sh -y", "erdma": "install.sh --batch", "hcc": "install -y -q rdma-core ibverbs-utils"}
+
+
+@pytest.mark.parametrize("fabric_name", sorted(CLOUD_OF_FABRIC))
+def test_install_runs_each_fabrics_installs_after_the_host_limits(tmp_path: Path, fabric_name: str) -> None:
+    proc = run_fabric(tmp_path, fabric_name, [], 1, "", "install")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "memlock unlimited" in (tmp_path / "etc/security/limits.d/90-gts-fabric.conf").read_text()
+    calls = (tmp_path / "calls").read_text() if (tmp_path / "calls").exists() else ""
+    if fabric_name == "hcc" and shutil.which("ibv_devinfo", path="/usr/bin:/bin"):
+        assert "rdma-core" not in calls, "the image's verbs tools are kept"
+    else:
+        assert INSTALLS[fabric_name] in calls, calls
+    assert f"installed the {fabric_name} user space" in proc.stdout
+
+
+def test_a_fabric_that_is_not_the_clouds_is_refused_naming_both(tmp_path: Path) -> None:
+    """GTS_FABRIC names the fabric; the node's cloud's fragment says which one it carries
+    (FABRIC_KIND): a node told another cloud's fabric stops before doing anything."""
+    proc = run_fabric(tmp_path, "efa", ["erdma_0"], 1, "Selected Provider is efa", "install", cloud="alicloud")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and "'efa'" in proc.stderr and "'erdma'" in proc.stderr, proc.stderr
+    assert not (tmp_path / "calls").exists() and not (tmp_path / "etc").exists()
+
+
+def test_the_scripts_read_the_fragments_of_their_lib_dir(tmp_path: Path) -> None:
+    """The node scripts find a cloud's fragments under GTS_LIB_DIR (the bundle's
+    /usr/local/lib/gts on a node): the tests lay out the checkout's there, so a fragment edited
+    in that copy is the one that runs."""
+    fragment = node_lib(tmp_path) / "clouds" / "aws" / "fabric.sh"
+    fragment.write_text(fragment.read_text().replace("FABRIC_SELECTED='Selected Provider is efa'",
+                                                     "FABRIC_SELECTED='laid out here'"))
+    proc = run_fabric(tmp_path, "efa", ["rdmap0"], 1, "NET/OFI Selected Provider is efa", "check")
+    assert proc.returncode == 1 and "NCCL did not select efa" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_no_fabric_means_nothing_to_do(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from infra.render import bundle, node_settings
 from infra.resolve.groups import resolve
 from infra.stack.stackfile import load_stack_spec
 from tests.harness import ROOT
+from tests.shell_code import shell_code, unit_code
 from training import contract
 
 NAME = re.compile(r"GTS_[A-Z0-9_]+")
@@ -41,36 +42,6 @@ def node_files() -> list[str]:
     return sorted(s for s in sources | {"cloudinit/node.sh.j2"} if s.endswith(CODE))
 
 
-def _shell_code(text: str) -> str:
-    """Shell without its comments: a `#` that starts a word outside quotes ends its line (`${#x}`,
-    `$#`, a `#` inside a word or in quotes do not; a quote may span lines, `\\` escapes outside
-    single quotes)."""
-    out, quote, escaped = [], "", False
-    for line in text.splitlines():
-        cut = len(line)
-        for i, ch in enumerate(line):
-            if escaped:
-                escaped = False
-            elif ch == "\\" and quote != "'":
-                escaped = True
-            elif quote:
-                quote = "" if ch == quote else quote
-            elif ch in "'\"":
-                quote = ch
-            elif ch == "#" and (i == 0 or line[i - 1] in " \t;|&(") and line[i - 1:i] != "$":
-                cut = i
-                break
-        escaped = False  # a `\\` at the end of a line joins it to the next, nothing more
-        out.append(line[:cut])
-    return "\n".join(out)
-
-
-def _unit_code(text: str) -> str:
-    """A unit's lines that systemd runs or expands: its comments and descriptions left out."""
-    return "\n".join(line for line in text.splitlines()
-                     if not line.lstrip().startswith(("#", ";", "Description=")))
-
-
 def reads(path: str, text: str) -> dict[str, set[str]]:
     """name -> the literal defaults its reads in this file give it (empty: none given)."""
     found: dict[str, set[str]] = {}
@@ -83,7 +54,7 @@ def reads(path: str, text: str) -> dict[str, set[str]]:
                     and NAME.fullmatch(node.args[0].value)):  # type: ignore[attr-defined]
                 found.setdefault(node.args[0].value, set()).add(node.args[1].value)  # type: ignore[attr-defined]
         return found
-    code = _unit_code(text) if path.endswith(".service") else _shell_code(text)
+    code = unit_code(text) if path.endswith(".service") else shell_code(text)
     for name in SHELL_READ.findall(code):
         found.setdefault(name, set())
     for name, default in SHELL_DEFAULT.findall(code):

@@ -24,6 +24,7 @@ from tests.harness import parse_spec
 from tests.harness import ROOT, by_type, policy_hits, run_stack, spec_raw, stack_values
 from tests.nodes import lay_down, node_env
 from tests.contract_helpers import VM_NODES, container_env, job_containers, node_env_of
+from tests.fabric_helpers import node_lib
 
 NETS, GROUPS = "gpu-training-stack:networks", "gpu-training-stack:nodeGroups"
 TYPES = {"aws-train": "efs", "ali-train": "nas", "tc-train": "cfs"}
@@ -136,7 +137,7 @@ def sandbox(tmp: Path, env_text: str) -> dict[str, str]:
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
     (tmp / "node.env").write_text(env_text)
     return {"PATH": f"{bin_dir}:/usr/bin:/bin", "GTS_SANDBOX": str(tmp), "GTS_ENV_FILE": str(tmp / "node.env"),
-            "GTS_SHARED_ATTEMPTS": "3"}
+            "GTS_SHARED_ATTEMPTS": "3", "GTS_LIB_DIR": str(node_lib(tmp))}
 
 
 def env_file(env: dict[str, str], shared_dir: Path) -> str:

@@ -15,10 +15,10 @@
 #
 # What differs per fabric is the node's cloud's fragment, infra/clouds/<cloud>/fabric.sh (on a
 # node /usr/local/lib/gts/clouds/<cloud>/fabric.sh, from the bundle), with its sources: which
-# verbs devices are the fabric's (fabric_device), its host settings and installs
-# (fabric_host_settings, fabric_install), the line NCCL prints when it selects it
-# (FABRIC_SELECTED) and whether the node narrows NCCL_IB_HCA to the devices it sees
-# (FABRIC_NARROWS_HCA).
+# verbs devices are the fabric's (fabric_device), its kind (FABRIC_KIND, which GTS_FABRIC must
+# name), its host settings and installs (fabric_host_settings, fabric_install), the line NCCL
+# prints when it selects it (FABRIC_SELECTED) and whether the node narrows NCCL_IB_HCA to the
+# devices it sees (FABRIC_NARROWS_HCA).
 set -euo pipefail
 
 ENV_FILE=${GTS_ENV_FILE:-/etc/gpu-training/node.env}
@@ -40,6 +40,10 @@ if [ -n "$FABRIC" ]; then
   FRAGMENT=$(cloud_fragment fabric.sh)
   # shellcheck source-path=SCRIPTDIR source=../../infra/clouds/aws/fabric.sh
   . "$FRAGMENT"
+  if [ "$FABRIC" != "$FABRIC_KIND" ]; then
+    echo "gts-fabric: GTS_FABRIC '$FABRIC' is not this cloud's fabric '$FABRIC_KIND' ($FRAGMENT)" >&2
+    exit 2
+  fi
 fi
 
 # The fabric's verbs devices this node sees, one name a line.

@@ -4,6 +4,8 @@ and spot-notice alerts see Kubernetes nodes as they see VM nodes."""
 
 from __future__ import annotations
 
+import re
+
 import pulumi
 import pulumi_kubernetes as k8s
 
@@ -74,6 +76,12 @@ class NvidiaDevicePlugin(pulumi.ComponentResource):
         self.register_outputs({"name": self.daemonset.metadata.name})
 
 
+def repository_name(image: str) -> str:
+    """The last part of an image reference's repository, without its tag or digest
+    ("registry/eks/efa-plugin:v1" and "…/efa-plugin@sha256:…" both give "efa-plugin")."""
+    return re.split(r"[@:]", image.rsplit("/", 1)[-1], maxsplit=1)[0]
+
+
 class FabricDevicePlugin(pulumi.ComponentResource):
     """Advertises the fabric's pod resource on the nodes of the fabric groups, where the cloud
     names a device plugin for it (infra/clouds/<cloud>/profile.py fabric_device_plugin; EKS: the
@@ -91,7 +99,7 @@ class FabricDevicePlugin(pulumi.ComponentResource):
                 k8s.core.v1.NodeSelectorTermArgs(match_expressions=[k8s.core.v1.NodeSelectorRequirementArgs(
                     key=LABEL_NODE_GROUP, operator="In", values=groups)])])))
         self.daemonset = device_plugin(
-            f"{name}-ds", image.rsplit("/", 1)[-1].split(":")[0], image, on_fabric_groups,
+            f"{name}-ds", repository_name(image), image, on_fabric_groups,
             {"device-plugin": "/var/lib/kubelet/device-plugins", "infiniband": "/dev/infiniband"}, host_network=True,
             opts=pulumi.ResourceOptions(parent=self))
         self.register_outputs({"name": self.daemonset.metadata.name})

@@ -5,9 +5,12 @@
 # with ERDMA_CM_NO_BOUND_IF=1 ./install.sh --batch); NCCL's selection line "NET/IB : Using [0]erdma_0".
 
 ERDMA_INSTALLER_URL=${GTS_ERDMA_INSTALLER_URL:-http://mirrors.cloud.aliyuncs.com/erdma/erdma_installer-latest.tar.gz}
-# Read by gts-fabric.sh, which sources this: the line NCCL prints when it selects the fabric
+# Read by gts-fabric.sh, which sources this: the fabric kind (the profile's `fabric`; GTS_FABRIC must
+# name it), the line NCCL prints when it selects the fabric
 # (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET), and whether the node narrows NCCL_IB_HCA to the
 # devices it sees (1: they differ per node).
+# shellcheck disable=SC2034
+FABRIC_KIND=erdma
 # shellcheck disable=SC2034
 FABRIC_SELECTED='NET/IB : Using \[0\]erdma'
 # shellcheck disable=SC2034

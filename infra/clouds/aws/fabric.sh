@@ -6,9 +6,12 @@
 
 EFA_INSTALLER_URL=${GTS_EFA_INSTALLER_URL:-https://efa-installer.amazonaws.com/aws-efa-installer-latest.tar.gz}
 GDRCOPY_TAG=${GTS_GDRCOPY_TAG:-v2.4.4}
-# Read by gts-fabric.sh, which sources this: the line NCCL prints when it selects the fabric
+# Read by gts-fabric.sh, which sources this: the fabric kind (the profile's `fabric`; GTS_FABRIC must
+# name it), the line NCCL prints when it selects the fabric
 # (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET), and whether the node narrows NCCL_IB_HCA to the
 # devices it sees (0: aws-ofi-nccl finds the EFA devices itself).
+# shellcheck disable=SC2034
+FABRIC_KIND=efa
 # shellcheck disable=SC2034
 FABRIC_SELECTED='Selected Provider is efa'
 # shellcheck disable=SC2034

@@ -3,9 +3,12 @@
 # which calls these on a node of a fabric group (GTS_CLOUD=tencentcloud). NCCL's selection line:
 # "NET/IB : Using [0]mlx5_bond_0".
 
-# Read by gts-fabric.sh, which sources this: the line NCCL prints when it selects the fabric
+# Read by gts-fabric.sh, which sources this: the fabric kind (the profile's `fabric`; GTS_FABRIC must
+# name it), the line NCCL prints when it selects the fabric
 # (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET), and whether the node narrows NCCL_IB_HCA to the
 # devices it sees (1: they differ per node).
+# shellcheck disable=SC2034
+FABRIC_KIND=hcc
 # shellcheck disable=SC2034
 FABRIC_SELECTED='NET/IB : Using \[0\]mlx5_bond'
 # shellcheck disable=SC2034
