@@ -264,7 +264,9 @@ def test_a_place_whose_api_does_not_answer_within_the_budget_is_skipped_and_the_
     for cloud in ("aws", "tencentcloud"):
         moto.client().create_bucket(Bucket=bucket(spec, cloud).name)
     workspace = RecordingWorkspace(_values(), {"aws": {"fleets": {"aws-train": [world.asg]}}})
-    stock = lambda cloud, region: hung if cloud == "alicloud" else world.stock(cloud, region)  # noqa: E731
+    def stock(cloud: str, region: str) -> StockApi:
+        return hung if cloud == "alicloud" else world.stock(cloud, region)  # type: ignore[return-value]
+
     try:
         (decision,) = Broker(workspace, stock, storage=lambda where, url: location(url, env), ask_budget_s=0.2).once()
     finally:

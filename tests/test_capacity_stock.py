@@ -201,8 +201,8 @@ def test_tencentcloud_asks_the_zone_configuration_signed_tc3() -> None:
     assert {f["Name"]: f["Values"] for f in params["Filters"]} == {
         "instance-type": ["GN7.2XLARGE32"], "instance-charge-type": ["SPOTPAID"], "zone": ["ap-guangzhou-3"]}
     assert headers["Authorization"].startswith("TC3-HMAC-SHA256 Credential=AKIDEXAMPLE/")
-    found = api.failures("asg-kiju7yt5")
-    assert len(found) == 1 and found[0].message.startswith("ResourceInsufficient.SpecifiedInstanceType")
+    failed = api.failures("asg-kiju7yt5")
+    assert len(failed) == 1 and failed[0].message.startswith("ResourceInsufficient.SpecifiedInstanceType")
 
 
 def test_tencentcloud_stock_with_fewer_instances_of_quota_left_than_nodes_is_refused() -> None:

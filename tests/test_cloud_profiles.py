@@ -8,6 +8,7 @@ instantiated; an unknown cloud is an error, never a fallback."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 import re
 import shutil
 import importlib
@@ -70,7 +71,8 @@ def shell_names_in(source: str, kind: str = "shell") -> list[tuple[int, str]]:
     """(line, name) of every word of a shell script or Dockerfile (comments aside, quote-aware), a
     systemd unit (comments and descriptions aside) or a template that is one of the names: a case
     label, a test's operand, a default, a word in a message."""
-    code = {"shell": shell_code, "unit": unit_code, "template": str}[kind](source)
+    readers: dict[str, Callable[[str], str]] = {"shell": shell_code, "unit": unit_code, "template": str}
+    code = readers[kind](source)
     return [(n, m.group(1)) for n, line in enumerate(code.splitlines(), start=1) for m in _WORD.finditer(line)]
 
 

@@ -204,7 +204,7 @@ def test_an_hcc_group_is_fixed_instances_so_a_faulty_node_is_quarantined_not_han
     """HCC nodes are CVM instances in an HCC cluster, in no AS group (TencentGpuFleet): a GPU
     fault must not make them ask a scaling group to replace them (GTS_REPLACE=none); the EFA and
     eRDMA groups scale and hand a faulty node back (infra/resolve/gpu_health.py replace_mode)."""
-    from infra.clouds.tencentcloud.fleet import fixed_instances
+    from infra.clouds import fixed_instances
     from infra.resolve import gpu_health
 
     hcc = fabric_stack.group("tc-hcc")
