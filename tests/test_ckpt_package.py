@@ -6,6 +6,7 @@ manager is composed of collaborators, not mixins, around one protocol for where 
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -35,14 +36,17 @@ def test_an_old_import_path_gives_the_same_objects(old: str) -> None:
     if old in ("training.hf", "training.lightning_spot"):
         pytest.importorskip("transformers" if old == "training.hf" else "lightning")
     shim, new = importlib.import_module(old), importlib.import_module(SHIMS[old])
-    assert PUBLIC[old] <= set(shim.__all__)
-    assert {name: getattr(shim, name) is getattr(new, name) for name in shim.__all__} == dict.fromkeys(shim.__all__, True)
+    assert PUBLIC[old] <= set(dir(shim))
+    assert shim is new  # the module itself: a patch of one of its names reaches the code that reads it
+    # every public name the module had before the move (tests/data/ckpt_old_names.json, read at f721fd8)
+    had = json.loads((ROOT / "tests" / "data" / "ckpt_old_names.json").read_text(encoding="utf-8"))[old]
+    assert len(had) > 10 and [name for name in had if not hasattr(shim, name)] == []
 
 
 def test_a_shim_is_a_few_lines_and_says_so() -> None:
     for old in SHIMS:
         text = (ROOT / (old.replace(".", "/") + ".py")).read_text(encoding="utf-8")
-        assert len(text.splitlines()) <= 10 and "Compatibility" in text, old
+        assert len(text.splitlines()) <= 15 and "Compatibility" in text, old
 
 
 def test_the_package_and_its_storage_import_no_torch() -> None:
@@ -78,3 +82,41 @@ def test_the_tier_check_refuses_what_lacks_a_member() -> None:
         def steps(self) -> set[int]:
             return set()
     assert not isinstance(ListsOnly(), Tier)
+
+
+def test_the_managers_former_attributes_are_read_and_set_where_they_live(tmp_path: Path) -> None:
+    mgr = CheckpointManager(str(tmp_path), None, Topology(0, 0, 1, 0, 1, 1), keep=3, upload_attempts=4)
+    seen: list[object] = []
+    mgr.keep, mgr.attempts, mgr.on_status = 5, 2, seen.append
+    assert (mgr.uploads.keep, mgr.uploads.attempts, mgr.uploads.on_status) == (5, 2, seen.append)
+    assert (mgr.keep, mgr.attempts, mgr.on_status) == (5, 2, seen.append)
+    mgr.remote_error = "listing refused"
+    assert mgr.loader.remote_error == "listing refused" == mgr.remote_error
+
+
+def test_each_tier_loads_a_committed_step_and_refuses_one_it_lacks(tmp_path: Path) -> None:
+    import torch
+
+    from training.ckpt.manager import CheckpointError
+
+    topo, remote = Topology(0, 0, 1, 0, 1, 1), (tmp_path / "bucket").as_uri()
+    writer = CheckpointManager(str(tmp_path / "disk"), remote, topo)
+    writer.save(4, {"w": torch.arange(3)}, {"seed": torch.ones(1)}, lambda: None)
+    assert writer.wait_uploads(120)
+    for root in ("disk", "fresh"):  # the writer's disk holds the step; a fresh node's only the bucket
+        mgr = writer if root == "disk" else CheckpointManager(str(tmp_path / root), remote, Topology(1, 1, 2, 0, 1, 2))
+        try:
+            assert [t.name for t in mgr.tiers] == ["disk", "bucket"]
+            for tier in mgr.tiers:
+                if tier.name == "disk" and root == "fresh":
+                    assert tier.steps() == set()
+                    with pytest.raises(CheckpointError):
+                        tier.load(4)
+                    continue
+                assert 4 in tier.steps(), (root, tier.name)
+                found = tier.load(4)
+                assert found is not None and torch.equal(found[0]["w"], torch.arange(3)), (root, tier.name)
+                with pytest.raises(CheckpointError):
+                    tier.load(99)
+        finally:
+            mgr.close()

@@ -381,4 +381,5 @@ class BucketTier:
         return set(self.loader.remote_steps())
 
     def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        self.loader.wait_commit()  # never a download into a step folder the writer is about to rename
         return self.loader.load_remote(step)

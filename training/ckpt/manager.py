@@ -96,7 +96,8 @@ def _lock(folder: Path) -> Any:
 class WriterSlot:
     """The one checkpoint written in the background at a time (the manager's writer thread). The
     loader and the uploader wait for it through this slot, not through the manager, so that none of
-    the manager's parts holds the manager: dropping it releases its run lock at once."""
+    the manager's parts holds the manager: dropping it releases its run lock at once, also while an
+    upload or a prefetch of its Uploader or Loader is still running (call close() first)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -162,14 +163,12 @@ class CheckpointManager:
     def status(self) -> UploadStatus:
         return self.uploads.status
 
-    @property
-    def keep(self) -> int:
-        return self.uploads.keep
-
-    @property
-    def remote_error(self) -> str:
-        """Why the bucket could not be listed, if it could not (the last listing's)."""
-        return self.loader.remote_error
+    # The manager's former plain attributes, read and set where they now live.
+    keep = property(lambda self: self.uploads.keep, lambda self, v: setattr(self.uploads, "keep", v))
+    attempts = property(lambda self: self.uploads.attempts, lambda self, v: setattr(self.uploads, "attempts", v))
+    on_status = property(lambda self: self.uploads.on_status, lambda self, v: setattr(self.uploads, "on_status", v))
+    remote_error = property(lambda self: self.loader.remote_error,  # why the bucket's last listing failed, if it did
+                            lambda self, v: setattr(self.loader, "remote_error", v))
 
     def local_steps(self) -> list[int]:
         return self.loader.local_steps()

@@ -3,7 +3,13 @@ a peer's memory (training/ckpt/peer/tier.py) have in common, as a restore uses t
 steps this rank can get there and loads one; what lies under that differs (files checked against
 their manifests, one verified GET per file through fsspec, a digest-checked copy from another
 node's store) and stays behind it. The manager holds the disk and bucket tiers (`tiers`, nearest
-first); a run with the peer tier asks it before them (training/ckpt/peer/tier.py's choose)."""
+first); a run with the peer tier asks it before them (training/ckpt/peer/tier.py's choose).
+
+Not yet the path a restore takes: choose_checkpoint still calls the manager's `load` (disk, then
+bucket, inside the Loader, with its prefetch) and the peer tier's `load` directly; moving it onto
+this protocol would change its log lines and the order sources are tried, a step of its own. The
+semantics differ where noted: disk and bucket raise CheckpointError for a step they lack, the peer
+tier answers None; the peer tier's `load` is collective (every rank calls it), the others are not."""
 
 from __future__ import annotations
 
