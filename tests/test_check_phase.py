@@ -108,7 +108,7 @@ def test_the_dockerfile_names_where_its_settings_live() -> None:
 
 _RUN_THE_CHECKS = """
 import sys
-from infra import gpu_health, spares
+from infra.resolve import gpu_health, spares
 from infra.resolve.groups import resolve
 from tests.harness import key, parse_spec, spec_raw, stack_values
 

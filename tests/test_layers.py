@@ -11,6 +11,7 @@ the CLIs (infra/cli, plan, the teams and capacity commands, the price refresh)."
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -177,3 +178,21 @@ def test_nothing_names_a_moved_module_by_its_old_name() -> None:
     assert len(names) > 30
     edits = RELAYER.edits_for(ROOT, _sources(), names, move_pinned=False)
     assert sorted(edits) == [], "run tools/relayer.py"
+
+
+def test_no_text_imports_a_moved_module_from_the_infra_root() -> None:
+    """`from infra import spares` in a string a test runs (a subprocess's code), a doc or a script
+    is not an import the relayer's syntax-tree rewrite sees; a line of it still names the old place."""
+    moved = set(RELAYER.rewritten_names(ROOT, {}))
+    assert len(moved) > 30
+    pattern = re.compile(r"\bfrom infra import \(?([\w, ]+)")
+    found = []
+    for rel in _sources():
+        if rel in ("tools/relayer.py", "tests/test_layers.py") or not rel.endswith((".py", ".md", ".sh", ".j2", ".yaml")):
+            continue
+        for n, line in enumerate((ROOT / rel).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            for m in pattern.finditer(line):
+                names = {part.strip().split(" as ")[0] for part in m.group(1).split(",")}
+                if names & moved:
+                    found.append(f"{rel}:{n}: {line.strip()}")
+    assert found == [], "names a moved module at the infra/ root:\n" + "\n".join(found)
