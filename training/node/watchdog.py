@@ -184,7 +184,13 @@ class Watchdog:
         deadline = time.monotonic() + STACKS_WAIT_S
         while time.monotonic() < deadline and any(_size(p) <= before[r] for r, p in files.items()):
             time.sleep(0.1)
-        time.sleep(0.2)  # the dump of the last thread
+        # A dump is written thread by thread (the main thread's often last): read it once no file has
+        # grown for a few polls in a row, not a fixed moment after it began (a loaded node, many threads).
+        sizes, still = {r: _size(p) for r, p in files.items()}, 0
+        while still < 3 and time.monotonic() < deadline + STACKS_WAIT_S:
+            time.sleep(0.1)
+            now = {r: _size(p) for r, p in files.items()}
+            still, sizes = (still + 1 if now == sizes else 0), now
         parts = [f"hang on node {records.node_name()} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; "
                  f"suspect rank {suspect.rank} ({'stopped' if stopped else 'oldest heartbeat'})"]
         for beat in found:
