@@ -275,34 +275,28 @@ def test_ask_within_answers_raises_the_calls_error_or_gives_up_at_the_budget() -
     opening.set()
 
 
-def test_an_abandoned_question_makes_no_call_after_its_budget_and_each_call_gets_what_is_left() -> None:
-    import threading
+def test_an_abandoned_question_makes_no_call_after_its_budget_and_each_call_gets_what_is_left(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a fake clock (no thread, no real wait): the first call gets what is left of the budget, it
+    answers after the deadline, and the quota call that would follow is never made."""
+    from infra.capacity import stock as stock_module
 
-    from infra.capacity.stock import NoAnswer, ask_within
-
+    clock = [100.0]
+    monkeypatch.setattr(stock_module.time, "monotonic", lambda: clock[0])
     replay = Replay({"DescribeZoneInstanceConfigInfos": [recorded("tencentcloud", "zone_config_in_stock")],
                      "DescribeAccountQuota": [recorded("tencentcloud", "account_quota_spot")]})
-    entered, release, finished = threading.Event(), threading.Event(), threading.Event()
 
     def slow(request: urllib.request.Request, timeout: float) -> dict[str, Any]:
-        entered.set()
-        release.wait(60)  # the first call answers only after the broker gave up on the place
-        try:
-            return replay(request, timeout)
-        finally:
-            finished.set()
+        answer = replay(request, timeout)
+        clock[0] += 5.0  # the answer comes after the deadline
+        return answer
 
     api = stock_api("tencentcloud", "ap-guangzhou", creds=CREDS, send=slow)
-    with pytest.raises(NoAnswer):
-        ask_within(lambda: api, Ask("ap-guangzhou", None, ("GN7.2XLARGE32",), SPOT, 2, 8), budget_s=0.2)
-    assert entered.is_set()
-    release.set()
-    finished.wait(60)
-    for thread in [t for t in threading.enumerate() if t.name == "gts-stock-ask"]:
-        thread.join(60)  # the abandoned question's thread has done all it would do
+    late = api.ask(Ask("ap-guangzhou", None, ("GN7.2XLARGE32",), SPOT, 2, 8, deadline=100.25))
     # the stock call answered in stock, but the quota call was never made: the budget was spent
     assert [a[0] for a in replay.asked] == ["DescribeZoneInstanceConfigInfos"]
-    assert 0 < replay.timeouts[0] <= 0.2  # the first call's timeout was what was left of the budget
+    assert replay.timeouts == [pytest.approx(0.25)]  # the first call's timeout was what was left of it
+    assert late.ok and "quota unknown (NoAnswer: the budget was spent before this call)" in late.why
 
 
 @pytest.mark.parametrize("cloud", ["alicloud", "tencentcloud"])
