@@ -18,10 +18,11 @@ import functools
 import base64
 import gzip
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from email.mime.multipart import MIMEMultipart
 from email.mime.text import MIMEText
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import pulumi
@@ -190,19 +191,39 @@ def compact_python(source: str) -> str:
     return "#!/usr/bin/env python3\n" + ast.unparse(tree) + "\n"
 
 
+@functools.lru_cache(maxsize=256)
 def pack(text: str) -> str:
     """gzip + base64 on one line (wrapping would add a newline and the YAML indent every 76
     columns to a document with a size limit); reproducible: no gzip timestamp."""
     return base64.b64encode(gzip.compress(text.encode(), mtime=0)).decode()
 
 
+def _values(ctx: NodeContext) -> dict[str, Any]:
+    """The context's fields for the templates, as they are: the templates only read them, and
+    `asdict` deep-copied them for every template of every group (issue 44)."""
+    return {f.name: getattr(ctx, f.name) for f in fields(ctx)}
+
+
+def _read(path: Path) -> str:
+    """A node file's text; read once per version of the file (its mtime and size), not once per
+    group: with compact_python and pack remembered per content too, a plan renders each static file
+    once however many groups carry it (issue 44)."""
+    st = path.stat()
+    return _read_version(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_version(path: Path, mtime_ns: int, size: int) -> str:
+    return path.read_text(encoding="utf-8")
+
+
 def _files(ctx: NodeContext) -> list[dict[str, str]]:
     out = []
     for path, mode, source in files_of(ctx.cloud):
         if source.endswith(".j2"):
-            content = _ENV.get_template(source).render(**asdict(ctx))
+            content = _ENV.get_template(source).render(**_values(ctx))
         else:
-            content = (ROOT / source).read_text(encoding="utf-8")
+            content = _read(ROOT / source)
         if source.endswith(".py"):
             content = compact_python(content)
         if source in PLAIN_FILES:
@@ -227,7 +248,7 @@ def check_env(ctx: NodeContext) -> NodeContext:
     to the three. The spec refuses such values with their key; this stops any that a later
     change lets through before it reaches a node. (The offline plan's mask of a `secure:` value
     passes: a real run renders the decrypted value, which the spec has checked.)"""
-    values = [(f"GTS_{k.upper()}", v) for k, v in asdict(ctx).items() if isinstance(v, str)]
+    values = [(f"GTS_{k.upper()}", v) for k, v in _values(ctx).items() if isinstance(v, str)]
     for name, value in [*values, *ctx.trainer.items()]:
         if not _VAR.fullmatch(name) or not (_SAFE.fullmatch(value) or value == SECRET_MASK):
             raise UnsafeEnvValue(f"{ctx.cloud}/{ctx.group}: node.env {name}={value!r} holds characters a shell, "
@@ -237,17 +258,17 @@ def check_env(ctx: NodeContext) -> NodeContext:
 
 def render_env(ctx: NodeContext) -> str:
     """The node's /etc/gpu-training/node.env alone."""
-    return _ENV.get_template("cloudinit/node.env.j2").render(**asdict(check_env(ctx)))
+    return _ENV.get_template("cloudinit/node.env.j2").render(**_values(check_env(ctx)))
 
 
 def render(ctx: NodeContext) -> str:
     """The node's cloud-config."""
-    return _ENV.get_template("cloudinit/node.yaml.j2").render(**asdict(check_env(ctx)), files=_files(ctx))
+    return _ENV.get_template("cloudinit/node.yaml.j2").render(**_values(check_env(ctx)), files=_files(ctx))
 
 
 def render_script(ctx: NodeContext) -> str:
     """The same content as a shell script, for node pools that run their user data as one."""
-    return _ENV.get_template("cloudinit/node.sh.j2").render(**asdict(check_env(ctx)), files=_files(ctx))
+    return _ENV.get_template("cloudinit/node.sh.j2").render(**_values(check_env(ctx)), files=_files(ctx))
 
 
 class UserDataTooLarge(ValueError):

@@ -160,3 +160,36 @@ def test_the_plan_group_scales_the_stack_and_rotates_every_run(tmp_path: Path, m
     found = plan_bench.measure("dev", 3, (1, 2))
     assert order[:6] == list(runs) and order[6:12] == list(runs)[1:] + list(runs)[:1]
     assert all(len(v) == 3 for v in found["times"].values())  # type: ignore[attr-defined]
+
+
+def test_the_replay_floor_registers_the_plans_own_resources(tmp_path: Path) -> None:
+    """The second limit of the plan group re-registers, at each scale, exactly the resources the
+    plan registered (same count, same types), untyped, through the same engine; it is run with
+    the other commands of the group."""
+    import json
+    import subprocess
+
+    from infra.plan import bench as plan_bench
+
+    runs, counts, sdks, _ = plan_bench._runs("dev", [1, 2], tmp_path)
+    assert {"replay@1", "replay@2", "floor@1", "floor@2", "plan@1", "plan@2"} <= set(runs)
+    for scale in (1, 2):
+        cmd, cwd = runs[f"replay@{scale}"]
+        resources = json.loads((tmp_path / f"replay-{scale}.json").read_text())
+        assert len(resources) == counts[scale] and {r["type"] for r in resources} >= {"aws:ec2/vpc:Vpc"}
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=plan_bench._env(), timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert int(done.stdout.split()[-1]) == counts[scale]
+    assert counts[2] > counts[1]
+
+
+def test_the_plan_report_gives_both_limits_per_resource(capsys: pytest.CaptureFixture[str]) -> None:
+    from infra.plan import bench as plan_bench
+
+    times = {"plan@1": [2.0] * 3, "plan@2": [3.0] * 3, "floor@1": [1.0] * 3, "floor@2": [1.0] * 3,
+             "replay@1": [1.5] * 3, "replay@2": [2.0] * 3, "floor_gc@1": [1.2] * 3, "imports": [0.5] * 3}
+    plan_bench._report({"stack": "dev", "resources": {1: 100, 2: 200}, "times": times, "extra": []})
+    lines = [line for line in capsys.readouterr().out.splitlines() if "per resource" in line]
+    assert len(lines) == 2
+    assert "LIMIT SUSPECT" in lines[0] and "x   target" not in lines[0]  # the trivial floor did not grow
+    assert "replay floor 5.00 ms" in lines[1] and " 2.00x" in lines[1]

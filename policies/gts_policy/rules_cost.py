@@ -28,16 +28,14 @@ SCHEDULES = {  # type -> (the group it targets, the sizes it sets)
 }
 
 
-def _scheduled_max(r: Res, cap: Capacity, resources: list[Res]) -> int:
-    """The largest size any scheduled action can give this capacity: caps hold against what a
-    schedule can do, not only the group's own max. Linked by target (name or id) and, where the
-    target is not known before creation, by the stack's naming (`<group>-<action>`), erring on
-    the side of counting."""
+def _scheduled_max(r: Res, cap: Capacity, schedules: list[Res]) -> int:
+    """The largest size any scheduled action (`schedules`: the stack's resources of a SCHEDULES
+    type) can give this capacity: caps hold against what a schedule can do, not only the group's
+    own max. Linked by target (name or id) and, where the target is not known before creation, by
+    the stack's naming (`<group>-<action>`), erring on the side of counting."""
     ids = {r.name, f"{r.name}-id", str(r.props.get("id", "")), str(r.props.get("name", ""))} - {""}
     best = cap.max_nodes
-    for s in resources:
-        if s.type not in SCHEDULES:
-            continue
+    for s in schedules:
         target_key, sizes = SCHEDULES[s.type]
         target = str(s.get(target_key) or "")
         linked = (target in ids or any(target.startswith(i + "-") for i in ids if i == r.name)
@@ -49,12 +47,15 @@ def _scheduled_max(r: Res, cap: Capacity, resources: list[Res]) -> int:
 
 def _capacities(resources: list[Res]) -> list[tuple[Res, Capacity]]:
     by_id = index_by_id(resources)
+    # The schedules picked out once: every capacity against every resource made the rules
+    # quadratic in the stack's size (issue 44).
+    schedules = [s for s in resources if s.type in SCHEDULES]
     out = []
     for r in resources:
         cap = capacity(r, by_id)
         # GPU capacity only: a cluster's system pool (CPU types, not in the catalog) is not a node group.
         if cap is not None and any(_item(t) for t in cap.instance_types):
-            scheduled = _scheduled_max(r, cap, resources)
+            scheduled = _scheduled_max(r, cap, schedules)
             if scheduled > cap.max_nodes:
                 cap = dataclasses.replace(cap, max_nodes=scheduled)
             out.append((r, cap))
