@@ -152,14 +152,16 @@ def test_the_plan_group_scales_the_stack_and_rotates_every_run(tmp_path: Path, m
     order: list[str] = []
     runs = {n: ([n], plan_bench.ROOT) for n in ("plan@1", "plan@2", "floor@1", "floor@2", "floor_gc@1", "imports")}
     monkeypatch.setattr(plan_bench, "_runs", lambda *a: (runs, {1: 10, 2: 20}, [], []))
-    def timed(cmd: list[str], cwd: Path) -> float:
+    def timed(cmd: list[str], cwd: Path) -> tuple[float, float | None]:
         order.append(cmd[0])
-        return 1.0
+        return 1.0, (None if cmd[0] == "imports" else 0.5)
 
     monkeypatch.setattr(plan_bench, "_timed", timed)
     found = plan_bench.measure("dev", 3, (1, 2))
     assert order[:6] == list(runs) and order[6:12] == list(runs)[1:] + list(runs)[:1]
     assert all(len(v) == 3 for v in found["times"].values())  # type: ignore[attr-defined]
+    work = found["work"]
+    assert isinstance(work, dict) and work["imports"] == [] and all(len(work[n]) == 3 for n in runs if n != "imports")
 
 
 def test_the_replay_floor_registers_the_plans_own_resources(tmp_path: Path) -> None:
@@ -181,14 +183,20 @@ def test_the_replay_floor_registers_the_plans_own_resources(tmp_path: Path) -> N
         assert done.returncode == 0, done.stderr[-2000:]
         assert int(done.stdout.split()[-1]) == counts[scale]
     assert counts[2] > counts[1]
+    for name in ("plan@1", "floor@1", "replay@2"):  # each times its own work after the SDK imports
+        wall, work = plan_bench._timed(*runs[name])
+        assert work is not None and 0 < work < wall, name
 
 
 def test_the_plan_report_gives_both_limits_per_resource(capsys: pytest.CaptureFixture[str]) -> None:
     from infra.plan import bench as plan_bench
 
-    times = {"plan@1": [2.0] * 3, "plan@2": [3.0] * 3, "floor@1": [1.0] * 3, "floor@2": [1.0] * 3,
-             "replay@1": [1.5] * 3, "replay@2": [2.0] * 3, "floor_gc@1": [1.2] * 3, "imports": [0.5] * 3}
-    plan_bench._report({"stack": "dev", "resources": {1: 100, 2: 200}, "times": times, "extra": []})
+    times = {"plan@1": [9.0] * 3, "plan@2": [9.0] * 3, "floor@1": [5.0] * 3, "floor@2": [5.0] * 3,
+             "replay@1": [6.0] * 3, "replay@2": [6.0] * 3, "floor_gc@1": [6.0] * 3, "imports": [4.0] * 3}
+    # the slopes come from the work each process timed after its imports, not the process times
+    work = {"plan@1": [2.0] * 3, "plan@2": [3.0] * 3, "floor@1": [1.0] * 3, "floor@2": [1.0] * 3,
+            "replay@1": [1.5] * 3, "replay@2": [2.0] * 3, "floor_gc@1": [1.2] * 3, "imports": []}
+    plan_bench._report({"stack": "dev", "resources": {1: 100, 2: 200}, "times": times, "work": work, "extra": []})
     lines = [line for line in capsys.readouterr().out.splitlines() if "per resource" in line]
     assert len(lines) == 2
     assert "LIMIT SUSPECT" in lines[0] and "x   target" not in lines[0]  # the trivial floor did not grow
