@@ -47,3 +47,19 @@ def test_a_hang_line_is_counted_and_its_stacks_are_kept_out_of_the_run_s_tempora
     (work / "progress1" / "hangs" / "vm-1.txt").write_text("== rank 1 pid 5 last step 140\n  File train.py")
     kept = keep_hangs(work, tmp_path / "kept")
     assert kept is not None and (kept / "progress1" / "vm-1.txt").read_text().startswith("== rank 1")
+
+
+def test_the_table_gives_where_the_recovery_time_goes(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each case's row and its breakdown (first worker up, restore, first step), min/median."""
+    import argparse
+
+    from training.trainer.bench_peer import _print
+
+    row = {"detect": [1.0, 2.0], "to_step": [9.0, 11.0], "kill_to_step": [10.0, 13.0], "lost": [10.0, 10.0],
+           "world": [2.0, 2.0], "hangs": [0.0, 0.0], "to_up": [4.0, 5.0], "up_to_resumed": [3.0, 4.0],
+           "resumed_to_step": [2.0, 2.0], "blocked_share": [0.005, 0.006]}
+    _print({"peer": row, "bucket": {}, "peer+spare": {}}, argparse.Namespace(width=64, every=20, repeats=2))
+    out = capsys.readouterr().out
+    breakdown = [line for line in out.splitlines() if "first worker up" in line]
+    assert len(breakdown) == 1 and breakdown[0].split()[0] == "peer"
+    assert "4.00/4.50" in breakdown[0] and "3.00/3.50" in breakdown[0] and "2.00/2.00" in breakdown[0]

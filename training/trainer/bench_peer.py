@@ -125,10 +125,13 @@ def one_run(every: int, width: int, kill_at: int, moto_url: str, work: Path, spa
         # the newest step rank 0 logged before the kill (it may have been on the node killed)
         last = max(int(m.group(1)) for n in nodes for _, line in list(n.lines) if (m := re.search(r"step (\d+) loss", line)))
         detected, _ = _first(survivors, DETECTED, killed)
-        _, world = _first(survivors, r"rank \d+ of (\d+) ", killed)
-        _, resumed = _first(survivors, r"resumed from step (\d+)", killed)
+        up, world = _first(survivors, r"rank \d+ of (\d+) ", killed)
+        restored, resumed = _first(survivors, r"resumed from step (\d+)", killed)
         stepped, _ = _first(survivors, rf"step {int(resumed.group(1)) + 1} loss", killed)
+        # where the time goes: the new world's first worker up (rendezvous, process start, imports,
+        # process group), then the restore, then the first step
         found = {"to_step": stepped - detected, "detect": detected - killed, "kill_to_step": stepped - killed,
+                 "to_up": up - detected, "up_to_resumed": restored - up, "resumed_to_step": stepped - restored,
                  "world": float(world.group(1)), "lost": float(max(last, int(at.group(1))) - int(resumed.group(1))),
                  "hangs": float(sum(1 for n in survivors for t, line in list(n.lines) if t >= killed and HANG in line))}
         if every:
@@ -214,6 +217,10 @@ def _print(figures: dict[str, dict[str, list[float]]], args: argparse.Namespace)
             print(f"{name:>10} {cell(f['detect']):>17} {cell(f['to_step']):>23} {LIMIT_TO_STEP_S:>6.0f}s "
                   f"{cell(f['kill_to_step']):>19} {cell(f['lost'], '5.0f'):>14} {lost_limit:>6} {max(f['world']):6.0f} "
                   f"{sum(f['hangs']):6.0f}")
+    for name, f in figures.items():
+        if f:
+            print(f"{name:>10} detected->first worker up {cell(f['to_up'])} s, up->resumed {cell(f['up_to_resumed'])} s, "
+                  f"resumed->first step {cell(f['resumed_to_step'])} s")
     share = figures["peer"].get("blocked_share", [])
     if share:
         print(f"peer copies: loop blocked {min(share):.2%}/{median(share):.2%} of step time at K={args.every} "
