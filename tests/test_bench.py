@@ -173,8 +173,13 @@ def test_the_replay_floor_registers_the_plans_own_resources(tmp_path: Path) -> N
 
     from infra.plan import bench as plan_bench
 
-    runs, counts, sdks, _ = plan_bench._runs("dev", [1, 2], tmp_path)
+    runs, counts, sdks, imported = plan_bench._runs("dev", [1, 2], tmp_path)
     assert {"replay@1", "replay@2", "floor@1", "floor@2", "plan@1", "plan@2"} <= set(runs)
+    # the floors import the SDK modules of the provider functions the plan calls as well as its
+    # resources' (dev calls some: the caller's identity, Tencent's image lookup)
+    types = {r["type"] for s in (1, 2) for r in json.loads((tmp_path / f"replay-{s}.json").read_text())}
+    from_invokes = set(sdks) - set(plan_bench.sdk_modules(types))
+    assert from_invokes and all(m in imported or "." not in m for m in from_invokes)
     for scale in (1, 2):
         cmd, cwd = runs[f"replay@{scale}"]
         resources = json.loads((tmp_path / f"replay-{scale}.json").read_text())

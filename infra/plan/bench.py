@@ -80,10 +80,20 @@ def loaded():
 for package in sys.argv[2:]:  # what importing the SDK packages loads by itself is not the stack's choice
     importlib.import_module(package)
 before = loaded()
+from infra.plan import engine
 from infra.plan.__main__ import main
+invoked = set()
+answer = engine.StackMocks.call
+
+def call(self, args):  # the provider functions the program calls: their modules are the stack's too
+    invoked.add(args.token)
+    return answer(self, args)
+
+engine.StackMocks.call = call
 with contextlib.redirect_stdout(io.StringIO()):
     main(["--stack", sys.argv[1], "--format", "json"])
 print("\\n".join(sorted(loaded() - before)))
+print("\\n".join("INVOKE " + token for token in sorted(invoked)))
 """
 
 _FLOOR = """
@@ -224,7 +234,12 @@ def _runs(stack: str, scales: list[int], folder: Path) -> tuple[dict[str, tuple[
         counts[scale] = len(resources)
         types |= {str(r["type"]) for r in resources}
         (folder / f"replay-{scale}.json").write_text(json.dumps(resources), encoding="utf-8")
-    sdks = sdk_modules(types)
+    packages = sorted({SDKS[t.split(":")[0]] for t in types if t.split(":")[0] in SDKS} | {SDKS["random"]})
+    out = subprocess.run([sys.executable, "-c", _IMPORTED, stack, *packages], cwd=ROOT, check=True,
+                         capture_output=True, text=True, timeout=900, env=_env()).stdout.split("\n")
+    imported = [line for line in out if line and not line.startswith("INVOKE ")]
+    # the floor imports the modules of the stack's resources and of the provider functions it calls
+    sdks = sdk_modules(types | {line.split(" ", 1)[1] for line in out if line.startswith("INVOKE ")})
     for scale in scales:
         name, cwd = where[scale]
         runs[f"plan@{scale}"] = ([sys.executable, "-c", _PLAN, name, *sdks], cwd)
@@ -235,9 +250,6 @@ def _runs(stack: str, scales: list[int], folder: Path) -> tuple[dict[str, tuple[
     runs["floor_gc@1"] = ([sys.executable, "-c", _FLOOR, str(counts[scales[0]]), *sdks], ROOT)
     runs["imports"] = ([sys.executable, "-c", "import importlib, sys\nfor m in sys.argv[1:]: "
                         "getattr(importlib.import_module(m), '_load_', None)", *sdks], ROOT)
-    packages = sorted({m.split(".")[0] for m in sdks} | {SDKS["random"]})
-    imported = subprocess.run([sys.executable, "-c", _IMPORTED, stack, *packages], cwd=ROOT, check=True,
-                              capture_output=True, text=True, timeout=900).stdout.split()
     return runs, counts, sdks, imported
 
 
@@ -297,7 +309,8 @@ def _report(found: dict[str, object]) -> None:
                   f"target <={SLOPE_TARGET:.2f}x")
     extra = found["extra"]
     assert isinstance(extra, list)
-    print(f"  SDK modules imported that no resource of the stack needs: {', '.join(extra) or 'none'}")
+    print(f"  SDK modules the plan imports beyond those of its resources and provider functions (argument types "
+          f"its calls build): {', '.join(extra) or 'none'}")
 
 
 def main(argv: list[str] | None = None) -> int:
