@@ -24,8 +24,8 @@ DURABLE, PEER = 2, 4  # the step saved to disk and bucket, the later one copied 
 
 
 def ranks(mode: str, stores: list[str], tmp: Path, nodes: int, per_node: int) -> list[dict[str, Any]]:
-    """Each rank's result (rank order) of a world of `nodes` x `per_node` ranks in `mode` (save or
-    restore); node n's own store: stores[n]; disks under tmp/disk-<n>, the bucket tmp/bucket."""
+    """Each rank's result (rank order) of a world of `nodes` x `per_node` ranks in `mode` (save,
+    restore or skip); node n's own store: stores[n]; disks under tmp/disk-<n>, the bucket tmp/bucket."""
     port, world = free_port(), nodes * per_node
     (tmp / "share").mkdir(exist_ok=True)
     procs = []
@@ -97,6 +97,15 @@ def _rank() -> None:
                 hashes[step] = full_params_sha256(model)
         peer.close()
         result.update(hashes=hashes, sent=peer.sent, error=peer.error, draw=float(torch.rand(1)))
+    elif mode == "skip":  # a copy still on its way on some rank: the next one is skipped on every rank
+        _train(model, optimizer, 1, comm.rank)
+        peer.copy(DURABLE, {"step": DURABLE, "world_size": comm.world}, rng_state())
+        if comm.rank == 0 and peer._sender is not None:
+            peer._sender.join()  # rank 0's stores answer; the others' buddy or own store never does
+        comm.barrier()
+        peer.copy(PEER, {"step": PEER, "world_size": comm.world}, rng_state())
+        result.update(sent=peer.sent, skipped=peer.skipped)
+        peer.close(timeout_s=0)
     else:
         found = peer_sharded.choose(sharded, peer)
         if found is not None:

@@ -4,11 +4,13 @@ in its own node's store and its buddy's (stores as processes); a node is lost wi
 fewer ranks restore from what the survivors hold, resharded, the full parameters compared with
 what the 4 saved. A flipped byte in the only copy of a shard: refused by name, the bucket's step
 used. A node lost with its buddy (a shard in no surviving store): the set is not complete, never
-used; the bucket's step is."""
+used; the bucket's step is. A copy still on its way on one rank makes the next skipped on all
+(DCP's save is collective), never waited for."""
 
 from __future__ import annotations
 
 import contextlib
+import socket
 from pathlib import Path
 
 from tests.peer_helpers import KEY, store_process
@@ -71,3 +73,15 @@ def test_a_node_lost_with_its_buddy_leaves_no_complete_set_and_the_bucket_s_step
     assert all(r["step"] == DURABLE and not r["from_peer"] and r["refusals"] == [] for r in restored)
     assert restored[0]["hash"] == saved[0]["hashes"][str(DURABLE)]
     assert "restoring sharded step" not in restored[0]["output"]
+
+
+def test_a_copy_still_on_its_way_on_some_rank_makes_the_next_skipped_on_every_rank(tmp_path: Path) -> None:
+    with store_process() as first, store_process() as second, socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)  # accepts connections, never answers: a copy sent there stays on its way
+        silent = f"127.0.0.1:{hole.getsockname()[1]}"
+        # rank 0 sends to node 1's store and its own (both answer); rank 1 to the silent one, rank 2 from it
+        results = ranks("skip", [first, second, silent], tmp_path, nodes=3, per_node=1)
+    assert [(r["sent"], r["skipped"]) for r in results] == [([DURABLE], 1), ([], 1), ([], 1)], \
+        results[0]["output"][-3000:]
+    assert f"peer copy of step {PEER} skipped: the one before is still being sent" in results[0]["output"]

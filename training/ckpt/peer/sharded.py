@@ -99,17 +99,22 @@ class ShardedPeer:
         if self._busy() and budget_s is not None:
             assert self._sender is not None
             self._sender.join(budget_s)
-        (busy,) = self.comm.any_true(self._busy())  # a collective save: every rank copies, or none
-        if busy:
-            self.skipped += 1
-            if self.comm.rank == 0:
-                log.info("peer copy of step %d skipped: the one before is still being sent", step)
+        mine = self._busy()
+        node_copy, why = (None, "") if mine else self._prepare(state, rng)
+        # DCP's save is collective: every rank copies, or none (one still sending, or one without room)
+        busy, failed = self.comm.any_true(mine, not mine and node_copy is None)
+        if busy or failed:
+            if node_copy is not None:
+                node_copy.remove()
+            if busy:
+                self.skipped += 1
+                if self.comm.rank == 0:
+                    log.info("peer copy of step %d skipped: the one before is still being sent", step)
+            elif why:
+                self.error = why
+                log.warning("peer copy of step %d not made: %s", step, why)
             return time.perf_counter() - start
-        node_copy = self._private_dir()
-        torch.save(rng, Path(node_copy.dir) / rng_name(self.comm.rank))
-        if self.comm.rank == 0:
-            assert state is not None
-            torch.save(state, Path(node_copy.dir) / TRAIN_STATE)
+        assert node_copy is not None
         model_state, optim_state = get_state_dict(self.model, _optimizers(self.optimizer))
         pending = async_save({"model": model_state, "optim": optim_state}, storage_writer=_PeerWriter(node_copy.dir),
                              process_group=self.group, no_dist=self.group is None, async_stager=self.stager)
@@ -129,17 +134,25 @@ class ShardedPeer:
             log.info("peer copy of step %d: loop blocked %.3f s", step, blocked)
         return blocked
 
-    def _private_dir(self) -> share.NodeCopy:
-        """A new private directory (mkdtemp, 0700, locked while this process lives: a restore's
-        sweep removes one a killed worker left) in /dev/shm, else the node's scratch."""
+    def _prepare(self, state: dict[str, Any] | None, rng: dict[str, Any]) -> tuple[share.NodeCopy | None, str]:
+        """(a new private directory holding this rank's RNG state and, on rank 0, the train state,
+        "") or (None, why): mkdtemp, 0700, locked while this process lives (a restore's sweep
+        removes one a killed worker left), in /dev/shm, else the node's scratch."""
         failures = []
         for root in dict.fromkeys((self.tier.share_root, self.tier.share_fallback)):
-            if root:
-                try:
-                    return share.NodeCopy(root)
-                except OSError as exc:
-                    failures.append(f"{root}: {exc.strerror or exc}")
-        raise CheckpointError("no place for a peer copy: " + "; ".join(failures))
+            node_copy = None
+            try:
+                node_copy = share.NodeCopy(root) if root else None
+                if node_copy is not None:
+                    torch.save(rng, Path(node_copy.dir) / rng_name(self.comm.rank))
+                    if self.comm.rank == 0:
+                        torch.save(state, Path(node_copy.dir) / TRAIN_STATE)
+                    return node_copy, ""
+            except (OSError, RuntimeError) as exc:  # torch reports a full disk as its own RuntimeError
+                if node_copy is not None:
+                    node_copy.remove()
+                failures.append(f"{root}: {getattr(exc, 'strerror', None) or exc}")
+        return None, "no room for it: " + "; ".join(failures or ["no place to write it"])
 
     def _send(self, step: int, node_copy: share.NodeCopy, pending: Future[Any]) -> None:
         """Once DCP's write is done: each of this rank's files to the buddy's store, then to its own
