@@ -60,14 +60,70 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, 
     optimizer.zero_grad()
 
 
+def _save(peer: Any, sharded: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+          world: int) -> dict[str, Any]:
+    """Train to PEER: a durable step at DURABLE, a peer copy at PEER; the full parameters of both."""
+    from training.ckpt.checkpointer import rng_state
+    from training.ckpt.sharded import full_params_sha256
+
+    hashes, result = {}, {}
+    for step in range(1, PEER + 1):
+        _train(model, optimizer, step, rank)
+        state = {"step": step, "world_size": world}
+        if step == DURABLE:
+            sharded.save(step, model, optimizer, state, rng_state())
+        if step == PEER:
+            result["blocked_s"] = peer.copy(step, state, rng_state())
+        if step in (DURABLE, PEER):
+            hashes[step] = full_params_sha256(model)
+    peer.close()
+    return {**result, "hashes": hashes, "sent": peer.sent, "error": peer.error, "draw": float(torch.rand(1))}
+
+
+def _skip(peer: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int
+          ) -> dict[str, Any]:
+    """A copy still on its way on some rank: the next one is skipped on every rank."""
+    from training.ckpt.checkpointer import rng_state
+
+    _train(model, optimizer, 1, rank)
+    peer.copy(DURABLE, {"step": DURABLE, "world_size": world}, rng_state())
+    if rank == 0 and peer._sender is not None:
+        peer._sender.join()  # rank 0's stores answer; the others' buddy or own store never does
+    peer.comm.barrier()
+    peer.copy(PEER, {"step": PEER, "world_size": world}, rng_state())
+    peer.close(timeout_s=0)
+    return {"sent": peer.sent, "skipped": peer.skipped}
+
+
+def _restore(peer: Any, sharded: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The newest step from peers, disk or bucket into this world's sharding; what came back."""
+    from training.ckpt.checkpointer import set_rng_state
+    from training.ckpt.peer import sharded as peer_sharded
+    from training.ckpt.sharded import full_params_sha256
+
+    result: dict[str, Any] = {}
+    found = peer_sharded.choose(sharded, peer)
+    if found is not None:
+        result.update(from_peer=peer.folder is not None)
+        peer_sharded.restore(sharded, peer, found.step, model, optimizer, found.state["world_size"])
+        result.update(step=found.step, rng=found.rng is not None, state_step=found.state["step"])
+        if found.rng is not None:  # the streams go on as the saving rank's would have
+            set_rng_state(found.rng)
+            result.update(draw=float(torch.rand(1)))
+    tier, comm = peer.tier, peer.comm
+    result.update(hash=full_params_sha256(model), refusals=peer.refusals,
+                  listing=tier.link.listing(tier.stores[comm.node]) if comm.local_rank == 0 else [])
+    peer.close()
+    return result
+
+
 def _rank() -> None:
     import logging
 
-    from training.ckpt.checkpointer import rng_state, set_rng_state
     from training.ckpt.manager import CheckpointManager, Topology
-    from training.ckpt.peer import sharded as peer_sharded
+    from training.ckpt.peer.sharded import ShardedPeer
     from training.ckpt.peer.tier import PeerTier
-    from training.ckpt.sharded import ShardedCheckpoints, full_params_sha256, shard
+    from training.ckpt.sharded import ShardedCheckpoints, shard
     from training.distributed import Comm
     from training.trainer.models import TinyGPT
 
@@ -82,45 +138,16 @@ def _rank() -> None:
     topo = Topology(comm.rank, comm.local_rank, comm.world, comm.node, comm.nnodes, comm.local_world)
     manager = CheckpointManager(str(tmp / f"disk-{comm.node}"), f"file://{tmp / 'bucket'}", topo, keep=5)
     sharded = ShardedCheckpoints(manager, comm, background=False)
-    peer = peer_sharded.ShardedPeer(tier, model, optimizer)
-    result: dict[str, Any] = {"rank": comm.rank}
+    peer = ShardedPeer(tier, model, optimizer)
     if mode == "save":
-        hashes = {}
-        for step in range(1, PEER + 1):
-            _train(model, optimizer, step, comm.rank)
-            state = {"step": step, "world_size": comm.world}
-            if step == DURABLE:
-                sharded.save(step, model, optimizer, state, rng_state())
-            if step == PEER:
-                result["blocked_s"] = peer.copy(step, state, rng_state())
-            if step in (DURABLE, PEER):
-                hashes[step] = full_params_sha256(model)
-        peer.close()
-        result.update(hashes=hashes, sent=peer.sent, error=peer.error, draw=float(torch.rand(1)))
-    elif mode == "skip":  # a copy still on its way on some rank: the next one is skipped on every rank
-        _train(model, optimizer, 1, comm.rank)
-        peer.copy(DURABLE, {"step": DURABLE, "world_size": comm.world}, rng_state())
-        if comm.rank == 0 and peer._sender is not None:
-            peer._sender.join()  # rank 0's stores answer; the others' buddy or own store never does
-        comm.barrier()
-        peer.copy(PEER, {"step": PEER, "world_size": comm.world}, rng_state())
-        result.update(sent=peer.sent, skipped=peer.skipped)
-        peer.close(timeout_s=0)
+        result = _save(peer, sharded, model, optimizer, comm.rank, comm.world)
+    elif mode == "skip":
+        result = _skip(peer, model, optimizer, comm.rank, comm.world)
     else:
-        found = peer_sharded.choose(sharded, peer)
-        if found is not None:
-            result.update(from_peer=peer.folder is not None)
-            peer_sharded.restore(sharded, peer, found.step, model, optimizer, found.state["world_size"])
-            result.update(step=found.step, rng=found.rng is not None, state_step=found.state["step"])
-            if found.rng is not None:  # the streams go on as the saving rank's would have
-                set_rng_state(found.rng)
-                result.update(draw=float(torch.rand(1)))
-        result.update(hash=full_params_sha256(model), refusals=peer.refusals,
-                      listing=tier.link.listing(tier.stores[comm.node]) if comm.local_rank == 0 else [])
-        peer.close()
+        result = _restore(peer, sharded, model, optimizer)
     sharded.close()
     manager.close()
-    print(RESULT + json.dumps(result), flush=True)
+    print(RESULT + json.dumps({"rank": comm.rank, **result}), flush=True)
     comm.close()
 
 
