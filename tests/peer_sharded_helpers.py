@@ -23,9 +23,9 @@ from tests.training_helpers import ROOT, free_port
 DURABLE, PEER = 2, 4  # the step saved to disk and bucket, the later one copied to the peer stores
 
 
-def ranks(mode: str, stores: list[str], tmp: Path, nodes: int, per_node: int) -> list[dict[str, Any]]:
+def ranks(mode: str, stores: list[str], tmp: Path, nodes: int, per_node: int, **extra: str) -> list[dict[str, Any]]:
     """Each rank's result (rank order) of a world of `nodes` x `per_node` ranks in `mode` (save,
-    restore or skip); node n's own store: stores[n]; disks under tmp/disk-<n>, the bucket tmp/bucket."""
+    restore, skip or no-room; `extra`: more environment); node n's own store: stores[n]; disks under tmp/disk-<n>, the bucket tmp/bucket."""
     port, world = free_port(), nodes * per_node
     (tmp / "share").mkdir(exist_ok=True)
     procs = []
@@ -34,7 +34,7 @@ def ranks(mode: str, stores: list[str], tmp: Path, nodes: int, per_node: int) ->
             env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RANK": str(rank),
                    "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TEST_MODE": mode,
-                   "TEST_STORES": ",".join(stores), "TEST_TMP": str(tmp)}
+                   "TEST_STORES": ",".join(stores), "TEST_TMP": str(tmp), **extra}
             procs.append(subprocess.Popen([sys.executable, "-m", "tests.peer_sharded_helpers"], cwd=ROOT, env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = [proc.communicate(timeout=300)[0] for proc in procs]
@@ -95,6 +95,24 @@ def _skip(peer: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, r
     return {"sent": peer.sent, "skipped": peer.skipped}
 
 
+def _no_room(peer: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int
+             ) -> dict[str, Any]:
+    """Rank 1 has no place to write its copy: none is made on any rank (no rank left in DCP's
+    collective save alone); with room again, the next copy is made."""
+    from training.ckpt.checkpointer import rng_state
+
+    _train(model, optimizer, 1, rank)
+    roots = (peer.tier.share_root, peer.tier.share_fallback)
+    if rank == 1:
+        peer.tier.share_root = peer.tier.share_fallback = os.environ["TEST_NO_ROOM"]  # a file: no directory in it
+    peer.copy(DURABLE, {"step": DURABLE, "world_size": world}, rng_state())
+    error = peer.error
+    peer.tier.share_root, peer.tier.share_fallback = roots
+    peer.copy(PEER, {"step": PEER, "world_size": world}, rng_state())
+    peer.close()
+    return {"sent": peer.sent, "skipped": peer.skipped, "error": error}
+
+
 def _restore(peer: Any, sharded: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The newest step from peers, disk or bucket into this world's sharding; what came back."""
     from training.ckpt.checkpointer import set_rng_state
@@ -141,8 +159,8 @@ def _rank() -> None:
     peer = ShardedPeer(tier, model, optimizer)
     if mode == "save":
         result = _save(peer, sharded, model, optimizer, comm.rank, comm.world)
-    elif mode == "skip":
-        result = _skip(peer, model, optimizer, comm.rank, comm.world)
+    elif mode in ("skip", "no-room"):
+        result = (_skip if mode == "skip" else _no_room)(peer, model, optimizer, comm.rank, comm.world)
     else:
         result = _restore(peer, sharded, model, optimizer)
     sharded.close()

@@ -85,3 +85,15 @@ def test_a_copy_still_on_its_way_on_some_rank_makes_the_next_skipped_on_every_ra
     assert [(r["sent"], r["skipped"]) for r in results] == [([DURABLE], 1), ([], 1), ([], 1)], \
         results[0]["output"][-3000:]
     assert f"peer copy of step {PEER} skipped: the one before is still being sent" in results[0]["output"]
+
+
+def test_a_rank_without_room_for_its_copy_leaves_that_copy_out_on_every_rank(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    with store_process() as first, store_process() as second:
+        results = ranks("no-room", [first, second], tmp_path, nodes=2, per_node=1, TEST_NO_ROOM=str(not_a_dir))
+        held = {(e[1], e[2], e[3]) for store in (first, second) for e in Link(KEY).listing(store)}
+    assert [r["sent"] for r in results] == [[PEER], [PEER]], results[1]["output"][-3000:]
+    assert results[0]["error"] == "" and results[1]["error"].startswith(f"no room for it: {not_a_dir}: ")
+    assert f"peer copy of step {DURABLE} not made: no room for it" in results[1]["output"]
+    assert {step for _, step, _ in held} == {PEER} and (1, PEER, "shard") in held

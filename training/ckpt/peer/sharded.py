@@ -95,6 +95,7 @@ class ShardedPeer:
         that long in all. Returns the seconds the loop was blocked."""
         start = time.perf_counter()
         if self.tier.buddy is None:  # a world of one node (on every rank alike): no other node to hold it
+            self.skipped += 1
             return 0.0
         if self._busy() and budget_s is not None:
             assert self._sender is not None
