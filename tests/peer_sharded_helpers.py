@@ -122,7 +122,8 @@ def _restore(peer: Any, sharded: Any, model: torch.nn.Module, optimizer: torch.o
     result: dict[str, Any] = {}
     found = peer_sharded.choose(sharded, peer)
     if found is not None:
-        result.update(from_peer=peer.folder is not None)
+        result.update(from_peer=peer.folder is not None,
+                      files=sorted(os.listdir(peer.folder)) if peer.folder is not None else [])
         peer_sharded.restore(sharded, peer, found.step, model, optimizer, found.state["world_size"])
         result.update(step=found.step, rng=found.rng is not None, state_step=found.state["step"])
         if found.rng is not None:  # the streams go on as the saving rank's would have

@@ -29,10 +29,15 @@ def test_a_lost_node_s_shards_come_back_from_the_survivor_s_store_resharded_into
             assert all(r["step"] == PEER and r["from_peer"] and r["hash"] in ("", saved[0]["hashes"][str(PEER)])
                        for r in again), again[0]["output"][-3000:]
             assert [r["draw"] for r in again] == [r["draw"] for r in saved]
+            # each node fetched the shards its own ranks read (the same sharding: their own, and rank 0's, which
+            # holds what every rank held whole), not all four
+            assert [r["files"] for r in again] == [["__0_0.distcp", "__1_0.distcp", "dcp.metadata", "train-state.pt"]] * 2 \
+                + [["__0_0.distcp", "__2_0.distcp", "__3_0.distcp", "dcp.metadata", "train-state.pt"]] * 2
         restored = ranks("restore", [first], tmp_path, nodes=1, per_node=2)  # node 1 and its store are gone
     expected = saved[0]["hashes"][str(PEER)]
     assert restored[0]["step"] == PEER and restored[0]["hash"] == expected, restored[0]["output"][-3000:]
     assert all(r["from_peer"] and not r["rng"] and r["state_step"] == PEER for r in restored)
+    assert restored[0]["files"] == [f"__{r}_0.distcp" for r in range(4)] + ["dcp.metadata", "train-state.pt"]
     assert "restoring sharded step 4 from peer memory (saved by 4 ranks)" in restored[0]["output"]
     assert list((tmp_path / "share").iterdir()) == []  # the fetched files are gone once loaded
     # the survivor's store keeps the restored step alone, of the world that saved it

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
@@ -117,8 +118,11 @@ class ShardedPeer:
             return time.perf_counter() - start
         assert node_copy is not None
         model_state, optim_state = get_state_dict(self.model, _optimizers(self.optimizer))
+        # what every rank holds whole (an optimizer's step counts, its groups) goes into rank 0's file,
+        # not spread over the ranks': a restore's node then needs its own ranks' shards and rank 0's (`_needed`)
         pending = async_save({"model": model_state, "optim": optim_state}, storage_writer=_PeerWriter(node_copy.dir),
-                             process_group=self.group, no_dist=self.group is None, async_stager=self.stager)
+                             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), process_group=self.group,
+                             no_dist=self.group is None, async_stager=self.stager)
         assert isinstance(pending, Future)
         self._pending = pending
         self._sender = threading.Thread(target=self._send, args=(step, node_copy, pending), name="peer-shard-copy",
@@ -207,19 +211,15 @@ class ShardedPeer:
         return {step for step, _, _ in shardset.sets(self.tier._held())}
 
     def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
-        """(train state, this rank's RNG state or None) of `step` from the stores, its files in
-        `self.folder` on every rank, else None on every rank alike (collective)."""
-        tier, comm = self.tier, self.comm
+        """(train state, this rank's RNG state or None) of `step` from the stores, the files this
+        node's ranks read in `self.folder`; else None on every rank alike (collective). Rank 0 lists
+        the step's complete sets; the ranks try them in that order together (`_fetch`) and take the
+        first every node got."""
+        comm = self.comm
         before = time.time()
-        held = tier._held()
+        held = self.tier._held()
         for world, gen, files in comm.all_gather_object(shardset.candidates(held, step) if comm.rank == 0 else None)[0]:
-            why, path = "", ""
-            if comm.local_rank == 0:
-                self._restored, why = shardset.fetch_set(tier, step, world, files,
-                                                         [tier.share_root, tier.share_fallback], before)
-                path = self._restored.dir if self._restored is not None else ""
-            path = comm.all_gather_object(path)[comm.rank - comm.local_rank]
-            state, why = self._read(path, why)
+            state, path, why = self._fetch(step, world, files, before)
             (missed,) = comm.any_true(state is None)
             if missed:
                 if why:
@@ -228,9 +228,50 @@ class ShardedPeer:
                 self.release()
                 continue
             assert state is not None
-            self.folder, tier.restored_world = Path(path), world
+            self.folder, self.tier.restored_world = Path(path), world
             return state, (self._own_rng(step, world, gen, held) if world == comm.world else None)
         return None
+
+    def _fetch(self, step: int, world: int, files: shardset.Files, before: float
+               ) -> tuple[dict[str, Any] | None, str, str]:
+        """(train state, the node's directory, "") or (None, path, why), on every rank (collective).
+        The node's local rank 0 fetches the metadata and the train state into a private directory;
+        each rank asks DCP's planner which saved shards overlap its own shard in this run (`_needed`);
+        local rank 0 fetches those of all its node's ranks, so that a node holds only what its ranks
+        read (every shard where they need them all, as after a shrink to one node)."""
+        comm, tier = self.comm, self.tier
+        why, path, head = "", "", [key for key in files if key[1] != "shard"]
+        if comm.local_rank == 0:
+            self._restored, why = shardset.open_dir([tier.share_root, tier.share_fallback], before,
+                                                    shardset.size(files))
+            if self._restored is not None:
+                why = shardset.fetch_into(tier, step, world, files, head, self._restored)
+                path = "" if why else self._restored.dir
+        first = comm.rank - comm.local_rank
+        path = comm.all_gather_object(path)[first]
+        state, why = self._read(path, why)
+        needed, why = self._needed(path) if state is not None else (set(), why)
+        wanted = set().union(*(set(n) for n in comm.all_gather_object(sorted(needed))[first:first + comm.local_world]))
+        if comm.local_rank == 0 and self._restored is not None and not why:
+            why = shardset.fetch_into(tier, step, world, files, [(r, "shard") for r in wanted], self._restored)
+        return (state if not why else None), path, why
+
+    def _needed(self, path: str) -> tuple[set[int], str]:
+        """(the saving ranks whose shards this rank reads in this run's sharding, "") per DCP's
+        metadata in `path` and its own planner (what `dcp_load` will read); else (set(), why)."""
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        from training.ckpt.sharded import _Reader
+
+        try:
+            metadata = _Reader(path).read_metadata()
+            model_state, optim_state = get_state_dict(self.model, _optimizers(self.optimizer))
+            planner = DefaultLoadPlanner()
+            planner.set_up_planner({"model": model_state, "optim": optim_state}, metadata, False)
+            names = {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
+        except Exception as exc:  # noqa: BLE001 (a metadata DCP cannot plan from: refused, every rank goes on to the vote)
+            return set(), f"{path}: DCP's metadata cannot be planned from: {exc}"
+        return shardset.shard_ranks(names), ""
 
     def _read(self, path: str, why: str) -> tuple[dict[str, Any] | None, str]:
         """The train state in the node's directory when that is this user's private one; else (None, why)."""

@@ -14,6 +14,8 @@ path does when the world size changed). Copies of two histories (generations) ar
 from __future__ import annotations
 
 import logging
+import os
+import re
 from typing import Any
 
 from training.ckpt.peer import share
@@ -22,6 +24,7 @@ from training.ckpt.sharded import METADATA, TRAIN_STATE
 
 log = logging.getLogger("gts.peer")
 NEEDED_OF_RANK0 = ("meta", "train")
+SHARD_FILE = re.compile(r"^__(\d+)_0\.distcp$")
 
 # (rank, kind) -> [(store, entry)], entry as the stores list it: [world, rank, step, kind, digest, size, generation]
 Files = dict[tuple[int, str], list[tuple[str, list[Any]]]]
@@ -66,31 +69,47 @@ def fetch_one(tier: PeerTier, step: int, pairs: list[tuple[str, list[Any]]]) -> 
     return None
 
 
-def fetch_set(tier: PeerTier, step: int, world: int, files: Files, roots: list[str], before: float
-              ) -> tuple[share.NodeCopy | None, str]:
-    """A node's local rank 0: every file of the set, fetched one at a time (one file's bytes held at
-    once), written into a private directory for this restore (share.NodeCopy: mkdtemp, 0700; each
-    file O_EXCL, 0600) in the first of `roots` with room, after sweeping what dead publishers left
-    (share.sweep). (None, why) when a file matched in no store (the step is then not used from
-    peers) or no root had room."""
+def open_dir(roots: list[str], before: float, size: int) -> tuple[share.NodeCopy | None, str]:
+    """A node's local rank 0: a private directory for this restore (share.NodeCopy: mkdtemp, 0700)
+    in the first of `roots` with `size` bytes free (a container's /dev/shm may be small), after
+    sweeping what dead publishers left there (share.sweep); else (None, why)."""
     where = [r for r in dict.fromkeys(roots) if r]
-    for root in where:
-        share.sweep(root, before)
     failures = []
     for root in where:
-        node_copy = None
+        share.sweep(root, before)
         try:
-            node_copy = share.NodeCopy(root)
-            for (rank, kind), pairs in sorted(files.items()):
-                data = fetch_one(tier, step, pairs)
-                if data is None:
-                    node_copy.remove()
-                    return None, f"no store gave a good {kind} copy of rank {rank}/{world} of step {step}"
-                node_copy.write(data, file_name(rank, kind))
-                del data
-            return node_copy, ""
-        except OSError as exc:  # no room (a pod's bounded /dev/shm): the next root, fetched again
-            if node_copy is not None:
-                node_copy.remove()
+            st = os.statvfs(root)
+            if st.f_bavail * st.f_frsize < size:
+                failures.append(f"{root}: {st.f_bavail * st.f_frsize} bytes free, {size} needed")
+                continue
+            return share.NodeCopy(root), ""
+        except OSError as exc:
             failures.append(f"{root}: {exc.strerror or exc}")
     return None, "no room to share it: " + "; ".join(failures or ["no place to write it"])
+
+
+def size(files: Files) -> int:
+    """The bytes of a set's files as the stores list them (the largest listing of each)."""
+    return sum(max(int(entry[5]) for _, entry in pairs) for pairs in files.values())
+
+
+def fetch_into(tier: PeerTier, step: int, world: int, files: Files, keys: list[tuple[int, str]],
+               node_copy: share.NodeCopy) -> str:
+    """The files `keys` of the set, fetched one at a time (one file's bytes held at once), each
+    written once into `node_copy` (O_EXCL, 0600); "" or why not (a file that matched in no store:
+    the step is then not used from peers; no room)."""
+    for rank, kind in sorted(keys):
+        data = fetch_one(tier, step, files[(rank, kind)])
+        if data is None:
+            return f"no store gave a good {kind} copy of rank {rank}/{world} of step {step}"
+        try:
+            node_copy.write(data, file_name(rank, kind))
+        except OSError as exc:
+            return f"{node_copy.dir}: {exc.strerror or exc}"
+        del data
+    return ""
+
+
+def shard_ranks(names: set[str]) -> set[int]:
+    """The saving ranks of DCP files named as file_name names them (`__3_0.distcp` -> 3)."""
+    return {int(match.group(1)) for name in names if (match := SHARD_FILE.match(name))}
