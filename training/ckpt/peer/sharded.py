@@ -15,9 +15,11 @@ every copy is: wire.py), and removes the directory.
 
 The restore (`load`, collective, from training/ckpt/run_control.py's choose_checkpoint through
 `choose`): rank 0 lists the complete sets of the step (shardset.py); for each in turn every node's
-local rank 0 fetches every file of it (each checked against its digest; a copy that does not match
-is refused by name and the next holder tried) into a private directory, and the ranks vote: the
-first set every node got is used, else the disk and the bucket. Every rank DCP-loads from its
+local rank 0 fetches DCP's metadata and the train state into a private directory, each rank asks
+DCP's load planner which saved shards its new shard overlaps, and local rank 0 fetches those of its
+node's ranks (each file checked against its digest; a copy that does not match is refused by name
+and the next holder tried); the ranks vote: the first set every node got is used, else the disk
+and the bucket. Every rank DCP-loads from its
 node's directory with this run's sharding (`ShardedCheckpoints.restore(folder=...)`), then the
 directory goes (`release`).
 """
