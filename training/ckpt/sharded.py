@@ -223,10 +223,11 @@ class ShardedCheckpoints:
         self.wait()
         return choose_checkpoint(self.manager, self.comm, self.verify)
 
-    def restore(self, step: int, model: nn.Module, optimizer: Optimizers) -> None:
+    def restore(self, step: int, model: nn.Module, optimizer: Optimizers, folder: Path | None = None) -> None:
         """Load `step`'s shards into this run's sharding (any world size). Every rank calls it,
-        after `choose` agreed on the step."""
-        folder = self.manager.local / step_dir(step)
+        after `choose` agreed on the step. `folder`: where the step's files are when not on this
+        node's disk (a peer copy: training/ckpt/peer/sharded.py)."""
+        folder = folder or self.manager.local / step_dir(step)
         optimizers = _optimizers(optimizer)
         model_state, optim_state = get_state_dict(model, optimizers)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state}

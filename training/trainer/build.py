@@ -3,6 +3,7 @@ meta device without values when a checkpoint will fill them) and its learning-ra
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -74,6 +75,21 @@ def params_sha256(model: nn.Module) -> str:
 def config_drift(saved: dict[str, Any], cfg: config_mod.TrainConfig) -> list[str]:
     now = config_mod.as_dict(cfg)
     return [f"{k}={saved[k]!r} -> {now[k]!r}" for k in SHAPING if k in saved and saved[k] != now[k]]
+
+
+def refusal(cfg: config_mod.TrainConfig, step: int, state: dict[str, Any], rank: int) -> str | None:
+    """Why the run must not go on from checkpoint `step` (complete, or its settings changed), or None."""
+    if cfg.steps <= step:
+        return f"complete: checkpoint step {step} is at or past --steps {cfg.steps}; nothing to run"
+    drift = config_drift(state.get("config", {}), cfg)
+    if drift and not cfg.allow_config_change:
+        return (f"refused: checkpoint step {step} was trained with other settings ({', '.join(drift)}); "
+                "resuming would change the result. Restore them, point at a new checkpoint URL, or pass "
+                "--allow-config-change")
+    if drift and rank == 0:
+        logging.getLogger("gts.train").warning("resuming step %d with changed settings (--allow-config-change): %s",
+                                               step, ", ".join(drift))
+    return None
 
 
 def final_digest(model: nn.Module, sharded: bool, rank: int) -> str:

@@ -35,8 +35,7 @@ from training.ckpt.storage import StorageRefused
 from training.ckpt.checkpointer import Interval, StopFlag, finish, rng_state, set_rng_state
 from training.ckpt.peer.tier import PeerTier, choose, open_tier
 from training.ckpt.run_control import HistoryUnknown, refuse, say_refused, say_storage
-from training.trainer.build import (build_data, build_model, config_drift, final_digest, fully_restored,
-                                    lr_lambda)
+from training.trainer.build import build_data, build_model, final_digest, fully_restored, lr_lambda, refusal
 from training.trainer.restore import own_moments, restore_model
 from training.trainer.data import ResumableSampler, derived_seed
 from training.distributed import Comm
@@ -46,6 +45,7 @@ from training.trainer.tracking import Tracker
 from training.wallcost import WallCost
 
 if TYPE_CHECKING:
+    from training.ckpt.peer.sharded import ShardedPeer
     from training.ckpt.sharded import ShardedCheckpoints
 
 log = logging.getLogger("gts.train")
@@ -63,7 +63,7 @@ class Run:
         self.stop = StopFlag(cfg.upload_deadline_s)
         self.dataset = build_data(cfg)
         self.sharded: ShardedCheckpoints | None = None  # the sharded path's checkpoints (open_checkpoints)
-        self.peer: PeerTier | None = None  # copies in other nodes' memory (PEER_EVERY; replicated state only)
+        self.peer: PeerTier | ShardedPeer | None = None  # copies in other nodes' memory (PEER_EVERY), of either state
         self.deferred_init = False  # the model was built without initial values (build_model)
         self.use_scaler = cfg.precision == "fp16" and comm.device.type == "cuda"
         self.metrics = Metrics(cfg.metrics_port if comm.local_rank == 0 else 0, cfg.node_hourly_usd,
@@ -148,29 +148,24 @@ class Run:
     def resume(self, ckpt: CheckpointManager) -> str | None:
         """Restore the newest usable checkpoint. Returns why the run must not go on (already
         complete, or its result-shaping config changed), or None to train."""
-        found = self.sharded.choose() if self.sharded is not None else choose(ckpt, self.comm, self.peer)
+        if self.sharded is not None:  # peers (a whole set of shards), disk, bucket; never a mix
+            from training.ckpt.peer import sharded as peer_sharded
+
+            self.peer = peer_sharded.open_sharded(self.peer, self.model, self.optimizer)  # over the same stores
+            found = peer_sharded.choose(self.sharded, self.peer)
+        else:
+            found = choose(ckpt, self.comm, self.peer if isinstance(self.peer, PeerTier) else None)
         if found is None:
             self.initialise()
             return None
         state = found.state
-        if self.cfg.steps <= found.step:
-            return f"complete: checkpoint step {found.step} is at or past --steps {self.cfg.steps}; nothing to run"
-        drift = config_drift(state.get("config", {}), self.cfg)
-        if drift and not self.cfg.allow_config_change:
-            return (f"refused: checkpoint step {found.step} was trained with other settings ({', '.join(drift)}); "
-                    "resuming would change the result. Restore them, point at a new checkpoint URL, or pass "
-                    "--allow-config-change")
-        if drift and self.comm.rank == 0:
-            log.warning("resuming step %d with changed settings (--allow-config-change): %s", found.step, ", ".join(drift))
-        if self.sharded is not None:  # every rank reads the pieces of its own shard, whatever the saved world size
-            from training.ckpt.sharded import full_params_sha256
-
-            self.sharded.restore(found.step, self.model, self.optimizer)
-            digest = full_params_sha256(self.model)
-            if self.comm.rank == 0:
-                log.info("restored step %d saved by %d ranks into %d: params_sha256=%s", found.step,
-                         int(state.get("world_size", 0)), self.comm.world, digest)
-        else:
+        verdict = refusal(self.cfg, found.step, state, self.comm.rank)
+        if self.sharded is not None:  # each rank reads its shard's pieces, any saved world size (a verdict: none)
+            peer_sharded.restore(self.sharded, self.peer, found.step, self.model, self.optimizer,
+                                 int(state.get("world_size", 0)), load=verdict is None)
+        if verdict is not None:
+            return verdict
+        if self.sharded is None:
             assigned = restore_model(self.model, self.optimizer, state["model"],
                                      self.deferred_init and self.comm.device.type == "cpu")
             self.optimizer.load_state_dict(state["optimizer"])
@@ -333,7 +328,7 @@ class Run:
         ckpt = self.open_checkpoints()
         if ckpt is None:
             return EXIT_USAGE
-        self.peer = open_tier(self.comm) if self.sharded is None else None
+        self.peer = open_tier(self.comm)
         if self.sharded is None and (self.peer is None or not self.peer.steps()):  # peers hold newer: no prefetch
             ckpt.prefetch()  # the newest step is fetched and checked while the model is built
         self.build_model()

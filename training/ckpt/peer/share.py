@@ -48,8 +48,8 @@ class NodeCopy:
         self._lock = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         fcntl.flock(self._lock, fcntl.LOCK_EX)  # released by the kernel when this process dies
 
-    def write(self, data: bytes | memoryview) -> str:
-        path = os.path.join(self.dir, "copy.pt")
+    def write(self, data: bytes | memoryview, name: str = "copy.pt") -> str:
+        path = os.path.join(self.dir, name)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)

@@ -22,7 +22,9 @@ MAX_SKEW_S = 120  # a signed request older (or newer) than this is refused: no r
 # the rank's own alone (RNG streams, data position).
 # <generation>: <when>-<step>, when (Unix seconds, rank 0's clock) the sending world restored <step>
 # (training/ckpt/peer/tier.py), so that copies of two histories that reached one step are told apart.
-COPY = re.compile(r"^/v1/copy/(\d{1,6})/(\d{1,6})/(\d{1,12})/(full|rank)/(\d{1,12}-\d{1,12})$")
+# Sharded state (training/ckpt/peer/sharded.py): `shard` (the rank's DCP file), `meta` (DCP's
+# metadata, rank 0), `train` (the train state beside the shards, rank 0), `rng` (the rank's streams).
+COPY = re.compile(r"^/v1/copy/(\d{1,6})/(\d{1,6})/(\d{1,12})/(full|rank|shard|meta|train|rng)/(\d{1,12}-\d{1,12})$")
 # /v1/keep/<world>/<step>: forget every copy but those of <step> saved by world size <world> (0: any);
 # a world that restored <step> abandoned later steps and needs no older one
 KEEP_ONLY = re.compile(r"^/v1/keep/(\d{1,6})/(\d{1,12})$")

@@ -1,0 +1,362 @@
+"""The peer tier for sharded state (FSDP2 `fully_shard`, DTensors; issue 46): every PEER_EVERY steps
+each rank's shard goes into host memory on its own node's peer store and on its buddy's, and after a
+loss the new world restores the newest step the surviving stores hold whole, resharded by DCP into
+this run's world (any size).
+
+The copy. The ranks agree that no copy is still on its way (one all-reduce; a copy still in flight
+on any rank makes this one skipped on all, logged, never a wait: DCP's save is collective). Then
+each rank DCP-saves its shard of the model and optimizer as training/ckpt/sharded.py does (torch's
+`async_save`: the loop waits for the staging into reused host buffers only; the write runs on a
+gloo group of the tier's own) into a private directory of its own (share.NodeCopy: mkdtemp, 0700,
+in /dev/shm, else the checkpoint manager's local directory), beside its RNG state (and, rank 0,
+the train state). A background thread waits for the write (DCP's save ends when rank 0 has written
+the metadata), sends each file to the buddy's store and to its own node's (signed and digested as
+every copy is: wire.py), and removes the directory.
+
+The restore (`load`, collective, from training/ckpt/run_control.py's choose_checkpoint through
+`choose`): rank 0 lists the complete sets of the step (shardset.py); for each in turn every node's
+local rank 0 fetches DCP's metadata and the train state into a private directory, each rank asks
+DCP's load planner which saved shards its new shard overlaps, and local rank 0 fetches those of its
+node's ranks (each file checked against its digest; a copy that does not match is refused by name
+and the next holder tried); the ranks vote: the first set every node got is used, else the disk
+and the bucket. Every rank DCP-loads from its
+node's directory with this run's sharding (`ShardedCheckpoints.restore(folder=...)`), then the
+directory goes (`release`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import stat
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict_saver import async_save
+
+from training.ckpt.files import CheckpointError, unpickle
+from training.ckpt.manager import rng_name
+from training.ckpt.peer import share, shardset, wire
+from training.ckpt.peer.tier import PeerTier
+from training.ckpt.run_control import Resumed, choose_checkpoint
+from training.ckpt.sharded import TRAIN_STATE, Optimizers, ShardedCheckpoints, _optimizers, _Writer
+
+log = logging.getLogger("gts.peer")
+
+
+class _PeerWriter(_Writer):
+    """DCP's file writer without fsync: the copy lives in memory (/dev/shm) for seconds."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, sync_files=False)
+
+
+class ShardedPeer:
+    """One rank's side of the sharded peer tier, over `tier` (its stores, buddy, key and
+    generation). Every rank makes one (a collective: its gloo group)."""
+
+    name = "peer"
+
+    def __init__(self, tier: PeerTier, model: nn.Module, optimizer: Optimizers):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.tier, self.comm = tier, tier.comm
+        self.model, self.optimizer = model, optimizer
+        self.group = dist.new_group(backend="gloo") if self.comm.distributed else None
+        cuda = self.comm.device.type == "cuda"
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=cuda))
+        self._sender: threading.Thread | None = None
+        self._pending: Future[Any] | None = None
+        self.blocked_s, self.skipped, self.error = 0.0, 0, ""  # as PeerTier's: the loop's wait, copies left out
+        self.sent: list[int] = []
+        self.folder: Path | None = None  # the restored peer step's files on this node (`load`)
+        self._restored: share.NodeCopy | None = None  # local rank 0: that directory, removed by `release`
+
+    @property
+    def refusals(self) -> list[str]:
+        return self.tier.refusals
+
+    def due(self, step: int) -> bool:
+        return self.tier.due(step)
+
+    def _busy(self) -> bool:
+        return self._sender is not None and self._sender.is_alive()
+
+    def copy(self, step: int, state: dict[str, Any] | None, rng: dict[str, Any], budget_s: float | None = None
+             ) -> float:
+        """Every rank: stage its shard and send it in the background (`state`: the train state,
+        written by rank 0). `budget_s` (a stop): wait for the copy before it and this one, at most
+        that long in all. Returns the seconds the loop was blocked."""
+        start = time.perf_counter()
+        if self.tier.buddy is None:  # a world of one node (on every rank alike): no other node to hold it
+            self.skipped += 1
+            return 0.0
+        if self._busy() and budget_s is not None:
+            assert self._sender is not None
+            self._sender.join(budget_s)
+        mine = self._busy()
+        node_copy, why = (None, "") if mine else self._prepare(state, rng)
+        # DCP's save is collective: every rank copies, or none (one still sending, or one without room)
+        busy, failed = self.comm.any_true(mine, not mine and node_copy is None)
+        if busy or failed:
+            if node_copy is not None:
+                node_copy.remove()
+            if busy:
+                self.skipped += 1
+                if self.comm.rank == 0:
+                    log.info("peer copy of step %d skipped: the one before is still being sent", step)
+            elif why:
+                self.error = why
+                log.warning("peer copy of step %d not made: %s", step, why)
+            return time.perf_counter() - start
+        assert node_copy is not None
+        model_state, optim_state = get_state_dict(self.model, _optimizers(self.optimizer))
+        # what every rank holds whole (an optimizer's step counts, its groups) goes into rank 0's file,
+        # not spread over the ranks': a restore's node then needs its own ranks' shards and rank 0's (`_needed`)
+        pending = async_save({"model": model_state, "optim": optim_state}, storage_writer=_PeerWriter(node_copy.dir),
+                             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), process_group=self.group,
+                             no_dist=self.group is None, async_stager=self.stager)
+        assert isinstance(pending, Future)
+        self._pending = pending
+        self._sender = threading.Thread(target=self._send, args=(step, node_copy, pending), name="peer-shard-copy",
+                                        daemon=True)
+        self._sender.start()
+        if budget_s is not None:
+            self._sender.join(max(0.0, budget_s - (time.perf_counter() - start)))
+            if self._sender.is_alive():
+                log.warning("peer copy of step %d not confirmed within %.0f s of the stop: left to finish on its own",
+                            step, budget_s)
+        blocked = time.perf_counter() - start
+        self.blocked_s += blocked
+        if self.comm.rank == 0:
+            log.info("peer copy of step %d: loop blocked %.3f s", step, blocked)
+        return blocked
+
+    def _prepare(self, state: dict[str, Any] | None, rng: dict[str, Any]) -> tuple[share.NodeCopy | None, str]:
+        """(a new private directory holding this rank's RNG state and, on rank 0, the train state,
+        "") or (None, why): mkdtemp, 0700, locked while this process lives (a restore's sweep
+        removes one a killed worker left), in /dev/shm, else the node's scratch."""
+        failures = []
+        for root in dict.fromkeys((self.tier.share_root, self.tier.share_fallback)):
+            node_copy = None
+            try:
+                node_copy = share.NodeCopy(root) if root else None
+                if node_copy is not None:
+                    torch.save(rng, Path(node_copy.dir) / rng_name(self.comm.rank))
+                    if self.comm.rank == 0:
+                        torch.save(state, Path(node_copy.dir) / TRAIN_STATE)
+                    return node_copy, ""
+            except (OSError, RuntimeError) as exc:  # torch reports a full disk as its own RuntimeError
+                if node_copy is not None:
+                    node_copy.remove()
+                failures.append(f"{root}: {getattr(exc, 'strerror', None) or exc}")
+        return None, "no room for it: " + "; ".join(failures or ["no place to write it"])
+
+    def _send(self, step: int, node_copy: share.NodeCopy, pending: Future[Any]) -> None:
+        """Once DCP's write is done: each of this rank's files to the buddy's store, then to its own
+        node's (which keeps it through a restart of the workers), then the directory goes."""
+        tier, rank = self.tier, self.comm.rank
+        assert tier.buddy is not None
+        size = 0
+        try:
+            pending.result()
+            names = [("shard", shardset.file_name(rank, "shard")), ("rng", rng_name(rank))]
+            names += [(kind, shardset.file_name(0, kind)) for kind in shardset.NEEDED_OF_RANK0] if rank == 0 else []
+            for kind, name in names:
+                data = (Path(node_copy.dir) / name).read_bytes()
+                named, size = wire.payload_digest(data), size + len(data)
+                for store in dict.fromkeys((tier.stores[tier.buddy], tier.stores[self.comm.node])):
+                    tier.link.put(store, self.comm.world, rank, step, kind, data, named, tier.generation)
+                del data
+        except Exception as exc:  # noqa: BLE001 (DCP's write or a store's refusal: logged, the loop goes on)
+            self.error = str(exc)
+            log.warning("peer copy of step %d of rank %d not sent: %s", step, rank, exc)
+            return
+        finally:
+            node_copy.remove()
+        self.sent.append(step)
+        if self.comm.rank == 0:
+            log.info("peer copy of step %d on node %d and this node (%.1f MiB from rank 0)", step, tier.buddy,
+                     size / 2**20)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """The copy on its way: its DCP write done (the save group's collectives end before the
+        group goes), its sending waited for up to `timeout_s`; then the ranks leave the group together."""
+        if self._pending is not None:
+            try:
+                self._pending.result()
+            except Exception:  # noqa: BLE001 (reported by the sender thread)
+                pass
+        if self._sender is not None:
+            self._sender.join(timeout_s)
+        self.stager.close()
+        if self.group is not None and dist.is_initialized():
+            try:
+                dist.barrier(group=self.group)
+            except RuntimeError:
+                pass  # a peer is gone already (a lost node)
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+    # ------------------------------------------------------------------ recovery
+    def steps(self) -> set[int]:
+        """Steps whose every shard, metadata and train state some store holds (shardset.sets)."""
+        return {step for step, _, _ in shardset.sets(self.tier._held())}
+
+    def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+        """(train state, this rank's RNG state or None) of `step` from the stores, the files this
+        node's ranks read in `self.folder`; else None on every rank alike (collective). Rank 0 lists
+        the step's complete sets; the ranks try them in that order together (`_fetch`) and take the
+        first every node got."""
+        comm = self.comm
+        before = time.time()
+        held = self.tier._held()
+        for world, gen, files in comm.all_gather_object(shardset.candidates(held, step) if comm.rank == 0 else None)[0]:
+            state, path, why = self._fetch(step, world, files, before)
+            (missed,) = comm.any_true(state is None)
+            if missed:
+                if why:
+                    log.warning("peer copy of step %d saved by %d ranks not used on node %d: %s", step, world,
+                                comm.node, why)
+                self.release()
+                continue
+            assert state is not None
+            self.folder, self.tier.restored_world = Path(path), world
+            return state, (self._own_rng(step, world, gen, held) if world == comm.world else None)
+        return None
+
+    def _fetch(self, step: int, world: int, files: shardset.Files, before: float
+               ) -> tuple[dict[str, Any] | None, str, str]:
+        """(train state, the node's directory, "") or (None, path, why), on every rank (collective).
+        The node's local rank 0 fetches the metadata and the train state into a private directory;
+        each rank asks DCP's planner which saved shards overlap its own shard in this run (`_needed`);
+        local rank 0 fetches those of all its node's ranks, so that a node holds only what its ranks
+        read (every shard where they need them all, as after a shrink to one node)."""
+        comm, tier = self.comm, self.tier
+        why, path, head = "", "", [key for key in files if key[1] != "shard"]
+        if comm.local_rank == 0:
+            self._restored, why = shardset.open_dir([tier.share_root, tier.share_fallback], before,
+                                                    shardset.size(files))
+            if self._restored is not None:
+                why = shardset.fetch_into(tier, step, world, files, head, self._restored)
+                path = "" if why else self._restored.dir
+        first = comm.rank - comm.local_rank
+        path = comm.all_gather_object(path)[first]
+        state, why = self._read(path, why)
+        needed, why = self._needed(path) if state is not None else (set(), why)
+        wanted = set().union(*(set(n) for n in comm.all_gather_object(sorted(needed))[first:first + comm.local_world]))
+        if comm.local_rank == 0 and self._restored is not None and not why:
+            why = shardset.fetch_into(tier, step, world, files, [(r, "shard") for r in wanted], self._restored)
+        return (state if not why else None), path, why
+
+    def _needed(self, path: str) -> tuple[set[int], str]:
+        """(the saving ranks whose shards this rank reads in this run's sharding, "") per DCP's
+        metadata in `path` and its own planner (what `dcp_load` will read); else (set(), why)."""
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        from training.ckpt.sharded import _Reader
+
+        try:
+            metadata = _Reader(path).read_metadata()
+            model_state, optim_state = get_state_dict(self.model, _optimizers(self.optimizer))
+            planner = DefaultLoadPlanner()
+            planner.set_up_planner({"model": model_state, "optim": optim_state}, metadata, False)
+            names = {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
+        except Exception as exc:  # noqa: BLE001 (a metadata DCP cannot plan from: refused, every rank goes on to the vote)
+            return set(), f"{path}: DCP's metadata cannot be planned from: {exc}"
+        return shardset.shard_ranks(names), ""
+
+    def _read(self, path: str, why: str) -> tuple[dict[str, Any] | None, str]:
+        """The train state in the node's directory when that is this user's private one; else (None, why)."""
+        if not path:
+            return None, why
+        try:
+            if not share._private(Path(path).lstat(), stat.S_IFDIR):
+                return None, f"{path} is not this user's private directory: refused"
+            return unpickle(Path(path) / TRAIN_STATE), ""
+        except (OSError, CheckpointError) as exc:
+            return None, f"{path}/{TRAIN_STATE}: {exc}"
+
+    def _own_rng(self, step: int, world: int, gen: str, held: list[tuple[str, list[Any]]]) -> dict[str, Any] | None:
+        """This rank's RNG state of the set, from a store whose copy matches its digest; else None
+        (its streams are re-seeded, logged)."""
+        pairs = [(s, e) for s, e in held if e[2] == step and e[3] == "rng" and (e[0], e[1], e[6]) ==
+                 (world, self.comm.rank, gen)]
+        data = shardset.fetch_one(self.tier, step, pairs) if pairs else None
+        if data is not None:
+            try:
+                return dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+            except Exception as exc:  # noqa: BLE001 (the sender's own bytes, not loadable: re-seeded)
+                log.warning("rank %d: its RNG state of step %d cannot be loaded: %s", self.comm.rank, step, exc)
+        log.warning("rank %d: no store holds its own RNG state of step %d: its random streams are re-seeded",
+                    self.comm.rank, step)
+        return None
+
+    def release(self) -> None:
+        """The restored step's directory removed, once every rank has read what it needs (collective)."""
+        self.comm.barrier()
+        if self._restored is not None:
+            self._restored.remove()
+            self._restored = None
+        self.folder = None
+
+
+def open_sharded(tier: PeerTier | ShardedPeer | None, model: nn.Module, optimizer: Optimizers) -> ShardedPeer | None:
+    """The sharded tier over `tier`'s stores (None where there is no store: on every rank alike)."""
+    return ShardedPeer(tier, model, optimizer) if isinstance(tier, PeerTier) else tier
+
+
+def choose(sharded: ShardedCheckpoints, peer: PeerTier | ShardedPeer | None) -> Resumed | None:
+    """The newest step every rank can get: from the peer stores (a complete set), else the disk,
+    else the bucket (ShardedCheckpoints.verify); never a mix of tiers for one step. The stores
+    then keep the restored step alone (PeerTier.keep_only). A peer step's files are in
+    `peer.folder` until `restore` has loaded them."""
+    if not isinstance(peer, ShardedPeer):
+        return sharded.choose()
+    sharded.wait()
+    peer.tier.share_fallback = str(sharded.manager.local)  # node-local scratch, not the container's root disk
+
+    def load(step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        found = peer.load(step)  # collective: None on every rank alike
+        if found is not None:
+            if peer.comm.rank == 0:
+                log.info("restoring sharded step %d from peer memory (saved by %d ranks)", step,
+                         peer.tier.restored_world)
+            return found
+        try:
+            return sharded.verify(step)
+        except CheckpointError as exc:
+            raise CheckpointError(f"no peer copy of step {step}, and {exc}") from None
+    found = choose_checkpoint(sharded.manager, sharded.comm, load, peer.steps())
+    peer.tier.keep_only(found.step if found is not None else 0)
+    return found
+
+
+def restore(sharded: ShardedCheckpoints, peer: PeerTier | ShardedPeer | None, step: int, model: nn.Module,
+            optimizer: Optimizers, saved_world: int, load: bool = True) -> None:
+    """`step`'s shards into this run's sharding (collective), from the peer copy `choose` fetched when
+    it did, else from the disk; then the peer copy's directory goes (also with `load` False: a run
+    that does not go on from the step)."""
+    from training.ckpt.sharded import full_params_sha256
+
+    shared = peer if isinstance(peer, ShardedPeer) else None
+    try:
+        if load:
+            sharded.restore(step, model, optimizer, shared.folder if shared is not None else None)
+    finally:
+        if shared is not None:
+            shared.release()
+    if load:
+        digest = full_params_sha256(model)
+        if sharded.comm.rank == 0:
+            log.info("restored step %d saved by %d ranks into %d: params_sha256=%s", step, saved_world,
+                     sharded.comm.world, digest)

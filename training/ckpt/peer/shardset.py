@@ -1,0 +1,115 @@
+"""Which sharded steps the peer stores hold whole, and one node's fetch of such a step (issue 46;
+training/ckpt/peer/sharded.py uses them).
+
+A sharded step saved by a world of W ranks is in the stores as copies of four kinds (wire.COPY):
+`shard` (rank r's DCP file, every r < W), `meta` (DCP's metadata, from rank 0), `train` (the
+train state beside the shards, from rank 0) and `rng` (each rank's streams). Each rank sends its
+own to its node's store and to its buddy's, so a step stays whole when any one node is lost
+(the lost node's on its buddy, its predecessor's in the predecessor's own store). A step is
+*complete* for (W, generation) when every `shard` of r < W, the `meta` and the `train` copy are
+in some store; `rng` copies are not needed (a rank without its own is re-seeded, as the durable
+path does when the world size changed). Copies of two histories (generations) are never mixed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+from training.ckpt.peer import share
+from training.ckpt.peer.tier import PeerTier
+from training.ckpt.sharded import METADATA, TRAIN_STATE
+
+log = logging.getLogger("gts.peer")
+NEEDED_OF_RANK0 = ("meta", "train")
+SHARD_FILE = re.compile(r"^__(\d+)_0\.distcp$")
+
+# (rank, kind) -> [(store, entry)], entry as the stores list it: [world, rank, step, kind, digest, size, generation]
+Files = dict[tuple[int, str], list[tuple[str, list[Any]]]]
+
+
+def file_name(rank: int, kind: str) -> str:
+    """The name DCP (and training/ckpt/sharded.py) gives the file a copy holds."""
+    return {"shard": f"__{rank}_0.distcp", "meta": METADATA, "train": TRAIN_STATE}[kind]
+
+
+def complete(files: Files, world: int) -> bool:
+    return all((r, "shard") in files for r in range(world)) and all((0, k) in files for k in NEEDED_OF_RANK0)
+
+
+def sets(held: list[tuple[str, list[Any]]], step: int | None = None) -> dict[tuple[int, int, str], Files]:
+    """(step, world, generation) -> its files, for the sharded copies in `held` (of `step` only, when
+    given), complete ones only."""
+    found: dict[tuple[int, int, str], Files] = {}
+    for store, entry in held:
+        world, rank, at, kind, _, _, gen = entry
+        if kind in ("shard", "meta", "train") and (step is None or at == step):
+            found.setdefault((int(at), int(world), str(gen)), {}).setdefault((int(rank), kind), []).append((store, entry))
+    return {key: files for key, files in found.items() if complete(files, key[1])}
+
+
+def candidates(held: list[tuple[str, list[Any]]], step: int) -> list[tuple[int, str, Files]]:
+    """(world, generation, files) of every complete set of `step`, the latest history first (the
+    generation's leading number: when the world that sent it restored), then the larger world."""
+    found = [(world, gen, files) for (_, world, gen), files in sets(held, step).items()]
+    return sorted(found, key=lambda c: (-int(c[1].split("-")[0]), -c[0]))
+
+
+def fetch_one(tier: PeerTier, step: int, pairs: list[tuple[str, list[Any]]]) -> bytes | None:
+    """The bytes of one file from the first store (in this node's order, tier._order) whose copy
+    matches its digest; a copy that does not is refused by name (tier._get) and the next holder
+    tried. None when no holder gave a good copy."""
+    by_store = {store: entry for store, entry in pairs}
+    for store in tier._order(list(by_store)):
+        data = tier._get(step, store, by_store[store])
+        if data is not None:
+            return data
+    return None
+
+
+def open_dir(roots: list[str], before: float, size: int) -> tuple[share.NodeCopy | None, str]:
+    """A node's local rank 0: a private directory for this restore (share.NodeCopy: mkdtemp, 0700)
+    in the first of `roots` with `size` bytes free (a container's /dev/shm may be small), after
+    sweeping what dead publishers left there (share.sweep); else (None, why)."""
+    where = [r for r in dict.fromkeys(roots) if r]
+    failures = []
+    for root in where:
+        share.sweep(root, before)
+        try:
+            st = os.statvfs(root)
+            if st.f_bavail * st.f_frsize < size:
+                failures.append(f"{root}: {st.f_bavail * st.f_frsize} bytes free, {size} needed")
+                continue
+            return share.NodeCopy(root), ""
+        except OSError as exc:
+            failures.append(f"{root}: {exc.strerror or exc}")
+    return None, "no room to share it: " + "; ".join(failures or ["no place to write it"])
+
+
+def size(files: Files) -> int:
+    """The bytes of a set's files as the stores list them (the largest listing of each)."""
+    return sum(max(int(entry[5]) for _, entry in pairs) for pairs in files.values())
+
+
+def fetch_into(tier: PeerTier, step: int, world: int, files: Files, keys: list[tuple[int, str]],
+               node_copy: share.NodeCopy) -> str:
+    """The files `keys` of the set, fetched one at a time (one file's bytes held at once), each
+    written once into `node_copy` (O_EXCL, 0600); "" or why not (a file that matched in no store:
+    the step is then not used from peers; no room)."""
+    for rank, kind in sorted(keys):
+        data = fetch_one(tier, step, files[(rank, kind)])
+        if data is None:
+            return f"no store gave a good {kind} copy of rank {rank}/{world} of step {step}"
+        try:
+            node_copy.write(data, file_name(rank, kind))
+        except OSError as exc:
+            return f"{node_copy.dir}: {exc.strerror or exc}"
+        del data
+    return ""
+
+
+def shard_ranks(names: set[str]) -> set[int]:
+    """The saving ranks of DCP files named as file_name names them (`__3_0.distcp` -> 3)."""
+    return {int(match.group(1)) for name in names if (match := SHARD_FILE.match(name))}
