@@ -245,3 +245,34 @@ def test_a_download_that_drops_midway_is_fetched_again_and_a_bad_copy_is_not(tmp
     with pytest.raises(OSError, match="refused"):  # an answer no retry changes: at once
         fetch_retrying(denied, "b/k", dest, _meta(data), CheckpointError, wait_max_s=0)
     assert denied.opens == 1
+
+
+def test_the_peer_reader_runs_once_a_step_outside_the_buckets_retries(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """choose_checkpoint's `first` (the peer tier's collective reader) is tried once per step and
+    never inside `load`'s retries: a rank retrying a bucket that did not answer must not enter the
+    peer reader's collectives again while the other ranks are in the next one (issue 46 review)."""
+    from training.ckpt import run_control
+    from training.ckpt.storage import StorageUnavailable
+
+    monkeypatch.setattr(run_control, "LOAD_WAIT_S", (0.0, 0.0))
+    mgr = _saved(tmp_path, None)
+    calls: list[str] = []
+
+    def first(step: int) -> None:
+        calls.append(f"peer {step}")
+        return None  # the stores do not hold it: the durable tiers
+
+    def load(step: int) -> tuple[Any, Any]:
+        calls.append(f"load {step}")
+        if calls.count(f"load {step}") == 1:
+            raise StorageUnavailable("the bucket did not answer")
+        return mgr.load(step)
+
+    found = choose_checkpoint(mgr, Comm("torchrun"), load, first=first)
+    assert found is not None and found.step == 2
+    assert calls == ["peer 2", "load 2", "load 2"]
+
+    calls.clear()
+    found = choose_checkpoint(mgr, Comm("torchrun"), load, first=lambda step: ({"from": "peer"}, None))
+    assert found is not None and found.step == 2 and found.state == {"from": "peer"} and calls == []

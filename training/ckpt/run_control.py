@@ -148,11 +148,16 @@ class Resumed:
 
 def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
                       load: Callable[[int], tuple[Any, dict[str, Any] | None]] | None = None,
-                      extra: set[int] | None = None) -> Resumed | None:
+                      extra: set[int] | None = None,
+                      first: Callable[[int], tuple[Any, dict[str, Any] | None] | None] | None = None
+                      ) -> Resumed | None:
     """The newest step every rank can load, each file checked; a step that fails on any rank is
     skipped with a log line naming the rank, file and fault, and the one before it is tried.
     `load` reads one step (default: the model state and this rank's RNG state); `extra`: steps
-    this rank can get elsewhere too (the peer tier's, training/ckpt/peer/tier.py)."""
+    this rank can get elsewhere too (the peer tier's, training/ckpt/peer/tier.py); `first`: a
+    collective reader of those (None on every rank alike when it has not the step), tried once
+    before `load`. It is never inside `load`'s retries: a rank retrying a bucket that blipped
+    would enter its collectives while the other ranks are in the next one (issue 46)."""
     load = load or ckpt.load
     local, remote = set(ckpt.local_steps()), set(ckpt.remote_steps())
     listed = comm.all_gather_object((sorted(local | remote | (extra or set())), sorted(remote), ckpt.remote_error,
@@ -165,7 +170,8 @@ def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
         log.warning("the bucket %s cannot be listed (%s): starting from this node's own checkpoints; uploads "
                     "are retried in the background", ckpt.remote.url if ckpt.remote else "", ckpt.remote_error)
     for step in sorted(common, reverse=True):
-        state, rng, fault, down = _load_step(load, step)
+        found = first(step) if first is not None else None
+        state, rng, fault, down = (*found, "", False) if found is not None else _load_step(load, step)
         gathered = comm.all_gather_object((fault, down))
         faults = [(rank, f) for rank, (f, _) in enumerate(gathered) if f]
         if not faults:
@@ -175,8 +181,8 @@ def choose_checkpoint(ckpt: CheckpointManager, comm: Comm,
             raise HistoryUnknown(f"checkpoint step {step} could not be read after {LOAD_ATTEMPTS} tries: "
                                  f"{unavailable[0]}")
         if comm.rank == 0:
-            rank, first = faults[0]
-            log.warning("skipping checkpoint step %d: rank %d: %s%s", step, rank, first,
+            rank, said = faults[0]
+            log.warning("skipping checkpoint step %d: rank %d: %s%s", step, rank, said,
                         f" (and {len(faults) - 1} more rank(s))" if len(faults) > 1 else "")
     if unread:  # the bucket may hold steps no rank could see: starting from nothing would write over them
         raise HistoryUnknown(f"{ckpt.remote.url if ckpt.remote else ''} could not be read ({unread}) and no step "

@@ -317,18 +317,21 @@ def choose(ckpt: CheckpointManager, comm: Comm, tier: PeerTier | None) -> Resume
 
 
 def _restore_from(tier: PeerTier | None, load: Any) -> dict[str, Any]:
-    """choose_checkpoint's arguments that put the peer tier first: `extra` steps and a `load`
-    trying the stores before the disk and the bucket (`load`, the manager's)."""
+    """choose_checkpoint's arguments that put the peer tier first: `extra` steps, the stores tried
+    `first` (collective, once) and then `load` (the manager's: the disk and the bucket, retried
+    where the bucket does not answer)."""
     if tier is None:
         return {}
 
-    def load_step(step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def from_peers(step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         found = tier.load(step)  # collective: None on every rank alike, never a mix of tiers
         if found is not None:
             log.info("rank %d restores step %d from peer memory", tier.comm.rank, step)
-            return found
+        return found
+
+    def load_step(step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
         try:
             return load(step)  # type: ignore[no-any-return]
         except CheckpointError as exc:
             raise CheckpointError(f"no peer copy of step {step}, and {exc}") from None
-    return {"extra": tier.steps(), "load": load_step}
+    return {"extra": tier.steps(), "first": from_peers, "load": load_step}
