@@ -152,6 +152,8 @@ def _rank() -> None:
     built = TinyGPT(64, 32, 2, 4, 16)
     model = shard(built, list(built.blocks), comm)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # each rank its own streams (the model above is the same on all): a rank given another's is seen
+    torch.manual_seed((100 if mode == "save" else 200) + comm.rank)
     tier = PeerTier(comm, PEER, KEY, os.environ["TEST_STORES"].split(",")[comm.node], "")
     tier.share_root = str(tmp / "share")
     topo = Topology(comm.rank, comm.local_rank, comm.world, comm.node, comm.nnodes, comm.local_world)

@@ -272,7 +272,9 @@ class CheckpointManager:
     def _written(self, step: int, tmp: Path, write: Callable[[], None], needed: int | None = None) -> None:
         try:
             write()
-        except Exception as exc:  # noqa: BLE001 (disk full, I/O error): the step is not committed
+        except BaseException as exc:  # noqa: BLE001 (disk full, I/O error): the step is not committed
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # DCP's CheckpointException is a BaseException
+                raise
             shutil.rmtree(tmp, ignore_errors=True)  # do not leave a partial step on a full disk
             why = write_failure(exc, self.local, needed)
             with self.uploads.lock:

@@ -39,6 +39,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
+import re
 import shutil
 import time
 from concurrent.futures import Future
@@ -49,7 +51,9 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save, save as dcp_save
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
@@ -90,9 +94,45 @@ class _Writer(FileSystemWriter):
         return Path(self.path) / METADATA
 
 
+# What DCP's metadata pickle names (recorded from torch 2.13's saves): its own classes, a torch
+# dtype, Size and layout, the checkpoint id's path. Nothing else is loaded from it.
+_METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+    "TensorStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict")}
+SHARD_FILE_NAME = re.compile(r"__\d+_\d+\.distcp")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                 torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{METADATA} names {module}.{name}, which DCP's metadata never holds: refused")
+
+
 class _Reader(FileSystemReader):
     def _get_metadata_path(self, rank: int | None = None) -> os.PathLike[str]:
         return Path(self.path) / METADATA
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata, a pickle, read with its own classes only (torch's reader unpickles
+        anything: whoever can write a step's folder in the bucket, or holds the run's key for a
+        peer copy, could run code on every rank), and every file it names a shard file of this
+        folder (no path that leaves it)."""
+        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{METADATA} is not DCP's metadata: refused")
+        names = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
+        if any(not SHARD_FILE_NAME.fullmatch(n) for n in names):
+            raise CheckpointError(f"{METADATA} names files that are not this folder's shards "
+                                  f"({sorted(n for n in names if not SHARD_FILE_NAME.fullmatch(n))[:3]}): refused")
+        meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        meta.load_id = self.load_id
+        metadata.storage_meta = meta
+        return metadata
 
 
 def shard(model: nn.Module, units: list[nn.Module], comm: Comm) -> nn.Module:
@@ -155,7 +195,7 @@ class ShardedCheckpoints:
         if self.pending is not None:
             try:
                 self.pending.result()
-            except Exception:  # noqa: BLE001 (reported by the writer thread on local rank 0)
+            except (Exception, CheckpointException):  # noqa: BLE001 (reported by the writer thread on local rank 0)
                 pass
             self.pending = None
         self.manager.wait_commit()

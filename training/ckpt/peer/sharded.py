@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import logging
+import shutil
 import stat
 import threading
 import time
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save
@@ -45,6 +47,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save
 from training.ckpt.files import CheckpointError, unpickle
 from training.ckpt.manager import rng_name
 from training.ckpt.peer import share, shardset, wire
+from training.ckpt.peer.client import PeerRefused
 from training.ckpt.peer.tier import PeerTier
 from training.ckpt.run_control import Resumed, choose_checkpoint
 from training.ckpt.sharded import TRAIN_STATE, Optimizers, ShardedCheckpoints, _optimizers, _Writer
@@ -76,6 +79,7 @@ class ShardedPeer:
                                                    use_async_staging=False, use_non_blocking_copy=cuda))
         self._sender: threading.Thread | None = None
         self._pending: Future[Any] | None = None
+        self._in_flight: share.NodeCopy | None = None  # the directory the sender reads from
         self.blocked_s, self.skipped, self.error = 0.0, 0, ""  # as PeerTier's: the loop's wait, copies left out
         self.sent: list[int] = []
         self.folder: Path | None = None  # the restored peer step's files on this node (`load`)
@@ -104,7 +108,10 @@ class ShardedPeer:
             assert self._sender is not None
             self._sender.join(budget_s)
         mine = self._busy()
-        node_copy, why = (None, "") if mine else self._prepare(state, rng)
+        model_state, optim_state = ({}, {}) if mine else get_state_dict(self.model, _optimizers(self.optimizer))
+        # every local rank writes its shard into the same /dev/shm at once: room for all of them
+        need = 0 if mine else int(shardset.local_bytes((model_state, optim_state)) * 1.1 + 2**20) * self.comm.local_world
+        node_copy, why = (None, "") if mine else self._prepare(state, rng, need)
         # DCP's save is collective: every rank copies, or none (one still sending, or one without room)
         busy, failed = self.comm.any_true(mine, not mine and node_copy is None)
         if busy or failed:
@@ -114,12 +121,13 @@ class ShardedPeer:
                 self.skipped += 1
                 if self.comm.rank == 0:
                     log.info("peer copy of step %d skipped: the one before is still being sent", step)
-            elif why:
-                self.error = why
-                log.warning("peer copy of step %d not made: %s", step, why)
+            else:  # not made: counted as left out, never recorded as a copy the stores hold
+                self.skipped += 1
+                if why:
+                    self.error = why
+                    log.warning("peer copy of step %d not made: %s", step, why)
             return time.perf_counter() - start
         assert node_copy is not None
-        model_state, optim_state = get_state_dict(self.model, _optimizers(self.optimizer))
         # what every rank holds whole (an optimizer's step counts, its groups) goes into rank 0's file,
         # not spread over the ranks': a restore's node then needs its own ranks' shards and rank 0's (`_needed`)
         pending = async_save({"model": model_state, "optim": optim_state}, storage_writer=_PeerWriter(node_copy.dir),
@@ -127,6 +135,7 @@ class ShardedPeer:
                              no_dist=self.group is None, async_stager=self.stager)
         assert isinstance(pending, Future)
         self._pending = pending
+        self._in_flight = node_copy
         self._sender = threading.Thread(target=self._send, args=(step, node_copy, pending), name="peer-shard-copy",
                                         daemon=True)
         self._sender.start()
@@ -141,14 +150,21 @@ class ShardedPeer:
             log.info("peer copy of step %d: loop blocked %.3f s", step, blocked)
         return blocked
 
-    def _prepare(self, state: dict[str, Any] | None, rng: dict[str, Any]) -> tuple[share.NodeCopy | None, str]:
+    def _prepare(self, state: dict[str, Any] | None, rng: dict[str, Any], need: int
+                 ) -> tuple[share.NodeCopy | None, str]:
         """(a new private directory holding this rank's RNG state and, on rank 0, the train state,
         "") or (None, why): mkdtemp, 0700, locked while this process lives (a restore's sweep
-        removes one a killed worker left), in /dev/shm, else the node's scratch."""
+        removes one a killed worker left), in /dev/shm, else the node's scratch: the first with
+        `need` bytes free (the shard DCP writes there later, in the background: a container's
+        /dev/shm of 64 MiB would fail every copy while the scratch has room)."""
         failures = []
         for root in dict.fromkeys((self.tier.share_root, self.tier.share_fallback)):
             node_copy = None
             try:
+                free = shutil.disk_usage(root).free if root else 0
+                if root and free < need:
+                    failures.append(f"{root}: {free} bytes free, {need} needed")
+                    continue
                 node_copy = share.NodeCopy(root) if root else None
                 if node_copy is not None:
                     torch.save(rng, Path(node_copy.dir) / rng_name(self.comm.rank))
@@ -177,7 +193,7 @@ class ShardedPeer:
                 for store in dict.fromkeys((tier.stores[tier.buddy], tier.stores[self.comm.node])):
                     tier.link.put(store, self.comm.world, rank, step, kind, data, named, tier.generation)
                 del data
-        except Exception as exc:  # noqa: BLE001 (DCP's write or a store's refusal: logged, the loop goes on)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 (DCP's write, a store's refusal: logged)
             self.error = str(exc)
             log.warning("peer copy of step %d of rank %d not sent: %s", step, rank, exc)
             return
@@ -194,10 +210,12 @@ class ShardedPeer:
         if self._pending is not None:
             try:
                 self._pending.result()
-            except Exception:  # noqa: BLE001 (reported by the sender thread)
+            except (Exception, CheckpointException):  # noqa: BLE001 (reported by the sender thread)
                 pass
         if self._sender is not None:
             self._sender.join(timeout_s)
+            if self._sender.is_alive() and self._in_flight is not None:  # a stop's budget spent: the daemon
+                self._in_flight.remove()  # sender dies with the process; its shard must not stay in /dev/shm
         self.stager.close()
         if self.group is not None and dist.is_initialized():
             try:
@@ -301,6 +319,17 @@ class ShardedPeer:
                     self.comm.rank, step)
         return None
 
+    def forget(self) -> None:
+        """This node's store drops every copy (local rank 0; no collective: a failed load may have
+        left the ranks apart), so that the restart restores from the disk or the bucket."""
+        if self.comm.local_rank == 0:
+            try:
+                self.tier.link.keep_only(self.tier.stores[self.comm.node], 0, 0)
+                log.warning("the peer copy of this world's step could not be loaded: node %d's store forgot its "
+                            "copies; the restart goes to the disk or the bucket", self.comm.node)
+            except PeerRefused as exc:
+                log.warning("%s", exc)
+
     def release(self) -> None:
         """The restored step's directory removed, once every rank has read what it needs (collective)."""
         self.comm.barrier()
@@ -325,18 +354,18 @@ def choose(sharded: ShardedCheckpoints, peer: PeerTier | ShardedPeer | None) -> 
     sharded.wait()
     peer.tier.share_fallback = str(sharded.manager.local)  # node-local scratch, not the container's root disk
 
+    def from_peers(step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+        found = peer.load(step)  # collective: None on every rank alike; never inside the bucket's retries
+        if found is not None and peer.comm.rank == 0:
+            log.info("restoring sharded step %d from peer memory (saved by %d ranks)", step, peer.tier.restored_world)
+        return found
+
     def load(step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        found = peer.load(step)  # collective: None on every rank alike
-        if found is not None:
-            if peer.comm.rank == 0:
-                log.info("restoring sharded step %d from peer memory (saved by %d ranks)", step,
-                         peer.tier.restored_world)
-            return found
         try:
             return sharded.verify(step)
         except CheckpointError as exc:
             raise CheckpointError(f"no peer copy of step {step}, and {exc}") from None
-    found = choose_checkpoint(sharded.manager, sharded.comm, load, peer.steps())
+    found = choose_checkpoint(sharded.manager, sharded.comm, load, peer.steps(), first=from_peers)
     peer.tier.keep_only(found.step if found is not None else 0)
     return found
 
@@ -352,6 +381,10 @@ def restore(sharded: ShardedCheckpoints, peer: PeerTier | ShardedPeer | None, st
     try:
         if load:
             sharded.restore(step, model, optimizer, shared.folder if shared is not None else None)
+    except BaseException:
+        if shared is not None and shared.folder is not None:  # a set the ranks chose that DCP cannot load:
+            shared.forget()  # the restart must not choose it again; the disk or the bucket then
+        raise
     finally:
         if shared is not None:
             shared.release()

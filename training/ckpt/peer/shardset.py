@@ -18,6 +18,9 @@ import os
 import re
 from typing import Any
 
+import torch
+from torch.distributed.tensor import DTensor
+
 from training.ckpt.peer import share
 from training.ckpt.peer.tier import PeerTier
 from training.ckpt.sharded import METADATA, TRAIN_STATE
@@ -113,3 +116,17 @@ def fetch_into(tier: PeerTier, step: int, world: int, files: Files, keys: list[t
 def shard_ranks(names: set[str]) -> set[int]:
     """The saving ranks of DCP files named as file_name names them (`__3_0.distcp` -> 3)."""
     return {int(match.group(1)) for name in names if (match := SHARD_FILE.match(name))}
+
+
+def local_bytes(obj: Any) -> int:
+    """The bytes of the tensors in `obj` this rank holds (a DTensor's local shard only)."""
+    if isinstance(obj, DTensor):
+        local = obj.to_local()
+        return local.numel() * local.element_size()
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(local_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(local_bytes(v) for v in obj)
+    return 0
