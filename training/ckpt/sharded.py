@@ -280,11 +280,17 @@ class ShardedCheckpoints:
         makes the peer abort: gloo's "terminate called", seen once in a full run)."""
         self.wait()
         self.stager.close()
-        if self.group is not None and dist.is_initialized():
-            try:
-                dist.barrier(group=self.group)
-            except RuntimeError:
-                pass  # a peer is gone already (a lost node)
-            dist.destroy_process_group(self.group)
-            self.group = None
+        leave_group(self.group)
+        self.group = None
+
+
+def leave_group(group: Any) -> None:
+    """The ranks leave a save group of their own together, and it is torn down; a peer already
+    gone (a lost node) is no error here."""
+    if group is not None and dist.is_initialized():
+        try:
+            dist.barrier(group=group)
+        except RuntimeError:
+            pass
+        dist.destroy_process_group(group)
 

@@ -48,9 +48,9 @@ from training.ckpt.files import CheckpointError, unpickle
 from training.ckpt.manager import rng_name
 from training.ckpt.peer import share, shardset, wire
 from training.ckpt.peer.client import PeerRefused
-from training.ckpt.peer.tier import PeerTier
+from training.ckpt.peer.tier import PeerTier, start_sender
 from training.ckpt.run_control import Resumed, choose_checkpoint
-from training.ckpt.sharded import TRAIN_STATE, Optimizers, ShardedCheckpoints, _optimizers, _Writer
+from training.ckpt.sharded import TRAIN_STATE, Optimizers, ShardedCheckpoints, _optimizers, _Writer, leave_group
 
 log = logging.getLogger("gts.peer")
 
@@ -136,14 +136,7 @@ class ShardedPeer:
         assert isinstance(pending, Future)
         self._pending = pending
         self._in_flight = node_copy
-        self._sender = threading.Thread(target=self._send, args=(step, node_copy, pending), name="peer-shard-copy",
-                                        daemon=True)
-        self._sender.start()
-        if budget_s is not None:
-            self._sender.join(max(0.0, budget_s - (time.perf_counter() - start)))
-            if self._sender.is_alive():
-                log.warning("peer copy of step %d not confirmed within %.0f s of the stop: left to finish on its own",
-                            step, budget_s)
+        self._sender = start_sender(self._send, (step, node_copy, pending), "peer-shard-copy", step, start, budget_s)
         blocked = time.perf_counter() - start
         self.blocked_s += blocked
         if self.comm.rank == 0:
@@ -217,13 +210,8 @@ class ShardedPeer:
             if self._sender.is_alive() and self._in_flight is not None:  # a stop's budget spent: the daemon
                 self._in_flight.remove()  # sender dies with the process; its shard must not stay in /dev/shm
         self.stager.close()
-        if self.group is not None and dist.is_initialized():
-            try:
-                dist.barrier(group=self.group)
-            except RuntimeError:
-                pass  # a peer is gone already (a lost node)
-            dist.destroy_process_group(self.group)
-            self.group = None
+        leave_group(self.group)
+        self.group = None
 
     # ------------------------------------------------------------------ recovery
     def steps(self) -> set[int]:

@@ -35,6 +35,20 @@ ADDR_VAR = "GTS_PEER_STORE"  # host:port of this node's store (training/node/ent
 ZONE_VAR = "GTS_ZONE"
 
 
+def start_sender(target: Any, args: tuple[Any, ...], name: str, step: int, start: float,
+                 budget_s: float | None) -> threading.Thread:
+    """A copy's background sender, started; with `budget_s` (a stop) waited for until that long
+    after `start`, and left to finish on its own past it (logged)."""
+    sender = threading.Thread(target=target, args=args, name=name, daemon=True)
+    sender.start()
+    if budget_s is not None:
+        sender.join(max(0.0, budget_s - (time.perf_counter() - start)))
+        if sender.is_alive():
+            log.warning("peer copy of step %d not confirmed within %.0f s of the stop: left to finish on its own",
+                        step, budget_s)
+    return sender
+
+
 def buddy(node: int, zones: list[str]) -> int:
     """The node that holds node `node`'s copies: one in another zone when the run spans zones,
     else the next node. The nodes in zone order, each sends to the one `m` places on (m: the
@@ -95,13 +109,11 @@ class PeerTier:
                 log.info("peer copy of step %d skipped: the one before is still being sent", step)
                 return time.perf_counter() - start
         staged = self._stager.stage({"state": state, "rng": rng, "step": step})
-        self._sender = threading.Thread(target=self._send, args=(step, staged), name="peer-copy", daemon=True)
-        self._sender.start()
-        if budget_s is not None:
-            self._sender.join(max(0.0, budget_s - (time.perf_counter() - start)))
-            if self._sender.is_alive():
-                log.warning("peer copy of step %d not confirmed within %.0f s of the stop: left to finish on its own",
-                            step, budget_s)
+        self._sender = start_sender(self._send, (step, staged), "peer-copy", step, start, budget_s)
+        return self._blocked(step, start)
+
+    def _blocked(self, step: int, start: float) -> float:
+        """The loop's wait for the copy of `step` begun at `start`: counted and logged (rank 0)."""
         blocked = time.perf_counter() - start
         self.blocked_s += blocked
         if self.comm.rank == 0:
