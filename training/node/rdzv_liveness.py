@@ -21,6 +21,16 @@ about: a dropped node that beats again (it joins anew) is a member like any othe
 own store refuses (the store died beside a live agent; nothing restarts it) withdraws its address,
 so no other agent takes that refusal as its loss. The probe only connects and closes (the store
 reads no request from it) and only to a port the run already opens between its nodes (PEER_PORT).
+
+A round formed after a loss also skips its last call when no one is missing: torch waits
+last_call_timeout once MIN_NNODES are in, for nodes that may still come (`_RendezvousJoinOp`);
+when every node the rendezvous knew while its last round stood (members, spares, waiting nodes)
+is back in the new round or is known to be lost (dropped from this node's view of the state, by
+the probe above or by torch's own rule), and no other node is known, nothing is left to wait for
+and the deadline is moved to now. A cold start, a round that lost no one, and a round one of
+whose old nodes is in transit (a spare between its lists, a survivor slow to rejoin) keep the
+last call. A replacement that boots later joins as a waiting node and restarts the run, as it
+would have after the last call.
 """
 
 from __future__ import annotations
@@ -102,6 +112,9 @@ class LivenessStateHolder(_BackendRendezvousStateHolder):
     _gts_gone: dict[str, datetime]
     _gts_probe: Callable[[str, int], bool]
     _gts_budget_s: float
+    _gts_round: int
+    _gts_known: set[str]
+    _gts_lost: set[str]
 
     def watch(self, store: Any, mac_key: bytes, this_node: Any, own: tuple[str, int] | None = None,
               probe: Callable[[str, int], bool] = refused, budget_s: float = PROBE_TIMEOUT_S + 0.2) -> None:
@@ -110,6 +123,7 @@ class LivenessStateHolder(_BackendRendezvousStateHolder):
         self._gts_store, self._gts_key, self._gts_self, self._gts_own = store, mac_key, this_node, own
         self._gts_own_asked, self._gts_asked, self._gts_gone = 0.0, {}, {}
         self._gts_probe, self._gts_budget_s = probe, budget_s
+        self._gts_round, self._gts_known, self._gts_lost = -1, set(), set()
 
     def _endpoint(self, node: Any) -> tuple[str, int] | None:
         name = key(self._settings.run_id, node)
@@ -161,8 +175,29 @@ class LivenessStateHolder(_BackendRendezvousStateHolder):
         print("rdzv_launch: this node's own peer store refuses connections: its address is withdrawn from the "
               "rendezvous (its loss is left to torch's keep-alive rule)", file=sys.stderr, flush=True)
 
+    def _end_last_call_if_none_is_missing(self) -> None:
+        """A forming round whose old nodes are all back or lost completes now (module docstring)."""
+        state, now = self._state, datetime.now(timezone.utc)
+        if state.complete or state.deadline is None or state.deadline <= now or not self._gts_known & self._gts_lost:
+            return
+        present = {repr(node) for node in state.participants}
+        if len(present) < self._settings.min_nodes or {repr(node) for node in state.last_heartbeats} - present \
+                or self._gts_known - present - self._gts_lost:
+            return
+        state.deadline = now
+        self.mark_dirty()
+        print(f"rdzv_launch: round {state.round}: every node of the last round is back ({len(present)}) or lost "
+              f"({len(self._gts_known & self._gts_lost)}): the round completes now, not after its last call",
+              file=sys.stderr, flush=True)
+
     def _sanitize(self) -> None:
-        if getattr(self, "_gts_store", None) is not None:
+        watching = getattr(self, "_gts_store", None) is not None
+        if watching and self._state.complete:  # every node seen while the round stood: the next one waits for them
+            standing = {repr(node) for node in self._state.last_heartbeats}
+            if self._state.round != self._gts_round:
+                self._gts_round, self._gts_known, self._gts_lost = self._state.round, standing, self._gts_lost & standing
+            self._gts_known |= standing
+        if watching:
             self._withdraw_if_own_store_is_down()
             now = datetime.now(timezone.utc)
             for node, beat in self._refused(self._late(now)).items():
@@ -178,6 +213,9 @@ class LivenessStateHolder(_BackendRendezvousStateHolder):
                     self._state.last_heartbeats[node] = EPOCH  # torch's rule below removes it
                     self.mark_dirty()  # and the next sync writes that down for the others
         super()._sanitize()
+        if watching:
+            self._gts_lost.update(repr(node) for node in self._dead_nodes)
+            self._end_last_call_if_none_is_missing()
 
 
 def attach(handler: Any, store: Any, mac_key: bytes, endpoint: str) -> None:
