@@ -331,6 +331,8 @@ class Run:
         self.peer = open_tier(self.comm)
         if self.sharded is None and (self.peer is None or not self.peer.steps()):  # peers hold newer: no prefetch
             ckpt.prefetch()  # the newest step is fetched and checked while the model is built
+        elif self.sharded is None and self.peer is not None:
+            self.peer.prefetch()  # so is the peers' newest copy, once per node
         self.build_model()
         try:
             verdict = self.resume(ckpt)

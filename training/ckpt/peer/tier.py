@@ -91,6 +91,8 @@ class PeerTier:
         # where /dev/shm has no room: the node's scratch (`choose` sets the checkpoint manager's local dir)
         self.share_fallback = os.environ.get(contract.CHECKPOINT_DIR.name) or "out/checkpoints"
         self._started = time.time()  # when this restore began (share.sweep: older directories only)
+        self._prefetch: threading.Thread | None = None  # local rank 0's early fetch (prefetch)
+        self._prefetched: tuple[int, list[Any], bytes] | None = None  # (step, entry, checked bytes)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and self.buddy is not None and step % self.every == 0
@@ -232,7 +234,9 @@ class PeerTier:
         """Local rank 0's part: the copy from its own store when that holds it, else from the
         holders in turn by node (the next holder where one refuses it), checked, written once into
         the node's shared file; (None, "") when none gave it or there is no room to share it."""
-        data = next((d for d in (self._get(step, s, entry) for s in self._order(holders)) if d is not None), None)
+        data = self._take_prefetched(step, entry)
+        if data is None:
+            data = next((d for d in (self._get(step, s, entry) for s in self._order(holders)) if d is not None), None)
         if data is None:
             return None, ""
         try:  # the bytes are dropped on return: the ranks read the file, no second copy held meanwhile
@@ -250,14 +254,9 @@ class PeerTier:
         start = self.comm.node % len(others) if others else 0
         return [own] * (own in holders) + others[start:] + others[:start]
 
-    def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
-        """(training state, this rank's per-rank state or None) of `step` from the stores, else None
-        on every rank alike (collective). Rank 0 lists the full copies (newest generation first)
-        and the stores holding each for every rank; the ranks try them in that order together,
-        each fetched once per node (_node_copy), and take the first that every rank got, so that
-        no two ranks ever restore different copies; none: the durable tiers."""
-        self._started = time.time()
-        held = self._held()
+    @staticmethod
+    def _candidates(held: list[tuple[str, list[Any]]], step: int) -> list[tuple[list[Any], list[str]]]:
+        """The full copies of `step` (the latest history first), each with the stores holding it."""
         candidates: list[tuple[list[Any], list[str]]] = []
         for store, entry in sorted(((s, e) for s, e in held if e[2] == step and e[3] == "full"),
                                    key=lambda c: -int(str(c[1][6]).split("-")[0])):  # the latest history first
@@ -266,7 +265,48 @@ class PeerTier:
                 candidates.append((entry, [store]))
             else:
                 found[1].append(store)
-        for entry, holders in self.comm.all_gather_object(candidates if self.comm.rank == 0 else None)[0]:
+        return candidates
+
+    def prefetch(self) -> None:
+        """Local rank 0 starts fetching, in the background, the copy a restore most likely takes:
+        the first candidate (`_candidates`, as rank 0 orders them in `load`) of the newest full
+        step the stores hold, checked as `_get` checks every copy, while the worker builds its
+        model (imports and allocation, about 1.7 s here); `_publish` takes it when `load` asks
+        for that copy and fetches as before otherwise. Not collective; no copy: nothing done."""
+        if self.comm.local_rank == 0 and self._prefetch is None:
+            self._prefetch = threading.Thread(target=self._fetch_newest, name="peer-prefetch", daemon=True)
+            self._prefetch.start()
+
+    def _fetch_newest(self) -> None:
+        held = self._held()
+        steps = [e[2] for _, e in held if e[3] == "full"]
+        candidates = self._candidates(held, max(steps)) if steps else []
+        if candidates:
+            entry, holders = candidates[0]
+            data = next((d for d in (self._get(entry[2], s, entry) for s in self._order(holders)) if d is not None),
+                        None)
+            if data is not None:
+                self._prefetched = (entry[2], entry, data)
+
+    def _take_prefetched(self, step: int, entry: list[Any]) -> bytes | None:
+        """The prefetched bytes when they are the copy `entry` of `step` (waiting for the fetch to
+        end); dropped either way: a copy not asked for is not held for the run."""
+        if self._prefetch is not None:
+            self._prefetch.join()
+            self._prefetch = None
+        found, self._prefetched = self._prefetched, None
+        return found[2] if found is not None and found[0] == step and found[1] == entry else None
+
+    def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+        """(training state, this rank's per-rank state or None) of `step` from the stores, else None
+        on every rank alike (collective). Rank 0 lists the full copies (newest generation first)
+        and the stores holding each for every rank; the ranks try them in that order together,
+        each fetched once per node (_node_copy), and take the first that every rank got, so that
+        no two ranks ever restore different copies; none: the durable tiers."""
+        self._started = time.time()
+        held = self._held()
+        candidates = self._candidates(held, step) if self.comm.rank == 0 else None
+        for entry, holders in self.comm.all_gather_object(candidates)[0]:
             with self._node_copy(step, entry, holders) as model:
                 (missed,) = self.comm.any_true(model is None)
             if missed:
@@ -294,6 +334,7 @@ class PeerTier:
         """This world restored `step` (0: none): every store forgets the copies of other steps
         (later ones are another history now, older ones are of no use) and of other world sizes'
         at that step, so that no later restore mixes them with this one's."""
+        self._take_prefetched(-1, [])  # a prefetched copy no restore took (a newer durable step) is dropped
         self.generation = self.comm.all_gather_object(f"{int(time.time())}-{step}")[0]  # rank 0's: one per world
         if self.comm.local_rank == 0:
             try:
