@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # steps of an exit ran: a pool's job and a non-daemon thread (joined at exit), an atexit handler,
 # and a global's __del__ (the interpreter's finalisation, which the fast exit skips)
 RANK = textwrap.dedent("""
-    import atexit, os, signal, sys, threading
+    import atexit, ctypes, os, signal, sys, threading
     from concurrent.futures import ThreadPoolExecutor
     import torch, torch.distributed as dist
     from training.trainer import failure
@@ -43,6 +43,7 @@ RANK = textwrap.dedent("""
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)  # a lost node: no exit of its own
         atexit.register(mark, "atexit")
+        ctypes.CDLL(None).printf(b"a native line\\n")  # held in C's stdout buffer (a pipe)
         threading.Thread(target=lambda: (failing.wait(), mark("thread"))).start()
         ThreadPoolExecutor(1).submit(lambda: (failing.wait(), mark("pool")))
         try:
@@ -66,13 +67,14 @@ def _port() -> int:
 def test_a_worker_whose_peer_is_gone_exits_without_finalisation(tmp_path: Path, fault: str) -> None:
     port, marks, script = _port(), tmp_path / "marks", tmp_path / "rank.py"
     script.write_text(RANK)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_FAILURE_FILE": str(tmp_path / "failure"),
-           "OMP_NUM_THREADS": "1"}
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},  # C's stdout buffered, as in an image
+           "PYTHONPATH": str(ROOT), "GTS_FAILURE_FILE": str(tmp_path / "failure"), "OMP_NUM_THREADS": "1"}
     ranks = [subprocess.Popen([sys.executable, str(script), str(r), str(port), str(marks), fault], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     out, err = ranks[0].communicate(timeout=300)
     ranks[1].communicate(timeout=300)
     assert ranks[0].returncode == 1, err[-3000:]
+    assert "a native line" in out  # C's buffers flushed on either exit
     done = marks.read_text().split()
     assert {"thread", "pool", "atexit"} <= set(done), done
     noted = (tmp_path / "failure").read_text()

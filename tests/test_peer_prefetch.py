@@ -43,7 +43,7 @@ def _counted(tier: PeerTier) -> list[tuple[str, int]]:
         if kind == "full":
             fetched.append((store, step))
         return real(store, world, rank, step, kind, gen)
-    tier.link.get = get  # type: ignore[method-assign]
+    tier.link.get = get  # type: ignore[method-assign, assignment]
     return fetched
 
 
@@ -113,3 +113,16 @@ def test_no_copy_no_prefetch() -> None:
         fetched = _counted(tier)
         _prefetched(tier)
         assert fetched == [] and tier._prefetched is None
+
+
+def test_a_copy_every_holder_refused_to_the_prefetch_is_not_asked_for_again() -> None:
+    with store_process() as store:
+        good = _copy(40, 4.0)
+        flipped = bytearray(good)
+        flipped[-200] ^= 0xFF
+        _put(store, 40, bytes(flipped), wire.payload_digest(good))
+        tier = PeerTier(Comm("torchrun"), 10, KEY, store, "")
+        fetched = _counted(tier)
+        _prefetched(tier)
+        assert tier.load(40) is None  # the durable tiers then
+        assert fetched == [(store, 40)] and len(tier.refusals) == 1

@@ -162,3 +162,23 @@ def test_torch_s_handlers_reform_after_a_node_is_lost_without_the_last_call(
     finally:
         for handler in nodes:
             handler._stop_heartbeats()
+
+
+def test_a_node_dropped_that_joined_again_is_lost_no_more(store: TCPStore) -> None:
+    """Dropped by torch's rule while its agent lived (stalled), it joins again and round 2 stands
+    with it; a later restart that lost no one, with that node between its exit and its join,
+    keeps the last call."""
+    me, peer, back = _node(0), _node(1), _node(2)
+    holder = _holder(store, me)
+    _stood(holder, [me, peer, back])
+    _forming(holder, [back], [me, peer])
+    state, now = holder.state, datetime.now(timezone.utc)
+    state.round, state.complete, state.deadline = 2, True, None
+    state.participants = {me: 0, peer: 1, back: 2}
+    state.last_heartbeats = {node: now for node in (me, peer, back)}
+    holder._sanitize()
+    state.round, state.complete = 3, False
+    state.participants, state.last_heartbeats = {me: 0, peer: 0}, {me: now, peer: now}
+    state.deadline = waited = now + timedelta(seconds=LAST_CALL_S)
+    holder._sanitize()
+    assert holder.state.deadline == waited

@@ -194,8 +194,8 @@ class LivenessStateHolder(_BackendRendezvousStateHolder):
         watching = getattr(self, "_gts_store", None) is not None
         if watching and self._state.complete:  # every node seen while the round stood: the next one waits for them
             standing = {repr(node) for node in self._state.last_heartbeats}
-            if self._state.round != self._gts_round:
-                self._gts_round, self._gts_known, self._gts_lost = self._state.round, standing, self._gts_lost & standing
+            if self._state.round != self._gts_round:  # a new round stands: what was lost before is of no use
+                self._gts_round, self._gts_known, self._gts_lost = self._state.round, standing, set()
             self._gts_known |= standing
         if watching:
             self._withdraw_if_own_store_is_down()
@@ -213,8 +213,9 @@ class LivenessStateHolder(_BackendRendezvousStateHolder):
                     self._state.last_heartbeats[node] = EPOCH  # torch's rule below removes it
                     self.mark_dirty()  # and the next sync writes that down for the others
         super()._sanitize()
-        if watching:
-            self._gts_lost.update(repr(node) for node in self._dead_nodes)
+        if watching:  # lost: dropped from this node's view; a node in the state again has joined anew
+            self._gts_lost = (self._gts_lost - {repr(node) for node in self._state.last_heartbeats}) \
+                | {repr(node) for node in self._dead_nodes}
             self._end_last_call_if_none_is_missing()
 
 

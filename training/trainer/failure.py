@@ -15,6 +15,7 @@ group's teardown kept a worker here about 1.4 s after its exit handlers had run,
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import sys
 import threading
@@ -68,6 +69,10 @@ def leave_now(exc: BaseException, code: int = 1) -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken stream: nothing more to say on it
             pass
+    try:  # C's stdio buffers too (native libraries' lines, NCCL_DEBUG's on a pipe), which exit() would flush
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
     os._exit(code)
 
 

@@ -92,7 +92,9 @@ class PeerTier:
         self.share_fallback = os.environ.get(contract.CHECKPOINT_DIR.name) or "out/checkpoints"
         self._started = time.time()  # when this restore began (share.sweep: older directories only)
         self._prefetch: threading.Thread | None = None  # local rank 0's early fetch (prefetch)
-        self._prefetched: tuple[int, list[Any], bytes] | None = None  # (step, entry, checked bytes)
+        # (step, entry, the stores asked, the checked bytes or None)
+        self._prefetched: tuple[int, list[Any], list[str], bytes | None] | None = None
+        self._prefetch_dropped = False  # no restore wants it: the fetch ends without keeping what it got
 
     def due(self, step: int) -> bool:
         return self.every > 0 and self.buddy is not None and step % self.every == 0
@@ -234,8 +236,8 @@ class PeerTier:
         """Local rank 0's part: the copy from its own store when that holds it, else from the
         holders in turn by node (the next holder where one refuses it), checked, written once into
         the node's shared file; (None, "") when none gave it or there is no room to share it."""
-        data = self._take_prefetched(step, entry)
-        if data is None:
+        asked, data = self._take_prefetched(step, entry, holders)
+        if not asked:
             data = next((d for d in (self._get(step, s, entry) for s in self._order(holders)) if d is not None), None)
         if data is None:
             return None, ""
@@ -283,19 +285,27 @@ class PeerTier:
         candidates = self._candidates(held, max(steps)) if steps else []
         if candidates:
             entry, holders = candidates[0]
-            data = next((d for d in (self._get(entry[2], s, entry) for s in self._order(holders)) if d is not None),
-                        None)
-            if data is not None:
-                self._prefetched = (entry[2], entry, data)
+            data = next((d for d in (self._get(entry[2], s, entry) for s in self._order(holders)
+                                     if not self._prefetch_dropped) if d is not None), None)
+            if not self._prefetch_dropped:  # None: every holder was asked and none gave it
+                self._prefetched = (entry[2], entry, holders, data)
 
-    def _take_prefetched(self, step: int, entry: list[Any]) -> bytes | None:
-        """The prefetched bytes when they are the copy `entry` of `step` (waiting for the fetch to
-        end); dropped either way: a copy not asked for is not held for the run."""
+    def _take_prefetched(self, step: int, entry: list[Any], holders: list[str]) -> tuple[bool, bytes | None]:
+        """(whether the prefetch got the copy `entry` of `step` or asked each of `holders` for it in
+        vain, the checked bytes it got), waiting for the fetch to end; dropped either way: a copy
+        not asked for is not held for the run, and one asked for in vain is not asked for again."""
         if self._prefetch is not None:
             self._prefetch.join()
             self._prefetch = None
         found, self._prefetched = self._prefetched, None
-        return found[2] if found is not None and found[0] == step and found[1] == entry else None
+        if found is None or (found[0], found[1]) != (step, entry):
+            return False, None
+        return found[3] is not None or set(holders) <= set(found[2]), found[3]
+
+    def _drop_prefetched(self) -> None:
+        """No restore takes the prefetched copy (a newer durable step was chosen): not waited for;
+        a fetch still under way ends without keeping it and asks no further store."""
+        self._prefetch_dropped, self._prefetch, self._prefetched = True, None, None
 
     def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         """(training state, this rank's per-rank state or None) of `step` from the stores, else None
@@ -334,7 +344,7 @@ class PeerTier:
         """This world restored `step` (0: none): every store forgets the copies of other steps
         (later ones are another history now, older ones are of no use) and of other world sizes'
         at that step, so that no later restore mixes them with this one's."""
-        self._take_prefetched(-1, [])  # a prefetched copy no restore took (a newer durable step) is dropped
+        self._drop_prefetched()  # a prefetched copy no restore took (a newer durable step) is not held
         self.generation = self.comm.all_gather_object(f"{int(time.time())}-{step}")[0]  # rank 0's: one per world
         if self.comm.local_rank == 0:
             try:
