@@ -118,13 +118,17 @@ def test_a_round_that_may_still_gain_a_node_keeps_its_last_call(store: TCPStore,
     assert holder.state.deadline == waited
 
 
-def _handler(server: TCPStore, peer_port: int, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """An agent's handler as rdzv_launch makes it, on its own connection to the run's store."""
+def _handler(server: TCPStore, peer_port: int | None, monkeypatch: pytest.MonkeyPatch, misses: int = 30) -> Any:
+    """An agent's handler as rdzv_launch makes it, on its own connection to the run's store;
+    `peer_port` None: a run without the peer tier."""
     monkeypatch.setenv(rdzv_launch.KEY_VAR, KEY.decode())
-    monkeypatch.setenv(rdzv_liveness.ENDPOINT_VAR, f"127.0.0.1:{peer_port}")
+    if peer_port is None:
+        monkeypatch.delenv(rdzv_liveness.ENDPOINT_VAR, raising=False)
+    else:
+        monkeypatch.setenv(rdzv_liveness.ENDPOINT_VAR, f"127.0.0.1:{peer_port}")
     params = RendezvousParameters(backend="c10d", endpoint=f"{server.host}:{server.port}", run_id=RUN, min_nodes=2,
                                   max_nodes=3, is_host="false", join_timeout="120", last_call_timeout=str(LAST_CALL_S),
-                                  keep_alive_interval="1", keep_alive_max_attempt="30")
+                                  keep_alive_interval="1", keep_alive_max_attempt=str(misses))
     return rdzv_launch.create_signed_handler(params)
 
 
@@ -182,3 +186,17 @@ def test_a_node_dropped_that_joined_again_is_lost_no_more(store: TCPStore) -> No
     state.deadline = waited = now + timedelta(seconds=LAST_CALL_S)
     holder._sanitize()
     assert holder.state.deadline == waited
+
+
+def test_without_the_peer_tier_a_node_lost_by_torch_s_rule_ends_the_last_call_too(
+        store: TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No peer store to ask: the lost node leaves by torch's keep-alive rule (1 s x 3 here), and
+    the round re-formed without it completes then, not after a 600 s last call."""
+    nodes = [_handler(store, None, monkeypatch, misses=3) for _ in range(3)]
+    try:
+        assert _together(nodes) == [3, 3, 3]
+        nodes[2]._stop_heartbeats()
+        assert _together(nodes[:2]) == [2, 2]
+    finally:
+        for handler in nodes:
+            handler._stop_heartbeats()

@@ -30,7 +30,8 @@ the probe above or by torch's own rule), and no other node is known, nothing is 
 and the deadline is moved to now. A cold start, a round that lost no one, and a round one of
 whose old nodes is in transit (a spare between its lists, a survivor slow to rejoin) keep the
 last call. A replacement that boots later joins as a waiting node and restarts the run, as it
-would have after the last call.
+would have after the last call. This holds for runs without the peer tier too (no store to ask:
+members are lost by torch's keep-alive rule alone), whose last call is torch's 30 s.
 """
 
 from __future__ import annotations
@@ -220,14 +221,15 @@ class LivenessStateHolder(_BackendRendezvousStateHolder):
 
 
 def attach(handler: Any, store: Any, mac_key: bytes, endpoint: str) -> None:
-    """Publish this node's peer store and make the handler's state holder ask late members'."""
+    """Make the handler's state holder end a last call no one is missing for; with a peer store
+    (`endpoint`), publish it and ask late members' too. Without one (a run without the peer tier)
+    members are lost by torch's keep-alive rule alone."""
     holder = handler._state_holder
-    if not isinstance(holder, _BackendRendezvousStateHolder) or not endpoint:
+    if not isinstance(holder, _BackendRendezvousStateHolder):
         return
-    own = parse(endpoint)
-    if own is None:
-        return
-    publish(store, mac_key, handler._settings.run_id, handler._this_node, endpoint)
+    own = parse(endpoint) if endpoint else None
+    if own is not None:
+        publish(store, mac_key, handler._settings.run_id, handler._this_node, endpoint)
     holder.__class__ = LivenessStateHolder
     assert isinstance(holder, LivenessStateHolder)
     holder.watch(store, mac_key, handler._this_node, own)
