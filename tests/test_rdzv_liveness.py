@@ -212,3 +212,27 @@ def test_late_members_are_asked_at_once_and_those_past_torch_s_limit_not_at_all(
         _member(holder, node, 11 if node == past else 4)
     holder._sanitize()
     assert set(holder.state.participants) == {me} and len(asked) == 3  # `past`: torch's rule, never asked
+
+
+def test_an_agent_waiting_after_its_workers_failed_asks_the_round_s_members_at_any_age(
+        store: TCPStore, listening: int, closed: int) -> None:
+    """Its workers failed and it left the round (now on the wait list of the round still
+    standing): the remaining members are asked at once, and only a refusal drops one. In steady
+    state (a member itself) the same fresh heartbeats are not asked about."""
+    me, gone, alive = _node(0), _node(1), _node(2)
+    rdzv_liveness.publish(store, KEY, RUN, gone, f"127.0.0.1:{closed}")
+    rdzv_liveness.publish(store, KEY, RUN, alive, f"127.0.0.1:{listening}")
+    steady = _holder(store, me)
+    for node in (me, gone, alive):
+        _member(steady, node, 0.5)
+    steady.state.complete = True
+    steady._sanitize()
+    assert set(steady.state.participants) == {me, gone, alive}
+    waiting = _holder(store, me)
+    for node in (gone, alive):
+        _member(waiting, node, 0.5)
+    waiting.state.complete = True
+    waiting.state.wait_list = {me}
+    waiting.state.last_heartbeats[me] = datetime.now(timezone.utc)
+    waiting._sanitize()
+    assert set(waiting.state.participants) == {alive}

@@ -10,7 +10,10 @@ process beside the agent on the node's own address. Each agent publishes that ad
 rendezvous store, signed under the run's key (RDZV_KEY) like the rendezvous state; a member whose
 heartbeat is older than LATE_BEATS intervals AND whose peer store *refuses* a TCP connection
 (the kernel answered: nothing listens there, so the node's processes are gone) is dropped at
-once. Both must hold: a slow agent keeps its store. Anything short of a refusal (a timeout: a
+once. An agent whose workers failed (the run's collective broke) and that waits for the round it
+left to end asks the round's remaining members at once, whatever their heartbeat's age: the
+failure is the first sign there, and a refusal is still needed. Both must hold: a slow agent
+keeps its store. Anything short of a refusal (a timeout: a
 host that vanished, a firewall that drops, no published address, a signature that does not
 match) leaves torch's own rule to decide, so a node is never dropped earlier on weaker evidence
 than torch's. (A host firewall that REJECTs the port also answers "refused": the run's own
@@ -42,7 +45,7 @@ import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _BackendRendezvousStateHolder
@@ -137,11 +140,18 @@ class LivenessStateHolder(_BackendRendezvousStateHolder):
 
     def _late(self, now: datetime) -> dict[Any, datetime]:
         """Members worth asking about: late by LATE_BEATS intervals, not yet past torch's own limit
-        (its rule drops those below), not this node, not asked within the last interval."""
+        (its rule drops those below), not this node, not asked within the last interval. While
+        this node waits for the round it left to end (its workers failed: the run's collective
+        broke), the round's remaining members are asked at any age: that failure is the sign a
+        late heartbeat otherwise gives, and only a refusal drops one."""
         interval = self._settings.keep_alive_interval
         expiry = interval * self._settings.keep_alive_max_attempt
-        late = {node: beat for node, beat in self._state.last_heartbeats.items()
-                if node != self._gts_self and interval * LATE_BEATS <= now - beat < expiry
+        state = self._state
+        after_failure = state.complete and self._gts_self in state.wait_list
+        least, asked = ((timedelta.min, state.participants) if after_failure
+                        else (interval * LATE_BEATS, state.last_heartbeats))
+        late = {node: beat for node, beat in state.last_heartbeats.items()
+                if node != self._gts_self and node in asked and least <= now - beat < expiry
                 and time.monotonic() - self._gts_asked.get(repr(node), 0.0) >= interval.total_seconds()}
         for node in late:
             self._gts_asked[repr(node)] = time.monotonic()
