@@ -19,6 +19,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (RendezvousSettings, RendezvousTimeout,
                                                                      _BackendRendezvousStateHolder, _NodeDesc)
 
+from tests.rdzv_helpers import listening_port, refused_port, tcp_store
 from training.node import rdzv_liveness
 from training.node import rdzv_launch
 from training.node.rdzv_launch import SignedC10dBackend
@@ -30,25 +31,18 @@ LAST_CALL_S = 600  # far past every join timeout below: a round that waits it fa
 
 @pytest.fixture()
 def store() -> Iterator[TCPStore]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    yield TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    yield tcp_store(30)
 
 
 @pytest.fixture()
 def listening() -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield int(s.getsockname()[1])
+    with listening_port() as port:
+        yield port
 
 
 @pytest.fixture()
 def closed() -> int:
-    with socket.socket() as s:  # bound, never listening, then closed: connecting is refused
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return refused_port()
 
 
 def _node(i: int) -> _NodeDesc:

@@ -4,7 +4,6 @@ holder is torch's own, over a real TCPStore, with real sockets: one listening, o
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -15,6 +14,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (RendezvousSettings, RendezvousTimeout,
                                                                      _BackendRendezvousStateHolder, _NodeDesc)
 
+from tests.rdzv_helpers import listening_port, refused_port, tcp_store
 from training.node import rdzv_liveness
 from training.node.rdzv_launch import SignedC10dBackend
 
@@ -24,26 +24,18 @@ RUN = "run-1"
 
 @pytest.fixture()
 def store() -> Iterator[TCPStore]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    yield server
+    yield tcp_store(10)
 
 
 @pytest.fixture()
 def listening() -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield int(s.getsockname()[1])
+    with listening_port() as port:
+        yield port
 
 
 @pytest.fixture()
 def closed() -> int:
-    with socket.socket() as s:  # bound, never listening, then closed: connecting is refused
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return refused_port()
 
 
 def _settings() -> RendezvousSettings:
