@@ -169,10 +169,15 @@ esac
 children() {
   cat /proc/"$1"/task/*/children 2>/dev/null || true
 }
-# The launcher's children: the guard's grandchildren (or its adopted children once the launcher is gone).
+# The launcher's children: the guard's grandchildren (or its adopted children once the launcher is gone),
+# less the node's warm process (named gts-warm, training/node/warm.py): it forks the workers, it is not one.
 workers() {
-  local launcher
-  for launcher in $(children "$LAUNCHED"); do children "$launcher"; done
+  local launcher pid
+  for launcher in $(children "$LAUNCHED"); do
+    for pid in $(children "$launcher"); do
+      [ "$(cat /proc/"$pid"/comm 2>/dev/null)" = gts-warm ] || echo "$pid"
+    done
+  done
 }
 
 STOPPING=""

@@ -55,7 +55,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRendezvousHandler,
                                                                      _DistributedRendezvousOpExecutor, create_handler)
 
-from training.node import rdzv_liveness
+from training.node import rdzv_liveness, warm
 from training.node.rdzv_store import listen
 
 BACKEND = "gts-c10d"
@@ -200,9 +200,11 @@ def main(argv: list[str] | None = None) -> None:
     # the rank-0 worker host one on every interface instead.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0"
     rendezvous_handler_registry.register(BACKEND, create_signed_handler)
-    from torch.distributed.run import main as torchrun
+    from torch.distributed.run import main as torchrun, parse_args
 
-    torchrun(argv if argv is not None else sys.argv[1:])
+    # workers forked from a process that holds torch already (training/node/warm.py)
+    warm.start(parse_args(args).no_python)  # type: ignore[no-untyped-call]
+    torchrun(args)
 
 
 if __name__ == "__main__":
