@@ -57,9 +57,17 @@ def test_the_table_gives_where_the_recovery_time_goes(capsys: pytest.CaptureFixt
 
     row = {"detect": [1.0, 2.0], "to_step": [9.0, 11.0], "kill_to_step": [10.0, 13.0], "lost": [10.0, 10.0],
            "world": [2.0, 2.0], "hangs": [0.0, 0.0], "to_up": [4.0, 5.0], "up_to_resumed": [3.0, 4.0],
-           "resumed_to_step": [2.0, 2.0], "blocked_share": [0.005, 0.006]}
+           "resumed_to_step": [2.0, 2.0], "blocked_share": [0.005, 0.006], "cold": [0.0, 1.0]}
     _print({"peer": row, "bucket": {}, "peer+spare": {}}, argparse.Namespace(width=64, every=20, repeats=2))
     out = capsys.readouterr().out
     breakdown = [line for line in out.splitlines() if "first worker up" in line]
     assert len(breakdown) == 1 and breakdown[0].split()[0] == "peer"
     assert "4.00/4.50" in breakdown[0] and "3.00/3.50" in breakdown[0] and "2.00/2.00" in breakdown[0]
+    assert breakdown[0].endswith("workers started cold 1")  # a warm start that fell back is counted, not hidden
+
+
+def test_a_cold_start_line_is_the_one_the_client_prints() -> None:
+    from training.trainer.bench_peer import COLD
+
+    client = (Path(__file__).resolve().parents[1] / "training/node/warm_client.py").read_text()
+    assert 'f"gts.warm: this worker starts cold: {why}"' in client and COLD == "gts.warm: this worker starts cold"

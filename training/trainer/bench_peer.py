@@ -37,6 +37,7 @@ KEY = "bench-run-key-" + "0" * 32
 # the loss seen by a survivor: its agent's worker failure, its worker's broken collective, or the
 # rendezvous dropping the lost member (training/node/rdzv_liveness.py)
 HANG = "gts.watchdog hang: "  # a survivor's watchdog found no step for its limit (training/node/watchdog.py)
+COLD = "gts.warm: this worker starts cold"  # a worker the warm process could not fork (training/node/warm_client.py)
 DETECTED = r"failed \(exitcode|Connection reset by peer|rdzv_launch: node \S+ is gone"
 
 
@@ -98,10 +99,13 @@ def _first(nodes: list[Node], pattern: str, after: float, timeout: float = 300) 
                        "\n---\n".join("\n".join(line for _, line in n.lines[-15:]) for n in nodes))
 
 
-def one_run(every: int, width: int, kill_at: int, moto_url: str, work: Path, spare: bool = False) -> dict[str, float]:
+def one_run(every: int, width: int, kill_at: int, moto_url: str, work: Path, spare: bool = False,
+            warm: bool = True) -> dict[str, float]:
     """A 3-node run with PEER_EVERY=`every`; node 2 SIGKILLed once a step >= `kill_at` is logged.
     `spare`: a 4th agent with the same --nnodes 2:3 started once the world is full (torch keeps it
-    on the rendezvous' redundancy list) takes the lost node's place: the world stays at 3."""
+    on the rendezvous' redundancy list) takes the lost node's place: the world stays at 3.
+    `warm`: workers forked from each node's warm process (training/node/warm.py), else started
+    as fresh interpreters (GTS_WARM_WORKERS=0, the path before it)."""
     store_port = _port()
     store = subprocess.Popen([sys.executable, "-m", "training.node.rdzv_store", "--port", str(store_port)], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -110,7 +114,8 @@ def one_run(every: int, width: int, kill_at: int, moto_url: str, work: Path, spa
            "RDZV_KEY": KEY, "GTS_NODE_GROUP": "bench", "NNODES": "3", "MIN_NNODES": "2", "NPROC_PER_NODE": "1",
            "PEER_EVERY": str(every), "CHECKPOINT_URL": f"s3://bench/peer-{every}-{time.time_ns()}/",
            "TRAIN_STEPS": "100000", "STORAGE_ENDPOINT_URL": moto_url, "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_ADDRESSING_STYLE": "path"}
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_ADDRESSING_STYLE": "path",
+           "GTS_WARM_WORKERS": "1" if warm else "0"}
     args = ["--workload", "tiny", "--tiny-width", str(width), "--checkpoint-every", "100", "--log-every", "1",
             "--upload-deadline-s", "0"]
     nodes = [Node(i, env, work, args) for i in range(3)]
@@ -133,7 +138,8 @@ def one_run(every: int, width: int, kill_at: int, moto_url: str, work: Path, spa
         found = {"to_step": stepped - detected, "detect": detected - killed, "kill_to_step": stepped - killed,
                  "to_up": up - detected, "up_to_resumed": restored - up, "resumed_to_step": stepped - restored,
                  "world": float(world.group(1)), "lost": float(max(last, int(at.group(1))) - int(resumed.group(1))),
-                 "hangs": float(sum(1 for n in survivors for t, line in list(n.lines) if t >= killed and HANG in line))}
+                 "hangs": float(sum(1 for n in survivors for t, line in list(n.lines) if t >= killed and HANG in line)),
+                 "cold": float(sum(1 for n in nodes for _, line in list(n.lines) if COLD in line))}
         if every:
             found["blocked_share"] = _blocked_share(nodes, every)
         return found
@@ -173,25 +179,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=4096, help="TinyNet width: 4096 is about 200 MB with AdamW")
     parser.add_argument("--every", type=int, default=20, help="PEER_EVERY, steps")
     parser.add_argument("--kill-at", type=int, default=150, help="the step after which a node is killed")
-    parser.add_argument("--cases", default="peer,bucket,peer+spare", help="which of peer, bucket, peer+spare")
+    parser.add_argument("--cases", default="peer,bucket,peer+spare,spare-cold",
+                        help="which of peer, bucket, peer+spare, spare-cold (peer+spare with workers started cold)")
     args = parser.parse_args(argv)
     moto, url = _moto()
     import boto3
 
     boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
                  aws_secret_access_key="testing").create_bucket(Bucket="bench")
-    figures: dict[str, dict[str, list[float]]] = {"peer": {}, "bucket": {}, "peer+spare": {}}
-    cases = [(name, every, spare) for name, every, spare in (("peer", args.every, False), ("bucket", 0, False),
-                                                             ("peer+spare", args.every, True))
-             if name in args.cases.split(",")]
+    figures: dict[str, dict[str, list[float]]] = {"peer": {}, "bucket": {}, "peer+spare": {}, "spare-cold": {}}
+    cases = [case for case in (("peer", args.every, False, True), ("bucket", 0, False, True),
+                               ("peer+spare", args.every, True, True), ("spare-cold", args.every, True, False))
+             if case[0] in args.cases.split(",")]
     try:
         with tempfile.TemporaryDirectory(prefix="gts-bench-peer-") as tmp:
             for rep in range(args.repeats):  # interleaved: peer, bucket, peer, bucket ...
-                for name, every, spare in cases:
+                for name, every, spare, warm in cases:
                     work = Path(tmp) / f"{name}-{rep}"
                     work.mkdir()
                     try:
-                        found = one_run(every, args.width, args.kill_at, url, work, spare)
+                        found = one_run(every, args.width, args.kill_at, url, work, spare, warm)
                     except RuntimeError as exc:  # a case that did not resume: said, and the others go on
                         print(f"{name}, repeat {rep}: {str(exc)[:3000]}", file=sys.stderr)
                         continue
@@ -220,7 +227,7 @@ def _print(figures: dict[str, dict[str, list[float]]], args: argparse.Namespace)
     for name, f in figures.items():
         if f:
             print(f"{name:>10} detected->first worker up {cell(f['to_up'])} s, up->resumed {cell(f['up_to_resumed'])} s, "
-                  f"resumed->first step {cell(f['resumed_to_step'])} s")
+                  f"resumed->first step {cell(f['resumed_to_step'])} s, workers started cold {sum(f['cold']):.0f}")
     share = figures["peer"].get("blocked_share", [])
     if share:
         print(f"peer copies: loop blocked {min(share):.2%}/{median(share):.2%} of step time at K={args.every} "
