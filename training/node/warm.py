@@ -4,33 +4,40 @@ and what the first model build and optimizer step pull in (torch._dynamo, sympy)
 one core before the worker can even rendezvous, on every node at once, on the recovery path.
 This process does that once per node, ahead of need, and forks each worker from it.
 
-    python -u -m training.node.warm --socket /tmp/gts-warm-XXXX/warm.sock
+    python -u -m training.node.warm --socket /tmp/gts-warm.sock    # by hand; the launcher passes --fd
 
 `training/node/rdzv_launch.py` starts it beside the torchrun agent (so every worker stays below
-the launcher, as the hang watchdog requires) and has torchrun start workers through
-`warm_client.py` (torchrun's PYTHON_EXEC): the client hands over its environment, working folder
-and standard streams on a Unix socket (a 0700 folder; the peer's uid is checked), and this
-process forks a child that takes them over and runs `-m MODULE` or `SCRIPT` as `python -u` would,
-in a process group of its own.
+the launcher, as the hang watchdog requires) on an abstract Unix socket (nothing on disk to leave
+behind when the launcher is killed) and has torchrun start workers through `warm-python`
+(torchrun's PYTHON_EXEC), which runs `warm_client.py`: the client hands over its environment,
+working folder, CPU affinity and standard streams, and this process forks a child that takes
+them over and runs `-m MODULE` or `SCRIPT` as `python -u` would, in a process group of its own,
+and leaves as that interpreter would (its finalisation included). Who may ask: a process of this
+uid in this container (its mount namespace), checked before anything is read; the client checks
+in turn that the socket is the one the launcher opened (GTS_WARM_PID), not a squatter's on a
+name left free.
 
 What the child inherits from a fork and a fresh worker would not have, and what is done about it:
 - Anything read when the interpreter or a native library loads (PYTHON*, LD_*, TORCH*, the
-  OpenMP/MKL/BLAS settings): a worker whose value differs from this process's is answered
-  "cold" and starts as the plain command. OMP_NUM_THREADS, which torchrun sets per worker, is
-  applied instead (torch.set_num_threads). torchrun's per-worker TORCHELASTIC_* and TORCH_NCCL_*
-  are read at run time.
+  OpenMP/MKL/BLAS settings) and the CPU affinity: a worker whose value differs from this
+  process's is answered "cold" and starts as the plain command. OMP_NUM_THREADS, which torchrun
+  sets per worker, is applied instead (torch.set_num_threads). torchrun's per-worker
+  TORCHELASTIC_* and TORCH_NCCL_* are read at run time.
 - The CUDA driver does not survive a fork: if preloading loaded it (libcuda in this process's
   maps, or torch's CUDA state initialised), every worker starts cold and this says why once.
-- Random state: Python's `random` reseeds itself in a forked child; numpy's global generator is
-  reseeded here from the OS, as a fresh import would; torch's default seed is a constant anyway.
-  Python's hash seed is this process's (the order of a set of strings may repeat across workers).
+- Random state: Python's `random` and numpy's global generator are reseeded from the OS, as a
+  fresh import would; torch's default seed is a constant anyway. Python's hash seed is this
+  process's (the order of a set of strings may repeat across workers).
 - Only third-party modules are preloaded (GTS_WARM_PRELOAD): the run's own code is imported by
-  each child, so a worker never runs code older than the files (and no module of ours reads its
-  settings before the worker's environment is in place).
+  each child (bar `training.node.warm` and `training/__init__`, which this process runs), so a
+  worker never runs code older than its files.
 
-This process ignores the signals meant for workers (the entrypoint signals the launcher's
-children, training/node/entrypoint.sh skips this one by its name), dies with the launcher
-(PR_SET_PDEATHSIG), and holds no thread, so a fork copies nothing half-done.
+A worker's end is known here (its pidfd) and told to its client; a client that is gone first
+was killed (torchrun's last resort), and its worker's group is SIGKILLed here, whatever the
+worker is doing. This process blocks the signals meant for workers (a child unblocks them once
+its handlers are the worker's), is skipped by name by the entrypoint's worker list
+(training/node/entrypoint.sh), dies with the launcher (PR_SET_PDEATHSIG), and holds no thread,
+so a fork copies nothing half-done.
 """
 
 from __future__ import annotations
@@ -41,7 +48,6 @@ import ctypes
 import importlib
 import json
 import os
-import random
 import runpy
 import selectors
 import secrets
@@ -54,51 +60,32 @@ import threading
 import traceback
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import NoReturn
 
-from training.interpreter import finish
+from pydantic import ValidationError
+
+from training.node.warm_rules import Request, cuda_loaded, differs, namespace, settle, unserved
+
 
 SOCKET_VAR = "GTS_WARM_SOCKET"  # the abstract socket's name, for warm_client.py
 NAME = b"gts-warm"  # its process name (/proc/PID/comm), which the entrypoint's worker list skips
 PRELOAD = ("torch", "torch.nn", "torch.optim", "torch.distributed", "torch.distributed.checkpoint",
            "torch.utils.data", "torch._dynamo", "torch.fx.experimental.symbolic_shapes", "numpy")
-LOAD_TIME_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_",
-                      "MALLOC_", "CUBLAS_", "CUDNN_")
-RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_", "OMP_NUM_THREADS", "PYTHON_EXEC")  # torchrun's, per worker or its own
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 HEADER = struct.Struct("!I")
+MAX_REQUEST = 16 << 20  # an environment and arguments; more is not a worker's request
 REQUEST_S = float(os.environ.get("GTS_WARM_REQUEST_S", "10"))  # the longest a client may take to send its request
 PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
 
 
-def load_time(env: dict[str, str]) -> dict[str, str]:
-    """The variables a process reads as it loads, which a fork cannot change afterwards."""
-    return {k: v for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES) and not k.startswith(RUN_TIME)}
-
-
-def differs(mine: dict[str, str], theirs: dict[str, str]) -> str:
-    """Why a worker with environment `theirs` cannot be forked from a process loaded with `mine`."""
-    ours, wanted = load_time(mine), load_time(theirs)
-    names = sorted(k for k in ours.keys() | wanted.keys() if ours.get(k) != wanted.get(k))
-    if names:
-        return f"{', '.join(names[:5])} differ{'s' if len(names) == 1 else ''} from the warm process's"
-    if "OMP_NUM_THREADS" in mine and "OMP_NUM_THREADS" not in theirs:
-        return "OMP_NUM_THREADS is set for the warm process and not for the worker"
-    return ""
-
-
-def cuda_loaded(maps: str = "/proc/self/maps") -> str:
-    """Why a fork would break CUDA in the children, or ''."""
+def _closed(conn: socket.socket) -> bool:
+    """Whether the client has closed its end (it gave up waiting)."""
     try:
-        text = Path(maps).read_text()
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
     except OSError:
-        text = ""
-    if "libcuda.so" in text:
-        return "the CUDA driver was loaded while preloading (a forked worker could not use it)"
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return "torch's CUDA state was initialised while preloading"
-    return ""
+        return True
 
 
 def _prctl(option: int, value: int | bytes) -> None:
@@ -113,82 +100,136 @@ class Warm:
 
     def __init__(self, listener: socket.socket, preload: tuple[str, ...]) -> None:
         self.listener = listener  # listening already: workers started while torch loads wait in its backlog
-        self.refusal = ""
         self.env = dict(os.environ)  # before the preload: what torch sets as it loads is not the launcher's
+        self.cpus = sorted(os.sched_getaffinity(0))
+        self.mnt = namespace(os.getpid())
         for name in preload:
             try:
                 importlib.import_module(name)
             except Exception as exc:  # noqa: BLE001 - a module that does not load is left to the worker
                 print(f"gts.warm: {name} is not preloaded ({type(exc).__name__}: {exc})", file=sys.stderr)
         self.refusal = cuda_loaded()
+        if not self.refusal and threading.active_count() > 1:  # a fork would copy a thread's half-done work
+            self.refusal = f"{threading.active_count() - 1} thread(s) started while preloading"
+        if not self.refusal:
+            try:
+                os.close(os.pidfd_open(os.getpid()))  # how each child's end is awaited (Linux 5.3)
+            except (OSError, AttributeError) as exc:
+                self.refusal = f"this kernel has no pidfd_open ({exc})"
         if self.refusal:
             print(f"gts.warm: every worker starts cold: {self.refusal}", file=sys.stderr)
-        if threading.active_count() > 1:  # a fork would copy a thread's half-done work
-            self.refusal = f"{threading.active_count() - 1} thread(s) started while preloading"
         # what the preload set for itself (torch's inductor sets TORCHINDUCTOR_CACHE_DIR), which a
         # fresh worker would have set too as it imported the same modules
         self.added = {k: v for k, v in os.environ.items() if k not in self.env}
         self.selector = selectors.DefaultSelector()
-        self.selector.register(self.listener, selectors.EVENT_READ, None)
-        self.conns: dict[int, socket.socket] = {}  # pidfd -> the child's client connection
+        self.selector.register(self.listener, selectors.EVENT_READ, ("listener", 0))
+        self.conns: dict[int, tuple[socket.socket, int]] = {}  # child pid -> its client's connection, its pidfd
 
     def serve(self) -> None:
         while True:
             for key, _ in self.selector.select():
-                if key.data is None:
-                    self._accept()
-                else:
-                    self._reap(key.fileobj, key.data)  # type: ignore[arg-type]
+                kind, pid = key.data
+                try:
+                    if kind == "listener":
+                        self._accept()
+                    elif kind == "ended":
+                        self._reap(pid)
+                    else:
+                        self._client_closed(pid)
+                except Exception:  # noqa: BLE001 - one request's fault must not end the node's warm start
+                    print("gts.warm: a request failed:", file=sys.stderr)
+                    traceback.print_exc()
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
         fds: list[int] = []
         try:
-            conn.settimeout(REQUEST_S)  # one serving loop: a client that never finishes its request must not stall it
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            if struct.unpack("3i", creds)[1] != os.getuid():
-                raise ValueError("a client of another user")
-            head, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
+            try:
+                request, fds = self._read(conn)
+            except (OSError, ValueError, ValidationError) as exc:
+                print(f"gts.warm: a request was refused ({str(exc)[:300]})", file=sys.stderr)
+                conn.close()
+                return
+            why = self.refusal or differs(self.env, request.env) or unserved(request, self.cpus)
+            if not why and _closed(conn):  # it gave up waiting and started cold already
+                conn.close()
+                return
+            if why:
+                self._send(conn, {"cold": why})
+                conn.close()
+                return
+            sys.stdout.flush()
+            sys.stderr.flush()
+            try:
+                pid = os.fork()
+            except OSError as exc:  # no process to spare (a pids limit, memory): the client starts it itself
+                self._send(conn, {"cold": f"the warm process could not fork ({exc})"})
+                conn.close()
+                return
+            if pid == 0:
+                self._child(conn, fds, request)  # never returns
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            os.setpgid(pid, pid)  # here too, so the client's first signal finds the group (the child does it as well)
+        except OSError:  # the child did it first, or has already ended
+            pass
+        pidfd = os.pidfd_open(pid)
+        self.conns[pid] = (conn, pidfd)
+        self.selector.register(pidfd, selectors.EVENT_READ, ("ended", pid))
+        self.selector.register(conn, selectors.EVENT_READ, ("client", pid))
+        self._send(conn, {"pid": pid})
+
+    def _read(self, conn: socket.socket) -> tuple[Request, list[int]]:
+        conn.settimeout(REQUEST_S)  # one serving loop: a client that never finishes its request must not stall it
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        peer, uid, _ = struct.unpack("3i", creds)
+        if uid != os.getuid():
+            raise ValueError("a client of another user")
+        if not peer or namespace(peer) != self.mnt:  # another container on the host's network, same uid
+            raise ValueError(f"a client outside this container (pid {peer})")
+        head, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
+        try:
             size = HEADER.unpack(head)[0] if len(head) == HEADER.size else 0
-            payload = b""
+            if len(fds) != 3 or not 0 < size <= MAX_REQUEST:
+                raise ValueError(f"a request of {size} bytes with {len(fds)} of its three standard streams")
+            payload = bytearray()
             while len(payload) < size:
                 chunk = conn.recv(size - len(payload))
                 if not chunk:
                     raise ValueError("the request ended early")
                 payload += chunk
-            request = json.loads(payload)
-            if len(fds) != 3 or not size:
-                raise ValueError("a request without its three standard streams")
-        except (OSError, ValueError) as exc:
+            request = Request.model_validate_json(bytes(payload))
+        except BaseException:
             for fd in fds:
                 os.close(fd)
-            print(f"gts.warm: a request was refused ({exc})", file=sys.stderr)
-            conn.close()
-            return
+            raise
         conn.settimeout(None)
-        why = self.refusal or differs(self.env, request["env"])
-        if why:
-            for fd in fds:
-                os.close(fd)
-            self._send(conn, {"cold": why})
-            conn.close()
-            return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            self._child(conn, fds, request)  # never returns
-        for fd in fds:
-            os.close(fd)
-        pidfd = os.pidfd_open(pid)
-        self.conns[pidfd] = conn
-        self.selector.register(pidfd, selectors.EVENT_READ, pid)
-        self._send(conn, {"pid": pid})
+        return request, fds
 
-    def _reap(self, pidfd: int, pid: int) -> None:
+    def _client_closed(self, pid: int) -> None:
+        """The client (the process torchrun started) is gone before its worker: killed, so the worker
+        is too. Done here, not only by the worker's own thread, which a native call holding the GIL
+        or a stopped process would keep from running."""
+        conn, _ = self.conns[pid]
+        try:
+            if conn.recv(64):  # the client sends nothing after its request: anything else is ignored
+                return
+        except OSError:  # reset: gone all the same
+            pass
+        self.selector.unregister(conn)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _reap(self, pid: int) -> None:
+        conn, pidfd = self.conns.pop(pid)
         self.selector.unregister(pidfd)
         os.close(pidfd)
-        conn = self.conns.pop(pidfd)
+        if conn.fileno() in self.selector.get_map():
+            self.selector.unregister(conn)
         _, status = os.waitpid(pid, 0)
         end = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"exit": os.waitstatus_to_exitcode(status)}
         self._send(conn, end)
@@ -198,54 +239,49 @@ class Warm:
     def _send(conn: socket.socket, message: Mapping[str, object]) -> None:
         try:
             conn.sendall(json.dumps(message).encode() + b"\n")
-        except OSError:  # the client is gone; its child (if any) has seen it too
+        except OSError:  # the client is gone; its worker (if any) has been stopped
             pass
 
-    def _child(self, conn: socket.socket, fds: list[int], request: dict[str, Any]) -> None:
-        """Become the worker: its group, streams, folder, environment and arguments; run it; exit."""
-        code = 1
+    def _child(self, conn: socket.socket, fds: list[int], request: Request) -> NoReturn:
+        """Become the worker: its group, streams, folder, environment and arguments; run it; then
+        leave as the interpreter would after `python -u ...`, by an exception no frame of the
+        serving loop catches (SystemExit or KeyboardInterrupt), so the whole finalisation runs."""
         try:
             os.setpgid(0, 0)
             self.selector.close()
             self.listener.close()
-            for pidfd, other in self.conns.items():
+            for other, pidfd in self.conns.values():
                 os.close(pidfd)
                 other.close()
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
-                os.close(fd)
+            for fd in fds:
+                if fd > 2:
+                    os.close(fd)
+            fds.clear()
             for sig in SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # what was sent meanwhile arrives now
             _prctl(PR_SET_NAME, Path(sys.executable).name.encode()[:15])
             _prctl(PR_SET_PDEATHSIG, 0)
-            os.chdir(str(request["cwd"]))
+            os.chdir(request.cwd)
             os.environ.clear()
-            os.environ.update(request["env"])
+            os.environ.update(request.env)
             for name, value in self.added.items():
                 os.environ.setdefault(name, value)
-            _settle()
+            settle()
             threading.Thread(target=_watch, args=(conn,), name="gts-warm-watch", daemon=True).start()
-            code = _run([str(a) for a in request["args"]])
-        except BaseException:  # noqa: BLE001 - the child must never return into the serving loop
+            atexit.register(_report, conn)  # first registered, so it runs last of the worker's handlers
+        except BaseException:  # noqa: BLE001 - a child that could not become the worker never serves
             traceback.print_exc()
-        finish(code)  # the interpreter's exit up to its finalisation
-
-
-def _settle() -> None:
-    """What a fresh worker would have that the fork did not give."""
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    torch = sys.modules.get("torch")
-    if torch is not None and threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
-    random.seed()
+            os._exit(1)
+        _run(request.args)
 
 
 def _watch(conn: socket.socket) -> None:
-    """The client (the process torchrun started) closing means it was killed: so is this group."""
+    """The client (the process torchrun started) closing means it was killed: so is this group.
+    A second watch, for a warm process that is gone (the warm process's own watch comes first)."""
     try:
         while conn.recv(64):
             pass
@@ -254,8 +290,13 @@ def _watch(conn: socket.socket) -> None:
     os.killpg(0, signal.SIGKILL)
 
 
-def _run(args: list[str]) -> int:
-    """`python -u -m MODULE ARGS` or `python -u SCRIPT ARGS`, in this process; its exit code."""
+EXIT_CODE: list[int] = []  # the worker's exit code once known, for _report
+
+
+def _run(args: list[str]) -> NoReturn:
+    """`python -u -m MODULE ARGS` or `python -u SCRIPT ARGS`, in this process, then out as the
+    interpreter leaves: SystemExit with the code, the traceback and 1 for an uncaught error, the
+    KeyboardInterrupt itself (the interpreter then ends by SIGINT, as python does)."""
     try:
         if args[0] == "-m":
             sys.argv = ["-m", *args[2:]]
@@ -266,17 +307,27 @@ def _run(args: list[str]) -> int:
             sys.path[0] = str(Path(args[0]).resolve().parent)
             runpy.run_path(args[0], run_name="__main__")
     except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            return int(stop.code or 0)
-        print(stop.code, file=sys.stderr)
-        return 1
+        code = stop.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        EXIT_CODE.append(int(code or 0))
+        raise SystemExit(int(code or 0)) from None
     except KeyboardInterrupt:
-        traceback.print_exc()
-        return 128 + signal.SIGINT
+        raise
     except BaseException:  # noqa: BLE001 - reported as the interpreter reports an uncaught one
         sys.excepthook(*sys.exc_info())
-        return 1
-    return 0
+        EXIT_CODE.append(1)
+        raise SystemExit(1) from None
+    EXIT_CODE.append(0)
+    raise SystemExit(0)
+
+
+def _report(conn: socket.socket) -> None:
+    """The worker's exit code to its client, as its last exit handler: the client takes the warm
+    process's report of the worker's end, and this one only if the warm process is gone."""
+    if EXIT_CODE:
+        Warm._send(conn, {"worker_exit": EXIT_CODE[-1]})
 
 
 def listen(path: str) -> socket.socket:
@@ -303,7 +354,8 @@ def start(no_python: bool, env: MutableMapping[str, str] | None = None) -> subpr
         proc = subprocess.Popen([sys.executable, "-u", "-m", "training.node.warm", "--fd", str(listener.fileno()),
                                  "--parent", str(os.getpid())], env=dict(env), pass_fds=[listener.fileno()])
     env.update({"PYTHON_EXEC": str(Path(__file__).with_name("warm-python")), SOCKET_VAR: name,
-                "GTS_WARM_PYTHON": sys.executable})
+                # the socket's owner as the kernel tells a client (SO_PEERCRED: who called listen)
+                "GTS_WARM_PID": str(os.getpid()), "GTS_WARM_PYTHON": sys.executable})
 
     def stop() -> None:
         proc.kill()
@@ -324,8 +376,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.parent and os.getppid() != args.parent:  # it died before the death signal was asked for
         return
     _prctl(PR_SET_NAME, NAME)
-    for sig in SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    # blocked, not ignored: a child unblocks them once its handlers are the worker's, and gets what was
+    # sent to it meanwhile (an ignored signal would be lost)
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     preload = tuple(os.environ.get("GTS_WARM_PRELOAD", " ".join(PRELOAD)).split())
     listener = listen(args.socket) if args.socket else socket.socket(fileno=args.fd)
     Warm(listener, preload).serve()

@@ -1,19 +1,22 @@
 """The worker command torchrun starts when the node keeps a warm start (training/node/warm.py):
 `warm-python -u -m MODULE ARGS...` (or `-u SCRIPT ARGS...`), which runs
-`$GTS_WARM_PYTHON -I -S warm_client.py ...`; the warm process's socket is GTS_WARM_SOCKET (an
-abstract name, or a path starting with /).
+`$GTS_WARM_PYTHON -I -S warm_client.py ...`; the warm process listens on GTS_WARM_SOCKET (an
+abstract name, or a path starting with /), which the launcher (GTS_WARM_PID) opened.
 
 Run with the standard library alone (no site, no torch): it asks the node's warm process to fork
-a worker that already holds torch, handing over this process's environment, working folder and
-standard streams, then stands in for that worker towards torchrun: a signal torchrun or the
-entrypoint sends here (TERM, INT, HUP, QUIT, USR1, USR2) goes on to the worker's process group,
-and this process ends as the worker ended (its exit code, or the same signal). If this process is
-SIGKILLed (torchrun's last resort), the worker sees its connection close and kills its own group.
+a worker that already holds torch, handing over this process's environment, working folder, CPU
+affinity and standard streams, then stands in for that worker towards torchrun:
+- a signal (TERM, INT, HUP, QUIT, USR1, USR2) goes on to the worker as it came here: to the
+  worker's process group when it came from this process's parent (torchrun signals its worker's
+  whole group), to the worker alone when another process sent it to this one (the entrypoint's
+  TERM and USR1 are for the worker, not its data loaders);
+- this process ends as the worker ended (its exit code, or the same signal);
+- if this process is SIGKILLed (torchrun's last resort), the warm process kills the worker's group.
 
-Whatever keeps the warm start from serving this worker (no warm process, one that refuses: a
-load-time setting differs, the CUDA driver was loaded before a fork; arguments it does not
-take) makes this process become the plain command instead (`exec PYTHON ARGS...`): a warm start
-can make a worker start sooner, never keep it from starting.
+Whatever keeps the warm start from serving this worker (no warm process, one that is not the
+launcher's, one that refuses: a load-time setting differs, the CUDA driver was loaded before a
+fork; arguments it does not take) makes this process become the plain command instead
+(`exec PYTHON ARGS...`): a warm start can make a worker start sooner, never keep it from starting.
 """
 
 from __future__ import annotations
@@ -24,28 +27,38 @@ import signal
 import socket
 import struct
 import sys
+import threading
+from collections.abc import Iterator
 from typing import NoReturn
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2}
+DONE = signal.SIGCHLD  # sent to this process's main thread by its reader once the worker's end is known
 WAIT_READY_S = float(os.environ.get("GTS_WARM_WAIT_S", "120"))  # the warm process may still be importing torch
 HEADER = struct.Struct("!I")
 
 
-def _cold(python: str, args: list[str], why: str) -> NoReturn:
+def _cold(args: list[str], why: str) -> NoReturn:
+    """Become `python ARGS`: signals that came meanwhile are acted on first, as a plain worker would."""
     if why:
         print(f"gts.warm: this worker starts cold: {why}", file=sys.stderr, flush=True)
-    os.execv(python, [python, *args])
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_DFL)
+    pending = signal.sigpending() & FORWARDED
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED | {DONE})  # exec keeps the mask: leave it clean
+    if pending:  # unblocked with the default action: this process has ended already
+        os._exit(128 + min(pending))
+    os.execv(sys.executable, [sys.executable, *args])
 
 
-def _lines(sock: socket.socket):  # type: ignore[no-untyped-def]
-    """The warm process's replies, one JSON object per line; ends when it closes."""
+def _lines(sock: socket.socket) -> Iterator[dict[str, int | str]]:
+    """The replies, one JSON object per line; ends when every holder of the other end has closed it."""
     buffered = b""
     while True:
         while b"\n" not in buffered:
             try:
                 chunk = sock.recv(4096)
-            except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
-                continue
+            except OSError:
+                return
             if not chunk:
                 return
             buffered += chunk
@@ -53,67 +66,82 @@ def _lines(sock: socket.socket):  # type: ignore[no-untyped-def]
         yield json.loads(line)
 
 
-def main(args: list[str]) -> None:
-    python = sys.executable  # the interpreter warm-python runs this with: the workers' own
-    sock_path = os.environ.get("GTS_WARM_SOCKET", "")
-    if not sock_path:
-        _cold(python, args, "GTS_WARM_SOCKET is not set")
-    if not sock_path.startswith("/"):
-        sock_path = "\0" + sock_path  # an abstract socket (training/node/warm.py start)
-    if args[:1] != ["-u"] or len(args) < 2 or (args[1] == "-m" and len(args) < 3) or \
-            (args[1].startswith("-") and args[1] != "-m"):
-        _cold(python, args, f"arguments {args[:2]} are not `-u -m MODULE` or `-u SCRIPT`")
-    pending: list[int] = []
-    child: list[int] = []
-
-    def forward(signum: int, _frame: object) -> None:
-        if child:
-            try:
-                os.killpg(child[0], signum)
-            except ProcessLookupError:
-                pass
-        else:
-            pending.append(signum)
-
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
+def _connect(args: list[str]) -> tuple[socket.socket, Iterator[dict[str, int | str]], int]:
+    name = os.environ.get("GTS_WARM_SOCKET", "")
+    if not name:
+        _cold(args, "GTS_WARM_SOCKET is not set")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    first: dict[str, int | str] | None
     try:
         sock.settimeout(WAIT_READY_S)
-        sock.connect(sock_path)
-        request = json.dumps({"args": args[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+        sock.connect(name if name.startswith("/") else "\0" + name)
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        expected = os.environ.get("GTS_WARM_PID", "")
+        if uid != os.getuid() or (expected and str(pid) != expected):  # a squatter on the name of a warm process gone
+            sock.close()
+            _cold(args, f"the socket's owner (pid {pid}, uid {uid}) is not the launcher's warm process")
+        request = json.dumps({"args": args[1:], "env": dict(os.environ), "cwd": os.getcwd(),
+                              "cpus": sorted(os.sched_getaffinity(0))}).encode()
         socket.send_fds(sock, [HEADER.pack(len(request))], [0, 1, 2])
         sock.sendall(request)
         replies = _lines(sock)
         first = next(replies, None)
     except (OSError, ValueError) as exc:  # no warm process, or it broke off: the plain command
-        first = {"cold": f"the warm process did not answer ({exc})"}
+        sock.close()
+        _cold(args, f"the warm process did not answer ({exc})")
     if first is None or "pid" not in first:
         sock.close()
-        for sig in FORWARDED:
-            signal.signal(sig, signal.SIG_DFL)
-        if pending:  # asked to stop before it started: stop as the plain command would have
-            os.kill(os.getpid(), pending[0])
-        _cold(python, args, (first or {}).get("cold", "the warm process closed without an answer"))
-    child.append(int(first["pid"]))
-    for signum in pending:
-        forward(signum, None)
+        _cold(args, str((first or {}).get("cold", "the warm process closed without an answer")))
     sock.settimeout(None)
-    end = next(replies, None)
-    if end is None:  # the warm process is gone: the worker's end is unknown, so it is stopped
+    return sock, replies, int(first["pid"])
+
+
+def main(args: list[str]) -> NoReturn:
+    # Blocked from the start and taken one by one (sigwaitinfo says who sent each): none is lost
+    # between this process's start and the worker's, nor acted on twice.
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED | {DONE})
+    if args[:1] != ["-u"] or len(args) < 2 or (args[1] == "-m" and len(args) < 3) or \
+            (args[1].startswith("-") and args[1] != "-m"):
+        _cold(args, f"arguments {args[:2]} are not `-u -m MODULE` or `-u SCRIPT`")
+    sock, replies, child = _connect(args)
+    ends: list[dict[str, int | str]] = []
+    finished = threading.Event()
+    main_thread = threading.main_thread().ident
+
+    def read() -> None:
+        ends.extend(replies)  # the worker's own last word, then the warm process's, then the close
+        finished.set()
+        signal.pthread_kill(main_thread, DONE)  # type: ignore[arg-type]
+
+    threading.Thread(target=read, daemon=True).start()
+    parent = os.getppid()
+    while True:
+        info = signal.sigwaitinfo(FORWARDED | {DONE})
+        if info.si_signo == DONE:
+            if finished.is_set():
+                break
+            continue
         try:
-            os.killpg(child[0], signal.SIGKILL)
+            (os.killpg if info.si_pid == parent else os.kill)(child, info.si_signo)
         except ProcessLookupError:
             pass
-        print("gts.warm: the warm process went away while the worker ran; the worker was stopped",
-              file=sys.stderr, flush=True)
-        os._exit(1)
-    if "signal" in end:
-        if end["signal"] not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
-            signal.signal(int(end["signal"]), signal.SIG_DFL)
-        os.kill(os.getpid(), int(end["signal"]))
-        os._exit(128 + int(end["signal"]))
-    os._exit(int(end["exit"]))
+    sock.close()
+    by_warm = [e for e in ends if "exit" in e or "signal" in e]
+    by_worker = [e for e in ends if "worker_exit" in e]
+    if by_warm and "signal" in by_warm[0]:
+        sig = int(by_warm[0]["signal"])
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    if by_warm:
+        os._exit(int(by_warm[0]["exit"]))
+    if by_worker:  # the warm process is gone; the worker said how it ended
+        os._exit(int(by_worker[0]["worker_exit"]))
+    print("gts.warm: the warm process went away and the worker ended without saying how (a signal, or a fast "
+          "exit); counted as a failure", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 if __name__ == "__main__":

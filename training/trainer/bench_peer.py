@@ -220,7 +220,7 @@ def _print(figures: dict[str, dict[str, list[float]]], args: argparse.Namespace)
           f"{'steps lost':>14} {'limit':>6} {'world':>6} {'hangs':>6}")
     for name, f in figures.items():
         if f:
-            lost_limit = f"{args.every}" if name.startswith("peer") else "-"
+            lost_limit = "-" if name == "bucket" else f"{args.every}"  # the peer tier's K bounds all but the bucket path
             print(f"{name:>10} {cell(f['detect']):>17} {cell(f['to_step']):>23} {LIMIT_TO_STEP_S:>6.0f}s "
                   f"{cell(f['kill_to_step']):>19} {cell(f['lost'], '5.0f'):>14} {lost_limit:>6} {max(f['world']):6.0f} "
                   f"{sum(f['hangs']):6.0f}")
