@@ -55,7 +55,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRendezvousHandler,
                                                                      _DistributedRendezvousOpExecutor, create_handler)
 
-from training.node import rdzv_liveness, warm
+from training.node import rdzv_liveness, warm_launch
 from training.node.rdzv_store import listen
 
 BACKEND = "gts-c10d"
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.run import main as torchrun, parse_args
 
     # workers forked from a process that holds torch already (training/node/warm.py)
-    warm.start(parse_args(args).no_python)  # type: ignore[no-untyped-call]
+    warm_launch.start(parse_args(args).no_python)  # type: ignore[no-untyped-call]
     torchrun(args)
 
 

@@ -6,7 +6,7 @@ This process does that once per node, ahead of need, and forks each worker from 
 
     python -u -m training.node.warm --socket /tmp/gts-warm.sock    # by hand; the launcher passes --fd
 
-`training/node/rdzv_launch.py` starts it beside the torchrun agent (so every worker stays below
+`training/node/rdzv_launch.py` (through warm_launch.py) starts it beside the torchrun agent (so every worker stays below
 the launcher, as the hang watchdog requires) on an abstract Unix socket (nothing on disk to leave
 behind when the launcher is killed) and has torchrun start workers through `warm-python`
 (torchrun's PYTHON_EXEC), which runs `warm_client.py`: the client hands over its environment,
@@ -50,24 +50,21 @@ import json
 import os
 import runpy
 import selectors
-import secrets
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
 from pydantic import ValidationError
 
-from training.node.warm_rules import Request, cuda_loaded, differs, namespace, settle, unserved
+from training.node.warm_launch import listen
+from training.node.warm_rules import Request, client_gone, cuda_loaded, differs, namespace, settle, unserved
 
-
-SOCKET_VAR = "GTS_WARM_SOCKET"  # the abstract socket's name, for warm_client.py
 NAME = b"gts-warm"  # its process name (/proc/PID/comm), which the entrypoint's worker list skips
 PRELOAD = ("torch", "torch.nn", "torch.optim", "torch.distributed", "torch.distributed.checkpoint",
            "torch.utils.data", "torch._dynamo", "torch.fx.experimental.symbolic_shapes", "numpy")
@@ -76,16 +73,6 @@ HEADER = struct.Struct("!I")
 MAX_REQUEST = 16 << 20  # an environment and arguments; more is not a worker's request
 REQUEST_S = float(os.environ.get("GTS_WARM_REQUEST_S", "10"))  # the longest a client may take to send its request
 PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
-
-
-def _closed(conn: socket.socket) -> bool:
-    """Whether the client has closed its end (it gave up waiting)."""
-    try:
-        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
 
 
 def _prctl(option: int, value: int | bytes) -> None:
@@ -102,7 +89,7 @@ class Warm:
         self.listener = listener  # listening already: workers started while torch loads wait in its backlog
         self.env = dict(os.environ)  # before the preload: what torch sets as it loads is not the launcher's
         self.cpus = sorted(os.sched_getaffinity(0))
-        self.mnt = namespace(os.getpid())
+        self.mnt, self.pidns = namespace(os.getpid()), namespace(os.getpid(), "pid")
         for name in preload:
             try:
                 importlib.import_module(name)
@@ -145,13 +132,21 @@ class Warm:
         fds: list[int] = []
         try:
             try:
+                self._admit(conn)
+            except (OSError, ValueError) as exc:  # not for this process: no answer at all
+                print(f"gts.warm: a request was refused ({exc})", file=sys.stderr)
+                conn.close()
+                return
+            try:
                 request, fds = self._read(conn)
             except (OSError, ValueError, ValidationError) as exc:
-                print(f"gts.warm: a request was refused ({str(exc)[:300]})", file=sys.stderr)
+                why = f"{exc.error_count()} error(s) in the request" if isinstance(exc, ValidationError) else str(exc)
+                print(f"gts.warm: a request was refused ({why})", file=sys.stderr)
+                self._send(conn, {"cold": f"the warm process refused the request ({why})"})
                 conn.close()
                 return
             why = self.refusal or differs(self.env, request.env) or unserved(request, self.cpus)
-            if not why and _closed(conn):  # it gave up waiting and started cold already
+            if not why and client_gone(conn):  # it gave up waiting and started cold already
                 conn.close()
                 return
             if why:
@@ -160,20 +155,52 @@ class Warm:
                 return
             sys.stdout.flush()
             sys.stderr.flush()
+            go_read, go = os.pipe()  # the child runs the worker once its client knows its pid
             try:
                 pid = os.fork()
             except OSError as exc:  # no process to spare (a pids limit, memory): the client starts it itself
+                os.close(go_read)
+                os.close(go)
                 self._send(conn, {"cold": f"the warm process could not fork ({exc})"})
                 conn.close()
                 return
             if pid == 0:
-                self._child(conn, fds, request)  # never returns
+                os.close(go)
+                try:
+                    self._child(conn, fds, request, go_read)  # never returns
+                except (SystemExit, KeyboardInterrupt):  # the worker's end: out through every frame above
+                    raise
+                except BaseException:  # noqa: BLE001 - never into the serving loop's `except Exception`
+                    traceback.print_exc()
+                    raise SystemExit(1) from None
+            os.close(go_read)
         finally:
             for fd in fds:
                 os.close(fd)
+        self._follow(pid, conn, go)
+
+    def _follow(self, pid: int, conn: socket.socket, go: int) -> None:
+        """The forked worker watched (its end, its client's) and its pid told, then let run."""
+        try:
+            self._started(pid, conn)
+            os.write(go, b"g")
+        except Exception:
+            try:  # a worker nobody can wait for or signal is not left running beside the cold one
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            self.conns.pop(pid, None)
+            self._send(conn, {"cold": "the warm process could not follow the worker it forked"})
+            conn.close()
+            raise
+        finally:
+            os.close(go)
+
+    def _started(self, pid: int, conn: socket.socket) -> None:
         try:
             os.setpgid(pid, pid)  # here too, so the client's first signal finds the group (the child does it as well)
-        except OSError:  # the child did it first, or has already ended
+        except OSError:  # the child did it first
             pass
         pidfd = os.pidfd_open(pid)
         self.conns[pid] = (conn, pidfd)
@@ -181,14 +208,19 @@ class Warm:
         self.selector.register(conn, selectors.EVENT_READ, ("client", pid))
         self._send(conn, {"pid": pid})
 
-    def _read(self, conn: socket.socket) -> tuple[Request, list[int]]:
-        conn.settimeout(REQUEST_S)  # one serving loop: a client that never finishes its request must not stall it
+    def _admit(self, conn: socket.socket) -> None:
+        """Only a process of this uid in this container (mount and pid namespaces) is answered."""
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         peer, uid, _ = struct.unpack("3i", creds)
         if uid != os.getuid():
             raise ValueError("a client of another user")
-        if not peer or namespace(peer) != self.mnt:  # another container on the host's network, same uid
+        # another container on the host's network with the same uid; a pid namespace of its own
+        # (pid 0 here), where the worker's pid would name another process
+        if not peer or namespace(peer) != self.mnt or namespace(peer, "pid") != self.pidns:
             raise ValueError(f"a client outside this container (pid {peer})")
+
+    def _read(self, conn: socket.socket) -> tuple[Request, list[int]]:
+        conn.settimeout(REQUEST_S)  # one serving loop: a client that never finishes its request must not stall it
         head, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
         try:
             size = HEADER.unpack(head)[0] if len(head) == HEADER.size else 0
@@ -200,7 +232,9 @@ class Warm:
                 if not chunk:
                     raise ValueError("the request ended early")
                 payload += chunk
-            request = Request.model_validate_json(bytes(payload))
+            # json first: an environment with undecodable bytes comes as lone surrogates, which os.environ
+            # turns back into the same bytes (pydantic's own JSON parser refuses them)
+            request = Request.model_validate(json.loads(bytes(payload)), strict=True)
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -212,6 +246,8 @@ class Warm:
         """The client (the process torchrun started) is gone before its worker: killed, so the worker
         is too. Done here, not only by the worker's own thread, which a native call holding the GIL
         or a stopped process would keep from running."""
+        if pid not in self.conns:  # its end was handled first in the same batch of events
+            return
         conn, _ = self.conns[pid]
         try:
             if conn.recv(64):  # the client sends nothing after its request: anything else is ignored
@@ -242,7 +278,7 @@ class Warm:
         except OSError:  # the client is gone; its worker (if any) has been stopped
             pass
 
-    def _child(self, conn: socket.socket, fds: list[int], request: Request) -> NoReturn:
+    def _child(self, conn: socket.socket, fds: list[int], request: Request, go: int) -> NoReturn:
         """Become the worker: its group, streams, folder, environment and arguments; run it; then
         leave as the interpreter would after `python -u ...`, by an exception no frame of the
         serving loop catches (SystemExit or KeyboardInterrupt), so the whole finalisation runs."""
@@ -261,8 +297,8 @@ class Warm:
             fds.clear()
             for sig in SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # what was sent meanwhile arrives now
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # what was sent meanwhile acts now, as on a bare process
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # then as Python sets it at its start
             _prctl(PR_SET_NAME, Path(sys.executable).name.encode()[:15])
             _prctl(PR_SET_PDEATHSIG, 0)
             os.chdir(request.cwd)
@@ -273,6 +309,9 @@ class Warm:
             settle()
             threading.Thread(target=_watch, args=(conn,), name="gts-warm-watch", daemon=True).start()
             atexit.register(_report, conn)  # first registered, so it runs last of the worker's handlers
+            if os.read(go, 1) != b"g":  # its client knows its pid first: a report never comes before it
+                os._exit(1)
+            os.close(go)
         except BaseException:  # noqa: BLE001 - a child that could not become the worker never serves
             traceback.print_exc()
             os._exit(1)
@@ -328,41 +367,6 @@ def _report(conn: socket.socket) -> None:
     process's report of the worker's end, and this one only if the warm process is gone."""
     if EXIT_CODE:
         Warm._send(conn, {"worker_exit": EXIT_CODE[-1]})
-
-
-def listen(path: str) -> socket.socket:
-    """The warm process's socket, bound and listening: a path (0600) or an abstract name ("\\0...")."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    if not path.startswith("\0"):
-        os.chmod(path, 0o600)
-    listener.listen(128)
-    return listener
-
-
-def start(no_python: bool, env: MutableMapping[str, str] | None = None) -> subprocess.Popen[bytes] | None:
-    """For the launcher (training/node/rdzv_launch.py), before torchrun reads its settings: this
-    node's warm process, listening on an abstract Unix socket (no file to leave behind when the
-    launcher is killed; the peer's uid is checked), and torchrun's PYTHON_EXEC set to warm-python,
-    which starts each worker through it; None where the workers are not `python` (--no-python),
-    GTS_WARM_WORKERS=0, or the user has a PYTHON_EXEC of their own."""
-    env = os.environ if env is None else env
-    if no_python or env.get("GTS_WARM_WORKERS", "1") == "0" or "PYTHON_EXEC" in env:
-        return None
-    name = f"gts-warm-{os.getpid()}-{secrets.token_hex(8)}"
-    with listen("\0" + name) as listener:  # before torchrun starts a worker: none finds no socket
-        proc = subprocess.Popen([sys.executable, "-u", "-m", "training.node.warm", "--fd", str(listener.fileno()),
-                                 "--parent", str(os.getpid())], env=dict(env), pass_fds=[listener.fileno()])
-    env.update({"PYTHON_EXEC": str(Path(__file__).with_name("warm-python")), SOCKET_VAR: name,
-                # the socket's owner as the kernel tells a client (SO_PEERCRED: who called listen)
-                "GTS_WARM_PID": str(os.getpid()), "GTS_WARM_PYTHON": sys.executable})
-
-    def stop() -> None:
-        proc.kill()
-        proc.wait()
-
-    atexit.register(stop)
-    return proc
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import struct
@@ -33,6 +34,7 @@ from typing import NoReturn
 
 FORWARDED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2}
 DONE = signal.SIGCHLD  # sent to this process's main thread by its reader once the worker's end is known
+LAST_WORD_S = 30.0  # after the worker's own report, how long the warm process's may take (the worker's finalisation)
 WAIT_READY_S = float(os.environ.get("GTS_WARM_WAIT_S", "120"))  # the warm process may still be importing torch
 HEADER = struct.Struct("!I")
 
@@ -55,10 +57,7 @@ def _lines(sock: socket.socket) -> Iterator[dict[str, int | str]]:
     buffered = b""
     while True:
         while b"\n" not in buffered:
-            try:
-                chunk = sock.recv(4096)
-            except OSError:
-                return
+            chunk = sock.recv(4096)  # a timeout or a reset is the caller's to say
             if not chunk:
                 return
             buffered += chunk
@@ -77,7 +76,8 @@ def _connect(args: list[str]) -> tuple[socket.socket, Iterator[dict[str, int | s
         sock.connect(name if name.startswith("/") else "\0" + name)
         pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
         expected = os.environ.get("GTS_WARM_PID", "")
-        if uid != os.getuid() or (expected and str(pid) != expected):  # a squatter on the name of a warm process gone
+        # a squatter on the name of a warm process gone, or a socket of another pid namespace (pid 0 here)
+        if uid != os.getuid() or not pid or (expected and str(pid) != expected):
             sock.close()
             _cold(args, f"the socket's owner (pid {pid}, uid {uid}) is not the launcher's warm process")
         request = json.dumps({"args": args[1:], "env": dict(os.environ), "cwd": os.getcwd(),
@@ -109,9 +109,21 @@ def main(args: list[str]) -> NoReturn:
     main_thread = threading.main_thread().ident
 
     def read() -> None:
-        ends.extend(replies)  # the worker's own last word, then the warm process's, then the close
-        finished.set()
-        signal.pthread_kill(main_thread, DONE)  # type: ignore[arg-type]
+        """Until the warm process's report of the worker's end (its last message), not the close: a
+        process the worker forked and left behind holds the connection open too. The worker's own
+        report comes just before; if the warm process is gone, that one is taken after a while."""
+        try:
+            for message in replies:
+                ends.append(message)
+                if "exit" in message or "signal" in message:
+                    break
+                if "worker_exit" in message:
+                    sock.settimeout(LAST_WORD_S)
+        except (OSError, ValueError):  # the wait after the worker's report ran out, or a reset
+            pass
+        finally:
+            finished.set()
+            signal.pthread_kill(main_thread, DONE)  # type: ignore[arg-type]
 
     threading.Thread(target=read, daemon=True).start()
     parent = os.getppid()
@@ -132,6 +144,7 @@ def main(args: list[str]) -> NoReturn:
         sig = int(by_warm[0]["signal"])
         if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
             signal.signal(sig, signal.SIG_DFL)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the worker's core file, if any, is the one wanted
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -71,10 +72,10 @@ def unserved(request: Request, cpus: list[int]) -> str:
     return ""
 
 
-def namespace(pid: int) -> str:
-    """A process's mount namespace (which container it is in), or ''."""
+def namespace(pid: int, kind: str = "mnt") -> str:
+    """A process's namespace of `kind` (mnt, pid: which container it is in), or ''."""
     try:
-        return os.readlink(f"/proc/{pid}/ns/mnt")
+        return os.readlink(f"/proc/{pid}/ns/{kind}")
     except OSError:
         return ""
 
@@ -89,3 +90,13 @@ def settle() -> None:
     if numpy is not None:
         numpy.random.seed()
     random.seed()
+
+
+def client_gone(conn: socket.socket) -> bool:
+    """Whether the client has closed its end (it gave up waiting)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True

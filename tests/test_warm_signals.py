@@ -1,0 +1,117 @@
+"""Warm worker starts (training/node/warm.py, warm_client.py): the client stands in for its
+worker towards torchrun. Signals from torchrun and from others, one sent as the worker starts, a
+SIGKILLed client (its worker waiting, holding the GIL, stopped), the worker's end as the client's
+(exit code, signal, an uncaught error, a failing excepthook), a process the worker left behind,
+the warm process killed under a running worker, finalisation. The pieces: tests/warm_helpers.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.warm_helpers import warm_process, start_job, read_report, module_job, alive, ended
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Path]:
+    with warm_process(tmp_path) as (sock, _):
+        yield sock
+
+
+def test_the_jobs_end_is_the_clients(tmp_path: Path, served: Path) -> None:
+    killed, out = start_job(tmp_path, served, "die")
+    assert killed.wait(timeout=60) == -signal.SIGKILL  # a job killed by a signal: the client ends by it too
+    assert read_report(out, killed)["preloaded"] is True
+    raised, out = start_job(tmp_path, served, "raise")
+    assert raised.wait(timeout=60) == 1  # an uncaught exception: 1 and its traceback, as python does
+    assert raised.stderr is not None and "ValueError: the job's own error" in raised.stderr.read()
+    assert read_report(out, raised)["preloaded"] is True
+
+
+def test_a_forked_process_left_behind_does_not_hold_the_clients_end(tmp_path: Path, served: Path) -> None:
+    proc, out = start_job(tmp_path, served, "linger")
+    helper = int(read_report(out, proc)["helper"])  # type: ignore[call-overload]
+    try:
+        assert proc.wait(timeout=60) == 3  # the job's end, though its helper still holds the connection
+        assert alive(helper)
+    finally:
+        os.kill(helper, signal.SIGKILL)
+
+
+def test_a_job_whose_excepthook_fails_never_serves(tmp_path: Path) -> None:
+    with warm_process(tmp_path) as (sock, warm_proc):
+        proc, out = start_job(tmp_path, sock, "badhook")
+        assert proc.wait(timeout=60) == 1
+        assert read_report(out, proc)["preloaded"] is True
+        again, out = start_job(tmp_path, sock, "0")
+        assert again.wait(timeout=60) == 0 and read_report(out, again)["preloaded"] is True
+        assert warm_proc.poll() is None
+    assert "a request failed" not in (tmp_path / "warm.log").read_text()  # the job never ran the serving loop
+
+
+def test_quick_jobs_run_once_each(tmp_path: Path, served: Path) -> None:
+    """A job that ends at once reports before the warm process has answered its client: it must
+    not be taken for a refusal and run again, cold (the child waits for its client to know it)."""
+    for _ in range(10):
+        proc, out = start_job(tmp_path, served, "3")
+        assert proc.wait(timeout=60) == 3
+        assert read_report(out, proc)["preloaded"] is True
+        assert "starts cold" not in (proc.stderr.read() if proc.stderr else "")
+
+
+def test_torchruns_signal_reaches_the_jobs_group_anothers_the_job_alone(tmp_path: Path, served: Path) -> None:
+    """torchrun stops a worker with killpg (the client's parent: the job's whole group, as for a
+    plain worker); the entrypoint's TERM and USR1 go to the worker alone (its data loaders'
+    workers must not get them), and so they do through the client."""
+    proc, out = start_job(tmp_path, served, "helper")
+    helper = int(read_report(out, proc)["helper"])  # type: ignore[call-overload]
+    try:
+        subprocess.run(["kill", "-TERM", str(proc.pid)], check=True, timeout=60)  # not the client's parent
+        assert proc.wait(timeout=60) == 7  # the job's handler ran
+        assert alive(helper), "a signal for the job alone reached its group"
+    finally:
+        os.kill(helper, signal.SIGKILL)
+    proc, out = start_job(tmp_path, served, "helper")
+    helper = int(read_report(out, proc)["helper"])  # type: ignore[call-overload]
+    os.killpg(proc.pid, signal.SIGTERM)  # from the client's parent, as torchrun's SubprocessHandler.close
+    assert proc.wait(timeout=60) == 7
+    assert ended(helper), "torchrun's signal did not reach the job's group"
+
+
+def test_a_signal_sent_as_the_job_starts_is_not_lost(tmp_path: Path, served: Path) -> None:
+    for _ in range(5):
+        proc, _ = start_job(tmp_path, served, "wait")
+        os.kill(proc.pid, signal.SIGTERM)  # before the worker exists, or before its handler is set
+        assert proc.wait(timeout=120) in (7, -signal.SIGTERM)  # it ends, one way or the other, never waits
+
+
+@pytest.mark.parametrize("state", ["wait", "gil", "stop"])
+def test_a_killed_client_takes_its_job_with_it(tmp_path: Path, served: Path, state: str) -> None:
+    """Also a job in a native call that holds the GIL, or stopped: no thread of its own could act."""
+    proc, out = start_job(tmp_path, served, state)
+    job = int(read_report(out, proc)["pid"])  # type: ignore[call-overload]
+    os.killpg(proc.pid, signal.SIGKILL)  # torchrun's last resort: nothing runs in the client
+    proc.wait(timeout=60)
+    assert ended(job), f"job {job} ({state}) outlived its client"
+
+
+def test_the_jobs_exit_code_outlives_the_warm_process(tmp_path: Path) -> None:
+    with warm_process(tmp_path) as (sock, warm_proc):
+        proc, out = start_job(tmp_path, sock, "wait")
+        assert read_report(out, proc)["preloaded"] is True
+        warm_proc.kill()
+        warm_proc.wait()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 7  # the job's own word, not a failure made up
+
+
+def test_a_module_level_file_left_open_is_flushed_at_exit(tmp_path: Path, served: Path) -> None:
+    proc, out = module_job(tmp_path, served, "unclosed")
+    assert proc.wait(timeout=60) == 0
+    assert read_report(out, proc)["preloaded"] is True
+    assert Path(str(out) + ".unclosed").read_text() == "flushed at exit"
