@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.training_helpers import MotoServer, Run, elastic_cluster, elastic_node, kill_tree, wait_any
+from tests.training_helpers import MotoServer, Run, descendants, elastic_cluster, elastic_node, kill_tree, wait_any
 
 STEPS = 240
 WORLD = re.compile(r"rank \d of (\d) ")
@@ -24,6 +24,13 @@ def _node(index: int, port: int, moto: MotoServer, tmp: Path, nnodes: int = 3, s
                                                  "--throttle-ms", "60"],
                         NNODES=str(nnodes), MIN_NNODES="2", NPROC_PER_NODE="1", RDZV_LAST_CALL_S="3", CHECKPOINT_DIR="ckpt",
                         CHECKPOINT_URL=f"s3://{moto.bucket}/spares/", TRAIN_STEPS=str(steps))
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _worlds(run: Run, start: int = 0) -> list[str]:
@@ -43,6 +50,11 @@ def test_a_spare_waits_outside_the_world_and_takes_a_lost_members_place(tmp_path
     with elastic_cluster() as (moto, port, nodes):
         nodes.extend(_node(i, port, moto, tmp_path) for i in range(3))  # one by one: a node started is a node stopped
         wait_any(nodes, r"rank 0 of 3 ", timeout=120)
+        # through the image's entrypoint, each node's worker is forked by its warm process
+        # (training/node/warm.py): the seam from the entrypoint to a warm start, not a cold one
+        for run in nodes:
+            warm = [p for p in descendants(run.proc.pid) if _comm(p) == "gts-warm"]
+            assert len(warm) == 1 and descendants(warm[0]), run.output[-2000:]
         nodes.append(_node(3, port, moto, tmp_path))  # the spare: the world is full when it comes
         wait_any([nodes[3]], r"rdzv_launch: held as a spare", timeout=120)
         seen = {i: len(run.lines) for i, run in enumerate(nodes[:3])}
@@ -67,6 +79,7 @@ def test_a_spare_waits_outside_the_world_and_takes_a_lost_members_place(tmp_path
             assert "world size 3 -> 2" not in nodes[i].output
         finals = [line for run in nodes for line in run.lines if line.startswith("final step=")]
         assert len(finals) == 1 and finals[0].startswith(f"final step={STEPS} "), finals
+        assert not [run for run in nodes if "gts.warm: this worker starts cold" in run.output]  # restarts warm too
 
 
 def test_a_spare_still_waiting_when_the_run_ends_exits_cleanly(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,10 +100,15 @@ def start_job(tmp_path: Path, sock: Path, *args: str, env: dict[str, str] | None
     return proc, out
 
 
-def read_report(out: Path, proc: subprocess.Popen[str]) -> dict[str, object]:
+def read_report(out: Path, proc: subprocess.Popen[str], timeout: float = 300) -> dict[str, object]:
+    """The job's report once written; a job that ends without one, or hangs, fails the test."""
+    deadline = time.monotonic() + timeout  # a bound on a hang, not a speed asserted
     while not out.exists():
         if proc.poll() is not None and not out.exists():
             raise AssertionError(proc.stderr.read() if proc.stderr else "no report")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no report from the job in {timeout} s")
         select.select([], [], [], 0.01)
     return dict(json.loads(out.read_text()))
 

@@ -24,7 +24,6 @@ training/            THE LIBRARY: what you import into your own training code.
   distributed.py     torchrun / accelerate / Horovod behind one interface
   goodput.py         the checkpoint interval under preemption (`python -m training.goodput`)
   wallcost.py        a checkpoint's whole wall-time cost to the loop
-  interpreter.py     the interpreter's exit without its finalisation (the fast exit, a forked worker)
 
 training/trainer/    OUR REFERENCE TRAINER, built on the library (`python -m training.trainer.train`,
                      `python -m training.trainer.bench`, workloads/ for Hugging Face examples).

@@ -26,10 +26,11 @@ import sys
 from types import FrameType
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def _prctl(option: int, value: int) -> None:
+def prctl(option: int, value: int | bytes) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(option, value, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
@@ -83,8 +84,8 @@ def main(argv: list[str]) -> int:
         os.setsid()
     except PermissionError:
         pass  # already a session's leader
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    _prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
 
     def parent_died(signum: int, frame: FrameType | None) -> None:
         kill_all()

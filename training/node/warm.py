@@ -29,7 +29,7 @@ What the child inherits from a fork and a fresh worker would not have, and what 
   fresh import would; torch's default seed is a constant anyway. Python's hash seed is this
   process's (the order of a set of strings may repeat across workers).
 - Only third-party modules are preloaded (GTS_WARM_PRELOAD): the run's own code is imported by
-  each child (bar `training.node.warm` and `training/__init__`, which this process runs), so a
+  each child (bar the warm start's own modules and the guard's, which this process runs), so a
   worker never runs code older than its files.
 
 A worker's end is known here (its pidfd) and told to its client; a client that is gone first
@@ -62,6 +62,7 @@ from typing import NoReturn
 
 from pydantic import ValidationError
 
+from training.node.guard import PR_SET_NAME, PR_SET_PDEATHSIG, prctl
 from training.node.warm_launch import listen
 from training.node.warm_rules import Request, client_gone, cuda_loaded, differs, namespace, settle, unserved
 
@@ -72,13 +73,13 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.
 HEADER = struct.Struct("!I")
 MAX_REQUEST = 16 << 20  # an environment and arguments; more is not a worker's request
 REQUEST_S = float(os.environ.get("GTS_WARM_REQUEST_S", "10"))  # the longest a client may take to send its request
-PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
 
 
 def _prctl(option: int, value: int | bytes) -> None:
+    """The guard's prctl; here its name and the launcher's death watch are extras where it fails."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the name and the parent's death watch are extras
+        prctl(option, value)
+    except (OSError, AttributeError):
         pass
 
 
@@ -372,8 +373,8 @@ def _report(conn: socket.socket) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--socket", help="the Unix socket to listen on (its folder should be 0700)")
-    where.add_argument("--fd", type=int, help="a listening Unix socket it inherits (the launcher's, training.node.warm.start)")
+    where.add_argument("--socket", help="a Unix socket path to listen on (made 0600), for a warm process started by hand")
+    where.add_argument("--fd", type=int, help="a listening Unix socket it inherits (the launcher's, warm_launch.start)")
     parser.add_argument("--parent", type=int, default=0, help="exit if this process (the launcher) is gone")
     args = parser.parse_args(argv)
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -28,7 +28,7 @@ def listen(path: str) -> socket.socket:
 def start(no_python: bool, env: MutableMapping[str, str] | None = None) -> subprocess.Popen[bytes] | None:
     """For the launcher (training/node/rdzv_launch.py), before torchrun reads its settings: this
     node's warm process, listening on an abstract Unix socket (no file to leave behind when the
-    launcher is killed; the peer's uid is checked), and torchrun's PYTHON_EXEC set to warm-python,
+    launcher is killed; the peer's uid and namespaces are checked), and torchrun's PYTHON_EXEC set to warm-python,
     which starts each worker through it; None where the workers are not `python` (--no-python),
     GTS_WARM_WORKERS=0, or the user has a PYTHON_EXEC of their own."""
     env = os.environ if env is None else env

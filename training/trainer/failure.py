@@ -14,12 +14,13 @@ group's teardown kept a worker here about 1.4 s after its exit handlers had run,
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
-
-from training.interpreter import finish
 
 # What a collective raises when a peer's process is gone: torch's distributed errors
 # (torch.distributed.DistError and its subclasses: DistBackendError from NCCL, DistNetworkError,
@@ -54,7 +55,26 @@ def leave_now(exc: BaseException, code: int = 1) -> None:
     traceback on stderr, non-daemon threads joined, atexit handlers run, which flush logging),
     then exit with `code` (1, as for an uncaught exception), skipping the finalisation."""
     traceback.print_exception(exc)
-    finish(code)
+    # the interpreter's own first step at exit (Py_FinalizeEx: wait_for_thread_shutdown) joins the
+    # non-daemon threads and runs threading's exit hooks (concurrent.futures' pools finish their work)
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
+    else:
+        for thread in threading.enumerate():
+            if not thread.daemon and thread is not threading.current_thread():
+                thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more to say on it
+            pass
+    try:  # C's stdio buffers too (native libraries' lines, NCCL_DEBUG's on a pipe), which exit() would flush
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+    os._exit(code)
 
 
 def note(exc: BaseException) -> None:
