@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import ctypes
 import importlib
 import json
 import os
