@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.warm_helpers import warm_process, start_job, read_report, module_job, alive, ended
+from tests.warm_helpers import PRELOADED, ROOT, warm_process, start_job, read_report, module_job, alive, ended
 
 
 @pytest.fixture
@@ -115,3 +116,38 @@ def test_a_module_level_file_left_open_is_flushed_at_exit(tmp_path: Path, served
     assert proc.wait(timeout=60) == 0
     assert read_report(out, proc)["preloaded"] is True
     assert Path(str(out) + ".unclosed").read_text() == "flushed at exit"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_warm_process_started_by_hand_stops_on_ctrl_c_and_term_and_its_job_runs_on(tmp_path: Path,
+                                                                                     sig: signal.Signals) -> None:
+    with warm_process(tmp_path) as (sock, warm_proc):
+        proc, out = start_job(tmp_path, sock, "wait")
+        job = int(read_report(out, proc)["pid"])  # type: ignore[call-overload]
+        warm_proc.send_signal(sig)  # Ctrl-C in its terminal, or a service manager's stop
+        assert warm_proc.wait(timeout=60) == 128 + sig
+        assert not sock.exists()  # its socket path goes with it
+        assert alive(job)  # a running job is not the warm process's to end
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 7  # and its end is still its client's
+    assert f"gts.warm: stopped by {sig.name}" in (tmp_path / "warm.log").read_text()
+
+
+def test_a_warm_process_the_launcher_started_ignores_the_terminals_ctrl_c(tmp_path: Path) -> None:
+    """Started with --fd (the launcher's), it ends with the launcher only: a Ctrl-C to the
+    launcher's process group is torchrun's to handle, and workers it starts meanwhile are forked."""
+    from training.node.warm_launch import listen
+    sock = tmp_path / "launcher.sock"
+    env = {**os.environ, "GTS_WARM_PRELOAD": PRELOADED, "PYTHONPATH": str(ROOT)}
+    with listen(str(sock)) as listener:
+        warm_proc = subprocess.Popen([sys.executable, "-u", "-m", "training.node.warm", "--fd", str(listener.fileno())],
+                                     env=env, cwd=ROOT, pass_fds=[listener.fileno()])
+    try:
+        for _ in range(2):  # the first one served says it is up (its signals blocked); the second comes after the Ctrl-C
+            proc, out = start_job(tmp_path, sock, "0")
+            assert proc.wait(timeout=120) == 0 and read_report(out, proc)["preloaded"] is True
+            warm_proc.send_signal(signal.SIGINT)
+        assert warm_proc.poll() is None
+    finally:
+        warm_proc.kill()
+        warm_proc.wait()

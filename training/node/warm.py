@@ -47,7 +47,6 @@ import atexit
 import importlib
 import json
 import os
-import runpy
 import selectors
 import signal
 import socket
@@ -55,7 +54,6 @@ import struct
 import sys
 import threading
 import traceback
-from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -63,6 +61,7 @@ from pydantic import ValidationError
 
 from training.node.guard import PR_SET_NAME, PR_SET_PDEATHSIG, prctl
 from training.node.warm_launch import listen
+from training.node.warm_worker import report, run, send, watch
 from training.node.warm_rules import Request, client_gone, cuda_loaded, differs, namespace, settle, unserved
 
 NAME = b"gts-warm"  # its process name (/proc/PID/comm), which the entrypoint's worker list skips
@@ -156,9 +155,13 @@ class Warm:
             sys.stdout.flush()
             sys.stderr.flush()
             go_read, go = os.pipe()  # the child runs the worker once its client knows its pid
+            # a child starts with the workers' signals blocked (it unblocks them once its handlers are
+            # the worker's); this process may take some of them itself when started by hand (main)
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
             try:
                 pid = os.fork()
             except OSError as exc:  # no process to spare (a pids limit, memory): the client starts it itself
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 os.close(go_read)
                 os.close(go)
                 self._send(conn, {"cold": f"the warm process could not fork ({exc})"})
@@ -173,6 +176,7 @@ class Warm:
                 except BaseException:  # noqa: BLE001 - never into the serving loop's `except Exception`
                     traceback.print_exc()
                     raise SystemExit(1) from None
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             os.close(go_read)
         finally:
             for fd in fds:
@@ -271,12 +275,7 @@ class Warm:
         self._send(conn, end)
         conn.close()
 
-    @staticmethod
-    def _send(conn: socket.socket, message: Mapping[str, object]) -> None:
-        try:
-            conn.sendall(json.dumps(message).encode() + b"\n")
-        except OSError:  # the client is gone; its worker (if any) has been stopped
-            pass
+    _send = staticmethod(send)
 
     def _child(self, conn: socket.socket, fds: list[int], request: Request, go: int) -> NoReturn:
         """Become the worker: its group, streams, folder, environment and arguments; run it; then
@@ -307,66 +306,15 @@ class Warm:
             for name, value in self.added.items():
                 os.environ.setdefault(name, value)
             settle()
-            threading.Thread(target=_watch, args=(conn,), name="gts-warm-watch", daemon=True).start()
-            atexit.register(_report, conn)  # first registered, so it runs last of the worker's handlers
+            threading.Thread(target=watch, args=(conn,), name="gts-warm-watch", daemon=True).start()
+            atexit.register(report, conn)  # first registered, so it runs last of the worker's handlers
             if os.read(go, 1) != b"g":  # its client knows its pid first: a report never comes before it
                 os._exit(1)
             os.close(go)
         except BaseException:  # noqa: BLE001 - a child that could not become the worker never serves
             traceback.print_exc()
             os._exit(1)
-        _run(request.args)
-
-
-def _watch(conn: socket.socket) -> None:
-    """The client (the process torchrun started) closing means it was killed: so is this group.
-    A second watch, for a warm process that is gone (the warm process's own watch comes first)."""
-    try:
-        while conn.recv(64):
-            pass
-    except OSError:
-        pass
-    os.killpg(0, signal.SIGKILL)
-
-
-EXIT_CODE: list[int] = []  # the worker's exit code once known, for _report
-
-
-def _run(args: list[str]) -> NoReturn:
-    """`python -u -m MODULE ARGS` or `python -u SCRIPT ARGS`, in this process, then out as the
-    interpreter leaves: SystemExit with the code, the traceback and 1 for an uncaught error, the
-    KeyboardInterrupt itself (the interpreter then ends by SIGINT, as python does)."""
-    try:
-        if args[0] == "-m":
-            sys.argv = ["-m", *args[2:]]
-            sys.path[0] = os.getcwd()
-            runpy._run_module_as_main(args[1])  # type: ignore[attr-defined]  # what `python -m` runs
-        else:
-            sys.argv = list(args)
-            sys.path[0] = str(Path(args[0]).resolve().parent)
-            runpy.run_path(args[0], run_name="__main__")
-    except SystemExit as stop:
-        code = stop.code
-        if code is not None and not isinstance(code, int):
-            print(code, file=sys.stderr)
-            code = 1
-        EXIT_CODE.append(int(code or 0))
-        raise SystemExit(int(code or 0)) from None
-    except KeyboardInterrupt:
-        raise
-    except BaseException:  # noqa: BLE001 - reported as the interpreter reports an uncaught one
-        sys.excepthook(*sys.exc_info())
-        EXIT_CODE.append(1)
-        raise SystemExit(1) from None
-    EXIT_CODE.append(0)
-    raise SystemExit(0)
-
-
-def _report(conn: socket.socket) -> None:
-    """The worker's exit code to its client, as its last exit handler: the client takes the warm
-    process's report of the worker's end, and this one only if the warm process is gone."""
-    if EXIT_CODE:
-        Warm._send(conn, {"worker_exit": EXIT_CODE[-1]})
+        run(request.args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -384,8 +332,38 @@ def main(argv: list[str] | None = None) -> None:
     # sent to it meanwhile (an ignored signal would be lost)
     signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     preload = tuple(os.environ.get("GTS_WARM_PRELOAD", " ".join(PRELOAD)).split())
-    listener = listen(args.socket) if args.socket else socket.socket(fileno=args.fd)
-    Warm(listener, preload).serve()
+    if args.fd is not None:  # the launcher's: it ends with the launcher, whatever the terminal sends
+        Warm(socket.socket(fileno=args.fd), preload).serve()
+        return
+    # started by hand: Ctrl-C, TERM and HUP end it (blocked again around each fork, so a child
+    # never inherits this process's handlers with them pending); its workers run on, each
+    # reporting its own end to its client
+    warm_pid = os.getpid()
+    try:
+        with listen(args.socket) as listener:
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, _stop)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+            Warm(listener, preload).serve()
+    except _Stopped as stop:
+        print(f"gts.warm: stopped by {signal.Signals(stop.signum).name}", file=sys.stderr)
+        raise SystemExit(128 + stop.signum) from None
+    finally:
+        if os.getpid() == warm_pid:  # a worker leaves through these frames too (its SystemExit)
+            Path(args.socket).unlink(missing_ok=True)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Stopped(BaseException):  # not an Exception: the serving loop's handler does not catch it
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, _frame: object) -> None:
+    raise _Stopped(signum)
 
 
 if __name__ == "__main__":
