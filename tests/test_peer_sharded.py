@@ -4,7 +4,7 @@ in its own node's store and its buddy's (stores as processes); a node is lost wi
 fewer ranks restore from what the survivors hold, resharded, the full parameters compared with
 what the 4 saved. A flipped byte in the only copy of a shard: refused by name, the bucket's step
 used. A node lost with its buddy (a shard in no surviving store): the set is not complete, never
-used; the bucket's step is. A copy still on its way on one rank makes the next skipped on all
+used; the bucket's step is, unless PEER_HOLDERS=2 kept a second copy. A copy still on its way on one rank makes the next skipped on all
 (DCP's save is collective), never waited for."""
 
 from __future__ import annotations
@@ -78,6 +78,41 @@ def test_a_node_lost_with_its_buddy_leaves_no_complete_set_and_the_bucket_s_step
     assert all(r["step"] == DURABLE and not r["from_peer"] and r["refusals"] == [] for r in restored)
     assert restored[0]["hash"] == saved[0]["hashes"][str(DURABLE)]
     assert "restoring sharded step" not in restored[0]["output"]
+
+
+def test_with_two_holders_a_node_lost_with_its_buddy_keeps_the_peer_step(tmp_path: Path) -> None:
+    """PEER_HOLDERS=2: each shard also on its buddy's buddy, so the set the test above loses is whole."""
+    with contextlib.ExitStack() as stack:
+        stores = [stack.enter_context(store_process()) for _ in range(4)]
+        saved = ranks("save", stores, tmp_path, nodes=4, per_node=1, PEER_HOLDERS="2")
+        assert all(r["sent"] == [PEER] for r in saved), [r["output"][-2000:] for r in saved]
+        assert f"peer copy of step {PEER} on node 1, 2 and this node" in saved[0]["output"]
+        survivors = [stores[0], stores[3]]  # nodes 1 and 2 lost: rank 1's shard is still on node 3's store
+        held = {(e[1], e[3]) for s in survivors for e in Link(KEY).listing(s) if e[2] == PEER}
+        assert {(r, "shard") for r in range(4)} | {(0, "meta"), (0, "train")} <= held, held
+        restored = ranks("restore", survivors, tmp_path, nodes=2, per_node=1)
+    assert all(r["step"] == PEER and r["from_peer"] and r["refusals"] == [] for r in restored), \
+        restored[0]["output"][-3000:]
+    assert restored[0]["hash"] == saved[0]["hashes"][str(PEER)]
+    assert "restoring sharded step 4 from peer memory (saved by 4 ranks)" in restored[0]["output"]
+
+
+def test_the_holders_are_other_nodes_spread_over_zones_and_as_many_as_asked() -> None:
+    from training.ckpt.peer.shardset import holders
+    from training.ckpt.peer.tier import buddy
+
+    for zones in (["a"] * 5, ["a", "a", "b", "b", "c", "c"], ["a", "a", "a", "b"], ["a", "b"]):
+        count = len(zones)
+        for wanted in (1, 2, 3, 9):
+            chosen = [holders(n, zones, wanted) for n in range(count)]
+            for node, mine in enumerate(chosen):
+                assert len(mine) == min(wanted, count - 1) == len(set(mine)) and node not in mine, (zones, wanted)
+                assert mine[0] == buddy(node, zones)  # the first holder is the replicated path's buddy
+            if len(set(zones)) > 1 and wanted == 1:
+                assert all(zones[mine[0]] != zones[node] for node, mine in enumerate(chosen))
+            load = [sum(n in mine for mine in chosen) for n in range(count)]  # how many nodes' copies each holds
+            if len(set(zones)) == 1 or zones.count(zones[0]) * 2 <= count:
+                assert load == [min(wanted, count - 1)] * count, (zones, wanted, load)
 
 
 def test_a_copy_still_on_its_way_on_some_rank_makes_the_next_skipped_on_every_rank(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ def _failed() -> Future[Any]:
 def test_a_failed_dcp_write_is_logged_the_directory_removed_and_close_does_not_raise(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     node_copy = NodeCopy(str(tmp_path))
-    me: Any = SimpleNamespace(tier=SimpleNamespace(buddy=1), comm=SimpleNamespace(rank=0), error="", sent=[])
+    me: Any = SimpleNamespace(tier=SimpleNamespace(buddy=1), holders=[1], comm=SimpleNamespace(rank=0), error="", sent=[])
     with caplog.at_level(logging.WARNING, logger="gts.peer"):
         ShardedPeer._send(me, 4, node_copy, _failed())  # on the caller's thread: it must not raise
     assert "No space left on device" in me.error and me.sent == []

@@ -132,12 +132,16 @@ PEER_EVERY = Var("PEER_EVERY", "steps between in-memory copies of each rank's st
 PEER_PORT = Var("PEER_PORT", "port of the node's peer store, on its private address (default 29600)", IMAGE)
 PEER_STORE_GIB = Var("PEER_STORE_GIB", "GiB of host memory the node's peer store may hold; a copy over it is refused "
                      "(507) and the sender says so (0: half the node's memory; default 0)", IMAGE)
-RECOVERY_VARS = (RDZV_LAST_CALL_S, RDZV_KEEPALIVE_S, RDZV_KEEPALIVE_MISSES, PEER_EVERY, PEER_PORT, PEER_STORE_GIB)
+PEER_HOLDERS = Var("PEER_HOLDERS", "other nodes that hold each node's sharded peer copies (default 1: its buddy; "
+                   "2 keeps a step through a node lost with its buddy, at one more node's shards in each store's "
+                   "memory and one more send per copy; docs/recovery.md)", IMAGE)
+RECOVERY_VARS = (RDZV_LAST_CALL_S, RDZV_KEEPALIVE_S, RDZV_KEEPALIVE_MISSES, PEER_EVERY, PEER_PORT, PEER_STORE_GIB,
+                 PEER_HOLDERS)
 RECOVERY_DEFAULTS = {RDZV_LAST_CALL_S.name: 30, RDZV_KEEPALIVE_S.name: 2, RDZV_KEEPALIVE_MISSES.name: 5,
-                     PEER_EVERY.name: 0, PEER_PORT.name: 29600, PEER_STORE_GIB.name: 0}
+                     PEER_EVERY.name: 0, PEER_PORT.name: 29600, PEER_STORE_GIB.name: 0, PEER_HOLDERS.name: 1}
 LAST_CALL_PEER_S = 3  # RDZV_LAST_CALL_S's default with PEER_EVERY > 0 (the entrypoint's)
 RECOVERY_LEAST = {RDZV_LAST_CALL_S.name: 0, RDZV_KEEPALIVE_S.name: 1, RDZV_KEEPALIVE_MISSES.name: 2,
-                  PEER_EVERY.name: 0, PEER_PORT.name: 1, PEER_STORE_GIB.name: 0}
+                  PEER_EVERY.name: 0, PEER_PORT.name: 1, PEER_STORE_GIB.name: 0, PEER_HOLDERS.name: 1}
 
 
 def recovery(name: str, env: dict[str, str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """The peer tier for sharded state (FSDP2 `fully_shard`, DTensors; issue 46): every PEER_EVERY steps
-each rank's shard goes into host memory on its own node's peer store and on its buddy's, and after a
+each rank's shard goes into host memory on its own node's peer store and on its buddy's (and on
+PEER_HOLDERS - 1 more nodes': shardset.holders), and after a
 loss the new world restores the newest step the surviving stores hold whole, resharded by DCP into
 this run's world (any size).
 
@@ -10,7 +11,7 @@ each rank DCP-saves its shard of the model and optimizer as training/ckpt/sharde
 gloo group of the tier's own) into a private directory of its own (share.NodeCopy: mkdtemp, 0700,
 in /dev/shm, else the checkpoint manager's local directory), beside its RNG state (and, rank 0,
 the train state). A background thread waits for the write (DCP's save ends when rank 0 has written
-the metadata), sends each file to the buddy's store and to its own node's (signed and digested as
+the metadata), sends each file to its holders' stores and to its own node's (signed and digested as
 every copy is: wire.py), and removes the directory.
 
 The restore (`load`, collective, from training/ckpt/run_control.py's choose_checkpoint through
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
+from training import contract
 from training.ckpt.files import CheckpointError, unpickle
 from training.ckpt.manager import rng_name
 from training.ckpt.peer import share, shardset, wire
@@ -73,6 +75,8 @@ class ShardedPeer:
 
         self.tier, self.comm = tier, tier.comm
         self.model, self.optimizer = model, optimizer
+        count = contract.recovery(contract.PEER_HOLDERS.name)  # the nodes that hold this node's copies, itself aside
+        self.holders = shardset.holders(self.comm.node, tier.zones, count) if tier.buddy is not None else []
         self.group = dist.new_group(backend="gloo") if self.comm.distributed else None
         cuda = self.comm.device.type == "cuda"
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
@@ -171,10 +175,11 @@ class ShardedPeer:
         return None, "no room for it: " + "; ".join(failures or ["no place to write it"])
 
     def _send(self, step: int, node_copy: share.NodeCopy, pending: Future[Any]) -> None:
-        """Once DCP's write is done: each of this rank's files to the buddy's store, then to its own
-        node's (which keeps it through a restart of the workers), then the directory goes."""
+        """Once DCP's write is done: each of this rank's files to its holders' stores (the buddy's
+        first), then to its own node's (which keeps it through a restart of the workers), then the
+        directory goes."""
         tier, rank = self.tier, self.comm.rank
-        assert tier.buddy is not None
+        assert self.holders
         size = 0
         try:
             pending.result()
@@ -183,7 +188,7 @@ class ShardedPeer:
             for kind, name in names:
                 data = (Path(node_copy.dir) / name).read_bytes()
                 named, size = wire.payload_digest(data), size + len(data)
-                for store in dict.fromkeys((tier.stores[tier.buddy], tier.stores[self.comm.node])):
+                for store in dict.fromkeys([*(tier.stores[n] for n in self.holders), tier.stores[self.comm.node]]):
                     tier.link.put(store, self.comm.world, rank, step, kind, data, named, tier.generation)
                 del data
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 (DCP's write, a store's refusal: logged)
@@ -194,8 +199,8 @@ class ShardedPeer:
             node_copy.remove()
         self.sent.append(step)
         if self.comm.rank == 0:
-            log.info("peer copy of step %d on node %d and this node (%.1f MiB from rank 0)", step, tier.buddy,
-                     size / 2**20)
+            log.info("peer copy of step %d on node %s and this node (%.1f MiB from rank 0)", step,
+                     ", ".join(map(str, self.holders)), size / 2**20)
 
     def close(self, timeout_s: float | None = None) -> None:
         """The copy on its way: its DCP write done (the save group's collectives end before the

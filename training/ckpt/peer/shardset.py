@@ -5,7 +5,8 @@ A sharded step saved by a world of W ranks is in the stores as copies of four ki
 `shard` (rank r's DCP file, every r < W), `meta` (DCP's metadata, from rank 0), `train` (the
 train state beside the shards, from rank 0) and `rng` (each rank's streams). Each rank sends its
 own to its node's store and to its buddy's, so a step stays whole when any one node is lost
-(the lost node's on its buddy, its predecessor's in the predecessor's own store). A step is
+(the lost node's on its buddy, its predecessor's in the predecessor's own store); with
+PEER_HOLDERS=h to h other nodes (holders()), so that it stays whole when any h nodes are. A step is
 *complete* for (W, generation) when every `shard` of r < W, the `meta` and the `train` copy are
 in some store; `rng` copies are not needed (a rank without its own is re-seeded, as the durable
 path does when the world size changed). Copies of two histories (generations) are never mixed.
@@ -22,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from training.ckpt.peer import share
-from training.ckpt.peer.tier import PeerTier
+from training.ckpt.peer.tier import PeerTier, buddy
 from training.ckpt.sharded import METADATA, TRAIN_STATE
 
 log = logging.getLogger("gts.peer")
@@ -31,6 +32,22 @@ SHARD_FILE = re.compile(r"^__(\d+)_0\.distcp$")
 
 # (rank, kind) -> [(store, entry)], entry as the stores list it: [world, rank, step, kind, digest, size, generation]
 Files = dict[tuple[int, str], list[tuple[str, list[Any]]]]
+
+
+def holders(node: int, zones: list[str], count: int) -> list[int]:
+    """The other nodes that hold node `node`'s sharded copies (PEER_HOLDERS of them, at most every
+    other node): its buddy, that node's buddy and on along the chain (tier.buddy: another zone
+    first, each node holding about as many nodes' copies as it sends), then, where the chain comes
+    back to a node already chosen, the next nodes in order. With the node's own store, a step
+    survives any `count` lost nodes."""
+    chosen: list[int] = []
+    at, total = node, len(zones)
+    while len(chosen) < min(count, total - 1):
+        at = buddy(at, zones)
+        if at == node or at in chosen:
+            at = next((node + k) % total for k in range(1, total) if (node + k) % total not in chosen)
+        chosen.append(at)
+    return chosen
 
 
 def file_name(rank: int, kind: str) -> str:

@@ -2,7 +2,6 @@
 host memory (the loop's only wait) and sent, on a background thread, to the peer store of its
 buddy node (training/ckpt/peer/store.py); after a loss, `steps` and `load` give what the surviving
 stores hold, for training/ckpt/run_control.py's choose_checkpoint (peer first, then disk, then bucket).
-
 The buddies: node n's copies go to a node in another zone (GTS_ZONE) when the run spans zones,
 dealt so that each node holds about as many as it sends (buddy()), else to node n+1; never to
 node n itself.
@@ -76,7 +75,8 @@ class PeerTier:
         self.link = Link(key)
         nodes = {node: (addr, z) for node, addr, z in comm.all_gather_object((comm.node, store, zone))}
         self.stores = [nodes[n][0] for n in range(comm.nnodes)]
-        self.buddy = buddy(comm.node, [nodes[n][1] for n in range(comm.nnodes)]) if comm.nnodes > 1 else None
+        self.zones = [nodes[n][1] for n in range(comm.nnodes)]  # each node's (sharded copies' holders: shardset)
+        self.buddy = buddy(comm.node, self.zones) if comm.nnodes > 1 else None
         self._stager = Stager()
         self._sender: threading.Thread | None = None
         self.blocked_s = 0.0  # the loop's wait for the copies, all of them
