@@ -101,17 +101,20 @@ def test_the_holders_are_other_nodes_spread_over_zones_and_as_many_as_asked() ->
     from training.ckpt.peer.shardset import holders
     from training.ckpt.peer.tier import buddy
 
-    for zones in (["a"] * 5, ["a", "a", "b", "b", "c", "c"], ["a", "a", "a", "b"], ["a", "b"]):
-        count = len(zones)
-        for wanted in (1, 2, 3, 9):
+    import itertools
+
+    layouts = [list(z) for size in range(2, 8) for z in itertools.product("abc", repeat=size)]
+    layouts += [list("aaaaaaab"), list("abababab"), list("aabbccdd")]
+    for zones in layouts:  # every layout of up to 7 nodes in 3 zones, node ranks in any zone order
+        count, largest = len(zones), max(zones.count(z) for z in set(zones))
+        for wanted in range(1, count + 2):
             chosen = [holders(n, zones, wanted) for n in range(count)]
             for node, mine in enumerate(chosen):
                 assert len(mine) == min(wanted, count - 1) == len(set(mine)) and node not in mine, (zones, wanted)
                 assert mine[0] == buddy(node, zones)  # the first holder is the replicated path's buddy
-            if len(set(zones)) > 1 and wanted == 1:
-                assert all(zones[mine[0]] != zones[node] for node, mine in enumerate(chosen))
+                assert len(set(zones)) == 1 or zones[mine[0]] != zones[node]  # in another zone where there is one
             load = [sum(n in mine for mine in chosen) for n in range(count)]  # how many nodes' copies each holds
-            if len(set(zones)) == 1 or zones.count(zones[0]) * 2 <= count:
+            if 2 * largest <= count or len(set(zones)) == 1:  # where the zones allow: each as many as it sends
                 assert load == [min(wanted, count - 1)] * count, (zones, wanted, load)
 
 

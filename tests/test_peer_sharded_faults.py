@@ -97,3 +97,31 @@ def test_a_chosen_set_that_dcp_cannot_load_is_forgotten_so_the_restart_goes_to_t
         peer_sharded.restore(sharded, peer, 4, None, None, 4)  # type: ignore[arg-type]
     assert forgotten == [("10.0.0.2:1", 0, 0)]  # its own node's store: every copy dropped
     assert peer.folder is None  # released as before
+
+
+def test_a_holder_that_refuses_leaves_the_other_stores_their_copies(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """PEER_HOLDERS=2: the first holder answers 507 (full); the second and the node's own store
+    still get every file, and the copy is reported as not sent (it is not held everywhere)."""
+    from training.ckpt.manager import rng_name
+    from training.ckpt.peer.client import PeerRefused
+
+    node_copy = NodeCopy(str(tmp_path))
+    for name in (shardset.file_name(1, "shard"), rng_name(1)):
+        (Path(node_copy.dir) / name).write_bytes(b"x" * 10)
+    got: list[tuple[str, str]] = []
+
+    def put(store: str, world: int, rank: int, step: int, kind: str, *_: Any) -> None:
+        if store == "full:1":
+            raise PeerRefused(f"{store} refused: over its budget (507)")
+        got.append((store, kind))
+    done: Future[Any] = Future()
+    done.set_result(None)
+    tier = SimpleNamespace(stores=["own:0", "full:1", "next:2"], link=SimpleNamespace(put=put), generation="0-0")
+    me: Any = SimpleNamespace(tier=tier, holders=[1, 2], comm=SimpleNamespace(rank=1, node=0, world=3), error="",
+                              sent=[])
+    with caplog.at_level(logging.WARNING, logger="gts.peer"):
+        ShardedPeer._send(me, 4, node_copy, done)
+    assert got == [("next:2", "shard"), ("own:0", "shard"), ("next:2", "rng"), ("own:0", "rng")]
+    assert me.sent == [] and "shard to full:1" in me.error and "rng to full:1" in me.error
+    assert not Path(node_copy.dir).exists()

@@ -7,6 +7,7 @@ the warm process killed under a running worker, finalisation. The pieces: tests/
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -118,14 +119,14 @@ def test_a_module_level_file_left_open_is_flushed_at_exit(tmp_path: Path, served
     assert Path(str(out) + ".unclosed").read_text() == "flushed at exit"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_warm_process_started_by_hand_stops_on_ctrl_c_and_term_and_its_job_runs_on(tmp_path: Path,
                                                                                      sig: signal.Signals) -> None:
     with warm_process(tmp_path) as (sock, warm_proc):
         proc, out = start_job(tmp_path, sock, "wait")
         job = int(read_report(out, proc)["pid"])  # type: ignore[call-overload]
         warm_proc.send_signal(sig)  # Ctrl-C in its terminal, or a service manager's stop
-        assert warm_proc.wait(timeout=60) == 128 + sig
+        assert warm_proc.wait(timeout=60) == -sig  # it ends by that signal, as a shell expects
         assert not sock.exists()  # its socket path goes with it
         assert alive(job)  # a running job is not the warm process's to end
         os.killpg(proc.pid, signal.SIGTERM)
@@ -133,7 +134,62 @@ def test_a_warm_process_started_by_hand_stops_on_ctrl_c_and_term_and_its_job_run
     assert f"gts.warm: stopped by {sig.name}" in (tmp_path / "warm.log").read_text()
 
 
-def test_a_warm_process_the_launcher_started_ignores_the_terminals_ctrl_c(tmp_path: Path) -> None:
+def test_a_stop_during_a_request_waits_for_the_request_to_be_done(tmp_path: Path) -> None:
+    """The stop comes while the warm process hands a worker its pid: the worker still runs (never
+    a worker its client knows that never ran), then the warm process stops."""
+    hook = tmp_path / "sitecustomize.py"  # in the warm process only: a stop sent to itself mid-request
+    hook.write_text("import os, signal\nfrom training.node import warm\nstarted = warm.Warm._started\n"
+                    "def _started(self, pid, conn):\n    started(self, pid, conn)\n"
+                    "    os.kill(os.getpid(), signal.SIGTERM)\nwarm.Warm._started = _started\n")
+    env = {**os.environ, "GTS_WARM_PRELOAD": PRELOADED, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    sock = tmp_path / "warm.sock"
+    warm_proc = subprocess.Popen([sys.executable, "-u", "-c", "import sitecustomize; from training.node import warm; "
+                                  f"warm.main(['--socket', {str(sock)!r}])"], env=env, cwd=ROOT)
+    try:
+        while not sock.exists():
+            assert warm_proc.poll() is None
+            select.select([], [], [], 0.01)
+        proc, out = start_job(tmp_path, sock, "0", env={"PYTHONPATH": env["PYTHONPATH"]})  # as the warm process's
+        assert proc.wait(timeout=120) == 0 and read_report(out, proc)["preloaded"] is True  # forked, and it ran
+        assert warm_proc.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        warm_proc.kill()
+        warm_proc.wait()
+
+
+def test_a_warm_process_leaves_a_socket_path_it_could_not_take_alone(tmp_path: Path) -> None:
+    with warm_process(tmp_path) as (sock, warm_proc):
+        second = subprocess.run([sys.executable, "-m", "training.node.warm", "--socket", str(sock)], cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+        assert second.returncode != 0 and "Address already in use" in second.stderr
+        assert sock.exists()  # the first one's socket is still there, and serves
+        proc, out = start_job(tmp_path, sock, "0")
+        assert proc.wait(timeout=120) == 0 and read_report(out, proc)["preloaded"] is True
+
+
+def test_a_warm_process_started_with_hangup_ignored_keeps_it_ignored(tmp_path: Path) -> None:
+    """As under nohup: HUP was ignored when it started, so HUP does not stop it; TERM still does."""
+    sock = tmp_path / "warm.sock"
+    env = {**os.environ, "GTS_WARM_PRELOAD": PRELOADED, "PYTHONPATH": str(ROOT)}
+    warm_proc = subprocess.Popen([sys.executable, "-u", "-m", "training.node.warm", "--socket", str(sock)], env=env,
+                                 cwd=ROOT, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        while not sock.exists():
+            assert warm_proc.poll() is None
+            select.select([], [], [], 0.01)
+        proc, out = start_job(tmp_path, sock, "0")  # served: its handlers are in place
+        assert proc.wait(timeout=120) == 0 and read_report(out, proc)["preloaded"] is True
+        warm_proc.send_signal(signal.SIGHUP)
+        proc, out = start_job(tmp_path, sock, "0")
+        assert proc.wait(timeout=120) == 0 and read_report(out, proc)["preloaded"] is True
+        warm_proc.send_signal(signal.SIGTERM)
+        assert warm_proc.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        warm_proc.kill()
+        warm_proc.wait()
+
+
+def test_a_warm_process_the_launcher_started_ignores_the_terminals_signals(tmp_path: Path) -> None:
     """Started with --fd (the launcher's), it ends with the launcher only: a Ctrl-C to the
     launcher's process group is torchrun's to handle, and workers it starts meanwhile are forked."""
     from training.node.warm_launch import listen
@@ -143,10 +199,12 @@ def test_a_warm_process_the_launcher_started_ignores_the_terminals_ctrl_c(tmp_pa
         warm_proc = subprocess.Popen([sys.executable, "-u", "-m", "training.node.warm", "--fd", str(listener.fileno())],
                                      env=env, cwd=ROOT, pass_fds=[listener.fileno()])
     try:
-        for _ in range(2):  # the first one served says it is up (its signals blocked); the second comes after the Ctrl-C
-            proc, out = start_job(tmp_path, sock, "0")
-            assert proc.wait(timeout=120) == 0 and read_report(out, proc)["preloaded"] is True
-            warm_proc.send_signal(signal.SIGINT)
+        proc, out = start_job(tmp_path, sock, "0")  # served: it is up, its signals blocked
+        assert proc.wait(timeout=120) == 0 and read_report(out, proc)["preloaded"] is True
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            warm_proc.send_signal(sig)
+        proc, out = start_job(tmp_path, sock, "0")  # served after all three
+        assert proc.wait(timeout=120) == 0 and read_report(out, proc)["preloaded"] is True
         assert warm_proc.poll() is None
     finally:
         warm_proc.kill()

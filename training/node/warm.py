@@ -35,15 +35,15 @@ What the child inherits from a fork and a fresh worker would not have, and what 
 A worker's end is known here (its pidfd) and told to its client; a client that is gone first
 was killed (torchrun's last resort), and its worker's group is SIGKILLed here, whatever the
 worker is doing. This process blocks the signals meant for workers (a child unblocks them once
-its handlers are the worker's), is skipped by name by the entrypoint's worker list
-(training/node/entrypoint.sh), dies with the launcher (PR_SET_PDEATHSIG), and holds no thread,
-so a fork copies nothing half-done.
-"""
+its handlers are the worker's; started by hand, it takes Ctrl-C, TERM and HUP between requests:
+main), is skipped by name by the entrypoint's worker list (training/node/entrypoint.sh), dies
+with the launcher (PR_SET_PDEATHSIG), and holds no thread, so a fork copies nothing half-done."""
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import importlib
 import json
 import os
@@ -113,7 +113,14 @@ class Warm:
 
     def serve(self) -> None:
         while True:
-            for key, _ in self.selector.select():
+            _Stop.idle = True  # a stop (started by hand) is taken here only, never inside a request
+            try:
+                if _Stop.asked:
+                    raise _Stopped(_Stop.asked)
+                ready = self.selector.select()
+            finally:
+                _Stop.idle = False
+            for key, _ in ready:
                 kind, pid = key.data
                 try:
                     if kind == "listener":
@@ -335,22 +342,33 @@ def main(argv: list[str] | None = None) -> None:
     if args.fd is not None:  # the launcher's: it ends with the launcher, whatever the terminal sends
         Warm(socket.socket(fileno=args.fd), preload).serve()
         return
-    # started by hand: Ctrl-C, TERM and HUP end it (blocked again around each fork, so a child
-    # never inherits this process's handlers with them pending); its workers run on, each
-    # reporting its own end to its client
-    warm_pid = os.getpid()
+    # started by hand: Ctrl-C, TERM and HUP end it (those not ignored when it started, as for nohup),
+    # between requests, never inside one; its workers run on, each reporting its own exit code
+    listener = listen(args.socket)  # a path in use is refused here, and left alone
+    bound, warm_pid = os.stat(args.socket), os.getpid()
     try:
-        with listen(args.socket) as listener:
-            for sig in STOP_SIGNALS:
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) != signal.SIG_IGN:
                 signal.signal(sig, _stop)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-            Warm(listener, preload).serve()
+        _Stop.idle = True  # preloading: no request in hand yet
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked again around each fork (_accept)
+        warm = Warm(listener, preload)
+        _Stop.idle = False
+        warm.serve()
     except _Stopped as stop:
-        print(f"gts.warm: stopped by {signal.Signals(stop.signum).name}", file=sys.stderr)
-        raise SystemExit(128 + stop.signum) from None
+        _Stop.asked = stop.signum
     finally:
         if os.getpid() == warm_pid:  # a worker leaves through these frames too (its SystemExit)
-            Path(args.socket).unlink(missing_ok=True)
+            listener.close()
+            with contextlib.suppress(OSError):
+                now = os.stat(args.socket)
+                if (now.st_dev, now.st_ino) == (bound.st_dev, bound.st_ino):  # still ours, not a later one's
+                    os.unlink(args.socket)
+    print(f"gts.warm: stopped by {signal.Signals(_Stop.asked).name}", file=sys.stderr)
+    signal.signal(_Stop.asked, signal.SIG_DFL)  # and ends by that signal, as a shell expects of Ctrl-C
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [_Stop.asked])
+    os.kill(os.getpid(), _Stop.asked)
+    raise SystemExit(128 + _Stop.asked)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -362,8 +380,17 @@ class _Stopped(BaseException):  # not an Exception: the serving loop's handler d
         self.signum = signum
 
 
+class _Stop:
+    """A stop asked by a signal: taken at once while the serving loop waits, else once the
+    request in hand is done (a worker half-started, reaped or killed is never left so)."""
+    asked = 0
+    idle = False
+
+
 def _stop(signum: int, _frame: object) -> None:
-    raise _Stopped(signum)
+    _Stop.asked = _Stop.asked or signum
+    if _Stop.idle:
+        raise _Stopped(signum)
 
 
 if __name__ == "__main__":

@@ -179,24 +179,29 @@ class ShardedPeer:
         first), then to its own node's (which keeps it through a restart of the workers), then the
         directory goes."""
         tier, rank = self.tier, self.comm.rank
-        assert self.holders
-        size = 0
+        size, missed = 0, []
         try:
             pending.result()
             names = [("shard", shardset.file_name(rank, "shard")), ("rng", rng_name(rank))]
             names += [(kind, shardset.file_name(0, kind)) for kind in shardset.NEEDED_OF_RANK0] if rank == 0 else []
+            stores = dict.fromkeys([*(tier.stores[n] for n in self.holders), tier.stores[self.comm.node]])
             for kind, name in names:
                 data = (Path(node_copy.dir) / name).read_bytes()
                 named, size = wire.payload_digest(data), size + len(data)
-                for store in dict.fromkeys([*(tier.stores[n] for n in self.holders), tier.stores[self.comm.node]]):
-                    tier.link.put(store, self.comm.world, rank, step, kind, data, named, tier.generation)
+                for store in stores:
+                    try:
+                        tier.link.put(store, self.comm.world, rank, step, kind, data, named, tier.generation)
+                    except Exception as exc:  # noqa: BLE001 - one store's refusal (507, gone): the others get theirs
+                        missed.append(f"{kind} to {store}: {exc}")
                 del data
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 (DCP's write, a store's refusal: logged)
-            self.error = str(exc)
-            log.warning("peer copy of step %d of rank %d not sent: %s", step, rank, exc)
-            return
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 (DCP's write, a file: logged)
+            missed.append(str(exc))
         finally:
             node_copy.remove()
+        if missed:
+            self.error = "; ".join(missed)
+            log.warning("peer copy of step %d of rank %d not sent: %s", step, rank, self.error)
+            return
         self.sent.append(step)
         if self.comm.rank == 0:
             log.info("peer copy of step %d on node %s and this node (%.1f MiB from rank 0)", step,

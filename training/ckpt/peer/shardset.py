@@ -36,17 +36,24 @@ Files = dict[tuple[int, str], list[tuple[str, list[Any]]]]
 
 def holders(node: int, zones: list[str], count: int) -> list[int]:
     """The other nodes that hold node `node`'s sharded copies (PEER_HOLDERS of them, at most every
-    other node): its buddy, that node's buddy and on along the chain (tier.buddy: another zone
-    first, each node holding about as many nodes' copies as it sends), then, where the chain comes
-    back to a node already chosen, the next nodes in order. With the node's own store, a step
+    other node), its buddy first (tier.buddy: another zone when the run spans zones). The rest go
+    round buddy()'s ring: where no zone holds more than half the nodes, the nodes in zone order,
+    each holder one place further on than the last (every shift a permutation, so each node holds
+    as many nodes' copies as it sends); else the nodes in order. With the node's own store, a step
     survives any `count` lost nodes."""
-    chosen: list[int] = []
-    at, total = node, len(zones)
-    while len(chosen) < min(count, total - 1):
-        at = buddy(at, zones)
-        if at == node or at in chosen:
-            at = next((node + k) % total for k in range(1, total) if (node + k) % total not in chosen)
-        chosen.append(at)
+    total = len(zones)
+    want = min(count, total - 1)
+    if want < 1:
+        return []
+    largest = max(zones.count(z) for z in set(zones))
+    spread = len(set(zones)) > 1 and 2 * largest <= total  # buddy()'s dealing by ring
+    ring = sorted(range(total), key=lambda n: (zones[n], n)) if spread else list(range(total))
+    start, at = (largest if spread else 1), ring.index(node)
+    chosen = [buddy(node, zones)]
+    for shift in range(start, start + total):
+        candidate = ring[(at + shift) % total]
+        if len(chosen) < want and candidate != node and candidate not in chosen:
+            chosen.append(candidate)
     return chosen
 
 

@@ -2,6 +2,7 @@
 host memory (the loop's only wait) and sent, on a background thread, to the peer store of its
 buddy node (training/ckpt/peer/store.py); after a loss, `steps` and `load` give what the surviving
 stores hold, for training/ckpt/run_control.py's choose_checkpoint (peer first, then disk, then bucket).
+
 The buddies: node n's copies go to a node in another zone (GTS_ZONE) when the run spans zones,
 dealt so that each node holds about as many as it sends (buddy()), else to node n+1; never to
 node n itself.
@@ -81,8 +82,7 @@ class PeerTier:
         self._sender: threading.Thread | None = None
         self.blocked_s = 0.0  # the loop's wait for the copies, all of them
         self.sent: list[int] = []
-        self.skipped = 0
-        self.error = ""
+        self.skipped, self.error = 0, ""
         self.refusals: list[str] = []  # peer copies refused (digest), by name
         # <when>-<restored step>: the history this world's copies belong to (keep_only sets it, from rank 0)
         self.generation = "0-0"
