@@ -58,7 +58,7 @@ def test_the_table_gives_where_the_recovery_time_goes(capsys: pytest.CaptureFixt
     row = {"detect": [1.0, 2.0], "to_step": [9.0, 11.0], "kill_to_step": [10.0, 13.0], "lost": [10.0, 10.0],
            "world": [2.0, 2.0], "hangs": [0.0, 0.0], "to_up": [4.0, 5.0], "up_to_resumed": [3.0, 4.0],
            "resumed_to_step": [2.0, 2.0], "blocked_share": [0.005, 0.006], "cold": [0.0, 1.0]}
-    _print({"peer": row, "bucket": {}, "peer+spare": {}}, argparse.Namespace(width=64, every=20, repeats=2))
+    _print({"peer": row, "bucket": {}, "peer+spare": {}}, argparse.Namespace(width=64, every=20, repeats=2, gpt="512,6"))
     out = capsys.readouterr().out
     breakdown = [line for line in out.splitlines() if "first worker up" in line]
     assert len(breakdown) == 1 and breakdown[0].split()[0] == "peer"
@@ -71,3 +71,22 @@ def test_a_cold_start_line_is_the_one_the_client_prints() -> None:
 
     client = (Path(__file__).resolve().parents[1] / "training/node/warm_client.py").read_text()
     assert 'f"gts.warm: this worker starts cold: {why}"' in client and COLD == "gts.warm: this worker starts cold"
+
+
+def test_the_sharded_cases_are_rows_with_their_own_blocked_share(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from training.trainer.bench_peer import CASES, _print
+
+    assert {"sharded", "sharded-bucket"} <= set(CASES)
+    row = {"detect": [1.0], "to_step": [5.0], "kill_to_step": [6.0], "lost": [10.0], "world": [2.0], "hangs": [0.0],
+           "to_up": [2.0], "up_to_resumed": [2.0], "resumed_to_step": [1.0], "blocked_share": [0.004], "cold": [0.0]}
+    _print({"sharded": row, "sharded-bucket": {**row, "lost": [50.0]}},
+           argparse.Namespace(width=64, every=20, repeats=1, gpt="512,6"))
+    out = capsys.readouterr().out
+    rows: dict[str, str] = {}
+    for line in out.splitlines():  # each case's first line is its row (its breakdown follows)
+        if line.split() and line.split()[0] in CASES:
+            rows.setdefault(line.split()[0], line)
+    assert rows["sharded"].split()[-3] == "20" and rows["sharded-bucket"].split()[-3] == "-"  # K bounds the peer row only
+    assert "sharded copies: loop blocked 0.40%/0.40% of step time at K=20" in out

@@ -9,7 +9,7 @@ their first resumed step, and from the kill itself, with the steps lost; the pee
 the newest durable step, from disk or the bucket) interleaved, min/median beside the limits; and
 the loop's blocked time per peer copy as a share of K steps' time.
 
-    python -m training.trainer.bench_peer [--repeats 2] [--width 4096] [--every 20]
+    python -m training.trainer.bench_peer [--repeats 2] [--width 4096] [--every 20] [--gpt 512,6] [--cases sharded,sharded-bucket]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from training.trainer.bench import _moto
 from training.trainer.bench_tables import median
 
 ROOT = Path(__file__).resolve().parents[2]
+CASES = ("peer", "bucket", "peer+spare", "spare-cold", "sharded", "sharded-bucket")
 LIMIT_TO_STEP_S = 10.0  # issue 46: first resumed step <= 10 s after the loss is detected
 LIMIT_BLOCKED = 0.02  # issue 46: peer copies block the loop <= 2 % of step time
 KEY = "bench-run-key-" + "0" * 32
@@ -100,12 +101,14 @@ def _first(nodes: list[Node], pattern: str, after: float, timeout: float = 300) 
 
 
 def one_run(every: int, width: int, kill_at: int, moto_url: str, work: Path, spare: bool = False,
-            warm: bool = True) -> dict[str, float]:
+            warm: bool = True, gpt: tuple[int, int] | None = None) -> dict[str, float]:
     """A 3-node run with PEER_EVERY=`every`; node 2 SIGKILLed once a step >= `kill_at` is logged.
     `spare`: a 4th agent with the same --nnodes 2:3 started once the world is full (torch keeps it
     on the rendezvous' redundancy list) takes the lost node's place: the world stays at 3.
     `warm`: workers forked from each node's warm process (training/node/warm.py), else started
-    as fresh interpreters (GTS_WARM_WORKERS=0, the path before it)."""
+    as fresh interpreters (GTS_WARM_WORKERS=0, the path before it). `gpt` (width, blocks): the
+    sharded path instead (gpt-tiny under FSDP2, one shard per node: the survivors restore the lost
+    node's shard from its buddy's store, resharded from 3 ranks into 2)."""
     store_port = _port()
     store = subprocess.Popen([sys.executable, "-m", "training.node.rdzv_store", "--port", str(store_port)], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -116,8 +119,10 @@ def one_run(every: int, width: int, kill_at: int, moto_url: str, work: Path, spa
            "TRAIN_STEPS": "100000", "STORAGE_ENDPOINT_URL": moto_url, "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "STORAGE_ADDRESSING_STYLE": "path",
            "GTS_WARM_WORKERS": "1" if warm else "0"}
-    args = ["--workload", "tiny", "--tiny-width", str(width), "--checkpoint-every", "100", "--log-every", "1",
-            "--upload-deadline-s", "0"]
+    model = ["--workload", "tiny", "--tiny-width", str(width)] if gpt is None else [
+        "--workload", "gpt-tiny", "--sharding", "fsdp", "--gpt-dim", str(gpt[0]), "--gpt-layers", str(gpt[1]),
+        "--batch-size", "8"]
+    args = [*model, "--checkpoint-every", "100", "--log-every", "1", "--upload-deadline-s", "0"]
     nodes = [Node(i, env, work, args) for i in range(3)]
     try:
         _first(nodes, r"rank 0 of 3 ", 0)
@@ -179,26 +184,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=4096, help="TinyNet width: 4096 is about 200 MB with AdamW")
     parser.add_argument("--every", type=int, default=20, help="PEER_EVERY, steps")
     parser.add_argument("--kill-at", type=int, default=150, help="the step after which a node is killed")
-    parser.add_argument("--cases", default="peer,bucket,peer+spare,spare-cold",
-                        help="which of peer, bucket, peer+spare, spare-cold (peer+spare with workers started cold)")
+    parser.add_argument("--gpt", default="512,6", help="the sharded cases' gpt-tiny width and blocks: 512,6 is about "
+                        "220 MB with AdamW")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help="which of " + ", ".join(CASES) + " (spare-cold: peer+spare with workers started cold; "
+                        "sharded: FSDP2, the peer tier and the bucket path)")
     args = parser.parse_args(argv)
     moto, url = _moto()
     import boto3
 
     boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
                  aws_secret_access_key="testing").create_bucket(Bucket="bench")
-    figures: dict[str, dict[str, list[float]]] = {"peer": {}, "bucket": {}, "peer+spare": {}, "spare-cold": {}}
-    cases = [case for case in (("peer", args.every, False, True), ("bucket", 0, False, True),
-                               ("peer+spare", args.every, True, True), ("spare-cold", args.every, True, False))
-             if case[0] in args.cases.split(",")]
+    figures: dict[str, dict[str, list[float]]] = {name: {} for name in CASES}
+    gpt = tuple(int(x) for x in args.gpt.split(","))
+    # name: (PEER_EVERY, a spare, warm starts, sharded)
+    table = {"peer": (args.every, False, True, False), "bucket": (0, False, True, False),
+             "peer+spare": (args.every, True, True, False), "spare-cold": (args.every, True, False, False),
+             "sharded": (args.every, False, True, True), "sharded-bucket": (0, False, True, True)}
+    cases = [(name, *table[name]) for name in CASES if name in args.cases.split(",")]
     try:
         with tempfile.TemporaryDirectory(prefix="gts-bench-peer-") as tmp:
             for rep in range(args.repeats):  # interleaved: peer, bucket, peer, bucket ...
-                for name, every, spare, warm in cases:
+                for name, every, spare, warm, sharded in cases:
                     work = Path(tmp) / f"{name}-{rep}"
                     work.mkdir()
                     try:
-                        found = one_run(every, args.width, args.kill_at, url, work, spare, warm)
+                        found = one_run(every, args.width, args.kill_at, url, work, spare, warm,
+                                        (gpt[0], gpt[1]) if sharded else None)
                     except RuntimeError as exc:  # a case that did not resume: said, and the others go on
                         print(f"{name}, repeat {rep}: {str(exc)[:3000]}", file=sys.stderr)
                         continue
@@ -214,13 +226,14 @@ def _print(figures: dict[str, dict[str, list[float]]], args: argparse.Namespace)
     def cell(values: list[float], fmt: str = "6.2f") -> str:
         return f"{min(values):{fmt}}/{median(values):<{fmt}}"
 
-    print(f"\nrecovery after a SIGKILLed node (3 nodes, TinyNet width {args.width}, checkpoints every 100 steps, "
-          f"PEER_EVERY={args.every}; min/median of {args.repeats}, interleaved)")
+    print(f"\nrecovery after a SIGKILLed node (3 nodes, TinyNet width {args.width}; sharded: gpt-tiny width,blocks "
+          f"{args.gpt} under FSDP2; checkpoints every 100 steps, PEER_EVERY={args.every}; min/median of {args.repeats}, "
+          "interleaved)")
     print(f"{'path':>10} {'kill->detected s':>17} {'detected->first step s':>23} {'limit':>7} {'kill->first step s':>19} "
           f"{'steps lost':>14} {'limit':>6} {'world':>6} {'hangs':>6}")
     for name, f in figures.items():
         if f:
-            lost_limit = "-" if name == "bucket" else f"{args.every}"  # the peer tier's K bounds all but the bucket path
+            lost_limit = "-" if name.endswith("bucket") else f"{args.every}"  # the peer tier's K bounds all but the bucket path
             print(f"{name:>10} {cell(f['detect']):>17} {cell(f['to_step']):>23} {LIMIT_TO_STEP_S:>6.0f}s "
                   f"{cell(f['kill_to_step']):>19} {cell(f['lost'], '5.0f'):>14} {lost_limit:>6} {max(f['world']):6.0f} "
                   f"{sum(f['hangs']):6.0f}")
@@ -228,10 +241,11 @@ def _print(figures: dict[str, dict[str, list[float]]], args: argparse.Namespace)
         if f:
             print(f"{name:>10} detected->first worker up {cell(f['to_up'])} s, up->resumed {cell(f['up_to_resumed'])} s, "
                   f"resumed->first step {cell(f['resumed_to_step'])} s, workers started cold {sum(f['cold']):.0f}")
-    share = figures["peer"].get("blocked_share", [])
-    if share:
-        print(f"peer copies: loop blocked {min(share):.2%}/{median(share):.2%} of step time at K={args.every} "
-              f"(limit {LIMIT_BLOCKED:.0%})")
+    for name in ("peer", "sharded"):
+        share = figures.get(name, {}).get("blocked_share", [])
+        if share:
+            print(f"{name} copies: loop blocked {min(share):.2%}/{median(share):.2%} of step time at K={args.every} "
+                  f"(limit {LIMIT_BLOCKED:.0%})")
 
 
 if __name__ == "__main__":
