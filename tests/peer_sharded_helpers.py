@@ -149,7 +149,8 @@ def _rank() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
     comm, tmp, mode = Comm("torchrun"), Path(os.environ["TEST_TMP"]), os.environ["TEST_MODE"]
     torch.manual_seed(0 if mode == "save" else 1)  # a restore starts from other values than the saved ones
-    built = TinyGPT(64, 32, 2, 4, 16)
+    dim, layers = (int(x) for x in os.environ.get("TEST_GPT", "32,2").split(","))  # width, blocks
+    built = TinyGPT(64, dim, layers, 4, 16)
     model = shard(built, list(built.blocks), comm)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # each rank its own streams (the model above is the same on all): a rank given another's is seen

@@ -65,6 +65,17 @@ class Link:
             raise PeerRefused(f"peer store {store} holds no {kind} copy of step {step} of rank {rank}/{world}")
         return str(headers.get(wire.DIGEST, "")), body
 
+    def pieces(self, store: str, entry: list[Any], step: int, first: int, count: int) -> bytes | None:
+        """Pieces first .. first + count - 1 (wire.PIECE bytes each) of the copy `entry` (as the
+        stores list it: world, rank, step, kind, digest, size, generation), checked against its
+        listed digest (wire.checked_pieces); None when they do not match."""
+        world, rank, _, kind, listed, size, gen = entry
+        status, body, _ = self._request(store, "GET", f"/v1/pieces/{world}/{rank}/{step}/{kind}/{gen}/{first}/{count}")
+        if status != 200:
+            raise PeerRefused(f"peer store {store} holds no {kind} copy of step {step} of rank {rank}/{world} "
+                              f"with pieces {first}..{first + count - 1}")
+        return wire.checked_pieces(body, int(size), str(listed), first, count)
+
     def keep_only(self, store: str, world: int, step: int) -> None:
         """The store forgets every copy but those of `step` saved by world size `world` (0: any)."""
         status, body, _ = self._request(store, "DELETE", f"/v1/keep/{world}/{step}")

@@ -17,13 +17,11 @@ every copy is: wire.py), and removes the directory.
 The restore (`load`, collective, from training/ckpt/run_control.py's choose_checkpoint through
 `choose`): rank 0 lists the complete sets of the step (shardset.py); for each in turn every node's
 local rank 0 fetches DCP's metadata and the train state into a private directory, each rank asks
-DCP's load planner which saved shards its new shard overlaps, and local rank 0 fetches those of its
-node's ranks (each file checked against its digest; a copy that does not match is refused by name
-and the next holder tried); the ranks vote: the first set every node got is used, else the disk
-and the bucket. Every rank DCP-loads from its
-node's directory with this run's sharding (`ShardedCheckpoints.restore(folder=...)`), then the
-directory goes (`release`).
-"""
+DCP's load planner which bytes of which saved shards its new shard reads, and local rank 0 fetches
+those of its node's ranks (whole files, or the pieces covering those bytes; each checked against its
+digest, a copy that does not match refused by name and the next holder tried); the ranks vote: the
+first set every node got is used, else the disk and the bucket. Every rank DCP-loads from its node's
+directory with this run's sharding (`ShardedCheckpoints.restore(folder=...)`), then it goes (`release`)."""
 
 from __future__ import annotations
 
@@ -52,16 +50,9 @@ from training.ckpt.peer import share, shardset, wire
 from training.ckpt.peer.client import PeerRefused
 from training.ckpt.peer.tier import PeerTier, start_sender
 from training.ckpt.run_control import Resumed, choose_checkpoint
-from training.ckpt.sharded import TRAIN_STATE, Optimizers, ShardedCheckpoints, _optimizers, _Writer, leave_group
+from training.ckpt.sharded import TRAIN_STATE, Optimizers, ShardedCheckpoints, _optimizers, leave_group
 
 log = logging.getLogger("gts.peer")
-
-
-class _PeerWriter(_Writer):
-    """DCP's file writer without fsync: the copy lives in memory (/dev/shm) for seconds."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(path, sync_files=False)
 
 
 class ShardedPeer:
@@ -134,7 +125,7 @@ class ShardedPeer:
         assert node_copy is not None
         # what every rank holds whole (an optimizer's step counts, its groups) goes into rank 0's file,
         # not spread over the ranks': a restore's node then needs its own ranks' shards and rank 0's (`_needed`)
-        pending = async_save({"model": model_state, "optim": optim_state}, storage_writer=_PeerWriter(node_copy.dir),
+        pending = async_save({"model": model_state, "optim": optim_state}, storage_writer=shardset.PeerWriter(node_copy.dir),
                              planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), process_group=self.group,
                              no_dist=self.group is None, async_stager=self.stager)
         assert isinstance(pending, Future)
@@ -254,9 +245,8 @@ class ShardedPeer:
                ) -> tuple[dict[str, Any] | None, str, str]:
         """(train state, the node's directory, "") or (None, path, why), on every rank (collective).
         The node's local rank 0 fetches the metadata and the train state into a private directory;
-        each rank asks DCP's planner which saved shards overlap its own shard in this run (`_needed`);
-        local rank 0 fetches those of all its node's ranks, so that a node holds only what its ranks
-        read (every shard where they need them all, as after a shrink to one node)."""
+        each rank asks DCP's planner which bytes of which saved shards its own shard reads in this
+        run (`_needed`); local rank 0 fetches those of all its node's ranks (shardset.fetch_into)."""
         comm, tier = self.comm, self.tier
         why, path, head = "", "", [key for key in files if key[1] != "shard"]
         if comm.local_rank == 0:
@@ -268,15 +258,21 @@ class ShardedPeer:
         first = comm.rank - comm.local_rank
         path = comm.all_gather_object(path)[first]
         state, why = self._read(path, why)
-        needed, why = self._needed(path) if state is not None else (set(), why)
-        wanted = set().union(*(set(n) for n in comm.all_gather_object(sorted(needed))[first:first + comm.local_world]))
+        needed, why = self._needed(path) if state is not None else ({}, why)
+        wanted: dict[int, list[tuple[int, int]]] = {}  # saving rank -> the byte ranges this node's ranks read
+        for ranks in comm.all_gather_object(needed)[first:first + comm.local_world]:
+            for rank, ranges in ranks.items():
+                wanted.setdefault(rank, []).extend(ranges)
         if comm.local_rank == 0 and self._restored is not None and not why:
-            why = shardset.fetch_into(tier, step, world, files, [(r, "shard") for r in wanted], self._restored)
+            why = shardset.fetch_into(tier, step, world, files, [(r, "shard") for r in wanted], self._restored, wanted)
+            log.info("peer step %d on node %d: %.1f MiB fetched of the set's %.1f MiB", step, comm.node,
+                     self._restored.fetched / 2**20, shardset.size(files) / 2**20)
         return (state if not why else None), path, why
 
-    def _needed(self, path: str) -> tuple[set[int], str]:
-        """(the saving ranks whose shards this rank reads in this run's sharding, "") per DCP's
-        metadata in `path` and its own planner (what `dcp_load` will read); else (set(), why)."""
+    def _needed(self, path: str) -> tuple[dict[int, list[tuple[int, int]]], str]:
+        """({saving rank: the byte ranges (offset, length) of its shard file this rank reads}, "")
+        in this run's sharding, per DCP's metadata in `path` and its own planner (what `dcp_load`
+        will read); else ({}, why)."""
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
         from training.ckpt.sharded import _Reader
@@ -286,10 +282,14 @@ class ShardedPeer:
             model_state, optim_state = get_state_dict(self.model, _optimizers(self.optimizer))
             planner = DefaultLoadPlanner()
             planner.set_up_planner({"model": model_state, "optim": optim_state}, metadata, False)
-            names = {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
+            where = [metadata.storage_data[item.storage_index] for item in planner.create_local_plan().items]
         except Exception as exc:  # noqa: BLE001 (a metadata DCP cannot plan from: refused, every rank goes on to the vote)
-            return set(), f"{path}: DCP's metadata cannot be planned from: {exc}"
-        return shardset.shard_ranks(names), ""
+            return {}, f"{path}: DCP's metadata cannot be planned from: {exc}"
+        found: dict[int, list[tuple[int, int]]] = {}
+        for info in where:
+            for rank in shardset.shard_ranks({info.relative_path}):
+                found.setdefault(rank, []).append((int(info.offset), int(info.length)))
+        return found, ""
 
     def _read(self, path: str, why: str) -> tuple[dict[str, Any] | None, str]:
         """The train state in the node's directory when that is this user's private one; else (None, why)."""

@@ -14,17 +14,23 @@ path does when the world size changed). Copies of two histories (generations) ar
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import re
 from typing import Any
 
 import torch
+from torch.futures import Future
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
-from training.ckpt.peer import share
+from training.ckpt.peer import share, wire
+from training.ckpt.peer.client import PeerRefused
 from training.ckpt.peer.tier import PeerTier, buddy
-from training.ckpt.sharded import METADATA, TRAIN_STATE
+from training.ckpt.sharded import METADATA, TRAIN_STATE, _Writer
 
 log = logging.getLogger("gts.peer")
 NEEDED_OF_RANK0 = ("meta", "train")
@@ -32,6 +38,27 @@ SHARD_FILE = re.compile(r"^__(\d+)_0\.distcp$")
 
 # (rank, kind) -> [(store, entry)], entry as the stores list it: [world, rank, step, kind, digest, size, generation]
 Files = dict[tuple[int, str], list[tuple[str, list[Any]]]]
+
+
+class PeerWriter(_Writer):
+    """DCP's file writer for a peer copy: no fsync (the copy lives in memory, /dev/shm, for
+    seconds), and each file's items smallest first. What every rank reads of rank 0's file (the
+    values held whole, as the optimizer's step counts, which DCP writes into the lowest rank's
+    file only) then sits in its first pieces rather than between every parameter's moments, so
+    that a node of other ranks fetches those pieces of it, not all (fetch_into)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, sync_files=False)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        return super().write_data(dataclasses.replace(plan, items=sorted(plan.items, key=_item_bytes)), planner)
+
+
+def _item_bytes(item: WriteItem) -> int:
+    """A write item's bytes (a pickled value, BYTE_IO: 0, first)."""
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
 def holders(node: int, zones: list[str], count: int) -> list[int]:
@@ -121,20 +148,67 @@ def size(files: Files) -> int:
 
 
 def fetch_into(tier: PeerTier, step: int, world: int, files: Files, keys: list[tuple[int, str]],
-               node_copy: share.NodeCopy) -> str:
+               node_copy: share.NodeCopy, ranges: dict[int, list[tuple[int, int]]] | None = None) -> str:
     """The files `keys` of the set, fetched one at a time (one file's bytes held at once), each
-    written once into `node_copy` (O_EXCL, 0600); "" or why not (a file that matched in no store:
-    the step is then not used from peers; no room)."""
+    written once into `node_copy` (O_EXCL, 0600): whole, or for a shard with byte `ranges` (offset,
+    length: what this node's ranks read) the pieces that cover them; "" or why not (a file that
+    matched in no store: the step is then not used from peers; no room)."""
     for rank, kind in sorted(keys):
-        data = fetch_one(tier, step, files[(rank, kind)])
+        pairs, name = files[(rank, kind)], file_name(rank, kind)
+        total = max(int(entry[5]) for _, entry in pairs)
+        runs = piece_runs((ranges or {}).get(rank, []), total) if kind == "shard" and ranges is not None else None
+        whole = runs is None or sum(count for _, count in runs) == -(-total // wire.PIECE)
+        data = fetch_one(tier, step, pairs) if whole else fetch_pieces(tier, step, pairs, runs or [])
         if data is None:
             return f"no store gave a good {kind} copy of rank {rank}/{world} of step {step}"
         try:
-            node_copy.write(data, file_name(rank, kind))
+            if isinstance(data, list):
+                node_copy.write_parts(data, name, total)
+            else:
+                node_copy.write(data, name)
         except OSError as exc:
             return f"{node_copy.dir}: {exc.strerror or exc}"
         del data
     return ""
+
+
+def piece_runs(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """(first piece, count) runs of the wire.PIECE-byte pieces of a file of `size` bytes that
+    cover the byte ranges (offset, length)."""
+    pieces = sorted({p for offset, length in ranges if length > 0 and 0 <= offset < size
+                     for p in range(offset // wire.PIECE, (min(offset + length, size) - 1) // wire.PIECE + 1)})
+    runs: list[tuple[int, int]] = []
+    for piece in pieces:
+        if runs and runs[-1][0] + runs[-1][1] == piece:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((piece, 1))
+    return runs
+
+
+def fetch_pieces(tier: PeerTier, step: int, pairs: list[tuple[str, list[Any]]], runs: list[tuple[int, int]]
+                 ) -> list[tuple[int, bytes]] | None:
+    """[(offset, bytes)] of the pieces `runs` of one file, all from the first store (this node's
+    order) whose pieces match the copy's digest; a store whose do not is refused by name and the
+    next holder tried. None when no holder gave them all."""
+    by_store = {store: entry for store, entry in pairs}
+    for store in tier._order(list(by_store)):
+        entry, parts = by_store[store], []
+        for first, count in runs:
+            try:
+                data = tier.link.pieces(store, entry, step, first, count)
+            except PeerRefused as exc:
+                log.warning("%s", exc)
+                break
+            if data is None:
+                world, rank, _, kind = entry[:4]
+                tier._refuse(f"peer copy of step {step} of rank {rank}/{world} ({kind}) held by {store} does not match "
+                             "its digest: refused")
+                break
+            parts.append((first * wire.PIECE, data))
+        else:
+            return parts
+    return None
 
 
 def shard_ranks(names: set[str]) -> set[int]:

@@ -23,6 +23,7 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Sequence
 from typing import IO, Any
 
 import torch
@@ -47,12 +48,23 @@ class NodeCopy:
         self.dir = tempfile.mkdtemp(prefix=PREFIX, dir=root)  # a random name, mode 0700
         self._lock = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         fcntl.flock(self._lock, fcntl.LOCK_EX)  # released by the kernel when this process dies
+        self.fetched = 0  # the bytes written into it
 
     def write(self, data: bytes | memoryview, name: str = "copy.pt") -> str:
+        return self.write_parts([(0, data)], name, len(data))
+
+    def write_parts(self, parts: Sequence[tuple[int, bytes | memoryview]], name: str, size: int) -> str:
+        """A file of `size` bytes with each (offset, bytes) of `parts` in place, written once
+        (O_EXCL); what no part covers is a hole, which nobody reads (a sharded restore fetches the
+        pieces its ranks read: training/ckpt/peer/shardset.py)."""
         path = os.path.join(self.dir, name)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            fh.truncate(size)
+            for offset, data in parts:
+                fh.seek(offset)
+                fh.write(data)
+                self.fetched += len(data)
         return path
 
     def remove(self) -> None:

@@ -133,6 +133,15 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == wire.LIST:
             self._answer(200, json.dumps(self.server.copies.listing()).encode())
             return
+        part = wire.PIECES.match(self.path)
+        if part:  # some pieces of a copy, after every piece's digest (wire.pieces_of)
+            world, rank, step, kind, gen, first, count = part.groups()
+            held = self.server.copies.get(int(world), int(rank), int(step), kind, gen)
+            if held is None or int(first) * wire.PIECE >= max(len(held[1]), 1):
+                self._answer(404, b"no such copy, or no such piece of it")
+                return
+            self._answer(200, wire.pieces_of(held[1], int(first), int(count)))
+            return
         match = wire.COPY.match(self.path)
         world, rank, step, kind, gen = match.groups() if match else ("0", "0", "0", "", "")
         found = self.server.copies.get(int(world), int(rank), int(step), kind, gen) if match else None

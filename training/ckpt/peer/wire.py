@@ -25,6 +25,14 @@ MAX_SKEW_S = 120  # a signed request older (or newer) than this is refused: no r
 # Sharded state (training/ckpt/peer/sharded.py): `shard` (the rank's DCP file), `meta` (DCP's
 # metadata, rank 0), `train` (the train state beside the shards, rank 0), `rng` (the rank's streams).
 COPY = re.compile(r"^/v1/copy/(\d{1,6})/(\d{1,6})/(\d{1,12})/(full|rank|shard|meta|train|rng)/(\d{1,12}-\d{1,12})$")
+# /v1/pieces/<world>/<rank>/<step>/<kind>/<generation>/<first>/<count>: part of a copy, for a reader that
+# needs only some of its bytes (a sharded restore: training/ckpt/peer/shardset.py). The answer: the
+# digests of every digest.PIECE-byte piece of the copy (32 bytes each, as the manifests' digest
+# combines them), then the bytes of pieces first .. first + count - 1; the reader checks the digests
+# against the copy's listed digest and each piece against its own.
+PIECES = re.compile(r"^/v1/pieces/(\d{1,6})/(\d{1,6})/(\d{1,12})/(shard|meta|train|rng)/(\d{1,12}-\d{1,12})/"
+                    r"(\d{1,9})/(\d{1,9})$")
+PIECE = digest.PIECE
 # /v1/keep/<world>/<step>: forget every copy but those of <step> saved by world size <world> (0: any);
 # a world that restored <step> abandoned later steps and needs no older one
 KEEP_ONLY = re.compile(r"^/v1/keep/(\d{1,6})/(\d{1,12})$")
@@ -89,3 +97,32 @@ def payload_digest(data: bytes | memoryview) -> str:
     hasher = payload_hasher()
     hasher.update(data)
     return hasher.hexdigest()
+
+
+def piece_digests(data: bytes | memoryview) -> list[bytes]:
+    """The digest of each PIECE-byte piece of `data` (what payload_digest combines)."""
+    view = memoryview(data)
+    return [digest.piece_digest(view[at:at + PIECE]) for at in range(0, len(view), PIECE)]
+
+
+def pieces_of(data: bytes | memoryview, first: int, count: int) -> bytes:
+    """A /v1/pieces answer's body: every piece's digest, then pieces first .. first + count - 1."""
+    view = memoryview(data)
+    return b"".join(piece_digests(view)) + bytes(view[first * PIECE:(first + count) * PIECE])
+
+
+def checked_pieces(body: bytes, size: int, listed: str, first: int, count: int) -> bytes | None:
+    """The bytes of pieces first .. first + count - 1 of a copy of `size` bytes listed with digest
+    `listed`, from a /v1/pieces answer, when the piece digests combine to `listed` and each piece
+    matches its own; else None."""
+    total = -(-size // PIECE)
+    head = 32 * total
+    digests = [body[at:at + 32] for at in range(0, head, 32)]
+    if len(body) < head or digest.combine(digests) != listed or not 0 <= first <= first + count <= total:
+        return None
+    data = memoryview(body)[head:]
+    want = min(size, (first + count) * PIECE) - first * PIECE
+    if len(data) != want or any(digest.piece_digest(data[k * PIECE:(k + 1) * PIECE]) != digests[first + k]
+                                for k in range(count)):
+        return None
+    return bytes(data)
