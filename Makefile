@@ -104,7 +104,7 @@ bench: $(STAMP)
 	@$(PY) -m training.trainer.bench
 	@$(PY) -m training.trainer.bench_peer
 
-## bench-recovery: make bench's recovery rows alone (a 3-node run on loopback, one node SIGKILLed: peer tier beside the bucket path; docs/recovery.md; ~8 min)
+## bench-recovery: make bench's recovery rows alone (a 3-node run on loopback, one node SIGKILLed: the peer tier beside the bucket path, with a spare, and sharded; docs/recovery.md; ~20 min)
 bench-recovery: $(STAMP)
 	@$(PY) -m training.trainer.bench_peer
 

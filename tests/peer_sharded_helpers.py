@@ -60,19 +60,49 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, 
     optimizer.zero_grad()
 
 
+def optim_sha256(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """sha256 of the whole optimizer state (every parameter's step count and moments, the groups),
+    gathered to rank 0 (collective; "" on the other ranks)."""
+    import hashlib
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not full:
+        return ""
+    digest = hashlib.sha256()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            digest.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                digest.update(str(key).encode())
+                walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        else:
+            digest.update(repr(value).encode())
+    walk(full)
+    return digest.hexdigest()
+
+
 def _save(peer: Any, sharded: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int,
           world: int) -> dict[str, Any]:
     """Train to PEER: a durable step at DURABLE, a peer copy at PEER; the full parameters of both."""
     from training.ckpt.checkpointer import rng_state
     from training.ckpt.sharded import full_params_sha256
 
-    hashes, result = {}, {}
+    hashes: dict[int | str, str] = {}
+    result: dict[str, Any] = {}
     for step in range(1, PEER + 1):
         _train(model, optimizer, step, rank)
         state = {"step": step, "world_size": world}
         if step == DURABLE:
             sharded.save(step, model, optimizer, state, rng_state())
-        if step == PEER:
+        if step == PEER:  # gathered before the copy: no collective of the test's beside its background write
+            hashes["optim"] = optim_sha256(model, optimizer)
             result["blocked_s"] = peer.copy(step, state, rng_state())
         if step in (DURABLE, PEER):
             hashes[step] = full_params_sha256(model)
@@ -130,7 +160,7 @@ def _restore(peer: Any, sharded: Any, model: torch.nn.Module, optimizer: torch.o
             set_rng_state(found.rng)
             result.update(draw=float(torch.rand(1)))
     tier, comm = peer.tier, peer.comm
-    result.update(hash=full_params_sha256(model), refusals=peer.refusals,
+    result.update(hash=full_params_sha256(model), optim=optim_sha256(model, optimizer), refusals=peer.refusals,
                   listing=tier.link.listing(tier.stores[comm.node]) if comm.local_rank == 0 else [])
     peer.close()
     return result

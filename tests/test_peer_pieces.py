@@ -26,17 +26,22 @@ def _copy(size: int) -> bytes:
     return bytes((i * 7) % 251 for i in range(256)) * (size // 256) + b"\x01" * (size % 256)
 
 
+def _pieces_of(data: bytes, first: int, count: int) -> bytes:
+    """A /v1/pieces answer's body as the store writes it: every piece's digest, then the pieces."""
+    return b"".join(wire.piece_digests(data)) + data[first * PIECE:(first + count) * PIECE]
+
+
 def test_pieces_come_with_every_piece_s_digest_and_a_changed_byte_is_caught() -> None:
     data = _copy(3 * PIECE + 1000)
     listed = wire.payload_digest(data)
-    body = wire.pieces_of(data, 1, 2)
-    assert wire.checked_pieces(body, len(data), listed, 1, 2) == data[PIECE:3 * PIECE]
-    tail = wire.pieces_of(data, 3, 1)  # the last piece is short
-    assert wire.checked_pieces(tail, len(data), listed, 3, 1) == data[3 * PIECE:]
+    body = _pieces_of(data, 1, 2)
+    assert bytes(wire.checked_pieces(body, len(data), listed, 1, 2) or b"") == data[PIECE:3 * PIECE]
+    tail = _pieces_of(data, 3, 1)  # the last piece is short
+    assert bytes(wire.checked_pieces(tail, len(data), listed, 3, 1) or b"") == data[3 * PIECE:]
     flipped = bytearray(body)
     flipped[-5] ^= 0xFF  # a byte of a piece
     assert wire.checked_pieces(bytes(flipped), len(data), listed, 1, 2) is None
-    other = wire.pieces_of(data[:-1] + b"\x02", 1, 2)  # the pieces asked are intact, the copy is not
+    other = _pieces_of(data[:-1] + b"\x02", 1, 2)  # the pieces asked are intact, the copy is not
     assert wire.checked_pieces(other, len(data), listed, 1, 2) is None
     assert wire.checked_pieces(body, len(data), listed, 2, 2) is None  # not the pieces it says
 
@@ -64,7 +69,8 @@ def test_a_store_answers_pieces_of_a_copy_signed(tmp_path: Path) -> None:
         link = Link(KEY)
         link.put(store, 2, 1, PEER, "shard", data, wire.payload_digest(data), "0-0")
         entry = next(e for e in link.listing(store) if e[1] == 1)
-        assert link.pieces(store, entry, PEER, 2, 1) == data[2 * PIECE:]
+        assert bytes(link.pieces(store, entry, PEER, 2, 1) or b"") == data[2 * PIECE:]
+        assert bytes(link.pieces(store, entry, PEER, 0, 2) or b"") == data[:2 * PIECE]  # the digests, kept, serve again
         link.put(store, 2, 0, PEER, "shard", data[:-1] + b"\x00", wire.payload_digest(data), "0-0")  # a copy gone bad
         bad = next(e for e in link.listing(store) if e[1] == 0)
         assert link.pieces(store, bad, PEER, 0, 1) is None  # its first piece is intact, its digests are not
@@ -97,6 +103,7 @@ def test_a_node_fetches_the_pieces_its_ranks_read_and_a_bad_piece_is_refused_by_
         restored = ranks("restore", stores, tmp_path, nodes=2, per_node=1, TEST_GPT="512,2")
     assert all(r["step"] == PEER and r["from_peer"] for r in restored), restored[1]["output"][-3000:]
     assert restored[0]["hash"] == saved[0]["hashes"][str(PEER)]
+    assert restored[0]["optim"] == saved[0]["hashes"]["optim"] != ""  # the moments and step counts too
     assert restored[1]["refusals"] == [f"peer copy of step {PEER} of rank 0/2 (shard) held by {stores[1]} does not "
                                        "match its digest: refused"]
     fetched, listed = _fetched(restored[1]["output"])

@@ -196,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
                  aws_secret_access_key="testing").create_bucket(Bucket="bench")
     figures: dict[str, dict[str, list[float]]] = {name: {} for name in CASES}
-    gpt = tuple(int(x) for x in args.gpt.split(","))
+    gpt = tuple(int(x) for x in args.gpt.split(",") if x.strip().isdigit())
+    if len(gpt) != 2:
+        parser.error(f"--gpt {args.gpt!r}: the width and the blocks, as 512,6")
     # name: (PEER_EVERY, a spare, warm starts, sharded)
     table = {"peer": (args.every, False, True, False), "bucket": (0, False, True, False),
              "peer+spare": (args.every, True, True, False), "spare-cold": (args.every, True, False, False),
@@ -226,20 +228,21 @@ def _print(figures: dict[str, dict[str, list[float]]], args: argparse.Namespace)
     def cell(values: list[float], fmt: str = "6.2f") -> str:
         return f"{min(values):{fmt}}/{median(values):<{fmt}}"
 
-    print(f"\nrecovery after a SIGKILLed node (3 nodes, TinyNet width {args.width}; sharded: gpt-tiny width,blocks "
-          f"{args.gpt} under FSDP2; checkpoints every 100 steps, PEER_EVERY={args.every}; min/median of {args.repeats}, "
-          "interleaved)")
-    print(f"{'path':>10} {'kill->detected s':>17} {'detected->first step s':>23} {'limit':>7} {'kill->first step s':>19} "
+    models = ([f"TinyNet width {args.width}"] if any(figures.get(n) for n in CASES[:4]) else []) + (
+        [f"sharded: gpt-tiny width,blocks {args.gpt} under FSDP2"] if any(figures.get(n) for n in CASES[4:]) else [])
+    print(f"\nrecovery after a SIGKILLed node (3 nodes, {'; '.join(models)}; checkpoints every 100 steps, "
+          f"PEER_EVERY={args.every}; min/median of {args.repeats}, interleaved)")
+    print(f"{'path':>14} {'kill->detected s':>17} {'detected->first step s':>23} {'limit':>7} {'kill->first step s':>19} "
           f"{'steps lost':>14} {'limit':>6} {'world':>6} {'hangs':>6}")
     for name, f in figures.items():
         if f:
             lost_limit = "-" if name.endswith("bucket") else f"{args.every}"  # the peer tier's K bounds all but the bucket path
-            print(f"{name:>10} {cell(f['detect']):>17} {cell(f['to_step']):>23} {LIMIT_TO_STEP_S:>6.0f}s "
+            print(f"{name:>14} {cell(f['detect']):>17} {cell(f['to_step']):>23} {LIMIT_TO_STEP_S:>6.0f}s "
                   f"{cell(f['kill_to_step']):>19} {cell(f['lost'], '5.0f'):>14} {lost_limit:>6} {max(f['world']):6.0f} "
                   f"{sum(f['hangs']):6.0f}")
     for name, f in figures.items():
         if f:
-            print(f"{name:>10} detected->first worker up {cell(f['to_up'])} s, up->resumed {cell(f['up_to_resumed'])} s, "
+            print(f"{name:>14} detected->first worker up {cell(f['to_up'])} s, up->resumed {cell(f['up_to_resumed'])} s, "
                   f"resumed->first step {cell(f['resumed_to_step'])} s, workers started cold {sum(f['cold']):.0f}")
     for name in ("peer", "sharded"):
         share = figures.get(name, {}).get("blocked_share", [])

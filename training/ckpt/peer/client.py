@@ -38,7 +38,8 @@ class Link:
         named = str(answer.headers.get(wire.DIGEST, ""))
         if not why and named.startswith("sha256:") and named != wire.body_digest(data):
             why = "with a body that does not match its signed digest"
-        elif not why and not named.startswith("sha256:") and not wire.COPY.match(path):
+        elif not why and not named.startswith("sha256:") and not wire.COPY.match(path) and not (
+                wire.PIECES.match(path) and named.startswith(wire.PIECES_NAMED)):  # checked_pieces checks those
             why = "with no signed digest of its body"
         if why:
             raise PeerRefused(f"peer store {store} answered {path} {why}")
@@ -65,7 +66,7 @@ class Link:
             raise PeerRefused(f"peer store {store} holds no {kind} copy of step {step} of rank {rank}/{world}")
         return str(headers.get(wire.DIGEST, "")), body
 
-    def pieces(self, store: str, entry: list[Any], step: int, first: int, count: int) -> bytes | None:
+    def pieces(self, store: str, entry: list[Any], step: int, first: int, count: int) -> memoryview | None:
         """Pieces first .. first + count - 1 (wire.PIECE bytes each) of the copy `entry` (as the
         stores list it: world, rank, step, kind, digest, size, generation), checked against its
         listed digest (wire.checked_pieces); None when they do not match."""

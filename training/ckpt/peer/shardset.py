@@ -158,7 +158,7 @@ def fetch_into(tier: PeerTier, step: int, world: int, files: Files, keys: list[t
         total = max(int(entry[5]) for _, entry in pairs)
         runs = piece_runs((ranges or {}).get(rank, []), total) if kind == "shard" and ranges is not None else None
         whole = runs is None or sum(count for _, count in runs) == -(-total // wire.PIECE)
-        data = fetch_one(tier, step, pairs) if whole else fetch_pieces(tier, step, pairs, runs or [])
+        data = fetch_one(tier, step, pairs) if whole else fetch_pieces(tier, step, pairs, runs or [], total)
         if data is None:
             return f"no store gave a good {kind} copy of rank {rank}/{world} of step {step}"
         try:
@@ -186,14 +186,19 @@ def piece_runs(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]
     return runs
 
 
-def fetch_pieces(tier: PeerTier, step: int, pairs: list[tuple[str, list[Any]]], runs: list[tuple[int, int]]
-                 ) -> list[tuple[int, bytes]] | None:
-    """[(offset, bytes)] of the pieces `runs` of one file, all from the first store (this node's
-    order) whose pieces match the copy's digest; a store whose do not is refused by name and the
-    next holder tried. None when no holder gave them all."""
+def fetch_pieces(tier: PeerTier, step: int, pairs: list[tuple[str, list[Any]]], runs: list[tuple[int, int]],
+                 size: int) -> list[tuple[int, memoryview]] | None:
+    """[(offset, bytes)] of the pieces `runs` of one file of `size` bytes, all from the first store
+    (this node's order) whose pieces match the copy's digest; a store whose do not is refused by
+    name, one that lists another size skipped, and the next holder tried. None when no holder gave
+    them all."""
     by_store = {store: entry for store, entry in pairs}
     for store in tier._order(list(by_store)):
         entry, parts = by_store[store], []
+        if int(entry[5]) != size:
+            log.warning("peer store %s lists %s bytes for rank %s's %s copy of step %d, another %d: skipped", store,
+                        entry[5], entry[1], entry[3], step, size)
+            continue
         for first, count in runs:
             try:
                 data = tier.link.pieces(store, entry, step, first, count)

@@ -43,6 +43,7 @@ class Copies:
     def __init__(self, budget: int = 1 << 62) -> None:
         self._lock = threading.Lock()
         self._held: dict[tuple[int, int, str], dict[int, tuple[str, bytes, str]]] = {}
+        self._digests: dict[tuple[int, int, str, int, str, int], bytes] = {}  # piece_digests, per held copy
         self.budget = budget
 
     def put(self, world: int, rank: int, step: int, kind: str, payload_digest: str, data: bytes,
@@ -65,6 +66,21 @@ class Copies:
         with self._lock:
             found = self._held.get((world, rank, kind), {}).get(step)
         return (found[0], found[1]) if found is not None and found[2] == generation else None
+
+    def piece_digests(self, world: int, rank: int, step: int, kind: str, held: tuple[str, bytes]) -> bytes:
+        """Every wire.PIECE-byte piece's digest of a held copy, joined: computed at its first
+        /v1/pieces request (a PUT stays a copy into memory) and kept while the copy is."""
+        key = (world, rank, kind, step, held[0], len(held[1]))
+        with self._lock:
+            found = self._digests.get(key)
+        if found is None:
+            found = b"".join(wire.piece_digests(held[1]))
+            with self._lock:
+                live = {(w, r, k, s, d[0], len(d[1])) for (w, r, k), steps in self._held.items() for s, d in steps.items()}
+                self._digests = {k: v for k, v in self._digests.items() if k in live}
+                if key in live:
+                    self._digests[key] = found
+        return found
 
     def keep_only(self, step: int, world: int | None = None) -> int:
         """Drop every copy but those of `step` (and of world size `world`, when given): a world that
@@ -108,16 +124,19 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
         log.debug(format, *args)
 
-    def _answer(self, code: int, body: bytes, payload_digest: str = "") -> None:
+    def _answer(self, code: int, body: bytes | list[bytes | memoryview], payload_digest: str = "") -> None:
         """A signed answer: its status, its store and its body's digest (a copy's: the digest its
-        sender named, which the receiver checks the bytes against; else sha256 of the body)."""
-        named = payload_digest if code == 200 and payload_digest else wire.body_digest(body)
+        sender named, which the receiver checks the bytes against; else sha256 of the body). A
+        body of parts (a copy's digests and pieces) is written part by part, never joined."""
+        parts = body if isinstance(body, list) else [body]
+        named = payload_digest if code == 200 and payload_digest else wire.body_digest(b"".join(parts))
         self.send_response(code)
-        for name, value in wire.headers(self.server.key, f"ANSWER {code}", self.path, named, len(body),
-                                        self.server.name).items():
+        for name, value in wire.headers(self.server.key, f"ANSWER {code}", self.path, named,
+                                        sum(len(p) for p in parts), self.server.name).items():
             self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(body)
+        for part in parts:
+            self.wfile.write(part)
 
     def _refused(self, size: int) -> bool:
         why = wire.check(self.server.key, self.command, self.path, self.headers, size, self.server.name)
@@ -134,13 +153,16 @@ class Handler(BaseHTTPRequestHandler):
             self._answer(200, json.dumps(self.server.copies.listing()).encode())
             return
         part = wire.PIECES.match(self.path)
-        if part:  # some pieces of a copy, after every piece's digest (wire.pieces_of)
+        if part:  # some pieces of a copy, after every piece's digest (Copies.piece_digests)
             world, rank, step, kind, gen, first, count = part.groups()
             held = self.server.copies.get(int(world), int(rank), int(step), kind, gen)
             if held is None or int(first) * wire.PIECE >= max(len(held[1]), 1):
                 self._answer(404, b"no such copy, or no such piece of it")
                 return
-            self._answer(200, wire.pieces_of(held[1], int(first), int(count)))
+            digests = self.server.copies.piece_digests(int(world), int(rank), int(step), kind, held)
+            at = int(first) * wire.PIECE
+            self._answer(200, [digests, memoryview(held[1])[at:at + int(count) * wire.PIECE]],
+                         wire.PIECES_NAMED + held[0])
             return
         match = wire.COPY.match(self.path)
         world, rank, step, kind, gen = match.groups() if match else ("0", "0", "0", "", "")

@@ -33,6 +33,7 @@ COPY = re.compile(r"^/v1/copy/(\d{1,6})/(\d{1,6})/(\d{1,12})/(full|rank|shard|me
 PIECES = re.compile(r"^/v1/pieces/(\d{1,6})/(\d{1,6})/(\d{1,12})/(shard|meta|train|rng)/(\d{1,12}-\d{1,12})/"
                     r"(\d{1,9})/(\d{1,9})$")
 PIECE = digest.PIECE
+PIECES_NAMED = "pieces:"  # a /v1/pieces answer is named by its copy's digest, which checked_pieces checks it against
 # /v1/keep/<world>/<step>: forget every copy but those of <step> saved by world size <world> (0: any);
 # a world that restored <step> abandoned later steps and needs no older one
 KEEP_ONLY = re.compile(r"^/v1/keep/(\d{1,6})/(\d{1,12})$")
@@ -105,13 +106,7 @@ def piece_digests(data: bytes | memoryview) -> list[bytes]:
     return [digest.piece_digest(view[at:at + PIECE]) for at in range(0, len(view), PIECE)]
 
 
-def pieces_of(data: bytes | memoryview, first: int, count: int) -> bytes:
-    """A /v1/pieces answer's body: every piece's digest, then pieces first .. first + count - 1."""
-    view = memoryview(data)
-    return b"".join(piece_digests(view)) + bytes(view[first * PIECE:(first + count) * PIECE])
-
-
-def checked_pieces(body: bytes, size: int, listed: str, first: int, count: int) -> bytes | None:
+def checked_pieces(body: bytes, size: int, listed: str, first: int, count: int) -> memoryview | None:
     """The bytes of pieces first .. first + count - 1 of a copy of `size` bytes listed with digest
     `listed`, from a /v1/pieces answer, when the piece digests combine to `listed` and each piece
     matches its own; else None."""
@@ -120,9 +115,9 @@ def checked_pieces(body: bytes, size: int, listed: str, first: int, count: int) 
     digests = [body[at:at + 32] for at in range(0, head, 32)]
     if len(body) < head or digest.combine(digests) != listed or not 0 <= first <= first + count <= total:
         return None
-    data = memoryview(body)[head:]
+    data = memoryview(body)[head:]  # the pieces, not copied
     want = min(size, (first + count) * PIECE) - first * PIECE
     if len(data) != want or any(digest.piece_digest(data[k * PIECE:(k + 1) * PIECE]) != digests[first + k]
                                 for k in range(count)):
         return None
-    return bytes(data)
+    return data
