@@ -44,6 +44,8 @@ def test_pieces_come_with_every_piece_s_digest_and_a_changed_byte_is_caught() ->
     other = _pieces_of(data[:-1] + b"\x02", 1, 2)  # the pieces asked are intact, the copy is not
     assert wire.checked_pieces(other, len(data), listed, 1, 2) is None
     assert wire.checked_pieces(body, len(data), listed, 2, 2) is None  # not the pieces it says
+    # a store that lists an absurd size: refused before anything is sized by it (no list of 2**47 digests)
+    assert wire.checked_pieces(body, 1 << 70, listed, 1, 2) is None
 
 
 def test_byte_ranges_become_runs_of_pieces() -> None:

@@ -112,8 +112,10 @@ def checked_pieces(body: bytes, size: int, listed: str, first: int, count: int) 
     matches its own; else None."""
     total = -(-size // PIECE)
     head = 32 * total
+    if len(body) < head or not 0 <= first <= first + count <= total:  # before anything sized by the listing
+        return None
     digests = [body[at:at + 32] for at in range(0, head, 32)]
-    if len(body) < head or digest.combine(digests) != listed or not 0 <= first <= first + count <= total:
+    if digest.combine(digests) != listed:
         return None
     data = memoryview(body)[head:]  # the pieces, not copied
     want = min(size, (first + count) * PIECE) - first * PIECE
