@@ -222,6 +222,10 @@ while true; do
     break
   fi
 done
+if [ -n "$WATCHDOG" ]; then  # its records and hang stacks reach the bucket before the node's run ends
+  : >"$GTS_PROGRESS_DIR/stopping"
+  wait "$WATCHDOG" 2>/dev/null || true
+fi
 if [ -s "$GTS_REFUSAL_FILE" ]; then
   echo "entrypoint: $(head -n 1 "$GTS_REFUSAL_FILE")" >&2
   exit 2

@@ -137,7 +137,8 @@ class Watchdog:
 
     def act(self, found: list[Beat], now: float) -> None:
         """Stacks dumped here first, the workers killed next, the bucket last (in a thread: an
-        unreachable bucket must not hold the restart)."""
+        unreachable bucket must not hold the restart). Giving up, the record is flushed before the
+        launcher is stopped (at most UPLOAD_WAIT_S): the node's run ends with the launcher."""
         last = max(b.t for b in found)
         stuck = [b for b in found if _state(b.pid) in ("T", "t", "D")]
         suspect = stuck[0] if stuck else min(found, key=lambda b: (b.t, b.rank))
@@ -149,14 +150,6 @@ class Watchdog:
         self.in_a_row = self.in_a_row + 1 if newest <= self.hung_at else 1
         self.hung_at = max(self.hung_at, newest)
         give_up = self.in_a_row >= self.budget
-        if give_up:  # the launcher first: it must not start the workers again
-            log.error("watchdog: %d hangs in a row with no step past %d between them (HANG_RESTARTS=%d): not "
-                      "restarting the workers; the node's launcher is stopped, read the stacks in %s/hangs/",
-                      self.in_a_row, newest, self.budget, self.folder)
-            _signal(self.launcher, signal.SIGTERM)
-        for beat in found:
-            self.handled.add(beat.pid)
-            _signal(beat.pid, signal.SIGKILL)
         name = f"{records.node_name()}-{int(time.time())}.txt"
         kept = self.folder / "hangs" / name
         kept.parent.mkdir(exist_ok=True)
@@ -166,6 +159,16 @@ class Watchdog:
                          last_progress_t=last, detail=f"{'suspect' if stuck else 'peer'}: node {records.node_name()} "
                          f"rank {suspect.rank}; stacks {where}" + (f"; {self.in_a_row} hangs in a row without a step "
                                                                     "between them: not restarted" if give_up else ""))
+        if give_up:  # the record lands first (the node's run ends with the launcher), then the launcher: it
+            # must not start the workers again; the workers are hung, so nothing restarts them meanwhile
+            log.error("watchdog: %d hangs in a row with no step past %d between them (HANG_RESTARTS=%d): not "
+                      "restarting the workers; the node's launcher is stopped, read the stacks in %s/hangs/",
+                      self.in_a_row, newest, self.budget, self.folder)
+            self.writer.flush(timeout=UPLOAD_WAIT_S)
+            _signal(self.launcher, signal.SIGTERM)
+        for beat in found:
+            self.handled.add(beat.pid)
+            _signal(beat.pid, signal.SIGKILL)
         upload = threading.Thread(target=self.upload_stacks, args=(kept,), daemon=True, name="gts-hang-stacks")
         upload.start()
         self.uploads.append(upload)
