@@ -20,7 +20,7 @@ from infra.plan.engine import Registered
 from tests.harness import parse_spec
 from tests.harness import ROOT, by_type, run_stack, spec_raw, stack_values
 from tests.contract_helpers import JOBS, VM_NODES, container_env, job_containers, node_env_of
-from tests.training_helpers import BIN, LAUNCH_TIMEOUT, MotoServer, Run, free_port, storage_env
+from tests.training_helpers import BIN, FAULT_ENV, LAUNCH_TIMEOUT, MotoServer, Run, free_port, storage_env
 from training import contract
 
 EXAMPLE = ROOT / "examples" / "plain_loop.py"
@@ -30,7 +30,7 @@ BERT = ["-m", "training.trainer.workloads.bert_finetune", "--output_dir", "${CHE
 
 def start(command: list[str], env: dict[str, str], cwd: Path) -> Run:
     base = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(cwd), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": "1"}
+            "OMP_NUM_THREADS": "1", **FAULT_ENV}
     proc = subprocess.Popen(command, cwd=cwd, env={**base, **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     run = Run(proc)

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 FINAL = re.compile(r"^final step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{64})$", re.M)
 LAUNCH_TIMEOUT = 180
+FAULT_ENV = {"PYTHONFAULTHANDLER": "1"}  # a run that hangs in a test shows its Python stacks (Run.stacks)
 
 
 def free_port() -> int:
@@ -84,11 +85,23 @@ class Run:
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            kill_tree(self.proc.pid)
-            raise
+            raise AssertionError(f"still running after {timeout:.0f} s: {self.stacks()}") from None
         if self._reader is not None:
             self._reader.join(timeout=10)
         return code
+
+    def stacks(self) -> str:
+        """A run that does not end: every process below it aborted at once (its Python stacks dumped
+        by faulthandler: FAULT_ENV), then the tree killed; the states, stacks and output as text."""
+        tree = [self.proc.pid, *descendants(self.proc.pid)]
+        states = subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:20,args", "-p", ",".join(map(str, tree))],
+                                capture_output=True, text=True).stdout
+        kill_tree(self.proc.pid, signal.SIGABRT)
+        if self._reader is not None:
+            self._reader.join(timeout=15)
+        kill_tree(self.proc.pid)
+        self.proc.wait(timeout=30)
+        return f"its processes:\n{states}\nits output, with their stacks:\n{self.output[-12000:]}"
 
     def final(self) -> tuple[int, str, str]:
         match = FINAL.search(self.output)
@@ -100,7 +113,7 @@ def launch(args: list[str], cwd: Path, env: dict[str, str] | None = None, accele
            nproc: int = 2) -> Run:
     """torchrun (or accelerate) with `nproc` CPU processes (two unless told); GTS_TEST_* faults in
     `env` run the trainer through tests/faults.py, which injects them."""
-    base = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    base = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **FAULT_ENV}
     base.update(env or {})
     module = "tests.faults" if any(k.startswith("GTS_TEST_") for k in (env or {})) else "training.trainer.train"
     if accelerate:
