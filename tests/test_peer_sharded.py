@@ -99,7 +99,7 @@ def test_with_two_holders_a_node_lost_with_its_buddy_keeps_the_peer_step(tmp_pat
 
 def test_the_holders_are_other_nodes_spread_over_zones_and_as_many_as_asked() -> None:
     from training.ckpt.peer.shardset import holders
-    from training.ckpt.peer.tier import buddy
+    from training.ckpt.peer.ring import buddy
 
     import itertools
 

@@ -18,7 +18,8 @@ from tests.training_helpers import RDZV_TEST_KEY, ROOT, free_port
 from training.distributed import Comm
 from training.ckpt.peer import wire
 from training.ckpt.peer.client import Link, PeerRefused
-from training.ckpt.peer.tier import PeerTier, buddy
+from training.ckpt.peer.ring import buddy
+from training.ckpt.peer.tier import PeerTier
 
 KEY = RDZV_TEST_KEY.encode()
 

@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor
 
 from training.ckpt.peer import share, wire
 from training.ckpt.peer.client import PeerRefused
-from training.ckpt.peer.tier import PeerTier, buddy
+from training.ckpt.peer.ring import buddy
+from training.ckpt.peer.tier import PeerTier
 from training.ckpt.sharded import METADATA, TRAIN_STATE, _Writer
 
 log = logging.getLogger("gts.peer")

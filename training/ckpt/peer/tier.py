@@ -27,6 +27,7 @@ from training.ckpt.files import CheckpointError
 from training.distributed import Comm
 from training.ckpt.peer import share, wire
 from training.ckpt.peer.client import Link, PeerRefused
+from training.ckpt.peer.ring import buddy
 from training.ckpt.run_control import Resumed, choose_checkpoint
 from training.ckpt.staging import Stager
 
@@ -47,22 +48,6 @@ def start_sender(target: Any, args: tuple[Any, ...], name: str, step: int, start
             log.warning("peer copy of step %d not confirmed within %.0f s of the stop: left to finish on its own",
                         step, budget_s)
     return sender
-
-
-def buddy(node: int, zones: list[str]) -> int:
-    """The node that holds node `node`'s copies: one in another zone when the run spans zones,
-    else the next node. The nodes in zone order, each sends to the one `m` places on (m: the
-    largest zone's count): every node then holds one node's copies, each from another zone.
-    Where one zone holds more than half the nodes, its nodes deal theirs to the others in turn."""
-    count = len(zones)
-    other = [n for n in range(count) if zones[n] != zones[node]]
-    if not other:
-        return (node + 1) % count
-    largest = max(zones.count(z) for z in set(zones))
-    if 2 * largest <= count:
-        ring = sorted(range(count), key=lambda n: (zones[n], n))
-        return ring[(ring.index(node) + largest) % count]
-    return other[sum(1 for n in range(node) if zones[n] == zones[node]) % len(other)]
 
 
 class PeerTier:
