@@ -64,7 +64,7 @@ def test_copies_are_sent_under_the_generation_of_the_restore() -> None:
         # a node's local rank 0 sends its full copy and its own state alone (for a restore of another copy)
         assert [(e[2], e[3], e[6]) for e in entries] == [(50, "full", tier.generation), (50, "rank", tier.generation)]
         when, step = tier.generation.split("-")
-        assert step == "40" and int(when) > 0  # rank 0's clock at the restore, and the step restored
+        assert step == "40" and int(when) > 0  # after every generation seen (at least rank 0's clock), the step restored
 
 
 def test_a_run_shrunk_to_one_node_still_restores_from_its_store(monkeypatch: pytest.MonkeyPatch) -> None:

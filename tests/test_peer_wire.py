@@ -61,17 +61,28 @@ def _forger(status: int, body: bytes, signed_body: bytes, signed_status: int, si
         server.server_close()
 
 
+EMPTY = b'{"copies": [], "restores": []}'
+ODD = "listed neither copies nor restores as this version does"
+
+
 @pytest.mark.parametrize("status,body,signed_body,signed_status,signed_store,why", [
-    (200, b"[[1,0,9,\"full\"]]", b"[[1,0,5,\"full\"]]", 200, None, "does not match its signed digest"),
-    (200, b"[]", b"[]", 404, None, "not signed with this run's key"),
-    (200, b"[]", b"[]", 200, "10.0.0.9:29600", "not signed with this run's key"),
+    (200, b'{"copies": [[1,0,9,"full"]], "restores": []}', b'{"copies": [[1,0,5,"full"]], "restores": []}', 200,
+     None, "does not match its signed digest"),
+    (200, EMPTY, EMPTY, 404, None, "not signed with this run's key"),
+    (200, EMPTY, EMPTY, 200, "10.0.0.9:29600", "not signed with this run's key"),
+    # signed, but not what this version lists: an older store's bare list, records that are not restores
+    (200, b"[]", b"[]", 200, None, ODD),
+    (200, b'{"copies": [], "restores": [["1-0", -1, "durable"]]}',
+     b'{"copies": [], "restores": [["1-0", -1, "durable"]]}', 200, None, ODD),
+    (200, b'{"copies": [], "restores": [["1-0", 5, "rm -rf"]]}',
+     b'{"copies": [], "restores": [["1-0", 5, "rm -rf"]]}', 200, None, ODD),
 ])
 def test_a_tampered_or_replayed_answer_is_refused(status: int, body: bytes, signed_body: bytes, signed_status: int,
                                                   signed_store: str | None, why: str) -> None:
     with _forger(status, body, signed_body, signed_status, signed_store) as store:
         with pytest.raises(PeerRefused, match=why):
             Link(KEY).listing(store)
-    with _forger(200, b"[]", b"[]", 200, None) as store:
+    with _forger(200, EMPTY, EMPTY, 200, None) as store:
         assert Link(KEY).listing(store) == []  # the honest answer passes
 
 

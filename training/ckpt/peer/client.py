@@ -6,7 +6,7 @@ import http.client
 import json
 from typing import Any
 
-from training.ckpt.peer import wire
+from training.ckpt.peer import history, wire
 
 
 class PeerRefused(Exception):
@@ -53,10 +53,19 @@ class Link:
             raise PeerRefused(f"peer store {store} refused step {step} of rank {rank}: {status} {body[:200]!r}")
 
     def listing(self, store: str) -> list[list[Any]]:
+        """[world, rank, step, kind, digest, size, generation] of every copy `store` holds."""
+        return self.held(store)[0]
+
+    def held(self, store: str) -> tuple[list[list[Any]], list[list[Any]]]:
+        """(the copies `store` holds, as `listing`; the restores it recorded, history.valid_record)."""
         status, body, _ = self._request(store, "GET", wire.LIST)
         if status != 200:
             raise PeerRefused(f"peer store {store}: {status} {body[:200]!r}")
-        return list(json.loads(body))
+        answer = json.loads(body)
+        if not isinstance(answer, dict) or not isinstance(answer.get("copies"), list) or not isinstance(
+                answer.get("restores"), list) or not all(history.valid_record(r) for r in answer["restores"]):
+            raise PeerRefused(f"peer store {store} listed neither copies nor restores as this version does")
+        return list(answer["copies"]), list(answer["restores"])
 
     def get(self, store: str, world: int, rank: int, step: int, kind: str, generation: str = "0-0"
             ) -> tuple[str, bytes]:
@@ -77,8 +86,10 @@ class Link:
                               f"with pieces {first}..{first + count - 1}")
         return wire.checked_pieces(body, int(size), str(listed), first, count)
 
-    def keep_only(self, store: str, world: int, step: int) -> None:
-        """The store forgets every copy but those of `step` saved by world size `world` (0: any)."""
-        status, body, _ = self._request(store, "DELETE", f"/v1/keep/{world}/{step}")
+    def keep_only(self, store: str, world: int, step: int, generation: str = "", chosen: str = "") -> None:
+        """The store forgets every copy but those of `step` saved by world size `world` (0: any);
+        with `generation`, it records that restore (and `chosen`, the generation of the copy taken)."""
+        tail = f"/{generation}/{chosen}" if generation else ""
+        status, body, _ = self._request(store, "DELETE", f"/v1/keep/{world}/{step}{tail}")
         if status != 200:
             raise PeerRefused(f"peer store {store} did not forget: {status} {body[:200]!r}")

@@ -237,7 +237,7 @@ class ShardedPeer:
                 self.release()
                 continue
             assert state is not None
-            self.folder, self.tier.restored_world = Path(path), world
+            self.folder, self.tier.restored_world, self.tier.restored_gen = Path(path), world, gen
             return state, (self._own_rng(step, world, gen, held) if world == comm.world else None)
         return None
 

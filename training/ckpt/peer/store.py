@@ -7,7 +7,8 @@ those on a failure, and host memory a worker held dies with it) and dies with th
 Bound to the node's private address only (never the wildcard); every request and answer signed
 with the run's key (training/ckpt/peer/wire.py); bounded: the newest KEEP steps per source (a rank of
 one world size, each kind of copy), at most MAX_SOURCES sources and PEER_STORE_GIB (default half the node's memory). It checks no payload: the receiver hashes what it
-gets against the digest the sender named, and refuses a copy that does not match.
+gets against the digest the sender named, and refuses a copy that does not match. It records the
+restores its world makes and lists them with its copies (training/ckpt/peer/history.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from training import contract
-from training.ckpt.peer import wire
+from training.ckpt.peer import history, wire
 
 log = logging.getLogger("gts.peer.store")
 KEEP = 2
@@ -44,6 +45,7 @@ class Copies:
         self._lock = threading.Lock()
         self._held: dict[tuple[int, int, str], dict[int, tuple[str, bytes, str]]] = {}
         self._digests: dict[tuple[int, int, str, int, str, int], bytes] = {}  # piece_digests, per held copy
+        self._restores: dict[str, tuple[int, str]] = {}  # generation -> (step restored, generation taken)
         self.budget = budget
 
     def put(self, world: int, rank: int, step: int, kind: str, payload_digest: str, data: bytes,
@@ -82,10 +84,15 @@ class Copies:
                     self._digests[key] = found
         return found
 
-    def keep_only(self, step: int, world: int | None = None) -> int:
+    def keep_only(self, step: int, world: int | None = None, generation: str = "", chosen: str = "") -> int:
         """Drop every copy but those of `step` (and of world size `world`, when given): a world that
-        restored `step` abandoned later steps, needs no older one, and never another world's."""
+        restored `step` abandoned later steps, needs no older one, and never another world's. With
+        `generation`: that restore recorded (the newest history.MAX_RECORDS), for `records`."""
         with self._lock:
+            if generation:
+                self._restores[generation] = (step, chosen)
+                for old in sorted(self._restores, key=history.order)[:-history.MAX_RECORDS]:
+                    del self._restores[old]
             dropped = 0
             for source in list(self._held):
                 steps = self._held[source]
@@ -103,6 +110,11 @@ class Copies:
             return [[world, rank, step, kind, found, len(data), gen]
                     for (world, rank, kind), steps in sorted(self._held.items())
                     for step, (found, data, gen) in sorted(steps.items())]
+
+    def records(self) -> list[list[Any]]:
+        """[generation, step restored, generation taken or "durable"] of every restore recorded."""
+        with self._lock:
+            return [[gen, step, chosen] for gen, (step, chosen) in sorted(self._restores.items())]
 
     @property
     def size(self) -> int:
@@ -150,7 +162,8 @@ class Handler(BaseHTTPRequestHandler):
         if self._refused(0):
             return
         if self.path == wire.LIST:
-            self._answer(200, json.dumps(self.server.copies.listing()).encode())
+            self._answer(200, json.dumps({"copies": self.server.copies.listing(),
+                                          "restores": self.server.copies.records()}).encode())
             return
         part = wire.PIECES.match(self.path)
         if part:  # some pieces of a copy, after every piece's digest (Copies.piece_digests)
@@ -179,10 +192,10 @@ class Handler(BaseHTTPRequestHandler):
             return
         match = wire.KEEP_ONLY.match(self.path)
         if not match:
-            self._answer(400, b"DELETE /v1/keep/<world or 0: any>/<step>")
+            self._answer(400, b"DELETE /v1/keep/<world or 0: any>/<step>[/<generation>/<generation taken or durable>]")
             return
         world, step = int(match.group(1)), int(match.group(2))
-        dropped = self.server.copies.keep_only(step, world or None)
+        dropped = self.server.copies.keep_only(step, world or None, match.group(3) or "", match.group(4) or "")
         if dropped:
             log.info("forgot %d copies (the run restored step %d)", dropped, step)
         self._answer(200, b"")

@@ -25,7 +25,7 @@ from training import contract
 from training.ckpt.manager import CheckpointManager
 from training.ckpt.files import CheckpointError
 from training.distributed import Comm
-from training.ckpt.peer import share, wire
+from training.ckpt.peer import history, share, wire
 from training.ckpt.peer.client import Link, PeerRefused
 from training.ckpt.peer.ring import buddy
 from training.ckpt.run_control import Resumed, choose_checkpoint
@@ -69,9 +69,11 @@ class PeerTier:
         self.sent: list[int] = []
         self.skipped, self.error = 0, ""
         self.refusals: list[str] = []  # peer copies refused (digest), by name
-        # <when>-<restored step>: the history this world's copies belong to (keep_only sets it, from rank 0)
+        # <n>-<restored step>: the history this world's copies belong to (keep_only sets it, from rank 0)
         self.generation = "0-0"
         self.restored_world = 0  # the world size of the peer copy this world restored (0: none)
+        self.restored_gen = history.DURABLE  # and its generation
+        self.seen: set[str] = set()  # every generation the stores listed (history.next_generation)
         self.share_root = share.default_root()  # where a restore's full copy is shared on a node
         # where /dev/shm has no room: the node's scratch (`choose` sets the checkpoint manager's local dir)
         self.share_fallback = os.environ.get(contract.CHECKPOINT_DIR.name) or "out/checkpoints"
@@ -140,14 +142,19 @@ class PeerTier:
 
     # ------------------------------------------------------------------ recovery
     def _held(self) -> list[tuple[str, list[Any]]]:
-        """(store, [world, rank, step, kind, digest, size, generation]) of every copy the stores hold."""
-        found = []
+        """(store, [world, rank, step, kind, digest, size, generation]) of every copy the stores hold
+        that belongs to the run's history (training/ckpt/peer/history.py)."""
+        found, records = [], []
         for store in self.stores:
             try:
-                found += [(store, entry) for entry in self.link.listing(store)]
+                copies, recorded = self.link.held(store)
             except (PeerRefused, ValueError) as exc:
                 log.warning("peer store %s not listed: %s", store, exc)
-        return found
+                continue
+            found += [(store, entry) for entry in copies]
+            records += recorded
+        self.seen |= {str(e[6]) for _, e in found} | {str(r[0]) for r in records}
+        return history.current(found, records)  # no copy of a history a later restore left (a store cut off then)
 
     def steps(self) -> set[int]:
         """Steps this rank can restore from the stores: those with a full copy in some store. Its
@@ -307,7 +314,7 @@ class PeerTier:
             if missed:
                 continue
             assert model is not None
-            self.restored_world = int(entry[0])
+            self.restored_world, self.restored_gen = int(entry[0]), str(entry[6])
             return model["state"], self._own(step, entry, held, model)
         return None
 
@@ -328,12 +335,16 @@ class PeerTier:
     def keep_only(self, step: int) -> None:
         """This world restored `step` (0: none): every store forgets the copies of other steps
         (later ones are another history now, older ones are of no use) and of other world sizes'
-        at that step, so that no later restore mixes them with this one's."""
+        at that step, so that no later restore mixes them with this one's; and records the restore,
+        so that a store cut off now cannot offer its copies of the history left (history.py)."""
         self._drop_prefetched()  # a prefetched copy no restore took (a newer durable step) is not held
-        self.generation = self.comm.all_gather_object(f"{int(time.time())}-{step}")[0]  # rank 0's: one per world
+        taken = self.restored_gen if step and self.restored_world else history.DURABLE
+        self.generation = self.comm.all_gather_object(  # rank 0's: one per world, after every one listed
+            history.next_generation(step, self.seen | {self.generation}, time.time()))[0]
         if self.comm.local_rank == 0:
             try:
-                self.link.keep_only(self.stores[self.comm.node], self.restored_world if step else 0, step)
+                self.link.keep_only(self.stores[self.comm.node], self.restored_world if step else 0, step,
+                                    self.generation, taken)
             except PeerRefused as exc:
                 log.warning("%s", exc)
         self.comm.barrier()

@@ -20,8 +20,9 @@ MAX_SKEW_S = 120  # a signed request older (or newer) than this is refused: no r
 # /v1/copy/<world size>/<rank>/<step>/<kind>/<generation>: one source's copy of one step (source = (world, rank));
 # kind `full`: the replicated training state and the rank's own (a node's local rank 0), `rank`:
 # the rank's own alone (RNG streams, data position).
-# <generation>: <when>-<step>, when (Unix seconds, rank 0's clock) the sending world restored <step>
-# (training/ckpt/peer/tier.py), so that copies of two histories that reached one step are told apart.
+# <generation>: <n>-<step>: the sending world restored <step>; <n> orders it after every generation its
+# stores had seen (training/ckpt/peer/history.py), so that copies of two histories that reached one
+# step are told apart, and a history a later restore left is never offered.
 # Sharded state (training/ckpt/peer/sharded.py): `shard` (the rank's DCP file), `meta` (DCP's
 # metadata, rank 0), `train` (the train state beside the shards, rank 0), `rng` (the rank's streams).
 COPY = re.compile(r"^/v1/copy/(\d{1,6})/(\d{1,6})/(\d{1,12})/(full|rank|shard|meta|train|rng)/(\d{1,12}-\d{1,12})$")
@@ -34,9 +35,11 @@ PIECES = re.compile(r"^/v1/pieces/(\d{1,6})/(\d{1,6})/(\d{1,12})/(shard|meta|tra
                     r"(\d{1,9})/(\d{1,9})$")
 PIECE = digest.PIECE
 PIECES_NAMED = "pieces:"  # a /v1/pieces answer is named by its copy's digest, which checked_pieces checks it against
-# /v1/keep/<world>/<step>: forget every copy but those of <step> saved by world size <world> (0: any);
-# a world that restored <step> abandoned later steps and needs no older one
-KEEP_ONLY = re.compile(r"^/v1/keep/(\d{1,6})/(\d{1,12})$")
+# /v1/keep/<world>/<step>[/<generation>/<chosen>]: forget every copy but those of <step> saved by world
+# size <world> (0: any); a world that restored <step> abandoned later steps and needs no older one.
+# With a generation: the store also records that restore (the new world's generation, and the
+# generation of the peer copy it took, or `durable`), which it lists: training/ckpt/peer/history.py
+KEEP_ONLY = re.compile(r"^/v1/keep/(\d{1,6})/(\d{1,12})(?:/(\d{1,12}-\d{1,12})/(\d{1,12}-\d{1,12}|durable))?$")
 LIST = "/v1/list"
 KEY_VAR = "RDZV_KEY"  # the run's key (training/node/rdzv_launch.py signs the rendezvous with it)
 MIN_KEY_CHARS = 32
