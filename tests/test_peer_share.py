@@ -2,7 +2,8 @@
 killed after publishing (SIGKILL: no `finally`) leaves a directory that the next restore's local
 rank 0 sweeps, while a live publisher's is kept; an error inside a restore still removes it; a file
 that makes torch.load raise something unusual is refused by name; a store dying mid-answer is a
-refusal, and the restore goes on to the next holder; a rank holds the state about once."""
+refusal, and the restore goes on to the next holder; a rank holds the state about once; a sharded
+restore counts the room of the shards its node reads, and moves to the scratch where /dev/shm has none."""
 
 from __future__ import annotations
 
@@ -188,3 +189,57 @@ def test_where_dev_shm_cannot_take_it_the_copy_is_shared_on_the_nodes_scratch(tm
     assert found is not None and found.step == STEP and tier.refusals == []
     assert len(read_at) == 1 and Path(read_at[0]).parent.parent == ckpt.local  # not the temp dir
     assert [p.name for p in ckpt.local.iterdir() if p.name.startswith(share.PREFIX)] == []
+
+
+def test_a_sharded_restore_counts_the_room_of_the_shards_its_node_reads_and_moves_where_there_is_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two shards of 10 pieces each; this node's ranks read 2 pieces of one. /dev/shm with room for
+    those (not for the whole set) keeps the restore; with less, the metadata and train state move
+    to the scratch, which the shards then go to; with room nowhere, the restore says so."""
+    from training.ckpt.peer import shardset, wire
+
+    shm, scratch = tmp_path / "shm", tmp_path / "scratch"
+    shm.mkdir()
+    scratch.mkdir()
+    free = {str(shm): 0, str(scratch): 0}
+    real = os.statvfs
+
+    def statvfs(path: Any) -> os.statvfs_result:
+        root = next((r for r in free if str(path).startswith(r)), None)
+        return real(path) if root is None else os.statvfs_result((4096, 1, 0, 0, free[root], 0, 0, 0, 0, 255))
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    entry = [2, 0, 5, "shard", "digest", 10 * wire.PIECE, "1-0"]
+    files: Any = {(r, "shard"): [("store", [2, r, *entry[2:]])] for r in (0, 1)}
+    files |= {(0, kind): [("store", [2, 0, 5, kind, "digest", 100, "1-0"])] for kind in ("meta", "train")}
+    wanted = {1: [(2 * wire.PIECE + 5, wire.PIECE)]}  # pieces 2 and 3 of rank 1's shard
+    need = shardset.shard_bytes(files, wanted)
+    assert need == 2 * wire.PIECE and shardset.head_size(files) == 200
+    assert shardset.shard_bytes(files, {0: [(0, 10 * wire.PIECE)]}) == 10 * wire.PIECE  # a shard read whole
+    roots = [str(shm), str(scratch)]
+
+    def head_in_shm() -> Any:
+        copy, why = shardset.open_dir(roots, 0.0, shardset.head_size(files))
+        assert copy is not None and Path(copy.dir).parent == shm, why
+        copy.write(b"m" * 100, "meta")
+        copy.write(b"t" * 100, "train")
+        return copy
+
+    free[str(shm)] = 200 + need  # the node's part fits, the set's 20 pieces do not
+    copy = head_in_shm()
+    assert shardset.make_room(copy, roots, 0.0, need) == (copy, "")
+    copy.remove()
+
+    free.update({str(shm): 200 + wire.PIECE, str(scratch): 200 + need})  # only the scratch has room
+    copy = head_in_shm()
+    moved, why = shardset.make_room(copy, roots, 0.0, need)
+    assert why == "" and Path(moved.dir).parent == scratch and not Path(copy.dir).exists()
+    assert {p.name: p.read_bytes() for p in Path(moved.dir).iterdir()} == {"meta": b"m" * 100, "train": b"t" * 100}
+    assert moved.fetched == 200  # what the restore fetched, not counted twice
+    moved.remove()
+
+    free[str(scratch)] = need  # not with the metadata and train state too
+    copy = head_in_shm()
+    kept, why = shardset.make_room(copy, roots, 0.0, need)
+    assert kept is copy and why.startswith(f"no room for the {need} bytes of shards this node's ranks read: ")
+    assert f"{scratch}: {need} bytes free, {need + 200} needed" in why
+    copy.remove()

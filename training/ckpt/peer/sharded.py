@@ -246,12 +246,13 @@ class ShardedPeer:
         """(train state, the node's directory, "") or (None, path, why), on every rank (collective).
         The node's local rank 0 fetches the metadata and the train state into a private directory;
         each rank asks DCP's planner which bytes of which saved shards its own shard reads in this
-        run (`_needed`); local rank 0 fetches those of all its node's ranks (shardset.fetch_into)."""
+        run (`_needed`); local rank 0 fetches those of all its node's ranks (shardset.fetch_into),
+        into /dev/shm where it has room for them, else the scratch (shardset.make_room)."""
         comm, tier = self.comm, self.tier
         why, path, head = "", "", [key for key in files if key[1] != "shard"]
-        if comm.local_rank == 0:
-            self._restored, why = shardset.open_dir([tier.share_root, tier.share_fallback], before,
-                                                    shardset.size(files))
+        roots = [tier.share_root, tier.share_fallback]
+        if comm.local_rank == 0:  # room for the head; the shards' is counted once their ranges are known
+            self._restored, why = shardset.open_dir(roots, before, shardset.head_size(files))
             if self._restored is not None:
                 why = shardset.fetch_into(tier, step, world, files, head, self._restored)
                 path = "" if why else self._restored.dir
@@ -264,9 +265,13 @@ class ShardedPeer:
             for rank, ranges in ranks.items():
                 wanted.setdefault(rank, []).extend(ranges)
         if comm.local_rank == 0 and self._restored is not None and not why:
-            why = shardset.fetch_into(tier, step, world, files, [(r, "shard") for r in wanted], self._restored, wanted)
-            log.info("peer step %d on node %d: %.1f MiB fetched of the set's %.1f MiB", step, comm.node,
-                     self._restored.fetched / 2**20, shardset.size(files) / 2**20)
+            self._restored, why = shardset.make_room(self._restored, roots, before, shardset.shard_bytes(files, wanted))
+            why = why or shardset.fetch_into(tier, step, world, files, [(r, "shard") for r in wanted], self._restored,
+                                             wanted)
+            path = "" if why else self._restored.dir  # moved where /dev/shm had no room for the shards
+            log.info("peer step %d on node %d: %.1f MiB fetched of the set's %.1f MiB into %s", step, comm.node,
+                     self._restored.fetched / 2**20, shardset.size(files) / 2**20, self._restored.dir)
+        path = comm.all_gather_object(path)[first]
         return (state if not why else None), path, why
 
     def _needed(self, path: str) -> tuple[dict[int, list[tuple[int, int]]], str]:

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -146,6 +147,41 @@ def open_dir(roots: list[str], before: float, size: int) -> tuple[share.NodeCopy
 def size(files: Files) -> int:
     """The bytes of a set's files as the stores list them (the largest listing of each)."""
     return sum(max(int(entry[5]) for _, entry in pairs) for pairs in files.values())
+
+
+def head_size(files: Files) -> int:
+    """The bytes of a set's metadata and train state (the files every node fetches whole)."""
+    return size({key: pairs for key, pairs in files.items() if key[1] != "shard"})
+
+
+def shard_bytes(files: Files, wanted: dict[int, list[tuple[int, int]]]) -> int:
+    """The bytes fetch_into writes for the shards `wanted` (saving rank -> byte ranges its node's
+    ranks read): the pieces that cover them (what is not written is a hole, which takes no room)."""
+    total = 0
+    for rank, ranges in wanted.items():
+        whole = max((int(entry[5]) for _, entry in files.get((rank, "shard"), [])), default=0)
+        total += min(whole, sum(count for _, count in piece_runs(ranges, whole)) * wire.PIECE)
+    return total
+
+
+def make_room(node_copy: share.NodeCopy, roots: list[str], before: float, need: int) -> tuple[share.NodeCopy, str]:
+    """`node_copy` when its file system has `need` bytes more free (the shards this node reads);
+    else a directory in the first other of `roots` with room for those and what `node_copy` holds
+    (the metadata and train state, moved there; `node_copy` removed); else (node_copy, why)."""
+    here = os.statvfs(node_copy.dir)
+    if here.f_bavail * here.f_frsize >= need:
+        return node_copy, ""
+    held = {name: Path(node_copy.dir, name).read_bytes() for name in os.listdir(node_copy.dir)}
+    here_root = os.path.realpath(os.path.dirname(node_copy.dir))
+    others = [r for r in roots if r and os.path.realpath(r) != here_root]
+    moved, why = open_dir(others, before, need + sum(len(data) for data in held.values()))
+    if moved is None:
+        return node_copy, f"no room for the {need} bytes of shards this node's ranks read: {why}"
+    for name, data in held.items():
+        moved.write(data, name)
+    moved.fetched = node_copy.fetched
+    node_copy.remove()
+    return moved, ""
 
 
 def fetch_into(tier: PeerTier, step: int, world: int, files: Files, keys: list[tuple[int, str]],
