@@ -111,8 +111,34 @@ def test_which_copies_a_restore_left_behind(step: int, generation: str, records:
     assert history.left_behind(step, generation, records) is left
 
 
-def test_a_generation_is_ordered_after_every_one_seen_and_stays_on_the_wire() -> None:
+def test_a_generation_is_ordered_after_every_plausible_one_seen() -> None:
     assert history.next_generation(40, ["7-0", "12-30", "junk"], now=5.0) == "13-40"
     assert history.next_generation(40, [], now=1234.9) == "1234-40"
-    assert wire.COPY.match(f"/v1/copy/1/0/5/full/{history.next_generation(5, ['999999999999-1'], now=1.0)}")
+    # a store listing a generation years ahead (a clock set wrong, or worse) does not pin every later
+    # restore to one number, which would order a restore by its step alone
+    now = 1_800_000_000.0
+    far = f"{int(now) + 10 * 365 * 86400}-100"
+    assert history.next_generation(90, [far, "7-0"], now=now) == "1800000000-90"
+    assert not history.plausible(far, now) and history.plausible(f"{int(now) + 60}-1", now)
+    held: list[tuple[str, list[Any]]] = [("c", [1, 0, 110, "full", "d", 3, far]), ("a", [1, 0, 100, "full", "d", 3, "5-90"])]
+    assert history.current(held, [[far, 0, history.DURABLE]], now) == [held[1]]  # neither its copy nor its record
     assert not history.valid_record(["1-0", True, "durable"]) and not history.valid_record(["1-0", 3, "x"])
+
+
+def test_a_store_rank_0_could_not_list_still_counts_with_the_records_other_ranks_listed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 picks the copies every rank tries. Store a (the record of the restore to 90, and the
+    run's step 100) is out of rank 0's reach for a moment; store c holds the history left. With the
+    record another rank listed, c's step 100 is not restored: the disk or the bucket decides."""
+    with store_process() as c:
+        link = Link(KEY)
+        _put(link, c, 100, 1.0, "1000-0")
+        tier = _tier([c])  # rank 0's listing: store a did not answer
+        gathered: list[Any] = []
+
+        def all_gather_object(obj: Any) -> list[Any]:
+            gathered.append(obj)
+            return [obj, [["1001-90", 90, history.DURABLE]]] if len(gathered) == 1 else [obj]  # rank 1 listed a
+        monkeypatch.setattr(tier.comm, "all_gather_object", all_gather_object)
+        assert tier.load(100) is None
+        assert gathered[0] == [] and gathered[1] == []  # rank 0's own records (none), then no candidate

@@ -76,6 +76,12 @@ ODD = "listed neither copies nor restores as this version does"
      b'{"copies": [], "restores": [["1-0", -1, "durable"]]}', 200, None, ODD),
     (200, b'{"copies": [], "restores": [["1-0", 5, "rm -rf"]]}',
      b'{"copies": [], "restores": [["1-0", 5, "rm -rf"]]}', 200, None, ODD),
+    (200, b'{"copies": [[1,0,5,"full"]], "restores": []}', b'{"copies": [[1,0,5,"full"]], "restores": []}', 200,
+     None, ODD),  # a copy listed short
+    (200, b'{"copies": [[1,0,"5","full","d",3,"1-0"]], "restores": []}',
+     b'{"copies": [[1,0,"5","full","d",3,"1-0"]], "restores": []}', 200, None, ODD),  # a step that is no number
+    (200, b'{"copies": [[1,0,5,"../x","d",3,"1-0"]], "restores": []}',
+     b'{"copies": [[1,0,5,"../x","d",3,"1-0"]], "restores": []}', 200, None, ODD),  # a kind no path takes
 ])
 def test_a_tampered_or_replayed_answer_is_refused(status: int, body: bytes, signed_body: bytes, signed_status: int,
                                                   signed_store: str | None, why: str) -> None:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 from typing import Any
 
 from training.ckpt.peer import history, wire
+
+log = logging.getLogger("gts.peer")
 
 
 class PeerRefused(Exception):
@@ -63,9 +66,24 @@ class Link:
             raise PeerRefused(f"peer store {store}: {status} {body[:200]!r}")
         answer = json.loads(body)
         if not isinstance(answer, dict) or not isinstance(answer.get("copies"), list) or not isinstance(
-                answer.get("restores"), list) or not all(history.valid_record(r) for r in answer["restores"]):
+                answer.get("restores"), list) or not all(history.valid_record(r) for r in answer["restores"]) \
+                or not all(wire.valid_entry(e) for e in answer["copies"]):
             raise PeerRefused(f"peer store {store} listed neither copies nor restores as this version does")
         return list(answer["copies"]), list(answer["restores"])
+
+    def held_all(self, stores: list[str]) -> tuple[list[tuple[str, list[Any]]], list[list[Any]]]:
+        """((store, copy) of every copy `stores` hold, every restore they recorded); a store that
+        cannot be listed is logged and left out."""
+        found, records = [], []
+        for store in stores:
+            try:
+                copies, recorded = self.held(store)
+            except (PeerRefused, ValueError) as exc:
+                log.warning("peer store %s not listed: %s", store, exc)
+                continue
+            found += [(store, entry) for entry in copies]
+            records += recorded
+        return found, records
 
     def get(self, store: str, world: int, rank: int, step: int, kind: str, generation: str = "0-0"
             ) -> tuple[str, bytes]:

@@ -12,7 +12,12 @@ never mixed with it.
 
 <n> orders generations: one more than any this world's stores have seen (a record or a copy),
 and at least the Unix time of rank 0's clock, so that a restore after a store's loss still
-orders after the copies it leaves (a clock behind another node's cannot put it first).
+orders after the copies it leaves (a clock behind another node's cannot put it first). A
+generation more than AHEAD_S past the reader's clock is no generation: its copies and records
+are not used.
+
+Records are merged across every rank's listing when the copies are picked (a collective: rank 0
+picks them, and a store that rank 0 alone could not list still counts).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 GENERATION = re.compile(r"^(\d{1,12})-(\d{1,12})$")
 DURABLE = "durable"  # a restore from the disk or the bucket: no peer copy taken
 MAX_RECORDS = 256  # a store keeps the newest this many restores
+AHEAD_S = 7 * 86400  # how far past this node's clock a generation may be (rank 0's clock, and restores within a second)
 
 
 def order(generation: str) -> tuple[int, int]:
@@ -48,15 +54,24 @@ def left_behind(step: int, generation: str, records: Iterable[list[Any]]) -> boo
                for later, at, chosen in records)
 
 
-def current(held: list[tuple[str, list[Any]]], records: Iterable[list[Any]]) -> list[tuple[str, list[Any]]]:
+def plausible(generation: str, now: float) -> bool:
+    """A generation no world can have made yet (AHEAD_S past `now`) is not one: a store that lists
+    it (a clock set years ahead, or worse) must not order every later restore before it."""
+    return order(generation)[0] <= now + AHEAD_S
+
+
+def current(held: list[tuple[str, list[Any]]], records: Iterable[list[Any]],
+            now: float) -> list[tuple[str, list[Any]]]:
     """The copies in `held` ((store, [world, rank, step, kind, digest, size, generation])) that no
-    restore in `records` (every listed store's, merged) left behind."""
-    merged = {tuple(r) for r in records}
+    restore in `records` (every listed store's, merged) left behind, and whose generation is
+    `plausible`."""
+    merged = [list(r) for r in {tuple(r) for r in records} if plausible(str(r[0]), now)]
     return [(store, entry) for store, entry in held
-            if not left_behind(int(entry[2]), str(entry[6]), (list(r) for r in merged))]
+            if plausible(str(entry[6]), now) and not left_behind(int(entry[2]), str(entry[6]), merged)]
 
 
 def next_generation(step: int, seen: Iterable[str], now: float) -> str:
-    """The generation of a world that restored `step`: after every one in `seen`, and not before `now`."""
-    newest = max((order(g)[0] for g in seen), default=-1)
-    return f"{min(max(int(now), newest + 1), 10**12 - 1)}-{step}"  # the wire takes 12 digits
+    """The generation of a world that restored `step`: after every plausible one in `seen`, and not
+    before `now`."""
+    newest = max((order(g)[0] for g in seen if plausible(g, now)), default=-1)
+    return f"{max(int(now), newest + 1)}-{step}"

@@ -226,7 +226,7 @@ class ShardedPeer:
         first every node got."""
         comm = self.comm
         before = time.time()
-        held = self.tier._held()
+        held = self.tier._held(collective=True)
         for world, gen, files in comm.all_gather_object(shardset.candidates(held, step) if comm.rank == 0 else None)[0]:
             state, path, why = self._fetch(step, world, files, before)
             (missed,) = comm.any_true(state is None)

@@ -114,7 +114,7 @@ class Copies:
     def records(self) -> list[list[Any]]:
         """[generation, step restored, generation taken or "durable"] of every restore recorded."""
         with self._lock:
-            return [[gen, step, chosen] for gen, (step, chosen) in sorted(self._restores.items())]
+            return [[gen, *self._restores[gen]] for gen in sorted(self._restores, key=history.order)]
 
     @property
     def size(self) -> int:

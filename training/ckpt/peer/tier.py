@@ -141,20 +141,15 @@ class PeerTier:
             self._sender.join(timeout_s)
 
     # ------------------------------------------------------------------ recovery
-    def _held(self) -> list[tuple[str, list[Any]]]:
+    def _held(self, collective: bool = False) -> list[tuple[str, list[Any]]]:
         """(store, [world, rank, step, kind, digest, size, generation]) of every copy the stores hold
-        that belongs to the run's history (training/ckpt/peer/history.py)."""
-        found, records = [], []
-        for store in self.stores:
-            try:
-                copies, recorded = self.link.held(store)
-            except (PeerRefused, ValueError) as exc:
-                log.warning("peer store %s not listed: %s", store, exc)
-                continue
-            found += [(store, entry) for entry in copies]
-            records += recorded
+        that belongs to the run's history (training/ckpt/peer/history.py). `collective`: with every
+        rank's records, so that a store rank 0 could not list (it picks the copies) still counts."""
+        found, records = self.link.held_all(self.stores)
+        if collective:
+            records = [record for listed in self.comm.all_gather_object(records) for record in listed]
         self.seen |= {str(e[6]) for _, e in found} | {str(r[0]) for r in records}
-        return history.current(found, records)  # no copy of a history a later restore left (a store cut off then)
+        return history.current(found, records, time.time())  # none of a history a later restore left
 
     def steps(self) -> set[int]:
         """Steps this rank can restore from the stores: those with a full copy in some store. Its
@@ -306,7 +301,7 @@ class PeerTier:
         each fetched once per node (_node_copy), and take the first that every rank got, so that
         no two ranks ever restore different copies; none: the durable tiers."""
         self._started = time.time()
-        held = self._held()
+        held = self._held(collective=True)
         candidates = self._candidates(held, step) if self.comm.rank == 0 else None
         for entry, holders in self.comm.all_gather_object(candidates)[0]:
             with self._node_copy(step, entry, holders) as model:

@@ -41,6 +41,14 @@ PIECES_NAMED = "pieces:"  # a /v1/pieces answer is named by its copy's digest, w
 # generation of the peer copy it took, or `durable`), which it lists: training/ckpt/peer/history.py
 KEEP_ONLY = re.compile(r"^/v1/keep/(\d{1,6})/(\d{1,12})(?:/(\d{1,12}-\d{1,12})/(\d{1,12}-\d{1,12}|durable))?$")
 LIST = "/v1/list"
+
+
+def valid_entry(entry: Any) -> bool:
+    """[world, rank, step, kind, digest, size, generation] as a store lists a copy: whole numbers
+    where numbers go, and a path to it that COPY takes."""
+    return (isinstance(entry, list) and len(entry) == 7 and isinstance(entry[4], str)
+            and all(isinstance(entry[i], int) and not isinstance(entry[i], bool) and entry[i] >= 0 for i in (0, 1, 2, 5))
+            and COPY.match(f"/v1/copy/{entry[0]}/{entry[1]}/{entry[2]}/{entry[3]}/{entry[6]}") is not None)
 KEY_VAR = "RDZV_KEY"  # the run's key (training/node/rdzv_launch.py signs the rendezvous with it)
 MIN_KEY_CHARS = 32
 
