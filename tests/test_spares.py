@@ -7,7 +7,9 @@ next world is three nodes again, with the spare in it, resumed from the newest c
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from pathlib import Path
 
 from tests.training_helpers import MotoServer, Run, descendants, elastic_cluster, elastic_node, kill_tree, wait_any
@@ -23,7 +25,8 @@ def _node(index: int, port: int, moto: MotoServer, tmp: Path, nnodes: int = 3, s
     return elastic_node(tmp / f"host{index}", index, port, moto, ["--workload", "tiny", "--checkpoint-every", "20", "--log-every", "10",
                                                  "--throttle-ms", "60"],
                         NNODES=str(nnodes), MIN_NNODES="2", NPROC_PER_NODE="1", RDZV_LAST_CALL_S="3", CHECKPOINT_DIR="ckpt",
-                        CHECKPOINT_URL=f"s3://{moto.bucket}/spares/", TRAIN_STEPS=str(steps))
+                        CHECKPOINT_URL=f"s3://{moto.bucket}/spares/", TRAIN_STEPS=str(steps),
+                        HANG_TIMEOUT_S="600")  # the members' workers may be held stopped while a spare boots
 
 
 def _comm(pid: int) -> str:
@@ -52,15 +55,25 @@ def test_a_spare_waits_outside_the_world_and_takes_a_lost_members_place(tmp_path
         wait_any(nodes, r"rank 0 of 3 ", timeout=120)
         # through the image's entrypoint, each node's worker is forked by its warm process
         # (training/node/warm.py): the seam from the entrypoint to a warm start, not a cold one
+        workers = []
         for run in nodes:
             warm = [p for p in descendants(run.proc.pid) if _comm(p) == "gts-warm"]
             assert len(warm) == 1 and descendants(warm[0]), run.output[-2000:]
+            workers += descendants(warm[0])
+        # The members' workers wait (stopped; their agents go on) while the spare boots, however
+        # long a loaded machine takes: the run must not end before the spare is there.
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
         nodes.append(_node(3, port, moto, tmp_path))  # the spare: the world is full when it comes
         wait_any([nodes[3]], r"rdzv_launch: held as a spare", timeout=120)
         seen = {i: len(run.lines) for i, run in enumerate(nodes[:3])}
+        last = max([int(m.group(1)) for run in nodes[:3] for line in run.lines
+                    if (m := re.search(r"checkpoint step (\d+):", line))] or [0])
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
         # The members go on through two more checkpoints in the same world: no new round.
-        wait_any(nodes[:3], r"checkpoint step 60:", timeout=120, after=seen)
-        wait_any(nodes[:3], r"checkpoint step 80:", timeout=120, after=seen)
+        wait_any(nodes[:3], rf"checkpoint step {last + 20}:", timeout=120, after=seen)
+        wait_any(nodes[:3], rf"checkpoint step {last + 40}:", timeout=120, after=seen)
         assert [_worlds(run, seen[i]) for i, run in enumerate(nodes[:3])] == [[], [], []]
         assert _worlds(nodes[3]) == [], nodes[3].output[-2000:]
         kill_tree(nodes[2].proc.pid)  # a member is gone: no notice, no checkpoint
