@@ -206,3 +206,15 @@ def test_the_plan_report_gives_both_limits_per_resource(capsys: pytest.CaptureFi
     assert len(lines) == 2
     assert "LIMIT SUSPECT" in lines[0] and "x   target" not in lines[0]  # the trivial floor did not grow
     assert "replay floor 5.00 ms" in lines[1] and " 2.00x" in lines[1]
+
+
+def test_the_repeats_are_a_setting_of_at_least_three_and_the_table_says_how_many(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench._parse(["--repeats", "7"]).repeats == 7 and bench._parse([]).repeats == bench.REPEATS
+    with pytest.raises(SystemExit):
+        bench._parse(["--repeats", "2"])
+    assert "--repeats 2: at least 3" in capsys.readouterr().err
+    from training.trainer.bench_tables import print_checkpoint_table
+
+    print_checkpoint_table([], 7)
+    assert "min/median of 7, interleaved" in capsys.readouterr().out

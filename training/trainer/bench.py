@@ -268,25 +268,30 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--part", action="append", choices=PARTS,
                         help="only these figures: checkpoint (blocked, durable, in bucket, wall), resume, plan "
                              "(repeatable); the goodput table needs checkpoint and resume")
+    parser.add_argument("--repeats", type=int, default=REPEATS, metavar="N",
+                        help=f"repeats of every interleaved group (default {REPEATS}, at least 3): more where the "
+                             "disk's fsync time is noisy")
     args = parser.parse_args(argv)
+    if args.repeats < 3:
+        parser.error(f"--repeats {args.repeats}: at least 3 (a median of fewer says nothing)")
     args.size = args.size or list(SIZES)
     args.part = args.part or list(PARTS)
     return args
 
 
-def _checkpoint_figures(width: int, work: Path) -> Figures:
+def _checkpoint_figures(width: int, work: Path, repeats: int = REPEATS) -> Figures:
     """Every method of one size, interleaved: ours, in line, async_save, memcpy, raw, sharded."""
     state, _ = _state(width)
     ck = Checkpoints(state, work / f"w{width}", f"s3://bench/{width}")
     sharded = Sharded(width, work / f"w{width}", f"s3://bench/{width}")
     try:
         figures = interleaved({"ours": ck.run_ours, "inline": ck.run_inline, "dcp": ck.run_dcp,
-                               "memcpy": ck.run_memcpy, "raw": ck.run_raw, "sharded": sharded.run})
+                               "memcpy": ck.run_memcpy, "raw": ck.run_raw, "sharded": sharded.run}, repeats)
     finally:
         ck.close()
         sharded.close()
     if width == SIZES["~100 MB"]:
-        figures |= interleaved({"wall": _wall_per_checkpoint(width, work)})
+        figures |= interleaved({"wall": _wall_per_checkpoint(width, work)}, repeats)
     return figures
 
 
@@ -320,17 +325,17 @@ def main(argv: list[str] | None = None) -> int:
                 figures: Figures = {}
                 if "checkpoint" in args.part:
                     with _store():
-                        figures = _checkpoint_figures(width, work)
+                        figures = _checkpoint_figures(width, work, args.repeats)
                 if "resume" in args.part:
                     with _store() as env:
                         group = ResumeGroup(width, "bench", env, work)
                         group.prepare()
-                        figures |= interleaved(group.methods())
+                        figures |= interleaved(group.methods(), args.repeats)
                 rows.append((label, _state_bytes(width) / 1e6, figures))
         finally:
             shutil.rmtree(work, ignore_errors=True)
         print("load average " + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1 / 5 / 15 min, at the end)")
-        print_checkpoint_table(rows)
+        print_checkpoint_table(rows, args.repeats)
         if {"checkpoint", "resume"} <= set(args.part):
             print_goodput_table(rows)
     if "plan" in args.part:

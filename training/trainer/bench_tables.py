@@ -25,8 +25,8 @@ def _cell(values: list[float]) -> str:
     return f"{min(values):6.2f}/{median(values):<6.2f}"
 
 
-def print_checkpoint_table(rows: list[tuple[str, float, Figures]]) -> None:
-    print(f"checkpoint figures, seconds, min/median of {REPEATS}, interleaved; ratio = median / limit's median")
+def print_checkpoint_table(rows: list[tuple[str, float, Figures]], repeats: int = REPEATS) -> None:
+    print(f"checkpoint figures, seconds, min/median of {repeats}, interleaved; ratio = median / limit's median")
     print(f"{'state':>8} {'figure':>10} {'method':>22} {'min/median':>14} {'limit':>16} {'ratio':>7} {'target':>7}")
 
     def line(label: str, figure: str, method: str, values: list[float], limit_name: str = "",
