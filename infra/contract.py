@@ -83,7 +83,16 @@ def trainer_env(spec: StackSpec, rg: ResolvedGroup) -> dict[str, str]:
     }
     env.update(fabric_env(spec, rg))
     env.update(reservation_env(rg))
+    env.update(peer_env(spec))
     return {var.name: value for var, value in env.items()}
+
+
+def peer_env(spec: StackSpec) -> dict[c.Var, str]:
+    """The peer tier's settings the stack gives (training.peerEvery, peerHolders, peerStoreGib),
+    where they are not the image's defaults (training/contract.py RECOVERY_DEFAULTS)."""
+    t = spec.training
+    given = {c.PEER_EVERY: t.peer_every, c.PEER_HOLDERS: t.peer_holders, c.PEER_STORE_GIB: t.peer_store_gib}
+    return {var: str(value) for var, value in given.items() if value != c.RECOVERY_DEFAULTS[var.name]}
 
 
 def reservation_env(rg: ResolvedGroup) -> dict[c.Var, str]:

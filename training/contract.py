@@ -127,14 +127,16 @@ RDZV_KEEPALIVE_S = Var("RDZV_KEEPALIVE_S", "seconds between a node agent's rende
                        "keep_alive_interval; default 2)", IMAGE)
 RDZV_KEEPALIVE_MISSES = Var("RDZV_KEEPALIVE_MISSES", "heartbeats a node may miss before the others drop it from the "
                             "rendezvous (torch's keep_alive_max_attempt; default 5)", IMAGE)
+STACK_PEER = "the stack (training.{}) where it is not the default; else the image's default"
 PEER_EVERY = Var("PEER_EVERY", "steps between in-memory copies of each rank's state on another node of the run "
-                 "(0: off; default 0; docs/recovery.md)", IMAGE)
+                 "(0: off; default 0; docs/recovery.md)", STACK_PEER.format("peerEvery"))
 PEER_PORT = Var("PEER_PORT", "port of the node's peer store, on its private address (default 29600)", IMAGE)
 PEER_STORE_GIB = Var("PEER_STORE_GIB", "GiB of host memory the node's peer store may hold; a copy over it is refused "
-                     "(507) and the sender says so (0: half the node's memory; default 0)", IMAGE)
+                     "(507) and the sender says so (0: half the node's memory; default 0)",
+                     STACK_PEER.format("peerStoreGib"))
 PEER_HOLDERS = Var("PEER_HOLDERS", "other nodes that hold each node's sharded peer copies (default 1: its buddy; "
                    "2 keeps a step through a node lost with its buddy, at one more node's shards in each store's "
-                   "memory and one more send per copy; docs/recovery.md)", IMAGE)
+                   "memory and one more send per copy; docs/recovery.md)", STACK_PEER.format("peerHolders"))
 RECOVERY_VARS = (RDZV_LAST_CALL_S, RDZV_KEEPALIVE_S, RDZV_KEEPALIVE_MISSES, PEER_EVERY, PEER_PORT, PEER_STORE_GIB,
                  PEER_HOLDERS)
 RECOVERY_DEFAULTS = {RDZV_LAST_CALL_S.name: 30, RDZV_KEEPALIVE_S.name: 2, RDZV_KEEPALIVE_MISSES.name: 5,

@@ -37,4 +37,8 @@ def check(spec: StackSpec) -> list[Problem]:
         problems.append(Problem("training.checkpointEvery", f"{every} is above training.steps ({steps}): the run "
                                 "would end before its first checkpoint and a reclaimed node would lose all of it; "
                                 f"use at most {steps}, or auto"))
+    if spec.training.peer_every and not any(g.workload == "training" and g.scaling.max > 1 for g in spec.node_groups):
+        problems.append(Problem("training.peerEvery", "the peer tier copies each node's state to another node of the "
+                                "run, and no training group here runs on more than one node: remove peerEvery, or "
+                                "give a group scaling.max of 2 or more"))
     return problems

@@ -294,6 +294,17 @@ class Training(SpecModel):
         500, description="Checkpoint every N steps (and on SIGTERM), or auto: Daly's interval from the checkpoint cost "
                          "the trainer measures and the group's reclaim rate and notice (training/goodput.py).")
     keep_checkpoints: StrictInt = Field(3, ge=1, description="Checkpoints kept locally and in the bucket.")
+    # The peer tier (docs/recovery.md): the bounds are the node's own check's (training/contract.py RECOVERY_LEAST).
+    peer_every: StrictInt = Field(0, ge=0, le=86400, description="Steps between in-memory copies of each rank's state "
+                                  "on another node of the run (the peer tier, docs/recovery.md): a lost node then costs "
+                                  "at most this many steps and a restore from memory, not the bucket. 0: off. Multi-node "
+                                  "groups only; each copy blocks the loop for about a memcpy of the state.")
+    peer_holders: StrictInt = Field(1, ge=1, le=86400, description="Other nodes holding each node's sharded peer "
+                                    "copies: 2 keeps a step through a node lost with its buddy, at one more node's "
+                                    "shards in each node's memory and one more send per copy.")
+    peer_store_gib: StrictInt = Field(0, ge=0, le=86400, description="GiB of host memory each node's peer store may "
+                                      "hold (a copy over it is refused and the sender says so); 0: half the node's "
+                                      "memory.")
     dataset: Name | None = Field(None, description="Dataset name: each cloud's nodes read <bucket>/datasets/<name>/ "
                                                    "in their own cloud.")
     dataset_source: str | None = Field(None, description="Where the dataset's original lives (s3://, oss://, cosn://, "
