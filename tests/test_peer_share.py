@@ -237,6 +237,21 @@ def test_a_sharded_restore_counts_the_room_of_the_shards_its_node_reads_and_move
     assert moved.fetched == 200  # what the restore fetched, not counted twice
     moved.remove()
 
+    real_write = share.NodeCopy.write
+
+    def full(self: Any, data: Any, name: str = "copy.pt") -> str:
+        if Path(self.dir).parent == scratch:
+            raise OSError(28, "No space left on device", os.path.join(self.dir, name))
+        return real_write(self, data, name)
+    monkeypatch.setattr(share.NodeCopy, "write", full)  # the scratch fills as the head is copied
+    copy = head_in_shm()
+    kept, why = shardset.make_room(copy, roots, 0.0, need)
+    assert kept is copy and why.startswith(str(scratch)) and why.endswith(": No space left on device"), why
+    assert Path(copy.dir).is_dir()
+    assert [p.name for p in scratch.iterdir()] == []  # the half-made directory is gone
+    copy.remove()
+    monkeypatch.setattr(share.NodeCopy, "write", real_write)
+
     free[str(scratch)] = need  # not with the metadata and train state too
     copy = head_in_shm()
     kept, why = shardset.make_room(copy, roots, 0.0, need)

@@ -168,17 +168,23 @@ def make_room(node_copy: share.NodeCopy, roots: list[str], before: float, need: 
     """`node_copy` when its file system has `need` bytes more free (the shards this node reads);
     else a directory in the first other of `roots` with room for those and what `node_copy` holds
     (the metadata and train state, moved there; `node_copy` removed); else (node_copy, why)."""
-    here = os.statvfs(node_copy.dir)
-    if here.f_bavail * here.f_frsize >= need:
-        return node_copy, ""
-    held = {name: Path(node_copy.dir, name).read_bytes() for name in os.listdir(node_copy.dir)}
-    here_root = os.path.realpath(os.path.dirname(node_copy.dir))
-    others = [r for r in roots if r and os.path.realpath(r) != here_root]
-    moved, why = open_dir(others, before, need + sum(len(data) for data in held.values()))
-    if moved is None:
-        return node_copy, f"no room for the {need} bytes of shards this node's ranks read: {why}"
-    for name, data in held.items():
-        moved.write(data, name)
+    moved = None
+    try:  # a disk error here is a reason like any other: every rank then goes to the disk or the bucket
+        here = os.statvfs(node_copy.dir)
+        if here.f_bavail * here.f_frsize >= need:
+            return node_copy, ""
+        held = {name: Path(node_copy.dir, name).read_bytes() for name in os.listdir(node_copy.dir)}
+        here_root = os.path.realpath(os.path.dirname(node_copy.dir))
+        others = [r for r in roots if r and os.path.realpath(r) != here_root]
+        moved, why = open_dir(others, before, need + sum(len(data) for data in held.values()))
+        if moved is None:
+            return node_copy, f"no room for the {need} bytes of shards this node's ranks read: {why}"
+        for name, data in held.items():
+            moved.write(data, name)
+    except OSError as exc:
+        if moved is not None:
+            moved.remove()
+        return node_copy, f"{exc.filename or node_copy.dir}: {exc.strerror or exc}"
     moved.fetched = node_copy.fetched
     node_copy.remove()
     return moved, ""
