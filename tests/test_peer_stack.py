@@ -73,3 +73,23 @@ def test_peer_copies_with_no_multi_node_group_are_refused_by_key() -> None:
     problems = _refused({"peerEvery": 20}, single)
     assert any(p.startswith("training.peerEvery: the peer tier copies each node's state to another node of the run")
                for p in problems), problems
+
+
+def test_peer_copies_with_kubernetes_jobs_of_one_pod_only_are_refused_by_key() -> None:
+    """A Job's run is its pods (scaling.desired, else min), not scaling.max: prod's Jobs run one pod
+    each, so with its VM groups at one node the tier has no other node to copy to."""
+    def single_vms(groups: list[dict[str, Any]]) -> None:
+        for group in groups:
+            if group.get("kind", "vm") == "vm":
+                group["scaling"] = {"min": 0, "max": 1}
+                group.pop("schedule", None)
+
+    problems = _refused({"peerEvery": 20}, single_vms)
+    assert any(p.startswith("training.peerEvery: the peer tier copies") for p in problems), problems
+
+
+@pytest.mark.parametrize("name,value", [("peerHolders", 2), ("peerStoreGib", 64)])
+def test_a_peer_setting_without_peer_every_is_refused_by_key(name: str, value: int) -> None:
+    problems = _refused({name: value})
+    assert f"training.{name}: {value} is set while training.peerEvery is 0 (the peer tier is off), so it does " \
+           "nothing: set peerEvery too (e.g. 20), or remove it" in problems, problems

@@ -14,6 +14,7 @@ from infra.core import catalog as cat
 from policies.gts_policy.addresses import opens_internet
 from infra.buckets import bucket
 from infra.clouds import profile
+from infra.checks.value_checks import run_nodes
 from infra.core.errors import Problem
 from infra.model.spec import StackSpec
 from infra.model.tags import stack_tags
@@ -65,7 +66,7 @@ def _multi_node(spec: StackSpec) -> Iterator[Problem]:
     Job's replaced pods do not have."""
     launcher = spec.training.launcher
     for i, g in enumerate(spec.node_groups):
-        nodes = g.scaling.max if g.kind == "vm" else max(1, g.scaling.baseline)
+        nodes = run_nodes(g)
         if g.workload == "training" and nodes > 1 and launcher != "torchrun":
             yield Problem("training.launcher", f"{g.name} trains on up to {nodes} nodes, and multi-node runs are "
                                                f"elastic torchrun jobs; {launcher} cannot join them. Use launcher: "

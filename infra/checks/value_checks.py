@@ -7,7 +7,7 @@ from ipaddress import IPv4Network
 
 from infra.core import catalog as cat
 from infra.core.errors import Problem
-from infra.model.spec import StackSpec
+from infra.model.spec import NodeGroup, StackSpec
 
 
 def _cidr_problem(cloud: str, cidr: IPv4Network) -> str:
@@ -37,8 +37,24 @@ def check(spec: StackSpec) -> list[Problem]:
         problems.append(Problem("training.checkpointEvery", f"{every} is above training.steps ({steps}): the run "
                                 "would end before its first checkpoint and a reclaimed node would lose all of it; "
                                 f"use at most {steps}, or auto"))
-    if spec.training.peer_every and not any(g.workload == "training" and g.scaling.max > 1 for g in spec.node_groups):
+    return problems + _peer_problems(spec)
+
+
+def run_nodes(group: NodeGroup) -> int:
+    """The nodes of one run of a group: a VM group's scaling.max (its fleet is one elastic run), a
+    Kubernetes group's Job's pods (scaling.desired, else min; infra/resolve/resolved.py)."""
+    return group.scaling.max if group.kind == "vm" else max(1, group.scaling.baseline)
+
+
+def _peer_problems(spec: StackSpec) -> list[Problem]:
+    """The peer tier's settings where they cannot work: copies need another node of the run."""
+    t, problems = spec.training, []
+    if t.peer_every and not any(g.workload == "training" and run_nodes(g) > 1 for g in spec.node_groups):
         problems.append(Problem("training.peerEvery", "the peer tier copies each node's state to another node of the "
                                 "run, and no training group here runs on more than one node: remove peerEvery, or "
-                                "give a group scaling.max of 2 or more"))
+                                "give a VM group scaling.max (a Kubernetes group scaling.desired) of 2 or more"))
+    for name, value, default in (("peerHolders", t.peer_holders, 1), ("peerStoreGib", t.peer_store_gib, 0)):
+        if value != default and not t.peer_every:
+            problems.append(Problem(f"training.{name}", f"{value} is set while training.peerEvery is 0 (the peer tier "
+                                    "is off), so it does nothing: set peerEvery too (e.g. 20), or remove it"))
     return problems
