@@ -5,6 +5,8 @@ eviction of sources still works)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.test_peer_store import KEY, _copy, _store
@@ -34,3 +36,17 @@ def test_a_restore_leaves_only_the_restored_step_of_its_world_and_no_empty_sourc
     assert copies.keep_only(0) == 2 and copies.listing() == []
     assert copies.put(5, 0, 70, "full", "d", b"x" * 10)  # eviction runs over no empty source
     assert not copies.put(5, 1, 70, "full", "d", b"x" * 991) and copies.size == 10
+
+
+def test_the_default_budget_is_half_of_a_containers_memory_limit_where_that_is_less(tmp_path: Path) -> None:
+    """A Job's pod has a memory limit below its node's memory: half the node's would pass it."""
+    from training.ckpt.peer.store import default_budget, memory
+
+    node = memory(())
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text(f"{8 << 30}\n")
+    assert default_budget({}, (str(v2),)) == 4 << 30
+    v2.write_text("max\n")  # no limit (cgroup v2)
+    v1.write_text(f"{node * 4}\n")  # no limit (cgroup v1: a number past the node's memory)
+    assert default_budget({}, (str(v2), str(v1), str(tmp_path / "absent"))) == node // 2
+    assert default_budget({"PEER_STORE_GIB": "3"}, (str(v2),)) == 3 << 30  # the setting wins

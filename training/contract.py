@@ -132,7 +132,8 @@ PEER_EVERY = Var("PEER_EVERY", "steps between in-memory copies of each rank's st
                  "(0: off; default 0; docs/recovery.md)", STACK_PEER.format("peerEvery"))
 PEER_PORT = Var("PEER_PORT", "port of the node's peer store, on its private address (default 29600)", IMAGE)
 PEER_STORE_GIB = Var("PEER_STORE_GIB", "GiB of host memory the node's peer store may hold; a copy over it is refused "
-                     "(507) and the sender says so (0: half the node's memory; default 0)",
+                     "(507) and the sender says so (0: half the node's memory, or of its container's limit where "
+                     "less; default 0)",
                      STACK_PEER.format("peerStoreGib"))
 PEER_HOLDERS = Var("PEER_HOLDERS", "other nodes that hold each node's sharded peer copies (default 1: its buddy; "
                    "2 keeps a step through a node lost with its buddy, at one more node's shards in each store's "

@@ -304,7 +304,7 @@ class Training(SpecModel):
                                     "shards in each node's memory and one more send per copy.")
     peer_store_gib: StrictInt = Field(0, ge=0, le=86400, description="GiB of host memory each node's peer store may "
                                       "hold (a copy over it is refused and the sender says so); 0: half the node's "
-                                      "memory.")
+                                      "memory (or of a Job pod's memory limit).")
     dataset: Name | None = Field(None, description="Dataset name: each cloud's nodes read <bucket>/datasets/<name>/ "
                                                    "in their own cloud.")
     dataset_source: str | None = Field(None, description="Where the dataset's original lives (s3://, oss://, cosn://, "
