@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # the interface each cloud answers; typing-only (the user dat
         NAME: str  # the cloud's key (GTS_CLOUD, --cloud)
         METADATA_URL: str  # the metadata service's base URL (the profile's metadata_url)
         CREDENTIALS_PATH: str  # + role name -> the role's temporary credentials
+        ZONE_PATH: str  # the instance's zone (training/ckpt/peer/ring.py node_zone)
         TOKEN_TTL_HEADER: Optional[str]  # PUT /latest/api/token with this header first (IMDSv2, hardened mode)
         TOKEN_HEADER: Optional[str]  # then send the token in this one
 

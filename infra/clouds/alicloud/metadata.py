@@ -25,6 +25,8 @@ NAME = "alicloud"
 # alibabacloud.com/help/en/ecs/user-guide/obtain-a-temporary-authorization-token
 METADATA_URL = "http://100.100.100.200"
 CREDENTIALS_PATH = "/latest/meta-data/ram/security-credentials/"
+# the instance's zone (the peer tier's buddies): alibabacloud.com/help/en/ecs/user-guide/instance-metadata-items
+ZONE_PATH = "/latest/meta-data/zone-id"
 TOKEN_TTL_HEADER: Optional[str] = "X-aliyun-ecs-metadata-token-ttl-seconds"
 TOKEN_HEADER: Optional[str] = "X-aliyun-ecs-metadata-token"
 

@@ -19,6 +19,8 @@ NAME = "aws"
 # docs.aws.amazon.com/AWSEC2/latest/UserGuide/configuring-instance-metadata-service.html, iam-roles-for-amazon-ec2.html
 METADATA_URL = "http://169.254.169.254"
 CREDENTIALS_PATH = "/latest/meta-data/iam/security-credentials/"
+# the instance's zone (the peer tier's buddies): docs.aws.amazon.com/AWSEC2/latest/UserGuide/instancedata-data-categories.html
+ZONE_PATH = "/latest/meta-data/placement/availability-zone"
 TOKEN_TTL_HEADER: Optional[str] = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER: Optional[str] = "X-aws-ec2-metadata-token"
 

@@ -20,6 +20,8 @@ NAME = "tencentcloud"
 # CAM role credentials: tencentcloud-sdk-go common/cvm_role_provider.go; cloud.tencent.com/document/product/213/4934
 METADATA_URL = "http://metadata.tencentyun.com"
 CREDENTIALS_PATH = "/latest/meta-data/cam/security-credentials/"
+# the instance's zone (the peer tier's buddies): tencentcloud.com/document/product/213/4934 (placement/zone)
+ZONE_PATH = "/latest/meta-data/placement/zone"
 TOKEN_TTL_HEADER: Optional[str] = None  # no token handshake
 TOKEN_HEADER: Optional[str] = None
 

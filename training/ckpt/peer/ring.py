@@ -3,6 +3,33 @@ the sharded holders build on it, training/ckpt/peer/shardset.py)."""
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Mapping
+
+log = logging.getLogger("gts.peer")
+ZONE_VAR = "GTS_ZONE"
+
+
+def node_zone(env: Mapping[str, str] = os.environ) -> str:
+    """This node's zone: GTS_ZONE where set, else the answer of its cloud's metadata service
+    (GTS_CLOUD's ZONE_PATH: a VM node; a Job's pod is kept from it by its network policy), else ""
+    (the buddies then go round in node order, as within one zone)."""
+    if env.get(ZONE_VAR):
+        return env[ZONE_VAR]
+    cloud = env.get("GTS_CLOUD", "")
+    if not cloud:
+        return ""
+    from training import cloudmeta
+
+    try:
+        meta = cloudmeta.Metadata(cloud, env.get("GTS_METADATA_URL") or None)
+        zone = meta.get(meta.cloud_meta.ZONE_PATH, missing_ok=True) or ""
+    except (cloudmeta.MetadataError, cloudmeta.UnknownCloud, OSError, ValueError) as exc:
+        log.warning("this node's zone is unknown (%s; set %s): its peer copies go to the next node", exc, ZONE_VAR)
+        return ""
+    return zone if zone.replace("-", "").replace("_", "").isalnum() and len(zone) <= 64 else ""
+
 
 def buddy(node: int, zones: list[str]) -> int:
     """The node that holds node `node`'s copies: one in another zone when the run spans zones,

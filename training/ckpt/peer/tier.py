@@ -27,13 +27,12 @@ from training.ckpt.files import CheckpointError
 from training.distributed import Comm
 from training.ckpt.peer import history, share, wire
 from training.ckpt.peer.client import Link, PeerRefused
-from training.ckpt.peer.ring import buddy
+from training.ckpt.peer.ring import buddy, node_zone
 from training.ckpt.run_control import Resumed, choose_checkpoint
 from training.ckpt.staging import Stager
 
 log = logging.getLogger("gts.peer")
 ADDR_VAR = "GTS_PEER_STORE"  # host:port of this node's store (training/node/entrypoint.sh exports it)
-ZONE_VAR = "GTS_ZONE"
 
 
 def start_sender(target: Any, args: tuple[Any, ...], name: str, step: int, start: float,
@@ -355,7 +354,7 @@ def open_tier(comm: Comm) -> PeerTier | None:
     (missing,) = comm.any_true(not (store and len(key) >= wire.MIN_KEY_CHARS))
     if missing:
         return None
-    return PeerTier(comm, every, key.encode(), store, os.environ.get(ZONE_VAR, ""))
+    return PeerTier(comm, every, key.encode(), store, node_zone())
 
 
 def choose(ckpt: CheckpointManager, comm: Comm, tier: PeerTier | None) -> Resumed | None:
