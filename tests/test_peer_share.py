@@ -258,3 +258,16 @@ def test_a_sharded_restore_counts_the_room_of_the_shards_its_node_reads_and_move
     assert kept is copy and why.startswith(f"no room for the {need} bytes of shards this node's ranks read: ")
     assert f"{scratch}: {need} bytes free, {need + 200} needed" in why
     copy.remove()
+
+
+def test_a_shard_the_metadata_names_but_no_store_holds_is_a_reason_not_a_key_error(tmp_path: Path) -> None:
+    """DCP's metadata (checked against its digest, but the sender's own) may name a saving rank the
+    set has no shard of: local rank 0 says so, as for a copy no store gave, and every rank goes on."""
+    from training.ckpt.peer import shardset
+
+    copy = share.NodeCopy(str(tmp_path))
+    try:
+        why = shardset.fetch_into(None, 5, 2, {}, [(3, "shard")], copy, {3: [(0, 10)]})  # type: ignore[arg-type]
+    finally:
+        copy.remove()
+    assert why == "the shard copy of rank 3/2 of step 5 is in no store's set"

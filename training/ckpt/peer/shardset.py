@@ -197,6 +197,8 @@ def fetch_into(tier: PeerTier, step: int, world: int, files: Files, keys: list[t
     length: what this node's ranks read) the pieces that cover them; "" or why not (a file that
     matched in no store: the step is then not used from peers; no room)."""
     for rank, kind in sorted(keys):
+        if (rank, kind) not in files:  # DCP's metadata names a shard the set does not hold
+            return f"the {kind} copy of rank {rank}/{world} of step {step} is in no store's set"
         pairs, name = files[(rank, kind)], file_name(rank, kind)
         total = max(int(entry[5]) for _, entry in pairs)
         runs = piece_runs((ranges or {}).get(rank, []), total) if kind == "shard" and ranges is not None else None
