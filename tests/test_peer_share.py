@@ -191,72 +191,84 @@ def test_where_dev_shm_cannot_take_it_the_copy_is_shared_on_the_nodes_scratch(tm
     assert [p.name for p in ckpt.local.iterdir() if p.name.startswith(share.PREFIX)] == []
 
 
-def test_a_sharded_restore_counts_the_room_of_the_shards_its_node_reads_and_moves_where_there_is_none(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two shards of 10 pieces each; this node's ranks read 2 pieces of one. /dev/shm with room for
-    those (not for the whole set) keeps the restore; with less, the metadata and train state move
-    to the scratch, which the shards then go to; with room nowhere, the restore says so."""
-    from training.ckpt.peer import shardset, wire
+class Room:
+    """Two shards of 10 pieces each; this node's ranks read 2 pieces of one; /dev/shm and the
+    scratch as two folders whose free space the test sets (os.statvfs answers it)."""
 
-    shm, scratch = tmp_path / "shm", tmp_path / "scratch"
-    shm.mkdir()
-    scratch.mkdir()
-    free = {str(shm): 0, str(scratch): 0}
-    real = os.statvfs
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        from training.ckpt.peer import shardset, wire
 
-    def statvfs(path: Any) -> os.statvfs_result:
-        root = next((r for r in free if str(path).startswith(r)), None)
-        return real(path) if root is None else os.statvfs_result((4096, 1, 0, 0, free[root], 0, 0, 0, 0, 255))
-    monkeypatch.setattr(os, "statvfs", statvfs)
-    entry = [2, 0, 5, "shard", "digest", 10 * wire.PIECE, "1-0"]
-    files: Any = {(r, "shard"): [("store", [2, r, *entry[2:]])] for r in (0, 1)}
-    files |= {(0, kind): [("store", [2, 0, 5, kind, "digest", 100, "1-0"])] for kind in ("meta", "train")}
-    wanted = {1: [(2 * wire.PIECE + 5, wire.PIECE)]}  # pieces 2 and 3 of rank 1's shard
-    need = shardset.shard_bytes(files, wanted)
-    assert need == 2 * wire.PIECE and shardset.head_size(files) == 200
-    assert shardset.shard_bytes(files, {0: [(0, 10 * wire.PIECE)]}) == 10 * wire.PIECE  # a shard read whole
-    roots = [str(shm), str(scratch)]
+        self.shardset, self.piece = shardset, wire.PIECE
+        self.shm, self.scratch = tmp_path / "shm", tmp_path / "scratch"
+        self.shm.mkdir()
+        self.scratch.mkdir()
+        self.free = {str(self.shm): 0, str(self.scratch): 0}
+        real = os.statvfs
 
-    def head_in_shm() -> Any:
-        copy, why = shardset.open_dir(roots, 0.0, shardset.head_size(files))
-        assert copy is not None and Path(copy.dir).parent == shm, why
+        def statvfs(path: Any) -> os.statvfs_result:
+            root = next((r for r in self.free if str(path).startswith(r)), None)
+            return real(path) if root is None else os.statvfs_result((4096, 1, 0, 0, self.free[root], 0, 0, 0, 0, 255))
+        monkeypatch.setattr(os, "statvfs", statvfs)
+        entry = [2, 0, 5, "shard", "digest", 10 * wire.PIECE, "1-0"]
+        self.files: Any = {(r, "shard"): [("store", [2, r, *entry[2:]])] for r in (0, 1)}
+        self.files |= {(0, kind): [("store", [2, 0, 5, kind, "digest", 100, "1-0"])] for kind in ("meta", "train")}
+        self.need = shardset.shard_bytes(self.files, {1: [(2 * wire.PIECE + 5, wire.PIECE)]})  # pieces 2 and 3
+        self.roots = [str(self.shm), str(self.scratch)]
+
+    def head_in_shm(self) -> Any:
+        copy, why = self.shardset.open_dir(self.roots, 0.0, self.shardset.head_size(self.files))
+        assert copy is not None and Path(copy.dir).parent == self.shm, why
         copy.write(b"m" * 100, "meta")
         copy.write(b"t" * 100, "train")
         return copy
 
-    free[str(shm)] = 200 + need  # the node's part fits, the set's 20 pieces do not
-    copy = head_in_shm()
-    assert shardset.make_room(copy, roots, 0.0, need) == (copy, "")
+
+def test_a_sharded_restore_counts_the_room_of_the_shards_its_node_reads_and_moves_where_there_is_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm with room for the pieces the node reads (not for the whole set) keeps the restore;
+    with less, the metadata and train state move to the scratch, which the shards then go to;
+    with room nowhere, the restore says so."""
+    room = Room(tmp_path, monkeypatch)
+    shardset, need, piece = room.shardset, room.need, room.piece
+    assert need == 2 * piece and shardset.head_size(room.files) == 200
+    assert shardset.shard_bytes(room.files, {0: [(0, 10 * piece)]}) == 10 * piece  # a shard read whole
+
+    room.free[str(room.shm)] = 200 + need  # the node's part fits, the set's 20 pieces do not
+    copy = room.head_in_shm()
+    assert shardset.make_room(copy, room.roots, 0.0, need) == (copy, "")
     copy.remove()
 
-    free.update({str(shm): 200 + wire.PIECE, str(scratch): 200 + need})  # only the scratch has room
-    copy = head_in_shm()
-    moved, why = shardset.make_room(copy, roots, 0.0, need)
-    assert why == "" and Path(moved.dir).parent == scratch and not Path(copy.dir).exists()
+    room.free.update({str(room.shm): 200 + piece, str(room.scratch): 200 + need})  # only the scratch has room
+    copy = room.head_in_shm()
+    moved, why = shardset.make_room(copy, room.roots, 0.0, need)
+    assert why == "" and Path(moved.dir).parent == room.scratch and not Path(copy.dir).exists()
     assert {p.name: p.read_bytes() for p in Path(moved.dir).iterdir()} == {"meta": b"m" * 100, "train": b"t" * 100}
     assert moved.fetched == 200  # what the restore fetched, not counted twice
     moved.remove()
 
+    room.free[str(room.scratch)] = need  # not with the metadata and train state too
+    copy = room.head_in_shm()
+    kept, why = shardset.make_room(copy, room.roots, 0.0, need)
+    assert kept is copy and why.startswith(f"no room for the {need} bytes of shards this node's ranks read: ")
+    assert f"{room.scratch}: {need} bytes free, {need + 200} needed" in why
+    copy.remove()
+
+
+def test_a_scratch_that_fills_while_a_restore_moves_there_is_a_reason_and_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    room = Room(tmp_path, monkeypatch)
+    room.free.update({str(room.shm): 200 + room.piece, str(room.scratch): 200 + room.need})
     real_write = share.NodeCopy.write
 
     def full(self: Any, data: Any, name: str = "copy.pt") -> str:
-        if Path(self.dir).parent == scratch:
+        if Path(self.dir).parent == room.scratch:
             raise OSError(28, "No space left on device", os.path.join(self.dir, name))
         return real_write(self, data, name)
+    copy = room.head_in_shm()
     monkeypatch.setattr(share.NodeCopy, "write", full)  # the scratch fills as the head is copied
-    copy = head_in_shm()
-    kept, why = shardset.make_room(copy, roots, 0.0, need)
-    assert kept is copy and why.startswith(str(scratch)) and why.endswith(": No space left on device"), why
-    assert Path(copy.dir).is_dir()
-    assert [p.name for p in scratch.iterdir()] == []  # the half-made directory is gone
-    copy.remove()
-    monkeypatch.setattr(share.NodeCopy, "write", real_write)
-
-    free[str(scratch)] = need  # not with the metadata and train state too
-    copy = head_in_shm()
-    kept, why = shardset.make_room(copy, roots, 0.0, need)
-    assert kept is copy and why.startswith(f"no room for the {need} bytes of shards this node's ranks read: ")
-    assert f"{scratch}: {need} bytes free, {need + 200} needed" in why
+    kept, why = room.shardset.make_room(copy, room.roots, 0.0, room.need)
+    assert kept is copy and why.startswith(str(room.scratch)) and why.endswith(": No space left on device"), why
+    assert Path(copy.dir).is_dir() and [p.name for p in room.scratch.iterdir()] == []  # the half-made one is gone
     copy.remove()
 
 
