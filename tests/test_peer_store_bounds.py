@@ -38,15 +38,26 @@ def test_a_restore_leaves_only_the_restored_step_of_its_world_and_no_empty_sourc
     assert not copies.put(5, 1, 70, "full", "d", b"x" * 991) and copies.size == 10
 
 
-def test_the_default_budget_is_half_of_a_containers_memory_limit_where_that_is_less(tmp_path: Path) -> None:
-    """A Job's pod has a memory limit below its node's memory: half the node's would pass it."""
+def test_the_default_budget_is_half_of_a_containers_memory_limit_where_that_is_less(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Job's pod has a memory limit below its node's memory: half the node's would pass it. The
+    limit is its own cgroup's, found as /proc/self/cgroup names it (training/cgroup.py, which the
+    checkpoint fetch's memory_room reads too)."""
+    from training import cgroup
     from training.ckpt.peer.store import default_budget, memory
 
-    node = memory(())
-    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
-    v2.write_text(f"{8 << 30}\n")
-    assert default_budget({}, (str(v2),)) == 4 << 30
-    v2.write_text("max\n")  # no limit (cgroup v2)
-    v1.write_text(f"{node * 4}\n")  # no limit (cgroup v1: a number past the node's memory)
-    assert default_budget({}, (str(v2), str(v1), str(tmp_path / "absent"))) == node // 2
-    assert default_budget({"PEER_STORE_GIB": "3"}, (str(v2),)) == 3 << 30  # the setting wins
+    node = memory(str(tmp_path / "absent"))
+    v2, v1 = tmp_path / "v2" / "kubepods" / "pod1", tmp_path / "v1" / "docker" / "c1"
+    v2.mkdir(parents=True)
+    v1.mkdir(parents=True)
+    monkeypatch.setattr(cgroup, "CONTROLLERS", (("", str(tmp_path / "v2"), "memory.max", "memory.current"), (
+        "memory", str(tmp_path / "v1"), "memory.limit_in_bytes", "memory.usage_in_bytes")))
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/kubepods/pod1\n")
+    (v2 / "memory.max").write_text(f"{8 << 30}\n")
+    assert default_budget({}, str(proc)) == 4 << 30
+    (v2 / "memory.max").write_text("max\n")  # no limit (cgroup v2)
+    (v1 / "memory.limit_in_bytes").write_text(f"{node * 4}\n")  # no limit (cgroup v1: a number past the node's memory)
+    proc.write_text("0::/kubepods/pod1\n4:memory:/docker/c1\n")
+    assert default_budget({}, str(proc)) == node // 2
+    assert default_budget({"PEER_STORE_GIB": "3"}, str(proc)) == 3 << 30  # the setting wins

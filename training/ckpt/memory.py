@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from training.cgroup import memory_groups
 from training.ckpt.files import CheckpointError, Topology, plain_path, step_dir
 from training.ckpt.fetch import fetch_retrying
 from training.ckpt.storage import Location
@@ -44,22 +45,11 @@ def memory_room() -> int:
                 room = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return 0
-    try:
-        groups = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().splitlines())
-    except (OSError, ValueError):
-        groups = {}
-    for key, root, limit_file, used_file in (("", "/sys/fs/cgroup", "memory.max", "memory.current"),  # v2
-                                              ("memory", "/sys/fs/cgroup/memory", "memory.limit_in_bytes",
-                                               "memory.usage_in_bytes")):  # v1
-        if key not in groups:
-            continue
-        folder = Path(root) / groups[key].lstrip("/")
+    for limit, folder, used_file in memory_groups():
         try:
-            limit = (folder / limit_file).read_text().strip()
-            if limit != "max":
-                room = min(room, int(limit) - int((folder / used_file).read_text()))
+            room = min(room, limit - int((folder / used_file).read_text()))
         except (OSError, ValueError):
-            continue  # no such controller here: the system's figure
+            continue  # no usage figure: the system's
     return max(room, 0)
 
 

@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from training import contract
+from training.cgroup import memory_limit
 from training.ckpt.peer import history, wire
 
 log = logging.getLogger("gts.peer.store")
@@ -122,28 +123,17 @@ class Copies:
             return sum(len(d) for steps in self._held.values() for _, d, _ in steps.values())
 
 
-CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v2, v1
-
-
-def memory(limits: tuple[str, ...] = CGROUP_LIMITS) -> int:
-    """The memory this process may use: the node's, or its container's limit where that is less (a
+def memory(proc: str = "/proc/self/cgroup") -> int:
+    """The memory this process may use: the node's, or its cgroup's limit where that is less (a
     Job's pod: the store must not take half the host's memory inside a limit of less)."""
-    found = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in limits:
-        try:
-            with open(path, encoding="ascii") as fh:
-                text = fh.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():  # "max" (v2) or a v1 limit past the node's memory: no limit
-            found = min(found, int(text))
-    return found
+    node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(node, memory_limit(proc) or node)
 
 
-def default_budget(env: dict[str, str] | None = None, limits: tuple[str, ...] = CGROUP_LIMITS) -> int:
+def default_budget(env: dict[str, str] | None = None, proc: str = "/proc/self/cgroup") -> int:
     """PEER_STORE_GIB in bytes, else half the memory this process may use (`memory`)."""
     gib = contract.recovery(contract.PEER_STORE_GIB.name, env)
-    return gib << 30 if gib else memory(limits) // 2
+    return gib << 30 if gib else memory(proc) // 2
 
 
 class Handler(BaseHTTPRequestHandler):
