@@ -5,12 +5,15 @@ unwrapping is remembered per type without changing what it returns, and the plan
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Optional
 
 import pulumi
 import pulumi_random
 import pytest
 from pulumi import _types as pulumi_types
+from pulumi.runtime import known_types, rpc
+from pulumi.runtime import mocks as pulumi_mocks
 from pulumi.runtime import resource as pulumi_resource
 from pulumi.runtime.proto import source_pb2
 
@@ -59,3 +62,54 @@ def test_remembered_unwrapping_returns_what_the_sdk_returns() -> None:
     assert passed(unhashable) is unhashable and passed(unhashable) is unhashable
     assert len(calls) == 2  # an unhashable value is passed through each time, never remembered
     assert passed("a") == "a" and passed("a") == "a" and len(calls) == 3
+
+
+def _unknown() -> pulumi.Output[str]:
+    """An input whose value the engine does not know (what a preview has before a create)."""
+    value: Any = asyncio.Future()
+    value.set_result("x")
+    known: Any = asyncio.Future()
+    known.set_result(False)
+    return pulumi.Output(set(), value, known)
+
+
+def test_the_engines_answer_is_the_mock_monitors_for_every_kind_of_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capturing monitor answers without decoding and encoding the whole state again; for
+    secrets, assets, archives, resource references, numbers, nesting, an id among the inputs, a
+    computed output that adds a key and one that changes an input, and an unknown value, its answer
+    is the one `MockMonitor.RegisterResource` gives for the same request."""
+    compared: list[str] = []
+    lean = engine.CapturingMonitor._register
+
+    def both(self: engine.CapturingMonitor, request: Any) -> Any:
+        inputs, answer = lean(self, request)
+        stock = pulumi_mocks.MockMonitor.RegisterResource(self, request)  # type: ignore[no-untyped-call]
+        assert (answer.urn, answer.id) == (stock.urn, stock.id), request.name
+        assert answer.object == stock.object, request.name
+        compared.append(request.name)
+        return inputs, answer
+
+    monkeypatch.setattr(engine.CapturingMonitor, "_register", both)
+    seen: dict[str, Any] = {}
+
+    def program() -> None:
+        first = pulumi.CustomResource("bench:index:Resource", "plain", {
+            "count": 3, "ratio": 0.5, "on": True, "none": None, "nested": {"a": [1, {"b": "c"}], "d": {}},
+            "secret": pulumi.Output.secret("hidden"), "asset": pulumi.StringAsset("text"),
+            "archive": pulumi.AssetArchive({"f": pulumi.StringAsset("x")})})
+        computed = pulumi.CustomResource("bench:index:Computed", "computed", {"value": 1, "keep": "k", "result": None},
+                                         opts=pulumi.ResourceOptions(depends_on=[first]))
+        pulumi.CustomResource("bench:index:Resource", "ref", {"other": first, "id": "given-id"})
+        pulumi.CustomResource("bench:index:Resource", "unknown", {"later": _unknown()})
+        pulumi.ComponentResource("bench:index:Component", "component", {"x": 1})
+        pulumi.Output.all(computed.value, computed.result).apply(lambda v: seen.update(value=v[0], result=v[1]))  # type: ignore[attr-defined]
+
+    computed = {"bench:index:Computed": lambda name, state: {"result": f"{name}-r", "value": state["value"] + 1}}
+    found = engine.run_program(StackConfig(project="p", stack="s", values={}, secret_keys=[]), {}, computed,
+                               program=program)
+    assert sorted(compared) == ["component", "computed", "p-s", "plain", "ref", "unknown"]  # the stack too
+    assert seen == {"value": 2, "result": "computed-r"}  # what the mock computed reached the program
+    by_name = {r.name: r for r in found}
+    assert rpc.is_rpc_secret(by_name["plain"].inputs["secret"])
+    assert known_types.is_unknown(by_name["unknown"].inputs["later"])  # recorded as the engine got it
+    assert by_name["ref"].inputs["id"] == "given-id"
