@@ -142,6 +142,10 @@ case "$LAUNCHER" in
         done
         rm -f "$ready"
         export GTS_PEER_STORE="$addr:${PEER_PORT:-29600}"
+        # This node's zone for the buddies, asked of the metadata service once per node, not at
+        # every worker start (training/ckpt/peer/ring.py node_zone; empty: none known).
+        GTS_ZONE=${GTS_ZONE-$(python -m training.ckpt.peer.ring)}
+        export GTS_ZONE
       fi
       cmd=(python -m training.node.rdzv_launch --nnodes "$MIN_NNODES:$NNODES" --nproc-per-node "$NPROC_PER_NODE"
            --rdzv-backend gts-c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$id"

@@ -12,10 +12,12 @@ ZONE_VAR = "GTS_ZONE"
 
 
 def node_zone(env: Mapping[str, str] = os.environ) -> str:
-    """This node's zone: GTS_ZONE where set, else the answer of its cloud's metadata service
-    (GTS_CLOUD's ZONE_PATH: a VM node; a Job's pod is kept from it by its network policy), else ""
-    (the buddies then go round in node order, as within one zone)."""
-    if env.get(ZONE_VAR):
+    """This node's zone: GTS_ZONE where set (set empty: no zone, not asked again), else the answer
+    of its cloud's metadata service (GTS_CLOUD's ZONE_PATH: a VM node; a Job's pod is kept from it
+    by its network policy), else "" (the buddies then go round in node order, as within one zone).
+    The node's entrypoint asks once and sets GTS_ZONE for its workers, so a restart does not ask
+    again, nor wait again on a service that does not answer (`python -m training.ckpt.peer.ring`)."""
+    if ZONE_VAR in env:
         return env[ZONE_VAR]
     cloud = env.get("GTS_CLOUD", "")
     if not cloud:
@@ -45,3 +47,8 @@ def buddy(node: int, zones: list[str]) -> int:
         ring = sorted(range(count), key=lambda n: (zones[n], n))
         return ring[(ring.index(node) + largest) % count]
     return other[sum(1 for n in range(node) if zones[n] == zones[node]) % len(other)]
+
+
+if __name__ == "__main__":  # the entrypoint's one question: this node's zone, or an empty line
+    logging.basicConfig(format="entrypoint: %(message)s")
+    print(node_zone())
