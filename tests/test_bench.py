@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,22 @@ def test_methods_run_interleaved_in_rotated_order() -> None:
     out = bench.interleaved({"a": method("a"), "b": method("b"), "c": method("c")}, repeats=3)
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert out["a"]["t"] == [0.0, 1.0, 2.0]
+    calls.clear()
+    bench.interleaved({"a": method("a"), "b": method("b")}, repeats=3, settle=lambda: calls.append("sync"))
+    assert calls == ["sync", "a", "sync", "b", "sync", "b", "sync", "a", "sync", "a", "sync", "b"]
+
+
+def test_the_checkpoint_group_settles_the_disk_before_every_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rotation keeps each method after the same one: the checkpoint group syncs the disk
+    before each, so no method's fsync pays for another's unwritten pages."""
+    seen: list[object] = []
+    monkeypatch.setattr(bench, "interleaved", lambda methods, repeats=3, settle=None: seen.append(settle) or {})
+    monkeypatch.setattr(bench, "Checkpoints", lambda *a: type("C", (), {"close": lambda self: None,
+                        **{f"run_{m}": None for m in ("ours", "inline", "dcp", "memcpy", "raw")}})())
+    monkeypatch.setattr(bench, "Sharded", lambda *a: type("S", (), {"close": lambda self: None, "run": None})())
+    monkeypatch.setattr(bench, "_state", lambda width: ({}, None))
+    bench._checkpoint_figures(bench.SIZES["~1 GB"], Path("/nonexistent"), 3)
+    assert seen == [os.sync]
 
 
 def test_every_checkpoint_method_reports_its_figures(tmp_path: Path) -> None:
@@ -122,7 +139,7 @@ def test_the_resume_group_interleaves_every_method_on_its_own_copy(tmp_path: Pat
 def test_a_limit_slower_than_the_work_it_bounds_is_flagged(capsys: pytest.CaptureFixture[str]) -> None:
     from training.trainer import bench_tables
 
-    assert bench_tables.limit_suspect([3.0, 3.2, 3.4], [2.0, 2.1, 2.2])
+    assert bench_tables.limit_suspect([3.0, 3.2, 3.4], [2.0, 2.1, 2.2]).endswith("(the limit's runs: 3.00 3.20 3.40)")
     assert not bench_tables.limit_suspect([1.0, 1.1, 1.2], [2.0, 2.1, 2.2])
     resume = {"limit": {"resume": [2.0, 2.0, 2.0]}, "trainer": {"resume": [2.6, 2.6, 2.6]},
               "library": {"resume": [1.0, 1.0, 1.0]}, "library_plain": {"resume": [4.0, 4.0, 4.0]}}

@@ -105,15 +105,20 @@ def _moto() -> tuple[subprocess.Popen[bytes], str]:
     return proc, url
 
 
-def interleaved(methods: dict[str, Callable[[int], dict[str, float]]], repeats: int = REPEATS
-                ) -> dict[str, dict[str, list[float]]]:
+def interleaved(methods: dict[str, Callable[[int], dict[str, float]]], repeats: int = REPEATS,
+                settle: Callable[[], object] | None = None) -> dict[str, dict[str, list[float]]]:
     """Each repeat runs every method once, the order rotated per repeat; each method returns
-    named figures. Returns method -> figure -> one value per repeat."""
+    named figures. Returns method -> figure -> one value per repeat. `settle` runs before each
+    method, outside its clock (the checkpoint group's `os.sync`: a rotation keeps each method
+    after the same one, so without it one method's fsync always paid for the same other
+    method's unwritten pages)."""
     names = list(methods)
     out: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     for rep in range(repeats):
         order = names[rep % len(names):] + names[:rep % len(names)]
         for name in order:
+            if settle is not None:
+                settle()
             for figure, value in methods[name](rep).items():
                 out[name].setdefault(figure, []).append(value)
     return out
@@ -286,7 +291,8 @@ def _checkpoint_figures(width: int, work: Path, repeats: int = REPEATS) -> Figur
     sharded = Sharded(width, work / f"w{width}", f"s3://bench/{width}")
     try:
         figures = interleaved({"ours": ck.run_ours, "inline": ck.run_inline, "dcp": ck.run_dcp,
-                               "memcpy": ck.run_memcpy, "raw": ck.run_raw, "sharded": sharded.run}, repeats)
+                               "memcpy": ck.run_memcpy, "raw": ck.run_raw, "sharded": sharded.run}, repeats,
+                              settle=os.sync)  # each durable figure pays for its own bytes alone
     finally:
         ck.close()
         sharded.close()
