@@ -41,7 +41,12 @@ def test_the_checkpoint_group_settles_the_disk_before_every_method(monkeypatch: 
     """A rotation keeps each method after the same one: the checkpoint group syncs the disk
     before each, so no method's fsync pays for another's unwritten pages."""
     seen: list[object] = []
-    monkeypatch.setattr(bench, "interleaved", lambda methods, repeats=3, settle=None: seen.append(settle) or {})
+
+    def interleaved(methods: object, repeats: int = 3, settle: object = None) -> dict[str, object]:
+        seen.append(settle)
+        return {}
+
+    monkeypatch.setattr(bench, "interleaved", interleaved)
     monkeypatch.setattr(bench, "Checkpoints", lambda *a: type("C", (), {"close": lambda self: None,
                         **{f"run_{m}": None for m in ("ours", "inline", "dcp", "memcpy", "raw")}})())
     monkeypatch.setattr(bench, "Sharded", lambda *a: type("S", (), {"close": lambda self: None, "run": None})())
