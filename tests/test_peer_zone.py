@@ -7,8 +7,10 @@ service costs the zones, never the run."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -40,19 +42,57 @@ def test_without_a_cloud_or_a_reachable_service_there_is_no_zone(caplog: pytest.
     assert node_zone({"GTS_CLOUD": "nocloud"}) == ""
 
 
+def _garbage_service() -> tuple[socket.socket, str]:
+    """A metadata address that answers every request with a line that is not HTTP."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"garbage\r\n\r\n")
+    threading.Thread(target=serve, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+def _entrypoint_asks(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The entrypoint's own line that asks for the zone (from its peer block), run as the
+    entrypoint runs it (bash, set -euo pipefail), then what its workers would inherit."""
+    script = (ROOT / "training/node/entrypoint.sh").read_text(encoding="utf-8")
+    block = script[script.index("export GTS_PEER_STORE="):script.index("cmd=(python -m training.node.rdzv_launch")]
+    line = next(text.strip() for text in block.splitlines() if text.strip().startswith("GTS_ZONE="))
+    assert "export GTS_ZONE" in block
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    return subprocess.run(["bash", "-c", f"set -euo pipefail\n{line}\nexport GTS_ZONE\necho \"zone=[$GTS_ZONE]\""],
+                          cwd=ROOT, env={**env, "PATH": path}, capture_output=True, text=True, timeout=60)
+
+
 def test_the_entrypoint_asks_once_and_its_workers_do_not_ask_again(caplog: pytest.LogCaptureFixture) -> None:
-    """`python -m training.ckpt.peer.ring` is the entrypoint's one question (it exports the answer as
-    GTS_ZONE for its workers); a GTS_ZONE set empty is an answer too, not a reason to ask again."""
+    """The entrypoint asks once and exports the answer as GTS_ZONE for its workers; a GTS_ZONE set,
+    even empty, is an answer, not a reason to ask again; an answer that is not HTTP leaves no
+    zone and the node goes on."""
+    base = {k: v for k, v in os.environ.items() if k != "GTS_ZONE"}
     with FakeMetadata("aws") as meta:
         meta.extra[cloudmeta.cloud_metadata("aws").ZONE_PATH] = ZONES["aws"]
-        env = {**os.environ, "GTS_CLOUD": "aws", "GTS_METADATA_URL": meta.url}
-        env.pop("GTS_ZONE", None)
-        asked = subprocess.run([sys.executable, "-m", "training.ckpt.peer.ring"], env=env, capture_output=True,
-                               text=True, timeout=60, check=True)
-        assert asked.stdout == ZONES["aws"] + "\n"
-    unreachable = {"GTS_CLOUD": "aws", "GTS_METADATA_URL": "http://127.0.0.1:9"}
-    assert node_zone({**unreachable, "GTS_ZONE": ""}) == ""
+        asked = _entrypoint_asks({**base, "GTS_CLOUD": "aws", "GTS_METADATA_URL": meta.url})
+        assert asked.returncode == 0 and asked.stdout == f"zone=[{ZONES['aws']}]\n", asked.stderr
+    server, url = _garbage_service()
+    try:
+        garbage = {**base, "GTS_CLOUD": "aws", "GTS_METADATA_URL": url}
+        broken = _entrypoint_asks(garbage)
+        assert broken.returncode == 0 and broken.stdout == "zone=[]\n", broken.stderr
+        assert "this node's zone is unknown" in broken.stderr
+        assert node_zone(garbage) == ""  # a worker asking itself goes on too
+        preset = _entrypoint_asks({**garbage, "GTS_ZONE": ""})
+        assert preset.stdout == "zone=[]\n" and "zone is unknown" not in preset.stderr  # not asked
+    finally:
+        server.close()
+    caplog.clear()
+    assert node_zone({"GTS_CLOUD": "aws", "GTS_METADATA_URL": url, "GTS_ZONE": ""}) == ""
     assert "this node's zone is unknown" not in caplog.text  # not asked
-    script = (ROOT / "training/node/entrypoint.sh").read_text(encoding="utf-8")
-    peer_block = script[script.index('export GTS_PEER_STORE='):script.index("cmd=(python -m training.node.rdzv_launch")]
-    assert "GTS_ZONE=${GTS_ZONE-$(python -m training.ckpt.peer.ring)}" in peer_block and "export GTS_ZONE" in peer_block

@@ -143,8 +143,9 @@ case "$LAUNCHER" in
         rm -f "$ready"
         export GTS_PEER_STORE="$addr:${PEER_PORT:-29600}"
         # This node's zone for the buddies, asked of the metadata service once per node, not at
-        # every worker start (training/ckpt/peer/ring.py node_zone; empty: none known).
-        GTS_ZONE=${GTS_ZONE-$(python -m training.ckpt.peer.ring)}
+        # every worker start (training/ckpt/peer/ring.py node_zone; empty: none known). A zone is
+        # optional: whatever goes wrong in asking leaves it empty, never stops the node.
+        GTS_ZONE=${GTS_ZONE-$(python -m training.ckpt.peer.ring || true)}
         export GTS_ZONE
       fi
       cmd=(python -m training.node.rdzv_launch --nnodes "$MIN_NNODES:$NNODES" --nproc-per-node "$NPROC_PER_NODE"

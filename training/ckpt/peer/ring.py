@@ -22,12 +22,16 @@ def node_zone(env: Mapping[str, str] = os.environ) -> str:
     cloud = env.get("GTS_CLOUD", "")
     if not cloud:
         return ""
+    import http.client
+
     from training import cloudmeta
 
     try:
         meta = cloudmeta.Metadata(cloud, env.get("GTS_METADATA_URL") or None)
         zone = meta.get(meta.cloud_meta.ZONE_PATH, missing_ok=True) or ""
-    except (cloudmeta.MetadataError, cloudmeta.UnknownCloud, OSError, ValueError) as exc:
+    except (cloudmeta.MetadataError, cloudmeta.UnknownCloud, OSError, ValueError, http.client.HTTPException) as exc:
+        # HTTPException: an answer that is not HTTP (BadStatusLine, IncompleteRead), which urllib
+        # raises as it is
         log.warning("this node's zone is unknown (%s; set %s): its peer copies go to the next node", exc, ZONE_VAR)
         return ""
     return zone if zone.replace("-", "").replace("_", "").isalnum() and len(zone) <= 64 else ""
@@ -51,4 +55,9 @@ def buddy(node: int, zones: list[str]) -> int:
 
 if __name__ == "__main__":  # the entrypoint's one question: this node's zone, or an empty line
     logging.basicConfig(format="entrypoint: %(message)s")
-    print(node_zone())
+    try:
+        print(node_zone())
+    except Exception as exc:  # noqa: BLE001 (a zone is optional: whatever went wrong costs the zones, never the run)
+        log.warning("this node's zone is unknown (%s: %s; set %s): its peer copies go to the next node",
+                    type(exc).__name__, exc, ZONE_VAR)
+        print()
