@@ -219,3 +219,27 @@ def test_the_wrapper_passes_shellcheck_and_is_executable() -> None:
     shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
     proc = subprocess.run([shellcheck, "-s", "sh", str(wrapper)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_the_socket_file_appears_only_once_it_listens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client (or a test) that finds the socket file is never refused: the file is linked into
+    place once the socket listens; a path in use is refused as bind refuses it, and left alone."""
+    path = str(tmp_path / "warm.sock")
+    chmod = os.chmod
+    seen: list[bool] = []
+
+    def spy(target: str, mode: int) -> None:  # between the bind and the listen
+        seen.append(os.path.exists(path))
+        chmod(target, mode)
+
+    monkeypatch.setattr(os, "chmod", spy)
+    with warm_launch.listen(path) as listener:
+        assert seen == [False]  # not there while it could still refuse
+        assert os.stat(path).st_mode & 0o777 == 0o600 and os.listdir(tmp_path) == ["warm.sock"]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(path)
+            listener.accept()[0].close()
+        before = os.stat(path).st_ino
+        with pytest.raises(OSError, match="Address already in use"):
+            warm_launch.listen(path)
+        assert os.stat(path).st_ino == before and os.listdir(tmp_path) == ["warm.sock"]

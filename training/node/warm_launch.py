@@ -4,6 +4,8 @@ beside the torchrun agent, and torchrun's PYTHON_EXEC pointed at warm-python."""
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import os
 import secrets
 import socket
@@ -16,12 +18,31 @@ SOCKET_VAR = "GTS_WARM_SOCKET"  # the abstract socket's name, for warm_client.py
 
 
 def listen(path: str) -> socket.socket:
-    """The warm process's socket, bound and listening: a path (0600) or an abstract name ("\\0...")."""
+    """The warm process's socket, bound and listening: a path (0600) or an abstract name ("\\0...").
+    A path appears only once it listens (bound under a name of this process's in the same folder,
+    then linked into place): a client that finds the file is never refused, and one that comes
+    while the preload runs waits in the backlog. A path in use is refused (EADDRINUSE), as bind
+    refuses it, and left alone."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    if not path.startswith("\0"):
-        os.chmod(path, 0o600)
-    listener.listen(128)
+    if path.startswith("\0"):
+        listener.bind(path)
+        listener.listen(128)
+        return listener
+    staging = os.path.join(os.path.dirname(path), f".gts-warm-{os.getpid()}")
+    try:
+        listener.bind(staging)
+        os.chmod(staging, 0o600)
+        listener.listen(128)
+        try:
+            os.link(staging, path)  # the same socket under its name; never over another file
+        except FileExistsError:
+            raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE), path) from None
+    except BaseException:
+        listener.close()
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staging)
     return listener
 
 
