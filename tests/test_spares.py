@@ -52,7 +52,8 @@ def _newest_in_bucket(moto: MotoServer) -> int:
 def test_a_spare_waits_outside_the_world_and_takes_a_lost_members_place(tmp_path: Path) -> None:
     with elastic_cluster() as (moto, port, nodes):
         nodes.extend(_node(i, port, moto, tmp_path) for i in range(3))  # one by one: a node started is a node stopped
-        wait_any(nodes, r"rank 0 of 3 ", timeout=120)
+        for run in nodes:  # every member's worker has started and said so (else its line comes after `seen`)
+            wait_any([run], r"rank \d of 3 ", timeout=120)
         # through the image's entrypoint, each node's worker is forked by its warm process
         # (training/node/warm.py): the seam from the entrypoint to a warm start, not a cold one
         workers = []
