@@ -110,8 +110,9 @@ def interleaved(methods: dict[str, Callable[[int], dict[str, float]]], repeats: 
     """Each repeat runs every method once, the order rotated per repeat; each method returns
     named figures. Returns method -> figure -> one value per repeat. `settle` runs before each
     method, outside its clock (the checkpoint group's `os.sync`: a rotation keeps each method
-    after the same one, so without it one method's fsync always paid for the same other
-    method's unwritten pages)."""
+    after the same one, so without it one method's fsync could always pay for the same other
+    method's unwritten pages; it did not explain the 1 GB raw limit's slowness,
+    docs/goodput-and-bench.md)."""
     names = list(methods)
     out: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     for rep in range(repeats):
