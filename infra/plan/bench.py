@@ -1,6 +1,7 @@
 """The offline plan's figures for `make bench`: a stack's plan in a fresh process beside its limit,
 the provider SDKs the stack uses imported plus Pulumi's mock engine registering as many trivial
-resources as the plan has, in one fresh process. Interleaved and rotated, min / median of REPEATS.
+resources as the plan has, in one fresh process. Interleaved, the order balanced per repeat
+(training/benchorder.py), min / median of REPEATS.
 
 The plan runs without the cyclic garbage collector (infra/plan/__main__.py says why), so the
 headline limit runs that way too (like for like); the limit with the collector on is shown
@@ -31,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from infra import clouds
+from training import benchorder
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = 1.5  # whole plan against the floor, like for like (issue 34)
@@ -261,7 +263,7 @@ def measure(stack: str, repeats: int, scales: tuple[int, ...] = (1, 2, 4)) -> di
         work: dict[str, list[float]] = {name: [] for name in runs}
         names = list(runs)
         for rep in range(repeats):
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
+            for name in benchorder.order(names, rep):
                 cmd, cwd = runs[name]
                 wall, done = _timed(cmd, cwd)
                 times[name].append(wall)
@@ -280,7 +282,7 @@ def _report(found: dict[str, object]) -> None:
     one = scales[0]
     plan, floor, floor_gc = times[f"plan@{one}"], times[f"floor@{one}"], times[f"floor_gc@{one}"]
     print(f"\nplan of {found['stack']} ({counts[one]} resources), seconds from process start, min/median of "
-          f"{len(plan)}, interleaved and rotated")
+          f"{len(plan)}, interleaved, order balanced per repeat")
     for scale in scales:
         p, f = times[f"plan@{scale}"], times[f"floor@{scale}"]
         print(f"  {scale}x ({counts[scale]:5d} resources)  plan {min(p):6.2f}/{_median(p):<6.2f}  floor (SDK imports + "

@@ -2,9 +2,11 @@
 a real S3 endpoint (moto server) on 127.0.0.1, each beside the limit it cannot beat. Nothing here
 asserts a time: the figures are printed, with the ratio to the limit and the target ratio.
 
-The methods are interleaved: each repeat runs every method once, in an order rotated per repeat
-(A B C, B C A, C A B), so that a ratio compares measurements taken at the same moment of a
-loaded machine. Every figure is min / median of REPEATS (at least 3).
+The methods are interleaved: each repeat runs every method once, in an order that changes per
+repeat (a Williams square, training/benchorder.py: every method in every position and after every
+other method alike), so that a ratio compares measurements taken at the same moment of a loaded
+machine and no method always follows the same neighbour. Every figure is min / median of REPEATS
+(at least 3).
 
   blocked    seconds the loop waits per checkpoint. Ours: the state copied into reused buffers,
              everything else in the background. Limit: a copy into preallocated buffers (memcpy).
@@ -22,7 +24,7 @@ loaded machine. Every figure is min / median of REPEATS (at least 3).
              local disk): the reference trainer, the library on its documented fast path and on
              its three-line path (training/trainer/bench_resume.py). Limit: a fresh process that
              imports torch and reads the same bytes from the bucket; every method interleaved
-             and rotated with the limit, each on its own copy of the checkpoint.
+             with the limit, each on its own copy of the checkpoint.
 A limit that comes out slower than a method doing the same work and more (raw write + fsync
 slower than the in-line save of the same bytes) is flagged and its ratios not reported.
 Then the goodput table: Daly's interval and the simulated goodput at several MTBFs, with and
@@ -47,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from training import benchorder
 from training.trainer.bench_resume import ResumeGroup
 from training.trainer.bench_tables import REPEATS as REPEATS  # explicit re-export: callers read bench.REPEATS
 from training.trainer.bench_tables import Figures, print_checkpoint_table, print_goodput_table
@@ -107,17 +110,15 @@ def _moto() -> tuple[subprocess.Popen[bytes], str]:
 
 def interleaved(methods: dict[str, Callable[[int], dict[str, float]]], repeats: int = REPEATS,
                 settle: Callable[[], object] | None = None) -> dict[str, dict[str, list[float]]]:
-    """Each repeat runs every method once, the order rotated per repeat; each method returns
-    named figures. Returns method -> figure -> one value per repeat. `settle` runs before each
-    method, outside its clock (the checkpoint group's `os.sync`: a rotation keeps each method
-    after the same one, so without it one method's fsync could always pay for the same other
-    method's unwritten pages; it did not explain the 1 GB raw limit's slowness,
-    docs/goodput-and-bench.md)."""
+    """Each repeat runs every method once, in benchorder's order for that repeat; each method
+    returns named figures. Returns method -> figure -> one value per repeat. `settle` runs before
+    each method, outside its clock (the checkpoint group's `os.sync`: no method's fsync pays for
+    another's unwritten pages). What a neighbour leaves in memory still reaches the next method
+    (docs/goodput-and-bench.md); the order spreads that over every method alike."""
     names = list(methods)
     out: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     for rep in range(repeats):
-        order = names[rep % len(names):] + names[:rep % len(names)]
-        for name in order:
+        for name in benchorder.order(names, rep):
             if settle is not None:
                 settle()
             for figure, value in methods[name](rep).items():
@@ -184,7 +185,8 @@ class Checkpoints:
 
     def run_raw(self, rep: int) -> dict[str, float]:
         """The limit of durable: the state's bytes written to one file with os.write straight
-        from the tensors' memory (no Python file object, no copy) and fsync'd."""
+        from the tensors' memory (no Python file object, no copy) and fsync'd. `copy` is the part
+        before the fsync: the bytes copied into the page cache."""
         path = self.work / f"raw-{rep}"
         views = [t.detach().cpu().contiguous().numpy().data.cast("B") for t in _tensors(self.state)]
         started = time.perf_counter()
@@ -193,12 +195,13 @@ class Checkpoints:
             for view in views:
                 while view:
                     view = view[os.write(fd, view):]
+            copied = time.perf_counter() - started
             os.fsync(fd)
         finally:
             os.close(fd)
         took = time.perf_counter() - started
         path.unlink()
-        return {"durable": took}
+        return {"durable": took, "copy": copied}
 
 
 class Sharded:

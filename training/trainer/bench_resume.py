@@ -1,7 +1,7 @@
 """make bench's resume figures (training/trainer/bench.py): a fresh process resumes a step-1
 checkpoint from the bucket with an empty local disk, timed from process start to its first step.
 
-The methods of one group run interleaved and rotated like every other group's (bench.interleaved):
+The methods of one group run interleaved like every other group's (bench.interleaved):
   limit          a fresh process that imports torch and GETs the library checkpoint's bytes
   trainer        the reference trainer (training/trainer/train.py)
   library        the checkpoint library on the fast path its docs give (training/trainer/bench_library.py)

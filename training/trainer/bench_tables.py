@@ -67,6 +67,8 @@ def _print_checkpoint_lines(line: Callable[..., None], label: str, f: Figures) -
     line(label, "durable", "ours", f["ours"]["durable"], "write+fsync", raw, TARGETS["durable"], raw_suspect)
     line(label, "durable", "dcp (files written)", f["dcp"]["durable"], "write+fsync", raw, suspect=raw_suspect)
     line(label, "durable", "in line", f["inline"]["durable"], "write+fsync", raw, suspect=raw_suspect)
+    if "copy" in f["raw"]:  # the limit's copy into the page cache, before its fsync: the ratio is its share
+        line(label, "durable", "limit: copy, no fsync", f["raw"]["copy"], "write+fsync", raw)
     line(label, "in bucket", "ours", f["ours"]["bucket"])
     if "sharded" in f:  # FSDP / DTensor state: DCP's async_save + our commit, beside the bare async_save
         line(label, "blocked", "sharded (dcp + commit)", f["sharded"]["blocked"], "async_save",
