@@ -30,8 +30,9 @@ def test_methods_run_interleaved_in_the_balanced_order() -> None:
             return {"t": float(rep)}
         return run
 
-    out = bench.interleaved({"a": method("a"), "b": method("b"), "c": method("c")}, repeats=3)
-    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    out = bench.interleaved({n: method(n) for n in "abcd"}, repeats=3)
+    assert calls == [n for rep in range(3) for n in benchorder.order(list("abcd"), rep)]
+    assert calls[4:8] == ["b", "c", "a", "d"]  # not the rotation's b c d a: no method keeps its neighbour
     assert out["a"]["t"] == [0.0, 1.0, 2.0]
     calls.clear()
     bench.interleaved({"a": method("a"), "b": method("b")}, repeats=3, settle=lambda: calls.append("sync"))
@@ -156,6 +157,28 @@ def test_a_limit_slower_than_the_work_it_bounds_is_flagged(capsys: pytest.Captur
     assert "1.30x" in lines["trainer"] and "2.00x" in lines["library, 3 lines"]
     assert "LIMIT SUSPECT" in lines["library, fast path"] and "0.50x" not in lines["library, fast path"]
 
+
+
+def test_the_limits_copy_is_its_own_row_and_the_durable_rows_stand_beside_the_raw_limit(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The raw limit's copy into the page cache prints as a share of the limit; a figure without it
+    (an older run's) prints the rest as before; a flagged limit flags the durable rows only."""
+    from training.trainer import bench_tables
+
+    def table(raw: dict[str, list[float]], inline: float) -> dict[str, str]:
+        f = {"memcpy": {"blocked": [0.1] * 3}, "raw": raw, "inline": {"blocked": [9.0] * 3, "durable": [inline] * 3},
+             "ours": {"blocked": [0.1] * 3, "durable": [1.5] * 3, "bucket": [5.0] * 3},
+             "dcp": {"blocked": [0.1] * 3, "durable": [1.0] * 3}}
+        bench_tables.print_checkpoint_table([("~1 GB", 1000.0, f)])
+        return {line.split("durable")[1].strip().split("  ")[0]: line
+                for line in capsys.readouterr().out.splitlines() if " durable " in line}
+
+    rows = table({"durable": [2.0, 2.0, 2.0], "copy": [1.0, 1.6, 1.6]}, 3.0)
+    assert "0.80x" in rows["limit: copy, no fsync"] and "0.75x" in rows["ours"]
+    rows = table({"durable": [2.0, 2.0, 2.0]}, 3.0)
+    assert "limit: copy, no fsync" not in rows and "0.75x" in rows["ours"]
+    rows = table({"durable": [4.0, 4.0, 4.0], "copy": [3.0] * 3}, 3.0)  # slower than the in-line save
+    assert "LIMIT SUSPECT" in rows["ours"] and "LIMIT SUSPECT" not in rows["limit: copy, no fsync"]
 
 def test_the_plan_group_scales_the_stack_and_balances_every_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-resource figure plans the stack at 2x its node groups (copies renamed, in a scratch

@@ -32,3 +32,5 @@ def test_a_rotation_is_not_balanced_and_the_order_is_not_a_rotation() -> None:
     assert len(after) < 30
     assert benchorder.order(names, 0) == ["a", "b", "f", "c", "e", "d"]
     assert benchorder.order(names, 1) == ["b", "c", "a", "d", "f", "e"]
+    # an odd count: a row, then its mirror, so three repeats of three methods are not the rotation
+    assert [benchorder.order("abc", r) for r in range(3)] == [list("abc"), list("cba"), list("bca")]

@@ -4,6 +4,7 @@ anyway fails naming why."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -40,7 +41,14 @@ def test_the_fast_selection_is_not_empty_and_starts_no_process() -> None:
     assert "tests/test_check_phase.py::test_k8s_and_teams_do_not_import_each_other" in fast
     process = "tests/test_training.py::test_sigterm_then_restart_is_bit_identical"
     assert process not in fast and not any(n.startswith("tests/test_boot_") for n in fast)
-    assert not any("test_the_plan_group_scales_the_stack_and_rotates_every_run" in n for n in fast)  # SLOW's
+    assert not any("test_the_plan_group_scales_the_stack_and_balances_every_run" in n for n in fast)  # SLOW's
+
+
+def test_every_name_in_slow_is_a_test_of_its_file() -> None:
+    """A renamed test would leave SLOW naming nothing, and the test in the fast tier."""
+    for file, names in tiers.SLOW.items():
+        module = importlib.import_module(f"tests.{file.removesuffix('.py')}")
+        assert all(callable(getattr(module, name, None)) for name in names), (file, names)
 
 
 # Each way a fast test can start a process; the guard fails each at its teardown, even when the

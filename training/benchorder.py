@@ -6,8 +6,9 @@ the same neighbour, and a neighbour is not neutral here: on this project's machi
 writes into memory the previous one freed seconds before copies at about 3 GB/s, one that writes
 into memory the host has taken back (free page reporting) at about 0.2 GB/s
 (docs/goodput-and-bench.md). So the order is a Williams square: over `cycle(n)` repeats every
-method runs once in every position and directly after every other method equally often (once for
-an even number of methods, twice for an odd one, whose square is the rows and their mirrors)."""
+method runs in every position equally often and directly after every other method equally often
+(once for an even number of methods; twice for an odd one, whose square is the rows and their
+mirrors). A run of fewer repeats than the cycle is balanced only in part."""
 
 from __future__ import annotations
 
@@ -35,12 +36,15 @@ def cycle(n: int) -> int:
 
 
 def order(names: Sequence[T], rep: int) -> list[T]:
-    """The methods in the order repeat `rep` runs them."""
+    """The methods in the order repeat `rep` runs them. An odd count alternates a row and its
+    mirror (row 0, its mirror, row 1, ...), so that a run shorter than the cycle is not a rotation."""
     n = len(names)
     if n == 0:
         return []
     k = rep % cycle(n)
-    row = [(i + k) % n for i in _first_row(n)]
-    if k >= n:  # the odd count's mirror rows
-        row = [(i + k - n) % n for i in _first_row(n)][::-1]
+    if cycle(n) == n:
+        row = [(i + k) % n for i in _first_row(n)]
+    else:
+        row = [(i + k // 2) % n for i in _first_row(n)]
+        row = row[::-1] if k % 2 else row
     return [names[i] for i in row]
