@@ -228,8 +228,8 @@ def test_the_replay_floor_registers_the_plans_own_resources(tmp_path: Path) -> N
     types = {r["type"] for s in (1, 2) for r in json.loads((tmp_path / f"replay-{s}.json").read_text())}
     from_invokes = set(sdks) - set(plan_bench.sdk_modules(types))
     assert from_invokes and all(m in imported or "." not in m for m in from_invokes)
-    for scale in (1, 2):
-        cmd, cwd = runs[f"replay@{scale}"]
+    for scale, key in ((1, "replay"), (2, "replay"), (1, "typed"), (2, "typed")):
+        cmd, cwd = runs[f"{key}@{scale}"]
         resources = json.loads((tmp_path / f"replay-{scale}.json").read_text())
         assert len(resources) == counts[scale] and {r["type"] for r in resources} >= {"aws:ec2/vpc:Vpc"}
         done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=plan_bench._env(), timeout=600)
@@ -241,19 +241,61 @@ def test_the_replay_floor_registers_the_plans_own_resources(tmp_path: Path) -> N
         assert work is not None and 0 < work < wall, name
 
 
-def test_the_plan_report_gives_both_limits_per_resource(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_plan_report_gives_every_limit_per_resource(capsys: pytest.CaptureFixture[str]) -> None:
     from infra.plan import bench as plan_bench
 
     times = {"plan@1": [9.0] * 3, "plan@2": [9.0] * 3, "floor@1": [5.0] * 3, "floor@2": [5.0] * 3,
-             "replay@1": [6.0] * 3, "replay@2": [6.0] * 3, "floor_gc@1": [6.0] * 3, "imports": [4.0] * 3}
+             "replay@1": [6.0] * 3, "replay@2": [6.0] * 3, "typed@1": [8.0] * 3, "typed@2": [8.0] * 3,
+             "floor_gc@1": [6.0] * 3, "imports": [4.0] * 3}
     # the slopes come from the work each process timed after its imports, not the process times
     work = {"plan@1": [2.0] * 3, "plan@2": [3.0] * 3, "floor@1": [1.0] * 3, "floor@2": [1.0] * 3,
-            "replay@1": [1.5] * 3, "replay@2": [2.0] * 3, "floor_gc@1": [1.2] * 3, "imports": []}
+            "replay@1": [1.5] * 3, "replay@2": [2.0] * 3, "typed@1": [1.6] * 3, "typed@2": [2.4] * 3,
+            "floor_gc@1": [1.2] * 3, "imports": []}
     plan_bench._report({"stack": "dev", "resources": {1: 100, 2: 200}, "times": times, "work": work, "extra": []})
     lines = [line for line in capsys.readouterr().out.splitlines() if "per resource" in line]
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert "LIMIT SUSPECT" in lines[0] and "x   target" not in lines[0]  # the trivial floor did not grow
-    assert "replay floor 5.00 ms" in lines[1] and " 2.00x" in lines[1]
+    assert "replay floor 5.00 ms" in lines[1] and " 2.00x" in lines[1] and "target" not in lines[1]
+    assert "typed floor 8.00 ms" in lines[2] and " 1.25x" in lines[2] and "what the program adds" in lines[2]
+
+
+def test_the_typed_floor_registers_the_plans_inputs_through_the_sdks_classes() -> None:
+    """The typed floor builds each resource through its type's SDK class with the plan's recorded
+    inputs: the engine records exactly the plan's inputs again (a declared secret wrapped), and a
+    recorded input the class has no argument for stops it, named (no input is dropped)."""
+    import contextlib
+    import io
+    import json
+
+    import pulumi_aws
+
+    from infra.plan import bench as plan_bench
+    from infra.plan.__main__ import main
+    from infra.plan.engine import run_program
+    from infra.stack.stackfile import StackConfig
+
+    def unwrapped(value: object) -> object:
+        if isinstance(value, dict):
+            secret = "4dabf18193072939515e22adb298388d"
+            return unwrapped(value["value"]) if secret in value else {k: unwrapped(v) for k, v in value.items()}
+        return [unwrapped(v) for v in value] if isinstance(value, list) else value
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["--stack", "dev", "--format", "json"])
+    resources = json.loads(out.getvalue())["resources"]
+    config = StackConfig(project="bench", stack="bench", values={}, secret_keys=[])
+    got = {(g.type, g.name): g for g in run_program(config, {}, program=plan_bench.replay_program(resources, True))}
+    assert len(got) == len(resources)
+    for r in resources:
+        assert unwrapped(json.loads(json.dumps(got[(r["type"], r["name"])].inputs))) == r["inputs"], r["name"]
+    found = plan_bench.sdk_class("aws:ec2/vpc:Vpc")
+    assert found is not None and found[0] is pulumi_aws.ec2.Vpc and "cidr_block" in found[1]
+    assert plan_bench.sdk_class("pulumi:providers:aws") is None
+    vpc = next(r for r in resources if r["type"] == "aws:ec2/vpc:Vpc")
+    hostile = [dict(vpc, inputs={**vpc["inputs"], "noSuchArgument": 1})]
+    with pytest.raises(SystemExit, match="aws:ec2/vpc:Vpc has no argument for input 'noSuchArgument'"):
+        run_program(config, {}, program=plan_bench.replay_program(hostile, True))
 
 
 def test_the_repeats_are_a_setting_of_at_least_three_and_the_table_says_how_many(

@@ -11,7 +11,9 @@ resource of each is a least-squares slope: the target (issue 44) is the plan's s
 of the floor's. A second limit, the replay floor, registers the plan's own resources with the
 inputs the plan recorded (untyped, nothing computed) through the same engine: the engine's work
 on the same payload, so the plan's slope against it is what the program and the SDK's typed
-classes add.
+classes add. A third, the typed floor, builds the same resources through the SDK's class of each
+type with the recorded inputs as arguments and no program: the plan's slope against it is what the
+program itself adds.
 
     python -m infra.plan.bench [--stack prod] [--repeats 3] [--scales 1,2,4]
 """
@@ -19,16 +21,22 @@ classes add.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
+import inspect
 import json
 import keyword
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pulumi
 import yaml
 
 from infra import clouds
@@ -133,33 +141,70 @@ sys.exit(code)
 """
 
 
-# The floor with the plan's own payload: the resources the plan registered (its JSON: type, name,
-# inputs as recorded), registered again untyped through the same engine, nothing computed. The
+# The floors with the plan's own payload: the resources the plan registered (its JSON: type, name,
+# inputs as recorded), registered again through the same engine, nothing computed, no parents. The
 # trivial floor's resources carry two properties; the plan's about thirty, and their outputs come
-# back through the engine too. The difference between the plan and this floor is what the
-# program and the SDK's typed classes cost beyond the engine's work on the same bytes.
+# back through the engine too. The replay floor registers them untyped: the engine's work on the
+# same bytes. The typed floor builds each through the SDK's own class for its type (the class's
+# constructor, its declared outputs, its secrets), with the recorded inputs as its arguments and
+# no program: what the plan costs beyond it is the program's own work (issue 44).
 _REPLAY = """
 import importlib, json, sys, time
-import pulumi
+from infra.plan.bench import replay_program
 from infra.plan.engine import run_program
 from infra.stack.stackfile import StackConfig
-for sdk in sys.argv[2:]:
+for sdk in sys.argv[3:]:
     getattr(importlib.import_module(sdk), "_load_", None)
 with open(sys.argv[1], encoding="utf-8") as fh:
     resources = json.load(fh)
 start = time.perf_counter()
-seen = set()
-
-def program():
-    for i, r in enumerate(resources):
-        name = r["name"] if (r["type"], r["name"]) not in seen else f"{r['name']}-{i}"  # flat: no parents
-        seen.add((r["type"], name))
-        component = not r["provider"] and not r["type"].startswith("pulumi:")
-        (pulumi.ComponentResource if component else pulumi.CustomResource)(r["type"], name, r["inputs"])
-
+program = replay_program(resources, typed=sys.argv[2] == "typed")
 print(len(run_program(StackConfig(project="bench", stack="bench", values={}, secret_keys=[]), {}, program=program)))
 print(f"GTS_WORK_S={time.perf_counter() - start:.6f}", file=sys.stderr)
 """
+PAYLOAD_FLOORS = (("replay", "untyped"), ("typed", "through the SDK's class of each type, no program"))
+_CAMEL = re.compile(r"(?<=[a-z0-9])([A-Z])")
+
+
+def sdk_class(token: str) -> tuple[type, set[str]] | None:
+    """The SDK's resource class of a type token and its constructor's parameters, or None (a
+    provider, whose inputs the plan records JSON-encoded; a Kubernetes custom resource of a CRD;
+    a component)."""
+    modules = sdk_modules({token})
+    found = getattr(importlib.import_module(modules[0]), token.split(":")[2], None) if modules else None
+    if not isinstance(found, type) or not issubclass(found, pulumi.CustomResource):
+        return None
+    return found, set(inspect.signature(getattr(found, "_internal_init")).parameters)
+
+
+def replay_program(resources: list[dict[str, Any]], typed: bool) -> Callable[[], None]:
+    """A program that registers the plan's recorded resources again, flat, untyped or (`typed`)
+    through each type's SDK class with the recorded inputs as its arguments."""
+    classes: dict[str, tuple[type, set[str]] | None] = {}
+
+    def program() -> None:
+        seen: set[tuple[str, str]] = set()
+        for i, r in enumerate(resources):
+            kind = r["type"]
+            name = r["name"] if (kind, r["name"]) not in seen else f"{r['name']}-{i}"
+            seen.add((kind, name))
+            if not r["provider"] and not kind.startswith("pulumi:"):
+                pulumi.ComponentResource(kind, name, r["inputs"])
+                continue
+            found = classes.setdefault(kind, sdk_class(kind)) if typed else None
+            if found is None:
+                pulumi.CustomResource(kind, name, r["inputs"])
+                continue
+            cls, params = found
+            kwargs = {}
+            for key, value in (r["inputs"] or {}).items():
+                py = _CAMEL.sub(r"_\1", key).lower()
+                py = py if py in params else py + "_"  # a keyword: `from_`, `type_`
+                if py not in params:
+                    raise SystemExit(f"typed floor: {kind} has no argument for input {key!r}")
+                kwargs[py] = value
+            cls(name, **kwargs)
+    return program
 
 
 def _timed(cmd: list[str], cwd: Path = ROOT) -> tuple[float, float | None]:
@@ -222,7 +267,7 @@ def slope(points: list[tuple[float, float]]) -> float:
 
 def _runs(stack: str, scales: list[int], folder: Path) -> tuple[dict[str, tuple[list[str], Path]], dict[int, int],
                                                                    list[str], list[str]]:
-    """Every command of the group: the plan, the floor and the replay floor (collector off) at each
+    """Every command of the group: the plan, the floor, the replay and typed floors (collector off) at each
     scale, plus the floor with the collector on and the SDK imports at 1x; the resource count per
     scale."""
     counts: dict[int, int] = {}
@@ -247,8 +292,9 @@ def _runs(stack: str, scales: list[int], folder: Path) -> tuple[dict[str, tuple[
         runs[f"plan@{scale}"] = ([sys.executable, "-c", _PLAN, name, *sdks], cwd)
         runs[f"floor@{scale}"] = ([sys.executable, "-c", "import gc; gc.disable()\n" + _FLOOR, str(counts[scale]),
                                    *sdks], ROOT)
-        runs[f"replay@{scale}"] = ([sys.executable, "-c", "import gc; gc.disable()\n" + _REPLAY,
-                                    str(folder / f"replay-{scale}.json"), *sdks], ROOT)
+        for key in ("replay", "typed"):
+            runs[f"{key}@{scale}"] = ([sys.executable, "-c", "import gc; gc.disable()\n" + _REPLAY,
+                                      str(folder / f"replay-{scale}.json"), key, *sdks], ROOT)
     runs["floor_gc@1"] = ([sys.executable, "-c", _FLOOR, str(counts[scales[0]]), *sdks], ROOT)
     runs["imports"] = ([sys.executable, "-c", "import importlib, sys\nfor m in sys.argv[1:]: "
                         "getattr(importlib.import_module(m), '_load_', None)", *sdks], ROOT)
@@ -290,25 +336,30 @@ def _report(found: dict[str, object]) -> None:
     print(f"  floor with the collector on  {min(floor_gc):6.2f}/{_median(floor_gc):<6.2f}   (the SDK modules alone "
           f"{_median(times['imports']):.2f})")
     print(f"  whole plan, like for like    {_median(plan) / _median(floor):6.2f}x   target <={TARGET:.1f}x")
-    for scale in scales:
-        r = times[f"replay@{scale}"]
-        print(f"  {scale}x replay floor (the plan's own resources and inputs, untyped, same engine) "
-              f"{min(r):6.2f}/{_median(r):<6.2f}  plan {_median(times[f'plan@{scale}']) / _median(r):5.2f}x")
+    for key, what in PAYLOAD_FLOORS:
+        for scale in (s for s in scales if f"{key}@{s}" in times):
+            r = times[f"{key}@{scale}"]
+            print(f"  {scale}x {key} floor (the plan's own resources and inputs, {what}, same engine) "
+                  f"{min(r):6.2f}/{_median(r):<6.2f}  plan {_median(times[f'plan@{scale}']) / _median(r):5.2f}x")
     work = found["work"]
     assert isinstance(work, dict)
     print("  the work after the SDK imports, as each process timed itself (min/median):")
     for scale in scales:
         print(f"  {scale}x  " + "  ".join(f"{key} {min(work[f'{key}@{scale}']):5.2f}/{_median(work[f'{key}@{scale}']):<5.2f}"
-                                        for key in ("plan", "floor", "replay")))
+                                        for key in ("plan", "floor", "replay", "typed") if f"{key}@{scale}" in work))
     if len(scales) > 1:  # slopes of the work after the SDK imports, each process timing itself
         ps = slope([(counts[s], _median(work[f"plan@{s}"])) for s in scales])
-        for label, key in (("floor", "floor"), ("replay floor", "replay")):
+        for key in ("floor", "replay", "typed"):
+            if not all(f"{key}@{s}" in work for s in scales):
+                continue
             fs = slope([(counts[s], _median(work[f"{key}@{s}"])) for s in scales])
             # A floor that does not grow with its resources was measured under noise larger than
             # the work it bounds: flagged, its ratio not reported (a broken limit, not a good ratio).
             ratio = f"{ps / fs:5.2f}x" if fs > 0 else "LIMIT SUSPECT: the floor did not grow; ratio not reported"
-            print(f"  per resource: plan {ps * 1e3:.2f} ms, {label} {fs * 1e3:.2f} ms  {ratio}   "
-                  f"target <={SLOPE_TARGET:.2f}x")
+            label = "floor" if key == "floor" else f"{key} floor"
+            tail = f"target <={SLOPE_TARGET:.2f}x" if key == "floor" else \
+                ("(what the program adds to the SDK's classes)" if key == "typed" else "")
+            print(f"  per resource: plan {ps * 1e3:.2f} ms, {label} {fs * 1e3:.2f} ms  {ratio}   {tail}".rstrip())
     extra = found["extra"]
     assert isinstance(extra, list)
     print(f"  SDK modules the plan imports beyond those of its resources and provider functions (argument types "
