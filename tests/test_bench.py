@@ -259,7 +259,25 @@ def test_the_plan_report_gives_every_limit_per_resource(capsys: pytest.CaptureFi
     assert "typed floor 8.00 ms" in lines[2] and " 1.25x" in lines[2] and "what the program adds" in lines[2]
 
 
-def test_the_typed_floor_registers_the_plans_inputs_through_the_sdks_classes() -> None:
+def test_a_floor_that_fails_is_never_a_figure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit 1 is the plan's policy verdict after its work; exit 1 before any work (a floor's
+    SystemExit) or any other exit fails the bench, naming the run."""
+    import subprocess
+
+    from infra.plan import bench as plan_bench
+
+    def run(rc: int, stderr: bytes) -> Callable[..., subprocess.CompletedProcess[bytes]]:
+        return lambda cmd, **kw: subprocess.CompletedProcess(cmd, rc, b"", stderr)
+
+    monkeypatch.setattr(subprocess, "run", run(1, b"violations\nGTS_WORK_S=0.5\n"))
+    assert plan_bench._timed(["python", "-c", "plan"])[1] == 0.5
+    for rc, err in ((1, b"typed floor: aws:ec2/vpc:Vpc has no argument for input 'x'\n"), (2, b"GTS_WORK_S=0.5\n")):
+        monkeypatch.setattr(subprocess, "run", run(rc, err))
+        with pytest.raises(RuntimeError, match=f"python -c floor failed \\({rc}\\)"):
+            plan_bench._timed(["python", "-c", "floor"])
+
+@pytest.mark.parametrize("stack", ["dev", "prod", "team-vision"])
+def test_the_typed_floor_registers_the_plans_inputs_through_the_sdks_classes(stack: str) -> None:
     """The typed floor builds each resource through its type's SDK class with the plan's recorded
     inputs: the engine records exactly the plan's inputs again (a declared secret wrapped), and a
     recorded input the class has no argument for stops it, named (no input is dropped)."""
@@ -282,7 +300,7 @@ def test_the_typed_floor_registers_the_plans_inputs_through_the_sdks_classes() -
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        main(["--stack", "dev", "--format", "json"])
+        main(["--stack", stack, "--format", "json"])
     resources = json.loads(out.getvalue())["resources"]
     config = StackConfig(project="bench", stack="bench", values={}, secret_keys=[])
     got = {(g.type, g.name): g for g in run_program(config, {}, program=plan_bench.replay_program(resources, True))}
@@ -295,7 +313,10 @@ def test_the_typed_floor_registers_the_plans_inputs_through_the_sdks_classes() -
     vpc = next(r for r in resources if r["type"] == "aws:ec2/vpc:Vpc")
     hostile = [dict(vpc, inputs={**vpc["inputs"], "noSuchArgument": 1})]
     with pytest.raises(SystemExit, match="aws:ec2/vpc:Vpc has no argument for input 'noSuchArgument'"):
-        run_program(config, {}, program=plan_bench.replay_program(hostile, True))
+        plan_bench.replay_program(hostile, True)
+    for own in ("resourceName", "opts"):  # the constructor's own parameters are no input's
+        with pytest.raises(SystemExit, match=f"no argument for input '{own}'"):
+            plan_bench.replay_program([dict(vpc, inputs={**vpc["inputs"], own: "x"})], True)
 
 
 def test_the_repeats_are_a_setting_of_at_least_three_and_the_table_says_how_many(
