@@ -125,10 +125,17 @@ def test_the_resume_figure_runs_the_trainer_of_this_checkout() -> None:
 
 def test_the_resume_group_interleaves_every_method_on_its_own_copy(tmp_path: Path) -> None:
     """The trainer, the library's two paths and the limit each resume (or read) their own copy of
-    a checkpoint written once before the group; the copies are gone afterwards and the bases stay."""
+    a checkpoint written once before the group; the copies are gone afterwards and the bases stay,
+    and no process leaves its local checkpoint folder behind (up to 1 GB each, in the temp folder)."""
+    import tempfile
+
     from tests.training_helpers import MotoServer, storage_env
     from training.trainer.bench_resume import METHODS, ResumeGroup
 
+    def left() -> set[Path]:
+        return set(Path(tempfile.gettempdir()).glob("gts-bench-lib-*")) | set(tmp_path.rglob("gts-bench-lib-*"))
+
+    before = left()
     moto = MotoServer("bench")
     try:
         group = ResumeGroup(64, "bench", storage_env(moto.url), tmp_path)
@@ -140,6 +147,7 @@ def test_the_resume_group_interleaves_every_method_on_its_own_copy(tmp_path: Pat
         assert set(figures) == set(METHODS) == {"limit", "trainer", "library", "library_plain"}
         assert all(len(f["resume"]) == 1 and min(f["resume"]) > 0 for f in figures.values())
         assert moto.keys("resume-64/") == bases  # every method's copy deleted, the bases kept
+        assert left() == before
     finally:
         moto.stop()
 

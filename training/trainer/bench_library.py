@@ -35,14 +35,14 @@ def write(url: str, width: int) -> None:
     torch.manual_seed(0)
     model = TinyNet(32, width)
     opt = torch.optim.AdamW(model.parameters())
-    with Checkpointer(url=url, local_dir=tempfile.mkdtemp(prefix="gts-bench-lib-"), upload_deadline_s=600,
+    with Checkpointer(url=url, local_dir=tempfile.mkdtemp(prefix="gts-bench-lib-", dir="."), upload_deadline_s=600,
                       model=model, optimizer=opt) as ckpt:
         _step(model, opt)
         ckpt.save(1)
 
 
 def resume(url: str, width: int, plain: bool) -> int:
-    disk = tempfile.mkdtemp(prefix="gts-bench-lib-")
+    disk = tempfile.mkdtemp(prefix="gts-bench-lib-", dir=".")  # in the bench's folder for this run, removed with it
     if plain:
         model = TinyNet(32, width)
         opt = torch.optim.AdamW(model.parameters())
