@@ -4,7 +4,7 @@ training/trainer/bench.py, infra/plan/bench.py). Standard library only.
 A rotation (A B C D, B C D A, ...) puts every method in every position but keeps each one after
 the same neighbour, and a neighbour is not neutral here: on this project's machines a method that
 writes into memory the previous one freed seconds before copies at about 3 GB/s, one that writes
-into memory the host has taken back (free page reporting) at about 0.2 GB/s
+into memory the host has taken back (free page reporting) at 0.1-0.2 GB/s
 (docs/goodput-and-bench.md). So the order is a Williams square: over `cycle(n)` repeats every
 method runs in every position equally often and directly after every other method equally often
 (once for an even number of methods; twice for an odd one, whose square is the rows and their

@@ -12,8 +12,8 @@ of the floor's. A second limit, the replay floor, registers the plan's own resou
 inputs the plan recorded (untyped, nothing computed) through the same engine: the engine's work
 on the same payload, so the plan's slope against it is what the program and the SDK's typed
 classes add. A third, the typed floor, builds the same resources through the SDK's class of each
-type with the recorded inputs as arguments and no program: the plan's slope against it is what the
-program itself adds.
+type with the recorded inputs as arguments, flat and with no program: the plan's slope against it is
+what the program adds, with the SDK's work on the parents, providers and dependencies it leaves out.
 
     python -m infra.plan.bench [--stack prod] [--repeats 3] [--scales 1,2,4]
 """
@@ -147,7 +147,8 @@ sys.exit(code)
 # back through the engine too. The replay floor registers them untyped: the engine's work on the
 # same bytes. The typed floor builds each through the SDK's own class for its type (the class's
 # constructor, its declared outputs, its secrets), with the recorded inputs as its arguments and
-# no program: what the plan costs beyond it is the program's own work (issue 44).
+# no program: what the plan costs beyond it is the program's own work and the SDK's on the parents,
+# providers and dependencies the floors leave out (issue 44).
 _REPLAY = """
 import importlib, json, sys, time
 from infra.plan.bench import replay_program
@@ -368,7 +369,8 @@ def _report(found: dict[str, object]) -> None:
             ratio = f"{ps / fs:5.2f}x" if fs > 0 else "LIMIT SUSPECT: the floor did not grow; ratio not reported"
             label = "floor" if key == "floor" else f"{key} floor"
             tail = f"target <={SLOPE_TARGET:.2f}x" if key == "floor" else \
-                ("(what the program adds to the SDK's classes)" if key == "typed" else "")
+                ("(what the program adds, with the parents, providers and dependencies the floor leaves out)"
+                 if key == "typed" else "")
             print(f"  per resource: plan {ps * 1e3:.2f} ms, {label} {fs * 1e3:.2f} ms  {ratio}   {tail}".rstrip())
     extra = found["extra"]
     assert isinstance(extra, list)
