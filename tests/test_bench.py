@@ -50,7 +50,8 @@ def test_the_checkpoint_group_settles_the_disk_before_every_method(monkeypatch: 
 
     monkeypatch.setattr(bench, "interleaved", interleaved)
     monkeypatch.setattr(bench, "Checkpoints", lambda *a: type("C", (), {"close": lambda self: None,
-                        **{f"run_{m}": None for m in ("ours", "inline", "dcp", "memcpy", "raw")}})())
+                        "direct": type("D", (), {"supported": True})(),
+                        **{f"run_{m}": None for m in ("ours", "inline", "dcp", "memcpy", "raw", "raw_direct")}})())
     monkeypatch.setattr(bench, "Sharded", lambda *a: type("S", (), {"close": lambda self: None, "run": None})())
     monkeypatch.setattr(bench, "_state", lambda width: ({}, None))
     bench._checkpoint_figures(bench.SIZES["~1 GB"], Path("/nonexistent"), 3)
@@ -61,13 +62,16 @@ def test_every_checkpoint_method_reports_its_figures(tmp_path: Path) -> None:
     state, _ = bench._state(64)
     ck = bench.Checkpoints(state, tmp_path / "w", f"file://{tmp_path / 'bucket'}")
     try:
+        assert ck.direct.supported  # this folder's file system takes O_DIRECT
         figures = bench.interleaved({"ours": ck.run_ours, "inline": ck.run_inline, "dcp": ck.run_dcp,
-                                     "memcpy": ck.run_memcpy, "raw": ck.run_raw})
+                                     "memcpy": ck.run_memcpy, "raw": ck.run_raw, "raw_direct": ck.run_raw_direct})
     finally:
         ck.close()
     assert set(figures["ours"]) == {"blocked", "durable", "bucket"}
     assert set(figures["dcp"]) == {"blocked", "durable"} and set(figures["raw"]) == {"durable", "copy"}
+    assert set(figures["raw_direct"]) == {"durable"} and not list((tmp_path / "w").glob("raw*"))
     assert all(c <= d for c, d in zip(figures["raw"]["copy"], figures["raw"]["durable"]))  # a part of it
+    assert all(0 < d <= b for d, b in zip(figures["ours"]["durable"], figures["ours"]["bucket"]))
     assert all(len(v) == bench.REPEATS and min(v) >= 0 for f in figures.values() for v in f.values())
     assert (tmp_path / "bucket" / "ours").is_dir()  # ours really reached the bucket
 
@@ -187,6 +191,48 @@ def test_the_limits_copy_is_its_own_row_and_the_durable_rows_stand_beside_the_ra
     assert "limit: copy, no fsync" not in rows and "0.75x" in rows["ours"]
     rows = table({"durable": [4.0, 4.0, 4.0], "copy": [3.0] * 3}, 3.0)  # slower than the in-line save
     assert "LIMIT SUSPECT" in rows["ours"] and "LIMIT SUSPECT" not in rows["limit: copy, no fsync"]
+
+def test_the_durable_target_stands_against_the_faster_limit_that_holds(capsys: pytest.CaptureFixture[str]) -> None:
+    """Ours writes around the page cache: the direct limit stands beside the buffered one, and the
+    target is read against the faster of the two, unless that one is flagged (slower than a method
+    doing the same work and more: ours for the direct limit, the in-line save for the buffered)."""
+    from training.trainer import bench_tables
+
+    def targeted(raw: float, direct: float, ours: float = 0.7, inline: float = 3.0) -> tuple[str, list[str]]:
+        f = {"memcpy": {"blocked": [0.1] * 3}, "raw": {"durable": [raw] * 3}, "raw_direct": {"durable": [direct] * 3},
+             "inline": {"blocked": [9.0] * 3, "durable": [inline] * 3},
+             "ours": {"blocked": [0.1] * 3, "durable": [ours] * 3, "bucket": [5.0] * 3},
+             "dcp": {"blocked": [0.1] * 3, "durable": [1.0] * 3}}
+        bench_tables.print_checkpoint_table([("~1 GB", 1000.0, f)])
+        lines = [line for line in capsys.readouterr().out.splitlines() if " durable " in line]
+        with_target = [line for line in lines if "<=1.5x" in line]
+        assert len(with_target) == 1
+        return with_target[0], lines
+
+    line, lines = targeted(raw=2.0, direct=0.5)
+    assert "direct+fsync 0.50" in line and "1.40x" in line
+    assert any("limit: direct+fsync" in x and "0.25x" in x for x in lines)
+    line, _ = targeted(raw=0.5, direct=0.6)  # the page cache was the faster way this run
+    assert "write+fsync 0.50" in line and "1.40x" in line
+    line, lines = targeted(raw=2.0, direct=0.9)  # the direct limit slower than ours: flagged
+    assert "write+fsync 2.00" in line and "0.35x" in line
+    assert any("direct+fsync" in x and "LIMIT SUSPECT" in x for x in lines if " ours " in x)
+    line, _ = targeted(raw=4.0, direct=0.6)  # the buffered limit slower than the in-line save: flagged
+    assert "direct+fsync 0.60" in line and "1.17x" in line
+
+
+def test_the_direct_limit_writes_the_states_bytes(tmp_path: Path) -> None:
+    from training.trainer import bench_limits
+
+    tensors = [torch.arange(1000, dtype=torch.float32), torch.ones(3, 5, dtype=torch.float64)]
+    limit = bench_limits.Direct(tensors, tmp_path)
+    try:
+        assert limit.supported
+        assert limit.write(tmp_path / "d") >= 0
+    finally:
+        limit.close()
+    assert (tmp_path / "d").read_bytes() == b"".join(t.numpy().tobytes() for t in tensors)
+
 
 def test_the_plan_group_scales_the_stack_and_balances_every_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-resource figure plans the stack at 2x its node groups (copies renamed, in a scratch

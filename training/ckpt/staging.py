@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 import torch
 
 from training.ckpt import digest
+from training.ckpt.direct import DirectFile
 
 
 class Stager:
@@ -72,7 +73,7 @@ class HashingWriter(io.RawIOBase):
     returns (the caller's buffer may be freed afterwards). Small writes and the ends of large
     ones gather in a buffer of their own until it holds a whole piece."""
 
-    def __init__(self, fh: BinaryIO, workers: int = digest.WORKERS):
+    def __init__(self, fh: BinaryIO | io.RawIOBase, workers: int = digest.WORKERS):
         super().__init__()
         self.fh = fh
         self.size = 0
@@ -133,7 +134,7 @@ def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
     previous = _crc32_enabled()
     torch.serialization.set_crc32_options(False)
     try:
-        with part.open("wb") as fh, HashingWriter(fh) as writer:
+        with DirectFile(part) as fh, HashingWriter(fh) as writer:
             torch.save(obj, writer)  # type: ignore[arg-type]  # a binary file-like object
             fh.flush()
             os.fsync(fh.fileno())  # the disk's writeback overlaps the hashing of the last pieces

@@ -58,13 +58,23 @@ def limit_suspect(limit: list[float], doing_more: list[float]) -> str:
 
 def _print_checkpoint_lines(line: Callable[..., None], label: str, f: Figures) -> None:
     memcpy, raw = f["memcpy"]["blocked"], f["raw"]["durable"]
-    # The in-line save writes the same bytes and more (a manifest, a hash) and fsyncs them: a raw
-    # write + fsync slower than it bounds nothing.
+    # The in-line save writes the same bytes and more (a manifest, a hash) through the page cache and
+    # fsyncs them: a raw write + fsync slower than it bounds nothing. Ours writes the same bytes and
+    # more around the page cache: the direct limit slower than ours bounds nothing either.
     raw_suspect = limit_suspect(raw, f["inline"]["durable"])
     line(label, "blocked", "ours", f["ours"]["blocked"], "memcpy", memcpy)
     line(label, "blocked", "dcp async_save", f["dcp"]["blocked"], "memcpy", memcpy)
     line(label, "blocked", "in line", f["inline"]["blocked"], "memcpy", memcpy)
-    line(label, "durable", "ours", f["ours"]["durable"], "write+fsync", raw, TARGETS["durable"], raw_suspect)
+    direct = f.get("raw_direct", {}).get("durable")
+    direct_suspect = limit_suspect(direct, f["ours"]["durable"]) if direct else ""
+    # The target stands against the strictest limit that holds: the faster of the two.
+    strict = "direct" if direct and not direct_suspect and (raw_suspect or median(direct) <= median(raw)) else "raw"
+    line(label, "durable", "ours", f["ours"]["durable"], "write+fsync", raw,
+         TARGETS["durable"] if strict == "raw" else None, raw_suspect)
+    if direct:
+        line(label, "durable", "ours", f["ours"]["durable"], "direct+fsync", direct,
+             TARGETS["durable"] if strict == "direct" else None, direct_suspect)
+        line(label, "durable", "limit: direct+fsync", direct, "write+fsync", raw, suspect=raw_suspect)
     line(label, "durable", "dcp (files written)", f["dcp"]["durable"], "write+fsync", raw, suspect=raw_suspect)
     line(label, "durable", "in line", f["inline"]["durable"], "write+fsync", raw, suspect=raw_suspect)
     if "copy" in f["raw"]:  # the limit's copy into the page cache, before its fsync: the ratio is its share

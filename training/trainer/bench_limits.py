@@ -1,0 +1,96 @@
+"""The durable figure's two limits (training/trainer/bench.py): the checkpoint's bytes written raw and
+fsync'd, once through the page cache and once around it (O_DIRECT, the way training/ckpt/direct.py
+writes ours). Neither serialises, hashes or copies: each bounds what any writer of these bytes
+can do on this disk, the way it writes."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from training.ckpt.direct import ALIGN, CHUNK
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def buffered(tensors: list[torch.Tensor], path: Path) -> dict[str, float]:
+    """The bytes written to one file with os.write straight from the tensors' memory (no Python
+    file object, no copy) and fsync'd. `copy` is the part before the fsync: the bytes copied into
+    the page cache."""
+    views = [t.detach().cpu().contiguous().numpy().data.cast("B") for t in tensors]
+    started = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for view in views:
+            while view:
+                view = view[os.write(fd, view):]
+        copied = time.perf_counter() - started
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    took = time.perf_counter() - started
+    path.unlink()
+    return {"durable": took, "copy": copied}
+
+
+class Direct:
+    """The bytes copied once, before any clock, into one page-aligned buffer (as O_DIRECT needs:
+    open(2)); each run writes that buffer with O_DIRECT in direct.CHUNK pieces at aligned offsets,
+    truncates the file to the bytes' size and fsyncs. `supported` is False where the folder's file
+    system refuses O_DIRECT (EINVAL), and then there is no such limit to report."""
+
+    def __init__(self, tensors: list[torch.Tensor], folder: Path):
+        self.size = sum(t.numel() * t.element_size() for t in tensors)
+        self.supported = not _refuses_direct(folder)
+        self._buffer = mmap.mmap(-1, max(ALIGN, -(-self.size // ALIGN) * ALIGN))
+        pos = 0
+        for t in tensors:
+            data = t.detach().cpu().contiguous().numpy().data.cast("B")
+            self._buffer[pos:pos + len(data)] = data
+            pos += len(data)
+
+    def run(self, path: Path) -> dict[str, float]:
+        took = self.write(path)
+        path.unlink()
+        return {"durable": took}
+
+    def write(self, path: Path) -> float:
+        """Seconds to write and fsync the bytes to `path` (left there)."""
+        view = memoryview(self._buffer)
+        started = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
+        try:
+            for start in range(0, len(view), CHUNK):
+                piece, done = view[start:start + CHUNK], 0
+                while done < len(piece):
+                    done += os.pwrite(fd, piece[done:], start + done)
+            os.ftruncate(fd, self.size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            view.release()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self._buffer.close()
+
+
+def _refuses_direct(folder: Path) -> bool:
+    if not _O_DIRECT:
+        return True
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / ".direct-probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600))
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return True
+    finally:
+        probe.unlink(missing_ok=True)
+    return False
