@@ -61,7 +61,7 @@ def test_any_pieces_and_flushes_give_exactly_the_bytes(tmp_path: Path, small_chu
                 if flush_every and i % flush_every == 0:  # a flush in the middle: the tail block is rewritten later
                     fh.flush()
                     assert path.stat().st_size == len(written)
-            assert fh.direct  # this folder's file system takes O_DIRECT: the fallback is tested below
+            assert fh.direct == direct.usable(tmp_path)  # ext4 here: direct (the fallbacks are tested below)
         assert path.read_bytes() == written and fh.size == len(written)
 
 
@@ -82,6 +82,8 @@ def test_a_reused_buffer_leaves_no_old_bytes_in_the_padding(tmp_path: Path, smal
 def test_the_checkpoint_bytes_skip_the_page_cache(tmp_path: Path) -> None:
     """The point of the writer: a checkpoint's pages are not copied into the page cache (the
     copy that costs most on these VMs). A buffered write of the same bytes leaves them there."""
+    if not direct.usable(tmp_path):
+        pytest.skip(f"{tmp_path} is on {direct.filesystem(tmp_path) or 'an unknown file system'}: no O_DIRECT")
     data = _pattern(64 * ALIGN, 1)
     with direct.DirectFile(tmp_path / "direct") as fh:
         fh.write(data)
@@ -150,7 +152,102 @@ def test_a_checkpoint_saved_through_it_loads_and_hashes(tmp_path: Path, small_ch
     weights = torch.arange(3 * small_chunk // 4 + 11, dtype=torch.float32)
     size, hexdigest = save_hashed({"w": weights, "step": 7}, tmp_path / "model.pt")
     assert size == (tmp_path / "model.pt").stat().st_size
+    if direct.usable(tmp_path):  # the checkpoint went around the page cache (before anything reads it)
+        assert _resident_pages(tmp_path / "model.pt") <= 1
     assert digest.hash_file(tmp_path / "model.pt") == hexdigest
     loaded = torch.load(tmp_path / "model.pt", weights_only=True)
     assert torch.equal(loaded["w"], weights) and loaded["step"] == 7
     assert not (tmp_path / "model.pt.part").exists()
+
+
+def test_the_folders_file_system_decides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_chunk: int) -> None:
+    """The file system is read as findmnt(8) reads it; on one that is not a local block file system
+    (NFS: every O_DIRECT write would wait for the server) the same bytes go through the page cache."""
+    import shutil
+    import subprocess
+
+    if shutil.which("findmnt"):
+        found = subprocess.run(["findmnt", "-no", "FSTYPE", "-T", str(tmp_path)], capture_output=True, text=True)
+        assert direct.filesystem(tmp_path) == found.stdout.strip()
+    monkeypatch.setattr(direct, "filesystem", lambda folder: "nfs4")
+    data = _pattern(small_chunk + 5, 4)
+    with direct.DirectFile(tmp_path / "f") as fh:
+        fh.write(data)
+        assert not fh.direct and not fcntl.fcntl(fh.fileno(), fcntl.F_GETFL) & os.O_DIRECT
+    assert (tmp_path / "f").read_bytes() == data and not direct.usable(tmp_path)
+
+
+def test_a_flush_with_nothing_new_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 small_chunk: int) -> None:
+    """save_hashed flushes, fsyncs, then closes the hashing writer and the file, each of which
+    flushes again: the tail is written once, not again after the fsync."""
+    real_pwrite = os.pwrite
+    offsets: list[int] = []
+
+    def counted(fd: int, data: Any, offset: int) -> int:
+        offsets.append(offset)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr("training.ckpt.direct.os.pwrite", counted)
+    save_hashed({"w": torch.arange(small_chunk // 2, dtype=torch.float32)}, tmp_path / "model.pt")
+    assert offsets == sorted(set(offsets))  # every block written once, in order
+    offsets.clear()
+    with direct.DirectFile(tmp_path / "f") as fh:
+        fh.write(b"a" * 10)
+        fh.flush()
+        fh.flush()
+        fh.write(b"b" * 10)  # new bytes after a flush: the tail block again, once
+    assert offsets == [0, 0] and (tmp_path / "f").read_bytes() == b"a" * 10 + b"b" * 10
+
+
+def test_a_failed_write_is_not_tried_again_by_the_closes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         small_chunk: int) -> None:
+    real_pwrite = os.pwrite
+    tries: list[int] = []
+
+    def full_after_one(fd: int, data: Any, offset: int) -> int:
+        tries.append(offset)
+        if offset >= small_chunk:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr("training.ckpt.direct.os.pwrite", full_after_one)
+    with pytest.raises((OSError, RuntimeError)) as caught:  # torch reports its writer's error as its own
+        save_hashed({"w": torch.zeros(small_chunk, dtype=torch.uint8)}, tmp_path / "model.pt")
+    chain = [caught.value, caught.value.__cause__, caught.value.__context__]
+    assert any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain)
+    assert tries.count(small_chunk) == 1 and not (tmp_path / "model.pt").exists()
+
+
+def test_a_close_that_fails_gives_the_buffer_back_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close(2) can fail after freeing the descriptor (EIO on a network file system): the file is
+    closed all the same, its buffer is back in the pool once, and a second close touches nothing
+    (the descriptor's number may already be another file's)."""
+    real_close = os.close
+    failures: list[int] = []
+
+    def close_then_fail(fd: int) -> None:
+        real_close(fd)
+        if not failures:
+            failures.append(fd)
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(direct, "_spare", [])
+    fh = direct.DirectFile(tmp_path / "f")
+    fh.write(b"x")
+    monkeypatch.setattr("training.ckpt.direct.os.close", close_then_fail)
+    with pytest.raises(OSError):
+        fh.close()
+    other = os.open(tmp_path / "other", os.O_WRONLY | os.O_CREAT, 0o600)  # may take the freed number
+    try:
+        fh.close()
+        os.fstat(other)  # still open
+    finally:
+        real_close(other)
+    assert fh.closed and len(direct._spare) == 1 and failures
+    a, b = direct.DirectFile(tmp_path / "a"), direct.DirectFile(tmp_path / "b")
+    try:
+        assert a._buffer is not b._buffer
+    finally:
+        a.close()
+        b.close()

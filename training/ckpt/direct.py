@@ -7,8 +7,8 @@ pays for the host to hand the memory back again. Measured here (docs/goodput-and
 copied into the page cache took 0.33-0.58 s into memory freed just before and 5.0-8.4 s into
 memory freed 8 s earlier, and `perf` put 87 % of a slow copy in the kernel's copy into the page
 cache. `dd` of 1 GiB with `oflag=direct conv=fsync` took 0.56-0.68 s in six runs; buffered with
-`conv=fsync`, 0.98-3.09 s. A checkpoint is written once and read back rarely (resume, an upload
-that streams it), so its pages are not worth caching either.
+`conv=fsync`, 0.98-3.09 s. The upload (training/ckpt/uploader.py) reads the file back once, now
+from the disk, off the durable clock; a resume on the same node reads it from the disk too.
 
 O_DIRECT needs the memory, the file offset and the length of every write aligned to the device's
 logical block (open(2), "O_DIRECT": 512 bytes on most devices, 4096 covers both). torch.save hands
@@ -21,27 +21,41 @@ buffer padded with zeros and truncates the file to its real size (ftruncate(2));
 a flush rewrite that last block in place. The caller still fsyncs: O_DIRECT does not make the
 file's size or the device's cache durable (open(2), "O_DIRECT" is not O_SYNC).
 
-Falls back to plain buffered writes, the same bytes at the same offsets, when the open (EINVAL:
-a file system without O_DIRECT) or any write (EINVAL: an alignment the device refuses) is
-refused; `direct` says which way the file went."""
+The copy into the buffer is torch's `copy_`, which releases the GIL (a memoryview slice assignment
+holds it: measured here, a thread copying 1 GiB that way slowed the main thread's Python work
+1.8-fold, with `copy_` 1.1-fold), so the training loop keeps running while a checkpoint is copied.
+
+Only on a local block file system (DIRECT_FILESYSTEMS, read from /proc/self/mountinfo by the
+folder's device): on NFS or Lustre every O_DIRECT write waits for the server, FUSE and overlay
+may refuse it or differ, and tmpfs is the page cache. Elsewhere, and when the open (EINVAL: a file
+system without O_DIRECT) or any write (EINVAL: an alignment the device refuses) is refused, the
+same bytes go to the same offsets through the page cache; `direct` says which way the file went,
+and the first fallback of each kind is logged once."""
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import io
+import logging
 import mmap
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
+
+import torch
 
 ALIGN = 4096
 CHUNK = 16 << 20  # 16 MiB: as fast as 64 MiB with dd here (0.56-0.64 s a GiB), a quarter of the memory
 KEEP = 2  # buffers kept for the next files (one per file being written at once)
+DIRECT_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs"})
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _spare: list[mmap.mmap] = []
 _lock = threading.Lock()
+log = logging.getLogger("gts.checkpoint")
 
 
 def _take() -> mmap.mmap:
@@ -56,10 +70,58 @@ def _take() -> mmap.mmap:
 
 def _give(buffer: mmap.mmap) -> None:
     with _lock:
-        if len(_spare) < KEEP:
+        if len(_spare) < KEEP and all(b is not buffer for b in _spare):
             _spare.append(buffer)
             return
     buffer.close()
+
+
+def filesystem(folder: Path | str) -> str:
+    """The type of the file system `folder` is on ("" when /proc/self/mountinfo does not say):
+    the mount whose device is the folder's (proc(5), /proc/pid/mountinfo: field 3 is major:minor,
+    the type follows the " - " separator)."""
+    dev = os.stat(folder).st_dev
+    wanted = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        lines = Path("/proc/self/mountinfo").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) > 2 and parts[2] == wanted and rest:
+            return rest.split()[0]
+    return ""
+
+
+def usable(folder: Path | str) -> bool:
+    """Whether a DirectFile in `folder` goes around the page cache: a local block file system that
+    takes an O_DIRECT open."""
+    if not _O_DIRECT or filesystem(folder) not in DIRECT_FILESYSTEMS:
+        return False
+    probe = Path(folder) / f".direct-probe-{os.getpid()}-{threading.get_ident()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600))
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return True
+
+
+@functools.cache
+def _note(why: str) -> None:
+    log.info("checkpoint files are written through the page cache: %s", why)
+
+
+def _bytes(data: Any) -> torch.Tensor:
+    """A uint8 tensor over `data`'s memory, no copy (torch warns that a read-only buffer gives a
+    tensor it may not write: it only reads it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 class DirectFile(io.RawIOBase):
@@ -69,24 +131,33 @@ class DirectFile(io.RawIOBase):
 
     def __init__(self, path: Path | str, mode: int = 0o666):
         super().__init__()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        self.direct = bool(_O_DIRECT)
         self._fd = -1
-        if self.direct:
-            try:
-                self._fd = os.open(path, flags | _O_DIRECT, mode)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self.direct = False
-        if self._fd < 0:
-            self._fd = os.open(path, flags, mode)
+        self._buffer: mmap.mmap | None = _take()  # before the open: nothing to undo if it fails
+        self._view = _bytes(self._buffer)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        kind = filesystem(Path(path).parent)
+        self.direct = bool(_O_DIRECT) and kind in DIRECT_FILESYSTEMS
+        if not self.direct:
+            _note(f"{kind or 'an unknown file system'} is not a local block file system")
+        try:
+            if self.direct:
+                try:
+                    self._fd = os.open(path, flags | _O_DIRECT, mode)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self.direct = False
+                    _note(f"{kind} refused O_DIRECT at the open")
+            if self._fd < 0:
+                self._fd = os.open(path, flags, mode)
+        except BaseException:
+            self._release()
+            raise
         self.size = 0  # bytes the caller has written
+        self._flushed = 0  # self.size at the last flush: a flush with nothing new writes nothing
         self._done = 0  # bytes before the buffer's start: written, aligned
         self._fill = 0  # bytes in the buffer
-        self._failed = False  # a write failed: the caller discards the file, close does not flush it
-        self._buffer = _take()
-        self._view = memoryview(self._buffer)
+        self._failed = False  # a write failed: the caller discards the file, nothing more is written
 
     def writable(self) -> bool:
         return True
@@ -96,10 +167,13 @@ class DirectFile(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        size, pos = len(view), 0
+        if not len(view):
+            return 0
+        source = _bytes(view)
+        size, pos = source.numel(), 0
         while pos < size:
             n = min(CHUNK - self._fill, size - pos)
-            self._view[self._fill:self._fill + n] = view[pos:pos + n]
+            self._view[self._fill:self._fill + n].copy_(source[pos:pos + n])  # the GIL released
             self._fill += n
             pos += n
             if self._fill == CHUNK:
@@ -110,38 +184,56 @@ class DirectFile(io.RawIOBase):
         return size
 
     def flush(self) -> None:
-        """Everything written so far is in the file (not yet fsync'd), and the file is its size."""
-        if self.closed or not self._fill:
+        """Everything written so far is in the file (not yet fsync'd), and the file is its size.
+        Nothing is written when nothing was since the last flush, or after a failed write."""
+        if self.closed or self._fd < 0 or self._failed or not self._fill or self.size == self._flushed:
             return
         padded = -(-self._fill // ALIGN) * ALIGN
-        self._view[self._fill:padded] = bytes(padded - self._fill)  # the buffer is reused: no old bytes
+        self._view[self._fill:padded] = 0  # the buffer is reused: no old bytes
         self._write_at(self._done, padded)
         os.ftruncate(self._fd, self.size)
+        self._flushed = self.size
 
     def _write_at(self, offset: int, length: int) -> None:
-        pos = 0
-        while pos < length:
-            try:
-                pos += os.pwrite(self._fd, self._view[pos:length], offset + pos)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL or not self.direct:
-                    self._failed = True
-                    raise
-                self._plain()  # the device refused the alignment: the same bytes, through the page cache
+        assert self._buffer is not None
+        view, pos = memoryview(self._buffer), 0
+        try:
+            while pos < length:
+                try:
+                    pos += os.pwrite(self._fd, view[pos:length], offset + pos)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or not self.direct:
+                        self._failed = True
+                        raise
+                    self._plain()  # the device refused the alignment: the same bytes, through the page cache
+        finally:
+            view.release()
 
     def _plain(self) -> None:
         fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
         self.direct = False
+        _note("the device refused an aligned O_DIRECT write")
+
+    def _release(self) -> None:
+        """Give the buffer back and close the descriptor, each once, whatever fails."""
+        buffer, self._buffer = self._buffer, None
+        fd, self._fd = self._fd, -1
+        try:
+            if buffer is not None:
+                del self._view
+                _give(buffer)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def close(self) -> None:
         if self.closed:
             return
         try:
-            if not self._failed:
+            if self._fd >= 0:
                 self.flush()
         finally:
-            self._fill = 0  # IOBase.close flushes again
-            self._view.release()
-            _give(self._buffer)
-            os.close(self._fd)
-            super().close()
+            try:
+                self._release()
+            finally:
+                super().close()

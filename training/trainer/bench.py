@@ -156,6 +156,8 @@ class Checkpoints:
         self.ours.wait_commit()
         # At the commit (the rename fsync'd), on the writer's clock: after it the writer still
         # prunes the step `keep` left behind (0.15 s a GiB here), which makes nothing durable.
+        if self.ours.write_error or self.ours.status.last_commit < wall:
+            raise RuntimeError(f"our checkpoint of step {step} was not committed: {self.ours.write_error}")
         durable = self.ours.status.last_commit - wall
         self.ours.wait_uploads(600)
         return {"blocked": blocked, "durable": durable, "bucket": time.perf_counter() - started}

@@ -5,7 +5,6 @@ can do on this disk, the way it writes."""
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from training.ckpt import direct
 from training.ckpt.direct import ALIGN, CHUNK
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -41,13 +41,17 @@ def buffered(tensors: list[torch.Tensor], path: Path) -> dict[str, float]:
 class Direct:
     """The bytes copied once, before any clock, into one page-aligned buffer (as O_DIRECT needs:
     open(2)); each run writes that buffer with O_DIRECT in direct.CHUNK pieces at aligned offsets,
-    truncates the file to the bytes' size and fsyncs. `supported` is False where the folder's file
-    system refuses O_DIRECT (EINVAL), and then there is no such limit to report."""
+    truncates the file to the bytes' size and fsyncs. `supported` is False where ours would not
+    write around the page cache either (direct.usable: not a local block file system, or one
+    that refuses O_DIRECT), and then there is no such limit to report (nor its buffer)."""
 
     def __init__(self, tensors: list[torch.Tensor], folder: Path):
         self.size = sum(t.numel() * t.element_size() for t in tensors)
-        self.supported = not _refuses_direct(folder)
-        self._buffer = mmap.mmap(-1, max(ALIGN, -(-self.size // ALIGN) * ALIGN))
+        folder.mkdir(parents=True, exist_ok=True)
+        self.supported = direct.usable(folder)
+        self._buffer = mmap.mmap(-1, max(ALIGN, -(-self.size // ALIGN) * ALIGN) if self.supported else ALIGN)
+        if not self.supported:
+            return
         pos = 0
         for t in tensors:
             data = t.detach().cpu().contiguous().numpy().data.cast("B")
@@ -78,19 +82,3 @@ class Direct:
 
     def close(self) -> None:
         self._buffer.close()
-
-
-def _refuses_direct(folder: Path) -> bool:
-    if not _O_DIRECT:
-        return True
-    folder.mkdir(parents=True, exist_ok=True)
-    probe = folder / ".direct-probe"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600))
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return True
-    finally:
-        probe.unlink(missing_ok=True)
-    return False
