@@ -39,7 +39,7 @@ SLOW_CALLABLES = frozenset({("infra.plan.engine", "run_program"), ("infra.plan._
 # Tests the rule cannot see as slow: they call project code that starts processes or plans
 # stacks itself (file name -> test function names; every test of the file when empty).
 SLOW: dict[str, frozenset[str]] = {
-    "test_bench.py": frozenset({"test_the_plan_group_scales_the_stack_and_balances_every_run"}),  # infra/plan/bench.py
+    "test_plan_bench.py": frozenset({"test_the_plan_group_scales_the_stack_and_balances_every_run"}),  # infra/plan/bench.py
 }
 
 

@@ -62,14 +62,19 @@ def policy_verdicts(stack: str, resolved: Stack, resources: list[Registered]) ->
     return verdicts
 
 
-def build_plan(stack: str, against: Path | None = None) -> dict[str, Any]:
+def registered(stack: str) -> tuple[str, Stack, list[Registered]]:
+    """The stack's project, its resolved spec and the resources its program registers."""
     project = project_name()
     path = stack_path(stack)
     config = read_stack_file(path, project)
     # The stack read, checked, resolved and sized once, here, before any resource; the program
     # builds this one (pulumi up reads the same values from Pulumi's config instead).
     resolved = program.sized(stack_from_values(config.values, project, path.name), path.name)
-    resources = run_program(config, INVOKES, COMPUTED, program=lambda: program.main(resolved))
+    return project, resolved, run_program(config, INVOKES, COMPUTED, program=lambda: program.main(resolved))
+
+
+def build_plan(stack: str, against: Path | None = None) -> dict[str, Any]:
+    project, resolved, resources = registered(stack)
     cost = stack_cost(resolved)
     rendered = [{"type": r.type, "name": r.name, "urn": r.urn, "parent": r.parent, "provider": r.provider,
                  "protect": bool(r.options.get("protect")), "retainOnDelete": bool(r.options.get("retainOnDelete")),

@@ -14,6 +14,9 @@ on the same payload, so the plan's slope against it is what the program and the 
 classes add. A third, the typed floor, builds the same resources through the SDK's class of each
 type with the recorded inputs as arguments, flat and with no program: the plan's slope against it is
 what the program adds, with the SDK's work on the parents, providers and dependencies it leaves out.
+A fourth, the structured floor, is the typed floor with each resource's recorded parent, provider,
+dependencies and options: the plan's slope against it is what the program itself adds
+(infra/plan/bench_floors.py).
 
     python -m infra.plan.bench [--stack prod] [--repeats 3] [--scales 1,2,4]
 """
@@ -21,62 +24,24 @@ what the program adds, with the SDK's work on the parents, providers and depende
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import inspect
 import json
-import keyword
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import pulumi
 import yaml
 
-from infra import clouds
+from infra.plan.bench_floors import _FLOOR, _REPLAY, PAYLOAD_FLOORS, SDKS
+from infra.plan.bench_floors import records as records  # re-exported: the tests record through this module
+from infra.plan.bench_floors import sdk_modules as sdk_modules
 from training import benchorder
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = 1.5  # whole plan against the floor, like for like (issue 34)
 SLOPE_TARGET = 1.25  # per resource (issue 44)
-# The Python package behind each provider prefix of a resource type.
-SDKS = {**{p.provider: p.sdk_package for p in clouds.profiles()}, "kubernetes": "pulumi_kubernetes",
-        "docker-build": "pulumi_docker_build", "random": "pulumi_random"}
-
-
-def sdk_modules(types: set[str]) -> list[str]:
-    """The SDK modules a set of resource types needs: `aws:ec2/instance:Instance` ->
-    pulumi_aws.ec2, `tencentcloud:As/scalingGroup:ScalingGroup` -> tencentcloud_iac_pulumi.as_,
-    a Kubernetes resource to the module of its API version, which holds its class
-    (`kubernetes:batch/v1:Job` -> pulumi_kubernetes.batch.v1: importing pulumi_kubernetes.batch
-    alone leaves v1 unloaded), a custom resource (`kubernetes:kueue.x-k8s.io/v1beta1:ClusterQueue`)
-    -> pulumi_kubernetes.apiextensions."""
-    found = set()
-    for token in types:
-        pkg, module = token.split(":")[:2]
-        if pkg not in SDKS:
-            continue
-        name = module.split("/")[0].split(".")[0].lower()
-        if name == "index":
-            found.add(SDKS[pkg])
-            continue
-        name = name + "_" if keyword.iskeyword(name) else name
-        candidate = f"{SDKS[pkg]}.{name}"
-        if importlib.util.find_spec(candidate) is None and pkg == "kubernetes":
-            candidate = "pulumi_kubernetes.apiextensions"
-        elif pkg == "kubernetes" and "/" in module:
-            version = module.split("/")[1]
-            if importlib.util.find_spec(f"{candidate}.{version}") is not None:
-                candidate = f"{candidate}.{version}"
-        found.add(candidate)
-    return sorted(found)
-
 
 _IMPORTED = """
 import contextlib, importlib, io, re, sys
@@ -106,24 +71,6 @@ print("\\n".join(sorted(loaded() - before)))
 print("\\n".join("INVOKE " + token for token in sorted(invoked)))
 """
 
-_FLOOR = """
-import importlib, sys, time
-import pulumi
-from infra.plan.engine import run_program
-from infra.stack.stackfile import StackConfig
-for sdk in sys.argv[2:]:
-    getattr(importlib.import_module(sdk), "_load_", None)  # an attribute: the SDK's lazy module loads
-count = int(sys.argv[1])
-start = time.perf_counter()
-
-def program():
-    for i in range(count):
-        pulumi.CustomResource("bench:index:Resource", f"r{i}", {"value": i, "name": f"r{i}"})
-
-run_program(StackConfig(project="bench", stack="bench", values={}, secret_keys=[]), {}, program=program)
-print(f"GTS_WORK_S={time.perf_counter() - start:.6f}", file=sys.stderr)
-"""
-
 # The plan as `python -m infra.plan` runs it (the collector off before any import), with the SDK
 # modules the floor imports imported first and the clock started after them, as the floor's is:
 # the per-resource slopes compare the work after the imports, which a loaded machine's noise on
@@ -139,81 +86,6 @@ code = main(["--stack", sys.argv[1], "--format", "json"])
 print(f"GTS_WORK_S={time.perf_counter() - start:.6f}", file=sys.stderr)
 sys.exit(code)
 """
-
-
-# The floors with the plan's own payload: the resources the plan registered (its JSON: type, name,
-# inputs as recorded), registered again through the same engine, nothing computed, no parents. The
-# trivial floor's resources carry two properties; the plan's about thirty, and their outputs come
-# back through the engine too. The replay floor registers them untyped: the engine's work on the
-# same bytes. The typed floor builds each through the SDK's own class for its type (the class's
-# constructor, its declared outputs, its secrets), with the recorded inputs as its arguments and
-# no program: what the plan costs beyond it is the program's own work and the SDK's on the parents,
-# providers and dependencies the floors leave out (issue 44).
-_REPLAY = """
-import importlib, json, sys, time
-from infra.plan.bench import replay_program
-from infra.plan.engine import run_program
-from infra.stack.stackfile import StackConfig
-for sdk in sys.argv[3:]:
-    getattr(importlib.import_module(sdk), "_load_", None)
-with open(sys.argv[1], encoding="utf-8") as fh:
-    resources = json.load(fh)
-program = replay_program(resources, typed=sys.argv[2] == "typed")  # classes and arguments found first
-start = time.perf_counter()
-print(len(run_program(StackConfig(project="bench", stack="bench", values={}, secret_keys=[]), {}, program=program)))
-print(f"GTS_WORK_S={time.perf_counter() - start:.6f}", file=sys.stderr)
-"""
-PAYLOAD_FLOORS = (("replay", "untyped"), ("typed", "through the SDK's class of each type, no program"))
-_CAMEL = re.compile(r"(?<=[a-z0-9])([A-Z])")
-
-
-def sdk_class(token: str) -> tuple[type, set[str]] | None:
-    """The SDK's resource class of a type token and its constructor's parameters, or None (a
-    provider, whose inputs the plan records JSON-encoded; a Kubernetes custom resource of a CRD;
-    a component)."""
-    modules = sdk_modules({token})
-    found = getattr(importlib.import_module(modules[0]), token.split(":")[2], None) if modules else None
-    if not isinstance(found, type) or not issubclass(found, pulumi.CustomResource):
-        return None
-    own = {"self", "__self__", "resource_name", "opts", "__props__"}  # never a recorded input's name
-    return found, set(inspect.signature(getattr(found, "_internal_init")).parameters) - own
-
-
-def replay_program(resources: list[dict[str, Any]], typed: bool) -> Callable[[], None]:
-    """A program that registers the plan's recorded resources again, flat (no parents, providers or
-    dependencies), untyped or (`typed`) through each type's SDK class with the recorded inputs as
-    its arguments. The classes and arguments are found here, before the program runs (and before
-    the bench's clock): the plan calls its constructors with its arguments already in hand."""
-    classes: dict[str, tuple[type, set[str]] | None] = {}
-    calls: list[tuple[Callable[..., object], tuple[object, ...], dict[str, Any]]] = []
-    seen: set[tuple[str, str]] = set()
-    for i, r in enumerate(resources):
-        kind = r["type"]
-        name = r["name"] if (kind, r["name"]) not in seen else f"{r['name']}-{i}"
-        seen.add((kind, name))
-        if not r["provider"] and not kind.startswith("pulumi:"):
-            calls.append((pulumi.ComponentResource, (kind, name, r["inputs"]), {}))
-            continue
-        if typed and kind not in classes:
-            classes[kind] = sdk_class(kind)
-        found = classes.get(kind) if typed else None
-        if found is None:
-            calls.append((pulumi.CustomResource, (kind, name, r["inputs"]), {}))
-            continue
-        cls, params = found
-        kwargs = {}
-        for key, value in (r["inputs"] or {}).items():
-            py = _CAMEL.sub(r"_\1", key).lower()
-            py = py if py in params else py + "_"  # a keyword: `from_`, `type_`
-            if py not in params:
-                raise SystemExit(f"typed floor: {kind} has no argument for input {key!r}")
-            kwargs[py] = value
-        calls.append((cls, (name,), kwargs))
-
-    def program() -> None:
-        for make, args, kwargs in calls:
-            make(*args, **kwargs)
-    return program
 
 
 def _timed(cmd: list[str], cwd: Path = ROOT) -> tuple[float, float | None]:
@@ -251,17 +123,6 @@ def scaled_stack(stack: str, scale: int, folder: Path) -> str:
     return name
 
 
-def _plan(stack: str, cwd: Path) -> list[dict[str, object]]:
-    """The plan's resources; exit 1 (policy violations a copied group may add) still plans."""
-    done = subprocess.run([sys.executable, "-m", "infra.plan", "--stack", stack, "--format", "json"], cwd=cwd,
-                          capture_output=True, text=True, timeout=900, env=_env())
-    if done.returncode not in (0, 1) or not done.stdout.strip():
-        raise RuntimeError(f"plan of {stack} failed ({done.returncode}): {done.stderr[-2000:]}")
-    resources = json.loads(done.stdout)["resources"]
-    assert isinstance(resources, list)
-    return resources
-
-
 def _env() -> dict[str, str]:
     import os
 
@@ -278,7 +139,7 @@ def slope(points: list[tuple[float, float]]) -> float:
 
 def _runs(stack: str, scales: list[int], folder: Path) -> tuple[dict[str, tuple[list[str], Path]], dict[int, int],
                                                                    list[str], list[str]]:
-    """Every command of the group: the plan, the floor, the replay and typed floors (collector off) at each
+    """Every command of the group: the plan, the floor, the replay, typed and structured floors (collector off) at each
     scale, plus the floor with the collector on and the SDK imports at 1x; the resource count per
     scale."""
     counts: dict[int, int] = {}
@@ -288,7 +149,7 @@ def _runs(stack: str, scales: list[int], folder: Path) -> tuple[dict[str, tuple[
     where: dict[int, tuple[str, Path]] = {}
     for scale in scales:
         name, cwd = where[scale] = (stack, ROOT) if scale == 1 else (scaled_stack(stack, scale, folder), folder)
-        resources = _plan(name, cwd)
+        resources = records(name, cwd, _env())
         counts[scale] = len(resources)
         types |= {str(r["type"]) for r in resources}
         (folder / f"replay-{scale}.json").write_text(json.dumps(resources), encoding="utf-8")
@@ -303,7 +164,7 @@ def _runs(stack: str, scales: list[int], folder: Path) -> tuple[dict[str, tuple[
         runs[f"plan@{scale}"] = ([sys.executable, "-c", _PLAN, name, *sdks], cwd)
         runs[f"floor@{scale}"] = ([sys.executable, "-c", "import gc; gc.disable()\n" + _FLOOR, str(counts[scale]),
                                    *sdks], ROOT)
-        for key in ("replay", "typed"):
+        for key, _what in PAYLOAD_FLOORS:
             runs[f"{key}@{scale}"] = ([sys.executable, "-c", "import gc; gc.disable()\n" + _REPLAY,
                                       str(folder / f"replay-{scale}.json"), key, *sdks], ROOT)
     runs["floor_gc@1"] = ([sys.executable, "-c", _FLOOR, str(counts[scales[0]]), *sdks], ROOT)
@@ -357,10 +218,10 @@ def _report(found: dict[str, object]) -> None:
     print("  the work after the SDK imports, as each process timed itself (min/median):")
     for scale in scales:
         print(f"  {scale}x  " + "  ".join(f"{key} {min(work[f'{key}@{scale}']):5.2f}/{_median(work[f'{key}@{scale}']):<5.2f}"
-                                        for key in ("plan", "floor", "replay", "typed") if f"{key}@{scale}" in work))
+                                        for key in ("plan", "floor", "replay", "typed", "structured") if f"{key}@{scale}" in work))
     if len(scales) > 1:  # slopes of the work after the SDK imports, each process timing itself
         ps = slope([(counts[s], _median(work[f"plan@{s}"])) for s in scales])
-        for key in ("floor", "replay", "typed"):
+        for key in ("floor", "replay", "typed", "structured"):
             if not all(f"{key}@{s}" in work for s in scales):
                 continue
             fs = slope([(counts[s], _median(work[f"{key}@{s}"])) for s in scales])
@@ -368,9 +229,9 @@ def _report(found: dict[str, object]) -> None:
             # the work it bounds: flagged, its ratio not reported (a broken limit, not a good ratio).
             ratio = f"{ps / fs:5.2f}x" if fs > 0 else "LIMIT SUSPECT: the floor did not grow; ratio not reported"
             label = "floor" if key == "floor" else f"{key} floor"
-            tail = f"target <={SLOPE_TARGET:.2f}x" if key == "floor" else \
-                ("(what the program adds, with the parents, providers and dependencies the floor leaves out)"
-                 if key == "typed" else "")
+            tail = {"floor": f"target <={SLOPE_TARGET:.2f}x",
+                    "typed": "(what the program adds, with the parents, providers and dependencies the floor leaves out)",
+                    "structured": "(what the program itself adds)"}.get(key, "")
             print(f"  per resource: plan {ps * 1e3:.2f} ms, {label} {fs * 1e3:.2f} ms  {ratio}   {tail}".rstrip())
     extra = found["extra"]
     assert isinstance(extra, list)
