@@ -91,7 +91,11 @@ def test_the_plan_report_gives_every_limit_per_resource(capsys: pytest.CaptureFi
     assert "LIMIT SUSPECT" in lines[0] and "x   target" not in lines[0]  # the trivial floor did not grow
     assert "replay floor 5.00 ms" in lines[1] and " 2.00x" in lines[1] and "target" not in lines[1]
     assert "typed floor 8.00 ms" in lines[2] and " 1.25x" in lines[2] and "what the program adds" in lines[2]
-    assert "structured floor 9.00 ms" in lines[3] and " 1.11x" in lines[3] and "program itself adds" in lines[3]
+    assert "structured floor 9.00 ms" in lines[3] and " 1.11x" in lines[3] and "the program, policies" in lines[3]
+    work |= {"structured@1": [1.0] * 3, "structured@2": [3.0] * 3}  # grows faster than the plan: no bound
+    plan_bench._report({"stack": "dev", "resources": {1: 100, 2: 200}, "times": times, "work": work, "extra": []})
+    line = [x for x in capsys.readouterr().out.splitlines() if "structured floor" in x and "per resource" in x][0]
+    assert "LIMIT SUSPECT: the floor grew faster than the plan" in line and "x   (" not in line
 
 
 def test_a_floor_that_fails_is_never_a_figure(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,14 +127,37 @@ def test_the_structured_floor_registers_the_plans_links_and_options(stack: str) 
 
     recorded = plan_bench.records(stack, plan_bench.ROOT, plan_bench._env())
     config = StackConfig(project=project_name(), stack=stack, values={}, secret_keys=[])  # the plan's URNs
-    got = {g.urn: g for g in run_program(config, {}, program=bench_floors.replay_program(recorded, True, structured=True))}
+    replay = bench_floors.replay_program(recorded, True, structured=True)
+    got = {g.urn: g for g in run_program(config, {}, program=replay)}
     assert set(got) == {r["urn"] for r in recorded}
     assert any(r["parent"] in got for r in recorded) and any(r["options"]["dependencies"] for r in recorded)
+    assert any(r["options"]["aliases"] for r in recorded)  # derived by the SDK, as the plan's are
     for r in recorded:
         g = got[r["urn"]]
-        assert (g.parent, g.provider.rsplit("::", 1)[0], g.options) == \
-            (r["parent"], r["provider"].rsplit("::", 1)[0], r["options"]), r["urn"]
+        assert (g.parent, g.provider.rsplit("::", 1)[0], g.custom, g.options) == \
+            (r["parent"], r["provider"].rsplit("::", 1)[0], r["custom"], r["options"]), r["urn"]
         assert g.masked() == r["inputs"], r["urn"]
+    # every resource whose type has an SDK class is built through it (the floor never turns untyped)
+    made_by = {links["urn"]: make for make, _args, _kwargs, links in replay.calls}
+    for r in recorded:
+        found = bench_floors.sdk_class(r["type"])
+        if found is not None and not r["type"].startswith("pulumi:providers:"):
+            assert made_by[r["urn"]] is found[0], r["urn"]
+
+
+def test_the_structured_floor_refuses_a_link_it_cannot_make() -> None:
+    def record(urn: str, parent: str = "", deps: tuple[str, ...] = ()) -> dict[str, object]:
+        return {"type": "aws:s3/bucket:Bucket", "name": urn.rsplit("::", 1)[1], "urn": urn, "parent": parent,
+                "provider": "", "custom": True, "inputs": {}, "options": {"dependencies": list(deps)}}
+
+    a, b, root = "urn:pulumi:s::p::aws:s3/bucket:Bucket::a", "urn:pulumi:s::p::aws:s3/bucket:Bucket::b", \
+        "urn:pulumi:s::p::pulumi:pulumi:Stack::p-s"
+    ordered = bench_floors._linked_first([record(b, root, (a,)), record(a, root)])
+    assert [r["urn"] for r in ordered] == [a, b]  # after what it names; the root stack is no record
+    with pytest.raises(SystemExit, match="linked to itself"):
+        bench_floors._linked_first([record(a, "", (b,)), record(b, "", (a,))])
+    with pytest.raises(SystemExit, match="names urn:pulumi:s::p::aws:s3/bucket:Bucket::gone, which the plan"):
+        bench_floors._linked_first([record(a, "", ("urn:pulumi:s::p::aws:s3/bucket:Bucket::gone",))])
 
 
 @pytest.mark.parametrize("stack", ["dev", "prod", "team-vision"])

@@ -15,8 +15,8 @@ classes add. A third, the typed floor, builds the same resources through the SDK
 type with the recorded inputs as arguments, flat and with no program: the plan's slope against it is
 what the program adds, with the SDK's work on the parents, providers and dependencies it leaves out.
 A fourth, the structured floor, is the typed floor with each resource's recorded parent, provider,
-dependencies and options: the plan's slope against it is what the program itself adds
-(infra/plan/bench_floors.py).
+dependencies and options: the plan's slope over it is the stack program, the policy pack and the
+rendering, plus the little SDK work the floor leaves out (infra/plan/bench_floors.py says what).
 
     python -m infra.plan.bench [--stack prod] [--repeats 3] [--scales 1,2,4]
 """
@@ -227,11 +227,14 @@ def _report(found: dict[str, object]) -> None:
             fs = slope([(counts[s], _median(work[f"{key}@{s}"])) for s in scales])
             # A floor that does not grow with its resources was measured under noise larger than
             # the work it bounds: flagged, its ratio not reported (a broken limit, not a good ratio).
-            ratio = f"{ps / fs:5.2f}x" if fs > 0 else "LIMIT SUSPECT: the floor did not grow; ratio not reported"
+            # So was one that grows faster than the plan it bounds (a lower bound above the work).
+            ratio = f"{ps / fs:5.2f}x" if 0 < fs < ps else \
+                f"LIMIT SUSPECT: the floor {'did not grow' if fs <= 0 else 'grew faster than the plan'}; ratio not reported"
             label = "floor" if key == "floor" else f"{key} floor"
             tail = {"floor": f"target <={SLOPE_TARGET:.2f}x",
                     "typed": "(what the program adds, with the parents, providers and dependencies the floor leaves out)",
-                    "structured": "(what the program itself adds)"}.get(key, "")
+                    "structured": "(the plan over the SDK and engine on the same links and options: the program, "
+                                  "policies and rendering, and the outputs, Output inputs and invokes it leaves out)"}.get(key, "")
             print(f"  per resource: plan {ps * 1e3:.2f} ms, {label} {fs * 1e3:.2f} ms  {ratio}   {tail}".rstrip())
     extra = found["extra"]
     assert isinstance(extra, list)
