@@ -69,7 +69,10 @@ class Run:
     def output(self) -> str:
         return "\n".join(self.lines)
 
-    def wait_for(self, pattern: str, timeout: float = 60) -> str:
+    def wait_for(self, pattern: str, timeout: float = LAUNCH_TIMEOUT) -> str:
+        """The first output line matching `pattern`. The wait ends at once when the process ends
+        without it; the deadline only guards against a hang, so it is the launch's own (a 60 s one
+        failed a full run on a loaded machine while the trainer was still starting its workers)."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
