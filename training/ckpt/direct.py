@@ -51,6 +51,8 @@ import torch
 ALIGN = 4096
 CHUNK = 16 << 20  # 16 MiB: as fast as 64 MiB with dd here (0.56-0.64 s a GiB), a quarter of the memory
 KEEP = 2  # buffers kept for the next files (one per file being written at once)
+ZERO_COPY_MIN = 1 << 20  # a write this large, aligned in memory and in the file, skips the buffer
+STORAGE_ALIGNMENT = ALIGN  # torch.save's storage offsets in the file, for the zero-copy writes
 DIRECT_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs"})
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _spare: list[mmap.mmap] = []
@@ -116,12 +118,33 @@ def _note(why: str) -> None:
     log.info("checkpoint files are written through the page cache: %s", why)
 
 
+# torch warns (once a process) that a tensor over a read-only buffer could be written through:
+# `_bytes` only reads them. One filter for that message, set once here: warnings.catch_warnings
+# around each call is not thread-safe, and the writer runs beside the training loop.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
 def _bytes(data: Any) -> torch.Tensor:
-    """A uint8 tensor over `data`'s memory, no copy (torch warns that a read-only buffer gives a
-    tensor it may not write: it only reads it)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=torch.uint8)
+    """A uint8 tensor over `data`'s memory, no copy."""
+    return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose memory starts on a page (an anonymous mmap, kept alive by
+    the tensor), so `DirectFile` writes it to the file without a copy when torch.save places its
+    storage at an aligned offset (STORAGE_ALIGNMENT). The storage is exactly the tensor's bytes:
+    torch.save writes whole storages. Tensors under ZERO_COPY_MIN bytes, or of a dtype
+    torch.frombuffer refuses, come from torch.empty (their copy costs nothing that matters)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * dtype.itemsize
+    if nbytes >= ZERO_COPY_MIN:
+        try:
+            return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel).view(shape)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return torch.empty(shape, dtype=dtype)
 
 
 class DirectFile(io.RawIOBase):
@@ -170,7 +193,7 @@ class DirectFile(io.RawIOBase):
         if not len(view):
             return 0
         source = _bytes(view)
-        size, pos = source.numel(), 0
+        size, pos = source.numel(), self._zero_copy(view, source)
         while pos < size:
             n = min(CHUNK - self._fill, size - pos)
             self._view[self._fill:self._fill + n].copy_(source[pos:pos + n])  # the GIL released
@@ -194,9 +217,28 @@ class DirectFile(io.RawIOBase):
         os.ftruncate(self._fd, self.size)
         self._flushed = self.size
 
-    def _write_at(self, offset: int, length: int) -> None:
+    def _zero_copy(self, view: memoryview, source: torch.Tensor) -> int:
+        """Writes the aligned whole blocks at the start of `view` straight from the caller's
+        memory, when the memory and the file position are both aligned (a storage torch.save
+        placed at STORAGE_ALIGNMENT, from `aligned_empty`'s memory) and there are ZERO_COPY_MIN
+        bytes or more of them; the buffer's bytes before it go first (a whole number of blocks,
+        as the position is aligned). Returns how many bytes of `view` it wrote."""
+        length = len(view) // ALIGN * ALIGN
+        if (not self.direct or length < ZERO_COPY_MIN or source.data_ptr() % ALIGN
+                or (self._done + self._fill) % ALIGN):
+            return 0
+        if self._fill:
+            self._write_at(self._done, self._fill)
+            self._done += self._fill
+            self._fill = 0
+        self._write_at(self._done, length, view)
+        self._done += length
+        return length
+
+    def _write_at(self, offset: int, length: int, source: memoryview | None = None) -> None:
+        """Writes `length` bytes of `source` (the buffer when None) at `offset`."""
         assert self._buffer is not None
-        view, pos = memoryview(self._buffer), 0
+        view, pos = memoryview(self._buffer if source is None else source), 0
         try:
             while pos < length:
                 try:

@@ -7,19 +7,21 @@ serialiser's time: 3.8 s -> 0.5 s per GB measured here)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+import torch.utils.serialization  # the save config (not imported by `import torch`)
 
 from training.ckpt import digest
-from training.ckpt.direct import DirectFile
+from training.ckpt.direct import STORAGE_ALIGNMENT, DirectFile, aligned_empty
 
 
 class Stager:
@@ -55,8 +57,10 @@ class Stager:
         source = tensor.detach()
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            pinned = source.is_cuda and torch.cuda.is_available()
-            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pinned)
+            if source.is_cuda and torch.cuda.is_available():  # pinned: page-aligned (cudaHostAlloc)
+                buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=True)
+            else:  # on a page, so the writer skips its copy (training/ckpt/direct.py)
+                buffer = aligned_empty(source.shape, source.dtype)
             self._buffers[path] = buffer
             self.bytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
         buffer.copy_(source, non_blocking=source.is_cuda)
@@ -131,20 +135,47 @@ def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
     and it holds the non-tensor state (step, schedule, config) beside the tensors; its cost was
     the single hash stream, not the serialiser."""
     part = path.with_suffix(path.suffix + ".part")
-    previous = _crc32_enabled()
-    torch.serialization.set_crc32_options(False)
-    try:
-        with DirectFile(part) as fh, HashingWriter(fh) as writer:
-            torch.save(obj, writer)  # type: ignore[arg-type]  # a binary file-like object
-            fh.flush()
-            os.fsync(fh.fileno())  # the disk's writeback overlaps the hashing of the last pieces
-            hexdigest = writer.hexdigest()
-    finally:
-        torch.serialization.set_crc32_options(previous)
+    with _serialiser_options(_aligned(obj)), DirectFile(part) as fh, HashingWriter(fh) as writer:
+        torch.save(obj, writer)  # type: ignore[arg-type]  # a binary file-like object
+        fh.flush()
+        os.fsync(fh.fileno())  # the disk's writeback overlaps the hashing of the last pieces
+        hexdigest = writer.hexdigest()
     os.replace(part, path)
     return writer.size, hexdigest
 
 
-def _crc32_enabled() -> bool:
+def _aligned(obj: Any) -> bool:
+    """Whether to place the storages at STORAGE_ALIGNMENT: when the padding that costs (up to a
+    block a record) is at most 1/64 of the tensors' bytes. Many small tensors keep torch's 64."""
+    count = size = 0
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            count, size = count + 1, size + value.numel() * value.element_size()
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return count > 0 and count * STORAGE_ALIGNMENT * 64 <= size
+
+
+@contextlib.contextmanager
+def _serialiser_options(aligned: bool = True) -> Iterator[None]:
+    """torch.save without its CRC32 records and, when `aligned`, with storages at
+    STORAGE_ALIGNMENT in the file (the zip's local headers padded: torch.load reads any
+    alignment), both restored afterwards. Both are process-wide settings of torch
+    (torch.serialization.set_crc32_options, torch.utils.serialization.config.save.storage_alignment,
+    64 by default)."""
     getter = getattr(torch.serialization, "get_crc32_options", None)
-    return bool(getter()) if getter is not None else True
+    crc32 = bool(getter()) if getter is not None else True
+    config = torch.utils.serialization.config.save
+    alignment = config.storage_alignment
+    torch.serialization.set_crc32_options(False)
+    if aligned:
+        config.storage_alignment = STORAGE_ALIGNMENT
+    try:
+        yield
+    finally:
+        config.storage_alignment = alignment
+        torch.serialization.set_crc32_options(crc32)
