@@ -11,6 +11,7 @@ import contextlib
 import copy
 import io
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -128,15 +129,17 @@ class HashingWriter(io.RawIOBase):
 
 def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
     """torch.save `obj` to `path` (through `path.part`, fsync'd, renamed) without torch's CRC32
-    records, hashing while writing. Returns (size, blake3_pieces).
+    records, hashing while writing, storages placed for the writer's zero-copy writes where that
+    pays (`_aligned`). Returns (size, blake3_pieces).
 
     The format stays torch.save's zip archive (not DCP's or safetensors'): it is what the
     resume path loads (torch.load, weights_only), what every checkpoint written so far is,
     and it holds the non-tensor state (step, schedule, config) beside the tensors; its cost was
     the single hash stream, not the serialiser."""
     part = path.with_suffix(path.suffix + ".part")
-    with _serialiser_options(_aligned(obj)), DirectFile(part) as fh, HashingWriter(fh) as writer:
-        torch.save(obj, writer)  # type: ignore[arg-type]  # a binary file-like object
+    with DirectFile(part) as fh, HashingWriter(fh) as writer:
+        with _serialiser_options(aligned=fh.direct and _aligned(obj)):
+            torch.save(obj, writer)  # type: ignore[arg-type]  # a binary file-like object
         fh.flush()
         os.fsync(fh.fileno())  # the disk's writeback overlaps the hashing of the last pieces
         hexdigest = writer.hexdigest()
@@ -144,20 +147,36 @@ def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
     return writer.size, hexdigest
 
 
+TORCH_RECORDS = 6  # data.pkl, .format_version, .storage_alignment, byteorder, version, .data/serialization_id
+
+
 def _aligned(obj: Any) -> bool:
     """Whether to place the storages at STORAGE_ALIGNMENT: when the padding that costs (up to a
-    block a record) is at most 1/64 of the tensors' bytes. Many small tensors keep torch's 64."""
-    count = size = 0
+    block for each storage torch writes, and for each of its own records) is at most 1/64 of the
+    storages' bytes. Storages are counted once however many tensors view them (torch.save writes
+    each once); containers are walked once (a list that holds itself ends the walk, as torch.save
+    handles it). Tensors inside other objects are not seen: their padding is not counted."""
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
     stack = [obj]
     while stack:
         value = stack.pop()
         if isinstance(value, torch.Tensor):
-            count, size = count + 1, size + value.numel() * value.element_size()
-        elif isinstance(value, Mapping):
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
-    return count > 0 and count * STORAGE_ALIGNMENT * 64 <= size
+            try:
+                storage = value.untyped_storage()
+                key, size = (storage.data_ptr() or id(value)), storage.nbytes()
+            except (RuntimeError, NotImplementedError, TypeError):  # sparse and other storage-less layouts
+                key, size = id(value), 0
+            storages[key] = size
+        elif isinstance(value, (Mapping, list, tuple)) and id(value) not in seen:
+            seen.add(id(value))
+            stack.extend(value.values() if isinstance(value, Mapping) else value)
+    records = len(storages) + TORCH_RECORDS
+    return bool(storages) and records * STORAGE_ALIGNMENT * 64 <= sum(storages.values())
+
+
+# torch's serialiser settings are the process's, not the call's: saves of our own take turns.
+_SETTINGS = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -166,16 +185,17 @@ def _serialiser_options(aligned: bool = True) -> Iterator[None]:
     STORAGE_ALIGNMENT in the file (the zip's local headers padded: torch.load reads any
     alignment), both restored afterwards. Both are process-wide settings of torch
     (torch.serialization.set_crc32_options, torch.utils.serialization.config.save.storage_alignment,
-    64 by default)."""
-    getter = getattr(torch.serialization, "get_crc32_options", None)
-    crc32 = bool(getter()) if getter is not None else True
+    64 by default), so a torch.save another thread makes meanwhile (the peer copy's) may get them
+    too: its file has no CRC32 records or more padding, and loads as any other. The CRC32 setting
+    was shared this way before the alignment was; the window is the torch.save call alone."""
     config = torch.utils.serialization.config.save
-    alignment = config.storage_alignment
-    torch.serialization.set_crc32_options(False)
-    if aligned:
-        config.storage_alignment = STORAGE_ALIGNMENT
-    try:
-        yield
-    finally:
-        config.storage_alignment = alignment
-        torch.serialization.set_crc32_options(crc32)
+    with _SETTINGS:
+        crc32, alignment = torch.serialization.get_crc32_options(), config.storage_alignment
+        torch.serialization.set_crc32_options(False)
+        if aligned:
+            config.storage_alignment = STORAGE_ALIGNMENT
+        try:
+            yield
+        finally:
+            config.storage_alignment = alignment
+            torch.serialization.set_crc32_options(crc32)

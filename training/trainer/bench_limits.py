@@ -41,7 +41,9 @@ def buffered(tensors: list[torch.Tensor], path: Path) -> dict[str, float]:
 class Direct:
     """The bytes copied once, before any clock, into one page-aligned buffer (as O_DIRECT needs:
     open(2)); each run writes that buffer with O_DIRECT in direct.CHUNK pieces at aligned offsets,
-    truncates the file to the bytes' size and fsyncs. `supported` is False where ours would not
+    truncates the file to the bytes' size and fsyncs. (Ours writes a large storage in one pwrite
+    from its own memory; the piece size does not change this limit: 1 GiB in pieces of 16, 64,
+    256 and 1024 MiB took 0.537, 0.533, 0.529 and 0.528 s, medians of six, rotated.) `supported` is False where ours would not
     write around the page cache either (direct.usable: not a local block file system, or one
     that refuses O_DIRECT), and then there is no such limit to report (nor its buffer)."""
 

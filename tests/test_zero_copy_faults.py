@@ -1,0 +1,159 @@
+"""The zero-copy path's faults (training/ckpt/direct.py, staging.py): a device that cannot read the
+caller's memory (EFAULT) or refuses the alignment (EINVAL) gets the same bytes another way; a full
+disk fails the save; memory the kernel will not map comes from torch.empty; torch's serialiser
+settings come back whatever happens and two saves at once cannot leave them changed; torch's
+one warning cannot reach a program that makes warnings errors."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from training.ckpt import direct, staging
+from training.ckpt.staging import Stager, save_hashed
+
+ALIGN = direct.ALIGN
+BIG = direct.ZERO_COPY_MIN
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _state() -> dict[str, Any]:
+    torch.manual_seed(1)
+    return {"a": torch.randn(BIG // 2 + 1), "b": torch.randn(7), "c": torch.randn(BIG // 4), "step": 3}
+
+
+def _expected(state: Any, aligned: bool) -> bytes:
+    import io
+
+    with staging._serialiser_options(aligned):
+        out = io.BytesIO()
+        torch.save(state, out)
+    return out.getvalue()
+
+
+def _refusing_caller_memory(monkeypatch: pytest.MonkeyPatch, code: int) -> list[int]:
+    """os.pwrite refuses (with `code`) any O_DIRECT write of more than the writer's buffer holds
+    (only the caller's memory is written in such pieces); returns the offsets refused."""
+    real = os.pwrite
+    refused: list[int] = []
+
+    def picky(fd: int, data: Any, offset: int) -> int:
+        if len(memoryview(data)) > direct.CHUNK and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(code, os.strerror(code))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr("training.ckpt.direct.os.pwrite", picky)
+    return refused
+
+
+@pytest.fixture
+def direct_here(tmp_path: Path) -> Path:
+    if not direct.usable(tmp_path):
+        pytest.skip(f"{tmp_path} is on {direct.filesystem(tmp_path) or 'an unknown file system'}: no O_DIRECT")
+    return tmp_path
+
+
+def test_memory_the_device_cannot_read_goes_through_the_buffer(direct_here: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(direct, "CHUNK", 64 * 1024)
+    refused = _refusing_caller_memory(monkeypatch, errno.EFAULT)
+    state = _state()
+    save_hashed(Stager().stage(state), direct_here / "m.pt")
+    assert len(refused) == 1  # the first storage; the file's others went through the buffer at once
+    assert (direct_here / "m.pt").read_bytes() == _expected(state, aligned=True)
+
+
+def test_an_alignment_the_device_refuses_goes_through_the_page_cache(direct_here: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(direct, "CHUNK", 64 * 1024)
+    refused = _refusing_caller_memory(monkeypatch, errno.EINVAL)
+    state = _state()
+    save_hashed(Stager().stage(state), direct_here / "m.pt")
+    assert len(refused) == 1
+    assert (direct_here / "m.pt").read_bytes() == _expected(state, aligned=True)
+
+
+def test_a_full_disk_in_a_zero_copy_write_fails_the_save(direct_here: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(direct, "CHUNK", 64 * 1024)
+    refused = _refusing_caller_memory(monkeypatch, errno.ENOSPC)
+    with pytest.raises((OSError, RuntimeError)) as caught:
+        save_hashed(Stager().stage(_state()), direct_here / "m.pt")
+    chain = [caught.value, caught.value.__cause__, caught.value.__context__]
+    assert any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain)
+    assert len(refused) == 1 and not (direct_here / "m.pt").exists()
+
+
+def test_memory_the_kernel_will_not_map_comes_from_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_more(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")  # vm.max_map_count reached
+
+    monkeypatch.setattr(mmap, "mmap", no_more)
+    staged = Stager().stage({"w": torch.ones(BIG)})
+    assert torch.equal(staged["w"], torch.ones(BIG))
+
+
+def test_a_file_system_without_o_direct_gets_no_padding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the writer goes through the page cache (NFS here) the padding would buy nothing."""
+    monkeypatch.setattr(direct, "filesystem", lambda folder: "nfs4")
+    state = _state()
+    save_hashed(Stager().stage(state), tmp_path / "m.pt")
+    assert (tmp_path / "m.pt").read_bytes() == _expected(state, aligned=False) != _expected(state, aligned=True)
+
+
+def test_two_saves_at_once_leave_torchs_settings_as_they_were(tmp_path: Path) -> None:
+    config = torch.utils.serialization.config.save
+    before = (config.storage_alignment, torch.serialization.get_crc32_options())
+    state = _state()
+    errors: list[BaseException] = []
+
+    def save(name: str) -> None:
+        try:
+            for i in range(4):
+                save_hashed(state, tmp_path / f"{name}{i}.pt")
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=save, args=(n,)) for n in "xy"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert (config.storage_alignment, torch.serialization.get_crc32_options()) == before
+    expected = _expected(state, aligned=direct.usable(tmp_path))
+    assert all((tmp_path / f"{n}{i}.pt").read_bytes() == expected for n in "xy" for i in range(4))
+
+
+def test_a_list_that_holds_itself_is_walked_once() -> None:
+    cycle: list[Any] = [torch.zeros(BIG)]
+    cycle.append(cycle)
+    assert staging._aligned(cycle)
+    shared = torch.zeros(BIG // 4)
+    views = {f"v{i}": shared[i:] for i in range(64)}  # one storage: one record, 1 MiB
+    assert not staging._aligned(views) and staging._aligned({"v": shared, "w": torch.zeros(BIG)})
+
+
+def test_torchs_warning_cannot_become_an_error() -> None:
+    """Imported inside someone's catch_warnings (its filter gone when the block ends), in a process
+    that makes warnings errors: the writer's read of torch's read-only buffers still raises nothing."""
+    code = ("import warnings, sys, tempfile, pathlib\n"
+            "with warnings.catch_warnings():\n"
+            "    from training.ckpt import direct\n"
+            "folder = pathlib.Path(tempfile.mkdtemp())\n"
+            "with direct.DirectFile(folder / 'f') as fh:\n"
+            "    fh.write(memoryview(b'read-only bytes'))\n"
+            "print((folder / 'f').read_bytes().decode())\n")
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "read-only bytes"
