@@ -72,7 +72,7 @@ def _take() -> mmap.mmap:
             buffer = _spare.pop()
             if len(buffer) == CHUNK:
                 return buffer
-            buffer.close()
+            _discard(buffer)
     return _private(CHUNK)
 
 
@@ -81,7 +81,16 @@ def _give(buffer: mmap.mmap) -> None:
         if len(_spare) < KEEP and all(b is not buffer for b in _spare):
             _spare.append(buffer)
             return
-    buffer.close()
+    _discard(buffer)
+
+
+def _discard(buffer: mmap.mmap) -> None:
+    """Unmap a buffer now, or, while a view of it is still alive somewhere (a failed write's
+    traceback can hold a slice of it), when the last view goes: never an error in a save."""
+    try:
+        buffer.close()
+    except BufferError:
+        pass
 
 
 def filesystem(folder: Path | str) -> str:
