@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader
 from training.ckpt.manager import CheckpointError
 from training.distributed import Comm
 from training.loaders import LoaderState
-from training.ckpt.restore import materialize, own_moments, restore_model
+from training.ckpt.restore import holds_dtensors, materialize, own_moments, restore_model
 from training.ckpt.run_control import (EXIT_PEER_STOPPED, HistoryUnknown, Interval, Resumed, StopFlag,
                                   choose_checkpoint, exit_code, finish, open_manager, process_exit, rng_state,
                                   say_refused, say_storage, set_rng_state)
@@ -129,12 +129,13 @@ class Checkpointer:
     def _open_sharded(self, sharded: bool | None) -> None:
         """The sharded path when asked for, or when the state holds DTensors (FSDP2): the one
         model and its optimizers go through DCP, every rank its shard; the rest stays as it is."""
-        from training.ckpt.sharded import ShardedCheckpoints, holds_dtensors
-
         if sharded is None:
             sharded = any(holds_dtensors(obj) for obj in self.state.values())
         if not sharded:
             return
+        # Only now: a replicated loop never loads torch's distributed checkpoint.
+        from training.ckpt.sharded import ShardedCheckpoints
+
         models = [name for name, obj in self.state.items() if isinstance(obj, nn.Module)]
         if len(models) != 1:
             raise ValueError(f"sharded state: pass exactly one model (an nn.Module, fully_shard-ed) to the "

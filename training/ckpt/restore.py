@@ -4,10 +4,26 @@ the layout allows (issue 34: resume at read speed): the reference trainer's resu
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch import nn
+
+
+def holds_dtensors(obj: object) -> bool:
+    """True for a model whose parameters are DTensors (FSDP2's `fully_shard`, tensor parallel)
+    or an optimizer over such parameters: state no single rank holds whole. Without importing
+    torch.distributed.tensor: no DTensor exists before it is."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return False
+    dtensor = module.DTensor
+    if isinstance(obj, nn.Module):
+        return any(isinstance(p, dtensor) for p in obj.parameters())
+    if isinstance(obj, torch.optim.Optimizer):
+        return any(isinstance(p, dtensor) for group in obj.param_groups for p in group["params"])
+    return False
 
 
 def restore_model(model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],

@@ -60,9 +60,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from training.ckpt.files import unpickle
+from training.ckpt import restore
 from training.ckpt.manager import CheckpointError, CheckpointManager, rng_name, step_dir
 from training.ckpt.run_control import Resumed, choose_checkpoint
 from training.distributed import Comm
+
+holds_dtensors = restore.holds_dtensors  # its home was here: old imports name it from this module
 
 log = logging.getLogger("gts.sharded")
 METADATA = "dcp.metadata"  # DCP's `.metadata`, renamed: a manifest lists plain, visible names only
@@ -75,18 +78,6 @@ def _optimizers(optimizer: Optimizers) -> Sequence[torch.optim.Optimizer]:
     if optimizer is None:
         return ()
     return (optimizer,) if isinstance(optimizer, torch.optim.Optimizer) else tuple(optimizer)
-
-
-def holds_dtensors(obj: object) -> bool:
-    """True for a model whose parameters are DTensors (FSDP2's `fully_shard`, tensor parallel)
-    or an optimizer over such parameters: state no single rank holds whole."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, nn.Module):
-        return any(isinstance(p, DTensor) for p in obj.parameters())
-    if isinstance(obj, torch.optim.Optimizer):
-        return any(isinstance(p, DTensor) for group in obj.param_groups for p in group["params"])
-    return False
 
 
 class _Writer(FileSystemWriter):
