@@ -45,6 +45,7 @@ other objects (a scheduler) and `extra` are written once, by rank 0, as for repl
 from __future__ import annotations
 
 import logging
+import sys
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -130,7 +131,10 @@ class Checkpointer:
         """The sharded path when asked for, or when the state holds DTensors (FSDP2): the one
         model and its optimizers go through DCP, every rank its shard; the rest stays as it is."""
         if sharded is None:
-            sharded = any(holds_dtensors(obj) for obj in self.state.values())
+            # the old home's name when it is loaded: a patch of training.sharded.holds_dtensors still counts
+            home = sys.modules.get("training.ckpt.sharded")
+            check = getattr(home, "holds_dtensors", holds_dtensors)
+            sharded = any(check(obj) for obj in self.state.values())
         if not sharded:
             return
         # Only now: a replicated loop never loads torch's distributed checkpoint.

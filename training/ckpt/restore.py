@@ -11,6 +11,13 @@ import torch
 from torch import nn
 
 
+def _import_dtensor() -> type:
+    """DTensor, while another thread is still importing its module (the import waits for it)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
 def holds_dtensors(obj: object) -> bool:
     """True for a model whose parameters are DTensors (FSDP2's `fully_shard`, tensor parallel)
     or an optimizer over such parameters: state no single rank holds whole. Without importing
@@ -18,7 +25,7 @@ def holds_dtensors(obj: object) -> bool:
     module = sys.modules.get("torch.distributed.tensor")
     if module is None:
         return False
-    dtensor = module.DTensor
+    dtensor: type = getattr(module, "DTensor", None) or _import_dtensor()
     if isinstance(obj, nn.Module):
         return any(isinstance(p, dtensor) for p in obj.parameters())
     if isinstance(obj, torch.optim.Optimizer):
