@@ -177,3 +177,20 @@ def test_a_spare_buffer_still_viewed_somewhere_does_not_fail_a_save(tmp_path: Pa
         assert old not in direct._spare
     finally:
         held.release()
+
+
+def test_sparse_tensors_are_counted_by_what_torch_writes_for_them(tmp_path: Path) -> None:
+    """A sparse tensor has no storage of its own (untyped_storage raises NotImplementedError):
+    torch.save writes its indices and values, and so are they counted; the checkpoint loads."""
+    from training.ckpt.files import state_bytes, storage_sizes
+
+    sparse = torch.eye(BIG // 64).to_sparse()  # 16384 non-zeros: indices 256 KiB, values 64 KiB
+    state = {"w": torch.ones(BIG // 4), "s": sparse, "again": sparse}
+    sizes = storage_sizes(state)
+    assert sorted(sizes.values()) == [sparse._values().nbytes, sparse._indices().nbytes, BIG]
+    assert state_bytes(state) == BIG + sparse._values().nbytes + sparse._indices().nbytes
+    csr = torch.eye(8).to_sparse_csr()
+    assert storage_sizes({"csr": csr}) == {id(csr): csr.nelement() * csr.element_size()}
+    save_hashed(state, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert torch.equal(loaded["s"].to_dense(), sparse.to_dense()) and torch.equal(loaded["w"], state["w"])

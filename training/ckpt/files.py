@@ -13,6 +13,7 @@ import re
 import shutil
 import threading
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,15 +135,36 @@ class RunLocked(Exception):
     """Another trainer holds this run's checkpoint folder."""
 
 
+def storage_sizes(state: Any) -> dict[int, int]:
+    """The storages torch.save writes for the tensors in `state` (nested mappings, lists, tuples),
+    each once however many tensors view it, by key: their bytes (whole storages: torch.save writes
+    a view's whole storage). Containers are walked once (one that holds itself ends the walk). A
+    sparse COO tensor is its indices and values; another layout without a storage counts its
+    elements. Tensors inside other objects are not seen."""
+    sizes: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [state]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            try:
+                storage = value.untyped_storage()
+            except NotImplementedError:  # "Cannot access storage of SparseTensorImpl"
+                if value.layout == torch.sparse_coo:
+                    stack.extend((value._indices(), value._values()))
+                else:
+                    sizes[id(value)] = value.nelement() * value.element_size()
+                continue
+            sizes[storage.data_ptr() or id(value)] = storage.nbytes()  # empty storages share address 0
+        elif isinstance(value, (Mapping, list, tuple)) and id(value) not in seen:
+            seen.add(id(value))
+            stack.extend(value.values() if isinstance(value, Mapping) else value)
+    return sizes
+
+
 def state_bytes(state: Any) -> int:
     """The bytes of the tensors in `state` (nested dicts, lists): about what its file takes."""
-    if isinstance(state, torch.Tensor):
-        return state.nelement() * state.element_size()
-    if isinstance(state, dict):
-        return sum(state_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(state_bytes(v) for v in state)
-    return 0
+    return sum(storage_sizes(state).values())
 
 
 def mount_of(path: Path) -> Path:

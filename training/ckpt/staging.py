@@ -22,6 +22,7 @@ import torch
 import torch.utils.serialization  # the save config (not imported by `import torch`)
 
 from training.ckpt import digest
+from training.ckpt.files import storage_sizes
 from training.ckpt.direct import STORAGE_ALIGNMENT, DirectFile, aligned_empty
 
 
@@ -153,26 +154,10 @@ TORCH_RECORDS = 6  # data.pkl, .format_version, .storage_alignment, byteorder, v
 def _aligned(obj: Any) -> bool:
     """Whether to place the storages at STORAGE_ALIGNMENT: when the padding that costs (up to a
     block for each storage torch writes, and for each of its own records) is at most 1/64 of the
-    storages' bytes. Storages are counted once however many tensors view them (torch.save writes
-    each once); containers are walked once (a list that holds itself ends the walk, as torch.save
-    handles it). Tensors inside other objects are not seen: their padding is not counted."""
-    storages: dict[int, int] = {}
-    seen: set[int] = set()
-    stack = [obj]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            try:
-                storage = value.untyped_storage()
-                key, size = (storage.data_ptr() or id(value)), storage.nbytes()
-            except (RuntimeError, NotImplementedError, TypeError):  # sparse and other storage-less layouts
-                key, size = id(value), 0
-            storages[key] = size
-        elif isinstance(value, (Mapping, list, tuple)) and id(value) not in seen:
-            seen.add(id(value))
-            stack.extend(value.values() if isinstance(value, Mapping) else value)
-    records = len(storages) + TORCH_RECORDS
-    return bool(storages) and records * STORAGE_ALIGNMENT * 64 <= sum(storages.values())
+    storages' bytes (files.storage_sizes)."""
+    sizes = storage_sizes(obj)
+    records = len(sizes) + TORCH_RECORDS
+    return bool(sizes) and records * STORAGE_ALIGNMENT * 64 <= sum(sizes.values())
 
 
 # torch's serialiser settings are the process's, not the call's: saves of our own take turns.
