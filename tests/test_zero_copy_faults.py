@@ -100,6 +100,13 @@ def test_memory_the_kernel_will_not_map_comes_from_torch(monkeypatch: pytest.Mon
     monkeypatch.setattr(mmap, "mmap", no_more)
     staged = Stager().stage({"w": torch.ones(BIG)})
     assert torch.equal(staged["w"], torch.ones(BIG))
+    monkeypatch.undo()
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("unsupported dtype")  # torch's refusal of a buffer or dtype
+
+    monkeypatch.setattr(torch, "frombuffer", refused)
+    assert torch.equal(direct.aligned_empty(torch.Size((BIG,)), torch.float32).fill_(2), torch.full((BIG,), 2.0))
 
 
 def test_a_file_system_without_o_direct_gets_no_padding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

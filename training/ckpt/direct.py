@@ -163,7 +163,7 @@ def aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     storage at an aligned offset (STORAGE_ALIGNMENT). The storage is exactly the tensor's bytes:
     torch.save writes whole storages. The mapping is private, as torch's own large allocations
     are (MAP_SHARED memory is shmem: no transparent huge pages where only anonymous memory gets
-    them). Tensors under ZERO_COPY_MIN bytes, of a dtype torch.frombuffer refuses, or that the
+    them). Tensors under ZERO_COPY_MIN bytes, that torch.frombuffer refuses, or that the
     kernel will not map (ENOMEM: vm.max_map_count reached, a strict overcommit) come from
     torch.empty: the writer copies them, as it did every tensor before."""
     numel = 1
@@ -173,7 +173,7 @@ def aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     if nbytes >= ZERO_COPY_MIN:
         try:
             return torch.frombuffer(_private(nbytes), dtype=dtype, count=numel).view(shape)
-        except (TypeError, ValueError, RuntimeError, OSError):
+        except (RuntimeError, OSError):  # torch refuses the buffer or dtype; the kernel refuses the mapping
             pass
     return torch.empty(shape, dtype=dtype)
 
