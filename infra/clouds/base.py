@@ -59,6 +59,8 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
         self.name = name
         self.stack = stack
         self.spec = stack.spec
+        # The stack's rendezvous stores on this cloud, placed once: build steps read them again and again.
+        self._sites = tuple(s for s in rendezvous.sites(self.spec, stack.groups) if s.cloud == self.CLOUD)
         self.tags = stack_tags(self.spec)
         self.exports: dict[str, Any] = {}
         self.stores: dict[str, pulumi.Resource] = {}  # multi-node VM group -> its rendezvous store
@@ -229,7 +231,7 @@ class CloudPlatform(pulumi.ComponentResource, Generic[NetT, StoreT, AccessT], me
         return [n for n in self.networks() if n.name in used]
 
     def rendezvous_sites(self) -> list[Site]:
-        return [s for s in rendezvous.sites(self.spec, self.stack.groups) if s.cloud == self.CLOUD]
+        return list(self._sites)
 
     def access_grants(self) -> dict[str, Grants]:
         """Instance identities: each VM group's nodes, and each rendezvous store (the bundle only)."""

@@ -8,6 +8,7 @@ group's peak count, whatever the schedule does. CNY prices are converted at the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -194,9 +195,11 @@ def registry_monthly_usd(spec: StackSpec, cloud: str) -> float:
     return round(cat.to_usd(monthly, str(prices["currency"]), spec.pricing.cny_per_usd), 2)
 
 
-def rendezvous_monthly_usd(stack: Stack, cloud: str) -> float:
-    """The rendezvous store instances of the cloud's multi-node VM runs (infra/rendezvous.py)."""
-    stores = [s for s in rendezvous.sites(stack.spec, stack.groups) if s.cloud == cloud]
+def rendezvous_monthly_usd(stack: Stack, cloud: str, placed: Sequence[rendezvous.Site] | None = None) -> float:
+    """The rendezvous store instances of the cloud's multi-node VM runs (infra/rendezvous.py);
+    `placed`: the stack's stores, where the caller placed them already."""
+    placed = rendezvous.sites(stack.spec, stack.groups) if placed is None else placed
+    stores = [s for s in placed if s.cloud == cloud]
     if not stores:
         return 0.0
     prices = cat.load_rendezvous()[cloud]
@@ -209,13 +212,14 @@ def stack_cost(stack: Stack) -> dict[str, Any]:
     spec = stack.spec
     groups = [group_cost(g) for g in stack.groups]
     by_cloud: dict[str, dict[str, float]] = {}
+    placed = rendezvous.sites(spec, stack.groups)
     for cloud in spec.clouds:
         mine = [g for g in groups if g.cloud == cloud]
         storage = storage_monthly_usd(spec, cloud)
         clusters = round(clusters_hourly_usd(stack, cloud) * cat.HOURS_PER_MONTH, 2)
         nat = round(nat_hourly_usd(spec, cloud) * cat.HOURS_PER_MONTH, 2)
         registry = registry_monthly_usd(spec, cloud)
-        stores = rendezvous_monthly_usd(stack, cloud)
+        stores = rendezvous_monthly_usd(stack, cloud, placed)
         shared = round(sharedfs.monthly_usd(spec, cloud), 2)
         placement = round(sum(g.placement_monthly_usd for g in mine), 2)
         fixed = storage + clusters + nat + registry + stores + shared + placement

@@ -48,9 +48,11 @@ def group_spares(stack: Stack) -> dict[str, dict[str, float]]:
     return out
 
 
-def for_stack(stack_name: str, stack: Stack) -> dict[str, Any]:
+def for_stack(stack_name: str, stack: Stack, planned: float | None = None) -> dict[str, Any]:
+    """The pack's config for the stack; `planned`: its monthly cost where the caller has it
+    (infra/resolve/cost.py stack_cost's monthly_usd), else computed here."""
     spec = stack.spec
-    planned = stack_cost(stack)["monthly_usd"]
+    planned = stack_cost(stack)["monthly_usd"] if planned is None else planned
     derived: dict[str, Any] = {
         "cnyPerUsd": spec.pricing.cny_per_usd, "budgetMonthlyUsd": spec.budget.monthly_limit_usd,
         "thresholdsPercent": list(spec.budget.thresholds_percent), "plannedMonthlyUsd": planned,
@@ -58,7 +60,7 @@ def for_stack(stack_name: str, stack: Stack) -> dict[str, Any]:
         # the pack prices capacity where it runs, as the plan does
         "groupPrices": group_prices(stack),
         # each group's warm spares, their cost and the run's expected member losses (the spares-share rule)
-        **({"groupSpares": group_spares(stack)} if group_spares(stack) else {}),
+        **({"groupSpares": spared} if (spared := group_spares(stack)) else {}),
         # the date of the oldest price the stack is planned with (the prices-fresh rule)
         **age.verdict_config(stack),
         # each group's places (as declared, then its capacity candidates) priced at the maximum size

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -53,6 +53,18 @@ class Res:
                     return default
                 value = value[part]
         return value
+
+
+class Evaluation(list[Res]):
+    """The resources of one offline evaluation of every rule (rules.evaluate): work that several
+    rules derive from all of them alike (rules_cost._capacities) is kept in `derived` and done
+    once, not once per rule (issue 44: ten rules walked every resource for the GPU capacities).
+    Read-only to the rules. The policy engine hands each stack policy a plain list of its own,
+    where that work is done per rule as before."""
+
+    def __init__(self, items: Iterable[Res] = ()) -> None:
+        super().__init__(items)
+        self.derived: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)

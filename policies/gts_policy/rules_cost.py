@@ -11,7 +11,7 @@ from typing import Any
 
 from . import catalog as cat
 from .registry import resource_rule, stack_rule
-from .resources import Capacity, Res, capacity, index_by_id
+from .resources import Capacity, Evaluation, Res, capacity, index_by_id
 
 RAM_PER_VRAM = cat.RAM_PER_VRAM
 
@@ -46,6 +46,16 @@ def _scheduled_max(r: Res, cap: Capacity, schedules: list[Res]) -> int:
 
 
 def _capacities(resources: list[Res]) -> list[tuple[Res, Capacity]]:
+    """Each GPU capacity among the resources, at its largest scheduled size: once per offline
+    evaluation (resources.Evaluation), once per rule under the engine."""
+    if isinstance(resources, Evaluation):
+        if "capacities" not in resources.derived:
+            resources.derived["capacities"] = _find_capacities(resources)
+        return list(resources.derived["capacities"])
+    return _find_capacities(resources)
+
+
+def _find_capacities(resources: list[Res]) -> list[tuple[Res, Capacity]]:
     by_id = index_by_id(resources)
     # The schedules picked out once: every capacity against every resource made the rules
     # quadratic in the stack's size (issue 44).
