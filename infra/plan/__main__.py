@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from infra.core.errors import CatalogError, InputError, SpecError
-from infra.plan import report
+from infra.plan import plan_json, report
 from infra.plan.engine import DuplicateUrn, Registered, run_program, unwrap_secrets
 from infra.plan.invokes import COMPUTED, INVOKES
 from infra.plan.replacements import replacements
@@ -47,12 +47,14 @@ from infra.stack import policy_config, program
 from infra.stack.stackfile import StackFileError, project_name, read_stack_file, stack_from_values, stack_path
 
 
-def policy_verdicts(stack: str, resolved: Stack, resources: list[Registered]) -> list[dict[str, str]]:
+def policy_verdicts(stack: str, resolved: Stack, resources: list[Registered],
+                    planned: float | None = None) -> list[dict[str, str]]:
     """The policy pack's rules on what the program registered, with the config a real preview
-    gets (`make policy-config`: the env's file plus the stack's rate, budget and planned cost)."""
+    gets (`make policy-config`: the env's file plus the stack's rate, budget and planned cost,
+    `planned` where the caller has it)."""
     from policies.gts_policy.resources import Res
     from policies.gts_policy.rules import OFFLINE_ADVISORY, evaluate
-    config = policy_config.for_stack(stack, resolved)
+    config = policy_config.for_stack(stack, resolved, planned)
     views = [Res(r.type, r.name, unwrap_secrets(r.inputs), bool(r.options.get("protect"))) for r in resources]
     verdicts = evaluate(views, config)
     for v in verdicts:  # mandatory in a real preview; the offline plan of an example stack still plans
@@ -80,7 +82,7 @@ def build_plan(stack: str, against: Path | None = None) -> dict[str, Any]:
                  "protect": bool(r.options.get("protect")), "retainOnDelete": bool(r.options.get("retainOnDelete")),
                  "aliases": list(r.options.get("aliases", [])), "inputs": r.masked()} for r in resources]
     cost["prices"] = age.summary(resolved)
-    violations = policy_verdicts(stack, resolved, resources)
+    violations = policy_verdicts(stack, resolved, resources, cost["monthly_usd"])
     plan = {"stack": stack, "project": project, "resources": rendered, "cost": cost,
             "violations": violations + fabric_plan.advisories(resolved) + gpu_health.advisories(resolved.groups)}
     if against is not None:
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 (a bug here, not the user's: exit 3, one line)
         return internal_error(exc, args.debug, err)
     if args.format == "json":
-        sys.stdout.write(json.dumps(plan, indent=2, sort_keys=False) + "\n")
+        sys.stdout.write(plan_json.dumps(plan) + "\n")
     else:
         report.print_plan(plan, Console(width=report.width(sys.stdout.isatty(), dict(os.environ))))
     mandatory = [v for v in plan["violations"] if v["enforcement"] == "mandatory"]
