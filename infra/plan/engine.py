@@ -68,23 +68,27 @@ class Registered:
         return dict(mask_secrets(self.inputs))
 
 
+# Both walks below descend only into dicts and lists (a secret is a dict); a scalar is taken as it
+# is without a call of its own: most of a resource's inputs are scalars (issue 44).
 def mask_secrets(value: Any) -> Any:
-    if rpc.is_rpc_secret(value):
-        return SECRET_MASK
+    """`value` with each secret in it replaced by SECRET_MASK."""
     if isinstance(value, dict):
-        return {k: mask_secrets(v) for k, v in value.items()}
+        if rpc.is_rpc_secret(value):
+            return SECRET_MASK
+        return {k: mask_secrets(v) if isinstance(v, (dict, list)) else v for k, v in value.items()}
     if isinstance(value, list):
-        return [mask_secrets(v) for v in value]
+        return [mask_secrets(v) if isinstance(v, (dict, list)) else v for v in value]
     return value
 
 
 def unwrap_secrets(value: Any) -> Any:
-    if rpc.is_rpc_secret(value):
-        return unwrap_secrets(rpc.unwrap_rpc_secret(value))
+    """`value` with each secret in it replaced by what it holds."""
     if isinstance(value, dict):
-        return {k: unwrap_secrets(v) for k, v in value.items()}
+        if rpc.is_rpc_secret(value):
+            return unwrap_secrets(rpc.unwrap_rpc_secret(value))
+        return {k: unwrap_secrets(v) if isinstance(v, (dict, list)) else v for k, v in value.items()}
     if isinstance(value, list):
-        return [unwrap_secrets(v) for v in value]
+        return [unwrap_secrets(v) if isinstance(v, (dict, list)) else v for v in value]
     return value
 
 
