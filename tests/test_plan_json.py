@@ -3,9 +3,13 @@ on the stacks' real plans and on hostile values, and takes orjson's path on the 
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import datetime
 import json
 import random
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -26,7 +30,7 @@ def dev_plan() -> dict[str, Any]:
 
 def test_a_real_plan_is_the_same_bytes_on_the_fast_path(dev_plan: dict[str, Any]) -> None:
     assert plan_json.dumps(dev_plan) == _python(dev_plan)
-    raw = orjson.dumps(dev_plan, option=orjson.OPT_INDENT_2)
+    raw = orjson.dumps(dev_plan, option=plan_json._OPTIONS)  # orjson takes it, subclasses and all
     # The plan holds text beyond ASCII (an em dash in a node script) and names such as
     # `...-scrape-0-9100`: neither sends it to Python's encoder.
     assert not raw.isascii()
@@ -48,6 +52,28 @@ TEXT = "".join(chr(c) for c in range(0x800)) + "\u2028\u2029\ufeff\uffff\U0001f6
 ])
 def test_hostile_values_are_the_same_bytes(value: Any) -> None:
     assert plan_json.dumps(value) == _python(value)
+
+
+class Reordered(collections.OrderedDict[str, int]):
+    pass
+
+
+class Backwards(list[int]):
+    def __iter__(self) -> Iterator[int]:
+        return reversed(list(super().__iter__()))
+
+
+def test_subclasses_are_written_through_their_own_methods() -> None:
+    moved = collections.OrderedDict(a=1, b=2)
+    moved.move_to_end("a")
+    for value in ({"x": moved}, [Backwards([1, 2, 3])], {"r": Reordered(b=1, a=2)}):
+        assert plan_json.dumps(value) == _python(value)
+
+
+@pytest.mark.parametrize("value", [{"d": dataclasses.make_dataclass("D", ["a"])(1)}, [datetime.date(2026, 12, 4)]])
+def test_what_python_refuses_is_refused(value: Any) -> None:
+    with pytest.raises(TypeError):
+        plan_json.dumps(value)
 
 
 def test_random_floats_are_the_same_bytes() -> None:

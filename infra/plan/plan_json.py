@@ -61,6 +61,15 @@ def _small_float(raw: bytes) -> bool:
     return False
 
 
+# Subclasses of dict and list (an OrderedDict moved about, a list with its own `__iter__`) are
+# written by Python through their own methods and by orjson from their contents; dataclasses and
+# dates Python refuses and orjson writes: all of them go to Python's encoder (orjson refuses what
+# it passes through). Two kinds orjson writes natively and Python refuses remain, the plan holds
+# neither: a plain Enum member (its value) and a UUID (its text).
+_OPTIONS = (orjson.OPT_INDENT_2 | orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
+            | orjson.OPT_PASSTHROUGH_DATETIME)
+
+
 def _escapes(error: UnicodeError) -> tuple[str, int]:
     """A codec error handler: the characters ASCII cannot hold as Python's ASCII encoder writes
     them (`\\u00e9`; beyond the Basic Multilingual Plane a surrogate pair), so that the encoder's
@@ -84,7 +93,7 @@ codecs.register_error("gts-json-escape", _escapes)
 def dumps(plan: Any) -> str:
     """`json.dumps(plan, indent=2)`, byte for byte (but for the NaN above), faster."""
     try:
-        raw = orjson.dumps(plan, option=orjson.OPT_INDENT_2)
+        raw = orjson.dumps(plan, option=_OPTIONS)
     except TypeError:  # orjson.JSONEncodeError is a TypeError
         return json.dumps(plan, indent=2)
     if _small_float(raw):
