@@ -63,6 +63,9 @@ def test_every_checkpoint_method_reports_its_figures(tmp_path: Path) -> None:
     ck = bench.Checkpoints(state, tmp_path / "w", f"file://{tmp_path / 'bucket'}")
     try:
         assert ck.direct.supported  # this folder's file system takes O_DIRECT
+        # Every method starts warm, as the memcpy limit does: its buffers exist before any clock.
+        warm = dict(ck.ours._stager._buffers)
+        assert warm and ck.ours.local_steps() == [0] and list((tmp_path / "w").glob("dcp--1"))
         figures = bench.interleaved({"ours": ck.run_ours, "inline": ck.run_inline, "dcp": ck.run_dcp,
                                      "memcpy": ck.run_memcpy, "raw": ck.run_raw, "raw_direct": ck.run_raw_direct})
     finally:
@@ -74,6 +77,7 @@ def test_every_checkpoint_method_reports_its_figures(tmp_path: Path) -> None:
     assert all(0 < d <= b for d, b in zip(figures["ours"]["durable"], figures["ours"]["bucket"]))
     assert all(len(v) == bench.REPEATS and min(v) >= 0 for f in figures.values() for v in f.values())
     assert (tmp_path / "bucket" / "ours").is_dir()  # ours really reached the bucket
+    assert all(ck.ours._stager._buffers[k] is b for k, b in warm.items())  # the clocked saves allocated none
 
 
 def _pieces_digest(data: bytes, piece: int, new: Any = blake3.blake3) -> str:
