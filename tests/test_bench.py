@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from training.ckpt import digest
+from training.ckpt.manager import CheckpointManager
 from training.trainer import bench
 from training import benchorder
 from training.ckpt.staging import HashingWriter, save_hashed
@@ -77,7 +78,24 @@ def test_every_checkpoint_method_reports_its_figures(tmp_path: Path) -> None:
     assert all(0 < d <= b for d, b in zip(figures["ours"]["durable"], figures["ours"]["bucket"]))
     assert all(len(v) == bench.REPEATS and min(v) >= 0 for f in figures.values() for v in f.values())
     assert (tmp_path / "bucket" / "ours").is_dir()  # ours really reached the bucket
-    assert all(ck.ours._stager._buffers[k] is b for k, b in warm.items())  # the clocked saves allocated none
+    buffers = ck.ours._stager._buffers  # the clocked saves allocated none, nor replaced any
+    assert set(buffers) == set(warm) and all(buffers[k] is b for k, b in warm.items())
+
+
+def test_the_sharded_path_starts_warm_and_a_failed_warm_up_leaves_nothing_open(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    sharded = bench.Sharded(64, tmp_path / "w", f"file://{tmp_path / 'bucket'}")
+    try:
+        assert sharded.manager.local_steps() == [0]  # its warm-up checkpoint, before any clock
+        assert set(sharded.run(0)) == {"blocked", "durable", "bucket"}
+    finally:
+        sharded.close()
+    closed = []
+    monkeypatch.setattr(CheckpointManager, "close", lambda self, timeout=120.0: closed.append(self))
+    monkeypatch.setattr(bench.Sharded, "run", lambda self, rep: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        bench.Sharded(64, tmp_path / "w2", f"file://{tmp_path / 'bucket'}")
+    assert len(closed) == 1
 
 
 def _pieces_digest(data: bytes, piece: int, new: Any = blake3.blake3) -> str:

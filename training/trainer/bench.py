@@ -6,8 +6,11 @@ The methods are interleaved: each repeat runs every method once, in an order tha
 repeat (a Williams square, training/benchorder.py: every method in every position and after every
 other method alike), so that a ratio compares measurements taken at the same moment of a loaded
 machine and no method always follows the same neighbour. Every figure is min / median of REPEATS
-(at least 3). Every method starts warm, as the memcpy limit does: one checkpoint of each is made
-before any clock, so that no repeat pays for allocating and faulting in its buffers.
+(at least 3). The checkpoint methods with buffers of their own (ours, async_save, the sharded
+path) start warm, as the memcpy limit does: one checkpoint of each is made before any clock, so no
+repeat pays for allocating and faulting in its buffers, and from the first repeat on each save
+also prunes the step `keep` leaves behind, as in a steady run. (The wall-per-checkpoint loop builds
+its model and manager per repeat: its first of six saves allocates, as a run's first does.)
 
   blocked    seconds the loop waits per checkpoint. Ours: the state copied into reused buffers,
              everything else in the background. Limit: a copy into preallocated buffers (memcpy).
@@ -147,8 +150,12 @@ class Checkpoints:
         # ... and so do the methods' own, as the memcpy limit's above: one checkpoint of each
         # before any clock (a first one allocates and faults in its buffers, 0.22 s against
         # 0.10 s a GiB here, and counted in the first repeat of ours and of async_save alone).
-        self.run_ours(-1)
-        self.run_dcp(-1)
+        try:
+            self.run_ours(-1)
+            self.run_dcp(-1)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         self.ours.close()
@@ -223,7 +230,11 @@ class Sharded:
         self.optimizer.step()
         self.manager = CheckpointManager(str(work / "sharded"), f"{remote}/sharded", TOPO, keep=2)
         self.ckpt = ShardedCheckpoints(self.manager, Comm("torchrun"))
-        self.run(-1)  # warm, as Checkpoints' methods are
+        try:
+            self.run(-1)  # warm, as Checkpoints' methods are
+        except BaseException:
+            self.close()
+            raise
 
     def run(self, rep: int) -> dict[str, float]:
         step = rep + 1
@@ -232,6 +243,8 @@ class Sharded:
                                  {"rng": torch.get_rng_state()})
         self.ckpt.wait()
         durable = time.perf_counter() - started
+        if self.manager.write_error:
+            raise RuntimeError(f"the sharded checkpoint of step {step} was not committed: {self.manager.write_error}")
         self.manager.wait_uploads(600)
         return {"blocked": blocked, "durable": durable, "bucket": time.perf_counter() - started}
 
@@ -297,7 +310,11 @@ def _checkpoint_figures(width: int, work: Path, repeats: int = REPEATS) -> Figur
     (the direct one where the file system takes O_DIRECT), sharded."""
     state, _ = _state(width)
     ck = Checkpoints(state, work / f"w{width}", f"s3://bench/{width}")
-    sharded = Sharded(width, work / f"w{width}", f"s3://bench/{width}")
+    try:  # the methods' warm-up checkpoints can fail like any other: nothing is left open
+        sharded = Sharded(width, work / f"w{width}", f"s3://bench/{width}")
+    except BaseException:
+        ck.close()
+        raise
     methods: dict[str, Callable[[int], dict[str, float]]] = {
         "ours": ck.run_ours, "inline": ck.run_inline, "dcp": ck.run_dcp, "memcpy": ck.run_memcpy,
         "raw": ck.run_raw, "raw_direct": ck.run_raw_direct, "sharded": sharded.run}
