@@ -135,12 +135,26 @@ class RunLocked(Exception):
     """Another trainer holds this run's checkpoint folder."""
 
 
+def _sparse_parts(value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors torch.save writes for a sparse one: a COO tensor's indices and values, a
+    compressed one's (CSR, CSC, BSR, BSC) compressed and plain indices and values; () for another
+    layout without a storage."""
+    if value.layout == torch.sparse_coo:
+        return value._indices(), value._values()
+    if value.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return value.crow_indices(), value.col_indices(), value.values()
+    if value.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return value.ccol_indices(), value.row_indices(), value.values()
+    return ()
+
+
 def storage_sizes(state: Any) -> dict[int, int]:
     """The storages torch.save writes for the tensors in `state` (nested mappings, lists, tuples),
     each once however many tensors view it, by key: their bytes (whole storages: torch.save writes
     a view's whole storage). Containers are walked once (one that holds itself ends the walk). A
-    sparse COO tensor is its indices and values; another layout without a storage counts its
-    elements. Tensors inside other objects are not seen."""
+    sparse tensor is the tensors torch.save writes for it (`_sparse_parts`), not its dense size;
+    another layout without a storage counts its elements. Tensors inside other objects are not
+    seen."""
     sizes: dict[int, int] = {}
     seen: set[int] = set()
     stack = [state]
@@ -150,8 +164,9 @@ def storage_sizes(state: Any) -> dict[int, int]:
             try:
                 storage = value.untyped_storage()
             except NotImplementedError:  # "Cannot access storage of SparseTensorImpl"
-                if value.layout == torch.sparse_coo:
-                    stack.extend((value._indices(), value._values()))
+                parts = _sparse_parts(value)
+                if parts:
+                    stack.extend(parts)
                 else:
                     sizes[id(value)] = value.nelement() * value.element_size()
                 continue
