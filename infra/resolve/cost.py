@@ -195,10 +195,9 @@ def registry_monthly_usd(spec: StackSpec, cloud: str) -> float:
     return round(cat.to_usd(monthly, str(prices["currency"]), spec.pricing.cny_per_usd), 2)
 
 
-def rendezvous_monthly_usd(stack: Stack, cloud: str, placed: Sequence[rendezvous.Site] | None = None) -> float:
-    """The rendezvous store instances of the cloud's multi-node VM runs (infra/rendezvous.py);
-    `placed`: the stack's stores, where the caller placed them already."""
-    placed = rendezvous.sites(stack.spec, stack.groups) if placed is None else placed
+def rendezvous_monthly_usd(stack: Stack, cloud: str, placed: Sequence[rendezvous.Site]) -> float:
+    """The rendezvous store instances of the cloud's multi-node VM runs among the stack's stores
+    (`placed`: infra/rendezvous.py sites, placed once by the caller)."""
     stores = [s for s in placed if s.cloud == cloud]
     if not stores:
         return 0.0
