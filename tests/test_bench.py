@@ -151,7 +151,8 @@ def test_the_resume_figure_runs_the_trainer_of_this_checkout() -> None:
 
 def test_the_resume_group_interleaves_every_method_on_its_own_copy(tmp_path: Path) -> None:
     """The trainer, the library's two paths and the limit each resume (or read) their own copy of
-    a checkpoint written once before the group; the copies are gone afterwards and the bases stay,
+    a checkpoint written once before the group (the fresh start, the floor under them, resumes
+    none); the copies are gone afterwards and the bases stay,
     and no process leaves its local checkpoint folder behind (up to 1 GB each, in the temp folder)."""
     import tempfile
 
@@ -170,7 +171,7 @@ def test_the_resume_group_interleaves_every_method_on_its_own_copy(tmp_path: Pat
         assert any(k.startswith("resume-64/trainer-base/") for k in bases)
         assert any(k.startswith("resume-64/library-base/") for k in bases)
         figures = bench.interleaved(group.methods(), repeats=1)
-        assert set(figures) == set(METHODS) == {"limit", "trainer", "library", "library_plain"}
+        assert set(figures) == set(METHODS) == {"limit", "fresh", "trainer", "library", "library_plain"}
         assert all(len(f["resume"]) == 1 and min(f["resume"]) > 0 for f in figures.values())
         assert moto.keys("resume-64/") == bases  # every method's copy deleted, the bases kept
         assert left() == before
@@ -184,12 +185,15 @@ def test_a_limit_slower_than_the_work_it_bounds_is_flagged(capsys: pytest.Captur
     assert bench_tables.limit_suspect([3.0, 3.2, 3.4], [2.0, 2.1, 2.2]).endswith("(the limit's runs: 3.00 3.20 3.40)")
     assert not bench_tables.limit_suspect([1.0, 1.1, 1.2], [2.0, 2.1, 2.2])
     resume = {"limit": {"resume": [2.0, 2.0, 2.0]}, "trainer": {"resume": [2.6, 2.6, 2.6]},
-              "library": {"resume": [1.0, 1.0, 1.0]}, "library_plain": {"resume": [4.0, 4.0, 4.0]}}
+              "library": {"resume": [1.0, 1.0, 1.0]}, "library_plain": {"resume": [4.0, 4.0, 4.0]},
+              "fresh": {"resume": [0.8, 0.8, 0.8]}}
     bench_tables.print_checkpoint_table([("~1 GB", 1000.0, resume)])
-    lines = {line.split("resume")[1].strip().split("  ")[0]: line for line in capsys.readouterr().out.splitlines()
-             if " resume " in line}
-    assert "1.30x" in lines["trainer"] and "2.00x" in lines["library, 3 lines"]
+    printed = [line for line in capsys.readouterr().out.splitlines() if " resume " in line]
+    lines = {line.split("resume")[1].strip().split("  ")[0]: line for line in printed if "import+read" in line}
+    assert "1.30x" in lines["trainer"] and "2.00x" in lines["library, 3 lines"] and "0.40x" in lines["fresh start, no ckpt"]
     assert "LIMIT SUSPECT" in lines["library, fast path"] and "0.50x" not in lines["library, fast path"]
+    # the library beside the same loop started with nothing to resume
+    assert [line for line in printed if "fresh start 0.80" in line and "1.25x" in line and "library, fast path" in line]
 
 
 
@@ -266,3 +270,41 @@ def test_the_repeats_are_a_setting_of_at_least_three_and_the_table_says_how_many
 
     print_checkpoint_table([], 7)
     assert "min/median of 7, interleaved" in capsys.readouterr().out
+
+
+def test_a_resume_figure_stops_at_its_line_not_at_the_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each resume method is timed to a line it prints, never to its exit (torch's and boto3's
+    teardown is 0.3-0.6 s no figure holds; the limit was once timed to its exit and the rest to
+    their line). The child below exits only once the clock has been read at its line (a file the
+    fake clock makes); a process that exits non-zero after the line has no figure."""
+    import sys
+
+    from training.trainer import bench_resume
+
+    marker = tmp_path / "clock-read"
+    readings: list[float] = []
+
+    def clock() -> float:
+        if readings:
+            marker.touch()
+        readings.append(float(len(readings)))
+        return readings[-1]
+
+    monkeypatch.setattr(bench_resume, "time", type("Clock", (), {"perf_counter": staticmethod(clock)}))
+    child = ("import pathlib, sys, time\nprint('warming', flush=True)\nprint('read 5 bytes', flush=True)\n"
+             "deadline = time.monotonic() + 120\n"
+             "while not pathlib.Path(sys.argv[1]).exists():\n"
+             "    if time.monotonic() > deadline: sys.exit(3)\n"
+             "    time.sleep(0.01)\n"
+             "sys.exit(int(sys.argv[2]))\n")
+    env = dict(os.environ)
+    assert bench_resume._timed([sys.executable, "-c", child, str(marker), "0"], tmp_path, env,
+                               r"^read \d+ bytes$", None) == 1.0
+    marker.unlink()
+    readings.clear()
+    with pytest.raises(RuntimeError, match="exited 4"):
+        bench_resume._timed([sys.executable, "-c", child, str(marker), "4"], tmp_path, env, r"^read \d+ bytes$", None)
+    # a line before "resumed from step" does not stop the clock
+    readings.clear()
+    with pytest.raises(RuntimeError, match="without reaching"):
+        bench_resume._timed([sys.executable, "-c", "print('step 2 loss 1.0')"], tmp_path, env, r"step 2 loss")

@@ -4,11 +4,14 @@ from the bucket with an empty local disk.
 
     python -m training.trainer.bench_library write  --url s3://bench/lib --width 2900
     python -m training.trainer.bench_library resume --url s3://bench/lib --width 2900 [--plain]
+    python -m training.trainer.bench_library fresh --width 2900
 
 `resume` is the fast path of docs/trainer-and-library.md: the Checkpointer made before the model
 (the newest step is fetched, checked and loaded while the model is built), the model built on the
 meta device and given memory without initial values, `resume(assign=True)`. `--plain` is the
-three-line path: the model built and initialised first, then `Checkpointer(model=..., ...)`."""
+three-line path: the model built and initialised first, then `Checkpointer(model=..., ...)`.
+`fresh` is the same loop started with no checkpoint and without the library: the model built and
+initialised, AdamW, one step (the floor under any resume of this loop)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,6 @@ import tempfile
 
 import torch
 
-from training.ckpt.checkpointer import Checkpointer
 from training.trainer.models import TinyNet
 
 
@@ -28,10 +30,12 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
     opt.zero_grad()
     torch.autograd.backward(loss)
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def write(url: str, width: int) -> None:
+    from training.ckpt.checkpointer import Checkpointer
+
     torch.manual_seed(0)
     model = TinyNet(32, width)
     opt = torch.optim.AdamW(model.parameters())
@@ -41,7 +45,18 @@ def write(url: str, width: int) -> None:
         ckpt.save(1)
 
 
+def fresh(width: int) -> int:
+    """The loop with nothing to resume: what any resume of it must do as well (never imports the library)."""
+    torch.manual_seed(0)
+    model = TinyNet(32, width)
+    opt = torch.optim.AdamW(model.parameters())
+    print(f"step 1 loss {_step(model, opt):.4f}", flush=True)
+    return 0
+
+
 def resume(url: str, width: int, plain: bool) -> int:
+    from training.ckpt.checkpointer import Checkpointer
+
     disk = tempfile.mkdtemp(prefix="gts-bench-lib-", dir=".")  # in the bench's folder for this run, removed with it
     if plain:
         model = TinyNet(32, width)
@@ -63,11 +78,15 @@ def resume(url: str, width: int, plain: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.trainer.bench_library")
-    parser.add_argument("action", choices=("write", "resume"))
-    parser.add_argument("--url", required=True)
+    parser.add_argument("action", choices=("write", "resume", "fresh"))
+    parser.add_argument("--url", help="the checkpoint's store (write and resume)")
     parser.add_argument("--width", type=int, required=True)
     parser.add_argument("--plain", action="store_true", help="the three-line path (model built first)")
     args = parser.parse_args(argv)
+    if args.action == "fresh":
+        return fresh(args.width)
+    if not args.url:
+        parser.error(f"{args.action} needs --url (the checkpoint's store, e.g. s3://bench/lib)")
     if args.action == "write":
         write(args.url, args.width)
         return 0
