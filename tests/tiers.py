@@ -40,6 +40,7 @@ SLOW_CALLABLES = frozenset({("infra.plan.engine", "run_program"), ("infra.plan._
 # stacks itself (file name -> test function names; every test of the file when empty).
 SLOW: dict[str, frozenset[str]] = {
     "test_plan_bench.py": frozenset({"test_the_plan_group_scales_the_stack_and_balances_every_run"}),  # infra/plan/bench.py
+    "test_bench.py": frozenset({"test_a_resume_figure_stops_at_its_line_not_at_the_exit"}),  # bench_resume._timed
 }
 
 
