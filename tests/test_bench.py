@@ -192,8 +192,12 @@ def test_a_limit_slower_than_the_work_it_bounds_is_flagged(capsys: pytest.Captur
     lines = {line.split("resume")[1].strip().split("  ")[0]: line for line in printed if "import+read" in line}
     assert "1.30x" in lines["trainer"] and "2.00x" in lines["library, 3 lines"] and "0.40x" in lines["fresh start, no ckpt"]
     assert "LIMIT SUSPECT" in lines["library, fast path"] and "0.50x" not in lines["library, fast path"]
-    # the library beside the same loop started with nothing to resume
+    # the library beside the same loop started with nothing to resume; a floor slower than it is flagged
     assert [line for line in printed if "fresh start 0.80" in line and "1.25x" in line and "library, fast path" in line]
+    resume["fresh"]["resume"] = [1.2, 1.2, 1.2]
+    bench_tables.print_checkpoint_table([("~1 GB", 1000.0, resume)])
+    floor = [line for line in capsys.readouterr().out.splitlines() if "fresh start 1.20" in line]
+    assert floor and "LIMIT SUSPECT" in floor[0] and "0.83x" not in floor[0]
 
 
 
@@ -308,3 +312,17 @@ def test_a_resume_figure_stops_at_its_line_not_at_the_exit(tmp_path: Path, monke
     readings.clear()
     with pytest.raises(RuntimeError, match="without reaching"):
         bench_resume._timed([sys.executable, "-c", "print('step 2 loss 1.0')"], tmp_path, env, r"step 2 loss")
+
+
+@pytest.mark.parametrize("child", [
+    "import threading; threading.Event().wait()",  # prints nothing, never exits
+    "import os, threading; print('read 5 bytes', flush=True); os.close(1); threading.Event().wait()",  # its line, then hangs
+])
+def test_a_resume_method_that_never_exits_is_killed_and_has_no_figure(tmp_path: Path, child: str) -> None:
+    import sys
+
+    from training.trainer import bench_resume
+
+    with pytest.raises(RuntimeError, match="was killed after 1 s"):
+        bench_resume._timed([sys.executable, "-c", child], tmp_path, dict(os.environ), r"^read \d+ bytes$", None,
+                            timeout_s=1.0)

@@ -41,14 +41,18 @@ class _S3:
                 body = DATA + b"x" * 10 if how == "longer" else DATA
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
-                if how == "chunked":
+                if how in ("chunked", "tiny"):
                     self.send_header("Transfer-Encoding", "chunked")
                     self.end_headers()
-                    pos, sizes = 0, [1, 4096, 1, 1 << 20, 3, 65536]
-                    while pos < len(body):
-                        piece = body[pos:pos + sizes[pos % len(sizes)]]
-                        self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    # "tiny": 3,000 one-byte HTTP chunks, then the rest in one; else sizes in turn
+                    sizes = [1] * 3000 + [len(body)] if how == "tiny" else [1, 4096, 1, 1 << 20, 3, 65536] * 8
+                    pos = 0
+                    for size in sizes:
+                        piece = body[pos:pos + size]
+                        if piece:
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                         pos += len(piece)
+                    assert pos == len(body)
                     self.wfile.write(b"0\r\n\r\n")
                     return
                 self.send_header("Content-Length", str(len(body)))
@@ -131,12 +135,27 @@ def test_more_bytes_than_the_manifest_lists_are_refused_at_once(tmp_path: Path, 
     assert server.gets == 1 and not dest.exists()
 
 
+def _body(content: Any) -> Any:
+    from aiobotocore.response import AioStreamingBody
+
+    return AioStreamingBody(type("Raw", (), {"content": content})(), None)
+
+
+def _drain(next_bytes: Any) -> list[bytes]:
+    import asyncio
+
+    async def drain() -> list[bytes]:
+        got = []
+        while chunk := await next_bytes():
+            got.append(chunk)
+        return got
+    return asyncio.run(drain())
+
+
 def test_an_http_chunk_end_is_not_the_end_of_the_body() -> None:
     """aiohttp's readchunk returns (b"", True) where an HTTP chunk ended after its bytes were
     already taken (the chunk's last bytes and its CRLF in different reads: timing the server
     above cannot force), and (b"", False) at the body's end."""
-    import asyncio
-
     from training.ckpt.fetch import _next_bytes
 
     script = [(b"ab", False), (b"", True), (b"", True), (b"cd", True), (b"", False)]
@@ -145,13 +164,68 @@ def test_an_http_chunk_end_is_not_the_end_of_the_body() -> None:
         async def readchunk(self) -> tuple[bytes, bool]:
             return script.pop(0)
 
-    body = type("Body", (), {"raw_stream": type("Raw", (), {"content": Content()})()})()
-    next_bytes = _next_bytes(body)
+        def at_eof(self) -> bool:
+            return False
 
-    async def drain() -> list[bytes]:
-        got = []
-        while chunk := await next_bytes():
-            got.append(chunk)
-        return got
+    assert _drain(_next_bytes(_body(Content()))) == [b"ab", b"cd"] and not script
 
-    assert asyncio.run(drain()) == [b"ab", b"cd"] and not script
+
+def test_aiohttps_shared_empty_body_ends_every_time() -> None:
+    """aiohttp gives a bodiless answer (Content-Length: 0 under its Python parser) one shared
+    empty reader, whose readchunk says (b"", False) once per process and (b"", True) after:
+    every empty body still ends, none spins."""
+    from aiohttp.streams import EMPTY_PAYLOAD
+
+    from training.ckpt.fetch import _next_bytes
+
+    calls = []
+
+    class Counting:
+        async def readchunk(self) -> tuple[bytes, bool]:
+            calls.append(1)
+            assert len(calls) < 100, "readchunk called without end"
+            return await EMPTY_PAYLOAD.readchunk()
+
+        def at_eof(self) -> bool:
+            return EMPTY_PAYLOAD.at_eof()
+
+    for _ in range(3):
+        assert _drain(_next_bytes(_body(Counting()))) == []
+    assert len(calls) == 3
+
+
+def test_another_transports_body_is_read_in_pieces() -> None:
+    from training.ckpt.fetch import PIECE, _next_bytes
+
+    asked: list[int] = []
+
+    class Body:  # not aiobotocore's aiohttp body (its httpx one, a test double)
+        raw_stream = property(lambda self: (_ for _ in ()).throw(RuntimeError("not read")))
+
+        def __init__(self) -> None:
+            self.left = [b"xy", b""]
+
+        async def read(self, n: int) -> bytes:
+            asked.append(n)
+            return self.left.pop(0)
+
+    assert _drain(_next_bytes(Body())) == [b"xy"] and asked == [PIECE, PIECE]
+
+
+def test_a_body_of_tiny_chunks_is_held_as_few_objects(tmp_path: Path, store: tuple[_S3, Any],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from training.ckpt import fetch
+
+    server, fs = store
+    server.behaviours = ["tiny"]
+    most: list[int] = []
+    put = fetch._Sink.put
+
+    def counted(self: Any, chunks: list[bytes]) -> Any:
+        most.append(len(chunks))
+        return put(self, chunks)
+
+    monkeypatch.setattr(fetch._Sink, "put", counted)
+    dest = tmp_path / "model.pt.part"
+    fetch.fetch_retrying(fs, "b/k", dest, _meta(), CheckpointError, wait_max_s=0)
+    assert dest.read_bytes() == DATA and most and max(most) <= fetch.MAX_CHUNKS

@@ -29,6 +29,7 @@ from training.ckpt.digest import StreamHasher, expected
 from training.ckpt.storage import permanent_cause
 
 PIECE = 8 << 20  # bytes handed to the hashing writer at once
+MAX_CHUNKS = 1024  # received chunks held before they are joined: a body of tiny chunks stays a few objects
 ATTEMPTS = 4  # a dropped connection or a 5xx mid-file: the whole file again, a few times
 
 
@@ -74,22 +75,29 @@ class _Sink:
 
 
 def _next_bytes(body: Any) -> Callable[[], Awaitable[bytes]]:
-    """The response body's next bytes, b"" at its end. With aiohttp (aiobotocore's transport):
-    each chunk as it was received, one at a time (`StreamReader.readchunk`). `body.read(n)`
-    joins every chunk waiting in aiohttp's buffer into a new bytes object, a copy of the whole
-    file into fresh memory: 0.97-1.06 s of CPU for a 1 GB GET from the bench's store, against
-    0.82-0.84 s chunk by chunk (docs/goodput-and-bench.md). The size is still checked against the
-    manifest (the sink), and a connection closed early is aiohttp's ClientPayloadError, retried
-    as before. Another transport (aiobotocore's httpx one) reads with `body.read(PIECE)`."""
-    content = getattr(getattr(body, "raw_stream", None), "content", None)
-    readchunk = getattr(content, "readchunk", None)
-    if readchunk is None:
+    """The response body's next bytes, b"" at its end. With aiobotocore's aiohttp transport: each
+    chunk as it was received, one at a time (aiohttp's `StreamReader.readchunk`; a chunk of a
+    chunked body as aiohttp hands it). `body.read(n)` joins every chunk waiting in aiohttp's
+    buffer into a new bytes object, a copy of the whole file into fresh memory: 0.97-1.06 s of
+    the process's CPU for a 1 GB GET from the bench's store against 0.82-0.84 s chunk by chunk
+    (docs/goodput-and-bench.md). The size is still checked against the manifest (the sink), a
+    body cut short is aiohttp's ClientPayloadError, and a read that times out its
+    ServerTimeoutError: both retried as before. Any other body (aiobotocore's httpx transport)
+    is read with `body.read(PIECE)`."""
+    try:
+        from aiobotocore.response import AioStreamingBody
+    except ImportError:  # no aiobotocore: the body is not s3fs's
+        return lambda: body.read(PIECE)
+    content = body.raw_stream.content if isinstance(body, AioStreamingBody) else None
+    if content is None or not hasattr(content, "readchunk"):
         return lambda: body.read(PIECE)
 
     async def received() -> bytes:
         while True:
-            data, http_chunk_end = await readchunk()
-            if data or not http_chunk_end:  # (b"", True) ends an HTTP chunk, not the body
+            data, http_chunk_end = await content.readchunk()
+            # (b"", True) ends an HTTP chunk, not the body; aiohttp's shared empty body answers
+            # (b"", True) from its second call on, so its end is read from at_eof.
+            if data or not http_chunk_end or content.at_eof():
                 return data  # type: ignore[no-any-return]
     return received
 
@@ -107,6 +115,8 @@ async def _stream_s3(fs: Any, key: str, sink: _Sink) -> None:
             if chunk:
                 chunks.append(chunk)
                 held += len(chunk)
+                if len(chunks) >= MAX_CHUNKS:  # tiny chunks (a store's choice): held as one object
+                    chunks = [b"".join(chunks)]
             if held >= PIECE or (not chunk and chunks):
                 if sink._pending is not None:
                     await asyncio.wrap_future(sink._pending)  # the loop keeps serving other transfers

@@ -10,8 +10,8 @@ from the bucket with an empty local disk.
 (the newest step is fetched, checked and loaded while the model is built), the model built on the
 meta device and given memory without initial values, `resume(assign=True)`. `--plain` is the
 three-line path: the model built and initialised first, then `Checkpointer(model=..., ...)`.
-`fresh` is the same loop started with no checkpoint and without the library: the model built and
-initialised, AdamW, one step (the floor under any resume of this loop)."""
+`fresh` is the same loop with no checkpoint and without the library: the model built as the fast
+path builds it and zero-filled, AdamW, one step (the floor under any resume of this loop)."""
 
 from __future__ import annotations
 
@@ -46,9 +46,16 @@ def write(url: str, width: int) -> None:
 
 
 def fresh(width: int) -> int:
-    """The loop with nothing to resume: what any resume of it must do as well (never imports the library)."""
-    torch.manual_seed(0)
-    model = TinyNet(32, width)
+    """The loop with nothing to resume, less what a resume need not do: the model built as the
+    fast path builds it (on the meta device, then given memory without initial values), that
+    memory zero-filled (a resume's loaded values are written once too; no uninitialised values
+    in the step), AdamW, one step. Never imports the library."""
+    with torch.device("meta"):
+        model = TinyNet(32, width)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.zero_()
     opt = torch.optim.AdamW(model.parameters())
     print(f"step 1 loss {_step(model, opt):.4f}", flush=True)
     return 0

@@ -3,13 +3,14 @@ checkpoint from the bucket with an empty local disk, timed from process start to
 
 The methods of one group run interleaved like every other group's (bench.interleaved):
   limit          a fresh process that imports torch and GETs the library checkpoint's bytes
-  fresh          the library method's loop started with no checkpoint at all: import torch, build
-                 the model and AdamW, take a step. Any resume of that loop does this much too, so
-                 it is the floor under the resume rows that the import + read limit leaves out
+  fresh          the library method's loop with no checkpoint at all: import torch, the model given
+                 memory without initial values (as the fast path builds it) and zero-filled,
+                 AdamW, one step. Any resume of that loop does this much too, so it is the floor
+                 under the resume rows that the import + read limit leaves out
   trainer        the reference trainer (training/trainer/train.py)
   library        the checkpoint library on the fast path its docs give (training/trainer/bench_library.py)
   library_plain  the library's three-line path (the model built and initialised first)
-Each method reads its own server-side copy of a checkpoint written once before the group
+Each method that reads a checkpoint reads its own server-side copy of one written once before the group
 (untimed), so none of them runs "right after the upload" more often than another, and each copy
 is deleted after its run (the store keeps objects in memory). Every method is timed from its
 start to a line it prints (the limit's after its last byte, the others' after their first step),
@@ -20,8 +21,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,19 +62,22 @@ class ResumeGroup:
 
     def _method(self, name: str) -> Callable[[int], dict[str, float]]:
         def run(rep: int) -> dict[str, float]:
+            cwd = self.work / f"resume-{self.width}-{name}-{rep}"
+            cwd.mkdir(parents=True)
+            if name == "fresh":  # reads no checkpoint
+                try:
+                    return {"resume": _timed([sys.executable, "-m", "training.trainer.bench_library", "fresh", "--width",
+                                              str(self.width)], cwd, self.env, r"^step 1 loss", None)}
+                finally:
+                    shutil.rmtree(cwd, ignore_errors=True)
             base = self.trainer_base if name == "trainer" else self.library_base
             prefix = f"resume-{self.width}/{name}-{rep}"
             _copy(self.env, self.bucket, base, prefix)
             remote = f"s3://{self.bucket}/{prefix}"
-            cwd = self.work / f"resume-{self.width}-{name}-{rep}"
-            cwd.mkdir(parents=True)
             try:
                 if name == "limit":
                     return {"resume": _timed([sys.executable, "-c", _READ, self.env["STORAGE_ENDPOINT_URL"],
                                               f"{self.bucket}/{prefix}"], cwd, self.env, r"^read \d+ bytes$", None)}
-                if name == "fresh":
-                    return {"resume": _timed([sys.executable, "-m", "training.trainer.bench_library", "fresh", "--width",
-                                              str(self.width)], cwd, self.env, r"^step 1 loss", None)}
                 if name == "trainer":
                     cmd = [*self._trainer_cmd(remote), "--steps", "2", "--checkpoint-every", "100",
                            "--upload-deadline-s", "0", "--allow-config-change"]
@@ -85,24 +91,38 @@ class ResumeGroup:
         return run
 
 
+TIMEOUT_S = 600.0  # a method's process, start to exit: past it the process is killed, no figure
+
+
 def _timed(cmd: list[str], cwd: Path, env: dict[str, str], until: str,
-           after: str | None = "resumed from step") -> float:
+           after: str | None = "resumed from step", timeout_s: float = TIMEOUT_S) -> float:
     """Seconds from starting `cmd` to its first line matching `until` once a line holding `after`
     has been printed (at once, for None). The clock stops at that line, not at the exit; the
-    process must still exit 0, or there is no figure: an error with its last lines."""
+    process must still exit 0 within `timeout_s` of its start (it is killed otherwise, even one
+    that prints nothing or keeps its output open), or there is no figure: an error with its last
+    lines."""
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    ready, seen, elapsed = after is None, [], None
-    for line in proc.stdout:
-        seen.append(line)
-        ready = ready or (after is not None and after in line)
-        if elapsed is None and ready and re.search(until, line.rstrip("\n")):
-            elapsed = time.perf_counter() - started
-    code = proc.wait(timeout=600)
+    watchdog = threading.Timer(timeout_s, proc.kill)
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        ready, seen, elapsed = after is None, [], None
+        for line in proc.stdout:
+            seen.append(line)
+            ready = ready or (after is not None and after in line)
+            if elapsed is None and ready and re.search(until, line.rstrip("\n")):
+                elapsed = time.perf_counter() - started
+        code = proc.wait()
+    finally:
+        watchdog.cancel()
+        proc.kill()  # nothing when it has exited; a process that closed its output early is not left
+        proc.wait()
     if elapsed is not None and code == 0:
         return elapsed
-    raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {code} without reaching {until!r}:\n{''.join(seen[-20:])}")
+    what = (f"was killed after {timeout_s:.0f} s" if code == -signal.SIGKILL else f"exited {code}")
+    reached = "after reaching" if elapsed is not None else "without reaching"
+    raise RuntimeError(f"{' '.join(cmd[:4])} ... {what} {reached} {until!r}:\n{''.join(seen[-20:])}")
 
 
 _READ = """

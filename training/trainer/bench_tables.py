@@ -51,7 +51,8 @@ def print_checkpoint_table(rows: list[tuple[str, float, Figures]], repeats: int 
             if "fresh" in f and "library" in f:
                 # The same loop with nothing to resume, a floor the import + read limit leaves out
                 # (building the model and the optimizer, the first step): what a resume adds to it.
-                line(label, "resume", "library, fast path", f["library"]["resume"], "fresh start", f["fresh"]["resume"])
+                floor, fast = f["fresh"]["resume"], f["library"]["resume"]
+                line(label, "resume", "library, fast path", fast, "fresh start", floor, suspect=limit_suspect(floor, fast))
 
 
 def limit_suspect(limit: list[float], doing_more: list[float]) -> str:
