@@ -316,7 +316,10 @@ def test_a_resume_figure_stops_at_its_line_not_at_the_exit(tmp_path: Path, monke
 
 @pytest.mark.parametrize("child", [
     "import threading; threading.Event().wait()",  # prints nothing, never exits
-    "import os, threading; print('read 5 bytes', flush=True); os.close(1); threading.Event().wait()",  # its line, then hangs
+    # its line, then its output closed and a child of its own holding it open (a hang after the line)
+    "import os, subprocess, sys, threading; print('read 5 bytes', flush=True); "
+    "subprocess.Popen([sys.executable, '-c', 'import threading; threading.Event().wait()']); "
+    "os.close(1); os.close(2); threading.Event().wait()",
 ])
 def test_a_resume_method_that_never_exits_is_killed_and_has_no_figure(tmp_path: Path, child: str) -> None:
     import sys

@@ -29,7 +29,7 @@ from training.ckpt.digest import StreamHasher, expected
 from training.ckpt.storage import permanent_cause
 
 PIECE = 8 << 20  # bytes handed to the hashing writer at once
-MAX_CHUNKS = 1024  # received chunks held before they are joined: a body of tiny chunks stays a few objects
+MAX_CHUNKS = 1024  # received chunks joined into one: a piece of tiny chunks is a few thousand objects, not millions
 ATTEMPTS = 4  # a dropped connection or a 5xx mid-file: the whole file again, a few times
 
 
@@ -109,19 +109,20 @@ async def _stream_s3(fs: Any, key: str, sink: _Sink) -> None:
     next_bytes = _next_bytes(body)
     try:
         chunks: list[bytes] = []
-        held = 0
+        held = joined = 0
         while True:
             chunk = await next_bytes()
             if chunk:
                 chunks.append(chunk)
                 held += len(chunk)
-                if len(chunks) >= MAX_CHUNKS:  # tiny chunks (a store's choice): held as one object
-                    chunks = [b"".join(chunks)]
+                if len(chunks) - joined >= MAX_CHUNKS:  # tiny chunks (a store's choice): the ones since
+                    chunks[joined:] = [b"".join(chunks[joined:])]  # the last join become one, each byte copied once
+                    joined = len(chunks)
             if held >= PIECE or (not chunk and chunks):
                 if sink._pending is not None:
                     await asyncio.wrap_future(sink._pending)  # the loop keeps serving other transfers
                 sink.put(chunks)
-                chunks, held = [], 0
+                chunks, held, joined = [], 0, 0
             if not chunk:
                 return
     finally:

@@ -18,6 +18,7 @@ never to its exit: an exit (torch's and boto3's teardown) takes 0.3-0.6 s that n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -63,8 +64,8 @@ class ResumeGroup:
     def _method(self, name: str) -> Callable[[int], dict[str, float]]:
         def run(rep: int) -> dict[str, float]:
             cwd = self.work / f"resume-{self.width}-{name}-{rep}"
-            cwd.mkdir(parents=True)
             if name == "fresh":  # reads no checkpoint
+                cwd.mkdir(parents=True)
                 try:
                     return {"resume": _timed([sys.executable, "-m", "training.trainer.bench_library", "fresh", "--width",
                                               str(self.width)], cwd, self.env, r"^step 1 loss", None)}
@@ -75,6 +76,7 @@ class ResumeGroup:
             _copy(self.env, self.bucket, base, prefix)
             remote = f"s3://{self.bucket}/{prefix}"
             try:
+                cwd.mkdir(parents=True)
                 if name == "limit":
                     return {"resume": _timed([sys.executable, "-c", _READ, self.env["STORAGE_ENDPOINT_URL"],
                                               f"{self.bucket}/{prefix}"], cwd, self.env, r"^read \d+ bytes$", None)}
@@ -102,8 +104,17 @@ def _timed(cmd: list[str], cwd: Path, env: dict[str, str], until: str,
     that prints nothing or keeps its output open), or there is no figure: an error with its last
     lines."""
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    watchdog = threading.Timer(timeout_s, proc.kill)
+    # its own process group: the watchdog ends whatever it started that still holds its output
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    timed_out = threading.Event()
+
+    def expire() -> None:
+        timed_out.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(timeout_s, expire)
     watchdog.start()
     try:
         assert proc.stdout is not None
@@ -120,7 +131,7 @@ def _timed(cmd: list[str], cwd: Path, env: dict[str, str], until: str,
         proc.wait()
     if elapsed is not None and code == 0:
         return elapsed
-    what = (f"was killed after {timeout_s:.0f} s" if code == -signal.SIGKILL else f"exited {code}")
+    what = f"was killed after {timeout_s:.0f} s" if timed_out.is_set() else f"exited {code}"
     reached = "after reaching" if elapsed is not None else "without reaching"
     raise RuntimeError(f"{' '.join(cmd[:4])} ... {what} {reached} {until!r}:\n{''.join(seen[-20:])}")
 
