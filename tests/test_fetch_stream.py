@@ -149,7 +149,13 @@ def _drain(next_bytes: Any) -> list[bytes]:
         while chunk := await next_bytes():
             got.append(chunk)
         return got
-    return asyncio.run(drain())
+    # A loop of its own, never the thread's: asyncio.run leaves the main thread with no current
+    # loop, and the Pulumi mock engine's tests after this one in the process ask for it.
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(drain())
+    finally:
+        loop.close()
 
 
 def test_an_http_chunk_end_is_not_the_end_of_the_body() -> None:
@@ -168,6 +174,12 @@ def test_an_http_chunk_end_is_not_the_end_of_the_body() -> None:
             return False
 
     assert _drain(_next_bytes(_body(Content()))) == [b"ab", b"cd"] and not script
+    import asyncio
+    import warnings
+
+    with warnings.catch_warnings():  # the main thread still has a loop to give, as the mock engine's tests ask
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert asyncio.get_event_loop_policy().get_event_loop() is not None
 
 
 def test_aiohttps_shared_empty_body_ends_every_time() -> None:
