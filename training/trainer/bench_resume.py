@@ -63,23 +63,21 @@ class ResumeGroup:
 
     def _method(self, name: str) -> Callable[[int], dict[str, float]]:
         def run(rep: int) -> dict[str, float]:
-            cwd = self.work / f"resume-{self.width}-{name}-{rep}"
-            if name == "fresh":  # reads no checkpoint
-                cwd.mkdir(parents=True)
-                try:
-                    return {"resume": _timed([sys.executable, "-m", "training.trainer.bench_library", "fresh", "--width",
-                                              str(self.width)], cwd, self.env, r"^step 1 loss", None)}
-                finally:
-                    shutil.rmtree(cwd, ignore_errors=True)
+            reads = name != "fresh"  # the fresh start reads no checkpoint
             base = self.trainer_base if name == "trainer" else self.library_base
             prefix = f"resume-{self.width}/{name}-{rep}"
-            _copy(self.env, self.bucket, base, prefix)
+            if reads:
+                _copy(self.env, self.bucket, base, prefix)
             remote = f"s3://{self.bucket}/{prefix}"
+            cwd = self.work / f"resume-{self.width}-{name}-{rep}"
             try:
                 cwd.mkdir(parents=True)
                 if name == "limit":
                     return {"resume": _timed([sys.executable, "-c", _READ, self.env["STORAGE_ENDPOINT_URL"],
                                               f"{self.bucket}/{prefix}"], cwd, self.env, r"^read \d+ bytes$", None)}
+                if name == "fresh":
+                    return {"resume": _timed([sys.executable, "-m", "training.trainer.bench_library", "fresh", "--width",
+                                              str(self.width)], cwd, self.env, r"^step 1 loss", None)}
                 if name == "trainer":
                     cmd = [*self._trainer_cmd(remote), "--steps", "2", "--checkpoint-every", "100",
                            "--upload-deadline-s", "0", "--allow-config-change"]
@@ -89,7 +87,8 @@ class ResumeGroup:
                 return {"resume": _timed(cmd, cwd, self.env, r"step 2 loss")}
             finally:
                 shutil.rmtree(cwd, ignore_errors=True)
-                _forget(self.env, self.bucket, prefix)
+                if reads:
+                    _forget(self.env, self.bucket, prefix)
         return run
 
 
