@@ -45,13 +45,13 @@ def _slow_commits(seconds: float, at_step: int) -> None:
 
 def _full_disk(at_step: int) -> None:
     """The background write of step `at_step` (-1: every step) fails as on a full disk."""
-    original: Callable[[Any, Path], tuple[int, str]] = getattr(checkpoint, "save_hashed")
+    original: Callable[..., tuple[int, str]] = getattr(checkpoint, "save_hashed")
 
-    def full(obj: Any, path: Path) -> tuple[int, str]:
+    def full(obj: Any, path: Path, *copying: Any) -> tuple[int, str]:
         if at_step in (-1, int(path.parent.name.split("-")[1].split(".")[0])):
             log.warning("fault injection: no space left writing %s", path.parent.name)
             raise OSError(28, "No space left on device")
-        return original(obj, path)
+        return original(obj, path, *copying)
 
     setattr(checkpoint, "save_hashed", full)
 

@@ -36,9 +36,9 @@ def test_save_returns_before_the_write_and_everything_after_waits_for_it(tmp_pat
     gate = threading.Event()
     original = staging.save_hashed
 
-    def held(obj: Any, path: Path) -> tuple[int, str]:
+    def held(obj: Any, path: Path, *copying: Any) -> tuple[int, str]:
         gate.wait(30)
-        return original(obj, path)
+        return original(obj, path, *copying)
 
     monkeypatch.setattr(ck, "save_hashed", held)
     mgr = CheckpointManager(str(tmp_path), None, TOPO)
@@ -82,7 +82,7 @@ def test_a_failed_background_write_is_reported_and_the_previous_step_stays(tmp_p
     mgr = CheckpointManager(str(tmp_path), None, TOPO)
     mgr.save(1, _state(1.0), {"x": torch.ones(1)}, lambda: None)
 
-    def full_disk(obj: Any, path: Path) -> tuple[int, str]:
+    def full_disk(obj: Any, path: Path, *copying: Any) -> tuple[int, str]:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ck, "save_hashed", full_disk)

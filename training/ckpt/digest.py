@@ -35,18 +35,19 @@ FORMAT = 3  # the manifest format this code writes; it reads 1 to 3
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
-def _new(kind: str) -> Any:
+def hasher(kind: str = PIECES) -> Any:
+    """A new hash object of `kind`: one piece's (blake3, sha256) or a sha256 stream's."""
     return blake3.blake3() if kind == PIECES else hashlib.sha256()
 
 
 def combine(digests: list[bytes], kind: str = PIECES) -> str:
-    whole = _new(kind)
+    whole = hasher(kind)
     whole.update(b"".join(digests))
     return str(whole.hexdigest())
 
 
 def piece_digest(data: Any, kind: str = PIECES) -> bytes:
-    piece = _new(kind)
+    piece = hasher(kind)
     piece.update(data)  # both release the GIL on large buffers
     return bytes(piece.digest())
 
@@ -70,7 +71,7 @@ class StreamHasher:
 
     def __init__(self, kind: str):
         self.kind = kind
-        self._hash = _new(kind)
+        self._hash = hasher(kind)
         self._fill = 0
         self._digests: list[bytes] = []
 
@@ -86,7 +87,7 @@ class StreamHasher:
             view = view[take:]
             if self._fill == PIECE:
                 self._digests.append(self._hash.digest())
-                self._hash, self._fill = _new(self.kind), 0
+                self._hash, self._fill = hasher(self.kind), 0
 
     def hexdigest(self) -> str:
         if self.kind == "sha256":

@@ -13,7 +13,7 @@ import re
 import shutil
 import threading
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,7 +155,19 @@ def storage_sizes(state: Any) -> dict[int, int]:
     sparse tensor is the tensors torch.save writes for it (`_sparse_parts`), not its dense size;
     another layout without a storage counts its elements. Tensors inside other objects are not
     seen."""
-    sizes: dict[int, int] = {}
+    return {key: size for key, size, _ in _storages(state)}
+
+
+def cpu_spans(state: Any) -> list[tuple[int, int]]:
+    """(address, bytes) of the non-empty storages in host memory that torch.save writes for
+    `state` (as storage_sizes finds them): the memory its writes of tensor bytes come from."""
+    return [(storage.data_ptr(), size) for _, size, storage in _storages(state)
+            if storage is not None and size and storage.device.type == "cpu"]
+
+
+def _storages(state: Any) -> Iterator[tuple[int, int, torch.UntypedStorage | None]]:
+    """(key, bytes, storage or None) of each storage of storage_sizes, once."""
+    keys: set[int] = set()
     seen: set[int] = set()
     stack = [state]
     while stack:
@@ -167,14 +179,17 @@ def storage_sizes(state: Any) -> dict[int, int]:
                 parts = _sparse_parts(value)
                 if parts:
                     stack.extend(parts)
-                else:
-                    sizes[id(value)] = value.nelement() * value.element_size()
+                elif id(value) not in keys:
+                    keys.add(id(value))
+                    yield id(value), value.nelement() * value.element_size(), None
                 continue
-            sizes[storage.data_ptr() or id(value)] = storage.nbytes()  # empty storages share address 0
+            key = storage.data_ptr() or id(value)  # empty storages share address 0
+            if key not in keys:
+                keys.add(key)
+                yield key, storage.nbytes(), storage
         elif isinstance(value, (Mapping, list, tuple)) and id(value) not in seen:
             seen.add(id(value))
             stack.extend(value.values() if isinstance(value, Mapping) else value)
-    return sizes
 
 
 def state_bytes(state: Any) -> int:

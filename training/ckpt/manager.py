@@ -52,7 +52,7 @@ from training.ckpt.loader import BucketTier, DiskTier, Loader
 from training.ckpt.tiers import Tier
 from training.ckpt.uploader import Uploader
 from training.ckpt.lease import Lease, take
-from training.ckpt.staging import Stager, save_hashed
+from training.ckpt.staging import Staged, Stager, save_hashed
 from training.ckpt.storage import Location, location
 
 log = logging.getLogger("gts.checkpoint")
@@ -241,16 +241,18 @@ class CheckpointManager:
                 self.uploads.prune_local()
                 self.uploads.queue_upload(step)
             else:
-                staged = self._stager.stage(model_state)
+                staged, copies = self._stager.plan(model_state)
+                copying = Staged(staged, copying=True)  # the writer starts on each storage once it is copied
                 # Not a daemon: an exiting process waits for the checkpoint it already reported.
-                writer = threading.Thread(target=self._write_and_commit, args=(step, staged, tmp, final),
+                writer = threading.Thread(target=self._write_and_commit, args=(step, staged, tmp, final, copying),
                                           name="checkpoint-write", daemon=False)
                 self.writes.start(writer)
+                self._stager.fill(copies, copying)
         return time.perf_counter() - start
 
-    def _write_and_commit(self, step: int, staged: dict[str, Any], tmp: Path, final: Path) -> None:
+    def _write_and_commit(self, step: int, staged: dict[str, Any], tmp: Path, final: Path, copying: Staged) -> None:
         def write() -> None:
-            size, digest = save_hashed(staged, tmp / MODEL_FILE)
+            size, digest = save_hashed(staged, tmp / MODEL_FILE, copying)
             self._commit(step, tmp, final, known={MODEL_FILE: (size, digest)})
         self._written(step, tmp, write, needed=state_bytes(staged))
 

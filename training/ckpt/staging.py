@@ -7,6 +7,7 @@ serialiser's time: 3.8 s -> 0.5 s per GB measured here)."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import io
@@ -22,7 +23,7 @@ import torch
 import torch.utils.serialization  # the save config (not imported by `import torch`)
 
 from training.ckpt import digest
-from training.ckpt.files import storage_sizes
+from training.ckpt.files import cpu_spans, storage_sizes
 from training.ckpt.direct import STORAGE_ALIGNMENT, DirectFile, aligned_empty
 
 
@@ -35,27 +36,52 @@ class Stager:
         self.bytes = 0
 
     def stage(self, state: Any) -> Any:
-        staged = self._copy(state, ())
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking copies have landed: the loop may change the originals
+        staged, copies = self.plan(state)
+        self.fill(copies)
         return staged
 
-    def _copy(self, value: Any, path: tuple[Any, ...]) -> Any:
+    def plan(self, state: Any) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The staged state (this stager's buffers in the state's place, made where missing, other
+        values copied) and its copies still to make, (buffer, source) in the state's order."""
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        return self._copy(state, (), copies), copies
+
+    @staticmethod
+    def fill(copies: list[tuple[torch.Tensor, torch.Tensor]], staged: Staged | None = None) -> None:
+        """Make `copies` (plan's), in order, telling `staged` (a save already writing them) as each
+        is in: a copy from host memory at once, one from a GPU once every copy has landed. Returns
+        when the loop may change the originals; a copy that fails fails `staged` too."""
+        try:
+            for buffer, source in copies:
+                buffer.copy_(source, non_blocking=source.is_cuda)
+                if staged is not None and not source.is_cuda:
+                    staged.arrived(buffer)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the non-blocking copies have landed: the loop may change the originals
+        except BaseException as exc:
+            if staged is not None:
+                staged.failed(exc)
+            raise
+        if staged is not None:
+            staged.complete()
+
+    def _copy(self, value: Any, path: tuple[Any, ...], copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         if isinstance(value, torch.Tensor):
-            return self._tensor(value, path)
+            return self._tensor(value, path, copies)
         if isinstance(value, Mapping):
             copied = type(value)() if isinstance(value, OrderedDict) else {}
             for k, v in value.items():
-                copied[k] = self._copy(v, (*path, k))
+                copied[k] = self._copy(v, (*path, k), copies)
             if hasattr(value, "_metadata"):  # a module state_dict's versions (load_state_dict reads them)
                 setattr(copied, "_metadata", copy.deepcopy(getattr(value, "_metadata")))
             return copied
         if isinstance(value, (list, tuple)):
-            items = [self._copy(v, (*path, i)) for i, v in enumerate(value)]
+            items = [self._copy(v, (*path, i), copies) for i, v in enumerate(value)]
             return items if isinstance(value, list) else tuple(items)
         return copy.deepcopy(value)
 
-    def _tensor(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+    def _tensor(self, tensor: torch.Tensor, path: tuple[Any, ...],
+                copies: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         source = tensor.detach()
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
@@ -65,25 +91,82 @@ class Stager:
                 buffer = aligned_empty(source.shape, source.dtype)
             self._buffers[path] = buffer
             self.bytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
-        buffer.copy_(source, non_blocking=source.is_cuda)
+        copies.append((buffer, source))
         return buffer
+
+
+class CopyFailed(Exception):
+    """The loop's copy of the state failed while a save was writing it: the step is not committed."""
+
+
+class Staged:
+    """The host memory of a state's storages (files.cpu_spans), by address: what a HashingWriter
+    may hash after a write has returned, as it stays as it is until save_hashed returns. For a
+    state still being copied (Stager.fill: the writer starts while the loop copies, issue 44), each
+    storage's copy is waited for before it is written, and nothing is hashed until every copy is
+    in: the hash threads would take the cores the loop's copy runs on."""
+
+    def __init__(self, state: Any, copying: bool = False):
+        spans = sorted(cpu_spans(state))
+        self._starts = [start for start, _ in spans]
+        self._ends = [start + size for start, size in spans]
+        self._in = [threading.Event() for _ in spans]
+        self.all_in = threading.Event()
+        self._error: BaseException | None = None
+        if not copying:
+            self.complete()
+
+    def holding(self, view: memoryview) -> int | None:
+        """The span that holds all of `view`'s bytes, or None."""
+        if not len(view):
+            return None
+        address = torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+        k = bisect.bisect_right(self._starts, address) - 1
+        return k if k >= 0 and address + len(view) <= self._ends[k] else None
+
+    def wait(self, span: int | None = None) -> None:
+        """Until `span`'s copy is in (every copy, for None); raises CopyFailed if the copy failed."""
+        (self.all_in if span is None else self._in[span]).wait()
+        self.check()
+
+    def check(self) -> None:
+        """Raises CopyFailed if the copy failed."""
+        if self._error is not None:
+            raise CopyFailed(f"the copy of the state failed: {self._error!r}")
+
+    def arrived(self, buffer: torch.Tensor) -> None:
+        k = bisect.bisect_right(self._starts, buffer.untyped_storage().data_ptr()) - 1
+        if k >= 0:
+            self._in[k].set()
+
+    def complete(self) -> None:
+        for event in self._in:
+            event.set()
+        self.all_in.set()
+
+    def failed(self, error: BaseException) -> None:
+        self._error = error
+        self.complete()
 
 
 class HashingWriter(io.RawIOBase):
     """A write-only file that hashes what passes through it as the manifest's `blake3_pieces`
     (training/ckpt/digest.py): the bytes are cut at every 8 MiB of the file, and each piece is hashed
-    on a pool of helper threads while the caller's thread writes. The hash and the write both
-    release the GIL, so on N cores a checkpoint costs about the write, not one sha256 stream
-    (1 GB/s here, twice the disk's write + fsync). A large write (torch hands over a tensor's
-    whole storage in one call) is hashed in place; the pieces of it are hashed before `write`
-    returns (the caller's buffer may be freed afterwards). Small writes and the ends of large
-    ones gather in a buffer of their own until it holds a whole piece."""
+    on a pool of helper threads as soon as it is whole, while the caller's thread writes on. The
+    hash and the write both release the GIL, so on N cores a checkpoint costs about the write,
+    not one sha256 stream (1 GB/s here, twice the disk's write + fsync). The bytes of `staged`'s
+    storages are hashed where they are, never copied (they stay until save_hashed returns); any
+    other write (torch's records, a few bytes each) is copied as it comes. Copying every piece
+    that straddles writes instead cost up to two pieces per large storage (issue 44). With a
+    state still being copied (Staged), each storage is written once its copy is in, and hashing
+    starts once every copy is."""
 
-    def __init__(self, fh: BinaryIO | io.RawIOBase, workers: int = digest.WORKERS):
+    def __init__(self, fh: BinaryIO | io.RawIOBase, staged: Staged | None = None, workers: int = digest.WORKERS):
         super().__init__()
         self.fh = fh
+        self.staged = staged or Staged(None)
         self.size = 0
-        self._partial = bytearray()
+        self._parts: list[tuple[int, Any]] = []  # (offset in the file, bytes) of what is not hashed yet
         self._digests: list[Future[bytes]] = []
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="checkpoint-hash")
 
@@ -92,32 +175,42 @@ class HashingWriter(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        size, pos = len(view), 0
-        if self._partial:
-            pos = min(digest.PIECE - len(self._partial), size)
-            self._partial += view[:pos]
-            if len(self._partial) == digest.PIECE:
-                self._flush_partial()
-        inplace = []
-        while size - pos >= digest.PIECE:  # whole pieces of the caller's buffer: no copy
-            inplace.append(self._pool.submit(digest.piece_digest, view[pos:pos + digest.PIECE]))
-            pos += digest.PIECE
-        self._digests.extend(inplace)
-        self._partial += view[pos:]
+        if not len(view):
+            return 0
+        span = self.staged.holding(view)
+        if span is not None:
+            self.staged.wait(span)  # its copy is in (at once, for a state not being copied)
+        self._parts.append((self.size, view if span is not None else bytes(view)))
         self.fh.write(view)
-        for future in inplace:
-            future.result()
-        self.size += size
-        return size
+        self.size += len(view)
+        if self.staged.all_in.is_set():
+            self._hash(whole=True)
+        return len(view)
 
-    def _flush_partial(self) -> None:
-        full, self._partial = self._partial, bytearray()
-        self._digests.append(self._pool.submit(digest.piece_digest, full))
+    def _hash(self, whole: bool) -> None:
+        """Hand each piece whose bytes are all written (with `whole` False, the last one too) to
+        the pool, its parts in order."""
+        while self._parts:
+            start = len(self._digests) * digest.PIECE
+            end = start + digest.PIECE
+            if whole and self.size < end:
+                return
+            parts, keep = [], []
+            for offset, data in self._parts:
+                lo, hi = max(start, offset), min(end, offset + len(data))
+                if lo < hi:
+                    parts.append(memoryview(data)[lo - offset:hi - offset])
+                if offset + len(data) > end:
+                    keep.append((offset, data))
+            self._parts = keep
+            if not parts:  # nothing written past the last whole piece
+                return
+            self._digests.append(self._pool.submit(_piece_digest, parts))
 
     def hexdigest(self) -> str:
         """The file's `blake3_pieces`, once everything is written."""
-        if self._partial:
-            self._flush_partial()
+        self.staged.wait()
+        self._hash(whole=False)
         return digest.combine([d.result() for d in self._digests])
 
     def flush(self) -> None:
@@ -128,7 +221,16 @@ class HashingWriter(io.RawIOBase):
         super().close()
 
 
-def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
+def _piece_digest(parts: list[memoryview]) -> bytes:
+    if len(parts) == 1:
+        return digest.piece_digest(parts[0])
+    piece = digest.hasher()
+    for part in parts:
+        piece.update(part)
+    return bytes(piece.digest())
+
+
+def save_hashed(obj: Any, path: Path, staged: Staged | None = None) -> tuple[int, str]:
     """torch.save `obj` to `path` (through `path.part`, fsync'd, renamed) without torch's CRC32
     records, hashing while writing, storages placed for the writer's zero-copy writes where that
     pays (`_aligned`). Returns (size, blake3_pieces).
@@ -136,14 +238,26 @@ def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
     The format stays torch.save's zip archive (not DCP's or safetensors'): it is what the
     resume path loads (torch.load, weights_only), what every checkpoint written so far is,
     and it holds the non-tensor state (step, schedule, config) beside the tensors; its cost was
-    the single hash stream, not the serialiser."""
+    the single hash stream, not the serialiser.
+
+    `staged`: `obj`'s copy being made meanwhile (Stager.fill); each storage is written once its
+    copy is in. Without it, `obj`'s tensors must not change until this returns (as for torch.save)."""
     part = path.with_suffix(path.suffix + ".part")
-    with DirectFile(part) as fh, HashingWriter(fh) as writer:
-        with _serialiser_options(aligned=fh.direct and _aligned(obj)):
-            torch.save(obj, writer)  # type: ignore[arg-type]  # a binary file-like object
-        fh.flush()
-        os.fsync(fh.fileno())  # the disk's writeback overlaps the hashing of the last pieces
-        hexdigest = writer.hexdigest()
+    copying = staged or Staged(obj)
+    try:
+        with DirectFile(part) as fh, HashingWriter(fh, copying) as writer:
+            with _serialiser_options(aligned=fh.direct and _aligned(obj)):
+                try:
+                    torch.save(obj, writer)  # type: ignore[arg-type]  # a binary file-like object
+                except Exception:
+                    copying.check()  # torch reports a write that raised as a size mismatch: say why
+                    raise
+            fh.flush()
+            os.fsync(fh.fileno())  # the disk's writeback overlaps the hashing of the last pieces
+            hexdigest = writer.hexdigest()
+    except BaseException:
+        part.unlink(missing_ok=True)  # no half-written file is left
+        raise
     os.replace(part, path)
     return writer.size, hexdigest
 

@@ -1,0 +1,152 @@
+"""The background save starts writing while the loop still copies the state (issue 44: the copy
+off the time to durable): each storage is written only once its copy is in, nothing is hashed
+until every copy is (the hash threads would take the loop's cores), a copy that fails commits
+nothing, and the hashing writer never holds memory that may change after a write returns."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+import torch
+
+from training.ckpt import digest, staging
+from training.ckpt.manager import MODEL_FILE, CheckpointManager, Topology, step_dir
+from training.ckpt.staging import CopyFailed, HashingWriter, Staged, Stager, save_hashed
+
+TOPO = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
+WAIT_S = 60  # an event that never comes fails the test (no duration is asserted)
+
+
+def _pieces(data: bytes, piece: int) -> str:
+    return str(blake3.blake3(b"".join(blake3.blake3(data[i:i + piece]).digest()
+                                      for i in range(0, len(data), piece))).hexdigest())
+
+
+def _state(value: float) -> dict[str, Any]:
+    return {"a": torch.full((300, 300), value), "b": torch.full((7,), value), "step": int(value),
+            "c": [torch.full((200, 50), -value)]}
+
+
+def test_each_storage_is_written_only_once_its_copy_is_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer starts first and must wait: the copy is held until it does. A writer that did
+    not wait would never signal, and its file would hold the buffers' old values."""
+    monkeypatch.setattr(digest, "PIECE", 1 << 16)  # pieces that straddle storages and records
+    stager = Stager()
+    stager.stage(_state(1.0))  # the buffers hold step 1's values
+    staged, copies = stager.plan(_state(2.0))
+    copying = Staged(staged, copying=True)
+    waiting, hashed_early = threading.Event(), []
+    wait, piece = Staged.wait, staging._piece_digest
+
+    def spy_wait(self: Staged, span: int | None = None) -> None:
+        waiting.set()
+        wait(self, span)
+
+    def spy_piece(parts: list[memoryview]) -> bytes:
+        hashed_early.append(not copying.all_in.is_set())
+        return piece(parts)
+
+    monkeypatch.setattr(Staged, "wait", spy_wait)
+    monkeypatch.setattr(staging, "_piece_digest", spy_piece)
+    result: dict[str, Any] = {}
+    writer = threading.Thread(target=lambda: result.update(saved=save_hashed(staged, tmp_path / "m.pt", copying)))
+    writer.start()
+    assert waiting.wait(WAIT_S), "the writer never waited for a copy"
+    Stager.fill(copies, copying)
+    writer.join(WAIT_S)
+    size, hexdigest = result["saved"]
+    data = (tmp_path / "m.pt").read_bytes()
+    assert size == len(data) and hexdigest == _pieces(data, 1 << 16)
+    loaded = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert torch.equal(loaded["a"], torch.full((300, 300), 2.0)) and torch.equal(loaded["c"][0], torch.full((200, 50), -2.0))
+    assert hashed_early and not any(hashed_early), "a piece was hashed while the loop still copied"
+
+
+def test_a_copy_that_fails_commits_nothing_and_the_next_save_does(tmp_path: Path) -> None:
+    mgr = CheckpointManager(str(tmp_path), None, TOPO)
+    try:
+        bad = {**_state(1.0), "d": torch.empty(5, device="meta")}  # its copy raises, after "a"'s and "b"'s
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            mgr.save(1, bad, {"x": torch.ones(1)}, lambda: None)
+        assert mgr.local_steps() == [] and "copy of the state failed" in mgr.write_error
+        assert not list(tmp_path.glob("step-*")), "no partial step is left"
+        mgr.save(2, _state(2.0), {"x": torch.ones(1)}, lambda: None)
+        assert mgr.local_steps() == [2] and not mgr.write_error
+        saved, _ = mgr.load(2)
+        assert torch.equal(saved["a"], torch.full((300, 300), 2.0))
+    finally:
+        mgr.close()
+    assert (tmp_path / step_dir(2) / MODEL_FILE).is_file()
+
+
+def test_a_failed_copy_ends_a_writer_that_waits_for_it(tmp_path: Path) -> None:
+    stager = Stager()
+    staged, copies = stager.plan(_state(3.0))
+    copying = Staged(staged, copying=True)
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            save_hashed(staged, tmp_path / "m.pt", copying)
+        except CopyFailed as exc:
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    broken = [*copies[:1], (copies[1][0], torch.empty(copies[1][1].shape, device="meta"))]
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        Stager.fill(broken, copying)
+    writer.join(WAIT_S)
+    assert not writer.is_alive() and errors and "copy of the state failed" in str(errors[0])
+    assert not (tmp_path / "m.pt").exists() and not (tmp_path / "m.pt.part").exists()
+
+
+def test_a_write_from_memory_that_changes_afterwards_is_hashed_as_written(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes outside the state's storages (torch's records) may be reused once write returns:
+    they are copied; a writer that held a view of them would hash the later bytes."""
+    monkeypatch.setattr(digest, "PIECE", 64)
+    scratch = bytearray(b"x" * 40)
+    written = b""
+    with (tmp_path / "f").open("wb") as fh, HashingWriter(fh) as writer:
+        for fill in (b"a", b"b", b"c"):
+            scratch[:] = fill * 40
+            writer.write(scratch)
+            written += bytes(scratch)
+        scratch[:] = b"z" * 40  # changed before any piece past the first is hashed
+        writer.write(b"")  # an empty write adds no piece
+        fh.flush()
+        hexdigest = writer.hexdigest()
+    assert (tmp_path / "f").read_bytes() == written and hexdigest == _pieces(written, 64)
+
+
+def test_an_empty_write_at_a_piece_boundary_adds_no_piece(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(digest, "PIECE", 64)
+    with (tmp_path / "f").open("wb") as fh, HashingWriter(fh) as writer:
+        writer.write(b"q" * 128)
+        writer.write(b"")
+        fh.flush()
+        hexdigest = writer.hexdigest()
+    assert hexdigest == _pieces(b"q" * 128, 64)
+
+
+def test_the_state_s_own_storages_are_hashed_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A storage of the state is not copied by the writer (that was up to two pieces a storage):
+    every write of its bytes is found in the state's spans."""
+    monkeypatch.setattr(digest, "PIECE", 1 << 16)
+    state = Stager().stage(_state(4.0))
+    found: list[int | None] = []
+    holding = Staged.holding
+
+    def spy(self: Staged, view: memoryview) -> int | None:
+        found.append(span := holding(self, view))
+        return span
+
+    monkeypatch.setattr(Staged, "holding", spy)
+    save_hashed(state, tmp_path / "m.pt")
+    spans = {k for k in found if k is not None}
+    assert len(spans) == 3, f"each of the three storages is written from its own memory: {found}"
