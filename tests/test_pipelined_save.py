@@ -43,7 +43,8 @@ def test_each_storage_is_written_only_once_its_copy_is_in(tmp_path: Path, monkey
     wait, piece = Staged.wait, staging._piece_digest
 
     def spy_wait(self: Staged, span: int | None = None) -> None:
-        waiting.set()
+        if span is not None:
+            waiting.set()
         wait(self, span)
 
     def spy_piece(parts: list[memoryview]) -> bytes:
@@ -150,3 +151,101 @@ def test_the_state_s_own_storages_are_hashed_in_place(tmp_path: Path, monkeypatc
     save_hashed(state, tmp_path / "m.pt")
     spans = {k for k in found if k is not None}
     assert len(spans) == 3, f"each of the three storages is written from its own memory: {found}"
+
+
+def test_the_writer_waits_for_the_very_storage_it_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every copy but one is in; the writer must stop at that one's storage and write its new
+    bytes once it is copied. A writer that waited on the wrong storage would write its old ones."""
+    stager = Stager()
+    stager.stage(_state(1.0))
+    staged, copies = stager.plan(_state(5.0))
+    copying = Staged(staged, copying=True)
+    held = next(k for k, (buffer, _) in enumerate(copies) if buffer.shape == (200, 50))
+    span = copying.holding(memoryview(copies[held][0].numpy()).cast("B"))
+    assert span is not None
+    reached = threading.Event()
+    wait = Staged.wait
+
+    def spy_wait(self: Staged, which: int | None = None) -> None:
+        if which == span:
+            reached.set()
+        wait(self, which)
+
+    monkeypatch.setattr(Staged, "wait", spy_wait)
+    result: dict[str, Any] = {}
+    writer = threading.Thread(target=lambda: result.update(saved=save_hashed(staged, tmp_path / "m.pt", copying)))
+    writer.start()
+    for k, (buffer, source) in enumerate(copies):
+        if k != held:
+            buffer.copy_(source)
+            copying.arrived(buffer)
+    assert reached.wait(WAIT_S), "the writer never waited for the held copy"
+    assert not (tmp_path / "m.pt").exists()
+    copies[held][0].copy_(copies[held][1])
+    copying.arrived(copies[held][0])
+    copying.complete()
+    writer.join(WAIT_S)
+    assert "saved" in result
+    loaded = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert torch.equal(loaded["c"][0], torch.full((200, 50), -5.0)) and torch.equal(loaded["a"], torch.full((300, 300), 5.0))
+
+
+def test_only_a_storage_s_own_buffer_lets_its_write_go() -> None:
+    staged, _ = Stager().plan(_state(1.0))
+    copying = Staged(staged, copying=True)
+    for other in (torch.empty(4096), torch.empty(300, 300), torch.empty(0)):
+        copying.arrived(other)
+    assert not any(event.is_set() for event in copying._in) and not copying.all_in.is_set()
+
+
+def test_a_storage_never_written_from_its_memory_is_refused(tmp_path: Path) -> None:
+    """A storage of the state being copied that the file does not take from its own memory
+    cannot be vouched for: no file, CopyFailed."""
+    staged, copies = Stager().plan(_state(6.0))
+    copying = Staged(staged, copying=True)
+    Stager.fill(copies, copying)
+    with pytest.raises(CopyFailed, match="not written from their own memory"):
+        save_hashed({"a": staged["a"]}, tmp_path / "m.pt", copying)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_large_write_from_changing_memory_is_hashed_before_it_returns(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write of a piece or more that is not the state's (a large pickle): its whole pieces are
+    hashed in place before write returns, the rest copied; changing it afterwards changes nothing."""
+    monkeypatch.setattr(digest, "PIECE", 64)
+    big = bytearray(bytes(range(150)))
+    written = b"head-of-ten"
+    with (tmp_path / "f").open("wb") as fh, HashingWriter(fh) as writer:
+        writer.write(b"head-of-ten")
+        writer.write(big)
+        written += bytes(big)
+        big[:] = b"\0" * 150
+        writer.write(b"tail")
+        written += b"tail"
+        fh.flush()
+        hexdigest = writer.hexdigest()
+    assert (tmp_path / "f").read_bytes() == written and hexdigest == _pieces(written, 64)
+
+
+def test_an_interrupt_before_the_copy_ends_the_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt between starting the writer and the copy: the writer must not wait
+    forever for a copy that never comes (it holds the next save, and the exit)."""
+    mgr = CheckpointManager(str(tmp_path), None, TOPO)
+    try:
+        def interrupted(copies: Any, staged: Any = None) -> None:
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as patch:
+            patch.setattr(Stager, "fill", staticmethod(interrupted))
+            with pytest.raises(KeyboardInterrupt):
+                mgr.save(1, _state(1.0), {"x": torch.ones(1)}, lambda: None)
+        waiter = threading.Thread(target=mgr.wait_commit, daemon=True)
+        waiter.start()
+        waiter.join(WAIT_S)
+        assert not waiter.is_alive(), "the writer still waits for the copy"
+        assert mgr.local_steps() == []
+        mgr.save(2, _state(2.0), {"x": torch.ones(1)}, lambda: None)
+        assert mgr.local_steps() == [2]
+    finally:
+        mgr.close()

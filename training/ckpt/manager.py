@@ -246,8 +246,12 @@ class CheckpointManager:
                 # Not a daemon: an exiting process waits for the checkpoint it already reported.
                 writer = threading.Thread(target=self._write_and_commit, args=(step, staged, tmp, final, copying),
                                           name="checkpoint-write", daemon=False)
-                self.writes.start(writer)
-                self._stager.fill(copies, copying)
+                try:
+                    self.writes.start(writer)
+                    self._stager.fill(copies, copying)
+                except BaseException as exc:  # an interrupt before the copy began: the writer ends too
+                    copying.failed(exc)
+                    raise
         return time.perf_counter() - start
 
     def _write_and_commit(self, step: int, staged: dict[str, Any], tmp: Path, final: Path, copying: Staged) -> None:

@@ -13,9 +13,9 @@ import copy
 import io
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -104,13 +104,17 @@ class Staged:
     may hash after a write has returned, as it stays as it is until save_hashed returns. For a
     state still being copied (Stager.fill: the writer starts while the loop copies, issue 44), each
     storage's copy is waited for before it is written, and nothing is hashed until every copy is
-    in: the hash threads would take the cores the loop's copy runs on."""
+    in: the hash threads would take the cores the loop's copy runs on. A copy from a GPU is in
+    once every copy has landed (one synchronize): there the writer waits for all of them."""
 
     def __init__(self, state: Any, copying: bool = False):
         spans = sorted(cpu_spans(state))
+        self.copying = copying
         self._starts = [start for start, _ in spans]
         self._ends = [start + size for start, size in spans]
+        self._index = {start: k for k, start in enumerate(self._starts)}
         self._in = [threading.Event() for _ in spans]
+        self.written = [0] * len(spans)  # writes matched to each span (the writer's thread alone)
         self.all_in = threading.Event()
         self._error: BaseException | None = None
         if not copying:
@@ -134,9 +138,21 @@ class Staged:
         if self._error is not None:
             raise CopyFailed(f"the copy of the state failed: {self._error!r}")
 
+    def verify(self) -> None:
+        """Once the state is written: every copy in, and, for a state that was being copied, each
+        of its storages written from its own memory exactly once; raises CopyFailed if not (a
+        storage's bytes that came from elsewhere were not waited for: torch handing a storage
+        over in another way than it does now)."""
+        self.wait()
+        if self.copying and any(n != 1 for n in self.written):
+            bad = [n for n in self.written if n != 1]
+            raise CopyFailed(f"{len(bad)} of the state's {len(self.written)} storages were not written from their "
+                             "own memory once: the file cannot be vouched for while the copy ran")
+
     def arrived(self, buffer: torch.Tensor) -> None:
-        k = bisect.bisect_right(self._starts, buffer.untyped_storage().data_ptr()) - 1
-        if k >= 0:
+        """`buffer`'s copy is in: its storage may be written."""
+        k = self._index.get(buffer.untyped_storage().data_ptr())
+        if k is not None and buffer.untyped_storage().nbytes() == self._ends[k] - self._starts[k]:
             self._in[k].set()
 
     def complete(self) -> None:
@@ -156,8 +172,9 @@ class HashingWriter(io.RawIOBase):
     hash and the write both release the GIL, so on N cores a checkpoint costs about the write,
     not one sha256 stream (1 GB/s here, twice the disk's write + fsync). The bytes of `staged`'s
     storages are hashed where they are, never copied (they stay until save_hashed returns); any
-    other write (torch's records, a few bytes each) is copied as it comes. Copying every piece
-    that straddles writes instead cost up to two pieces per large storage (issue 44). With a
+    other write (torch's records, a few bytes each) is copied as it comes, or, when large and
+    nothing is being copied, its whole pieces are hashed before `write` returns. Copying every
+    piece that straddles writes instead cost up to two pieces per large storage (issue 44). With a
     state still being copied (Staged), each storage is written once its copy is in, and hashing
     starts once every copy is."""
 
@@ -166,7 +183,7 @@ class HashingWriter(io.RawIOBase):
         self.fh = fh
         self.staged = staged or Staged(None)
         self.size = 0
-        self._parts: list[tuple[int, Any]] = []  # (offset in the file, bytes) of what is not hashed yet
+        self._parts: deque[tuple[int, Any]] = deque()  # (offset in the file, bytes) not all hashed yet, in order
         self._digests: list[Future[bytes]] = []
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="checkpoint-hash")
 
@@ -180,32 +197,44 @@ class HashingWriter(io.RawIOBase):
         span = self.staged.holding(view)
         if span is not None:
             self.staged.wait(span)  # its copy is in (at once, for a state not being copied)
-        self._parts.append((self.size, view if span is not None else bytes(view)))
+            self.staged.written[span] += 1
+        offset = self.size
+        inplace = span is None and len(view) >= digest.PIECE and self.staged.all_in.is_set()
+        self._parts.append((offset, view if span is not None or inplace else bytes(view)))
         self.fh.write(view)
         self.size += len(view)
         if self.staged.all_in.is_set():
-            self._hash(whole=True)
+            hashing = self._hash(whole=True)
+            if inplace:  # memory that may change once this returns: its pieces hashed now, the rest copied
+                wait(hashing)
+                if self._parts and self._parts[-1][0] == offset:
+                    cut = max(offset, len(self._digests) * digest.PIECE)
+                    self._parts[-1] = (cut, bytes(view[cut - offset:]))
         return len(view)
 
-    def _hash(self, whole: bool) -> None:
+    def _hash(self, whole: bool) -> list[Future[bytes]]:
         """Hand each piece whose bytes are all written (with `whole` False, the last one too) to
-        the pool, its parts in order."""
+        the pool, its parts in order; returns the futures handed."""
+        handed: list[Future[bytes]] = []
         while self._parts:
             start = len(self._digests) * digest.PIECE
             end = start + digest.PIECE
             if whole and self.size < end:
-                return
-            parts, keep = [], []
-            for offset, data in self._parts:
+                break
+            parts = []
+            for offset, data in self._parts:  # in order, contiguous: the piece's parts come first
+                if offset >= end:
+                    break
                 lo, hi = max(start, offset), min(end, offset + len(data))
                 if lo < hi:
                     parts.append(memoryview(data)[lo - offset:hi - offset])
-                if offset + len(data) > end:
-                    keep.append((offset, data))
-            self._parts = keep
+            while self._parts and self._parts[0][0] + len(self._parts[0][1]) <= end:
+                self._parts.popleft()
             if not parts:  # nothing written past the last whole piece
-                return
-            self._digests.append(self._pool.submit(_piece_digest, parts))
+                break
+            handed.append(self._pool.submit(_piece_digest, parts))
+            self._digests.append(handed[-1])
+        return handed
 
     def hexdigest(self) -> str:
         """The file's `blake3_pieces`, once everything is written."""
@@ -252,6 +281,7 @@ def save_hashed(obj: Any, path: Path, staged: Staged | None = None) -> tuple[int
                 except Exception:
                     copying.check()  # torch reports a write that raised as a size mismatch: say why
                     raise
+            copying.verify()  # every copy in, and each of its storages written from its own memory
             fh.flush()
             os.fsync(fh.fileno())  # the disk's writeback overlaps the hashing of the last pieces
             hexdigest = writer.hexdigest()
