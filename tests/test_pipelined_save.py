@@ -5,6 +5,7 @@ nothing, and the hashing writer never holds memory that may change after a write
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from training.ckpt import digest, staging
-from training.ckpt.manager import MODEL_FILE, CheckpointManager, Topology, step_dir
+from training.ckpt.manager import MODEL_FILE, CheckpointManager, Topology, rng_name, step_dir
 from training.ckpt.staging import CopyFailed, HashingWriter, Staged, Stager, save_hashed
 
 TOPO = Topology(rank=0, local_rank=0, world_size=1, node=0, nnodes=1, local_world_size=1)
@@ -161,8 +162,7 @@ def test_the_writer_waits_for_the_very_storage_it_writes(tmp_path: Path, monkeyp
     staged, copies = stager.plan(_state(5.0))
     copying = Staged(staged, copying=True)
     held = next(k for k, (buffer, _) in enumerate(copies) if buffer.shape == (200, 50))
-    span = copying.holding(memoryview(copies[held][0].numpy()).cast("B"))
-    assert span is not None
+    span = copying._index[copies[held][0].untyped_storage().data_ptr()]
     reached = threading.Event()
     wait = Staged.wait
 
@@ -249,3 +249,27 @@ def test_an_interrupt_before_the_copy_ends_the_writer(tmp_path: Path, monkeypatc
         assert mgr.local_steps() == [2]
     finally:
         mgr.close()
+
+
+def test_the_loop_leaves_its_rng_file_s_fsync_to_the_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local rank 0's RNG file is fsync'd by the background writer before the manifest is (off
+    the loop's wait, still durable before the commit)."""
+    synced: list[tuple[str, str]] = []
+    fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), threading.current_thread().name))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    mgr = CheckpointManager(str(tmp_path), None, TOPO)
+    try:
+        mgr.save(1, _state(1.0), {"x": torch.ones(1)}, lambda: None)
+        mgr.wait_commit()
+    finally:
+        mgr.close()
+    names = [name for name, _ in synced]
+    rng = names.index(rng_name(0))
+    assert synced[rng][1] == "checkpoint-write" and rng < names.index("manifest-node000.json")
+    assert not [name for name, thread in synced if name.startswith("rng") and thread != "checkpoint-write"]
+    assert mgr.local_steps() == [1]

@@ -46,7 +46,7 @@ import torch
 from training.ckpt import digest
 from training.ckpt.files import (DOT_LEAF, FILE_NAME, MAX_DEPTH, MAX_NODES, MODEL_FILE, STEP_RE,
                                        CheckpointError, RunLocked, Topology, UploadStatus, check_manifest,
-                                       fsync_dir, inside, link_or_copy, manifest_name, plain_path, rng_name, run_key,
+                                       fsync_dir, fsync_path, inside, link_or_copy, manifest_name, plain_path, rng_name, run_key,
                                        sha256_of, state_bytes, step_dir, tree_files, write_failure)
 from training.ckpt.loader import BucketTier, DiskTier, Loader
 from training.ckpt.tiers import Tier
@@ -63,12 +63,15 @@ __all__ = ["DOT_LEAF", "FILE_NAME", "MAX_DEPTH", "MAX_NODES", "MODEL_FILE", "STE
            "plain_path", "rng_name", "run_key", "sha256_of", "step_dir", "tree_files"]
 
 
-def _save(obj: Any, path: Path) -> None:
+def _save(obj: Any, path: Path, sync: bool = True) -> None:
+    """torch.save to `path` through `path.part`; fsync'd unless `sync` is False (the caller fsyncs
+    it before the commit)."""
     tmp = path.with_suffix(path.suffix + ".part")
     with tmp.open("wb") as fh:
         torch.save(obj, fh)
         fh.flush()
-        os.fsync(fh.fileno())
+        if sync:
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 
@@ -222,8 +225,9 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
+        # local rank 0's own file is fsync'd by the background writer, before the manifest: off the loop's wait
         try:
-            _save(rng_state, tmp / rng_name(self.topo.rank))
+            _save(rng_state, tmp / rng_name(self.topo.rank), sync=not (self.background and self.topo.local_rank == 0))
         except (OSError, RuntimeError) as exc:  # torch reports a full disk as its own RuntimeError
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"checkpoint {step_dir(step)} could not be written: "
@@ -257,6 +261,7 @@ class CheckpointManager:
     def _write_and_commit(self, step: int, staged: dict[str, Any], tmp: Path, final: Path, copying: Staged) -> None:
         def write() -> None:
             size, digest = save_hashed(staged, tmp / MODEL_FILE, copying)
+            fsync_path(tmp / rng_name(self.topo.rank))  # save() wrote it without its fsync
             self._commit(step, tmp, final, known={MODEL_FILE: (size, digest)})
         self._written(step, tmp, write, needed=state_bytes(staged))
 
