@@ -173,18 +173,23 @@ def test_the_writer_waits_for_the_very_storage_it_writes(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(Staged, "wait", spy_wait)
     result: dict[str, Any] = {}
-    writer = threading.Thread(target=lambda: result.update(saved=save_hashed(staged, tmp_path / "m.pt", copying)))
+    writer = threading.Thread(target=lambda: result.update(saved=save_hashed(staged, tmp_path / "m.pt", copying)),
+                              daemon=True)
     writer.start()
-    for k, (buffer, source) in enumerate(copies):
-        if k != held:
-            buffer.copy_(source)
-            copying.arrived(buffer)
-    assert reached.wait(WAIT_S), "the writer never waited for the held copy"
-    assert not (tmp_path / "m.pt").exists()
-    copies[held][0].copy_(copies[held][1])
-    copying.arrived(copies[held][0])
-    copying.complete()
-    writer.join(WAIT_S)
+    try:
+        for k, (buffer, source) in enumerate(copies):
+            if k != held:
+                buffer.copy_(source)
+                copying.arrived(buffer)
+        assert reached.wait(WAIT_S), "the writer never waited for the held copy"
+        assert not (tmp_path / "m.pt").exists()
+        copies[held][0].copy_(copies[held][1])
+        copying.arrived(copies[held][0])
+        copying.complete()
+        writer.join(WAIT_S)
+    finally:
+        if writer.is_alive():  # a failed assertion must not leave it waiting
+            copying.failed(AssertionError("test over"))
     assert "saved" in result
     loaded = torch.load(tmp_path / "m.pt", weights_only=True)
     assert torch.equal(loaded["c"][0], torch.full((200, 50), -5.0)) and torch.equal(loaded["a"], torch.full((300, 300), 5.0))
@@ -231,6 +236,14 @@ def test_a_large_write_from_changing_memory_is_hashed_before_it_returns(tmp_path
 def test_an_interrupt_before_the_copy_ends_the_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A KeyboardInterrupt between starting the writer and the copy: the writer must not wait
     forever for a copy that never comes (it holds the next save, and the exit)."""
+    made: list[Staged] = []
+    init = Staged.__init__
+
+    def spy(self: Staged, state: Any, copying: bool = False) -> None:
+        init(self, state, copying)
+        made.append(self)
+
+    monkeypatch.setattr(Staged, "__init__", spy)
     mgr = CheckpointManager(str(tmp_path), None, TOPO)
     try:
         def interrupted(copies: Any, staged: Any = None) -> None:
@@ -248,6 +261,9 @@ def test_an_interrupt_before_the_copy_ends_the_writer(tmp_path: Path, monkeypatc
         mgr.save(2, _state(2.0), {"x": torch.ones(1)}, lambda: None)
         assert mgr.local_steps() == [2]
     finally:
+        for staged in made:  # a writer left waiting would hold close() forever: the test fails instead
+            if not staged.all_in.is_set():
+                staged.failed(AssertionError("test over"))
         mgr.close()
 
 
@@ -273,3 +289,53 @@ def test_the_loop_leaves_its_rng_file_s_fsync_to_the_writer(tmp_path: Path, monk
     assert synced[rng][1] == "checkpoint-write" and rng < names.index("manifest-node000.json")
     assert not [name for name, thread in synced if name.startswith("rng") and thread != "checkpoint-write"]
     assert mgr.local_steps() == [1]
+
+
+@pytest.mark.parametrize("before", [0, 10])
+def test_a_large_write_ending_on_or_off_a_piece_boundary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         before: int) -> None:
+    """The in-place path at the edges: 128 bytes from offset 0 end on a boundary (nothing left to
+    copy), 118 after 10 bytes too; either way the bytes changed afterwards change nothing."""
+    monkeypatch.setattr(digest, "PIECE", 64)
+    big = bytearray(bytes(range(128 - before)))
+    written = b"h" * before + bytes(big)
+    with (tmp_path / "f").open("wb") as fh, HashingWriter(fh) as writer:
+        if before:
+            writer.write(b"h" * before)
+        writer.write(big)
+        big[:] = b"\1" * len(big)
+        writer.write(b"end")
+        written += b"end"
+        fh.flush()
+        hexdigest = writer.hexdigest()
+    assert hexdigest == _pieces(written, 64)
+
+
+def test_a_storage_written_in_part_from_elsewhere_is_refused() -> None:
+    """verify counts a storage's bytes, not its writes: all of them from its own memory, once."""
+    staged, copies = Stager().plan(_state(7.0))
+    copying = Staged(staged, copying=True)
+    Stager.fill(copies, copying)
+    sizes = [end - start for start, end in zip(copying._starts, copying._ends)]
+    copying.written[:] = sizes
+    copying.verify()
+    copying.written[0] -= 1
+    with pytest.raises(CopyFailed):
+        copying.verify()
+    copying.written[0] += 2
+    with pytest.raises(CopyFailed):
+        copying.verify()
+
+
+def test_a_writer_that_cannot_start_leaves_no_thread_to_wait_for() -> None:
+    from training.ckpt.manager import WriterSlot
+
+    class NoThread(threading.Thread):
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    slot = WriterSlot()
+    with pytest.raises(RuntimeError, match="can't start"):
+        slot.start(NoThread(target=lambda: None))
+    slot.wait()  # not "cannot join thread before it is started"
+    assert not slot.busy

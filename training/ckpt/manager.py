@@ -6,7 +6,7 @@ Layout, locally and in the bucket:
     <root>/step-00000040/model.pt            model, optimizer, scaler, LR schedule, step, epoch,
                                              sampler offset (written by each node's local rank 0)
     <root>/step-00000040/rng-rank00003.pt    one per rank: python, numpy, torch and CUDA RNG
-    <root>/step-00000040/manifest-node000.json   sizes and sha256 of this node's files; written
+    <root>/step-00000040/manifest-node000.json   sizes and digests of this node's files; written
                                              last, it is the commit: a step without it does not exist
 
 Locally the files are written into `step-N.tmp/` and renamed to `step-N/` once the manifest is
@@ -17,9 +17,8 @@ The newest K steps are kept locally and in the bucket; a step not yet uploaded i
 locally. Uploads that fail are retried with backoff and again on every later checkpoint and at
 start-up, so an outage of the store never stops training and nothing committed is lost.
 
-Before a step is loaded, every file it needs is checked against its manifest (size and sha256)
-and unpickled with weights_only; a step that fails is skipped with a log line naming why, its
-bad local copy is fetched again from the bucket, and otherwise the previous step is used.
+Before a step is loaded, every file it needs is checked against its manifest (size, BLAKE3) and unpickled
+with weights_only; a failing step is skipped, saying why: fetched again from the bucket, else the step before.
 
 With a bucket, the local folder is `<checkpoint dir>/<run key>/`, the run key derived from the
 checkpoint URL: two runs never share a cache. A lock file in it stops a second trainer on the
@@ -44,10 +43,10 @@ from typing import Any
 import torch
 
 from training.ckpt import digest
-from training.ckpt.files import (DOT_LEAF, FILE_NAME, MAX_DEPTH, MAX_NODES, MODEL_FILE, STEP_RE,
-                                       CheckpointError, RunLocked, Topology, UploadStatus, check_manifest,
-                                       fsync_dir, fsync_path, inside, link_or_copy, manifest_name, plain_path, rng_name, run_key,
-                                       sha256_of, state_bytes, step_dir, tree_files, write_failure)
+from training.ckpt.files import (DOT_LEAF, FILE_NAME, MAX_DEPTH, MAX_NODES, MODEL_FILE, STEP_RE, CheckpointError,
+                                 RunLocked, Topology, UploadStatus, check_manifest, fsync_dir, fsync_path, inside,
+                                 link_or_copy, manifest_name, plain_path, rng_name, run_key, sha256_of, state_bytes,
+                                 step_dir, tree_files, write_failure)
 from training.ckpt.loader import BucketTier, DiskTier, Loader
 from training.ckpt.tiers import Tier
 from training.ckpt.uploader import Uploader
@@ -64,8 +63,7 @@ __all__ = ["DOT_LEAF", "FILE_NAME", "MAX_DEPTH", "MAX_NODES", "MODEL_FILE", "STE
 
 
 def _save(obj: Any, path: Path, sync: bool = True) -> None:
-    """torch.save to `path` through `path.part`; fsync'd unless `sync` is False (the caller fsyncs
-    it before the commit)."""
+    """torch.save to `path` through `path.part`; fsync'd unless `sync` is False (then by _commit)."""
     tmp = path.with_suffix(path.suffix + ".part")
     with tmp.open("wb") as fh:
         torch.save(obj, fh)
@@ -110,7 +108,12 @@ class WriterSlot:
     def start(self, writer: threading.Thread) -> None:
         with self._lock:
             self._writer = writer
-        writer.start()
+        try:
+            writer.start()
+        except BaseException:  # no thread ("can't start new thread"): nothing for a later wait to join
+            with self._lock:
+                self._writer = None if self._writer is writer else self._writer
+            raise
 
     @property
     def busy(self) -> bool:
@@ -225,7 +228,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        # local rank 0's own file is fsync'd by the background writer, before the manifest: off the loop's wait
+        # local rank 0's own file is fsync'd by the background writer's commit (_commit): off the loop's wait
         try:
             _save(rng_state, tmp / rng_name(self.topo.rank), sync=not (self.background and self.topo.local_rank == 0))
         except (OSError, RuntimeError) as exc:  # torch reports a full disk as its own RuntimeError
@@ -261,7 +264,6 @@ class CheckpointManager:
     def _write_and_commit(self, step: int, staged: dict[str, Any], tmp: Path, final: Path, copying: Staged) -> None:
         def write() -> None:
             size, digest = save_hashed(staged, tmp / MODEL_FILE, copying)
-            fsync_path(tmp / rng_name(self.topo.rank))  # save() wrote it without its fsync
             self._commit(step, tmp, final, known={MODEL_FILE: (size, digest)})
         self._written(step, tmp, write, needed=state_bytes(staged))
 
@@ -357,12 +359,15 @@ class CheckpointManager:
 
     def _commit(self, step: int, tmp: Path, final: Path, known: dict[str, tuple[int, str]] | None = None) -> None:
         """The manifest (sizes and blake3_pieces of the step's files, training/ckpt/digest.py; `known`
-        ones hashed while written) written last and fsync'd, then the folder renamed: the commit."""
+        ones hashed and fsync'd while written, every other one fsync'd here) written last and
+        fsync'd, then the folder renamed: the commit."""
         known = known or {}
         files = [n for n in tree_files(tmp) if not n.endswith(".part")]
         bad = [n for n in files if not plain_path(n)]
         if bad:
             raise CheckpointError(f"{tmp.name}/{bad[0]} is not a plain file name a manifest may list")
+        for n in set(files) - set(known):  # save()'s RNG file (unsynced), other ranks', DCP's: on disk first
+            fsync_path(tmp / n)
         entries = {n: {"size": known[n][0], digest.PIECES: known[n][1]} if n in known else digest.entry(tmp / n)
                    for n in files}
         manifest = {"format": digest.FORMAT, "step": step, "node": self.topo.node, "nnodes": self.topo.nnodes,

@@ -114,7 +114,7 @@ class Staged:
         self._ends = [start + size for start, size in spans]
         self._index = {start: k for k, start in enumerate(self._starts)}
         self._in = [threading.Event() for _ in spans]
-        self.written = [0] * len(spans)  # writes matched to each span (the writer's thread alone)
+        self.written = [0] * len(spans)  # bytes written from each span's memory (the writer's thread alone)
         self.all_in = threading.Event()
         self._error: BaseException | None = None
         if not copying:
@@ -139,14 +139,15 @@ class Staged:
             raise CopyFailed(f"the copy of the state failed: {self._error!r}")
 
     def verify(self) -> None:
-        """Once the state is written: every copy in, and, for a state that was being copied, each
-        of its storages written from its own memory exactly once; raises CopyFailed if not (a
-        storage's bytes that came from elsewhere were not waited for: torch handing a storage
-        over in another way than it does now)."""
+        """Once the state is written: every copy in, and, for a state that was being copied, all of
+        each storage's bytes written from its own memory, once; raises CopyFailed if not (bytes of
+        a storage that came from elsewhere were not waited for: torch handing a storage over in
+        another way than it does now)."""
         self.wait()
-        if self.copying and any(n != 1 for n in self.written):
-            bad = [n for n in self.written if n != 1]
-            raise CopyFailed(f"{len(bad)} of the state's {len(self.written)} storages were not written from their "
+        sizes = [end - start for start, end in zip(self._starts, self._ends)]
+        bad = [k for k, size in enumerate(sizes) if self.written[k] != size]
+        if self.copying and bad:
+            raise CopyFailed(f"{len(bad)} of the state's {len(sizes)} storages were not written from their "
                              "own memory once: the file cannot be vouched for while the copy ran")
 
     def arrived(self, buffer: torch.Tensor) -> None:
@@ -197,7 +198,7 @@ class HashingWriter(io.RawIOBase):
         span = self.staged.holding(view)
         if span is not None:
             self.staged.wait(span)  # its copy is in (at once, for a state not being copied)
-            self.staged.written[span] += 1
+            self.staged.written[span] += len(view)
         offset = self.size
         inplace = span is None and len(view) >= digest.PIECE and self.staged.all_in.is_set()
         self._parts.append((offset, view if span is not None or inplace else bytes(view)))
@@ -206,7 +207,8 @@ class HashingWriter(io.RawIOBase):
         if self.staged.all_in.is_set():
             hashing = self._hash(whole=True)
             if inplace:  # memory that may change once this returns: its pieces hashed now, the rest copied
-                wait(hashing)
+                first = len(self._digests) - len(hashing)  # the piece index of hashing[0]
+                wait(hashing[max(0, offset // digest.PIECE - first):])  # this write's pieces, not the backlog
                 if self._parts and self._parts[-1][0] == offset:
                     cut = max(offset, len(self._digests) * digest.PIECE)
                     self._parts[-1] = (cut, bytes(view[cut - offset:]))
