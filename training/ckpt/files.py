@@ -257,7 +257,8 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-fsync_dir = fsync_path
+fsync_dir = fsync_path  # a folder's entries (its name before files were fsync'd by path too)
+
 
 
 

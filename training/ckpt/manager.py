@@ -62,14 +62,11 @@ __all__ = ["DOT_LEAF", "FILE_NAME", "MAX_DEPTH", "MAX_NODES", "MODEL_FILE", "STE
            "plain_path", "rng_name", "run_key", "sha256_of", "step_dir", "tree_files"]
 
 
-def _save(obj: Any, path: Path, sync: bool = True) -> None:
-    """torch.save to `path` through `path.part`; fsync'd unless `sync` is False (then by _commit)."""
+def _save(obj: Any, path: Path) -> None:
+    """torch.save to `path` through `path.part`, not fsync'd: the commit fsyncs it (_commit)."""
     tmp = path.with_suffix(path.suffix + ".part")
     with tmp.open("wb") as fh:
         torch.save(obj, fh)
-        fh.flush()
-        if sync:
-            os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 
@@ -228,9 +225,8 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        # local rank 0's own file is fsync'd by the background writer's commit (_commit): off the loop's wait
-        try:
-            _save(rng_state, tmp / rng_name(self.topo.rank), sync=not (self.background and self.topo.local_rank == 0))
+        try:  # fsync'd by the node's commit (_commit), on the background writer: off the loop's wait
+            _save(rng_state, tmp / rng_name(self.topo.rank))
         except (OSError, RuntimeError) as exc:  # torch reports a full disk as its own RuntimeError
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"checkpoint {step_dir(step)} could not be written: "
@@ -366,7 +362,7 @@ class CheckpointManager:
         bad = [n for n in files if not plain_path(n)]
         if bad:
             raise CheckpointError(f"{tmp.name}/{bad[0]} is not a plain file name a manifest may list")
-        for n in set(files) - set(known):  # save()'s RNG file (unsynced), other ranks', DCP's: on disk first
+        for n in set(files) - set(known):  # the RNG files, an in-line model file, DCP's: on disk first
             fsync_path(tmp / n)
         entries = {n: {"size": known[n][0], digest.PIECES: known[n][1]} if n in known else digest.entry(tmp / n)
                    for n in files}

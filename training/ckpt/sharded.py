@@ -231,10 +231,7 @@ class ShardedCheckpoints:
         if final.exists():
             shutil.rmtree(tmp, ignore_errors=True)
             return
-        for path in tmp.iterdir():  # every rank's files of this node on disk before the manifest says so
-            with path.open("rb") as fh:
-                os.fsync(fh.fileno())
-        self.manager.commit_step(step, tmp, final)
+        self.manager.commit_step(step, tmp, final)  # every rank's files of this node fsync'd, then the manifest
 
     # ------------------------------------------------------------------ load
     def verify(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
