@@ -7,6 +7,7 @@ import os
 import re
 import selectors
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -94,22 +95,92 @@ class Run:
         return code
 
     def stacks(self) -> str:
-        """A run that does not end: every process below it aborted at once (its Python stacks dumped
-        by faulthandler: FAULT_ENV), then the tree killed; the states, stacks and output as text."""
+        """A run that does not end, as text: every process's state and wait channel; then, one
+        process at a time with the rest stopped (SIGSTOP: none reacts to another's end), the most
+        telling first (a single-threaded process waiting on a lock before one polling), its native
+        stacks (gdb, where installed, for the first few) and its Python stacks (faulthandler on
+        SIGABRT: FAULT_ENV), each under its pid; then the tree killed and the run's last lines. The
+        CI log keeps the head of a failure's text: what names the hang comes first."""
         tree = [self.proc.pid, *descendants(self.proc.pid)]
-        states = subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:20,args", "-p", ",".join(map(str, tree))],
+        states = subprocess.run(["ps", "-o", "pid,ppid,nlwp,stat,wchan:22,args", "-p", ",".join(map(str, tree))],
                                 capture_output=True, text=True).stdout
-        kill_tree(self.proc.pid, signal.SIGABRT)
+        last = "\n".join(self.lines[-12:])
+        kill_tree(self.proc.pid, signal.SIGSTOP)
+        sections = []
+        for rank, pid in enumerate(sorted(tree, key=lambda p: _telling(states, p))):
+            native = _native_stacks(pid) if rank < NATIVE_STACKS else ""
+            sections.append(f"--- pid {pid}: {_row(states, pid)[:120]}\n{native}{self._python_stacks(pid)}")
+        kill_tree(self.proc.pid)
         if self._reader is not None:
             self._reader.join(timeout=15)
-        kill_tree(self.proc.pid)
         self.proc.wait(timeout=30)
-        return f"its processes:\n{states}\nits output, with their stacks:\n{self.output[-12000:]}"
+        return f"its processes:\n{states}\n" + "\n".join(sections) + f"\n--- its last lines before:\n{last}"
+
+    def _python_stacks(self, pid: int, quiet: float = 0.3, limit: float = 10.0) -> str:
+        """The lines `pid` writes once SIGABRT'd and continued (faulthandler's dump; the process
+        then ends): read until it has ended and nothing new came for `quiet` seconds."""
+        before = len(self.lines)
+        for sig in (signal.SIGABRT, signal.SIGCONT):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline, seen, since = time.monotonic() + limit, before, time.monotonic()
+        while time.monotonic() < deadline:
+            if len(self.lines) != seen:
+                seen, since = len(self.lines), time.monotonic()
+            elif not _alive(pid) and time.monotonic() - since > quiet:
+                break
+            time.sleep(0.05)
+        return "\n".join(self.lines[before:])[:STACKS_CHARS]
 
     def final(self) -> tuple[int, str, str]:
         match = FINAL.search(self.output)
         assert match, f"no final line:\n{self.output[-4000:]}"
         return int(match.group(1)), match.group(2), match.group(3)
+
+
+NATIVE_STACKS = 3  # processes whose native stacks are read (gdb takes seconds each)
+STACKS_CHARS = 2500  # of each process's Python stacks
+IDLE_WAITS = ("poll_schedule", "do_wait", "ep_poll", "do_select", "hrtimer_nanosleep", "do_sigtimedwait")
+
+
+def _row(states: str, pid: int) -> str:
+    return next((" ".join(line.split()) for line in states.splitlines()[1:] if line.split()[:1] == [str(pid)]), "gone")
+
+
+def _telling(states: str, pid: int) -> tuple[int, int]:
+    """Sort key: a process waiting on something other than its children, a poll or a sleep first;
+    of those, a single-threaded one first (a lock no thread of its own will release)."""
+    fields = _row(states, pid).split()
+    threads, wchan = (int(fields[2]), fields[4]) if len(fields) > 4 and fields[2].isdigit() else (0, "")
+    return (1 if wchan.startswith(IDLE_WAITS) else 0, 0 if threads == 1 else 1)
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped, not a zombie and not gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _native_stacks(pid: int) -> str:
+    """Each thread's innermost native frames (function and library), from gdb where installed."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return ""
+    try:
+        out = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "set auto-load off",
+                              "-ex", "thread apply all bt 10"], capture_output=True, text=True, timeout=60).stdout
+    except subprocess.TimeoutExpired:
+        return "(gdb: no answer in 60 s)\n"
+    frames = []
+    for line in out.splitlines():
+        if line.startswith("Thread "):
+            frames.append(line.split("(LWP", 1)[0] + line[line.find('"'):].strip())
+        elif match := re.match(r"#(\d+) +(?:0x[0-9a-f]+ in )?(\S+) .*?(?:from (\S+)|at (\S+))?$", line):
+            frames.append(f"  #{match.group(1)} {match.group(2)} {Path(match.group(3) or match.group(4) or '').name}")
+    return "\n".join(frames)[:2000] + "\n"
 
 
 def launch(args: list[str], cwd: Path, env: dict[str, str] | None = None, accelerate: bool = False,
