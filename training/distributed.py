@@ -9,14 +9,30 @@ extra for images that ship it (horovod 0.28.1 does not build against current tor
 from __future__ import annotations
 
 import atexit
+import collections
 import gc
 import os
+import pickle
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+# Collectives whose work this process still holds (with their tensors), oldest first. When a
+# collective's work is freed by the backend's own thread (gloo's run loop, NCCL's watchdog), the
+# tensors' Python objects are released there, and that thread first creates a Python thread
+# state, under the interpreter's thread-list lock and without the GIL. A fork at that instant
+# (a DataLoader starting its workers right after the step's collective) leaves the child that
+# lock held: CPython before 3.11.10 (and 3.10.15, 3.9.20) re-initialises it only after using it,
+# and the child hangs in os.fork (CPython gh-112275). Held here, a work is freed by this thread,
+# which holds the GIL: once HELD_WORKS newer collectives have completed and it is HELD_S old
+# (gloo frees its reference as the collective ends; NCCL's watchdog drops its copy of a work on
+# its next poll, every 100 ms in torch's ProcessGroupNCCL.cpp).
+HELD_WORKS = 4
+HELD_S = 2.0
 
 
 def detect_launcher(requested: str) -> str:
@@ -55,6 +71,7 @@ class Comm:
                 # loop) still leaves together at exit: a gloo rank that exits while its peer ends
                 # the last collective aborts it ("terminate called without an active exception").
                 atexit.register(self.close)
+        self._held: collections.deque[tuple[float, Any]] = collections.deque()
         self.node = self.rank // max(1, self.local_world)
         self.nnodes = max(1, self.world // max(1, self.local_world))
         self.device = torch.device(f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu")
@@ -71,6 +88,14 @@ class Comm:
         elif self.distributed:
             dist.barrier()
 
+    def _done(self, work: Any) -> None:
+        """Wait for an asynchronous collective and keep its work (HELD_WORKS, HELD_S)."""
+        work.wait()
+        now = time.monotonic()
+        self._held.append((now, work))
+        while len(self._held) > HELD_WORKS and now - self._held[0][0] > HELD_S:
+            self._held.popleft()
+
     def any_true(self, *flags: bool) -> list[bool]:
         """For each flag: True on every rank if any rank says so (all ranks act at the same
         step). One collective, whatever the number of flags."""
@@ -78,7 +103,7 @@ class Comm:
         if self.hvd is not None:
             t = self.hvd.allreduce(t, op=self.hvd.Max, name="flags")
         elif self.distributed:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            self._done(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
         return [bool(v > 0) for v in t.tolist()]
 
     def mean(self, value: torch.Tensor) -> float:
@@ -86,18 +111,27 @@ class Comm:
         if self.hvd is not None:
             return float(self.hvd.allreduce(t, op=self.hvd.Average, name="mean").item())
         if self.distributed:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            self._done(dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True))
             t /= self.world
         return float(t.item())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order: torch's all_gather_object (pickled, sizes first,
+        then the padded bytes) on collectives whose work this process keeps (HELD_WORKS)."""
         if self.hvd is not None:
             return list(self.hvd.allgather_object(obj))
         if not self.distributed:
             return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([data.numel()], dtype=torch.long, device=self.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world)]
+        self._done(dist.all_gather(sizes, size, async_op=True))
+        lengths = [int(s.item()) for s in sizes]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
+        padded[:data.numel()] = data
+        gathered = [torch.empty_like(padded) for _ in range(self.world)]
+        self._done(dist.all_gather(gathered, padded, async_op=True))
+        return [pickle.loads(g[:n].cpu().numpy().tobytes()) for g, n in zip(gathered, lengths)]  # our own ranks, as torch does
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         if self.hvd is not None:
@@ -123,4 +157,5 @@ class Comm:
                 dist.barrier()
             except RuntimeError:
                 pass  # a peer is gone already (a lost node): nothing to wait for
+            self._held.clear()  # freed here, with the interpreter (HELD_WORKS)
             dist.destroy_process_group()

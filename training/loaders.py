@@ -19,12 +19,36 @@ worker state), with the same RNG rule.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import sys
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 log = logging.getLogger("gts.loaders")
+
+
+# CPython releases whose os.fork can leave the child hung before it runs a line (gh-112275: a
+# thread creating a Python thread state at the fork, as gloo's and NCCL's threads do when they
+# free a finished collective, leaves the child a lock it takes before re-initialising it), by
+# minor version: the first fixed release. 3.12 and later were never affected.
+FORK_HANG_FIXED = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
+
+
+def fork_hang_warning(loader: DataLoader[Any], version: tuple[int, int, int] | None = None) -> str | None:
+    """Why this loader's worker processes may hang as they start, and the fix, on a CPython
+    with gh-112275: it starts them by fork (its own context, else the process's default)."""
+    major, minor, micro = version or sys.version_info[:3]
+    fixed = FORK_HANG_FIXED.get((major, minor))
+    context = loader.multiprocessing_context
+    method = context.get_start_method() if context is not None else multiprocessing.get_start_method(allow_none=True)
+    method = method or multiprocessing.get_all_start_methods()[0]  # the platform's default, unfixed
+    if loader.num_workers == 0 or fixed is None or micro >= fixed or method != "fork":
+        return None
+    return (f"Python {major}.{minor}.{micro} can hang a DataLoader worker as it is forked after a collective "
+            f"(CPython issue gh-112275, fixed in {major}.{minor}.{fixed}): upgrade Python, or pass "
+            f"multiprocessing_context='forkserver' to the DataLoader")
 
 
 class LoaderMisuse(Exception):
@@ -53,6 +77,8 @@ class LoaderState:
 
     def __init__(self, name: str, loader: DataLoader[Any], set_rng: Any):
         self.name, self.loader, self._set_rng = name, loader, set_rng
+        if (warning := fork_hang_warning(loader)) is not None:
+            log.warning("loader %r: %s", name, warning)
         # torchdata's StatefulDataLoader is replayed like a DataLoader: its own state_dict restores
         # the position but re-seeds each worker at the epoch's start, so the augmentation workers
         # draw after a resume would differ (read only from checkpoints written before).
