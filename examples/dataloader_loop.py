@@ -53,7 +53,8 @@ def make_loader(args: argparse.Namespace, data: Dataset[Any],
         from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
         make = StatefulDataLoader
     return sampler, make(data, batch_size=args.batch_size, sampler=sampler, shuffle=sampler is None, drop_last=True,
-                         num_workers=args.workers)
+                         num_workers=args.workers,
+                         multiprocessing_context=args.start_method if args.workers else None)
 
 
 def parse() -> argparse.Namespace:
@@ -63,6 +64,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--samples", type=int, default=96)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--start-method", choices=["fork", "forkserver", "spawn"], default=None,
+                        help="how the workers start (the platform's default unless given)")
     parser.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader")
     parser.add_argument("--no-sampler", action="store_true", help="no DistributedSampler: shuffle=True")
     parser.add_argument("--augment", type=float, default=0.0, help="noise drawn per sample where it is loaded")
