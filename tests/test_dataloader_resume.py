@@ -28,7 +28,8 @@ STEPS_PER_EPOCH = BATCHES_PER_EPOCH // 2  # two batches per optimizer step
 # On a CPython with gh-112275 (this suite's 3.11.7), a worker forked as gloo frees a collective can
 # hang before it runs (docs/trainer-and-library.md; CI met it twice): there the workers start by
 # forkserver, as the library's warning tells users to. Seeds and samples are the same either way.
-START = ["--start-method", "forkserver"] if fork_hang_warning(DataLoader(TensorDataset(torch.zeros(1)), num_workers=1)) else []
+START = (["--start-method", "forkserver"] if fork_hang_warning(DataLoader(TensorDataset(torch.zeros(1)), num_workers=1,
+                                                                           multiprocessing_context="fork")) else [])
 
 
 def node(tmp_path: Path, scratch: str, extra: list[str], remote: bool = True) -> dict[str, str]:

@@ -48,12 +48,14 @@ def test_a_hung_run_reports_the_waiting_child_first_then_is_gone() -> None:
         run.finish(timeout=0.5)
     report = str(failure.value)
 
-    sections = re.findall(r"^--- pid (\d+): (.*)$", report, re.M)
-    assert [int(pid) for pid, _ in sections] == [child, proc.pid], report  # the lock's waiter first
-    first = report.split(f"--- pid {proc.pid}:")[0]
-    assert "hold_the_lock" in first and "wait_for_the_child" not in first, report
-    assert "wait_for_the_child" in report.split(f"--- pid {proc.pid}:")[1], report
+    headers = list(re.finditer(r"^--- pid (\d+): .*$", report, re.M))
+    assert [int(h.group(1)) for h in headers] == [child, proc.pid], report  # the lock's waiter first
+    body = {int(h.group(1)): report[h.end():nxt.start() if nxt else len(report)]  # below each header
+            for h, nxt in zip(headers, [*headers[1:], None])}
+    assert re.search(r'File "<string>", line \d+ in hold_the_lock$', body[child], re.M), report  # faulthandler's
+    assert re.search(r'File "<string>", line \d+ in wait_for_the_child$', body[proc.pid], re.M), report
+    assert "wait_for_the_child" not in body[child] and "hold_the_lock" not in body[proc.pid], report
     if shutil.which("gdb"):
-        assert re.search(r"sem_wait|futex|PyThread_acquire_lock", first), report
+        assert re.search(r"__new_sem_wait|PyThread_acquire_lock", body[child]), report  # gdb's frames
     assert not any(_alive(pid) for pid in tree)
     assert proc.returncode is not None

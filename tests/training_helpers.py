@@ -104,13 +104,16 @@ class Run:
         tree = [self.proc.pid, *descendants(self.proc.pid)]
         states = subprocess.run(["ps", "-o", "pid,ppid,nlwp,stat,wchan:22,args", "-p", ",".join(map(str, tree))],
                                 capture_output=True, text=True).stdout
+        states = "\n".join(line[:160] for line in states.splitlines())  # a command line can be a script
         last = "\n".join(self.lines[-12:])
         kill_tree(self.proc.pid, signal.SIGSTOP)
         sections = []
         for rank, pid in enumerate(sorted(tree, key=lambda p: _telling(states, p))):
             native = _native_stacks(pid) if rank < NATIVE_STACKS else ""
             sections.append(f"--- pid {pid}: {_row(states, pid)[:120]}\n{native}{self._python_stacks(pid)}")
-        kill_tree(self.proc.pid)
+        for pid in {*tree, *descendants(self.proc.pid)}:  # by then the root's children may be init's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         if self._reader is not None:
             self._reader.join(timeout=15)
         self.proc.wait(timeout=30)
@@ -149,10 +152,12 @@ def _row(states: str, pid: int) -> str:
 
 def _telling(states: str, pid: int) -> tuple[int, int]:
     """Sort key: a process waiting on something other than its children, a poll or a sleep first;
-    of those, a single-threaded one first (a lock no thread of its own will release)."""
+    of those, a single-threaded one first (a lock no thread of its own will release); a zombie,
+    a running one and one gone since last."""
     fields = _row(states, pid).split()
-    threads, wchan = (int(fields[2]), fields[4]) if len(fields) > 4 and fields[2].isdigit() else (0, "")
-    return (1 if wchan.startswith(IDLE_WAITS) else 0, 0 if threads == 1 else 1)
+    if len(fields) < 5 or not fields[2].isdigit() or fields[3].startswith("Z") or fields[4] == "-":
+        return (2, 1)
+    return (1 if fields[4].startswith(IDLE_WAITS) else 0, 0 if int(fields[2]) == 1 else 1)
 
 
 def _alive(pid: int) -> bool:

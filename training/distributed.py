@@ -33,6 +33,7 @@ from torch import nn
 # its next poll, every 100 ms in torch's ProcessGroupNCCL.cpp).
 HELD_WORKS = 4
 HELD_S = 2.0
+_clock = time.monotonic  # the held works' clock (a test's fake one)
 
 
 def detect_launcher(requested: str) -> str:
@@ -91,7 +92,7 @@ class Comm:
     def _done(self, work: Any) -> None:
         """Wait for an asynchronous collective and keep its work (HELD_WORKS, HELD_S)."""
         work.wait()
-        now = time.monotonic()
+        now = _clock()
         self._held.append((now, work))
         while len(self._held) > HELD_WORKS and now - self._held[0][0] > HELD_S:
             self._held.popleft()
@@ -107,7 +108,8 @@ class Comm:
         return [bool(v > 0) for v in t.tolist()]
 
     def mean(self, value: torch.Tensor) -> float:
-        t = value.detach().float().reshape(1).to(self.device if self.hvd is None else "cpu")
+        device = self.device if self.hvd is None else "cpu"
+        t = value.detach().float().reshape(1).to(device, copy=True)  # reduced in place: not the caller's
         if self.hvd is not None:
             return float(self.hvd.allreduce(t, op=self.hvd.Average, name="mean").item())
         if self.distributed:
@@ -159,3 +161,4 @@ class Comm:
                 pass  # a peer is gone already (a lost node): nothing to wait for
             self._held.clear()  # freed here, with the interpreter (HELD_WORKS)
             dist.destroy_process_group()
+        self._held.clear()  # a group the caller destroyed first: its works still go here

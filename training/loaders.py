@@ -77,7 +77,8 @@ class LoaderState:
 
     def __init__(self, name: str, loader: DataLoader[Any], set_rng: Any):
         self.name, self.loader, self._set_rng = name, loader, set_rng
-        if (warning := fork_hang_warning(loader)) is not None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and (warning := fork_hang_warning(loader)) is not None:  # collectives' threads exist
             log.warning("loader %r: %s", name, warning)
         # torchdata's StatefulDataLoader is replayed like a DataLoader: its own state_dict restores
         # the position but re-seeds each worker at the epoch's start, so the augmentation workers
