@@ -137,3 +137,28 @@ def test_a_work_is_let_go_once_enough_newer_ones_completed_and_it_is_old_enough(
     now[0] += 0.1
     comm._done(FakeWork())  # one more than HELD_WORKS, and the oldest kept one is old: it goes
     assert len(comm._held) == distributed.HELD_WORKS
+
+
+def test_the_warning_is_logged_once_a_process_where_a_process_group_exists(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """warn_fork_hang (the Checkpointer's loaders, the reference trainer's per-epoch loader): once
+    per loader name, and only with a process group (whose threads trigger the hang)."""
+    import logging
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import training.loaders as loaders
+
+    monkeypatch.setattr(loaders, "_WARNED", set())
+    monkeypatch.setattr(loaders, "fork_hang_warning", lambda loader, fix: fix)
+    loader = DataLoader(TensorDataset(torch.arange(8)), num_workers=2)
+    with caplog.at_level(logging.WARNING, logger="gts.loaders"):
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+        loaders.warn_fork_hang("trainer", loader)
+        assert not caplog.records  # no group: nothing forks after a collective
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        for _ in range(3):  # an epoch each
+            loaders.warn_fork_hang("trainer", loader)
+        loaders.warn_fork_hang("other", loader, fix="its own fix")
+    assert [r.getMessage() for r in caplog.records] == [f"loader 'trainer': {loaders.FORK_HANG_FIX}",
+                                                         "loader 'other': its own fix"]

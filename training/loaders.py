@@ -36,7 +36,11 @@ log = logging.getLogger("gts.loaders")
 FORK_HANG_FIXED = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
 
 
-def fork_hang_warning(loader: DataLoader[Any], version: tuple[int, int, int] | None = None) -> str | None:
+FORK_HANG_FIX = "pass multiprocessing_context='forkserver' to the DataLoader"
+
+
+def fork_hang_warning(loader: DataLoader[Any], version: tuple[int, int, int] | None = None,
+                      fix: str = FORK_HANG_FIX) -> str | None:
     """Why this loader's worker processes may hang as they start, and the fix, on a CPython
     with gh-112275: it starts them by fork (its own context, else the process's default)."""
     major, minor, micro = version or sys.version_info[:3]
@@ -47,8 +51,20 @@ def fork_hang_warning(loader: DataLoader[Any], version: tuple[int, int, int] | N
     if loader.num_workers == 0 or fixed is None or micro >= fixed or method != "fork":
         return None
     return (f"Python {major}.{minor}.{micro} can hang a DataLoader worker as it is forked after a collective "
-            f"(CPython issue gh-112275, fixed in {major}.{minor}.{fixed}): upgrade Python, or pass "
-            f"multiprocessing_context='forkserver' to the DataLoader")
+            f"(CPython issue gh-112275, fixed in {major}.{minor}.{fixed}): upgrade Python, or {fix}")
+
+
+_WARNED: set[str] = set()
+
+
+def warn_fork_hang(name: str, loader: DataLoader[Any], fix: str = FORK_HANG_FIX) -> None:
+    """fork_hang_warning logged once a process for each loader name, where a process group exists
+    (the collectives' threads that trigger the hang are the group's)."""
+    if name in _WARNED or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if (warning := fork_hang_warning(loader, fix=fix)) is not None:
+        _WARNED.add(name)
+        log.warning("loader %r: %s", name, warning)
 
 
 class LoaderMisuse(Exception):
@@ -77,9 +93,7 @@ class LoaderState:
 
     def __init__(self, name: str, loader: DataLoader[Any], set_rng: Any):
         self.name, self.loader, self._set_rng = name, loader, set_rng
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and (warning := fork_hang_warning(loader)) is not None:  # collectives' threads exist
-            log.warning("loader %r: %s", name, warning)
+        warn_fork_hang(name, loader)
         # torchdata's StatefulDataLoader is replayed like a DataLoader: its own state_dict restores
         # the position but re-seeds each worker at the epoch's start, so the augmentation workers
         # draw after a resume would differ (read only from checkpoints written before).

@@ -39,6 +39,7 @@ from training.trainer.build import build_data, build_model, final_digest, fully_
 from training.trainer.restore import own_moments, restore_model
 from training.trainer.data import ResumableSampler, derived_seed
 from training.distributed import Comm
+from training.loaders import warn_fork_hang
 from training.trainer.metrics import Metrics
 from training.trainer.progress import Progress
 from training.trainer.tracking import Tracker
@@ -285,6 +286,7 @@ class Run:
             loader = DataLoader(self.dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                                 num_workers=cfg.num_workers, persistent_workers=False,
                                 generator=torch.Generator().manual_seed(derived_seed(cfg.seed, self.epoch)))
+            warn_fork_hang("trainer", loader, fix="set num_workers to 0")  # once a process, where affected
             for inputs, labels in loader:
                 self.train_step(ddp_model, inputs, labels, writing=ckpt.writing)
                 if self.step % cfg.log_every == 0:
