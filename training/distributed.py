@@ -133,7 +133,8 @@ class Comm:
         padded[:data.numel()] = data
         gathered = [torch.empty_like(padded) for _ in range(self.world)]
         self._done(dist.all_gather(gathered, padded, async_op=True))
-        return [pickle.loads(g[:n].cpu().numpy().tobytes()) for g, n in zip(gathered, lengths)]  # our own ranks, as torch does
+        # Our own ranks' bytes, unpickled as torch's own all_gather_object does.
+        return [pickle.loads(g[:n].cpu().numpy().tobytes()) for g, n in zip(gathered, lengths)]
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         if self.hvd is not None:
@@ -159,6 +160,5 @@ class Comm:
                 dist.barrier()
             except RuntimeError:
                 pass  # a peer is gone already (a lost node): nothing to wait for
-            self._held.clear()  # freed here, with the interpreter (HELD_WORKS)
-            dist.destroy_process_group()
-        self._held.clear()  # a group the caller destroyed first: its works still go here
+            dist.destroy_process_group()  # its threads joined: the kept works' last holder is this thread
+        self._held.clear()  # freed here, with the interpreter (HELD_WORKS); also after a group the caller destroyed
