@@ -257,9 +257,7 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-fsync_dir = fsync_path  # a folder's entries (its name before files were fsync'd by path too)
-
-
+fsync_dir = fsync_path  # the name for a folder's entries
 
 
 @dataclass(frozen=True)
