@@ -157,6 +157,43 @@ def test_the_state_s_own_storages_are_hashed_in_place(tmp_path: Path, monkeypatc
     assert len(spans) == 3, f"each of the three storages is written from its own memory: {found}"
 
 
+def test_a_storage_s_pieces_are_hashed_while_it_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once every copy is in, the pieces a storage's write completes are handed to the hash
+    threads before the write starts, not after it returns: the write of a large storage (one
+    pwrite) and the hashing of its pieces overlap, instead of leaving its hashes to the end. The
+    digest is still the file's."""
+    monkeypatch.setattr(digest, "PIECE", 1 << 12)
+    state = Stager().stage({"a": torch.arange(5000, dtype=torch.float32), "step": 1})
+    storage = state["a"].untyped_storage()
+    handed_at_write: list[int] = []
+
+    class Watching:
+        def __init__(self, fh: Any) -> None:
+            self.fh, self.writer = fh, None  # type: Any, HashingWriter | None
+
+        def write(self, data: Any) -> int:
+            view = memoryview(data)
+            if self.writer is not None and torch.frombuffer(view, dtype=torch.uint8).data_ptr() == storage.data_ptr():
+                handed_at_write.append(len(self.writer._digests))
+            return int(self.fh.write(data))
+
+        def flush(self) -> None:
+            self.fh.flush()
+
+    with (tmp_path / "m.pt").open("wb") as fh:
+        watching = Watching(fh)
+        with HashingWriter(watching, Staged(state)) as writer:  # type: ignore[arg-type]
+            watching.writer = writer
+            with staging._serialiser_options(aligned=False):
+                torch.save(state, writer)  # type: ignore[arg-type]
+            fh.flush()
+            hexdigest = writer.hexdigest()
+    data = (tmp_path / "m.pt").read_bytes()
+    assert hexdigest == _pieces(data, 1 << 12)
+    end = data.index(state["a"].numpy().tobytes()) + storage.nbytes()  # the storage's end in the file
+    assert handed_at_write == [end // (1 << 12)], "every piece the storage's bytes complete is hashing as it is written"
+
+
 def test_the_writer_waits_for_the_very_storage_it_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every copy but one is in; the writer must stop at that one's storage and write its new
     bytes once it is copied. A writer that waited on the wrong storage would write its old ones."""
