@@ -27,9 +27,11 @@ def writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
     seen: list[tuple[int, int, bool]] = []
     real = direct.DirectFile._write_at
 
-    def spy(self: direct.DirectFile, offset: int, length: int, source: memoryview | None = None) -> None:
-        seen.append((offset, length, source is not None))
-        real(self, offset, length, source)
+    def spy(self: direct.DirectFile, offset: int, length: int, source: memoryview | None = None, head: int = 0) -> None:
+        if head:
+            seen.append((offset, head, False))  # the buffer's bytes, in the same call
+        seen.append((offset + head, length, source is not None))
+        real(self, offset, length, source, head)
 
     monkeypatch.setattr(direct.DirectFile, "_write_at", spy)
     return seen
@@ -82,6 +84,34 @@ def test_a_staged_checkpoint_goes_to_the_disk_without_the_copy(tmp_path: Path,
     assert offsets == sorted(offsets) and all(o % ALIGN == 0 for o in offsets)
     loaded = torch.load(tmp_path / "model.pt", weights_only=True)
     assert all(torch.equal(loaded[k], state[k]) for k in ("w", "bias", "mask", "half")) and loaded["step"] == 11
+
+
+def test_each_storage_carries_the_records_before_it_in_one_write(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small O_DIRECT write is a request the device completes before the call returns: the
+    buffered records before a large storage go out in the storage's own write (pwritev), so the
+    file takes one write per large storage and one for the rest, not one more for each storage's
+    records. The file is still exactly torch.save's."""
+    if not direct.usable(tmp_path):
+        pytest.skip("no O_DIRECT here")
+    calls: list[tuple[str, int]] = []
+    real, real_v = os.pwrite, os.pwritev
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        calls.append(("pwrite", len(memoryview(data))))
+        return real(fd, data, offset)
+
+    def pwritev(fd: int, parts: list[Any], offset: int) -> int:
+        calls.append(("pwritev", len(parts)))
+        return real_v(fd, parts, offset)
+
+    monkeypatch.setattr("training.ckpt.direct.os.pwrite", pwrite)
+    monkeypatch.setattr("training.ckpt.direct.os.pwritev", pwritev)
+    state = _state()  # three large storages, each after records (and the one before's tail)
+    save_hashed(Stager().stage(state), tmp_path / "model.pt")
+    assert (tmp_path / "model.pt").read_bytes() == _expected(state)
+    assert calls[:3] == [("pwritev", 2)] * 3  # records + storage, three times
+    assert [kind for kind, _ in calls[3:]] == ["pwrite"]  # the last records, padded to a block
 
 
 def test_the_serialiser_options_are_restored_whatever_happens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,18 +42,26 @@ def _expected(state: Any, aligned: bool) -> bytes:
 
 
 def _refusing_caller_memory(monkeypatch: pytest.MonkeyPatch, code: int) -> list[int]:
-    """os.pwrite refuses (with `code`) any O_DIRECT write of more than the writer's buffer holds
-    (only the caller's memory is written in such pieces); returns the offsets refused."""
-    real = os.pwrite
+    """os.pwrite and os.pwritev refuse (with `code`) any O_DIRECT write of more than the writer's
+    buffer holds (only the caller's memory is written in such pieces); returns the offsets refused."""
+    real, real_v = os.pwrite, os.pwritev
     refused: list[int] = []
 
-    def picky(fd: int, data: Any, offset: int) -> int:
-        if len(memoryview(data)) > direct.CHUNK and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+    def refuse(fd: int, parts: list[Any], offset: int) -> None:
+        if any(len(memoryview(p)) > direct.CHUNK for p in parts) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             refused.append(offset)
             raise OSError(code, os.strerror(code))
+
+    def picky(fd: int, data: Any, offset: int) -> int:
+        refuse(fd, [data], offset)
         return real(fd, data, offset)
 
+    def picky_v(fd: int, parts: list[Any], offset: int) -> int:  # a storage's write carrying the records before it
+        refuse(fd, parts, offset)
+        return real_v(fd, parts, offset)
+
     monkeypatch.setattr("training.ckpt.direct.os.pwrite", picky)
+    monkeypatch.setattr("training.ckpt.direct.os.pwritev", picky_v)
     return refused
 
 
@@ -179,7 +187,7 @@ def test_a_spare_buffer_still_viewed_somewhere_does_not_fail_a_save(tmp_path: Pa
         with direct.DirectFile(tmp_path / "f") as fh:
             fh.write(b"x" * 10)
         assert (tmp_path / "f").read_bytes() == b"x" * 10 and old not in direct._spare
-        monkeypatch.setattr(direct, "_spare", [direct._private(direct.CHUNK) for _ in range(direct.KEEP)])
+        monkeypatch.setattr(direct, "_spare", [direct.private_buffer(direct.CHUNK) for _ in range(direct.KEEP)])
         direct._give(old)  # the pool is full: dropped, not an error
         assert old not in direct._spare
     finally:

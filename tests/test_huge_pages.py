@@ -1,0 +1,88 @@
+"""training/ckpt/direct.py's buffers ask for transparent huge pages (madvise MADV_HUGEPAGE): the
+staged state's kept buffers, the writer's own buffer and the bench's direct limit's buffer are
+the same kind of memory, which the disk reads in fewer, larger pieces. The kernel's own record of
+each mapping (/proc/self/smaps, VmFlags `hg`) says whether it was asked; a kernel that refuses
+the advice still gets its buffer."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from training.ckpt import direct
+from training.ckpt.staging import Stager
+from training.trainer import bench_limits
+
+SMAPS = Path("/proc/self/smaps")
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of the mapping that holds `address` (proc(5), /proc/pid/smaps)."""
+    inside = False
+    for line in SMAPS.read_text().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _address(buffer: Any) -> int:
+    return torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+
+
+@pytest.fixture(autouse=True)
+def _smaps() -> None:
+    if not SMAPS.exists() or not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no /proc/self/smaps or no MADV_HUGEPAGE here")
+
+
+def test_buffers_of_a_huge_page_or_more_ask_for_huge_pages() -> None:
+    big = direct.private_buffer(direct.HUGE_PAGE * 3)
+    small = direct.private_buffer(direct.HUGE_PAGE // 2)
+    try:
+        assert "hg" in _vm_flags(_address(big))
+        assert "hg" not in _vm_flags(_address(small))  # none fits in it: nothing asked
+    finally:
+        big.close()
+        small.close()
+
+
+def test_the_kept_buffers_the_writers_buffer_and_the_limit_are_the_same_memory(tmp_path: Path) -> None:
+    state = {"w": torch.randn(direct.HUGE_PAGE), "b": torch.randn(3)}  # 8 MiB and 12 bytes
+    staged = Stager().stage(state)
+    assert "hg" in _vm_flags(staged["w"].data_ptr())
+    writer = direct.DirectFile(tmp_path / "f")
+    limit = bench_limits.Direct([state["w"]], tmp_path)
+    try:
+        assert "hg" in _vm_flags(_address(writer._buffer))
+        if limit.supported:
+            assert "hg" in _vm_flags(_address(limit._buffer))
+    finally:
+        writer.close()
+        limit.close()
+
+
+def test_a_kernel_that_refuses_the_advice_still_gives_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = mmap.mmap
+    asked: list[int] = []
+
+    class NoHugePages(real):  # type: ignore[misc,valid-type]
+        def madvise(self, option: int, *args: int) -> None:
+            asked.append(option)
+            raise OSError(22, "Invalid argument")  # a kernel built without transparent huge pages
+
+    monkeypatch.setattr(mmap, "mmap", NoHugePages)
+    buffer = direct.private_buffer(direct.HUGE_PAGE)
+    try:
+        assert asked == [mmap.MADV_HUGEPAGE] and len(buffer) == direct.HUGE_PAGE
+        buffer[:4] = b"gts!"
+        assert buffer[:4] == b"gts!"
+    finally:
+        buffer.close()
