@@ -194,16 +194,17 @@ HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 with 4 KiB pa
 
 def private_buffer(size: int) -> mmap.mmap:
     """Anonymous, private, page-aligned memory (mmap(2); Python adds MAP_ANONYMOUS for fd -1),
-    asking for transparent huge pages where it spans one (madvise(2) MADV_HUGEPAGE: most
-    distributions set /sys/kernel/mm/transparent_hugepage/enabled to `madvise`, which gives them
-    only to memory that asks). Memory the disk reads by O_DIRECT in 2 MiB pieces is fewer,
+    asking for transparent huge pages where it spans one (madvise(2) MADV_HUGEPAGE: where
+    /sys/kernel/mm/transparent_hugepage/enabled is `madvise`, as here, only memory that asks gets
+    them; with `always`, any large mapping may). Memory the disk reads by O_DIRECT in 2 MiB pieces is fewer,
     larger segments for the device's requests, and a copy into it takes fewer page walks.
-    Measured here (docs/goodput-and-bench.md, 5 December), six or twelve alternating rounds:
-    durable 54/53 ms against 68/79 ms at 100 MB and 422/433 ms against 470/557 ms at 1 GB (two
-    runs each, the allocation order swapped: without huge pages the speed of a buffer depended on
-    which was allocated first), the loop's copy 13-15 ms against 18-20 ms and 103-105 ms against
-    117-124 ms. A kernel without transparent huge pages (EINVAL) or with them set to `never`
-    gives small pages, as before."""
+    Measured here (docs/goodput-and-bench.md, "Huge pages"), two runs each, the allocation order
+    swapped (from small pages a GB took 0.38-0.43 s from one buffer and 0.51-0.58 s from another;
+    from huge pages 0.35-0.43 s from every buffer): durable
+    medians 53.5 and 54.3 ms against 78.6 and 68.3 ms at 100 MB (twelve rounds), 422 and 433 ms
+    against 557 and 471 ms at 1 GB (six rounds); the loop's copy 13-15 ms against 18-20 ms and
+    103-108 ms against 117-124 ms. A kernel without transparent huge pages (EINVAL) or with them
+    set to `never` gives small pages, as before."""
     buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
     if size >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         try:

@@ -40,9 +40,9 @@ def buffered(tensors: list[torch.Tensor], path: Path) -> dict[str, float]:
 class Direct:
     """The bytes copied once, before any clock, into one page-aligned buffer (as O_DIRECT needs:
     open(2)) of the kind ours writes from (direct.private_buffer: private, with huge pages asked
-    for; from the plain shared mapping this limit used before, a GB took 0.51-0.57 s or
-    0.38-0.40 s here, depending on which buffer was allocated first, against 0.35-0.39 s from
-    huge pages). Each run writes that buffer with O_DIRECT in direct.CHUNK pieces at aligned
+    for; from the plain shared mapping this limit used before, a GB took 0.38-0.43 s from one
+    buffer and 0.51-0.58 s from another here, so the limit could come out slower than ours;
+    from huge pages, 0.35-0.43 s from every buffer). Each run writes that buffer with O_DIRECT in direct.CHUNK pieces at aligned
     offsets, truncates the file to the bytes' size and fsyncs. (Ours writes a large storage in
     one pwrite from its own memory; the piece size does not change this limit: 1 GiB in pieces
     of 16, 64, 256 and 1024 MiB took 0.537, 0.533, 0.529 and 0.528 s, medians of six, rotated.)
