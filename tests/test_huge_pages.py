@@ -37,13 +37,26 @@ def _address(buffer: Any) -> int:
     return torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
 
 
-@pytest.fixture(autouse=True)
-def _smaps() -> None:
-    if not SMAPS.exists() or not hasattr(mmap, "MADV_HUGEPAGE"):
-        pytest.skip("no /proc/self/smaps or no MADV_HUGEPAGE here")
+def _advice_recorded() -> bool:
+    """Whether this kernel takes MADV_HUGEPAGE and records it (a kernel without transparent huge
+    pages refuses it; a sandbox may accept and drop it): a scratch mapping asked directly."""
+    probe = mmap.mmap(-1, 2 * direct.HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    try:
+        probe.madvise(mmap.MADV_HUGEPAGE)
+        return "hg" in _vm_flags(_address(probe))
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
-def test_buffers_of_a_huge_page_or_more_ask_for_huge_pages() -> None:
+@pytest.fixture
+def recorded() -> None:
+    if not SMAPS.exists() or not hasattr(mmap, "MADV_HUGEPAGE") or not _advice_recorded():
+        pytest.skip("no /proc/self/smaps, or no transparent huge pages this kernel records here")
+
+
+def test_buffers_of_a_huge_page_or_more_ask_for_huge_pages(recorded: None) -> None:
     big = direct.private_buffer(direct.HUGE_PAGE * 3)
     small = direct.private_buffer(direct.HUGE_PAGE // 2)
     try:
@@ -54,22 +67,24 @@ def test_buffers_of_a_huge_page_or_more_ask_for_huge_pages() -> None:
         small.close()
 
 
-def test_the_kept_buffers_the_writers_buffer_and_the_limit_are_the_same_memory(tmp_path: Path) -> None:
+def test_the_kept_buffers_the_writers_buffer_and_the_limit_are_the_same_memory(tmp_path: Path,
+                                                                                recorded: None) -> None:
     state = {"w": torch.randn(direct.HUGE_PAGE), "b": torch.randn(3)}  # 8 MiB and 12 bytes
     staged = Stager().stage(state)
     assert "hg" in _vm_flags(staged["w"].data_ptr())
-    writer = direct.DirectFile(tmp_path / "f")
+    with direct.DirectFile(tmp_path / "f") as writer:
+        assert "hg" in _vm_flags(_address(writer._buffer))
     limit = bench_limits.Direct([state["w"]], tmp_path)
     try:
-        assert "hg" in _vm_flags(_address(writer._buffer))
         if limit.supported:
             assert "hg" in _vm_flags(_address(limit._buffer))
     finally:
-        writer.close()
         limit.close()
 
 
 def test_a_kernel_that_refuses_the_advice_still_gives_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no MADV_HUGEPAGE here")
     real = mmap.mmap
     asked: list[int] = []
 

@@ -101,6 +101,29 @@ def test_a_full_disk_in_a_zero_copy_write_fails_the_save(direct_here: Path, monk
     assert len(refused) == 1 and not (direct_here / "m.pt").exists()
 
 
+def test_a_failed_write_s_traceback_does_not_keep_the_writers_buffer(direct_here: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error of a failed write lives on (the caller's handler, a future) with its traceback:
+    no frame of it may hold a view of the writer's buffer, or the buffer stays mapped after the
+    writer gives it up (close() refuses while a view is exported)."""
+    monkeypatch.setattr(direct, "CHUNK", 64 * 1024)
+    monkeypatch.setattr(direct, "KEEP", 0)  # every buffer given up is unmapped at once
+    monkeypatch.setattr(direct, "_spare", [])
+    _refusing_caller_memory(monkeypatch, errno.ENOSPC)
+    unmapped: list[bool] = []
+    discard = direct._discard
+
+    def watched(buffer: mmap.mmap) -> None:
+        discard(buffer)
+        unmapped.append(buffer.closed)
+
+    monkeypatch.setattr(direct, "_discard", watched)
+    with pytest.raises((OSError, RuntimeError)) as caught:
+        save_hashed(Stager().stage(_state()), direct_here / "m.pt")
+    assert caught.value.__traceback__ is not None  # still held here, as a handler would hold it
+    assert unmapped == [True]
+
+
 def test_memory_the_kernel_will_not_map_comes_from_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_more(*args: Any, **kwargs: Any) -> Any:
         raise OSError(errno.ENOMEM, "Cannot allocate memory")  # vm.max_map_count reached

@@ -101,7 +101,11 @@ def _pwrite_parts(fd: int, views: list[memoryview], pos: int, offset: int) -> in
         if pos < len(view):
             rest.append(view[pos:])
         pos = max(0, pos - len(view))
-    return os.pwrite(fd, rest[0], at) if len(rest) == 1 else os.pwritev(fd, rest, at)
+    try:
+        return os.pwrite(fd, rest[0], at) if len(rest) == 1 else os.pwritev(fd, rest, at)
+    finally:  # a failed write's traceback keeps this frame: its slices must not keep the buffer mapped
+        for view in rest:
+            view.release()
 
 
 def filesystem(folder: Path | str) -> str:

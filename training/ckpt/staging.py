@@ -101,7 +101,7 @@ class CopyFailed(Exception):
 
 class Staged:
     """The host memory of a state's storages (files.cpu_spans), by address: what a HashingWriter
-    may hash after a write has returned, as it stays as it is until save_hashed returns. For a
+    may hash while and after it is written, as it stays as it is until save_hashed returns. For a
     state still being copied (Stager.fill: the writer starts while the loop copies, issue 44), each
     storage's copy is waited for before it is written, and nothing is hashed until every copy is
     in: the hash threads would take the cores the loop's copy runs on. A copy from a GPU is in

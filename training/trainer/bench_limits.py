@@ -42,13 +42,14 @@ class Direct:
     open(2)) of the kind ours writes from (direct.private_buffer: private, with huge pages asked
     for; from the plain shared mapping this limit used before, a GB took 0.38-0.43 s from one
     buffer and 0.51-0.58 s from another here, so the limit could come out slower than ours;
-    from huge pages, 0.35-0.43 s from every buffer). Each run writes that buffer with O_DIRECT in direct.CHUNK pieces at aligned
-    offsets, truncates the file to the bytes' size and fsyncs. (Ours writes a large storage in
-    one pwrite from its own memory; the piece size does not change this limit: 1 GiB in pieces
-    of 16, 64, 256 and 1024 MiB took 0.537, 0.533, 0.529 and 0.528 s, medians of six, rotated.)
-    `supported` is False where ours would not write around the page cache either
-    (direct.usable: not a local block file system, or one that refuses O_DIRECT), and then there
-    is no such limit to report (nor its buffer)."""
+    from huge pages, 0.35-0.43 s from every buffer). Each run writes that buffer with O_DIRECT
+    in direct.CHUNK pieces at aligned offsets, truncates the file to the bytes' size and fsyncs.
+    (Ours writes a large storage in one pwritev from its own memory, with the records before it;
+    the piece size does not change this limit: 1 GiB in pieces of 16, 64, 256 and 1024 MiB took
+    0.537, 0.533, 0.529 and 0.528 s, medians of six, rotated, from small pages.) `supported` is
+    False where ours would not write around the page cache either (direct.usable: not a local
+    block file system, or one that refuses O_DIRECT), and then there is no such limit to report
+    (nor its buffer)."""
 
     def __init__(self, tensors: list[torch.Tensor], folder: Path):
         self.size = sum(t.numel() * t.element_size() for t in tensors)
