@@ -59,6 +59,7 @@ CHUNK = 16 << 20  # 16 MiB: as fast as 64 MiB with dd here (0.56-0.64 s a GiB), 
 KEEP = 2  # buffers kept for the next files (one per file being written at once)
 ZERO_COPY_MIN = 1 << 20  # a write this large, aligned in memory and in the file, skips the buffer
 STORAGE_ALIGNMENT = ALIGN  # torch.save's storage offsets in the file, for the zero-copy writes
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 with 4 KiB pages (private_buffer)
 DIRECT_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs"})
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _spare: list[mmap.mmap] = []
@@ -178,9 +179,10 @@ def aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     storage at an aligned offset (STORAGE_ALIGNMENT). The storage is exactly the tensor's bytes:
     torch.save writes whole storages. The mapping is private, as torch's own large allocations
     are (MAP_SHARED memory is shmem: no transparent huge pages where only anonymous memory gets
-    them), with huge pages asked for (private_buffer). Tensors under ZERO_COPY_MIN bytes, that torch.frombuffer refuses, or that the
-    kernel will not map (ENOMEM: vm.max_map_count reached, a strict overcommit) come from
-    torch.empty: the writer copies them, as it did every tensor before."""
+    them), with huge pages asked for (private_buffer). Tensors under ZERO_COPY_MIN bytes, that
+    torch.frombuffer refuses, or that the kernel will not map (ENOMEM: vm.max_map_count reached,
+    a strict overcommit) come from torch.empty: the writer copies them, as it did every tensor
+    before."""
     numel = 1
     for n in shape:
         numel *= n
@@ -193,22 +195,19 @@ def aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 with 4 KiB pages
-
-
 def private_buffer(size: int) -> mmap.mmap:
     """Anonymous, private, page-aligned memory (mmap(2); Python adds MAP_ANONYMOUS for fd -1),
     asking for transparent huge pages where it spans one (madvise(2) MADV_HUGEPAGE: where
     /sys/kernel/mm/transparent_hugepage/enabled is `madvise`, as here, only memory that asks gets
-    them; with `always`, any large mapping may). Memory the disk reads by O_DIRECT in 2 MiB pieces is fewer,
-    larger segments for the device's requests, and a copy into it takes fewer page walks.
-    Measured here (docs/goodput-and-bench.md, "Huge pages"), two runs each, the allocation order
-    swapped (from small pages a GB took 0.38-0.43 s from one buffer and 0.51-0.58 s from another;
-    from huge pages 0.35-0.43 s from every buffer): durable
-    medians 53.5 and 54.3 ms against 78.6 and 68.3 ms at 100 MB (twelve rounds), 422 and 433 ms
-    against 557 and 471 ms at 1 GB (six rounds); the loop's copy 13-15 ms against 18-20 ms and
-    103-108 ms against 117-124 ms. A kernel without transparent huge pages (EINVAL) or with them
-    set to `never` gives small pages, as before."""
+    them; with `always`, any large mapping may). Memory the disk reads by O_DIRECT in 2 MiB
+    pieces is fewer, larger segments for the device's requests, and a copy into it takes fewer
+    page walks. Measured here (docs/goodput-and-bench.md, "Huge pages"), two runs each, the
+    allocation order swapped (from small pages a GB took 0.38-0.43 s from one buffer and
+    0.51-0.58 s from another; from huge pages 0.35-0.43 s from every buffer): durable medians
+    53.5 and 54.3 ms against 78.6 and 68.3 ms at 100 MB (twelve rounds), 422 and 433 ms against
+    557 and 471 ms at 1 GB (six rounds); the loop's copy 13-15 ms against 18-20 ms and 103-108 ms
+    against 117-124 ms. A kernel without transparent huge pages (EINVAL) or with them set to
+    `never` gives small pages, as before."""
     buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
     if size >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
