@@ -47,7 +47,7 @@ def _first_run(tmp_path: Path) -> tuple[str, dict[str, torch.Tensor]]:
 def test_made_before_the_model_it_prefetches_and_assign_takes_the_tensors(tmp_path: Path) -> None:
     url, uninterrupted = _first_run(tmp_path)
     ckpt = Checkpointer(url=url, local_dir=str(tmp_path / "disk2"))
-    prefetch = ckpt.manager.loader._prefetch
+    prefetch = ckpt.manager.loader.prefetched.thread
     assert isinstance(prefetch, threading.Thread)  # the fetch started before any model exists
     with torch.device("meta"):
         model = _net()
@@ -59,7 +59,7 @@ def test_made_before_the_model_it_prefetches_and_assign_takes_the_tensors(tmp_pa
         after = list(model.parameters())
         assert [id(p) for p in after] != before  # the model took the loaded tensors themselves ...
         assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in after]  # ... the optimizer too
-        assert ckpt.manager.loader._prefetched is None  # nothing held once resumed
+        assert ckpt.manager.loader.prefetched.found is None  # nothing held once resumed
         _train(model, opt, range(5, 10))
     for name, value in model.state_dict().items():
         assert torch.equal(value, uninterrupted[name]), name

@@ -265,9 +265,9 @@ def test_moments_restored_by_copy_own_their_storage_and_an_unchosen_prefetch_is_
     mgr = CheckpointManager(str(tmp_path / "steps"), None, TOPO)
     mgr.prefetch()
     mgr.end_prefetch()
-    assert mgr.loader._prefetch is not None
-    mgr.loader._prefetch.join()
-    assert mgr.loader._prefetched is None
+    assert mgr.loader.prefetched.thread is not None
+    mgr.loader.prefetched.wait()
+    assert mgr.loader.prefetched.found is None
     mgr.close()
 
 

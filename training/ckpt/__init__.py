@@ -9,7 +9,9 @@ Where things are, top down:
   run_control.py   which step to resume, the checkpoint interval, the stop flag, exit codes
   manager.py       CheckpointManager: atomic commit, sha256 manifest, keep-K; it holds
   uploader.py        the background upload to the bucket, and
-  loader.py          the verified load from disk or bucket (memory.py: fetched into memory)
+  loader.py          the verified load from disk or bucket (memory.py: fetched into memory;
+                     prefetch.py: the newest step loaded while the model is built;
+                     fetch_process.py: fetched by a process of its own, fetcher.py its code)
   tiers.py         Tier: where a step comes from (steps, load); the disk and the bucket
                    (loader.py) and the peer tier (peer/tier.py) are its three
   files.py         the layout: step folders, manifests, topology, errors

@@ -16,11 +16,12 @@ import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from training.ckpt import digest
+
+if TYPE_CHECKING:
+    import torch
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 MODEL_FILE = "model.pt"
@@ -139,6 +140,8 @@ def _sparse_parts(value: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors torch.save writes for a sparse one: a COO tensor's indices and values, a
     compressed one's (CSR, CSC, BSR, BSC) compressed and plain indices and values; () for another
     layout without a storage."""
+    import torch
+
     if value.layout == torch.sparse_coo:
         return value._indices(), value._values()
     if value.layout in (torch.sparse_csr, torch.sparse_bsr):
@@ -167,6 +170,8 @@ def cpu_spans(state: Any) -> list[tuple[int, int]]:
 
 def _storages(state: Any) -> Iterator[tuple[int, int, torch.UntypedStorage | None]]:
     """(key, bytes, storage or None) of each storage of storage_sizes, once."""
+    import torch
+
     keys: set[int] = set()
     seen: set[int] = set()
     stack = [state]
@@ -312,6 +317,8 @@ def unpickle(path: Path, name: str | None = None, mapped: int | None = None) -> 
     Otherwise read (issue 34): a private mapping costs a copy-on-write fault per page when the
     first steps write the parameters and moments in place, about 1.3 s per GB over two steps
     against 0.44 s for the read."""
+    import torch  # here, not at the top: the fetch process (training/ckpt/fetch_process.py) never imports it
+
     if mapped is not None:
         try:
             # torch reads the flags from a process-wide setting: one load of ours at a time

@@ -11,7 +11,6 @@ import json
 import logging
 import mmap
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,9 @@ from typing import Any
 from training.ckpt.files import (MODEL_FILE, STEP_RE, CheckpointError, Topology, check_manifest, inside,
                                  manifest_name, plain_path, rng_name, step_dir, unpickle, verify)
 from training.ckpt.memory import in_memory, memory_files
+from training.ckpt import fetch_process
 from training.ckpt.fetch import fetch_retrying
+from training.ckpt.prefetch import Prefetch
 from training.ckpt.storage import Location, StorageRefused, StorageUnavailable, permanent_cause
 
 log = logging.getLogger("gts.checkpoint")
@@ -50,10 +51,7 @@ class Loader:
         self.wait_commit = wait_commit
         self.remote_error = ""  # why the bucket could not be listed, if it could not
         self._told: set[str] = set()  # warnings already logged (a bad folder is named once)
-        self._prefetch: threading.Thread | None = None
-        self._prefetched: tuple[int, tuple[dict[str, Any], dict[str, Any] | None]] | None = None
-        self._prefetch_lock = threading.Lock()
-        self._prefetch_ended = False
+        self.prefetched = Prefetch(self)  # the newest step, loaded while the caller builds its model
 
     def local_manifests(self, step: int) -> list[dict[str, Any]]:
         """The step's manifests on this disk that are its own (see check_manifest); one that is
@@ -142,45 +140,27 @@ class Loader:
         """Steps this node may restore, from its disk or the bucket (checked when loaded)."""
         return set(self.local_steps()) | set(self.remote_steps())
 
-    def prefetch(self) -> None:
-        """Start loading the newest step (local or in the bucket: fetched, checked, loaded) on a
-        background thread, so that it overlaps what the caller does next (imports, building the
-        model). `load` of that step then returns its result; a fault found there is not kept:
-        `load` tries again and reports it as usual."""
-        if self._prefetch is None:
-            self._prefetch = threading.Thread(target=self._load_newest, name="checkpoint-prefetch", daemon=True)
-            self._prefetch.start()
+    def prefetch(self, early_only: bool = False) -> None:
+        """Start loading the newest step (local or in the bucket: fetched, checked, loaded) in the
+        background (training/ckpt/prefetch.py), so that it overlaps what the caller does next
+        (imports, building the model). `load` of that step then returns its result; a fault found
+        there is not kept: `load` tries again and reports it as usual. `early_only`: only where
+        `prefetch` (training/ckpt/fetch_process.py) started a fetch of this bucket before the
+        loader existed (the manager takes it as it is made, whichever path resumes)."""
+        if not early_only or (self.remote is not None and fetch_process.early(self.remote.url)):
+            self.prefetched.start()
 
     def end_prefetch(self) -> None:
         """The caller has resumed (or chose no step): a prefetched state nobody took, now or when
-        the thread finishes, is dropped instead of being held (a whole state's memory) for the run."""
-        with self._prefetch_lock:
-            self._prefetch_ended, self._prefetched = True, None
-
-    def _load_newest(self) -> None:
-        try:
-            steps = sorted(self.loadable_steps())
-            if steps:
-                found = (steps[-1], self.load(steps[-1]))
-                with self._prefetch_lock:
-                    if not self._prefetch_ended:
-                        self._prefetched = found
-        except Exception as exc:  # noqa: BLE001 (load, on the caller's thread, meets it again and says so)
-            log.debug("prefetch: %s", exc)
-
-    def _take_prefetched(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
-        prefetch = self._prefetch
-        if prefetch is None or threading.current_thread() is prefetch:
-            return None
-        prefetch.join()
-        found, self._prefetched = self._prefetched, None
-        return found[1] if found is not None and found[0] == step else None
+        the prefetch finishes, is dropped instead of being held (a whole state's memory) for the
+        run, and a fetch still under way is stopped."""
+        self.prefetched.end()
 
     def load(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """(model state, this rank's RNG state or None when the step was saved with another
         world size) for `step`: every file checked against its manifest first; a bad local copy
         is fetched again from the bucket. Raises CheckpointError naming the file and the fault."""
-        prefetched = self._take_prefetched(step)
+        prefetched = self.prefetched.take(step)
         if prefetched is not None:
             return prefetched
         self.wait_commit()
@@ -208,7 +188,7 @@ class Loader:
         if here and local_fault is not None:
             log.warning("rank %d: local %s is damaged (%s); fetching it from %s", self.topo.rank,
                         step_dir(step), local_fault, self.remote.url)
-        files, _ = self._needed(self._remote_manifests(step))
+        files = self.remote_files(step)
         if not here and in_memory(self.topo):  # nothing of this step here, and no other rank to share it
             loaded = self._load_in_memory(step, files)
             if loaded is not None:
@@ -228,9 +208,11 @@ class Loader:
         return model, rng
 
     def wait_prefetch(self) -> None:
-        """Until the prefetch (if one started) has finished: no fetch left half-written."""
-        if self._prefetch is not None:
-            self._prefetch.join()
+        """Until the prefetch (if one started) has finished: no fetch left half-written, and none
+        that `prefetch` started and nobody took left running."""
+        self.prefetched.wait()
+        if self.remote is not None:
+            fetch_process.drop(self.remote.url)
 
     def load_folder(self, step: int) -> Path:
         """A step saved with `save_folder`, every file of every node checked (fetched from the
@@ -274,17 +256,26 @@ class Loader:
         assert self.remote is not None
         try:
             with memory_files(self.remote, step, files, self.topo.rank) as paths:
-                if paths is None:
-                    return None
-                model = unpickle(paths[MODEL_FILE], MODEL_FILE, mapped=mmap.MAP_SHARED)
-                rng_file = rng_name(self.topo.rank)
-                rng = unpickle(paths[rng_file], rng_file) if rng_file in paths else None
+                return None if paths is None else self.read_memory(step, paths)
         except OSError as exc:  # no /proc/self/fd to open them by, after all
             log.info("rank %d: memory file unreadable (%s); fetching %s to disk", self.topo.rank, exc, step_dir(step))
             return None
-        log.info("rank %d fetched %s from %s (into memory: the only rank on this node)", self.topo.rank,
-                 step_dir(step), self.remote.url)
+
+    def read_memory(self, step: int, paths: dict[str, Path], how: str = ""
+                    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """`load`'s result from the memory files of `step` (name -> a path that opens one), the
+        model file mapped shared: its tensors are the received pages. `how`: who fetched them."""
+        assert self.remote is not None
+        model = unpickle(paths[MODEL_FILE], MODEL_FILE, mapped=mmap.MAP_SHARED)
+        rng_file = rng_name(self.topo.rank)
+        rng = unpickle(paths[rng_file], rng_file) if rng_file in paths else None
+        log.info("rank %d fetched %s from %s (into memory%s: the only rank on this node)", self.topo.rank,
+                 step_dir(step), self.remote.url, how)
         return model, rng
+
+    def remote_files(self, step: int) -> dict[str, dict[str, Any]]:
+        """The files this rank loads of the bucket's `step`, with their manifest entries."""
+        return self._needed(self._remote_manifests(step))[0]
 
     def _remote_manifests(self, step: int) -> list[dict[str, Any]]:
         assert self.remote is not None

@@ -160,6 +160,7 @@ class CheckpointManager:
         if self.remote is not None and topo.local_rank == 0:
             self.uploads.start()
             self.writes.exempt = self.uploads.thread
+        self.loader.prefetch(early_only=True)  # a fetch started before torch (fetch_process.prefetch): taken now
 
     # ------------------------------------------------------------------ what the collaborators hold
     @property

@@ -1,0 +1,238 @@
+"""The newest step fetched from the bucket in a process of its own (issue 44: the library's resume
+at read speed), for a rank that resumes into memory (training/ckpt/memory.py: the only rank on
+its node, from an s3:// oss:// or cosn:// bucket).
+
+Why a process. The fetch takes CPU: the store's answer received, hashed (BLAKE3) and copied into
+the memory file, about 0.8 s of CPU per GB here. On a thread of the training process it shares the
+interpreter's lock with what the caller does meanwhile, all of it Python that holds that lock:
+importing torch, building the model and the optimizer. In a process of its own it runs on another
+core beside them, and it never imports torch, so it can start before the caller does (`prefetch`).
+Measured on the bench's two cores (docs/goodput-and-bench.md, "The fetch in a process of its
+own").
+
+How. `FetchProcess` makes a socket pair and starts `python -m training.ckpt.fetcher` (its code)
+with one end; the request (the URL and this rank's place in the run) goes over it as one JSON line. The
+process lists the bucket's complete steps, checks the newest one's manifests and fetches this
+rank's files of it into memory files, each checked against its manifest as it arrives (the same
+code as the in-process fetch: training/ckpt/loader.py's Loader, memory.py, fetch.py), answers
+with one JSON message carrying the memory files' descriptors (SCM_RIGHTS) and exits. The training
+process maps the model file from the descriptor it received: the tensors are the pages the fetch
+process wrote, shared, with no copy.
+
+What it trusts. The process is this program, started from this interpreter with this
+environment, over a socket pair no other process can reach; its answer is still checked for shape
+(as many descriptors as files named, each a plain file name, each file of its manifest's size).
+Any fault (the process cannot start, dies, answers nothing or a fault, or the step is too big for
+memory) leaves the prefetch to the in-process path (Loader.prefetch), or to the resume itself,
+which meets the same fault again and reports it as usual: nothing is logged twice and nothing is
+used that the in-process path would refuse. The process ends with the training process: a thread
+of it reads its end of the socket and exits the process when the other end closes (the training
+process ended, or dropped the fetch)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("gts.checkpoint")
+
+MAX_ANSWER = 1 << 20  # bytes of one answer or request: a step number and a few manifest entries
+MAX_FILES = 8  # descriptors of one answer: the model file and this rank's RNG file
+ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds the training package
+TOPOLOGY = ("rank", "local_rank", "world_size", "node", "nnodes", "local_world_size")  # files.Topology's fields
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What the fetch process answered: the step and its files (name -> /proc/self/fd/N of a
+    memory file this process holds until FetchProcess.close), or no files and the reason."""
+
+    step: int | None
+    paths: dict[str, Path]
+    why: str = ""  # no files: why not
+    fault: bool = False  # no files because a fault was found in the step (the resume meets it again)
+
+
+def env_topology(env: Mapping[str, str] | None = None) -> dict[str, int]:
+    """This rank's place as torchrun's environment gives it (training/distributed.py's Comm reads
+    the same variables), before torch is imported."""
+    env = os.environ if env is None else env
+    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    return {"rank": rank, "local_rank": int(env.get("LOCAL_RANK", 0)), "world_size": world,
+            "node": rank // max(1, local_world), "nnodes": max(1, world // max(1, local_world)),
+            "local_world_size": local_world}
+
+
+class FetchProcess:
+    """One fetch process and this process's end of its socket. `answer` waits for what it
+    fetched; `stop` (any thread) kills it; `close` (the thread that took the answer) also closes
+    the socket and the memory files' descriptors (a mapping made meanwhile keeps its pages)."""
+
+    def __init__(self, url: str, topology: Mapping[str, int]):
+        self.url, self.topology = url, {key: int(topology[key]) for key in TOPOLOGY}
+        ours, theirs = socket.socketpair()
+        try:
+            path = os.environ.get("PYTHONPATH", "")
+            env = {**os.environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
+            self.proc = subprocess.Popen([sys.executable, "-m", "training.ckpt.fetcher", str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._sock = ours
+        self._fds: list[int] = []
+        self._fetched: Fetched | None = None
+        try:
+            ours.sendall(json.dumps({"url": url, "topology": self.topology}).encode() + b"\n")
+        except OSError:  # it died at once: answer() says so
+            pass
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def answer(self) -> Fetched:
+        """What the process fetched, once it answers or ends (blocks until then)."""
+        if self._fetched is None:
+            try:
+                reply, self._fds = _receive(self._sock)
+            except ConnectionError:  # it died with the request unread: the end of its socket
+                reply = {}
+            except (OSError, ValueError) as exc:
+                reply = {"lost": f"its answer is unreadable ({exc})"}
+            self._fetched = self._check(reply)
+        return self._fetched
+
+    def _check(self, reply: Any) -> Fetched:
+        if not isinstance(reply, dict) or not reply:
+            code = self.proc.wait()
+            return Fetched(None, {}, f"the fetch process ended without an answer (exit status {code})")
+        if "fault" in reply:
+            return Fetched(None, {}, str(reply["fault"]), fault=True)
+        if "lost" in reply or not isinstance(reply.get("step"), int):
+            return Fetched(None, {}, str(reply.get("lost") or reply.get("why") or "no step in the bucket"))
+        files = reply.get("files")
+        if not isinstance(files, dict):
+            return Fetched(reply["step"], {}, str(reply.get("why") or "the step goes to disk"))
+        from training.ckpt.files import plain_path
+
+        if len(files) != len(self._fds) or not all(plain_path(name) for name in files):
+            return Fetched(None, {}, f"{len(self._fds)} descriptors for the files {sorted(files)}")
+        for (name, meta), fd in zip(files.items(), self._fds):
+            size = os.fstat(fd).st_size
+            if not isinstance(meta, dict) or size != meta.get("size"):
+                return Fetched(None, {}, f"{name} has {size} bytes, its manifest entry is {meta!r}")
+        return Fetched(reply["step"], {name: Path(f"/proc/self/fd/{fd}") for name, fd in zip(files, self._fds)})
+
+    def stop(self) -> None:
+        """Kill the process if it still runs (safe from any thread: the one waiting in `answer`
+        then gets the end of the socket)."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.kill()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.stop()
+        self.proc.wait()
+        self._sock.close()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+def _receive(sock: socket.socket) -> tuple[Any, list[int]]:
+    """The answer (JSON, {} when the process ended without one) and the descriptors that came with it."""
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_ANSWER, MAX_FILES)
+    fds = list(fds)
+    try:
+        if flags & socket.MSG_CTRUNC:
+            raise ValueError(f"more than {MAX_FILES} descriptors")
+        chunks, size = [data], len(data)
+        while data:
+            data = sock.recv(1 << 16)
+            chunks.append(data)
+            size += len(data)
+            if size > MAX_ANSWER:
+                raise ValueError(f"longer than {MAX_ANSWER} bytes")
+        return (json.loads(b"".join(chunks)) if size else {}), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+_EARLY: dict[str, FetchProcess] = {}  # prefetch's, by URL, until a Loader takes it
+_EARLY_LOCK = threading.Lock()
+
+
+def prefetch(url: str | None = None) -> bool:
+    """Start fetching the newest checkpoint of `url` (default: the trainer contract's
+    CHECKPOINT_URL) in a process of its own, now. Call it first thing, before importing torch:
+    the Checkpointer made later for the same URL takes what it fetched (docs/trainer-and-library.md).
+    Returns whether a fetch process started: not for a rank that shares its node with others (they
+    fetch to disk, where they share one copy), not for a file:// URL or a path (a local read
+    needs no process), nor where a process cannot be started (the Checkpointer then fetches on a
+    thread, as without this call)."""
+    url = url or os.environ.get("CHECKPOINT_URL", "")
+    topology = env_topology()
+    if url.split("://", 1)[0] not in ("s3", "oss", "cosn") or "://" not in url or topology["local_world_size"] != 1:
+        return False
+    with _EARLY_LOCK:
+        if url in _EARLY:
+            return True
+        try:
+            _EARLY[url] = FetchProcess(url, topology)
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            log.debug("prefetch: no fetch process (%s)", exc)
+            return False
+    return True
+
+
+def early(url: str) -> bool:
+    """Whether `prefetch` started a fetch for `url` that no Loader has taken yet."""
+    with _EARLY_LOCK:
+        return url in _EARLY
+
+
+def drop(url: str | None = None) -> None:
+    """Stop `prefetch`'s fetch for `url` (every one when None) that no Loader took: what it
+    fetched is not held for the run."""
+    with _EARLY_LOCK:
+        dropped = [_EARLY.pop(key) for key in list(_EARLY) if url is None or key == url]
+    for fetcher in dropped:
+        fetcher.close()
+
+
+def take(url: str, topology: Mapping[str, int]) -> FetchProcess | None:
+    """The fetch process for `url` and this rank: `prefetch`'s if it started one for the same
+    URL and place in the run, else a new one; None where none can be started. Every other fetch
+    `prefetch` started is stopped (made for another URL or place, it fetched nothing this run
+    uses)."""
+    wanted = {key: int(topology[key]) for key in TOPOLOGY}
+    with _EARLY_LOCK:
+        mine = _EARLY.pop(url, None)
+    drop()
+    if mine is not None and mine.topology == wanted:
+        return mine
+    if mine is not None:
+        mine.close()
+    try:
+        return FetchProcess(url, wanted)
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        log.debug("prefetch: no fetch process (%s); fetching on a thread", exc)
+        return None
+

@@ -1,0 +1,100 @@
+"""The fetch process's own code (`python -m training.ckpt.fetcher`, started by
+training/ckpt/fetch_process.py, whose docstring says why and how): it reads the request, lists,
+checks and fetches as the in-process prefetch would, answers with the memory files' descriptors
+and exits. It never imports torch, and it exits when the training process closes its end of the
+socket (it ended, or dropped the fetch)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from training.ckpt.fetch_process import MAX_ANSWER, TOPOLOGY
+
+
+
+def _request(sock: socket.socket) -> dict[str, Any]:
+    data = b""
+    while not data.endswith(b"\n"):
+        more = sock.recv(1 << 16)
+        if not more or len(data) + len(more) > MAX_ANSWER:
+            raise ValueError("no whole request")
+        data += more
+    request = json.loads(data)
+    if not isinstance(request, dict) or not isinstance(request.get("url"), str):
+        raise ValueError("not a request")
+    return request
+
+
+def _send(sock: socket.socket, reply: dict[str, Any], fds: list[int]) -> None:
+    data = json.dumps(reply).encode()
+    sent = socket.send_fds(sock, [data], fds)
+    sock.sendall(data[sent:])
+    sock.shutdown(socket.SHUT_WR)
+
+
+def _exit_with_caller(sock: socket.socket) -> None:
+    """Until the training process closes its end (it ended, or dropped the fetch): then exit."""
+    try:
+        while sock.recv(1 << 12):
+            pass
+    finally:
+        os._exit(0)
+
+
+def _fetch(sock: socket.socket, request: dict[str, Any]) -> None:
+    """List, check and fetch as the in-process prefetch would (Loader.remote_steps, the step's
+    manifests, memory_files), and answer."""
+    from training.ckpt.files import Topology
+    from training.ckpt.loader import Loader
+    from training.ckpt.memory import memory_files
+    from training.ckpt.storage import location
+
+    topo = Topology(**{key: int(request["topology"][key]) for key in TOPOLOGY})
+    remote = location(request["url"])
+    loader = Loader(Path(os.devnull), remote, topo, False, lambda: None)  # its bucket only: no local folder
+    steps = loader.remote_steps()
+    if not steps:
+        _send(sock, {"step": None, "why": loader.remote_error or "no step in the bucket"}, [])
+        return
+    step = steps[-1]
+    files = loader.remote_files(step)
+    with memory_files(remote, step, files, topo.rank) as paths:
+        if paths is None:
+            _send(sock, {"step": step, "why": "the step goes to disk (too big for memory, or no memory files)"}, [])
+            return
+        _send(sock, {"step": step, "files": files}, [int(path.name) for path in paths.values()])
+
+
+def main(argv: list[str]) -> int:
+    logging.disable(logging.CRITICAL)  # the training process repeats each check that matters and says what it finds
+    try:
+        sock = socket.socket(fileno=int(argv[0]))
+    except (IndexError, ValueError, OSError):
+        print("python -m training.ckpt.fetcher is started by the checkpoint library "
+              "(training/ckpt/fetch_process.py), not by hand", file=sys.stderr)
+        return 2
+    try:
+        request = _request(sock)
+    except (OSError, ValueError):
+        return 1
+    threading.Thread(target=_exit_with_caller, args=(sock,), name="caller-watch", daemon=True).start()
+    try:
+        _fetch(sock, request)
+    except BaseException as exc:  # noqa: BLE001 (any fault: the training process meets it again and says so)
+        try:
+            _send(sock, {"fault": f"{type(exc).__name__}: {exc}"}, [])
+        except OSError:
+            pass
+    sys.stdout.flush()
+    os._exit(0)  # no teardown of the store's client and event loop: nothing is left to write
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
