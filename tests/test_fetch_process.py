@@ -7,6 +7,8 @@ step, one that outlives its caller, and answers of the wrong shape."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import os
 import select
@@ -15,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -81,18 +84,74 @@ def test_a_checkpointer_made_before_the_model_resumes_through_a_fetch_process(
         url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="gts.checkpoint")
     ckpt, model, step = _fast_resume(url, tmp_path / "disk")
-    fetcher = ckpt.manager.loader.prefetched.fetcher
-    assert isinstance(fetcher, FetchProcess)
-    assert step == 2
-    assert f"fetched step-00000002 from {url} (into memory, by fetch process {fetcher.pid}:" in caplog.text
-    _, mapped = _memory_files()  # the model's tensors are the pages the fetch process wrote, mapped shared
-    assert mapped and all("memfd:gts-step-00000002-model.pt" in line and " rw-s " in line for line in mapped), mapped
-    assert fetcher.proc.poll() is not None  # the process is gone, its descriptors closed here
-    saved = torch.load(tmp_path / "step2.pt", weights_only=True)
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, saved[name]), name
-    assert not list((tmp_path / "disk").rglob("step-00000002"))  # no disk copy
-    ckpt.close()
+    try:
+        fetcher = ckpt.manager.loader.prefetched.fetcher
+        assert isinstance(fetcher, FetchProcess)
+        assert step == 2
+        assert f"fetched step-00000002 from {url} (into memory, by fetch process {fetcher.pid}:" in caplog.text
+        opened, mapped = _memory_files()  # the model's tensors are the pages the fetch process wrote, mapped shared
+        assert opened == [], opened  # the received descriptors are closed: the mapping alone holds the pages
+        assert mapped and all("memfd:gts-step-00000002-model.pt" in line and " rw-s " in line for line in mapped), mapped
+        assert fetcher.proc.poll() is not None  # the process is gone
+        saved = torch.load(tmp_path / "step2.pt", weights_only=True)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, saved[name]), name
+        assert not list((tmp_path / "disk").rglob("step-00000002"))  # no disk copy
+    finally:
+        ckpt.close()
+
+
+def test_the_descriptors_it_hands_over_are_closed_on_exec(url: str) -> None:
+    fetcher = FetchProcess(url, fetch_process.env_topology() or {})
+    try:
+        fetched = fetcher.answer()
+        assert fetched.step == 2 and list(fetched.paths) == ["model.pt", "rng-rank00000.pt"], fetched
+        for path in fetched.paths.values():
+            assert fcntl.fcntl(int(path.name), fcntl.F_GETFD) & fcntl.FD_CLOEXEC, path
+    finally:
+        fetcher.close()
+    assert fetcher.answer().paths == {}  # closed: it names no descriptor any more
+
+
+def test_an_early_fetch_for_another_url_is_dropped_and_one_with_a_slash_is_taken(
+        url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gts.checkpoint")
+    assert fetch_process.prefetch(url + "-other")
+    other = fetch_process._EARLY[url + "-other"]
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(url=url, local_dir=str(tmp_path / "disk1"), model=model, optimizer=opt) as ckpt:
+        assert fetch_process._EARLY == {} and other.proc.poll() is not None  # dropped as the manager was made
+        assert ckpt.resume() == 2
+    assert "by fetch process" not in caplog.text
+    assert fetch_process.prefetch(url + "/")
+    mine = fetch_process._EARLY[url]
+    with Checkpointer(url=url, local_dir=str(tmp_path / "disk2"), model=model, optimizer=opt) as ckpt:
+        assert ckpt.resume() == 2  # the three lines take it too
+    assert f"(into memory, by fetch process {mine.pid}:" in caplog.text
+
+
+def test_files_that_are_not_the_bucket_s_as_read_here_are_not_used(
+        url: str, moto: MotoServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The fetch process answered for the step as it read it; by the time this process lists it,
+    its manifest says something else (another store, a step written over): the thread fetches."""
+    caplog.set_level(logging.DEBUG, logger="gts.checkpoint")
+    assert fetch_process.prefetch(url)
+    early = fetch_process._EARLY[url]
+    assert early.answer().step == 2  # answered before the change below
+    key = f"{url.split('/', 3)[3]}/step-00000002/manifest-node000.json"
+    s3 = moto.client()
+    manifest = json.loads(s3.get_object(Bucket=moto.bucket, Key=key)["Body"].read())
+    manifest["files"]["model.pt"]["note"] = "rewritten"  # a manifest that still vouches for the same bytes
+    s3.put_object(Bucket=moto.bucket, Key=key, Body=json.dumps(manifest).encode())
+    ckpt, _, step = _fast_resume(url, tmp_path / "disk")
+    try:
+        assert step == 2
+        assert f"fetch process {early.pid} brought nothing used (its files ['model.pt', 'rng-rank00000.pt'] are " \
+               "not step 2's" in caplog.text
+        assert f"fetched step-00000002 from {url} (into memory: the only rank" in caplog.text  # by the thread
+    finally:
+        ckpt.close()
 
 
 _EARLY_SCRIPT = """
@@ -146,13 +205,15 @@ def test_a_fetch_process_that_dies_leaves_the_fetch_to_the_thread(url: str, tmp_
     early = fetch_process._EARLY[url]
     early.proc.kill()  # before it has even imported its modules: it answers nothing
     ckpt, model, step = _fast_resume(url, tmp_path / "disk")
-    assert ckpt.manager.loader.prefetched.fetcher is early  # taken, found dead
-    assert step == 2
-    assert f"the fetch process ended without an answer (exit status {-signal.SIGKILL})" in caplog.text
-    assert f"fetched step-00000002 from {url} (into memory: the only rank" in caplog.text  # by the thread
-    saved = torch.load(tmp_path / "step2.pt", weights_only=True)
-    assert all(torch.equal(value, saved[name]) for name, value in model.state_dict().items())
-    ckpt.close()
+    try:
+        assert ckpt.manager.loader.prefetched.fetcher is early  # taken, found dead
+        assert step == 2
+        assert f"the fetch process ended without an answer (exit status {-signal.SIGKILL})" in caplog.text
+        assert f"fetched step-00000002 from {url} (into memory: the only rank" in caplog.text  # by the thread
+        saved = torch.load(tmp_path / "step2.pt", weights_only=True)
+        assert all(torch.equal(value, saved[name]) for name, value in model.state_dict().items())
+    finally:
+        ckpt.close()
 
 
 def test_a_bad_step_the_fetch_process_finds_is_skipped_by_the_resume_and_said_once(
@@ -164,13 +225,15 @@ def test_a_bad_step_the_fetch_process_finds_is_skipped_by_the_resume_and_said_on
     body[-100] ^= 0xFF  # same size, one byte flipped: only the digest can tell
     s3.put_object(Bucket=moto.bucket, Key=key, Body=bytes(body))
     ckpt, _, step = _fast_resume(url, tmp_path / "disk")
-    assert step == 1
-    fetcher = ckpt.manager.loader.prefetched.fetcher
-    assert isinstance(fetcher, FetchProcess)
-    assert f"prefetch: fetch process {fetcher.pid}: CheckpointError: model.pt in {url} does not match" in caplog.text
-    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping checkpoint step 2")]
-    assert len(skipped) == 1 and "model.pt" in skipped[0], skipped
-    ckpt.close()
+    try:
+        assert step == 1
+        fetcher = ckpt.manager.loader.prefetched.fetcher
+        assert isinstance(fetcher, FetchProcess)
+        assert f"prefetch: fetch process {fetcher.pid}: CheckpointError: model.pt in {url} does not match" in caplog.text
+        skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping checkpoint step 2")]
+        assert len(skipped) == 1 and "model.pt" in skipped[0], skipped
+    finally:
+        ckpt.close()
 
 
 _CALLER = """
@@ -183,21 +246,26 @@ sys.stdin.read()
 
 
 def test_the_fetch_process_ends_with_its_caller(tmp_path: Path) -> None:
-    """Its caller is killed while it waits on a store that took the connection and never
-    answers (the store is this test's, so it outlives the caller): it exits anyway."""
+    """Its caller is killed while it waits on a store that took its connection and never answers
+    (the store is this test's, so it outlives the caller): it exits anyway."""
     store = socket.socket()
     store.bind(("127.0.0.1", 0))
-    store.listen(8)  # the kernel takes the connection; nothing ever answers it
+    store.listen(8)
+    store.settimeout(WAIT_S)
     env = {**os.environ, **storage_env(f"http://127.0.0.1:{store.getsockname()[1]}"), "PYTHONPATH": str(ROOT)}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)
     caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_CALLER)], cwd=tmp_path, env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    connection: socket.socket | None = None
     try:
         assert caller.stdout is not None
+        assert select.select([caller.stdout], [], [], WAIT_S)[0], "the caller printed no fetch process"
         pid = int(caller.stdout.readline())
         fetch = os.pidfd_open(pid)  # readable once the process has ended (a zombie or gone): an event to wait on
         assert Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(caller.pid)  # its parent
+        connection, _ = store.accept()  # its request to the store: it is mid-fetch, waiting for an answer
+        assert not select.select([fetch], [], [], 0)[0]
     finally:
         caller.kill()
         caller.wait()
@@ -208,6 +276,8 @@ def test_the_fetch_process_ends_with_its_caller(tmp_path: Path) -> None:
             pytest.fail("the fetch process outlived its caller")
         os.close(fetch)
     finally:
+        if connection is not None:
+            connection.close()
         store.close()
 
 
@@ -226,6 +296,7 @@ def _answered(reply: object, sizes: list[int]) -> fetch_process.Fetched:
     """FetchProcess._check of `reply` with memory files of `sizes` as its descriptors (no process)."""
     fetcher = FetchProcess.__new__(FetchProcess)
     fetcher.proc = SimpleNamespace(wait=lambda: 9)  # type: ignore[assignment]
+    fetcher._reap = threading.Lock()
     fetcher._fds = []
     for size in sizes:
         fd = os.memfd_create("answer")
@@ -261,6 +332,12 @@ def test_a_well_formed_answer_names_its_memory_files_and_a_fault_is_left_to_the_
 
 
 def test_prefetch_starts_nothing_where_the_step_would_not_go_to_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CHECKPOINT_URL", raising=False)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")  # mpirun: its variables, not torchrun's, place the ranks
+    assert not fetch_process.prefetch("s3://bucket/run")
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert not fetch_process.prefetch("file:///tmp/checkpoints")  # a local read needs no process
     assert not fetch_process.prefetch("/tmp/checkpoints")

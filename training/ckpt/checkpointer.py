@@ -123,8 +123,6 @@ class Checkpointer:
                         if isinstance(obj, DataLoader)}
         self.state = {name: obj for name, obj in state.items() if not isinstance(obj, DataLoader)}
         self._open_sharded(self._sharded_arg)
-        if self.sharded is not None:
-            self.manager.end_prefetch()  # a sharded state is read shard by shard, not as one file
         return self
 
     def _open_sharded(self, sharded: bool | None) -> None:
@@ -150,6 +148,7 @@ class Checkpointer:
         self.model: nn.Module = model
         self.optimizers = {name: obj for name, obj in self.state.items() if isinstance(obj, torch.optim.Optimizer)}
         self.sharded = ShardedCheckpoints(self.manager, self.comm)
+        self.manager.end_prefetch()  # a sharded state is read shard by shard, not as one file
 
     def _plain_state(self) -> dict[str, Stateful]:
         """The objects whose state rank 0 writes whole (all of them, unless sharded)."""

@@ -31,6 +31,7 @@ process ended, or dropped the fetch)."""
 
 from __future__ import annotations
 
+import array
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,23 +50,32 @@ MAX_ANSWER = 1 << 20  # bytes of one answer or request: a step number and a few 
 MAX_FILES = 8  # descriptors of one answer: the model file and this rank's RNG file
 ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds the training package
 TOPOLOGY = ("rank", "local_rank", "world_size", "node", "nnodes", "local_world_size")  # files.Topology's fields
+# Launchers whose own variables place the ranks (training/distributed.py reads horovod's through horovod).
+OTHER_LAUNCHERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "HOROVOD_SIZE", "SLURM_NTASKS", "MV2_COMM_WORLD_SIZE")
+_FD = array.array("i")  # a descriptor's C int
 
 
 @dataclass(frozen=True)
 class Fetched:
-    """What the fetch process answered: the step and its files (name -> /proc/self/fd/N of a
-    memory file this process holds until FetchProcess.close), or no files and the reason."""
+    """What the fetch process answered: the step, its files (name -> /proc/self/fd/N of a memory
+    file this process holds until FetchProcess.close) and their manifest entries as the process
+    read them; or no files and the reason."""
 
     step: int | None
     paths: dict[str, Path]
     why: str = ""  # no files: why not
     fault: bool = False  # no files because a fault was found in the step (the resume meets it again)
+    entries: dict[str, Any] = field(default_factory=dict)  # name -> the manifest entry the bytes were checked against
 
 
-def env_topology(env: Mapping[str, str] | None = None) -> dict[str, int]:
+def env_topology(env: Mapping[str, str] | None = None) -> dict[str, int] | None:
     """This rank's place as torchrun's environment gives it (training/distributed.py's Comm reads
-    the same variables), before torch is imported."""
+    the same variables), before torch is imported; None under another launcher (MPI, horovod,
+    Slurm: their own variables say which ranks share a node, and a guess could have every rank
+    of a node fetch the whole step into memory)."""
     env = os.environ if env is None else env
+    if "LOCAL_WORLD_SIZE" not in env and any(name in env for name in OTHER_LAUNCHERS):
+        return None
     rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     return {"rank": rank, "local_rank": int(env.get("LOCAL_RANK", 0)), "world_size": world,
@@ -73,10 +83,15 @@ def env_topology(env: Mapping[str, str] | None = None) -> dict[str, int]:
             "local_world_size": local_world}
 
 
+def _key(url: str) -> str:
+    return url.rstrip("/")
+
+
 class FetchProcess:
     """One fetch process and this process's end of its socket. `answer` waits for what it
-    fetched; `stop` (any thread) kills it; `close` (the thread that took the answer) also closes
-    the socket and the memory files' descriptors (a mapping made meanwhile keeps its pages)."""
+    fetched; `stop` (any thread) kills it; `close` (the thread that took the answer) also reaps
+    it and closes the socket and the memory files' descriptors (a mapping made meanwhile keeps
+    its pages)."""
 
     def __init__(self, url: str, topology: Mapping[str, int]):
         self.url, self.topology = url, {key: int(topology[key]) for key in TOPOLOGY}
@@ -84,8 +99,11 @@ class FetchProcess:
         try:
             path = os.environ.get("PYTHONPATH", "")
             env = {**os.environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
-            self.proc = subprocess.Popen([sys.executable, "-m", "training.ckpt.fetcher", str(theirs.fileno())],
-                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+            # -P: the working directory is not put on the path (a `training/` there, or anyone's
+            # file in a shared folder, is never what runs); the library comes from ROOT.
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "training.ckpt.fetcher", str(theirs.fileno()),
+                                          str(os.getpid())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                         env=env)
         except BaseException:
             ours.close()
             raise
@@ -94,6 +112,7 @@ class FetchProcess:
         self._sock = ours
         self._fds: list[int] = []
         self._fetched: Fetched | None = None
+        self._reap = threading.Lock()  # a kill never races the reaping of the process (its PID freed)
         try:
             ours.sendall(json.dumps({"url": url, "topology": self.topology}).encode() + b"\n")
         except OSError:  # it died at once: answer() says so
@@ -117,7 +136,8 @@ class FetchProcess:
 
     def _check(self, reply: Any) -> Fetched:
         if not isinstance(reply, dict) or not reply:
-            code = self.proc.wait()
+            with self._reap:
+                code = self.proc.wait()
             return Fetched(None, {}, f"the fetch process ended without an answer (exit status {code})")
         if "fault" in reply:
             return Fetched(None, {}, str(reply["fault"]), fault=True)
@@ -134,30 +154,44 @@ class FetchProcess:
             size = os.fstat(fd).st_size
             if not isinstance(meta, dict) or size != meta.get("size"):
                 return Fetched(None, {}, f"{name} has {size} bytes, its manifest entry is {meta!r}")
-        return Fetched(reply["step"], {name: Path(f"/proc/self/fd/{fd}") for name, fd in zip(files, self._fds)})
+        return Fetched(reply["step"], {name: Path(f"/proc/self/fd/{fd}") for name, fd in zip(files, self._fds)},
+                       entries=files)
 
     def stop(self) -> None:
         """Kill the process if it still runs (safe from any thread: the one waiting in `answer`
         then gets the end of the socket)."""
-        if self.proc.poll() is None:
-            try:
-                self.proc.kill()
-            except OSError:
-                pass
+        with self._reap:
+            if self.proc.poll() is None:
+                try:
+                    self.proc.kill()
+                except OSError:
+                    pass
 
     def close(self) -> None:
-        self.stop()
-        self.proc.wait()
+        with self._reap:
+            if self.proc.poll() is None:
+                try:
+                    self.proc.kill()
+                except OSError:
+                    pass
+            self.proc.wait()
         self._sock.close()
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+        self._fetched = Fetched(None, {}, "closed")  # its paths named descriptors that are closed now
 
 
 def _receive(sock: socket.socket) -> tuple[Any, list[int]]:
-    """The answer (JSON, {} when the process ended without one) and the descriptors that came with it."""
-    data, fds, flags, _ = socket.recv_fds(sock, MAX_ANSWER, MAX_FILES)
-    fds = list(fds)
+    """The answer (JSON, {} when the process ended without one) and the descriptors that came with
+    it, received close-on-exec (as the in-process fetch makes its memory files: nothing this
+    process runs meanwhile inherits them)."""
+    data, ancillary, flags, _ = sock.recvmsg(MAX_ANSWER, socket.CMSG_SPACE(MAX_FILES * _FD.itemsize),
+                                             socket.MSG_CMSG_CLOEXEC)
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
     try:
         if flags & socket.MSG_CTRUNC:
             raise ValueError(f"more than {MAX_FILES} descriptors")
@@ -168,7 +202,7 @@ def _receive(sock: socket.socket) -> tuple[Any, list[int]]:
             size += len(data)
             if size > MAX_ANSWER:
                 raise ValueError(f"longer than {MAX_ANSWER} bytes")
-        return (json.loads(b"".join(chunks)) if size else {}), fds
+        return (json.loads(b"".join(chunks)) if size else {}), list(fds)
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -184,12 +218,18 @@ def prefetch(url: str | None = None) -> bool:
     CHECKPOINT_URL) in a process of its own, now. Call it first thing, before importing torch:
     the Checkpointer made later for the same URL takes what it fetched (docs/trainer-and-library.md).
     Returns whether a fetch process started: not for a rank that shares its node with others (they
-    fetch to disk, where they share one copy), not for a file:// URL or a path (a local read
-    needs no process), nor where a process cannot be started (the Checkpointer then fetches on a
-    thread, as without this call)."""
-    url = url or os.environ.get("CHECKPOINT_URL", "")
+    fetch to disk, where they share one copy) or under a launcher other than torchrun's
+    environment, not for a file:// URL or a path (a local read needs no process), nor where a
+    process or a memory file cannot be had (the Checkpointer then fetches on a thread, as without
+    this call).
+
+    It runs before this process has the node's run lock or the bucket's lease (the manager takes
+    both when it is made): a second run started by mistake reads the newest step into its own
+    memory before it is refused, and writes nothing."""
+    url = _key(url or os.environ.get("CHECKPOINT_URL", ""))
     topology = env_topology()
-    if url.split("://", 1)[0] not in ("s3", "oss", "cosn") or "://" not in url or topology["local_world_size"] != 1:
+    if (url.split("://", 1)[0] not in ("s3", "oss", "cosn") or "://" not in url or topology is None
+            or topology["local_world_size"] != 1 or not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd")):
         return False
     with _EARLY_LOCK:
         if url in _EARLY:
@@ -205,14 +245,14 @@ def prefetch(url: str | None = None) -> bool:
 def early(url: str) -> bool:
     """Whether `prefetch` started a fetch for `url` that no Loader has taken yet."""
     with _EARLY_LOCK:
-        return url in _EARLY
+        return _key(url) in _EARLY
 
 
 def drop(url: str | None = None) -> None:
     """Stop `prefetch`'s fetch for `url` (every one when None) that no Loader took: what it
     fetched is not held for the run."""
     with _EARLY_LOCK:
-        dropped = [_EARLY.pop(key) for key in list(_EARLY) if url is None or key == url]
+        dropped = [_EARLY.pop(key) for key in list(_EARLY) if url is None or key == _key(url)]
     for fetcher in dropped:
         fetcher.close()
 
@@ -224,7 +264,7 @@ def take(url: str, topology: Mapping[str, int]) -> FetchProcess | None:
     uses)."""
     wanted = {key: int(topology[key]) for key in TOPOLOGY}
     with _EARLY_LOCK:
-        mine = _EARLY.pop(url, None)
+        mine = _EARLY.pop(_key(url), None)
     drop()
     if mine is not None and mine.topology == wanted:
         return mine
@@ -235,4 +275,3 @@ def take(url: str, topology: Mapping[str, int]) -> FetchProcess | None:
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         log.debug("prefetch: no fetch process (%s); fetching on a thread", exc)
         return None
-

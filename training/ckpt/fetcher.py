@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
+import signal
 import socket
 import sys
 import threading
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from training.ckpt.fetch_process import MAX_ANSWER, TOPOLOGY
+
+WATCH_S = 1.0  # how often the process looks whether its caller is still its parent
 
 
 
@@ -39,11 +43,15 @@ def _send(sock: socket.socket, reply: dict[str, Any], fds: list[int]) -> None:
     sock.shutdown(socket.SHUT_WR)
 
 
-def _exit_with_caller(sock: socket.socket) -> None:
-    """Until the training process closes its end (it ended, or dropped the fetch): then exit."""
+def _exit_with_caller(sock: socket.socket, caller: int) -> None:
+    """Until the training process closes its end of the socket (it dropped the fetch, or ended)
+    or is no longer this process's parent (it ended while a process it forked meanwhile, a
+    DataLoader worker, still holds that end): then exit."""
     try:
-        while sock.recv(1 << 12):
-            pass
+        while os.getppid() == caller:
+            ready, _, _ = select.select([sock], [], [], WATCH_S)
+            if ready and not sock.recv(1 << 12):
+                return
     finally:
         os._exit(0)
 
@@ -74,8 +82,9 @@ def _fetch(sock: socket.socket, request: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     logging.disable(logging.CRITICAL)  # the training process repeats each check that matters and says what it finds
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the training process's to handle; this one ends with it
     try:
-        sock = socket.socket(fileno=int(argv[0]))
+        sock, caller = socket.socket(fileno=int(argv[0])), int(argv[1])
     except (IndexError, ValueError, OSError):
         print("python -m training.ckpt.fetcher is started by the checkpoint library "
               "(training/ckpt/fetch_process.py), not by hand", file=sys.stderr)
@@ -84,16 +93,30 @@ def main(argv: list[str]) -> int:
         request = _request(sock)
     except (OSError, ValueError):
         return 1
-    threading.Thread(target=_exit_with_caller, args=(sock,), name="caller-watch", daemon=True).start()
+    threading.Thread(target=_exit_with_caller, args=(sock, caller), name="caller-watch", daemon=True).start()
     try:
         _fetch(sock, request)
-    except BaseException as exc:  # noqa: BLE001 (any fault: the training process meets it again and says so)
-        try:
-            _send(sock, {"fault": f"{type(exc).__name__}: {exc}"}, [])
-        except OSError:
-            pass
+    except BaseException as exc:  # noqa: BLE001 (nothing this process meets is raised in the training process)
+        _answer_fault(sock, exc)
     sys.stdout.flush()
     os._exit(0)  # no teardown of the store's client and event loop: nothing is left to write
+
+
+def _answer_fault(sock: socket.socket, exc: BaseException) -> None:
+    """A fault of the step or an answer of the store (the resume meets it again and reports it:
+    `fault`), or anything else (an import, a setting, this system: `lost`, and the training
+    process fetches on a thread instead)."""
+    try:
+        from training.ckpt.files import CheckpointError
+        from training.ckpt.storage import StorageRefused, StorageUnavailable
+
+        kind = "fault" if isinstance(exc, (CheckpointError, StorageRefused, StorageUnavailable)) else "lost"
+    except Exception:  # noqa: BLE001 (the library itself cannot be imported here)
+        kind = "lost"
+    try:
+        _send(sock, {kind: f"{type(exc).__name__}: {exc}"}, [])
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

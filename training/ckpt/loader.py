@@ -149,6 +149,8 @@ class Loader:
         loader existed (the manager takes it as it is made, whichever path resumes)."""
         if not early_only or (self.remote is not None and fetch_process.early(self.remote.url)):
             self.prefetched.start()
+        else:
+            fetch_process.drop()  # one made for another URL (or none for this one): not held for the run
 
     def end_prefetch(self) -> None:
         """The caller has resumed (or chose no step): a prefetched state nobody took, now or when
@@ -211,8 +213,7 @@ class Loader:
         """Until the prefetch (if one started) has finished: no fetch left half-written, and none
         that `prefetch` started and nobody took left running."""
         self.prefetched.wait()
-        if self.remote is not None:
-            fetch_process.drop(self.remote.url)
+        fetch_process.drop()
 
     def load_folder(self, step: int) -> Path:
         """A step saved with `save_folder`, every file of every node checked (fetched from the

@@ -42,6 +42,8 @@ class Steps(Protocol):
 
     def read_memory(self, step: int, paths: dict[str, Path], how: str = "") -> State: ...
 
+    def remote_files(self, step: int) -> dict[str, dict[str, Any]]: ...
+
 
 class Prefetch:
     """One loader's prefetch: `start` once, `take` the step the caller chose, `end` when it
@@ -72,8 +74,7 @@ class Prefetch:
             fetcher = self.fetcher
         if fetcher is not None:
             fetcher.stop()
-        if self.loader.remote is not None:
-            fetch_process.drop(self.loader.remote.url)  # one `prefetch` started that this loader never took
+        fetch_process.drop()  # one `prefetch` started that this loader never took
 
     def take(self, step: int) -> State | None:
         """The prefetched state if it is `step`'s (after waiting for the prefetch), else None."""
@@ -86,6 +87,10 @@ class Prefetch:
         return found[1] if found is not None and found[0] == step else None
 
     def wait(self) -> None:
+        """Until the prefetch has finished; a fetch process still running is stopped first (it
+        writes nothing to disk, and a store that does not answer would hold the close)."""
+        if self.fetcher is not None:
+            self.fetcher.stop()
         if self.thread is not None:
             self.thread.join()
 
@@ -106,6 +111,16 @@ class Prefetch:
         except Exception as exc:  # noqa: BLE001 (load, on the caller's thread, meets it again and says so)
             log.debug("prefetch: %s", exc)
 
+    def _differs(self, fetched: fetch_process.Fetched) -> str:
+        """Why the files the process checked are not the ones this rank loads of the bucket's step
+        as this process reads its manifests (another store or other settings than when the
+        process started, a step written over, another rank's RNG file), or ""."""
+        assert fetched.step is not None
+        wanted = self.loader.remote_files(fetched.step)
+        if fetched.entries != wanted:
+            return f"its files {sorted(fetched.entries)} are not step {fetched.step}'s {sorted(wanted)} as listed here"
+        return ""
+
     def _from_process(self, fetcher: fetch_process.FetchProcess) -> bool:
         """Whether the fetch process's answer settles the prefetch: its step mapped, or a fault
         it found in the step (left to `load`). False: the thread lists and loads itself."""
@@ -115,14 +130,15 @@ class Prefetch:
                 log.debug("prefetch: fetch process %d: %s", fetcher.pid, fetched.why)
                 return True
             local = self.loader.local_steps()
-            if not fetched.paths or fetched.step is None or (local and local[-1] >= fetched.step):
-                log.debug("prefetch: fetch process %d brought nothing used (%s)", fetcher.pid,
-                          fetched.why or f"step {local[-1] if local else '?'} is on this disk")
+            why = (fetched.why or "nothing fetched") if not fetched.paths or fetched.step is None else (
+                f"step {local[-1]} is on this disk" if local and local[-1] >= fetched.step else self._differs(fetched))
+            if why or fetched.step is None:
+                log.debug("prefetch: fetch process %d brought nothing used (%s)", fetcher.pid, why)
                 return False
             if self.ended:  # resumed meanwhile from elsewhere: nothing to map
                 return True
-            self._keep((fetched.step, self.loader.read_memory(fetched.step, fetched.paths,
-                                                              f", by fetch process {fetcher.pid}")))
+            step = fetched.step
+            self._keep((step, self.loader.read_memory(step, fetched.paths, f", by fetch process {fetcher.pid}")))
             return True
         finally:
             fetcher.close()
