@@ -11,6 +11,7 @@ import fcntl
 import json
 import logging
 import os
+import resource
 import select
 import signal
 import socket
@@ -111,6 +112,37 @@ def test_the_descriptors_it_hands_over_are_closed_on_exec(url: str) -> None:
     finally:
         fetcher.close()
     assert fetcher.answer().paths == {}  # closed: it names no descriptor any more
+
+
+def test_a_socket_numbered_past_1024_works_and_a_close_before_the_answer_fetches_nothing(
+        url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A process with many descriptors open (torch, NCCL, a dataset) hands the fetch process a
+    socket numbered 1024 or more; and a manager closed before the answer (a refused store) stops
+    the process without fetching the step on its own thread instead."""
+    caplog.set_level(logging.INFO, logger="gts.checkpoint")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"at most {hard} descriptors here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        fetcher = FetchProcess(url, fetch_process.env_topology() or {})
+        try:
+            assert fetcher.answer().step == 2
+        finally:
+            fetcher.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    ckpt = Checkpointer(url=url, local_dir=str(tmp_path / "disk"))
+    taken = ckpt.manager.loader.prefetched.fetcher
+    assert isinstance(taken, FetchProcess)
+    ckpt.manager.close(timeout=0)  # before anything resumed
+    assert taken.proc.poll() is not None
+    assert "fetched step-00000002" not in caplog.text  # neither mapped nor fetched on the thread instead
 
 
 def test_an_early_fetch_for_another_url_is_dropped_and_one_with_a_slash_is_taken(
@@ -345,4 +377,22 @@ def test_prefetch_starts_nothing_where_the_step_would_not_go_to_memory(monkeypat
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # ranks of one node share one copy on disk
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not fetch_process.prefetch("s3://bucket/run")
+    assert fetch_process._EARLY == {}
+
+
+def test_the_place_of_the_rank_comes_from_torchrun_s_variables_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    one = {"rank": 0, "local_rank": 0, "world_size": 1, "node": 0, "nnodes": 1, "local_world_size": 1}
+    assert fetch_process.env_topology({}) == one
+    assert fetch_process.env_topology({"SLURM_NTASKS": "1"}) == one  # a one-task job
+    assert fetch_process.env_topology({"SLURM_NTASKS": "4"}) is None  # srun's ranks: not torchrun's variables
+    assert fetch_process.env_topology({"SLURM_NTASKS": "4", "LOCAL_WORLD_SIZE": "1"}) == one  # torchrun inside it
+    assert fetch_process.env_topology({"RANK": "first"}) is None
+    assert fetch_process.env_topology({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == {
+        "rank": 3, "local_rank": 1, "world_size": 4, "node": 1, "nnodes": 2, "local_world_size": 2}
+    import multiprocessing.process
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(multiprocessing.process.current_process(), "_inheriting", True, raising=False)
+    assert not fetch_process.prefetch("s3://bucket/run")  # a spawn worker importing the script again
     assert fetch_process._EARLY == {}

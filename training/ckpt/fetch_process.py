@@ -10,8 +10,8 @@ core beside them, and it never imports torch, so it can start before the caller 
 Measured on the bench's two cores (docs/goodput-and-bench.md, "The fetch in a process of its
 own").
 
-How. `FetchProcess` makes a socket pair and starts `python -m training.ckpt.fetcher` (its code)
-with one end; the request (the URL and this rank's place in the run) goes over it as one JSON line. The
+How. `FetchProcess` makes a socket pair and starts `python -P -m training.ckpt.fetcher` (its
+code; in the library's folder, in a session of its own) with one end; the request (the URL and this rank's place in the run) goes over it as one JSON line. The
 process lists the bucket's complete steps, checks the newest one's manifests and fetches this
 rank's files of it into memory files, each checked against its manifest as it arrives (the same
 code as the in-process fetch: training/ckpt/loader.py's Loader, memory.py, fetch.py), answers
@@ -21,13 +21,16 @@ process wrote, shared, with no copy.
 
 What it trusts. The process is this program, started from this interpreter with this
 environment, over a socket pair no other process can reach; its answer is still checked for shape
-(as many descriptors as files named, each a plain file name, each file of its manifest's size).
+(as many descriptors as files named, each a plain file name, each file of its manifest's size),
+and the training process uses the files only if their manifest entries are the ones it reads
+itself for that step (training/ckpt/prefetch.py: another store, a step written over, are refused).
 Any fault (the process cannot start, dies, answers nothing or a fault, or the step is too big for
 memory) leaves the prefetch to the in-process path (Loader.prefetch), or to the resume itself,
 which meets the same fault again and reports it as usual: nothing is logged twice and nothing is
 used that the in-process path would refuse. The process ends with the training process: a thread
-of it reads its end of the socket and exits the process when the other end closes (the training
-process ended, or dropped the fetch)."""
+of it exits the process when the other end of the socket closes (the training process dropped the
+fetch, or ended) or its parent is no longer the training process (it ended while a process it
+forked holds that end)."""
 
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import array
 import json
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -53,6 +57,7 @@ TOPOLOGY = ("rank", "local_rank", "world_size", "node", "nnodes", "local_world_s
 # Launchers whose own variables place the ranks (training/distributed.py reads horovod's through horovod).
 OTHER_LAUNCHERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "HOROVOD_SIZE", "SLURM_NTASKS", "MV2_COMM_WORLD_SIZE")
 _FD = array.array("i")  # a descriptor's C int
+WATCH_S = 1.0  # how often a wait for the answer (here) or for the caller (the process) looks at the other side
 
 
 @dataclass(frozen=True)
@@ -74,11 +79,14 @@ def env_topology(env: Mapping[str, str] | None = None) -> dict[str, int] | None:
     Slurm: their own variables say which ranks share a node, and a guess could have every rank
     of a node fetch the whole step into memory)."""
     env = os.environ if env is None else env
-    if "LOCAL_WORLD_SIZE" not in env and any(name in env for name in OTHER_LAUNCHERS):
+    if "LOCAL_WORLD_SIZE" not in env and any(env.get(name, "1") != "1" for name in OTHER_LAUNCHERS):
+        return None  # (a launcher's size of 1, a one-task Slurm job: one rank, alone on its node)
+    try:
+        rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+        local_world, local_rank = int(env.get("LOCAL_WORLD_SIZE", world)), int(env.get("LOCAL_RANK", 0))
+    except ValueError:  # not torchrun's numbers: the Checkpointer, made later, says what is wrong
         return None
-    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    return {"rank": rank, "local_rank": int(env.get("LOCAL_RANK", 0)), "world_size": world,
+    return {"rank": rank, "local_rank": local_rank, "world_size": world,
             "node": rank // max(1, local_world), "nnodes": max(1, world // max(1, local_world)),
             "local_world_size": local_world}
 
@@ -99,11 +107,13 @@ class FetchProcess:
         try:
             path = os.environ.get("PYTHONPATH", "")
             env = {**os.environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
-            # -P: the working directory is not put on the path (a `training/` there, or anyone's
-            # file in a shared folder, is never what runs); the library comes from ROOT.
-            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "training.ckpt.fetcher", str(theirs.fileno()),
+            # In the library's folder, and with -P where Python has it (3.11+): the caller's working
+            # directory is never on the path (a `training/` there, or anyone's file in a shared
+            # folder, is never what runs). A session of its own: a Ctrl-C is the caller's.
+            safe = ["-P"] if sys.version_info >= (3, 11) else []
+            self.proc = subprocess.Popen([sys.executable, *safe, "-m", "training.ckpt.fetcher", str(theirs.fileno()),
                                           str(os.getpid())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                         env=env)
+                                         env=env, cwd=ROOT, start_new_session=True)
         except BaseException:
             ours.close()
             raise
@@ -126,13 +136,23 @@ class FetchProcess:
         """What the process fetched, once it answers or ends (blocks until then)."""
         if self._fetched is None:
             try:
-                reply, self._fds = _receive(self._sock)
+                reply, self._fds = _receive(self._sock) if self._answered() else ({}, [])
             except ConnectionError:  # it died with the request unread: the end of its socket
                 reply = {}
             except (OSError, ValueError) as exc:
                 reply = {"lost": f"its answer is unreadable ({exc})"}
             self._fetched = self._check(reply)
         return self._fetched
+
+    def _answered(self) -> bool:
+        """Until the socket has the answer (or its end), or the process has ended without it (a
+        process forked here meanwhile may hold the other end of the socket open)."""
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        while not poller.poll(int(WATCH_S * 1000)):
+            if self.proc.poll() is not None:
+                return bool(poller.poll(0))
+        return True
 
     def _check(self, reply: Any) -> Fetched:
         if not isinstance(reply, dict) or not reply:
@@ -189,10 +209,10 @@ def _receive(sock: socket.socket) -> tuple[Any, list[int]]:
     data, ancillary, flags, _ = sock.recvmsg(MAX_ANSWER, socket.CMSG_SPACE(MAX_FILES * _FD.itemsize),
                                              socket.MSG_CMSG_CLOEXEC)
     fds = array.array("i")
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
     try:
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
         if flags & socket.MSG_CTRUNC:
             raise ValueError(f"more than {MAX_FILES} descriptors")
         chunks, size = [data], len(data)
@@ -227,6 +247,9 @@ def prefetch(url: str | None = None) -> bool:
     both when it is made): a second run started by mistake reads the newest step into its own
     memory before it is refused, and writes nothing."""
     url = _key(url or os.environ.get("CHECKPOINT_URL", ""))
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None and getattr(process.current_process(), "_inheriting", False):
+        return False  # a spawn or forkserver child importing the caller's script again: not a resume
     topology = env_topology()
     if (url.split("://", 1)[0] not in ("s3", "oss", "cosn") or "://" not in url or topology is None
             or topology["local_world_size"] != 1 or not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd")):

@@ -1,8 +1,8 @@
-"""The fetch process's own code (`python -m training.ckpt.fetcher`, started by
+"""The fetch process's own code (`python -P -m training.ckpt.fetcher`, started by
 training/ckpt/fetch_process.py, whose docstring says why and how): it reads the request, lists,
 checks and fetches as the in-process prefetch would, answers with the memory files' descriptors
 and exits. It never imports torch, and it exits when the training process closes its end of the
-socket (it ended, or dropped the fetch)."""
+socket (it dropped the fetch, or ended) or is no longer its parent."""
 
 from __future__ import annotations
 
@@ -17,9 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from training.ckpt.fetch_process import MAX_ANSWER, TOPOLOGY
-
-WATCH_S = 1.0  # how often the process looks whether its caller is still its parent
+from training.ckpt.fetch_process import MAX_ANSWER, TOPOLOGY, WATCH_S
 
 
 
@@ -48,9 +46,10 @@ def _exit_with_caller(sock: socket.socket, caller: int) -> None:
     or is no longer this process's parent (it ended while a process it forked meanwhile, a
     DataLoader worker, still holds that end): then exit."""
     try:
+        poller = select.poll()  # (select.select refuses a descriptor numbered 1024 or more)
+        poller.register(sock, select.POLLIN)
         while os.getppid() == caller:
-            ready, _, _ = select.select([sock], [], [], WATCH_S)
-            if ready and not sock.recv(1 << 12):
+            if poller.poll(int(WATCH_S * 1000)) and not sock.recv(1 << 12):
                 return
     finally:
         os._exit(0)

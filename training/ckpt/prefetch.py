@@ -89,6 +89,8 @@ class Prefetch:
     def wait(self) -> None:
         """Until the prefetch has finished; a fetch process still running is stopped first (it
         writes nothing to disk, and a store that does not answer would hold the close)."""
+        with self._lock:
+            self.ended = True  # nothing is fetched on the thread instead of the process stopped here
         if self.fetcher is not None:
             self.fetcher.stop()
         if self.thread is not None:
@@ -116,7 +118,10 @@ class Prefetch:
         as this process reads its manifests (another store or other settings than when the
         process started, a step written over, another rank's RNG file), or ""."""
         assert fetched.step is not None
-        wanted = self.loader.remote_files(fetched.step)
+        try:
+            wanted = self.loader.remote_files(fetched.step)
+        except Exception as exc:  # noqa: BLE001 (the bucket blipped: the thread fetches, and meets it or not)
+            return f"its manifests cannot be read here ({type(exc).__name__}: {exc})"
         if fetched.entries != wanted:
             return f"its files {sorted(fetched.entries)} are not step {fetched.step}'s {sorted(wanted)} as listed here"
         return ""
