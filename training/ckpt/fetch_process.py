@@ -181,19 +181,19 @@ class FetchProcess:
         """Kill the process if it still runs (safe from any thread: the one waiting in `answer`
         then gets the end of the socket)."""
         with self._reap:
-            if self.proc.poll() is None:
-                try:
-                    self.proc.kill()
-                except OSError:
-                    pass
+            self._kill()
+
+    def _kill(self) -> None:
+        """(Under `_reap`.) SIGKILL unless it has ended and been reaped: its PID is never another's."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.kill()
+            except OSError:
+                pass
 
     def close(self) -> None:
         with self._reap:
-            if self.proc.poll() is None:
-                try:
-                    self.proc.kill()
-                except OSError:
-                    pass
+            self._kill()
             self.proc.wait()
         self._sock.close()
         for fd in self._fds:
@@ -253,6 +253,7 @@ def prefetch(url: str | None = None) -> bool:
     topology = env_topology()
     if (url.split("://", 1)[0] not in ("s3", "oss", "cosn") or "://" not in url or topology is None
             or topology["local_world_size"] != 1 or not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd")):
+        # (memory.in_memory's system checks, without importing memory.py: it imports the store's libraries)
         return False
     with _EARLY_LOCK:
         if url in _EARLY:

@@ -20,7 +20,6 @@ from typing import Any
 from training.ckpt.fetch_process import MAX_ANSWER, TOPOLOGY, WATCH_S
 
 
-
 def _request(sock: socket.socket) -> dict[str, Any]:
     data = b""
     while not data.endswith(b"\n"):
