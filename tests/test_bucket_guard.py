@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_user_code import start
-from tests.training_helpers import ROOT, MotoServer, kill_tree, storage_env
+from tests.training_helpers import ROOT, MotoServer, Run, kill_tree, storage_env
 from training import contract
 from training.ckpt import storage
 from training.ckpt.manager import run_key
@@ -80,25 +80,43 @@ def test_a_bucket_deleted_mid_run_stops_it_with_the_url_the_cause_and_the_kept_s
 
 def test_a_second_run_on_the_same_prefix_is_refused_naming_the_holder(moto: MotoServer, tmp_path: Path) -> None:
     url = f"s3://{moto.bucket}/shared"
-    first = start(ENTRYPOINT, node_env(tmp_path, url, moto.url, "node-a"), tmp_path)
-    first.wait_for(r"uploaded step-00000005 to s3://")
-    second = start(ENTRYPOINT, node_env(tmp_path, url, moto.url, "node-b"), tmp_path)  # its own disk, same prefix
-    assert second.finish() == 2, second.output[-3000:]
-    line = last_line(second.output)
-    assert line.startswith(f"entrypoint: refused: {url} is in use by torchrun run "), line
-    assert "another run writes this checkpoint prefix" in line and "(pid " in line, line
-    assert "Traceback" not in second.output, second.output[-3000:]
-    assert not list((tmp_path / "node-b").glob("*/step-*")), "the refused run wrote nothing"
-    assert first.proc.poll() is None, "the holder trains on"
+    runs: list[Run] = []
+    try:
+        first = start(ENTRYPOINT, node_env(tmp_path, url, moto.url, "node-a"), tmp_path)
+        runs.append(first)
+        first.wait_for(r"uploaded step-00000005 to s3://")
+        second = start(ENTRYPOINT, node_env(tmp_path, url, moto.url, "node-b"), tmp_path)  # its own disk, same prefix
+        runs.append(second)
+        assert second.finish() == 2, second.output[-3000:]
+        line = last_line(second.output)
+        assert line.startswith(f"entrypoint: refused: {url} is in use by torchrun run "), line
+        assert "another run writes this checkpoint prefix" in line and "(pid " in line, line
+        assert "Traceback" not in second.output, second.output[-3000:]
+        assert not list((tmp_path / "node-b").glob("*/step-*")), "the refused run wrote nothing"
+        assert first.proc.poll() is None, "the holder trains on"
 
-    os.kill(first.proc.pid, signal.SIGTERM)  # a clean stop gives the lease back ...
-    assert first.finish() == 0, first.output[-3000:]
-    assert f"shared/{LEASE_NAME}" not in moto.keys("shared/")
-    stopped = int(first.wait_for(r"stopped by SIGTERM at step \d+").split("at step ")[1].split()[0])
-    again = start(ENTRYPOINT, node_env(tmp_path, url, moto.url, "node-b"), tmp_path)  # ... so its restart resumes
-    again.wait_for(rf"resumed from checkpoint step {stopped}\b")
-    os.kill(again.proc.pid, signal.SIGTERM)
-    assert again.finish() == 0, again.output[-3000:]
+        os.kill(first.proc.pid, signal.SIGTERM)  # a clean stop gives the lease back ...
+        assert first.finish() == 0, first.output[-3000:]
+        assert f"shared/{LEASE_NAME}" not in moto.keys("shared/")
+        stopped = int(first.wait_for(r"stopped by SIGTERM at step \d+").split("at step ")[1].split()[0])
+        kept = sorted(key for key in moto.keys("shared/") if "manifest" in key)
+        assert any(f"step-{stopped:08d}/" in key for key in kept), (stopped, kept, checkpoint_lines(first))
+        again = start(ENTRYPOINT, node_env(tmp_path, url, moto.url, "node-b"), tmp_path)  # ... so its restart resumes
+        runs.append(again)
+        resumed = again.wait_for(r"resumed from checkpoint step \d+|skipping checkpoint step")
+        assert resumed.endswith(f"resumed from checkpoint step {stopped}"), (
+            resumed, kept, checkpoint_lines(first), checkpoint_lines(again))
+        os.kill(again.proc.pid, signal.SIGTERM)
+        assert again.finish() == 0, again.output[-3000:]
+    finally:  # a failed assertion leaves no run training on for the rest of the suite
+        for run in runs:
+            kill_tree(run.proc.pid)
+
+
+def checkpoint_lines(run: Run) -> str:
+    """What a run said about its steps (saves, uploads, resumes, stops), not its loss lines."""
+    words = ("checkpoint", "uploaded", "committed", "stopp", "fetched", "resum", "skipp", "damaged")
+    return "\n".join(line for line in run.lines if any(word in line for word in words))[-4000:]
 
 
 def test_a_replacement_node_of_the_same_run_takes_the_lease_at_once(moto: MotoServer, tmp_path: Path) -> None:
