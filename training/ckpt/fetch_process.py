@@ -35,6 +35,7 @@ forked holds that end)."""
 from __future__ import annotations
 
 import array
+import hashlib
 import json
 import logging
 import os
@@ -51,6 +52,7 @@ from typing import Any
 log = logging.getLogger("gts.checkpoint")
 
 MAX_ANSWER = 1 << 20  # bytes of one answer or request: a step number and a few manifest entries
+MAX_LINE = 1 << 12  # bytes of the lease line
 MAX_FILES = 8  # descriptors of one answer: the model file and this rank's RNG file
 ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds the training package
 TOPOLOGY = ("rank", "local_rank", "world_size", "node", "nnodes", "local_world_size")  # files.Topology's fields
@@ -71,6 +73,7 @@ class Fetched:
     why: str = ""  # no files: why not
     fault: bool = False  # no files because a fault was found in the step (the resume meets it again)
     entries: dict[str, Any] = field(default_factory=dict)  # name -> the manifest entry the bytes were checked against
+    listing: dict[str, Any] = field(default_factory=dict)  # the bucket's steps as it listed them (Loader.handed_listing)
 
 
 def env_topology(env: Mapping[str, str] | None = None) -> dict[str, int] | None:
@@ -95,14 +98,31 @@ def _key(url: str) -> str:
     return url.rstrip("/")
 
 
+# What decides which store a URL reads, as whom, and for which run (training/ckpt/storage.py's
+# location, training/credentials.py, training/ckpt/lease.py's run_identity): a fetch process is
+# used only while these are what they were when it started.
+SETTINGS = ("STORAGE_", "AWS_", "GTS_", "ALIBABA_CLOUD_", "TENCENTCLOUD_", "TORCHELASTIC_RUN_ID", "HTTP_PROXY",
+            "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
+
+
+def settings(url: str, env: Mapping[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    chosen = sorted((key, value) for key, value in env.items() if key.startswith(SETTINGS))
+    return hashlib.sha256(json.dumps([_key(url), chosen]).encode()).hexdigest()
+
+
 class FetchProcess:
     """One fetch process and this process's end of its socket. `answer` waits for what it
     fetched; `stop` (any thread) kills it; `close` (the thread that took the answer) also reaps
     it and closes the socket and the memory files' descriptors (a mapping made meanwhile keeps
     its pages)."""
 
-    def __init__(self, url: str, topology: Mapping[str, int]):
+    def __init__(self, url: str, topology: Mapping[str, int], lease: bool = False):
         self.url, self.topology = url, {key: int(topology[key]) for key in TOPOLOGY}
+        self.settings = settings(url)
+        self.leasing = lease  # asked to take the run's lease for this process first (`lease_line`)
+        self.lease_used = False  # the manager took it over (else `drop` gives it back)
+        self._lease: dict[str, Any] | None = None
         ours, theirs = socket.socketpair()
         try:
             path = os.environ.get("PYTHONPATH", "")
@@ -124,7 +144,7 @@ class FetchProcess:
         self._fetched: Fetched | None = None
         self._reap = threading.Lock()  # a kill never races the reaping of the process (its PID freed)
         try:
-            ours.sendall(json.dumps({"url": url, "topology": self.topology}).encode() + b"\n")
+            ours.sendall(json.dumps({"url": url, "topology": self.topology, "lease": lease}).encode() + b"\n")
         except OSError:  # it died at once: answer() says so
             pass
 
@@ -132,8 +152,37 @@ class FetchProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    def lease_line(self) -> dict[str, Any]:
+        """What the process said of the run's lease, which it takes before it lists anything when
+        asked (training/ckpt/fetcher.py): {"lease": "held" | "refused" | "unknown", "run": the run
+        identity, "why": ...}; {} when it was not asked or said nothing (it died, or failed
+        before: then its answer is taken as lost)."""
+        if self._lease is None:
+            line, self._lease = b"", {}
+            while self.leasing and self._fetched is None and self._answered():
+                try:
+                    byte = self._sock.recv(1)  # one byte at a time: nothing of the answer after the line is read
+                except OSError:  # it died (killed): as an end
+                    byte = b""
+                if not byte:
+                    break
+                line += byte
+                if byte == b"\n" or len(line) > MAX_LINE:
+                    break
+            try:
+                said = json.loads(line) if line.endswith(b"\n") else None
+            except ValueError:
+                said = None
+            if isinstance(said, dict) and said.get("lease") in ("held", "refused", "unknown"):
+                self._lease = said
+            elif line:  # not a lease line: what came was (part of) the answer, now unreadable
+                self._fetched = Fetched(None, {}, "no lease line before its answer")
+        return self._lease
+
     def answer(self) -> Fetched:
         """What the process fetched, once it answers or ends (blocks until then)."""
+        if self.leasing:
+            self.lease_line()  # (read first: it comes before the answer)
         if self._fetched is None:
             try:
                 reply, self._fds = _receive(self._sock) if self._answered() else ({}, [])
@@ -174,8 +223,13 @@ class FetchProcess:
             size = os.fstat(fd).st_size
             if not isinstance(meta, dict) or size != meta.get("size"):
                 return Fetched(None, {}, f"{name} has {size} bytes, its manifest entry is {meta!r}")
+        listing = reply.get("listing")
+        if not (isinstance(listing, dict) and isinstance(listing.get("steps"), list) and reply["step"] in listing["steps"]
+                and all(isinstance(step, int) for step in listing["steps"]) and isinstance(listing.get("error"), str)
+                and isinstance(listing.get("told"), list) and all(isinstance(line, str) for line in listing["told"])):
+            listing = {}  # (the training process lists the bucket itself)
         return Fetched(reply["step"], {name: Path(f"/proc/self/fd/{fd}") for name, fd in zip(files, self._fds)},
-                       entries=files)
+                       entries=files, listing=listing)
 
     def stop(self) -> None:
         """Kill the process if it still runs (safe from any thread: the one waiting in `answer`
@@ -243,9 +297,14 @@ def prefetch(url: str | None = None) -> bool:
     process or a memory file cannot be had (the Checkpointer then fetches on a thread, as without
     this call).
 
-    It runs before this process has the node's run lock or the bucket's lease (the manager takes
-    both when it is made): a second run started by mistake reads the newest step into its own
-    memory before it is refused, and writes nothing."""
+    For global rank 0 the process first takes the bucket's run lease for this process (its PID
+    in the holder), before it lists anything: a second run started by mistake is refused when
+    its Checkpointer is made, naming the holder, as without this call, and fetches nothing; the
+    manager then holds the lease and renews it (training/ckpt/lease.py). A lease taken for a URL
+    no Checkpointer uses is given back when the fetch is dropped; one taken by a process that
+    then dies before making its Checkpointer expires as a killed run's does. The node's run lock
+    is the manager's, taken when it is made; ranks on other nodes fetch before rank 0 is refused
+    (they write nothing)."""
     url = _key(url or os.environ.get("CHECKPOINT_URL", ""))
     process = sys.modules.get("multiprocessing.process")
     if process is not None and getattr(process.current_process(), "_inheriting", False):
@@ -259,7 +318,7 @@ def prefetch(url: str | None = None) -> bool:
         if url in _EARLY:
             return True
         try:
-            _EARLY[url] = FetchProcess(url, topology)
+            _EARLY[url] = FetchProcess(url, topology, lease=topology["rank"] == 0)
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             log.debug("prefetch: no fetch process (%s)", exc)
             return False
@@ -274,25 +333,60 @@ def early(url: str) -> bool:
 
 def drop(url: str | None = None) -> None:
     """Stop `prefetch`'s fetch for `url` (every one when None) that no Loader took: what it
-    fetched is not held for the run."""
+    fetched is not held for the run, and a lease it took for this process is given back."""
     with _EARLY_LOCK:
         dropped = [_EARLY.pop(key) for key in list(_EARLY) if url is None or key == _key(url)]
     for fetcher in dropped:
+        _give_back(fetcher)
         fetcher.close()
+
+
+def _give_back(fetcher: FetchProcess) -> None:
+    """The lease `fetcher` took for this process, deleted, unless the manager took it over
+    (only while it names this process: a lease another process of the run took since is kept)."""
+    said = fetcher.lease_line() if fetcher.leasing and not fetcher.lease_used else {}
+    if said.get("lease") != "held":
+        return
+    try:
+        from training.ckpt.lease import Lease
+        from training.ckpt.storage import location
+
+        lease = Lease(location(fetcher.url), str(said.get("run", "")))
+        lease.held = True
+        lease.release()
+    except Exception as exc:  # noqa: BLE001 (a setting or the store: the lease then expires by itself)
+        log.warning("could not give back the run lease the fetch process took on %s (%s)", fetcher.url, exc)
+
+
+def lease_answer(url: str) -> dict[str, Any] | None:
+    """For the manager of global rank 0: what `prefetch`'s fetch process for `url` said of the
+    run's lease it took for this process (FetchProcess.lease_line; the manager then holds it,
+    training/ckpt/lease.py `take`), or None when there is no such process, it was not asked,
+    or the settings it started with changed since (it is dropped when the Loader takes another)."""
+    with _EARLY_LOCK:
+        mine = _EARLY.get(_key(url))
+    if mine is None or not mine.leasing or mine.settings != settings(url):
+        return None
+    said = mine.lease_line()
+    if said.get("lease") not in ("held", "refused"):
+        return None
+    mine.lease_used = True
+    return said
 
 
 def take(url: str, topology: Mapping[str, int]) -> FetchProcess | None:
     """The fetch process for `url` and this rank: `prefetch`'s if it started one for the same
-    URL and place in the run, else a new one; None where none can be started. Every other fetch
-    `prefetch` started is stopped (made for another URL or place, it fetched nothing this run
-    uses)."""
+    URL and place in the run with the same settings, else a new one; None where none can be
+    started. Every other fetch `prefetch` started is stopped (made for another URL, place or
+    settings, it fetched nothing this run uses)."""
     wanted = {key: int(topology[key]) for key in TOPOLOGY}
     with _EARLY_LOCK:
         mine = _EARLY.pop(_key(url), None)
     drop()
-    if mine is not None and mine.topology == wanted:
+    if mine is not None and mine.topology == wanted and mine.settings == settings(url):
         return mine
     if mine is not None:
+        _give_back(mine)
         mine.close()
     try:
         return FetchProcess(url, wanted)

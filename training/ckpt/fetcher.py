@@ -54,9 +54,27 @@ def _exit_with_caller(sock: socket.socket, caller: int) -> None:
         os._exit(0)
 
 
-def _fetch(sock: socket.socket, request: dict[str, Any]) -> None:
-    """List, check and fetch as the in-process prefetch would (Loader.remote_steps, the step's
-    manifests, memory_files), and answer."""
+def _lease(sock: socket.socket, remote: Any, caller: int) -> bool:
+    """Take the run's lease for the training process (its PID in the holder) and say so in one
+    line (FetchProcess.lease_line): held, refused (naming the holder: nothing is fetched), or
+    unknown (the store did not answer: the training process takes it itself)."""
+    from training.ckpt.lease import Lease, LeaseHeld, run_identity
+
+    lease = Lease(remote, run_identity(os.environ, caller), pid=caller)
+    said: dict[str, Any] = {"lease": "held", "run": lease.run}
+    try:
+        lease.acquire()
+    except LeaseHeld as exc:
+        said.update(lease="refused", why=str(exc))
+    except Exception as exc:  # noqa: BLE001 (an outage: the training process meets it itself)
+        said.update(lease="unknown", why=f"{type(exc).__name__}: {exc}")
+    sock.sendall(json.dumps(said).encode() + b"\n")
+    return bool(said["lease"] != "refused")
+
+
+def _fetch(sock: socket.socket, request: dict[str, Any], caller: int) -> None:
+    """Take the lease when asked, then list, check and fetch as the in-process prefetch would
+    (Loader.remote_steps, the step's manifests, memory_files), and answer with the listing too."""
     from training.ckpt.files import Topology
     from training.ckpt.loader import Loader
     from training.ckpt.memory import memory_files
@@ -64,6 +82,9 @@ def _fetch(sock: socket.socket, request: dict[str, Any]) -> None:
 
     topo = Topology(**{key: int(request["topology"][key]) for key in TOPOLOGY})
     remote = location(request["url"])
+    if request.get("lease") is True and not _lease(sock, remote, caller):
+        _send(sock, {"step": None, "why": "the lease is another run's"}, [])
+        return
     loader = Loader(Path(os.devnull), remote, topo, False, lambda: None)  # its bucket only: no local folder
     steps = loader.remote_steps()
     if not steps:
@@ -75,7 +96,8 @@ def _fetch(sock: socket.socket, request: dict[str, Any]) -> None:
         if paths is None:
             _send(sock, {"step": step, "why": "the step goes to disk (too big for memory, or no memory files)"}, [])
             return
-        _send(sock, {"step": step, "files": files}, [int(path.name) for path in paths.values()])
+        listing = {"steps": steps, "error": loader.remote_error, "told": loader.told}
+        _send(sock, {"step": step, "files": files, "listing": listing}, [int(path.name) for path in paths.values()])
 
 
 def main(argv: list[str]) -> int:
@@ -93,7 +115,7 @@ def main(argv: list[str]) -> int:
         return 1
     threading.Thread(target=_exit_with_caller, args=(sock, caller), name="caller-watch", daemon=True).start()
     try:
-        _fetch(sock, request)
+        _fetch(sock, request, caller)
     except BaseException as exc:  # noqa: BLE001 (nothing this process meets is raised in the training process)
         _answer_fault(sock, exc)
     sys.stdout.flush()

@@ -60,16 +60,17 @@ class Conflict(Exception):
     """A conditional write lost: the lease is not what the caller last read."""
 
 
-def run_identity(env: Mapping[str, str]) -> str:
+def run_identity(env: Mapping[str, str], pid: int | None = None) -> str:
     """What makes two processes "the same run": GTS_RUN_ID when set (yours to give); else the
     stack's node group (GTS_NODE_GROUP: every node of a group, its replacements and its Job's
     pods run one run on the group's checkpoint URL); else torchrun's run id (TORCHELASTIC_RUN_ID:
-    the same for every node and every restart of one launch); else this process."""
+    the same for every node and every restart of one launch); else this process (`pid`: the
+    training process a fetch process asks for)."""
     for name, kind in (("GTS_RUN_ID", "run"), ("GTS_NODE_GROUP", "node group"), ("TORCHELASTIC_RUN_ID", "torchrun run")):
         value = env.get(name, "")
         if value and value != "none":
             return f"{kind} {value}"
-    return f"process {os.getpid()} on {socket.gethostname()}"
+    return f"process {os.getpid() if pid is None else pid} on {socket.gethostname()}"
 
 
 class _Store:
@@ -182,13 +183,14 @@ class Lease:
     """The run's lease on `remote` (see the module docstring). `clock` is injectable for tests."""
 
     def __init__(self, remote: Location, run: str, ttl_s: float | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, pid: int | None = None):
         self.store = _Store(remote)
         self.url = remote.url
         self.run = run
         self.ttl = ttl_s if ttl_s is not None else float(os.environ.get("GTS_LEASE_TTL_S", "") or TTL_S)
         self.clock = clock
-        self.holder = f"{run} (pid {os.getpid()} on {socket.gethostname()})"
+        # `pid`: the training process a fetch process takes the lease for (fetch_process.py).
+        self.holder = f"{run} (pid {os.getpid() if pid is None else pid} on {socket.gethostname()})"
         self.held = False  # taken (False also while the store could not be reached yet)
         self.lost = ""  # why this run no longer holds the lease ("" while it does)
         self._stop = threading.Event()
@@ -275,23 +277,32 @@ class Lease:
             return
         try:
             current = self.store.read()
-            if current is not None and current[0].get("run") == self.run:
-                self.store.delete()
+            if current is not None and current[0].get("run") == self.run and current[0].get("holder") == self.holder:
+                self.store.delete()  # (not when another process of the same run took it over since)
         except Exception as exc:  # noqa: BLE001 (it then expires by itself)
             log.warning("could not release the run lease on %s (%s): it expires in %.0f s", self.url, exc, self.ttl)
 
 
-def take(remote: Location, on_lost: Callable[[str], None], env: Mapping[str, str] | None = None) -> Lease:
+def take(remote: Location, on_lost: Callable[[str], None], env: Mapping[str, str] | None = None,
+         handed: Mapping[str, str] | None = None) -> Lease:
     """The run's lease on `remote`, kept renewed; LeaseHeld when another run holds it. A store
     out of reach (or refusing: the start-up listing says so and stops the run) does not stop
-    the start here: the lease is taken at the first renewal that reaches it."""
+    the start here: the lease is taken at the first renewal that reaches it. `handed`: what this
+    process's fetch process answered when it took the lease for it before torch was imported
+    (training/ckpt/fetch_process.py `lease_answer`: held or refused for the same run): nothing is
+    asked of the store here then, and the first renewal opens it."""
     lease = Lease(remote, run_identity(os.environ if env is None else env))
-    try:
-        lease.acquire()
-    except LeaseHeld:
-        raise
-    except Exception as exc:  # noqa: BLE001 (an outage at start: said once, taken later)
-        log.warning("could not take the run lease on %s yet (%s): training goes on; it is taken once the store "
-                    "answers", remote.url, exc)
+    if handed is not None and handed.get("run") == lease.run and handed.get("lease") == "refused":
+        raise LeaseHeld(str(handed.get("why", "")))
+    if handed is not None and handed.get("run") == lease.run and handed.get("lease") == "held":
+        lease.held = True
+    else:
+        try:
+            lease.acquire()
+        except LeaseHeld:
+            raise
+        except Exception as exc:  # noqa: BLE001 (an outage at start: said once, taken later)
+            log.warning("could not take the run lease on %s yet (%s): training goes on; it is taken once the store "
+                        "answers", remote.url, exc)
     lease.keep(on_lost)
     return lease

@@ -52,6 +52,12 @@ class Loader:
         self.remote_error = ""  # why the bucket could not be listed, if it could not
         self._told: set[str] = set()  # warnings already logged (a bad folder is named once)
         self.prefetched = Prefetch(self)  # the newest step, loaded while the caller builds its model
+        self._handed: list[int] | None = None  # the fetch process's listing, kept for `listed`
+
+    @property
+    def told(self) -> list[str]:
+        """The warnings this loader gave (a fetch process hands them to the training process)."""
+        return sorted(self._told)
 
     def local_manifests(self, step: int) -> list[dict[str, Any]]:
         """The step's manifests on this disk that are its own (see check_manifest); one that is
@@ -96,6 +102,15 @@ class Loader:
         `remote_error` (why), so that choose_checkpoint never takes "none listed" for "none there"."""
         if self.remote is None:
             return []
+        handed = self.prefetched.listing()  # the fetch process's, once, when its step was taken (no store opened here)
+        if handed is not None:
+            self.remote_error = str(handed.get("error") or "")
+            for line in handed.get("told", []):
+                if line not in self._told:
+                    self._told.add(line)
+                    log.warning("%s", line)
+            self._handed = sorted(int(step) for step in handed["steps"])
+            return list(self._handed)
         self.remote_error = ""
         try:
             names = [p.rsplit("/", 1)[-1] for p in self.remote.fs.ls(self.remote.root, detail=False)]
@@ -135,6 +150,12 @@ class Loader:
             if all(manifest_name(n) in listing for n in range(int(first["nnodes"]))):
                 found.append(int(m.group(1)))
         return sorted(found)
+
+    def listed(self) -> list[int]:
+        """The bucket's steps: the listing a fetch process handed over for the resume, once more
+        (the start-up's resync, right after it: the store need not be opened for it), else listed now."""
+        handed, self._handed = self._handed, None
+        return handed if handed is not None else self.remote_steps()
 
     def loadable_steps(self) -> set[int]:
         """Steps this node may restore, from its disk or the bucket (checked when loaded)."""

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from training.ckpt import digest
+from training.ckpt import digest, fetch_process
 from training.ckpt.files import (DOT_LEAF, FILE_NAME, MAX_DEPTH, MAX_NODES, MODEL_FILE, STEP_RE, CheckpointError,
                                  RunLocked, Topology, UploadStatus, check_manifest, fsync_dir, fsync_path, inside,
                                  link_or_copy, manifest_name, plain_path, rng_name, run_key, sha256_of, state_bytes,
@@ -155,8 +155,10 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)  # a crash mid-write: never committed
         self.background = background  # False: the caller waits for the write and the commit (make bench compares)
         self._stager = Stager()
-        # One run per checkpoint prefix (training/ckpt/lease.py): global rank 0 holds the bucket's lease.
-        self.lease: Lease | None = take(self.remote, self._lease_lost) if self.remote and topo.rank == 0 else None
+        # One run per checkpoint prefix (training/ckpt/lease.py): global rank 0 holds the bucket's lease (a fetch
+        # process `prefetch` started may have taken it for this process: fetch_process.lease_answer).
+        self.lease: Lease | None = take(self.remote, self._lease_lost, handed=fetch_process.lease_answer(
+            self.remote.url)) if self.remote and topo.rank == 0 else None
         if self.remote is not None and topo.local_rank == 0:
             self.uploads.start()
             self.writes.exempt = self.uploads.thread

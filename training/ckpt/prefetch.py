@@ -42,8 +42,6 @@ class Steps(Protocol):
 
     def read_memory(self, step: int, paths: dict[str, Path], how: str = "") -> State: ...
 
-    def remote_files(self, step: int) -> dict[str, dict[str, Any]]: ...
-
 
 class Prefetch:
     """One loader's prefetch: `start` once, `take` the step the caller chose, `end` when it
@@ -55,6 +53,7 @@ class Prefetch:
         self.fetcher: fetch_process.FetchProcess | None = None
         self.found: tuple[int, State] | None = None
         self.ended = False
+        self._listing: dict[str, Any] | None = None  # the fetch process's listing, until `listing` takes it
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -70,11 +69,24 @@ class Prefetch:
 
     def end(self) -> None:
         with self._lock:
-            self.ended, self.found = True, None
+            self.ended, self.found, self._listing = True, None, None
             fetcher = self.fetcher
         if fetcher is not None:
             fetcher.stop()
         fetch_process.drop()  # one `prefetch` started that this loader never took
+
+    def listing(self) -> dict[str, Any] | None:
+        """The bucket's steps as the fetch process listed them ({"steps", "error", "told"}: the
+        loader's remote_steps), once, after waiting for the prefetch, when its step was mapped;
+        else None (the loader lists the bucket itself). The process listed after it took the
+        run's lease for global rank 0, or after this process did: no other run writes there."""
+        thread = self.thread
+        if self.fetcher is None or thread is None or threading.current_thread() is thread:
+            return None
+        thread.join()
+        with self._lock:
+            listing, self._listing = self._listing, None
+        return listing
 
     def take(self, step: int) -> State | None:
         """The prefetched state if it is `step`'s (after waiting for the prefetch), else None."""
@@ -113,19 +125,6 @@ class Prefetch:
         except Exception as exc:  # noqa: BLE001 (load, on the caller's thread, meets it again and says so)
             log.debug("prefetch: %s", exc)
 
-    def _differs(self, fetched: fetch_process.Fetched) -> str:
-        """Why the files the process checked are not the ones this rank loads of the bucket's step
-        as this process reads its manifests (another store or other settings than when the
-        process started, a step written over, another rank's RNG file), or ""."""
-        assert fetched.step is not None
-        try:
-            wanted = self.loader.remote_files(fetched.step)
-        except Exception as exc:  # noqa: BLE001 (the bucket blipped: the thread fetches, and meets it or not)
-            return f"its manifests cannot be read here ({type(exc).__name__}: {exc})"
-        if fetched.entries != wanted:
-            return f"its files {sorted(fetched.entries)} are not step {fetched.step}'s {sorted(wanted)} as listed here"
-        return ""
-
     def _from_process(self, fetcher: fetch_process.FetchProcess) -> bool:
         """Whether the fetch process's answer settles the prefetch: its step mapped, or a fault
         it found in the step (left to `load`). False: the thread lists and loads itself."""
@@ -136,7 +135,7 @@ class Prefetch:
                 return True
             local = self.loader.local_steps()
             why = (fetched.why or "nothing fetched") if not fetched.paths or fetched.step is None else (
-                f"step {local[-1]} is on this disk" if local and local[-1] >= fetched.step else self._differs(fetched))
+                f"step {local[-1]} is on this disk" if local and local[-1] >= fetched.step else "")
             if why or fetched.step is None:
                 log.debug("prefetch: fetch process %d brought nothing used (%s)", fetcher.pid, why)
                 return False
@@ -144,6 +143,8 @@ class Prefetch:
                 return True
             step = fetched.step
             self._keep((step, self.loader.read_memory(step, fetched.paths, f", by fetch process {fetcher.pid}")))
+            with self._lock:
+                self._listing = dict(fetched.listing) if fetched.listing and not self.ended else None
             return True
         finally:
             fetcher.close()

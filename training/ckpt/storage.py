@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlparse
@@ -66,17 +66,32 @@ class StorageUnavailable(Exception):
     fault of the checkpoint, so never a reason to skip its step (the message names the URL)."""
 
 
-@dataclass(frozen=True)
 class Location:
-    """A checkpoint root: a filesystem and a path on it (no scheme)."""
+    """A checkpoint root: a filesystem and a path on it (no scheme). An object store's filesystem
+    (s3fs, with its client) is made at its first use, not here: a training process whose fetch
+    process already took the lease and listed the bucket (training/ckpt/fetch_process.py) opens
+    its own store only for its first upload or lease renewal, after the resume (issue 44)."""
 
-    fs: Any  # fsspec.AbstractFileSystem
-    root: str
-    url: str
+    def __init__(self, fs: Any, root: str, url: str, remote: bool = False):
+        self._fs: Any = None if callable(fs) and remote else fs
+        self._make: Callable[[], Any] | None = fs if callable(fs) and remote else None
+        self.root, self.url = root, url
+        self.remote = remote if self._make is not None else fs.protocol not in ("file", ("file", "local"), "local")
+        self._lock = threading.Lock()
 
     @property
-    def remote(self) -> bool:
-        return self.fs.protocol not in ("file", ("file", "local"), "local")
+    def fs(self) -> Any:  # fsspec.AbstractFileSystem
+        if self._fs is None:
+            with self._lock:
+                if self._fs is None:
+                    assert self._make is not None
+                    self._fs = self._make()
+        return self._fs
+
+    @property
+    def opened(self) -> bool:
+        """Whether the filesystem has been made (its libraries imported, its client set up)."""
+        return self._fs is not None
 
     def join(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *[p.strip("/") for p in parts]])
@@ -130,18 +145,23 @@ class RoleCredentials:
                                                               method=self.METHOD)
 
 
-def _session(env: Mapping[str, str]) -> Any:
-    """An aiobotocore session that signs with the role STORAGE_CREDENTIALS names, or None for the
-    SDK's own chain (AWS: instance role, EKS Pod Identity, environment)."""
+def _session(env: Mapping[str, str]) -> Callable[[], Any] | None:
+    """A maker of the aiobotocore session that signs with the role STORAGE_CREDENTIALS names, or
+    None for the SDK's own chain (AWS: instance role, EKS Pod Identity, environment). The setting
+    is checked now; the session (aiobotocore's import) is made when the store is first used."""
     source = env.get(contract.STORAGE_CREDENTIALS.name, "default") or "default"
     if source == "default":
         return None
-    from aiobotocore.session import AioSession
+    fetch = credentials.credential_source(source, env)
 
-    session = AioSession()
-    resolver = session.get_component("credential_provider")
-    resolver.insert_before("env", RoleCredentials(credentials.credential_source(source, env)))
-    return session
+    def make() -> Any:
+        from aiobotocore.session import AioSession
+
+        session = AioSession()
+        resolver = session.get_component("credential_provider")
+        resolver.insert_before("env", RoleCredentials(fetch))
+        return session
+    return make
 
 
 def location(url: str, env: Mapping[str, str] | None = None, keys: tuple[str, str] | None = None) -> Location:
@@ -157,10 +177,12 @@ def location(url: str, env: Mapping[str, str] | None = None, keys: tuple[str, st
                         url)
     if scheme not in ("s3", "oss", "cosn"):
         raise ValueError(f"unsupported storage URL {url!r}: use s3://, oss://, cosn://, file:// or a path")
-    options = _s3_options(scheme, env)
+    options = _s3_options(scheme, env)  # (a setting that is wrong or missing is said now, not at the first use)
     if keys is not None:
         options.update(key=keys[0], secret=keys[1])
-    elif (session := _session(env)) is not None:
-        options["session"] = session
-    fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
-    return Location(fs, f"{parsed.netloc}{parsed.path}".rstrip("/"), url)
+    session = _session(env) if keys is None else None
+
+    def make() -> Any:
+        return fsspec.filesystem("s3", skip_instance_cache=True, **options, **({"session": session()} if session else {}))
+
+    return Location(make, f"{parsed.netloc}{parsed.path}".rstrip("/"), url, remote=True)

@@ -133,7 +133,7 @@ class Uploader:
         """Queue committed local steps the bucket lacks (an outage during an earlier run)."""
         if self.remote is None or self.topo.local_rank != 0:
             return
-        have = set(self.loader.remote_steps())
+        have = set(self.loader.listed())  # (the listing the resume chose from, when a fetch process handed it over)
         if self.loader.remote_error:
             log.warning("cannot list %s (%s); training goes on from local state and uploads are retried "
                         "in the background", self.remote.url, self.loader.remote_error)

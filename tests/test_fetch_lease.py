@@ -1,0 +1,179 @@
+"""Issue 44's fetch process and the run's lease and listing: for global rank 0 the process
+`prefetch` started before torch takes the bucket's lease for its caller before it lists anything,
+and hands the lease and its listing over, so that the training process opens no store before its
+first step (it does so for its first upload, lease renewal or close). Tested against moto with
+real processes: the lease named for the caller and renewed by it, a second run refused naming it,
+a lease for a URL no Checkpointer uses given back, an early fetch made with other settings not
+used, the listing's warnings said here once, and a lease another process of the run took over
+kept at a release."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.test_fetch_process import WAIT_S, _fast_resume, two_steps
+from tests.training_helpers import ROOT, MotoServer
+from training.ckpt import fetch_process, storage
+from training.ckpt.fetch_process import FetchProcess
+from training.ckpt.lease import LEASE_NAME, Lease
+
+_RESUME = """
+import json, sys, threading
+from training.ckpt import fetch_process, storage
+url, disk = sys.argv[1], sys.argv[2]
+fetch_process.prefetch(url)
+users, fs = set(), storage.Location.fs
+storage.Location.fs = property(lambda self: (users.add(threading.current_thread().name), fs.fget(self))[1])
+import torch
+from torch import nn
+from training.ckpt.checkpointer import Checkpointer
+ckpt = Checkpointer(url=url, local_dir=disk)
+with torch.device("meta"):
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+model = model.to_empty(device="cpu")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+step = ckpt.track(model=model, optimizer=opt).resume(assign=True)
+model(torch.randn(4, 8)).sum().backward()
+opt.step()
+print(f"resumed step {step}; the store used here by", json.dumps(sorted(users)), flush=True)
+sys.stdin.readline()
+ckpt.close()
+print("closed", flush=True)
+"""
+
+
+@pytest.fixture
+def url(moto: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    yield from two_steps(moto, tmp_path, monkeypatch)
+
+
+def _lease(moto: MotoServer, url: str) -> dict[str, object] | None:
+    key = f"{url.split('/', 3)[3]}/{LEASE_NAME}"
+    if key not in moto.keys(key):
+        return None
+    body = json.loads(moto.client().get_object(Bucket=moto.bucket, Key=key)["Body"].read())
+    assert isinstance(body, dict)
+    return body
+
+
+def test_the_early_fetch_takes_the_lease_for_its_caller_which_renews_it_and_opens_no_store_first(
+        url: str, moto: MotoServer, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_LEASE_TTL_S": "4"}  # renewed every second
+    start = [sys.executable, "-c", textwrap.dedent(_RESUME), url]
+    first = subprocess.Popen([*start, str(tmp_path / "a")], cwd=tmp_path, env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout is not None and first.stdin is not None
+        line = first.stdout.readline()
+        assert line.startswith("resumed step 2; "), line or (first.stderr and first.stderr.read())
+        assert set(json.loads(line.split(" by ", 1)[1])) <= {"checkpoint-lease"}, line  # its renewals only, if any yet
+        body = _lease(moto, url)
+        assert body is not None and body["run"] == f"process {first.pid} on {os.uname().nodename}", body
+        assert f"(pid {first.pid} on " in str(body["holder"]), body  # the caller's, not its fetch process's
+        deadline = time.monotonic() + WAIT_S  # until the caller renews it (an event; the bound only guards a hang)
+        while (now := _lease(moto, url)) is None or now["renewed"] == body["renewed"]:
+            assert time.monotonic() < deadline, "the caller never renewed the lease its fetch process took for it"
+            assert first.poll() is None, first.stderr.read() if first.stderr else ""
+            time.sleep(0.1)
+        assert now["holder"] == body["holder"], now
+        second = subprocess.run([*start, str(tmp_path / "b")], cwd=tmp_path, env=env, input="\n",
+                                capture_output=True, text=True, timeout=WAIT_S)
+        assert second.returncode == 2 and second.stderr.startswith(
+            f"refused: {url} is in use by process {first.pid} on "), second.stdout + second.stderr
+        assert "Traceback" not in second.stderr and "resumed" not in second.stdout
+        first.stdin.write("\n")
+        first.stdin.flush()
+        assert first.stdout.readline().strip() == "closed"
+        assert first.wait(timeout=WAIT_S) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert _lease(moto, url) is None  # given back at the close
+
+
+def test_a_lease_taken_for_a_url_no_checkpointer_uses_is_given_back(
+        url: str, moto: MotoServer, tmp_path: Path) -> None:
+    other = url + "-other"
+    assert fetch_process.prefetch(other)
+    assert fetch_process._EARLY[other].lease_line()["lease"] == "held" and _lease(moto, other) is not None
+    ckpt, _, step = _fast_resume(url, tmp_path / "disk")
+    try:
+        assert step == 2 and fetch_process._EARLY == {}
+        assert _lease(moto, other) is None  # dropped with its lease
+        assert _lease(moto, url) is not None
+    finally:
+        ckpt.close()
+
+
+def test_the_fetch_process_listing_s_warnings_are_said_here_once(
+        url: str, moto: MotoServer, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 1's manifest in the bucket is damaged: the fetch process (which logs nothing) lists
+    around it and hands over step 2 with its listing; the training process says what it found."""
+    caplog.set_level(logging.INFO, logger="gts.checkpoint")
+    monkeypatch.setenv("GTS_LEASE_TTL_S", "3600")  # no renewal opens the store during the test
+    key = f"{url.split('/', 3)[3]}/step-00000001/manifest-node000.json"
+    moto.client().put_object(Bucket=moto.bucket, Key=key, Body=b"{not json")
+    assert fetch_process.prefetch(url)
+    ckpt, _, step = _fast_resume(url, tmp_path / "disk")
+    try:
+        fetcher = ckpt.manager.loader.prefetched.fetcher
+        assert step == 2 and isinstance(fetcher, FetchProcess)
+        assert f"(into memory, by fetch process {fetcher.pid}:" in caplog.text
+        said = [r.getMessage() for r in caplog.records if "skipping checkpoint step 1" in r.getMessage()]
+        assert len(said) == 1 and f"{url}/step-00000001/manifest-node000.json is damaged: not JSON" in said[0], said
+        assert ckpt.manager.remote is not None and not ckpt.manager.remote.opened  # listed by the fetch process alone
+    finally:
+        ckpt.close()
+
+
+def test_a_release_keeps_a_lease_another_process_of_the_run_took_over(tmp_path: Path) -> None:
+    where = storage.location(f"file://{tmp_path / 'bucket'}")
+    old = Lease(where, "run one", pid=1001)
+    old.acquire()
+    new = Lease(where, "run one", pid=1002)  # a replacement of the same run takes it at once
+    new.acquire()
+    old.release()  # the old holder's late clean stop
+    body = json.loads((tmp_path / "bucket" / LEASE_NAME).read_text())
+    assert "(pid 1002 on " in body["holder"], body
+    new.release()
+    assert not (tmp_path / "bucket" / LEASE_NAME).exists()
+
+
+def test_an_early_fetch_started_with_other_settings_is_dropped_and_its_lease_given_back(
+        url: str, moto: MotoServer, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's settings changed between `prefetch` and the Checkpointer (another endpoint or
+    credentials: what the early process read may be another store's): its files are not used,
+    the lease it took for this process is given back, and the manager takes its own."""
+    caplog.set_level(logging.DEBUG, logger="gts.checkpoint")
+    assert fetch_process.prefetch(url)
+    early = fetch_process._EARLY[url]
+    assert early.lease_line()["lease"] == "held"
+    lease_key = f"{url.split('/', 3)[3]}/run.lease"
+    body = json.loads(moto.client().get_object(Bucket=moto.bucket, Key=lease_key)["Body"].read())
+    assert body["holder"].startswith(f"process {os.getpid()} on ") and f"(pid {os.getpid()} on " in body["holder"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "another-key")
+    ckpt, _, step = _fast_resume(url, tmp_path / "disk")
+    try:
+        assert step == 2 and early.proc.poll() is not None
+        fetcher = ckpt.manager.loader.prefetched.fetcher
+        assert isinstance(fetcher, FetchProcess) and fetcher.pid != early.pid
+        assert f"(into memory, by fetch process {fetcher.pid}:" in caplog.text
+        assert f"by fetch process {early.pid}" not in caplog.text
+        assert ckpt.manager.lease is not None and ckpt.manager.lease.held
+    finally:
+        ckpt.close()
+    assert lease_key not in moto.keys(url.split("/", 3)[3])  # given back at the close
+
