@@ -23,13 +23,13 @@ import pytest
 
 from tests.test_fetch_process import WAIT_S, _fast_resume, two_steps
 from tests.training_helpers import ROOT, MotoServer
-from training.ckpt import fetch_process, storage
+from training.ckpt import fetch_place, fetch_process, storage
 from training.ckpt.fetch_process import FetchProcess
-from training.ckpt.lease import LEASE_NAME, Lease
+from training.ckpt.lease import LEASE_NAME, Lease, LeaseHeld, take
 
 _RESUME = """
 import json, sys, threading
-from training.ckpt import fetch_process, storage
+from training.ckpt import fetch_place, fetch_process, storage
 url, disk = sys.argv[1], sys.argv[2]
 fetch_process.prefetch(url)
 users, fs = set(), storage.Location.fs
@@ -68,7 +68,7 @@ def _lease(moto: MotoServer, url: str) -> dict[str, object] | None:
 
 def test_the_early_fetch_takes_the_lease_for_its_caller_which_renews_it_and_opens_no_store_first(
         url: str, moto: MotoServer, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_LEASE_TTL_S": "4"}  # renewed every second
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GTS_LEASE_TTL_S": "40"}  # renewed every 10 s
     start = [sys.executable, "-c", textwrap.dedent(_RESUME), url]
     first = subprocess.Popen([*start, str(tmp_path / "a")], cwd=tmp_path, env=env, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -138,6 +138,71 @@ def test_the_fetch_process_listing_s_warnings_are_said_here_once(
         ckpt.close()
 
 
+def test_a_release_keeps_a_lease_another_taking_of_the_run_made_since(tmp_path: Path) -> None:
+    """The same process and run, two takings (an early fetch's, then the manager's own): giving
+    the first back leaves the second."""
+    where = storage.location(f"file://{tmp_path / 'bucket'}")
+    first, second = Lease(where, "run one"), Lease(where, "run one")
+    first.acquire()
+    second.acquire()
+    first.release()
+    assert json.loads((tmp_path / "bucket" / LEASE_NAME).read_text())["token"] == second.token
+
+
+@pytest.mark.parametrize("taken_over", [False, True])
+def test_a_handed_lease_half_expired_is_renewed_at_once_or_refused_when_taken_over(
+        tmp_path: Path, taken_over: bool) -> None:
+    """The fetch process took the lease long before the Checkpointer was made (heavy work in
+    between): the manager renews it before anything else, and a run that took it over meanwhile
+    (it had expired) refuses this one."""
+    where = storage.location(f"file://{tmp_path / 'bucket'}")
+    env = {"GTS_RUN_ID": "mine"}
+    child = Lease(where, "run mine", ttl_s=120, clock=lambda: time.time() - 100)  # written 100 s ago
+    child.acquire()
+    path = tmp_path / "bucket" / LEASE_NAME
+    if taken_over:  # (as Lease.acquire takes over an expired lease)
+        other = Lease(where, "run other")
+        current = other.store.read()
+        assert current is not None
+        other.store.replace(other._body(), current[1])
+    handed = {"lease": "held", "run": "run mine", "token": child.token, "expires": child.expires}
+    if taken_over:
+        with pytest.raises(LeaseHeld, match="the run lease was taken by run other"):
+            take(where, lambda why: None, env=env, handed=handed)
+        return
+    lease = take(where, lambda why: None, env=env, handed=handed)
+    try:
+        body = json.loads(path.read_text())
+        assert body["expires"] > child.expires + 50 and body["token"] == child.token  # renewed now, the same taking
+    finally:
+        lease.release()
+    assert not path.exists()
+
+
+_FAILS_FIRST = """
+import sys
+from training.ckpt import fetch_process
+assert fetch_process.prefetch(sys.argv[1]) and fetch_process._EARLY[sys.argv[1]].lease_line()["lease"] == "held"
+raise SystemExit("the script fails before its Checkpointer")
+"""
+
+
+def test_a_start_that_fails_before_its_checkpointer_gives_the_lease_back(url: str, moto: MotoServer,
+                                                                         tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(_FAILS_FIRST), url], cwd=tmp_path, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=WAIT_S)
+    assert run.returncode == 1 and "fails before its Checkpointer" in run.stderr, run.stdout + run.stderr
+    assert _lease(moto, url) is None  # an immediate rerun is not refused by its dead predecessor
+
+
+def test_only_global_rank_0_s_fetch_takes_the_lease() -> None:
+    zero = {"rank": 0}
+    assert fetch_place.leases(zero, {}) and fetch_place.leases(zero, {"RANK": "0", "MASTER_ADDR": "10.0.0.1"})
+    assert not fetch_place.leases({"rank": 3}, {"RANK": "3"})
+    for hint in ("MASTER_ADDR", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE"):  # RANK not set yet: a launcher sets it later
+        assert not fetch_place.leases(zero, {hint: "1"}), hint
+
+
 def test_a_release_keeps_a_lease_another_process_of_the_run_took_over(tmp_path: Path) -> None:
     where = storage.location(f"file://{tmp_path / 'bucket'}")
     old = Lease(where, "run one", pid=1001)
@@ -163,6 +228,7 @@ def test_an_early_fetch_started_with_other_settings_is_dropped_and_its_lease_giv
     assert early.lease_line()["lease"] == "held"
     lease_key = f"{url.split('/', 3)[3]}/run.lease"
     body = json.loads(moto.client().get_object(Bucket=moto.bucket, Key=lease_key)["Body"].read())
+    assert body["token"] == early.lease_line()["token"]
     assert body["holder"].startswith(f"process {os.getpid()} on ") and f"(pid {os.getpid()} on " in body["holder"]
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "another-key")
     ckpt, _, step = _fast_resume(url, tmp_path / "disk")
@@ -172,7 +238,10 @@ def test_an_early_fetch_started_with_other_settings_is_dropped_and_its_lease_giv
         assert isinstance(fetcher, FetchProcess) and fetcher.pid != early.pid
         assert f"(into memory, by fetch process {fetcher.pid}:" in caplog.text
         assert f"by fetch process {early.pid}" not in caplog.text
-        assert ckpt.manager.lease is not None and ckpt.manager.lease.held
+        lease = ckpt.manager.lease
+        assert lease is not None and lease.held
+        body = _lease(moto, url)  # the manager's own taking, not deleted with the early process's
+        assert body is not None and body["token"] == lease.token and f"(pid {os.getpid()} on " in str(body["holder"])
     finally:
         ckpt.close()
     assert lease_key not in moto.keys(url.split("/", 3)[3])  # given back at the close

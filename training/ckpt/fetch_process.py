@@ -17,13 +17,16 @@ rank's files of it into memory files, each checked against its manifest as it ar
 code as the in-process fetch: training/ckpt/loader.py's Loader, memory.py, fetch.py), answers
 with one JSON message carrying the memory files' descriptors (SCM_RIGHTS) and exits. The training
 process maps the model file from the descriptor it received: the tensors are the pages the fetch
-process wrote, shared, with no copy.
+process wrote, shared, with no copy. For global rank 0 the process first takes the bucket's run
+lease for the training process and says so in one line before its answer; it answers with its
+listing too, so that the training process opens its store only after its first step (`prefetch`).
 
 What it trusts. The process is this program, started from this interpreter with this
 environment, over a socket pair no other process can reach; its answer is still checked for shape
-(as many descriptors as files named, each a plain file name, each file of its manifest's size),
-and the training process uses the files only if their manifest entries are the ones it reads
-itself for that step (training/ckpt/prefetch.py: another store, a step written over, are refused).
+(as many descriptors as files named, each a plain file name, each file of its manifest's size).
+It is used only while the settings that decide which store it read, as whom and for which run
+(fetch_place.py `SETTINGS`) are what they were when it started; the manifests it checked the files against are
+then the ones this process would read (for global rank 0 it read them holding the run's lease).
 Any fault (the process cannot start, dies, answers nothing or a fault, or the step is too big for
 memory) leaves the prefetch to the in-process path (Loader.prefetch), or to the resume itself,
 which meets the same fault again and reports it as usual: nothing is logged twice and nothing is
@@ -35,7 +38,7 @@ forked holds that end)."""
 from __future__ import annotations
 
 import array
-import hashlib
+import atexit
 import json
 import logging
 import os
@@ -49,6 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from training.ckpt.fetch_place import env_topology as env_topology, leases, settings  # (env_topology: also this module's)
+from training.ckpt.fetch_place import key as _key
+
 log = logging.getLogger("gts.checkpoint")
 
 MAX_ANSWER = 1 << 20  # bytes of one answer or request: a step number and a few manifest entries
@@ -56,9 +62,12 @@ MAX_LINE = 1 << 12  # bytes of the lease line
 MAX_FILES = 8  # descriptors of one answer: the model file and this rank's RNG file
 ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds the training package
 TOPOLOGY = ("rank", "local_rank", "world_size", "node", "nnodes", "local_world_size")  # files.Topology's fields
-# Launchers whose own variables place the ranks (training/distributed.py reads horovod's through horovod).
-OTHER_LAUNCHERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "HOROVOD_SIZE", "SLURM_NTASKS", "MV2_COMM_WORLD_SIZE")
 _FD = array.array("i")  # a descriptor's C int
+# In the library's folder (cwd=ROOT), and with -P where Python has it (3.11+): the caller's working
+# directory is never on the path (a `training/` there, or anyone's file in a shared folder, is never
+# what runs). A session of its own: a Ctrl-C is the caller's.
+FETCHER = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "training.ckpt.fetcher"]
+GIVE_BACK_S = 120.0  # at most, for a lease given back (the store's own timeouts come first)
 WATCH_S = 1.0  # how often a wait for the answer (here) or for the caller (the process) looks at the other side
 
 
@@ -73,42 +82,7 @@ class Fetched:
     why: str = ""  # no files: why not
     fault: bool = False  # no files because a fault was found in the step (the resume meets it again)
     entries: dict[str, Any] = field(default_factory=dict)  # name -> the manifest entry the bytes were checked against
-    listing: dict[str, Any] = field(default_factory=dict)  # the bucket's steps as it listed them (Loader.handed_listing)
-
-
-def env_topology(env: Mapping[str, str] | None = None) -> dict[str, int] | None:
-    """This rank's place as torchrun's environment gives it (training/distributed.py's Comm reads
-    the same variables), before torch is imported; None under another launcher (MPI, horovod,
-    Slurm: their own variables say which ranks share a node, and a guess could have every rank
-    of a node fetch the whole step into memory)."""
-    env = os.environ if env is None else env
-    if "LOCAL_WORLD_SIZE" not in env and any(env.get(name, "1") != "1" for name in OTHER_LAUNCHERS):
-        return None  # (a launcher's size of 1, a one-task Slurm job: one rank, alone on its node)
-    try:
-        rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-        local_world, local_rank = int(env.get("LOCAL_WORLD_SIZE", world)), int(env.get("LOCAL_RANK", 0))
-    except ValueError:  # not torchrun's numbers: the Checkpointer, made later, says what is wrong
-        return None
-    return {"rank": rank, "local_rank": local_rank, "world_size": world,
-            "node": rank // max(1, local_world), "nnodes": max(1, world // max(1, local_world)),
-            "local_world_size": local_world}
-
-
-def _key(url: str) -> str:
-    return url.rstrip("/")
-
-
-# What decides which store a URL reads, as whom, and for which run (training/ckpt/storage.py's
-# location, training/credentials.py, training/ckpt/lease.py's run_identity): a fetch process is
-# used only while these are what they were when it started.
-SETTINGS = ("STORAGE_", "AWS_", "GTS_", "ALIBABA_CLOUD_", "TENCENTCLOUD_", "TORCHELASTIC_RUN_ID", "HTTP_PROXY",
-            "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
-
-
-def settings(url: str, env: Mapping[str, str] | None = None) -> str:
-    env = os.environ if env is None else env
-    chosen = sorted((key, value) for key, value in env.items() if key.startswith(SETTINGS))
-    return hashlib.sha256(json.dumps([_key(url), chosen]).encode()).hexdigest()
+    listing: dict[str, Any] = field(default_factory=dict)  # the bucket's steps as it listed them (Loader.remote_steps)
 
 
 class FetchProcess:
@@ -126,14 +100,10 @@ class FetchProcess:
         ours, theirs = socket.socketpair()
         try:
             path = os.environ.get("PYTHONPATH", "")
-            env = {**os.environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
-            # In the library's folder, and with -P where Python has it (3.11+): the caller's working
-            # directory is never on the path (a `training/` there, or anyone's file in a shared
-            # folder, is never what runs). A session of its own: a Ctrl-C is the caller's.
-            safe = ["-P"] if sys.version_info >= (3, 11) else []
-            self.proc = subprocess.Popen([sys.executable, *safe, "-m", "training.ckpt.fetcher", str(theirs.fileno()),
-                                          str(os.getpid())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                         env=env, cwd=ROOT, start_new_session=True)
+            # As it started (a lease it took is given back with these settings: `_give_back`).
+            self.env = {**os.environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
+            self.proc = subprocess.Popen([*FETCHER, str(theirs.fileno()), str(os.getpid())], pass_fds=(theirs.fileno(),),
+                                         stdin=subprocess.DEVNULL, env=self.env, cwd=ROOT, start_new_session=True)
         except BaseException:
             ours.close()
             raise
@@ -318,7 +288,9 @@ def prefetch(url: str | None = None) -> bool:
         if url in _EARLY:
             return True
         try:
-            _EARLY[url] = FetchProcess(url, topology, lease=topology["rank"] == 0)
+            _EARLY[url] = FetchProcess(url, topology, lease=leases(topology))
+            if len(_EARLY) == 1:
+                atexit.register(drop)  # a start that fails before its Checkpointer gives the lease back
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             log.debug("prefetch: no fetch process (%s)", exc)
             return False
@@ -342,36 +314,46 @@ def drop(url: str | None = None) -> None:
 
 
 def _give_back(fetcher: FetchProcess) -> None:
-    """The lease `fetcher` took for this process, deleted, unless the manager took it over
-    (only while it names this process: a lease another process of the run took since is kept)."""
+    """Stop `fetcher` and delete the lease it said it took for this process, unless the manager
+    took it over: only while it is that very taking (its token: not one this process or another
+    of the run took since), by a process of its own with the settings the fetch started with
+    (this one imports no store library for it, also at exit). One taken but not yet said expires."""
+    fetcher.stop()
     said = fetcher.lease_line() if fetcher.leasing and not fetcher.lease_used else {}
     if said.get("lease") != "held":
         return
+    request = {"url": fetcher.url, "run": said.get("run"), "token": said.get("token"), "pid": os.getpid()}
     try:
-        from training.ckpt.lease import Lease
-        from training.ckpt.storage import location
-
-        lease = Lease(location(fetcher.url), str(said.get("run", "")))
-        lease.held = True
-        lease.release()
-    except Exception as exc:  # noqa: BLE001 (a setting or the store: the lease then expires by itself)
-        log.warning("could not give back the run lease the fetch process took on %s (%s)", fetcher.url, exc)
+        done = subprocess.run([*FETCHER, "give-back"], input=json.dumps(request), env=fetcher.env, cwd=ROOT, text=True,
+                              capture_output=True, timeout=GIVE_BACK_S)
+        why = "" if done.returncode == 0 else (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = str(exc)
+    if why:
+        log.warning("could not give back the run lease the fetch process took on %s (%s): it expires by itself",
+                    fetcher.url, why)
 
 
 def lease_answer(url: str) -> dict[str, Any] | None:
     """For the manager of global rank 0: what `prefetch`'s fetch process for `url` said of the
     run's lease it took for this process (FetchProcess.lease_line; the manager then holds it,
-    training/ckpt/lease.py `take`), or None when there is no such process, it was not asked,
-    or the settings it started with changed since (it is dropped when the Loader takes another)."""
+    training/ckpt/lease.py `take`), or None: no such process, not asked, or it met an outage. A
+    process started with other settings is dropped first (its lease given back): the manager
+    takes the lease itself."""
     with _EARLY_LOCK:
         mine = _EARLY.get(_key(url))
-    if mine is None or not mine.leasing or mine.settings != settings(url):
+        if mine is not None and mine.settings != settings(url):
+            del _EARLY[_key(url)]
+        elif mine is not None:
+            mine.lease_used = True  # (read below, under the manager: no drop gives it back meanwhile)
+    if mine is None or not mine.leasing:
+        return None
+    if not mine.lease_used:
+        _give_back(mine)
+        mine.close()
         return None
     said = mine.lease_line()
-    if said.get("lease") not in ("held", "refused"):
-        return None
-    mine.lease_used = True
-    return said
+    return said if said.get("lease") == "held" else None
 
 
 def take(url: str, topology: Mapping[str, int]) -> FetchProcess | None:

@@ -64,11 +64,12 @@ def _lease(sock: socket.socket, remote: Any, caller: int) -> bool:
     said: dict[str, Any] = {"lease": "held", "run": lease.run}
     try:
         lease.acquire()
+        said.update(token=lease.token, expires=lease.expires)
     except LeaseHeld as exc:
-        said.update(lease="refused", why=str(exc))
+        said.update(lease="refused", why=str(exc)[:1000])
     except Exception as exc:  # noqa: BLE001 (an outage: the training process meets it itself)
-        said.update(lease="unknown", why=f"{type(exc).__name__}: {exc}")
-    sock.sendall(json.dumps(said).encode() + b"\n")
+        said.update(lease="unknown", why=f"{type(exc).__name__}: {exc}"[:1000])
+    sock.sendall(json.dumps(said).encode() + b"\n")  # (over MAX_LINE, a run id that long: the training process takes it)
     return bool(said["lease"] != "refused")
 
 
@@ -100,9 +101,28 @@ def _fetch(sock: socket.socket, request: dict[str, Any], caller: int) -> None:
         _send(sock, {"step": step, "files": files, "listing": listing}, [int(path.name) for path in paths.values()])
 
 
+def _give_back(request: dict[str, Any]) -> int:
+    """`give-back` (fetch_process.py `_give_back`): delete the lease taken for process `pid` as
+    that very taking (`token`), if it still is. Exit status 1 with the reason when it could not."""
+    from training.ckpt.lease import Lease
+    from training.ckpt.storage import location
+
+    store = Lease(location(str(request["url"])), str(request["run"]), pid=int(request["pid"])).store
+    current = store.read()
+    if current is not None and current[0].get("token") == str(request["token"]):
+        store.delete()
+    return 0
+
+
 def main(argv: list[str]) -> int:
     logging.disable(logging.CRITICAL)  # the training process repeats each check that matters and says what it finds
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the training process's to handle; this one ends with it
+    if argv[:1] == ["give-back"]:
+        try:
+            return _give_back(json.loads(sys.stdin.read()))
+        except Exception as exc:  # noqa: BLE001 (said in one line: the training process logs it)
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
     try:
         sock, caller = socket.socket(fileno=int(argv[0])), int(argv[1])
     except (IndexError, ValueError, OSError):

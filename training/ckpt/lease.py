@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -191,6 +192,8 @@ class Lease:
         self.clock = clock
         # `pid`: the training process a fetch process takes the lease for (fetch_process.py).
         self.holder = f"{run} (pid {os.getpid() if pid is None else pid} on {socket.gethostname()})"
+        self.token = secrets.token_hex(8)  # this taking's own: a release never deletes another one's lease
+        self.expires = 0.0  # as last written
         self.held = False  # taken (False also while the store could not be reached yet)
         self.lost = ""  # why this run no longer holds the lease ("" while it does)
         self._stop = threading.Event()
@@ -198,7 +201,8 @@ class Lease:
 
     def _body(self) -> dict[str, Any]:
         now = self.clock()
-        return {"run": self.run, "holder": self.holder, "renewed": now, "expires": now + self.ttl}
+        self.expires = now + self.ttl
+        return {"run": self.run, "holder": self.holder, "renewed": now, "expires": self.expires, "token": self.token}
 
     def describe(self, body: dict[str, Any]) -> str:
         left = float(body.get("expires", 0)) - self.clock()
@@ -277,25 +281,33 @@ class Lease:
             return
         try:
             current = self.store.read()
-            if current is not None and current[0].get("run") == self.run and current[0].get("holder") == self.holder:
-                self.store.delete()  # (not when another process of the same run took it over since)
+            if current is not None and current[0].get("run") == self.run and current[0].get("holder") == self.holder \
+                    and current[0].get("token", self.token) == self.token:
+                self.store.delete()  # (not when another process or taking of the same run took it over since)
         except Exception as exc:  # noqa: BLE001 (it then expires by itself)
             log.warning("could not release the run lease on %s (%s): it expires in %.0f s", self.url, exc, self.ttl)
 
 
 def take(remote: Location, on_lost: Callable[[str], None], env: Mapping[str, str] | None = None,
-         handed: Mapping[str, str] | None = None) -> Lease:
+         handed: Mapping[str, Any] | None = None) -> Lease:
     """The run's lease on `remote`, kept renewed; LeaseHeld when another run holds it. A store
     out of reach (or refusing: the start-up listing says so and stops the run) does not stop
-    the start here: the lease is taken at the first renewal that reaches it. `handed`: what this
-    process's fetch process answered when it took the lease for it before torch was imported
-    (training/ckpt/fetch_process.py `lease_answer`: held or refused for the same run): nothing is
-    asked of the store here then, and the first renewal opens it."""
+    the start here: the lease is taken at the first renewal that reaches it. `handed`: the lease
+    this process's fetch process took for it before torch was imported (training/ckpt/
+    fetch_process.py `lease_answer`), held now with no request to the store (renewed at once when
+    half its time has gone meanwhile). A refusal it met is asked again here: it may have expired."""
     lease = Lease(remote, run_identity(os.environ if env is None else env))
-    if handed is not None and handed.get("run") == lease.run and handed.get("lease") == "refused":
-        raise LeaseHeld(str(handed.get("why", "")))
-    if handed is not None and handed.get("run") == lease.run and handed.get("lease") == "held":
-        lease.held = True
+    if handed is not None and handed.get("lease") == "held" and handed.get("run") == lease.run:
+        lease.held, lease.token = True, str(handed.get("token", lease.token))
+        lease.expires = float(handed.get("expires", 0) or 0)
+        if lease.expires - lease.clock() < lease.ttl / 2:
+            try:
+                renewed = lease.renew()
+            except Exception as exc:  # noqa: BLE001 (an outage: the renewals retry it)
+                log.warning("could not renew the run lease on %s yet (%s)", remote.url, exc)
+                renewed = True
+            if not renewed:
+                raise LeaseHeld(lease.lost)
     else:
         try:
             lease.acquire()

@@ -111,7 +111,7 @@ class Loader:
                     log.warning("%s", line)
             self._handed = sorted(int(step) for step in handed["steps"])
             return list(self._handed)
-        self.remote_error = ""
+        self.remote_error, self._handed = "", None
         try:
             names = [p.rsplit("/", 1)[-1] for p in self.remote.fs.ls(self.remote.root, detail=False)]
         except Exception as exc:  # noqa: BLE001 (botocore / aiohttp errors are not all OSError)

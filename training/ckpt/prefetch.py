@@ -78,8 +78,11 @@ class Prefetch:
     def listing(self) -> dict[str, Any] | None:
         """The bucket's steps as the fetch process listed them ({"steps", "error", "told"}: the
         loader's remote_steps), once, after waiting for the prefetch, when its step was mapped;
-        else None (the loader lists the bucket itself). The process listed after it took the
-        run's lease for global rank 0, or after this process did: no other run writes there."""
+        else None (the loader lists the bucket itself). The listing is as of the fetch's start,
+        a few seconds before: another run cannot write there since (global rank 0's lease, taken
+        by the process before it listed, or by the manager; a run refused it exits), but a process
+        of the same run still stopping (a pod replaced while it ends) may commit a step after it:
+        this resume does not see that step, as a listing made just before a commit never did."""
         thread = self.thread
         if self.fetcher is None or thread is None or threading.current_thread() is thread:
             return None
