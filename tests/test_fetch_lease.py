@@ -138,6 +138,19 @@ def test_the_fetch_process_listing_s_warnings_are_said_here_once(
         ckpt.close()
 
 
+def test_a_dropped_fetch_gives_back_its_own_taking_of_the_lease_only(url: str, moto: MotoServer) -> None:
+    assert fetch_process.prefetch(url)
+    said = fetch_process._EARLY[url].lease_line()
+    assert said["lease"] == "held"
+    since = Lease(storage.location(url), str(said["run"]))  # the same run took it over since (a restart)
+    since.acquire()
+    fetch_process.drop(url)
+    body = _lease(moto, url)
+    assert body is not None and body["token"] == since.token, body
+    since.release()
+    assert _lease(moto, url) is None
+
+
 def test_a_release_keeps_a_lease_another_taking_of_the_run_made_since(tmp_path: Path) -> None:
     """The same process and run, two takings (an early fetch's, then the manager's own): giving
     the first back leaves the second."""
@@ -231,6 +244,7 @@ def test_an_early_fetch_started_with_other_settings_is_dropped_and_its_lease_giv
     assert body["token"] == early.lease_line()["token"]
     assert body["holder"].startswith(f"process {os.getpid()} on ") and f"(pid {os.getpid()} on " in body["holder"]
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "another-key")
+    monkeypatch.setenv("GTS_RUN_ID", "named-since")  # the run's identity too: not refused by its own early lease
     ckpt, _, step = _fast_resume(url, tmp_path / "disk")
     try:
         assert step == 2 and early.proc.poll() is not None
@@ -241,7 +255,7 @@ def test_an_early_fetch_started_with_other_settings_is_dropped_and_its_lease_giv
         lease = ckpt.manager.lease
         assert lease is not None and lease.held
         body = _lease(moto, url)  # the manager's own taking, not deleted with the early process's
-        assert body is not None and body["token"] == lease.token and f"(pid {os.getpid()} on " in str(body["holder"])
+        assert body is not None and body["token"] == lease.token and body["run"] == "run named-since", body
     finally:
         ckpt.close()
     assert lease_key not in moto.keys(url.split("/", 3)[3])  # given back at the close
