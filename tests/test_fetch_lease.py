@@ -151,6 +151,52 @@ def test_a_dropped_fetch_gives_back_its_own_taking_of_the_lease_only(url: str, m
     assert _lease(moto, url) is None
 
 
+def test_a_second_start_of_a_live_run_gives_nothing_back_and_the_run_keeps_its_lease(
+        url: str, moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process of the run trains (its lease renewed); a second start of the same run on this
+    node takes the lease over in its fetch process, then fails before its Checkpointer (the node's
+    run lock): the lease is not deleted, and the training process renews it as its own."""
+    monkeypatch.setenv("GTS_RUN_ID", "live")
+    live = Lease(storage.location(url), "run live", pid=1)
+    live.acquire()
+    assert fetch_process.prefetch(url)
+    said = fetch_process._EARLY[url].lease_line()
+    assert said["lease"] == "held" and said["shared"] is True, said
+    fetch_process.drop(url)
+    assert _lease(moto, url) is not None
+    assert live.renew()
+    body = _lease(moto, url)
+    assert body is not None and body["holder"] == live.holder and body["token"] == live.token
+    live.release()
+    assert _lease(moto, url) is None
+
+
+def test_a_process_forked_from_the_caller_leaves_the_fetch_s_lease_alone(url: str, moto: MotoServer) -> None:
+    """A worker forked after `prefetch` that ends through the interpreter's exit (its atexit)."""
+    assert fetch_process.prefetch(url)
+    assert fetch_process._EARLY[url].lease_line()["lease"] == "held"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fetch_process.drop()
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert _lease(moto, url) is not None and fetch_process.early(url)
+    fetch_process.drop()
+    assert _lease(moto, url) is None
+
+
+def test_a_lease_deleted_under_its_holder_is_written_again_at_its_renewal(tmp_path: Path) -> None:
+    """Deleted (another process of the run gave back its own taking): not taken by another run."""
+    where = storage.location(f"file://{tmp_path / 'bucket'}")
+    lease = Lease(where, "run one")
+    lease.acquire()
+    (tmp_path / "bucket" / LEASE_NAME).unlink()
+    assert lease.renew() and not lease.lost
+    assert json.loads((tmp_path / "bucket" / LEASE_NAME).read_text())["token"] == lease.token
+
+
 def test_a_release_keeps_a_lease_another_taking_of_the_run_made_since(tmp_path: Path) -> None:
     """The same process and run, two takings (an early fetch's, then the manager's own): giving
     the first back leaves the second."""
@@ -162,9 +208,9 @@ def test_a_release_keeps_a_lease_another_taking_of_the_run_made_since(tmp_path: 
     assert json.loads((tmp_path / "bucket" / LEASE_NAME).read_text())["token"] == second.token
 
 
-@pytest.mark.parametrize("taken_over", [False, True])
+@pytest.mark.parametrize("taken_over, expires", [(False, None), (True, None), (False, "soon")])
 def test_a_handed_lease_half_expired_is_renewed_at_once_or_refused_when_taken_over(
-        tmp_path: Path, taken_over: bool) -> None:
+        tmp_path: Path, taken_over: bool, expires: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fetch process took the lease long before the Checkpointer was made (heavy work in
     between): the manager renews it before anything else, and a run that took it over meanwhile
     (it had expired) refuses this one."""
@@ -178,7 +224,8 @@ def test_a_handed_lease_half_expired_is_renewed_at_once_or_refused_when_taken_ov
         current = other.store.read()
         assert current is not None
         other.store.replace(other._body(), current[1])
-    handed = {"lease": "held", "run": "run mine", "token": child.token, "expires": child.expires}
+    monkeypatch.delenv("GTS_LEASE_TTL_S", raising=False)
+    handed = {"lease": "held", "run": "run mine", "token": child.token, "expires": expires or child.expires}
     if taken_over:
         with pytest.raises(LeaseHeld, match="the run lease was taken by run other"):
             take(where, lambda why: None, env=env, handed=handed)

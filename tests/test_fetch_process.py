@@ -57,7 +57,8 @@ def two_steps(moto: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     """A bucket prefix of this test's own holding steps 1 and 2 (two and four steps trained)."""
     for key, value in storage_env(moto.url).items():
         monkeypatch.setenv(key, value)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "NODE_RANK", "GROUP_RANK",
+                "GTS_RUN_ID", "GTS_NODE_GROUP", "TORCHELASTIC_RUN_ID", "GTS_LEASE_TTL_S"):  # one process, its own run
         monkeypatch.delenv(key, raising=False)
     prefix = f"s3://{moto.bucket}/{tmp_path.name}"
     torch.manual_seed(0)

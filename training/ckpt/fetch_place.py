@@ -40,7 +40,7 @@ def key(url: str) -> str:
 # under HOME, the proxies and CA bundles, training/ckpt/lease.py's run_identity and TTL): a fetch
 # process is used only while these are what they were when it started.
 SETTINGS = ("STORAGE_", "AWS_", "ALIBABA_CLOUD_", "TENCENTCLOUD_", "TKE_", "GTS_RUN_ID", "GTS_NODE_GROUP", "GTS_CLOUD",
-            "GTS_METADATA_URL", "GTS_LEASE_TTL_S", "TORCHELASTIC_RUN_ID", "HOME", "SSL_CERT_", "REQUESTS_CA_BUNDLE")
+            "GTS_METADATA_URL", "GTS_LEASE_TTL_S", "TORCHELASTIC_RUN_ID", "HOME", "SSL_CERT_", "REQUESTS_CA_BUNDLE", "FSSPEC_")
 
 
 def settings(url: str, env: Mapping[str, str] | None = None) -> str:

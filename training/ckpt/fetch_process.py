@@ -96,6 +96,7 @@ class FetchProcess:
         self.settings = settings(url)
         self.leasing = lease  # asked to take the run's lease for this process first (`lease_line`)
         self.lease_used = False  # the manager took it over (else `drop` gives it back)
+        self.owner = os.getpid()  # (a process forked from this one gives nothing back)
         self._lease: dict[str, Any] | None = None
         ours, theirs = socket.socketpair()
         try:
@@ -143,7 +144,8 @@ class FetchProcess:
                 said = json.loads(line) if line.endswith(b"\n") else None
             except ValueError:
                 said = None
-            if isinstance(said, dict) and said.get("lease") in ("held", "refused", "unknown"):
+            if isinstance(said, dict) and (said.get("lease") in ("refused", "unknown") or said.get("lease") == "held"
+                                           and isinstance(said.get("token"), str) and isinstance(said.get("run"), str)):
                 self._lease = said
             elif line:  # not a lease line: what came was (part of) the answer, now unreadable
                 self._fetched = Fetched(None, {}, "no lease line before its answer")
@@ -255,6 +257,7 @@ def _receive(sock: socket.socket) -> tuple[Any, list[int]]:
 
 _EARLY: dict[str, FetchProcess] = {}  # prefetch's, by URL, until a Loader takes it
 _EARLY_LOCK = threading.Lock()
+_AT_EXIT = False  # drop registered to run at exit
 
 
 def prefetch(url: str | None = None) -> bool:
@@ -289,8 +292,9 @@ def prefetch(url: str | None = None) -> bool:
             return True
         try:
             _EARLY[url] = FetchProcess(url, topology, lease=leases(topology))
-            if len(_EARLY) == 1:
-                atexit.register(drop)  # a start that fails before its Checkpointer gives the lease back
+            global _AT_EXIT
+            if not _AT_EXIT:
+                _AT_EXIT = bool(atexit.register(drop))  # a start that fails before its Checkpointer gives the lease back
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             log.debug("prefetch: no fetch process (%s)", exc)
             return False
@@ -309,8 +313,12 @@ def drop(url: str | None = None) -> None:
     with _EARLY_LOCK:
         dropped = [_EARLY.pop(key) for key in list(_EARLY) if url is None or key == _key(url)]
     for fetcher in dropped:
-        _give_back(fetcher)
-        fetcher.close()
+        if fetcher.owner != os.getpid():
+            continue  # a process forked from the one that started it (at its exit): the fetch is not its own
+        try:
+            _give_back(fetcher)
+        finally:
+            fetcher.close()
 
 
 def _give_back(fetcher: FetchProcess) -> None:
@@ -318,10 +326,10 @@ def _give_back(fetcher: FetchProcess) -> None:
     took it over: only while it is that very taking (its token: not one this process or another
     of the run took since), by a process of its own with the settings the fetch started with
     (this one imports no store library for it, also at exit). One taken but not yet said expires."""
-    fetcher.stop()
-    said = fetcher.lease_line() if fetcher.leasing and not fetcher.lease_used else {}
-    if said.get("lease") != "held":
-        return
+    said = fetcher.lease_line() if fetcher.leasing and not fetcher.lease_used and fetcher.owner == os.getpid() else {}
+    fetcher.stop()  # (after its line: the lease it is taking now is said, not left behind)
+    if said.get("lease") != "held" or said.get("shared"):
+        return  # (shared: another live process of the run held it; it renews it as its own)
     request = {"url": fetcher.url, "run": said.get("run"), "token": said.get("token"), "pid": os.getpid()}
     try:
         done = subprocess.run([*FETCHER, "give-back"], input=json.dumps(request), env=fetcher.env, cwd=ROOT, text=True,
@@ -342,18 +350,20 @@ def lease_answer(url: str) -> dict[str, Any] | None:
     takes the lease itself."""
     with _EARLY_LOCK:
         mine = _EARLY.get(_key(url))
-        if mine is not None and mine.settings != settings(url):
+        changed = mine is not None and mine.settings != settings(url)
+        if changed:
             del _EARLY[_key(url)]
-        elif mine is not None:
-            mine.lease_used = True  # (read below, under the manager: no drop gives it back meanwhile)
-    if mine is None or not mine.leasing:
+    if mine is None:
         return None
-    if not mine.lease_used:
+    if changed:
         _give_back(mine)
         mine.close()
         return None
-    said = mine.lease_line()
-    return said if said.get("lease") == "held" else None
+    said = mine.lease_line() if mine.leasing else {}
+    if said.get("lease") != "held":
+        return None
+    mine.lease_used = True  # the manager holds it from here on
+    return said
 
 
 def take(url: str, topology: Mapping[str, int]) -> FetchProcess | None:

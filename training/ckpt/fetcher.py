@@ -64,7 +64,7 @@ def _lease(sock: socket.socket, remote: Any, caller: int) -> bool:
     said: dict[str, Any] = {"lease": "held", "run": lease.run}
     try:
         lease.acquire()
-        said.update(token=lease.token, expires=lease.expires)
+        said.update(token=lease.token, expires=lease.expires, shared=lease.shared)
     except LeaseHeld as exc:
         said.update(lease="refused", why=str(exc)[:1000])
     except Exception as exc:  # noqa: BLE001 (an outage: the training process meets it itself)

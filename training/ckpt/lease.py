@@ -194,6 +194,7 @@ class Lease:
         self.holder = f"{run} (pid {os.getpid() if pid is None else pid} on {socket.gethostname()})"
         self.token = secrets.token_hex(8)  # this taking's own: a release never deletes another one's lease
         self.expires = 0.0  # as last written
+        self.shared = False  # taken over from another live process of the same run (`acquire`)
         self.held = False  # taken (False also while the store could not be reached yet)
         self.lost = ""  # why this run no longer holds the lease ("" while it does)
         self._stop = threading.Event()
@@ -221,6 +222,9 @@ class Lease:
                     return
                 body, etag = current
                 if body.get("run") == self.run or float(body.get("expires", 0)) <= self.clock():
+                    # Another live process of this run held it (a replacement, a second start): a give-back
+                    # of this taking must leave it to that one (fetch_process.py `_give_back`).
+                    self.shared = body.get("holder") != self.holder and float(body.get("expires", 0)) > self.clock()
                     if body.get("run") != self.run:
                         log.warning("taking over the expired lease of %s on %s", body.get("holder"), self.url)
                     self.store.replace(self._body(), etag)
@@ -247,7 +251,10 @@ class Lease:
                 return False
         current = self.store.read()
         try:
-            if current is None or current[0].get("run") != self.run:
+            if current is None:  # deleted (a process of this run that ended gave back its own taking): not taken
+                self.store.create(self._body())
+                return True
+            if current[0].get("run") != self.run:
                 raise Conflict("taken")
             self.store.replace(self._body(), current[1])
             return True
@@ -298,8 +305,11 @@ def take(remote: Location, on_lost: Callable[[str], None], env: Mapping[str, str
     half its time has gone meanwhile). A refusal it met is asked again here: it may have expired."""
     lease = Lease(remote, run_identity(os.environ if env is None else env))
     if handed is not None and handed.get("lease") == "held" and handed.get("run") == lease.run:
-        lease.held, lease.token = True, str(handed.get("token", lease.token))
-        lease.expires = float(handed.get("expires", 0) or 0)
+        lease.held, lease.token = True, str(handed["token"])  # (lease_line: a held line has its token)
+        try:
+            lease.expires = float(handed.get("expires", 0))
+        except (TypeError, ValueError):
+            lease.expires = 0.0  # renewed at once
         if lease.expires - lease.clock() < lease.ttl / 2:
             try:
                 renewed = lease.renew()
