@@ -11,7 +11,8 @@ Where things are, top down:
   uploader.py        the background upload to the bucket, and
   loader.py          the verified load from disk or bucket (memory.py: fetched into memory;
                      prefetch.py: the newest step loaded while the model is built;
-                     fetch_process.py: fetched by a process of its own, fetcher.py its code)
+                     fetch_process.py: fetched by a process of its own, fetcher.py its code,
+                     fetch_place.py where and with what settings; it takes the lease for rank 0)
   tiers.py         Tier: where a step comes from (steps, load); the disk and the bucket
                    (loader.py) and the peer tier (peer/tier.py) are its three
   files.py         the layout: step folders, manifests, topology, errors
