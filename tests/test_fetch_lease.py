@@ -9,6 +9,7 @@ kept at a release."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -260,7 +261,17 @@ def test_only_global_rank_0_s_fetch_takes_the_lease() -> None:
     assert fetch_place.leases(zero, {}) and fetch_place.leases(zero, {"RANK": "0", "MASTER_ADDR": "10.0.0.1"})
     assert not fetch_place.leases({"rank": 3}, {"RANK": "3"})
     for hint in ("MASTER_ADDR", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE"):  # RANK not set yet: a launcher sets it later
-        assert not fetch_place.leases(zero, {hint: "1"}), hint
+        assert not fetch_place.leases(zero, {hint: "2"}), hint
+    assert fetch_place.leases(zero, {"WORLD_SIZE": "1"})  # a one-process script that says so
+
+
+def test_a_store_whose_library_is_missing_is_said_when_the_location_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The filesystem is made at its first use; a missing s3fs is still said at once, naming the fix."""
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "s3fs" else found(name, *a))
+    with pytest.raises(ValueError, match=r"s3://b/x: s3fs is not installed; install the trainer's requirements"):
+        storage.location("s3://b/x")
+    assert storage.location("file:///tmp/x").remote is False
 
 
 def test_a_release_keeps_a_lease_another_process_of_the_run_took_over(tmp_path: Path) -> None:

@@ -58,4 +58,5 @@ def leases(topology: Mapping[str, int], env: Mapping[str, str] | None = None) ->
     env = os.environ if env is None else env
     if topology["rank"] != 0:
         return False
-    return "RANK" in env or not any(name in env for name in ("MASTER_ADDR", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE"))
+    hints = ("MASTER_ADDR", "NODE_RANK", "GROUP_RANK") + (("WORLD_SIZE",) if env.get("WORLD_SIZE", "1") != "1" else ())
+    return "RANK" in env or not any(name in env for name in hints)

@@ -58,7 +58,7 @@ from training.ckpt.fetch_place import key as _key
 log = logging.getLogger("gts.checkpoint")
 
 MAX_ANSWER = 1 << 20  # bytes of one answer or request: a step number and a few manifest entries
-MAX_LINE = 1 << 12  # bytes of the lease line
+MAX_LINE = 1 << 16  # bytes of the lease line (a run id is the user's, and JSON escapes what is not ASCII)
 MAX_FILES = 8  # descriptors of one answer: the model file and this rank's RNG file
 ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds the training package
 TOPOLOGY = ("rank", "local_rank", "world_size", "node", "nnodes", "local_world_size")  # files.Topology's fields

@@ -9,6 +9,7 @@ STORAGE_ENDPOINT_URL to point any scheme at another endpoint (a test server, a V
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -177,6 +178,8 @@ def location(url: str, env: Mapping[str, str] | None = None, keys: tuple[str, st
                         url)
     if scheme not in ("s3", "oss", "cosn"):
         raise ValueError(f"unsupported storage URL {url!r}: use s3://, oss://, cosn://, file:// or a path")
+    if importlib.util.find_spec("s3fs") is None:  # (found, not imported: the store is opened at its first use)
+        raise ValueError(f"{url}: s3fs is not installed; install the trainer's requirements (training/requirements.txt)")
     options = _s3_options(scheme, env)  # (a setting that is wrong or missing is said now, not at the first use)
     if keys is not None:
         options.update(key=keys[0], secret=keys[1])
