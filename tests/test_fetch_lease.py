@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -75,6 +76,7 @@ def test_the_early_fetch_takes_the_lease_for_its_caller_which_renews_it_and_open
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert first.stdout is not None and first.stdin is not None
+        assert select.select([first.stdout], [], [], WAIT_S)[0], "the script said nothing"  # (a bound, not a figure)
         line = first.stdout.readline()
         assert line.startswith("resumed step 2; "), line or (first.stderr and first.stderr.read())
         assert set(json.loads(line.split(" by ", 1)[1])) <= {"checkpoint-lease"}, line  # its renewals only, if any yet
@@ -94,7 +96,7 @@ def test_the_early_fetch_takes_the_lease_for_its_caller_which_renews_it_and_open
         assert "Traceback" not in second.stderr and "resumed" not in second.stdout
         first.stdin.write("\n")
         first.stdin.flush()
-        assert first.stdout.readline().strip() == "closed"
+        assert select.select([first.stdout], [], [], WAIT_S)[0] and first.stdout.readline().strip() == "closed"
         assert first.wait(timeout=WAIT_S) == 0
     finally:
         if first.poll() is None:

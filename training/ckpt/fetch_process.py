@@ -315,10 +315,15 @@ def drop(url: str | None = None) -> None:
     for fetcher in dropped:
         if fetcher.owner != os.getpid():
             continue  # a process forked from the one that started it (at its exit): the fetch is not its own
-        try:
-            _give_back(fetcher)
-        finally:
-            fetcher.close()
+        _end(fetcher)
+
+
+def _end(fetcher: FetchProcess) -> None:
+    """A fetch nobody takes: its lease given back, then closed."""
+    try:
+        _give_back(fetcher)
+    finally:
+        fetcher.close()
 
 
 def _give_back(fetcher: FetchProcess) -> None:
@@ -356,8 +361,7 @@ def lease_answer(url: str) -> dict[str, Any] | None:
     if mine is None:
         return None
     if changed:
-        _give_back(mine)
-        mine.close()
+        _end(mine)
         return None
     said = mine.lease_line() if mine.leasing else {}
     if said.get("lease") != "held":
@@ -378,8 +382,7 @@ def take(url: str, topology: Mapping[str, int]) -> FetchProcess | None:
     if mine is not None and mine.topology == wanted and mine.settings == settings(url):
         return mine
     if mine is not None:
-        _give_back(mine)
-        mine.close()
+        _end(mine)
     try:
         return FetchProcess(url, wanted)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:

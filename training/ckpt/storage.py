@@ -73,11 +73,11 @@ class Location:
     process already took the lease and listed the bucket (training/ckpt/fetch_process.py) opens
     its own store only for its first upload or lease renewal, after the resume (issue 44)."""
 
-    def __init__(self, fs: Any, root: str, url: str, remote: bool = False):
-        self._fs: Any = None if callable(fs) and remote else fs
-        self._make: Callable[[], Any] | None = fs if callable(fs) and remote else None
+    def __init__(self, fs: Any, root: str, url: str, make: Callable[[], Any] | None = None):
+        """`fs`, or None and `make`: what makes an object store's filesystem at its first use."""
+        self._fs, self._make = fs, make
         self.root, self.url = root, url
-        self.remote = remote if self._make is not None else fs.protocol not in ("file", ("file", "local"), "local")
+        self.remote = make is not None or fs.protocol not in ("file", ("file", "local"), "local")
         self._lock = threading.Lock()
 
     @property
@@ -188,4 +188,4 @@ def location(url: str, env: Mapping[str, str] | None = None, keys: tuple[str, st
     def make() -> Any:
         return fsspec.filesystem("s3", skip_instance_cache=True, **options, **({"session": session()} if session else {}))
 
-    return Location(make, f"{parsed.netloc}{parsed.path}".rstrip("/"), url, remote=True)
+    return Location(None, f"{parsed.netloc}{parsed.path}".rstrip("/"), url, make=make)
