@@ -4,8 +4,9 @@ and hands the lease and its listing over, so that the training process opens no 
 first step (it does so for its first upload, lease renewal or close). Tested against moto with
 real processes: the lease named for the caller and renewed by it, a second run refused naming it,
 a lease for a URL no Checkpointer uses given back, an early fetch made with other settings not
-used, the listing's warnings said here once, and a lease another process of the run took over
-kept at a release."""
+used, the listing's warnings said here once, a lease another process of the run took over
+kept at a release, and a lease line that is not this run's taking (unknown, refused, another
+run's) never adopted."""
 
 from __future__ import annotations
 
@@ -320,3 +321,30 @@ def test_an_early_fetch_started_with_other_settings_is_dropped_and_its_lease_giv
         ckpt.close()
     assert lease_key not in moto.keys(url.split("/", 3)[3])  # given back at the close
 
+
+
+@pytest.mark.parametrize("said", ["unknown", "refused", "held by another run"])
+def test_a_lease_line_that_is_not_this_run_s_taking_is_never_adopted(tmp_path: Path, said: str) -> None:
+    """The fetch process could not reach the store for the lease (unknown), met a holder that
+    has since given it back (refused), or said it holds the lease of another run: the manager asks
+    the store itself. The first two take it now, as this run; the third is refused while that run
+    holds it, never made its holder."""
+    where = storage.location(f"file://{tmp_path / 'bucket'}")
+    path = tmp_path / "bucket" / LEASE_NAME
+    other = Lease(where, "run other")
+    other.acquire()
+    handed: dict[str, object] = {"lease": said.split()[0], "why": "OSError: the store did not answer"}
+    if said == "held by another run":
+        handed.update(run="run other", token=other.token, expires=other.expires)
+        with pytest.raises(LeaseHeld, match="run other"):
+            take(where, lambda why: None, env={"GTS_RUN_ID": "mine"}, handed=handed)
+        assert json.loads(path.read_text())["token"] == other.token
+        return
+    other.release()  # (the refusal's holder ended meanwhile; an unknown line never saw it)
+    lease = take(where, lambda why: None, env={"GTS_RUN_ID": "mine"}, handed=handed)
+    try:
+        body = json.loads(path.read_text())
+        assert lease.held and body["run"] == "run mine" and body["token"] == lease.token != other.token
+    finally:
+        lease.release()
+    assert not path.exists()
