@@ -109,3 +109,22 @@ def test_resume_is_bit_exact_after_a_signal_at_a_random_point(reference: tuple[s
     again = launch(args, tmp_path)
     assert again.finish() == 0, f"seed {seed}, signal at step {at}:\n{again.output[-3000:]}"
     assert again.final()[2] == digest, f"seed {seed}, signal at step {at}"
+
+
+def test_an_upload_that_finishes_while_the_close_stops_the_uploader_is_not_said_to_be_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A close that does not wait (`upload_deadline_s` 0) still lets the upload in flight finish
+    while the uploader stops: that checkpoint is in the bucket, and no error says it was kept for
+    a later run (it said "0 checkpoint(s) could not be uploaded: []")."""
+    from training.ckpt import uploader as up
+
+    gate, original = threading.Event(), up.Uploader._upload
+    monkeypatch.setattr(up.Uploader, "_upload", lambda self, step: (gate.wait(30), original(self, step))[1])
+    mgr = CheckpointManager(str(tmp_path / "disk"), f"file://{tmp_path / 'bucket'}", TOPO)
+    stop = mgr.uploads.stop
+    monkeypatch.setattr(mgr.uploads, "stop", lambda: (gate.set(), stop())[1])  # it finishes in the stop's join
+    mgr.save(1, _state(1.0), {"x": torch.ones(1)}, lambda: None)
+    status = mgr.close(timeout=0)
+    assert status.uploaded == [1] and not status.pending
+    assert (tmp_path / "bucket" / step_dir(1)).is_dir()
+    assert "could not be uploaded" not in caplog.text

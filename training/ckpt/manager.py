@@ -387,11 +387,11 @@ class CheckpointManager:
     def close(self, timeout: float = 120.0) -> UploadStatus:
         self.loader.wait_prefetch()  # no fetch left half-written
         self.wait_commit()  # a stop waits for the checkpoint it asked for
-        ok = self.wait_uploads(timeout)
-        self.uploads.stop()
+        self.wait_uploads(timeout)
+        self.uploads.stop()  # (lets an upload in flight finish, a few seconds at most)
         if self.lease is not None:
             self.lease.release()  # a restart of this run (or the next run) takes the prefix at once
-        if not ok:
+        if self.status.pending:  # read after the stop: an upload that finished in it is not said to be kept
             log.error("%d checkpoint(s) could not be uploaded to %s: %s (last error: %s); they are kept "
                       "in %s and will be uploaded when a run starts again with the store reachable",
                       len(self.status.pending), self.remote.url if self.remote else "-",
