@@ -122,7 +122,12 @@ def test_an_upload_that_finishes_while_the_close_stops_the_uploader_is_not_said_
     monkeypatch.setattr(up.Uploader, "_upload", lambda self, step: (gate.wait(30), original(self, step))[1])
     mgr = CheckpointManager(str(tmp_path / "disk"), f"file://{tmp_path / 'bucket'}", TOPO)
     stop = mgr.uploads.stop
-    monkeypatch.setattr(mgr.uploads, "stop", lambda: (gate.set(), stop())[1])  # it finishes in the stop's join
+
+    def stopping() -> None:  # the upload finishes in the stop's join
+        gate.set()
+        stop()
+
+    monkeypatch.setattr(mgr.uploads, "stop", stopping)
     mgr.save(1, _state(1.0), {"x": torch.ones(1)}, lambda: None)
     status = mgr.close(timeout=0)
     assert status.uploaded == [1] and not status.pending

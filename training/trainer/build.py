@@ -77,6 +77,15 @@ def config_drift(saved: dict[str, Any], cfg: config_mod.TrainConfig) -> list[str
     return [f"{k}={saved[k]!r} -> {now[k]!r}" for k in SHAPING if k in saved and saved[k] != now[k]]
 
 
+def too_small(cfg: config_mod.TrainConfig, samples: int, world: int) -> str | None:
+    """Why the data cannot fill one step on every rank (the loop would never take a step)."""
+    global_batch = cfg.batch_size * world
+    if samples >= global_batch:
+        return None
+    return (f"refused: the dataset has {samples} samples, fewer than one global batch (--batch-size "
+            f"{cfg.batch_size} x {world} processes = {global_batch}): lower --batch-size or give it more data")
+
+
 def refusal(cfg: config_mod.TrainConfig, step: int, state: dict[str, Any], rank: int) -> str | None:
     """Why the run must not go on from checkpoint `step` (complete, or its settings changed), or None."""
     if cfg.steps <= step:

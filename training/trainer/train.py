@@ -17,10 +17,16 @@ ends with `final step=<N> loss=<repr> params_sha256=<hex>`.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # first, before torch: the bucket's newest step is fetched meanwhile (early.py)
+    from training.trainer.early import prefetch_early
+
+    prefetch_early(sys.argv[1:])
+
 import logging
 import os
 import random
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +41,7 @@ from training.ckpt.storage import StorageRefused
 from training.ckpt.checkpointer import Interval, StopFlag, finish, rng_state, set_rng_state
 from training.ckpt.peer.tier import PeerTier, choose, open_tier
 from training.ckpt.run_control import HistoryUnknown, refuse, say_refused, say_storage
-from training.trainer.build import build_data, build_model, final_digest, fully_restored, lr_lambda, refusal
+from training.trainer.build import build_data, build_model, final_digest, fully_restored, lr_lambda, refusal, too_small
 from training.trainer.restore import own_moments, restore_model
 from training.trainer.data import ResumableSampler, derived_seed
 from training.distributed import Comm
@@ -275,7 +281,7 @@ class Run:
             ddp_model, self.optimizer = comm.wrap(self.model, self.optimizer)
         sampler = ResumableSampler(len(self.dataset), comm.world, comm.rank, cfg.seed)
         batches_per_epoch = len(self.dataset) // comm.world // cfg.batch_size
-        if batches_per_epoch == 0:  # refused at start (too_small); never spin on an empty epoch
+        if batches_per_epoch == 0:  # refused at start (build.too_small); never spin on an empty epoch
             raise RuntimeError("no batch in an epoch")
         while self.step < cfg.steps:
             if self.offset >= batches_per_epoch:
@@ -312,17 +318,8 @@ class Run:
                     break
         return None
 
-    def too_small(self) -> str | None:
-        """Why the data cannot fill one step on every rank (the loop would never take a step)."""
-        global_batch = self.cfg.batch_size * self.comm.world
-        if len(self.dataset) >= global_batch:
-            return None
-        return (f"refused: the dataset has {len(self.dataset)} samples, fewer than one global batch (--batch-size "
-                f"{self.cfg.batch_size} x {self.comm.world} processes = {global_batch}): lower --batch-size or give it "
-                "more data")
-
     def execute(self) -> int:
-        small = self.too_small()
+        small = too_small(self.cfg, len(self.dataset), self.comm.world)
         if small is not None:
             if self.comm.rank == 0:
                 refuse(small)

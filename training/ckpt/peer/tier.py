@@ -32,7 +32,7 @@ from training.ckpt.run_control import Resumed, choose_checkpoint
 from training.ckpt.staging import Stager
 
 log = logging.getLogger("gts.peer")
-ADDR_VAR = "GTS_PEER_STORE"  # host:port of this node's store (training/node/entrypoint.sh exports it)
+ADDR_VAR = wire.ADDR_VAR  # (in wire.py: the trainer reads it before torch is imported, training/trainer/early.py)
 
 
 def start_sender(target: Any, args: tuple[Any, ...], name: str, step: int, start: float,

@@ -50,6 +50,7 @@ def valid_entry(entry: Any) -> bool:
             and all(isinstance(entry[i], int) and not isinstance(entry[i], bool) and entry[i] >= 0 for i in (0, 1, 2, 5))
             and COPY.match(f"/v1/copy/{entry[0]}/{entry[1]}/{entry[2]}/{entry[3]}/{entry[6]}") is not None)
 KEY_VAR = "RDZV_KEY"  # the run's key (training/node/rdzv_launch.py signs the rendezvous with it)
+ADDR_VAR = "GTS_PEER_STORE"  # host:port of this node's store (training/node/entrypoint.sh exports it)
 MIN_KEY_CHARS = 32
 
 
