@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -295,3 +296,80 @@ def test_a_run_on_a_reused_node_starts_at_its_own_node_start(tmp_path: Path) -> 
             assert starts == [booted, booted]
         else:
             assert len(starts) == 2 and min(starts) >= before > booted
+
+
+def test_the_live_ettr_starts_at_the_runs_first_record_read_after_the_first_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's records are read once its first step is done (at the start the store's client
+    and listing took CPU the resume needs); the gauge then holds the run's first record's time."""
+    import threading
+
+    from training import records
+    from training.trainer.progress import Progress
+
+    for var in ("GTS_PROGRESS_DIR", "STRAGGLER_WINDOW_STEPS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GTS_RUN_ID", "ettr-run")
+    records.Writer(str(tmp_path), "node").emit("capacity_requested")  # (uploaded at once: not in the background)
+    first = min(e.t for e in records.read(str(tmp_path)))
+    read, real = [], records.read
+
+    def reading(url: str) -> list[Event]:
+        read.append(url)
+        return real(url)
+
+    monkeypatch.setattr(records, "read", reading)
+    made: list[str] = []
+
+    class Recorded(threading.Thread):  # which threads are made, and when
+        def __init__(self, **kwargs: Any) -> None:
+            made.append(getattr(kwargs.get("target"), "__name__", ""))
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(threading, "Thread", Recorded)
+
+    class Gauge:
+        value, set_now = None, threading.Event()
+
+        def set(self, value: float) -> None:
+            self.value = value
+            self.set_now.set()
+
+    class Metrics:
+        run_started = Gauge()
+
+    class Rank0:
+        rank, world, local_rank, device = 0, 1, 0, None
+
+    progress = Progress(Rank0(), str(tmp_path), Metrics())  # type: ignore[arg-type]
+    assert "_run_started" not in made and Metrics.run_started.value is None  # nothing read at the start
+    progress.stepped(1, 0.1, 0.1)
+    assert Metrics.run_started.set_now.wait(60), "the records were never read"
+    assert Metrics.run_started.value == first and read == [str(tmp_path)] and made.count("_run_started") == 1
+    progress.close()
+
+
+def test_the_records_writer_opens_its_store_once_and_again_after_a_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every upload used to make a new store (a new S3 client, about 0.15 s of CPU beside the loop)."""
+    from training import records
+    from training.ckpt import storage
+
+    made: list[storage.Location] = []
+
+    def location(url: str) -> storage.Location:
+        made.append(storage.location.__wrapped__(url))  # type: ignore[attr-defined]
+        return made[-1]
+
+    location.__wrapped__ = storage.location  # type: ignore[attr-defined]
+    monkeypatch.setattr(storage, "location", location)
+    writer = records.Writer(f"file://{tmp_path}", "trainer")
+    for _ in range(3):
+        writer.emit("first_step", step=0)
+    first = made[0]
+    assert made == [first] and writer._where is first and len(records.read(str(tmp_path))) == 3
+    monkeypatch.setattr(first, "join", lambda *parts: (_ for _ in ()).throw(OSError("unreachable")))  # this store only
+    writer.emit("first_step", step=1)  # refused: logged, kept for the next upload
+    assert writer._where is None
+    writer.emit("first_step", step=2)  # a new store, and every line
+    assert writer._where is made[-1] is not first and len(records.read(str(tmp_path))) == 5

@@ -85,11 +85,12 @@ class Progress:
             self._stacks = open(self.dir / f"stacks-rank{comm.rank}.txt", "w", encoding="utf-8")  # noqa: SIM115
             faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
 
-        if comm.local_rank == 0 and records_url and metrics is not None:
-            threading.Thread(target=self._run_started, args=(records_url,), daemon=True).start()
+        # read after the first step: at the start the store's client and listing would take CPU the resume needs
+        self.records_url = records_url if comm.local_rank == 0 and metrics is not None else None
 
     def _run_started(self, url: str) -> None:
-        """The live ETTR's denominator starts when the run first asked for capacity (its records)."""
+        """The live ETTR's denominator starts when the run first asked for capacity (its records);
+        until it is read, this process's start."""
         try:
             found = [e.t for e in records.read(url) if e.run == records.run_id()]
         except Exception as exc:  # noqa: BLE001 - no records yet, or the bucket unreachable: this process's start
@@ -114,6 +115,8 @@ class Progress:
         if not self.first_done:
             self.first_done = True
             self.record("first_step", step=step - 1, detail=f"world {self.comm.world}")
+            if self.records_url:
+                threading.Thread(target=self._run_started, args=(self.records_url,), daemon=True).start()
         self.times.append(elapsed)
         self.compute += compute
         self.waited += max(0.0, elapsed - compute)
