@@ -13,10 +13,11 @@ starts nothing for a URL that is not a bucket's or a rank that shares its node; 
 CheckpointManager takes the fetch and the run's lease it took, or drops them (another URL, other
 settings) as the library's Checkpointer does.
 
-Measured (the bench's store, alternating with the trainer that starts its fetch after its imports;
-docs/goodput-and-bench.md): ~1 GB resumed 3.19 / 3.23 s against 3.84 / 4.08 s (min / median of four);
-~100 MB 2.78 / 2.84 s against 2.57 / 2.80 s (six; no gain: there the model's build and torch's
-compiler imports, not the fetch, are the wait)."""
+Measured (the bench's store, alternating with the trainer that started its fetch after its
+imports; docs/goodput-and-bench.md): ~1 GB resumed 3.20 / 3.29 s against 3.92 / 4.03 s (min /
+median of four); ~100 MB 2.67 / 2.75 s against 2.73 / 2.77 s (six: there the model's build and
+torch's compiler imports, not the fetch, are the wait). With the run's records read after the first
+step (progress.py) as well: 2.82 / 2.87 s and 2.17 / 2.27 s."""
 
 from __future__ import annotations
 
