@@ -298,13 +298,16 @@ def test_a_run_on_a_reused_node_starts_at_its_own_node_start(tmp_path: Path) -> 
             assert len(starts) == 2 and min(starts) >= before > booted
 
 
+@pytest.mark.parametrize("stepped", [True, False])
 def test_the_live_ettr_starts_at_the_runs_first_record_read_after_the_first_step(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stepped: bool) -> None:
     """The run's records are read once its first step is done (at the start the store's client
-    and listing took CPU the resume needs); the gauge then holds the run's first record's time."""
+    and listing took CPU the resume needs), or RUN_STARTED_READ_S after the start when no step came
+    (a long start, or one that dies first); the gauge then holds the run's first record's time."""
     import threading
 
     from training import records
+    from training.trainer import progress as progress_mod
     from training.trainer.progress import Progress
 
     for var in ("GTS_PROGRESS_DIR", "STRAGGLER_WINDOW_STEPS"):
@@ -321,10 +324,12 @@ def test_the_live_ettr_starts_at_the_runs_first_record_read_after_the_first_step
     monkeypatch.setattr(records, "read", reading)
     made: list[str] = []
 
-    class Recorded(threading.Thread):  # which threads are made, and when
-        def __init__(self, **kwargs: Any) -> None:
+    original = threading.Thread.__init__
+
+    class Recorded(threading.Thread):  # which threads are made, and when (threading.Timer's own init calls this too)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             made.append(getattr(kwargs.get("target"), "__name__", ""))
-            super().__init__(**kwargs)
+            original(self, *args, **kwargs)
 
     monkeypatch.setattr(threading, "Thread", Recorded)
 
@@ -341,9 +346,12 @@ def test_the_live_ettr_starts_at_the_runs_first_record_read_after_the_first_step
     class Rank0:
         rank, world, local_rank, device = 0, 1, 0, None
 
+    if not stepped:
+        monkeypatch.setattr(progress_mod, "RUN_STARTED_READ_S", 0.0)
     progress = Progress(Rank0(), str(tmp_path), Metrics())  # type: ignore[arg-type]
-    assert "_run_started" not in made and Metrics.run_started.value is None  # nothing read at the start
-    progress.stepped(1, 0.1, 0.1)
+    if stepped:
+        assert "_run_started" not in made and Metrics.run_started.value is None  # nothing read at the start
+        progress.stepped(1, 0.1, 0.1)
     assert Metrics.run_started.set_now.wait(60), "the records were never read"
     assert Metrics.run_started.value == first and read == [str(tmp_path)] and made.count("_run_started") == 1
     progress.close()

@@ -7,6 +7,7 @@ own parse says that once)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TRAIN_ARGS
+from tests.test_fetch_lease import _lease
 from tests.training_helpers import ROOT, MotoServer, storage_env
 from training.ckpt import fetch_process
 from training.trainer import early
@@ -32,6 +34,15 @@ def prefetch(url=None):
     return ok
 
 fetch_process.prefetch = prefetch
+from training.ckpt import lease  # (imports no torch)
+taking = lease.take
+
+def take(*args, **kwargs):
+    held = taking(*args, **kwargs)
+    print("LEASE", (kwargs.get("handed") or {}).get("token"), held.token, flush=True)
+    return held
+
+lease.take = take  # before the manager's module binds it
 sys.argv = ["train", *sys.argv[1:]]
 runpy.run_module("training.trainer.train", run_name="__main__", alter_sys=True)
 """
@@ -58,11 +69,46 @@ def test_the_trainer_fetches_before_torch_and_its_manager_takes_that_fetch(moto:
     assert said[1:4] == [url, "True", "False"], said  # started, before torch was imported
     assert f"fetched step-00000020 from {url} (into memory, by fetch process {said[4]}:" in out, out[-3000:]
     assert "resumed from step 20" in out and "final step=30" in out
+    taken = next(line.split() for line in again.stdout.splitlines() if line.startswith("LEASE "))
+    assert len(taken) == 3 and taken[1] == taken[2], taken  # the manager holds the very lease the fetch process took
+
+
+# A SIGTERM after the fetch process took the lease and before the trainer's own handler (made with
+# the run): the process exits through Python, and the lease is given back at exit.
+_TERMED = """
+import os, signal, sys
+from training.trainer.early import prefetch_early
+from training.ckpt import fetch_process
+assert prefetch_early(sys.argv[1:])
+assert fetch_process._EARLY[sys.argv[-1]].lease_line()["lease"] == "held"
+print("HELD", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+raise SystemExit("the SIGTERM was not handled")
+"""
+
+
+def test_a_sigterm_before_the_trainer_s_handler_gives_the_early_lease_back(moto: MotoServer, tmp_path: Path) -> None:
+    url = f"s3://{moto.bucket}/{tmp_path.name}"
+    done = subprocess.run([sys.executable, "-c", _TERMED, "--workload", "tiny", "--checkpoint-dir", url], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **storage_env(moto.url), "PYTHONPATH": str(ROOT)})
+    assert "HELD" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 128 + signal.SIGTERM, (done.returncode, done.stderr[-3000:])
+    assert _lease(moto, url) is None  # given back, not held until it expires
 
 
 @pytest.mark.parametrize("case", ["fsdp", "peer store", "bad option", "help", "local path"])
 def test_nothing_starts_where_the_trainer_would_not_fetch_the_bucket(
         case: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (as a process starts; restored after)
+    try:
+        _nothing_starts(case, monkeypatch, capsys, tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _nothing_starts(case: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                    tmp_path: Path) -> None:
     asked: list[str | None] = []
 
     def prefetch(url: str | None = None) -> bool:
@@ -87,5 +133,7 @@ def test_nothing_starts_where_the_trainer_would_not_fetch_the_bucket(
     assert asked == []
     assert capsys.readouterr() == ("", "")  # the trainer's own parse says a bad option, once
     monkeypatch.delenv("GTS_PEER_STORE", raising=False)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # nothing started: the process's own as it was
     assert early.prefetch_early(["--workload", "tiny", "--checkpoint-dir", "s3://bucket/run"]) is True
     assert asked == ["s3://bucket/run"]  # (the same options, none of the above: it starts)
+    assert signal.getsignal(signal.SIGTERM) == early._exit  # until the trainer's own handler

@@ -386,14 +386,15 @@ class CheckpointManager:
 
     def close(self, timeout: float = 120.0) -> UploadStatus:
         self.loader.wait_prefetch()  # no fetch left half-written
-        self.wait_commit()  # a stop waits for the checkpoint it asked for
-        self.wait_uploads(timeout)
+        self.wait_uploads(timeout)  # (the checkpoint a stop asked for committed first: wait_commit)
         self.uploads.stop()  # (lets an upload in flight finish, a few seconds at most)
         if self.lease is not None:
             self.lease.release()  # a restart of this run (or the next run) takes the prefix at once
-        if self.status.pending:  # read after the stop: an upload that finished in it is not said to be kept
+        with self.uploads.lock:  # read after the stop, once: an upload that finished in it is not said to be kept
+            pending, last_error = list(self.status.pending), self.status.last_error
+        if pending:
             log.error("%d checkpoint(s) could not be uploaded to %s: %s (last error: %s); they are kept "
                       "in %s and will be uploaded when a run starts again with the store reachable",
-                      len(self.status.pending), self.remote.url if self.remote else "-",
-                      [step_dir(s) for s in self.status.pending], self.status.last_error, self.local)
+                      len(pending), self.remote.url if self.remote else "-", [step_dir(s) for s in pending],
+                      last_error, self.local)
         return self.status

@@ -32,6 +32,9 @@ from training.distributed import Comm
 log = logging.getLogger("gts.progress")
 STACKS_SIGNAL = records.STACKS_SIGNAL
 PERSISTENT_WINDOWS = 3  # a rank flagged this many windows in a row is a persistent straggler
+# The run's records are read at the first step, or this long after the process began if no step came
+# first (a long start, or one that dies before a step, still shows the run's own start)
+RUN_STARTED_READ_S = 30.0
 
 
 def _setting(name: str, default: float) -> float:
@@ -87,6 +90,23 @@ class Progress:
 
         # read after the first step: at the start the store's client and listing would take CPU the resume needs
         self.records_url = records_url if comm.local_rank == 0 and metrics is not None else None
+        self._run_read = threading.Lock()
+        self._run_asked = False
+        self._run_timer: threading.Timer | None = None
+        if self.records_url:
+            self._run_timer = threading.Timer(RUN_STARTED_READ_S, self._read_run_started)
+            self._run_timer.daemon = True
+            self._run_timer.start()
+
+    def _read_run_started(self) -> None:
+        """The run's start read from its records, once: at the first step or RUN_STARTED_READ_S."""
+        with self._run_read:
+            if self._run_asked or not self.records_url:
+                return
+            self._run_asked = True
+        if self._run_timer is not None:
+            self._run_timer.cancel()
+        threading.Thread(target=self._run_started, args=(self.records_url,), daemon=True).start()
 
     def _run_started(self, url: str) -> None:
         """The live ETTR's denominator starts when the run first asked for capacity (its records);
@@ -115,8 +135,7 @@ class Progress:
         if not self.first_done:
             self.first_done = True
             self.record("first_step", step=step - 1, detail=f"world {self.comm.world}")
-            if self.records_url:
-                threading.Thread(target=self._run_started, args=(self.records_url,), daemon=True).start()
+            self._read_run_started()
         self.times.append(elapsed)
         self.compute += compute
         self.waited += max(0.0, elapsed - compute)
@@ -212,6 +231,8 @@ class Progress:
         self.close()
 
     def close(self) -> None:
+        if self._run_timer is not None:
+            self._run_timer.cancel()
         if self.writer is not None:
             self.writer.flush()
         if self._stacks is not None:
