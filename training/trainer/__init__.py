@@ -2,6 +2,7 @@
 never imports it):
 
   train.py       the training loop: load -> loop -> save (`python -m training.trainer.train --help`)
+  early.py       what train.py does before it imports torch: the bucket's newest step fetched meanwhile
   config.py      its options, each with the trainer-contract variable that sets it
   data.py        datasets and the resumable sampler
   models.py      TinyNet, TinyGPT, ResNet-50
