@@ -353,8 +353,10 @@ def test_the_live_ettr_starts_at_the_runs_first_record_read_after_the_first_step
         assert "_run_started" not in made and Metrics.run_started.value is None  # nothing read at the start
         progress.stepped(1, 0.1, 0.1)
     assert Metrics.run_started.set_now.wait(60), "the records were never read"
-    assert Metrics.run_started.value == first and read == [str(tmp_path)] and made.count("_run_started") == 1
+    assert progress._run_timer is not None and progress._run_timer.finished.is_set()  # fired, or cancelled by the step
+    progress.stepped(2 - stepped, 0.1, 0.1)  # the first step after the timer read them; a second step
     progress.close()
+    assert Metrics.run_started.value == first and read == [str(tmp_path)] and made.count("_run_started") == 1  # once
 
 
 def test_the_records_writer_opens_its_store_once_and_again_after_a_failure(

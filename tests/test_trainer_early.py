@@ -2,7 +2,7 @@
 (training/trainer/early.py, train.py's first lines): the fetch process it starts is the one its
 CheckpointManager takes, lease included, and it starts nothing where the trainer would not fetch
 from the bucket (sharded, a peer store on the node) or where its options are wrong (the trainer's
-own parse says that once)."""
+own parse says that once). A SIGTERM in the start leaves that lease to the same run's restart."""
 
 from __future__ import annotations
 
@@ -73,42 +73,45 @@ def test_the_trainer_fetches_before_torch_and_its_manager_takes_that_fetch(moto:
     assert len(taken) == 3 and taken[1] == taken[2], taken  # the manager holds the very lease the fetch process took
 
 
-# A SIGTERM after the fetch process took the lease and before the trainer's own handler (made with
-# the run): the process exits through Python, and the lease is given back at exit.
-_TERMED = """
+# The trainer's start as far as its early fetch's lease, then a SIGTERM before its own handler (made
+# with the run): the process ends as it always did, the lease left to expire.
+_STARTED = """
 import os, signal, sys
 from training.trainer.early import prefetch_early
 from training.ckpt import fetch_process
 assert prefetch_early(sys.argv[1:])
-assert fetch_process._EARLY[sys.argv[-1]].lease_line()["lease"] == "held"
-print("HELD", flush=True)
-os.kill(os.getpid(), signal.SIGTERM)
-raise SystemExit("the SIGTERM was not handled")
+said = fetch_process._EARLY[sys.argv[-1]].lease_line()
+print("LEASE", said["lease"], said.get("shared"), flush=True)
+if os.environ.get("TERM_NOW"):
+    os.kill(os.getpid(), signal.SIGTERM)
 """
 
 
-def test_a_sigterm_before_the_trainer_s_handler_gives_the_early_lease_back(moto: MotoServer, tmp_path: Path) -> None:
+def test_a_sigterm_in_the_trainer_s_start_leaves_the_lease_to_a_restart_of_the_same_run(
+        moto: MotoServer, tmp_path: Path) -> None:
+    """Its lease then lasts until it expires: a restart of the same run (here GTS_RUN_ID; on a node
+    the node group, under torchrun its run id) takes it over at once; another run is refused."""
     url = f"s3://{moto.bucket}/{tmp_path.name}"
-    done = subprocess.run([sys.executable, "-c", _TERMED, "--workload", "tiny", "--checkpoint-dir", url], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **storage_env(moto.url), "PYTHONPATH": str(ROOT)})
-    assert "HELD" in done.stdout, done.stderr[-3000:]
-    assert done.returncode == 128 + signal.SIGTERM, (done.returncode, done.stderr[-3000:])
-    assert _lease(moto, url) is None  # given back, not held until it expires
+
+    def start(run: str, term: bool = False) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", _STARTED, "--workload", "tiny", "--checkpoint-dir", url],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, **storage_env(moto.url), "PYTHONPATH": str(ROOT), "GTS_RUN_ID": run,
+                                   **({"TERM_NOW": "1"} if term else {})})
+
+    killed = start("one", term=True)
+    assert "LEASE held False" in killed.stdout and killed.returncode == -signal.SIGTERM, killed.stderr[-3000:]
+    body = _lease(moto, url)
+    assert body is not None and body["run"] == "run one"  # left: nothing gave it back
+    again = start("one")
+    assert "LEASE held True" in again.stdout, again.stdout + again.stderr[-3000:]  # taken over at once
+    other = start("two")
+    assert "LEASE refused" in other.stdout, other.stdout + other.stderr[-3000:]
 
 
 @pytest.mark.parametrize("case", ["fsdp", "peer store", "bad option", "help", "local path"])
 def test_nothing_starts_where_the_trainer_would_not_fetch_the_bucket(
         case: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (as a process starts; restored after)
-    try:
-        _nothing_starts(case, monkeypatch, capsys, tmp_path)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _nothing_starts(case: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-                    tmp_path: Path) -> None:
     asked: list[str | None] = []
 
     def prefetch(url: str | None = None) -> bool:
@@ -133,7 +136,5 @@ def _nothing_starts(case: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
     assert asked == []
     assert capsys.readouterr() == ("", "")  # the trainer's own parse says a bad option, once
     monkeypatch.delenv("GTS_PEER_STORE", raising=False)
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # nothing started: the process's own as it was
     assert early.prefetch_early(["--workload", "tiny", "--checkpoint-dir", "s3://bucket/run"]) is True
     assert asked == ["s3://bucket/run"]  # (the same options, none of the above: it starts)
-    assert signal.getsignal(signal.SIGTERM) == early._exit  # until the trainer's own handler

@@ -14,7 +14,7 @@ import shutil
 import threading
 import zipfile
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -288,6 +288,10 @@ class UploadStatus:
     last_commit: float = 0.0  # when the newest checkpoint was committed locally
     write_error: str = ""  # why the last background write failed ("" when it did not)
     permanent_error: str = ""  # the store's answer no retry changes (URL: Code: message), if any
+
+    def snapshot(self) -> UploadStatus:
+        """A copy whose lists are its own (the uploader's thread changes this one's, under its lock)."""
+        return replace(self, pending=list(self.pending), uploaded=list(self.uploaded))
 
 
 def verify(folder: Path, files: dict[str, dict[str, Any]]) -> None:

@@ -390,11 +390,11 @@ class CheckpointManager:
         self.uploads.stop()  # (lets an upload in flight finish, a few seconds at most)
         if self.lease is not None:
             self.lease.release()  # a restart of this run (or the next run) takes the prefix at once
-        with self.uploads.lock:  # read after the stop, once: an upload that finished in it is not said to be kept
-            pending, last_error = list(self.status.pending), self.status.last_error
-        if pending:
-            log.error("%d checkpoint(s) could not be uploaded to %s: %s (last error: %s); they are kept "
-                      "in %s and will be uploaded when a run starts again with the store reachable",
-                      len(pending), self.remote.url if self.remote else "-", [step_dir(s) for s in pending],
-                      last_error, self.local)
-        return self.status
+        with self.uploads.lock:  # read after the stop, once (returned too): an upload finished in it is not kept
+            status = self.status.snapshot()
+        if status.pending:
+            log.error("%d checkpoint(s) could not be uploaded to %s: %s (last error: %s); they are kept in %s and will "
+                      "be uploaded when a run starts again with the store reachable", len(status.pending),
+                      self.remote.url if self.remote else "-", [step_dir(s) for s in status.pending], status.last_error,
+                      self.local)
+        return status

@@ -24,8 +24,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import signal
-from types import FrameType
 
 
 def prefetch_early(argv: list[str]) -> bool:
@@ -42,15 +40,7 @@ def prefetch_early(argv: list[str]) -> bool:
     if cfg.sharding == "fsdp" or os.environ.get(ADDR_VAR):
         return False
     _local, remote = cfg.local_and_remote()
-    if not (remote and prefetch(remote)):
-        return False
-    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        # Until the trainer's own handler (StopFlag, made with the run) replaces it: a SIGTERM while
-        # torch is imported or the run set up exits through Python, so that the lease the fetch process
-        # took for this process is given back at exit (fetch_process.drop), not held until it expires.
-        signal.signal(signal.SIGTERM, _exit)
-    return True
-
-
-def _exit(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
+    # (A SIGTERM before the trainer's own handler, made with the run, ends the process as it always
+    # did; the lease its fetch process took then lasts until it expires, and a restart of the same run,
+    # GTS_RUN_ID, the node group or torchrun's run id, takes it over at once: lease.py `acquire`.)
+    return bool(remote) and prefetch(remote)

@@ -32,8 +32,8 @@ from training.distributed import Comm
 log = logging.getLogger("gts.progress")
 STACKS_SIGNAL = records.STACKS_SIGNAL
 PERSISTENT_WINDOWS = 3  # a rank flagged this many windows in a row is a persistent straggler
-# The run's records are read at the first step, or this long after the process began if no step came
-# first (a long start, or one that dies before a step, still shows the run's own start)
+# The run's records are read at the first step, or this long after the trainer set up its progress if
+# no step came first (a long start, or one that dies before a step, still shows the run's own start)
 RUN_STARTED_READ_S = 30.0
 
 
@@ -231,6 +231,8 @@ class Progress:
         self.close()
 
     def close(self) -> None:
+        with self._run_read:  # no read starts after the close (a timer firing now included)
+            self._run_asked = True
         if self._run_timer is not None:
             self._run_timer.cancel()
         if self.writer is not None:
